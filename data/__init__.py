@@ -1,0 +1,1 @@
+"""Data: schema, ArrayRecord storage, synthetic ads logs and grain pipelines."""

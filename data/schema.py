@@ -1,0 +1,151 @@
+"""Declarative dataset schema (saved as ``schema.json`` beside the data).
+
+The schema is the contract between the data pipeline and the model. It names the sparse
+(categorical) features, the dense features, the event streams with their per-event fields,
+the surfaces and the tasks. Model configs are checked against it (``check_model_config``).
+
+Batch layout produced by ``data.pipeline`` (and by ``data.fake.random_batch`` in tests); every
+array has a leading batch dimension B and a static shape::
+
+    dense        f32[B, F_dense]           raw dense values (finite); the model normalises them
+    sparse       {name: i32[B, max_len]}   ids in [0, vocab_size); -1 marks an empty slot
+    surface      i32[B]                    index into ``schema.surfaces``
+    events       {stream: {
+        item       i32[B, T]               item / ad id in [0, item_vocab)
+        action     i32[B, T]               action type in [0, action_vocab)
+        surface    i32[B, T]               surface of the event in [0, len(surfaces))
+        age        f32[B, T]               request time - event time, seconds, >= 0
+        <field>    i32[B, T]               each extra categorical field, in [0, vocab_size)
+        length     i32[B]                  number of valid events; valid ones are [0, length)
+    }}                                     events are time-ordered (oldest first); the most
+                                           recent ``T`` are kept; padded slots are 0 / 0.0
+    labels       f32[B, K]                 0/1 per task (K = len(tasks))
+    label_mask   f32[B, K]                 1 where the label is valid, else 0
+    true_prob    f32[B, K]                 planted probabilities (synthetic data), NaN if unknown
+    user_id      i32[B]                    join keys (knowledge transfer)
+    ad_id        i32[B]
+    request_ts   i32[B]                    request time, seconds
+
+``T`` for a stream is the model's kept length for that stream (<= ``EventStream.max_len``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True)
+class SparseFeature:
+  """A categorical feature. ``max_len > 1`` makes it multi-hot (pooled by the model).
+
+  ``hashed``: raw ids are arbitrary non-negative integers, hashed into ``[0, vocab_size)`` by
+  the pipeline; otherwise an id outside ``[0, vocab_size)`` is invalid input.
+  """
+  name: str
+  vocab_size: int
+  max_len: int = 1
+  hashed: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class EventField:
+  """An extra categorical field carried by every event of a stream."""
+  name: str
+  vocab_size: int
+
+
+@dataclasses.dataclass(frozen=True)
+class EventStream:
+  """A user event stream (ads clicked, ads impressed, organic engaged, ...)."""
+  name: str
+  max_len: int
+  item_vocab: int
+  action_vocab: int
+  extra_fields: tuple[EventField, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+  """A binary prediction task. ``always_valid=False`` means labels carry a validity mask."""
+  name: str
+  always_valid: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class Schema:
+  sparse: tuple[SparseFeature, ...]
+  dense: tuple[str, ...]
+  streams: tuple[EventStream, ...]
+  surfaces: tuple[str, ...]
+  tasks: tuple[Task, ...]
+
+  def __post_init__(self):
+    for kind, items in (("sparse", self.sparse), ("streams", self.streams), ("tasks", self.tasks)):
+      names = [x.name for x in items]
+      if len(set(names)) != len(names):
+        raise ValueError(f"schema.{kind}: duplicate names in {names}")
+    if len(set(self.surfaces)) != len(self.surfaces) or not self.surfaces:
+      raise ValueError(f"schema.surfaces must be unique and non-empty, got {self.surfaces}")
+    if not self.tasks:
+      raise ValueError("schema.tasks must be non-empty")
+    for f in self.sparse:
+      if f.vocab_size <= 0 or f.max_len <= 0:
+        raise ValueError(f"schema.sparse[{f.name}]: vocab_size and max_len must be > 0")
+    for s in self.streams:
+      if s.max_len <= 0 or s.item_vocab <= 0 or s.action_vocab <= 0:
+        raise ValueError(f"schema.streams[{s.name}]: max_len/item_vocab/action_vocab must be > 0")
+
+  @property
+  def task_names(self) -> tuple[str, ...]:
+    return tuple(t.name for t in self.tasks)
+
+  @property
+  def stream_names(self) -> tuple[str, ...]:
+    return tuple(s.name for s in self.streams)
+
+  def stream(self, name: str) -> EventStream:
+    for s in self.streams:
+      if s.name == name:
+        return s
+    raise KeyError(f"unknown event stream {name!r}; schema has {self.stream_names}")
+
+  # ---- serialisation -------------------------------------------------------------------------
+  def to_dict(self) -> dict[str, Any]:
+    return dataclasses.asdict(self)
+
+  @classmethod
+  def from_dict(cls, d: dict[str, Any]) -> "Schema":
+    try:
+      return cls(
+          sparse=tuple(SparseFeature(**f) for f in d["sparse"]),
+          dense=tuple(d["dense"]),
+          streams=tuple(
+              EventStream(**{**s, "extra_fields": tuple(EventField(**e) for e in s.get("extra_fields", ()))})
+              for s in d["streams"]),
+          surfaces=tuple(d["surfaces"]),
+          tasks=tuple(Task(**t) for t in d["tasks"]),
+      )
+    except (KeyError, TypeError) as e:
+      raise ValueError(f"malformed schema: {e}") from e
+
+  def save(self, directory: str) -> str:
+    path = os.path.join(directory, "schema.json")
+    with open(path, "w") as f:
+      json.dump(self.to_dict(), f, indent=2)
+    return path
+
+  @classmethod
+  def load(cls, path: str) -> "Schema":
+    if os.path.isdir(path):
+      path = os.path.join(path, "schema.json")
+    if not os.path.exists(path):
+      raise FileNotFoundError(f"no schema.json at {path}")
+    with open(path) as f:
+      try:
+        d = json.load(f)
+      except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON: {e}") from e
+    return cls.from_dict(d)

@@ -1,0 +1,1 @@
+"""Kunlun / GEM ranking model as pure-functional Flax Linen modules."""

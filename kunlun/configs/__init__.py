@@ -1,0 +1,1 @@
+"""Run presets: Python files with ``get_config()`` (ml_collections ConfigDict)."""

@@ -1,0 +1,43 @@
+"""Defaults shared by every preset: data, training, checkpointing and sharding sections.
+
+Preset files call ``base_config()`` and then fill ``config.model`` and override what differs.
+"""
+
+import ml_collections
+
+
+def base_config() -> ml_collections.ConfigDict:
+  c = ml_collections.ConfigDict()
+  c.seed = 0
+
+  c.data = ml_collections.ConfigDict()
+  c.data.preset = "tiny"             # synthetic preset generated when --data_dir is absent
+  c.data.num_examples = 20_000       # examples generated for the synthetic preset (train split)
+  c.data.batch_size = 64             # global batch size
+  c.data.surface_weights = ml_collections.ConfigDict({"feed": 0.5, "stories": 0.3, "reels": 0.2})
+  c.data.shuffle_seed = 0
+  c.data.num_threads = 2
+  c.data.prefetch = 4
+  c.data.skip_invalid = False        # True: count, report and skip invalid records
+  c.data.length_balance = False      # Base Batch Shuffling (sort small groups by length)
+
+  c.train = ml_collections.ConfigDict()
+  c.train.steps = 300
+  c.train.lr = 2e-3                  # AdamW peak learning rate (dense parameters)
+  c.train.warmup_steps = 50
+  c.train.schedule = "cosine"        # "cosine" | "constant"
+  c.train.weight_decay = 1e-5
+  c.train.b1 = 0.9
+  c.train.b2 = 0.999
+  c.train.clip_norm = 1.0
+  c.train.emb_lr = 0.05              # row-wise Adagrad learning rate (embedding tables)
+  c.train.checkpoint_every = 100
+  c.train.keep_checkpoints = 3
+  c.train.log_every = 10
+  c.train.max_bad_steps = 5          # consecutive non-finite steps before stopping
+
+  c.sharding = ml_collections.ConfigDict()
+  c.sharding.rules = "fsdp"          # a preset name from sharding.rules
+
+  c.model = ml_collections.ConfigDict()
+  return c

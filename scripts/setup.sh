@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Creates .venv from a Python >= 3.12 and installs the project (with dev extras).
+# Idempotent: re-running only reinstalls when pyproject.toml changed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+find_python() {
+  for cand in "${PYTHON:-}" python3.13 python3.12 python3; do
+    [ -n "$cand" ] || continue
+    if command -v "$cand" >/dev/null 2>&1 && "$cand" -c 'import sys; sys.exit(0 if sys.version_info >= (3, 12) else 1)' 2>/dev/null; then
+      command -v "$cand"; return 0
+    fi
+  done
+  if command -v pyenv >/dev/null 2>&1; then
+    for v in $(pyenv versions --bare 2>/dev/null | grep -E '^3\.(1[2-9])' | sort -rV); do
+      p="$(pyenv root)/versions/$v/bin/python"
+      [ -x "$p" ] && { echo "$p"; return 0; }
+    done
+  fi
+  for p in "$HOME"/.pyenv/versions/3.1[2-9]*/bin/python; do
+    [ -x "$p" ] && { echo "$p"; return 0; }
+  done
+  return 1
+}
+
+if [ ! -x .venv/bin/python ] || ! .venv/bin/python -c 'import sys; sys.exit(0 if sys.version_info >= (3, 12) else 1)' 2>/dev/null; then
+  PY="$(find_python)" || {
+    echo "ERROR: kunlun-jax needs Python >= 3.12 (jax 0.11.2 does not support older versions)." >&2
+    echo "Install python3.12 (e.g. 'pyenv install 3.12') or set PYTHON=/path/to/python3.12." >&2
+    exit 1
+  }
+  echo "[setup] creating .venv with $PY ($("$PY" --version))"
+  rm -rf .venv
+  "$PY" -m venv .venv
+fi
+
+stamp=.venv/.kunlun-installed
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+  echo "[setup] installing kunlun-jax and its pinned dependencies into .venv"
+  .venv/bin/python -m pip install --quiet --upgrade pip >/dev/null 2>&1 || true
+  .venv/bin/python -m pip install --quiet -e ".[dev]"
+  touch "$stamp"
+fi
+.venv/bin/python -c 'import jax; assert jax.__version__ == "0.11.2", jax.__version__' || {
+  echo "ERROR: expected jax 0.11.2 in .venv" >&2; exit 1; }

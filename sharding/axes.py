@@ -1,0 +1,45 @@
+"""Logical axis vocabulary and the single activation-constraint helper.
+
+Logical names used by ``kunlun/`` (parameters and activations):
+
+  batch       examples in a batch
+  seq         event positions of a sequence
+  embed       model width of a sequence tower (d) or of the non-sequence tokens (d_ns)
+  tokens      non-sequence token axis (N_ns, and LCE input tokens)
+  heads       attention / GDPA heads
+  head_dim    per-head channels
+  kv          personalized key/value rows of the GDPA-PFFN (n_kv)
+  seeds       HSP seed / summary-token axis
+  mlp         hidden units of MLPs
+  exp         experts of the Mixture of Wukong Experts
+  table_rows  rows of an embedding table
+  table_dim   embedding width of a table
+  layers      stacked-layer axis (if layers are scanned)
+
+A dimension annotated ``None`` is never sharded.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+
+MESH_AXES = ("data", "fsdp", "tensor", "context", "expert")
+
+LOGICAL_AXES = ("batch", "seq", "embed", "tokens", "heads", "head_dim", "kv", "seeds", "mlp",
+                "exp", "table_rows", "table_dim", "layers")
+
+
+def shard(x, logical_axes):
+  """Constrains activation ``x`` to the sharding of ``logical_axes`` under the active rules.
+
+  The one place model code expresses activation sharding. A no-op when no mesh / rules are set,
+  so modules run unchanged on one device.
+  """
+  if len(logical_axes) != x.ndim:
+    raise ValueError(f"shard: {len(logical_axes)} axes {logical_axes} for an array of rank {x.ndim}")
+  return nn.with_logical_constraint(x, tuple(logical_axes))
+
+
+def with_axes(init, logical_axes):
+  """Wraps a parameter initializer with logical axis names (``nn.with_logical_partitioning``)."""
+  return nn.with_logical_partitioning(init, tuple(logical_axes))
