@@ -1,0 +1,1 @@
+"""Training and evaluation machinery: optimizer, train step, checkpoints, metrics, progress."""
