@@ -46,3 +46,25 @@ def apply_per_head(s, acts: tuple[str, ...], head_axis: int):
   parts = [ACTIVATIONS[a](jax.lax.index_in_dim(s, h, head_axis, keepdims=True))
            for h, a in enumerate(acts)]
   return jnp.concatenate(parts, axis=head_axis)
+
+
+def value_and_slope(s, act: str):
+  """Returns ``(act(s), act'(s))`` elementwise (via a JVP, so it matches ``jax.grad``)."""
+  return jax.jvp(ACTIVATIONS[act], (s,), (jnp.ones_like(s),))
+
+
+def in_kernel(s, acts: tuple[str, ...], head, with_slope: bool = False):
+  """Applies the activation of head ``head`` (a traced scalar) to a score tile ``s``.
+
+  One activation for every head is a direct call; distinct per-head activations dispatch with
+  ``lax.switch`` on a code computed from ``head``, so each tile evaluates only its own function.
+  Returns ``act(s)`` or, with ``with_slope``, ``(act(s), act'(s))``.
+  """
+  fn = (lambda a: (lambda x: value_and_slope(x, a))) if with_slope else (lambda a: ACTIVATIONS[a])
+  distinct = sorted(set(acts))
+  if len(distinct) == 1:
+    return fn(distinct[0])(s)
+  code = jnp.int32(0)
+  for h, a in enumerate(acts):
+    code = code + jnp.where(head == h, distinct.index(a), 0).astype(jnp.int32)
+  return jax.lax.switch(code, [fn(a) for a in distinct], s)

@@ -9,8 +9,15 @@ import jax
 from pallas_kernels import reference
 
 # name -> "module:function" (imported on first use, so optional backends cost nothing)
-_GDPA = {"xla": "pallas_kernels.reference:gdpa_reference"}
-_BLOCK = {"xla": "pallas_kernels.reference:block_attention_reference"}
+_GDPA = {
+    "xla": "pallas_kernels.reference:gdpa_reference",
+    "pallas": "pallas_kernels.pallas_gdpa:gdpa_pallas",
+    "triton": "pallas_kernels.triton_gdpa:gdpa_triton",  # jax-triton; GPU only, lazy import
+}
+_BLOCK = {
+    "xla": "pallas_kernels.reference:block_attention_reference",
+    "pallas": "pallas_kernels.pallas_block:block_attention_pallas",
+}
 BACKENDS = ("xla", "pallas", "triton", "auto")
 
 

@@ -20,6 +20,14 @@ def _lengths_mask(lengths, batch, size):
   return jnp.arange(size)[None, :] < jnp.asarray(lengths, jnp.int32)[:, None]
 
 
+def _zero_invalid(x_bthd, lengths):
+  """Zeroes the sequence rows at or beyond ``lengths[b]`` of ``x [B, T, H, D]``."""
+  if lengths is None:
+    return x_bthd
+  valid = _lengths_mask(lengths, x_bthd.shape[0], x_bthd.shape[1])[:, :, None, None]
+  return jnp.where(valid, x_bthd, jnp.zeros_like(x_bthd))
+
+
 def gdpa_mask(batch, tq, tk, q_lengths=None, kv_lengths=None, window=None):
   """Boolean mask ``[B, Tq, Tk]``: valid query row, valid key, and |i - j| <= window."""
   m = _lengths_mask(q_lengths, batch, tq)[:, :, None] & _lengths_mask(kv_lengths, batch, tk)[:, None, :]
@@ -66,6 +74,10 @@ def gdpa_reference(q, k, v, *, activation="fast_gelu", scale=None, out_scale=1.0
   Tq = q.shape[1]
   acts = per_head(activation, H)
   scale = D ** -0.5 if scale is None else scale
+  # Zero the rows beyond the lengths: keeps NaN/Inf stored in padding out of valid outputs.
+  k, v = (_zero_invalid(x, kv_lengths) for x in (k, v))
+  if not broadcast_q:
+    q = _zero_invalid(q, q_lengths)
   s = jnp.einsum("bqhd,bkhd->bhqk", q.astype(_F32), k.astype(_F32)) * scale   # [B|1, H, Tq, Tk]
   p = apply_per_head(s, acts, head_axis=1)
   m = gdpa_mask(B, Tq, Tk, q_lengths, kv_lengths, window)[:, None]
@@ -106,6 +118,7 @@ def block_attention_reference(q, k, v, *, block_size=64, activation="softmax", l
   B, T, H, D = q.shape
   if T % block_size:
     raise ValueError(f"sequence length {T} is not a multiple of block_size {block_size}")
+  q, k, v = (_zero_invalid(x, lengths) for x in (q, k, v))
   if rotary is not None:
     q, k = apply_rotary(q, rotary), apply_rotary(k, rotary)
   nb = T // block_size
