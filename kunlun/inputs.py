@@ -1,0 +1,179 @@
+"""Input stage (spec b.2, b.4, c.0b): sparse and dense tokens, LCE, per-event embeddings.
+
+Every embedding table is a parameter whose name starts with ``embedding`` and carries the logical
+axes ``(table_rows, table_dim)``; all row look-ups go through ``lookup`` so the sharding layer can
+swap in a sharded look-up in one place.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from data.schema import EventStream, SparseFeature
+from kunlun.time_encoding import log_time_bucket
+from sharding import shard, with_axes
+
+F32 = jnp.float32
+
+
+def lookup(table, ids):
+  """Rows of ``table [V, d]`` at ``ids i32[...]`` (in range) -> ``[..., d]``."""
+  return jnp.take(table, ids, axis=0)
+
+
+def _table(mod: nn.Module, name: str, rows: int, dim: int):
+  init = nn.initializers.normal(stddev=dim ** -0.5)
+  return mod.param(f"embedding_{name}", with_axes(init, ("table_rows", "table_dim")), (rows, dim), F32)
+
+
+def _dense(features, axes, dtype, use_bias=False, name=None, init=None):
+  init = init or nn.initializers.lecun_normal()
+  return nn.Dense(features, use_bias=use_bias, dtype=dtype, param_dtype=F32, name=name,
+                  kernel_init=with_axes(init, axes),
+                  bias_init=with_axes(nn.initializers.zeros, axes[-1:]))
+
+
+class SparseEmbed(nn.Module):
+  """One table per sparse feature; multi-hot bags are mean-pooled over valid slots.
+
+  ``sparse {name: i32[B, L]}`` -> ``f32[B, F_sparse, dim]``. Ids are wrapped ``% vocab_size``
+  (hashed features); negative ids (``-1``) are empty slots; an all-empty bag gives zeros.
+  """
+  features: tuple[SparseFeature, ...]
+  dim: int
+
+  @nn.compact
+  def __call__(self, sparse: dict[str, Any]):
+    with jax.named_scope("SparseEmbed"):
+      out = []
+      for f in self.features:
+        if f.name not in sparse:
+          raise ValueError(f"sparse feature {f.name!r} missing from batch (has {sorted(sparse)})")
+        ids = jnp.asarray(sparse[f.name], jnp.int32)
+        if ids.ndim == 1:
+          ids = ids[:, None]
+        valid_bl = ids >= 0
+        rows_bld = lookup(_table(self, f.name, f.vocab_size, self.dim),
+                          jnp.where(valid_bl, ids % f.vocab_size, 0))
+        w_bl = valid_bl.astype(F32)
+        n_b = jnp.sum(w_bl, axis=1, keepdims=True)
+        out.append(jnp.einsum("bld,bl->bd", rows_bld, w_bl) / jnp.maximum(n_b, 1.0))
+      x_bfd = jnp.stack(out, axis=1)
+      return shard(x_bfd, ("batch", "tokens", "embed"))
+
+
+class DenseTokens(nn.Module):
+  """Dense features -> ``num_tokens`` tokens: signed log1p, per-feature learned affine, linear.
+
+  ``dense f32[B, F]`` -> ``[B, num_tokens, dim]``. The normalisation is per example (no batch
+  statistics), so eval and train agree and examples never influence each other.
+  """
+  num_tokens: int
+  dim: int
+  dtype: Any = F32
+
+  @nn.compact
+  def __call__(self, dense):
+    with jax.named_scope("DenseTokens"):
+      x = jnp.asarray(dense, F32)
+      F = x.shape[-1]
+      x = jnp.sign(x) * jnp.log1p(jnp.abs(x))
+      scale = self.param("scale", with_axes(nn.initializers.ones, (None,)), (F,), F32)
+      bias = self.param("bias", with_axes(nn.initializers.zeros, (None,)), (F,), F32)
+      x = x * scale + bias
+      y = _dense(self.num_tokens * self.dim, (None, "embed"), self.dtype, use_bias=True)(x)
+      y = y.reshape(x.shape[0], self.num_tokens, self.dim)
+      return shard(y, ("batch", "tokens", "embed"))
+
+
+class LCE(nn.Module):
+  """Linear compressed embedding: learned token-axis map ``X <- W^T X``.
+
+  ``x [B, N_raw, d]`` -> ``[B, num_tokens, d]``, ``W [N_raw, num_tokens]``.
+  """
+  num_tokens: int
+  dtype: Any = F32
+
+  @nn.compact
+  def __call__(self, x):
+    with jax.named_scope("LCE"):
+      n_raw = x.shape[1]
+      w = self.param("w", with_axes(nn.initializers.normal(n_raw ** -0.5), ("tokens", None)),
+                     (n_raw, self.num_tokens), F32)
+      y = jnp.einsum("bnd,nm->bmd", x.astype(self.dtype), w.astype(self.dtype))
+      return shard(y, ("batch", "tokens", "embed"))
+
+
+class EventEmbed(nn.Module):
+  """Per-event embedding of one stream (spec b.4).
+
+  ``e_t = MLP(concat(E_item, E_action, E_surface, sum_f E_f, E_timebucket))`` with each table of
+  width ``dim``, a 2-layer GELU MLP back to ``dim``. ``events`` holds ``item, action, surface,
+  age, length`` and the stream's extra fields (``[B, T]`` each, ``length i32[B]``); returns
+  ``[B, T, dim]`` with rows ``>= length`` set to zero.
+  """
+  stream: EventStream
+  num_surfaces: int
+  dim: int
+  num_time_buckets: int = 32
+  dtype: Any = F32
+
+  @nn.compact
+  def __call__(self, events: dict[str, Any]):
+    with jax.named_scope("EventEmbed"):
+      s = self.stream
+      need = ("item", "action", "surface", "age", "length") + tuple(f.name for f in s.extra_fields)
+      missing = [k for k in need if k not in events]
+      if missing:
+        raise ValueError(f"events[{s.name!r}] lacks fields {missing}")
+      emb = lambda name, rows, ids: lookup(_table(self, name, rows, self.dim),
+                                           jnp.asarray(ids, jnp.int32) % rows)
+      parts = [emb("item", s.item_vocab, events["item"]),
+               emb("action", s.action_vocab, events["action"]),
+               emb("surface", self.num_surfaces, events["surface"])]
+      if s.extra_fields:
+        parts.append(sum(emb(f.name, f.vocab_size, events[f.name]) for f in s.extra_fields))
+      parts.append(emb("time", self.num_time_buckets,
+                       log_time_bucket(events["age"], self.num_time_buckets)))
+      x = jnp.concatenate(parts, axis=-1)
+      T = x.shape[1]
+      h = nn.gelu(_dense(2 * self.dim, ("embed", "mlp"), self.dtype, True, "mlp_in")(x))
+      y = _dense(self.dim, ("mlp", "embed"), self.dtype, True, "mlp_out")(h)
+      valid_bt = jnp.arange(T)[None, :] < jnp.asarray(events["length"], jnp.int32)[:, None]
+      y = jnp.where(valid_bt[..., None], y, 0).astype(self.dtype)
+      return shard(y, ("batch", "seq", "embed"))
+
+
+class ContextEncoder(nn.Module):
+  """Non-sequence tokens ``X0 [B, num_tokens, dim]`` (spec c.0b, d.3).
+
+  ``concat(SparseEmbed, DenseTokens)`` -> LCE -> plus a learned per-surface embedding broadcast
+  over the tokens. Call with ``(sparse dict, dense f32[B, F], surface i32[B])``.
+  """
+  features: tuple[SparseFeature, ...]
+  num_dense_tokens: int
+  num_tokens: int
+  dim: int
+  num_surfaces: int
+  dtype: Any = F32
+
+  @nn.compact
+  def __call__(self, sparse, dense, surface):
+    with jax.named_scope("ContextEncoder"):
+      parts = []
+      if self.features:
+        parts.append(SparseEmbed(self.features, self.dim, name="sparse")(sparse))
+      if self.num_dense_tokens and dense.shape[-1]:
+        parts.append(DenseTokens(self.num_dense_tokens, self.dim, self.dtype, name="dense")(dense))
+      if not parts:
+        raise ValueError("ContextEncoder needs at least one sparse or dense feature")
+      x = jnp.concatenate([p.astype(self.dtype) for p in parts], axis=1)
+      x = LCE(self.num_tokens, self.dtype, name="lce")(x)
+      surf = lookup(_table(self, "surface", self.num_surfaces, self.dim),
+                    jnp.asarray(surface, jnp.int32) % self.num_surfaces)
+      x = x + surf[:, None, :].astype(x.dtype)
+      return shard(x, ("batch", "tokens", "embed"))
