@@ -48,17 +48,41 @@ def _init_fn(model, example_batch, call_kwargs):
   return lambda rng: nn.meta.unbox(boxed(rng))
 
 
+def fit_spec(spec: P, shape, mesh) -> P:
+  """Drops mesh axes from ``spec`` until each dimension is divisible by its shard count.
+
+  Stored arrays need evenly divisible shards; e.g. a 50-row table on an 8-device ``fsdp`` axis
+  falls back to replicated rows (``checks.assert_params_sufficiently_sharded`` reports large
+  fallbacks). Axes are kept greedily in order, so ``("fsdp", "tensor")`` on a dimension divisible
+  by fsdp but not fsdp x tensor keeps ``fsdp``.
+  """
+  out = []
+  for dim, entry in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec))):
+    axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+    kept, n = [], 1
+    for a in axes:
+      if dim % (n * mesh.shape[a]) == 0:
+        kept.append(a)
+        n *= mesh.shape[a]
+    out.append(None if not kept else kept[0] if len(kept) == 1 and isinstance(entry, str)
+               else tuple(kept))
+  return P(*out)
+
+
 def param_shardings(model, rng, example_batch, mesh, rules, call_kwargs=None):
   """NamedShardings of the ``params`` collection derived from the logical annotations + rules.
 
-  Parameters created without ``with_axes`` get a fully replicated sharding.
+  Parameters created without ``with_axes`` get a fully replicated sharding; dimensions that do not
+  divide evenly fall back as in ``fit_spec``.
   """
   call_kwargs = _DEFAULT_CALL if call_kwargs is None else call_kwargs
   with activate(mesh, rules):
     boxed = jax.eval_shape(_boxed_init(model, example_batch, call_kwargs), rng)
     specs = nn.get_partition_spec(boxed)
-    shardings = nn.logical_to_mesh_sharding(specs, mesh, rules)
-  return nn.meta.unbox(shardings)
+    shardings = nn.meta.unbox(nn.logical_to_mesh_sharding(specs, mesh, rules))
+  shapes = nn.meta.unbox(boxed)
+  return jax.tree.map(lambda a, s: NamedSharding(mesh, fit_spec(s.spec, a.shape, mesh)),
+                      shapes, shardings)
 
 
 def init_sharded(model, rng, example_batch, mesh, rules, call_kwargs=None):
