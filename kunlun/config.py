@@ -1,0 +1,320 @@
+"""Model configuration: the ``config.model`` schema, its validation and a frozen parsed form.
+
+Presets (``kunlun/configs/*.py``) fill ``config.model`` as an ``ml_collections.ConfigDict``;
+``parse(config, schema)`` validates it and returns a frozen, hashable ``ModelConfig`` that Linen
+modules take as a field. Every knob of spec d.7 / h is a field here:
+
+  arch                "kunlun" | "interformer" | "dlrm"            (model family, baselines.py)
+  dtype               "float32" | "bfloat16"                      (compute; params stay fp32)
+  backend             "xla" | "pallas" | "triton" | "auto"        (GDPA / block-attention kernels)
+  d_ns, n_ns          non-sequence token width and count (after LCE)
+  n_dense_tokens      tokens the dense features are projected into
+  num_layers          Kunlun layers L
+  comp_skip           Computation Skip on/off (spec c.7)
+  seq_mode            "towers" (one tower per stream) | "oneseq" (one merged stream, spec h-18)
+  num_time_buckets    log-bucketed event-age embedding size
+  attention.{kind, activation, qk_norm, rotary, block_size}   sequence self-attention (c.4)
+  pffn_activation, key_norm, n_kv are per tower (c.2/c.3); pffn_activation is global
+  pooling             "hsp" | "pma" (c.5); hsp_rank (SumKronLinear r_k), hsp_activation
+  mowe.{num_experts, layers_per_expert, rank, mlp_hidden}    (c.6)
+  towers.<stream>.{width, heads, n_kv, window, kept_len, n_seed, n_sum, depth}  (c.8)
+  oneseq.{width, heads, n_kv, window, kept_len, n_seed, n_sum, depth}   (merged tower)
+  heads.{kind, top_mlp, tower_hidden, num_experts, expert_hidden}       (d.3)
+  dlrm.{seq_dim, mlp}  (DLRM baseline only)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import ml_collections
+
+from data.schema import Schema
+from pallas_kernels.activations import NAMES as GDPA_ACTIVATIONS
+
+ARCHS = ("kunlun", "interformer", "dlrm")
+DTYPES = ("float32", "bfloat16")
+BACKENDS = ("xla", "pallas", "triton", "auto")
+SEQ_MODES = ("towers", "oneseq")
+ATTENTION_KINDS = ("swa", "block", "full")
+ATTENTION_ACTIVATIONS = ("softmax",) + GDPA_ACTIVATIONS
+POOLINGS = ("hsp", "pma")
+HEAD_KINDS = ("towers", "mmoe")
+TOWER_FIELDS = ("width", "heads", "n_kv", "window", "kept_len", "n_seed", "n_sum", "depth")
+ONESEQ = "oneseq"   # tower name of the merged stream
+
+
+@dataclasses.dataclass(frozen=True)
+class TowerConfig:
+  """One event tower (spec c.8): width d_e, heads H_e, PFFN keys n_kv, SWA half-window w_e,
+  kept length T_e, HSP seeds/summary tokens, depth L_e (layers it runs; <= num_layers)."""
+  name: str
+  width: int
+  heads: int
+  n_kv: int
+  window: int
+  kept_len: int
+  n_seed: int
+  n_sum: int
+  depth: int
+
+  @property
+  def head_dim(self) -> int:
+    return self.width // self.heads
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionConfig:
+  kind: str = "swa"
+  activation: str = "softmax"
+  qk_norm: bool = True
+  rotary: bool = True
+  block_size: int = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class MoWEConfig:
+  num_experts: int = 2
+  layers_per_expert: int = 1
+  rank: int = 8
+  mlp_hidden: int = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadsConfig:
+  kind: str = "towers"
+  top_mlp: tuple[int, ...] = (64,)
+  tower_hidden: int = 32
+  num_experts: int = 2
+  expert_hidden: int = 32
+
+
+@dataclasses.dataclass(frozen=True)
+class DLRMConfig:
+  seq_dim: int = 32
+  mlp: tuple[int, ...] = (128, 64)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """Frozen, validated form of ``config.model`` (hashable, so Linen modules can hold it)."""
+  arch: str
+  dtype: str
+  backend: str
+  d_ns: int
+  n_ns: int
+  n_dense_tokens: int
+  num_layers: int
+  comp_skip: bool
+  seq_mode: str
+  num_time_buckets: int
+  attention: AttentionConfig
+  pffn_activation: str
+  key_norm: bool
+  pooling: str
+  hsp_rank: int
+  hsp_activation: str
+  mowe: MoWEConfig
+  towers: tuple[TowerConfig, ...]      # per stream, in schema order
+  oneseq: TowerConfig | None           # the merged tower (seq_mode == "oneseq")
+  heads: HeadsConfig
+  dlrm: DLRMConfig
+  streams: tuple[str, ...]             # schema stream names, in order
+  surfaces: tuple[str, ...]
+  tasks: tuple[str, ...]
+
+  @property
+  def seq_towers(self) -> tuple[TowerConfig, ...]:
+    """The towers the trunk actually runs (one merged tower in OneSeq mode)."""
+    return (self.oneseq,) if self.seq_mode == "oneseq" else self.towers
+
+  def tower(self, name: str) -> TowerConfig:
+    for t in self.seq_towers:
+      if t.name == name:
+        return t
+    raise KeyError(f"no tower {name!r}; towers: {[t.name for t in self.seq_towers]}")
+
+
+def default_model() -> ml_collections.ConfigDict:
+  """Every ``config.model`` field with a default (presets override; ``towers`` must be filled)."""
+  m = ml_collections.ConfigDict()
+  m.arch = "kunlun"
+  m.dtype = "float32"
+  m.backend = "xla"
+  m.d_ns = 32
+  m.n_ns = 8
+  m.n_dense_tokens = 1
+  m.num_layers = 2
+  m.comp_skip = True
+  m.seq_mode = "towers"
+  m.num_time_buckets = 32
+  m.attention = ml_collections.ConfigDict(dict(kind="swa", activation="softmax", qk_norm=True,
+                                               rotary=True, block_size=64))
+  m.pffn_activation = "fast_gelu"
+  m.key_norm = False
+  m.pooling = "hsp"
+  m.hsp_rank = 4
+  m.hsp_activation = "fast_gelu"
+  m.mowe = ml_collections.ConfigDict(dict(num_experts=2, layers_per_expert=1, rank=8,
+                                          mlp_hidden=64))
+  m.towers = ml_collections.ConfigDict()
+  m.oneseq = tower(width=32, heads=2, n_kv=16, window=16, kept_len=64, n_seed=8, n_sum=2, depth=2)
+  m.heads = ml_collections.ConfigDict(dict(kind="towers", top_mlp=(64,), tower_hidden=32,
+                                           num_experts=2, expert_hidden=32))
+  m.dlrm = ml_collections.ConfigDict(dict(seq_dim=32, mlp=(128, 64)))
+  return m
+
+
+def tower(**kw) -> ml_collections.ConfigDict:
+  """A tower ConfigDict; every field of ``TOWER_FIELDS`` must be given."""
+  missing = [f for f in TOWER_FIELDS if f not in kw]
+  extra = [f for f in kw if f not in TOWER_FIELDS]
+  if missing or extra:
+    raise ValueError(f"tower(): missing {missing}, unknown {extra}; fields are {TOWER_FIELDS}")
+  return ml_collections.ConfigDict(kw)
+
+
+# ---- validation ----------------------------------------------------------------------------------
+def _choice(field, value, allowed):
+  if value not in allowed:
+    raise ValueError(f"config.model.{field} = {value!r} is not allowed; allowed values: {allowed}")
+
+
+def _pos_int(field, value, minimum=1):
+  if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+    raise ValueError(f"config.model.{field} = {value!r} must be an integer >= {minimum}")
+
+
+def _parse_tower(field, name, t, num_layers, attention, max_len=None) -> TowerConfig:
+  keys = set(t.keys())
+  if keys != set(TOWER_FIELDS):
+    raise ValueError(f"config.model.{field}: fields {sorted(keys)} differ from the required "
+                     f"{list(TOWER_FIELDS)} (missing {sorted(set(TOWER_FIELDS) - keys)}, unknown "
+                     f"{sorted(keys - set(TOWER_FIELDS))})")
+  for f in TOWER_FIELDS:
+    _pos_int(f"{field}.{f}", t[f], minimum=0 if f == "window" else 1)
+  tc = TowerConfig(name=name, **{f: t[f] for f in TOWER_FIELDS})
+  if tc.width % tc.heads:
+    raise ValueError(f"config.model.{field}.heads = {tc.heads} does not divide "
+                     f"{field}.width = {tc.width}; allowed heads: divisors of {tc.width}")
+  if attention.rotary and tc.head_dim % 2:
+    raise ValueError(f"config.model.{field}: head_dim = width/heads = {tc.head_dim} must be even "
+                     "for rotary time encoding (attention.rotary = True)")
+  if tc.window > tc.kept_len:
+    raise ValueError(f"config.model.{field}.window = {tc.window} is larger than "
+                     f"{field}.kept_len = {tc.kept_len}; allowed: 0..{tc.kept_len}")
+  if attention.kind == "block" and tc.kept_len % attention.block_size:
+    raise ValueError(f"config.model.{field}.kept_len = {tc.kept_len} must be a multiple of "
+                     f"attention.block_size = {attention.block_size} for attention.kind = 'block'")
+  if tc.n_seed < tc.n_sum:
+    raise ValueError(f"config.model.{field}.n_seed = {tc.n_seed} must be >= "
+                     f"{field}.n_sum = {tc.n_sum} (seeds are compressed into summary tokens)")
+  if tc.depth > num_layers:
+    raise ValueError(f"config.model.{field}.depth = {tc.depth} exceeds num_layers = "
+                     f"{num_layers}; allowed: 1..{num_layers}")
+  if max_len is not None and tc.kept_len > max_len:
+    raise ValueError(f"config.model.{field}.kept_len = {tc.kept_len} exceeds the schema's "
+                     f"max_len = {max_len} for stream {name!r}; allowed: 1..{max_len}")
+  return tc
+
+
+def parse(config, schema: Schema) -> ModelConfig:
+  """Validates ``config.model`` (or a full config) against ``schema``; returns a ModelConfig.
+
+  Raises ValueError naming the offending field and the allowed values.
+  """
+  m = config.model if "model" in config else config
+  known = set(default_model().keys())
+  unknown = sorted(set(m.keys()) - known)
+  if unknown:
+    raise ValueError(f"config.model: unknown fields {unknown}; allowed fields: {sorted(known)}")
+  m = _with_defaults(m)
+  _choice("arch", m.arch, ARCHS)
+  _choice("dtype", m.dtype, DTYPES)
+  _choice("backend", m.backend, BACKENDS)
+  _choice("seq_mode", m.seq_mode, SEQ_MODES)
+  _choice("attention.kind", m.attention.kind, ATTENTION_KINDS)
+  _choice("attention.activation", m.attention.activation, ATTENTION_ACTIVATIONS)
+  _choice("pffn_activation", m.pffn_activation, GDPA_ACTIVATIONS)
+  _choice("hsp_activation", m.hsp_activation, GDPA_ACTIVATIONS)
+  _choice("pooling", m.pooling, POOLINGS)
+  _choice("heads.kind", m.heads.kind, HEAD_KINDS)
+  for f in ("d_ns", "n_ns", "n_dense_tokens", "num_layers", "num_time_buckets", "hsp_rank"):
+    _pos_int(f, m[f])
+  _pos_int("attention.block_size", m.attention.block_size)
+  for f in ("num_experts", "layers_per_expert", "rank", "mlp_hidden"):
+    _pos_int(f"mowe.{f}", m.mowe[f])
+  for f in ("tower_hidden", "num_experts", "expert_hidden"):
+    _pos_int(f"heads.{f}", m.heads[f])
+  for i, h in enumerate(m.heads.top_mlp):
+    _pos_int(f"heads.top_mlp[{i}]", h)
+  _pos_int("dlrm.seq_dim", m.dlrm.seq_dim)
+  for i, h in enumerate(m.dlrm.mlp):
+    _pos_int(f"dlrm.mlp[{i}]", h)
+  attention = AttentionConfig(**m.attention.to_dict())
+
+  names = schema.stream_names
+  given = tuple(m.towers.keys())
+  bad = [s for s in given if s not in names]
+  if bad:
+    raise ValueError(f"config.model.towers: unknown stream(s) {bad}; allowed streams (schema): "
+                     f"{list(names)}")
+  missing = [s for s in names if s not in given]
+  if missing:
+    raise ValueError(f"config.model.towers: no tower for stream(s) {missing}; every schema stream "
+                     f"{list(names)} needs one")
+  towers = tuple(_parse_tower(f"towers.{s.name}", s.name, m.towers[s.name], m.num_layers,
+                              attention, s.max_len) for s in schema.streams)
+  oneseq = None
+  if m.seq_mode == "oneseq":
+    total = sum(t.kept_len for t in towers)
+    oneseq = _parse_tower("oneseq", ONESEQ, m.oneseq, m.num_layers, attention)
+    if oneseq.kept_len > total:
+      raise ValueError(f"config.model.oneseq.kept_len = {oneseq.kept_len} exceeds the merged "
+                       f"length sum(towers.*.kept_len) = {total}; allowed: 1..{total}")
+  return ModelConfig(
+      arch=m.arch, dtype=m.dtype, backend=m.backend, d_ns=m.d_ns, n_ns=m.n_ns,
+      n_dense_tokens=m.n_dense_tokens, num_layers=m.num_layers, comp_skip=bool(m.comp_skip),
+      seq_mode=m.seq_mode, num_time_buckets=m.num_time_buckets, attention=attention,
+      pffn_activation=m.pffn_activation, key_norm=bool(m.key_norm), pooling=m.pooling,
+      hsp_rank=m.hsp_rank, hsp_activation=m.hsp_activation,
+      mowe=MoWEConfig(**m.mowe.to_dict()), towers=towers, oneseq=oneseq,
+      heads=HeadsConfig(**{**m.heads.to_dict(), "top_mlp": tuple(m.heads.top_mlp)}),
+      dlrm=DLRMConfig(seq_dim=m.dlrm.seq_dim, mlp=tuple(m.dlrm.mlp)),
+      streams=names, surfaces=tuple(schema.surfaces), tasks=schema.task_names)
+
+
+def _with_defaults(m) -> ml_collections.ConfigDict:
+  """Returns a copy of ``m`` with missing (sub)fields filled from ``default_model()``.
+
+  Built as a plain dict first so that a value of another type (e.g. a list for a tuple) is checked
+  by the validators above rather than rejected by ConfigDict's type locking.
+  """
+  out = default_model().to_dict()
+  for k in m.keys():
+    v = m[k]
+    if k in ("attention", "mowe", "heads", "dlrm"):
+      for kk in v.keys():
+        if kk not in out[k]:
+          raise ValueError(f"config.model.{k}: unknown field {kk!r}; allowed: {sorted(out[k])}")
+        out[k][kk] = v[kk]
+    elif k == "towers":
+      out[k] = {s: dict(v[s]) for s in v.keys()}
+    elif k == "oneseq":
+      out[k] = dict(v)
+    else:
+      out[k] = v
+  return ml_collections.ConfigDict(out)
+
+
+def validate(config, schema: Schema) -> ModelConfig:
+  """Alias of ``parse`` for callers that only want the check."""
+  return parse(config, schema)
+
+
+def seq_lens(config) -> dict[str, int]:
+  """Kept length T per stream (the data pipeline pads/truncates each stream to it)."""
+  m = config.model if "model" in config else config
+  if not len(m.towers):
+    raise ValueError("config.model.towers is empty: no kept lengths to report")
+  return {s: int(m.towers[s].kept_len) for s in m.towers.keys()}

@@ -1,0 +1,79 @@
+"""One Kunlun layer with Computation Skip (spec c.7, d.1).
+
+State ``(x, seqs, summaries)``: ``x [B, N_ns, d_ns]`` non-sequence tokens; per tower ``e``
+``s_e [B, T_e, d_e]`` with ``lengths_e i32[B]`` and ``age_e f32[B, T_e]``; ``summary_e
+[B, n_sum_e, d_e]``. Interaction block first, then the transformer block, both reading the
+layer's inputs (InterFormer order, spec d.1):
+
+  (1) ``K_e, V_e = WeightGen_e(x)``                   [even layers under CompSkip]
+  (2) ``summary_e = HSP_e(s_e)``                       [even; odd layers reuse the cached summary]
+  (3) ``x' = MoWE(concat(x, Proj_e(summary_e) for all e))``   [every layer]
+  (4) ``s_e' = PFFN(s_e; K_e, V_e)`` (even) or ``SeqAttention(s_e)`` (odd), while ``l < L_e``
+  (5) ``summary_e = HSP_final(s_e')`` in the tower's last layer (see ``towers.py``)
+
+The per-tower schedule lives in ``kunlun.towers.schedule``; skipped modules are never built, so
+they are absent from the layer's parameters and jaxpr.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from kunlun.config import ModelConfig
+from kunlun.mowe import MoWE
+from kunlun.pffn import PFFN
+from kunlun.towers import make_attention, make_pooling, schedule
+from kunlun.weightgen import WeightGen
+from sharding import shard, with_axes
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+def summary_proj(d_ns: int, dtype, name: str):
+  """Per-layer, per-tower ``Proj_e``: summary width ``d_e -> d_ns``."""
+  return nn.Dense(d_ns, use_bias=False, dtype=dtype, param_dtype=jnp.float32, name=name,
+                  kernel_init=with_axes(nn.initializers.lecun_normal(), (None, "embed")))
+
+
+class KunlunLayer(nn.Module):
+  """``(x, seqs, lengths, ages, summaries) -> (x', seqs', summaries')`` (dicts keyed by tower)."""
+  cfg: ModelConfig
+  index: int
+
+  @nn.compact
+  def __call__(self, x, seqs, lengths, ages, summaries):
+    cfg, dt = self.cfg, DTYPES[self.cfg.dtype]
+    seqs, summaries = dict(seqs), dict(summaries)
+    with jax.named_scope(f"KunlunLayer_{self.index}"):
+      plans = {t.name: schedule(t, self.index, cfg.comp_skip) for t in cfg.seq_towers}
+      kv = {}
+      for t in cfg.seq_towers:                                   # interaction block (1), (2)
+        p = plans[t.name]
+        if p.weightgen:
+          kv[t.name] = WeightGen(t.n_kv, t.heads, t.width, cfg.key_norm, dt,
+                                 name=f"{t.name}_weightgen")(x)
+        if p.hsp:
+          summaries[t.name] = make_pooling(cfg, t, dt, f"{t.name}_hsp")(seqs[t.name],
+                                                                       lengths[t.name])
+        if t.name not in summaries:
+          raise ValueError(f"tower {t.name!r} has no summary at layer {self.index}: layer 0 must "
+                           "run its HSP (depth >= 1)")
+      tokens = [x.astype(dt)] + [summary_proj(cfg.d_ns, dt, f"{t.name}_proj")(summaries[t.name])
+                                 for t in cfg.seq_towers]
+      x_in = shard(jnp.concatenate(tokens, axis=1), ("batch", "tokens", "embed"))
+      x_new = MoWE(cfg.mowe.num_experts, cfg.mowe.layers_per_expert, cfg.n_ns, cfg.mowe.rank,
+                   cfg.mowe.mlp_hidden, dtype=dt, name="mowe")(x_in)             # (3)
+      for t in cfg.seq_towers:                                   # transformer block (4), (5)
+        p, s = plans[t.name], seqs[t.name]
+        if p.pffn:
+          k, v = kv[t.name]
+          s = PFFN(t.heads, cfg.pffn_activation, cfg.backend, dt, name=f"{t.name}_pffn")(
+              s, lengths[t.name], k, v)
+        if p.attention:
+          s = make_attention(cfg, t, dt, f"{t.name}_attention")(s, lengths[t.name], ages[t.name])
+        if p.final_hsp:
+          summaries[t.name] = make_pooling(cfg, t, dt, f"{t.name}_final_hsp")(s, lengths[t.name])
+        seqs[t.name] = s
+      return x_new, seqs, summaries

@@ -1,0 +1,101 @@
+"""The Kunlun model (spec d.2) and ``build_model``, the one entry point for every architecture.
+
+``X0 = ContextEncoder(sparse, dense, surface)`` (LCE tokens + per-surface embedding);
+``s0_e = EventEmbed_e(events_e)`` per tower (OneSeq: per-stream embeddings merged by time);
+``L`` Kunlun layers with CompSkip; ``z = concat(flatten(X), flatten(summary_e))``; shared top MLP
+and per-(surface, task) heads; the example's own surface is selected.
+
+Batch layout: ``data/schema.py``. Stream arrays may be longer than the tower's kept length (extra
+padding): every length-dependent scale uses the configured kept length, so padding is inert.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from data.schema import Schema
+from kunlun.config import ModelConfig, parse
+from kunlun.heads import Heads
+from kunlun.inputs import ContextEncoder, EventEmbed
+from kunlun.layer import DTYPES, KunlunLayer
+from kunlun.oneseq import StreamMerge
+from sharding import shard
+
+
+def embed_context(cfg: ModelConfig, schema: Schema, batch, dtype):
+  return ContextEncoder(schema.sparse, cfg.n_dense_tokens, cfg.n_ns, cfg.d_ns,
+                        len(schema.surfaces), dtype, name="context")(
+      batch["sparse"], jnp.asarray(batch["dense"]), jnp.asarray(batch["surface"]))
+
+
+def embed_sequences(cfg: ModelConfig, schema: Schema, batch, dtype):
+  """Per tower: ``(seqs {name: [B, T, d]}, lengths {name: i32[B]}, ages {name: f32[B, T]})``."""
+  ev = batch["events"]
+  if cfg.seq_mode == "oneseq":
+    t = cfg.oneseq
+    s_list = [EventEmbed(st, len(schema.surfaces), t.width, cfg.num_time_buckets, dtype,
+                         name=f"embed_{st.name}")(ev[st.name]) for st in schema.streams]
+    s, lengths, age, _ = StreamMerge(len(schema.streams), t.kept_len, name="oneseq_merge")(
+        s_list, [jnp.asarray(ev[n]["length"], jnp.int32) for n in schema.stream_names],
+        [jnp.asarray(ev[n]["age"], jnp.float32) for n in schema.stream_names])
+    return {t.name: s}, {t.name: lengths}, {t.name: age}
+  seqs, lengths, ages = {}, {}, {}
+  for t in cfg.towers:
+    st = schema.stream(t.name)
+    seqs[t.name] = EventEmbed(st, len(schema.surfaces), t.width, cfg.num_time_buckets, dtype,
+                              name=f"embed_{t.name}")(ev[t.name])
+    lengths[t.name] = jnp.asarray(ev[t.name]["length"], jnp.int32)
+    ages[t.name] = jnp.asarray(ev[t.name]["age"], jnp.float32)
+  return seqs, lengths, ages
+
+
+def apply_heads(cfg: ModelConfig, x, summaries, surface, dtype):
+  """``z = concat(flatten(x), flatten(summaries))`` -> heads. Returns the representation dict."""
+  B = x.shape[0]
+  z = jnp.concatenate([x.reshape(B, -1).astype(jnp.float32)]
+                      + [summaries[n].reshape(B, -1).astype(jnp.float32) for n in summaries], 1)
+  z = shard(z, ("batch", None))
+  h = cfg.heads
+  logits, pooled = Heads(len(cfg.surfaces), len(cfg.tasks), h.kind, h.top_mlp, h.tower_hidden,
+                         h.num_experts, h.expert_hidden, dtype, name="heads")(
+      z, jnp.asarray(surface, jnp.int32))
+  return {"pooled": pooled, "logits": logits,
+          "summaries": {n: s.astype(jnp.float32) for n, s in summaries.items()}}
+
+
+class Kunlun(nn.Module):
+  """``apply({"params": p}, batch, train) -> logits f32[B, K]``;
+  ``method="representations"`` -> ``{"pooled" [B, d_rep], "summaries" {tower: [B, n_sum, d_e]},
+  "logits" [B, K]}``."""
+  cfg: ModelConfig
+  schema: Schema
+
+  def __call__(self, batch, train: bool = False):
+    return self.representations(batch, train)["logits"]
+
+  @nn.compact
+  def representations(self, batch, train: bool = False):
+    del train                                   # no dropout / batch statistics
+    cfg, dt = self.cfg, DTYPES[self.cfg.dtype]
+    with jax.named_scope("Kunlun"):
+      x = embed_context(cfg, self.schema, batch, dt)
+      seqs, lengths, ages = embed_sequences(cfg, self.schema, batch, dt)
+      summaries = {}
+      for l in range(cfg.num_layers):
+        x, seqs, summaries = KunlunLayer(cfg, l, name=f"layer_{l}")(x, seqs, lengths, ages,
+                                                                     summaries)
+      return apply_heads(cfg, x, summaries, batch["surface"], dt)
+
+
+def build_model(config, schema: Schema) -> nn.Module:
+  """Validates ``config.model`` against ``schema`` and builds ``config.model.arch``.
+
+  Raises ValueError naming the offending field and the allowed values.
+  """
+  cfg = parse(config, schema)
+  if cfg.arch == "kunlun":
+    return Kunlun(cfg, schema)
+  from kunlun import baselines
+  return baselines.build(cfg, schema)

@@ -1,0 +1,72 @@
+"""Event-level personalization (spec c.8, h-10): the per-tower CompSkip schedule and module factories.
+
+Each event tower has its own width, heads, PFFN keys, window, kept length, HSP seeds/summary
+tokens and depth ``L_e``. In Kunlun layer ``l`` a tower runs only while ``l < L_e``; afterwards its
+last summary keeps feeding the interaction block (MoWE) of every later layer and the heads.
+
+Schedule of tower ``e`` in layer ``l`` (``schedule``):
+  * CompSkip on (spec c.7, h-9): even ``l``: WeightGen + fresh HSP summary (interaction block) and
+    GDPA-PFFN (transformer block); odd ``l``: self-attention, the previous summary is reused.
+  * CompSkip off: every active layer runs WeightGen + HSP + PFFN + attention (``s' = SWA(PFFN(s))``).
+  * ``final_hsp`` in the tower's last layer ``l = L_e - 1``: the tower's output sequence is
+    summarised once more [D]. Without it the last layer's sequence output would reach nothing
+    (spec d.4 drops it), leaving that layer's parameters without gradient; with it, a shallow
+    tower's "last summary" is the summary of its final sequence.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from kunlun.attention import SeqAttention
+from kunlun.config import ModelConfig, TowerConfig
+from kunlun.hsp import HSP, PMA
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+  weightgen: bool = False
+  hsp: bool = False
+  pffn: bool = False
+  attention: bool = False
+  final_hsp: bool = False
+
+  @property
+  def active(self) -> bool:
+    return self.pffn or self.attention
+
+
+def schedule(tower: TowerConfig, layer: int, comp_skip: bool) -> Schedule:
+  """What tower ``tower`` runs in Kunlun layer ``layer``."""
+  if layer >= tower.depth:
+    return Schedule()
+  final = layer == tower.depth - 1
+  if not comp_skip:
+    return Schedule(True, True, True, True, final)
+  even = layer % 2 == 0
+  return Schedule(weightgen=even, hsp=even, pffn=even, attention=not even, final_hsp=final)
+
+
+def attention_t_max(cfg: ModelConfig, tower: TowerConfig) -> int:
+  """Key count used as the 1/n output scale of a softmax-free attention (fixed by the config so
+  that padding a batch longer leaves the outputs unchanged)."""
+  if cfg.attention.kind == "swa":
+    return min(tower.kept_len, 2 * tower.window + 1)
+  return tower.kept_len
+
+
+def make_attention(cfg: ModelConfig, tower: TowerConfig, dtype, name: str, kind: str | None = None):
+  return SeqAttention(heads=tower.heads, kind=kind or cfg.attention.kind, window=tower.window,
+                      block_size=cfg.attention.block_size, activation=cfg.attention.activation,
+                      qk_norm=cfg.attention.qk_norm, rotary=cfg.attention.rotary,
+                      backend=cfg.backend, t_max=attention_t_max(cfg, tower), dtype=dtype,
+                      name=name)
+
+
+def make_pooling(cfg: ModelConfig, tower: TowerConfig, dtype, name: str, pooling: str | None = None):
+  """HSP (default) or PMA summarising ``[B, T, d_e]`` into ``[B, n_sum, d_e]``."""
+  if (pooling or cfg.pooling) == "pma":
+    return PMA(n_sum=tower.n_sum, heads=tower.heads, dtype=dtype, name=name)
+  return HSP(n_seed=tower.n_seed, n_sum=tower.n_sum, heads=tower.heads, rank=cfg.hsp_rank,
+             activation=cfg.hsp_activation, backend=cfg.backend, t_max=tower.kept_len,
+             dtype=dtype, name=name)
