@@ -73,3 +73,28 @@ def make_optimizer(train_cfg, total_steps: int) -> optax.GradientTransformation:
                   eps=1e-8, weight_decay=train_cfg.weight_decay,
                   mask=lambda p: jax.tree.map(lambda x: x.ndim >= 2, p)))
   return optax.partition({"dense": dense, "emb": rowwise_adagrad(train_cfg.emb_lr)}, param_labels)
+
+
+def opt_state_shardings(tx, params_abstract, param_shardings, mesh):
+  """Shardings for ``tx.init(params)``: a state leaf whose key path ends with a parameter's path
+  and has its shape gets that parameter's sharding; a row-wise Adagrad accumulator (shape
+  ``param.shape[:-1]``) gets the parameter's spec without its last entry; the rest is replicated.
+  """
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  p_leaves = {jax.tree_util.keystr(k): (v, s) for (k, v), s in zip(
+      jax.tree_util.tree_leaves_with_path(params_abstract), jax.tree.leaves(param_shardings))}
+  replicated = NamedSharding(mesh, P())
+
+  def pick(path, leaf):
+    key = jax.tree_util.keystr(path)
+    for pk, (p, s) in p_leaves.items():
+      if key.endswith(pk):
+        if leaf.shape == p.shape:
+          return s
+        if leaf.shape == p.shape[:-1]:
+          spec = tuple(s.spec) + (None,) * (len(p.shape) - len(s.spec))
+          return NamedSharding(mesh, P(*spec[:-1]))
+    return replicated
+
+  state_abstract = jax.eval_shape(tx.init, params_abstract)
+  return jax.tree_util.tree_map_with_path(pick, state_abstract)

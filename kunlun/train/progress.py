@@ -1,0 +1,107 @@
+"""Progress reporting: a printed line, JSONL in the workdir and TensorBoard event files
+(tensorboardX, no TensorFlow), plus MFU against a device peak table."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+
+import jax
+
+# Dense bf16 peak FLOP/s per device, by a substring of ``device.device_kind``.
+PEAK_BF16_FLOPS = (
+    ("H200", 989e12),
+    ("H100", 989e12),
+    ("B200", 2250e12),
+    ("A100", 312e12),
+    ("L4", 121e12),
+)
+
+
+def device_peak_flops(device=None) -> float | None:
+  """Peak dense bf16 FLOP/s of ``device`` (default: the first device); None when unknown (CPU)."""
+  device = device or jax.devices()[0]
+  if device.platform == "cpu":
+    return None
+  kind = device.device_kind.upper()
+  for name, peak in PEAK_BF16_FLOPS:
+    if name in kind:
+      return peak
+  return None
+
+
+def mfu(flops_per_step: float | None, step_time_s: float, num_devices: int,
+        peak_flops: float | None) -> float | None:
+  """Model FLOPs utilisation = FLOPs per step / (step time x devices x peak); None if unknown."""
+  if not flops_per_step or not peak_flops or step_time_s <= 0:
+    return None
+  return flops_per_step / (step_time_s * num_devices * peak_flops)
+
+
+def _fmt(x, spec=".4f"):
+  return "n/a" if x is None or (isinstance(x, float) and not math.isfinite(x)) else format(x, spec)
+
+
+class Progress:
+  """Writes ``<workdir>/metrics.jsonl`` and ``<workdir>/tb/`` and prints one line per log.
+
+  Only process 0 writes (``enabled``). Scalars may be nested one level (``{"ne": {task: x}}``);
+  they are flattened as ``ne/task`` for TensorBoard.
+  """
+
+  def __init__(self, workdir: str, total_steps: int, enabled: bool = True, stream=None):
+    self.total, self.enabled = total_steps, enabled
+    self.stream = stream or sys.stdout
+    self._jsonl = self._tb = None
+    if enabled:
+      os.makedirs(workdir, exist_ok=True)
+      self._jsonl = open(os.path.join(workdir, "metrics.jsonl"), "a")
+      from tensorboardX import SummaryWriter
+      self._tb = SummaryWriter(os.path.join(workdir, "tb"))
+
+  def log(self, step: int, scalars: dict, line: bool = True) -> None:
+    if not self.enabled:
+      return
+    rec = _finite_or_none({"step": int(step), "time": time.time(), **scalars})
+    self._jsonl.write(json.dumps(rec, default=_json_default) + "\n")
+    self._jsonl.flush()
+    for k, v in scalars.items():
+      for name, x in (v.items() if isinstance(v, dict) else [(None, v)]):
+        if isinstance(x, (int, float)) and x is not None and math.isfinite(x):
+          self._tb.add_scalar(k if name is None else f"{k}/{name}", x, step)
+    if line:
+      self.print_line(step, scalars)
+
+  def print_line(self, step: int, s: dict) -> None:
+    ne = " ".join(f"{t}={_fmt(v)}" for t, v in (s.get("ne") or {}).items())
+    mfu_s = "n/a" if s.get("mfu") is None else f"{100 * s['mfu']:.2f}%"
+    msg = (f"step {step}/{self.total} | loss {_fmt(s.get('loss'))} | NE {ne} | "
+           f"{_fmt(s.get('examples_per_s'), '.0f')} ex/s | step {_fmt(s.get('step_time_ms'), '.1f')} ms"
+           f" | MFU {mfu_s}")
+    if s.get("bad_steps"):
+      msg += f" | skipped {s['bad_steps']}"
+    print(msg, file=self.stream, flush=True)
+
+  def close(self) -> None:
+    if self._jsonl:
+      self._jsonl.close()
+      self._tb.close()
+
+
+def _json_default(x):
+  try:
+    return float(x)
+  except (TypeError, ValueError):
+    return str(x)
+
+
+def _finite_or_none(x):
+  """NaN / inf -> None, recursively (JSON has no NaN)."""
+  if isinstance(x, dict):
+    return {k: _finite_or_none(v) for k, v in x.items()}
+  if isinstance(x, float) and not math.isfinite(x):
+    return None
+  return x
