@@ -2,7 +2,8 @@
 
 The schema is the contract between the data pipeline and the model. It names the sparse
 (categorical) features, the dense features, the event streams with their per-event fields,
-the surfaces and the tasks. Model configs are checked against it (``check_model_config``).
+the surfaces and the tasks. Model configs are checked against it (``check_model_config``); the
+kept sequence lengths with ``check_seq_lens``.
 
 Batch layout produced by ``data.pipeline`` (and by ``data.fake.random_batch`` in tests); every
 array has a leading batch dimension B and a static shape::
@@ -25,6 +26,7 @@ array has a leading batch dimension B and a static shape::
     user_id      i32[B]                    join keys (knowledge transfer)
     ad_id        i32[B]
     request_ts   i32[B]                    request time, seconds
+    example_mask f32[B]                    1 = real example, 0 = padding (last eval batch)
 
 ``T`` for a stream is the model's kept length for that stream (<= ``EventStream.max_len``).
 """
@@ -149,3 +151,25 @@ class Schema:
       except json.JSONDecodeError as e:
         raise ValueError(f"{path}: not valid JSON: {e}") from e
     return cls.from_dict(d)
+
+
+def check_seq_lens(schema: Schema, seq_lens: dict[str, int]) -> dict[str, int]:
+  """Validates the model's kept length per stream; returns ``{stream: T}`` for every stream.
+
+  A stream missing from ``seq_lens`` keeps ``max_len``. Unknown stream names, non-positive
+  lengths or lengths above the stream's ``max_len`` are a ValueError naming the stream.
+  """
+  out = {}
+  unknown = sorted(set(seq_lens) - set(schema.stream_names))
+  if unknown:
+    raise ValueError(f"seq_lens: unknown event stream(s) {unknown}; schema has {schema.stream_names}")
+  for s in schema.streams:
+    T = seq_lens.get(s.name, s.max_len)
+    if isinstance(T, bool) or not isinstance(T, (int,)) and not hasattr(T, "__index__"):
+      raise ValueError(f"seq_lens[{s.name!r}] must be an int, got {T!r}")
+    T = int(T)
+    if T <= 0 or T > s.max_len:
+      raise ValueError(f"seq_lens[{s.name!r}] = {T} must be in [1, {s.max_len}] "
+                       f"(the stream's max_len in the schema)")
+    out[s.name] = T
+  return out

@@ -1,0 +1,145 @@
+"""Parquet -> ArrayRecord converter (pyarrow). One Parquet row = one example.
+
+Column layout (names are case-sensitive; ``<x>`` = a name from the schema)::
+
+    surface                  string            one of schema.surfaces
+    request_ts               integer           unix seconds (int32 range)
+    user_id, ad_id           integer           join keys (int32 range)
+    dense.<feature>          floating          one column per dense feature
+    sparse.<feature>         list<integer>     0..max_len ids (raw ids for hashed features)
+    events.<stream>.<col>    list<integer>     col in item, action, surface, ts, <extra fields>;
+                                               all columns of a stream have equal list lengths
+                                               per row; events oldest first
+    label.<task>             integer/floating  0/1; null = label not valid (only for tasks with
+                                               always_valid=False)
+    true_prob.<task>         floating          optional; missing column or null -> NaN
+
+Every converted record is validated like the pipeline does; any problem is a ValueError naming
+the Parquet file, the row and the column. Usage::
+
+    convert_parquet({"train": ["a.parquet"], "eval": ["b.parquet"]}, out_dir, schema)
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from data import records
+from data.schema import Schema
+from data.validate import InvalidRecordError, Validator
+
+
+def _column(table: pa.Table, name: str, kind: str, path: str) -> pa.ChunkedArray:
+  if name not in table.column_names:
+    raise ValueError(f"{path}: missing column {name!r} (expected {kind})")
+  col = table.column(name)
+  t = col.type
+  ok = {"string": pa.types.is_string(t) or pa.types.is_large_string(t),
+        "integer": pa.types.is_integer(t),
+        "floating": pa.types.is_floating(t),
+        "number": pa.types.is_integer(t) or pa.types.is_floating(t),
+        "list<integer>": (pa.types.is_list(t) or pa.types.is_large_list(t))
+        and pa.types.is_integer(t.value_type)}[kind]
+  if not ok:
+    raise ValueError(f"{path}: column {name!r} has type {t}, expected {kind}")
+  if kind != "number" and col.null_count:
+    raise ValueError(f"{path}: column {name!r} has {col.null_count} null values")
+  return col
+
+
+def _ints(x: np.ndarray, name: str, path: str, dtype=np.int32) -> np.ndarray:
+  info = np.iinfo(dtype)
+  if len(x) and (x.min() < info.min or x.max() > info.max):
+    raise ValueError(f"{path}: column {name!r} has values outside the {np.dtype(dtype)} range")
+  return x.astype(dtype)
+
+
+def _list(col: pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray]:
+  arr = col.combine_chunks()
+  offs = np.asarray(arr.offsets, np.int64)
+  vals = np.asarray(arr.values.slice(offs[0], offs[-1] - offs[0]).to_numpy(zero_copy_only=False))
+  return vals, offs - offs[0]
+
+
+def table_to_records(table: pa.Table, schema: Schema, path: str = "<table>",
+                     row_offset: int = 0) -> dict[str, list[bytes]]:
+  """Converts one table; returns ``{surface: [record bytes, ...]}`` in row order.
+
+  ``row_offset``: index of the table's first row in its file (for error messages)."""
+  n = table.num_rows
+  surf_names = _column(table, "surface", "string", path).to_pylist()
+  index = {s: i for i, s in enumerate(schema.surfaces)}
+  bad = sorted({s for s in surf_names if s not in index})
+  if bad:
+    raise ValueError(f"{path}: column 'surface' has unknown surface(s) {bad}; "
+                     f"schema has {schema.surfaces}")
+  surf = np.array([index[s] for s in surf_names], np.int32)
+  ints = lambda name: _ints(_column(table, name, "integer", path).to_numpy(), name, path)
+  dense = [_column(table, f"dense.{d}", "floating", path).to_numpy() for d in schema.dense]
+  labels, mask, prob = [], [], []
+  for t in schema.tasks:
+    name = f"label.{t.name}"
+    col = _column(table, name, "number", path)
+    if t.always_valid and col.null_count:
+      raise ValueError(f"{path}: column {name!r} has nulls but task {t.name!r} is always valid")
+    valid = ~np.asarray(col.is_null().to_numpy(zero_copy_only=False), bool)
+    labels.append(np.where(valid, col.fill_null(0).to_numpy(), 0))
+    mask.append(valid)
+    pname = f"true_prob.{t.name}"
+    if pname in table.column_names:
+      pc = _column(table, pname, "number", path)
+      prob.append(pc.fill_null(np.nan).to_numpy().astype(np.float64))
+    else:
+      prob.append(np.full(n, np.nan))
+  f32 = lambda xs: np.stack(xs, 1).astype(np.float32) if xs else np.zeros((n, 0), np.float32)
+  fixed = {"dense": f32(dense), "surface": surf, "labels": f32(labels),
+           "label_mask": f32(mask), "true_prob": f32(prob), "user_id": ints("user_id"),
+           "ad_id": ints("ad_id"), "request_ts": ints("request_ts")}
+  ragged = {}
+  for f in schema.sparse:
+    name = f"sparse.{f.name}"
+    vals, offs = _list(_column(table, name, "list<integer>", path))
+    ragged[f"sparse/{f.name}"] = (_ints(vals, name, path, np.int64), offs)
+  for s in schema.streams:
+    cols, offs0 = [], None
+    for c in records.event_columns(s):
+      name = f"events.{s.name}.{c}"
+      vals, offs = _list(_column(table, name, "list<integer>", path))
+      if offs0 is None:
+        offs0 = offs
+      elif not np.array_equal(offs, offs0):
+        row = int(np.flatnonzero(np.diff(offs) != np.diff(offs0))[0])
+        raise ValueError(f"{path}: row {row + row_offset}: column {name!r} has a different number of "
+                         f"events than events.{s.name}.item")
+      cols.append(_ints(vals, name, path))
+    ev = np.stack(cols, 1) if cols and len(cols[0]) else np.zeros((0, len(cols)), np.int32)
+    ragged[f"events/{s.name}"] = (ev.astype(np.int32), offs0)
+  recs = records.encode_columns(fixed, ragged) if n else []
+  validator = Validator(schema)
+  out: dict[str, list[bytes]] = {s: [] for s in schema.surfaces}
+  for i, r in enumerate(recs):
+    try:
+      validator(r, file=path, index=i + row_offset)
+    except InvalidRecordError as e:
+      raise ValueError(f"{path}: row {i + row_offset}: invalid value in the column(s) of "
+                       f"field {e.field!r}: {e}") from e
+    out[schema.surfaces[surf[i]]].append(r)
+  return out
+
+
+def convert_parquet(splits: dict[str, list[str]], out_dir: str, schema: Schema,
+                    records_per_shard: int = 200_000) -> dict:
+  """Converts Parquet files per split into ``out_dir`` (shards, schema.json, manifest.json)."""
+  writer = records.DatasetWriter(out_dir, schema, records_per_shard)
+  for split, paths in splits.items():
+    for path in paths:
+      pf = pq.ParquetFile(path)
+      start = 0
+      for rg in range(pf.num_row_groups):
+        table = pf.read_row_group(rg)
+        for surface, recs in table_to_records(table, schema, path, start).items():
+          writer.write(split, surface, recs)
+        start += table.num_rows
+  return writer.close(tuple(splits))
