@@ -71,8 +71,8 @@ PRESETS: dict[str, tuple] = {
     ),
     "fsdp_ep": (
         ("exp", "expert"),
-        ("batch", ("data", "fsdp", "context", "tensor", "expert")),
-        ("batch", ("data", "fsdp", "context", "tensor")),
+        ("batch", ALL),
+        ("batch", ("data", "fsdp", "tensor", "context")),
         ("seq", None), ("heads", None), ("mlp", None),
         ("embed", ("fsdp", "expert")), ("embed", "fsdp"),
         *_TABLES, *_NONE,
