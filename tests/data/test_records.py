@@ -1,0 +1,109 @@
+import json
+import os
+
+import numpy as np
+import pytest
+
+from data import records
+from data.fake import tiny_schema
+
+
+def _rand_arrays(rng):
+  return {
+      "f32": rng.normal(size=(3, 2)).astype(np.float32),
+      "f64": rng.normal(size=5),
+      "i32": rng.integers(-5, 5, (0, 4)).astype(np.int32),
+      "i64": np.array(2**40 + 3, np.int64),
+      "u8": rng.integers(0, 255, 7).astype(np.uint8),
+      "b": np.array([True, False]),
+      "nan": np.array([np.nan, np.inf], np.float32),
+      "t": np.arange(12, dtype=np.int32).reshape(3, 4).T,   # non-contiguous input
+  }
+
+
+def test_encode_decode_roundtrip():
+  rng = np.random.default_rng(0)
+  a = _rand_arrays(rng)
+  d = records.decode(records.encode(a))
+  assert list(d) == list(a)
+  for k in a:
+    assert d[k].dtype == a[k].dtype and d[k].shape == a[k].shape, k
+    np.testing.assert_array_equal(d[k], a[k])
+
+
+def test_encode_columns_matches_rowwise_encode():
+  rng = np.random.default_rng(1)
+  n = 5
+  fixed = {"x": rng.normal(size=(n, 3)).astype(np.float32), "s": np.arange(n, dtype=np.int32)}
+  lens = np.array([0, 2, 1, 0, 3])
+  offs = np.concatenate([[0], np.cumsum(lens)])
+  ev = rng.integers(0, 100, (offs[-1], 4)).astype(np.int32)
+  ids = rng.integers(0, 9, offs[-1]).astype(np.int64)
+  recs = records.encode_columns(fixed, {"ev": (ev, offs), "ids": (ids, offs)})
+  for i in range(n):
+    row = {"x": fixed["x"][i], "s": fixed["s"][i], "ev": ev[offs[i]:offs[i + 1]],
+           "ids": ids[offs[i]:offs[i + 1]]}
+    assert recs[i] == records.encode(row)
+
+
+@pytest.mark.parametrize("mutate", [lambda b: b[:-3], lambda b: b"XX" + b[2:],
+                                    lambda b: b + b"\0", lambda b: b[:5], lambda b: b""])
+def test_decode_rejects_malformed_bytes(mutate):
+  b = records.encode({"a": np.arange(4, dtype=np.int32)})
+  with pytest.raises(records.RecordFormatError):
+    records.decode(mutate(b))
+
+
+def _example(schema, rng, surface):
+  rec = {"dense": rng.normal(size=len(schema.dense)).astype(np.float32),
+         "surface": np.int32(surface), "labels": np.array([1, 0], np.float32),
+         "label_mask": np.array([1, 1], np.float32), "true_prob": np.array([.5, np.nan], np.float32),
+         "user_id": np.int32(rng.integers(1000)), "ad_id": np.int32(7), "request_ts": np.int32(10**6)}
+  for f in schema.sparse:
+    rec[f"sparse/{f.name}"] = rng.integers(0, f.vocab_size, rng.integers(0, f.max_len + 1))
+  for s in schema.streams:
+    L = int(rng.integers(0, 5))
+    ev = np.zeros((L, len(records.event_columns(s))), np.int32)
+    ev[:, 0] = rng.integers(0, s.item_vocab, L)
+    ev[:, 3] = np.sort(rng.integers(0, 10**6, L))
+    rec[f"events/{s.name}"] = ev
+  return rec
+
+
+def test_writer_reader_roundtrip(tmp_path):
+  schema = tiny_schema()
+  rng = np.random.default_rng(2)
+  w = records.DatasetWriter(str(tmp_path), schema, records_per_shard=3)
+  written = {}
+  for surface, n in (("feed", 7), ("reels", 2)):     # stories: no records at all
+    recs = [_example(schema, rng, schema.surfaces.index(surface)) for _ in range(n)]
+    written[surface] = recs
+    w.write("train", surface, [records.encode(r) for r in recs])
+  manifest = w.close(("train",))
+  assert json.load(open(tmp_path / "manifest.json")) == manifest
+  feed = manifest["splits"]["train"]["feed"]
+  assert [e["count"] for e in feed] == [3, 3, 1]
+  assert [e["file"] for e in feed] == [f"train/feed-0000{i}-of-00003.arrayrecord" for i in range(3)]
+  assert manifest["splits"]["train"]["stories"] == [
+      {"file": "train/stories-00000-of-00001.arrayrecord", "count": 0}]
+  for e in feed:                                      # small shards (< 64 KB of data) are fine
+    assert os.path.exists(tmp_path / e["file"])
+  got = {}
+  for path, i, rec in records.read_split(str(tmp_path), "train"):
+    got.setdefault(os.path.basename(path).split("-")[0], []).append(rec)
+  assert sorted(got) == ["feed", "reels"]
+  for surface, recs in written.items():
+    assert len(got[surface]) == len(recs)
+    for a, b in zip(recs, got[surface]):
+      assert a.keys() == b.keys()
+      for k in a:
+        np.testing.assert_array_equal(a[k], b[k])
+
+
+def test_split_files_errors(tmp_path):
+  schema = tiny_schema()
+  with pytest.raises(FileNotFoundError, match="manifest.json"):
+    records.split_files(str(tmp_path), "train", schema)
+  records.DatasetWriter(str(tmp_path), schema).close(("train",))
+  with pytest.raises(ValueError, match="unknown split 'test'"):
+    records.split_files(str(tmp_path), "test", schema)
