@@ -20,6 +20,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.data.prefetch = 4
   c.data.skip_invalid = False        # True: count, report and skip invalid records
   c.data.length_balance = False      # Base Batch Shuffling (sort small groups by length)
+  c.data.eval_batch_size = 0         # eval.py global batch size (0: same as batch_size)
 
   c.train = ml_collections.ConfigDict()
   c.train.steps = 300
@@ -34,7 +35,8 @@ def base_config() -> ml_collections.ConfigDict:
   c.train.checkpoint_every = 100
   c.train.keep_checkpoints = 3
   c.train.log_every = 10
-  c.train.max_bad_steps = 5          # consecutive non-finite steps before stopping
+  c.train.max_bad_steps = 5          # consecutive non-finite steps allowed; one more stops
+  c.train.task_weights = ()          # per-task loss weights (empty: all 1.0)
 
   c.sharding = ml_collections.ConfigDict()
   c.sharding.rules = "fsdp"          # a preset name from sharding.rules

@@ -1,0 +1,212 @@
+"""Trains a Kunlun model; resumes automatically from the latest checkpoint in --workdir.
+
+  python train.py --config=kunlun/configs/tiny.py --workdir=/tmp/kunlun_tiny
+  python train.py --config=kunlun/configs/dev.py --config.train.lr=1e-3 \
+      --workdir=runs/dev --mesh=data=1,fsdp=-1 --data_dir=/data/dev --profile_steps=20:25
+
+SIGTERM / SIGINT finish the current step, save a checkpoint and exit 0.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+from absl import app, flags
+from ml_collections import config_flags
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+config_flags.DEFINE_config_file("config", os.path.join(_HERE, "kunlun/configs/tiny.py"),
+                                "Config file; override fields with --config.a.b=value.")
+flags.DEFINE_string("workdir", None, "Checkpoints, metrics.jsonl, tb/ and (generated) data/.",
+                    required=True)
+flags.DEFINE_string("mesh", "data=1,fsdp=-1,tensor=1,context=1,expert=1",
+                    "Mesh axis sizes within a host (one -1 absorbs the remaining devices).")
+flags.DEFINE_string("dcn_mesh", None, "Mesh axis sizes across hosts / slices (e.g. data=2).")
+flags.DEFINE_integer("steps", None, "Total training steps (overrides config.train.steps).")
+flags.DEFINE_string("data_dir", None, "Dataset directory; absent: generate config.data.preset "
+                    "into <workdir>/data once and reuse it.")
+flags.DEFINE_string("profile_steps", None, "START:END: capture a jax.profiler trace of these steps.")
+flags.DEFINE_string("profile_dir", None, "Trace output directory (default <workdir>/profile).")
+flags.DEFINE_string("coordinator_address", None, "Multi-host: coordinator host:port.")
+flags.DEFINE_integer("num_processes", None, "Multi-host: number of processes.")
+flags.DEFINE_integer("process_id", None, "Multi-host: this process's index.")
+flags.DEFINE_string("compilation_cache", os.environ.get("KUNLUN_COMPILATION_CACHE",
+                                                        "~/.cache/kunlun-jax/xla"),
+                    "Persistent XLA compilation cache directory ('' disables).")
+FLAGS = flags.FLAGS
+
+
+def parse_profile_steps(spec: str | None):
+  from kunlun.train.runtime import fail
+  if not spec:
+    return None
+  try:
+    a, b = (int(x) for x in spec.split(":"))
+  except ValueError:
+    fail(f"--profile_steps={spec}: expected START:END (integers)")
+  if not 0 <= a < b:
+    fail(f"--profile_steps={spec}: need 0 <= START < END")
+  return a, b
+
+
+class _StopFlag:
+  """Set by SIGTERM / SIGINT; the loop saves and exits after the current step."""
+
+  def __init__(self):
+    self.signum = None
+    for s in (signal.SIGTERM, signal.SIGINT):
+      signal.signal(s, self._handle)
+
+  def _handle(self, signum, _):
+    if self.signum is not None:       # second signal: give up immediately
+      signal.signal(signum, signal.SIG_DFL)
+      os.kill(os.getpid(), signum)
+    self.signum = signum
+
+
+def train(argv):
+  del argv
+  from kunlun.train import runtime
+  runtime.maybe_initialize_distributed(FLAGS.coordinator_address, FLAGS.num_processes,
+                                       FLAGS.process_id)
+  import jax
+  import numpy as np
+
+  runtime.enable_compilation_cache(FLAGS.compilation_cache)
+  config = FLAGS.config
+  if FLAGS.steps is not None:
+    config.train.steps = FLAGS.steps
+  total = int(config.train.steps)
+  profile = parse_profile_steps(FLAGS.profile_steps)
+  workdir = os.path.abspath(FLAGS.workdir)
+  mesh = runtime.build_mesh(FLAGS.mesh, FLAGS.dcn_mesh)
+  rules = runtime.get_rules(config.sharding.rules)
+  runtime.check_batch_size(config.data.batch_size, mesh, rules, "config.data.batch_size")
+
+  data_dir = FLAGS.data_dir or runtime.synthetic_data_dir(workdir, config)
+  schema = runtime.load_schema(data_dir)
+  model = runtime.build_model(config, schema)
+  runtime.save_run_info(workdir, config, data_dir)
+
+  from data import pipeline
+  from kunlun import config as model_config
+  from kunlun.flops import model_flops
+  from kunlun.train import checkpoint, optim, progress, step as step_lib
+  from kunlun.train.metrics import RunningNE
+  from sharding import mesh as mesh_lib, partition
+
+  seq_lens = model_config.seq_lens(config)
+  ds = pipeline.make_dataset(config.data, data_dir, "train", seq_lens, train=True,
+                             shard_index=jax.process_index(), shard_count=jax.process_count())
+  example = next(iter(ds))           # shapes only; the training iterator starts fresh below
+  data_iter = iter(ds)
+
+  rng = jax.random.key(config.seed)
+  init_rng, train_rng = jax.random.split(rng)
+  params, p_shard = partition.init_sharded(model, init_rng, example, mesh, rules)
+  tx = optim.make_optimizer(config.train, total)
+  o_shard = optim.opt_state_shardings(tx, checkpoint.abstract_like(params), p_shard, mesh)
+  opt_state = jax.jit(tx.init, out_shardings=o_shard)(params)
+  b_shard = partition.batch_sharding(mesh, rules)
+
+  ckpt = checkpoint.Checkpointer(os.path.join(workdir, "checkpoints"),
+                                 keep=config.train.keep_checkpoints)
+  start = 0
+  if ckpt.latest_step() is not None:
+    try:
+      start, params, opt_state, train_rng = ckpt.restore(
+          checkpoint.abstract_like(params), checkpoint.abstract_like(opt_state), data_iter)
+    except checkpoint.CheckpointError as e:
+      runtime.fail(str(e))
+    print(f"resumed from step {start} ({ckpt.directory})", flush=True)
+
+  task_w = tuple(config.train.get("task_weights", ()) or ())
+  if task_w and len(task_w) != len(schema.tasks):
+    runtime.fail(f"config.train.task_weights={task_w} needs one weight per task {schema.task_names}")
+  train_step = step_lib.make_train_step(
+      model, tx, np.asarray(task_w, np.float32) if task_w else None,
+      param_shardings=p_shard, opt_shardings=o_shard, batch_sharding=b_shard)
+
+  is_main = jax.process_index() == 0
+  prog = progress.Progress(workdir, total, enabled=is_main)
+  flops_per_step = model_flops(config, schema)["train_step"] * config.data.batch_size
+  peak = progress.device_peak_flops()
+  n_dev = mesh.devices.size
+  if is_main:
+    print(f"mesh {mesh_lib.describe(mesh)}, rules {config.sharding.rules!r}, "
+          f"{sum(x.size for x in jax.tree.leaves(params)):,} params, batch {config.data.batch_size}, "
+          f"steps {start}->{total}, data {data_dir}", flush=True)
+
+  stop = _StopFlag()
+  running = RunningNE(schema.task_names)
+  bad_in_row = bad_total = 0
+  window_loss, window_n, window_t0, times = 0.0, 0, None, []
+  profiling = False
+  step = start
+  with partition.activate(mesh, rules):
+    while step < total:
+      if profile and step == profile[0]:
+        jax.profiler.start_trace(FLAGS.profile_dir or os.path.join(workdir, "profile"))
+        profiling = True
+      with jax.profiler.StepTraceAnnotation("train", step_num=step):
+        batch = pipeline.device_put_batch(next(data_iter), b_shard)
+        params, opt_state, stats = train_step(params, opt_state, batch, train_rng, step)
+        stats = jax.device_get(stats)
+      step += 1
+      if profiling and step == profile[1]:
+        jax.block_until_ready(params)
+        jax.profiler.stop_trace()
+        profiling = False
+      now = time.perf_counter()
+      if window_t0 is None:          # the first step includes compilation: not timed
+        window_t0 = now
+      else:
+        times.append(now)
+      if not stats["ok"]:
+        bad_in_row += 1
+        bad_total += 1
+        print(f"step {step}: non-finite loss or gradient (loss={stats['loss']}, "
+              f"grad_norm={stats['grad_norm']}); update skipped ({bad_in_row} in a row)", flush=True)
+        if bad_in_row > config.train.max_bad_steps:
+          ckpt.close()
+          runtime.fail(f"{bad_in_row} consecutive non-finite steps (> config.train.max_bad_steps="
+                       f"{config.train.max_bad_steps}) at step {step}; stopping without a checkpoint")
+        continue
+      bad_in_row = 0
+      running.update(stats["loss_sum"], stats["pos_sum"], stats["count"])
+      window_loss += float(stats["loss"])
+      window_n += 1
+      if step % config.train.log_every == 0 or step == total:
+        dt = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else float("nan")
+        prog.log(step, {
+            "loss": window_loss / max(window_n, 1), "ne": running.value(),
+            "grad_norm": float(stats["grad_norm"]), "step_time_ms": 1e3 * dt,
+            "examples_per_s": config.data.batch_size / dt, "bad_steps": bad_total,
+            "mfu": progress.mfu(flops_per_step, dt, n_dev, peak)})
+        running.reset()
+        window_loss, window_n, times = 0.0, 0, times[-1:]
+      if step % config.train.checkpoint_every == 0 and step < total:
+        ckpt.save(step, params, opt_state, train_rng, data_iter)
+      if stop.signum is not None:
+        print(f"received signal {stop.signum}: saving step {step} and exiting", flush=True)
+        break
+  if profiling:
+    jax.profiler.stop_trace()
+  ckpt.save(step, params, opt_state, train_rng, data_iter)
+  ckpt.wait()
+  steps = ckpt.all_steps()
+  ckpt.close()
+  prog.close()
+  if is_main:
+    print(f"done: step {step}, checkpoints {steps} in {ckpt.directory}", flush=True)
+
+
+def main(argv):
+  from kunlun.train.runtime import run_main
+  run_main("train.py", train, argv)
+
+
+if __name__ == "__main__":
+  app.run(main)
