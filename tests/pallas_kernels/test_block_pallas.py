@@ -1,0 +1,90 @@
+"""Pallas block attention (interpret mode) against the XLA reference and a numpy loop."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallas_kernels
+from pallas_kernels import pallas_block, reference
+from tests.pallas_kernels.np_ref import block_loop
+
+B, T, H, D, BS = 2, 32, 2, 8, 16
+
+
+def _qkv(dtype=jnp.float32, seed=0):
+  ks = jax.random.split(jax.random.key(seed), 3)
+  return tuple(jax.random.normal(k, (B, T, H, D), dtype) for k in ks)
+
+
+def _rotary(per_head, seed=5):
+  shape = (B, T, H, D // 2) if per_head else (1, T, D // 2)
+  ang = jax.random.uniform(jax.random.key(seed), shape, maxval=6.0)
+  return jnp.cos(ang), jnp.sin(ang)
+
+
+def _kernel(q, k, v, **kw):
+  return pallas_block.block_attention_pallas(q, k, v, block_size=BS, interpret=True, **kw)
+
+
+CASES = {
+    "softmax": dict(),
+    "softmax_lengths_rotary_heads": dict(lengths=np.array([21, 0]), rotary=_rotary(True)),
+    "silu_rotary_shared": dict(activation="silu", lengths=np.array([32, 9]),
+                               rotary=_rotary(False)),
+    "per_head": dict(activation=("fast_gelu", "relu2"), lengths=np.array([17, 30])),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_forward_and_gradients(name):
+  kw = CASES[name]
+  q, k, v = _qkv()
+  out = _kernel(q, k, v, **kw)
+  ref = reference.block_attention_reference(q, k, v, block_size=BS, **kw)
+  loop = block_loop(q, k, v, BS, **kw)
+  np.testing.assert_allclose(out, loop, atol=2e-5, rtol=1e-5)
+  np.testing.assert_allclose(ref, loop, atol=2e-5, rtol=1e-5)
+  w = jnp.cos(jnp.arange(T * D, dtype=jnp.float32).reshape(T, 1, D))
+  grad = lambda fn: jax.grad(lambda q, k, v: jnp.sum(fn(q, k, v, block_size=BS, **kw) * w),
+                             argnums=(0, 1, 2))(q, k, v)
+  got = grad(lambda *a, **kw: pallas_block.block_attention_pallas(*a, interpret=True, **kw))
+  want = grad(reference.block_attention_reference)
+  for name_, g, r in zip("qkv", got, want):
+    np.testing.assert_allclose(g, r, atol=5e-5, rtol=1e-4, err_msg=f"d{name_}")
+
+
+def test_poison_nan_padding_and_dispatch():
+  q, k, v = _qkv(seed=1)
+  lengths = np.array([5, 27])
+  clean = (q, k, v)
+  qn, kn, vn = (x.at[0, 5:].set(jnp.nan).at[1, 27:].set(jnp.inf) for x in (q, k, v))
+  poison = jnp.full(q.shape, jnp.nan, q.dtype)
+  out = _kernel(qn, kn, vn, lengths=lengths, _out_init=poison)
+  assert np.isfinite(np.asarray(out)).all()
+  np.testing.assert_allclose(out, block_loop(*clean, BS, lengths=lengths), atol=2e-5)
+  out2 = pallas_kernels.block_attention(qn, kn, vn, block_size=BS, lengths=lengths,
+                                        backend="pallas", interpret=True)
+  np.testing.assert_array_equal(out, out2)
+  g = jax.grad(lambda q: jnp.sum(_kernel(q, kn, vn, lengths=lengths)))(qn)
+  assert np.isfinite(np.asarray(g)).all() and np.all(np.asarray(g[0, 5:]) == 0)
+
+
+def test_bf16_forward():
+  q, k, v = _qkv(jnp.bfloat16, seed=2)
+  kw = dict(lengths=np.array([32, 20]), rotary=_rotary(False))
+  out = _kernel(q, k, v, **kw)
+  assert out.dtype == jnp.bfloat16
+  f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+  np.testing.assert_allclose(np.asarray(out, np.float32), block_loop(*f32, BS, **kw),
+                             atol=4e-2, rtol=3e-2)
+
+
+def test_bad_arguments_raise():
+  q, k, v = _qkv()
+  with pytest.raises(ValueError, match="multiple of block_size"):
+    pallas_block.block_attention_pallas(q, k, v, block_size=12, interpret=True)
+  with pytest.raises(ValueError, match="rotary"):
+    _kernel(q, k, v, rotary=(jnp.ones((B, T, D)), jnp.ones((B, T, D))))
+  with pytest.raises(ValueError, match="activation"):
+    _kernel(q, k, v, activation="tanh")

@@ -1,0 +1,182 @@
+"""Pallas GDPA (interpret mode) against the XLA reference and a numpy loop; gradients against
+jax.grad of the reference. Tiny shapes: T not a multiple of the 16-wide tiles."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallas_kernels
+from pallas_kernels import activations, pallas_gdpa, reference
+from tests.pallas_kernels.np_ref import gdpa_loop
+
+B, TQ, TK, H, D = 2, 37, 29, 2, 8
+TILES = dict(block_q=16, block_k=16, block_q_bwd=16, block_k_bwd=16)
+
+
+def _qkv(dtype=jnp.float32, seed=0, tq=TQ, tk=TK, bq=B, h=H):
+  kq, kk, kv = jax.random.split(jax.random.key(seed), 3)
+  return (jax.random.normal(kq, (bq, tq, h, D), dtype), jax.random.normal(kk, (B, tk, h, D), dtype),
+          jax.random.normal(kv, (B, tk, h, D), dtype))
+
+
+def _kernel(q, k, v, **kw):
+  return pallas_gdpa.gdpa_pallas(q, k, v, interpret=True, **TILES, **kw)
+
+
+def _check_forward(kw, q=None, k=None, v=None, atol=2e-5):
+  if q is None:
+    q, k, v = _qkv()
+  out = _kernel(q, k, v, **kw)
+  ref = reference.gdpa_reference(q, k, v, **kw)
+  loop = gdpa_loop(q, k, v, **kw)
+  assert out.shape == ref.shape == loop.shape
+  np.testing.assert_allclose(out, ref, atol=atol, rtol=1e-5)
+  np.testing.assert_allclose(ref, loop, atol=atol, rtol=1e-5)
+  np.testing.assert_allclose(out, loop, atol=atol, rtol=1e-5)
+  return out
+
+
+def test_forward_every_activation_one_per_head():
+  """H = 6 heads, head h uses activations.NAMES[h]: every activation in one kernel call."""
+  q, k, v = _qkv(h=len(activations.NAMES))
+  out = _check_forward(dict(activation=activations.NAMES, q_lengths=np.array([37, 20]),
+                            kv_lengths=np.array([17, 29])), q, k, v)
+  assert np.all(np.abs(np.asarray(out[0, :17])).max(axis=(0, 2)) > 0)  # no head trivially zero
+
+
+@pytest.mark.parametrize("act", ["identity", "gelu"])
+def test_forward_single_activation(act):
+  _check_forward(dict(activation=act, kv_lengths=np.array([29, 16])))
+
+
+def test_forward_per_head_window_zero_length_scales():
+  kw = dict(activation=("silu", "relu2"), window=5, scale=0.4, out_scale=0.25,
+            q_lengths=np.array([0, 33]), kv_lengths=np.array([29, 0]))
+  out = _check_forward(kw)
+  assert np.all(np.asarray(out) == 0)  # each example has one zero-length side
+  kw.update(q_lengths=np.array([30, 33]), kv_lengths=np.array([29, 11]))
+  out = _check_forward(kw)
+  assert np.all(np.asarray(out[0, 30:]) == 0) and np.abs(np.asarray(out[1, :5])).max() > 0
+
+
+def test_forward_broadcast_q_and_dispatch():
+  q, k, v = _qkv(bq=1)
+  kw = dict(activation="gelu", broadcast_q=True, q_lengths=np.array([37, 8]), window=12)
+  _check_forward(kw, q, k, v)
+  out = pallas_kernels.gdpa(q, k, v, backend="pallas", interpret=True, **kw)
+  np.testing.assert_allclose(out, gdpa_loop(q, k, v, **kw), atol=2e-5)
+
+
+def test_forward_bf16_inputs():
+  q, k, v = _qkv(jnp.bfloat16)
+  kw = dict(activation="fast_gelu", kv_lengths=np.array([29, 13]))
+  out = _kernel(q, k, v, **kw)
+  assert out.dtype == jnp.bfloat16
+  loop = gdpa_loop(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), **kw)
+  # P is rounded to bf16 before P.V and the output is bf16: ~3 significant digits.
+  np.testing.assert_allclose(np.asarray(out, np.float32), loop, atol=3e-2, rtol=2e-2)
+
+
+GRAD_CASES = [  # (kwargs, heads); the first case covers every activation's derivative
+    (dict(activation=activations.NAMES, q_lengths=np.array([37, 19]),
+          kv_lengths=np.array([13, 29])), len(activations.NAMES)),
+    (dict(activation="fast_gelu", window=6, out_scale=0.5, scale=0.3), H),
+    (dict(activation=("relu", "silu"), q_lengths=np.array([0, 37]), kv_lengths=np.array([29, 0])),
+     H),
+]
+
+
+def _grads(fn, q, k, v, kw):
+  w = jnp.cos(jnp.arange(q.shape[1] * D, dtype=jnp.float32).reshape(q.shape[1], 1, D))
+  return jax.grad(lambda q, k, v: jnp.sum(fn(q, k, v, **kw).astype(jnp.float32) * w),
+                  argnums=(0, 1, 2))(q, k, v)
+
+
+@pytest.mark.parametrize("kw,heads", GRAD_CASES, ids=range(len(GRAD_CASES)))
+def test_gradients_match_reference(kw, heads):
+  q, k, v = _qkv(seed=1, h=heads)
+  got = _grads(_kernel, q, k, v, kw)
+  want = _grads(reference.gdpa_reference, q, k, v, kw)
+  for name, g, r in zip("qkv", got, want):
+    assert np.isfinite(np.asarray(g)).all(), name
+    np.testing.assert_allclose(g, r, atol=5e-5, rtol=1e-4, err_msg=f"d{name}")
+
+
+def test_gradients_broadcast_q():
+  q, k, v = _qkv(bq=1, seed=2)
+  kw = dict(activation="silu", broadcast_q=True, kv_lengths=np.array([29, 7]))
+  got = _grads(_kernel, q, k, v, kw)
+  want = _grads(reference.gdpa_reference, q, k, v, kw)
+  assert got[0].shape == (1, TQ, H, D)
+  for g, r in zip(got, want):
+    np.testing.assert_allclose(g, r, atol=5e-5, rtol=1e-4)
+
+
+def test_poisoned_output_is_fully_written():
+  q, k, v = _qkv()
+  kw = dict(activation="silu", q_lengths=np.array([3, 0]), kv_lengths=np.array([29, 4]), window=3)
+  poison = jnp.full((B, 48, H, D), jnp.nan, jnp.float32)  # padded shape: 37 -> 3 tiles of 16
+  out = _kernel(q, k, v, _out_init=poison, **kw)
+  assert out.shape == (B, TQ, H, D)
+  assert np.isfinite(np.asarray(out)).all()
+  np.testing.assert_allclose(out, gdpa_loop(q, k, v, **kw), atol=2e-5)
+
+
+def test_nan_in_masked_positions_never_leaks():
+  q, k, v = _qkv(seed=3)
+  ql, kl = np.array([30, 11]), np.array([20, 29])
+  clean = [x for x in (q, k, v)]
+  qn = q.at[0, 30:].set(jnp.nan).at[1, 11:].set(jnp.inf)
+  kn = k.at[0, 20:].set(jnp.nan)
+  vn = v.at[0, 20:].set(jnp.nan)
+  kw = dict(activation="fast_gelu", q_lengths=ql, kv_lengths=kl)
+  out = _kernel(qn, kn, vn, **kw)
+  assert np.isfinite(np.asarray(out)).all()
+  np.testing.assert_allclose(out, gdpa_loop(*clean, **kw), atol=2e-5)
+  got = _grads(_kernel, qn, kn, vn, kw)
+  want = _grads(reference.gdpa_reference, *clean, kw)
+  for g, r in zip(got, want):
+    assert np.isfinite(np.asarray(g)).all()
+    np.testing.assert_allclose(g, r, atol=5e-5, rtol=1e-4)
+
+
+def test_fp8_forward_close_to_fp32():
+  """fp8 e4m3 (3 mantissa bits) per-tensor scaled q.k, bf16 P.V: relative L2 error < 8%."""
+  q, k, v = _qkv(seed=4)
+  kw = dict(activation="fast_gelu", window=10)
+  out = pallas_gdpa.gdpa_pallas(q, k, v, interpret=True, fp8=True, **TILES, **kw)
+  want = gdpa_loop(q, k, v, **kw)
+  err = np.linalg.norm(np.asarray(out, np.float64) - want) / np.linalg.norm(want)
+  assert err < 0.08, err
+  # Independent emulation of the same quantisation in numpy-fed XLA: much closer.
+  deq = [np.asarray((x / s).astype(jnp.float8_e4m3fn), np.float64) * s
+         for x in (q, k, v) for s in [float(jnp.abs(x).max()) / 448.0]]
+  emu = gdpa_loop(*deq, **kw)
+  err_emu = np.linalg.norm(np.asarray(out, np.float64) - emu) / np.linalg.norm(emu)
+  assert err_emu < 0.02, err_emu
+
+
+def test_tile_span_covers_exactly_the_visible_tiles():
+  """The loop bounds that skip tiles keep every tile with a visible pair (none is lost)."""
+  tile, other, n_other = 4, 8, 5
+  for start in range(0, 24, tile):
+    for other_len in (0, 7, 17, 40):
+      for window in (None, 0, 3, 9):
+        lo, hi = (int(x) for x in pallas_gdpa._span(jnp.int32(start), tile, other, n_other,
+                                                    jnp.int32(other_len), window))
+        for t in range(n_other):
+          visible = any(j < other_len and (window is None or abs(i - j) <= window)
+                        for i in range(start, start + tile) for j in range(t * other, (t + 1) * other))
+          if visible:
+            assert lo <= t < hi, (start, other_len, window, t, lo, hi)
+
+
+def test_bad_arguments_raise():
+  q, k, v = _qkv()
+  with pytest.raises(ValueError, match="activation"):
+    _kernel(q, k, v, activation="tanh")
+  with pytest.raises(ValueError, match="broadcast_q"):
+    _kernel(q, k, v, broadcast_q=True)
+  with pytest.raises(ValueError, match="lengths"):
+    _kernel(q, k, v, q_lengths=np.array([1, 2, 3]))
