@@ -1,0 +1,29 @@
+"""MoWE equals the mean of its experts applied independently; experts carry the `exp` axis."""
+
+import flax.linen as nn
+import jax
+import numpy as np
+import pytest
+
+from kunlun.mowe import MoWE
+from kunlun.wukong import WukongStack
+
+
+def test_mowe_is_mean_of_independent_experts():
+  x = np.random.default_rng(0).normal(size=(3, 6, 8)).astype(np.float32)
+  m = MoWE(num_experts=3, layers_per_expert=2, n_out=4, rank=2, mlp_hidden=16)
+  v = jax.jit(m.init)(jax.random.key(0), x)
+  y = np.asarray(jax.jit(m.apply)(v, x))
+  assert y.shape == (3, 4, 8)
+  p = nn.meta.unbox(v)["params"]["experts"]
+  stack = jax.jit(WukongStack(2, 4, 2, 16).apply)
+  outs = [np.asarray(stack({"params": jax.tree.map(lambda a: a[e], p)}, x)) for e in range(3)]
+  np.testing.assert_allclose(y, np.mean(outs, 0), rtol=1e-5, atol=1e-5)
+  assert np.abs(outs[0] - outs[1]).max() > 1e-3            # experts are initialised differently
+  names = jax.tree.leaves(v["params"], is_leaf=lambda a: isinstance(a, nn.LogicallyPartitioned))
+  assert all(isinstance(a, nn.LogicallyPartitioned) and a.names[0] == "exp" for a in names)
+
+
+def test_mowe_errors():
+  with pytest.raises(ValueError, match="num_experts"):
+    MoWE(0, 1, 4, 2, 8).init(jax.random.key(0), np.ones((2, 3, 4), np.float32))
