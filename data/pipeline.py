@@ -59,14 +59,10 @@ class Decode:
     return self.example(rec)
 
   def example(self, rec: dict) -> dict:
-    sparse = {}
-    for feat in self.schema.sparse:
-      ids = rec[f"sparse/{feat.name}"]
-      out = np.full(feat.max_len, -1, np.int32)
-      out[:len(ids)] = hash_ids(ids, feat.vocab_size) if feat.hashed else ids
-      sparse[feat.name] = out
+    """Raw sparse ids (hashed and padded per batch by ``Collate``), most recent T events."""
     return {
-        "dense": rec["dense"], "sparse": sparse, "surface": rec["surface"],
+        "dense": rec["dense"], "surface": rec["surface"],
+        "sparse": {f.name: rec[f"sparse/{f.name}"] for f in self.schema.sparse},
         "events": {s: rec[f"events/{s}"][-T:] for s, T in self.seq_lens.items()},
         "labels": rec["labels"], "label_mask": rec["label_mask"], "true_prob": rec["true_prob"],
         "user_id": rec["user_id"], "ad_id": rec["ad_id"], "request_ts": rec["request_ts"],
@@ -78,7 +74,7 @@ def empty_example(schema: Schema, seq_lens: dict[str, int]) -> dict:
   K = len(schema.tasks)
   return {
       "dense": np.zeros(len(schema.dense), np.float32),
-      "sparse": {f.name: np.full(f.max_len, -1, np.int32) for f in schema.sparse},
+      "sparse": {f.name: np.zeros(0, np.int64) for f in schema.sparse},
       "surface": np.int32(0),
       "events": {s.name: np.zeros((0, len(records.event_columns(s))), np.int32)
                  for s in schema.streams if s.name in seq_lens},
@@ -113,6 +109,15 @@ class Collate:
     self.pad = empty_example(schema, seq_lens)
     self.cols = {s.name: records.event_columns(s) for s in schema.streams}
 
+  def _sparse(self, feat, ids: list[np.ndarray]) -> np.ndarray:
+    """Raw id lists -> i32[B, max_len], hashed if ``feat.hashed``, -1 = empty slot."""
+    lens = np.array([len(x) for x in ids])
+    flat = np.concatenate(ids) if lens.sum() else np.zeros(0, np.int64)
+    out = np.full((self.B, feat.max_len), -1, np.int32)
+    out[np.arange(feat.max_len)[None, :] < lens[:, None]] = (
+        hash_ids(flat, feat.vocab_size) if feat.hashed else flat)
+    return out
+
   def __call__(self, examples: list[dict]) -> dict:
     n = len(examples)
     mask = np.zeros(self.B, np.float32)
@@ -124,7 +129,7 @@ class Collate:
       examples, mask = [examples[i] for i in order], mask[order]
     st = lambda k, dt: np.asarray([e[k] for e in examples], dt)
     out = {"dense": np.stack([e["dense"] for e in examples]),
-           "sparse": {f.name: np.stack([e["sparse"][f.name] for e in examples])
+           "sparse": {f.name: self._sparse(f, [e["sparse"][f.name] for e in examples])
                       for f in self.schema.sparse},
            "surface": st("surface", np.int32), "labels": np.stack([e["labels"] for e in examples]),
            "label_mask": np.stack([e["label_mask"] for e in examples]),

@@ -8,6 +8,7 @@ an ``InvalidCounter`` instead of raising.
 
 from __future__ import annotations
 
+import math
 import threading
 
 import numpy as np
@@ -35,6 +36,13 @@ class InvalidCounter:
     self._lock = threading.Lock()
     self.counts: dict[str, int] = {}
     self.log_first = log_first
+
+  def __getstate__(self):   # picklable for mp_prefetch workers (each keeps its own count)
+    return {"counts": dict(self.counts), "log_first": self.log_first}
+
+  def __setstate__(self, d):
+    self.__dict__.update(d)
+    self._lock = threading.Lock()
 
   def add(self, err: InvalidRecordError) -> None:
     with self._lock:
@@ -75,7 +83,11 @@ class Validator:
     self.ev_hi = {s.name: np.array([s.item_vocab, s.action_vocab, S, np.iinfo(np.int32).max]
                                    + [e.vocab_size for e in s.extra_fields], np.int64)
                   for s in schema.streams}
-    self.always = np.array([t.always_valid for t in schema.tasks])
+    self.cols = {s.name: records.event_columns(s) for s in schema.streams}
+    self.always = [k for k, t in enumerate(schema.tasks) if t.always_valid]
+    # (name, dtype, fixed shape or None, ndim, fixed trailing size or None)
+    self.checks = [(k, dt, shp if None not in shp else None, len(shp),
+                    shp[1] if len(shp) == 2 else None) for k, (dt, shp) in self.spec.items()]
 
   def __call__(self, rec, *, file: str, index: int, surface: int | None = None) -> dict:
     def bad(kind, field, msg):
@@ -86,17 +98,19 @@ class Validator:
         rec = records.decode(bytes(rec))
       except records.RecordFormatError as e:
         bad("bytes", "<record>", str(e))
-    for name, (dt, shape) in self.spec.items():
+    for name, dt, fixed, ndim, trail in self.checks:
       a = rec.get(name)
       if a is None:
         bad("missing", name, "missing from the record")
       if a.dtype != dt:
         bad("dtype", name, f"dtype {a.dtype}, expected {dt}")
-      if a.ndim != len(shape) or any(w is not None and w != v for w, v in zip(shape, a.shape)):
+      if (a.shape != fixed) if fixed is not None else (
+          a.ndim != ndim or (trail is not None and a.shape[1] != trail)):
+        shape = self.spec[name][1]
         want = "[" + ", ".join("n" if w is None else str(w) for w in shape) + "]"
         bad("shape", name, f"shape {list(a.shape)}, expected {want}")
-    extra = sorted(set(rec) - set(self.spec))
-    if extra:
+    if len(rec) != len(self.spec):
+      extra = sorted(set(rec) - set(self.spec))
       bad("missing", extra[0], f"unknown field(s) {extra}; expected {sorted(self.spec)}")
 
     S = len(self.schema.surfaces)
@@ -106,15 +120,16 @@ class Validator:
     if surface is not None and surf != surface:
       bad("surface", "surface", f"record of surface {self.schema.surfaces[surf]!r} in a file "
           f"of surface {self.schema.surfaces[surface]!r}")
-    if not np.isfinite(rec["dense"]).all():
-      j = int(np.flatnonzero(~np.isfinite(rec["dense"]))[0])
-      bad("non_finite", f"dense/{self.schema.dense[j]}", f"value {rec['dense'][j]} is not finite")
+    dense = rec["dense"]
+    if not math.isfinite(dense.sum(dtype=np.float64)):     # NaN / inf propagate into the sum
+      j = int(np.flatnonzero(~np.isfinite(dense))[0])
+      bad("non_finite", f"dense/{self.schema.dense[j]}", f"value {dense[j]} is not finite")
     for f in self.schema.sparse:
-      ids = rec[f"sparse/{f.name}"]
+      ids = rec[f"sparse/{f.name}"].tolist()
       if len(ids) > f.max_len:
         bad("shape", f"sparse/{f.name}", f"{len(ids)} ids, max_len is {f.max_len}")
-      if len(ids) and (ids.min() < 0 or (not f.hashed and ids.max() >= f.vocab_size)):
-        bad("id_range", f"sparse/{f.name}", f"ids in [{ids.min()}, {ids.max()}] outside "
+      if ids and (min(ids) < 0 or (not f.hashed and max(ids) >= f.vocab_size)):
+        bad("id_range", f"sparse/{f.name}", f"ids in [{min(ids)}, {max(ids)}] outside "
             f"[0, {'inf' if f.hashed else f.vocab_size})")
     req = int(rec["request_ts"])
     if req < 0:
@@ -127,29 +142,29 @@ class Validator:
       if not len(ev):
         continue
       lo, hi = ev.min(0), ev.max(0)
-      cols = records.event_columns(s)
-      badc = np.flatnonzero((lo < 0) | (hi >= self.ev_hi[s.name]))
-      if len(badc):
-        c = int(badc[0])
+      if (lo < 0).any() or (hi >= self.ev_hi[s.name]).any():
+        cols = self.cols[s.name]
+        c = int(np.flatnonzero((lo < 0) | (hi >= self.ev_hi[s.name]))[0])
         if cols[c] == "ts":
           bad("timestamp", f"{name}/ts", f"negative event timestamp {lo[c]}")
         kind = "surface" if cols[c] == "surface" else "id_range"
         bad(kind, f"{name}/{cols[c]}", f"values in [{lo[c]}, {hi[c]}] outside "
             f"[0, {self.ev_hi[s.name][c]})")
-      ts = ev[:, 3]
       if hi[3] > req:
         bad("timestamp", f"{name}/ts", f"event at {hi[3]} after the request at {req}")
-      if len(ts) > 1 and (np.diff(ts) < 0).any():
+      ts = ev[:, 3]
+      if len(ts) > 1 and (ts[1:] < ts[:-1]).any():
         bad("timestamp", f"{name}/ts", "events not in time order (oldest first)")
     for k in ("labels", "label_mask"):
-      v = rec[k]
-      if ((v != 0) & (v != 1)).any():
-        bad("label", k, f"values {v.tolist()} must be 0 or 1")
-    if (rec["label_mask"][self.always] != 1).any():
+      v = rec[k].tolist()
+      if any(x != 0 and x != 1 for x in v):
+        bad("label", k, f"values {v} must be 0 or 1")
+    mask = rec["label_mask"].tolist()
+    if any(mask[k] != 1 for k in self.always):
       bad("label", "label_mask", "an always-valid task has label_mask 0")
-    p = rec["true_prob"]
-    if ((p < 0) | (p > 1)).any():
-      bad("label", "true_prob", f"values {p.tolist()} outside [0, 1] (NaN = unknown)")
+    p = rec["true_prob"].tolist()
+    if any(x < 0 or x > 1 for x in p):                     # NaN compares False: allowed
+      bad("label", "true_prob", f"values {p} outside [0, 1] (NaN = unknown)")
     return rec
 
 
