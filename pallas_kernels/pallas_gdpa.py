@@ -1,4 +1,4 @@
-"""GDPA in Pallas (Triton-style ``pallas_call`` with BlockSpecs; runs with ``interpret=True`` on CPU).
+"""GDPA in Pallas (Triton-style ``pallas_call`` with BlockSpecs; ``interpret=True`` runs on CPU).
 
 Forward: grid ``(B, H, Tq / bq)``; each program keeps one q tile and walks the kv tiles that can
 hold a visible key (lengths and window bound the loop, so fully masked tiles are never touched).
@@ -44,6 +44,11 @@ class _Cfg(NamedTuple):
   bq_bwd: int
   bk_bwd: int
   interpret: bool
+  num_warps: int | None = None
+  num_stages: int | None = None
+
+  def params(self):
+    return plgpu.CompilerParams(num_warps=self.num_warps, num_stages=self.num_stages)
 
 
 def _tile(n: int, block: int) -> int:
@@ -193,6 +198,7 @@ def _fwd_call(cfg: _Cfg, q, k, v, q_len, kv_len, out_init=None):
       out_shape=jax.ShapeDtypeStruct((B, Tq, H, D), q.dtype),
       grid=(B, H, nq), in_specs=in_specs, out_specs=_row_spec(cfg.bq, D),
       input_output_aliases=aliases, interpret=cfg.interpret, name="gdpa_fwd",
+      compiler_params=cfg.params(),
   )(*args)
 
 
@@ -209,6 +215,7 @@ def _bwd_calls(cfg: _Cfg, q, k, v, q_len, kv_len, do):
       in_specs=[_len_spec(), _len_spec(), _row_spec(cfg.bq_bwd, D, bcast), _full_spec(Tk, D),
                 _full_spec(Tk, D), _row_spec(cfg.bq_bwd, D)],
       out_specs=_row_spec(cfg.bq_bwd, D), interpret=cfg.interpret, name="gdpa_bwd_dq",
+      compiler_params=cfg.params(),
   )(q_len, kv_len, q, k, v, do)
   if bcast:
     dq = dq.sum(0, keepdims=True).astype(q.dtype)
@@ -219,7 +226,7 @@ def _bwd_calls(cfg: _Cfg, q, k, v, q_len, kv_len, do):
       in_specs=[_len_spec(), _len_spec(), _full_spec(Tq, D, bcast), _row_spec(cfg.bk_bwd, D),
                 _row_spec(cfg.bk_bwd, D), _full_spec(Tq, D)],
       out_specs=(_row_spec(cfg.bk_bwd, D), _row_spec(cfg.bk_bwd, D)),
-      interpret=cfg.interpret, name="gdpa_bwd_dkv",
+      interpret=cfg.interpret, name="gdpa_bwd_dkv", compiler_params=cfg.params(),
   )(q_len, kv_len, q, k, v, do)
   return dq, dk, dv
 
@@ -267,7 +274,7 @@ def _quantise(x):
 def gdpa_pallas(q, k, v, *, activation="fast_gelu", scale=None, out_scale=1.0, q_lengths=None,
                 kv_lengths=None, window=None, broadcast_q=False, backend="pallas",
                 interpret=False, block_q=64, block_k=64, block_q_bwd=32, block_k_bwd=32,
-                fp8=False, _out_init=None):
+                num_warps=None, num_stages=None, fp8=False, _out_init=None):
   """Pallas GDPA; same semantics as ``reference.gdpa_reference`` (see there for shapes).
 
   Extra args: ``block_*`` tile sizes (powers of two; clipped to the sequence lengths),
@@ -289,7 +296,7 @@ def gdpa_pallas(q, k, v, *, activation="fast_gelu", scale=None, out_scale=1.0, q
   scale = D ** -0.5 if scale is None else float(scale)
   cfg = _Cfg(activations.per_head(activation, H), scale, float(out_scale),
              None if window is None else int(window), bool(broadcast_q), bq, bk, bq_b, bk_b,
-             bool(interpret))
+             bool(interpret), num_warps, num_stages)
   qp, kp, vp = _pad_seq(q, tq_pad), _pad_seq(k, tk_pad), _pad_seq(v, tk_pad)
   if fp8:  # zero the rows beyond the lengths first so they cannot set (or NaN) the amax
     qv = jnp.arange(tq_pad)[None, :] < (q_len[:, None] if not broadcast_q else Tq)
@@ -337,5 +344,6 @@ def _fp8_forward(cfg, q8, k8, v8, qk_scale, v_scale, q_len, kv_len):
       in_specs=[_len_spec(), _len_spec(), pl.BlockSpec((1,), lambda b, h, i: (0,)),
                 _row_spec(cfg.bq, D, cfg.broadcast_q), _full_spec(Tk, D), _full_spec(Tk, D)],
       out_specs=_row_spec(cfg.bq, D), interpret=cfg.interpret, name="gdpa_fwd_fp8",
+      compiler_params=cfg.params(),
   )(q_len, kv_len, jnp.reshape(qk_scale, (1,)).astype(_F32), q8, k8, v8)
   return out * v_scale
