@@ -106,7 +106,7 @@ def train(argv):
   rng = jax.random.key(config.seed)
   init_rng, train_rng = jax.random.split(rng)
   params, p_shard = partition.init_sharded(model, init_rng, example, mesh, rules)
-  tx = optim.make_optimizer(config.train, total)
+  tx = optim.make_optimizer(config.train, int(config.train.get("schedule_steps", 0)) or total)
   o_shard = optim.opt_state_shardings(tx, checkpoint.abstract_like(params), p_shard, mesh)
   opt_state = jax.jit(tx.init, out_shardings=o_shard)(params)
   b_shard = partition.batch_sharding(mesh, rules)

@@ -24,6 +24,7 @@ def base_config() -> ml_collections.ConfigDict:
 
   c.train = ml_collections.ConfigDict()
   c.train.steps = 300
+  c.train.schedule_steps = 0         # length of the LR schedule (0: train.steps)
   c.train.lr = 2e-3                  # AdamW peak learning rate (dense parameters)
   c.train.warmup_steps = 50
   c.train.schedule = "cosine"        # "cosine" | "constant"

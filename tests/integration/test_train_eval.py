@@ -1,0 +1,215 @@
+"""End-to-end train.py / eval.py on CPU (subprocesses, real signals, 1 and 8 fake devices).
+
+One 300-step tiny run (module fixture) feeds several tests: NE below the base rate on every
+surface, bitwise resume after SIGTERM, a loss curve on an 8-device mesh, evaluation under another
+mesh, and a corrupt checkpoint. Compilations are shared through a persistent cache.
+"""
+
+import glob
+import gzip
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+STEPS = 300
+# KUNLUN_E2E_EXTRA: extra train.py flags, e.g. "--config.model.arch=dlrm" to run a baseline
+TRAIN_ARGS = ["--config.train.log_every=1", "--config.train.checkpoint_every=100",
+              *os.environ.get("KUNLUN_E2E_EXTRA", "").split()]
+NE_MARGIN = 0.03     # eval click NE must be below 1 - NE_MARGIN on every surface
+
+
+def _env(devices, cache):
+  env = dict(os.environ)
+  env.update(JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES=str(devices),
+             XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+             KUNLUN_COMPILATION_CACHE=cache, PYTHONPATH=ROOT)
+  return env
+
+
+def _run(script, args, cache, devices=1, timeout=600, check=True):
+  p = subprocess.run([sys.executable, os.path.join(ROOT, script), *args], cwd=ROOT,
+                     env=_env(devices, cache), capture_output=True, text=True, timeout=timeout)
+  if check and p.returncode != 0:
+    raise AssertionError(f"{script} {args} failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}")
+  return p
+
+
+def _losses(workdir):
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    return {r["step"]: r["loss"] for r in map(json.loads, f)}
+
+
+def _params(workdir, step):
+  import orbax.checkpoint as ocp
+  path = os.path.join(workdir, "checkpoints", str(step), "params")
+  meta = ocp.PyTreeCheckpointer().metadata(path)
+  tree = meta.item_metadata.tree if hasattr(meta, "item_metadata") else meta.tree
+  args = jax_tree_map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
+  return ocp.PyTreeCheckpointer().restore(path, restore_args=args)
+
+
+def jax_tree_map(f, tree):
+  import jax
+  return jax.tree.map(f, tree, is_leaf=lambda x: not isinstance(x, dict))
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+  from data import synthetic
+  base = tmp_path_factory.mktemp("e2e")
+  data_dir = str(base / "data")
+  synthetic.generate(data_dir, "tiny", seed=0)
+  return {"base": base, "data": data_dir, "cache": str(base / "xla_cache")}
+
+
+@pytest.fixture(scope="module")
+def trained(env):
+  """300 tiny steps on one CPU device; returns the workdir."""
+  wd = str(env["base"] / "w1")
+  p = _run("train.py", [f"--workdir={wd}", f"--data_dir={env['data']}", f"--steps={STEPS}",
+                        *TRAIN_ARGS], env["cache"])
+  assert "step 300/300" in p.stdout
+  return wd
+
+
+@pytest.fixture(scope="module")
+def eval_1dev(env, trained):
+  out = str(env["base"] / "eval_1dev.json")
+  p = _run("eval.py", [f"--workdir={trained}", f"--out={out}",
+                       f"--plots_dir={env['base'] / 'plots'}"], env["cache"])
+  return p, json.load(open(out))
+
+
+@pytest.mark.slow
+def test_tiny_beats_base_rate_on_every_surface(eval_1dev, env):
+  p, res = eval_1dev
+  assert res["step"] == STEPS and res["examples"] > 0
+  assert set(res["metrics"]) == {"feed", "stories", "reels"}
+  for surface, tasks in res["metrics"].items():
+    m = tasks["click"]
+    assert set(m) == {"ne", "auc", "calibration", "count", "positive_rate", "bayes_ne"}
+    assert m["ne"] < 1.0 - NE_MARGIN, (surface, m)
+    assert m["auc"] > 0.5 and m["bayes_ne"] < m["ne"]
+  counts = sum(t["click"]["count"] for t in res["metrics"].values())
+  assert counts == res["examples"] == res["overall"]["click"]["count"]
+  assert "overall" in p.stdout and "click" in p.stdout       # the table
+  assert os.path.getsize(env["base"] / "plots" / "calibration_click.png") > 1000
+
+
+@pytest.mark.slow
+def test_checkpoint_evaluates_identically_on_another_mesh(env, trained, eval_1dev):
+  out = str(env["base"] / "eval_8dev.json")
+  _run("eval.py", [f"--workdir={trained}", f"--out={out}", "--mesh=data=2,fsdp=4"],
+       env["cache"], devices=8)
+  a, b = eval_1dev[1], json.load(open(out))
+  assert a["examples"] == b["examples"]
+  for s in a["metrics"]:
+    for t in a["metrics"][s]:
+      for k, v in a["metrics"][s][t].items():
+        if v is None:
+          assert b["metrics"][s][t][k] is None
+        else:
+          assert b["metrics"][s][t][k] == pytest.approx(v, rel=1e-4, abs=1e-6), (s, t, k)
+
+
+@pytest.mark.slow
+def test_sigterm_and_resume_reproduce_params_bitwise(env, trained):
+  wd = str(env["base"] / "w2")
+  cmd = [sys.executable, os.path.join(ROOT, "train.py"), f"--workdir={wd}",
+         f"--data_dir={env['data']}", f"--steps={STEPS}", *TRAIN_ARGS]
+  proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(1, env["cache"]), stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True)
+  jsonl = os.path.join(wd, "metrics.jsonl")
+  deadline = time.time() + 300
+  while time.time() < deadline and proc.poll() is None:
+    if os.path.exists(jsonl) and len(open(jsonl).read().splitlines()) >= 130:
+      break
+    time.sleep(0.05)
+  assert proc.poll() is None, "training finished before it could be interrupted"
+  proc.send_signal(signal.SIGTERM)
+  out, err = proc.communicate(timeout=120)
+  assert proc.returncode == 0, err[-3000:]
+  assert "received signal" in out
+  steps = sorted(int(d) for d in os.listdir(os.path.join(wd, "checkpoints")) if d.isdigit())
+  interrupted_at = steps[-1]
+  assert 130 <= interrupted_at < STEPS and interrupted_at % 100, steps
+  p = _run("train.py", cmd[2:], env["cache"])
+  assert f"resumed from step {interrupted_at}" in p.stdout
+  a, b = _params(trained, STEPS), _params(wd, STEPS)
+  leaves_a, leaves_b = jax_leaves(a), jax_leaves(b)
+  assert len(leaves_a) == len(leaves_b) > 10
+  for (ka, x), (kb, y) in zip(leaves_a, leaves_b):
+    assert ka == kb
+    np.testing.assert_array_equal(x, y, err_msg=ka)
+  # the logged losses after the resume continue the uninterrupted curve exactly
+  la, lb = _losses(trained), _losses(wd)
+  assert all(la[s] == lb[s] for s in range(interrupted_at + 1, STEPS + 1))
+
+
+def jax_leaves(tree):
+  import jax
+  return [(jax.tree_util.keystr(k), np.asarray(v)) for k, v in jax.tree_util.tree_leaves_with_path(tree)]
+
+
+@pytest.fixture(scope="module")
+def mesh8(env):
+  """20 steps on a data=2 x fsdp=4 mesh of 8 CPU devices, profiling steps 3..5."""
+  wd = str(env["base"] / "w8")
+  p = _run("train.py", [f"--workdir={wd}", f"--data_dir={env['data']}", "--steps=20",
+                        f"--config.train.schedule_steps={STEPS}", "--mesh=data=2,fsdp=4",
+                        "--profile_steps=3:5", *TRAIN_ARGS], env["cache"], devices=8)
+  assert "data=2 fsdp=4" in p.stdout
+  return wd
+
+
+@pytest.mark.slow
+def test_mesh_loss_curve_matches_one_device(trained, mesh8):
+  """Same data, init and LR schedule: the first 20 losses on the 8-device mesh follow the
+  1-device run's (only the reduction order differs)."""
+  a, b = _losses(trained), _losses(mesh8)
+  assert sorted(b) == list(range(1, 21))
+  np.testing.assert_allclose([b[s] for s in range(1, 21)], [a[s] for s in range(1, 21)], rtol=2e-3)
+
+
+@pytest.mark.slow
+def test_profile_trace_has_named_scopes(mesh8):
+  traces = glob.glob(os.path.join(mesh8, "profile", "**", "*.trace.json.gz"), recursive=True)
+  assert traces, os.listdir(mesh8)
+  text = gzip.open(traces[0]).read().decode("utf-8", "replace")
+  for scope in ("PFFN", "GDPA", "HSP", "MoWE"):
+    assert scope in text, scope
+  assert "train" in text
+
+
+def test_bad_mesh_flags_fail_fast(env, tmp_path):
+  p = _run("train.py", [f"--workdir={tmp_path}", "--mesh=data=3,fsdp=1"], env["cache"], check=False)
+  assert p.returncode == 2 and "--mesh=data=3,fsdp=1" in p.stderr and "3" in p.stderr
+  assert "devices" in p.stderr
+  p = _run("train.py", [f"--workdir={tmp_path}", "--mesh=pipeline=2"], env["cache"], check=False)
+  assert p.returncode == 2 and "unknown mesh axis 'pipeline'" in p.stderr
+  p = _run("train.py", [f"--workdir={tmp_path}", "--profile_steps=5"], env["cache"], check=False)
+  assert p.returncode == 2 and "--profile_steps=5" in p.stderr
+
+
+def test_eval_without_checkpoints_fails_fast(env, tmp_path):
+  p = _run("eval.py", [f"--workdir={tmp_path}"], env["cache"], check=False)
+  assert p.returncode == 2 and "no checkpoint" in p.stderr and str(tmp_path) in p.stderr
+
+
+@pytest.mark.slow
+def test_eval_on_corrupt_checkpoint_fails_with_a_clear_message(env, trained, tmp_path):
+  wd = tmp_path / "w"
+  shutil.copytree(trained, wd, ignore=shutil.ignore_patterns("tb", "data"))
+  for root, _, files in os.walk(wd / "checkpoints" / str(STEPS) / "params"):
+    for f in files:
+      open(os.path.join(root, f), "wb").write(b"\x00corrupt")
+  p = _run("eval.py", [f"--workdir={wd}"], env["cache"], check=False)
+  assert p.returncode == 2 and "corrupt" in p.stderr and str(STEPS) in p.stderr
