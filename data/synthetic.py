@@ -87,13 +87,13 @@ PRESETS = {
         StreamSpec("impression", 128, 32, 2, (0.3, 0.15), 1800, 0.5, False)),
         n_items=500, n_categories=20, n_users=5000, n_segments=50, n_topics=30,
         topics_max_len=4, ad_hash_vocab=1000),
-    "dev": Preset("dev", 200_000, (
+    "dev": Preset("dev", 100_000, (
         StreamSpec("click", 256, 60, 3, (0.55, 0.25), 6 * 3600, 1.0, True),
         StreamSpec("impression", 1024, 200, 2, (0.3, 0.15), 1800, 0.5, False),
         StreamSpec("conversion", 64, 8, 4, (0.7, 0.2), DAY, 1.5, True)),
         n_items=5000, n_categories=50, n_users=100_000, n_segments=200, n_topics=100,
         topics_max_len=8, ad_hash_vocab=20_000),
-    "mid": Preset("mid", 100_000, (
+    "mid": Preset("mid", 50_000, (
         StreamSpec("click", 512, 100, 3, (0.55, 0.25), 6 * 3600, 1.0, True),
         StreamSpec("impression", 2048, 400, 2, (0.3, 0.15), 1800, 0.5, False),
         StreamSpec("conversion", 128, 12, 4, (0.7, 0.2), DAY, 1.5, True)),
