@@ -53,6 +53,24 @@ def value_and_slope(s, act: str):
   return jax.jvp(ACTIVATIONS[act], (s,), (jnp.ones_like(s),))
 
 
+def _erf_kernel(x):
+  """erf from exp and a rational polynomial (Abramowitz & Stegun 7.1.26, |error| < 1.5e-7):
+  the Pallas Triton lowering has no rule for ``lax.erf``."""
+  z = jnp.abs(x)
+  t = 1.0 / (1.0 + 0.3275911 * z)
+  poly = t * (0.254829592 + t * (-0.284496736 + t * (1.421413741 + t * (-1.453152027
+                                                                         + t * 1.061405429))))
+  e = 1.0 - poly * jnp.exp(-z * z)
+  return jnp.where(x < 0, -e, e)
+
+
+def _gelu_kernel(x, with_slope):
+  cdf = 0.5 * (1.0 + _erf_kernel(x * (1.0 / math.sqrt(2.0))))
+  if not with_slope:
+    return x * cdf
+  return x * cdf, cdf + x * jnp.exp(-0.5 * x * x) * (1.0 / math.sqrt(2.0 * math.pi))
+
+
 def in_kernel(s, acts: tuple[str, ...], head, with_slope: bool = False):
   """Applies the activation of head ``head`` (a traced scalar) to a score tile ``s``.
 
@@ -60,11 +78,15 @@ def in_kernel(s, acts: tuple[str, ...], head, with_slope: bool = False):
   ``lax.switch`` on a code computed from ``head``, so each tile evaluates only its own function.
   Returns ``act(s)`` or, with ``with_slope``, ``(act(s), act'(s))``.
   """
-  fn = (lambda a: (lambda x: value_and_slope(x, a))) if with_slope else (lambda a: ACTIVATIONS[a])
+  def fn(a):
+    if a == "gelu":
+      return lambda x: _gelu_kernel(x, with_slope)
+    return (lambda x: value_and_slope(x, a)) if with_slope else ACTIVATIONS[a]
+
   distinct = sorted(set(acts))
   if len(distinct) == 1:
     return fn(distinct[0])(s)
   code = jnp.int32(0)
-  for h, a in enumerate(acts):
-    code = code + jnp.where(head == h, distinct.index(a), 0).astype(jnp.int32)
+  for h, a in enumerate(acts):  # a select chain (no bool -> int casts: Triton-lowering safe)
+    code = jnp.where(head == h, jnp.int32(distinct.index(a)), code)
   return jax.lax.switch(code, [fn(a) for a in distinct], s)

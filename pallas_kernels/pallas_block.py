@@ -51,7 +51,8 @@ def _parts(x_ref, valid, rot):
 
 
 def _scores(qs, ks):
-  s = sum(plgpu.dot(a, b, trans_b=True, precision=_prec(a.dtype)) for a, b in zip(qs, ks))
+  s = sum(plgpu.dot(a, b, trans_b=True, precision=_prec(a.dtype))
+          for a, b in zip(qs, ks, strict=True))
   return s * (qs[0].shape[-1] * len(qs)) ** -0.5
 
 

@@ -6,7 +6,6 @@ output is cast back to ``q.dtype``.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
 from pallas_kernels.activations import apply_per_head, per_head
@@ -30,7 +29,8 @@ def _zero_invalid(x_bthd, lengths):
 
 def gdpa_mask(batch, tq, tk, q_lengths=None, kv_lengths=None, window=None):
   """Boolean mask ``[B, Tq, Tk]``: valid query row, valid key, and |i - j| <= window."""
-  m = _lengths_mask(q_lengths, batch, tq)[:, :, None] & _lengths_mask(kv_lengths, batch, tk)[:, None, :]
+  m = (_lengths_mask(q_lengths, batch, tq)[:, :, None]
+       & _lengths_mask(kv_lengths, batch, tk)[:, None, :])
   if window is not None:
     i = jnp.arange(tq)[:, None]
     j = jnp.arange(tk)[None, :]
@@ -47,7 +47,8 @@ def check_gdpa_args(q, k, v, broadcast_q):
     if q.shape[0] != 1:
       raise ValueError(f"broadcast_q=True needs q of shape [1, Tq, H, D], got {q.shape}")
   elif q.shape[0] != k.shape[0]:
-    raise ValueError(f"q batch {q.shape[0]} != k batch {k.shape[0]} (use broadcast_q=True to share q)")
+    raise ValueError(f"q batch {q.shape[0]} != k batch {k.shape[0]} "
+                     "(use broadcast_q=True to share q)")
   if q.shape[2] != k.shape[2] or q.shape[3] != k.shape[3]:
     raise ValueError(f"q {q.shape} and k {k.shape} must agree on heads and head_dim")
 

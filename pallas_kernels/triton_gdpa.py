@@ -286,7 +286,7 @@ def gdpa_triton(q, k, v, *, activation="fast_gelu", scale=None, out_scale=1.0, q
   out = jnp.zeros((B, TQ, H, D), q.dtype)
   for a in sorted(set(acts)):
     heads = jnp.array([h for h in range(H) if acts[h] == a])
-    sub = lambda x: jnp.take(x, heads, axis=2)
-    o = _gdpa(base._replace(act=ACT_CODES[a]), sub(q), sub(k), sub(v), ql, kl)
+    q_h, k_h, v_h = (jnp.take(x, heads, axis=2) for x in (q, k, v))
+    o = _gdpa(base._replace(act=ACT_CODES[a]), q_h, k_h, v_h, ql, kl)
     out = out.at[:, :, heads].set(o)
   return out

@@ -10,7 +10,8 @@ _ERF = np.vectorize(math.erf)
 NP_ACTS = {
     "identity": lambda x: x,
     "gelu": lambda x: 0.5 * x * (1.0 + _ERF(x / math.sqrt(2.0))),
-    "fast_gelu": lambda x: 0.5 * x * (1.0 + np.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x ** 3))),
+    "fast_gelu": lambda x: 0.5 * x * (
+        1.0 + np.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x ** 3))),
     "silu": lambda x: x / (1.0 + np.exp(-x)),
     "relu": lambda x: np.maximum(x, 0.0),
     "relu2": lambda x: np.maximum(x, 0.0) ** 2,
@@ -63,7 +64,7 @@ def block_loop(q, k, v, block_size, activation="softmax", lengths=None, rotary=N
     L = T if lengths is None else int(lengths[b])
     for h in range(H):
       act = None if activation == "softmax" else _acts(activation, H)[h]
-      def rot(x, t):
+      def rot(x, t, b=b, h=h):
         if rotary is None:
           return x
         rb, rh = (b if cos.shape[0] > 1 else 0), (h if cos.shape[2] > 1 else 0)

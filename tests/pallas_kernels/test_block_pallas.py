@@ -50,7 +50,7 @@ def test_forward_and_gradients(name):
                              argnums=(0, 1, 2))(q, k, v)
   got = grad(lambda *a, **kw: pallas_block.block_attention_pallas(*a, interpret=True, **kw))
   want = grad(reference.block_attention_reference)
-  for name_, g, r in zip("qkv", got, want):
+  for name_, g, r in zip("qkv", got, want, strict=True):
     np.testing.assert_allclose(g, r, atol=5e-5, rtol=1e-4, err_msg=f"d{name_}")
 
 

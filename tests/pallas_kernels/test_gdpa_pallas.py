@@ -98,7 +98,7 @@ def test_gradients_match_reference(kw, heads):
   q, k, v = _qkv(seed=1, h=heads)
   got = _grads(_kernel, q, k, v, kw)
   want = _grads(reference.gdpa_reference, q, k, v, kw)
-  for name, g, r in zip("qkv", got, want):
+  for name, g, r in zip("qkv", got, want, strict=True):
     assert np.isfinite(np.asarray(g)).all(), name
     np.testing.assert_allclose(g, r, atol=5e-5, rtol=1e-4, err_msg=f"d{name}")
 
@@ -109,7 +109,7 @@ def test_gradients_broadcast_q():
   got = _grads(_kernel, q, k, v, kw)
   want = _grads(reference.gdpa_reference, q, k, v, kw)
   assert got[0].shape == (1, TQ, H, D)
-  for g, r in zip(got, want):
+  for g, r in zip(got, want, strict=True):
     np.testing.assert_allclose(g, r, atol=5e-5, rtol=1e-4)
 
 
@@ -136,7 +136,7 @@ def test_nan_in_masked_positions_never_leaks():
   np.testing.assert_allclose(out, gdpa_loop(*clean, **kw), atol=2e-5)
   got = _grads(_kernel, qn, kn, vn, kw)
   want = _grads(reference.gdpa_reference, *clean, kw)
-  for g, r in zip(got, want):
+  for g, r in zip(got, want, strict=True):
     assert np.isfinite(np.asarray(g)).all()
     np.testing.assert_allclose(g, r, atol=5e-5, rtol=1e-4)
 
@@ -167,7 +167,8 @@ def test_tile_span_covers_exactly_the_visible_tiles():
                                                     jnp.int32(other_len), window))
         for t in range(n_other):
           visible = any(j < other_len and (window is None or abs(i - j) <= window)
-                        for i in range(start, start + tile) for j in range(t * other, (t + 1) * other))
+                        for i in range(start, start + tile)
+                        for j in range(t * other, (t + 1) * other))
           if visible:
             assert lo <= t < hi, (start, other_len, window, t, lo, hi)
 

@@ -21,7 +21,8 @@ def test_triton_backend_is_imported_lazily():
 def _qkv(B=2, TQ=100, TK=70, H=4, D=64, dtype=jnp.float32, bq=None):
   ks = jax.random.split(jax.random.key(0), 3)
   return (jax.random.normal(ks[0], (bq or B, TQ, H, D), dtype),
-          jax.random.normal(ks[1], (B, TK, H, D), dtype), jax.random.normal(ks[2], (B, TK, H, D), dtype))
+          jax.random.normal(ks[1], (B, TK, H, D), dtype),
+          jax.random.normal(ks[2], (B, TK, H, D), dtype))
 
 
 CASES = [
@@ -41,7 +42,7 @@ def test_triton_forward_and_grads(kw):
   loss = lambda fn: (lambda q, k, v: jnp.sum(fn(q, k, v, **kw) ** 2))
   got = jax.grad(loss(gdpa_triton), (0, 1, 2))(q, k, v)
   want = jax.grad(loss(reference.gdpa_reference), (0, 1, 2))(q, k, v)
-  for g, r in zip(got, want):
+  for g, r in zip(got, want, strict=True):
     np.testing.assert_allclose(g, r, atol=1e-3, rtol=1e-3)
 
 
