@@ -1,0 +1,118 @@
+"""LoopFM (spec g.3): a vertical model (VM) that reads logged FM embeddings as input features.
+
+``LoopFMKunlun`` is the Kunlun VM (same submodules and parameter names as ``kunlun.model.Kunlun``;
+with both inputs off it is the plain VM) plus two optional inputs:
+
+  (a) context: ``fm_ctx f32[B, d_fm]`` with ``fm_ctx_present bool[B]`` -> one extra token appended
+      to X0 (``[B, N_ns + 1, d_ns]``) through ``FMAdapter``; it reaches the trunk through the first
+      layer's WeightGen (PFFN K/V) and MoWE;
+  (b) history: ``fm_events {stream: f32[B, T, d_fm]}`` with ``fm_events_present {stream: bool[B, T]}``
+      -> ``FMAdapter`` output added to each event embedding of that stream's tower (a linear adapter
+      in the event encoder); padded events stay zero.
+
+Missing embeddings are masked: where ``present`` is False the FM value is never read (it may be
+anything, NaN included) and a learned per-input "missing" vector is used instead. The inputs come
+from ``kunlun.transfer.join.EmbeddingLog.join_batch`` (training) or ``cache.SpeculativeCache``
+(serving; a miss takes this masked path).
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from data.schema import Schema
+from kunlun.config import ModelConfig, parse
+from kunlun.layer import DTYPES, KunlunLayer
+from kunlun.model import apply_heads, embed_context, embed_sequences
+from sharding import shard, with_axes
+
+F32 = jnp.float32
+
+
+class FMAdapter(nn.Module):
+  """``(emb f32[..., d_fm], present bool[...]) -> [..., out_dim]``.
+
+  Present: ``Dense(LayerNorm(emb))`` (scale-free norm: FM embeddings come in any scale, e.g.
+  dequantised int8). Missing: a learned vector ``missing [out_dim]``.
+  """
+  out_dim: int
+  dtype: jnp.dtype = F32
+
+  @nn.compact
+  def __call__(self, emb, present):
+    present = jnp.asarray(present, bool)
+    emb = jnp.where(present[..., None], jnp.asarray(emb, F32), 0.0)  # never read missing values
+    h = nn.LayerNorm(use_scale=False, use_bias=False, dtype=F32)(emb)
+    y = nn.Dense(self.out_dim, dtype=self.dtype, param_dtype=F32, name="proj",
+                 kernel_init=with_axes(nn.initializers.lecun_normal(), (None, "embed")))(h)
+    missing = self.param("missing", with_axes(nn.initializers.normal(0.02), ("embed",)),
+                         (self.out_dim,), F32)
+    return jnp.where(present[..., None], y, missing.astype(y.dtype))
+
+
+class LoopFMKunlun(nn.Module):
+  """Kunlun VM with LoopFM inputs. ``apply(..., batch, train) -> logits f32[B, K]``;
+  ``method="representations"`` as ``Kunlun``. Extra batch keys are needed only for enabled
+  inputs (``use_ctx``: fm_ctx, fm_ctx_present; ``use_events``: fm_events, fm_events_present for
+  every tower's stream)."""
+  cfg: ModelConfig
+  schema: Schema
+  use_ctx: bool = True
+  use_events: bool = True
+
+  def __call__(self, batch, train: bool = False):
+    return self.representations(batch, train)["logits"]
+
+  @nn.compact
+  def representations(self, batch, train: bool = False):
+    del train
+    cfg, dt = self.cfg, DTYPES[self.cfg.dtype]
+    if self.use_events and cfg.seq_mode != "towers":
+      raise ValueError("LoopFM per-event inputs need config.model.seq_mode = 'towers', got "
+                       f"{cfg.seq_mode!r}")
+    with jax.named_scope("LoopFM"):
+      x = embed_context(cfg, self.schema, batch, dt)
+      if self.use_ctx:
+        _require(batch, ("fm_ctx", "fm_ctx_present"))
+        tok = FMAdapter(cfg.d_ns, dt, name="loopfm_ctx")(batch["fm_ctx"], batch["fm_ctx_present"])
+        x = shard(jnp.concatenate([x, tok[:, None].astype(x.dtype)], 1),
+                  ("batch", "tokens", "embed"))
+      seqs, lengths, ages = embed_sequences(cfg, self.schema, batch, dt)
+      if self.use_events:
+        _require(batch, ("fm_events", "fm_events_present"))
+        for t in cfg.towers:
+          if t.name not in batch["fm_events"]:
+            raise ValueError(f"LoopFM: batch['fm_events'] lacks stream {t.name!r} "
+                             f"(has {sorted(batch['fm_events'])})")
+          s = seqs[t.name]
+          T = s.shape[1]
+          valid = jnp.arange(T)[None, :] < lengths[t.name][:, None]
+          a = FMAdapter(t.width, dt, name=f"loopfm_{t.name}")(
+              batch["fm_events"][t.name][:, :T], batch["fm_events_present"][t.name][:, :T])
+          seqs[t.name] = shard(s + jnp.where(valid[..., None], a, 0).astype(s.dtype),
+                               ("batch", "seq", "embed"))
+      summaries = {}
+      for l in range(cfg.num_layers):
+        x, seqs, summaries = KunlunLayer(cfg, l, name=f"layer_{l}")(x, seqs, lengths, ages,
+                                                                     summaries)
+      return apply_heads(cfg, x, summaries, batch["surface"], dt)
+
+
+def _require(batch, keys):
+  missing = [k for k in keys if k not in batch]
+  if missing:
+    raise ValueError(f"LoopFM: batch lacks {missing} (add them with EmbeddingLog.join_batch or "
+                     "SpeculativeCache.augment)")
+
+
+def build_loopfm(config, schema: Schema, *, use_ctx=None, use_events=None) -> LoopFMKunlun:
+  """Builds the LoopFM VM; flags default to ``config.transfer.loopfm_ctx / loopfm_events``."""
+  cfg = parse(config, schema)
+  if cfg.arch != "kunlun":
+    raise ValueError(f"LoopFM wraps config.model.arch = 'kunlun', got {cfg.arch!r}")
+  tr = config.get("transfer", {})
+  use_ctx = bool(tr.get("loopfm_ctx", True)) if use_ctx is None else use_ctx
+  use_events = bool(tr.get("loopfm_events", True)) if use_events is None else use_events
+  return LoopFMKunlun(cfg, schema, use_ctx, use_events)
