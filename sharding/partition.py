@@ -139,3 +139,30 @@ def batch_shard_count(mesh, rules) -> int:
 def logical_sharding(mesh, rules, logical_axes) -> NamedSharding:
   """NamedSharding of an array annotated with ``logical_axes`` under ``rules``."""
   return NamedSharding(mesh, nn.logical_to_mesh_axes(tuple(logical_axes), rules))
+
+
+def state_shardings(init_fn, params):
+  """Shardings for ``init_fn(params)`` (e.g. ``tx.init``) that mirror the parameters' shardings.
+
+  A state leaf whose key path ends with a parameter's key path and has that parameter's shape
+  gets the parameter's sharding; one with the parameter's shape minus its last axis (row-wise
+  accumulators) gets the spec without its last entry; everything else is replicated. Needed
+  because ``jax.jit(tx.init)`` alone may replicate zero-initialised moments.
+  """
+  p_flat = [(jax.tree_util.keystr(k), v) for k, v in jax.tree_util.tree_leaves_with_path(params)]
+  mesh = p_flat[0][1].sharding.mesh
+  replicated = NamedSharding(mesh, P())
+
+  def pick(path, leaf):
+    key = jax.tree_util.keystr(path)
+    for pk, p in sorted(p_flat, key=lambda kv: -len(kv[0])):
+      if not key.endswith(pk):
+        continue
+      if leaf.shape == p.shape:
+        return p.sharding
+      if leaf.shape == p.shape[:-1]:
+        spec = tuple(p.sharding.spec) + (None,) * (p.ndim - len(p.sharding.spec))
+        return NamedSharding(mesh, P(*spec[:-1]))
+    return replicated
+
+  return jax.tree_util.tree_map_with_path(pick, jax.eval_shape(init_fn, params))
