@@ -1,0 +1,284 @@
+"""Export compact FM embeddings for LoopFM (spec g.3): run a trained FM over a dataset.
+
+  python -m kunlun.transfer.export --workdir FM_WORKDIR --out E [--data_dir D] [--split train,eval]
+      [--quantize int8|bf16|none] [--summaries] [--batch_size N] [--shard_batches N]
+
+Restores the FM's latest checkpoint (train.py workdir: config.pkl + checkpoints/), applies
+``method="representations"`` and writes, per real example, one record (``data.records.encode``)::
+
+    user_id, ad_id, request_ts  i64[]   join keys (time in seconds)
+    surface                     i32[]
+    pooled                      [d]     the pooled top-layer representation, quantised:
+                                        int8 -> uint8 bytes of int8 values, with ``pooled_scale``
+                                        f32[] (x ~= q * scale, per-row absmax / 127);
+                                        bf16 -> int16 bit patterns of bfloat16; none -> f32
+    sum_<tower>                 [d_e]   (--summaries) mean HSP summary token per tower, same coding
+    logits                      f32[K]  the FM's logits (for the student adapter / KD)
+
+as ArrayRecord shards ``E/<split>/emb-00000.arrayrecord`` (``--shard_batches`` batches each),
+plus ``E/manifest.json`` (record schema, quantisation, source, counts). Progress is printed;
+``E/progress.json`` lists completed shards, so an interrupted export resumes where it stopped
+(completed shards are skipped without running the model). ``load_log(E)`` reads everything
+back as a ``join.EmbeddingLog``.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+from data import records
+from kunlun.transfer.join import EmbeddingLog
+
+FORMAT = "kunlun-fm-embeddings-v1"
+QUANT = ("int8", "bf16", "none")
+
+
+# ---- quantisation ----------------------------------------------------------------------------
+def quantize(x, mode: str) -> dict[str, np.ndarray]:
+  """``x f32[N, d]`` -> ``{"q": ..., "scale": f32[N]}`` (scale only for int8)."""
+  x = np.asarray(x, np.float32)
+  if mode == "int8":
+    scale = np.abs(x).max(-1) / 127.0
+    scale = np.where(scale > 0, scale, 1.0).astype(np.float32)
+    q = np.clip(np.rint(x / scale[:, None]), -127, 127).astype(np.int8)
+    return {"q": q.view(np.uint8), "scale": scale}
+  if mode == "bf16":
+    import ml_dtypes
+    return {"q": x.astype(ml_dtypes.bfloat16).view(np.int16)}
+  if mode == "none":
+    return {"q": x}
+  raise ValueError(f"--quantize={mode!r}; allowed: {QUANT}")
+
+
+def dequantize(q, mode: str, scale=None) -> np.ndarray:
+  """Inverse of ``quantize`` (up to rounding), float32."""
+  q = np.asarray(q)
+  if mode == "int8":
+    return q.view(np.int8).astype(np.float32) * np.asarray(scale, np.float32)[..., None]
+  if mode == "bf16":
+    import ml_dtypes
+    return q.view(ml_dtypes.bfloat16).astype(np.float32)
+  if mode == "none":
+    return q.astype(np.float32)
+  raise ValueError(f"quantisation mode {mode!r}; allowed: {QUANT}")
+
+
+def encode_batch(reps: dict, batch: dict, mode: str, keep) -> list[bytes]:
+  """One record per kept row from ``representations`` output and the batch's keys."""
+  fields = {"pooled": np.asarray(reps["pooled"], np.float32)[keep]}
+  for name, s in reps.get("summaries", {}).items():
+    fields[f"sum_{name}"] = np.asarray(s, np.float32)[keep].mean(1)
+  coded = {k: quantize(v, mode) for k, v in fields.items()}
+  logits = np.asarray(reps["logits"], np.float32)[keep]
+  cols = {k: np.asarray(batch[k])[keep] for k in ("user_id", "ad_id", "request_ts", "surface")}
+  out = []
+  for i in range(len(logits)):
+    r = {"user_id": np.int64(cols["user_id"][i]), "ad_id": np.int64(cols["ad_id"][i]),
+         "request_ts": np.int64(cols["request_ts"][i]), "surface": np.int32(cols["surface"][i]),
+         "logits": logits[i]}
+    for k, c in coded.items():
+      r[k] = c["q"][i]
+      if "scale" in c:
+        r[f"{k}_scale"] = c["scale"][i]
+    out.append(records.encode(r))
+  return out
+
+
+# ---- reading back -----------------------------------------------------------------------------
+def load_manifest(out_dir: str) -> dict:
+  path = os.path.join(out_dir, "manifest.json")
+  if not os.path.exists(path):
+    raise FileNotFoundError(f"{out_dir}: no manifest.json (not an export directory)")
+  with open(path) as f:
+    m = json.load(f)
+  if m.get("format") != FORMAT:
+    raise ValueError(f"{path}: format {m.get('format')!r}, expected {FORMAT!r}")
+  return m
+
+
+def read_records(out_dir: str, splits=None, field: str = "pooled") -> dict[str, np.ndarray]:
+  """All records of ``splits`` (default all): ``user_id, ad_id, request_ts, surface [N]``,
+  ``emb f32[N, d]`` (dequantised ``field``), ``logits f32[N, K]``."""
+  from array_record.python import array_record_module as arm
+  m = load_manifest(out_dir)
+  mode = m["quantize"]
+  cols = {k: [] for k in ("user_id", "ad_id", "request_ts", "surface", "emb", "scale", "logits")}
+  for split in splits or list(m["splits"]):
+    if split not in m["splits"]:
+      raise ValueError(f"{out_dir}: no split {split!r}; exported: {list(m['splits'])}")
+    for shard in m["splits"][split]["files"]:
+      rd = arm.ArrayRecordReader(os.path.join(out_dir, shard["file"]))
+      for raw in rd.read_all():
+        r = records.decode(raw)
+        if field not in r:
+          raise ValueError(f"{out_dir}: records have no field {field!r}; fields {sorted(r)}")
+        for k in ("user_id", "ad_id", "request_ts", "surface", "logits"):
+          cols[k].append(r[k])
+        cols["emb"].append(r[field])
+        cols["scale"].append(r.get(f"{field}_scale", np.float32(1)))
+      rd.close()
+  out = {k: np.stack(v) if v else np.zeros((0,)) for k, v in cols.items()}
+  if len(cols["emb"]):
+    out["emb"] = dequantize(out["emb"], mode, out["scale"])
+  del out["scale"]
+  return out
+
+
+def load_log(out_dir: str, splits=None, field: str = "pooled") -> EmbeddingLog:
+  """An ``EmbeddingLog`` of the exported embeddings (time = request_ts of each example)."""
+  r = read_records(out_dir, splits, field)
+  return EmbeddingLog(r["user_id"], r["ad_id"], r["request_ts"], r["emb"])
+
+
+# ---- export -----------------------------------------------------------------------------------
+class _Progress:
+  def __init__(self, out_dir):
+    self.path = os.path.join(out_dir, "progress.json")
+    self.state = json.load(open(self.path)) if os.path.exists(self.path) else {}
+
+  def done(self, split) -> list[dict]:
+    return self.state.get(split, [])
+
+  def add(self, split, entry):
+    self.state.setdefault(split, []).append(entry)
+    tmp = self.path + ".tmp"
+    with open(tmp, "w") as f:
+      json.dump(self.state, f)
+    os.replace(tmp, self.path)
+
+
+def export(workdir: str, out_dir: str, *, data_dir: str | None = None, splits=("train", "eval"),
+           quantize_mode: str = "int8", summaries: bool = False, batch_size: int | None = None,
+           shard_batches: int = 50, step: int | None = None, mesh_flag: str = "data=-1",
+           log=print) -> dict:
+  """Runs the FM of ``workdir`` over ``splits`` and writes the export; returns the manifest."""
+  import jax
+  from array_record.python import array_record_module as arm
+
+  from data import pipeline
+  from kunlun import config as model_config
+  from kunlun.train import checkpoint, runtime
+  from sharding import partition
+
+  if quantize_mode not in QUANT:
+    raise ValueError(f"--quantize={quantize_mode!r}; allowed: {QUANT}")
+  if shard_batches < 1:
+    raise ValueError(f"--shard_batches must be >= 1, got {shard_batches}")
+  config, saved_dir = runtime.load_run_info(workdir)
+  data_dir = data_dir or saved_dir
+  if not data_dir:
+    raise ValueError("no --data_dir given and none recorded in the workdir")
+  schema = runtime.load_schema(data_dir)
+  model = runtime.build_model(config, schema)
+  mesh = runtime.build_mesh(mesh_flag, None)
+  rules = runtime.get_rules(config.sharding.rules)
+  data_cfg = config.data.copy_and_resolve_references()
+  data_cfg.batch_size = batch_size or config.data.batch_size
+  seq_lens = model_config.seq_lens(config)
+  ckpt = checkpoint.Checkpointer(os.path.join(workdir, "checkpoints"), read_only=True)
+  os.makedirs(out_dir, exist_ok=True)
+  prog = _Progress(out_dir)
+  b_shard = partition.batch_sharding(mesh, rules)
+
+  def reps_fn(p, b):
+    r = model.apply({"params": p}, b, method="representations")
+    if not summaries:
+      r = {k: v for k, v in r.items() if k != "summaries"}
+    return r
+  reps_fn = jax.jit(reps_fn)
+
+  params, used_step, manifest_splits = None, None, {}
+  for split in splits:
+    ds = pipeline.make_dataset(data_cfg, data_dir, split, seq_lens, train=False,
+                               shard_index=0, shard_count=1)
+    n_batches = pipeline.num_eval_batches(data_dir, split, data_cfg.batch_size)
+    n_shards = -(-n_batches // shard_batches)
+    done = prog.done(split)
+    os.makedirs(os.path.join(out_dir, split), exist_ok=True)
+    it = iter(ds)
+    t0 = time.perf_counter()
+    for k in range(n_shards):
+      nb = min(shard_batches, n_batches - k * shard_batches)
+      if k < len(done):                       # completed earlier: skip without the model
+        for _ in range(nb):
+          next(it)
+        continue
+      if params is None:
+        first_batch = next(it)
+        abstract = partition.abstract_params(model, jax.random.key(0), first_batch, mesh, rules)
+        used_step, params = ckpt.restore_params(abstract, step)
+        pending = [first_batch]
+      else:
+        pending = []
+      rel = os.path.join(split, f"emb-{k:05d}.arrayrecord")
+      tmp = os.path.join(out_dir, split, f".emb-{k:05d}.tmp")
+      w = arm.ArrayRecordWriter(tmp, records.WRITER_OPTIONS)
+      count = 0
+      with partition.activate(mesh, rules):
+        for j in range(nb):
+          batch = pending.pop() if pending else next(it)
+          reps = jax.device_get(reps_fn(params, pipeline.device_put_batch(batch, b_shard)))
+          keep = np.asarray(batch["example_mask"]) > 0
+          for r in encode_batch(reps, batch, quantize_mode, keep):
+            w.write(r)
+          count += int(keep.sum())
+      w.close()
+      os.replace(tmp, os.path.join(out_dir, rel))
+      prog.add(split, {"file": rel, "count": count})
+      dt = time.perf_counter() - t0
+      log(f"[export] {split}: shard {k + 1}/{n_shards} ({count} records) {dt:.1f}s")
+    manifest_splits[split] = {"files": prog.done(split),
+                              "count": sum(e["count"] for e in prog.done(split))}
+  ckpt.close()
+  manifest = {
+      "format": FORMAT, "quantize": quantize_mode, "source_workdir": os.path.abspath(workdir),
+      "step": used_step, "data_dir": os.path.abspath(data_dir), "splits": manifest_splits,
+      "record": {"user_id": "int64[]", "ad_id": "int64[]", "request_ts": "int64[] (seconds)",
+                 "surface": "int32[]", "logits": f"float32[{len(schema.tasks)}]",
+                 "pooled": {"int8": "uint8[d] (int8 bits) + pooled_scale float32[]",
+                            "bf16": "int16[d] (bfloat16 bits)", "none": "float32[d]"}[quantize_mode],
+                 **({f"sum_{t}": "as pooled, mean HSP summary token of the tower"
+                     for t in schema.stream_names} if summaries else {})},
+      "tasks": list(schema.task_names), "surfaces": list(schema.surfaces),
+  }
+  with open(os.path.join(out_dir, "manifest.json"), "w") as f:
+    json.dump(manifest, f, indent=1)
+  log(f"[export] wrote {out_dir}/manifest.json: "
+      f"{ {s: v['count'] for s, v in manifest_splits.items()} }")
+  return manifest
+
+
+def main(argv=None):
+  import argparse
+  ap = argparse.ArgumentParser(prog="python -m kunlun.transfer.export", description=__doc__,
+                               formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("--workdir", required=True, help="train.py workdir of the FM")
+  ap.add_argument("--out", required=True, help="output directory")
+  ap.add_argument("--data_dir", default=None, help="dataset (default: the FM's training data)")
+  ap.add_argument("--split", default="train,eval", help="comma-separated splits")
+  ap.add_argument("--quantize", default="int8", choices=QUANT)
+  ap.add_argument("--summaries", action="store_true", help="also store one HSP token per tower")
+  ap.add_argument("--batch_size", type=int, default=None)
+  ap.add_argument("--shard_batches", type=int, default=50)
+  ap.add_argument("--step", type=int, default=None)
+  ap.add_argument("--mesh", default="data=-1")
+  a = ap.parse_args(argv)
+  from kunlun.train.runtime import FatalError
+  try:
+    export(a.workdir, a.out, data_dir=a.data_dir, splits=tuple(a.split.split(",")),
+           quantize_mode=a.quantize, summaries=a.summaries, batch_size=a.batch_size,
+           shard_batches=a.shard_batches, step=a.step, mesh_flag=a.mesh)
+  except (ValueError, FileNotFoundError, FatalError) as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
