@@ -45,9 +45,8 @@ def test_forward_every_activation_one_per_head():
   assert np.all(np.abs(np.asarray(out[0, :17])).max(axis=(0, 2)) > 0)  # no head trivially zero
 
 
-@pytest.mark.parametrize("act", ["identity", "gelu"])
-def test_forward_single_activation(act):
-  _check_forward(dict(activation=act, kv_lengths=np.array([29, 16])))
+def test_forward_single_activation():
+  _check_forward(dict(activation="gelu", kv_lengths=np.array([29, 16])))
 
 
 def test_forward_per_head_window_zero_length_scales():

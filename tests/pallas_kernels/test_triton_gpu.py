@@ -54,3 +54,25 @@ def test_triton_bf16():
   ref = reference.gdpa_reference(q, k, v, kv_lengths=np.array([70, 20]))
   np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32),
                              atol=5e-2, rtol=5e-2)
+
+
+@pytest.mark.gpu
+def test_triton_kernels_compile_for_sm90():
+  """Triton -> cubin for sm_90 without launching (this also passes on a CPU host with triton
+  installed: it was run that way with triton 3.6.0 when the kernels were written)."""
+  import triton
+  from triton.backends.compiler import GPUTarget
+  from triton.compiler import ASTSource
+
+  from pallas_kernels import triton_gdpa
+
+  _, fwd, dq, dkv = triton_gdpa.kernels()
+  ptr = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "QL": "*i32", "KL": "*i32", "O": "*bf16",
+         "DO": "*bf16", "DQ": "*bf16", "DK": "*bf16", "DV": "*bf16"}
+  for act in (triton_gdpa.ACT_CODES["gelu"], triton_gdpa.ACT_CODES["fast_gelu"]):
+    consts = dict(TQ=1024, TK=128, H=4, D=128, BQ=64, BK=64, ACT=act, WINDOW=-1, QB=0,
+                  SCALE=0.088, OUT_SCALE=1.0, PREC="tf32")
+    for fn in (fwd, dq, dkv):
+      sig = {n: ptr.get(n, "constexpr") for n in fn.arg_names}
+      triton.compile(ASTSource(fn, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
+                     options=dict(num_warps=4, num_stages=2))
