@@ -1,0 +1,84 @@
+"""Event-level personalization: per-tower schedule, shallow towers keep feeding their last
+summary, gradients reach every tower."""
+
+import flax.linen as nn
+import jax
+import numpy as np
+import pytest
+
+from data.fake import random_batch, tiny_schema
+from kunlun.config import TowerConfig, parse, seq_lens
+from kunlun.configs import tiny
+from kunlun.losses import masked_bce
+from kunlun.model import build_model
+from kunlun.towers import schedule
+
+
+def _t(depth):
+  return TowerConfig("x", 8, 2, 4, 2, 8, 4, 2, depth)
+
+
+def test_schedule_table():
+  names = ("weightgen", "hsp", "pffn", "attention", "final_hsp")
+  runs = lambda t, l, cs: {n for n in names if getattr(schedule(t, l, cs), n)}
+  t = _t(3)
+  assert runs(t, 0, True) == {"weightgen", "hsp", "pffn"}
+  assert runs(t, 1, True) == {"attention"}
+  assert runs(t, 2, True) == {"weightgen", "hsp", "pffn", "final_hsp"}
+  assert runs(t, 3, True) == set() and not schedule(t, 3, True).active
+  full = {"weightgen", "hsp", "pffn", "attention"}
+  assert runs(t, 0, False) == full and runs(t, 1, False) == full
+  assert runs(t, 2, False) == full | {"final_hsp"} and runs(t, 5, False) == set()
+
+
+@pytest.fixture(scope="module")
+def setup():
+  cfg, schema = tiny.get_config(), tiny_schema()
+  m = parse(cfg, schema)
+  assert m.num_layers == 2 and m.tower("impression").depth == 1 and m.tower("click").depth == 2
+  model = build_model(cfg, schema)
+  batch = random_batch(schema, 8, seq_lens(cfg), seed=5, min_len=1)
+  params = nn.meta.unbox(jax.jit(model.init)(jax.random.key(0, impl="unsafe_rbg"), batch,
+                                             False))["params"]
+  return model, batch, params
+
+
+def test_shallow_tower_keeps_feeding_last_summary(setup):
+  model, batch, params = setup
+  # layer 1 holds nothing of the depth-1 impression tower except its summary projection
+  imp = sorted(k for k in params["layer_1"] if k.startswith("impression"))
+  assert imp == ["impression_proj"], imp
+
+  @jax.jit
+  def run(p, b):
+    return model.apply({"params": p}, b, method="representations",
+                       capture_intermediates=True, mutable=["intermediates"])
+  rep, state = run(params, batch)
+  inter = state["intermediates"]
+  last_imp = np.asarray(inter["layer_0"]["impression_final_hsp"]["__call__"][0])
+  proj_in_layer1 = np.asarray(inter["layer_1"]["impression_proj"]["__call__"][0])
+  kernel = np.asarray(params["layer_1"]["impression_proj"]["kernel"])
+  # layer 1's MoWE input for the shallow tower = Proj(summary of its last layer)
+  np.testing.assert_allclose(proj_in_layer1, last_imp @ kernel, rtol=1e-4, atol=1e-5)
+  np.testing.assert_allclose(np.asarray(rep["summaries"]["impression"]), last_imp, rtol=1e-6)
+  # the full-depth click tower's final summary comes from its last layer (layer 1)
+  last_click = np.asarray(inter["layer_1"]["click_final_hsp"]["__call__"][0])
+  np.testing.assert_allclose(np.asarray(rep["summaries"]["click"]), last_click, rtol=1e-6)
+
+
+def test_gradients_reach_every_tower(setup):
+  model, batch, params = setup
+
+  def loss(p):
+    logits = model.apply({"params": p}, batch, True)
+    return masked_bce(logits, batch["labels"], batch["label_mask"])[0]
+  g = jax.jit(jax.grad(loss))(params)
+  for tower in ("click", "impression"):
+    leaves = jax.tree.leaves(g[f"embed_{tower}"])
+    for l in ("layer_0", "layer_1"):
+      leaves += jax.tree.leaves({k: v for k, v in g[l].items() if k.startswith(tower)})
+    assert leaves
+    for x in leaves:
+      assert np.isfinite(np.asarray(x)).all() and np.abs(np.asarray(x)).sum() > 0, tower
+  # the shallow tower's summary projection in a later layer is trained too
+  assert np.abs(np.asarray(g["layer_1"]["impression_proj"]["kernel"])).sum() > 0
