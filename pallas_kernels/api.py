@@ -38,12 +38,18 @@ def _resolve(table: dict, backend: str, kind: str):
 
 
 def gdpa(q, k, v, *, activation="fast_gelu", scale=None, out_scale=1.0, q_lengths=None,
-         kv_lengths=None, window=None, broadcast_q=False, backend="auto", interpret=False):
-  """See ``pallas_kernels.reference.gdpa_reference`` for the exact semantics."""
+         kv_lengths=None, window=None, broadcast_q=False, backend="auto", interpret=False,
+         **tuning):
+  """See ``pallas_kernels.reference.gdpa_reference`` for the exact semantics.
+
+  ``tuning``: backend-only options passed through (pallas: ``block_q``, ``block_k``,
+  ``block_q_bwd``, ``block_k_bwd``, ``num_warps``, ``num_stages``, ``fp8``; triton: ``block_q``,
+  ``block_k``, ``num_warps``, ``num_stages``); the xla backend accepts none.
+  """
   fn = _resolve(_GDPA, backend, "gdpa")
   return fn(q, k, v, activation=activation, scale=scale, out_scale=out_scale,
             q_lengths=q_lengths, kv_lengths=kv_lengths, window=window, broadcast_q=broadcast_q,
-            interpret=interpret)
+            interpret=interpret, **tuning)
 
 
 def block_attention(q, k, v, *, block_size=64, activation="softmax", lengths=None, rotary=None,

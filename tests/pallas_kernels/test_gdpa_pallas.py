@@ -144,7 +144,7 @@ def test_fp8_forward_close_to_fp32():
   """fp8 e4m3 (3 mantissa bits) per-tensor scaled q.k, bf16 P.V: relative L2 error < 8%."""
   q, k, v = _qkv(seed=4)
   kw = dict(activation="fast_gelu", window=10)
-  out = pallas_gdpa.gdpa_pallas(q, k, v, interpret=True, fp8=True, **TILES, **kw)
+  out = pallas_kernels.gdpa(q, k, v, backend="pallas", interpret=True, fp8=True, **TILES, **kw)
   want = gdpa_loop(q, k, v, **kw)
   err = np.linalg.norm(np.asarray(out, np.float64) - want) / np.linalg.norm(want)
   assert err < 0.08, err
