@@ -39,7 +39,9 @@ _ACT_AXES = ("batch", "seq", "heads", "head_dim")
 
 
 def masked_softmax_attention(q, k, v, mask):
-  """``q [..., Tq, H, D]``, ``k, v [..., Tk, H, D]``, ``mask bool[..., Tq, Tk]`` -> ``[..., Tq, H, D]``.
+  """Masked softmax attention, ``[..., Tq, H, D]`` output.
+
+  ``q [..., Tq, H, D]``, ``k, v [..., Tk, H, D]``, ``mask bool[..., Tq, Tk]``.
 
   Scores and softmax in float32 with scale ``1/sqrt(D)``; rows without a valid key give zeros.
   """
@@ -120,10 +122,9 @@ class SeqAttention(nn.Module):
     lengths = jnp.asarray(lengths, jnp.int32)
     with jax.named_scope("SeqAttention"):
       h = rms_norm(s).astype(self.dtype)
-      qkv = nn.DenseGeneral((3, H, dh), use_bias=False, dtype=self.dtype, param_dtype=F32,
-                            kernel_init=with_axes(nn.initializers.lecun_normal(),
-                                                  ("embed", None, "heads", "head_dim")),
-                            name="qkv")(h)
+      w_qkv = self.param("qkv", with_axes(nn.initializers.lecun_normal(0, (1, 2, 3)),
+                                          ("embed", None, "heads", "head_dim")), (d, 3, H, dh), F32)
+      qkv = jnp.einsum("btd,dihc->btihc", h, w_qkv.astype(self.dtype))
       q, k, v = (shard(qkv[:, :, i], _ACT_AXES) for i in range(3))
       if self.qk_norm:
         sc = lambda n: self.param(n, with_axes(nn.initializers.ones, ("head_dim",)), (dh,), F32)
@@ -132,10 +133,9 @@ class SeqAttention(nn.Module):
       rot = rotary_time(age, H, dh, self.t_scale) if self.rotary else None
       o = self._attend(q, k, v, lengths, rot, T)
       o = shard(o, _ACT_AXES)
-      out = nn.DenseGeneral(d, axis=(-2, -1), use_bias=False, dtype=self.dtype, param_dtype=F32,
-                            kernel_init=with_axes(nn.initializers.lecun_normal(),
-                                                  ("heads", "head_dim", "embed")),
-                            name="out")(o)
+      w_o = self.param("out", with_axes(nn.initializers.lecun_normal((0, 1), 2),
+                                        ("heads", "head_dim", "embed")), (H, dh, d), F32)
+      out = jnp.einsum("bthc,hcd->btd", o.astype(self.dtype), w_o.astype(self.dtype))
       y = s.astype(F32) + out.astype(F32)
       valid = jnp.arange(T)[None, :] < lengths[:, None]
       y = jnp.where(valid[..., None], y, 0.0).astype(s.dtype)

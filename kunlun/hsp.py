@@ -22,10 +22,19 @@ from sharding import shard, with_axes
 F32 = jnp.float32
 
 
-def _proj(features, in_axes, out_axes, dtype, name, axis=-1):
-  return nn.DenseGeneral(features, axis=axis, use_bias=False, dtype=dtype, param_dtype=F32,
-                         kernel_init=with_axes(nn.initializers.lecun_normal(), in_axes + out_axes),
-                         name=name)
+def _to_heads(mod, name, x, heads, dtype):
+  """``x [..., d] @ W [d, heads, d // heads]`` with ``W`` the parameter ``name``."""
+  d = x.shape[-1]
+  init = with_axes(nn.initializers.lecun_normal(0, (1, 2)), ("embed", "heads", "head_dim"))
+  w = mod.param(name, init, (d, heads, d // heads), F32)
+  return jnp.einsum("...d,dhc->...hc", x.astype(dtype), w.astype(dtype))
+
+
+def _from_heads(mod, name, o, out_dim, dtype):
+  """``o [..., H, dh] @ W [H, dh, out_dim]``."""
+  init = with_axes(nn.initializers.lecun_normal((0, 1), 2), ("heads", "head_dim", "embed"))
+  w = mod.param(name, init, o.shape[-2:] + (out_dim,), F32)
+  return jnp.einsum("...hc,hcd->...d", o.astype(dtype), w.astype(dtype))
 
 
 class SumKronLinear(nn.Module):
@@ -52,6 +61,7 @@ class SumKronLinear(nn.Module):
                                     (None, "embed", None)), (self.rank, d, do), F32)
       dt = self.dtype
       t = jnp.einsum("rnm,bnd->brmd", z.astype(dt), h.astype(dt))
+      t = shard(t, ("batch", None, "seeds", "embed"))
       y = jnp.einsum("brmd,rde->bme", t, w.astype(dt))
       return shard(y, ("batch", "seeds", "embed"))
 
@@ -77,20 +87,19 @@ class HSP(nn.Module):
     if d % self.heads:
       raise ValueError(f"HSP: heads={self.heads} does not divide width d={d}")
     per_head(self.activation, self.heads)
-    H, dh, dt = self.heads, d // self.heads, self.dtype
+    H, dt = self.heads, self.dtype
     with jax.named_scope("HSP"):
       e = self.param("seeds", with_axes(nn.initializers.normal(0.02), ("seeds", "embed")),
                      (self.n_seed, d), F32)
-      q = _proj((H, dh), ("embed",), ("heads", "head_dim"), dt, "query")(rms_norm(e).astype(dt))
-      hs = rms_norm(s).astype(dt)
-      k = _proj((H, dh), ("embed",), ("heads", "head_dim"), dt, "key")(hs)
-      v = _proj((H, dh), ("embed",), ("heads", "head_dim"), dt, "value")(hs)
+      q = _to_heads(self, "query", rms_norm(e), H, dt)
+      hs = rms_norm(s)
+      k, v = _to_heads(self, "key", hs, H, dt), _to_heads(self, "value", hs, H, dt)
       k = shard(k, ("batch", "seq", "heads", "head_dim"))
       v = shard(v, ("batch", "seq", "heads", "head_dim"))
       o = gdpa(q[None], k, v, activation=self.activation, out_scale=1.0 / (self.t_max or T),
                kv_lengths=lengths, broadcast_q=True, backend=self.backend)
       o = shard(o, ("batch", "seeds", "heads", "head_dim"))
-      h = e + _proj(d, ("heads", "head_dim"), ("embed",), dt, "out", axis=(-2, -1))(o).astype(F32)
+      h = e + _from_heads(self, "out", o, d, dt).astype(F32)
       h = shard(h, ("batch", "seeds", "embed"))
       return SumKronLinear(self.n_sum, self.rank, self.out_dim, dt, name="kron")(rms_norm(h))
 
@@ -112,18 +121,19 @@ class PMA(nn.Module):
     B, T, d = s.shape
     if d % self.heads:
       raise ValueError(f"PMA: heads={self.heads} does not divide width d={d}")
-    H, dh, dt = self.heads, d // self.heads, self.dtype
+    H, dt = self.heads, self.dtype
     with jax.named_scope("PMA"):
       e = self.param("queries", with_axes(nn.initializers.normal(0.02), ("seeds", "embed")),
                      (self.n_sum, d), F32)
-      q = _proj((H, dh), ("embed",), ("heads", "head_dim"), dt, "query")(rms_norm(e).astype(dt))
-      hs = rms_norm(s).astype(dt)
-      k = _proj((H, dh), ("embed",), ("heads", "head_dim"), dt, "key")(hs)
-      v = _proj((H, dh), ("embed",), ("heads", "head_dim"), dt, "value")(hs)
+      q = _to_heads(self, "query", rms_norm(e), H, dt)
+      hs = rms_norm(s)
+      k, v = _to_heads(self, "key", hs, H, dt), _to_heads(self, "value", hs, H, dt)
       valid = jnp.arange(T)[None, :] < jnp.asarray(lengths, jnp.int32)[:, None]    # [B, T]
       mask = jnp.broadcast_to(valid[:, None, :], (B, self.n_sum, T))
       o = masked_softmax_attention(jnp.broadcast_to(q[None], (B,) + q.shape), k, v, mask)
-      h = e + _proj(d, ("heads", "head_dim"), ("embed",), dt, "out", axis=(-2, -1))(o).astype(F32)
+      h = e + _from_heads(self, "out", o, d, dt).astype(F32)
       if self.out_dim:
-        h = _proj(self.out_dim, ("embed",), (None,), dt, "final")(rms_norm(h).astype(dt))
+        w = self.param("final", with_axes(nn.initializers.lecun_normal(), ("embed", None)),
+                       (d, self.out_dim), F32)
+        h = jnp.einsum("bnd,de->bne", rms_norm(h).astype(dt), w.astype(dt))
       return shard(h, ("batch", "seeds", "embed"))

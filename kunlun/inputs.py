@@ -27,7 +27,8 @@ def lookup(table, ids):
 
 def _table(mod: nn.Module, name: str, rows: int, dim: int):
   init = nn.initializers.normal(stddev=dim ** -0.5)
-  return mod.param(f"embedding_{name}", with_axes(init, ("table_rows", "table_dim")), (rows, dim), F32)
+  axes = ("table_rows", "table_dim")
+  return mod.param(f"embedding_{name}", with_axes(init, axes), (rows, dim), F32)
 
 
 def _dense(features, axes, dtype, use_bias=False, name=None, init=None):

@@ -43,9 +43,11 @@ class WeightGen(nn.Module):
                    kernel_init=with_axes(nn.initializers.lecun_normal(), ("embed", "mlp")),
                    bias_init=with_axes(nn.initializers.zeros, ("mlp",)))(z)
       h = nn.gelu(h)
-      kv_init = with_axes(nn.initializers.lecun_normal(), ("mlp", "heads", "head_dim"))
-      proj = lambda name: nn.DenseGeneral((self.heads, dh), use_bias=False, dtype=self.dtype,
-                                          param_dtype=F32, kernel_init=kv_init, name=name)(h)
+      kv_init = with_axes(nn.initializers.lecun_normal(in_axis=0, out_axis=(1, 2)),
+                          ("mlp", "heads", "head_dim"))
+      shape = (d_ns, self.heads, dh)
+      proj = lambda name: jnp.einsum("bme,ehc->bmhc", h,
+                                     self.param(name, kv_init, shape, F32).astype(h.dtype))
       k, v = proj("key"), proj("value")
       if self.key_norm:
         k = rms_norm(k).astype(self.dtype)

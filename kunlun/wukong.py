@@ -90,7 +90,7 @@ def split_tokens(n_out: int, fm_fraction: float = 0.5) -> tuple[int, int]:
 
 
 class WukongStack(nn.Module):
-  """``num_layers`` Wukong layers, each emitting ``n_out`` tokens: ``[B, N, d] -> [B, n_out, d]``."""
+  """``num_layers`` Wukong layers each emitting ``n_out`` tokens: ``[B, N, d] -> [B, n_out, d]``."""
   num_layers: int
   n_out: int
   rank: int

@@ -35,7 +35,7 @@ def np_attention(p, s, lengths, age, kind, window=None, block=None, act="softmax
   """Dense reference: explicit [T, T] masks per example, softmax or act(.)/n."""
   s = s.astype(np.float64)
   B, T, d = s.shape
-  w = p["qkv"]["kernel"]                                       # [d, 3, H, dh]
+  w = p["qkv"]                                       # [d, 3, H, dh]
   H, dh = w.shape[2], w.shape[3]
   qkv = np.einsum("btd,dihc->btihc", rms(s), w)
   q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
@@ -60,7 +60,7 @@ def np_attention(p, s, lengths, age, kind, window=None, block=None, act="softmax
       else:
         pr = np.where(m, silu(sc), 0.0) / n
       o[b, :, h] = pr @ v[b, :, h]
-  y = s + np.einsum("bthc,hcd->btd", o, p["out"]["kernel"])
+  y = s + np.einsum("bthc,hcd->btd", o, p["out"])
   y[i[None, :] >= lengths[:, None]] = 0.0
   return y
 
@@ -82,7 +82,7 @@ def _init_perturbed(m, s, lengths, age, seed=1):
   return {"params": p}
 
 
-@pytest.mark.parametrize("kind,window,T", [("swa", 4, 40), ("swa", 4, 60), ("swa", 20, 40), ("full", 0, 24),
+@pytest.mark.parametrize("kind,window,T", [("swa", 4, 60), ("swa", 20, 40), ("full", 0, 24),
                                            ("block", 0, 40)])
 def test_softmax_attention_matches_dense(kind, window, T):
   s, lengths, age = _setup(T=T, lengths=(T, T - 17, 0))

@@ -41,16 +41,16 @@ def test_sumkron_matches_kronecker_form(out_dim):
 def np_hsp(p, s, lengths, t_max):
   B, T, d = s.shape
   e = p["seeds"]
-  q = np.einsum("nd,dhc->nhc", rms(e), p["query"]["kernel"])
-  k = np.einsum("btd,dhc->bthc", rms(s), p["key"]["kernel"])
-  v = np.einsum("btd,dhc->bthc", rms(s), p["value"]["kernel"])
+  q = np.einsum("nd,dhc->nhc", rms(e), p["query"])
+  k = np.einsum("btd,dhc->bthc", rms(s), p["key"])
+  v = np.einsum("btd,dhc->bthc", rms(s), p["value"])
   H, dh = q.shape[1:]
   o = np.zeros((B, e.shape[0], H, dh))
   for b in range(B):
     for h in range(H):
       a = fast_gelu(q[:, h] @ k[b, :lengths[b], h].T / np.sqrt(dh))
       o[b, :, h] = a @ v[b, :lengths[b], h] / t_max
-  hs = rms(e + np.einsum("bnhc,hcd->bnd", o, p["out"]["kernel"]))
+  hs = rms(e + np.einsum("bnhc,hcd->bnd", o, p["out"]))
   z, w = p["kron"]["Z"], p["kron"]["W"]
   return sum(np.einsum("nm,bnd,de->bme", z[i], hs, w[i]) for i in range(z.shape[0]))
 
@@ -95,9 +95,9 @@ def test_pma_matches_numpy():
   p = _params(v)
   y = np.asarray(jax.jit(m.apply)(v, s, lengths))
   e = p["queries"]
-  q = np.einsum("nd,dhc->nhc", rms(e), p["query"]["kernel"])
-  k = np.einsum("btd,dhc->bthc", rms(s), p["key"]["kernel"])
-  vv = np.einsum("btd,dhc->bthc", rms(s), p["value"]["kernel"])
+  q = np.einsum("nd,dhc->nhc", rms(e), p["query"])
+  k = np.einsum("btd,dhc->bthc", rms(s), p["key"])
+  vv = np.einsum("btd,dhc->bthc", rms(s), p["value"])
   o = np.zeros((3, 3, 2, 4))
   for b in range(3):
     for h in range(2):
@@ -105,7 +105,7 @@ def test_pma_matches_numpy():
       if lengths[b]:
         pr = np.exp(sc - sc.max(-1, keepdims=True))
         o[b, :, h] = (pr / pr.sum(-1, keepdims=True)) @ vv[b, :lengths[b], h]
-  ref = e + np.einsum("bnhc,hcd->bnd", o, p["out"]["kernel"])
+  ref = e + np.einsum("bnhc,hcd->bnd", o, p["out"])
   np.testing.assert_allclose(y, ref, rtol=1e-4, atol=1e-5)
 
 

@@ -2,7 +2,6 @@
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -52,7 +51,8 @@ def test_dense_tokens_per_example_and_formula():
   v = m.init(jax.random.key(0), x)
   p = _np(v)
   rng = np.random.default_rng(0)
-  p["scale"], p["bias"] = rng.normal(size=3).astype(np.float32), rng.normal(size=3).astype(np.float32)
+  p["scale"] = rng.normal(size=3).astype(np.float32)
+  p["bias"] = rng.normal(size=3).astype(np.float32)
   y = np.asarray(m.apply({"params": p}, x))
   z = np.sign(x) * np.log1p(np.abs(x)) * p["scale"] + p["bias"]
   ref = (z @ p["Dense_0"]["kernel"] + p["Dense_0"]["bias"]).reshape(2, 2, 4)

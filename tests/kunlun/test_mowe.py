@@ -17,7 +17,8 @@ def test_mowe_is_mean_of_independent_experts():
   assert y.shape == (3, 4, 8)
   p = nn.meta.unbox(v)["params"]["experts"]
   stack = jax.jit(WukongStack(2, 4, 2, 16).apply)
-  outs = [np.asarray(stack({"params": jax.tree.map(lambda a: a[e], p)}, x)) for e in range(3)]
+  expert = lambda e: jax.tree.map(lambda a: a[e], p)
+  outs = [np.asarray(stack({"params": expert(e)}, x)) for e in range(3)]
   np.testing.assert_allclose(y, np.mean(outs, 0), rtol=1e-5, atol=1e-5)
   assert np.abs(outs[0] - outs[1]).max() > 1e-3            # experts are initialised differently
   names = jax.tree.leaves(v["params"], is_leaf=lambda a: isinstance(a, nn.LogicallyPartitioned))

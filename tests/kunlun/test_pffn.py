@@ -1,6 +1,5 @@
 """GDPA-PFFN against an explicit per-example two-layer FFN built from the generated weights."""
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np

@@ -27,8 +27,8 @@ def test_weightgen_matches_numpy(key_norm):
   k_out, v_out = m.apply(v, jnp.array(x))
   z = np.einsum("bnd,nm->bmd", rms(x), p["tok"])
   h = gelu_tanh(z @ p["hidden"]["kernel"] + p["hidden"]["bias"])
-  kk = np.einsum("bme,ehc->bmhc", h, p["key"]["kernel"])
-  vv = np.einsum("bme,ehc->bmhc", h, p["value"]["kernel"])
+  kk = np.einsum("bme,ehc->bmhc", h, p["key"])
+  vv = np.einsum("bme,ehc->bmhc", h, p["value"])
   if key_norm:
     kk = rms(kk)
   assert k_out.shape == (B, n_kv, H, d // H) and v_out.shape == k_out.shape
@@ -40,6 +40,6 @@ def test_weightgen_axes_and_errors():
   x = jnp.ones((2, 4, 8))
   v = WeightGen(3, 2, 8).init(jax.random.key(0), x)
   assert v["params"]["tok"].names == ("tokens", "kv")
-  assert v["params"]["key"]["kernel"].names == ("mlp", "heads", "head_dim")
+  assert v["params"]["key"].names == ("mlp", "heads", "head_dim")
   with pytest.raises(ValueError, match="does not divide"):
     WeightGen(3, 3, 8).init(jax.random.key(0), x)
