@@ -1,6 +1,7 @@
 """Multi-surface x multi-task heads (spec d.3, h-16).
 
-* ``SurfaceEmbedding``: a learned per-surface vector added to the trunk input X0 (domain-aware trunk).
+* The learned per-surface vector added to the trunk input X0 (domain-aware trunk) is part of
+  ``kunlun.inputs.ContextEncoder``, which the model uses to build X0.
 * ``Heads``: shared top MLP, then either per-(surface, task) 2-layer towers (``kind="towers"``) or
   MMoE domain-expert heads (``kind="mmoe"``: shared expert MLPs, one softmax gate per
   (surface, task), then a per-(surface, task) 2-layer tower). Every surface's heads are evaluated
@@ -10,26 +11,14 @@
 
 from __future__ import annotations
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import flax.linen as nn
 
 from sharding import shard, with_axes
 
 _INIT = nn.initializers.lecun_normal()
 _ZEROS = nn.initializers.zeros_init()
-
-
-class SurfaceEmbedding(nn.Module):
-  """``(surface i32[B]) -> f32[B, 1, dim]`` (added to every non-sequence token)."""
-  num_surfaces: int
-  dim: int
-
-  @nn.compact
-  def __call__(self, surface_b):
-    table = self.param("surface_embedding", with_axes(nn.initializers.normal(0.02),
-                                                      (None, "embed")), (self.num_surfaces, self.dim))
-    return jnp.take(table, surface_b, axis=0)[:, None, :]
 
 
 class MLP(nn.Module):

@@ -30,5 +30,6 @@ def masked_bce(logits, labels, label_mask, task_weights=None):
   per_task = jnp.sum(bce * mask, axis=0) / jnp.maximum(count, 1.0)
   w = jnp.ones_like(per_task) if task_weights is None else jnp.asarray(task_weights, jnp.float32)
   if w.shape != per_task.shape:
-    raise ValueError(f"masked_bce: task_weights shape {w.shape} != number of tasks {per_task.shape}")
+    raise ValueError(f"masked_bce: task_weights shape {w.shape} != number of tasks "
+                     f"{per_task.shape}")
   return jnp.sum(w * per_task), per_task

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import copy
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import flax.linen as nn
 
 from sharding import shard, with_axes
 
@@ -35,7 +35,7 @@ def merge_streams(s_list, lengths_list, age_list, kept_len: int):
   s = jnp.concatenate(s_list, axis=1)
   age = jnp.concatenate([a.astype(jnp.float32) for a in age_list], axis=1)
   valid = jnp.concatenate([jnp.arange(a.shape[1])[None, :] < l[:, None]
-                           for a, l in zip(age_list, lengths_list)], axis=1)
+                           for a, l in zip(age_list, lengths_list, strict=True)], axis=1)
   src = jnp.concatenate([jnp.full((B, a.shape[1]), i, jnp.int32)
                          for i, a in enumerate(age_list)], axis=1)
   total = s.shape[1]

@@ -1,4 +1,4 @@
-"""Event-level personalization (spec c.8, h-10): the per-tower CompSkip schedule and module factories.
+"""Event-level personalization (spec c.8, h-10): per-tower CompSkip schedule, module factories.
 
 Each event tower has its own width, heads, PFFN keys, window, kept length, HSP seeds/summary
 tokens and depth ``L_e``. In Kunlun layer ``l`` a tower runs only while ``l < L_e``; afterwards its
@@ -7,7 +7,8 @@ last summary keeps feeding the interaction block (MoWE) of every later layer and
 Schedule of tower ``e`` in layer ``l`` (``schedule``):
   * CompSkip on (spec c.7, h-9): even ``l``: WeightGen + fresh HSP summary (interaction block) and
     GDPA-PFFN (transformer block); odd ``l``: self-attention, the previous summary is reused.
-  * CompSkip off: every active layer runs WeightGen + HSP + PFFN + attention (``s' = SWA(PFFN(s))``).
+  * CompSkip off: every active layer runs WeightGen + HSP + PFFN + attention
+    (``s' = SWA(PFFN(s))``).
   * ``final_hsp`` in the tower's last layer ``l = L_e - 1``: the tower's output sequence is
     summarised once more [D]. Without it the last layer's sequence output would reach nothing
     (spec d.4 drops it), leaving that layer's parameters without gradient; with it, a shallow
@@ -63,7 +64,8 @@ def make_attention(cfg: ModelConfig, tower: TowerConfig, dtype, name: str, kind:
                       name=name)
 
 
-def make_pooling(cfg: ModelConfig, tower: TowerConfig, dtype, name: str, pooling: str | None = None):
+def make_pooling(cfg: ModelConfig, tower: TowerConfig, dtype, name: str,
+                 pooling: str | None = None):
   """HSP (default) or PMA summarising ``[B, T, d_e]`` into ``[B, n_sum, d_e]``."""
   if (pooling or cfg.pooling) == "pma":
     return PMA(n_sum=tower.n_sum, heads=tower.heads, dtype=dtype, name=name)

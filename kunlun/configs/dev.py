@@ -1,6 +1,7 @@
 """Dev preset: one GPU (spec d.7 "Dev"): d_ns 64 / N_ns 16, a high- and a low-value tower.
 
-Streams: ``click`` (high value) and ``impression`` (low value), the synthetic presets' names.
+Streams of the synthetic ``dev`` data preset: ``click`` and ``conversion`` (high value) and
+``impression`` (low value, longer, shallower).
 """
 
 from kunlun.config import default_model, tower
@@ -18,7 +19,9 @@ def get_config():
                          depth=4)
   m.towers.impression = tower(width=64, heads=2, n_kv=32, window=32, kept_len=512, n_seed=16,
                               n_sum=4, depth=2)
-  m.oneseq = tower(width=128, heads=4, n_kv=32, window=32, kept_len=768, n_seed=32, n_sum=8,
+  m.towers.conversion = tower(width=128, heads=4, n_kv=32, window=32, kept_len=64, n_seed=32,
+                              n_sum=8, depth=4)
+  m.oneseq = tower(width=128, heads=4, n_kv=32, window=32, kept_len=832, n_seed=32, n_sum=8,
                    depth=4)
   m.heads.update(kind="towers", top_mlp=(256,), tower_hidden=64)
   m.dlrm.update(seq_dim=64, mlp=(512, 256))
@@ -27,7 +30,7 @@ def get_config():
   c.model = m
   c.data.preset = "dev"
   c.data.batch_size = 512
-  c.data.num_examples = 2_000_000
-  c.train.steps = 20_000
-  c.train.warmup_steps = 1_000
+  c.data.num_examples = 100_000
+  c.train.steps = 2_000
+  c.train.warmup_steps = 100
   return c

@@ -2,7 +2,9 @@
 
 High-value towers d 512 / H 4 / d_h 128 with 12 layers and HSP 128->32; low-value towers
 d 256 / H 2 / d_h 128 with 6 layers and HSP 32->8; n_kv 128, w 100, MoWE 4 x 2 with rank 32.
-Sharded with the "5d" rule preset; the data section points at a directory given by --data_dir.
+Sharded with the "5d" rule preset. Towers are named after the synthetic ``mid`` data preset's
+streams (click, conversion, impression; kept lengths within its max lengths); a production
+dataset with more streams (spec: 4-10 towers) adds one ``towers.<stream>`` entry per stream.
 """
 
 from kunlun.config import default_model, tower
@@ -19,11 +21,10 @@ def get_config():
   m.num_layers = 12
   m.hsp_rank = 8
   m.mowe.update(num_experts=4, layers_per_expert=2, rank=32, mlp_hidden=1024)
-  m.towers.click = tower(kept_len=1024, **HIGH)
-  m.towers.conversion = tower(kept_len=1024, **HIGH)
+  m.towers.click = tower(kept_len=512, **HIGH)
+  m.towers.conversion = tower(kept_len=128, **HIGH)
   m.towers.impression = tower(kept_len=2048, **LOW)
-  m.towers.organic = tower(kept_len=2048, **LOW)
-  m.oneseq = tower(width=512, heads=4, n_kv=128, window=100, kept_len=4096, n_seed=128, n_sum=32,
+  m.oneseq = tower(width=512, heads=4, n_kv=128, window=100, kept_len=2688, n_seed=128, n_sum=32,
                    depth=12)
   m.heads.update(kind="mmoe", top_mlp=(1024, 512), tower_hidden=256, num_experts=4,
                  expert_hidden=512)
@@ -33,8 +34,8 @@ def get_config():
   c.model = m
   c.data.preset = "mid"
   c.data.batch_size = 8192
-  c.data.num_examples = 100_000_000
-  c.train.steps = 200_000
-  c.train.warmup_steps = 2_000
+  c.data.num_examples = 50_000
+  c.train.steps = 1_000
+  c.train.warmup_steps = 100
   c.sharding.rules = "5d"
   return c

@@ -1,14 +1,12 @@
 """Baselines through build_model: InterFormer-style structure and DLRM-style pooling."""
 
-import copy
-
 import flax.linen as nn
 import jax
 import numpy as np
 import pytest
 
 from data.fake import random_batch, tiny_schema
-from data.schema import EventStream, Schema
+from data.synthetic import PRESETS, preset_schema
 from kunlun.config import parse, seq_lens
 from kunlun.configs import mid, tiny
 from kunlun.flops import model_flops
@@ -63,10 +61,7 @@ def test_interformer_structure():
 
 
 def test_interformer_costs_more_than_kunlun_at_mid():
-  s = tiny_schema()
-  schema = Schema(s.sparse, s.dense, tuple(EventStream(n, 2048, 1000, 4)
-                                           for n in ("click", "conversion", "impression")),
-                  ("feed", "reels"), s.tasks)
+  schema = preset_schema(PRESETS["mid"])
   c = mid.get_config()
   k = model_flops(c, schema)["forward"]
   c.model.arch = "interformer"

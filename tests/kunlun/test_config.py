@@ -5,23 +5,17 @@ import copy
 import pytest
 
 from data.fake import tiny_schema
-from data.schema import EventStream, Schema
+from data.synthetic import PRESETS, preset_schema
 from kunlun import config as C
 from kunlun.configs import dev, large, mid, tiny
 
 
-def schema_with(names, max_len=4096):
-  s = tiny_schema()
-  return Schema(s.sparse, s.dense, tuple(EventStream(n, max_len, 100, 3) for n in names),
-                s.surfaces, s.tasks)
-
-
-@pytest.mark.parametrize("preset,streams", [
-    (tiny, None), (dev, ("click", "impression")), (mid, ("click", "conversion", "impression")),
-    (large, ("click", "conversion", "impression", "organic"))])
-def test_presets_parse(preset, streams):
+@pytest.mark.parametrize("preset,data", [(tiny, "tiny"), (dev, "dev"), (mid, "mid"),
+                                         (large, "mid")])
+def test_presets_parse_against_synthetic_schemas(preset, data):
   c = preset.get_config()
-  S = tiny_schema() if streams is None else schema_with(streams)
+  S = preset_schema(PRESETS[data])
+  assert c.data.preset == data
   m = C.parse(c, S)
   assert m.streams == S.stream_names
   assert C.seq_lens(c) == {t.name: t.kept_len for t in m.towers}

@@ -1,7 +1,5 @@
 """Analytic FLOPs against XLA's cost analysis (forward only, XLA-only configs, matmul-dominated)."""
 
-import copy
-
 import jax
 import jax.numpy as jnp
 import numpy as np

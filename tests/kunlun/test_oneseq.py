@@ -24,12 +24,12 @@ def reference_merge(ages, lengths, kept):
 
 def test_merge_is_time_ordered_and_keeps_most_recent():
   rng = np.random.default_rng(0)
-  B, Ts, d, kept = 5, (6, 9, 4), 3, 10
+  B, Ts, kept = 5, (6, 9, 4), 10
   lengths = [rng.integers(0, T + 1, B).astype(np.int32) for T in Ts]
   lengths[0][0], lengths[1][0], lengths[2][0] = 0, 0, 0          # an example with no events
   ages = [np.where(np.arange(T)[None] < l[:, None],
                    np.sort(rng.integers(0, 50, (B, T)).astype(np.float32))[:, ::-1], 0.0)
-          for T, l in zip(Ts, lengths)]                           # integer ages: ties happen
+          for T, l in zip(Ts, lengths, strict=True)]       # integer ages: ties happen
   # event payload encodes (stream, position) so the selection can be read back
   s = [np.stack([np.full((B, T), e, np.float32), np.tile(np.arange(T, dtype=np.float32), (B, 1)),
                  np.ones((B, T), np.float32)], -1) for e, T in enumerate(Ts)]
