@@ -11,8 +11,9 @@ Teacher (what the model must learn)::
 
     u      = sum over the 32 most recent events of each stream of w_stream * exp(-age / tau) * v_item
     sim    = cos(u, v_ad)                                   (0 for an empty history)
-    z_clk  = b_s + beta_s * sim + q_ad + seg_bias + 0.3 sin(2 pi hour / 24) + 0.2 z(log bid)
-    z_cvr  = c_s + gamma_s * sim + 0.6 q_ad + r_ad          (conversion given click)
+    z_clk  = b_s + beta_s * sim + q_ad + q_cat + seg_bias + 0.3 sin(2 pi hour / 24)
+             + 0.8 z(log bid) + 0.5 z(log account age)
+    z_cvr  = c_s + gamma_s * sim + 0.6 (q_ad + q_cat) + r_ad  (conversion given click)
 
 (a) the interest match needs the history; (b) ``sim`` is shared by every surface (events come
 from all surfaces, surface-specific scale and bias only); (c) conversions (valid only on clicked
@@ -39,7 +40,7 @@ from data.schema import EventField, EventStream, Schema, SparseFeature, Task
 
 SURFACES = ("feed", "stories", "reels")
 SHARES = np.array([0.5, 0.3, 0.2])
-CLICK_BIAS = np.array([-6.5, -7.3, -5.8])      # per surface (base click rates ~7% / 5% / 10%)
+CLICK_BIAS = np.array([-5.9, -6.6, -5.3])      # per surface (base click rates ~11% / 9% / 13%)
 CLICK_BETA = np.array([6.0, 6.5, 5.5])         # interest-match scale per surface
 CVR_BIAS = np.array([-4.5, -5.0, -4.0])         # conversion given click ~18%
 CVR_GAMMA = np.array([3.5, 4.0, 3.0])
@@ -131,12 +132,13 @@ class World:
     self.item_v = (mu[self.item_cat] + 0.5 * rng.normal(size=(p.n_items, D)) / np.sqrt(D)
                    ).astype(np.float32)
     self.item_v_unit = self.item_v / np.linalg.norm(self.item_v, axis=1, keepdims=True)
-    self.ad_q = rng.normal(0, 0.5, p.n_items)           # click quality
+    self.ad_q = rng.normal(0, 0.3, p.n_items)           # click quality per ad
+    self.cat_q = rng.normal(0, 0.8, C)                   # and per ad category
     self.ad_r = rng.normal(0, 0.5, p.n_items)           # conversion-specific quality
     self.ad_bid = rng.lognormal(0.0, 0.7, p.n_items)
     self.user_int = rng.integers(0, C, (p.n_users, 2))
     self.user_age = rng.lognormal(6.0, 1.0, p.n_users)
-    self.seg_bias = rng.normal(0, 0.3, p.n_segments)
+    self.seg_bias = rng.normal(0, 0.5, p.n_segments)
 
 
 def _sigmoid(z):
@@ -197,9 +199,11 @@ def _chunk(p: Preset, w: World, seed: int, split_id: int, c: int, n: int, t_star
   seg = user % p.n_segments
   hour = (req // 3600) % 24
   bid = w.ad_bid[ad]
-  z_clk = (CLICK_BIAS[surf] + CLICK_BETA[surf] * sim + w.ad_q[ad] + w.seg_bias[seg]
-           + 0.3 * np.sin(2 * np.pi * hour / 24) + 0.2 * np.log(bid) / 0.7)
-  z_cvr = CVR_BIAS[surf] + CVR_GAMMA[surf] * sim + 0.6 * w.ad_q[ad] + w.ad_r[ad]
+  q = w.ad_q[ad] + w.cat_q[ad_cat]
+  z_clk = (CLICK_BIAS[surf] + CLICK_BETA[surf] * sim + q + w.seg_bias[seg]
+           + 0.3 * np.sin(2 * np.pi * hour / 24) + 0.8 * np.log(bid) / 0.7
+           + 0.5 * (np.log(w.user_age[user]) - 6.0))
+  z_cvr = CVR_BIAS[surf] + CVR_GAMMA[surf] * sim + 0.6 * q + w.ad_r[ad]
   p_clk, p_cvr = _sigmoid(z_clk), _sigmoid(z_cvr)
   click = rng.uniform(size=n) < p_clk
   conv = click & (rng.uniform(size=n) < p_cvr)
