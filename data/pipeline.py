@@ -184,7 +184,9 @@ def make_dataset(data_cfg, data_dir: str, split: str, seq_lens: dict[str, int], 
 
   data_cfg fields: batch_size (global), surface_weights, shuffle_seed, num_threads, prefetch,
   skip_invalid, length_balance (and optional length_balance_groups, default: local devices).
-  Per-process batch = batch_size // shard_count. ``ds.invalid_counter`` counts skipped records.
+  Per-process batch = batch_size // shard_count. ``ds.invalid_counter`` counts skipped records
+  (``None`` unless skip_invalid). Eval: ``num_eval_batches`` batches per process; with skipped
+  invalid records the processes may end up with different batch counts.
   """
   schema = Schema.load(data_dir)
   seq_lens = check_seq_lens(schema, dict(seq_lens))
