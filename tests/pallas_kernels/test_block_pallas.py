@@ -40,14 +40,15 @@ CASES = {
 def test_forward_and_gradients(name):
   kw = CASES[name]
   q, k, v = _qkv()
-  out = _kernel(q, k, v, **kw)
-  ref = reference.block_attention_reference(q, k, v, block_size=BS, **kw)
+  out = jax.jit(lambda q, k, v: _kernel(q, k, v, **kw))(q, k, v)
+  ref = jax.jit(lambda q, k, v: reference.block_attention_reference(q, k, v, block_size=BS, **kw))(
+      q, k, v)
   loop = block_loop(q, k, v, BS, **kw)
   np.testing.assert_allclose(out, loop, atol=2e-5, rtol=1e-5)
   np.testing.assert_allclose(ref, loop, atol=2e-5, rtol=1e-5)
   w = jnp.cos(jnp.arange(T * D, dtype=jnp.float32).reshape(T, 1, D))
-  grad = lambda fn: jax.grad(lambda q, k, v: jnp.sum(fn(q, k, v, block_size=BS, **kw) * w),
-                             argnums=(0, 1, 2))(q, k, v)
+  grad = lambda fn: jax.jit(jax.grad(
+      lambda q, k, v: jnp.sum(fn(q, k, v, block_size=BS, **kw) * w), argnums=(0, 1, 2)))(q, k, v)
   got = grad(lambda *a, **kw: pallas_block.block_attention_pallas(*a, interpret=True, **kw))
   want = grad(reference.block_attention_reference)
   for name_, g, r in zip("qkv", got, want, strict=True):

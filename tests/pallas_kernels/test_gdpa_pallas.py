@@ -20,6 +20,11 @@ def _qkv(dtype=jnp.float32, seed=0, tq=TQ, tk=TK, bq=B, h=H):
           jax.random.normal(kv, (B, tk, h, D), dtype))
 
 
+def _jit(fn, **kw):
+  """``fn`` with keyword arguments bound, jitted (one compile instead of op-by-op dispatch)."""
+  return jax.jit(lambda *args: fn(*args, **kw))
+
+
 def _kernel(q, k, v, **kw):
   return pallas_gdpa.gdpa_pallas(q, k, v, interpret=True, **TILES, **kw)
 
@@ -27,8 +32,8 @@ def _kernel(q, k, v, **kw):
 def _check_forward(kw, q=None, k=None, v=None, atol=2e-5):
   if q is None:
     q, k, v = _qkv()
-  out = _kernel(q, k, v, **kw)
-  ref = reference.gdpa_reference(q, k, v, **kw)
+  out = _jit(_kernel, **kw)(q, k, v)
+  ref = _jit(reference.gdpa_reference, **kw)(q, k, v)
   loop = gdpa_loop(q, k, v, **kw)
   assert out.shape == ref.shape == loop.shape
   np.testing.assert_allclose(out, ref, atol=atol, rtol=1e-5)
@@ -88,8 +93,8 @@ GRAD_CASES = [  # (kwargs, heads); the first case covers every activation's deri
 
 def _grads(fn, q, k, v, kw):
   w = jnp.cos(jnp.arange(q.shape[1] * D, dtype=jnp.float32).reshape(q.shape[1], 1, D))
-  return jax.grad(lambda q, k, v: jnp.sum(fn(q, k, v, **kw).astype(jnp.float32) * w),
-                  argnums=(0, 1, 2))(q, k, v)
+  return jax.jit(jax.grad(lambda q, k, v: jnp.sum(fn(q, k, v, **kw).astype(jnp.float32) * w),
+                          argnums=(0, 1, 2)))(q, k, v)
 
 
 @pytest.mark.parametrize("kw,heads", GRAD_CASES, ids=range(len(GRAD_CASES)))
@@ -180,3 +185,14 @@ def test_bad_arguments_raise():
     _kernel(q, k, v, broadcast_q=True)
   with pytest.raises(ValueError, match="lengths"):
     _kernel(q, k, v, q_lengths=np.array([1, 2, 3]))
+
+
+def test_backend_dispatch_errors():
+  q, k, v = _qkv()
+  with pytest.raises(ValueError, match="unknown gdpa backend"):
+    pallas_kernels.gdpa(q, k, v, backend="cuda")
+  with pytest.raises(ValueError, match="no interpret mode"):
+    pallas_kernels.gdpa(q, k, v, backend="triton", interpret=True)
+  # On CPU "auto" is the XLA reference.
+  np.testing.assert_array_equal(pallas_kernels.gdpa(q, k, v, backend="auto"),
+                                reference.gdpa_reference(q, k, v))
