@@ -12,7 +12,7 @@ Teacher (what the model must learn)::
     u      = sum over the 32 most recent events of each stream of w_stream * exp(-age / tau) * v_item
     sim    = cos(u, v_ad)                                   (0 for an empty history)
     z_clk  = b_s + beta_s * sim + q_ad + q_cat + seg_bias + 0.3 sin(2 pi hour / 24)
-             + 0.8 z(log bid) + 0.5 z(log account age)
+             + 1.5 z(log bid) + 1.0 z(log account age)
     z_cvr  = c_s + gamma_s * sim + 0.6 (q_ad + q_cat) + r_ad  (conversion given click)
 
 (a) the interest match needs the history; (b) ``sim`` is shared by every surface (events come
@@ -40,7 +40,7 @@ from data.schema import EventField, EventStream, Schema, SparseFeature, Task
 
 SURFACES = ("feed", "stories", "reels")
 SHARES = np.array([0.5, 0.3, 0.2])
-CLICK_BIAS = np.array([-5.9, -6.6, -5.3])      # per surface (base click rates ~11% / 9% / 13%)
+CLICK_BIAS = np.array([-6.3, -7.0, -5.7])      # per surface (base click rates ~12% / 10% / 14%)
 CLICK_BETA = np.array([6.0, 6.5, 5.5])         # interest-match scale per surface
 CVR_BIAS = np.array([-4.5, -5.0, -4.0])         # conversion given click ~18%
 CVR_GAMMA = np.array([3.5, 4.0, 3.0])
@@ -201,8 +201,8 @@ def _chunk(p: Preset, w: World, seed: int, split_id: int, c: int, n: int, t_star
   bid = w.ad_bid[ad]
   q = w.ad_q[ad] + w.cat_q[ad_cat]
   z_clk = (CLICK_BIAS[surf] + CLICK_BETA[surf] * sim + q + w.seg_bias[seg]
-           + 0.3 * np.sin(2 * np.pi * hour / 24) + 0.8 * np.log(bid) / 0.7
-           + 0.5 * (np.log(w.user_age[user]) - 6.0))
+           + 0.3 * np.sin(2 * np.pi * hour / 24) + 1.5 * np.log(bid) / 0.7
+           + 1.0 * (np.log(w.user_age[user]) - 6.0))
   z_cvr = CVR_BIAS[surf] + CVR_GAMMA[surf] * sim + 0.6 * q + w.ad_r[ad]
   p_clk, p_cvr = _sigmoid(z_clk), _sigmoid(z_cvr)
   click = rng.uniform(size=n) < p_clk

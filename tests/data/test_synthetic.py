@@ -84,7 +84,7 @@ def test_true_prob_recomputed_from_history(big):
     assert r["dense"][0] == np.float32(w.user_age[user])
     z = (synthetic.CLICK_BIAS[s_] + synthetic.CLICK_BETA[s_] * sim + w.ad_q[ad]
          + w.cat_q[ad % p.n_categories] + w.seg_bias[seg] + 0.3 * np.sin(2 * np.pi * hour / 24)
-         + 0.8 * np.log(w.ad_bid[ad]) / 0.7 + 0.5 * (np.log(w.user_age[user]) - 6.0))
+         + 1.5 * np.log(w.ad_bid[ad]) / 0.7 + 1.0 * (np.log(w.user_age[user]) - 6.0))
     np.testing.assert_allclose(r["true_prob"][0], 1 / (1 + np.exp(-z)), rtol=2e-4, atol=1e-6)
 
 
