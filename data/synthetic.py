@@ -161,7 +161,6 @@ def _chunk(p: Preset, w: World, seed: int, split_id: int, c: int, n: int, t_star
 
   ragged, u = {}, np.zeros((n, p.latent_dim), np.float32)
   ui0, ui1 = ui[:, 0].copy(), ui[:, 1].copy()
-  req_f = req.astype(np.float64)
   cum_share = np.cumsum(SHARES)[:-1].astype(np.float32)
   for s in p.streams:
     L = np.floor(rng.lognormal(np.log(s.median_len), 1.0, n)).astype(np.int64)
@@ -177,16 +176,16 @@ def _chunk(p: Preset, w: World, seed: int, split_id: int, c: int, n: int, t_star
     ev[:, 1] = rng.integers(0, s.action_vocab, E, dtype=np.int32)
     r = rng.random(E, dtype=np.float32)
     ev[:, 2] = (r >= cum_share[0]).astype(np.int32) + (r >= cum_share[1])
-    gap = rng.exponential(s.mean_gap_s, E)
-    cs = np.cumsum(gap)
+    gap = np.ceil(rng.standard_exponential(E, dtype=np.float32) * s.mean_gap_s).astype(np.int64)
+    cs = np.cumsum(gap)                                    # integer seconds: exact, monotone
     age = cs[np.maximum(off[1:] - 1, 0)][ex] - cs + gap if E else gap   # seconds before request
-    ev[:, 3] = req_f[ex] - np.ceil(age)
+    ev[:, 3] = req[ex] - age
     if s.with_category:
       ev[:, 4] = cat
     ragged[f"events/{s.name}"] = (ev, off)
     # teacher: recency-weighted interest from the most recent events of this stream
     idx = np.flatnonzero((off[1:][ex] - np.arange(E)) <= p.recent)
-    wt = (s.teacher_weight * np.exp(-age[idx] / (p.tau_days * DAY))).astype(np.float32)
+    wt = s.teacher_weight * np.exp(age[idx].astype(np.float32) / np.float32(-p.tau_days * DAY))
     contrib = w.item_v[ev[idx, 0]]
     contrib *= wt[:, None]
     r_off = np.searchsorted(idx, off[:-1])
