@@ -1,0 +1,250 @@
+"""Knowledge-transfer experiment (issue 7, spec g): FM -> VM via KD, LoopFM, both.
+
+  python bench/transfer.py [--quick] [--out bench/results/transfer.json]
+
+1. synthetic ``tiny`` data; 2. the FM (``kunlun/configs/tiny.py``) trained with train.py;
+3. its embeddings and logits exported (``kunlun.transfer.export``, int8); 4. a Student Adapter
+fitted on the freshest quarter of the training window (FM logits -> labels); 5. four VMs
+(``kunlun/configs/vm_tiny.py``, same steps/seed/data order): alone, +KD, +LoopFM, +both;
+6. per surface x task NE on the eval window (a later time window) and the transfer ratio
+``(NE_vm_alone - NE_variant) / (NE_vm_alone - NE_fm)``. Results JSON in ``bench/results/``.
+
+``--quick``: a few thousand examples and a few hundred steps (CI smoke test; ratios are noisy).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, _ROOT)
+
+import numpy as np  # noqa: E402
+
+
+def _log(msg):
+  print(f"[transfer {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def _host_batches(data_cfg, data_dir, split, seq_lens):
+  from data import pipeline
+  ds = pipeline.make_dataset(data_cfg, data_dir, split, seq_lens, train=False, shard_index=0,
+                             shard_count=1)
+  return list(ds)
+
+
+def _ne_table(per_surface, overall):
+  t = {s: {k: v["ne"] for k, v in d.items()} for s, d in per_surface.items()}
+  t["overall"] = {k: v["ne"] for k, v in overall.items()}
+  return t
+
+
+def _ratio(vm, var, fm):
+  if None in (vm, var, fm) or abs(vm - fm) < 1e-9:
+    return None
+  return (vm - var) / (vm - fm)
+
+
+def run(args) -> dict:
+  import jax
+
+  from data import pipeline, synthetic
+  from kunlun.config import seq_lens as get_seq_lens
+  from kunlun.configs import tiny, vm_tiny
+  from kunlun.train import optim
+  from kunlun.train.metrics import surface_task_metrics
+  from kunlun.transfer import adapter as adapter_lib
+  from kunlun.transfer import experiment as ex
+  from kunlun.transfer import export
+  from kunlun.transfer.join import AsOfIndex, pair_key
+  from kunlun.transfer.loopfm import build_loopfm
+
+  t_start = time.perf_counter()
+  work = args.workdir or tempfile.mkdtemp(prefix="kunlun_transfer_")
+  data_dir, fm_dir, emb_dir = (os.path.join(work, d) for d in ("data", "fm", "emb"))
+  timings = {}
+
+  # 1. data
+  t0 = time.perf_counter()
+  if not os.path.exists(os.path.join(data_dir, "manifest.json")):
+    schema = synthetic.generate(data_dir, "tiny", num_examples=args.num_examples, seed=args.seed)
+  else:
+    from data.schema import Schema
+    schema = Schema.load(data_dir)
+  timings["data_s"] = time.perf_counter() - t0
+  surfaces, tasks = schema.surfaces, schema.task_names
+  _log(f"data: {args.num_examples} train examples in {data_dir}")
+
+  # 2. FM via train.py (the real training path; resumes if the workdir exists)
+  t0 = time.perf_counter()
+  env = {**os.environ, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")}
+  cmd = [sys.executable, os.path.join(_ROOT, "train.py"),
+         f"--config={os.path.join(_ROOT, 'kunlun/configs/tiny.py')}", f"--workdir={fm_dir}",
+         f"--data_dir={data_dir}", f"--steps={args.fm_steps}", "--mesh=data=1,fsdp=-1",
+         f"--config.train.log_every={max(args.fm_steps // 4, 1)}",
+         f"--config.train.checkpoint_every={args.fm_steps}", f"--config.seed={args.seed}"]
+  _log("FM: " + " ".join(cmd[1:]))
+  subprocess.run(cmd, check=True, env=env, cwd=_ROOT)
+  timings["fm_train_s"] = time.perf_counter() - t0
+
+  # 3. export pooled embeddings + logits for both splits
+  t0 = time.perf_counter()
+  man = export.export(fm_dir, emb_dir, splits=("train", "eval"), quantize_mode="int8",
+                      shard_batches=100, mesh_flag="data=1,fsdp=-1", log=_log)
+  rec = export.read_records(emb_dir)
+  timings["export_s"] = time.perf_counter() - t0
+  log = export.load_log(emb_dir)
+  keys = pair_key(rec["user_id"], rec["ad_id"])
+  logit_index = AsOfIndex(keys, rec["request_ts"], rec["logits"])
+
+  vm_cfg = vm_tiny.get_config()
+  vm_cfg.data.batch_size = args.batch_size
+  vm_cfg.train.steps = args.vm_steps
+  vm_cfg.train.warmup_steps = max(args.vm_steps // 10, 1)
+  vm_cfg.seed = args.seed
+  vm_lens = get_seq_lens(vm_cfg)
+  streams = list(vm_lens)
+  eval_batches = _host_batches(vm_cfg.data, data_dir, "eval", vm_lens)
+
+  # FM metrics on eval from its exported logits (same examples, same order as eval batches)
+  fm_logits, present = [], []
+  for b in eval_batches:
+    keep = b["example_mask"] > 0
+    lg, p, _ = logit_index.lookup(pair_key(b["user_id"], b["ad_id"])[keep],
+                               np.asarray(b["request_ts"], np.int64)[keep], max_age=0)
+    fm_logits.append(lg)
+    present.append(p)
+  assert np.concatenate(present).all(), "every eval example must have its exported FM logits"
+  cat = lambda k: np.concatenate([np.asarray(b[k])[b["example_mask"] > 0] for b in eval_batches])
+  fm_prob = 1 / (1 + np.exp(-np.concatenate(fm_logits).astype(np.float64)))
+  fm_ps, fm_all = surface_task_metrics(fm_prob, cat("labels"), cat("label_mask"), cat("surface"),
+                                       surfaces, tasks, cat("true_prob"))
+
+  # 4. student adapter on the freshest quarter of the training window
+  t0 = time.perf_counter()
+  train_batches = _host_batches(vm_cfg.data, data_dir, "train", vm_lens)
+  tb = {k: np.concatenate([np.asarray(b[k])[b["example_mask"] > 0] for b in train_batches])
+        for k in ("user_id", "ad_id", "request_ts", "surface", "labels", "label_mask")}
+  fresh = tb["request_ts"] >= np.quantile(tb["request_ts"], 0.75)
+  t_lg, t_p, _ = logit_index.lookup(pair_key(tb["user_id"], tb["ad_id"]), tb["request_ts"], max_age=0)
+  sel = fresh & t_p
+  ad_mod, ad_params = adapter_lib.fit_adapter(
+      t_lg[sel], tb["surface"][sel], np.zeros(sel.sum(), np.float32), tb["labels"][sel],
+      tb["label_mask"][sel], num_surfaces=len(surfaces), steps=args.adapter_steps, lr=1e-2,
+      seed=args.seed, hidden=8, emb_dim=2)
+  timings["adapter_s"] = time.perf_counter() - t0
+  del train_batches
+  feats = ex.FMFeatures(log, logit_index, (ad_mod, ad_params), join_key=args.join_key)
+  # adapter quality on eval: NE of raw FM vs adapted FM probabilities
+  ev_lg = np.concatenate(fm_logits)
+  ad_prob = np.asarray(adapter_lib.soft_targets(ad_mod, ad_params, ev_lg, cat("surface"),
+                                                np.zeros(len(ev_lg), np.float32)), np.float64)
+  _, ad_all = surface_task_metrics(ad_prob, cat("labels"), cat("label_mask"), cat("surface"),
+                                   surfaces, tasks)
+
+  # 5. VM variants (same seed, data order and step count)
+  variants = {"vm_alone": (0.0, False), "vm_kd": (args.kd_lambda, False),
+              "vm_loopfm": (0.0, True), "vm_both": (args.kd_lambda, True)}
+  models = {lf: build_loopfm(vm_cfg, schema, use_ctx=lf, use_events=lf) for lf in (False, True)}
+  steps = {lf: None for lf in models}
+  predicts = {lf: ex.make_predict(m) for lf, m in models.items()}
+  results, train_losses = {}, {}
+  for name, (lam, lf) in variants.items():
+    t0 = time.perf_counter()
+    model = models[lf]
+    ds = pipeline.make_dataset(vm_cfg.data, data_dir, "train", vm_lens, train=True,
+                               shard_index=0, shard_count=1)
+    it = iter(ds)
+    first = next(it)
+    fm_in = (lambda b: feats.loopfm(b, streams)) if lf else None
+    params = ex.init_params(model, {**first, **(fm_in(first) if lf else {})}, args.seed)
+    tx = optim.make_optimizer(vm_cfg.train, args.vm_steps)
+    opt = tx.init(params)
+    if steps[lf] is None:
+      steps[lf] = ex.make_vm_step(model, tx)
+    losses = []
+    b = first
+    for i in range(args.vm_steps):
+      inp = {**b, **fm_in(b)} if lf else b
+      soft, soft_mask = feats.soft(b)
+      params, opt, loss = steps[lf](params, opt, inp, soft, soft_mask, np.float32(lam))
+      losses.append(float(loss))
+      b = next(it)
+    ps, ov = ex.evaluate(predicts[lf], params, eval_batches, surfaces, tasks, extra=fm_in)
+    results[name] = (ps, ov)
+    train_losses[name] = float(np.mean(losses[-max(len(losses) // 10, 1):]))
+    timings[f"{name}_s"] = time.perf_counter() - t0
+    _log(f"{name}: NE {_ne_table(ps, ov)['overall']} ({timings[name + '_s']:.0f}s)")
+
+  # 6. tables and transfer ratios
+  ne = {"fm": _ne_table(fm_ps, fm_all), **{n: _ne_table(*r) for n, r in results.items()}}
+  cells = [(s, t) for s in [*surfaces, "overall"] for t in tasks]
+  ratio = {n: {s: {t: _ratio(ne["vm_alone"][s][t], ne[n][s][t], ne["fm"][s][t]) for t in tasks}
+               for s in [*surfaces, "overall"]} for n in ("vm_kd", "vm_loopfm", "vm_both")}
+  out = {
+      "bench": "transfer", "quick": args.quick, "seed": args.seed,
+      "setup": {"num_examples": args.num_examples, "fm_config": "tiny", "vm_config": "vm_tiny",
+                "fm_steps": args.fm_steps, "vm_steps": args.vm_steps,
+                "batch_size": args.batch_size, "kd_lambda": args.kd_lambda,
+                "join_key": args.join_key, "quantize": man["quantize"],
+                "fm_seq_lens": get_seq_lens(tiny.get_config()), "vm_seq_lens": vm_lens,
+                "eval_examples": int(len(fm_prob))},
+      "ne": ne,
+      "bayes_ne": {s: {t: fm_ps[s][t]["bayes_ne"] for t in tasks} for s in surfaces},
+      "transfer_ratio": ratio,
+      "auc": {"fm": {t: fm_all[t]["auc"] for t in tasks},
+              **{n: {t: r[1][t]["auc"] for t in tasks} for n, r in results.items()}},
+      "adapter": {"eval_ne_raw_fm": {t: fm_all[t]["ne"] for t in tasks},
+                  "eval_ne_adapted": {t: ad_all[t]["ne"] for t in tasks},
+                  "eval_calibration_raw_fm": {t: fm_all[t]["calibration"] for t in tasks},
+                  "eval_calibration_adapted": {t: ad_all[t]["calibration"] for t in tasks},
+                  "fit_examples": int(sel.sum())},
+      "loopfm_present_rate": feats.present_rates(),
+      "train_loss_last10pct": train_losses,
+      "timings_s": {**timings, "total": time.perf_counter() - t_start},
+      "device": str(jax.devices()[0].platform),
+  }
+  _log("NE (overall): " + json.dumps({n: ne[n]["overall"] for n in ne}))
+  _log("transfer ratio (overall): " + json.dumps({n: ratio[n]["overall"] for n in ratio}))
+  del cells
+  return out
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__,
+                               formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("--quick", action="store_true", help="small CI-sized run")
+  ap.add_argument("--out", default=None, help="JSON path (default bench/results/transfer[_quick].json)")
+  ap.add_argument("--workdir", default=None, help="keeps data/FM/export here (default: a temp dir)")
+  ap.add_argument("--num_examples", type=int, default=None)
+  ap.add_argument("--fm_steps", type=int, default=None)
+  ap.add_argument("--vm_steps", type=int, default=None)
+  ap.add_argument("--batch_size", type=int, default=64)
+  ap.add_argument("--adapter_steps", type=int, default=None)
+  ap.add_argument("--kd_lambda", type=float, default=0.5)
+  ap.add_argument("--join_key", default="user", choices=("user", "user_item"))
+  ap.add_argument("--seed", type=int, default=0)
+  args = ap.parse_args(argv)
+  q = args.quick
+  args.num_examples = args.num_examples or (2000 if q else 20000)
+  args.fm_steps = args.fm_steps or (100 if q else 2000)
+  args.vm_steps = args.vm_steps or (100 if q else 1500)
+  args.adapter_steps = args.adapter_steps or (100 if q else 300)
+  out = run(args)
+  path = args.out or os.path.join(_ROOT, "bench", "results",
+                                  "transfer_quick.json" if q else "transfer.json")
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  with open(path, "w") as f:
+    json.dump(out, f, indent=1)
+  _log(f"wrote {path} ({out['timings_s']['total']:.0f}s)")
+  return out
+
+
+if __name__ == "__main__":
+  main()
