@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels import activations
+from pallas_kernels import _poison, activations
 
 _F32 = jnp.float32
 _NEG = -1e30
@@ -149,35 +149,26 @@ def _specs(cfg: _Cfg, D, n_rot):
   return lens, blk, [rot] * n_rot
 
 
-def _fwd_call(cfg: _Cfg, q, k, v, lengths, rot, out_init=None):
+def _fwd_call(cfg: _Cfg, q, k, v, lengths, rot):
   B, T, H, D = q.shape
   rot = () if rot is None else tuple(rot)
   lens, blk, rspecs = _specs(cfg, D, len(rot))
-  in_specs = [lens, blk, blk, blk, *rspecs]
-  args = [lengths, q, k, v, *rot]
-  aliases = {}
-  if out_init is not None:
-    in_specs.append(blk)
-    args.append(out_init)
-    aliases = {len(args) - 1: 0}
-  return pl.pallas_call(
-      functools.partial(_fwd_kernel, cfg=cfg),
+  return _poison.pallas_call(
+      functools.partial(_fwd_kernel, cfg=cfg), (lengths, q, k, v, *rot),
       out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype), grid=(B, H, T // cfg.block),
-      in_specs=in_specs, out_specs=blk, input_output_aliases=aliases,
-      interpret=cfg.interpret, name="block_attention_fwd",
-  )(*args)
+      in_specs=[lens, blk, blk, blk, *rspecs], out_specs=blk, interpret=cfg.interpret,
+      name="block_attention_fwd")
 
 
 def _bwd_call(cfg: _Cfg, q, k, v, lengths, rot, do):
   B, T, H, D = q.shape
   rot = () if rot is None else tuple(rot)
   lens, blk, rspecs = _specs(cfg, D, len(rot))
-  return pl.pallas_call(
-      functools.partial(_bwd_kernel, cfg=cfg),
+  return _poison.pallas_call(
+      functools.partial(_bwd_kernel, cfg=cfg), (lengths, q, k, v, *rot, do),
       out_shape=tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v)),
       grid=(B, H, T // cfg.block), in_specs=[lens, blk, blk, blk, *rspecs, blk],
-      out_specs=(blk, blk, blk), interpret=cfg.interpret, name="block_attention_bwd",
-  )(lengths, q, k, v, *rot, do)
+      out_specs=(blk, blk, blk), interpret=cfg.interpret, name="block_attention_bwd")
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -200,12 +191,11 @@ _block_attention.defvjp(_block_attention_fwd, _block_attention_bwd)
 
 
 def block_attention_pallas(q, k, v, *, block_size=64, activation="softmax", lengths=None,
-                           rotary=None, backend="pallas", interpret=False, _out_init=None):
+                           rotary=None, backend="pallas", interpret=False):
   """Pallas block attention; semantics of ``reference.block_attention_reference``.
 
   ``block_size`` must divide T (a power of two >= 16 for the GPU lowering). ``rotary`` is
   ``(cos, sin)`` of shape ``[B|1, T, D/2]`` or ``[B|1, T, H, D/2]``; it receives no gradient.
-  ``_out_init`` (tests only) is an initial output buffer aliased to the output.
   """
   del backend
   if q.ndim != 4 or q.shape != k.shape or q.shape != v.shape:
@@ -235,6 +225,4 @@ def block_attention_pallas(q, k, v, *, block_size=64, activation="softmax", leng
     rot_b, rot_h = cos.shape[0] > 1, cos.shape[2] > 1
     rotary = (cos, sin)
   cfg = _Cfg(acts, int(block_size), rot_b, rot_h, bool(interpret))
-  if _out_init is not None:
-    return _fwd_call(cfg, q, k, v, lengths, rotary, _out_init)
   return _block_attention(cfg, q, k, v, lengths, rotary)

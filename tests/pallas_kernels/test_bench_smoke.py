@@ -17,4 +17,5 @@ def test_bench_small_runs_and_writes_json(tmp_path, capsys):
     assert max(err.values()) < 1e-5, err  # kernel agrees with the reference (fwd, dq, dk, dv)
     for key in ("fwd_ms", "fwd_bwd_ms"):
       assert set(case[key]) == {"xla", "pallas"} and all(ms > 0 for ms in case[key].values())
+  assert res["targets"]["cross_attention/fwd"]["best"] == "pallas"
   assert "TFLOP/s" in capsys.readouterr().out

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import pallas_kernels
-from pallas_kernels import pallas_block, reference
+from pallas_kernels import _poison, pallas_block, reference
 from tests.pallas_kernels.np_ref import block_loop
 
 B, T, H, D, BS = 2, 32, 2, 8, 16
@@ -60,15 +60,20 @@ def test_poison_nan_padding_and_dispatch():
   lengths = np.array([5, 27])
   clean = (q, k, v)
   qn, kn, vn = (x.at[0, 5:].set(jnp.nan).at[1, 27:].set(jnp.inf) for x in (q, k, v))
-  poison = jnp.full(q.shape, jnp.nan, q.dtype)
-  out = _kernel(qn, kn, vn, lengths=lengths, _out_init=poison)
+  with _poison.poison_outputs():  # every output starts NaN-filled: all of it must be written
+    out = _kernel(qn, kn, vn, lengths=lengths)
+    dq, dk, dv = jax.grad(lambda q, k, v: jnp.sum(_kernel(q, k, v, lengths=lengths) ** 2),
+                          (0, 1, 2))(qn, kn, vn)
   assert np.isfinite(np.asarray(out)).all()
   np.testing.assert_allclose(out, block_loop(*clean, BS, lengths=lengths), atol=2e-5)
   out2 = pallas_kernels.block_attention(qn, kn, vn, block_size=BS, lengths=lengths,
                                         backend="pallas", interpret=True)
   np.testing.assert_array_equal(out, out2)
-  g = jax.grad(lambda q: jnp.sum(_kernel(q, kn, vn, lengths=lengths)))(qn)
-  assert np.isfinite(np.asarray(g)).all() and np.all(np.asarray(g[0, 5:]) == 0)
+  ref_grads = jax.grad(lambda q, k, v: jnp.sum(reference.block_attention_reference(
+      q, k, v, block_size=BS, lengths=lengths) ** 2), (0, 1, 2))(*clean)
+  for g, r in zip((dq, dk, dv), ref_grads, strict=True):
+    assert np.isfinite(np.asarray(g)).all() and np.all(np.asarray(g[0, 5:]) == 0)
+    np.testing.assert_allclose(g, r, atol=5e-5, rtol=1e-4)
 
 
 def test_bf16_forward():

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import pallas_kernels
-from pallas_kernels import activations, pallas_gdpa, reference
+from pallas_kernels import _poison, activations, pallas_gdpa, reference
 from tests.pallas_kernels.np_ref import gdpa_loop
 
 B, TQ, TK, H, D = 2, 37, 29, 2, 8
@@ -117,14 +117,22 @@ def test_gradients_broadcast_q():
     np.testing.assert_allclose(g, r, atol=5e-5, rtol=1e-4)
 
 
-def test_poisoned_output_is_fully_written():
-  q, k, v = _qkv()
-  kw = dict(activation="silu", q_lengths=np.array([3, 0]), kv_lengths=np.array([29, 4]), window=3)
-  poison = jnp.full((B, 48, H, D), jnp.nan, jnp.float32)  # padded shape: 37 -> 3 tiles of 16
-  out = _kernel(q, k, v, _out_init=poison, **kw)
-  assert out.shape == (B, TQ, H, D)
+@pytest.mark.parametrize("broadcast_q", [False, True])
+def test_poisoned_outputs_are_fully_written(broadcast_q):
+  """Every kernel output (forward, dq, dk/dv) starts NaN-filled: all elements must be written,
+  including tiles skipped by lengths/window and the padding beyond T."""
+  q, k, v = _qkv(bq=1 if broadcast_q else B)
+  kw = dict(activation="silu", q_lengths=np.array([3, 0]), kv_lengths=np.array([29, 4]), window=3,
+            broadcast_q=broadcast_q)
+  with _poison.poison_outputs():
+    out = _jit(_kernel, **kw)(q, k, v)
+    got = _grads(_kernel, q, k, v, kw)
   assert np.isfinite(np.asarray(out)).all()
   np.testing.assert_allclose(out, gdpa_loop(q, k, v, **kw), atol=2e-5)
+  want = _grads(reference.gdpa_reference, q, k, v, kw)
+  for g, r in zip(got, want, strict=True):
+    assert np.isfinite(np.asarray(g)).all()
+    np.testing.assert_allclose(g, r, atol=5e-5, rtol=1e-4)
 
 
 def test_nan_in_masked_positions_never_leaks():
