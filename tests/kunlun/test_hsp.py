@@ -26,11 +26,11 @@ def test_sumkron_matches_kronecker_form(out_dim):
   B, n_in, d, n_out, r = 2, 6, 5, 4, 3
   h = np.random.default_rng(0).normal(size=(B, n_in, d)).astype(np.float32)
   m = SumKronLinear(n_out, r, out_dim)
-  v = m.init(jax.random.key(0), h)
+  v = jax.jit(m.init)(jax.random.key(0), h)
   p = _params(v)
   z, w = p["Z"].astype(np.float64), p["W"].astype(np.float64)
   do = out_dim or d
-  y = np.asarray(m.apply(v, h))
+  y = np.asarray(jax.jit(m.apply)(v, h))
   for b in range(B):
     big = sum(np.kron(z[i].T, w[i].T) for i in range(r))        # [n_out*do, n_in*d]
     ref = (big @ h[b].reshape(-1)).reshape(n_out, do)              # row-major vec

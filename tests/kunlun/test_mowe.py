@@ -15,7 +15,7 @@ def test_mowe_is_mean_of_independent_experts():
   v = jax.jit(m.init)(jax.random.key(0), x)
   y = np.asarray(jax.jit(m.apply)(v, x))
   assert y.shape == (3, 4, 8)
-  p = nn.meta.unbox(v)["params"]["experts"]
+  p = jax.tree.map(np.asarray, nn.meta.unbox(v)["params"]["experts"])
   stack = jax.jit(WukongStack(2, 4, 2, 16).apply)
   expert = lambda e: jax.tree.map(lambda a: a[e], p)
   outs = [np.asarray(stack({"params": expert(e)}, x)) for e in range(3)]

@@ -50,9 +50,9 @@ def _inputs(B=3, T=10, d=16, H=4, n_kv=5, seed=0):
 def test_pffn_matches_explicit_ffn(act, np_act):
   s, lengths, k, v = _inputs()
   m = PFFN(4, activation=act)
-  var = m.init(jax.random.key(0), s, lengths, k, v)
+  var = jax.eval_shape(m.init, jax.random.key(0), s, lengths, k, v)
   assert not jax.tree.leaves(var)                  # affine-free: no parameters
-  out = m.apply(var, s, lengths, k, v)
+  out = jax.jit(m.apply)({}, s, lengths, k, v)
   np.testing.assert_allclose(np.asarray(out), np_pffn(s, lengths, k, v, np_act),
                              rtol=1e-4, atol=1e-4)
 

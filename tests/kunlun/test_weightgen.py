@@ -22,9 +22,9 @@ def test_weightgen_matches_numpy(key_norm):
   B, N, d_ns, n_kv, H, d = 2, 5, 12, 6, 2, 8
   x = np.random.default_rng(0).normal(size=(B, N, d_ns)).astype(np.float32)
   m = WeightGen(n_kv, H, d, key_norm=key_norm)
-  v = m.init(jax.random.key(0), jnp.array(x))
+  v = jax.jit(m.init)(jax.random.key(0), jnp.array(x))
   p = jax.tree.map(np.asarray, nn.meta.unbox(v)["params"])
-  k_out, v_out = m.apply(v, jnp.array(x))
+  k_out, v_out = jax.jit(m.apply)(v, jnp.array(x))
   z = np.einsum("bnd,nm->bmd", rms(x), p["tok"])
   h = gelu_tanh(z @ p["hidden"]["kernel"] + p["hidden"]["bias"])
   kk = np.einsum("bme,ehc->bmhc", h, p["key"])
@@ -38,7 +38,7 @@ def test_weightgen_matches_numpy(key_norm):
 
 def test_weightgen_axes_and_errors():
   x = jnp.ones((2, 4, 8))
-  v = WeightGen(3, 2, 8).init(jax.random.key(0), x)
+  v = jax.jit(WeightGen(3, 2, 8).init)(jax.random.key(0), x)
   assert v["params"]["tok"].names == ("tokens", "kv")
   assert v["params"]["key"].names == ("mlp", "heads", "head_dim")
   with pytest.raises(ValueError, match="does not divide"):
