@@ -66,8 +66,12 @@ def bench(config_name: str, presets, batch_size: int, layers: int | None) -> dic
   from sharding import checks, mesh as M, partition, rules as R
 
   cfg = importlib.import_module(f"kunlun.configs.{config_name}").get_config()
-  if layers is not None:
+  if layers is not None:   # stand-in: fewer layers, tower depths clipped to match
     cfg.model.num_layers = layers
+    for t in list(cfg.model.towers.keys()):
+      cfg.model.towers[t].depth = min(cfg.model.towers[t].depth, layers)
+    if "oneseq" in cfg.model and cfg.model.oneseq is not None and "depth" in cfg.model.oneseq:
+      cfg.model.oneseq.depth = min(cfg.model.oneseq.depth, layers)
   cfg.model.backend = "xla"
   schema = preset_schema(PRESETS[cfg.data.preset])
   model = build_model(cfg, schema)

@@ -26,6 +26,12 @@ Presets (mesh axes: data, fsdp, tensor, context, expert):
   5d       all five: batch over data, fsdp, expert; seq on context; heads/mlp on tensor; exp on
            expert; parameters' embed over fsdp x context x expert where free (fallback fsdp).
 
+Parameters without an ``embed`` dimension (e.g. ``(None, mlp)`` MLP kernels whose input is a
+flattened token block, ``(tokens, None)`` mixing weights) would stay replicated under plain
+``embed -> fsdp`` rules, so ``mlp`` and ``tokens`` fall back to the ZeRO axes (behind ``tensor``
+for ``mlp``) when a parameter has no ``embed`` dimension. Every fallback holds ``fsdp``, which the
+batch always claims first, so fallbacks never shard activations.
+
 Rule order (shared by all presets): ``exp`` first (so stacked expert weights and per-expert
 activations take ``expert`` before anything else), then ``batch`` (activations keep their batch
 sharding before ``embed`` can claim fsdp), then ``seq``, ``heads``/``mlp``, then ``embed``
@@ -37,56 +43,49 @@ from __future__ import annotations
 from sharding.axes import LOGICAL_AXES, MESH_AXES
 
 ALL = ("data", "fsdp", "tensor", "context", "expert")
-_NONE = tuple((name, None) for name in ("tokens", "head_dim", "kv", "seeds", "table_dim", "layers"))
+_NONE = tuple((name, None) for name in ("head_dim", "kv", "seeds", "table_dim", "layers"))
 _TABLES = (("table_rows", ALL),)
 
+
+def _fallbacks(name, axes, must="fsdp"):
+  """``(name, sub)`` for every order-preserving sub-tuple of ``axes`` holding ``must``, longest
+  first: e.g. embed over (fsdp, context) falls back to fsdp alone when context is taken (a rule
+  applies only if all of its mesh axes are still free). Every preset's batch holds ``fsdp``, so
+  these rules never shard an activation: they only spread parameters."""
+  axes = tuple(axes)
+  subs = [tuple(a for k, a in enumerate(axes) if mask >> k & 1) for mask in range(1, 2 ** len(axes))]
+  subs = [t for t in subs if must in t]
+  subs.sort(key=lambda t: (-len(t), [axes.index(a) for a in t]))
+  return tuple((name, sub[0] if len(sub) == 1 else sub) for sub in subs)
+
+
+def _preset(batch, batch_fallback=None, seq=None, tp=None, exp=None, zero=()):
+  """A rule set. ``zero``: the axes that shard parameters ZeRO-3 style (on ``embed``; ``mlp`` and
+  ``tokens`` use them as low-priority fallbacks for parameters without an ``embed`` dimension)."""
+  tp_axes = (tp,) if tp else ()
+  rules = [("exp", exp), ("batch", batch)]
+  if batch_fallback:
+    rules.append(("batch", batch_fallback))
+  rules += [("seq", seq), ("heads", tp)]
+  rules += _fallbacks("embed", zero) if zero else [("embed", None)]
+  for _, sub in _fallbacks("mlp", zero) if zero else ():
+    axes = tp_axes + ((sub,) if isinstance(sub, str) else sub)
+    rules.append(("mlp", axes[0] if len(axes) == 1 else axes))
+  rules.append(("mlp", tp))
+  rules += _fallbacks("tokens", zero) if zero else [("tokens", None)]
+  return tuple(rules) + _TABLES + _NONE
+
+
 PRESETS: dict[str, tuple] = {
-    "dp": (
-        ("batch", ALL),
-        ("seq", None), ("heads", None), ("mlp", None), ("exp", None), ("embed", None),
-        *_TABLES, *_NONE,
-    ),
-    "fsdp": (
-        ("exp", None),
-        ("batch", ALL),
-        ("seq", None), ("heads", None), ("mlp", None),
-        ("embed", "fsdp"),
-        *_TABLES, *_NONE,
-    ),
-    "fsdp_tp": (
-        ("exp", None),
-        ("batch", ("data", "fsdp", "context", "expert")),
-        ("seq", None),
-        ("heads", "tensor"), ("mlp", "tensor"),
-        ("embed", "fsdp"),
-        *_TABLES, *_NONE,
-    ),
-    "fsdp_cp": (
-        ("exp", None),
-        ("batch", ("data", "fsdp", "tensor", "expert")),
-        ("seq", "context"),
-        ("heads", None), ("mlp", None),
-        ("embed", ("fsdp", "context")), ("embed", "fsdp"),
-        *_TABLES, *_NONE,
-    ),
-    "fsdp_ep": (
-        ("exp", "expert"),
-        ("batch", ALL),
-        ("batch", ("data", "fsdp", "tensor", "context")),
-        ("seq", None), ("heads", None), ("mlp", None),
-        ("embed", ("fsdp", "expert")), ("embed", "fsdp"),
-        *_TABLES, *_NONE,
-    ),
-    "5d": (
-        ("exp", "expert"),
-        ("batch", ("data", "fsdp", "expert")),
-        ("batch", ("data", "fsdp")),
-        ("seq", "context"),
-        ("heads", "tensor"), ("mlp", "tensor"),
-        ("embed", ("fsdp", "context", "expert")), ("embed", ("fsdp", "context")),
-        ("embed", ("fsdp", "expert")), ("embed", "fsdp"),
-        *_TABLES, *_NONE,
-    ),
+    "dp": _preset(batch=ALL),
+    "fsdp": _preset(batch=ALL, zero=("fsdp",)),
+    "fsdp_tp": _preset(batch=("data", "fsdp", "context", "expert"), tp="tensor", zero=("fsdp",)),
+    "fsdp_cp": _preset(batch=("data", "fsdp", "tensor", "expert"), seq="context",
+                       zero=("fsdp", "context")),
+    "fsdp_ep": _preset(batch=ALL, batch_fallback=("data", "fsdp", "tensor", "context"),
+                       exp="expert", zero=("fsdp", "expert")),
+    "5d": _preset(batch=("data", "fsdp", "expert"), batch_fallback=("data", "fsdp"), seq="context",
+                  tp="tensor", exp="expert", zero=("fsdp", "context", "expert")),
 }
 NAMES = tuple(PRESETS)
 

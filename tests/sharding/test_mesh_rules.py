@@ -128,3 +128,27 @@ def test_assert_params_sufficiently_sharded():
     checks.assert_params_sufficiently_sharded(bad)
   # with every axis a replica axis nothing counts as a copy
   assert checks.assert_params_sufficiently_sharded(bad, replica_axes=MESH_AXES) == 0.0  # clamped
+
+
+HLO = """
+  %all-gather.2 = f32[16,2,4]{2,1,0} all-gather(%param.6), channel_id=9, replica_groups=[2,4]<=[8], dimensions={0}
+  %ar = (f32[4,16]{1,0}, bf16[8]{0}) all-reduce(%a, %b), channel_id=3, replica_groups={{0,4},{1,5},{2,6},{3,7}}, to_apply=%add
+  %ag = s32[16,3,1]{2,1,0} all-gather(%x), replica_groups=mesh['data'=1,'fsdp'=2,'tensor'=2,'context'=1,'expert'=2] {'fsdp','expert'}, dimensions={0}
+  %ags = (f32[8,16]{1,0}, f32[64,16]{1,0}) all-gather-start(%p), replica_groups=[1,8]<=[8], dimensions={0}
+  %agd = f32[64,16]{1,0} all-gather-done(%ags)
+  %cp = f32[1,8,16]{2,0,1} collective-permute(%w), source_target_pairs={{0,1},{1,0}}
+  %rs = f32[4,16]{1,0} reduce-scatter(%g), replica_groups=[2,4]<=[8], dimensions={0}
+  %add.1 = f32[4,16]{1,0} add(%x, %y)
+"""
+
+
+def test_hlo_collective_parser():
+  ops = checks.collectives(HLO)
+  got = [(c["op"], c["bytes"], c["group"]) for c in ops]
+  assert got == [("all-gather", 16 * 2 * 4 * 4, 4), ("all-reduce", 4 * 16 * 4 + 8 * 2, 2),
+                 ("all-gather", 16 * 3 * 4, 4), ("all-gather", 64 * 16 * 4, 8),
+                 ("collective-permute", 8 * 16 * 4, 2), ("reduce-scatter", 4 * 16 * 4, 4)]
+  wire = [c["wire_bytes"] for c in ops]
+  assert wire == [512 * 3 / 4, 2 * 272 / 2, 192 * 3 / 4, 4096 * 7 / 8, 512, 256 * 3]
+  s = checks.collective_summary(HLO)
+  assert s["all-gather"]["count"] == 3 and s["reduce-scatter"]["bytes"] == 256
