@@ -80,6 +80,11 @@ def test_forward_bf16_inputs():
   loop = gdpa_loop(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), **kw)
   # P is rounded to bf16 before P.V and the output is bf16: ~3 significant digits.
   np.testing.assert_allclose(np.asarray(out, np.float32), loop, atol=3e-2, rtol=2e-2)
+  got = _grads(_kernel, q, k, v, kw)
+  want = _grads(reference.gdpa_reference, *(x.astype(jnp.float32) for x in (q, k, v)), kw)
+  for g, r in zip(got, want, strict=True):
+    assert g.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(g, np.float32), r, atol=6e-2 * float(jnp.abs(r).max()))
 
 
 GRAD_CASES = [  # (kwargs, heads); the first case covers every activation's derivative
