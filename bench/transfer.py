@@ -132,7 +132,8 @@ def run(args) -> dict:
   tb = {k: np.concatenate([np.asarray(b[k])[b["example_mask"] > 0] for b in train_batches])
         for k in ("user_id", "ad_id", "request_ts", "surface", "labels", "label_mask")}
   fresh = tb["request_ts"] >= np.quantile(tb["request_ts"], 0.75)
-  t_lg, t_p, _ = logit_index.lookup(pair_key(tb["user_id"], tb["ad_id"]), tb["request_ts"], max_age=0)
+  t_lg, t_p, _ = logit_index.lookup(pair_key(tb["user_id"], tb["ad_id"]), tb["request_ts"],
+                                    max_age=0)
   sel = fresh & t_p
   ad_mod, ad_params = adapter_lib.fit_adapter(
       t_lg[sel], tb["surface"][sel], np.zeros(sel.sum(), np.float32), tb["labels"][sel],
@@ -170,7 +171,7 @@ def run(args) -> dict:
       steps[lf] = ex.make_vm_step(model, tx)
     losses = []
     b = first
-    for i in range(args.vm_steps):
+    for _ in range(args.vm_steps):
       inp = {**b, **fm_in(b)} if lf else b
       soft, soft_mask = feats.soft(b)
       params, opt, loss = steps[lf](params, opt, inp, soft, soft_mask, np.float32(lam))
@@ -220,7 +221,8 @@ def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__,
                                formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--quick", action="store_true", help="small CI-sized run")
-  ap.add_argument("--out", default=None, help="JSON path (default bench/results/transfer[_quick].json)")
+  ap.add_argument("--out", default=None,
+                  help="JSON path (default bench/results/transfer[_quick].json)")
   ap.add_argument("--workdir", default=None, help="keeps data/FM/export here (default: a temp dir)")
   ap.add_argument("--num_examples", type=int, default=None)
   ap.add_argument("--fm_steps", type=int, default=None)

@@ -9,7 +9,8 @@ older than ``max_age``) returns ``present=False`` so the VM takes its non-FM pat
 tracked in ``stats()``.
 
 Optional on-disk store: every refresh appends ``refresh_NNNNNN.npz`` (keys, ts, emb) to
-``store_dir``; ``SpeculativeCache(..., store_dir=d)`` replays existing files on start (warm restart).
+``store_dir``; ``SpeculativeCache(..., store_dir=d)`` replays existing files on start (warm
+restart).
 """
 
 from __future__ import annotations

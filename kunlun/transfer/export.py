@@ -24,7 +24,6 @@ back as a ``join.EmbeddingLog``.
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 import sys
@@ -221,7 +220,7 @@ def export(workdir: str, out_dir: str, *, data_dir: str | None = None, splits=("
       w = arm.ArrayRecordWriter(tmp, records.WRITER_OPTIONS)
       count = 0
       with partition.activate(mesh, rules):
-        for j in range(nb):
+        for _ in range(nb):
           batch = pending.pop() if pending else next(it)
           reps = jax.device_get(reps_fn(params, pipeline.device_put_batch(batch, b_shard)))
           keep = np.asarray(batch["example_mask"]) > 0
@@ -242,7 +241,8 @@ def export(workdir: str, out_dir: str, *, data_dir: str | None = None, splits=("
       "record": {"user_id": "int64[]", "ad_id": "int64[]", "request_ts": "int64[] (seconds)",
                  "surface": "int32[]", "logits": f"float32[{len(schema.tasks)}]",
                  "pooled": {"int8": "uint8[d] (int8 bits) + pooled_scale float32[]",
-                            "bf16": "int16[d] (bfloat16 bits)", "none": "float32[d]"}[quantize_mode],
+                            "bf16": "int16[d] (bfloat16 bits)",
+                            "none": "float32[d]"}[quantize_mode],
                  **({f"sum_{t}": "as pooled, mean HSP summary token of the tower"
                      for t in schema.stream_names} if summaries else {})},
       "tasks": list(schema.task_names), "surfaces": list(schema.surfaces),

@@ -6,9 +6,10 @@ with both inputs off it is the plain VM) plus two optional inputs:
   (a) context: ``fm_ctx f32[B, d_fm]`` with ``fm_ctx_present bool[B]`` -> one extra token appended
       to X0 (``[B, N_ns + 1, d_ns]``) through ``FMAdapter``; it reaches the trunk through the first
       layer's WeightGen (PFFN K/V) and MoWE;
-  (b) history: ``fm_events {stream: f32[B, T, d_fm]}`` with ``fm_events_present {stream: bool[B, T]}``
-      -> ``FMAdapter`` output added to each event embedding of that stream's tower (a linear adapter
-      in the event encoder); padded events stay zero.
+  (b) history: ``fm_events {stream: f32[B, T, d_fm]}`` with
+      ``fm_events_present {stream: bool[B, T]}`` -> ``FMAdapter`` output added to each event
+      embedding of that stream's tower (a linear adapter in the event encoder); padded events
+      stay zero.
 
 Missing embeddings are masked: where ``present`` is False the FM value is never read (it may be
 anything, NaN included) and a learned per-input "missing" vector is used instead. The inputs come

@@ -101,7 +101,7 @@ def test_disk_store_warm_restart(tmp_path):
   want = c.lookup(u, a, now=300)
   c2 = cache_lib.SpeculativeCache(FakeFM(), D, budget=20, store_dir=str(tmp_path))
   got = c2.lookup(u, a, now=300)
-  for w, g in zip(want, got):
+  for w, g in zip(want, got, strict=True):
     np.testing.assert_array_equal(w, g)
 
 
