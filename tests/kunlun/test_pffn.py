@@ -92,3 +92,9 @@ def test_pffn_errors():
     PFFN(2).apply({}, s, lengths, k, v)
   with pytest.raises(ValueError, match="unknown activation"):
     PFFN(4, activation="tanh").apply({}, s, lengths, k, v)
+
+
+def test_pffn_named_scopes():
+  s, lengths, k, v = _inputs()
+  text = jax.jit(PFFN(4).apply).lower({}, s, lengths, k, v).as_text(debug_info=True)
+  assert "PFFN" in text and "GDPA" in text
