@@ -1,5 +1,6 @@
 """GDPA-PFFN against an explicit per-example two-layer FFN built from the generated weights."""
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -98,3 +99,22 @@ def test_pffn_named_scopes():
   s, lengths, k, v = _inputs()
   text = jax.jit(PFFN(4).apply).lower({}, s, lengths, k, v).as_text(debug_info=True)
   assert "PFFN" in text and "GDPA" in text
+
+
+def test_pffn_norm_affine_option():
+  s, lengths, k, v = _inputs()
+  m = PFFN(4, activation="identity", norm_affine=True)
+  p = jax.jit(m.init)(jax.random.key(0), s, lengths, k, v)
+  p = jax.tree.map(np.asarray, nn.meta.unbox(p)["params"])
+  assert sorted(p) == ["ln_bias", "ln_scale", "rms_scale"]
+  rng = np.random.default_rng(4)
+  p = jax.tree.map(lambda a: (a + 0.2 * rng.normal(size=a.shape)).astype(np.float32), p)
+  out = np.asarray(jax.jit(m.apply)({"params": p}, s, lengths, k, v))
+  dh = 4
+  ref = np.zeros_like(out)
+  for b in range(3):
+    u = ln(s[b].astype(np.float64)) * p["ln_scale"] + p["ln_bias"]
+    g = np.concatenate([u[:, h * dh:(h + 1) * dh] @ (k[b, :, h].T / 2.0) @ v[b, :, h]
+                        for h in range(4)], 1)
+    ref[b, :lengths[b]] = (rms(g + u) * p["rms_scale"] + s[b])[:lengths[b]]
+  np.testing.assert_allclose(out, ref, rtol=1e-4, atol=1e-4)
