@@ -133,12 +133,12 @@ class World:
                    ).astype(np.float32)
     self.item_v_unit = self.item_v / np.linalg.norm(self.item_v, axis=1, keepdims=True)
     self.ad_q = rng.normal(0, 0.3, p.n_items)           # click quality per ad
-    self.cat_q = rng.normal(0, 0.8, C)                   # and per ad category
+    self.cat_q = rng.normal(0, 1.5, C)                   # and per ad category
     self.ad_r = rng.normal(0, 0.5, p.n_items)           # conversion-specific quality
     self.ad_bid = rng.lognormal(0.0, 0.7, p.n_items)
     self.user_int = rng.integers(0, C, (p.n_users, 2))
     self.user_age = rng.lognormal(6.0, 1.0, p.n_users)
-    self.seg_bias = rng.normal(0, 0.5, p.n_segments)
+    self.seg_bias = rng.normal(0, 1.0, p.n_segments)
 
 
 def _sigmoid(z):
