@@ -126,6 +126,7 @@ def test_preset_matches_single_device(preset):
       state_dev, dense, table)
 
 
+@pytest.mark.slow
 def test_replicated_table_is_detected():
   """Control: a table replicated over ``data`` all-reduces a table-shard-sized gradient."""
   rules = tuple(("table_rows", "fsdp") if r[0] == "table_rows" else r for r in R.get_rules("fsdp"))
