@@ -20,7 +20,6 @@ import tempfile
 import time
 
 import ml_collections
-import numpy as np
 
 
 def _cfg(batch_size, threads):
@@ -43,6 +42,7 @@ def _gen(out, preset, n):
 
 def _pipe(data_dir, batch_size, batches, threads=2, workers=0):
   import grain
+
   from data.pipeline import make_dataset
   from data.schema import Schema
   seq = {s.name: s.max_len for s in Schema.load(data_dir).streams}

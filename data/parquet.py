@@ -111,8 +111,8 @@ def table_to_records(table: pa.Table, schema: Schema, path: str = "<table>",
         offs0 = offs
       elif not np.array_equal(offs, offs0):
         row = int(np.flatnonzero(np.diff(offs) != np.diff(offs0))[0])
-        raise ValueError(f"{path}: row {row + row_offset}: column {name!r} has a different number of "
-                         f"events than events.{s.name}.item")
+        raise ValueError(f"{path}: row {row + row_offset}: column {name!r} has a different "
+                         f"number of events than events.{s.name}.item")
       cols.append(_ints(vals, name, path))
     ev = np.stack(cols, 1) if cols and len(cols[0]) else np.zeros((0, len(cols)), np.int32)
     ragged[f"events/{s.name}"] = (ev.astype(np.int32), offs0)

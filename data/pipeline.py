@@ -258,7 +258,8 @@ def num_eval_batches(data_dir: str, split: str, batch_size: int, shard_count: in
   """Number of batches ``make_dataset(train=False)`` yields per process (no skipped records)."""
   schema = Schema.load(data_dir)
   n = sum(c for fl in records.split_files(data_dir, split, schema).values() for _, c in fl)
-  return -(-(-(-n // shard_count)) // (batch_size // shard_count))
+  rows = -(-n // shard_count)                        # rows of the largest process
+  return -(-rows // (batch_size // shard_count))
 
 
 __all__ = ["make_dataset", "device_put_batch", "invalid_counter", "hash_ids", "balance_order",

@@ -162,7 +162,8 @@ def check_seq_lens(schema: Schema, seq_lens: dict[str, int]) -> dict[str, int]:
   out = {}
   unknown = sorted(set(seq_lens) - set(schema.stream_names))
   if unknown:
-    raise ValueError(f"seq_lens: unknown event stream(s) {unknown}; schema has {schema.stream_names}")
+    raise ValueError(f"seq_lens: unknown event stream(s) {unknown}; "
+                     f"schema has {schema.stream_names}")
   for s in schema.streams:
     T = seq_lens.get(s.name, s.max_len)
     if isinstance(T, bool) or not isinstance(T, (int,)) and not hasattr(T, "__index__"):

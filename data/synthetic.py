@@ -9,7 +9,7 @@ user's interests (stream-specific focus) and whose lengths are heavy-tailed.
 
 Teacher (what the model must learn)::
 
-    u      = sum over the 32 most recent events of each stream of w_stream * exp(-age / tau) * v_item
+    u      = sum over the 32 most recent events of each stream: w_stream exp(-age / tau) v_item
     sim    = cos(u, v_ad)                                   (0 for an empty history)
     z_clk  = b_s + beta_s * sim + q_ad + q_cat + seg_bias + 0.3 sin(2 pi hour / 24)
              + 1.5 z(log bid) + 1.0 z(log account age)

@@ -46,7 +46,7 @@ def test_parquet_roundtrip(source, tmp_path):
   assert sum(e["count"] for es in manifest["splits"]["train"].values() for e in es) == len(recs)
   # converter groups rows per surface (schema order), keeping row order within a surface
   want = sorted(recs, key=lambda r: int(r["surface"]))
-  for a, b in zip(want, got):
+  for a, b in zip(want, got, strict=True):
     assert a.keys() == b.keys()
     for k in a:
       np.testing.assert_array_equal(a[k], b[k], err_msg=k)

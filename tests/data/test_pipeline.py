@@ -35,7 +35,7 @@ def test_eval_batches_match_records(tiny_dir):
   batches = list(ds)
   assert len(batches) == -(-len(recs) // 32)
   rows = [(b, i) for b in batches for i in range(32)]
-  for (b, i), r in zip(rows, recs):             # every record once, in stored order
+  for (b, i), r in zip(rows[:len(recs)], recs, strict=True):   # each record once, in order
     assert b["example_mask"][i] == 1
     np.testing.assert_array_equal(b["dense"][i], r["dense"])
     np.testing.assert_array_equal(b["labels"][i], r["labels"])
@@ -189,7 +189,8 @@ def test_config_errors(tiny_dir):
 
 
 def test_device_put_batch(tiny_dir):
-  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+  from jax.sharding import Mesh, NamedSharding
+  from jax.sharding import PartitionSpec as P
   mesh = Mesh(np.array(jax.devices()[:8]), ("data",))
   b = next(iter(make_dataset(_cfg(), tiny_dir, "train", SEQ, train=True, shard_index=0,
                              shard_count=1)))

@@ -57,8 +57,9 @@ def test_decode_rejects_malformed_bytes(mutate):
 def _example(schema, rng, surface):
   rec = {"dense": rng.normal(size=len(schema.dense)).astype(np.float32),
          "surface": np.int32(surface), "labels": np.array([1, 0], np.float32),
-         "label_mask": np.array([1, 1], np.float32), "true_prob": np.array([.5, np.nan], np.float32),
-         "user_id": np.int32(rng.integers(1000)), "ad_id": np.int32(7), "request_ts": np.int32(10**6)}
+         "label_mask": np.array([1, 1], np.float32),
+         "true_prob": np.array([.5, np.nan], np.float32), "user_id": np.int32(rng.integers(1000)),
+         "ad_id": np.int32(7), "request_ts": np.int32(10**6)}
   for f in schema.sparse:
     rec[f"sparse/{f.name}"] = rng.integers(0, f.vocab_size, rng.integers(0, f.max_len + 1))
   for s in schema.streams:
@@ -89,12 +90,12 @@ def test_writer_reader_roundtrip(tmp_path):
   for e in feed:                                      # small shards (< 64 KB of data) are fine
     assert os.path.exists(tmp_path / e["file"])
   got = {}
-  for path, i, rec in records.read_split(str(tmp_path), "train"):
+  for path, _, rec in records.read_split(str(tmp_path), "train"):
     got.setdefault(os.path.basename(path).split("-")[0], []).append(rec)
   assert sorted(got) == ["feed", "reels"]
   for surface, recs in written.items():
     assert len(got[surface]) == len(recs)
-    for a, b in zip(recs, got[surface]):
+    for a, b in zip(recs, got[surface], strict=True):
       assert a.keys() == b.keys()
       for k in a:
         np.testing.assert_array_equal(a[k], b[k])
