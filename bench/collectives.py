@@ -37,6 +37,7 @@ DEFAULT_MESH = {"dp": "data=2,fsdp=4", "fsdp": "fsdp=8", "fsdp_tp": "fsdp=4,tens
 def analytic_param_bytes(params, mesh, rules) -> dict:
   """Minimum per-device parameter traffic of one step (see module doc), split by kind."""
   import jax
+
   from sharding.partition import batch_spec
   bx = batch_spec(rules)[0]
   bx = set(() if bx is None else (bx,) if isinstance(bx, str) else bx)
@@ -58,12 +59,15 @@ def bench(config_name: str, presets, batch_size: int, layers: int | None) -> dic
   import jax
   jax.config.update("jax_num_cpu_devices", 8)
   import optax
+
   from data.fake import random_batch
   from data.synthetic import PRESETS, preset_schema
   from kunlun.config import seq_lens
   from kunlun.losses import masked_bce
   from kunlun.model import build_model
-  from sharding import checks, mesh as M, partition, rules as R
+  from sharding import checks, partition
+  from sharding import mesh as M
+  from sharding import rules as R
 
   cfg = importlib.import_module(f"kunlun.configs.{config_name}").get_config()
   if layers is not None:   # stand-in: fewer layers, tower depths clipped to match
@@ -94,7 +98,7 @@ def bench(config_name: str, presets, batch_size: int, layers: int | None) -> dic
     params = partition.abstract_params(model, jax.random.key(0), batch, mesh, rules)
     opt = jax.eval_shape(tx.init, params)
     bs = partition.batch_sharding(mesh, rules)
-    b = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=bs), batch)
+    b = jax.tree.map(lambda x, bs=bs: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=bs), batch)
     with partition.activate(mesh, rules):
       compiled = jax.jit(step).lower(params, opt, b).compile()
     summary = checks.collective_summary(compiled.as_text())
@@ -110,8 +114,9 @@ def bench(config_name: str, presets, batch_size: int, layers: int | None) -> dic
         "memory_per_device": checks.memory_per_device(compiled),
         "compile_s": round(time.time() - t0, 1),
     }
+    pmin = out["presets"][name]["analytic_min_param_bytes_per_device"]["total"]
     print(f"{name:8s} {DEFAULT_MESH[name]:28s} measured {measured / 2**20:9.2f} MiB/device  "
-          f"param-min {out['presets'][name]['analytic_min_param_bytes_per_device']['total'] / 2**20:9.2f} MiB  "
+          f"param-min {pmin / 2**20:9.2f} MiB  "
           f"({time.time() - t0:.0f}s)", flush=True)
   return out
 

@@ -36,7 +36,8 @@ def shard(x, logical_axes):
   so modules run unchanged on one device.
   """
   if len(logical_axes) != x.ndim:
-    raise ValueError(f"shard: {len(logical_axes)} axes {logical_axes} for an array of rank {x.ndim}")
+    raise ValueError(
+        f"shard: {len(logical_axes)} axes {logical_axes} for an array of rank {x.ndim}")
   return nn.with_logical_constraint(x, tuple(logical_axes))
 
 

@@ -78,7 +78,7 @@ def _weights(s, mask, activation, out_scale, head_axis):
 # ---- sliding-window attention ---------------------------------------------------------------
 
 def _swa_local(q, k, v, lengths, *, window, total, c, n, cax, activation, out_scale):
-  """One shard: ``q, k, v [b, Tl, H, D]`` at global offset ``c * Tl`` of a ``total``-long sequence."""
+  """One shard: ``q, k, v [b, Tl, H, D]`` at offset ``c * Tl`` of a ``total``-long sequence."""
   b, Tl, H, D = q.shape
   W = window
   if W > 0 and n > 1:
@@ -102,7 +102,8 @@ def _swa_local(q, k, v, lengths, *, window, total, c, n, cax, activation, out_sc
   kpos = start - W + kidx
   band = jnp.abs(qpos[:, :, None] - kpos[:, None, :]) <= W             # [nc, ch, span]
   kval = (kpos >= 0) & (kpos < total)
-  mask = band[None] & kval[None, :, None, :] & (kpos[None, :, None, :] < lengths[:, None, None, None])
+  kvalid = kval[None, :, None, :] & (kpos[None, :, None, :] < lengths[:, None, None, None])
+  mask = band[None] & kvalid
   s = jnp.einsum("bnqhd,bnkhd->bnhqk", qc.astype(F32), kc.astype(F32)) * D ** -0.5
   p = _weights(s, mask[:, :, None], activation, out_scale, head_axis=2)
   o = jnp.einsum("bnhqk,bnkhd->bnqhd", p, vc.astype(F32)).reshape(b, Tl, H, D)
@@ -206,8 +207,9 @@ def gdpa(q, k, v, *, shard="q", activation="fast_gelu", scale=None, out_scale=1.
   ospec = P(ospec[0], None, ospec[2], None)                           # its "seq" axis stays whole
   B = k.shape[0]
   lspec = P(spec[0])
-  ql = jnp.full((B,), q.shape[1], jnp.int32) if q_lengths is None else jnp.asarray(q_lengths, jnp.int32)
-  kl = jnp.full((B,), k.shape[1], jnp.int32) if kv_lengths is None else jnp.asarray(kv_lengths, jnp.int32)
+  full = lambda n: jnp.full((B,), n, jnp.int32)
+  ql = full(q.shape[1]) if q_lengths is None else jnp.asarray(q_lengths, jnp.int32)
+  kl = full(k.shape[1]) if kv_lengths is None else jnp.asarray(kv_lengths, jnp.int32)
 
   def local(q, k, v, ql, kl):
     c, _ = _ctx_index(cax)

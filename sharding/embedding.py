@@ -77,7 +77,8 @@ def _flat_padded(x, n, fill):
 def lookup(table, ids, *, capacity_factor: float = CAPACITY_FACTOR, force_fallback: bool = False):
   """Rows of ``table [V, D]`` at ``ids int[...]`` -> ``[..., D]``; negative ids give zero rows.
 
-  Ids must be ``< V``. Internally ``V`` marks "no id". Sharded exchange under an active mesh + rules (see module doc), else
+  Ids must be ``< V`` (internally ``V`` marks "no id"). Sharded exchange under an active mesh +
+  rules (see module doc), else
   ``jnp.take``. ``force_fallback`` takes the overflow path unconditionally (for tests).
   """
   V, D = table.shape

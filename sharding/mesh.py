@@ -43,7 +43,8 @@ def parse_mesh_flag(flag: str) -> dict[str, int]:
     try:
       size = int(value)
     except ValueError:
-      raise ValueError(f"mesh axis {name!r}: size {value!r} is not an integer (in {flag!r})") from None
+      raise ValueError(
+          f"mesh axis {name!r}: size {value!r} is not an integer (in {flag!r})") from None
     if size < 1 and size != -1:
       raise ValueError(f"mesh axis {name!r}: size {size} must be >= 1 or -1 (in {flag!r})")
     sizes[name] = size
@@ -61,6 +62,10 @@ def _check_sizes(sizes: dict, what: str) -> None:
     raise ValueError(f"{what}: at most one axis may be -1, got {dict(sizes)}")
 
 
+def _named(sizes) -> dict:
+  return dict(zip(MESH_AXES, sizes, strict=True))
+
+
 def resolve_sizes(sizes: dict | None, total: int, what: str = "mesh") -> tuple[int, ...]:
   """Completes ``sizes`` (missing axes -> 1, one -1 absorbs the rest) so the product is ``total``.
 
@@ -72,11 +77,11 @@ def resolve_sizes(sizes: dict | None, total: int, what: str = "mesh") -> tuple[i
   known = math.prod(s for s in full if s != -1)
   if -1 in full:
     if total % known:
-      raise ValueError(f"{what}: the fixed sizes {dict(zip(MESH_AXES, full))} multiply to {known}, "
+      raise ValueError(f"{what}: the fixed sizes {_named(full)} multiply to {known}, "
                        f"which does not divide the {total} devices available")
     full[full.index(-1)] = total // known
   elif known != total:
-    raise ValueError(f"{what}: sizes {dict(zip(MESH_AXES, full))} multiply to {known} but there "
+    raise ValueError(f"{what}: sizes {_named(full)} multiply to {known} but there "
                      f"are {total} devices")
   return tuple(full)
 
@@ -94,7 +99,7 @@ def _hybrid_array(ici, dcn, devices):
   arr = np.asarray(devs, dtype=object).reshape(*dcn, *ici)
   n = len(MESH_AXES)
   arr = arr.transpose([j for i in range(n) for j in (i, n + i)])     # (dcn0, ici0, dcn1, ici1..)
-  return arr.reshape([d * i for d, i in zip(dcn, ici)])
+  return arr.reshape([d * i for d, i in zip(dcn, ici, strict=True)])
 
 
 def make_mesh(ici: dict | None = None, dcn: dict | None = None, devices=None) -> Mesh:
@@ -122,7 +127,7 @@ def make_mesh(ici: dict | None = None, dcn: dict | None = None, devices=None) ->
     dcn_shape = resolve_sizes(dcn, _groups(dcn, n), "mesh (dcn)")
     groups = math.prod(dcn_shape)
     if n % groups:
-      raise ValueError(f"mesh: dcn sizes {dict(zip(MESH_AXES, dcn_shape))} make {groups} device "
+      raise ValueError(f"mesh: dcn sizes {_named(dcn_shape)} make {groups} device "
                        f"groups, which does not divide the {n} devices")
     ici_shape = resolve_sizes(ici, n // groups, f"mesh (ici, per group of {n // groups})")
     arr = _hybrid_array(ici_shape, dcn_shape, devices)

@@ -5,8 +5,9 @@
     logits = jax.jit(lambda p, b: model.apply({"params": p}, b, train=False))(params, batch)
 
 ``params`` is the plain (unboxed) ``"params"`` collection; ``shardings`` has the same structure
-with one ``NamedSharding`` per leaf. The model is called as ``model.init(rng, batch, **call_kwargs)``
-with ``call_kwargs={"train": False}`` by default (the kunlun model signature).
+with one ``NamedSharding`` per leaf. The model is called as
+``model.init(rng, batch, **call_kwargs)`` with ``call_kwargs={"train": False}`` by default
+(the kunlun model signature).
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ import contextlib
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 _DEFAULT_CALL = {"train": False}
 
@@ -57,7 +59,8 @@ def fit_spec(spec: P, shape, mesh) -> P:
   by fsdp but not fsdp x tensor keeps ``fsdp``.
   """
   out = []
-  for dim, entry in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec))):
+  entries = tuple(spec) + (None,) * (len(shape) - len(spec))
+  for dim, entry in zip(shape, entries, strict=True):
     axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
     kept, n = [], 1
     for a in axes:
@@ -106,7 +109,7 @@ def init_sharded(model, rng, example_batch, mesh, rules, call_kwargs=None):
 
 
 def abstract_params(model, rng, example_batch, mesh, rules, call_kwargs=None):
-  """ShapeDtypeStructs (with shardings) of the ``params`` collection, e.g. an orbax restore target."""
+  """ShapeDtypeStructs (with shardings) of the ``params`` collection (e.g. an orbax target)."""
   call_kwargs = _DEFAULT_CALL if call_kwargs is None else call_kwargs
   shardings = param_shardings(model, rng, example_batch, mesh, rules, call_kwargs)
   init = _init_fn(model, example_batch, call_kwargs)

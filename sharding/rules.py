@@ -53,7 +53,8 @@ def _fallbacks(name, axes, must="fsdp"):
   applies only if all of its mesh axes are still free). Every preset's batch holds ``fsdp``, so
   these rules never shard an activation: they only spread parameters."""
   axes = tuple(axes)
-  subs = [tuple(a for k, a in enumerate(axes) if mask >> k & 1) for mask in range(1, 2 ** len(axes))]
+  subs = [tuple(a for k, a in enumerate(axes) if mask >> k & 1)
+          for mask in range(1, 2 ** len(axes))]
   subs = [t for t in subs if must in t]
   subs.sort(key=lambda t: (-len(t), [axes.index(a) for a in t]))
   return tuple((name, sub[0] if len(sub) == 1 else sub) for sub in subs)

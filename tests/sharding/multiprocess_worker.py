@@ -25,7 +25,9 @@ import optax  # noqa: E402
 import orbax.checkpoint as ocp  # noqa: E402
 from jax.experimental import multihost_utils  # noqa: E402
 
-from sharding import mesh as M, partition, rules as R  # noqa: E402
+from sharding import mesh as M  # noqa: E402
+from sharding import partition
+from sharding import rules as R
 from tests.sharding.toy import Toy, toy_batch  # noqa: E402
 
 STEPS, B = 3, 16

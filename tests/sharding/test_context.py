@@ -7,10 +7,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding
 
 from pallas_kernels import reference as kref
-from sharding import checks, context as CP, mesh as M, partition, rules as R
+from sharding import checks, partition
+from sharding import context as CP
+from sharding import mesh as M
+from sharding import rules as R
 
 B, T, H, D = 4, 32, 2, 8
 RNG = np.random.default_rng(0)
@@ -32,7 +34,7 @@ def np_swa(q, k, v, lengths, window, activation="softmax", out_scale=1.0):
           p /= p.sum()
         else:                                            # relu for the GDPA case
           p = np.maximum(s, 0) * out_scale
-        out[b, i, h] = sum(pj * v[b, j, h] for pj, j in zip(p, js))
+        out[b, i, h] = sum(pj * v[b, j, h] for pj, j in zip(p, js, strict=True))
   return out
 
 
@@ -86,7 +88,7 @@ def test_swa_gradient_matches_reference():
   want = jax.grad(ref, argnums=(0, 1, 2))(Q, K, V)
   got, _ = _run(jax.grad(lambda q, k, v: jnp.sum(CP.swa_attention(q, k, v, LENGTHS, 4) * w),
                          argnums=(0, 1, 2)), q, k, v)
-  for g, r in zip(got, want):
+  for g, r in zip(got, want, strict=True):
     np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-4, atol=1e-5)
 
 

@@ -6,9 +6,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from sharding import checks, embedding as E, mesh as M, partition, rules as R
+from sharding import checks, partition
+from sharding import embedding as E
+from sharding import mesh as M
+from sharding import rules as R
 
 V, D = 1024, 4
 ALL = ("data", "fsdp", "tensor", "context", "expert")
@@ -77,7 +81,7 @@ def test_sharded_lookup_gradient_and_hlo():
 def np_adagrad(table, acc, ids, g, lr, eps=1e-8):
   t, a = table.astype(np.float64), acc.astype(np.float64)
   sums = {}
-  for i, gi in zip(ids.ravel(), g.reshape(-1, table.shape[1])):
+  for i, gi in zip(ids.ravel(), g.reshape(-1, table.shape[1]), strict=True):
     if i >= 0:
       sums[i] = sums.get(i, 0.0) + gi.astype(np.float64)
   for i, gi in sums.items():

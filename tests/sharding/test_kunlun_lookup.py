@@ -7,7 +7,9 @@ import numpy as np
 import pytest
 
 from data.fake import random_batch, tiny_schema
-from sharding import checks, embedding, mesh as M, partition, rules as R
+from sharding import checks, embedding, partition
+from sharding import mesh as M
+from sharding import rules as R
 
 
 @pytest.mark.slow

@@ -10,7 +10,9 @@ import optax
 import pytest
 
 from data.fake import random_batch, tiny_schema
-from sharding import checks, mesh as M, partition, rules as R
+from sharding import checks, partition
+from sharding import mesh as M
+from sharding import rules as R
 
 TX = optax.sgd(0.1)
 
@@ -54,7 +56,7 @@ def test_kunlun_tiny_preset_matches_single_device(preset, flag):
     new, _, loss, logits = compiled(p, opt, b)
   np.testing.assert_allclose(np.asarray(logits), ref_logits, rtol=2e-4, atol=2e-5)
   np.testing.assert_allclose(float(loss), ref_loss, rtol=1e-5)
-  for (k, v), r in zip(jax.tree_util.tree_leaves_with_path(new), jax.tree.leaves(ref_new)):
+  for (k, v), r in zip(jax.tree_util.tree_leaves_with_path(new), jax.tree.leaves(ref_new), strict=True):
     np.testing.assert_allclose(np.asarray(v), r, rtol=2e-4, atol=2e-5, err_msg=jax.tree_util.keystr(k))
   # tables whose rows divide evenly are row-sharded over all 8 devices; no row-sharded table
   # travels whole through a collective (tables of a few rows, e.g. 3 surfaces, stay replicated)

@@ -4,9 +4,12 @@ import flax.linen as nn
 import jax
 import numpy as np
 import pytest
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from sharding import checks, mesh as M, partition, rules as R
+from sharding import checks, partition
+from sharding import mesh as M
+from sharding import rules as R
 from sharding.axes import LOGICAL_AXES, MESH_AXES
 
 

@@ -40,7 +40,7 @@ def test_two_process_train_checkpoint_single_process_restore(tmp_path):
       for q in procs:
         q.kill()
       raise
-  for p, out in zip(procs, outs):
+  for p, out in zip(procs, outs, strict=True):
     assert p.returncode == 0, out[-3000:]
   r = subprocess.run(cmd("restore", 0, 1, 0, tmp_path), cwd=ROOT, env=_env(), timeout=300,
                      capture_output=True, text=True)

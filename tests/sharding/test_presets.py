@@ -10,13 +10,14 @@ import functools
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from sharding import checks, mesh as M, partition, rules as R
+from sharding import checks, partition
+from sharding import mesh as M
+from sharding import rules as R
 from tests.sharding.toy import Toy, toy_batch
 
 VOCAB, DIM = 4096, 16
