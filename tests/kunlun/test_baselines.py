@@ -73,14 +73,13 @@ def dlrm():
   c, schema = _cfg("dlrm"), tiny_schema()
   model = build_model(c, schema)
   batch = random_batch(schema, 6, seq_lens(c), seed=1, min_len=1)
-  params = nn.meta.unbox(jax.jit(model.init)(KEY, batch, False))["params"]
-  return c, schema, model, batch, params
+  rep, v = jax.jit(lambda k, b: model.init_with_output(k, b, method="representations"))(KEY,
+                                                                                         batch)
+  return c, schema, model, batch, nn.meta.unbox(v)["params"], rep
 
 
 def test_dlrm_pools_event_embeddings(dlrm):
-  c, schema, model, batch, params = dlrm
-  rep = jax.jit(lambda p, b: model.apply({"params": p}, b, method="representations"))(params,
-                                                                                      batch)
+  c, schema, model, batch, params, rep = dlrm
   m = parse(c, schema)
   for st in schema.streams:
     emb = EventEmbed(st, len(schema.surfaces), m.dlrm.seq_dim, m.num_time_buckets)
@@ -94,7 +93,7 @@ def test_dlrm_pools_event_embeddings(dlrm):
 
 
 def test_dlrm_gradients(dlrm):
-  _, _, model, batch, params = dlrm
+  _, _, model, batch, params, _ = dlrm
 
   def loss(p):
     return masked_bce(model.apply({"params": p}, batch, True), batch["labels"],

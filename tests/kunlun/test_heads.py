@@ -46,10 +46,16 @@ def test_heads_select_surface(kind):
   z = rng.normal(size=(B, D)).astype(np.float32)
   surface = np.array([0, 1, 2, 2, 1, 0, 2], np.int32)
   heads = Heads(S, K, kind, top_mlp=(16, 8), tower_hidden=6, num_experts=3, expert_hidden=5)
-  params = nn.meta.unbox(jax.jit(heads.init)(jax.random.key(1), z, surface))["params"]
-  # make biases non-zero so a wrong (surface, task) index cannot pass by accident
-  params = jax.tree.map(lambda x: x + 0.1 * jnp.asarray(rng.normal(size=x.shape), x.dtype), params)
-  logits, shared = jax.jit(heads.apply)({"params": params}, z, surface)
+  # parameters perturbed inside the same compiled init (non-zero biases, so a wrong
+  # (surface, task) index cannot pass by accident)
+  def init(k, z, s):
+    params = nn.meta.unbox(heads.init(k, z, s))["params"]
+    leaves, tdef = jax.tree.flatten(params)
+    keys = jax.random.split(jax.random.fold_in(k, 1), len(leaves))
+    params = tdef.unflatten([x + 0.1 * jax.random.normal(kk, x.shape)
+                             for x, kk in zip(leaves, keys, strict=True)])
+    return params, heads.apply({"params": params}, z, s)
+  params, (logits, shared) = jax.jit(init)(jax.random.key(1, impl="unsafe_rbg"), z, surface)
   p = jax.tree.map(np.asarray, params)
   ref, ref_h = np_heads(p, z.astype(np.float64), surface, kind)
   np.testing.assert_allclose(np.asarray(logits), ref, rtol=1e-4, atol=1e-4)

@@ -23,6 +23,13 @@ def init(model, batch, seed=0):
   return nn.meta.unbox(jax.jit(model.init)(KEY(seed), batch, False))["params"]
 
 
+def init_with_rep(model, batch, seed=0):
+  """Parameters and the ``representations`` output from one compiled init (saves a compile)."""
+  rep, v = jax.jit(lambda k, b: model.init_with_output(k, b, method="representations"))(
+      KEY(seed), batch)
+  return nn.meta.unbox(v)["params"], rep
+
+
 def loss_fn(model):
   def f(params, batch):
     logits = model.apply({"params": params}, batch, True)
@@ -35,25 +42,28 @@ def setup():
   cfg, schema = tiny.get_config(), tiny_schema()
   model = build_model(cfg, schema)
   batch = random_batch(schema, B, seq_lens(cfg), seed=3, min_len=1)
-  params = init(model, batch)
-  fwd = jax.jit(lambda p, b: model.apply({"params": p}, b, False))
-  return cfg, schema, model, batch, params, fwd
+  params, rep0 = init_with_rep(model, batch)
+
+  def loss_aux(p, b):
+    logits = model.apply({"params": p}, b, True)
+    return masked_bce(logits, b["labels"], b["label_mask"])[0], logits
+  grad_fn = jax.jit(jax.value_and_grad(loss_aux, has_aux=True))
+  return cfg, schema, model, batch, params, rep0, grad_fn
 
 
 def test_representations(setup):
-  cfg, schema, model, batch, params, fwd = setup
-  rep = jax.jit(lambda p, b: model.apply({"params": p}, b, method="representations"))(params, batch)
+  cfg, schema, model, batch, params, rep, grad_fn = setup
   assert rep["logits"].shape == (B, 2) and rep["logits"].dtype == jnp.float32
   assert rep["pooled"].shape == (B, cfg.model.heads.top_mlp[-1])
   assert rep["summaries"]["click"].shape == (B, 2, 32)
   assert rep["summaries"]["impression"].shape == (B, 1, 16)
-  np.testing.assert_allclose(np.asarray(fwd(params, batch)), np.asarray(rep["logits"]),
-                             rtol=1e-6, atol=1e-6)
+  (_, logits), _ = grad_fn(params, batch)                  # __call__ returns the same logits
+  np.testing.assert_allclose(np.asarray(logits), np.asarray(rep["logits"]), rtol=1e-5, atol=1e-5)
 
 
 def test_every_parameter_gets_finite_nonzero_gradient(setup):
-  _, _, model, batch, params, _ = setup
-  grads = jax.jit(jax.grad(loss_fn(model)))(params, batch)
+  _, _, model, batch, params, _, grad_fn = setup
+  _, grads = grad_fn(params, batch)
   flat = jax.tree_util.tree_flatten_with_path(grads)[0]
   assert len(flat) > 50
   bad = [jax.tree_util.keystr(k) for k, g in flat if not np.all(np.isfinite(np.asarray(g)))]
@@ -82,21 +92,27 @@ def _pad_events(batch, extra, garbage_seed=None):
 
 
 def test_padding_invariance(setup):
-  _, _, _, batch, params, fwd = setup
-  ref = np.asarray(fwd(params, batch))
+  _, _, model, batch, params, rep, grad_fn = setup
+  ref = np.asarray(rep["logits"])
+  (_, ref2), g_ref = grad_fn(params, batch)
   garbage = _pad_events(batch, 0, garbage_seed=1)           # same shape, junk in padded slots
-  np.testing.assert_allclose(np.asarray(fwd(params, garbage)), ref, rtol=1e-5, atol=1e-5)
+  (_, out), g = grad_fn(params, garbage)
+  np.testing.assert_allclose(np.asarray(out), np.asarray(ref2), rtol=1e-5, atol=1e-5)
+  # padded slots leak into no gradient either
+  for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g_ref), strict=True):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
   longer = _pad_events(batch, 16)                           # streams padded 16 slots longer
-  np.testing.assert_allclose(np.asarray(fwd(params, longer)), ref, rtol=1e-5, atol=1e-5)
+  out = jax.jit(lambda p, b: model.apply({"params": p}, b, False))(params, longer)
+  np.testing.assert_allclose(np.asarray(out), ref, rtol=1e-5, atol=1e-5)
 
 
 def test_bf16_compute_close_to_fp32(setup):
-  cfg, schema, _, batch, params, fwd = setup
+  cfg, schema, _, batch, params, rep, _ = setup
   c16 = copy.deepcopy(cfg)
   c16.model.dtype = "bfloat16"
   m16 = build_model(c16, schema)
   out16 = jax.jit(lambda p, b: m16.apply({"params": p}, b, False))(params, batch)
-  out32 = np.asarray(fwd(params, batch))
+  out32 = np.asarray(rep["logits"])
   assert out16.dtype == jnp.float32
   err = np.abs(np.asarray(out16) - out32)
   # stated tolerance: bf16 (8-bit mantissa) compute with fp32 norms/softmax/loss keeps logits

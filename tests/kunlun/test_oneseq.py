@@ -59,10 +59,10 @@ def test_equal_flops_switch_runs():
   assert [t.name for t in m.seq_towers] == ["oneseq"]
   model = build_model(one, schema)
   batch = random_batch(schema, 4, seq_lens(one), seed=0, min_len=1)
-  params = nn.meta.unbox(jax.jit(model.init)(jax.random.key(0, impl="unsafe_rbg"), batch,
-                                             False))["params"]
+  rep, v = jax.jit(lambda k, b: model.init_with_output(k, b, method="representations"))(
+      jax.random.key(0, impl="unsafe_rbg"), batch)
+  params = nn.meta.unbox(v)["params"]
   assert "oneseq_merge" in params and "embed_click" in params and "embed_impression" in params
   assert not any(k.startswith("click") for k in params["layer_0"])
-  rep = jax.jit(lambda p, b: model.apply({"params": p}, b, method="representations"))(params, batch)
   assert set(rep["summaries"]) == {"oneseq"}
   assert np.isfinite(np.asarray(rep["logits"])).all() and rep["logits"].shape == (4, 2)

@@ -38,23 +38,19 @@ def setup():
   assert m.num_layers == 2 and m.tower("impression").depth == 1 and m.tower("click").depth == 2
   model = build_model(cfg, schema)
   batch = random_batch(schema, 8, seq_lens(cfg), seed=5, min_len=1)
-  params = nn.meta.unbox(jax.jit(model.init)(jax.random.key(0, impl="unsafe_rbg"), batch,
-                                             False))["params"]
-  return model, batch, params
+  # one compile: parameters, representations and every module's output (intermediates)
+  rep, v = jax.jit(lambda k, b: model.init_with_output(
+      k, b, method="representations", capture_intermediates=True))(
+          jax.random.key(0, impl="unsafe_rbg"), batch)
+  return model, batch, nn.meta.unbox(v)["params"], rep, v["intermediates"]
 
 
 def test_shallow_tower_keeps_feeding_last_summary(setup):
-  model, batch, params = setup
+  model, batch, params, rep, inter = setup
   # layer 1 holds nothing of the depth-1 impression tower except its summary projection
   imp = sorted(k for k in params["layer_1"] if k.startswith("impression"))
   assert imp == ["impression_proj"], imp
 
-  @jax.jit
-  def run(p, b):
-    return model.apply({"params": p}, b, method="representations",
-                       capture_intermediates=True, mutable=["intermediates"])
-  rep, state = run(params, batch)
-  inter = state["intermediates"]
   last_imp = np.asarray(inter["layer_0"]["impression_final_hsp"]["__call__"][0])
   proj_in_layer1 = np.asarray(inter["layer_1"]["impression_proj"]["__call__"][0])
   kernel = np.asarray(params["layer_1"]["impression_proj"]["kernel"])
@@ -67,7 +63,7 @@ def test_shallow_tower_keeps_feeding_last_summary(setup):
 
 
 def test_gradients_reach_every_tower(setup):
-  model, batch, params = setup
+  model, batch, params, _, _ = setup
 
   def loss(p):
     logits = model.apply({"params": p}, batch, True)
