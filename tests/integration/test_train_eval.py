@@ -23,7 +23,7 @@ STEPS = 300
 # KUNLUN_E2E_EXTRA: extra train.py flags, e.g. "--config.model.arch=dlrm" to run a baseline
 TRAIN_ARGS = ["--config.train.log_every=1", "--config.train.checkpoint_every=100",
               *os.environ.get("KUNLUN_E2E_EXTRA", "").split()]
-NE_MARGIN = 0.03     # eval click NE must be below 1 - NE_MARGIN on every surface
+NE_MARGIN = 0.05     # eval click NE must be below 1 - NE_MARGIN on every surface
 
 
 def _env(devices, cache):
@@ -181,12 +181,16 @@ def test_mesh_loss_curve_matches_one_device(trained, mesh8):
 
 @pytest.mark.slow
 def test_profile_trace_has_named_scopes(mesh8):
-  traces = glob.glob(os.path.join(mesh8, "profile", "**", "*.trace.json.gz"), recursive=True)
-  assert traces, os.listdir(mesh8)
-  text = gzip.open(traces[0]).read().decode("utf-8", "replace")
-  for scope in ("PFFN", "GDPA", "HSP", "MoWE"):
-    assert scope in text, scope
-  assert "train" in text
+  """Both trace files are written; the XLA ops in the xplane carry the components' named scopes
+  (on CPU the Perfetto trace.json.gz holds host events only; on GPU it has the device ops too)."""
+  prof = os.path.join(mesh8, "profile", "plugins", "profile")
+  traces = glob.glob(os.path.join(prof, "*", "*.trace.json.gz"))
+  xplanes = glob.glob(os.path.join(prof, "*", "*.xplane.pb"))
+  assert len(traces) == len(xplanes) == 1, os.listdir(mesh8)
+  assert gzip.open(traces[0]).read(100).startswith(b"{")
+  data = open(xplanes[0], "rb").read()
+  for scope in (b"PFFN", b"GDPA", b"HSP", b"MoWE", b"WeightGen"):
+    assert scope in data, scope
 
 
 def test_bad_mesh_flags_fail_fast(env, tmp_path):
