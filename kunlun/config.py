@@ -14,7 +14,7 @@ modules take as a field. Every knob of spec d.7 / h is a field here:
   seq_mode            "towers" (one tower per stream) | "oneseq" (one merged stream, spec h-18)
   num_time_buckets    log-bucketed event-age embedding size
   attention.{kind, activation, qk_norm, rotary, block_size}   sequence self-attention (c.4)
-  pffn_activation, key_norm, n_kv are per tower (c.2/c.3); pffn_activation is global
+  pffn_activation     GDPA activation of the PFFN (c.3); key_norm: RMS-normalise generated keys
   pooling             "hsp" | "pma" (c.5); hsp_rank (SumKronLinear r_k), hsp_activation
   mowe.{num_experts, layers_per_expert, rank, mlp_hidden}    (c.6)
   towers.<stream>.{width, heads, n_kv, window, kept_len, n_seed, n_sum, depth}  (c.8)
