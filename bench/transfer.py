@@ -51,6 +51,21 @@ def _ratio(vm, var, fm):
   return (vm - var) / (vm - fm)
 
 
+def warnings(ne, surfaces, tasks) -> list[str]:
+  """Cells where the transfer ratio is not meaningful (the FM is not better than the VM)."""
+  bad = [f"{s}/{t}" for s in [*surfaces, "overall"] for t in tasks
+         if ne["fm"][s][t] is None or ne["vm_alone"][s][t] is None
+         or ne["fm"][s][t] >= ne["vm_alone"][s][t]]
+  if not bad:
+    return []
+  return [f"FM eval NE >= VM-alone eval NE in {bad}: the transfer ratio denominator is <= 0 "
+          "there, "
+          "so those ratios are not meaningful (the FM is under-trained or over-fitted). Note also "
+          "that FM embeddings/logits of the VM's *training* examples come from an FM trained on "
+          "those same examples (in-sample), unlike serving-time logs; a time-split FM window "
+          "is the fix (not implemented)."]
+
+
 def run(args) -> dict:
   import jax
 
@@ -211,6 +226,9 @@ def run(args) -> dict:
       "timings_s": {**timings, "total": time.perf_counter() - t_start},
       "device": str(jax.devices()[0].platform),
   }
+  out["warnings"] = warnings(ne, surfaces, tasks)
+  for w in out["warnings"]:
+    _log("WARNING: " + w)
   _log("NE (overall): " + json.dumps({n: ne[n]["overall"] for n in ne}))
   _log("transfer ratio (overall): " + json.dumps({n: ratio[n]["overall"] for n in ratio}))
   del cells
