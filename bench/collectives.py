@@ -7,8 +7,9 @@ preset and sums, per collective kind, the bytes one device sends (ring estimates
 ``sharding.checks.collectives``). Next to it: the analytic minimum of the *parameter* traffic for
 the same layout (sharding/checks.py conventions):
 
-  * a parameter (b bytes, n shards) sharded over batch axes of total size z (FSDP-style) must be
-    all-gathered and its gradient reduce-scattered: 2 (z - 1) b / n;
+  * a parameter (b bytes, n shards) sharded ZeRO-style over axes of total size g (every shard
+    axis except ``tensor`` and an expert dimension's ``expert``) must be all-gathered and its
+    gradient reduce-scattered: 2 (g - 1) b / n;
   * a parameter replicated over batch axes of size r needs a gradient all-reduce:
     2 (r - 1) / r * b / n;
   * embedding tables (rows on every device) and activation traffic (TP / CP / EP) are not in the
@@ -35,22 +36,29 @@ DEFAULT_MESH = {"dp": "data=2,fsdp=4", "fsdp": "fsdp=8", "fsdp_tp": "fsdp=4,tens
 
 
 def analytic_param_bytes(params, mesh, rules) -> dict:
-  """Minimum per-device parameter traffic of one step (see module doc), split by kind."""
-  import jax
+  """Minimum per-device parameter traffic of one step (see module doc), split by kind.
 
+  A parameter is gathered over every axis that shards it except ``tensor`` (the compute is split
+  there too) and ``expert`` on a leading expert dimension; its gradient is all-reduced over the
+  batch axes that do not shard it.
+  """
+  import jax
   from sharding.partition import batch_spec
   bx = batch_spec(rules)[0]
   bx = set(() if bx is None else (bx,) if isinstance(bx, str) else bx)
+  as_t = lambda e: (e,) if isinstance(e, str) else (e or ())
   fsdp = replica = 0.0
   for path, x in jax.tree_util.tree_leaves_with_path(params):
     if "embedding" in jax.tree_util.keystr(path):
       continue
     b = x.size * x.dtype.itemsize
-    axes = {a for e in x.sharding.spec for a in ((e,) if isinstance(e, str) else (e or ()))}
+    spec = tuple(x.sharding.spec)
+    axes = {a for e in spec for a in as_t(e)}
     n = math.prod(mesh.shape[a] for a in axes)
-    z = math.prod(mesh.shape[a] for a in axes & bx)
+    gather = axes - {"tensor"} - ({"expert"} if spec and as_t(spec[0]) == ("expert",) else set())
+    g = math.prod(mesh.shape[a] for a in gather)
     r = math.prod(mesh.shape[a] for a in bx - axes)
-    fsdp += 2 * (z - 1) * b / n
+    fsdp += 2 * (g - 1) * b / n
     replica += 2 * (r - 1) / r * b / n
   return {"fsdp_gather_scatter": fsdp, "grad_allreduce": replica, "total": fsdp + replica}
 

@@ -64,6 +64,10 @@ def test_kunlun_tiny_preset_matches_single_device(preset, flag):
             if "embedding" in jax.tree_util.keystr(k)}
   sharded = {k: t for k, t in tables.items() if t.sharding.shard_shape(t.shape)[0] < t.shape[0]}
   assert len(sharded) >= len(tables) // 2, tables.keys() - sharded.keys()
+  # the model's plain jnp.take lets XLA all-gather tiny tables (e.g. 16 time buckets); the large
+  # ones (item 500 rows, ad_id_hash 1000 rows) must never be gathered whole
+  sharded = {k: t for k, t in sharded.items() if t.shape[0] >= 256}
+  assert len(sharded) >= 2, sharded.keys()
   ops = checks.collectives(compiled.as_text())
   for name, t in tables.items():
     if t.shape[0] % 8 == 0:
