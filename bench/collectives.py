@@ -43,6 +43,7 @@ def analytic_param_bytes(params, mesh, rules) -> dict:
   batch axes that do not shard it.
   """
   import jax
+
   from sharding.partition import batch_spec
   bx = batch_spec(rules)[0]
   bx = set(() if bx is None else (bx,) if isinstance(bx, str) else bx)
