@@ -217,3 +217,19 @@ def test_eval_on_corrupt_checkpoint_fails_with_a_clear_message(env, trained, tmp
       open(os.path.join(root, f), "wb").write(b"\x00corrupt")
   p = _run("eval.py", [f"--workdir={wd}"], env["cache"], check=False)
   assert p.returncode == 2 and "corrupt" in p.stderr and str(STEPS) in p.stderr
+
+
+@pytest.mark.slow
+def test_non_finite_steps_are_skipped_then_stop_without_checkpoint(env, tmp_path):
+  """An absurd learning rate overflows the params after a step or two: those steps are skipped
+  and counted, and after max_bad_steps + 1 in a row training stops with no checkpoint written."""
+  wd = tmp_path / "bad"
+  p = _run("train.py", [f"--workdir={wd}", f"--data_dir={env['data']}", "--steps=40",
+                        "--config.train.lr=1e30", "--config.train.warmup_steps=1",
+                        "--config.train.clip_norm=1e30", "--config.train.max_bad_steps=2"],
+           env["cache"], check=False)
+  assert p.returncode == 2, p.stderr[-2000:]
+  assert "3 consecutive non-finite steps" in p.stderr and "max_bad_steps=2" in p.stderr
+  assert p.stdout.count("update skipped") == 3
+  ck = wd / "checkpoints"
+  assert not ck.exists() or not [d for d in os.listdir(ck) if d.isdigit()]
