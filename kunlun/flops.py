@@ -14,6 +14,7 @@ from collections import defaultdict
 
 from data.schema import Schema
 from kunlun.config import ModelConfig, TowerConfig, parse
+from kunlun.inputs import event_side_dim
 from kunlun.towers import schedule
 from kunlun.wukong import split_tokens
 
@@ -27,9 +28,10 @@ def context_flops(cfg: ModelConfig, schema: Schema) -> float:
 
 
 def event_embed_flops(stream, T: int, d: int) -> float:
-  """EventEmbed MLP: concat of (item, action, surface, [extras], time) -> 2d -> d."""
-  parts = 4 + (1 if stream.extra_fields else 0)
-  return 2 * T * (parts * d) * (2 * d) + 2 * T * (2 * d) * d
+  """EventEmbed MLP: concat(item [d], action, surface, [extras], time [side each]) -> d -> d."""
+  sides = 3 + (1 if stream.extra_fields else 0)
+  concat = d + sides * event_side_dim(d)
+  return 2 * T * concat * d + 2 * T * d * d
 
 
 def weightgen_flops(n_ns: int, d_ns: int, n_kv: int, d: int) -> float:

@@ -109,11 +109,19 @@ class LCE(nn.Module):
       return shard(y, ("batch", "tokens", "embed"))
 
 
+def event_side_dim(dim: int) -> int:
+  """Width of an event stream's side-field tables (action, surface, extras, time bucket)."""
+  return max(dim // 4, 8)
+
+
 class EventEmbed(nn.Module):
   """Per-event embedding of one stream (spec b.4).
 
-  ``e_t = MLP(concat(E_item, E_action, E_surface, sum_f E_f, E_timebucket))`` with each table of
-  width ``dim``, a 2-layer GELU MLP back to ``dim``. ``events`` holds ``item, action, surface,
+  ``e_t = MLP(concat(E_item, E_action, E_surface, sum_f E_f, E_timebucket))``: the item table
+  has width ``dim``; the low-cardinality side fields (action, surface, extra fields, time bucket)
+  use ``side_dim = max(dim // 4, 8)`` [D: they carry far fewer bits than the item id, and full-width
+  side tables made this per-event MLP ~24 T d^2 FLOPs, a quarter of the mid model]; a 2-layer GELU
+  MLP (hidden ``dim``) maps the concat back to ``dim`` (``2 T d (concat + d)`` FLOPs). ``events`` holds ``item, action, surface,
   age, length`` and the stream's extra fields (``[B, T]`` each, ``length i32[B]``); returns
   ``[B, T, dim]`` with rows ``>= length`` set to zero.
   """
@@ -131,18 +139,19 @@ class EventEmbed(nn.Module):
       missing = [k for k in need if k not in events]
       if missing:
         raise ValueError(f"events[{s.name!r}] lacks fields {missing}")
-      emb = lambda name, rows, ids: lookup(_table(self, name, rows, self.dim),
-                                           jnp.asarray(ids, jnp.int32) % rows)
-      parts = [emb("item", s.item_vocab, events["item"]),
-               emb("action", s.action_vocab, events["action"]),
-               emb("surface", self.num_surfaces, events["surface"])]
+      side = event_side_dim(self.dim)
+      emb = lambda name, rows, ids, dim: lookup(_table(self, name, rows, dim),
+                                                jnp.asarray(ids, jnp.int32) % rows)
+      parts = [emb("item", s.item_vocab, events["item"], self.dim),
+               emb("action", s.action_vocab, events["action"], side),
+               emb("surface", self.num_surfaces, events["surface"], side)]
       if s.extra_fields:
-        parts.append(sum(emb(f.name, f.vocab_size, events[f.name]) for f in s.extra_fields))
+        parts.append(sum(emb(f.name, f.vocab_size, events[f.name], side) for f in s.extra_fields))
       parts.append(emb("time", self.num_time_buckets,
-                       log_time_bucket(events["age"], self.num_time_buckets)))
+                       log_time_bucket(events["age"], self.num_time_buckets), side))
       x = jnp.concatenate(parts, axis=-1)
       T = x.shape[1]
-      h = nn.gelu(_dense(2 * self.dim, ("embed", "mlp"), self.dtype, True, "mlp_in")(x))
+      h = nn.gelu(_dense(self.dim, ("embed", "mlp"), self.dtype, True, "mlp_in")(x))
       y = _dense(self.dim, ("mlp", "embed"), self.dtype, True, "mlp_out")(h)
       valid_bt = jnp.arange(T)[None, :] < jnp.asarray(events["length"], jnp.int32)[:, None]
       y = jnp.where(valid_bt[..., None], y, 0).astype(self.dtype)

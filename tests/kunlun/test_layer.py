@@ -26,9 +26,9 @@ def test_compskip_flop_drop_at_mid():
   off_cfg.model.comp_skip = False
   on, off = model_flops(on_cfg, S), model_flops(off_cfg, S)
   # whole model (includes the per-stream EventEmbed MLPs and heads, which CompSkip leaves alone):
-  # 39.8 % at mid with this repo's EventEmbed (24 T d^2 per stream)
+  # 44.8 % at mid (issue 2: 40-50 %)
   drop = 1 - on["forward"] / off["forward"]
-  assert 0.35 <= drop <= 0.50, drop
+  assert 0.40 <= drop <= 0.50, drop
   # the Kunlun layer stack, what CompSkip acts on (spec Appendix C-6: ~45 +- 5 %): 46.9 % at mid
   m_on, m_off = parse(on_cfg, S), parse(off_cfg, S)
   stack = lambda m: sum(sum(layer_flops(m, l).values()) for l in range(m.num_layers))
