@@ -31,6 +31,7 @@ from kunlun.norms import rms_norm
 from kunlun.time_encoding import rotary_time
 from pallas_kernels.activations import per_head
 from pallas_kernels.reference import apply_rotary
+from sharding import context
 from sharding import shard, with_axes
 
 F32 = jnp.float32
@@ -149,8 +150,12 @@ class SeqAttention(nn.Module):
         padt = lambda x: jnp.pad(x, ((0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 2))
         q, k, v = padt(q), padt(k), padt(v)
         rot = None if rot is None else (padt(rot[0]), padt(rot[1]))
-      o = pallas_kernels.block_attention(q, k, v, block_size=bs, activation=self.activation,
-                                         lengths=lengths, rotary=rot, backend=self.backend)
+      if self.backend == "xla":
+        o = pallas_kernels.block_attention(q, k, v, block_size=bs, activation=self.activation,
+                                           lengths=lengths, rotary=rot, backend=self.backend)
+      else:                            # kernel per shard; blocks never straddle context shards
+        o = context.block_attention(q, k, v, lengths, block_size=bs, activation=self.activation,
+                                    rotary=rot, backend=self.backend)
       return o[:, :T]
     if rot is not None:
       q, k = apply_rotary(q, rot), apply_rotary(k, rot)

@@ -1,8 +1,12 @@
 """The one entry point the model uses for GDPA (spec c.1).
 
 ``o_i = out_scale * sum_j act(scale * <q_i, k_j>) v_j`` over valid keys, no softmax. The backend
-("xla" reference now; "pallas", "triton" or "auto" once registered) is a config choice passed
-through to ``pallas_kernels.gdpa``; this wrapper only adds the ``GDPA`` profiler scope.
+("xla", "pallas", "triton" or "auto") is a config choice passed to ``pallas_kernels.gdpa``; this
+wrapper adds the ``GDPA`` profiler scope and, for kernel backends under a sharded mesh, runs the
+kernel per shard (``sharding.context``: XLA cannot partition a custom call by itself). ``seq``
+names the operand whose sequence axis may be context-sharded: ``"q"`` (PFFN: the sequence is the
+query; purely local) or ``"kv"`` (HSP: the sequence is the key/value side; partial sums + psum).
+The "xla" backend is left to XLA's SPMD partitioner.
 """
 
 from __future__ import annotations
@@ -10,9 +14,10 @@ from __future__ import annotations
 import jax
 
 import pallas_kernels
+from sharding import context
 
 
-def gdpa(q, k, v, *, backend: str = "xla", **kw):
+def gdpa(q, k, v, *, backend: str = "xla", seq: str = "q", **kw):
   """``q [B|1, Tq, H, D]``, ``k, v [B, Tk, H, D]`` -> ``[B, Tq, H, D]`` in ``q.dtype``.
 
   Keyword arguments are those of ``pallas_kernels.gdpa``: ``activation`` (name or per-head tuple),
@@ -20,4 +25,11 @@ def gdpa(q, k, v, *, backend: str = "xla", **kw):
   ``broadcast_q``, ``interpret``.
   """
   with jax.named_scope("GDPA"):
-    return pallas_kernels.gdpa(q, k, v, backend=backend, **kw)
+    if backend == "xla" or kw.get("interpret") or not context.is_sharded(q if seq == "q" else k):
+      return pallas_kernels.gdpa(q, k, v, backend=backend, **kw)
+    window = kw.pop("window", None)
+    if window is not None:           # banded self-attention: halo exchange between shards
+      return context.swa_attention(q, k, v, kw["q_lengths"], window,
+                                   activation=kw.get("activation", "fast_gelu"),
+                                   out_scale=kw.get("out_scale", 1.0))
+    return context.gdpa(q, k, v, shard=seq, backend=backend, **kw)

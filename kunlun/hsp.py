@@ -97,7 +97,8 @@ class HSP(nn.Module):
       k = shard(k, ("batch", "seq", "heads", "head_dim"))
       v = shard(v, ("batch", "seq", "heads", "head_dim"))
       o = gdpa(q[None], k, v, activation=self.activation, out_scale=1.0 / (self.t_max or T),
-               kv_lengths=lengths, broadcast_q=True, backend=self.backend)
+               kv_lengths=lengths, broadcast_q=True, backend=self.backend,
+               seq="kv")
       o = shard(o, ("batch", "seeds", "heads", "head_dim"))
       h = e + _from_heads(self, "out", o, d, dt).astype(F32)
       h = shard(h, ("batch", "seeds", "embed"))

@@ -15,14 +15,20 @@ import jax.numpy as jnp
 
 from data.schema import EventStream, SparseFeature
 from kunlun.time_encoding import log_time_bucket
+from sharding import embedding as sharded_embedding
 from sharding import shard, with_axes
 
 F32 = jnp.float32
 
 
 def lookup(table, ids):
-  """Rows of ``table [V, d]`` at ``ids i32[...]`` (in range) -> ``[..., d]``."""
-  return jnp.take(table, ids, axis=0)
+  """Rows of ``table [V, d]`` at ``ids i32[...]`` (in range) -> ``[..., d]``.
+
+  With no mesh this is a plain gather. Under an active mesh + logical rules whose ``table_rows``
+  shard the table, rows are fetched with the all-to-all id-bucket exchange of
+  ``sharding.embedding.lookup`` (no table-sized collective; overflow falls back correctly).
+  """
+  return sharded_embedding.lookup(table, ids)
 
 
 def _table(mod: nn.Module, name: str, rows: int, dim: int):

@@ -37,6 +37,11 @@ def _resolve(table: dict, backend: str, kind: str):
   return getattr(importlib.import_module(mod), fn)
 
 
+def _interpret(backend: str, interpret: bool) -> bool:
+  """Pallas kernels have no CPU lowering: on a CPU-only run they execute in interpret mode."""
+  return interpret or (backend == "pallas" and jax.default_backend() == "cpu")
+
+
 def gdpa(q, k, v, *, activation="fast_gelu", scale=None, out_scale=1.0, q_lengths=None,
          kv_lengths=None, window=None, broadcast_q=False, backend="auto", interpret=False,
          **tuning):
@@ -49,7 +54,7 @@ def gdpa(q, k, v, *, activation="fast_gelu", scale=None, out_scale=1.0, q_length
   fn = _resolve(_GDPA, backend, "gdpa")
   return fn(q, k, v, activation=activation, scale=scale, out_scale=out_scale,
             q_lengths=q_lengths, kv_lengths=kv_lengths, window=window, broadcast_q=broadcast_q,
-            interpret=interpret, **tuning)
+            interpret=_interpret(backend, interpret), **tuning)
 
 
 def block_attention(q, k, v, *, block_size=64, activation="softmax", lengths=None, rotary=None,
@@ -57,7 +62,7 @@ def block_attention(q, k, v, *, block_size=64, activation="softmax", lengths=Non
   """See ``pallas_kernels.reference.block_attention_reference`` for the exact semantics."""
   fn = _resolve(_BLOCK, backend, "block_attention")
   return fn(q, k, v, block_size=block_size, activation=activation, lengths=lengths,
-            rotary=rotary, interpret=interpret)
+            rotary=rotary, interpret=_interpret(backend, interpret))
 
 
 __all__ = ["gdpa", "block_attention", "register_backend", "reference"]

@@ -59,6 +59,12 @@ def _plan(q):
   return (mesh, spec, _axes(spec[1])) if used else None
 
 
+def is_sharded(x) -> bool:
+  """Whether a ``[B, T, H, D]`` activation is split over any mesh axis under the active rules
+  (then kernels must run per shard, through this module's functions)."""
+  return _plan(x) is not None
+
+
 def _ctx_index(cax):
   return (jax.lax.axis_index(cax), math.prod(jax.lax.axis_size(a) for a in cax)) if cax else (0, 1)
 
@@ -140,8 +146,8 @@ def swa_attention(q, k, v, lengths, window: int, *, activation="softmax", out_sc
     c, n_ = _ctx_index(cax)
     return _swa_local(q, k, v, lengths, c=c, n=n_, cax=cax, **kw)
 
-  return jax.shard_map(local, in_specs=(spec, spec, spec, P(spec[0])), out_specs=spec)(
-      q, k, v, jnp.asarray(lengths, jnp.int32))
+  return jax.shard_map(local, in_specs=(spec, spec, spec, P(spec[0])), out_specs=spec,
+                       check_vma=False)(q, k, v, jnp.asarray(lengths, jnp.int32))
 
 
 # ---- block attention -------------------------------------------------------------------------
@@ -177,7 +183,8 @@ def block_attention(q, k, v, lengths, *, block_size=64, activation="softmax", ro
     return call(q, k, v, jnp.clip(lengths - c * Tl, 0, Tl), rot)
 
   return jax.shard_map(local, in_specs=(spec, spec, spec, P(spec[0]), rot_spec),
-                       out_specs=spec)(q, k, v, jnp.asarray(lengths, jnp.int32), rotary)
+                       out_specs=spec, check_vma=False)(
+      q, k, v, jnp.asarray(lengths, jnp.int32), rotary)
 
 
 # ---- GDPA with the sequence sharded ------------------------------------------------------------
@@ -226,5 +233,5 @@ def gdpa(q, k, v, *, shard="q", activation="fast_gelu", scale=None, out_scale=1.
   if broadcast_q:
     qs = P(None, None, qs[2], None)
   out_spec = qs if shard == "q" else P(spec[0], None, spec[2], None)
-  return jax.shard_map(local, in_specs=(qs, ks, ks, lspec, lspec), out_specs=out_spec)(
-      q, k, v, ql, kl)
+  return jax.shard_map(local, in_specs=(qs, ks, ks, lspec, lspec), out_specs=out_spec,
+                       check_vma=False)(q, k, v, ql, kl)
