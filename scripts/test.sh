@@ -1,7 +1,13 @@
 #!/usr/bin/env bash
-# Sets up .venv if needed, then runs the whole test suite on CPU (8 fake devices).
+# Sets up .venv if needed, then runs the whole test suite on CPU (8 fake devices per process).
+# Two pytest-xdist workers by default (test files stay whole on one worker, so module fixtures
+# run once); KUNLUN_TEST_WORKERS=0 runs serially. Extra arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export JAX_PLATFORMS="${JAX_PLATFORMS:-cpu}"
-exec .venv/bin/python -m pytest -q "$@"
+workers="${KUNLUN_TEST_WORKERS:-2}"
+if [ "$workers" = "0" ]; then
+  exec .venv/bin/python -m pytest -q "$@"
+fi
+exec .venv/bin/python -m pytest -q -n "$workers" --dist loadfile "$@"
