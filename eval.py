@@ -18,6 +18,8 @@ import os
 from absl import app, flags
 from ml_collections import config_flags
 
+from kunlun.train import flags as runtime_flags
+
 config_flags.DEFINE_config_file("config", None, "Config file (default: the one train.py saved "
                                 "in --workdir); --config.a.b=value overrides need --config.")
 flags.DEFINE_string("workdir", None, "train.py workdir (checkpoints/ inside).", required=True)
@@ -29,12 +31,7 @@ flags.DEFINE_string("split", "eval", "Split to evaluate.")
 flags.DEFINE_integer("batch_size", None, "Global eval batch size (default config.data.batch_size).")
 flags.DEFINE_string("out", None, "Output JSON path (default <workdir>/metrics.json).")
 flags.DEFINE_string("plots_dir", None, "If set, writes calibration_<task>.png there.")
-flags.DEFINE_string("coordinator_address", None, "Multi-host: coordinator host:port.")
-flags.DEFINE_integer("num_processes", None, "Multi-host: number of processes.")
-flags.DEFINE_integer("process_id", None, "Multi-host: this process's index.")
-flags.DEFINE_string("compilation_cache", os.environ.get("KUNLUN_COMPILATION_CACHE",
-                                                        "~/.cache/kunlun-jax/xla"),
-                    "Persistent XLA compilation cache directory ('' disables).")
+runtime_flags.define()
 FLAGS = flags.FLAGS
 
 _KEYS = ("ne", "auc", "calibration", "count", "positive_rate", "bayes_ne")

@@ -16,6 +16,8 @@ import time
 from absl import app, flags
 from ml_collections import config_flags
 
+from kunlun.train import flags as runtime_flags
+
 _HERE = os.path.dirname(os.path.abspath(__file__))
 config_flags.DEFINE_config_file("config", os.path.join(_HERE, "kunlun/configs/tiny.py"),
                                 "Config file; override fields with --config.a.b=value.")
@@ -29,12 +31,7 @@ flags.DEFINE_string("data_dir", None, "Dataset directory; absent: generate confi
                     "into <workdir>/data once and reuse it.")
 flags.DEFINE_string("profile_steps", None, "START:END: capture a jax.profiler trace of these steps.")
 flags.DEFINE_string("profile_dir", None, "Trace output directory (default <workdir>/profile).")
-flags.DEFINE_string("coordinator_address", None, "Multi-host: coordinator host:port.")
-flags.DEFINE_integer("num_processes", None, "Multi-host: number of processes.")
-flags.DEFINE_integer("process_id", None, "Multi-host: this process's index.")
-flags.DEFINE_string("compilation_cache", os.environ.get("KUNLUN_COMPILATION_CACHE",
-                                                        "~/.cache/kunlun-jax/xla"),
-                    "Persistent XLA compilation cache directory ('' disables).")
+runtime_flags.define()
 FLAGS = flags.FLAGS
 
 
