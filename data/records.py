@@ -213,14 +213,16 @@ class DatasetWriter:
     return manifest
 
 
-def load_manifest(data_dir: str) -> dict:
+def load_manifest(data_dir: str, fmt: str = FORMAT,
+                  what: str = "a kunlun record directory") -> dict:
+  """``manifest.json`` of ``data_dir``, checked to carry format ``fmt``."""
   path = os.path.join(data_dir, "manifest.json")
   if not os.path.exists(path):
-    raise FileNotFoundError(f"no manifest.json in {data_dir} (not a kunlun record directory)")
+    raise FileNotFoundError(f"no manifest.json in {data_dir} (not {what})")
   with open(path) as f:
     m = json.load(f)
-  if m.get("format") != FORMAT:
-    raise ValueError(f"{path}: format {m.get('format')!r}, expected {FORMAT!r}")
+  if m.get("format") != fmt:
+    raise ValueError(f"{path}: format {m.get('format')!r}, expected {fmt!r}")
   return m
 
 

@@ -91,14 +91,7 @@ def encode_batch(reps: dict, batch: dict, mode: str, keep) -> list[bytes]:
 
 # ---- reading back -----------------------------------------------------------------------------
 def load_manifest(out_dir: str) -> dict:
-  path = os.path.join(out_dir, "manifest.json")
-  if not os.path.exists(path):
-    raise FileNotFoundError(f"{out_dir}: no manifest.json (not an export directory)")
-  with open(path) as f:
-    m = json.load(f)
-  if m.get("format") != FORMAT:
-    raise ValueError(f"{path}: format {m.get('format')!r}, expected {FORMAT!r}")
-  return m
+  return records.load_manifest(out_dir, FORMAT, "an export directory")
 
 
 def read_records(out_dir: str, splits=None, field: str = "pooled") -> dict[str, np.ndarray]:
