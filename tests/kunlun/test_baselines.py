@@ -4,6 +4,7 @@ import flax.linen as nn
 import jax
 import numpy as np
 import pytest
+from jaxpr_scopes import name_stacks
 
 from data.fake import random_batch, tiny_schema
 from data.synthetic import PRESETS, preset_schema
@@ -15,22 +16,6 @@ from kunlun.losses import masked_bce
 from kunlun.model import Kunlun, build_model
 
 KEY = jax.random.key(0, impl="unsafe_rbg")
-
-
-def _names(jaxpr):
-  out = []
-
-  def walk(j):
-    for e in j.eqns:
-      out.append(str(e.source_info.name_stack))
-      for v in e.params.values():
-        for sub in (v if isinstance(v, (list, tuple)) else [v]):
-          if hasattr(sub, "jaxpr") and hasattr(sub.jaxpr, "eqns"):
-            walk(sub.jaxpr)
-          elif hasattr(sub, "eqns"):
-            walk(sub)
-  walk(jaxpr.jaxpr)
-  return " ".join(out)
 
 
 def _cfg(arch):
@@ -53,7 +38,7 @@ def test_interformer_structure():
     for t in ("click", "impression"):
       for part in ("weightgen", "hsp", "attention"):             # (PFFN has no parameters)
         assert f"{t}_{part}" in params[f"layer_{l}"], (l, t, part)
-  names = _names(jax.make_jaxpr(lambda p, b: model.apply(p, b, False))(
+  names = name_stacks(jax.make_jaxpr(lambda p, b: model.apply(p, b, False))(
       jax.eval_shape(model.init, KEY, batch, False), batch))
   assert "PMA" in names and "HSP" not in names and "PFFN" in names
   # MoWE with one expert: the stacked expert axis has size 1

@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jaxpr_scopes import name_stacks
 
 from data.fake import tiny_schema
 from data.synthetic import PRESETS, preset_schema
@@ -40,22 +41,6 @@ def test_compskip_flop_drop_at_mid():
   assert odd["attention"] > 0
 
 
-def _name_stacks(jaxpr):
-  out = set()
-
-  def walk(j):
-    for eqn in j.eqns:
-      out.add(str(eqn.source_info.name_stack))
-      for v in eqn.params.values():
-        for sub in (v if isinstance(v, (list, tuple)) else [v]):
-          if hasattr(sub, "jaxpr") and hasattr(sub.jaxpr, "eqns"):
-            walk(sub.jaxpr)
-          elif hasattr(sub, "eqns"):
-            walk(sub)
-  walk(jaxpr.jaxpr)
-  return " ".join(out)
-
-
 def _layer_inputs(cfg, B=2):
   rng = np.random.default_rng(0)
   x = jnp.asarray(rng.normal(size=(B, cfg.n_ns, cfg.d_ns)), jnp.float32)
@@ -73,7 +58,7 @@ def _layer_jaxpr_names(cfg, index):
   args = _layer_inputs(cfg)
   params = jax.eval_shape(layer.init, jax.random.key(0), *args)
   jaxpr = jax.make_jaxpr(lambda p, *a: layer.apply(p, *a))(params, *args)
-  return _name_stacks(jaxpr), params
+  return name_stacks(jaxpr), params
 
 
 def _tiny_cfg(comp_skip, depth=2):
