@@ -16,7 +16,9 @@ modules take as a field. Every knob of spec d.7 / h is a field here:
   attention.{kind, activation, qk_norm, rotary, block_size}   sequence self-attention (c.4)
   pffn_activation     GDPA activation of the PFFN (c.3); key_norm: RMS-normalise generated keys
   pooling             "hsp" | "pma" (c.5); hsp_rank (SumKronLinear r_k), hsp_activation
-  mowe.{num_experts, layers_per_expert, rank, mlp_hidden}    (c.6)
+  score_clip          clip GDPA pre-activation scores to [-c, c] (spec h-13); 0 = off
+  mowe.{num_experts, layers_per_expert, rank, mlp_hidden, cross_layer}    (c.6; cross_layer:
+                      Wukong cross-layer attention connections, spec h-19)
   towers.<stream>.{width, heads, n_kv, window, kept_len, n_seed, n_sum, depth}  (c.8)
   oneseq.{width, heads, n_kv, window, kept_len, n_seed, n_sum, depth}   (merged tower)
   heads.{kind, top_mlp, tower_hidden, num_experts, expert_hidden}       (d.3)
@@ -78,6 +80,7 @@ class MoWEConfig:
   layers_per_expert: int = 1
   rank: int = 8
   mlp_hidden: int = 64
+  cross_layer: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,6 +117,7 @@ class ModelConfig:
   pooling: str
   hsp_rank: int
   hsp_activation: str
+  score_clip: float
   mowe: MoWEConfig
   towers: tuple[TowerConfig, ...]      # per stream, in schema order
   oneseq: TowerConfig | None           # the merged tower (seq_mode == "oneseq")
@@ -155,8 +159,9 @@ def default_model() -> ml_collections.ConfigDict:
   m.pooling = "hsp"
   m.hsp_rank = 4
   m.hsp_activation = "fast_gelu"
+  m.score_clip = 0.0
   m.mowe = ml_collections.ConfigDict(dict(num_experts=2, layers_per_expert=1, rank=8,
-                                          mlp_hidden=64))
+                                          mlp_hidden=64, cross_layer=False))
   m.towers = ml_collections.ConfigDict()
   m.oneseq = tower(width=32, heads=2, n_kv=16, window=16, kept_len=64, n_seed=8, n_sum=2, depth=2)
   m.heads = ml_collections.ConfigDict(dict(kind="towers", top_mlp=(64,), tower_hidden=32,
@@ -251,6 +256,11 @@ def parse(config, schema: Schema) -> ModelConfig:
   _pos_int("dlrm.seq_dim", m.dlrm.seq_dim)
   for i, h in enumerate(m.dlrm.mlp):
     _pos_int(f"dlrm.mlp[{i}]", h)
+  if isinstance(m.score_clip, bool) or not isinstance(m.score_clip, (int, float)) \
+      or not m.score_clip >= 0:
+    raise ValueError(f"config.model.score_clip = {m.score_clip!r} must be a number >= 0 (0 = off)")
+  if not isinstance(m.mowe.cross_layer, bool):
+    raise ValueError(f"config.model.mowe.cross_layer = {m.mowe.cross_layer!r} must be a bool")
   attention = AttentionConfig(**m.attention.to_dict())
 
   names = schema.stream_names
@@ -277,7 +287,7 @@ def parse(config, schema: Schema) -> ModelConfig:
       n_dense_tokens=m.n_dense_tokens, num_layers=m.num_layers, comp_skip=bool(m.comp_skip),
       seq_mode=m.seq_mode, num_time_buckets=m.num_time_buckets, attention=attention,
       pffn_activation=m.pffn_activation, key_norm=bool(m.key_norm), pooling=m.pooling,
-      hsp_rank=m.hsp_rank, hsp_activation=m.hsp_activation,
+      hsp_rank=m.hsp_rank, hsp_activation=m.hsp_activation, score_clip=float(m.score_clip),
       mowe=MoWEConfig(**m.mowe.to_dict()), towers=towers, oneseq=oneseq,
       heads=HeadsConfig(**{**m.heads.to_dict(), "top_mlp": tuple(m.heads.top_mlp)}),
       dlrm=DLRMConfig(seq_dim=m.dlrm.seq_dim, mlp=tuple(m.dlrm.mlp)),
