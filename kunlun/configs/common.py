@@ -20,6 +20,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.data.prefetch = 4
   c.data.skip_invalid = False        # True: count, report and skip invalid records
   c.data.length_balance = False      # Base Batch Shuffling (sort small groups by length)
+  c.data.train_split = "train"       # split train.py reads (e.g. "pretrain": an earlier window)
   c.data.eval_batch_size = 0         # eval.py global batch size (0: same as batch_size)
 
   c.train = ml_collections.ConfigDict()
