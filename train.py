@@ -96,7 +96,8 @@ def train(argv):
 
   seq_lens = model_config.seq_lens(config)
   ds = pipeline.make_dataset(config.data, data_dir, config.data.train_split, seq_lens,
-                             train=True, shard_index=jax.process_index(), shard_count=jax.process_count())
+                             train=True, shard_index=jax.process_index(),
+                             shard_count=jax.process_count())
   example = next(iter(ds))           # shapes only; the training iterator starts fresh below
   data_iter = iter(ds)
 
