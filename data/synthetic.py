@@ -23,7 +23,8 @@ declared interests, ad category/id, bid, hour) carry only part of the signal.
 Requests are time-ordered; ``eval`` is the time window right after ``train``. Generation is
 vectorised per chunk and streamed to ArrayRecord shards (``data.records.DatasetWriter``).
 
-CLI: ``python -m data.synthetic --out DIR --preset tiny|dev|mid [--num_examples N] [--seed S]``.
+CLI: ``python -m data.synthetic --out DIR --preset tiny|dev|mid [--num_examples N] [--seed S]
+[--pretrain_examples M]``.
 """
 
 from __future__ import annotations
@@ -263,9 +264,12 @@ class _Stats:
 
 
 def generate(out_dir: str, preset: str = "tiny", num_examples: int | None = None,
-             seed: int = 0) -> Schema:
+             seed: int = 0, pretrain_examples: int = 0) -> Schema:
   """Writes ``train`` and ``eval`` (the next time window, ``eval_frac`` of train) to ``out_dir``.
 
+  ``pretrain_examples > 0`` adds a ``pretrain`` split: the time window just *before* ``train``,
+  at the same request rate (e.g. a foundation model's training window, so that its outputs on
+  ``train``/``eval`` are out of sample). ``train``/``eval`` do not depend on it.
   Also writes ``schema.json``, ``manifest.json`` and ``synthetic.json`` (preset, seed, base
   rates and the teacher's Bayes NE per split / surface / task). Deterministic per seed.
   """
@@ -276,14 +280,19 @@ def generate(out_dir: str, preset: str = "tiny", num_examples: int | None = None
   if n_train <= 0:
     raise ValueError(f"num_examples must be > 0, got {n_train}")
   n_eval = max(1, round(n_train * p.eval_frac))
+  n_pre = int(pretrain_examples)
+  if n_pre < 0:
+    raise ValueError(f"pretrain_examples must be >= 0, got {n_pre}")
   schema = preset_schema(p)
   world = World(p, seed)
   writer = records.DatasetWriter(out_dir, schema, p.records_per_shard)
   stats = _Stats()
   dt = p.train_days * DAY / n_train
   t0 = time.perf_counter()
-  for split_id, (split, n_total, t_start) in enumerate(
-      (("train", n_train, T0), ("eval", n_eval, T0 + n_train * dt))):
+  windows = [(0, "train", n_train, T0), (1, "eval", n_eval, T0 + n_train * dt)]
+  if n_pre:
+    windows.append((2, "pretrain", n_pre, T0 - n_pre * dt))
+  for split_id, split, n_total, t_start in windows:
     for c, start in enumerate(range(0, n_total, p.chunk)):
       n = min(p.chunk, n_total - start)
       fixed, ragged, surf = _chunk(p, world, seed, split_id, c, n, t_start + start * dt, dt)
@@ -291,8 +300,9 @@ def generate(out_dir: str, preset: str = "tiny", num_examples: int | None = None
       recs = records.encode_columns(fixed, ragged)
       for si, sname in enumerate(SURFACES):
         writer.write(split, sname, [recs[i] for i in np.flatnonzero(surf == si)])
-  writer.close()
+  writer.close(splits=tuple(w[1] for w in windows))
   info = {"preset": preset, "seed": seed, "num_train": n_train, "num_eval": n_eval,
+          "num_pretrain": n_pre,
           "seconds": time.perf_counter() - t0, "stats": stats.summary()}
   with open(os.path.join(out_dir, "synthetic.json"), "w") as f:
     json.dump(info, f, indent=1)
@@ -306,11 +316,14 @@ def main(argv=None):
   ap.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
   ap.add_argument("--num_examples", type=int, default=None)
   ap.add_argument("--seed", type=int, default=0)
+  ap.add_argument("--pretrain_examples", type=int, default=0,
+                  help="also write a 'pretrain' split: the window before train")
   a = ap.parse_args(argv)
-  generate(a.out, a.preset, a.num_examples, a.seed)
+  generate(a.out, a.preset, a.num_examples, a.seed, a.pretrain_examples)
   with open(os.path.join(a.out, "synthetic.json")) as f:
     info = json.load(f)
-  print(f"wrote {info['num_train']} train + {info['num_eval']} eval examples to {a.out} "
+  pre = f" + {info['num_pretrain']} pretrain" if info["num_pretrain"] else ""
+  print(f"wrote {info['num_train']} train + {info['num_eval']} eval{pre} examples to {a.out} "
         f"in {info['seconds']:.1f}s")
   for sname, d in info["stats"]["eval"].items():
     print(f"  eval {sname:8s} " + "  ".join(

@@ -161,3 +161,22 @@ def test_signal_lives_in_the_sequences(big):
     assert hist < ctx, (name, ctx, hist)
   ctx, hist = _ne(preds[0], yev), _ne(preds[1], yev)
   assert hist < ctx - 0.05, (ctx, hist)
+
+
+def test_pretrain_window_precedes_train_and_leaves_it_unchanged(tmp_path):
+  a, b = str(tmp_path / "a"), str(tmp_path / "b")
+  synthetic.generate(a, "tiny", 300, seed=3)
+  synthetic.generate(b, "tiny", 300, seed=3, pretrain_examples=500)
+  for split in ("train", "eval"):     # train/eval bytes do not depend on the pretrain window
+    sa = {k: v for k, v in _bytes(a).items() if k.startswith(split + "/")}
+    sb = {k: v for k, v in _bytes(b).items() if k.startswith(split + "/")}
+    assert sa and sa == sb
+  ts = lambda split: np.array([int(r["request_ts"])
+                               for _, _, r in records.read_split(b, split)])
+  pre, train = ts("pretrain"), ts("train")
+  assert len(pre) == 500 and pre.max() < train.min()
+  # same request rate: the pretrain window spans ~500/300 of the train window's duration
+  ratio = (pre.max() - pre.min()) / (train.max() - train.min())
+  assert 1.5 < ratio < 1.8
+  with pytest.raises(ValueError, match="pretrain_examples"):
+    synthetic.generate(str(tmp_path / "c"), "tiny", 10, pretrain_examples=-1)
