@@ -21,6 +21,7 @@ With no mesh, no rules, or rows that are not sharded, ``lookup`` is ``jnp.take``
 
 ``sparse_adagrad_update`` applies row-wise Adagrad to the rows looked up in a step only
 (the same exchange routes (id, gradient) pairs to their owners); other rows stay bitwise unchanged.
+The train step uses it when ``config.train.sparse_embedding_update`` is on (``kunlun/train/step.py``).
 """
 
 from __future__ import annotations
@@ -150,22 +151,30 @@ def _dedup_sum(ids_k, g_kd, none):
 
 
 def sparse_adagrad_update(table, acc, ids, row_grads, lr: float, eps: float = 1e-8, *,
-                          capacity_factor: float = CAPACITY_FACTOR, force_fallback: bool = False):
+                          capacity_factor: float = CAPACITY_FACTOR, force_fallback: bool = False,
+                          enabled=None, with_sq_norm: bool = False):
   """Row-wise Adagrad applied only to the rows named in ``ids``.
 
   ``table [V, D]``, ``acc f32[V]`` (one accumulator per row), ``ids int[...]`` (negative = none),
   ``row_grads [..., D]`` = dLoss/d(looked-up row) for each id. Gradients of repeated ids are
   summed per row, then ``acc_r += mean_d g_rd^2`` and ``table_r -= lr g_r / (sqrt(acc_r) + eps)``.
-  Rows not in ``ids`` are bitwise unchanged. Returns ``(table, acc)``.
+  Rows not in ``ids`` are bitwise unchanged. ``enabled`` (``bool[]``, traced): ``False`` leaves
+  every row unchanged (a skipped step without a table-wide select). Returns ``(table, acc)``, or
+  ``(table, acc, sq_norm f32[])`` with ``with_sq_norm``: the squared L2 norm of the per-row summed
+  gradient, i.e. of the dense table gradient (0 when not enabled).
   """
   V, D = table.shape
   ids = jnp.asarray(ids, jnp.int32).reshape(-1)
-  ids = jnp.where(ids >= 0, ids, V)
+  keep = ids >= 0
+  if enabled is not None:
+    keep = keep & jnp.asarray(enabled, jnp.bool_)
+  ids = jnp.where(keep, ids, V)
   g = row_grads.reshape(-1, D)
   axes = row_axes(V)
   if not axes:
     uid, g_u = _dedup_sum(ids, g, V)
-    return _apply_rows(table, acc, uid, g_u, lr, eps)
+    out = _apply_rows(table, acc, uid, g_u, lr, eps)
+    return out + (_sq_norm(g_u),) if with_sq_norm else out
   mesh = _active_mesh()
   n = math.prod(mesh.shape[a] for a in axes)
   R = V // n
@@ -198,12 +207,18 @@ def sparse_adagrad_update(table, acc, ids, row_grads, lr: float, eps: float = 1e
       rid, rg = jax.lax.cond(
           overflow, lambda _: gathered(None),
           lambda _: tuple(_pad_to(x, n * m, V) for x in exchange(None)), None)
-    rid, rg = _dedup_sum(rid, rg, V)
-    return _apply_rows(table_rd, acc_r, rid - me * R, rg, lr, eps)    # V - me R >= R: skipped
+    rid, rg = _dedup_sum(rid, rg, V)          # each row now lives on its owner exactly once
+    out = _apply_rows(table_rd, acc_r, rid - me * R, rg, lr, eps)    # V - me R >= R: skipped
+    return out + (jax.lax.psum(_sq_norm(rg), axes),)
 
-  return jax.shard_map(local, in_specs=(P(axes, None), P(axes), P(axes), P(axes, None)),
-                       out_specs=(P(axes, None), P(axes)), axis_names=set(axes))(
-                           table, acc, flat, g)
+  table, acc, sq = jax.shard_map(
+      local, in_specs=(P(axes, None), P(axes), P(axes), P(axes, None)),
+      out_specs=(P(axes, None), P(axes), P()), axis_names=set(axes))(table, acc, flat, g)
+  return (table, acc, sq) if with_sq_norm else (table, acc)
+
+
+def _sq_norm(g_kd):
+  return jnp.sum(jnp.square(g_kd.astype(jnp.float32)))
 
 
 def _pad_to(x, k, none):

@@ -79,6 +79,8 @@ def test_sharded_lookup_gradient_and_hlo():
 
 
 def np_adagrad(table, acc, ids, g, lr, eps=1e-8):
+  """Returns the updated table and accumulator, the touched rows and the squared norm of the
+  per-row summed gradient."""
   t, a = table.astype(np.float64), acc.astype(np.float64)
   sums = {}
   for i, gi in zip(ids.ravel(), g.reshape(-1, table.shape[1]), strict=True):
@@ -87,7 +89,7 @@ def np_adagrad(table, acc, ids, g, lr, eps=1e-8):
   for i, gi in sums.items():
     a[i] += np.mean(gi ** 2)
     t[i] -= lr * gi / (np.sqrt(a[i]) + eps)
-  return t, a, np.array(sorted(sums))
+  return t, a, np.array(sorted(sums)), sum(float(np.sum(gi ** 2)) for gi in sums.values())
 
 
 @pytest.mark.parametrize("mode", ["no-mesh", "exchange", "fallback", "overflow"])
@@ -95,21 +97,41 @@ def test_sparse_adagrad_touches_only_looked_up_rows(mode):
   ids = HOT if mode == "overflow" else RNG.integers(-1, V, (16, 5)).astype(np.int32)
   g = RNG.normal(size=ids.shape + (D,)).astype(np.float32)
   acc = RNG.uniform(0.1, 1.0, V).astype(np.float32)
-  want_t, want_a, touched = np_adagrad(TABLE, acc, ids, g, lr=0.1)
-  upd = jax.jit(functools.partial(E.sparse_adagrad_update, lr=0.1, force_fallback=mode == "fallback"))
+  want_t, want_a, touched, want_sq = np_adagrad(TABLE, acc, ids, g, lr=0.1)
+  upd = jax.jit(functools.partial(E.sparse_adagrad_update, lr=0.1, with_sq_norm=True,
+                                  force_fallback=mode == "fallback"))
   if mode == "no-mesh":
-    t, a = upd(jnp.asarray(TABLE), jnp.asarray(acc), ids, g)
+    t, a, sq = upd(jnp.asarray(TABLE), jnp.asarray(acc), ids, g)
   else:
     mesh, rules, table = setup()
     with partition.activate(mesh, rules):
       a0 = jax.device_put(acc, NamedSharding(mesh, P(ALL)))
       i = jax.device_put(ids, partition.batch_sharding(mesh, rules))
-      t, a = upd(table, a0, i, g)
+      t, a, sq = upd(table, a0, i, g)
       assert t.sharding.is_equivalent_to(table.sharding, 2)
   t, a = np.asarray(t), np.asarray(a)
   np.testing.assert_allclose(t, want_t, rtol=1e-5, atol=1e-6)
   np.testing.assert_allclose(a, want_a, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(float(sq), want_sq, rtol=1e-5)
   untouched = np.setdiff1d(np.arange(V), touched)
   assert len(untouched) > 0
   np.testing.assert_array_equal(t[untouched], TABLE[untouched])     # bitwise
   np.testing.assert_array_equal(a[untouched], acc[untouched])
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["no-mesh", "exchange"])
+def test_sparse_adagrad_disabled_changes_nothing(sharded):
+  """``enabled=False`` (a skipped step) leaves every row and accumulator bitwise unchanged."""
+  g = RNG.normal(size=IDS.shape + (D,)).astype(np.float32)
+  acc = RNG.uniform(0.1, 1.0, V).astype(np.float32)
+  upd = jax.jit(functools.partial(E.sparse_adagrad_update, lr=0.1, with_sq_norm=True))
+  if not sharded:
+    t, a, sq = upd(jnp.asarray(TABLE), jnp.asarray(acc), IDS, g, enabled=jnp.asarray(False))
+  else:
+    mesh, rules, table = setup()
+    with partition.activate(mesh, rules):
+      a0 = jax.device_put(acc, NamedSharding(mesh, P(ALL)))
+      t, a, sq = upd(table, a0, IDS, g, enabled=jnp.asarray(False))
+  np.testing.assert_array_equal(np.asarray(t), TABLE)
+  np.testing.assert_array_equal(np.asarray(a), acc)
+  assert float(sq) == 0.0
