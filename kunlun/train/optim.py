@@ -3,8 +3,11 @@ Adagrad on embedding tables, combined with ``optax.partition`` (spec §e.3).
 
 A parameter is an embedding table when its path contains "embedding" (the model's naming rule).
 The row-wise Adagrad keeps one accumulator per table row (the mean of the squared gradient over
-the row). It is written as a dense optax transform: rows that a step does not touch have a zero
-gradient, so their accumulator and value do not change, which is the sparse update's result.
+the row). ``make_optimizer`` writes it as a dense optax transform: rows that a step does not touch
+have a zero gradient, so their accumulator and value do not change, but every row is read and
+written each step. ``make_sparse_update`` (``config.train.sparse_embedding_update``) is the same
+update, and the same optimizer-state layout, driven by the looked-up rows' gradients: it reads and
+writes only the touched rows of each table.
 """
 
 from __future__ import annotations
@@ -62,17 +65,81 @@ def rowwise_adagrad(learning_rate: float, eps: float = 1e-8,
   return optax.GradientTransformation(init, update)
 
 
-def make_optimizer(train_cfg, total_steps: int) -> optax.GradientTransformation:
-  """AdamW + clipping on "dense" leaves, row-wise Adagrad on "emb" leaves.
-
-  Weight decay applies only to dense leaves with ndim >= 2 (not to biases and norm scales).
-  """
-  dense = optax.chain(
+def dense_optimizer(train_cfg, total_steps: int) -> optax.GradientTransformation:
+  """Global-norm clipping + AdamW with the LR schedule; weight decay only on leaves with
+  ndim >= 2 (not on biases and norm scales)."""
+  return optax.chain(
       optax.clip_by_global_norm(train_cfg.clip_norm),
       optax.adamw(lr_schedule(train_cfg, total_steps), b1=train_cfg.b1, b2=train_cfg.b2,
                   eps=1e-8, weight_decay=train_cfg.weight_decay,
                   mask=lambda p: jax.tree.map(lambda x: x.ndim >= 2, p)))
-  return optax.partition({"dense": dense, "emb": rowwise_adagrad(train_cfg.emb_lr)}, param_labels)
+
+
+def make_optimizer(train_cfg, total_steps: int) -> optax.GradientTransformation:
+  """AdamW + clipping on "dense" leaves, row-wise Adagrad on "emb" leaves."""
+  return optax.partition({"dense": dense_optimizer(train_cfg, total_steps),
+                          "emb": rowwise_adagrad(train_cfg.emb_lr)}, param_labels)
+
+
+def make_sparse_update(train_cfg, total_steps: int):
+  """The update of ``make_optimizer`` for a step that has row gradients of its embedding tables.
+
+  Returns ``update(params, opt_state, grads, rows, ok) -> (params, opt_state, table_sq_norm)``:
+    grads: ``{keystr(path): gradient}`` for every parameter that is not a looked-up table;
+    rows:  ``{keystr(path): (ids i32[...], row_grads f32[..., D])}`` for each looked-up table
+           (``kunlun.inputs.lookup``'s id record and the gradient w.r.t. the rows it returned);
+    ok:    ``bool[]``; False keeps every parameter and state leaf (tables without a table-wide
+           select: their update is switched off).
+  ``opt_state`` is ``make_optimizer(...).init(params)``'s layout, unchanged, so checkpoints and the
+  dense path are interchangeable. Dense leaves get AdamW exactly as in ``make_optimizer``; each
+  looked-up table gets ``sharding.embedding.sparse_adagrad_update`` (only rows in ``ids`` are
+  read or written; repeated ids summed first, as the dense gradient sums them); an "emb" leaf
+  that is not looked up (read some other way) falls back to the dense row-wise Adagrad.
+  ``table_sq_norm``: sum over tables of the squared norm of their (dense-equivalent) gradient.
+  """
+  from sharding.embedding import sparse_adagrad_update
+  dense_tx, emb_tx, lr = dense_optimizer(train_cfg, total_steps), rowwise_adagrad(train_cfg.emb_lr), train_cfg.emb_lr
+  is_mn = lambda x: isinstance(x, optax.MaskedNode)
+
+  def update(params, opt_state, grads, rows, ok):
+    flat, treedef = jax.tree_util.tree_flatten_with_path(params)
+    keys = [jax.tree_util.keystr(k) for k, _ in flat]
+    p = [v for _, v in flat]
+    labels = jax.tree.leaves(param_labels(params))
+    missing = [k for k in keys if k not in rows and k not in grads]
+    if missing or set(rows) - set(keys):
+      raise ValueError(f"sparse update: no gradient for {missing}; unknown tables "
+                       f"{sorted(set(rows) - set(keys))}")
+    keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
+    masked = lambda leaves, group: treedef.unflatten(
+        [x if lab == group else optax.MaskedNode() for x, lab in zip(leaves, labels)])
+    # dense group: the optax.masked(dense_tx) update of optax.partition
+    d_state = opt_state.inner_states["dense"].inner_state
+    g = [grads.get(k) for k in keys]
+    d_upd, new_d_state = dense_tx.update(masked(g, "dense"), d_state, masked(p, "dense"))
+    d_upd = jax.tree.leaves(d_upd, is_leaf=is_mn)
+    # emb group: sparse per looked-up table, dense row-wise Adagrad for the rest
+    acc = jax.tree.leaves(opt_state.inner_states["emb"].inner_state.acc, is_leaf=is_mn)
+    new_p, new_acc, sq = list(p), list(acc), jnp.zeros((), jnp.float32)
+    for i, (k, lab) in enumerate(zip(keys, labels)):
+      if lab == "dense":
+        new_p[i] = keep(optax.apply_updates(p[i], d_upd[i]), p[i])
+      elif k in rows:
+        ids, g_rows = rows[k]
+        new_p[i], new_acc[i], s = sparse_adagrad_update(p[i], acc[i], ids, g_rows, lr,
+                                                        enabled=ok, with_sq_norm=True)
+        sq = sq + s
+      else:
+        u, st = emb_tx.update(g[i], RowwiseAdagradState(acc[i]))
+        new_p[i], new_acc[i] = keep(optax.apply_updates(p[i], u), p[i]), keep(st.acc, acc[i])
+    acc_tree = jax.tree.unflatten(jax.tree.structure(opt_state.inner_states["emb"].inner_state.acc,
+                                                     is_leaf=is_mn), new_acc)
+    new_state = type(opt_state)({
+        "dense": optax.MaskedState(keep(new_d_state, d_state)),
+        "emb": optax.MaskedState(RowwiseAdagradState(acc_tree))})
+    return treedef.unflatten(new_p), new_state, sq
+
+  return update
 
 
 def opt_state_shardings(tx, params_abstract, param_shardings, mesh):

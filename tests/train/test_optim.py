@@ -72,3 +72,62 @@ def test_updates_match_numpy():
   np.testing.assert_array_equal(np.asarray(params["SparseEmbed_0"]["ad_embedding"])[[1, 3]], 1.0)
   np.testing.assert_allclose(params["Dense_0"]["kernel"], ker, rtol=1e-5, atol=1e-7)
   np.testing.assert_allclose(params["Dense_0"]["bias"], bias, rtol=1e-5, atol=1e-7)
+
+
+def _sparse_params():
+  return {"SparseEmbed_0": {"ad_embedding": jnp.asarray(np.random.default_rng(1).normal(size=(6, 3)),
+                                                        jnp.float32)},
+          "Pos_0": {"pos_embedding": jnp.ones((4, 3))},          # "emb" but not looked up
+          "Dense_0": {"kernel": jnp.full((2, 3), 0.5), "bias": jnp.zeros((3,))}}
+
+
+def test_sparse_update_matches_dense_optimizer_and_numpy():
+  """Row gradients + ids drive the same update as the dense table gradient (numpy scatter-add);
+  the optimizer-state layout is make_optimizer's; rows never looked up stay bitwise unchanged."""
+  cfg = _cfg()
+  tx, sparse = optim.make_optimizer(cfg, 100), optim.make_sparse_update(cfg, 100)
+  params = _sparse_params()
+  p_dense, s_dense = params, tx.init(params)
+  p_sparse, s_sparse = params, tx.init(params)
+  table0 = np.asarray(params["SparseEmbed_0"]["ad_embedding"], np.float64)
+  emb, acc = table0.copy(), np.zeros(6)
+  rng = np.random.default_rng(0)
+  tkey, pkey = "['SparseEmbed_0']['ad_embedding']", "['Pos_0']['pos_embedding']"
+  for t in range(3):
+    ids = rng.integers(-1, 4, (5, 2)).astype(np.int32)             # rows 4, 5 never looked up
+    ids[0] = [2, 2]                                                # a repeated id
+    g_rows = rng.normal(size=(5, 2, 3)).astype(np.float32)
+    g_table = np.zeros((6, 3), np.float32)
+    for i, g in zip(ids.ravel(), g_rows.reshape(-1, 3)):
+      if i >= 0:
+        g_table[i] += g
+    g_other = {"['Dense_0']['kernel']": rng.normal(size=(2, 3)), "['Dense_0']['bias']": rng.normal(size=3),
+               pkey: rng.normal(size=(4, 3))}
+    g_other = {k: jnp.asarray(v, jnp.float32) for k, v in g_other.items()}
+    grads = {"SparseEmbed_0": {"ad_embedding": jnp.asarray(g_table)},
+             "Pos_0": {"pos_embedding": g_other[pkey]},
+             "Dense_0": {"kernel": g_other["['Dense_0']['kernel']"], "bias": g_other["['Dense_0']['bias']"]}}
+    upd, s_dense = tx.update(grads, s_dense, p_dense)
+    p_dense = jax.tree.map(lambda p, u: p + u, p_dense, upd)
+    p_sparse, s_sparse, sq = jax.jit(sparse)(p_sparse, s_sparse, g_other, {tkey: (ids, g_rows)},
+                                             jnp.asarray(True))
+    np.testing.assert_allclose(float(sq), float(np.sum(g_table.astype(np.float64) ** 2)), rtol=1e-5)
+    touched = np.unique(ids[ids >= 0])
+    acc[touched] += (g_table[touched].astype(np.float64) ** 2).mean(1)
+    emb[touched] -= 0.05 * g_table[touched] / (np.sqrt(acc[touched])[:, None] + 1e-8)
+  assert jax.tree.structure(s_sparse) == jax.tree.structure(s_dense)
+  for a, b in zip(jax.tree.leaves(p_sparse) + jax.tree.leaves(s_sparse),
+                  jax.tree.leaves(p_dense) + jax.tree.leaves(s_dense), strict=True):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+  table = np.asarray(p_sparse["SparseEmbed_0"]["ad_embedding"])
+  np.testing.assert_allclose(table, emb, rtol=1e-5, atol=1e-6)
+  np.testing.assert_array_equal(table[4:], np.asarray(params["SparseEmbed_0"]["ad_embedding"])[4:])
+  acc_tree = s_sparse.inner_states["emb"].inner_state.acc
+  np.testing.assert_allclose(np.asarray(acc_tree["SparseEmbed_0"]["ad_embedding"]), acc, rtol=1e-5)
+
+  # ok = False: every parameter and state leaf bitwise unchanged
+  p2, s2, _ = jax.jit(sparse)(p_sparse, s_sparse, g_other, {tkey: (ids, g_rows)}, jnp.asarray(False))
+  for a, b in zip(jax.tree.leaves((p2, s2)), jax.tree.leaves((p_sparse, s_sparse)), strict=True):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  with pytest.raises(ValueError, match="no gradient"):
+    sparse(p_sparse, s_sparse, {}, {tkey: (ids, g_rows)}, jnp.asarray(True))
