@@ -78,8 +78,12 @@ def encode(arrays: dict[str, np.ndarray]) -> bytes:
   return b"".join(head + [a.tobytes() for _, a in arrs])
 
 
-def decode(data: bytes) -> dict[str, np.ndarray]:
-  """Inverse of ``encode``; malformed bytes raise ``RecordFormatError``."""
+def parse_header(data: bytes) -> tuple[list[tuple[str, np.dtype, tuple, int]], int]:
+  """Header of a record: ``([(name, dtype, shape, dims_offset), ...], header_len)``.
+
+  ``dims_offset`` is the byte offset of the field's u32 dims inside the header (batch decoding
+  reads per-record sizes there). Malformed bytes raise ``RecordFormatError``.
+  """
   try:
     if data[:2] != b"KR" or data[2] != _VERSION:
       raise RecordFormatError("bad magic or version")
@@ -91,24 +95,30 @@ def decode(data: bytes) -> dict[str, np.ndarray]:
       pos += 1 + ln
       code, ndim = data[pos], data[pos + 1]
       shape = _UNPACK[ndim](data, pos + 2) if ndim else ()
-      pos += 2 + 4 * ndim
       dt = _DTYPES.get(code)
       if dt is None:
         raise RecordFormatError(f"field {name!r}: unknown dtype code {code}")
-      fields.append((name, dt, shape))
-    out = {}
-    for name, dt, shape in fields:
-      count = math.prod(shape)
-      end = pos + dt.itemsize * count
-      if end > len(data):
-        raise RecordFormatError(f"field {name!r}: truncated payload")
-      out[name] = np.frombuffer(data, dt, count, pos).reshape(shape)
-      pos = end
-    if pos != len(data):
-      raise RecordFormatError(f"{len(data) - pos} trailing bytes")
-    return out
+      fields.append((name, dt, shape, pos + 2))
+      pos += 2 + 4 * ndim
+    return fields, pos
   except (IndexError, struct.error, UnicodeDecodeError, KeyError) as e:
     raise RecordFormatError(f"unreadable record bytes: {e}") from e
+
+
+def decode(data: bytes) -> dict[str, np.ndarray]:
+  """Inverse of ``encode``; malformed bytes raise ``RecordFormatError``."""
+  fields, pos = parse_header(data)
+  out = {}
+  for name, dt, shape, _ in fields:
+    count = math.prod(shape)
+    end = pos + dt.itemsize * count
+    if end > len(data):
+      raise RecordFormatError(f"field {name!r}: truncated payload")
+    out[name] = np.frombuffer(data, dt, count, pos).reshape(shape)
+    pos = end
+  if pos != len(data):
+    raise RecordFormatError(f"{len(data) - pos} trailing bytes")
+  return out
 
 
 def encode_columns(fixed: dict[str, np.ndarray],
@@ -241,7 +251,8 @@ def split_files(data_dir: str, split: str, schema: Schema) -> dict[str, list[tup
 
 
 class RecordSource:
-  """Random-access source over ArrayRecord files: ``src[i] -> (file_id, local_index, bytes)``.
+  """Random-access source over ArrayRecord files: ``src[i] -> (file_id, local_index, bytes)``;
+  ``src.read_many(indices)`` reads a batch (one ``read`` call per file).
 
   Picklable (readers open lazily per process), so it works under ``mp_prefetch``.
   """
@@ -249,25 +260,45 @@ class RecordSource:
   def __init__(self, files: list[tuple[str, int]]):
     self.paths = [p for p, _ in files]
     self.starts = np.cumsum([0] + [c for _, c in files]).tolist()
-    self._src = None
+    self._readers = None
 
   def __len__(self):
     return self.starts[-1]
 
   def __getstate__(self):
-    return {"paths": self.paths, "starts": self.starts, "_src": None}
+    return {"paths": self.paths, "starts": self.starts, "_readers": None}
 
   def locate(self, i: int) -> tuple[int, int]:
     f = bisect.bisect_right(self.starts, i) - 1
     return f, i - self.starts[f]
 
+  def _reader(self, f: int):
+    if self._readers is None:
+      self._readers = [None] * len(self.paths)
+    if self._readers[f] is None:   # a racing second open is harmless (reads are positional)
+      from array_record.python import array_record_module
+      self._readers[f] = array_record_module.ArrayRecordReader(
+          self.paths[f], options="readahead_buffer_size:0", file_reader_buffer_size=4096)
+    return self._readers[f]
+
   def __getitem__(self, i: int):
-    if self._src is None:
-      import grain
-      self._src = grain.sources.ArrayRecordDataSource(self.paths)
     i = int(i)
     f, j = self.locate(i)
-    return f, j, self._src[i]
+    return f, j, self._reader(f).read([j])[0]
+
+  def read_many(self, indices) -> tuple[np.ndarray, np.ndarray, list[bytes]]:
+    """Global record indices i64[N] -> ``(file_id i64[N], local_index i64[N], [bytes] * N)``."""
+    idx = np.asarray(indices, np.int64)
+    if len(idx) and (idx.min() < 0 or idx.max() >= len(self)):
+      raise IndexError(f"record index out of [0, {len(self)})")
+    f = np.searchsorted(np.asarray(self.starts), idx, side="right") - 1
+    local = idx - np.asarray(self.starts)[f]
+    out: list[bytes] = [b""] * len(idx)
+    for fid in np.unique(f).tolist():
+      rows = np.flatnonzero(f == fid)
+      for r, raw in zip(rows.tolist(), self._reader(fid).read(local[rows].tolist()), strict=True):
+        out[r] = raw
+    return f, local, out
 
 
 def read_split(data_dir: str, split: str, schema: Schema | None = None):

@@ -172,3 +172,237 @@ def validate_record(rec, schema: Schema, *, file: str, index: int,
                     surface: int | None = None) -> dict:
   """One-off validation (the pipeline keeps one ``Validator`` per schema)."""
   return Validator(schema)(rec, file=file, index=index, surface=surface)
+
+
+class BatchValidator:
+  """Vectorised decode + validation of a batch of raw records into padded columns.
+
+  ``BatchValidator(schema, seq_lens)(raws, surface_i32[N], where) -> (cols, ok bool[N], errors)``
+
+  Records written by one writer share a header layout up to the per-record sizes (number of ids,
+  number of events). The first structurally valid header of the batch is the template; every
+  record whose header bytes equal it (sizes aside) and whose length matches is decoded with numpy
+  gathers over the concatenated batch and checked with the same rules as ``Validator``, all
+  records at once. Every other record, and every record failing a vectorised check, goes through
+  the per-record ``Validator``: it either raises (the exact kind / field / message; ``errors``
+  collects ``(row, InvalidRecordError)``) or is valid with another layout and is filled in row by
+  row. So a record is accepted only if it passes checks at least as strict as ``Validator``'s.
+
+  ``surface[i]``: the surface of record i's file (-1: unchecked). ``where(i) -> (file, index)``
+  names record i in error messages. ``cols`` (N rows): ``dense``, ``surface``, ``labels``,
+  ``label_mask``, ``true_prob``, ``user_id``, ``ad_id``, ``request_ts`` as in ``record_spec``;
+  ``sparse/<f>`` i64[N, max_len] raw ids, -1 padded; ``events/<s>`` i32[N, T, C] the most recent
+  ``T = seq_lens[s]`` events oldest first, 0 padded, ``length/<s>`` i32[N]. Invalid rows hold
+  zeros / -1.
+  """
+
+  FIXED = ("dense", "surface", "labels", "label_mask", "true_prob", "user_id", "ad_id",
+           "request_ts")
+
+  def __init__(self, schema: Schema, seq_lens: dict[str, int]):
+    self.schema, self.seq_lens = schema, dict(seq_lens)
+    self.validator = Validator(schema)
+    self.spec = self.validator.spec
+    self.ragged = {k for k, (_, shp) in self.spec.items() if None in shp}
+    K, S = len(schema.tasks), len(schema.surfaces)
+    self.S = S
+    self.always = np.array(self.validator.always, np.int64)
+    self.K = K
+
+  # ---- output buffers ---------------------------------------------------------------------
+  def empty(self, n: int) -> dict[str, np.ndarray]:
+    cols = {k: np.zeros((n,) + shp, dt) for k, (dt, shp) in self.spec.items()
+            if k not in self.ragged}
+    for f in self.schema.sparse:
+      cols[f"sparse/{f.name}"] = np.full((n, f.max_len), -1, np.int64)
+    for s in self.schema.streams:
+      if s.name in self.seq_lens:
+        C = len(self.validator.cols[s.name])
+        cols[f"events/{s.name}"] = np.zeros((n, self.seq_lens[s.name], C), np.int32)
+        cols[f"length/{s.name}"] = np.zeros(n, np.int32)
+    return cols
+
+  def fill_row(self, cols: dict, i: int, rec: dict) -> None:
+    """Writes one validated record dict into row ``i``."""
+    for k in self.FIXED:
+      cols[k][i] = rec[k]
+    for f in self.schema.sparse:
+      ids = rec[f"sparse/{f.name}"]
+      cols[f"sparse/{f.name}"][i, :len(ids)] = ids
+    for s, T in self.seq_lens.items():
+      ev = rec[f"events/{s}"][-T:]
+      cols[f"events/{s}"][i, :len(ev)] = ev
+      cols[f"length/{s}"][i] = len(ev)
+
+  # ---- template ---------------------------------------------------------------------------
+  def _template(self, raw: bytes):
+    """Header layout of ``raw`` if structurally valid for the schema, else None."""
+    try:
+      fields, H = records.parse_header(raw)
+    except records.RecordFormatError:
+      return None
+    names = [f[0] for f in fields]
+    if sorted(names) != sorted(self.spec) or len(set(names)) != len(names):
+      return None
+    for name, dt, shape, _ in fields:
+      want_dt, want = self.spec[name]
+      if dt != want_dt or len(shape) != len(want):
+        return None
+      if any(w is not None and w != d for w, d in zip(want, shape, strict=True)):
+        return None
+    return fields, H, raw[:H]
+
+  # ---- batch ------------------------------------------------------------------------------
+  def __call__(self, raws: list[bytes], surface: np.ndarray, where):
+    n = len(raws)
+    cols = self.empty(n)
+    ok = np.zeros(n, bool)
+    if n:
+      tmpl = None
+      for raw in raws[:4]:
+        tmpl = self._template(raw)
+        if tmpl is not None:
+          break
+      if tmpl is not None:
+        ok = self._fast(raws, np.asarray(surface, np.int64), tmpl, cols)
+    errors = []
+    for i in np.flatnonzero(~ok).tolist():
+      file, index = where(i)
+      try:
+        rec = self.validator(raws[i], file=file, index=index,
+                             surface=None if surface[i] < 0 else int(surface[i]))
+      except InvalidRecordError as e:
+        errors.append((i, e))
+        continue
+      self.fill_row(cols, i, rec)
+      ok[i] = True
+    return cols, ok, errors
+
+  def _fast(self, raws, surface, tmpl, cols) -> np.ndarray:
+    fields, H, head = tmpl
+    n = len(raws)
+    lens = np.fromiter(map(len, raws), np.int64, n)
+    p0 = -H % 4                               # every payload starts 4-byte aligned in ``buf``
+    tails = (-(p0 + lens)) % 4
+    pads = (b"", b"\0", b"\0\0", b"\0\0\0")
+    pre = pads[p0]
+    buf = b"".join([x for r, t in zip(raws, tails.tolist()) for x in (pre, r, pads[t])])
+    slot = p0 + lens + tails
+    starts = np.cumsum(slot) - slot
+    u8 = np.frombuffer(buf, np.uint8)
+    i32 = np.frombuffer(buf, np.int32)
+    lim = len(i32)
+    hdr_idx = np.minimum((starts + p0)[:, None] + np.arange(H), len(u8) - 1)
+    hdr = u8[hdr_idx]
+    static = np.ones(H, bool)
+    for name, _, _, off in fields:
+      if name in self.ragged:
+        static[off:off + 4] = False           # the first (variable) dim
+    tmpl_u8 = np.frombuffer(head, np.uint8)
+    ok = (lens >= H) & ((hdr == tmpl_u8) | ~static).all(1)
+    # per-field sizes in 4-byte words and offsets into i32
+    words = []
+    dims = {}
+    for name, dt, shape, off in fields:
+      per_row = dt.itemsize * math.prod(shape[1:]) // 4 if name in self.ragged else None
+      if name in self.ragged:
+        b = hdr[:, off:off + 4].astype(np.int64)
+        d = b[:, 0] | b[:, 1] << 8 | b[:, 2] << 16 | b[:, 3] << 24
+        dims[name] = d
+        words.append(d * per_row)
+      else:
+        words.append(np.full(n, dt.itemsize * math.prod(shape) // 4, np.int64))
+    total = H + 4 * np.sum(words, axis=0)
+    ok &= lens == total
+    # size limits (records outside them are re-checked row by row; no gathers past a record)
+    for f in self.schema.sparse:
+      ok &= dims[f"sparse/{f.name}"] <= f.max_len
+    for s in self.schema.streams:
+      ok &= dims[f"events/{s.name}"] <= s.max_len
+    base = (starts + p0 + H) // 4
+    offs = {}
+    acc = base.copy()
+    for (name, *_), w in zip(fields, words, strict=True):
+      offs[name] = acc
+      acc = acc + np.where(ok, w, 0)
+    for name in dims:
+      dims[name] = np.where(ok, dims[name], 0)
+    rows = np.flatnonzero(ok)
+    if not len(rows):
+      return ok
+    m = len(rows)
+
+    def fixed(name):
+      dt, shape = self.spec[name]
+      nw = math.prod(shape)
+      v = i32[offs[name][rows][:, None] + np.arange(nw)]
+      return v.view(dt).reshape((m,) + shape)
+
+    fx = {k: fixed(k) for k in self.FIXED}
+    good = np.isfinite(fx["dense"]).all(1)
+    surf = fx["surface"]
+    good &= (surf >= 0) & (surf < self.S)
+    exp = surface[rows]
+    good &= (exp < 0) | (surf == exp)
+    good &= fx["request_ts"] >= 0
+    for k in ("labels", "label_mask"):
+      good &= ((fx[k] == 0) | (fx[k] == 1)).all(1)
+    if len(self.always):
+      good &= (fx["label_mask"][:, self.always] == 1).all(1)
+    tp = fx["true_prob"]
+    good &= ~((tp < 0) | (tp > 1)).any(1)
+
+    sparse = {}
+    for f in self.schema.sparse:
+      name = f"sparse/{f.name}"
+      L = dims[name][rows]
+      j = np.arange(f.max_len)
+      valid = j[None, :] < L[:, None]
+      w = offs[name][rows][:, None] + 2 * np.minimum(j, np.maximum(L - 1, 0)[:, None])
+      w = np.minimum(w, lim - 1)                      # empty rows read (masked) words in range
+      lo = i32[w].astype(np.int64) & 0xFFFFFFFF
+      ids = (i32[w + 1].astype(np.int64) << 32) | lo
+      bad = valid & ((ids < 0) | (False if f.hashed else ids >= f.vocab_size))
+      good &= ~bad.any(1)
+      sparse[name] = np.where(valid, ids, -1)
+
+    events = {}
+    req = fx["request_ts"].astype(np.int64)
+    for s in self.schema.streams:
+      name = f"events/{s.name}"
+      C = len(self.validator.cols[s.name])
+      L = dims[name][rows]
+      E = int(L.sum())
+      if E:
+        seg = np.repeat(np.arange(m), L)
+        k = np.arange(E) - np.repeat(np.cumsum(L) - L, L)
+        w = np.repeat(offs[name][rows], L) + k * C
+        ev = i32[w[:, None] + np.arange(C)]
+        bad_row = ((ev < 0) | (ev >= self.validator.ev_hi[s.name])).any(1)
+        ts = ev[:, 3].astype(np.int64)
+        bad_row |= ts > req[seg]
+        order = np.zeros(E, bool)
+        order[1:] = (ts[1:] < ts[:-1]) & (seg[1:] == seg[:-1])
+        bad_row |= order
+        good &= np.bincount(seg, bad_row, minlength=m) == 0
+      if s.name in self.seq_lens:
+        T = self.seq_lens[s.name]
+        kept = np.minimum(L, T)
+        kk = np.arange(T)
+        valid = kk[None, :] < kept[:, None]
+        src = np.where(valid, (L - kept)[:, None] + kk[None, :], 0)
+        w = np.minimum(offs[name][rows][:, None] + src * C, lim - C)
+        ev = i32[w[:, :, None] + np.arange(C)]
+        events[s.name] = (np.where(valid[:, :, None], ev, 0), kept)
+
+    keep = rows[good]
+    for k, v in fx.items():
+      cols[k][keep] = v[good]
+    for k, v in sparse.items():
+      cols[k][keep] = v[good]
+    for s, (ev, kept) in events.items():
+      cols[f"events/{s}"][keep] = ev[good]
+      cols[f"length/{s}"][keep] = kept[good]
+    out = np.zeros(n, bool)
+    out[keep] = True
+    return out

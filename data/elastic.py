@@ -1,0 +1,322 @@
+"""Batch iterators whose state does not depend on the number of data-loading processes.
+
+The training stream is defined globally, independent of ``shard_count``::
+
+    global position p = 0, 1, 2, ...      (one example each; global step t = positions
+                                           [t * G, (t + 1) * G), G = global batch size)
+    surface(p)  = weighted choice by hash(seed, p) over the surfaces with weight > 0
+    i(p)        = number of earlier positions of the same surface (per-surface counter)
+    record(p)   = epoch-e permutation of surface(p)'s records at i(p) % N_s, e = i(p) // N_s
+    process k of K reads positions [t * G + k * B, t * G + (k + 1) * B), B = G / K
+
+The iterator state is ``{"position": p, "consumed": {surface: i}}`` plus bookkeeping, the same
+in every process, so a checkpoint written with K processes restores with any K' (and any global
+batch size): the examples after the restore are exactly the ones an uninterrupted run would have
+produced from that position on (elastic bound: 0 repeated, 0 skipped examples). Surface weights
+may change on resume (the counters carry over). Invalid records (``skip_invalid``) keep their row
+with ``example_mask`` 0, so every process always yields full batches at fixed positions.
+
+Eval (``EvalPlan``): local row j of process k is global record ``k + j * K``; finite.
+
+``BatchIterDataset`` supports ``mp_prefetch``: worker w of W produces the steps ``w, w + W, ...``
+(it follows the cheap mixing plan of every step and loads only its own). The per-iterator state
+also carries the skipped-record counts of the batches it produced (``invalid``), so the parent of
+``mp_prefetch`` workers can add them up from its state (``data.pipeline.invalid_counts``).
+``CheckpointSave`` / ``CheckpointRestore`` (orbax args) restore a state written under another
+process count: a process without its own file reads process 0's.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import copy
+import dataclasses
+import json
+
+import grain
+import numpy as np
+from absl import logging
+
+_MASK = (1 << 64) - 1
+
+
+def mix64(x: np.ndarray) -> np.ndarray:
+  """splitmix64 finaliser of a uint64 array (vectorised; array arithmetic wraps mod 2**64)."""
+  x = np.atleast_1d(np.asarray(x, np.uint64))
+  x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+  x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+  return x ^ (x >> np.uint64(31))
+
+
+def _mix_int(x: int) -> int:
+  x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+  x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK
+  return x ^ (x >> 31)
+
+
+def _key(*parts: int) -> int:
+  """A 64-bit key derived from integers (Python ints)."""
+  h = 0x243F6A8885A308D3
+  for p in parts:
+    h = _mix_int(h ^ (int(p) & _MASK))
+  return h
+
+
+def permute(i: np.ndarray, n: int, key: int, rounds: int = 4) -> np.ndarray:
+  """A keyed bijection of ``[0, n)`` applied to ``i`` (vectorised Feistel + cycle walking).
+
+  O(1) memory: no permutation table, so it scales to billions of records per surface.
+  """
+  i = np.asarray(i, np.int64)
+  if n <= 1:
+    return np.zeros_like(i)
+  h = max(1, (int(n - 1).bit_length() + 1) // 2)   # domain 4**h >= n (< 4n: <= 4 walks on avg)
+  mask = np.uint64((1 << h) - 1)
+  keys = [np.uint64(_key(key, r)) for r in range(rounds)]
+
+  def once(x):
+    left, right = x >> np.uint64(h), x & mask
+    for k in keys:
+      left, right = right, left ^ (mix64(right + k) & mask)
+    return (left << np.uint64(h)) | right
+
+  x = once(i.astype(np.uint64))
+  out_of_range = x >= np.uint64(n)
+  while out_of_range.any():
+    x[out_of_range] = once(x[out_of_range])
+    out_of_range = x >= np.uint64(n)
+  return x.astype(np.int64)
+
+
+def uniform(seed: int, positions: np.ndarray) -> np.ndarray:
+  """f64 in [0, 1) per global position (counter-based, stateless)."""
+  h = mix64(np.asarray(positions, np.uint64) ^ np.uint64(_key(seed, 0x5EED)))
+  return (h >> np.uint64(11)).astype(np.float64) * 2.0**-53
+
+
+# ---- plans: state -> (local rows, next state) --------------------------------------------------
+
+@dataclasses.dataclass
+class Rows:
+  """Local rows of one step: ``source`` i64[B] (-1 = padding) and record index i64[B]."""
+  source: np.ndarray
+  index: np.ndarray
+
+
+class TrainPlan:
+  """Global weighted mixing over per-surface shuffled, repeated record streams (module doc)."""
+
+  def __init__(self, sizes: dict[str, int], weights: dict[str, float], seed: int,
+               global_batch: int, shard_index: int, shard_count: int):
+    self.names = list(sizes)                      # all surfaces of the schema, in order
+    self.sizes = np.array([sizes[s] for s in self.names], np.int64)
+    w = np.array([max(float(weights.get(s, 0.0)), 0.0) for s in self.names])
+    self.active = np.flatnonzero(w > 0)
+    self.cum = np.cumsum(w[self.active]) / w[self.active].sum()
+    self.seed, self.G = int(seed), int(global_batch)
+    self.k, self.K = int(shard_index), int(shard_count)
+    self.B = self.G // self.K
+
+  def initial_state(self) -> dict:
+    return {"position": 0, "consumed": {s: 0 for s in self.names}}
+
+  def step(self, state: dict, rows: bool = True):
+    p0 = int(state["position"])
+    u = uniform(self.seed, np.arange(p0, p0 + self.G, dtype=np.uint64))
+    pick = self.active[np.minimum(np.searchsorted(self.cum, u, side="right"),
+                                  len(self.active) - 1)]
+    consumed = dict(state["consumed"])
+    within = np.empty(self.G, np.int64)
+    for s in np.unique(pick).tolist():
+      sel = pick == s
+      name = self.names[s]
+      within[sel] = consumed.get(name, 0) + np.arange(int(sel.sum()))
+      consumed[name] = consumed.get(name, 0) + int(sel.sum())
+    nxt = {"position": p0 + self.G, "consumed": consumed}
+    if not rows:
+      return None, nxt
+    lo = self.k * self.B
+    src, i = pick[lo:lo + self.B], within[lo:lo + self.B]
+    n = self.sizes[src]
+    epoch, r = i // n, i % n
+    index = np.empty(self.B, np.int64)
+    for s in np.unique(src).tolist():
+      for e in np.unique(epoch[src == s]).tolist():
+        sel = (src == s) & (epoch == e)
+        index[sel] = permute(r[sel], int(self.sizes[s]), _key(self.seed, s, e))
+    return Rows(src.astype(np.int64), index), nxt
+
+
+class EvalPlan:
+  """Every record once, in order; local row j of process k = record ``k + j * K`` (or pad)."""
+
+  def __init__(self, size: int, batch: int, shard_index: int, shard_count: int):
+    self.n, self.B, self.k, self.K = int(size), int(batch), int(shard_index), int(shard_count)
+    rows = -(-self.n // self.K)                 # rows of the largest process
+    self.num_batches = -(-rows // self.B)
+
+  def initial_state(self) -> dict:
+    return {"step": 0}
+
+  def step(self, state: dict, rows: bool = True):
+    t = int(state["step"])
+    if t >= self.num_batches:
+      return None, None
+    nxt = {"step": t + 1}
+    if not rows:
+      return None, nxt
+    g = self.k + (t * self.B + np.arange(self.B, dtype=np.int64)) * self.K
+    real = g < self.n
+    return Rows(np.where(real, 0, -1), np.where(real, g, 0)), nxt
+
+
+# ---- dataset / iterator -------------------------------------------------------------------------
+
+class BatchIterDataset(grain.IterDataset):
+  """``plan`` decides the rows of every step, ``load(rows) -> (batch, invalid_counts)`` builds
+  the batch. Threads: ``num_threads`` loaders, up to ``prefetch`` batches in flight."""
+
+  def __init__(self, plan, load, *, num_threads: int = 2, prefetch: int = 4,
+               shard_index: int = 0, shard_count: int = 1):
+    super().__init__()
+    self.plan, self.load = plan, load
+    self.num_threads, self.prefetch = max(int(num_threads), 1), max(int(prefetch), 0)
+    self.shard = (int(shard_index), int(shard_count))
+    self.stride, self.offset = 1, 0
+
+  def set_slice(self, sl: slice, sequential_slice: bool = False) -> None:
+    """``mp_prefetch`` worker slice: steps ``start, start + step, ...``."""
+    del sequential_slice
+    self.offset, self.stride = sl.start or 0, sl.step or 1
+
+  def __iter__(self):
+    return BatchIterator(self)
+
+  def __str__(self):
+    return f"BatchIterDataset({type(self.plan).__name__}, stride={self.stride})"
+
+
+class BatchIterator(grain.DatasetIterator):
+  """State: the plan's state at the next step to produce (global: same in every process), the
+  skipped-record counts of the batches produced so far and the shard it was written by."""
+
+  def __init__(self, ds: BatchIterDataset):
+    super().__init__()
+    self.ds = ds
+    self._pool = None
+    self._inflight = collections.deque()          # (future, plan state after that step)
+    self._invalid: dict[str, int] = {}
+    st = ds.plan.initial_state()
+    for _ in range(ds.offset):
+      st = ds.plan.step(st, rows=False)[1]
+      if st is None:
+        break
+    self._next = st                                 # plan state of the next step to produce
+    self._sched = st                                # plan state of the next step to schedule
+
+  # -- scheduling --
+  def _schedule_one(self) -> bool:
+    if self._sched is None:
+      return False
+    rows, nxt = self.ds.plan.step(self._sched)
+    if rows is None:
+      self._sched = None
+      return False
+    for _ in range(self.ds.stride - 1):           # other mp_prefetch workers' steps: plan only
+      if nxt is None:
+        break
+      nxt = self.ds.plan.step(nxt, rows=False)[1]
+    if self.ds.prefetch:
+      if self._pool is None:
+        self._pool = concurrent.futures.ThreadPoolExecutor(self.ds.num_threads)
+      fut = self._pool.submit(self.ds.load, rows)
+    else:
+      fut = concurrent.futures.Future()
+      fut.set_result(self.ds.load(rows))
+    self._inflight.append((fut, nxt))
+    self._sched = nxt
+    return True
+
+  def __next__(self):
+    self._assert_not_closed()
+    while len(self._inflight) < max(self.ds.prefetch, 1) and self._schedule_one():
+      pass
+    if not self._inflight:
+      raise StopIteration
+    fut, nxt = self._inflight.popleft()
+    batch, invalid = fut.result()
+    for k, v in invalid.items():
+      self._invalid[k] = self._invalid.get(k, 0) + int(v)
+    self._next = nxt
+    return batch
+
+  # -- state --
+  def get_state(self) -> dict:
+    k, K = self.ds.shard
+    return {"plan": copy.deepcopy(self._next), "invalid": dict(self._invalid),
+            "shard_index": k, "shard_count": K, "exhausted": int(self._next is None)}
+
+  def set_state(self, state: dict) -> None:
+    self._cancel()
+    k, K = self.ds.shard
+    same_shard = (state.get("shard_index"), state.get("shard_count")) == (k, K)
+    if not same_shard:
+      logging.info("data iterator: elastic restore from shard %s/%s to %d/%d (skip counts "
+                   "restart at 0)", state.get("shard_index"), state.get("shard_count"), k, K)
+    self._invalid = dict(state.get("invalid", {})) if same_shard else {}
+    plan_state = None if state.get("exhausted") else copy.deepcopy(state["plan"])
+    self._next = self._sched = plan_state
+
+  def _cancel(self):
+    for fut, _ in self._inflight:
+      fut.cancel()
+    self._inflight.clear()
+
+  def close(self) -> None:
+    if self._closed:
+      return
+    self._cancel()
+    if self._pool is not None:
+      self._pool.shutdown(wait=False, cancel_futures=True)
+    super().close()
+
+  def __del__(self):
+    if self._pool is not None:
+      self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+# ---- orbax: restore a state written under another process count --------------------------------
+
+class ElasticCheckpointHandler(grain.checkpoint.CheckpointHandler):
+  """grain's handler (one ``process_<i>-of-<n>.json`` per process); a restore that finds no file
+  for this process reads process 0's of the saved process count (the plan state is global)."""
+
+  def restore(self, directory, item=None, args=None):
+    item = item or args.item
+    from grain._src.core import sharding
+    i, n = sharding.get_process_index_and_count()
+    own = directory / f"process_{i}-of-{n}.json"
+    if own.exists():
+      return super().restore(directory, item=item)
+    files = sorted(directory.glob("process_0-of-*.json"))
+    if not files:
+      raise ValueError(f"no data iterator state (process_*-of-*.json) in {directory}")
+    item.set_state(json.loads(files[0].read_text()))
+    return item
+
+
+try:
+  import orbax.checkpoint as ocp
+
+  @ocp.args.register_with_handler(ElasticCheckpointHandler, for_save=True)
+  @dataclasses.dataclass
+  class CheckpointSave(ocp.args.CheckpointArgs):
+    item: object
+
+  @ocp.args.register_with_handler(ElasticCheckpointHandler, for_restore=True)
+  @dataclasses.dataclass
+  class CheckpointRestore(ocp.args.CheckpointArgs):
+    item: object
+except ImportError:  # orbax is optional for the data pipeline
+  pass
