@@ -281,10 +281,6 @@ class BatchIterator(grain.DatasetIterator):
       self._pool.shutdown(wait=False, cancel_futures=True)
     super().close()
 
-  def __del__(self):
-    if self._pool is not None:
-      self._pool.shutdown(wait=False, cancel_futures=True)
-
 
 # ---- orbax: restore a state written under another process count --------------------------------
 

@@ -1,5 +1,6 @@
 """Orbax checkpoints: one composite per step of params, optimizer state, meta (step, RNG) and the
-grain iterator state, saved asynchronously, keeping the last K (jax_stack_notes §8).
+grain iterator state (``data.elastic`` handler: restores under another process count), saved
+asynchronously, keeping the last K (jax_stack_notes §8).
 
 Restores take abstract targets (``jax.ShapeDtypeStruct`` with shardings), so a checkpoint written
 under one mesh restores onto another. ``restore_params`` reads the params item only (eval).
@@ -9,10 +10,11 @@ from __future__ import annotations
 
 import os
 
-import grain
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+
+from data import elastic
 
 ITEMS = ("params", "opt_state", "meta", "data_iter")
 
@@ -52,7 +54,7 @@ class Checkpointer:
     meta = {"step": int(step), "rng": np.asarray(jax.random.key_data(rng)).tolist()}
     self.mngr.save(step, args=ocp.args.Composite(
         params=ocp.args.StandardSave(params), opt_state=ocp.args.StandardSave(opt_state),
-        meta=ocp.args.JsonSave(meta), data_iter=grain.checkpoint.CheckpointSave(data_iter)),
+        meta=ocp.args.JsonSave(meta), data_iter=elastic.CheckpointSave(data_iter)),
         force=True)
 
   def _check_step(self, step: int | None, items) -> int:
@@ -83,7 +85,7 @@ class Checkpointer:
     r = self._restore(step, params=ocp.args.StandardRestore(abstract_params),
                       opt_state=ocp.args.StandardRestore(abstract_opt_state),
                       meta=ocp.args.JsonRestore(),
-                      data_iter=grain.checkpoint.CheckpointRestore(data_iter))
+                      data_iter=elastic.CheckpointRestore(data_iter))
     rng = jax.random.wrap_key_data(np.asarray(r.meta["rng"], np.uint32))
     return int(r.meta["step"]), r.params, r.opt_state, rng
 
