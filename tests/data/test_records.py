@@ -108,3 +108,31 @@ def test_split_files_errors(tmp_path):
   records.DatasetWriter(str(tmp_path), schema).close(("train",))
   with pytest.raises(ValueError, match="unknown split 'test'"):
     records.split_files(str(tmp_path), "test", schema)
+
+
+def test_record_source_read_many_matches_getitem(tmp_path):
+  schema = tiny_schema()
+  rng = np.random.default_rng(4)
+  w = records.DatasetWriter(str(tmp_path), schema, records_per_shard=4)
+  w.write("train", "feed", [records.encode(_example(schema, rng, 0)) for _ in range(11)])
+  w.close(("train",))
+  files = records.split_files(str(tmp_path), "train", schema)["feed"]
+  src = records.RecordSource(files)
+  idx = rng.integers(0, 11, 20)
+  f, local, raws = src.read_many(idx)
+  for i, fi, li, raw in zip(idx.tolist(), f.tolist(), local.tolist(), raws, strict=True):
+    assert src[i] == (fi, li, raw)
+    assert sum(c for _, c in files[:fi]) + li == i
+  with pytest.raises(IndexError):
+    src.read_many([11])
+
+
+def test_parse_header_dims_offsets():
+  a = {"x": np.zeros((3, 2), np.float32), "y": np.int32(1), "z": np.zeros(5, np.int64)}
+  raw = records.encode(a)
+  fields, H = records.parse_header(raw)
+  assert [(n, d, s) for n, d, s, _ in fields] == [("x", np.float32, (3, 2)), ("y", np.int32, ()),
+                                                  ("z", np.int64, (5,))]
+  assert H == len(raw) - (24 + 4 + 40)
+  for _, _, shape, off in fields:
+    assert list(np.frombuffer(raw, "<u4", len(shape), off)) == list(shape)

@@ -7,7 +7,7 @@ import pytest
 from data import records
 from data.fake import tiny_schema
 from data.pipeline import make_dataset
-from data.validate import InvalidRecordError, Validator
+from data.validate import BatchValidator, InvalidRecordError, Validator
 from tests.data.test_records import _example
 
 SCHEMA = tiny_schema()
@@ -112,3 +112,39 @@ def test_pipeline_skip_invalid_counts(tmp_path):
   assert ds.invalid_counter.counts == want
   assert ds.invalid_counter.total == len(CASES)
   assert "skipped 15 invalid records" in ds.invalid_counter.report()
+
+
+def test_batch_validator_matches_per_record_validator():
+  """Good records (one with another field order) and every bad kind, shuffled into one batch:
+  the same errors as ``Validator`` row by row, good rows decoded, padded and truncated."""
+  rng = np.random.default_rng(5)
+  good = [_example(SCHEMA, rng, 0) for _ in range(12)]
+  good[3] = dict(reversed(list(good[3].items())))                # another header layout
+  for s in ("click", "impression"):
+    good[5][f"events/{s}"] = good[5][f"events/{s}"][:0]          # no events
+  raws = [(None, None, records.encode(r)) for r in good] + [_bad(n) for n in CASES]
+  order = rng.permutation(len(raws))
+  raws = [raws[i] for i in order]
+  lens = {"click": 3, "impression": 2}
+  cols, ok, errors = BatchValidator(SCHEMA, lens)(
+      [r for _, _, r in raws], np.zeros(len(raws), np.int64), lambda i: ("f.ar", 100 + i))
+  got_err = {i: (e.kind, e.field, e.index) for i, e in errors}
+  for i, (kind, field, raw) in enumerate(raws):
+    if kind is None:
+      assert ok[i] and i not in got_err
+      r = good[order[i]]
+      for k in ("dense", "labels", "label_mask", "true_prob", "surface", "user_id", "ad_id",
+                "request_ts"):
+        np.testing.assert_array_equal(cols[k][i], r[k])
+      for f in SCHEMA.sparse:
+        ids = r[f"sparse/{f.name}"].tolist()
+        assert cols[f"sparse/{f.name}"][i].tolist() == ids + [-1] * (f.max_len - len(ids))
+      for s, T in lens.items():
+        ev = r[f"events/{s}"]
+        kept = ev[max(0, len(ev) - T):]
+        assert cols[f"length/{s}"][i] == len(kept)
+        want = np.zeros((T, ev.shape[1]), np.int32)
+        want[:len(kept)] = kept
+        np.testing.assert_array_equal(cols[f"events/{s}"][i], want)
+    else:
+      assert not ok[i] and got_err[i] == (kind, field, 100 + i), (i, kind)
