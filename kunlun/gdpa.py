@@ -22,7 +22,8 @@ def gdpa(q, k, v, *, backend: str = "xla", seq: str = "q", **kw):
 
   Keyword arguments are those of ``pallas_kernels.gdpa``: ``activation`` (name or per-head tuple),
   ``scale`` (default ``1/sqrt(D)``), ``out_scale``, ``q_lengths``, ``kv_lengths``, ``window``,
-  ``broadcast_q``, ``interpret``.
+  ``broadcast_q``, ``interpret``, ``score_clip`` (clamp scores to ``[-c, c]`` before the
+  activation, spec h-13; None or 0 = off).
   """
   with jax.named_scope("GDPA"):
     if backend == "xla" or kw.get("interpret") or not context.is_sharded(q if seq == "q" else k):
@@ -31,5 +32,6 @@ def gdpa(q, k, v, *, backend: str = "xla", seq: str = "q", **kw):
     if window is not None:           # banded self-attention: halo exchange between shards
       return context.swa_attention(q, k, v, kw["q_lengths"], window,
                                    activation=kw.get("activation", "fast_gelu"),
-                                   out_scale=kw.get("out_scale", 1.0))
+                                   out_scale=kw.get("out_scale", 1.0),
+                                   score_clip=kw.get("score_clip"))
     return context.gdpa(q, k, v, shard=seq, backend=backend, **kw)

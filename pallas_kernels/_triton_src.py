@@ -2,7 +2,8 @@
 
 Imports ``triton`` at module level: only ``triton_gdpa.kernels()`` imports this module, lazily.
 Layout ``[B, T, H, D]`` contiguous; program ids: (tile, batch * heads). ``ACT`` codes follow
-``triton_gdpa.ACT_CODES``; ``WINDOW = -1`` means no window; ``QB`` = broadcast q.
+``triton_gdpa.ACT_CODES``; ``WINDOW = -1`` means no window; ``QB`` = broadcast q; ``CLIP = 0.0``
+means no score clip.
 """
 # ruff: noqa: E741
 
@@ -52,6 +53,21 @@ def slope_fn(s, ACT: tl.constexpr):
   return g
 
 @triton.jit
+def clip_fn(s, CLIP: tl.constexpr):
+  """Scores clamped to [-CLIP, CLIP]; CLIP = 0.0 means no clipping."""
+  if CLIP > 0.0:
+    s = tl.minimum(tl.maximum(s, -CLIP), CLIP)
+  return s
+
+@triton.jit
+def clip_slope_fn(s, CLIP: tl.constexpr, ACT: tl.constexpr):
+  """act'(clip(s)) * clip'(s): zero where the raw score s lies outside [-CLIP, CLIP]."""
+  g = slope_fn(clip_fn(s, CLIP), ACT)
+  if CLIP > 0.0:
+    g = tl.where((s >= -CLIP) & (s <= CLIP), g, 0.0)
+  return g
+
+@triton.jit
 def span(start, TILE: tl.constexpr, OTHER: tl.constexpr, other_len, WINDOW: tl.constexpr):
   """[lo, hi) element range (multiples of OTHER) of the other axis visible from the tile."""
   if WINDOW >= 0:
@@ -75,7 +91,7 @@ def mask_fn(rows, cols, q_len, kv_len, WINDOW: tl.constexpr):
 def fwd_kernel(Q, K, V, QL, KL, O, TQ: tl.constexpr, TK: tl.constexpr, H: tl.constexpr,
                D: tl.constexpr, BQ: tl.constexpr, BK: tl.constexpr, ACT: tl.constexpr,
                WINDOW: tl.constexpr, QB: tl.constexpr, SCALE: tl.constexpr,
-               OUT_SCALE: tl.constexpr, PREC: tl.constexpr):
+               OUT_SCALE: tl.constexpr, CLIP: tl.constexpr, PREC: tl.constexpr):
   i, bh = tl.program_id(0), tl.program_id(1)
   b, h = bh // H, bh % H
   q_len, kv_len = tl.load(QL + b), tl.load(KL + b)
@@ -95,7 +111,7 @@ def fwd_kernel(Q, K, V, QL, KL, O, TQ: tl.constexpr, TK: tl.constexpr, H: tl.con
     k = tl.load(K + kv_off, mask=kmask, other=0.0)
     v = tl.load(V + kv_off, mask=kmask, other=0.0)
     s = tl.dot(q, tl.trans(k), input_precision=PREC) * SCALE
-    p = tl.where(mask_fn(rows, cols, q_len, kv_len, WINDOW), act_fn(s, ACT), 0.0)
+    p = tl.where(mask_fn(rows, cols, q_len, kv_len, WINDOW), act_fn(clip_fn(s, CLIP), ACT), 0.0)
     acc += tl.dot(p.to(v.dtype), v, input_precision=PREC)
   tl.store(O + ((b * TQ + rows[:, None]) * H + h) * D + d[None, :],
            (acc * OUT_SCALE).to(O.dtype.element_ty), mask=(rows < TQ)[:, None])
@@ -104,7 +120,7 @@ def fwd_kernel(Q, K, V, QL, KL, O, TQ: tl.constexpr, TK: tl.constexpr, H: tl.con
 def dq_kernel(Q, K, V, DO, QL, KL, DQ, TQ: tl.constexpr, TK: tl.constexpr, H: tl.constexpr,
               D: tl.constexpr, BQ: tl.constexpr, BK: tl.constexpr, ACT: tl.constexpr,
               WINDOW: tl.constexpr, QB: tl.constexpr, SCALE: tl.constexpr,
-              OUT_SCALE: tl.constexpr, PREC: tl.constexpr):
+              OUT_SCALE: tl.constexpr, CLIP: tl.constexpr, PREC: tl.constexpr):
   i, bh = tl.program_id(0), tl.program_id(1)
   b, h = bh // H, bh % H
   q_len, kv_len = tl.load(QL + b), tl.load(KL + b)
@@ -126,7 +142,8 @@ def dq_kernel(Q, K, V, DO, QL, KL, DQ, TQ: tl.constexpr, TK: tl.constexpr, H: tl
     v = tl.load(V + kv_off, mask=kmask, other=0.0)
     s = tl.dot(q, tl.trans(k), input_precision=PREC) * SCALE
     dp = tl.dot(do, tl.trans(v), input_precision=PREC) * OUT_SCALE
-    ds = tl.where(mask_fn(rows, cols, q_len, kv_len, WINDOW), dp * slope_fn(s, ACT), 0.0)
+    ds = tl.where(mask_fn(rows, cols, q_len, kv_len, WINDOW), dp * clip_slope_fn(s, CLIP, ACT),
+                  0.0)
     dq += tl.dot((ds * SCALE).to(k.dtype), k, input_precision=PREC)
   tl.store(DQ + ((b * TQ + rows[:, None]) * H + h) * D + d[None, :],
            dq.to(DQ.dtype.element_ty), mask=(rows < TQ)[:, None])
@@ -135,7 +152,7 @@ def dq_kernel(Q, K, V, DO, QL, KL, DQ, TQ: tl.constexpr, TK: tl.constexpr, H: tl
 def dkv_kernel(Q, K, V, DO, QL, KL, DK, DV, TQ: tl.constexpr, TK: tl.constexpr,
                H: tl.constexpr, D: tl.constexpr, BQ: tl.constexpr, BK: tl.constexpr,
                ACT: tl.constexpr, WINDOW: tl.constexpr, QB: tl.constexpr, SCALE: tl.constexpr,
-               OUT_SCALE: tl.constexpr, PREC: tl.constexpr):
+               OUT_SCALE: tl.constexpr, CLIP: tl.constexpr, PREC: tl.constexpr):
   j, bh = tl.program_id(0), tl.program_id(1)
   b, h = bh // H, bh % H
   q_len, kv_len = tl.load(QL + b), tl.load(KL + b)
@@ -159,10 +176,10 @@ def dkv_kernel(Q, K, V, DO, QL, KL, DK, DV, TQ: tl.constexpr, TK: tl.constexpr,
                  other=0.0)
     s = tl.dot(q, tl.trans(k), input_precision=PREC) * SCALE
     m = mask_fn(rows, cols, q_len, kv_len, WINDOW)
-    p = tl.where(m, act_fn(s, ACT), 0.0) * OUT_SCALE
+    p = tl.where(m, act_fn(clip_fn(s, CLIP), ACT), 0.0) * OUT_SCALE
     dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PREC)
     dp = tl.dot(do, tl.trans(v), input_precision=PREC) * OUT_SCALE
-    ds = tl.where(m, dp * slope_fn(s, ACT), 0.0) * SCALE
+    ds = tl.where(m, dp * clip_slope_fn(s, CLIP, ACT), 0.0) * SCALE
     dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PREC)
   out_off = ((b * TK + cols[:, None]) * H + h) * D + d[None, :]
   tl.store(DK + out_off, dk.to(DK.dtype.element_ty), mask=(cols < TK)[:, None])

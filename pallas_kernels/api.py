@@ -44,8 +44,11 @@ def _interpret(backend: str, interpret: bool) -> bool:
 
 def gdpa(q, k, v, *, activation="fast_gelu", scale=None, out_scale=1.0, q_lengths=None,
          kv_lengths=None, window=None, broadcast_q=False, backend="auto", interpret=False,
-         **tuning):
+         score_clip=None, **tuning):
   """See ``pallas_kernels.reference.gdpa_reference`` for the exact semantics.
+
+  ``score_clip``: clamp ``scale * q.k`` to ``[-score_clip, score_clip]`` before the activation
+  (spec h-13; zero gradient where clamped); None or 0 = off. Every backend implements it.
 
   ``tuning``: backend-only options passed through (pallas: ``block_q``, ``block_k``,
   ``block_q_bwd``, ``block_k_bwd``, ``num_warps``, ``num_stages``, ``fp8``; triton: ``block_q``,
@@ -54,7 +57,7 @@ def gdpa(q, k, v, *, activation="fast_gelu", scale=None, out_scale=1.0, q_length
   fn = _resolve(_GDPA, backend, "gdpa")
   return fn(q, k, v, activation=activation, scale=scale, out_scale=out_scale,
             q_lengths=q_lengths, kv_lengths=kv_lengths, window=window, broadcast_q=broadcast_q,
-            interpret=_interpret(backend, interpret), **tuning)
+            interpret=_interpret(backend, interpret), score_clip=score_clip, **tuning)
 
 
 def block_attention(q, k, v, *, block_size=64, activation="softmax", lengths=None, rotary=None,

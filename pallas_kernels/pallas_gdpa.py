@@ -5,6 +5,9 @@ hold a visible key (lengths and window bound the loop, so fully masked tiles are
 Backward (``jax.custom_vjp``, no softmax state; scores are recomputed): a dq kernel with the same
 grid and loop, and a dk/dv kernel with grid ``(B, H, Tk / bk)`` walking the q tiles.
 
+``score_clip`` clamps ``scale * q.k`` to ``[-c, c]`` before the activation in every kernel; the
+backward kernels zero the score gradient where the raw score lies outside (spec h-13).
+
 Numerics: dots accumulate in float32 (``plgpu.dot``); ``act(s)`` is cast to the value dtype before
 the second dot (bf16 inputs -> bf16 P, as flash attention does). Padded or masked rows are zeroed
 on load, so NaN/Inf stored beyond the lengths never reaches a valid output or gradient.
@@ -26,7 +29,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import _poison, activations
-from pallas_kernels.reference import check_gdpa_args
+from pallas_kernels.reference import check_gdpa_args, score_clip_value
 
 _F32 = jnp.float32
 _E4M3_MAX = 448.0
@@ -46,6 +49,7 @@ class _Cfg(NamedTuple):
   interpret: bool
   num_warps: int | None = None
   num_stages: int | None = None
+  score_clip: float | None = None   # clamp scores to [-c, c] before the activation; None: off
 
   def params(self):
     return plgpu.CompilerParams(num_warps=self.num_warps, num_stages=self.num_stages)
@@ -80,6 +84,16 @@ def _zero_rows(x, valid):
   return jnp.where(valid[:, None], x, jnp.zeros_like(x))
 
 
+def _clip(s, c):
+  """Scores clamped to ``[-c, c]`` (min/max: lowers to Triton; no ``lax.clamp`` rule needed)."""
+  return s if c is None else jnp.minimum(jnp.maximum(s, -c), c)
+
+
+def _clip_slope(slope, s, c):
+  """Zero derivative where the raw score ``s`` lies outside ``[-c, c]`` (as ``jnp.clip``)."""
+  return slope if c is None else jnp.where(jnp.abs(s) <= c, slope, 0.0)
+
+
 # ----------------------------------------------------------------------------- kernels
 
 
@@ -97,7 +111,7 @@ def _fwd_kernel(ql_ref, kl_ref, q_ref, k_ref, v_ref, o_ref, *, cfg: _Cfg, nk: in
     k = _zero_rows(k_ref[pl.ds(j * bk, bk), :], cols < kv_len)
     v = _zero_rows(v_ref[pl.ds(j * bk, bk), :], cols < kv_len)
     s = plgpu.dot(q, k, trans_b=True, precision=_precision(q.dtype)) * cfg.scale
-    p = activations.in_kernel(s, cfg.acts, h)
+    p = activations.in_kernel(_clip(s, cfg.score_clip), cfg.acts, h)
     p = jnp.where(_mask(rows, cols, q_len, kv_len, cfg.window), p, 0.0)
     return acc + plgpu.dot(p.astype(v.dtype), v, precision=_precision(v.dtype))
 
@@ -121,7 +135,8 @@ def _dq_kernel(ql_ref, kl_ref, q_ref, k_ref, v_ref, do_ref, dq_ref, *, cfg: _Cfg
     k = _zero_rows(k_ref[pl.ds(j * bk, bk), :], cols < kv_len)
     v = _zero_rows(v_ref[pl.ds(j * bk, bk), :], cols < kv_len)
     s = plgpu.dot(q, k, trans_b=True, precision=prec) * cfg.scale
-    _, slope = activations.in_kernel(s, cfg.acts, h, with_slope=True)
+    _, slope = activations.in_kernel(_clip(s, cfg.score_clip), cfg.acts, h, with_slope=True)
+    slope = _clip_slope(slope, s, cfg.score_clip)
     dp = plgpu.dot(do, v, trans_b=True, precision=prec) * cfg.out_scale
     ds = jnp.where(_mask(rows, cols, q_len, kv_len, cfg.window), dp * slope, 0.0) * cfg.scale
     return dq + plgpu.dot(ds.astype(k.dtype), k, precision=prec)
@@ -148,7 +163,8 @@ def _dkv_kernel(ql_ref, kl_ref, q_ref, k_ref, v_ref, do_ref, dk_ref, dv_ref, *, 
     q = _zero_rows(q_ref[pl.ds(i * bq, bq), :], rows < q_len)
     do = _zero_rows(do_ref[pl.ds(i * bq, bq), :], rows < q_len)
     s = plgpu.dot(q, k, trans_b=True, precision=prec) * cfg.scale
-    p, slope = activations.in_kernel(s, cfg.acts, h, with_slope=True)
+    p, slope = activations.in_kernel(_clip(s, cfg.score_clip), cfg.acts, h, with_slope=True)
+    slope = _clip_slope(slope, s, cfg.score_clip)
     m = _mask(rows, cols, q_len, kv_len, cfg.window)
     p = jnp.where(m, p, 0.0) * cfg.out_scale
     dv = dv + plgpu.dot(p.astype(do.dtype), do, trans_a=True, precision=prec)
@@ -262,8 +278,8 @@ def _quantise(x):
 
 def gdpa_pallas(q, k, v, *, activation="fast_gelu", scale=None, out_scale=1.0, q_lengths=None,
                 kv_lengths=None, window=None, broadcast_q=False, backend="pallas",
-                interpret=False, block_q=64, block_k=64, block_q_bwd=32, block_k_bwd=32,
-                num_warps=None, num_stages=None, fp8=False):
+                interpret=False, score_clip=None, block_q=64, block_k=64, block_q_bwd=32,
+                block_k_bwd=32, num_warps=None, num_stages=None, fp8=False):
   """Pallas GDPA; same semantics as ``reference.gdpa_reference`` (see there for shapes).
 
   Extra args: ``block_*`` tile sizes (powers of two; clipped to the sequence lengths),
@@ -284,7 +300,7 @@ def gdpa_pallas(q, k, v, *, activation="fast_gelu", scale=None, out_scale=1.0, q
   scale = D ** -0.5 if scale is None else float(scale)
   cfg = _Cfg(activations.per_head(activation, H), scale, float(out_scale),
              None if window is None else int(window), bool(broadcast_q), bq, bk, bq_b, bk_b,
-             bool(interpret), num_warps, num_stages)
+             bool(interpret), num_warps, num_stages, score_clip_value(score_clip))
   qp, kp, vp = _pad_seq(q, tq_pad), _pad_seq(k, tk_pad), _pad_seq(v, tk_pad)
   if fp8:  # zero the rows beyond the lengths first so they cannot set (or NaN) the amax
     qv = jnp.arange(tq_pad)[None, :] < (q_len[:, None] if not broadcast_q else Tq)
@@ -319,7 +335,7 @@ def _fp8_forward(cfg, q8, k8, v8, qk_scale, v_scale, q_len, kv_len):
       v = _zero_rows(v, cols < kv_len_)
       s = plgpu.dot(q, k, trans_b=True) * s_qk
       m = _mask(rows, cols, q_len_, kv_len_, cfg.window)
-      p = jnp.where(m, activations.in_kernel(s, cfg.acts, h), 0.0)
+      p = jnp.where(m, activations.in_kernel(_clip(s, cfg.score_clip), cfg.acts, h), 0.0)
       return acc + plgpu.dot(p.astype(jnp.bfloat16), v)
 
     acc = lax.fori_loop(lo, hi, body, jnp.zeros((cfg.bq, D), _F32))

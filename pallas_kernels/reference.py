@@ -53,9 +53,26 @@ def check_gdpa_args(q, k, v, broadcast_q):
     raise ValueError(f"q {q.shape} and k {k.shape} must agree on heads and head_dim")
 
 
+def score_clip_value(score_clip) -> float | None:
+  """Normalises the ``score_clip`` argument: None or 0 -> None (off), else a positive float."""
+  if score_clip is None:
+    return None
+  c = float(score_clip)
+  if not c >= 0:
+    raise ValueError(f"score_clip must be None or a number >= 0 (0 = off), got {score_clip!r}")
+  return c or None
+
+
+def clip_scores(s, score_clip):
+  """``s`` clamped to ``[-score_clip, score_clip]`` (identity when off); zero gradient outside."""
+  c = score_clip_value(score_clip)
+  return s if c is None else jnp.clip(s, -c, c)
+
+
 def gdpa_reference(q, k, v, *, activation="fast_gelu", scale=None, out_scale=1.0, q_lengths=None,
-                   kv_lengths=None, window=None, broadcast_q=False, backend="xla", interpret=False):
-  """Generalized dot-product attention: ``o_i = out_scale * sum_j act(scale <q_i, k_j>) v_j``.
+                   kv_lengths=None, window=None, broadcast_q=False, backend="xla", interpret=False,
+                   score_clip=None):
+  """Generalized dot-product attention: ``o_i = out_scale * sum_j act(clip(scale <q_i, k_j>)) v_j``.
 
   Args:
     q: ``[B, Tq, H, D]`` (``[1, Tq, H, D]`` with ``broadcast_q``).
@@ -66,6 +83,8 @@ def gdpa_reference(q, k, v, *, activation="fast_gelu", scale=None, out_scale=1.0
     q_lengths, kv_lengths: ``i32[B]``; rows at or beyond ``q_lengths[b]`` output zeros and keys
       at or beyond ``kv_lengths[b]`` contribute nothing.
     window: keep only ``|i - j| <= window``.
+    score_clip: clamp the scaled scores to ``[-score_clip, score_clip]`` before the activation
+      (spec h-13); None or 0: no clipping. The gradient is zero where a score is clamped.
   Returns:
     ``[B, Tq, H, D]`` in ``q.dtype``.
   """
@@ -80,7 +99,7 @@ def gdpa_reference(q, k, v, *, activation="fast_gelu", scale=None, out_scale=1.0
   if not broadcast_q:
     q = _zero_invalid(q, q_lengths)
   s = jnp.einsum("bqhd,bkhd->bhqk", q.astype(_F32), k.astype(_F32)) * scale   # [B|1, H, Tq, Tk]
-  p = apply_per_head(s, acts, head_axis=1)
+  p = apply_per_head(clip_scores(s, score_clip), acts, head_axis=1)
   m = gdpa_mask(B, Tq, Tk, q_lengths, kv_lengths, window)[:, None]
   p = jnp.where(m, p, 0.0)
   o = jnp.einsum("bhqk,bkhd->bqhd", jnp.broadcast_to(p, (B, H, Tq, Tk)), v.astype(_F32))

@@ -6,9 +6,11 @@ maths mirrors the Pallas kernels (``pallas_gdpa.py``), which are tested in inter
 
 ``jax_triton`` and ``triton`` are imported lazily on the first call, never at module import.
 Layout ``[B, T, H, D]`` contiguous; ``D`` must be a power of two. No padding is needed: loads are
-masked by the lengths and stores by the sequence bounds. Per-head activation tuples run one launch
-per distinct activation on the matching heads. Backward: a dq kernel (grid over q tiles) and a
-dk/dv kernel (grid over kv tiles) that recompute the scores; no softmax state.
+masked by the lengths and stores by the sequence bounds. ``score_clip`` is the ``CLIP`` constexpr
+(0.0: off): scores are clamped before the activation and the score gradient is zeroed outside.
+Per-head activation tuples run one launch per distinct activation on the matching heads.
+Backward: a dq kernel (grid over q tiles) and a dk/dv kernel (grid over kv tiles) that recompute
+the scores; no softmax state.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import activations
-from pallas_kernels.reference import check_gdpa_args
+from pallas_kernels.reference import check_gdpa_args, score_clip_value
 
 ACT_CODES = {"identity": 0, "gelu": 1, "fast_gelu": 2, "silu": 3, "relu": 4, "relu2": 5}
 
@@ -61,6 +63,7 @@ class _Cfg(NamedTuple):
   bk: int
   num_warps: int
   num_stages: int
+  clip: float = 0.0  # score clip c > 0, or 0.0: none
 
 
 def _call(jt, kernel, args, out_shapes, grid, cfg: _Cfg, q, k):
@@ -72,7 +75,7 @@ def _call(jt, kernel, args, out_shapes, grid, cfg: _Cfg, q, k):
   return jt.triton_call(
       *args, kernel=kernel, grid=grid, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
       TQ=q.shape[1], TK=TK, H=H, D=D, BQ=cfg.bq, BK=cfg.bk, ACT=cfg.act, WINDOW=cfg.window,
-      QB=int(cfg.broadcast_q), SCALE=cfg.scale, OUT_SCALE=cfg.out_scale, PREC=prec,
+      QB=int(cfg.broadcast_q), SCALE=cfg.scale, OUT_SCALE=cfg.out_scale, CLIP=cfg.clip, PREC=prec,
       **{out_kw: out_shapes})
 
 
@@ -116,7 +119,8 @@ _gdpa.defvjp(_gdpa_fwd, _gdpa_bwd)
 
 def gdpa_triton(q, k, v, *, activation="fast_gelu", scale=None, out_scale=1.0, q_lengths=None,
                 kv_lengths=None, window=None, broadcast_q=False, backend="triton",
-                interpret=False, block_q=64, block_k=64, num_warps=4, num_stages=2):
+                interpret=False, score_clip=None, block_q=64, block_k=64, num_warps=4,
+                num_stages=2):
   """Triton GDPA (GPU only, untested); semantics of ``reference.gdpa_reference``."""
   del backend
   if interpret:
@@ -133,7 +137,7 @@ def gdpa_triton(q, k, v, *, activation="fast_gelu", scale=None, out_scale=1.0, q
   tile = lambda n, b: min(b, max(16, 1 << (max(n, 1) - 1).bit_length()))
   base = _Cfg(0, D ** -0.5 if scale is None else float(scale), float(out_scale),
               -1 if window is None else int(window), bool(broadcast_q), tile(TQ, block_q),
-              tile(TK, block_k), num_warps, num_stages)
+              tile(TK, block_k), num_warps, num_stages, score_clip_value(score_clip) or 0.0)
   if len(set(acts)) == 1:
     return _gdpa(base._replace(act=ACT_CODES[acts[0]]), q, k, v, ql, kl)
   out = jnp.zeros((B, TQ, H, D), q.dtype)

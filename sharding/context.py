@@ -28,7 +28,7 @@ from jax.sharding import PartitionSpec as P
 
 import pallas_kernels
 from pallas_kernels.activations import apply_per_head, per_head
-from pallas_kernels.reference import apply_rotary
+from pallas_kernels.reference import apply_rotary, clip_scores
 from sharding.partition import fit_spec
 
 F32 = jnp.float32
@@ -69,8 +69,9 @@ def _ctx_index(cax):
   return (jax.lax.axis_index(cax), math.prod(jax.lax.axis_size(a) for a in cax)) if cax else (0, 1)
 
 
-def _weights(s, mask, activation, out_scale, head_axis):
-  """Softmax over the last axis (masked), or ``act(s) * out_scale`` masked."""
+def _weights(s, mask, activation, out_scale, head_axis, score_clip=None):
+  """Softmax over the last axis (masked), or ``act(clip(s)) * out_scale`` masked (``score_clip``
+  clamps the scores of GDPA activations only; softmax is never clipped)."""
   if activation == "softmax":
     s = jnp.where(mask, s, -jnp.inf)
     mx = jnp.max(s, axis=-1, keepdims=True)
@@ -78,12 +79,14 @@ def _weights(s, mask, activation, out_scale, head_axis):
     den = jnp.sum(e, axis=-1, keepdims=True)
     return e / jnp.where(den > 0, den, 1.0)
   acts = per_head(activation, s.shape[head_axis])
-  return jnp.where(mask, apply_per_head(s, acts, head_axis=head_axis), 0.0) * out_scale
+  p = apply_per_head(clip_scores(s, score_clip), acts, head_axis=head_axis)
+  return jnp.where(mask, p, 0.0) * out_scale
 
 
 # ---- sliding-window attention ---------------------------------------------------------------
 
-def _swa_local(q, k, v, lengths, *, window, total, c, n, cax, activation, out_scale):
+def _swa_local(q, k, v, lengths, *, window, total, c, n, cax, activation, out_scale,
+               score_clip=None):
   """One shard: ``q, k, v [b, Tl, H, D]`` at offset ``c * Tl`` of a ``total``-long sequence."""
   b, Tl, H, D = q.shape
   W = window
@@ -111,28 +114,30 @@ def _swa_local(q, k, v, lengths, *, window, total, c, n, cax, activation, out_sc
   kvalid = kval[None, :, None, :] & (kpos[None, :, None, :] < lengths[:, None, None, None])
   mask = band[None] & kvalid
   s = jnp.einsum("bnqhd,bnkhd->bnhqk", qc.astype(F32), kc.astype(F32)) * D ** -0.5
-  p = _weights(s, mask[:, :, None], activation, out_scale, head_axis=2)
+  p = _weights(s, mask[:, :, None], activation, out_scale, head_axis=2, score_clip=score_clip)
   o = jnp.einsum("bnhqk,bnkhd->bnqhd", p, vc.astype(F32)).reshape(b, Tl, H, D)
   rows = (start + jnp.arange(Tl))[None, :] < lengths[:, None]
   return jnp.where(rows[..., None, None], o, 0.0).astype(q.dtype)
 
 
 def swa_attention(q, k, v, lengths, window: int, *, activation="softmax", out_scale=None,
-                  rotary=None):
+                  rotary=None, score_clip=None):
   """Bidirectional sliding-window attention ``|i - j| <= window`` over valid keys.
 
   ``q, k, v [B, T, H, D]``; ``lengths i32[B]``; ``activation`` "softmax" (scale 1/sqrt(D)) or a
   GDPA activation (``act(q.k / sqrt(D)) * out_scale``, default ``out_scale = 1 / min(T, 2W+1)``);
   ``rotary (cos, sin)`` as in ``pallas_kernels.reference.apply_rotary``. With ``seq`` sharded over
   ``n`` shards of ``T / n >= window`` rows, each shard exchanges ``window`` halo rows of k and v
-  with each neighbour. Returns ``[B, T, H, D]``; rows at or beyond ``lengths`` are zero.
+  with each neighbour. ``score_clip``: clamp GDPA scores to ``[-c, c]`` before the activation
+  (ignored for softmax). Returns ``[B, T, H, D]``; rows at or beyond ``lengths`` are zero.
   """
   B, T, H, D = q.shape
   if out_scale is None:
     out_scale = 1.0 / min(T, 2 * window + 1)
   if rotary is not None:
     q, k = apply_rotary(q, rotary), apply_rotary(k, rotary)
-  kw = dict(window=window, total=T, activation=activation, out_scale=out_scale)
+  kw = dict(window=window, total=T, activation=activation, out_scale=out_scale,
+            score_clip=None if activation == "softmax" else score_clip)
   plan = _plan(q)
   if plan is None:
     return _swa_local(q, k, v, lengths, c=0, n=1, cax=(), **kw)
@@ -190,7 +195,7 @@ def block_attention(q, k, v, lengths, *, block_size=64, activation="softmax", ro
 # ---- GDPA with the sequence sharded ------------------------------------------------------------
 
 def gdpa(q, k, v, *, shard="q", activation="fast_gelu", scale=None, out_scale=1.0,
-         q_lengths=None, kv_lengths=None, broadcast_q=False, backend="xla"):
+         q_lengths=None, kv_lengths=None, broadcast_q=False, backend="xla", score_clip=None):
   """``pallas_kernels.gdpa`` with the sequence axis of ``q`` (``shard="q"``) or of ``k, v``
   (``shard="kv"``) split over the context shards.
 
@@ -198,12 +203,13 @@ def gdpa(q, k, v, *, shard="q", activation="fast_gelu", scale=None, out_scale=1.
   with per-shard ``q_lengths``; no communication. ``shard="kv"`` (HSP): ``k, v [B, T, H, D]``
   sharded on T, ``q [B|1, N, H, D]`` whole; each shard computes the partial sum over its keys
   (per-shard ``kv_lengths``) and a ``psum`` over the context axes adds them. Pointwise
-  activations only (a softmax would need a log-sum-exp combine).
+  activations only (a softmax would need a log-sum-exp combine). ``score_clip`` as in
+  ``pallas_kernels.gdpa`` (pointwise, so it commutes with the sharding).
   """
   if shard not in ("q", "kv"):
     raise ValueError(f"gdpa: shard={shard!r}; allowed: 'q', 'kv'")
   kw = dict(activation=activation, scale=scale, out_scale=out_scale, broadcast_q=broadcast_q,
-            backend=backend)
+            backend=backend, score_clip=score_clip)
   seq_x = q if shard == "q" else k
   plan = _plan(seq_x)
   if plan is None:

@@ -23,7 +23,7 @@ def _acts(activation, heads):
 
 
 def gdpa_loop(q, k, v, activation="fast_gelu", scale=None, out_scale=1.0, q_lengths=None,
-              kv_lengths=None, window=None, broadcast_q=False):
+              kv_lengths=None, window=None, broadcast_q=False, score_clip=None):
   q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
   B, Tk, H, D = k.shape
   Tq = q.shape[1]
@@ -40,6 +40,8 @@ def gdpa_loop(q, k, v, activation="fast_gelu", scale=None, out_scale=1.0, q_leng
         if not js:
           continue
         s = np.array([qb[i, h] @ k[b, j, h] for j in js]) * scale
+        if score_clip:
+          s = np.minimum(np.maximum(s, -score_clip), score_clip)
         p = NP_ACTS[acts[h]](s)
         out[b, i, h] = out_scale * sum(p[n] * v[b, j, h] for n, j in enumerate(js))
   return out

@@ -209,3 +209,73 @@ def test_backend_dispatch_errors():
   # On CPU "auto" is the XLA reference.
   np.testing.assert_array_equal(pallas_kernels.gdpa(q, k, v, backend="auto"),
                                 reference.gdpa_reference(q, k, v))
+
+
+# ---- score_clip (spec h-13): s = scale q.k clamped to [-c, c] before the activation -----------
+
+CLIP = 1.5
+CLIP_KW = dict(activation=("gelu", "silu"), scale=1.0, score_clip=CLIP, window=20,
+               q_lengths=np.array([37, 25]), kv_lengths=np.array([29, 18]))
+
+
+def test_score_clip_forward_and_gradients():
+  """Scores well beyond the clip (scale 1: s ~ N(0, D)): forward against the reference and the
+  numpy loop, gradients against jax.grad of the reference (jnp.clip)."""
+  q, k, v = _qkv(seed=5)
+  s = np.einsum("bqhd,bkhd->bhqk", np.asarray(q), np.asarray(k))
+  assert 0.3 < np.mean(np.abs(s) > CLIP) < 0.9
+  out = _check_forward(CLIP_KW, q, k, v)
+  unclipped = gdpa_loop(q, k, v, **{**CLIP_KW, "score_clip": None})
+  assert np.abs(np.asarray(out) - unclipped).max() > 0.1   # the clip is active
+  got = _grads(_kernel, q, k, v, CLIP_KW)
+  want = _grads(reference.gdpa_reference, q, k, v, CLIP_KW)
+  free = _grads(reference.gdpa_reference, q, k, v, {**CLIP_KW, "score_clip": None})
+  for name, g, r, f in zip("qkv", got, want, free, strict=True):
+    assert np.isfinite(np.asarray(g)).all(), name
+    np.testing.assert_allclose(g, r, atol=5e-5, rtol=1e-4, err_msg=f"d{name}")
+    assert np.abs(np.asarray(r) - np.asarray(f)).max() > 0.1, name
+
+
+def test_score_clip_gradient_zero_outside_range():
+  """Identity activation and every score above the clip c: o_i = c * out_scale * sum_j v_j does
+  not depend on q or k (zero dq, dk); dv_j = c * sum_i w_i (w: the loss weights of _grads).
+  Checks the reference's semantics; the kernels match the reference in the test above."""
+  q, k, v = _qkv(seed=7)
+  q, k = jnp.abs(q) + 0.1, jnp.abs(k) + 0.1         # every q.k >= D * 0.01, scaled by 100
+  kw = dict(activation="identity", scale=100.0, score_clip=0.5)
+  dq, dk, dv = _grads(reference.gdpa_reference, q, k, v, kw)
+  np.testing.assert_array_equal(dq, 0.0)
+  np.testing.assert_array_equal(dk, 0.0)
+  w = np.cos(np.arange(TQ * D, dtype=np.float64).reshape(TQ, 1, D))
+  want_dv = np.broadcast_to(0.5 * w.sum(0), (B, TK, H, D))
+  np.testing.assert_allclose(dv, want_dv, atol=1e-4, rtol=1e-5)
+
+
+def test_score_clip_off_is_the_same_computation():
+  """score_clip None / 0 trace to exactly the jaxpr of a call without it (forward and backward,
+  pallas and xla), so results are bitwise unchanged."""
+  q, k, v = _qkv(seed=8)
+  kw = dict(activation="gelu", kv_lengths=np.array([29, 16]))
+  for fn in (_kernel, reference.gdpa_reference):
+    loss = lambda q, k, v, fn=fn, **extra: jnp.sum(fn(q, k, v, **kw, **extra) ** 2)
+    base = str(jax.make_jaxpr(jax.grad(loss, (0, 1, 2)))(q, k, v))
+    for off in (None, 0, 0.0):
+      got = jax.make_jaxpr(jax.grad(lambda *a, off=off, loss=loss: loss(*a, score_clip=off),
+                                    (0, 1, 2)))
+      assert str(got(q, k, v)) == base, (fn, off)
+  with_clip = jax.make_jaxpr(lambda *a: _kernel(*a, score_clip=2.0, **kw))(q, k, v)
+  assert str(with_clip) != str(jax.make_jaxpr(lambda *a: _kernel(*a, **kw))(q, k, v))
+
+
+def test_score_clip_fp8_dispatch_and_errors():
+  q, k, v = _qkv(seed=9)
+  kw = dict(activation="relu2", scale=1.0, score_clip=CLIP, kv_lengths=np.array([29, 9]))
+  want = gdpa_loop(q, k, v, **kw)
+  out = pallas_kernels.gdpa(q, k, v, backend="xla", **kw)
+  np.testing.assert_allclose(out, want, atol=2e-5, rtol=1e-5)
+  out = pallas_kernels.gdpa(q, k, v, backend="pallas", interpret=True, fp8=True, **TILES, **kw)
+  err = np.linalg.norm(np.asarray(out, np.float64) - want) / np.linalg.norm(want)
+  assert err < 0.08, err
+  for backend in ("xla", "pallas"):
+    with pytest.raises(ValueError, match="score_clip"):
+      pallas_kernels.gdpa(q, k, v, backend=backend, score_clip=-1.0)

@@ -7,6 +7,7 @@ import pytest
 from jax.sharding import Mesh
 
 from pallas_kernels import reference, sharded
+from tests.pallas_kernels.np_ref import gdpa_loop
 
 B, T, H, D = 4, 20, 4, 8
 
@@ -35,12 +36,14 @@ def test_sharded_gdpa_matches_unsharded_reference(mesh):
   np.testing.assert_allclose(g, g_ref, atol=5e-5, rtol=1e-4)
 
 
-def test_sharded_gdpa_broadcast_q(mesh):
+@pytest.mark.parametrize("score_clip", [None, 0.5])
+def test_sharded_gdpa_broadcast_q(mesh, score_clip):
   q, k, v = _qkv()
-  kw = dict(activation="fast_gelu", broadcast_q=True, kv_lengths=jnp.array([20, 9, 1, 14]))
+  kw = dict(activation="fast_gelu", broadcast_q=True, kv_lengths=jnp.array([20, 9, 1, 14]),
+            score_clip=score_clip)
   out = sharded.sharded_gdpa(q[:1], k, v, mesh=mesh, batch_axes="data", head_axes="tensor",
                              interpret=True, **kw)
-  np.testing.assert_allclose(out, reference.gdpa_reference(q[:1], k, v, **kw), atol=2e-5)
+  np.testing.assert_allclose(out, gdpa_loop(q[:1], k, v, **kw), atol=2e-5)
 
 
 def test_sharded_block_attention_with_rotary(mesh):

@@ -29,6 +29,7 @@ CASES = [
     dict(activation="fast_gelu", q_lengths=np.array([100, 37]), kv_lengths=np.array([0, 70])),
     dict(activation=("silu", "relu", "gelu", "relu2"), window=9, out_scale=0.5),
     dict(activation="identity", broadcast_q=True, kv_lengths=np.array([64, 3])),
+    dict(activation=("gelu", "silu", "gelu", "relu2"), scale=0.5, score_clip=1.5, window=30),
 ]
 
 
@@ -69,9 +70,10 @@ def test_triton_kernels_compile_for_sm90():
   _, fwd, dq, dkv = triton_gdpa.kernels()
   ptr = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "QL": "*i32", "KL": "*i32", "O": "*bf16",
          "DO": "*bf16", "DQ": "*bf16", "DK": "*bf16", "DV": "*bf16"}
-  for act in (triton_gdpa.ACT_CODES["gelu"], triton_gdpa.ACT_CODES["fast_gelu"]):
+  codes = triton_gdpa.ACT_CODES
+  for act, clip in ((codes["gelu"], 0.0), (codes["fast_gelu"], 8.0)):
     consts = dict(TQ=1024, TK=128, H=4, D=128, BQ=64, BK=64, ACT=act, WINDOW=-1, QB=0,
-                  SCALE=0.088, OUT_SCALE=1.0, PREC="tf32")
+                  SCALE=0.088, OUT_SCALE=1.0, CLIP=clip, PREC="tf32")
     for fn in (fwd, dq, dkv):
       sig = {n: ptr.get(n, "constexpr") for n in fn.arg_names}
       triton.compile(ASTSource(fn, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),

@@ -38,15 +38,18 @@ BF16 = jax.ShapeDtypeStruct((2, 100, 4, 64), jnp.bfloat16)
     dict(activation=activations.NAMES[:4], window=8, q_lengths=jnp.array([3, 100])),
     dict(activation="gelu", broadcast_q=True),
     dict(activation="relu2", kv_lengths=jnp.array([0, 7])),
-], ids=["per_head_window", "broadcast_q", "relu2"])
+    dict(activation=("gelu", "silu", "gelu", "relu"), score_clip=8.0, window=8),
+], ids=["per_head_window", "broadcast_q", "relu2", "score_clip"])
 def test_gdpa_forward_and_backward_lower(sm90, kw):
   q = jax.ShapeDtypeStruct((1, 100, 4, 64), jnp.bfloat16) if kw.get("broadcast_q") else BF16
   assert _n_triton_calls(_loss(pallas_gdpa.gdpa_pallas, **kw), q, BF16, BF16) == 3  # fwd dq dkv
 
 
 def test_gdpa_fp8_and_f32_lower(sm90):
-  assert _n_triton_calls(lambda q, k, v: pallas_gdpa.gdpa_pallas(q, k, v, fp8=True),
-                         BF16, BF16, BF16) == 1
+  for clip in (None, 8.0):
+    assert _n_triton_calls(lambda q, k, v, c=clip: pallas_gdpa.gdpa_pallas(q, k, v, fp8=True,
+                                                                         score_clip=c),
+                           BF16, BF16, BF16) == 1
   f32 = jax.ShapeDtypeStruct(BF16.shape, jnp.float32)
   assert _n_triton_calls(_loss(pallas_gdpa.gdpa_pallas, activation="silu"), f32, f32, f32) == 3
 

@@ -13,6 +13,7 @@ from sharding import checks, partition
 from sharding import context as CP
 from sharding import mesh as M
 from sharding import rules as R
+from tests.pallas_kernels.np_ref import gdpa_loop
 
 B, T, H, D = 4, 32, 2, 8
 RNG = np.random.default_rng(0)
@@ -20,7 +21,7 @@ Q, K, V = (RNG.normal(size=(B, T, H, D)).astype(np.float32) for _ in range(3))
 LENGTHS = np.array([32, 17, 5, 0], np.int32)
 
 
-def np_swa(q, k, v, lengths, window, activation="softmax", out_scale=1.0):
+def np_swa(q, k, v, lengths, window, activation="softmax", out_scale=1.0, score_clip=None):
   """Dense loop reference: bidirectional |i-j| <= window over valid keys; invalid rows zero."""
   out = np.zeros_like(q, dtype=np.float64)
   for b in range(B):
@@ -33,6 +34,8 @@ def np_swa(q, k, v, lengths, window, activation="softmax", out_scale=1.0):
           p = np.exp(s - s.max())
           p /= p.sum()
         else:                                            # relu for the GDPA case
+          if score_clip:
+            s = np.clip(s, -score_clip, score_clip)
           p = np.maximum(s, 0) * out_scale
         out[b, i, h] = sum(pj * v[b, j, h] for pj, j in zip(p, js, strict=True))
   return out
@@ -129,3 +132,19 @@ def test_gdpa_key_sharded_psum():
                   k, v)
   np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=1e-5, atol=1e-6)
   assert {(c["op"], c["group"]) for c in ops} == {("all-reduce", 4)}, ops
+
+
+def test_score_clip_passes_through_sharded_paths():
+  """score_clip (spec h-13) on the halo SWA and on the psum'd key-sharded GDPA, against numpy
+  loops; clip 0.5 clamps about 60% of the scores (q.k / sqrt(D) ~ N(0, 1))."""
+  _, _, q, k, v = setup()
+  want = np_swa(Q, K, V, LENGTHS, 8, "relu", out_scale=0.25, score_clip=0.5)
+  assert np.abs(want - np_swa(Q, K, V, LENGTHS, 8, "relu", out_scale=0.25)).max() > 0.05
+  out, _ = _run(lambda q, k, v: CP.swa_attention(q, k, v, LENGTHS, 8, activation="relu",
+                                                 out_scale=0.25, score_clip=0.5), q, k, v)
+  np.testing.assert_allclose(np.asarray(out), want, rtol=1e-5, atol=1e-5)
+  seeds = RNG.normal(size=(1, 3, H, D)).astype(np.float32)
+  kw = dict(activation=("silu", "gelu"), out_scale=1 / T, kv_lengths=LENGTHS, broadcast_q=True,
+            score_clip=0.5)
+  out, _ = _run(lambda k, v: CP.gdpa(seeds, k, v, shard="kv", **kw), k, v)
+  np.testing.assert_allclose(np.asarray(out), gdpa_loop(seeds, K, V, **kw), rtol=1e-5, atol=1e-6)
