@@ -61,11 +61,14 @@ def gdpa(q, k, v, *, activation="fast_gelu", scale=None, out_scale=1.0, q_length
 
 
 def block_attention(q, k, v, *, block_size=64, activation="softmax", lengths=None, rotary=None,
-                    backend="auto", interpret=False):
-  """See ``pallas_kernels.reference.block_attention_reference`` for the exact semantics."""
+                    backend="auto", interpret=False, score_clip=None):
+  """See ``pallas_kernels.reference.block_attention_reference`` for the exact semantics.
+
+  ``score_clip`` clamps the scores of GDPA activations (as in ``gdpa``); softmax ignores it.
+  """
   fn = _resolve(_BLOCK, backend, "block_attention")
   return fn(q, k, v, block_size=block_size, activation=activation, lengths=lengths,
-            rotary=rotary, interpret=_interpret(backend, interpret))
+            rotary=rotary, interpret=_interpret(backend, interpret), score_clip=score_clip)
 
 
 __all__ = ["gdpa", "block_attention", "register_backend", "reference"]

@@ -20,6 +20,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import _poison, activations
+from pallas_kernels.reference import score_clip_value
 
 _F32 = jnp.float32
 _NEG = -1e30
@@ -31,6 +32,7 @@ class _Cfg(NamedTuple):
   rot_batch: bool  # rotary table has a batch axis > 1
   rot_heads: bool  # rotary table has a heads axis > 1
   interpret: bool
+  score_clip: float | None = None  # GDPA activations: clamp scores to [-c, c]; None: off
 
 
 def _prec(dtype):
@@ -64,10 +66,14 @@ def _probs(s, m, cfg: _Cfg, head, with_slope=False):
     den = jnp.sum(e, axis=-1, keepdims=True)
     p = e / jnp.where(den > 0, den, 1.0)
     return (p, None) if with_slope else p
+  c = cfg.score_clip
+  sc = s if c is None else jnp.minimum(jnp.maximum(s, -c), c)
   if with_slope:
-    p, slope = activations.in_kernel(s, cfg.acts, head, with_slope=True)
+    p, slope = activations.in_kernel(sc, cfg.acts, head, with_slope=True)
+    if c is not None:                  # clamped scores pass no gradient
+      slope = jnp.where(jnp.abs(s) <= c, slope, 0.0)
     return jnp.where(m, p, 0.0) / cfg.block, slope
-  return jnp.where(m, activations.in_kernel(s, cfg.acts, head), 0.0) / cfg.block
+  return jnp.where(m, activations.in_kernel(sc, cfg.acts, head), 0.0) / cfg.block
 
 
 def _load_rot(cos_ref, sin_ref):
@@ -191,11 +197,12 @@ _block_attention.defvjp(_block_attention_fwd, _block_attention_bwd)
 
 
 def block_attention_pallas(q, k, v, *, block_size=64, activation="softmax", lengths=None,
-                           rotary=None, backend="pallas", interpret=False):
+                           rotary=None, backend="pallas", interpret=False, score_clip=None):
   """Pallas block attention; semantics of ``reference.block_attention_reference``.
 
   ``block_size`` must divide T (a power of two >= 16 for the GPU lowering). ``rotary`` is
   ``(cos, sin)`` of shape ``[B|1, T, D/2]`` or ``[B|1, T, H, D/2]``; it receives no gradient.
+  ``score_clip`` clamps the scores of GDPA activations (softmax is never clipped).
   """
   del backend
   if q.ndim != 4 or q.shape != k.shape or q.shape != v.shape:
@@ -224,5 +231,6 @@ def block_attention_pallas(q, k, v, *, block_size=64, activation="softmax", leng
                        f"B={B} T={T} H={H} D/2={D // 2}; got {rotary[0].shape}")
     rot_b, rot_h = cos.shape[0] > 1, cos.shape[2] > 1
     rotary = (cos, sin)
-  cfg = _Cfg(acts, int(block_size), rot_b, rot_h, bool(interpret))
+  clip = None if acts is None else score_clip_value(score_clip)
+  cfg = _Cfg(acts, int(block_size), rot_b, rot_h, bool(interpret), clip)
   return _block_attention(cfg, q, k, v, lengths, rotary)

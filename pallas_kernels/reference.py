@@ -123,13 +123,15 @@ def apply_rotary(x, rotary):
 
 
 def block_attention_reference(q, k, v, *, block_size=64, activation="softmax", lengths=None,
-                              rotary=None, backend="xla", interpret=False):
+                              rotary=None, backend="xla", interpret=False, score_clip=None):
   """Attention within independent ``block_size`` blocks of the sequence (bidirectional).
 
   Token i attends to token j iff ``i // block_size == j // block_size`` and both are below
   ``lengths[b]``. ``activation="softmax"`` is softmax attention with scale ``1/sqrt(D)``; a GDPA
   activation uses ``act(q.k / sqrt(D)) / block_size`` (HSTU-style 1/N normalisation). Rows at or
-  beyond ``lengths[b]`` output zeros. ``T`` must be a multiple of ``block_size``.
+  beyond ``lengths[b]`` output zeros. ``T`` must be a multiple of ``block_size``. ``score_clip``
+  clamps the scores of a GDPA activation to ``[-c, c]`` first (as in ``gdpa_reference``); softmax
+  scores are never clipped.
 
   Args: q, k, v ``[B, T, H, D]``; lengths ``i32[B]``; rotary ``(cos, sin)`` applied to q and k.
   Returns: ``[B, T, H, D]`` in ``q.dtype``.
@@ -155,6 +157,7 @@ def block_attention_reference(q, k, v, *, block_size=64, activation="softmax", l
     p = e / jnp.where(den > 0, den, 1.0)
   else:
     acts = per_head(activation, H)
-    p = jnp.where(m, apply_per_head(s, acts, head_axis=2), 0.0) / block_size
+    p = jnp.where(m, apply_per_head(clip_scores(s, score_clip), acts, head_axis=2), 0.0)
+    p = p / block_size
   o = jnp.einsum("bnhqk,bnkhd->bnqhd", p, blk(v))
   return o.reshape(B, T, H, D).astype(q.dtype)

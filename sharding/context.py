@@ -158,16 +158,17 @@ def swa_attention(q, k, v, lengths, window: int, *, activation="softmax", out_sc
 # ---- block attention -------------------------------------------------------------------------
 
 def block_attention(q, k, v, lengths, *, block_size=64, activation="softmax", rotary=None,
-                    backend="xla"):
+                    backend="xla", score_clip=None):
   """``pallas_kernels.block_attention`` per context shard, with no cross-shard traffic.
 
   ``q, k, v [B, T, H, D]``; each shard's ``T / n`` rows must be a multiple of ``block_size`` so
-  blocks never straddle shards. ``rotary (cos, sin)`` is sharded along T like q.
+  blocks never straddle shards. ``rotary (cos, sin)`` is sharded along T like q. ``score_clip``
+  as in ``pallas_kernels.block_attention`` (GDPA activations only).
   """
   plan = _plan(q)
   call = lambda q, k, v, lengths, rot: pallas_kernels.block_attention(
       q, k, v, block_size=block_size, activation=activation, lengths=lengths, rotary=rot,
-      backend=backend)
+      backend=backend, score_clip=score_clip)
   if plan is None:
     return call(q, k, v, lengths, rotary)
   mesh, spec, cax = plan

@@ -54,7 +54,8 @@ def rotate(x, cos, sin):
   return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin])
 
 
-def block_loop(q, k, v, block_size, activation="softmax", lengths=None, rotary=None):
+def block_loop(q, k, v, block_size, activation="softmax", lengths=None, rotary=None,
+               score_clip=None):
   q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
   B, T, H, D = q.shape
   out = np.zeros((B, T, H, D))
@@ -79,6 +80,8 @@ def block_loop(q, k, v, block_size, activation="softmax", lengths=None, rotary=N
           p = np.exp(s - s.max())
           p = p / p.sum()
         else:
+          if score_clip:
+            s = np.minimum(np.maximum(s, -score_clip), score_clip)
           p = NP_ACTS[act](s) / block_size
         out[b, i, h] = sum(p[n] * v[b, j, h] for n, j in enumerate(js))
   return out

@@ -33,6 +33,9 @@ CASES = {
     "silu_rotary_shared": dict(activation="silu", lengths=np.array([32, 9]),
                                rotary=_rotary(False)),
     "per_head": dict(activation=("fast_gelu", "relu2"), lengths=np.array([17, 30])),
+    # scores ~ N(0, 1): a 0.5 clip clamps most of them (spec h-13)
+    "per_head_score_clip": dict(activation=("gelu", "relu2"), lengths=np.array([32, 23]),
+                                rotary=_rotary(True), score_clip=0.5),
 }
 
 
@@ -94,3 +97,15 @@ def test_bad_arguments_raise():
     _kernel(q, k, v, rotary=(jnp.ones((B, T, D)), jnp.ones((B, T, D))))
   with pytest.raises(ValueError, match="activation"):
     _kernel(q, k, v, activation="tanh")
+
+
+def test_score_clip_changes_gdpa_only():
+  """The clip is active for GDPA activations (reference differs from unclipped; the kernel
+  matches the reference in the cases above) and ignored by softmax (bitwise equal)."""
+  q, k, v = _qkv(seed=3)
+  f = lambda backend, **kw: np.asarray(pallas_kernels.block_attention(
+      q, k, v, block_size=BS, backend=backend, interpret=True, **kw))
+  assert np.abs(f("xla", activation="silu", score_clip=0.5)
+                - f("xla", activation="silu")).max() > 0.05
+  for backend in ("xla", "pallas"):
+    np.testing.assert_array_equal(f(backend, score_clip=0.5), f(backend))

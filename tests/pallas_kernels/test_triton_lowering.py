@@ -61,9 +61,10 @@ def test_block_attention_lowers(sm90):
       q, k, v, block_size=64, rotary=(c, s), lengths=jnp.array([3, 100])).astype(jnp.float32)),
       (0, 1, 2))
   assert _n_triton_calls(f, x, x, x, rot, rot) == 2
-  g = _loss(pallas_block.block_attention_pallas, block_size=64,
-            activation=("silu", "gelu", "relu", "identity"))
-  assert _n_triton_calls(g, x, x, x) == 2
+  for clip in (None, 8.0):
+    g = _loss(pallas_block.block_attention_pallas, block_size=64, score_clip=clip,
+              activation=("silu", "gelu", "relu", "identity"))
+    assert _n_triton_calls(g, x, x, x) == 2
 
 
 def test_kernel_gelu_matches_exact():
