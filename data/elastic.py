@@ -63,30 +63,34 @@ def _key(*parts: int) -> int:
   return h
 
 
-def permute(i: np.ndarray, n: int, key: int, rounds: int = 4) -> np.ndarray:
-  """A keyed bijection of ``[0, n)`` applied to ``i`` (vectorised Feistel + cycle walking).
+def permute(i: np.ndarray, n, key, rounds: int = 4) -> np.ndarray:
+  """Keyed bijections of ``[0, n)`` applied to ``i`` (vectorised Feistel + cycle walking).
 
-  O(1) memory: no permutation table, so it scales to billions of records per surface.
+  ``n`` and ``key`` (uint64) are scalars or per-element arrays (one permutation per distinct
+  (n, key)). O(1) memory: no permutation table, so it scales to billions of records.
   """
   i = np.asarray(i, np.int64)
-  if n <= 1:
-    return np.zeros_like(i)
-  h = max(1, (int(n - 1).bit_length() + 1) // 2)   # domain 4**h >= n (< 4n: <= 4 walks on avg)
-  mask = np.uint64((1 << h) - 1)
-  keys = [np.uint64(_key(key, r)) for r in range(rounds)]
+  n = np.broadcast_to(np.asarray(n, np.int64), i.shape)
+  key = np.broadcast_to(np.asarray(key, np.uint64), i.shape)
+  uniq, inv = np.unique(n, return_inverse=True)
+  bits = np.array([int(max(v, 2) - 1).bit_length() for v in uniq.tolist()], np.int64)[inv]
+  h = np.maximum((bits.reshape(n.shape) + 1) // 2, 1).astype(np.uint64)   # 4**h >= n, < 4n
+  mask = (np.uint64(1) << h) - np.uint64(1)
+  keys = [mix64(key + np.uint64(0x9E3779B97F4A7C15 * (r + 1) % 2**64)) for r in range(rounds)]
 
-  def once(x):
-    left, right = x >> np.uint64(h), x & mask
+  def once(x, sel):
+    hs, ms = h[sel], mask[sel]
+    left, right = x >> hs, x & ms
     for k in keys:
-      left, right = right, left ^ (mix64(right + k) & mask)
-    return (left << np.uint64(h)) | right
+      left, right = right, left ^ (mix64(right + k[sel]) & ms)
+    return (left << hs) | right
 
-  x = once(i.astype(np.uint64))
-  out_of_range = x >= np.uint64(n)
-  while out_of_range.any():
-    x[out_of_range] = once(x[out_of_range])
-    out_of_range = x >= np.uint64(n)
-  return x.astype(np.int64)
+  x = i.astype(np.uint64)
+  todo = np.flatnonzero(n > 1)
+  while len(todo):
+    x[todo] = once(x[todo], todo)
+    todo = todo[x[todo] >= n[todo].astype(np.uint64)]
+  return np.where(n > 1, x.astype(np.int64), 0)
 
 
 def uniform(seed: int, positions: np.ndarray) -> np.ndarray:
@@ -117,6 +121,8 @@ class TrainPlan:
     self.seed, self.G = int(seed), int(global_batch)
     self.k, self.K = int(shard_index), int(shard_count)
     self.B = self.G // self.K
+    self._surface_key = mix64(np.array([_key(self.seed, s) for s in range(len(self.names))],
+                                       np.uint64))
 
   def initial_state(self) -> dict:
     return {"position": 0, "consumed": {s: 0 for s in self.names}}
@@ -140,11 +146,8 @@ class TrainPlan:
     src, i = pick[lo:lo + self.B], within[lo:lo + self.B]
     n = self.sizes[src]
     epoch, r = i // n, i % n
-    index = np.empty(self.B, np.int64)
-    for s in np.unique(src).tolist():
-      for e in np.unique(epoch[src == s]).tolist():
-        sel = (src == s) & (epoch == e)
-        index[sel] = permute(r[sel], int(self.sizes[s]), _key(self.seed, s, e))
+    key = mix64(self._surface_key[src] ^ mix64(epoch.astype(np.uint64)))
+    index = permute(r, n, key)
     return Rows(src.astype(np.int64), index), nxt
 
 
@@ -258,6 +261,13 @@ class BatchIterator(grain.DatasetIterator):
             "shard_index": k, "shard_count": K, "exhausted": int(self._next is None)}
 
   def set_state(self, state: dict) -> None:
+    want = sorted(self.ds.plan.initial_state())
+    if not isinstance(state, dict) or "plan" not in state or (
+        state["plan"] is not None and sorted(state["plan"]) != want):
+      got = sorted(state) if isinstance(state, dict) else type(state).__name__
+      raise ValueError(f"data iterator state with keys {got} does not fit this pipeline "
+                       f"({type(self.ds.plan).__name__}, plan keys {want}): written by another "
+                       "pipeline version or for another split / mode?")
     self._cancel()
     k, K = self.ds.shard
     same_shard = (state.get("shard_index"), state.get("shard_count")) == (k, K)

@@ -226,7 +226,8 @@ def device_put_batch(batch: dict, sharding) -> dict:
 
 
 def num_eval_batches(data_dir: str, split: str, batch_size: int, shard_count: int = 1) -> int:
-  """Number of batches ``make_dataset(train=False)`` yields per process (no skipped records)."""
+  """Number of batches ``make_dataset(train=False)`` yields per process (every process the same;
+  skipped invalid records keep their rows)."""
   schema = Schema.load(data_dir)
   n = sum(c for fl in records.split_files(data_dir, split, schema).values() for _, c in fl)
   rows = -(-n // shard_count)                        # rows of the largest process

@@ -36,10 +36,10 @@ def _concat(batches):
 
 @pytest.mark.parametrize("n", [1, 2, 3, 7, 64, 65, 1000, 4099])
 def test_permute_is_a_bijection(n):
-  p = elastic.permute(np.arange(n), n, key=12345)
+  p = elastic.permute(np.arange(n), n, key=np.uint64(12345))
   assert sorted(p.tolist()) == list(range(n))
   if n >= 64:                                  # keyed: another key gives another order
-    assert (p != elastic.permute(np.arange(n), n, key=54321)).mean() > 0.5
+    assert (p != elastic.permute(np.arange(n), n, key=np.uint64(54321))).mean() > 0.5
 
 
 def test_one_epoch_reads_every_record_once(tiny_dir):
@@ -162,3 +162,26 @@ def test_skipped_rows_are_padding_in_train(tmp_path):
   masks = [next(it)["example_mask"] for _ in range(4)]        # 32 rows = 4 epochs of 8 records
   assert sum(m.sum() for m in masks) == 4 * 6
   assert invalid_counts(it) == {"non_finite": 4, "label": 4}
+
+
+def test_permute_per_element_sizes_and_keys():
+  n = np.array([10] * 10 + [7] * 7 + [10] * 10)
+  key = np.array([1] * 17 + [2] * 10, np.uint64)
+  i = np.concatenate([np.arange(10), np.arange(7), np.arange(10)])
+  p = elastic.permute(i, n, key)
+  for sl in (slice(0, 10), slice(10, 17), slice(17, 27)):
+    assert sorted(p[sl].tolist()) == list(range(len(p[sl])))
+    np.testing.assert_array_equal(p[sl], elastic.permute(i[sl], n[sl][0], key[sl][0]))
+  big = 2**40 + 1                                # sizes past 2**32 (a few ids only)
+  q = elastic.permute(np.array([0, 1, big - 1]), big, np.uint64(9))
+  assert len(set(q.tolist())) == 3 and (q < big).all() and (q >= 0).all()
+
+
+def test_foreign_state_is_a_clear_error(tiny_dir):
+  it = _it(tiny_dir, 0, 1)
+  with pytest.raises(ValueError, match="does not fit this pipeline"):
+    it.set_state({"parents": {}, "next_index": 3})       # e.g. a plain grain mix state
+  ev = iter(make_dataset(_cfg(), tiny_dir, "eval", LENS, train=False, shard_index=0,
+                         shard_count=1))
+  with pytest.raises(ValueError, match="TrainPlan"):
+    it.set_state(ev.get_state())
