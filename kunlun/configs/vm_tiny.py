@@ -12,6 +12,7 @@ from kunlun.configs.common import base_config
 
 
 def transfer_config() -> ml_collections.ConfigDict:
+  """Defaults of ``config.transfer`` (fields and rules: ``kunlun.transfer.settings``)."""
   t = ml_collections.ConfigDict()
   t.kd_lambda = 0.0          # weight of the student-adapter soft-target BCE (0 = off)
   t.loopfm_ctx = False       # FM embedding of the current example as an extra context token

@@ -123,6 +123,15 @@ def load_schema(data_dir: str):
 
 def build_model(config, schema):
   from kunlun.model import build_model as _build
+  from kunlun.transfer.settings import parse_transfer
+  try:
+    tr = parse_transfer(config)
+  except ValueError as e:
+    fail(str(e))
+  if tr.uses_fm:
+    fail(f"config.transfer turns on FM inputs ({tr}); train.py/eval.py train and evaluate the "
+         "plain model only and would silently ignore them. Set kd_lambda=0 and loopfm_*=False, "
+         "or run the transfer path (kunlun.transfer.experiment, bench/transfer.py).")
   try:
     return _build(config, schema)
   except ValueError as e:

@@ -5,4 +5,6 @@
 - ``cache``: Solaris-style speculative pre-computation cache with an elastic compute budget.
 - ``export``: runs a trained FM over a dataset and writes compact embeddings (ArrayRecord).
 - ``loopfm``: LoopFM wrapper feeding FM embeddings to a VM as context / per-event features.
+- ``settings``: the validated ``config.transfer`` section.
+- ``experiment``: the transfer experiment's training, evaluation and cache-serving helpers.
 """
