@@ -82,11 +82,19 @@ class Kunlun(nn.Module):
     with jax.named_scope("Kunlun"):
       x = embed_context(cfg, self.schema, batch, dt)
       seqs, lengths, ages = embed_sequences(cfg, self.schema, batch, dt)
+      x, seqs = self.extra_inputs(batch, x, seqs, lengths)
       summaries = {}
       for l in range(cfg.num_layers):
         x, seqs, summaries = KunlunLayer(cfg, l, name=f"layer_{l}")(x, seqs, lengths, ages,
                                                                      summaries)
       return apply_heads(cfg, x, summaries, batch["surface"], dt)
+
+  def extra_inputs(self, batch, x_bnd, seqs, lengths):
+    """Hook for subclasses that add model inputs before the trunk (e.g. LoopFM's FM features,
+    ``kunlun.transfer.loopfm``): may append context tokens to ``x_bnd [B, N, d_ns]`` and change
+    the event embeddings ``seqs {stream: [B, T, d_e]}``. Identity here."""
+    del batch, lengths
+    return x_bnd, seqs
 
 
 def build_model(config, schema: Schema) -> nn.Module:

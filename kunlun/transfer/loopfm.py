@@ -1,7 +1,7 @@
 """LoopFM (spec g.3): a vertical model (VM) that reads logged FM embeddings as input features.
 
-``LoopFMKunlun`` is the Kunlun VM (same submodules and parameter names as ``kunlun.model.Kunlun``;
-with both inputs off it is the plain VM) plus two optional inputs:
+``LoopFMKunlun`` is the Kunlun VM (a subclass of ``kunlun.model.Kunlun`` filling its
+``extra_inputs`` hook; with both inputs off it is the plain VM) plus two optional inputs:
 
   (a) context: ``fm_ctx f32[B, d_fm]`` with ``fm_ctx_present bool[B]`` -> one extra token appended
       to X0 (``[B, N_ns + 1, d_ns]``) through ``FMAdapter``; it reaches the trunk through the first
@@ -24,9 +24,10 @@ import jax
 import jax.numpy as jnp
 
 from data.schema import Schema
-from kunlun.config import ModelConfig, parse
-from kunlun.layer import DTYPES, KunlunLayer
-from kunlun.model import apply_heads, embed_context, embed_sequences
+from kunlun.config import parse
+from kunlun.layer import DTYPES
+from kunlun.model import Kunlun
+from kunlun.transfer.settings import parse_transfer
 from sharding import shard, with_axes
 
 F32 = jnp.float32
@@ -53,36 +54,29 @@ class FMAdapter(nn.Module):
     return jnp.where(present[..., None], y, missing.astype(y.dtype))
 
 
-class LoopFMKunlun(nn.Module):
-  """Kunlun VM with LoopFM inputs. ``apply(..., batch, train) -> logits f32[B, K]``;
+class LoopFMKunlun(Kunlun):
+  """Kunlun VM with LoopFM inputs (through ``Kunlun.extra_inputs``, so the trunk, heads and
+  parameter names are exactly Kunlun's). ``apply(..., batch, train) -> logits f32[B, K]``;
   ``method="representations"`` as ``Kunlun``. Extra batch keys are needed only for enabled
   inputs (``use_ctx``: fm_ctx, fm_ctx_present; ``use_events``: fm_events, fm_events_present for
   every tower's stream)."""
-  cfg: ModelConfig
-  schema: Schema
   use_ctx: bool = True
   use_events: bool = True
 
-  def __call__(self, batch, train: bool = False):
-    return self.representations(batch, train)["logits"]
-
-  @nn.compact
-  def representations(self, batch, train: bool = False):
-    del train
+  def extra_inputs(self, batch, x_bnd, seqs, lengths):
     cfg, dt = self.cfg, DTYPES[self.cfg.dtype]
     if self.use_events and cfg.seq_mode != "towers":
       raise ValueError("LoopFM per-event inputs need config.model.seq_mode = 'towers', got "
                        f"{cfg.seq_mode!r}")
     with jax.named_scope("LoopFM"):
-      x = embed_context(cfg, self.schema, batch, dt)
       if self.use_ctx:
         _require(batch, ("fm_ctx", "fm_ctx_present"))
         tok = FMAdapter(cfg.d_ns, dt, name="loopfm_ctx")(batch["fm_ctx"], batch["fm_ctx_present"])
-        x = shard(jnp.concatenate([x, tok[:, None].astype(x.dtype)], 1),
-                  ("batch", "tokens", "embed"))
-      seqs, lengths, ages = embed_sequences(cfg, self.schema, batch, dt)
+        x_bnd = shard(jnp.concatenate([x_bnd, tok[:, None].astype(x_bnd.dtype)], 1),
+                      ("batch", "tokens", "embed"))
       if self.use_events:
         _require(batch, ("fm_events", "fm_events_present"))
+        seqs = dict(seqs)
         for t in cfg.towers:
           if t.name not in batch["fm_events"]:
             raise ValueError(f"LoopFM: batch['fm_events'] lacks stream {t.name!r} "
@@ -94,11 +88,7 @@ class LoopFMKunlun(nn.Module):
               batch["fm_events"][t.name][:, :T], batch["fm_events_present"][t.name][:, :T])
           seqs[t.name] = shard(s + jnp.where(valid[..., None], a, 0).astype(s.dtype),
                                ("batch", "seq", "embed"))
-      summaries = {}
-      for l in range(cfg.num_layers):
-        x, seqs, summaries = KunlunLayer(cfg, l, name=f"layer_{l}")(x, seqs, lengths, ages,
-                                                                     summaries)
-      return apply_heads(cfg, x, summaries, batch["surface"], dt)
+    return x_bnd, seqs
 
 
 def _require(batch, keys):
@@ -109,11 +99,12 @@ def _require(batch, keys):
 
 
 def build_loopfm(config, schema: Schema, *, use_ctx=None, use_events=None) -> LoopFMKunlun:
-  """Builds the LoopFM VM; flags default to ``config.transfer.loopfm_ctx / loopfm_events``."""
+  """Builds the LoopFM VM; flags default to ``config.transfer.loopfm_ctx / loopfm_events``
+  (validated by ``kunlun.transfer.settings.parse_transfer``)."""
   cfg = parse(config, schema)
   if cfg.arch != "kunlun":
     raise ValueError(f"LoopFM wraps config.model.arch = 'kunlun', got {cfg.arch!r}")
-  tr = config.get("transfer", {})
-  use_ctx = bool(tr.get("loopfm_ctx", True)) if use_ctx is None else use_ctx
-  use_events = bool(tr.get("loopfm_events", True)) if use_events is None else use_events
-  return LoopFMKunlun(cfg, schema, use_ctx, use_events)
+  tr = parse_transfer(config)
+  use_ctx = tr.loopfm_ctx if use_ctx is None else use_ctx
+  use_events = tr.loopfm_events if use_events is None else use_events
+  return LoopFMKunlun(cfg, schema, use_ctx=use_ctx, use_events=use_events)
