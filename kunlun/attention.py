@@ -15,6 +15,8 @@ Scopes (``kind``):
 ``kunlun.gdpa.gdpa`` with ``out_scale = 1/n``, ``n`` the most keys a query can see: ``T`` for
 "full", ``min(T, 2 window + 1)`` for "swa" (the kernel uses ``1/block_size`` for "block").
 ``t_max`` overrides ``n`` (set it to the kept length to make outputs independent of padding).
+``score_clip`` clamps the scores of a GDPA activation to ``[-c, c]`` first (spec h-13; softmax
+scores are never clipped).
 """
 
 from __future__ import annotations
@@ -31,8 +33,7 @@ from kunlun.norms import rms_norm
 from kunlun.time_encoding import rotary_time
 from pallas_kernels.activations import per_head
 from pallas_kernels.reference import apply_rotary
-from sharding import context
-from sharding import shard, with_axes
+from sharding import context, shard, with_axes
 
 F32 = jnp.float32
 KINDS = ("swa", "block", "full")
@@ -97,6 +98,7 @@ class SeqAttention(nn.Module):
   t_scale: float = 60.0
   t_max: int | None = None
   dtype: Any = F32
+  score_clip: float | None = None   # GDPA activations: clamp scores to [-c, c]; softmax: unused
 
   def _check(self, d):
     if self.kind not in KINDS:
@@ -152,10 +154,12 @@ class SeqAttention(nn.Module):
         rot = None if rot is None else (padt(rot[0]), padt(rot[1]))
       if self.backend == "xla":
         o = pallas_kernels.block_attention(q, k, v, block_size=bs, activation=self.activation,
-                                           lengths=lengths, rotary=rot, backend=self.backend)
+                                           lengths=lengths, rotary=rot, backend=self.backend,
+                                           score_clip=self.score_clip)
       else:                            # kernel per shard; blocks never straddle context shards
         o = context.block_attention(q, k, v, lengths, block_size=bs, activation=self.activation,
-                                    rotary=rot, backend=self.backend)
+                                    rotary=rot, backend=self.backend,
+                                    score_clip=self.score_clip)
       return o[:, :T]
     if rot is not None:
       q, k = apply_rotary(q, rot), apply_rotary(k, rot)
@@ -163,7 +167,8 @@ class SeqAttention(nn.Module):
     if self.activation != "softmax":
       n = self.t_max or (T if window is None else min(T, 2 * window + 1))
       return gdpa(q, k, v, activation=self.activation, out_scale=1.0 / n, q_lengths=lengths,
-                  kv_lengths=lengths, window=window, backend=self.backend)
+                  kv_lengths=lengths, window=window, backend=self.backend,
+                  score_clip=self.score_clip)
     chunk = max(self.window, 16)
     if window is None or T <= 3 * chunk:
       i = jnp.arange(T)

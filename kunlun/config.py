@@ -16,6 +16,11 @@ modules take as a field. Every knob of spec d.7 / h is a field here:
   attention.{kind, activation, qk_norm, rotary, block_size}   sequence self-attention (c.4)
   pffn_activation     GDPA activation of the PFFN (c.3); key_norm: RMS-normalise generated keys
   pooling             "hsp" | "pma" (c.5); hsp_rank (SumKronLinear r_k), hsp_activation
+                      (pffn_activation, hsp_activation and a non-softmax attention.activation take
+                      one name, or one GDPA name per head: a tuple/list, or "relu,silu" (also a
+                      command-line override), whose length equals every running tower's heads;
+                      a ConfigDict field holding a name needs ``with m.ignore_type():`` to take a
+                      tuple. Parsed to a tuple.)
   score_clip          clip GDPA pre-activation scores to [-c, c] (spec h-13); 0 = off
   mowe.{num_experts, layers_per_expert, rank, mlp_hidden, cross_layer}    (c.6; cross_layer:
                       Wukong cross-layer attention connections, spec h-19)
@@ -68,7 +73,7 @@ class TowerConfig:
 @dataclasses.dataclass(frozen=True)
 class AttentionConfig:
   kind: str = "swa"
-  activation: str = "softmax"
+  activation: str | tuple[str, ...] = "softmax"   # "softmax", a GDPA name, or one per head
   qk_norm: bool = True
   rotary: bool = True
   block_size: int = 64
@@ -112,11 +117,11 @@ class ModelConfig:
   seq_mode: str
   num_time_buckets: int
   attention: AttentionConfig
-  pffn_activation: str
+  pffn_activation: str | tuple[str, ...]   # a name, or one per head
   key_norm: bool
   pooling: str
   hsp_rank: int
-  hsp_activation: str
+  hsp_activation: str | tuple[str, ...]
   score_clip: float
   mowe: MoWEConfig
   towers: tuple[TowerConfig, ...]      # per stream, in schema order
@@ -223,6 +228,39 @@ def _parse_tower(field, name, t, num_layers, attention, max_len=None) -> TowerCo
   return tc
 
 
+def _get(m, field):
+  for part in field.split("."):
+    m = m[part]
+  return m
+
+
+def _activation(field, value, allowed, towers):
+  """Validates an activation field: one name from ``allowed``, or one GDPA name per head (a
+  tuple/list or a comma-separated string) whose length equals every tower's heads.
+
+  Returns the name, or the names as a tuple (hashable, for the frozen ModelConfig)."""
+  if isinstance(value, str) and "," in value:
+    value = tuple(a.strip() for a in value.split(","))
+  if isinstance(value, str):
+    _choice(field, value, allowed)
+    return value
+  if not isinstance(value, (tuple, list)) or not value:
+    raise ValueError(f"config.model.{field} = {value!r} must be one name from {allowed} or a "
+                     f"non-empty tuple/list of per-head names from {GDPA_ACTIVATIONS}")
+  acts = tuple(value)
+  bad = [a for a in acts if a not in GDPA_ACTIVATIONS]
+  if bad:
+    raise ValueError(f"config.model.{field} = {acts!r}: {bad} not allowed per head; allowed "
+                     f"per-head names: {GDPA_ACTIVATIONS}" + (" (softmax only as a single name)"
+                                                               if "softmax" in allowed else ""))
+  wrong = {t.name: t.heads for t in towers if t.heads != len(acts)}
+  if wrong:
+    raise ValueError(f"config.model.{field} has {len(acts)} per-head activations but the heads "
+                     f"of tower(s) {wrong} differ; give one name per head ({len(acts)} heads in "
+                     "every running tower) or a single name")
+  return acts
+
+
 def parse(config, schema: Schema) -> ModelConfig:
   """Validates ``config.model`` (or a full config) against ``schema``; returns a ModelConfig.
 
@@ -239,9 +277,9 @@ def parse(config, schema: Schema) -> ModelConfig:
   _choice("backend", m.backend, BACKENDS)
   _choice("seq_mode", m.seq_mode, SEQ_MODES)
   _choice("attention.kind", m.attention.kind, ATTENTION_KINDS)
-  _choice("attention.activation", m.attention.activation, ATTENTION_ACTIVATIONS)
-  _choice("pffn_activation", m.pffn_activation, GDPA_ACTIVATIONS)
-  _choice("hsp_activation", m.hsp_activation, GDPA_ACTIVATIONS)
+  for f, allowed in (("attention.activation", ATTENTION_ACTIVATIONS),
+                     ("pffn_activation", GDPA_ACTIVATIONS), ("hsp_activation", GDPA_ACTIVATIONS)):
+    _activation(f, _get(m, f), allowed, ())               # names only; head counts checked below
   _choice("pooling", m.pooling, POOLINGS)
   _choice("heads.kind", m.heads.kind, HEAD_KINDS)
   for f in ("d_ns", "n_ns", "n_dense_tokens", "num_layers", "num_time_buckets", "hsp_rank"):
@@ -261,7 +299,7 @@ def parse(config, schema: Schema) -> ModelConfig:
     raise ValueError(f"config.model.score_clip = {m.score_clip!r} must be a number >= 0 (0 = off)")
   if not isinstance(m.mowe.cross_layer, bool):
     raise ValueError(f"config.model.mowe.cross_layer = {m.mowe.cross_layer!r} must be a bool")
-  attention = AttentionConfig(**m.attention.to_dict())
+  attention = AttentionConfig(**{**m.attention.to_dict(), "activation": "softmax"})
 
   names = schema.stream_names
   given = tuple(m.towers.keys())
@@ -282,12 +320,19 @@ def parse(config, schema: Schema) -> ModelConfig:
     if oneseq.kept_len > total:
       raise ValueError(f"config.model.oneseq.kept_len = {oneseq.kept_len} exceeds the merged "
                        f"length sum(towers.*.kept_len) = {total}; allowed: 1..{total}")
+  # the towers whose modules take the activations (InterFormer always runs per-stream towers)
+  running = (oneseq,) if (oneseq is not None and m.arch != "interformer") else towers
+  acts = {f: _activation(f, _get(m, f), allowed, running)
+          for f, allowed in (("attention.activation", ATTENTION_ACTIVATIONS),
+                             ("pffn_activation", GDPA_ACTIVATIONS),
+                             ("hsp_activation", GDPA_ACTIVATIONS))}
+  attention = dataclasses.replace(attention, activation=acts["attention.activation"])
   return ModelConfig(
       arch=m.arch, dtype=m.dtype, backend=m.backend, d_ns=m.d_ns, n_ns=m.n_ns,
       n_dense_tokens=m.n_dense_tokens, num_layers=m.num_layers, comp_skip=bool(m.comp_skip),
       seq_mode=m.seq_mode, num_time_buckets=m.num_time_buckets, attention=attention,
-      pffn_activation=m.pffn_activation, key_norm=bool(m.key_norm), pooling=m.pooling,
-      hsp_rank=m.hsp_rank, hsp_activation=m.hsp_activation, score_clip=float(m.score_clip),
+      pffn_activation=acts["pffn_activation"], key_norm=bool(m.key_norm), pooling=m.pooling,
+      hsp_rank=m.hsp_rank, hsp_activation=acts["hsp_activation"], score_clip=float(m.score_clip),
       mowe=MoWEConfig(**m.mowe.to_dict()), towers=towers, oneseq=oneseq,
       heads=HeadsConfig(**{**m.heads.to_dict(), "top_mlp": tuple(m.heads.top_mlp)}),
       dlrm=DLRMConfig(seq_dim=m.dlrm.seq_dim, mlp=tuple(m.dlrm.mlp)),

@@ -80,6 +80,7 @@ class HSP(nn.Module):
   backend: str = "xla"
   t_max: int | None = None
   dtype: Any = F32
+  score_clip: float | None = None   # clamp GDPA scores to [-c, c] (spec h-13); None/0: off
 
   @nn.compact
   def __call__(self, s, lengths):
@@ -98,7 +99,7 @@ class HSP(nn.Module):
       v = shard(v, ("batch", "seq", "heads", "head_dim"))
       o = gdpa(q[None], k, v, activation=self.activation, out_scale=1.0 / (self.t_max or T),
                kv_lengths=lengths, broadcast_q=True, backend=self.backend,
-               seq="kv")
+               seq="kv", score_clip=self.score_clip)
       o = shard(o, ("batch", "seeds", "heads", "head_dim"))
       h = e + _from_heads(self, "out", o, d, dt).astype(F32)
       h = shard(h, ("batch", "seeds", "embed"))

@@ -28,6 +28,7 @@ class PFFN(nn.Module):
   backend: str = "xla"
   dtype: Any = jnp.float32
   norm_affine: bool = False
+  score_clip: float | None = None   # clamp GDPA scores to [-c, c] (spec h-13); None/0: off
 
   @nn.compact
   def __call__(self, s, lengths, k, v):
@@ -43,7 +44,8 @@ class PFFN(nn.Module):
       q = shard(u.astype(self.dtype).reshape(B, T, self.heads, dh),
                 ("batch", "seq", "heads", "head_dim"))
       g = gdpa(q, k.astype(self.dtype), v.astype(self.dtype), activation=self.activation,
-               out_scale=1.0, q_lengths=lengths, backend=self.backend)
+               out_scale=1.0, q_lengths=lengths, backend=self.backend,
+               score_clip=self.score_clip)
       y = self._affine("rms", rms_norm(g.reshape(B, T, d).astype(jnp.float32) + u), bias=False)
       y = y + s.astype(jnp.float32)
       valid = jnp.arange(T)[None, :] < jnp.asarray(lengths, jnp.int32)[:, None]

@@ -61,7 +61,7 @@ def make_attention(cfg: ModelConfig, tower: TowerConfig, dtype, name: str, kind:
                       block_size=cfg.attention.block_size, activation=cfg.attention.activation,
                       qk_norm=cfg.attention.qk_norm, rotary=cfg.attention.rotary,
                       backend=cfg.backend, t_max=attention_t_max(cfg, tower), dtype=dtype,
-                      name=name)
+                      score_clip=cfg.score_clip or None, name=name)
 
 
 def make_pooling(cfg: ModelConfig, tower: TowerConfig, dtype, name: str,
@@ -71,4 +71,4 @@ def make_pooling(cfg: ModelConfig, tower: TowerConfig, dtype, name: str,
     return PMA(n_sum=tower.n_sum, heads=tower.heads, dtype=dtype, name=name)
   return HSP(n_seed=tower.n_seed, n_sum=tower.n_sum, heads=tower.heads, rank=cfg.hsp_rank,
              activation=cfg.hsp_activation, backend=cfg.backend, t_max=tower.kept_len,
-             dtype=dtype, name=name)
+             dtype=dtype, score_clip=cfg.score_clip or None, name=name)

@@ -31,8 +31,14 @@ def np_rotary(x, age, t_scale=60.0):
   return out
 
 
-def np_attention(p, s, lengths, age, kind, window=None, block=None, act="softmax", n=None):
-  """Dense reference: explicit [T, T] masks per example, softmax or act(.)/n."""
+NP_ACTS = {"silu": silu, "relu": lambda x: np.maximum(x, 0.0), "identity": lambda x: x,
+           "relu2": lambda x: np.maximum(x, 0.0) ** 2}
+
+
+def np_attention(p, s, lengths, age, kind, window=None, block=None, act="softmax", n=None,
+                 score_clip=None):
+  """Dense reference: explicit [T, T] masks per example, softmax or act(.)/n (``act`` a name or
+  one name per head; ``score_clip`` clamps the GDPA scores first)."""
   s = s.astype(np.float64)
   B, T, d = s.shape
   w = p["qkv"]                                       # [d, 3, H, dh]
@@ -58,7 +64,10 @@ def np_attention(p, s, lengths, age, kind, window=None, block=None, act="softmax
         e = np.where(m, np.exp(sc - np.where(m, sc, -np.inf).max(-1, keepdims=True)), 0.0)
         pr = e / np.maximum(e.sum(-1, keepdims=True), 1e-30)
       else:
-        pr = np.where(m, silu(sc), 0.0) / n
+        a = NP_ACTS[act if isinstance(act, str) else act[h]]
+        if score_clip:
+          sc = np.clip(sc, -score_clip, score_clip)
+        pr = np.where(m, a(sc), 0.0) / n
       o[b, :, h] = pr @ v[b, :, h]
   y = s + np.einsum("bthc,hcd->btd", o, p["out"])
   y[i[None, :] >= lengths[:, None]] = 0.0
@@ -153,3 +162,22 @@ def test_errors():
   with pytest.raises(ValueError, match="activation"):
     init(SeqAttention(4, activation="tanh"))
   init(SeqAttention(16, rotary=False))                            # odd head_dim ok without RoPE
+
+
+def test_per_head_gdpa_activations_and_score_clip():
+  """A per-head activation tuple and score_clip (spec h-13) on the windowed GDPA path ("swa";
+  "full" is the same call without window) and on block attention; scores after QK-norm are
+  O(1), so a 0.5 clip is active. One parameter set serves every variant."""
+  s, lengths, age = _setup(T=32, lengths=(32, 9, 1))
+  acts = ("relu2", "silu", "identity", "relu")
+  var = _init_perturbed(SeqAttention(4, activation=acts), s, lengths, age)
+  for kind in ("swa", "block"):
+    n = {"swa": 7, "block": 8}[kind]
+    outs = {}
+    for clip in (None, 0.5):
+      m = SeqAttention(4, kind, window=3, block_size=8, activation=acts, score_clip=clip)
+      outs[clip] = np.asarray(jax.jit(m.apply)(var, s, lengths, age))
+      ref = np_attention(var["params"], s, lengths, age, kind, 3, 8, act=acts, n=n,
+                         score_clip=clip)
+      np.testing.assert_allclose(outs[clip], ref, rtol=2e-4, atol=2e-4, err_msg=kind)
+    assert np.abs(outs[None] - outs[0.5]).max() > 1e-3, kind

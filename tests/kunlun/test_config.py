@@ -2,12 +2,16 @@
 
 import copy
 
+import flax.linen as nn
+import jax
 import pytest
 
-from data.fake import tiny_schema
+from data.fake import random_batch, tiny_schema
 from data.synthetic import PRESETS, preset_schema
 from kunlun import config as C
 from kunlun.configs import dev, large, mid, tiny
+from kunlun.flops import model_flops
+from kunlun.model import build_model
 
 
 @pytest.mark.parametrize("preset,data", [(tiny, "tiny"), (dev, "dev"), (mid, "mid"),
@@ -95,3 +99,101 @@ def test_unknown_fields():
   _bad(lambda m: setattr(m.towers.click, "widht", 3), "towers.click", "widht")
   with pytest.raises(ValueError, match="missing"):
     C.tower(width=8)
+
+
+# ---- per-head activation lists -------------------------------------------------------------------
+
+def _set(field, value):
+  """Sets a (possibly dotted) activation field to a tuple/list despite ConfigDict's type lock."""
+  def f(m):
+    *path, last = field.split(".")
+    for p in path:
+      m = m[p]
+    with m.ignore_type():
+      setattr(m, last, value)
+  return f
+
+
+def _parsed(mutate):
+  c = tiny.get_config()
+  mutate(c.model)
+  return C.parse(c, tiny_schema())
+
+
+@pytest.mark.parametrize("field", ["pffn_activation", "hsp_activation", "attention.activation"])
+def test_per_head_activation_tuple_list_and_string(field):
+  get = lambda m: m.attention.activation if field.startswith("attention") else getattr(m, field)
+  for value in (("relu", "silu"), ["relu", "silu"], "relu, silu"):
+    m = _parsed(_set(field, value))
+    assert get(m) == ("relu", "silu") and isinstance(get(m), tuple)
+    hash(m)                                       # frozen and hashable with the tuple inside
+  assert get(_parsed(_set(field, "gelu"))) == "gelu"
+
+
+def test_per_head_activation_errors():
+  # tiny: click and impression towers both have 2 heads
+  _bad(_set("pffn_activation", ("relu", "silu", "gelu")), "pffn_activation", "3 per-head",
+       "'click': 2", "'impression': 2")
+  _bad(_set("hsp_activation", ("relu", "tanh")), "hsp_activation", "['tanh']", "relu2")
+  _bad(_set("attention.activation", ("softmax", "relu")), "attention.activation",
+       "['softmax']", "softmax only as a single name")
+  _bad(_set("pffn_activation", ()), "pffn_activation", "non-empty")
+
+  def uneven(m):                                  # only the tower whose heads differ is named
+    m.towers.click.heads = 4
+    _set("hsp_activation", ("relu", "silu"))(m)
+  c = tiny.get_config()
+  uneven(c.model)
+  with pytest.raises(ValueError, match=r"tower\(s\) \{'click': 4\}"):
+    C.parse(c, tiny_schema())
+
+  def oneseq(m):                                  # OneSeq: only the merged tower counts
+    m.seq_mode = "oneseq"
+    m.oneseq.heads = 4
+    _set("pffn_activation", ("relu", "silu", "gelu", "identity"))(m)
+  assert _parsed(oneseq).pffn_activation == ("relu", "silu", "gelu", "identity")
+
+
+def test_score_clip_field():
+  assert _parsed(lambda m: None).score_clip == 0.0
+  assert _parsed(lambda m: setattr(m, "score_clip", 8.0)).score_clip == 8.0
+  _bad(lambda m: setattr(m, "score_clip", -1.0), "score_clip", ">= 0")
+
+
+def _module_settings(config):
+  """(class, activation, score_clip) of every PFFN / HSP / SeqAttention the built model calls,
+  recorded by intercepting module calls while tracing ``init`` (no compilation)."""
+  seen = set()
+
+  def record(next_fun, args, kwargs, context):
+    mod = context.module
+    if type(mod).__name__ in ("PFFN", "HSP", "SeqAttention") and context.method_name == "__call__":
+      seen.add((type(mod).__name__, mod.activation, mod.score_clip))
+    return next_fun(*args, **kwargs)
+
+  schema = tiny_schema()
+  model = build_model(config, schema)
+  batch = random_batch(schema, 2, C.seq_lens(config), seed=0, min_len=1)
+  with nn.intercept_methods(record):
+    jax.eval_shape(lambda b: model.init(jax.random.key(0), b, False), batch)
+  return seen
+
+
+def test_activation_tuples_and_score_clip_reach_the_modules():
+  c = tiny.get_config()
+  for f, v in (("pffn_activation", ("relu", "silu")), ("hsp_activation", ["relu2", "gelu"]),
+               ("attention.activation", "identity,relu")):
+    _set(f, v)(c.model)
+  c.model.score_clip = 8.0
+  assert _module_settings(c) == {("PFFN", ("relu", "silu"), 8.0),
+                                 ("HSP", ("relu2", "gelu"), 8.0),
+                                 ("SeqAttention", ("identity", "relu"), 8.0)}
+  assert _module_settings(tiny.get_config()) == {("PFFN", "fast_gelu", None),
+                                                 ("HSP", "fast_gelu", None),
+                                                 ("SeqAttention", "softmax", None)}
+
+
+def test_flops_with_per_head_activations():
+  c = tiny.get_config()
+  _set("pffn_activation", ("relu", "silu"))(c.model)
+  assert model_flops(c, tiny_schema()) == model_flops(tiny.get_config(), tiny_schema())

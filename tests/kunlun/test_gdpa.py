@@ -20,8 +20,9 @@ NP_ACTS = {
 }
 
 
-def np_gdpa(q, k, v, acts, scale, out_scale, q_len, kv_len, window):
-  """Loop over (b, h, i, j): o_i = out_scale * sum_j act(scale q_i.k_j) v_j."""
+def np_gdpa(q, k, v, acts, scale, out_scale, q_len, kv_len, window, score_clip=None):
+  """Loop over (b, h, i, j): o_i = out_scale * sum_j act(clip(scale q_i.k_j)) v_j."""
+  c = score_clip or np.inf
   B, Tk, H, D = k.shape
   Tq = q.shape[1]
   o = np.zeros((B, Tq, H, D))
@@ -32,7 +33,8 @@ def np_gdpa(q, k, v, acts, scale, out_scale, q_len, kv_len, window):
         for j in range(min(Tk, kv_len[b])):
           if window is not None and abs(i - j) > window:
             continue
-          o[b, i, h] += NP_ACTS[acts[h]](scale * qb[i, h] @ k[b, j, h]) * v[b, j, h]
+          sc = min(max(scale * qb[i, h] @ k[b, j, h], -c), c)
+          o[b, i, h] += NP_ACTS[acts[h]](sc) * v[b, j, h]
   return o * out_scale
 
 
@@ -62,6 +64,21 @@ def test_gdpa_broadcast_q_and_scale():
   ref = np_gdpa(q, k, v, ("fast_gelu",) * H, 0.7, 1.0, [Tq] * B, kl, None)
   np.testing.assert_allclose(np.asarray(out), ref, rtol=1e-4, atol=1e-5)
   assert np.all(np.asarray(out)[1] == 0)          # empty key set -> zero output
+
+
+def test_gdpa_score_clip():
+  """score_clip (spec h-13): scores ~ N(0, 4) at scale 1, clipped to [-1, 1] before the
+  activation; the clipped result differs from the unclipped one."""
+  rng = np.random.default_rng(2)
+  B, T, H, D = 2, 6, 2, 4
+  q, k, v = (rng.normal(size=(B, T, H, D)).astype(np.float32) for _ in range(3))
+  kw = dict(activation=("relu2", "gelu"), scale=1.0, q_lengths=np.array([6, 3]),
+            kv_lengths=np.array([4, 6]))
+  out = np.asarray(gdpa(jnp.array(q), jnp.array(k), jnp.array(v), score_clip=1.0, **kw))
+  ref = np_gdpa(q, k, v, kw["activation"], 1.0, 1.0, kw["q_lengths"], kw["kv_lengths"], None,
+                score_clip=1.0)
+  np.testing.assert_allclose(out, ref, rtol=1e-4, atol=1e-5)
+  assert np.abs(out - np.asarray(gdpa(jnp.array(q), jnp.array(k), jnp.array(v), **kw))).max() > 0.1
 
 
 def test_gdpa_named_scope_and_errors():

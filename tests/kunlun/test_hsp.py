@@ -38,7 +38,8 @@ def test_sumkron_matches_kronecker_form(out_dim):
   assert v["params"]["Z"].names == (None, None, "seeds")
 
 
-def np_hsp(p, s, lengths, t_max):
+def np_hsp(p, s, lengths, t_max, acts=None, score_clip=None):
+  """HSP in numpy; ``acts``: one activation function per head (default fast_gelu)."""
   B, T, d = s.shape
   e = p["seeds"]
   q = np.einsum("nd,dhc->nhc", rms(e), p["query"])
@@ -48,7 +49,10 @@ def np_hsp(p, s, lengths, t_max):
   o = np.zeros((B, e.shape[0], H, dh))
   for b in range(B):
     for h in range(H):
-      a = fast_gelu(q[:, h] @ k[b, :lengths[b], h].T / np.sqrt(dh))
+      sc = q[:, h] @ k[b, :lengths[b], h].T / np.sqrt(dh)
+      if score_clip:
+        sc = np.clip(sc, -score_clip, score_clip)
+      a = (acts[h] if acts else fast_gelu)(sc)
       o[b, :, h] = a @ v[b, :lengths[b], h] / t_max
   hs = rms(e + np.einsum("bnhc,hcd->bnd", o, p["out"]))
   z, w = p["kron"]["Z"], p["kron"]["W"]
@@ -117,3 +121,16 @@ def test_errors():
     HSP(6, 3, heads=2, activation="soft").init(jax.random.key(0), s, lengths)
   with pytest.raises(ValueError, match="rank"):
     SumKronLinear(3, 0).init(jax.random.key(0), s)
+
+
+def test_hsp_per_head_activations_and_score_clip():
+  s, lengths = _seq(d=16, seed=2)
+  acts = (lambda x: np.maximum(x, 0) ** 2, lambda x: x)
+  m = HSP(n_seed=6, n_sum=3, heads=2, rank=2, activation=("relu2", "identity"), score_clip=0.5)
+  v = jax.jit(m.init)(jax.random.key(1), s, lengths)
+  p = _params(v)
+  p["query"] = p["query"] * 30.0        # seeds start tiny (std 0.02): make the scores O(1)
+  y = np.asarray(jax.jit(m.apply)({"params": p}, s, lengths))
+  np.testing.assert_allclose(y, np_hsp(p, s, lengths, 12, acts, 0.5), rtol=1e-4, atol=1e-5)
+  unclipped = np_hsp(p, s, lengths, 12, acts)
+  assert np.abs(y - unclipped).max() > 1e-3

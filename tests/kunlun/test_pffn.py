@@ -22,8 +22,10 @@ def fast_gelu(x):
   return 0.5 * x * (1.0 + np.tanh(0.7978845608 * (x + 0.044715 * x ** 3)))
 
 
-def np_pffn(s, lengths, k, v, act):
-  """Per example b and head h: FFN with W1 = k[b,:,h].T / sqrt(dh), W2 = v[b,:,h]."""
+def np_pffn(s, lengths, k, v, act, score_clip=None):
+  """Per example b and head h: FFN with W1 = k[b,:,h].T / sqrt(dh), W2 = v[b,:,h].
+
+  ``act``: a function, or a list with one per head; ``score_clip`` clamps u W1 first."""
   B, T, d = s.shape
   H, dh = k.shape[2], k.shape[3]
   out = np.zeros_like(s, dtype=np.float64)
@@ -33,7 +35,11 @@ def np_pffn(s, lengths, k, v, act):
     for h in range(H):
       w1 = k[b, :, h, :].T / np.sqrt(dh)          # [dh, n_kv]
       w2 = v[b, :, h, :]                           # [n_kv, dh]
-      g[:, h * dh:(h + 1) * dh] = act(u[:, h * dh:(h + 1) * dh] @ w1) @ w2
+      a = act[h] if isinstance(act, (list, tuple)) else act
+      z = u[:, h * dh:(h + 1) * dh] @ w1
+      if score_clip:
+        z = np.clip(z, -score_clip, score_clip)
+      g[:, h * dh:(h + 1) * dh] = a(z) @ w2
     y = rms(g + u) + s[b]
     y[lengths[b]:] = 0.0
     out[b] = y
@@ -118,3 +124,18 @@ def test_pffn_norm_affine_option():
                         for h in range(4)], 1)
     ref[b, :lengths[b]] = (rms(g + u) * p["rms_scale"] + s[b])[:lengths[b]]
   np.testing.assert_allclose(out, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_pffn_per_head_activations_and_score_clip():
+  """One activation per head (a tuple) and score_clip (spec h-13) against the explicit FFN; the
+  first layer's pre-activations are ~N(0, 1), so a 0.5 clip changes the output."""
+  s, lengths, k, v = _inputs()
+  acts = ("relu", "silu", "identity", "fast_gelu")
+  np_acts = [lambda x: np.maximum(x, 0), lambda x: x / (1 + np.exp(-x)), lambda x: x, fast_gelu]
+  outs = {}
+  for clip in (None, 0.5):
+    outs[clip] = np.asarray(jax.jit(PFFN(4, activation=acts, score_clip=clip).apply)(
+        {}, s, lengths, k, v))
+    np.testing.assert_allclose(outs[clip], np_pffn(s, lengths, k, v, np_acts, clip),
+                               rtol=1e-4, atol=1e-4)
+  assert np.abs(outs[None] - outs[0.5]).max() > 0.05
