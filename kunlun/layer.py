@@ -69,7 +69,8 @@ class KunlunLayer(nn.Module):
         p, s = plans[t.name], seqs[t.name]
         if p.pffn:
           k, v = kv[t.name]
-          s = PFFN(t.heads, cfg.pffn_activation, cfg.backend, dt, name=f"{t.name}_pffn")(
+          s = PFFN(t.heads, cfg.pffn_activation, cfg.backend, dt,
+                   score_clip=cfg.score_clip or None, name=f"{t.name}_pffn")(
               s, lengths[t.name], k, v)
         if p.attention:
           s = make_attention(cfg, t, dt, f"{t.name}_attention")(s, lengths[t.name], ages[t.name])
