@@ -64,7 +64,8 @@ class KunlunLayer(nn.Module):
                                  for t in cfg.seq_towers]
       x_in = shard(jnp.concatenate(tokens, axis=1), ("batch", "tokens", "embed"))
       x_new = MoWE(cfg.mowe.num_experts, cfg.mowe.layers_per_expert, cfg.n_ns, cfg.mowe.rank,
-                   cfg.mowe.mlp_hidden, dtype=dt, name="mowe")(x_in)             # (3)
+                   cfg.mowe.mlp_hidden, dtype=dt, cross_layer=cfg.mowe.cross_layer,
+                   name="mowe")(x_in)                                              # (3)
       for t in cfg.seq_towers:                                   # transformer block (4), (5)
         p, s = plans[t.name], seqs[t.name]
         if p.pffn:

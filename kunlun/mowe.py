@@ -3,6 +3,8 @@
 ``M`` Wukong stacks run on the same input tokens (no routing) and their outputs are averaged:
 ``X' = (1/M) sum_m Wukong_m(X)``. The experts are one ``nn.vmap`` over a leading parameter axis
 named ``exp`` so the sharding rules can place experts on the ``expert`` mesh axis.
+``cross_layer`` turns on the cross-layer attention connections inside each expert's stack
+(spec h-19, ``kunlun.wukong.WukongStack``); the connection logits are per expert.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ class MoWE(nn.Module):
   mlp_hidden: int
   fm_fraction: float = 0.5
   dtype: Any = jnp.float32
+  cross_layer: bool = False
 
   @nn.compact
   def __call__(self, x):
@@ -37,7 +40,8 @@ class MoWE(nn.Module):
                         axis_size=self.num_experts,
                         metadata_params={nn.PARTITION_NAME: "exp"})
       y = experts(self.layers_per_expert, self.n_out, self.rank, self.mlp_hidden,
-                  self.fm_fraction, self.dtype, name="experts")(x)            # [M, B, n_out, d]
+                  self.fm_fraction, self.dtype, self.cross_layer,
+                  name="experts")(x)                                           # [M, B, n_out, d]
       y = shard(y, ("exp", "batch", "tokens", "embed"))
       return shard(jnp.mean(y.astype(jnp.float32), axis=0).astype(self.dtype),
                    ("batch", "tokens", "embed"))

@@ -69,3 +69,71 @@ def test_wukong_stack_and_errors():
     split_tokens(0)
   with pytest.raises(ValueError, match="num_layers"):
     WukongStack(0, 3, 2, 8).init(jax.random.key(0), x)
+
+
+def np_softmax(c):
+  e = np.exp(c - c.max())
+  return e / e.sum()
+
+
+def np_cross_stack(p, x, num_layers, n_fm):
+  """Explicit loop (spec h-19): layer l >= 1 reads ``X_l + sum_j softmax(c_l)_j X~_j``, j <= l."""
+  x0 = x if "cross_proj" not in p else np.stack([p["cross_proj"].T @ xb for xb in x])
+  outs, h = [x0], x
+  for l in range(num_layers):
+    if l > 0:
+      a = np_softmax(p[f"cross_logits_{l}"])
+      mix = np.zeros_like(outs[-1])
+      for j in range(l + 1):
+        mix = mix + a[j] * outs[j]
+      h = h + mix
+    h = np_wukong_layer(p[f"layer_{l}"], h, n_fm)
+    outs.append(h)
+  return h
+
+
+def _random_logits(p, seed):
+  """Non-uniform connection weights (init is all-zero logits = plain average)."""
+  rng = np.random.default_rng(seed)
+  return {k: (rng.normal(size=a.shape).astype(np.float32) if k.startswith("cross_logits") else a)
+          for k, a in p.items()}
+
+
+@pytest.mark.parametrize("num_layers,N", [(2, 5), (3, 4)])
+def test_cross_layer_stack_matches_loop(num_layers, N):
+  B, d, n_out = 2, 6, 4
+  x = np.random.default_rng(0).normal(size=(B, N, d)).astype(np.float32)
+  m = WukongStack(num_layers, n_out, rank=2, mlp_hidden=8, cross_layer=True)
+  v = jax.jit(m.init)(jax.random.key(0), x)
+  p0 = nn.meta.unbox(v)["params"]
+  assert ("cross_proj" in p0) == (N != n_out)
+  assert "cross_logits_0" not in p0
+  for l in range(1, num_layers):                      # zero logits: a plain average at init
+    np.testing.assert_array_equal(p0[f"cross_logits_{l}"], np.zeros(l + 1, np.float32))
+  p = _random_logits(_perturb(v, 1), 2)
+  y = np.asarray(jax.jit(m.apply)({"params": p}, x))
+  np.testing.assert_allclose(y, np_cross_stack(p, x, num_layers, 2), rtol=1e-4, atol=1e-4)
+  plain = WukongStack(num_layers, n_out, rank=2, mlp_hidden=8)
+  y_plain = jax.jit(plain.apply)({"params": {k: a for k, a in p.items() if k[:6] == "layer_"}}, x)
+  assert np.abs(y - np.asarray(y_plain)).max() > 1e-2        # the connections do something
+
+
+def test_cross_layer_off_or_single_layer_is_plain():
+  x = np.random.default_rng(0).normal(size=(2, 5, 4)).astype(np.float32)
+  pairs = [(WukongStack(n, 3, 2, 8, cross_layer=c), WukongStack(n, 3, 2, 8))
+           for n, c in ((2, False), (1, True))]
+  run = jax.jit(lambda k, x: [(m.init_with_output(k, x), r.init_with_output(k, x))
+                              for m, r in pairs])
+  for (y, v), (y_ref, v_ref) in run(jax.random.key(0), x):
+    assert jax.tree.structure(v) == jax.tree.structure(v_ref)
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(y_ref))
+
+
+def test_cross_layer_gradients_finite_and_nonzero():
+  x = np.random.default_rng(0).normal(size=(2, 5, 4)).astype(np.float32)
+  m = WukongStack(3, 3, 2, 8, cross_layer=True)
+  p = _random_logits(_perturb(jax.jit(m.init)(jax.random.key(0), x), 1), 2)
+  g, gx = jax.jit(jax.grad(lambda p, x: (m.apply({"params": p}, x) ** 3).sum(), (0, 1)))(p, x)
+  for k in ("cross_proj", "cross_logits_1", "cross_logits_2"):
+    assert np.all(np.isfinite(g[k])) and np.abs(g[k]).max() > 0, k
+  assert all(np.all(np.isfinite(a)) for a in jax.tree.leaves(g)) and np.all(np.isfinite(gx))
