@@ -1,9 +1,12 @@
 """Data benchmark: synthetic generation speed and whole-pipeline throughput on CPU.
 
 For each preset (tiny, mid): generate a dataset (examples/s, wall and CPU time of this process),
-then iterate ``data.pipeline.make_dataset`` (train mode, mixing, decode, validate, pad, batch) with
-in-process reader threads, and separately with ``mp_prefetch`` worker processes. Prints a table
-and writes JSON to ``bench/results/data_pipeline.json``.
+time decode + validation of raw records per record (``Validator``) and per batch
+(``BatchValidator``), then iterate ``data.pipeline.make_dataset`` (train mode, mixing, read,
+decode, validate, pad, batch) with in-process loader threads, and separately with ``mp_prefetch``
+worker processes. ``ex/cpu-s`` = examples per CPU-second of this process (all its threads; the
+parent only under mp_prefetch): steadier than wall-clock rates on a shared, loaded machine.
+Prints a table and writes JSON to ``bench/results/data_pipeline.json``.
 
     python -m bench.data_pipeline            # full
     python -m bench.data_pipeline --quick    # smoke test (seconds)
@@ -58,8 +61,41 @@ def _pipe(data_dir, batch_size, batches, threads=2, workers=0):
     next(it)
   wall, cpu = time.perf_counter() - t, time.process_time() - c
   n = batches * batch_size
+  it.close()
   return {"threads": threads, "workers": workers, "batch_size": batch_size, "batches": batches,
-          "ex_per_s": n / wall, "main_process_cpu_s": cpu, "seq_lens": seq}
+          "ex_per_s": n / wall, "ex_per_cpu_s": n / cpu, "main_process_cpu_s": cpu,
+          "seq_lens": seq}
+
+
+def _decode(data_dir, batch_size, batches):
+  """Records/s per CPU-second: per-record ``Validator`` + padding vs ``BatchValidator``."""
+  import numpy as np
+
+  from data import records
+  from data.schema import Schema
+  from data.validate import BatchValidator
+  schema = Schema.load(data_dir)
+  seq = {s.name: s.max_len for s in schema.streams}
+  src = records.RecordSource(records.split_files(data_dir, "train", schema)[schema.surfaces[0]])
+  rng = np.random.default_rng(0)
+  raws = [src.read_many(rng.integers(0, len(src), batch_size))[2] for _ in range(batches)]
+  bv = BatchValidator(schema, seq)
+  surf = np.zeros(batch_size, np.int64)
+  where = lambda i: ("bench", i)
+  c = time.process_time()
+  for rs in raws:
+    cols = bv.empty(len(rs))
+    for i, r in enumerate(rs):
+      bv.fill_row(cols, i, bv.validator(r, file="bench", index=i, surface=0))
+  per_record = time.process_time() - c
+  c = time.process_time()
+  for rs in raws:
+    _, ok, _ = bv(rs, surf, where)
+    assert ok.all()
+  per_batch = time.process_time() - c
+  n = batch_size * batches
+  return {"records": n, "per_record_rec_per_cpu_s": n / per_record,
+          "batch_rec_per_cpu_s": n / per_batch}
 
 
 def main(argv=None):
@@ -79,16 +115,22 @@ def main(argv=None):
       d = os.path.join(tmp, preset)
       g = _gen(d, preset, n)
       r = {"generate": g, "pipeline": []}
-      rows.append((preset, "generate", "-", g["ex_per_s_wall"], f"cpu {g['ex_per_s_cpu']:.0f}/s"))
+      rows.append((preset, "generate", "-", g["ex_per_s_wall"], g["ex_per_s_cpu"], ""))
+      dec = _decode(d, bs, batches)
+      r["decode"] = dec
+      rows.append((preset, "validate/record", "-", float("nan"), dec["per_record_rec_per_cpu_s"],
+                   "decode + validate + pad, one record at a time"))
+      rows.append((preset, "validate/batch", "-", float("nan"), dec["batch_rec_per_cpu_s"],
+                   f"BatchValidator, batch {bs}"))
       for threads, workers in ((1, 0), (2, 0), (4, 0), (2, 2)):
         p = _pipe(d, bs, batches, threads, workers)
         r["pipeline"].append(p)
         mode = f"mp_prefetch x{workers}" if workers else "threads"
-        rows.append((preset, mode, threads, p["ex_per_s"], f"batch {bs}"))
+        rows.append((preset, mode, threads, p["ex_per_s"], p["ex_per_cpu_s"], f"batch {bs}"))
       result["presets"][preset] = r
-  print(f"{'preset':6s} {'stage':16s} {'threads':>7s} {'examples/s':>11s}  note")
-  for preset, stage, th, eps, note in rows:
-    print(f"{preset:6s} {stage:16s} {th!s:>7s} {eps:11.0f}  {note}")
+  print(f"{'preset':6s} {'stage':16s} {'threads':>7s} {'examples/s':>11s} {'ex/cpu-s':>9s}  note")
+  for preset, stage, th, eps, epc, note in rows:
+    print(f"{preset:6s} {stage:16s} {th!s:>7s} {eps:11.0f} {epc:9.0f}  {note}")
   print(f"(cpus {result['cpus']}, load average {result['load_avg'][0]:.1f})")
   os.makedirs(os.path.dirname(a.out), exist_ok=True)
   with open(a.out, "w") as f:

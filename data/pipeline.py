@@ -115,13 +115,15 @@ class Loader:
         raise e
       self.counter.add(e)
       skipped[e.kind] = skipped.get(e.kind, 0) + 1
-    full = self.validator.empty(B)
     keep = real[ok]
-    for k, v in cols.items():
-      full[k][keep] = v[ok]
     mask = np.zeros(B, np.float32)
     mask[keep] = 1.0
-    return self.collate(full, mask), skipped
+    if len(keep) < B:                              # padding / skipped rows
+      full = self.validator.empty(B)
+      for k, v in cols.items():
+        full[k][keep] = v[ok]
+      cols = full
+    return self.collate(cols, mask), skipped
 
 
 def invalid_counter(ds) -> InvalidCounter | None:

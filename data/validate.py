@@ -255,8 +255,7 @@ class BatchValidator:
   # ---- batch ------------------------------------------------------------------------------
   def __call__(self, raws: list[bytes], surface: np.ndarray, where):
     n = len(raws)
-    cols = self.empty(n)
-    ok = np.zeros(n, bool)
+    cols, ok = None, np.zeros(n, bool)
     if n:
       tmpl = None
       for raw in raws[:4]:
@@ -264,7 +263,16 @@ class BatchValidator:
         if tmpl is not None:
           break
       if tmpl is not None:
-        ok = self._fast(raws, np.asarray(surface, np.int64), tmpl, cols)
+        ok, cols = self._fast(raws, np.asarray(surface, np.int64), tmpl)
+    if ok.all() and cols is not None:
+      return cols, ok, []
+    if cols is None or not ok.any():
+      cols = self.empty(n)
+    elif not ok.all():                                     # fast rows into full-size columns
+      full = self.empty(n)
+      for k, v in cols.items():
+        full[k][ok] = v
+      cols = full
     errors = []
     for i in np.flatnonzero(~ok).tolist():
       file, index = where(i)
@@ -278,7 +286,8 @@ class BatchValidator:
       ok[i] = True
     return cols, ok, errors
 
-  def _fast(self, raws, surface, tmpl, cols) -> np.ndarray:
+  def _fast(self, raws, surface, tmpl):
+    """(ok bool[N], columns of the ok rows only) for the records laid out like ``tmpl``."""
     fields, H, head = tmpl
     n = len(raws)
     lens = np.fromiter(map(len, raws), np.int64, n)
@@ -329,7 +338,7 @@ class BatchValidator:
       dims[name] = np.where(ok, dims[name], 0)
     rows = np.flatnonzero(ok)
     if not len(rows):
-      return ok
+      return ok, None
     m = len(rows)
 
     def fixed(name):
@@ -367,42 +376,44 @@ class BatchValidator:
       sparse[name] = np.where(valid, ids, -1)
 
     events = {}
-    req = fx["request_ts"].astype(np.int64)
+    req = fx["request_ts"]
     for s in self.schema.streams:
       name = f"events/{s.name}"
       C = len(self.validator.cols[s.name])
       L = dims[name][rows]
       E = int(L.sum())
+      ends = np.cumsum(L)
+      # all events of the batch, record after record: contiguous copies of each payload
+      flat = np.concatenate([i32[a:a + n * C] for a, n in zip(offs[name][rows].tolist(),
+                                                               L.tolist()) if n]
+                            + [np.zeros(C, np.int32)]).reshape(E + 1, C)   # + a zero row
       if E:
-        seg = np.repeat(np.arange(m), L)
-        k = np.arange(E) - np.repeat(np.cumsum(L) - L, L)
-        w = np.repeat(offs[name][rows], L) + k * C
-        ev = i32[w[:, None] + np.arange(C)]
-        bad_row = ((ev < 0) | (ev >= self.validator.ev_hi[s.name])).any(1)
-        ts = ev[:, 3].astype(np.int64)
-        bad_row |= ts > req[seg]
-        order = np.zeros(E, bool)
-        order[1:] = (ts[1:] < ts[:-1]) & (seg[1:] == seg[:-1])
-        bad_row |= order
-        good &= np.bincount(seg, bad_row, minlength=m) == 0
+        nz = np.flatnonzero(L)
+        first = (ends - L)[nz]
+        lo = np.minimum.reduceat(flat[:E], first, axis=0)        # per record with events
+        hi = np.maximum.reduceat(flat[:E], first, axis=0)
+        bad = np.zeros(m, bool)
+        bad[nz] = ((lo < 0) | (hi >= self.validator.ev_hi[s.name])).any(1) | (hi[:, 3] > req[nz])
+        ts = flat[:E, 3]
+        drop = np.flatnonzero(ts[1:] < ts[:-1]) + 1               # usually empty
+        if len(drop):
+          start = np.zeros(E, bool)
+          start[first] = True
+          drop = drop[~start[drop]]                               # inside one record only
+          bad[np.searchsorted(ends, drop, side="right")] = True
+        good &= ~bad
       if s.name in self.seq_lens:
         T = self.seq_lens[s.name]
         kept = np.minimum(L, T)
-        kk = np.arange(T)
-        valid = kk[None, :] < kept[:, None]
-        src = np.where(valid, (L - kept)[:, None] + kk[None, :], 0)
-        w = np.minimum(offs[name][rows][:, None] + src * C, lim - C)
-        ev = i32[w[:, :, None] + np.arange(C)]
-        events[s.name] = (np.where(valid[:, :, None], ev, 0), kept)
+        valid = np.arange(T)[None, :] < kept[:, None]
+        row = np.where(valid, (ends - kept)[:, None] + np.arange(T)[None, :], E)   # E: zeros
+        events[s.name] = (np.take(flat, row, axis=0), kept)
 
-    keep = rows[good]
-    for k, v in fx.items():
-      cols[k][keep] = v[good]
-    for k, v in sparse.items():
-      cols[k][keep] = v[good]
-    for s, (ev, kept) in events.items():
-      cols[f"events/{s}"][keep] = ev[good]
-      cols[f"length/{s}"][keep] = kept[good]
-    out = np.zeros(n, bool)
-    out[keep] = True
-    return out
+    out = {**fx, **sparse}
+    for s_name, (ev, kept) in events.items():
+      out[f"events/{s_name}"], out[f"length/{s_name}"] = ev, kept
+    if not good.all():
+      out = {k: v[good] for k, v in out.items()}
+    ok[:] = False
+    ok[rows[good]] = True
+    return ok, out
