@@ -4,7 +4,9 @@ Forward FLOPs count matmuls only (a multiply-add = 2 FLOPs), mirroring exactly t
 the modules in ``kunlun/``; elementwise work (norms, activations, softmax), embedding look-ups and
 batch-shared work (the HSP/PMA seed query projection, computed once per batch) are not counted.
 Self-attention counts the *model* cost of its scope: ``4 T (2w+1) d`` for "swa" (the band),
-``4 T^2 d`` for "full", ``4 T b d`` for "block"; no recomputation. A training step is 3x forward.
+``4 T^2 d`` for "full", ``4 T b d`` for "block"; no recomputation. The Wukong cross-layer
+connections (``mowe.cross_layer``, h-19) count their ``X_0`` token map and weighted sums, which are
+contractions in ``kunlun/wukong.py``. A training step is 3x forward.
 Multiply by the batch size for a step.
 """
 
@@ -69,12 +71,23 @@ def wukong_layer_flops(N: int, d: int, n_out: int, rank: int, hidden: int) -> fl
   return f
 
 
+def wukong_cross_layer_flops(N: int, d: int, n_out: int, num_layers: int) -> float:
+  """Cross-layer connections of one stack (h-19): the ``X_0`` token map (when ``N != n_out``) and,
+  for each layer ``l >= 1``, the ``(l + 1)``-term weighted sum (a contraction of ``l + 1``)."""
+  if num_layers < 2:
+    return 0.0
+  f = 2 * N * n_out * d if N != n_out else 0.0
+  return f + sum(2 * (l + 1) * n_out * d for l in range(1, num_layers))
+
+
 def mowe_flops(cfg: ModelConfig, n_in: int) -> float:
   m = cfg.mowe
   f, N = 0.0, n_in
   for _ in range(m.layers_per_expert):
     f += wukong_layer_flops(N, cfg.d_ns, cfg.n_ns, m.rank, m.mlp_hidden)
     N = cfg.n_ns
+  if m.cross_layer:
+    f += wukong_cross_layer_flops(n_in, cfg.d_ns, cfg.n_ns, m.layers_per_expert)
   return m.num_experts * f
 
 

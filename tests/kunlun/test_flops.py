@@ -44,11 +44,14 @@ def xla_config():
   return c
 
 
-@pytest.mark.parametrize("arch,comp_skip", [("kunlun", True), ("kunlun", False),
-                                            ("interformer", True), ("dlrm", True)])
-def test_model_flops_match_xla(arch, comp_skip):
+@pytest.mark.parametrize("arch,comp_skip,cross_layer", [
+    ("kunlun", True, False), ("kunlun", False, False), ("kunlun", True, True),
+    ("interformer", True, False), ("dlrm", True, False)])
+def test_model_flops_match_xla(arch, comp_skip, cross_layer):
   c, schema, B = xla_config(), tiny_schema(), 8
   c.model.arch, c.model.comp_skip = arch, comp_skip
+  if cross_layer:                                  # connections need >= 2 layers per expert
+    c.model.mowe.update(layers_per_expert=3, cross_layer=True)
   model = build_model(c, schema)
   batch = random_batch(schema, B, seq_lens(c), seed=0)
   params = jax.eval_shape(model.init, KEY, batch, False)
@@ -90,3 +93,25 @@ def test_swa_and_block_counts_are_the_model_band():
   assert F.attention_flops(T, d, "swa", w, b) == 8 * T * d * d + 4 * T * (2 * w + 1) * d
   assert F.attention_flops(T, d, "block", w, b) == 8 * T * d * d + 4 * T * b * d
   assert F.attention_flops(T, d, "full", w, b) == 8 * T * d * d + 4 * T * T * d
+
+
+@pytest.mark.parametrize("num_layers", [2, 3])
+def test_mowe_cross_layer_flops_match_xla(num_layers):
+  """The extra FLOPs of the cross-layer connections (h-19): analytic vs XLA, on vs off."""
+  import dataclasses
+  B, N, d_ns, n_in = 4, 8, 64, 12
+  x = jnp.ones((B, n_in, d_ns), jnp.float32)
+  cfg = F.parse(xla_config(), tiny_schema())
+  got = {}
+  for cross in (False, True):
+    mowe = dataclasses.replace(cfg.mowe, num_experts=2, layers_per_expert=num_layers, rank=8,
+                               mlp_hidden=256, cross_layer=cross)
+    c = dataclasses.replace(cfg, d_ns=d_ns, n_ns=N, mowe=mowe)
+    got[cross] = (F.mowe_flops(c, n_in) * B,
+                  module_flops(MoWE(2, num_layers, N, 8, 256, cross_layer=cross), x))
+  extra = 2 * (2 * n_in * N * d_ns + sum(2 * (l + 1) * N * d_ns for l in range(1, num_layers)))
+  assert got[True][0] - got[False][0] == extra * B
+  assert abs((got[True][1] - got[False][1]) / (extra * B) - 1) < 0.1, got   # + residual adds
+  assert abs(got[True][0] / got[True][1] - 1) < 0.05, got
+  assert F.wukong_cross_layer_flops(n_in, d_ns, N, 1) == 0.0
+  assert F.wukong_cross_layer_flops(N, d_ns, N, 2) == 2 * 2 * N * d_ns     # no X_0 token map
