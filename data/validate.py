@@ -368,7 +368,7 @@ class BatchValidator:
       j = np.arange(f.max_len)
       valid = j[None, :] < L[:, None]
       w = offs[name][rows][:, None] + 2 * np.minimum(j, np.maximum(L - 1, 0)[:, None])
-      w = np.minimum(w, lim - 1)                      # empty rows read (masked) words in range
+      w = np.minimum(w, lim - 2)                      # empty rows read (masked) words in range
       lo = i32[w].astype(np.int64) & 0xFFFFFFFF
       ids = (i32[w + 1].astype(np.int64) << 32) | lo
       bad = valid & ((ids < 0) | (False if f.hashed else ids >= f.vocab_size))

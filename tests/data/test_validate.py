@@ -148,3 +148,17 @@ def test_batch_validator_matches_per_record_validator():
         np.testing.assert_array_equal(cols[f"events/{s}"][i], want)
     else:
       assert not ok[i] and got_err[i] == (kind, field, 100 + i), (i, kind)
+
+
+def test_batch_validator_empty_ragged_field_at_the_end_of_the_batch():
+  rng = np.random.default_rng(6)
+  recs = []
+  for _ in range(3):
+    r = _example(SCHEMA, rng, 0)
+    last = r.pop("sparse/user_interests")
+    r["sparse/user_interests"] = last[:0]                          # last field, no ids
+    recs.append(r)
+  cols, ok, errors = BatchValidator(SCHEMA, {})([records.encode(r) for r in recs],
+                                                np.zeros(3, np.int64), lambda i: ("f", i))
+  assert ok.all() and not errors
+  assert (cols["sparse/user_interests"] == -1).all()
