@@ -162,3 +162,29 @@ def test_batch_validator_empty_ragged_field_at_the_end_of_the_batch():
                                                 np.zeros(3, np.int64), lambda i: ("f", i))
   assert ok.all() and not errors
   assert (cols["sparse/user_interests"] == -1).all()
+
+
+def test_batch_validator_agrees_with_validator_on_corrupted_bytes():
+  """Random byte corruptions: a record is accepted by the batch path iff ``Validator`` accepts
+  it, with the same error kind and field otherwise (the batch path is never weaker)."""
+  rng = np.random.default_rng(7)
+  good = [records.encode(_example(SCHEMA, rng, 0)) for _ in range(8)]
+  bv, v = BatchValidator(SCHEMA, {"click": 2, "impression": 3}), Validator(SCHEMA)
+  n_rejected = 0
+  for trial in range(300):
+    raw = bytearray(good[trial % 8])
+    for _ in range(int(rng.integers(1, 3))):
+      raw[int(rng.integers(len(raw)))] = int(rng.integers(256))
+    batch = good[:3] + [bytes(raw)] + good[3:5]
+    cols, ok, errors = bv(batch, np.zeros(len(batch), np.int64), lambda i: ("f", i))
+    try:
+      rec = v(bytes(raw), file="f", index=3, surface=0)
+    except InvalidRecordError as e:
+      n_rejected += 1
+      assert [(i, x.kind, x.field) for i, x in errors] == [(3, e.kind, e.field)], trial
+      assert ok.tolist() == [True] * 3 + [False] + [True] * 2
+      continue
+    assert ok.all() and not errors, trial
+    np.testing.assert_array_equal(cols["dense"][3], rec["dense"])
+    np.testing.assert_array_equal(cols["labels"][3], rec["labels"])
+  assert 30 < n_rejected < 290                       # both outcomes exercised
