@@ -57,7 +57,7 @@ def _uninterrupted(d, steps, **kw):
   return [next(it) for _ in range(steps)]
 
 
-@pytest.mark.parametrize("before,after", [(2, 1), (1, 2), (2, 4)])
+@pytest.mark.parametrize("before,after", [(2, 1), (1, 2), (2, 4), (2, 2)])
 def test_elastic_resume_changes_process_count(tiny_dir, before, after):
   """Save after 3 steps with ``before`` processes, resume with ``after``: every global batch
   equals the uninterrupted single-process run's (bound: 0 repeated, 0 skipped examples)."""
@@ -185,3 +185,17 @@ def test_foreign_state_is_a_clear_error(tiny_dir):
                          shard_count=1))
   with pytest.raises(ValueError, match="TrainPlan"):
     it.set_state(ev.get_state())
+
+
+def test_new_weights_continue_each_surface_stream(tiny_dir):
+  """feed only for 2 steps, then feed + stories: feed's rows go on through the same epoch
+  permutation (no feed record repeats before the epoch ends)."""
+  it = _it(tiny_dir, 0, 1, surface_weights={"feed": 1.0})
+  first = [k for _ in range(2) for k in _keys(next(it))]
+  it2 = _it(tiny_dir, 0, 1, surface_weights={"feed": 0.5, "stories": 0.5})
+  it2.set_state(it.get_state())
+  later = [b for b in (next(it2) for _ in range(6))]
+  feed = [k for b in later for k, s in zip(_keys(b), b["surface"], strict=True) if s == 0]
+  assert 60 < len(feed) < 132 and (np.concatenate([b["surface"] for b in later]) == 1).any()
+  assert len(set(first + feed)) == len(first) + len(feed)
+  assert it2.get_state()["plan"]["consumed"]["feed"] == 64 + len(feed)
