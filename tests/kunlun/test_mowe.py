@@ -112,3 +112,20 @@ def test_full_model_with_cross_layer_trains_one_step():
   assert all(np.abs(flat[k]).max() > 0 for k in cross)
   moved = jax.tree.leaves(jax.tree.map(lambda a, b: np.abs(np.asarray(a) - b).max(), new, params))
   assert all(m > 0 for m, gk in zip(moved, flat.values()) if np.abs(gk).max() > 0)
+
+
+
+def test_mowe_cross_layer_params_shard_on_expert_axis():
+  """The connection parameters map to the ``expert`` mesh axis like the layers' (abstract init)."""
+  mesh = jax.make_mesh((2, 4), ("expert", "data"),
+                       axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  rules = (("exp", "expert"), ("batch", "data"), ("tokens", None), ("embed", None),
+           ("mlp", None))
+  x = np.ones((4, 6, 8), np.float32)
+  m = MoWE(num_experts=2, layers_per_expert=2, n_out=4, rank=2, mlp_hidden=8, cross_layer=True)
+  boxed = jax.eval_shape(m.init, jax.random.key(0), x)
+  specs = nn.logical_to_mesh_sharding(nn.get_partition_spec(boxed), mesh, rules)
+  e = specs["params"]["experts"]
+  assert e["cross_logits_1"].spec == jax.sharding.PartitionSpec("expert", None)
+  assert e["cross_proj"].spec == jax.sharding.PartitionSpec("expert", None, None)
+  assert boxed["params"]["experts"]["cross_proj"].value.shape == (2, 6, 4)
