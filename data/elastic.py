@@ -23,7 +23,7 @@ Eval (``EvalPlan``): local row j of process k is global record ``k + j * K``; fi
 also carries the skipped-record counts of the batches it produced (``invalid``), so the parent of
 ``mp_prefetch`` workers can add them up from its state (``data.pipeline.invalid_counts``).
 ``CheckpointSave`` / ``CheckpointRestore`` (orbax args) restore a state written under another
-process count: a process without its own file reads process 0's.
+process count: a process without its own file reads process 0's (or any other process's).
 """
 
 from __future__ import annotations
@@ -296,7 +296,8 @@ class BatchIterator(grain.DatasetIterator):
 
 class ElasticCheckpointHandler(grain.checkpoint.CheckpointHandler):
   """grain's handler (one ``process_<i>-of-<n>.json`` per process); a restore that finds no file
-  for this process reads process 0's of the saved process count (the plan state is global)."""
+  for this process reads process 0's of the saved process count, else any process's (the plan
+  state is global)."""
 
   def restore(self, directory, item=None, args=None):
     item = item or args.item
@@ -305,7 +306,8 @@ class ElasticCheckpointHandler(grain.checkpoint.CheckpointHandler):
     own = directory / f"process_{i}-of-{n}.json"
     if own.exists():
       return super().restore(directory, item=item)
-    files = sorted(directory.glob("process_0-of-*.json"))
+    files = (sorted(directory.glob("process_0-of-*.json"))   # any process's state would do
+             or sorted(directory.glob("process_*-of-*.json")))
     if not files:
       raise ValueError(f"no data iterator state (process_*-of-*.json) in {directory}")
     item.set_state(json.loads(files[0].read_text()))

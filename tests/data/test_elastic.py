@@ -199,3 +199,31 @@ def test_new_weights_continue_each_surface_stream(tiny_dir):
   assert 60 < len(feed) < 132 and (np.concatenate([b["surface"] for b in later]) == 1).any()
   assert len(set(first + feed)) == len(first) + len(feed)
   assert it2.get_state()["plan"]["consumed"]["feed"] == 64 + len(feed)
+
+
+def test_train_checkpointer_restores_iterator_under_another_process_count(tiny_dir, tmp_path,
+                                                                            monkeypatch):
+  """``kunlun.train.checkpoint.Checkpointer`` (train.py's): saved by process 1 of 2, restored
+  by a 1-process run."""
+  from grain._src.core import sharding
+
+  from kunlun.train import checkpoint
+  its = [_it(tiny_dir, k, 2) for k in range(2)]
+  for it in its:
+    next(it)
+  params, opt = {"w": jax.numpy.arange(3.0)}, {"m": jax.numpy.zeros(3)}
+  rng = jax.random.key(0)
+  monkeypatch.setattr(sharding, "get_process_index_and_count", lambda: (1, 2))
+  ckpt = checkpoint.Checkpointer(str(tmp_path / "ck"), keep=1)
+  ckpt.save(1, params, opt, rng, its[1])
+  ckpt.close()
+  monkeypatch.setattr(sharding, "get_process_index_and_count", lambda: (0, 1))
+  want = _concat([next(it) for it in its])
+  it1 = _it(tiny_dir, 0, 1)
+  ckpt = checkpoint.Checkpointer(str(tmp_path / "ck"), keep=1)
+  step, p, _, _ = ckpt.restore(checkpoint.abstract_like(params), checkpoint.abstract_like(opt),
+                               it1)
+  ckpt.close()
+  assert step == 1
+  np.testing.assert_array_equal(p["w"], params["w"])
+  jax.tree.map(np.testing.assert_array_equal, want, next(it1))
