@@ -24,7 +24,7 @@ import numpy as np
 
 from data import elastic, records
 from data.schema import Schema, check_seq_lens
-from data.validate import InvalidCounter, BatchValidator
+from data.validate import BatchValidator, InvalidCounter
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 

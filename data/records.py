@@ -278,7 +278,8 @@ class RecordSource:
     if self._readers[f] is None:   # a racing second open is harmless (reads are positional)
       from array_record.python import array_record_module
       self._readers[f] = array_record_module.ArrayRecordReader(
-          self.paths[f], options="readahead_buffer_size:0,max_parallelism:0", file_reader_buffer_size=4096)
+          self.paths[f], options="readahead_buffer_size:0,max_parallelism:0",
+          file_reader_buffer_size=4096)        # random single-record reads, no reader threads
     return self._readers[f]
 
   def __getitem__(self, i: int):

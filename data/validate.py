@@ -295,7 +295,8 @@ class BatchValidator:
     tails = (-(p0 + lens)) % 4
     pads = (b"", b"\0", b"\0\0", b"\0\0\0")
     pre = pads[p0]
-    buf = b"".join([x for r, t in zip(raws, tails.tolist()) for x in (pre, r, pads[t])])
+    buf = b"".join([x for r, t in zip(raws, tails.tolist(), strict=True)
+                    for x in (pre, r, pads[t])])
     slot = p0 + lens + tails
     starts = np.cumsum(slot) - slot
     u8 = np.frombuffer(buf, np.uint8)
@@ -385,7 +386,7 @@ class BatchValidator:
       ends = np.cumsum(L)
       # all events of the batch, record after record: contiguous copies of each payload
       flat = np.concatenate([i32[a:a + n * C] for a, n in zip(offs[name][rows].tolist(),
-                                                               L.tolist()) if n]
+                                                               L.tolist(), strict=True) if n]
                             + [np.zeros(C, np.int32)]).reshape(E + 1, C)   # + a zero row
       if E:
         nz = np.flatnonzero(L)

@@ -9,7 +9,6 @@ import pytest
 
 from data import elastic, records
 from data.pipeline import invalid_counts, make_dataset
-from data.schema import Schema
 
 LENS = {"click": 4, "impression": 4}
 
@@ -150,8 +149,8 @@ def test_mp_prefetch_skip_counts_reach_the_parent(tmp_path):
 
 
 def test_skipped_rows_are_padding_in_train(tmp_path):
-  from tests.data.test_validate import SCHEMA, _bad
   from tests.data.test_records import _example
+  from tests.data.test_validate import SCHEMA, _bad
   w = records.DatasetWriter(str(tmp_path), SCHEMA)
   rng = np.random.default_rng(0)
   good = [records.encode(_example(SCHEMA, rng, 0)) for _ in range(6)]

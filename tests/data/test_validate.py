@@ -129,7 +129,7 @@ def test_batch_validator_matches_per_record_validator():
   cols, ok, errors = BatchValidator(SCHEMA, lens)(
       [r for _, _, r in raws], np.zeros(len(raws), np.int64), lambda i: ("f.ar", 100 + i))
   got_err = {i: (e.kind, e.field, e.index) for i, e in errors}
-  for i, (kind, field, raw) in enumerate(raws):
+  for i, (kind, field, _) in enumerate(raws):
     if kind is None:
       assert ok[i] and i not in got_err
       r = good[order[i]]
