@@ -297,6 +297,44 @@ class BatchIterator(grain.DatasetIterator):
     super().close()
 
 
+def iterator_states(state) -> list[dict]:
+  """The ``BatchIterator`` states inside a (possibly ``mp_prefetch``) iterator state."""
+  found = []
+
+  def walk(x):
+    if isinstance(x, dict):
+      if "plan" in x and "invalid" in x:
+        found.append(x)
+        return
+      for v in x.values():
+        walk(v)
+    elif isinstance(x, (list, tuple)):
+      for v in x:
+        walk(v)
+
+  walk(state)
+  return found
+
+
+def global_state(state) -> dict:
+  """A plain ``BatchIterator`` state equivalent to ``state``, e.g. one of ``mp_prefetch`` with
+  any number of workers: the earliest step not yet produced (worker w of W holds steps
+  w, w + W, ...) and the skip counts of all workers. Restores a run under another worker count
+  (into an iterator without ``mp_prefetch``)."""
+  its = iterator_states(state)
+  if not its:
+    raise ValueError("no data iterator state found (not written by data.pipeline.make_dataset?)")
+  live = [s for s in its if s["plan"] is not None and not s.get("exhausted")]
+  key = lambda s: s["plan"].get("position", s["plan"].get("step", 0))
+  out = dict(min(live, key=key)) if live else dict(its[0], plan=None, exhausted=1)
+  invalid: dict[str, int] = {}
+  for s in its:
+    for k, v in s["invalid"].items():
+      invalid[k] = invalid.get(k, 0) + int(v)
+  out["invalid"] = invalid
+  return copy.deepcopy(out)
+
+
 # ---- orbax: restore a state written under another process count --------------------------------
 
 class ElasticCheckpointHandler(grain.checkpoint.CheckpointHandler):

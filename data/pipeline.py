@@ -136,22 +136,7 @@ def invalid_counts(iterator) -> dict[str, int]:
   """{kind: records skipped} over the batches ``iterator`` has produced so far (since the start
   of training when restored at the same process count), found in its state: works for plain
   iterators and ``mp_prefetch`` ones (whose state holds every worker's)."""
-  total: dict[str, int] = {}
-
-  def walk(x):
-    if isinstance(x, dict):
-      if "invalid" in x and "plan" in x:
-        for k, v in x["invalid"].items():
-          total[k] = total.get(k, 0) + int(v)
-        return
-      for v in x.values():
-        walk(v)
-    elif isinstance(x, (list, tuple)):
-      for v in x:
-        walk(v)
-
-  walk(iterator.get_state())
-  return total
+  return elastic.global_state(iterator.get_state())["invalid"]
 
 
 def _get(cfg, name, default):

@@ -123,6 +123,10 @@ def test_mp_prefetch_same_stream_and_resume(tiny_dir):
   for b in want[3:]:
     jax.tree.map(np.testing.assert_array_equal, b, next(it))
   it.close()
+  plain = iter(ds)                               # another worker count: via elastic.global_state
+  plain.set_state(elastic.global_state(state))
+  for b in want[3:]:
+    jax.tree.map(np.testing.assert_array_equal, b, next(plain))
 
 
 def test_mp_prefetch_skip_counts_reach_the_parent(tmp_path):
