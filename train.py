@@ -104,7 +104,10 @@ def train(argv):
   rng = jax.random.key(config.seed)
   init_rng, train_rng = jax.random.split(rng)
   params, p_shard = partition.init_sharded(model, init_rng, example, mesh, rules)
-  tx = optim.make_optimizer(config.train, int(config.train.get("schedule_steps", 0)) or total)
+  schedule_steps = int(config.train.get("schedule_steps", 0)) or total
+  tx = optim.make_optimizer(config.train, schedule_steps)
+  sparse_update = (optim.make_sparse_update(config.train, schedule_steps)
+                   if config.train.get("sparse_embedding_update", False) else None)
   o_shard = optim.opt_state_shardings(tx, checkpoint.abstract_like(params), p_shard, mesh)
   opt_state = jax.jit(tx.init, out_shardings=o_shard)(params)
   b_shard = partition.batch_sharding(mesh, rules)
@@ -124,7 +127,7 @@ def train(argv):
   if task_w and len(task_w) != len(schema.tasks):
     runtime.fail(f"config.train.task_weights={task_w} needs one weight per task {schema.task_names}")
   train_step = step_lib.make_train_step(
-      model, tx, np.asarray(task_w, np.float32) if task_w else None,
+      model, tx, np.asarray(task_w, np.float32) if task_w else None, sparse_update=sparse_update,
       param_shardings=p_shard, opt_shardings=o_shard, batch_sharding=b_shard)
 
   is_main = jax.process_index() == 0

@@ -21,6 +21,17 @@ from sharding import shard, with_axes
 F32 = jnp.float32
 
 
+# Sparse embedding update (``config.train.sparse_embedding_update``, kunlun/train/step.py): when
+# the train step applies the model with LOOKUP_IDS mutable, every table look-up (``_embed``)
+# records the ids it read in LOOKUP_IDS and adds a zero "tap" from ROW_TAPS to the rows it returns
+# (flax ``Module.perturb`` semantics: a pass with ROW_TAPS mutable creates the zero taps; a pass
+# given them adds them), so the gradient w.r.t. the taps is dLoss/d(looked-up rows). Both
+# collections mirror the params tree: entry ``<module path>/embedding_<name>``. Init and every
+# other apply (LOOKUP_IDS not mutable) are unaffected.
+LOOKUP_IDS = "embedding_ids"
+ROW_TAPS = "embedding_row_taps"
+
+
 def lookup(table, ids):
   """Rows of ``table [V, d]`` at ``ids i32[...]`` (in range) -> ``[..., d]``.
 
@@ -35,6 +46,24 @@ def _table(mod: nn.Module, name: str, rows: int, dim: int):
   init = nn.initializers.normal(stddev=dim ** -0.5)
   axes = ("table_rows", "table_dim")
   return mod.param(f"embedding_{name}", with_axes(init, axes), (rows, dim), F32)
+
+
+def _embed(mod: nn.Module, name: str, rows: int, dim: int, ids):
+  """``lookup`` of ``ids`` in ``mod``'s table ``embedding_<name> [rows, dim]``, with the sparse
+  embedding update's id record and row tap (see LOOKUP_IDS above)."""
+  out = lookup(_table(mod, name, rows, dim), ids)
+  key = f"embedding_{name}"
+  if mod.is_initializing() or not mod.is_mutable_collection(LOOKUP_IDS):
+    return out
+  if mod.has_variable(LOOKUP_IDS, key):
+    raise ValueError(f"table {key!r} of {mod.name or type(mod).__name__} looked up twice in one "
+                     "call; the sparse embedding update needs one lookup per table per call")
+  mod.put_variable(LOOKUP_IDS, key, jnp.asarray(ids, jnp.int32))
+  if mod.is_mutable_collection(ROW_TAPS):
+    mod.put_variable(ROW_TAPS, key, jnp.zeros_like(out))
+  elif mod.has_variable(ROW_TAPS, key):
+    out = out + mod.get_variable(ROW_TAPS, key)
+  return out
 
 
 def _dense(features, axes, dtype, use_bias=False, name=None, init=None):
@@ -64,7 +93,7 @@ class SparseEmbed(nn.Module):
         if ids.ndim == 1:
           ids = ids[:, None]
         valid_bl = ids >= 0
-        rows_bld = lookup(_table(self, f.name, f.vocab_size, self.dim),
+        rows_bld = _embed(self, f.name, f.vocab_size, self.dim,
                           jnp.where(valid_bl, ids % f.vocab_size, 0))
         w_bl = valid_bl.astype(F32)
         n_b = jnp.sum(w_bl, axis=1, keepdims=True)
@@ -146,7 +175,7 @@ class EventEmbed(nn.Module):
       if missing:
         raise ValueError(f"events[{s.name!r}] lacks fields {missing}")
       side = event_side_dim(self.dim)
-      emb = lambda name, rows, ids, dim: lookup(_table(self, name, rows, dim),
+      emb = lambda name, rows, ids, dim: _embed(self, name, rows, dim,
                                                 jnp.asarray(ids, jnp.int32) % rows)
       parts = [emb("item", s.item_vocab, events["item"], self.dim),
                emb("action", s.action_vocab, events["action"], side),
@@ -189,7 +218,7 @@ class ContextEncoder(nn.Module):
         raise ValueError("ContextEncoder needs at least one sparse or dense feature")
       x = jnp.concatenate([p.astype(self.dtype) for p in parts], axis=1)
       x = LCE(self.num_tokens, self.dtype, name="lce")(x)
-      surf = lookup(_table(self, "surface", self.num_surfaces, self.dim),
+      surf = _embed(self, "surface", self.num_surfaces, self.dim,
                     jnp.asarray(surface, jnp.int32) % self.num_surfaces)
       x = x + surf[:, None, :].astype(x.dtype)
       return shard(x, ("batch", "tokens", "embed"))

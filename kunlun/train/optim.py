@@ -87,7 +87,7 @@ def make_sparse_update(train_cfg, total_steps: int):
   Returns ``update(params, opt_state, grads, rows, ok) -> (params, opt_state, table_sq_norm)``:
     grads: ``{keystr(path): gradient}`` for every parameter that is not a looked-up table;
     rows:  ``{keystr(path): (ids i32[...], row_grads f32[..., D])}`` for each looked-up table
-           (``kunlun.inputs.lookup``'s id record and the gradient w.r.t. the rows it returned);
+           (the id record of a ``kunlun.inputs`` look-up and the gradient w.r.t. its rows);
     ok:    ``bool[]``; False keeps every parameter and state leaf (tables without a table-wide
            select: their update is switched off).
   ``opt_state`` is ``make_optimizer(...).init(params)``'s layout, unchanged, so checkpoints and the
@@ -108,8 +108,8 @@ def make_sparse_update(train_cfg, total_steps: int):
     labels = jax.tree.leaves(param_labels(params))
     missing = [k for k in keys if k not in rows and k not in grads]
     if missing or set(rows) - set(keys):
-      raise ValueError(f"sparse update: no gradient for {missing}; unknown tables "
-                       f"{sorted(set(rows) - set(keys))}")
+      raise ValueError(f"sparse update: no gradient for {missing}; tables not in params "
+                       f"{sorted(set(rows) - set(keys))} (params must be unboxed: nn.meta.unbox)")
     keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
     masked = lambda leaves, group: treedef.unflatten(
         [x if lab == group else optax.MaskedNode() for x, lab in zip(leaves, labels)])

@@ -66,3 +66,170 @@ def test_nonfinite_step_is_skipped_bitwise():
   for a, c in zip(jax.tree.leaves(new_params) + jax.tree.leaves(new_opt),
                   jax.tree.leaves(p_before) + jax.tree.leaves(o_before)):
     np.testing.assert_array_equal(np.asarray(a), c)
+
+
+# ---- sparse embedding update (config.train.sparse_embedding_update) ------------------------
+
+import contextlib  # noqa: E402
+import functools  # noqa: E402
+
+import grain  # noqa: E402
+import pytest  # noqa: E402
+
+from data.fake import random_batch, tiny_schema  # noqa: E402
+from kunlun.inputs import ContextEncoder, EventEmbed  # noqa: E402
+from kunlun.train import checkpoint  # noqa: E402
+from sharding import partition  # noqa: E402
+from sharding import mesh as M  # noqa: E402
+from sharding import rules as R  # noqa: E402
+
+SEQ = {"click": 8, "impression": 6}
+TABLE = "embedding_ad_id_hash"         # 1000 rows: sharded 8 ways (others: partly or not at all)
+
+
+class _Inputs(nn.Module):
+  """The real context input stage (a multi-hot and a one-hot sparse table, the surface table, read
+  through ``kunlun.inputs.lookup``; optionally an event stream's four tables) and a linear head:
+  compiles in seconds (test only)."""
+  events: bool = False
+
+  @nn.compact
+  def __call__(self, batch, train: bool = False):
+    s = tiny_schema()
+    feats = tuple(f for f in s.sparse if f.name in ("ad_id_hash", "user_interests"))
+    x = ContextEncoder(feats, 1, 2, 8, len(s.surfaces), name="context")(
+        batch["sparse"], jnp.asarray(batch["dense"]), jnp.asarray(batch["surface"]))
+    h = [x.reshape(x.shape[0], -1)]
+    if self.events:
+      st = s.stream("impression")
+      h.append(EventEmbed(st, len(s.surfaces), 8, 16, name="embed_impression")(
+          batch["events"][st.name]).mean(1))
+    h = nn.Dropout(0.1, deterministic=not train)(jnp.concatenate(h, -1))
+    return nn.Dense(len(s.tasks))(h)
+
+
+def _cfg():
+  return ml_collections.ConfigDict(dict(lr=1e-2, warmup_steps=0, schedule="constant",
+                                        weight_decay=1e-3, b1=0.9, b2=0.999, clip_norm=1.0,
+                                        emb_lr=0.05))
+
+
+@functools.cache
+def _sparse_batches(n=2, B=16):
+  return tuple(random_batch(tiny_schema(), B, SEQ, seed=10 + i, min_len=1) for i in range(n))
+
+
+@functools.cache
+def _step_setup(sparse, mesh_shape=None, rules_name=None, events=False):
+  """``(step_fn, init_state_fn, put, (mesh, rules) or None)`` for the test model; cached so that
+  tests share one compiled step per variant."""
+  model, batch = _Inputs(events), _sparse_batches()[0]
+  tx = optim.make_optimizer(_cfg(), 10)
+  su = optim.make_sparse_update(_cfg(), 10) if sparse else None
+  ctx, kw = None, {}
+  if mesh_shape is None:
+    p = nn.meta.unbox(model.init(jax.random.key(0), batch)["params"])
+    o, put = tx.init(p), lambda b: b
+  else:
+    ctx = mesh, rules = M.make_mesh(dict(mesh_shape)), R.get_rules(rules_name)
+    p, p_sh = partition.init_sharded(model, jax.random.key(0), batch, mesh, rules)
+    o_sh = optim.opt_state_shardings(tx, checkpoint.abstract_like(p), p_sh, mesh)
+    o, b_sh = jax.jit(tx.init, out_shardings=o_sh)(p), partition.batch_sharding(mesh, rules)
+    kw = dict(param_shardings=p_sh, opt_shardings=o_sh, batch_sharding=b_sh)
+    put = lambda b: jax.device_put(b, b_sh)
+  arrays, shardings = jax.tree.map(np.asarray, (p, o)), jax.tree.map(lambda x: x.sharding, (p, o))
+  init = lambda: jax.tree.map(jax.device_put, arrays, shardings)   # fresh: the step donates
+  return step.make_train_step(model, tx, sparse_update=su, **kw), init, put, ctx
+
+
+def _run(sparse, mesh_shape=None, rules_name=None, events=False):
+  """Steps over every test batch from the same init: (initial params, params, opt_state, stats)."""
+  f, init, put, ctx = _step_setup(sparse, mesh_shape, rules_name, events)
+  p, o = init()
+  p0 = jax.tree.map(np.asarray, p)
+  stats = []
+  with partition.activate(*ctx) if ctx else contextlib.nullcontext():
+    for i, b in enumerate(_sparse_batches()):
+      p, o, s = f(p, o, put(b), jax.random.key(1), i)
+      stats.append(jax.device_get(s))
+  return p0, p, o, stats
+
+
+def _touched(batches, vocab):
+  """Rows of the ad_id_hash table any batch reads (SparseEmbed maps empty slots to row 0)."""
+  ids = np.concatenate([b["sparse"]["ad_id_hash"].ravel() for b in batches])
+  return np.union1d(ids[ids >= 0] % vocab, [0])
+
+
+def _leaves(tree):
+  return {jax.tree_util.keystr(k): np.asarray(v) for k, v in jax.tree_util.tree_leaves_with_path(tree)}
+
+
+def _assert_close(a, b, rtol=2e-5, atol=2e-6):
+  a, b = _leaves(a), _leaves(b)
+  assert a.keys() == b.keys()
+  for k in a:
+    np.testing.assert_allclose(a[k], b[k], rtol=rtol, atol=atol, err_msg=k)
+
+
+MESHES = [pytest.param(None, None, False, id="1-device"),
+          pytest.param((("data", 2), ("fsdp", 4)), "fsdp", False, id="data2-fsdp4"),
+          pytest.param((("fsdp", 2), ("tensor", 2), ("expert", 2)), "5d", True, id="5d-events",
+                       marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("mesh_shape, rules_name, events", MESHES)
+def test_sparse_update_equals_dense(mesh_shape, rules_name, events):
+  """Sparse and dense embedding updates give the same params, optimizer state and statistics
+  after 2 steps; table rows no batch reads stay bitwise equal to their initial values."""
+  _, p_d, o_d, s_d = _run(False, mesh_shape, rules_name, events)
+  p0, p_s, o_s, s_s = _run(True, mesh_shape, rules_name, events)
+  assert jax.tree.structure(o_s) == jax.tree.structure(o_d)
+  _assert_close(p_s, p_d)
+  _assert_close(o_s, o_d)
+  for a, b in zip(s_s, s_d):
+    assert a["ok"] and b["ok"]
+    for k in ("loss", "grad_norm", "loss_sum", "per_task"):
+      np.testing.assert_allclose(a[k], b[k], rtol=2e-5, err_msg=k)
+  table = np.asarray(p_s["context"]["sparse"][TABLE])
+  init = p0["context"]["sparse"][TABLE]
+  untouched = np.setdiff1d(np.arange(table.shape[0]), _touched(_sparse_batches(), table.shape[0]))
+  assert len(untouched) > 500
+  np.testing.assert_array_equal(table[untouched], init[untouched])
+  assert not np.array_equal(table, init)
+  if mesh_shape is not None:
+    assert p_s["context"]["sparse"][TABLE].sharding.spec[0] is not None
+
+
+def test_sparse_nonfinite_step_is_skipped_bitwise():
+  f, init, _, _ = _step_setup(True, None, None, False)
+  p, o = init()
+  before = jax.tree.map(np.asarray, (p, o))
+  b = dict(_sparse_batches()[0])
+  b["dense"] = b["dense"].copy()
+  b["dense"][0, 0] = np.nan
+  new_p, new_o, s = f(p, o, b, jax.random.key(1), 0)
+  assert not bool(s["ok"]) and not np.isfinite(s["grad_norm"])
+  for a, c in zip(jax.tree.leaves((new_p, new_o)), jax.tree.leaves(before), strict=True):
+    np.testing.assert_array_equal(np.asarray(a), c)
+
+
+def test_sparse_checkpoint_resume(tmp_path):
+  """A sparse-path state saves and restores into the dense path's abstract layout (what
+  train.py builds from ``tx.init``); resuming continues bitwise."""
+  f, init, put, ctx = _step_setup(True, (("data", 2), ("fsdp", 4)), "fsdp", False)
+  p, o = init()
+  abstract = checkpoint.abstract_like(p), checkpoint.abstract_like(o)
+  b0, b1 = _sparse_batches()
+  it = lambda: iter(grain.MapDataset.range(10).to_iter_dataset())
+  ck = checkpoint.Checkpointer(str(tmp_path / "ck"))
+  with partition.activate(*ctx):
+    p, o, _ = f(p, o, put(b0), jax.random.key(1), 0)
+    ck.save(1, p, o, jax.random.key(1), it())
+    ck.wait()
+    _, p2, o2, _ = ck.restore(*abstract, it())
+    want = f(p, o, put(b1), jax.random.key(1), 1)[:2]
+    got = f(p2, o2, put(b1), jax.random.key(1), 1)[:2]
+  ck.close()
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
