@@ -38,6 +38,7 @@ import concurrent.futures
 import copy
 import dataclasses
 import json
+import sys
 
 import grain
 import numpy as np
@@ -292,7 +293,7 @@ class BatchIterator(grain.DatasetIterator):
     if self._closed:
       return
     self._cancel()
-    if self._pool is not None:
+    if self._pool is not None and not sys.is_finalizing():  # at exit the pool is torn down anyway
       self._pool.shutdown(wait=False, cancel_futures=True)
     super().close()
 
