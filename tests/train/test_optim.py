@@ -75,59 +75,76 @@ def test_updates_match_numpy():
 
 
 def _sparse_params():
-  return {"SparseEmbed_0": {"ad_embedding": jnp.asarray(np.random.default_rng(1).normal(size=(6, 3)),
-                                                        jnp.float32)},
+  rng = np.random.default_rng(1)
+  return {"SparseEmbed_0": {"ad_embedding": jnp.asarray(rng.normal(size=(16, 3)), jnp.float32),
+                            "small_embedding": jnp.asarray(rng.normal(size=(3, 3)), jnp.float32)},
           "Pos_0": {"pos_embedding": jnp.ones((4, 3))},          # "emb" but not looked up
           "Dense_0": {"kernel": jnp.full((2, 3), 0.5), "bias": jnp.zeros((3,))}}
 
 
-def test_sparse_update_matches_dense_optimizer_and_numpy():
-  """Row gradients + ids drive the same update as the dense table gradient (numpy scatter-add);
-  the optimizer-state layout is make_optimizer's; rows never looked up stay bitwise unchanged."""
+def _np_rowwise(table, acc, g_table, touched, lr=0.05):
+  acc[touched] += (g_table[touched].astype(np.float64) ** 2).mean(1)
+  table[touched] -= lr * g_table[touched] / (np.sqrt(acc[touched])[:, None] + 1e-8)
+
+
+def _scatter(ids, g_rows, rows):
+  g = np.zeros((rows, g_rows.shape[-1]), np.float32)
+  for i, gi in zip(ids.ravel(), g_rows.reshape(-1, g_rows.shape[-1])):
+    if i >= 0:
+      g[i] += gi
+  return g
+
+
+@pytest.mark.parametrize("jit", [True, False])
+def test_sparse_update_matches_dense_optimizer_and_numpy(jit):
+  """Row gradients + ids drive the same update as the dense table gradient (numpy scatter-add):
+  a 16-row table (> ids: the sparse path) and a 3-row one (<= ids: the scatter path); the
+  optimizer-state layout is make_optimizer's; rows never looked up stay bitwise unchanged."""
   cfg = _cfg()
   tx, sparse = optim.make_optimizer(cfg, 100), optim.make_sparse_update(cfg, 100)
+  sparse = jax.jit(sparse) if jit else sparse
   params = _sparse_params()
   p_dense, s_dense = params, tx.init(params)
   p_sparse, s_sparse = params, tx.init(params)
-  table0 = np.asarray(params["SparseEmbed_0"]["ad_embedding"], np.float64)
-  emb, acc = table0.copy(), np.zeros(6)
+  ref = {n: [np.asarray(params["SparseEmbed_0"][n], np.float64), np.zeros(len(params["SparseEmbed_0"][n]))]
+         for n in ("ad_embedding", "small_embedding")}
   rng = np.random.default_rng(0)
-  tkey, pkey = "['SparseEmbed_0']['ad_embedding']", "['Pos_0']['pos_embedding']"
+  key = lambda n: f"['SparseEmbed_0']['{n}']"
+  pkey = "['Pos_0']['pos_embedding']"
   for t in range(3):
-    ids = rng.integers(-1, 4, (5, 2)).astype(np.int32)             # rows 4, 5 never looked up
-    ids[0] = [2, 2]                                                # a repeated id
-    g_rows = rng.normal(size=(5, 2, 3)).astype(np.float32)
-    g_table = np.zeros((6, 3), np.float32)
-    for i, g in zip(ids.ravel(), g_rows.reshape(-1, 3)):
-      if i >= 0:
-        g_table[i] += g
+    ids = {"ad_embedding": rng.integers(-1, 12, (5, 2)).astype(np.int32),   # rows 12.. never read
+           "small_embedding": rng.integers(-1, 2, (5, 2)).astype(np.int32)}  # row 2 never read
+    ids["ad_embedding"][0] = [2, 2]                                      # a repeated id
+    g_rows = {n: rng.normal(size=(5, 2, 3)).astype(np.float32) for n in ids}
+    g_table = {n: _scatter(ids[n], g_rows[n], len(ref[n][0])) for n in ids}
     g_other = {"['Dense_0']['kernel']": rng.normal(size=(2, 3)), "['Dense_0']['bias']": rng.normal(size=3),
                pkey: rng.normal(size=(4, 3))}
     g_other = {k: jnp.asarray(v, jnp.float32) for k, v in g_other.items()}
-    grads = {"SparseEmbed_0": {"ad_embedding": jnp.asarray(g_table)},
+    grads = {"SparseEmbed_0": {n: jnp.asarray(g) for n, g in g_table.items()},
              "Pos_0": {"pos_embedding": g_other[pkey]},
              "Dense_0": {"kernel": g_other["['Dense_0']['kernel']"], "bias": g_other["['Dense_0']['bias']"]}}
     upd, s_dense = tx.update(grads, s_dense, p_dense)
     p_dense = jax.tree.map(lambda p, u: p + u, p_dense, upd)
-    p_sparse, s_sparse, sq = jax.jit(sparse)(p_sparse, s_sparse, g_other, {tkey: (ids, g_rows)},
-                                             jnp.asarray(True))
-    np.testing.assert_allclose(float(sq), float(np.sum(g_table.astype(np.float64) ** 2)), rtol=1e-5)
-    touched = np.unique(ids[ids >= 0])
-    acc[touched] += (g_table[touched].astype(np.float64) ** 2).mean(1)
-    emb[touched] -= 0.05 * g_table[touched] / (np.sqrt(acc[touched])[:, None] + 1e-8)
+    rows = {key(n): (ids[n], g_rows[n]) for n in ids}
+    p_sparse, s_sparse, sq = sparse(p_sparse, s_sparse, g_other, rows, jnp.asarray(True))
+    want_sq = sum(float(np.sum(g.astype(np.float64) ** 2)) for g in g_table.values())
+    np.testing.assert_allclose(float(sq), want_sq, rtol=1e-5)
+    for n in ids:
+      _np_rowwise(*ref[n], g_table[n], np.unique(ids[n][ids[n] >= 0]))
   assert jax.tree.structure(s_sparse) == jax.tree.structure(s_dense)
   for a, b in zip(jax.tree.leaves(p_sparse) + jax.tree.leaves(s_sparse),
                   jax.tree.leaves(p_dense) + jax.tree.leaves(s_dense), strict=True):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
-  table = np.asarray(p_sparse["SparseEmbed_0"]["ad_embedding"])
-  np.testing.assert_allclose(table, emb, rtol=1e-5, atol=1e-6)
-  np.testing.assert_array_equal(table[4:], np.asarray(params["SparseEmbed_0"]["ad_embedding"])[4:])
   acc_tree = s_sparse.inner_states["emb"].inner_state.acc
-  np.testing.assert_allclose(np.asarray(acc_tree["SparseEmbed_0"]["ad_embedding"]), acc, rtol=1e-5)
+  for n, untouched in (("ad_embedding", slice(12, None)), ("small_embedding", slice(2, None))):
+    table = np.asarray(p_sparse["SparseEmbed_0"][n])
+    np.testing.assert_allclose(table, ref[n][0], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(acc_tree["SparseEmbed_0"][n]), ref[n][1], rtol=1e-5)
+    np.testing.assert_array_equal(table[untouched], np.asarray(params["SparseEmbed_0"][n])[untouched])
 
   # ok = False: every parameter and state leaf bitwise unchanged
-  p2, s2, _ = jax.jit(sparse)(p_sparse, s_sparse, g_other, {tkey: (ids, g_rows)}, jnp.asarray(False))
+  p2, s2, _ = sparse(p_sparse, s_sparse, g_other, rows, jnp.asarray(False))
   for a, b in zip(jax.tree.leaves((p2, s2)), jax.tree.leaves((p_sparse, s_sparse)), strict=True):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   with pytest.raises(ValueError, match="no gradient"):
-    sparse(p_sparse, s_sparse, {}, {tkey: (ids, g_rows)}, jnp.asarray(True))
+    optim.make_sparse_update(cfg, 100)(p_sparse, s_sparse, {}, rows, jnp.asarray(True))

@@ -1,0 +1,171 @@
+"""Dense vs sparse row-wise Adagrad on one embedding table, per step (the table side of
+``config.train.sparse_embedding_update``).
+
+  JAX_PLATFORMS=cpu python -m bench.embedding_update [--rows 65536,262144,1048576] [--dim 64]
+      [--ids 4096] [--reps 10] [--quick] [--train_step tiny --batch_size 64]
+
+Both variants start from the same looked-up rows' gradients ``g [ids, D]`` (Zipf-distributed
+ids, so many repeat):
+
+  dense   what the dense path does: the table-shaped gradient (scatter-add of ``g``, as autodiff
+          of the gather builds it) then ``optim.rowwise_adagrad`` + ``apply_updates`` on every row
+          (reads and writes the whole table and accumulator);
+  sparse  ``sharding.embedding.sparse_adagrad_update``: dedup + segment-sum of the ids, then
+          read/modify/write of the touched rows only.
+
+Table and accumulator are donated (in-place updates where XLA can). Reported: median step time,
+the compiled temp buffer bytes, and the rows touched. One device (the row-sharded exchange is
+covered by tests; on fake CPU devices its timing is meaningless). ``--train_step CONFIG`` also
+times the whole jitted train step of a model config with both paths (small tables there: the
+sparse path's sorts can cost more than they save). Results go to
+``bench/results/embedding_update.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+
+
+def _zipf_ids(rng, n, rows, a=1.2):
+  import numpy as np
+  return ((rng.zipf(a, n) - 1) % rows).astype(np.int32)
+
+
+def bench_one(rows: int, dim: int, n_ids: int, reps: int, lr: float = 0.05) -> dict:
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  import optax
+
+  from kunlun.train.optim import rowwise_adagrad
+  from sharding.embedding import sparse_adagrad_update
+
+  rng = np.random.default_rng(0)
+  ids = jnp.asarray(_zipf_ids(rng, n_ids, rows))
+  g = jnp.asarray(rng.normal(size=(n_ids, dim)).astype(np.float32))
+  tx = rowwise_adagrad(lr)
+
+  def dense(table, acc, ids, g):
+    grad = jnp.zeros_like(table).at[ids].add(g)
+    upd, st = tx.update(grad, type(tx.init(table))(acc))
+    return optax.apply_updates(table, upd), st.acc
+
+  def sparse(table, acc, ids, g):
+    return sparse_adagrad_update(table, acc, ids, g, lr)
+
+  out = {"rows": rows, "dim": dim, "ids": n_ids, "touched": int(np.unique(np.asarray(ids)).size),
+         "table_mb": rows * dim * 4 / 2 ** 20}
+  results, table0 = {}, rng.normal(size=(rows, dim)).astype(np.float32)
+  for name, fn in (("dense", dense), ("sparse", sparse)):
+    table = jnp.asarray(table0)
+    acc = jnp.zeros((rows,), jnp.float32)
+    f = jax.jit(fn, donate_argnums=(0, 1))
+    compiled = f.lower(table, acc, ids, g).compile()
+    mem = compiled.memory_analysis()
+    table, acc = f(table, acc, ids, g)                      # warm-up
+    jax.block_until_ready(table)
+    times = []
+    for _ in range(reps):
+      t0 = time.perf_counter()
+      table, acc = f(table, acc, ids, g)
+      jax.block_until_ready((table, acc))
+      times.append(time.perf_counter() - t0)
+    results[name] = (table, acc)
+    out[f"{name}_ms"] = 1e3 * float(np.median(times))
+    out[f"{name}_temp_mb"] = (mem.temp_size_in_bytes / 2 ** 20) if mem is not None else None
+  # same start, same updates: the two variants must agree (sanity, not a test)
+  (td, ad), (ts, as_) = results["dense"], results["sparse"]
+  out["max_abs_diff"] = float(jnp.max(jnp.abs(td - ts)))
+  out["acc_max_abs_diff"] = float(jnp.max(jnp.abs(ad - as_)))
+  out["speedup"] = out["dense_ms"] / out["sparse_ms"]
+  return out
+
+
+def bench_train_step(config: str, batch_size: int, reps: int) -> dict:
+  """Step time of the whole train step, dense vs sparse embedding update (one device)."""
+  import importlib
+
+  import flax.linen as nn
+  import jax
+  import numpy as np
+
+  from data.fake import random_batch, tiny_schema
+  from kunlun.config import seq_lens
+  from kunlun.model import build_model
+  from kunlun.train import optim, step
+
+  cfg, schema = importlib.import_module(f"kunlun.configs.{config}").get_config(), tiny_schema()
+  model = build_model(cfg, schema)
+  batch = random_batch(schema, batch_size, seq_lens(cfg), seed=1, min_len=1)
+  params = nn.meta.unbox(jax.jit(lambda k: model.init(k, batch, train=False))(
+      jax.random.key(0))["params"])
+  tx = optim.make_optimizer(cfg.train, 1000)
+  out = {"config": config, "batch_size": batch_size, "schema": "tiny",
+         "table_rows": sum(int(x.shape[0]) for k, x in jax.tree_util.tree_leaves_with_path(params)
+                           if "embedding" in jax.tree_util.keystr(k))}
+  for name, su in (("dense", None), ("sparse", optim.make_sparse_update(cfg.train, 1000))):
+    f = step.make_train_step(model, tx, sparse_update=su)
+    p, o = jax.tree.map(np.asarray, params), tx.init(params)
+    t0 = time.perf_counter()
+    p, o, s = f(p, o, batch, jax.random.key(1), 0)
+    jax.block_until_ready(p)
+    out[f"{name}_compile_s"] = time.perf_counter() - t0
+    times = []
+    for i in range(reps):
+      t0 = time.perf_counter()
+      p, o, s = f(p, o, batch, jax.random.key(1), i + 1)
+      jax.block_until_ready((p, o))
+      times.append(time.perf_counter() - t0)
+    out[f"{name}_ms"] = 1e3 * float(np.median(times))
+  return out
+
+
+def main():
+  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap.add_argument("--rows", default="65536,262144,1048576")
+  ap.add_argument("--dim", type=int, default=64)
+  ap.add_argument("--ids", type=int, default=4096, help="looked-up ids per step (batch x slots)")
+  ap.add_argument("--reps", type=int, default=10)
+  ap.add_argument("--quick", action="store_true", help="small tables, 3 reps (smoke run)")
+  ap.add_argument("--train_step", default=None, metavar="CONFIG",
+                  help="also time the whole train step of this config (e.g. tiny; tiny schema)")
+  ap.add_argument("--batch_size", type=int, default=64, help="batch for --train_step")
+  ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results",
+                                                "embedding_update.json"))
+  a = ap.parse_args()
+  rows = [4096, 16384] if a.quick else [int(r) for r in a.rows.split(",")]
+  reps = 3 if a.quick else a.reps
+
+  import jax
+  res = [bench_one(r, a.dim, a.ids, reps) for r in rows]
+  hdr = (f"{'rows':>9} {'table MB':>9} {'touched':>8} {'dense ms':>9} {'sparse ms':>10} "
+         f"{'speedup':>8} {'dense tmp MB':>13} {'sparse tmp MB':>14} {'max |diff|':>10}")
+  print(f"device {jax.devices()[0].platform}, dim {a.dim}, {a.ids} ids/step (Zipf 1.2), "
+        f"median of {reps}")
+  print(hdr)
+  for r in res:
+    print(f"{r['rows']:>9} {r['table_mb']:>9.1f} {r['touched']:>8} {r['dense_ms']:>9.2f} "
+          f"{r['sparse_ms']:>10.2f} {r['speedup']:>8.1f} {r['dense_temp_mb'] or 0:>13.1f} "
+          f"{r['sparse_temp_mb'] or 0:>14.1f} {r['max_abs_diff']:>10.1e}")
+  step_res = None
+  if a.train_step:
+    step_res = bench_train_step(a.train_step, a.batch_size, reps)
+    print(f"train step {a.train_step} (batch {a.batch_size}, {step_res['table_rows']} table rows): "
+          f"dense {step_res['dense_ms']:.1f} ms, sparse {step_res['sparse_ms']:.1f} ms "
+          f"(compile {step_res['dense_compile_s']:.0f} s / {step_res['sparse_compile_s']:.0f} s)")
+  meta = {"device": jax.devices()[0].platform, "cpus": os.cpu_count(),
+          "machine": platform.machine(), "load_avg": list(os.getloadavg()), "quick": a.quick,
+          "dim": a.dim, "ids_per_step": a.ids, "reps": reps, "results": res,
+          "train_step": step_res}
+  os.makedirs(os.path.dirname(a.out), exist_ok=True)
+  with open(a.out, "w") as f:
+    json.dump(meta, f, indent=1)
+  print(f"wrote {a.out}")
+
+
+if __name__ == "__main__":
+  main()
