@@ -13,11 +13,15 @@ from sharding import mesh as M
 from sharding import rules as R
 
 
-def _tiny(B=16, n=1):
+def _tiny(B=16, n=1, layers=None):
   from kunlun.config import seq_lens
   from kunlun.configs import tiny
   from kunlun.model import build_model
   cfg, schema = tiny.get_config(), tiny_schema()
+  if layers:      # every table is in the input stage; fewer layers only shorten the compile
+    cfg.model.num_layers = layers
+    for t in cfg.model.towers.values():
+      t.depth = min(t.depth, layers)
   return cfg, build_model(cfg, schema), [random_batch(schema, B, seq_lens(cfg), seed=1 + i, min_len=1)
                                          for i in range(n)]
 
@@ -48,7 +52,7 @@ def test_kunlun_sparse_embedding_update_equals_dense():
   reads stay bitwise unchanged. On a data=2 x fsdp=4 mesh (the 1-device case is covered on the
   input stage in tests/train/test_step.py)."""
   from kunlun.train import checkpoint, optim, step
-  cfg, model, batches = _tiny(n=2)
+  cfg, model, batches = _tiny(n=2, layers=1)
   cfg.train.warmup_steps = 0
   tx = optim.make_optimizer(cfg.train, 10)
   mesh, rules = M.make_mesh({"data": 2, "fsdp": 4}), R.get_rules("fsdp")
