@@ -2,14 +2,28 @@
 
   python bench/transfer.py [--quick] [--out bench/results/transfer.json]
 
-1. synthetic ``tiny`` data; 2. the FM (``kunlun/configs/tiny.py``) trained with train.py;
-3. its embeddings and logits exported (``kunlun.transfer.export``, int8); 4. a Student Adapter
-fitted on the freshest quarter of the training window (FM logits -> labels); 5. four VMs
-(``kunlun/configs/vm_tiny.py``, same steps/seed/data order): alone, +KD, +LoopFM, +both;
-6. per surface x task NE on the eval window (a later time window) and the transfer ratio
-``(NE_vm_alone - NE_variant) / (NE_vm_alone - NE_fm)``. Results JSON in ``bench/results/``.
+Three consecutive time windows of synthetic ``tiny`` data, as in production where the FM's logs
+are produced by an FM trained on earlier data:
 
-``--quick``: a few thousand examples and a few hundred steps (CI smoke test; ratios are noisy).
+  pretrain (FM training) | train (VM training, FM outputs logged) | eval (both evaluated)
+
+1. data: ``pretrain`` (``--fm_examples``), ``train`` (``--num_examples``), ``eval``;
+2. the FM (``kunlun/configs/tiny.py``: longer histories, wider) trained with train.py on
+   ``pretrain`` only, so every FM output the VMs see is out of sample;
+3. its pooled embeddings and logits exported for ``train`` and ``eval`` (``kunlun.transfer.export``,
+   int8): the FM's serving-time log;
+4. a Student Adapter fitted on the freshest quarter of ``train`` (FM logits, surface, staleness =
+   time since the FM's training window ended -> labels);
+5. four VMs (``kunlun/configs/vm_tiny.py``; same steps, seed, data order): alone, +KD, +LoopFM,
+   +both. LoopFM training marks ``--ctx_dropout`` of the context embeddings missing so the VM
+   learns its non-FM path;
+6. per surface x task NE on ``eval`` and the transfer ratio
+   ``(NE_vm_alone - NE_variant) / (NE_vm_alone - NE_fm)``;
+7. the LoopFM VMs served through a Solaris-style ``SpeculativeCache`` at several budgets
+   (``kunlun.transfer.experiment.serve_through_cache``): NE, hit rate, staleness, budget use.
+
+Results JSON in ``bench/results/``. ``--quick``: a few thousand examples and a hundred steps (the
+CI smoke test; its ratios are noise).
 """
 
 from __future__ import annotations
@@ -59,11 +73,11 @@ def warnings(ne, surfaces, tasks) -> list[str]:
   if not bad:
     return []
   return [f"FM eval NE >= VM-alone eval NE in {bad}: the transfer ratio denominator is <= 0 "
-          "there, "
-          "so those ratios are not meaningful (the FM is under-trained or over-fitted). Note also "
-          "that FM embeddings/logits of the VM's *training* examples come from an FM trained on "
-          "those same examples (in-sample), unlike serving-time logs; a time-split FM window "
-          "is the fix (not implemented)."]
+          "there, so those ratios are not meaningful (the FM is under-trained or over-fitted)."]
+
+
+def _cat(batches, k):
+  return np.concatenate([np.asarray(b[k])[b["example_mask"] > 0] for b in batches])
 
 
 def run(args) -> dict:
@@ -77,7 +91,7 @@ def run(args) -> dict:
   from kunlun.transfer import adapter as adapter_lib
   from kunlun.transfer import experiment as ex
   from kunlun.transfer import export
-  from kunlun.transfer.join import AsOfIndex, pair_key
+  from kunlun.transfer.join import AsOfIndex, EmbeddingLog, pair_key
   from kunlun.transfer.loopfm import build_loopfm
 
   t_start = time.perf_counter()
@@ -85,39 +99,40 @@ def run(args) -> dict:
   data_dir, fm_dir, emb_dir = (os.path.join(work, d) for d in ("data", "fm", "emb"))
   timings = {}
 
-  # 1. data
+  # 1. data: pretrain | train | eval windows
   t0 = time.perf_counter()
   if not os.path.exists(os.path.join(data_dir, "manifest.json")):
-    schema = synthetic.generate(data_dir, "tiny", num_examples=args.num_examples, seed=args.seed)
+    schema = synthetic.generate(data_dir, "tiny", num_examples=args.num_examples, seed=args.seed,
+                                pretrain_examples=args.fm_examples)
   else:
     from data.schema import Schema
     schema = Schema.load(data_dir)
   timings["data_s"] = time.perf_counter() - t0
   surfaces, tasks = schema.surfaces, schema.task_names
-  _log(f"data: {args.num_examples} train examples in {data_dir}")
+  _log(f"data: {args.fm_examples} pretrain + {args.num_examples} train examples in {data_dir}")
 
-  # 2. FM via train.py (the real training path; resumes if the workdir exists)
+  # 2. FM on the pretrain window via train.py (the real training path; resumes if it exists)
   t0 = time.perf_counter()
   env = {**os.environ, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")}
   cmd = [sys.executable, os.path.join(_ROOT, "train.py"),
          f"--config={os.path.join(_ROOT, 'kunlun/configs/tiny.py')}", f"--workdir={fm_dir}",
          f"--data_dir={data_dir}", f"--steps={args.fm_steps}", "--mesh=data=1,fsdp=-1",
+         "--config.data.train_split=pretrain",
          f"--config.train.log_every={max(args.fm_steps // 4, 1)}",
          f"--config.train.checkpoint_every={args.fm_steps}", f"--config.seed={args.seed}"]
   _log("FM: " + " ".join(cmd[1:]))
   subprocess.run(cmd, check=True, env=env, cwd=_ROOT)
   timings["fm_train_s"] = time.perf_counter() - t0
 
-  # 3. export pooled embeddings + logits for both splits
+  # 3. the FM's serving log: pooled embeddings + logits of the train and eval windows
   t0 = time.perf_counter()
   man = export.export(fm_dir, emb_dir, splits=("train", "eval"), quantize_mode="int8",
                       shard_batches=100, mesh_flag="data=1,fsdp=-1", log=_log)
   rec = export.read_records(emb_dir)
   timings["export_s"] = time.perf_counter() - t0
-  log = export.load_log(emb_dir)
-  keys = pair_key(rec["user_id"], rec["ad_id"])
-  logit_index = AsOfIndex(keys, rec["request_ts"], rec["logits"])
-
+  log = EmbeddingLog(rec["user_id"], rec["ad_id"], rec["request_ts"], rec["emb"])
+  logit_index = AsOfIndex(pair_key(rec["user_id"], rec["ad_id"]), rec["request_ts"],
+                          rec["logits"])
   vm_cfg = vm_tiny.get_config()
   vm_cfg.data.batch_size = args.batch_size
   vm_cfg.train.steps = args.vm_steps
@@ -126,41 +141,37 @@ def run(args) -> dict:
   vm_lens = get_seq_lens(vm_cfg)
   streams = list(vm_lens)
   eval_batches = _host_batches(vm_cfg.data, data_dir, "eval", vm_lens)
+  cat = lambda k: _cat(eval_batches, k)
 
-  # FM metrics on eval from its exported logits (same examples, same order as eval batches)
-  fm_logits, present = [], []
-  for b in eval_batches:
-    keep = b["example_mask"] > 0
-    lg, p, _ = logit_index.lookup(pair_key(b["user_id"], b["ad_id"])[keep],
-                               np.asarray(b["request_ts"], np.int64)[keep], max_age=0)
-    fm_logits.append(lg)
-    present.append(p)
-  assert np.concatenate(present).all(), "every eval example must have its exported FM logits"
-  cat = lambda k: np.concatenate([np.asarray(b[k])[b["example_mask"] > 0] for b in eval_batches])
-  fm_prob = 1 / (1 + np.exp(-np.concatenate(fm_logits).astype(np.float64)))
+  # FM metrics on eval from its logged logits (same examples, same order as the eval batches)
+  ev_keys, ev_ts = pair_key(cat("user_id"), cat("ad_id")), cat("request_ts").astype(np.int64)
+  ev_lg, present, _ = logit_index.lookup(ev_keys, ev_ts, max_age=0)
+  assert present.all(), "every eval example must have its logged FM logits"
+  fm_prob = 1 / (1 + np.exp(-ev_lg.astype(np.float64)))
   fm_ps, fm_all = surface_task_metrics(fm_prob, cat("labels"), cat("label_mask"), cat("surface"),
                                        surfaces, tasks, cat("true_prob"))
 
-  # 4. student adapter on the freshest quarter of the training window
+  # 4. student adapter on the freshest quarter of the VM's training window
   t0 = time.perf_counter()
   train_batches = _host_batches(vm_cfg.data, data_dir, "train", vm_lens)
-  tb = {k: np.concatenate([np.asarray(b[k])[b["example_mask"] > 0] for b in train_batches])
+  tb = {k: _cat(train_batches, k)
         for k in ("user_id", "ad_id", "request_ts", "surface", "labels", "label_mask")}
-  fresh = tb["request_ts"] >= np.quantile(tb["request_ts"], 0.75)
-  t_lg, t_p, _ = logit_index.lookup(pair_key(tb["user_id"], tb["ad_id"]), tb["request_ts"],
-                                    max_age=0)
-  sel = fresh & t_p
-  ad_mod, ad_params = adapter_lib.fit_adapter(
-      t_lg[sel], tb["surface"][sel], np.zeros(sel.sum(), np.float32), tb["labels"][sel],
-      tb["label_mask"][sel], num_surfaces=len(surfaces), steps=args.adapter_steps, lr=1e-2,
-      seed=args.seed, hidden=8, emb_dim=2)
-  timings["adapter_s"] = time.perf_counter() - t0
   del train_batches
-  feats = ex.FMFeatures(log, logit_index, (ad_mod, ad_params), join_key=args.join_key)
-  # adapter quality on eval: NE of raw FM vs adapted FM probabilities
-  ev_lg = np.concatenate(fm_logits)
+  tb_ts = tb["request_ts"].astype(np.int64)
+  fm_cutoff = int(tb_ts.min())            # the FM's training window ends where train begins
+  fresh = tb_ts >= np.quantile(tb_ts, 0.75)
+  t_lg, t_p, _ = logit_index.lookup(pair_key(tb["user_id"], tb["ad_id"]), tb_ts, max_age=0)
+  sel = fresh & t_p
+  age = lambda ts: np.maximum(np.asarray(ts, np.int64) - fm_cutoff, 0).astype(np.float32)
+  ad_mod, ad_params = adapter_lib.fit_adapter(
+      t_lg[sel], tb["surface"][sel], age(tb_ts[sel]), tb["labels"][sel], tb["label_mask"][sel],
+      num_surfaces=len(surfaces), steps=args.adapter_steps, lr=1e-2, seed=args.seed, hidden=8,
+      emb_dim=2)
+  timings["adapter_s"] = time.perf_counter() - t0
+  feats = ex.FMFeatures(log, logit_index, (ad_mod, ad_params), join_key=args.join_key,
+                        fm_cutoff=fm_cutoff)
   ad_prob = np.asarray(adapter_lib.soft_targets(ad_mod, ad_params, ev_lg, cat("surface"),
-                                                np.zeros(len(ev_lg), np.float32)), np.float64)
+                                                age(ev_ts)), np.float64)
   _, ad_all = surface_task_metrics(ad_prob, cat("labels"), cat("label_mask"), cat("surface"),
                                    surfaces, tasks)
 
@@ -170,7 +181,7 @@ def run(args) -> dict:
   models = {lf: build_loopfm(vm_cfg, schema, use_ctx=lf, use_events=lf) for lf in (False, True)}
   steps = {lf: None for lf in models}
   predicts = {lf: ex.make_predict(m) for lf, m in models.items()}
-  results, train_losses = {}, {}
+  results, train_losses, vm_params = {}, {}, {}
   for name, (lam, lf) in variants.items():
     t0 = time.perf_counter()
     model = models[lf]
@@ -178,8 +189,10 @@ def run(args) -> dict:
                                shard_index=0, shard_count=1)
     it = iter(ds)
     first = next(it)
-    fm_in = (lambda b: feats.loopfm(b, streams)) if lf else None
-    params = ex.init_params(model, {**first, **(fm_in(first) if lf else {})}, args.seed)
+    drop_rng = np.random.default_rng(args.seed)
+    fm_train = ((lambda b, r=drop_rng: feats.loopfm(b, streams, args.ctx_dropout, r))
+                if lf else None)
+    params = ex.init_params(model, {**first, **(fm_train(first) if lf else {})}, args.seed)
     tx = optim.make_optimizer(vm_cfg.train, args.vm_steps)
     opt = tx.init(params)
     if steps[lf] is None:
@@ -187,30 +200,63 @@ def run(args) -> dict:
     losses = []
     b = first
     for _ in range(args.vm_steps):
-      inp = {**b, **fm_in(b)} if lf else b
+      inp = {**b, **fm_train(b)} if lf else b
       soft, soft_mask = feats.soft(b)
       params, opt, loss = steps[lf](params, opt, inp, soft, soft_mask, np.float32(lam))
       losses.append(float(loss))
       b = next(it)
-    ps, ov = ex.evaluate(predicts[lf], params, eval_batches, surfaces, tasks, extra=fm_in)
-    results[name] = (ps, ov)
+    fm_eval = (lambda b: feats.loopfm(b, streams)) if lf else None
+    ps, ov = ex.evaluate(predicts[lf], params, eval_batches, surfaces, tasks, extra=fm_eval)
+    results[name], vm_params[name] = (ps, ov), params
     train_losses[name] = float(np.mean(losses[-max(len(losses) // 10, 1):]))
     timings[f"{name}_s"] = time.perf_counter() - t0
     _log(f"{name}: NE {_ne_table(ps, ov)['overall']} ({timings[name + '_s']:.0f}s)")
 
   # 6. tables and transfer ratios
   ne = {"fm": _ne_table(fm_ps, fm_all), **{n: _ne_table(*r) for n, r in results.items()}}
-  cells = [(s, t) for s in [*surfaces, "overall"] for t in tasks]
   ratio = {n: {s: {t: _ratio(ne["vm_alone"][s][t], ne[n][s][t], ne["fm"][s][t]) for t in tasks}
                for s in [*surfaces, "overall"]} for n in ("vm_kd", "vm_loopfm", "vm_both")}
+
+  # 7. serving the eval window through the speculative cache (context embedding only; history
+  #    embeddings are logs joined as of each event, no FM inference at request time)
+  t0 = time.perf_counter()
+  ev_emb, _, _ = log.join_current({"user_id": cat("user_id"), "ad_id": cat("ad_id"),
+                                   "request_ts": ev_ts}, max_age=0)
+  row_of = {(int(k), int(t)): i for i, (k, t) in enumerate(zip(ev_keys, ev_ts, strict=True))}
+  serving = {}
+  for frac in args.cache_budgets:
+    c_emb, c_present, c_age, c_stats = ex.serve_through_cache(
+        cat("user_id"), cat("ad_id"), ev_ts, ev_emb, budget_frac=frac, seed=args.seed)
+
+    def from_cache(b, c_emb=c_emb, c_present=c_present, c_age=c_age):
+      out = feats.loopfm(b, streams)
+      keys = pair_key(b["user_id"], b["ad_id"])
+      idx = np.array([row_of.get((int(k), int(t)), -1)
+                      for k, t in zip(keys, np.asarray(b["request_ts"], np.int64), strict=True)])
+      hit = (idx >= 0) & c_present[np.maximum(idx, 0)]
+      out["fm_ctx"] = np.where(hit[:, None], c_emb[np.maximum(idx, 0)], 0).astype(np.float32)
+      out["fm_ctx_present"] = hit
+      return out
+
+    row = {"cache": c_stats}
+    for name in ("vm_loopfm", "vm_both"):
+      ps, ov = ex.evaluate(predicts[True], vm_params[name], eval_batches, surfaces, tasks,
+                           extra=from_cache)
+      row[name] = _ne_table(ps, ov)["overall"]
+    serving[str(frac)] = row
+    _log(f"cache budget {frac}: hit rate {c_stats['hit_rate']:.3f}, staleness "
+         f"{c_stats['staleness_mean_s']:.0f}s, NE loopfm {row['vm_loopfm']}")
+  timings["serving_s"] = time.perf_counter() - t0
+
   out = {
       "bench": "transfer", "quick": args.quick, "seed": args.seed,
-      "setup": {"num_examples": args.num_examples, "fm_config": "tiny", "vm_config": "vm_tiny",
-                "fm_steps": args.fm_steps, "vm_steps": args.vm_steps,
+      "setup": {"fm_examples": args.fm_examples, "num_examples": args.num_examples,
+                "fm_window": "pretrain (before train)", "fm_config": "tiny",
+                "vm_config": "vm_tiny", "fm_steps": args.fm_steps, "vm_steps": args.vm_steps,
                 "batch_size": args.batch_size, "kd_lambda": args.kd_lambda,
-                "join_key": args.join_key, "quantize": man["quantize"],
-                "fm_seq_lens": get_seq_lens(tiny.get_config()), "vm_seq_lens": vm_lens,
-                "eval_examples": int(len(fm_prob))},
+                "ctx_dropout": args.ctx_dropout, "join_key": args.join_key,
+                "quantize": man["quantize"], "fm_seq_lens": get_seq_lens(tiny.get_config()),
+                "vm_seq_lens": vm_lens, "eval_examples": int(len(fm_prob))},
       "ne": ne,
       "bayes_ne": {s: {t: fm_ps[s][t]["bayes_ne"] for t in tasks} for s in surfaces},
       "transfer_ratio": ratio,
@@ -222,6 +268,7 @@ def run(args) -> dict:
                   "eval_calibration_adapted": {t: ad_all[t]["calibration"] for t in tasks},
                   "fit_examples": int(sel.sum())},
       "loopfm_present_rate": feats.present_rates(),
+      "serving_through_cache": serving,
       "train_loss_last10pct": train_losses,
       "timings_s": {**timings, "total": time.perf_counter() - t_start},
       "device": str(jax.devices()[0].platform),
@@ -231,7 +278,6 @@ def run(args) -> dict:
     _log("WARNING: " + w)
   _log("NE (overall): " + json.dumps({n: ne[n]["overall"] for n in ne}))
   _log("transfer ratio (overall): " + json.dumps({n: ratio[n]["overall"] for n in ratio}))
-  del cells
   return out
 
 
@@ -242,19 +288,25 @@ def main(argv=None):
   ap.add_argument("--out", default=None,
                   help="JSON path (default bench/results/transfer[_quick].json)")
   ap.add_argument("--workdir", default=None, help="keeps data/FM/export here (default: a temp dir)")
-  ap.add_argument("--num_examples", type=int, default=None)
+  ap.add_argument("--num_examples", type=int, default=None, help="VM training window size")
+  ap.add_argument("--fm_examples", type=int, default=None, help="FM (pretrain) window size")
   ap.add_argument("--fm_steps", type=int, default=None)
   ap.add_argument("--vm_steps", type=int, default=None)
   ap.add_argument("--batch_size", type=int, default=64)
   ap.add_argument("--adapter_steps", type=int, default=None)
   ap.add_argument("--kd_lambda", type=float, default=0.5)
+  ap.add_argument("--ctx_dropout", type=float, default=0.2,
+                  help="fraction of FM context embeddings masked while training LoopFM VMs")
+  ap.add_argument("--cache_budgets", type=float, nargs="+", default=[0.0, 0.5, 1.0, 2.0],
+                  help="cache budgets, as multiples of the requests per refresh interval")
   ap.add_argument("--join_key", default="user", choices=("user", "user_item"))
   ap.add_argument("--seed", type=int, default=0)
   args = ap.parse_args(argv)
   q = args.quick
   args.num_examples = args.num_examples or (2000 if q else 20000)
-  args.fm_steps = args.fm_steps or (100 if q else 2000)
-  args.vm_steps = args.vm_steps or (100 if q else 1500)
+  args.fm_examples = args.fm_examples or (4000 if q else 80000)
+  args.fm_steps = args.fm_steps or (100 if q else 2500)
+  args.vm_steps = args.vm_steps or (100 if q else 1000)
   args.adapter_steps = args.adapter_steps or (100 if q else 300)
   out = run(args)
   path = args.out or os.path.join(_ROOT, "bench", "results",

@@ -1,4 +1,5 @@
-"""bench/transfer.py --quick runs end to end (FM via train.py, export, adapter, 4 VMs)."""
+"""bench/transfer.py --quick runs end to end (FM via train.py on the pretrain window, export,
+adapter, 4 VMs, serving through the speculative cache)."""
 
 import json
 import math
@@ -33,3 +34,14 @@ def test_transfer_bench_quick(tmp_path):
   assert 0.95 < rates["ctx"] <= 1.0           # every real example has its own FM embedding
   assert 0.0 < rates["events"] < 1.0
   assert r["setup"]["vm_seq_lens"]["click"] < r["setup"]["fm_seq_lens"]["click"]
+  assert r["setup"]["fm_window"].startswith("pretrain")
+  serving = r["serving_through_cache"]
+  assert serving["0.0"]["cache"]["hit_rate"] == 0.0
+  assert serving["2.0"]["cache"]["hit_rate"] > 0.9
+  hits = [serving[k]["cache"]["hit_rate"] for k in ("0.0", "0.5", "1.0", "2.0")]
+  assert hits == sorted(hits)
+  for row in serving.values():
+    assert row["cache"]["total_evaluations"] <= row["cache"]["budget_per_refresh"] * \
+        row["cache"]["refreshes"]
+    for m in ("vm_loopfm", "vm_both"):
+      assert all(math.isfinite(v) and v > 0 for v in row[m].values())
