@@ -34,8 +34,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.train.b2 = 0.999
   c.train.clip_norm = 1.0
   c.train.emb_lr = 0.05              # row-wise Adagrad learning rate (embedding tables)
-  c.train.sparse_embedding_update = False  # True: row gradients of looked-up rows only, Adagrad
-                                     # on those rows (same results and checkpoint layout)
+  c.train.sparse_embedding_update = False  # True: Adagrad reads/writes looked-up rows only
   c.train.checkpoint_every = 100
   c.train.keep_checkpoints = 3
   c.train.log_every = 10
