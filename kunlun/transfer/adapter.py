@@ -46,13 +46,16 @@ class StudentAdapter(nn.Module):
 
   ``(teacher_logits f32[B, K], surface i32[B], age f32[B] or [B, K]) -> f32[B, K]``.
   Output ``t * (1 + h0) + h1`` with ``h = MLP(t, log1p(age / age_scale), emb(surface), emb(task))``;
-  the last layer starts at zero, so the untrained adapter is the identity.
+  the last layer starts at zero, so the untrained adapter is the identity. ``age_range``
+  (``fit_adapter`` sets it to the ages it was fitted on) clamps the age input: the adapter is
+  fitted on the freshest labels, and applying it to other staleness values must not extrapolate.
   """
   num_surfaces: int
   num_tasks: int
   hidden: int = 32
   emb_dim: int = 8
   age_scale: float = 3600.0
+  age_range: tuple[float, float] | None = None
 
   @nn.compact
   def __call__(self, teacher_logits, surface, age):
@@ -62,6 +65,8 @@ class StudentAdapter(nn.Module):
                        f"{self.num_tasks}")
     t = teacher_logits.astype(jnp.float32)
     age = jnp.broadcast_to(age.reshape(B, -1).astype(jnp.float32), (B, K))
+    if self.age_range is not None:
+      age = jnp.clip(age, *self.age_range)
     s_e = nn.Embed(self.num_surfaces, self.emb_dim, name="surface_embedding")(surface)  # [B, e]
     k_e = nn.Embed(self.num_tasks, self.emb_dim, name="task_embedding")(jnp.arange(K))  # [K, e]
     feats = jnp.concatenate([
@@ -77,10 +82,13 @@ def fit_adapter(teacher_logits, surface, age, labels, label_mask, *, num_surface
                 lr=1e-2, batch_size=None, seed=0, **adapter_kw):
   """Trains a ``StudentAdapter`` with masked BCE on (fresh) labels; numpy inputs ``[N, K]``/``[N]``.
 
-  Returns ``(module, params)``. ``batch_size=None`` uses full-batch steps.
+  Returns ``(module, params)``; the module's ``age_range`` is the fitted ages' range. ``batch_size=None`` uses full-batch steps.
   """
   teacher_logits = np.asarray(teacher_logits, np.float32)
   N, K = teacher_logits.shape
+  a = np.asarray(age, np.float32)
+  if N and "age_range" not in adapter_kw:
+    adapter_kw["age_range"] = (float(a.min()), float(a.max()))
   module = StudentAdapter(num_surfaces=num_surfaces, num_tasks=K, **adapter_kw)
   data = (teacher_logits, np.asarray(surface, np.int32), np.asarray(age, np.float32),
           np.asarray(labels, np.float32), np.asarray(label_mask, np.float32))

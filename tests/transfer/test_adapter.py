@@ -70,3 +70,17 @@ def test_distill_loss_formula():
   # gradient does not flow into the soft targets
   g = jax.grad(lambda qq: adapter.distill_loss(x, y, m, qq, 0.5))(q)
   np.testing.assert_array_equal(g, 0.0)
+
+
+def test_ages_outside_the_fitted_range_are_clamped_not_extrapolated():
+  rng = np.random.default_rng(2)
+  z, s, _, y, teacher = _toy(rng, 4000, False)
+  age = rng.uniform(10 * 86400, 14 * 86400, len(s)).astype(np.float32)   # fresh labels only
+  module, params = adapter.fit_adapter(teacher, s, age, y, np.ones_like(y), num_surfaces=3,
+                                       steps=50, lr=2e-2, seed=0)
+  assert module.age_range == pytest.approx((age.min(), age.max()))
+  t, si = teacher[:8], s[:8]
+  out = lambda a: np.asarray(adapter.soft_targets(module, params, t, si, np.full(8, a, np.float32)))
+  np.testing.assert_array_equal(out(0.0), out(float(age.min())))         # older training rows
+  np.testing.assert_array_equal(out(30 * 86400.0), out(float(age.max())))  # staler serving
+  assert not np.array_equal(out(float(age.min())), out(float(age.max())))
