@@ -21,7 +21,7 @@ modules take as a field. Every knob of spec d.7 / h is a field here:
                       command-line override), whose length equals every running tower's heads;
                       a ConfigDict field holding a name needs ``with m.ignore_type():`` to take a
                       tuple. Parsed to a tuple.)
-  score_clip          clip GDPA pre-activation scores to [-c, c] (spec h-13); 0 = off
+  score_clip          clip GDPA pre-activation scores to [-c, c] (spec h-13: 8); 0 = off
   mowe.{num_experts, layers_per_expert, rank, mlp_hidden, cross_layer}    (c.6; cross_layer:
                       Wukong cross-layer attention connections, spec h-19)
   towers.<stream>.{width, heads, n_kv, window, kept_len, n_seed, n_sum, depth}  (c.8)
@@ -164,9 +164,9 @@ def default_model() -> ml_collections.ConfigDict:
   m.pooling = "hsp"
   m.hsp_rank = 4
   m.hsp_activation = "fast_gelu"
-  m.score_clip = 0.0
+  m.score_clip = 8.0              # spec h-13: GDPA scores clipped to [-8, 8]
   m.mowe = ml_collections.ConfigDict(dict(num_experts=2, layers_per_expert=1, rank=8,
-                                          mlp_hidden=64, cross_layer=False))
+                                          mlp_hidden=64, cross_layer=True))   # h-19
   m.towers = ml_collections.ConfigDict()
   m.oneseq = tower(width=32, heads=2, n_kv=16, window=16, kept_len=64, n_seed=8, n_sum=2, depth=2)
   m.heads = ml_collections.ConfigDict(dict(kind="towers", top_mlp=(64,), tower_hidden=32,
@@ -360,6 +360,11 @@ def _with_defaults(m) -> ml_collections.ConfigDict:
     else:
       out[k] = v
   return ml_collections.ConfigDict(out)
+
+
+def with_defaults(m) -> ml_collections.ConfigDict:
+  """``config.model`` with every field present (defaults filled in), e.g. to store with a run."""
+  return _with_defaults(m)
 
 
 def validate(config, schema: Schema) -> ModelConfig:

@@ -139,9 +139,17 @@ def build_model(config, schema):
 
 
 def save_run_info(workdir: str, config, data_dir: str) -> None:
-  """``config.pkl`` (exact, for eval.py), ``config.json`` (readable) and ``data_dir.txt``."""
+  """``config.pkl`` (exact, for eval.py), ``config.json`` (readable) and ``data_dir.txt``.
+
+  ``config.model`` is stored with every default filled in, so a later change of a default
+  (e.g. ``score_clip``) cannot change how an existing checkpoint is evaluated or exported.
+  """
   if jax.process_index() != 0:
     return
+  from kunlun.config import with_defaults
+  config = config.copy_and_resolve_references()
+  if "model" in config:
+    config.model = with_defaults(config.model)
   os.makedirs(workdir, exist_ok=True)
   with open(os.path.join(workdir, "config.pkl"), "wb") as f:
     pickle.dump(config, f)

@@ -155,8 +155,8 @@ def test_per_head_activation_errors():
 
 
 def test_score_clip_field():
-  assert _parsed(lambda m: None).score_clip == 0.0
-  assert _parsed(lambda m: setattr(m, "score_clip", 8.0)).score_clip == 8.0
+  assert _parsed(lambda m: None).score_clip == 8.0          # spec h-13 default
+  assert _parsed(lambda m: setattr(m, "score_clip", 0.0)).score_clip == 0.0
   _bad(lambda m: setattr(m, "score_clip", -1.0), "score_clip", ">= 0")
 
 
@@ -184,13 +184,16 @@ def test_activation_tuples_and_score_clip_reach_the_modules():
   for f, v in (("pffn_activation", ("relu", "silu")), ("hsp_activation", ["relu2", "gelu"]),
                ("attention.activation", "identity,relu")):
     _set(f, v)(c.model)
-  c.model.score_clip = 8.0
-  assert _module_settings(c) == {("PFFN", ("relu", "silu"), 8.0),
-                                 ("HSP", ("relu2", "gelu"), 8.0),
-                                 ("SeqAttention", ("identity", "relu"), 8.0)}
-  assert _module_settings(tiny.get_config()) == {("PFFN", "fast_gelu", None),
-                                                 ("HSP", "fast_gelu", None),
-                                                 ("SeqAttention", "softmax", None)}
+  c.model.score_clip = 4.0
+  assert _module_settings(c) == {("PFFN", ("relu", "silu"), 4.0),
+                                 ("HSP", ("relu2", "gelu"), 4.0),
+                                 ("SeqAttention", ("identity", "relu"), 4.0)}
+  assert _module_settings(tiny.get_config()) == {("PFFN", "fast_gelu", 8.0),   # default (h-13)
+                                                 ("HSP", "fast_gelu", 8.0),
+                                                 ("SeqAttention", "softmax", 8.0)}
+  off = tiny.get_config()
+  off.model.score_clip = 0.0
+  assert {s[2] for s in _module_settings(off)} == {None}
 
 
 def test_flops_with_per_head_activations():
