@@ -39,7 +39,8 @@ _KEYS = ("ne", "auc", "calibration", "count", "positive_rate", "bayes_ne")
 
 def format_table(result: dict) -> str:
   """The metrics as an aligned text table (one row per surface x task, then overall)."""
-  head = f"{'surface':<10} {'task':<12} {'NE':>7} {'AUC':>7} {'calib':>7} {'count':>8} {'pos_rate':>8} {'bayesNE':>8}"
+  head = (f"{'surface':<10} {'task':<12} {'NE':>7} {'AUC':>7} {'calib':>7} {'count':>8} "
+          f"{'pos_rate':>8} {'bayesNE':>8}")
   fmt = lambda x, w, p: f"{'-':>{w}}" if x is None else f"{x:>{w}.{p}f}"
   rows = [head, "-" * len(head)]
   cells = [(s, t, m) for s, tasks in result["metrics"].items() for t, m in tasks.items()]
@@ -119,7 +120,8 @@ def evaluate(argv):
 
   from data import pipeline
   from kunlun import config as model_config
-  from kunlun.train import metrics, step as step_lib
+  from kunlun.train import metrics
+  from kunlun.train import step as step_lib
   from sharding import partition
 
   data_cfg = config.data.copy_and_resolve_references()

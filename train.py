@@ -29,7 +29,8 @@ flags.DEFINE_string("dcn_mesh", None, "Mesh axis sizes across hosts / slices (e.
 flags.DEFINE_integer("steps", None, "Total training steps (overrides config.train.steps).")
 flags.DEFINE_string("data_dir", None, "Dataset directory; absent: generate config.data.preset "
                     "into <workdir>/data once and reuse it.")
-flags.DEFINE_string("profile_steps", None, "START:END: capture a jax.profiler trace of these steps.")
+flags.DEFINE_string("profile_steps", None,
+                    "START:END: capture a jax.profiler trace of these steps.")
 flags.DEFINE_string("profile_dir", None, "Trace output directory (default <workdir>/profile).")
 runtime_flags.define()
 FLAGS = flags.FLAGS
@@ -90,9 +91,11 @@ def train(argv):
   from data import pipeline
   from kunlun import config as model_config
   from kunlun.flops import model_flops
-  from kunlun.train import checkpoint, optim, progress, step as step_lib
+  from kunlun.train import checkpoint, optim, progress
+  from kunlun.train import step as step_lib
   from kunlun.train.metrics import RunningNE
-  from sharding import mesh as mesh_lib, partition
+  from sharding import mesh as mesh_lib
+  from sharding import partition
 
   seq_lens = model_config.seq_lens(config)
   ds = pipeline.make_dataset(config.data, data_dir, config.data.train_split, seq_lens,
@@ -125,7 +128,8 @@ def train(argv):
 
   task_w = tuple(config.train.get("task_weights", ()) or ())
   if task_w and len(task_w) != len(schema.tasks):
-    runtime.fail(f"config.train.task_weights={task_w} needs one weight per task {schema.task_names}")
+    runtime.fail(f"config.train.task_weights={task_w} needs one weight per task "
+                 f"{schema.task_names}")
   train_step = step_lib.make_train_step(
       model, tx, np.asarray(task_w, np.float32) if task_w else None, sparse_update=sparse_update,
       param_shardings=p_shard, opt_shardings=o_shard, batch_sharding=b_shard)
@@ -137,7 +141,8 @@ def train(argv):
   n_dev = mesh.devices.size
   if is_main:
     print(f"mesh {mesh_lib.describe(mesh)}, rules {config.sharding.rules!r}, "
-          f"{sum(x.size for x in jax.tree.leaves(params)):,} params, batch {config.data.batch_size}, "
+          f"{sum(x.size for x in jax.tree.leaves(params)):,} params, "
+          f"batch {config.data.batch_size}, "
           f"steps {start}->{total}, data {data_dir}", flush=True)
 
   stop = _StopFlag()
@@ -169,11 +174,13 @@ def train(argv):
         bad_in_row += 1
         bad_total += 1
         print(f"step {step}: non-finite loss or gradient (loss={stats['loss']}, "
-              f"grad_norm={stats['grad_norm']}); update skipped ({bad_in_row} in a row)", flush=True)
+              f"grad_norm={stats['grad_norm']}); update skipped ({bad_in_row} in a row)",
+              flush=True)
         if bad_in_row > config.train.max_bad_steps:
           ckpt.close()
           runtime.fail(f"{bad_in_row} consecutive non-finite steps (> config.train.max_bad_steps="
-                       f"{config.train.max_bad_steps}) at step {step}; stopping without a checkpoint")
+                       f"{config.train.max_bad_steps}) at step {step}; stopping without a "
+                       "checkpoint")
         continue
       bad_in_row = 0
       running.update(stats["loss_sum"], stats["pos_sum"], stats["count"])

@@ -125,7 +125,8 @@ class Schema:
           sparse=tuple(SparseFeature(**f) for f in d["sparse"]),
           dense=tuple(d["dense"]),
           streams=tuple(
-              EventStream(**{**s, "extra_fields": tuple(EventField(**e) for e in s.get("extra_fields", ()))})
+              EventStream(**{**s, "extra_fields": tuple(EventField(**e)
+                                                        for e in s.get("extra_fields", ()))})
               for s in d["streams"]),
           surfaces=tuple(d["surfaces"]),
           tasks=tuple(Task(**t) for t in d["tasks"]),

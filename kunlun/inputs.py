@@ -156,9 +156,10 @@ class EventEmbed(nn.Module):
   has width ``dim``; the low-cardinality side fields (action, surface, extra fields, time bucket)
   use ``side_dim = max(dim // 4, 8)`` [D: they carry far fewer bits than the item id, and full-width
   side tables made this per-event MLP ~24 T d^2 FLOPs, a quarter of the mid model]; a 2-layer GELU
-  MLP (hidden ``dim``) maps the concat back to ``dim`` (``2 T d (concat + d)`` FLOPs). ``events`` holds ``item, action, surface,
-  age, length`` and the stream's extra fields (``[B, T]`` each, ``length i32[B]``); returns
-  ``[B, T, dim]`` with rows ``>= length`` set to zero.
+  MLP (hidden ``dim``) maps the concat back to ``dim`` (``2 T d (concat + d)`` FLOPs).
+  ``events`` holds ``item, action, surface, age, length`` and the stream's extra fields
+  (``[B, T]`` each, ``length i32[B]``); returns ``[B, T, dim]`` with rows ``>= length`` set to
+  zero.
   """
   stream: EventStream
   num_surfaces: int

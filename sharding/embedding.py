@@ -21,7 +21,8 @@ With no mesh, no rules, or rows that are not sharded, ``lookup`` is ``jnp.take``
 
 ``sparse_adagrad_update`` applies row-wise Adagrad to the rows looked up in a step only
 (the same exchange routes (id, gradient) pairs to their owners); other rows stay bitwise unchanged.
-The train step uses it when ``config.train.sparse_embedding_update`` is on (``kunlun/train/step.py``).
+The train step uses it when ``config.train.sparse_embedding_update`` is on
+(``kunlun/train/step.py``).
 """
 
 from __future__ import annotations

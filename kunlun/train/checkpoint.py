@@ -63,11 +63,13 @@ class Checkpointer:
       raise CheckpointError(f"no checkpoint found in {self.directory}")
     step = steps[-1] if step is None else step
     if step not in steps:
-      raise CheckpointError(f"no checkpoint for step {step} in {self.directory}; available: {steps}")
+      raise CheckpointError(f"no checkpoint for step {step} in {self.directory}; "
+                            f"available: {steps}")
     step_dir = os.path.join(self.directory, str(step))
     for item in items:
       if not os.path.isdir(os.path.join(step_dir, item)):
-        raise CheckpointError(f"checkpoint {step_dir} is incomplete or corrupt: item '{item}' missing")
+        raise CheckpointError(f"checkpoint {step_dir} is incomplete or corrupt: "
+                              f"item '{item}' missing")
     return step
 
   def _restore(self, step, **args):

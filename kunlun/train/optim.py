@@ -35,7 +35,8 @@ def lr_schedule(train_cfg, total_steps: int) -> optax.Schedule:
                                               end_value=0.0)
   if train_cfg.schedule == "constant":
     return optax.join_schedules(
-        [optax.linear_schedule(0.0, train_cfg.lr, max(warm, 1)), optax.constant_schedule(train_cfg.lr)],
+        [optax.linear_schedule(0.0, train_cfg.lr, max(warm, 1)),
+         optax.constant_schedule(train_cfg.lr)],
         [warm])
   raise ValueError(f"config.train.schedule={train_cfg.schedule!r}; allowed: 'cosine', 'constant'")
 
@@ -101,7 +102,8 @@ def make_sparse_update(train_cfg, total_steps: int):
   ``table_sq_norm``: sum over tables of the squared norm of their (dense-equivalent) gradient.
   """
   from sharding.embedding import row_axes, sparse_adagrad_update
-  dense_tx, emb_tx, lr = dense_optimizer(train_cfg, total_steps), rowwise_adagrad(train_cfg.emb_lr), train_cfg.emb_lr
+  dense_tx, lr = dense_optimizer(train_cfg, total_steps), train_cfg.emb_lr
+  emb_tx = rowwise_adagrad(lr)
   is_mn = lambda x: isinstance(x, optax.MaskedNode)
 
   def update(params, opt_state, grads, rows, ok):
@@ -115,7 +117,8 @@ def make_sparse_update(train_cfg, total_steps: int):
                        f"{sorted(set(rows) - set(keys))} (params must be unboxed: nn.meta.unbox)")
     keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
     masked = lambda leaves, group: treedef.unflatten(
-        [x if lab == group else optax.MaskedNode() for x, lab in zip(leaves, labels)])
+        [x if lab == group else optax.MaskedNode()
+         for x, lab in zip(leaves, labels, strict=False)])
     # dense group: the optax.masked(dense_tx) update of optax.partition
     d_state = opt_state.inner_states["dense"].inner_state
     g = [grads.get(k) for k in keys]
@@ -124,7 +127,7 @@ def make_sparse_update(train_cfg, total_steps: int):
     # emb group: sparse per looked-up table, dense row-wise Adagrad for the rest
     acc = jax.tree.leaves(opt_state.inner_states["emb"].inner_state.acc, is_leaf=is_mn)
     new_p, new_acc, sq = list(p), list(acc), jnp.zeros((), jnp.float32)
-    for i, (k, lab) in enumerate(zip(keys, labels)):
+    for i, (k, lab) in enumerate(zip(keys, labels, strict=False)):
       if lab == "dense":
         new_p[i] = keep(optax.apply_updates(p[i], d_upd[i]), p[i])
       elif k in rows and (p[i].shape[0] > jnp.size(rows[k][0]) or row_axes(p[i].shape[0])):
@@ -157,9 +160,11 @@ def opt_state_shardings(tx, params_abstract, param_shardings, mesh):
   and has its shape gets that parameter's sharding; a row-wise Adagrad accumulator (shape
   ``param.shape[:-1]``) gets the parameter's spec without its last entry; the rest is replicated.
   """
-  from jax.sharding import NamedSharding, PartitionSpec as P
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
   p_leaves = {jax.tree_util.keystr(k): (v, s) for (k, v), s in zip(
-      jax.tree_util.tree_leaves_with_path(params_abstract), jax.tree.leaves(param_shardings))}
+      jax.tree_util.tree_leaves_with_path(params_abstract), jax.tree.leaves(param_shardings),
+      strict=False)}
   replicated = NamedSharding(mesh, P())
 
   def pick(path, leaf):

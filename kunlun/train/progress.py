@@ -79,7 +79,8 @@ class Progress:
     ne = " ".join(f"{t}={_fmt(v)}" for t, v in (s.get("ne") or {}).items())
     mfu_s = "n/a" if s.get("mfu") is None else f"{100 * s['mfu']:.2f}%"
     msg = (f"step {step}/{self.total} | loss {_fmt(s.get('loss'))} | NE {ne} | "
-           f"{_fmt(s.get('examples_per_s'), '.0f')} ex/s | step {_fmt(s.get('step_time_ms'), '.1f')} ms"
+           f"{_fmt(s.get('examples_per_s'), '.0f')} ex/s | "
+           f"step {_fmt(s.get('step_time_ms'), '.1f')} ms"
            f" | MFU {mfu_s}")
     if s.get("bad_steps"):
       msg += f" | skipped {s['bad_steps']}"

@@ -14,7 +14,8 @@ CLUSTER_ENV = ("SLURM_JOB_ID", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "JAX_COORDINA
 
 
 class FatalError(Exception):
-  """A user-facing error (bad flag, missing data, unusable checkpoint): printed without traceback."""
+  """A user-facing error (bad flag, missing data, unusable checkpoint), printed without a
+  traceback."""
 
 
 def fail(msg: str):

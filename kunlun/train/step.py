@@ -96,10 +96,11 @@ def _sparse_train_step(model, sparse_update, task_weights, params, opt_state, ba
   tables = {jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_leaves_with_path(taps)}
   flat, treedef = jax.tree_util.tree_flatten_with_path(params)
   keys = [jax.tree_util.keystr(k) for k, _ in flat]
-  diff = {k: v for k, (_, v) in zip(keys, flat) if k not in tables}
+  diff = {k: v for k, (_, v) in zip(keys, flat, strict=False) if k not in tables}
 
   def loss_fn(diff, taps):
-    p = treedef.unflatten([diff[k] if k in diff else v for k, (_, v) in zip(keys, flat)])
+    p = treedef.unflatten([diff[k] if k in diff else v
+                           for k, (_, v) in zip(keys, flat, strict=False)])
     logits, state = apply({"params": p, ROW_TAPS: taps}, [LOOKUP_IDS])
     loss, per_task = masked_bce(logits, batch["labels"], mask, task_weights)
     return loss, (per_task, logits, state.get(LOOKUP_IDS, {}))

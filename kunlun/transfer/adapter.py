@@ -82,7 +82,8 @@ def fit_adapter(teacher_logits, surface, age, labels, label_mask, *, num_surface
                 lr=1e-2, batch_size=None, seed=0, **adapter_kw):
   """Trains a ``StudentAdapter`` with masked BCE on (fresh) labels; numpy inputs ``[N, K]``/``[N]``.
 
-  Returns ``(module, params)``; the module's ``age_range`` is the fitted ages' range. ``batch_size=None`` uses full-batch steps.
+  Returns ``(module, params)``; the module's ``age_range`` is the fitted ages' range.
+  ``batch_size=None`` uses full-batch steps.
   """
   teacher_logits = np.asarray(teacher_logits, np.float32)
   N, K = teacher_logits.shape

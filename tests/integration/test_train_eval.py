@@ -146,7 +146,7 @@ def test_sigterm_and_resume_reproduce_params_bitwise(env, trained):
   a, b = _params(trained, STEPS), _params(wd, STEPS)
   leaves_a, leaves_b = jax_leaves(a), jax_leaves(b)
   assert len(leaves_a) == len(leaves_b) > 10
-  for (ka, x), (kb, y) in zip(leaves_a, leaves_b):
+  for (ka, x), (kb, y) in zip(leaves_a, leaves_b, strict=False):
     assert ka == kb
     np.testing.assert_array_equal(x, y, err_msg=ka)
   # the logged losses after the resume continue the uninterrupted curve exactly

@@ -9,8 +9,8 @@ from kunlun.train import metrics
 
 
 def _pairwise_auc(p, y):
-  pos = [a for a, t in zip(p, y) if t == 1]
-  neg = [a for a, t in zip(p, y) if t == 0]
+  pos = [a for a, t in zip(p, y, strict=False) if t == 1]
+  neg = [a for a, t in zip(p, y, strict=False) if t == 0]
   s = 0.0
   for a in pos:
     for b in neg:
@@ -20,7 +20,7 @@ def _pairwise_auc(p, y):
 
 def _loop_ne(p, y):
   ll = 0.0
-  for a, t in zip(p, y):
+  for a, t in zip(p, y, strict=False):
     a = min(max(a, 1e-7), 1 - 1e-7)
     ll -= t * math.log(a) + (1 - t) * math.log(1 - a)
   r = sum(y) / len(y)

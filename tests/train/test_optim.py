@@ -89,7 +89,7 @@ def _np_rowwise(table, acc, g_table, touched, lr=0.05):
 
 def _scatter(ids, g_rows, rows):
   g = np.zeros((rows, g_rows.shape[-1]), np.float32)
-  for i, gi in zip(ids.ravel(), g_rows.reshape(-1, g_rows.shape[-1])):
+  for i, gi in zip(ids.ravel(), g_rows.reshape(-1, g_rows.shape[-1]), strict=False):
     if i >= 0:
       g[i] += gi
   return g
@@ -111,7 +111,7 @@ def test_sparse_update_matches_dense_optimizer_and_numpy(jit):
   rng = np.random.default_rng(0)
   key = lambda n: f"['SparseEmbed_0']['{n}']"
   pkey = "['Pos_0']['pos_embedding']"
-  for t in range(3):
+  for _ in range(3):
     ids = {"ad_embedding": rng.integers(-1, 12, (5, 2)).astype(np.int32),   # rows 12.. never read
            "small_embedding": rng.integers(-1, 2, (5, 2)).astype(np.int32)}  # row 2 never read
     ids["ad_embedding"][0] = [2, 2]                                      # a repeated id

@@ -64,7 +64,7 @@ def test_nonfinite_step_is_skipped_bitwise():
   new_params, new_opt, s = train_step(params, opt, b, jax.random.key(1), 0)
   assert not bool(s["ok"])
   for a, c in zip(jax.tree.leaves(new_params) + jax.tree.leaves(new_opt),
-                  jax.tree.leaves(p_before) + jax.tree.leaves(o_before)):
+                  jax.tree.leaves(p_before) + jax.tree.leaves(o_before), strict=False):
     np.testing.assert_array_equal(np.asarray(a), c)
 
 
@@ -79,8 +79,8 @@ import pytest  # noqa: E402
 from data.fake import random_batch, tiny_schema  # noqa: E402
 from kunlun.inputs import ContextEncoder, EventEmbed  # noqa: E402
 from kunlun.train import checkpoint  # noqa: E402
-from sharding import partition  # noqa: E402
 from sharding import mesh as M  # noqa: E402
+from sharding import partition  # noqa: E402
 from sharding import rules as R  # noqa: E402
 
 SEQ = {"click": 8, "impression": 6}
@@ -187,7 +187,7 @@ def test_sparse_update_equals_dense(mesh_shape, rules_name, events):
   assert jax.tree.structure(o_s) == jax.tree.structure(o_d)
   _assert_close(p_s, p_d)
   _assert_close(o_s, o_d)
-  for a, b in zip(s_s, s_d):
+  for a, b in zip(s_s, s_d, strict=False):
     assert a["ok"] and b["ok"]
     for k in ("loss", "grad_norm", "loss_sum", "per_task"):
       np.testing.assert_allclose(a[k], b[k], rtol=2e-5, err_msg=k)
