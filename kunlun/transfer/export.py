@@ -2,6 +2,7 @@
 
   python -m kunlun.transfer.export --workdir FM_WORKDIR --out E [--data_dir D] [--split train,eval]
       [--quantize int8|bf16|none] [--summaries] [--batch_size N] [--shard_batches N]
+      [--coordinator_address H:P --num_processes N --process_id I] [--mesh M] [--dcn_mesh M]
 
 Restores the FM's latest checkpoint (train.py workdir: config.pkl + checkpoints/), applies
 ``method="representations"`` and writes, per real example, one record (``data.records.encode``)::
@@ -20,6 +21,13 @@ plus ``E/manifest.json`` (record schema, quantisation, source, counts). Progress
 ``E/progress.json`` lists completed shards, so an interrupted export resumes where it stopped
 (completed shards are skipped without running the model). ``load_log(E)`` reads everything
 back as a ``join.EmbeddingLog``.
+
+Multi-host (K > 1 JAX processes, ``E`` on a shared filesystem): process p reads its eval-mode
+shard of every split (rows ``p::K``), the jitted representations run on the global batch, and p
+writes only its own rows (taken from the outputs' addressable shards, never gathered) to
+``E/<split>/emb-p{p:03d}-{k:05d}.arrayrecord`` with progress in ``E/progress-p{p}.json``. On a
+restart the processes agree on the shards every one of them finished (the minimum) and skip
+those. After a barrier process 0 writes ``manifest.json`` listing every process's files.
 """
 
 from __future__ import annotations
@@ -129,27 +137,119 @@ def load_log(out_dir: str, splits=None, field: str = "pooled") -> EmbeddingLog:
 
 
 # ---- export -----------------------------------------------------------------------------------
+_LAYOUT = "__layout__"       # progress key: what must not change between a run and its resume
+
+
+def _progress_name(process: int, count: int) -> str:
+  return "progress.json" if count == 1 else f"progress-p{process}.json"
+
+
+def _shard_name(split: str, k: int, process: int, count: int) -> str:
+  tag = f"{k:05d}" if count == 1 else f"p{process:03d}-{k:05d}"
+  return os.path.join(split, f"emb-{tag}.arrayrecord")
+
+
 class _Progress:
-  def __init__(self, out_dir):
-    self.path = os.path.join(out_dir, "progress.json")
+  """One process's ``{split: [{"file", "count"}, ...], "__layout__": {...}}``, atomic writes."""
+
+  def __init__(self, out_dir, process: int = 0, count: int = 1):
+    self.path = os.path.join(out_dir, _progress_name(process, count))
     self.state = json.load(open(self.path)) if os.path.exists(self.path) else {}
 
   def done(self, split) -> list[dict]:
     return self.state.get(split, [])
 
-  def add(self, split, entry):
-    self.state.setdefault(split, []).append(entry)
+  def set(self, split, k: int, entry):
+    """Records shard ``k`` as complete (dropping any entries from ``k`` on: recomputed shards)."""
+    self.state[split] = self.state.get(split, [])[:k] + [entry]
+    self._write()
+
+  def set_layout(self, layout: dict):
+    self.state[_LAYOUT] = layout
+    self._write()
+
+  def _write(self):
     tmp = self.path + ".tmp"
     with open(tmp, "w") as f:
       json.dump(self.state, f)
     os.replace(tmp, self.path)
 
 
+def _check_layout(out_dir: str, layout: dict) -> None:
+  """Every progress file in ``out_dir`` must come from a run with the same layout (process
+  count, batch size, shards, coding), else resuming would mix incompatible shards."""
+  for name in sorted(os.listdir(out_dir)):
+    if not (name.startswith("progress") and name.endswith(".json")):
+      continue
+    old = json.load(open(os.path.join(out_dir, name))).get(_LAYOUT)
+    if old is None:                                   # written before layouts were recorded
+      old = {"process_count": 1} if name == "progress.json" else None
+    diff = {k: ((old or {}).get(k), v) for k, v in layout.items()
+            if old is None or (k in old and old[k] != v)}
+    if diff:
+      raise ValueError(f"{out_dir}/{name}: an export with another layout is in this directory "
+                       f"({ {k: f'{a} there, {b} now' for k, (a, b) in diff.items()} }); "
+                       "use a new --out or the same settings")
+
+
+def local_rows(arr) -> tuple[np.ndarray, list[tuple[int, int]]]:
+  """This process's rows of a global array sharded on its leading (batch) axis.
+
+  Returns ``(rows [n_local, ...], [(start, stop), ...])``: the addressable shards' data in order
+  of their global row ranges (replicas of a range taken once), which is the order in which
+  ``jax.make_array_from_process_local_data`` places a process's local rows. Never gathers
+  other processes' data.
+  """
+  by_start = {}
+  for sh in arr.addressable_shards:
+    sl = sh.index[0] if sh.index else slice(None)
+    start, stop = sl.indices(arr.shape[0])[:2]
+    if start not in by_start:
+      by_start[start] = (stop, sh)
+  ranges = [(st, by_start[st][0]) for st in sorted(by_start)]
+  for (_, a_stop), (b_start, _) in zip(ranges, ranges[1:], strict=False):
+    if b_start < a_stop:
+      raise ValueError(f"overlapping batch shards {ranges} (leading axis not batch-sharded?)")
+  return np.concatenate([np.asarray(by_start[st][1].data) for st, _ in ranges]), ranges
+
+
+def _local_reps(reps: dict, put: dict, batch: dict) -> dict:
+  """This process's rows of the global outputs ``reps``; asserts they are the rows of the local
+  ``batch`` that ``device_put_batch`` placed (same global ranges, same keys in the same order)."""
+  import jax
+  ids, ranges = local_rows(put["user_id"])
+  if not (np.array_equal(ids, batch["user_id"]) and
+          np.array_equal(local_rows(put["request_ts"])[0], batch["request_ts"])):
+    raise AssertionError(f"process {jax.process_index()}: the addressable shards {ranges} of the "
+                         "batch do not hold the process-local rows in order")
+
+  def take(path, x):
+    rows, r = local_rows(x)
+    if r != ranges:
+      raise AssertionError(f"output {jax.tree_util.keystr(path)}: addressable row ranges {r} != "
+                           f"the batch's {ranges}")
+    return rows
+  return jax.tree_util.tree_map_with_path(take, reps)
+
+
+def _agreed_done(counts: list[int]) -> list[int]:
+  """Per split, the number of leading shards that every process has completed."""
+  import jax
+  if jax.process_count() == 1:
+    return counts
+  from jax.experimental import multihost_utils
+  g = multihost_utils.process_allgather(np.asarray(counts, np.int32))
+  return [int(v) for v in np.asarray(g).reshape(jax.process_count(), -1).min(0)]
+
+
 def export(workdir: str, out_dir: str, *, data_dir: str | None = None, splits=("train", "eval"),
            quantize_mode: str = "int8", summaries: bool = False, batch_size: int | None = None,
            shard_batches: int = 50, step: int | None = None, mesh_flag: str = "data=-1",
-           log=print) -> dict:
-  """Runs the FM of ``workdir`` over ``splits`` and writes the export; returns the manifest."""
+           dcn_mesh_flag: str | None = None, log=print) -> dict:
+  """Runs the FM of ``workdir`` over ``splits`` and writes the export; returns the manifest.
+
+  Under several JAX processes every process calls this (same arguments, ``out_dir`` shared);
+  each writes its own rows, process 0 the manifest (returned by every process)."""
   import jax
   from array_record.python import array_record_module as arm
 
@@ -162,20 +262,25 @@ def export(workdir: str, out_dir: str, *, data_dir: str | None = None, splits=("
     raise ValueError(f"--quantize={quantize_mode!r}; allowed: {QUANT}")
   if shard_batches < 1:
     raise ValueError(f"--shard_batches must be >= 1, got {shard_batches}")
+  pid, nproc = jax.process_index(), jax.process_count()
   config, saved_dir = runtime.load_run_info(workdir)
   data_dir = data_dir or saved_dir
   if not data_dir:
     raise ValueError("no --data_dir given and none recorded in the workdir")
   schema = runtime.load_schema(data_dir)
   model = runtime.build_model(config, schema)
-  mesh = runtime.build_mesh(mesh_flag, None)
+  mesh = runtime.build_mesh(mesh_flag, dcn_mesh_flag)
   rules = runtime.get_rules(config.sharding.rules)
   data_cfg = config.data.copy_and_resolve_references()
   data_cfg.batch_size = batch_size or config.data.batch_size
+  runtime.check_batch_size(data_cfg.batch_size, mesh, rules, "--batch_size")
   seq_lens = model_config.seq_lens(config)
   ckpt = checkpoint.Checkpointer(os.path.join(workdir, "checkpoints"), read_only=True)
   os.makedirs(out_dir, exist_ok=True)
-  prog = _Progress(out_dir)
+  layout = {"process_count": nproc, "batch_size": int(data_cfg.batch_size),
+            "shard_batches": shard_batches, "quantize": quantize_mode, "summaries": summaries}
+  _check_layout(out_dir, layout)
+  prog = _Progress(out_dir, pid, nproc)
   b_shard = partition.batch_sharding(mesh, rules)
 
   def reps_fn(p, b):
@@ -183,21 +288,22 @@ def export(workdir: str, out_dir: str, *, data_dir: str | None = None, splits=("
     if not summaries:
       r = {k: v for k, v in r.items() if k != "summaries"}
     return r
-  reps_fn = jax.jit(reps_fn)
+  reps_fn = jax.jit(reps_fn, out_shardings=b_shard)     # batch-sharded like the input rows
 
-  params, used_step, manifest_splits = None, None, {}
-  for split in splits:
+  agreed = _agreed_done([len(prog.done(s)) for s in splits])
+  prog.set_layout(layout)
+  params, used_step = None, None
+  for split, n_done in zip(splits, agreed, strict=True):
     ds = pipeline.make_dataset(data_cfg, data_dir, split, seq_lens, train=False,
-                               shard_index=0, shard_count=1)
-    n_batches = pipeline.num_eval_batches(data_dir, split, data_cfg.batch_size)
+                               shard_index=pid, shard_count=nproc)
+    n_batches = pipeline.num_eval_batches(data_dir, split, data_cfg.batch_size, nproc)
     n_shards = -(-n_batches // shard_batches)
-    done = prog.done(split)
     os.makedirs(os.path.join(out_dir, split), exist_ok=True)
     it = iter(ds)
     t0 = time.perf_counter()
     for k in range(n_shards):
       nb = min(shard_batches, n_batches - k * shard_batches)
-      if k < len(done):                       # completed earlier: skip without the model
+      if k < n_done:                          # completed earlier by all: skip without the model
         for _ in range(nb):
           next(it)
         continue
@@ -208,29 +314,42 @@ def export(workdir: str, out_dir: str, *, data_dir: str | None = None, splits=("
         pending = [first_batch]
       else:
         pending = []
-      rel = os.path.join(split, f"emb-{k:05d}.arrayrecord")
-      tmp = os.path.join(out_dir, split, f".emb-{k:05d}.tmp")
+      rel = _shard_name(split, k, pid, nproc)
+      tmp = os.path.join(out_dir, os.path.dirname(rel), "." + os.path.basename(rel) + ".tmp")
       w = arm.ArrayRecordWriter(tmp, records.WRITER_OPTIONS)
       count = 0
       with partition.activate(mesh, rules):
         for _ in range(nb):
           batch = pending.pop() if pending else next(it)
-          reps = jax.device_get(reps_fn(params, pipeline.device_put_batch(batch, b_shard)))
+          put = pipeline.device_put_batch(batch, b_shard)
+          reps = _local_reps(reps_fn(params, put), put, batch)
           keep = np.asarray(batch["example_mask"]) > 0
           for r in encode_batch(reps, batch, quantize_mode, keep):
             w.write(r)
           count += int(keep.sum())
       w.close()
       os.replace(tmp, os.path.join(out_dir, rel))
-      prog.add(split, {"file": rel, "count": count})
+      prog.set(split, k, {"file": rel, "count": count})
       dt = time.perf_counter() - t0
-      log(f"[export] {split}: shard {k + 1}/{n_shards} ({count} records) {dt:.1f}s")
-    manifest_splits[split] = {"files": prog.done(split),
-                              "count": sum(e["count"] for e in prog.done(split))}
+      who = f" process {pid}/{nproc}" if nproc > 1 else ""
+      log(f"[export]{who} {split}: shard {k + 1}/{n_shards} ({count} records) {dt:.1f}s")
   ckpt.close()
+  if used_step is None:                       # everything was done before: the recorded step
+    used_step = _recorded_step(out_dir)
+  if nproc > 1:
+    from jax.experimental import multihost_utils
+    multihost_utils.sync_global_devices("kunlun_export_shards_written")
+  manifest_splits = {}
+  for split in splits:
+    files = []
+    for p in range(nproc):                    # every process's progress, on the shared filesystem
+      done = _Progress(out_dir, p, nproc).done(split)
+      files += [{**e, "process": p} if nproc > 1 else e for e in done]
+    manifest_splits[split] = {"files": files, "count": sum(e["count"] for e in files)}
   manifest = {
       "format": FORMAT, "quantize": quantize_mode, "source_workdir": os.path.abspath(workdir),
       "step": used_step, "data_dir": os.path.abspath(data_dir), "splits": manifest_splits,
+      "process_count": nproc,
       "record": {"user_id": "int64[]", "ad_id": "int64[]", "request_ts": "int64[] (seconds)",
                  "surface": "int32[]", "logits": f"float32[{len(schema.tasks)}]",
                  "pooled": {"int8": "uint8[d] (int8 bits) + pooled_scale float32[]",
@@ -240,11 +359,22 @@ def export(workdir: str, out_dir: str, *, data_dir: str | None = None, splits=("
                      for t in schema.stream_names} if summaries else {})},
       "tasks": list(schema.task_names), "surfaces": list(schema.surfaces),
   }
-  with open(os.path.join(out_dir, "manifest.json"), "w") as f:
-    json.dump(manifest, f, indent=1)
-  log(f"[export] wrote {out_dir}/manifest.json: "
-      f"{ {s: v['count'] for s, v in manifest_splits.items()} }")
+  if pid == 0:
+    tmp = os.path.join(out_dir, ".manifest.json.tmp")
+    with open(tmp, "w") as f:
+      json.dump(manifest, f, indent=1)
+    os.replace(tmp, os.path.join(out_dir, "manifest.json"))
+    log(f"[export] wrote {out_dir}/manifest.json: "
+        f"{ {s: v['count'] for s, v in manifest_splits.items()} }")
+  if nproc > 1:
+    from jax.experimental import multihost_utils
+    multihost_utils.sync_global_devices("kunlun_export_manifest_written")
   return manifest
+
+
+def _recorded_step(out_dir: str):
+  path = os.path.join(out_dir, "manifest.json")
+  return json.load(open(path)).get("step") if os.path.exists(path) else None
 
 
 def main(argv=None):
@@ -261,12 +391,18 @@ def main(argv=None):
   ap.add_argument("--shard_batches", type=int, default=50)
   ap.add_argument("--step", type=int, default=None)
   ap.add_argument("--mesh", default="data=-1")
+  ap.add_argument("--dcn_mesh", default=None, help="mesh axis sizes across hosts (e.g. data=2)")
+  ap.add_argument("--coordinator_address", default=None, help="multi-host: coordinator host:port")
+  ap.add_argument("--num_processes", type=int, default=None, help="multi-host: process count")
+  ap.add_argument("--process_id", type=int, default=None, help="multi-host: this process's index")
   a = ap.parse_args(argv)
-  from kunlun.train.runtime import FatalError
+  from kunlun.train.runtime import FatalError, maybe_initialize_distributed
   try:
+    maybe_initialize_distributed(a.coordinator_address, a.num_processes, a.process_id)
     export(a.workdir, a.out, data_dir=a.data_dir, splits=tuple(a.split.split(",")),
            quantize_mode=a.quantize, summaries=a.summaries, batch_size=a.batch_size,
-           shard_batches=a.shard_batches, step=a.step, mesh_flag=a.mesh)
+           shard_batches=a.shard_batches, step=a.step, mesh_flag=a.mesh,
+           dcn_mesh_flag=a.dcn_mesh)
   except (ValueError, FileNotFoundError, FatalError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2

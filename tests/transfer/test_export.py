@@ -100,6 +100,20 @@ def test_export_matches_direct_and_resumes(fm_workdir, tmp_path):
   e, present, _ = log.join_current({"user_id": want["user_id"][:3], "ad_id": got["ad_id"][:3],
                                     "request_ts": want["request_ts"][:3]})
   assert present.all()
+  with pytest.raises(ValueError, match="shard_batches"):   # resuming with another layout
+    export.export(workdir, out, splits=("eval",), shard_batches=2, mesh_flag="data=1,fsdp=-1",
+                  log=logs2.append)
+
+
+def test_local_rows_dedups_replicas_in_row_order():
+  from jax.sharding import Mesh, NamedSharding
+  from jax.sharding import PartitionSpec as P
+  x = np.arange(16 * 3, dtype=np.float32).reshape(16, 3)
+  mesh = Mesh(np.asarray(jax.devices()[:8])[::-1].reshape(4, 2), ("b", "r"))   # reversed order
+  arr = jax.device_put(x, NamedSharding(mesh, P("b")))        # each row block on 2 devices
+  rows, ranges = export.local_rows(arr)
+  np.testing.assert_array_equal(rows, x)
+  assert ranges == [(0, 4), (4, 8), (8, 12), (12, 16)]
 
 
 def test_bad_workdir(tmp_path):
