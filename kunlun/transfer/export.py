@@ -322,6 +322,10 @@ def export(workdir: str, out_dir: str, *, data_dir: str | None = None, splits=("
         for _ in range(nb):
           batch = pending.pop() if pending else next(it)
           put = pipeline.device_put_batch(batch, b_shard)
+          if put["user_id"].shape[0] != data_cfg.batch_size:
+            raise ValueError(f"--mesh={mesh_flag}: the batch axis is not split over the {nproc} "
+                             f"processes (global batch {put['user_id'].shape[0]}, want "
+                             f"{data_cfg.batch_size}); shard the batch across hosts")
           reps = _local_reps(reps_fn(params, put), put, batch)
           keep = np.asarray(batch["example_mask"]) > 0
           for r in encode_batch(reps, batch, quantize_mode, keep):
