@@ -4,32 +4,21 @@ different mesh; the single-process run from scratch reproduces the two-process l
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
 
+from tests.subproc import free_port, worker_env
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def _free_port():
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
-def _env():
-  env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_"))}
-  env.update(JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
-  return env
 
 
 @pytest.mark.slow
 def test_two_process_train_checkpoint_single_process_restore(tmp_path):
-  port = _free_port()
+  port = free_port()
   cmd = lambda *a: [sys.executable, "-m", "tests.sharding.multiprocess_worker", *map(str, a)]
-  procs = [subprocess.Popen(cmd("train", i, 2, port, tmp_path), cwd=ROOT, env=_env(),
+  procs = [subprocess.Popen(cmd("train", i, 2, port, tmp_path), cwd=ROOT, env=worker_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
            for i in range(2)]
   outs = []
@@ -42,7 +31,7 @@ def test_two_process_train_checkpoint_single_process_restore(tmp_path):
       raise
   for p, out in zip(procs, outs, strict=True):
     assert p.returncode == 0, out[-3000:]
-  r = subprocess.run(cmd("restore", 0, 1, 0, tmp_path), cwd=ROOT, env=_env(), timeout=300,
+  r = subprocess.run(cmd("restore", 0, 1, 0, tmp_path), cwd=ROOT, env=worker_env(), timeout=300,
                      capture_output=True, text=True)
   assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
   train = json.load(open(tmp_path / "train.json"))

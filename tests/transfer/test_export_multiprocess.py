@@ -5,7 +5,6 @@ adds up; an interrupted process makes both recompute from the first shard not al
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
@@ -13,6 +12,7 @@ import numpy as np
 import pytest
 
 from kunlun.transfer import export
+from tests.subproc import free_port, worker_env
 from tests.transfer.test_export import fm_workdir  # noqa: F401  (module fixture)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -29,25 +29,13 @@ SPLITS = "eval,train"
 ARGS = ["--split", SPLITS, "--summaries", "--shard_batches", "1", "--mesh", "data=-1"]
 
 
-def _free_port():
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
-def _env():
-  env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_"))}
-  env.update(JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
-  return env
-
-
 def _run_two(workdir, out):
   """The CLI in two processes; returns their outputs."""
-  port = _free_port()
+  port = free_port()
   procs = [subprocess.Popen([sys.executable, "-c", WORKER, "--workdir", workdir, "--out", out,
                              *ARGS, "--coordinator_address", f"127.0.0.1:{port}",
                              "--num_processes", "2", "--process_id", str(i)],
-                            cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
+                            cwd=ROOT, env=worker_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True) for i in range(2)]
   outs = []
   for p in procs:
