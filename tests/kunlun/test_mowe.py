@@ -38,11 +38,17 @@ def test_mowe_errors():
     MoWE(0, 1, 4, 2, 8).init(jax.random.key(0), np.ones((2, 3, 4), np.float32))
 
 
-def test_mowe_experts_shard_on_expert_axis():
+def _expert_mesh():
+  """A 2 (expert) x 4 (data) mesh and the logical rules that put ``exp`` on ``expert``."""
   mesh = jax.make_mesh((2, 4), ("expert", "data"),
                        axis_types=(jax.sharding.AxisType.Auto,) * 2)
   rules = (("exp", "expert"), ("batch", "data"), ("tokens", None), ("embed", None),
            ("mlp", None))
+  return mesh, rules
+
+
+def test_mowe_experts_shard_on_expert_axis():
+  mesh, rules = _expert_mesh()
   x = np.ones((4, 6, 8), np.float32)
   m = MoWE(num_experts=2, layers_per_expert=1, n_out=4, rank=2, mlp_hidden=8)
   with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
@@ -114,13 +120,9 @@ def test_full_model_with_cross_layer_trains_one_step():
   assert all(m > 0 for m, gk in zip(moved, flat.values(), strict=False) if np.abs(gk).max() > 0)
 
 
-
 def test_mowe_cross_layer_params_shard_on_expert_axis():
   """The connection parameters map to the ``expert`` mesh axis like the layers' (abstract init)."""
-  mesh = jax.make_mesh((2, 4), ("expert", "data"),
-                       axis_types=(jax.sharding.AxisType.Auto,) * 2)
-  rules = (("exp", "expert"), ("batch", "data"), ("tokens", None), ("embed", None),
-           ("mlp", None))
+  mesh, rules = _expert_mesh()
   x = np.ones((4, 6, 8), np.float32)
   m = MoWE(num_experts=2, layers_per_expert=2, n_out=4, rank=2, mlp_hidden=8, cross_layer=True)
   boxed = jax.eval_shape(m.init, jax.random.key(0), x)
