@@ -170,6 +170,8 @@ def run(args) -> dict:
   timings["adapter_s"] = time.perf_counter() - t0
   feats = ex.FMFeatures(log, logit_index, (ad_mod, ad_params), join_key=args.join_key,
                         fm_cutoff=fm_cutoff)
+  # the eval window's LoopFM inputs, joined once (logged embeddings as of each request / event)
+  eval_lf = [{**b, **feats.loopfm(b, streams)} for b in eval_batches]
   ad_prob = np.asarray(adapter_lib.soft_targets(ad_mod, ad_params, ev_lg, cat("surface"),
                                                 age(ev_ts)), np.float64)
   _, ad_all = surface_task_metrics(ad_prob, cat("labels"), cat("label_mask"), cat("surface"),
@@ -205,8 +207,7 @@ def run(args) -> dict:
       params, opt, loss = steps[lf](params, opt, inp, soft, soft_mask, np.float32(lam))
       losses.append(float(loss))
       b = next(it)
-    fm_eval = (lambda b: feats.loopfm(b, streams)) if lf else None
-    ps, ov = ex.evaluate(predicts[lf], params, eval_batches, surfaces, tasks, extra=fm_eval)
+    ps, ov = ex.evaluate(predicts[lf], params, eval_lf if lf else eval_batches, surfaces, tasks)
     results[name], vm_params[name] = (ps, ov), params
     train_losses[name] = float(np.mean(losses[-max(len(losses) // 10, 1):]))
     timings[f"{name}_s"] = time.perf_counter() - t0
@@ -222,26 +223,22 @@ def run(args) -> dict:
   t0 = time.perf_counter()
   ev_emb, _, _ = log.join_current({"user_id": cat("user_id"), "ad_id": cat("ad_id"),
                                    "request_ts": ev_ts}, max_age=0)
-  row_of = {(int(k), int(t)): i for i, (k, t) in enumerate(zip(ev_keys, ev_ts, strict=True))}
+  real = [np.asarray(b["example_mask"]) > 0 for b in eval_batches]   # cat() order: real rows
+  start = np.cumsum([0] + [int(m.sum()) for m in real])
   serving = {}
   for frac in args.cache_budgets:
-    c_emb, c_present, c_age, c_stats = ex.serve_through_cache(
+    c_emb, c_present, _, c_stats = ex.serve_through_cache(
         cat("user_id"), cat("ad_id"), ev_ts, ev_emb, budget_frac=frac, seed=args.seed)
-
-    def from_cache(b, c_emb=c_emb, c_present=c_present, c_age=c_age):
-      out = feats.loopfm(b, streams)
-      keys = pair_key(b["user_id"], b["ad_id"])
-      idx = np.array([row_of.get((int(k), int(t)), -1)
-                      for k, t in zip(keys, np.asarray(b["request_ts"], np.int64), strict=True)])
-      hit = (idx >= 0) & c_present[np.maximum(idx, 0)]
-      out["fm_ctx"] = np.where(hit[:, None], c_emb[np.maximum(idx, 0)], 0).astype(np.float32)
-      out["fm_ctx_present"] = hit
-      return out
+    served = []                      # eval_lf with the context embedding as the cache serves it
+    for b, m, i in zip(eval_lf, real, start, strict=False):
+      hit, emb = np.zeros(m.shape, bool), np.zeros_like(b["fm_ctx"], np.float32)
+      hit[m] = c_present[i:i + m.sum()]
+      emb[m] = np.where(hit[m][:, None], c_emb[i:i + m.sum()], 0)
+      served.append({**b, "fm_ctx": emb, "fm_ctx_present": hit})
 
     row = {"cache": c_stats}
     for name in ("vm_loopfm", "vm_both"):
-      ps, ov = ex.evaluate(predicts[True], vm_params[name], eval_batches, surfaces, tasks,
-                           extra=from_cache)
+      ps, ov = ex.evaluate(predicts[True], vm_params[name], served, surfaces, tasks)
       row[name] = _ne_table(ps, ov)["overall"]
     serving[str(frac)] = row
     _log(f"cache budget {frac}: hit rate {c_stats['hit_rate']:.3f}, staleness "

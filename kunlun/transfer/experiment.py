@@ -112,12 +112,11 @@ def make_predict(model):
   return jax.jit(lambda p, b: jax.nn.sigmoid(model.apply({"params": p}, b).astype(jnp.float32)))
 
 
-def evaluate(predict, params, batches, surfaces, tasks, extra=None):
-  """Per surface x task metrics over host batches (``extra(batch)`` adds model inputs)."""
+def evaluate(predict, params, batches, surfaces, tasks):
+  """Per surface x task metrics over host batches (holding any extra model inputs)."""
   acc = EvalAccumulator(surfaces, tasks)
   for b in batches:
-    inp = {**b, **extra(b)} if extra else b
-    acc.add(np.asarray(predict(params, inp)), b)
+    acc.add(np.asarray(predict(params, b)), b)
   return acc.result()
 
 
