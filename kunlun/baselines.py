@@ -20,11 +20,11 @@ import jax
 import jax.numpy as jnp
 
 from data.schema import Schema
+from kunlun.common import apply_heads, embed_context
 from kunlun.config import ModelConfig, MoWEConfig
 from kunlun.heads import MLP
 from kunlun.inputs import EventEmbed
 from kunlun.layer import DTYPES
-from kunlun.model import Kunlun, apply_heads, embed_context
 from sharding import shard
 
 
@@ -68,11 +68,3 @@ class DLRM(nn.Module):
       out = apply_heads(cfg, h[:, None, :], {}, batch["surface"], dt)
       out["summaries"] = pooled
       return out
-
-
-def build(cfg: ModelConfig, schema: Schema) -> nn.Module:
-  if cfg.arch == "interformer":
-    return Kunlun(interformer_config(cfg), schema)
-  if cfg.arch == "dlrm":
-    return DLRM(cfg, schema)
-  raise ValueError(f"config.model.arch = {cfg.arch!r}; allowed: ('kunlun', 'interformer', 'dlrm')")

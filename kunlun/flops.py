@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 from data.schema import Schema
+from kunlun.baselines import interformer_config
 from kunlun.config import ModelConfig, TowerConfig, parse
 from kunlun.inputs import event_side_dim
 from kunlun.towers import schedule
@@ -177,7 +178,6 @@ def model_flops(config, schema: Schema) -> dict:
     per = _dlrm_flops(cfg, schema)
   else:
     if cfg.arch == "interformer":
-      from kunlun.baselines import interformer_config
       cfg = interformer_config(cfg)
     per = _kunlun_flops(cfg, schema)
   fwd = float(sum(per.values()))

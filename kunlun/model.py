@@ -16,18 +16,14 @@ import jax
 import jax.numpy as jnp
 
 from data.schema import Schema
-from kunlun.config import ModelConfig, parse
-from kunlun.heads import Heads
-from kunlun.inputs import ContextEncoder, EventEmbed
+from kunlun import baselines
+from kunlun.common import apply_heads, embed_context
+from kunlun.config import ARCHS, ModelConfig, parse
+from kunlun.inputs import EventEmbed
 from kunlun.layer import DTYPES, KunlunLayer
 from kunlun.oneseq import StreamMerge
-from sharding import shard
 
-
-def embed_context(cfg: ModelConfig, schema: Schema, batch, dtype):
-  return ContextEncoder(schema.sparse, cfg.n_dense_tokens, cfg.n_ns, cfg.d_ns,
-                        len(schema.surfaces), dtype, name="context")(
-      batch["sparse"], jnp.asarray(batch["dense"]), jnp.asarray(batch["surface"]))
+__all__ = ["Kunlun", "build_model", "embed_sequences", "embed_context", "apply_heads"]
 
 
 def embed_sequences(cfg: ModelConfig, schema: Schema, batch, dtype):
@@ -49,20 +45,6 @@ def embed_sequences(cfg: ModelConfig, schema: Schema, batch, dtype):
     lengths[t.name] = jnp.asarray(ev[t.name]["length"], jnp.int32)
     ages[t.name] = jnp.asarray(ev[t.name]["age"], jnp.float32)
   return seqs, lengths, ages
-
-
-def apply_heads(cfg: ModelConfig, x, summaries, surface, dtype):
-  """``z = concat(flatten(x), flatten(summaries))`` -> heads. Returns the representation dict."""
-  B = x.shape[0]
-  z = jnp.concatenate([x.reshape(B, -1).astype(jnp.float32)]
-                      + [summaries[n].reshape(B, -1).astype(jnp.float32) for n in summaries], 1)
-  z = shard(z, ("batch", None))
-  h = cfg.heads
-  logits, pooled = Heads(len(cfg.surfaces), len(cfg.tasks), h.kind, h.top_mlp, h.tower_hidden,
-                         h.num_experts, h.expert_hidden, dtype, name="heads")(
-      z, jnp.asarray(surface, jnp.int32))
-  return {"pooled": pooled, "logits": logits,
-          "summaries": {n: s.astype(jnp.float32) for n, s in summaries.items()}}
 
 
 class Kunlun(nn.Module):
@@ -105,5 +87,8 @@ def build_model(config, schema: Schema) -> nn.Module:
   cfg = parse(config, schema)
   if cfg.arch == "kunlun":
     return Kunlun(cfg, schema)
-  from kunlun import baselines
-  return baselines.build(cfg, schema)
+  if cfg.arch == "interformer":
+    return Kunlun(baselines.interformer_config(cfg), schema)
+  if cfg.arch == "dlrm":
+    return baselines.DLRM(cfg, schema)
+  raise ValueError(f"config.model.arch = {cfg.arch!r}; allowed: {ARCHS}")

@@ -1,0 +1,45 @@
+"""The two ends every architecture shares: the context tokens X0 and the heads.
+
+``embed_context``: ``X0 [B, N_ns, d_ns]`` from sparse ids, dense features and the surface
+(``kunlun.inputs.ContextEncoder``: LCE tokens + per-surface embedding, spec c.0b, d.3).
+``apply_heads``: ``z = concat(flatten(x), flatten(summaries))`` -> shared top MLP -> per-(surface,
+task) heads (``kunlun.heads.Heads``, spec d.2, d.3).
+
+Kunlun (``model.py``), InterFormer (``interformer.py``) and DLRM (``baselines.py``) import these;
+this module imports none of them, so the model files, the baselines and the FLOP counter form no
+import cycle.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from data.schema import Schema
+from kunlun.config import ModelConfig
+from kunlun.heads import Heads
+from kunlun.inputs import ContextEncoder
+from sharding import shard
+
+
+def embed_context(cfg: ModelConfig, schema: Schema, batch, dtype):
+  """``X0 [B, n_ns, d_ns]`` (module name ``context``; call inside a compact module)."""
+  return ContextEncoder(schema.sparse, cfg.n_dense_tokens, cfg.n_ns, cfg.d_ns,
+                        len(schema.surfaces), dtype, name="context")(
+      batch["sparse"], jnp.asarray(batch["dense"]), jnp.asarray(batch["surface"]))
+
+
+def apply_heads(cfg: ModelConfig, x, summaries, surface, dtype):
+  """``z = concat(flatten(x [B, N, d]), flatten(summaries {name: [B, n, d_e]}))`` -> heads.
+
+  Returns ``{"pooled" [B, top_mlp[-1]], "logits" f32[B, K], "summaries" {name: f32}}``.
+  """
+  B = x.shape[0]
+  z = jnp.concatenate([x.reshape(B, -1).astype(jnp.float32)]
+                      + [summaries[n].reshape(B, -1).astype(jnp.float32) for n in summaries], 1)
+  z = shard(z, ("batch", None))
+  h = cfg.heads
+  logits, pooled = Heads(len(cfg.surfaces), len(cfg.tasks), h.kind, h.top_mlp, h.tower_hidden,
+                         h.num_experts, h.expert_hidden, dtype, name="heads")(
+      z, jnp.asarray(surface, jnp.int32))
+  return {"pooled": pooled, "logits": logits,
+          "summaries": {n: s.astype(jnp.float32) for n, s in summaries.items()}}
