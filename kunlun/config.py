@@ -11,6 +11,8 @@ modules take as a field. Every knob of spec d.7 / h is a field here:
   n_dense_tokens      tokens the dense features are projected into
   num_layers          Kunlun layers L
   comp_skip           Computation Skip on/off (spec c.7)
+  final_hsp           extra HSP of each tower's output in its last layer ([D], not in spec d.1 /
+                      d.4; default off; runs stored before the switch existed had it on)
   seq_mode            "towers" (one tower per stream) | "oneseq" (one merged stream, spec h-18)
   num_time_buckets    log-bucketed event-age embedding size
   attention.{kind, activation, qk_norm, rotary, block_size}   sequence self-attention (c.4)
@@ -114,6 +116,7 @@ class ModelConfig:
   n_dense_tokens: int
   num_layers: int
   comp_skip: bool
+  final_hsp: bool
   seq_mode: str
   num_time_buckets: int
   attention: AttentionConfig
@@ -155,6 +158,7 @@ def default_model() -> ml_collections.ConfigDict:
   m.n_dense_tokens = 1
   m.num_layers = 2
   m.comp_skip = True
+  m.final_hsp = False             # spec d.1 / d.4: no extra summary of the last layer's output
   m.seq_mode = "towers"
   m.num_time_buckets = 32
   m.attention = ml_collections.ConfigDict(dict(kind="swa", activation="softmax", qk_norm=True,
@@ -297,6 +301,8 @@ def parse(config, schema: Schema) -> ModelConfig:
   if isinstance(m.score_clip, bool) or not isinstance(m.score_clip, (int, float)) \
       or not m.score_clip >= 0:
     raise ValueError(f"config.model.score_clip = {m.score_clip!r} must be a number >= 0 (0 = off)")
+  if not isinstance(m.final_hsp, bool):
+    raise ValueError(f"config.model.final_hsp = {m.final_hsp!r} must be a bool")
   if not isinstance(m.mowe.cross_layer, bool):
     raise ValueError(f"config.model.mowe.cross_layer = {m.mowe.cross_layer!r} must be a bool")
   attention = AttentionConfig(**{**m.attention.to_dict(), "activation": "softmax"})
@@ -330,7 +336,8 @@ def parse(config, schema: Schema) -> ModelConfig:
   return ModelConfig(
       arch=m.arch, dtype=m.dtype, backend=m.backend, d_ns=m.d_ns, n_ns=m.n_ns,
       n_dense_tokens=m.n_dense_tokens, num_layers=m.num_layers, comp_skip=bool(m.comp_skip),
-      seq_mode=m.seq_mode, num_time_buckets=m.num_time_buckets, attention=attention,
+      final_hsp=m.final_hsp, seq_mode=m.seq_mode, num_time_buckets=m.num_time_buckets,
+      attention=attention,
       pffn_activation=acts["pffn_activation"], key_norm=bool(m.key_norm), pooling=m.pooling,
       hsp_rank=m.hsp_rank, hsp_activation=acts["hsp_activation"], score_clip=float(m.score_clip),
       mowe=MoWEConfig(**m.mowe.to_dict()), towers=towers, oneseq=oneseq,
@@ -365,6 +372,22 @@ def _with_defaults(m) -> ml_collections.ConfigDict:
 def with_defaults(m) -> ml_collections.ConfigDict:
   """``config.model`` with every field present (defaults filled in), e.g. to store with a run."""
   return _with_defaults(m)
+
+
+# Fields added after runs were stored, with the value those runs were trained with (a stored
+# config.model lacking the field predates it). ``upgrade_stored`` fills them on load.
+STORED_BEFORE = {"final_hsp": True}
+
+
+def upgrade_stored(m) -> ml_collections.ConfigDict:
+  """A stored ``config.model`` (``train.py`` run info) with every field added since it was written
+  set to the value that run was trained with (``STORED_BEFORE``); other fields unchanged."""
+  m = m.copy_and_resolve_references()
+  with m.unlocked():
+    for k, v in STORED_BEFORE.items():
+      if k not in m:
+        m[k] = v
+  return m
 
 
 def validate(config, schema: Schema) -> ModelConfig:

@@ -122,7 +122,7 @@ def layer_flops(cfg: ModelConfig, index: int) -> dict[str, float]:
   out = defaultdict(float)
   towers = cfg.seq_towers
   for t in towers:
-    p = schedule(t, index, cfg.comp_skip)
+    p = schedule(t, index, cfg.comp_skip, cfg.final_hsp)
     if p.weightgen:
       out["weightgen"] += weightgen_flops(cfg.n_ns, cfg.d_ns, t.n_kv, t.width)
     if p.hsp:

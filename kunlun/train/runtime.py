@@ -167,6 +167,9 @@ def load_run_info(workdir: str):
     fail(f"--workdir={workdir}: no config.pkl (not a train.py workdir); pass --config")
   with open(path, "rb") as f:
     config = pickle.load(f)
+  if "model" in config:            # fields added since the run was stored keep the run's value
+    from kunlun.config import upgrade_stored
+    config.model = upgrade_stored(config.model)
   data_dir = None
   p = os.path.join(workdir, "data_dir.txt")
   if os.path.exists(p):
