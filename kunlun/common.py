@@ -1,7 +1,8 @@
-"""The two ends every architecture shares: the context tokens X0 and the heads.
+"""The ends every architecture shares: context tokens X0, event embeddings and the heads.
 
 ``embed_context``: ``X0 [B, N_ns, d_ns]`` from sparse ids, dense features and the surface
 (``kunlun.inputs.ContextEncoder``: LCE tokens + per-surface embedding, spec c.0b, d.3).
+``embed_streams``: one event embedding per stream tower (spec b.4).
 ``apply_heads``: ``z = concat(flatten(x), flatten(summaries))`` -> shared top MLP -> per-(surface,
 task) heads (``kunlun.heads.Heads``, spec d.2, d.3).
 
@@ -17,7 +18,7 @@ import jax.numpy as jnp
 from data.schema import Schema
 from kunlun.config import ModelConfig
 from kunlun.heads import Heads
-from kunlun.inputs import ContextEncoder
+from kunlun.inputs import ContextEncoder, EventEmbed
 from sharding import shard
 
 
@@ -26,6 +27,20 @@ def embed_context(cfg: ModelConfig, schema: Schema, batch, dtype):
   return ContextEncoder(schema.sparse, cfg.n_dense_tokens, cfg.n_ns, cfg.d_ns,
                         len(schema.surfaces), dtype, name="context")(
       batch["sparse"], jnp.asarray(batch["dense"]), jnp.asarray(batch["surface"]))
+
+
+def embed_streams(towers, schema: Schema, batch, dtype, num_time_buckets: int):
+  """One ``EventEmbed`` per tower (module ``embed_<stream>``, at the tower's width):
+  ``(seqs {name: [B, T, d]}, lengths {name: i32[B]}, ages {name: f32[B, T]})``."""
+  ev = batch["events"]
+  seqs, lengths, ages = {}, {}, {}
+  for t in towers:
+    st = schema.stream(t.name)
+    seqs[t.name] = EventEmbed(st, len(schema.surfaces), t.width, num_time_buckets, dtype,
+                              name=f"embed_{t.name}")(ev[t.name])
+    lengths[t.name] = jnp.asarray(ev[t.name]["length"], jnp.int32)
+    ages[t.name] = jnp.asarray(ev[t.name]["age"], jnp.float32)
+  return seqs, lengths, ages
 
 
 def apply_heads(cfg: ModelConfig, x, summaries, surface, dtype):

@@ -4,7 +4,8 @@ Presets (``kunlun/configs/*.py``) fill ``config.model`` as an ``ml_collections.C
 ``parse(config, schema)`` validates it and returns a frozen, hashable ``ModelConfig`` that Linen
 modules take as a field. Every knob of spec d.7 / h is a field here:
 
-  arch                "kunlun" | "interformer" | "dlrm"            (model family, baselines.py)
+  arch                "kunlun" | "interformer" | "dlrm" | "kunlun_ablated"   (model family:
+                      model.py, interformer.py, baselines.py)
   dtype               "float32" | "bfloat16"                      (compute; params stay fp32)
   backend             "xla" | "pallas" | "triton" | "auto"        (GDPA / block-attention kernels)
   d_ns, n_ns          non-sequence token width and count (after LCE)
@@ -30,6 +31,9 @@ modules take as a field. Every knob of spec d.7 / h is a field here:
   oneseq.{width, heads, n_kv, window, kept_len, n_seed, n_sum, depth}   (merged tower)
   heads.{kind, top_mlp, tower_hidden, num_experts, expert_hidden}       (d.3)
   dlrm.{seq_dim, mlp}  (DLRM baseline only)
+  interformer.{n_cls, n_recent}   (InterFormer only: CLS tokens = X_sum tokens, recent tokens in
+                      S_sum; its PMA queries are towers.*.n_sum and its DHEN interaction takes
+                      mowe.{layers_per_expert, rank, mlp_hidden}, so both are sized by one knob)
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ import ml_collections
 from data.schema import Schema
 from pallas_kernels.activations import NAMES as GDPA_ACTIVATIONS
 
-ARCHS = ("kunlun", "interformer", "dlrm")
+ARCHS = ("kunlun", "interformer", "dlrm", "kunlun_ablated")
 DTYPES = ("float32", "bfloat16")
 BACKENDS = ("xla", "pallas", "triton", "auto")
 SEQ_MODES = ("towers", "oneseq")
@@ -106,6 +110,12 @@ class DLRMConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class InterFormerConfig:
+  n_cls: int = 4
+  n_recent: int = 2
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelConfig:
   """Frozen, validated form of ``config.model`` (hashable, so Linen modules can hold it)."""
   arch: str
@@ -131,6 +141,7 @@ class ModelConfig:
   oneseq: TowerConfig | None           # the merged tower (seq_mode == "oneseq")
   heads: HeadsConfig
   dlrm: DLRMConfig
+  interformer: InterFormerConfig
   streams: tuple[str, ...]             # schema stream names, in order
   surfaces: tuple[str, ...]
   tasks: tuple[str, ...]
@@ -176,6 +187,7 @@ def default_model() -> ml_collections.ConfigDict:
   m.heads = ml_collections.ConfigDict(dict(kind="towers", top_mlp=(64,), tower_hidden=32,
                                            num_experts=2, expert_hidden=32))
   m.dlrm = ml_collections.ConfigDict(dict(seq_dim=32, mlp=(128, 64)))
+  m.interformer = ml_collections.ConfigDict(dict(n_cls=4, n_recent=2))
   return m
 
 
@@ -295,6 +307,8 @@ def parse(config, schema: Schema) -> ModelConfig:
     _pos_int(f"heads.{f}", m.heads[f])
   for i, h in enumerate(m.heads.top_mlp):
     _pos_int(f"heads.top_mlp[{i}]", h)
+  _pos_int("interformer.n_cls", m.interformer.n_cls)
+  _pos_int("interformer.n_recent", m.interformer.n_recent, minimum=0)
   _pos_int("dlrm.seq_dim", m.dlrm.seq_dim)
   for i, h in enumerate(m.dlrm.mlp):
     _pos_int(f"dlrm.mlp[{i}]", h)
@@ -327,7 +341,7 @@ def parse(config, schema: Schema) -> ModelConfig:
       raise ValueError(f"config.model.oneseq.kept_len = {oneseq.kept_len} exceeds the merged "
                        f"length sum(towers.*.kept_len) = {total}; allowed: 1..{total}")
   # the towers whose modules take the activations (InterFormer always runs per-stream towers)
-  running = (oneseq,) if (oneseq is not None and m.arch != "interformer") else towers
+  running = (oneseq,) if (oneseq is not None and m.arch == "kunlun") else towers
   acts = {f: _activation(f, _get(m, f), allowed, running)
           for f, allowed in (("attention.activation", ATTENTION_ACTIVATIONS),
                              ("pffn_activation", GDPA_ACTIVATIONS),
@@ -343,6 +357,7 @@ def parse(config, schema: Schema) -> ModelConfig:
       mowe=MoWEConfig(**m.mowe.to_dict()), towers=towers, oneseq=oneseq,
       heads=HeadsConfig(**{**m.heads.to_dict(), "top_mlp": tuple(m.heads.top_mlp)}),
       dlrm=DLRMConfig(seq_dim=m.dlrm.seq_dim, mlp=tuple(m.dlrm.mlp)),
+      interformer=InterFormerConfig(**m.interformer.to_dict()),
       streams=names, surfaces=tuple(schema.surfaces), tasks=schema.task_names)
 
 
@@ -355,7 +370,7 @@ def _with_defaults(m) -> ml_collections.ConfigDict:
   out = default_model().to_dict()
   for k in m.keys():
     v = m[k]
-    if k in ("attention", "mowe", "heads", "dlrm"):
+    if k in ("attention", "mowe", "heads", "dlrm", "interformer"):
       for kk in v.keys():
         if kk not in out[k]:
           raise ValueError(f"config.model.{k}: unknown field {kk!r}; allowed: {sorted(out[k])}")
@@ -384,6 +399,8 @@ def upgrade_stored(m) -> ml_collections.ConfigDict:
   set to the value that run was trained with (``STORED_BEFORE``); other fields unchanged."""
   m = m.copy_and_resolve_references()
   with m.unlocked():
+    if "final_hsp" not in m and m.get("arch") == "interformer":
+      m.arch = "kunlun_ablated"     # "interformer" was this Kunlun-with-switches-off variant
     for k, v in STORED_BEFORE.items():
       if k not in m:
         m[k] = v

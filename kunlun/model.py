@@ -17,9 +17,10 @@ import jax.numpy as jnp
 
 from data.schema import Schema
 from kunlun import baselines
-from kunlun.common import apply_heads, embed_context
+from kunlun.common import apply_heads, embed_context, embed_streams
 from kunlun.config import ARCHS, ModelConfig, parse
 from kunlun.inputs import EventEmbed
+from kunlun.interformer import InterFormer
 from kunlun.layer import DTYPES, KunlunLayer
 from kunlun.oneseq import StreamMerge
 
@@ -37,14 +38,7 @@ def embed_sequences(cfg: ModelConfig, schema: Schema, batch, dtype):
         s_list, [jnp.asarray(ev[n]["length"], jnp.int32) for n in schema.stream_names],
         [jnp.asarray(ev[n]["age"], jnp.float32) for n in schema.stream_names])
     return {t.name: s}, {t.name: lengths}, {t.name: age}
-  seqs, lengths, ages = {}, {}, {}
-  for t in cfg.towers:
-    st = schema.stream(t.name)
-    seqs[t.name] = EventEmbed(st, len(schema.surfaces), t.width, cfg.num_time_buckets, dtype,
-                              name=f"embed_{t.name}")(ev[t.name])
-    lengths[t.name] = jnp.asarray(ev[t.name]["length"], jnp.int32)
-    ages[t.name] = jnp.asarray(ev[t.name]["age"], jnp.float32)
-  return seqs, lengths, ages
+  return embed_streams(cfg.towers, schema, batch, dtype, cfg.num_time_buckets)
 
 
 class Kunlun(nn.Module):
@@ -88,7 +82,9 @@ def build_model(config, schema: Schema) -> nn.Module:
   if cfg.arch == "kunlun":
     return Kunlun(cfg, schema)
   if cfg.arch == "interformer":
-    return Kunlun(baselines.interformer_config(cfg), schema)
+    return InterFormer(cfg, schema)
+  if cfg.arch == "kunlun_ablated":
+    return Kunlun(baselines.ablated_config(cfg), schema)
   if cfg.arch == "dlrm":
     return baselines.DLRM(cfg, schema)
   raise ValueError(f"config.model.arch = {cfg.arch!r}; allowed: {ARCHS}")
