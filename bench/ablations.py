@@ -163,6 +163,7 @@ def run(args) -> dict:
       runs.append(done[(v, seed)])
       continue
     base = S.size_config("kunlun", size, "tiny", schema, batch_size=args.batch_size, lr=args.lr,
+                         emb_lr=args.emb_lr,
                          warmup=max(int(0.05 * args.num_examples / args.batch_size), 1),
                          seed=seed)
     cfg = variant_config(v, base, schema)
@@ -180,7 +181,7 @@ def run(args) -> dict:
   out = {"bench": "ablations", "quick": args.quick,
          "setup": {"preset": "tiny", "size": "quick" if args.quick else args.size,
                    "size_knobs": size, "num_examples": args.num_examples, "seeds": args.seeds,
-                   "batch_size": args.batch_size, "lr": args.lr,
+                   "batch_size": args.batch_size, "lr": args.lr, "emb_lr": args.emb_lr,
                    "eval_examples": runs[0]["eval_examples"] if runs else None,
                    "ne_delta": "100 (NE_base - NE_variant) / NE_base, paired by seed; "
                                "positive = variant better",
@@ -202,7 +203,8 @@ def main(argv=None):
   ap.add_argument("--num_examples", type=int, default=None)
   ap.add_argument("--seeds", type=int, nargs="+", default=None)
   ap.add_argument("--batch_size", type=int, default=128)
-  ap.add_argument("--lr", type=float, default=2e-3)
+  ap.add_argument("--lr", type=float, default=5e-3)
+  ap.add_argument("--emb_lr", type=float, default=0.2)
   ap.add_argument("--eval_examples", type=int, default=None)
   ap.add_argument("--data_seed", type=int, default=0)
   ap.add_argument("--workdir", default=None, help="data and runs.jsonl (resumable)")
@@ -211,7 +213,7 @@ def main(argv=None):
   ap.add_argument("--out", default=None)
   args = ap.parse_args(argv)
   q = args.quick
-  args.num_examples = args.num_examples or (512 if q else 60_000)
+  args.num_examples = args.num_examples or (512 if q else 200_000)
   args.seeds = args.seeds or ([0] if q else [0, 1])
   args.eval_examples = args.eval_examples or (512 if q else 20_000)
   if q:

@@ -56,16 +56,16 @@ HIGH_VALUE = ("click", "conversion")   # streams with the large tower (spec h-10
 # T: kept events (high, low value), M: MoWE experts, n_sum: summary tokens (high value), hidden:
 # Wukong / DHEN MLP width, dlrm: (seq_dim, MLP widths).
 LADDERS = {
-    "cpu": (dict(L=1, d=8, d_ns=8, n_ns=4, T=(16, 16), M=1, n_sum=1, hidden=16,
+    "cpu": (dict(L=1, d=8, d_ns=4, n_ns=2, T=(8, 8), M=1, n_sum=1, hidden=8,
+                 dlrm=(4, (16, 8))),
+            dict(L=1, d=8, d_ns=8, n_ns=4, T=(16, 16), M=1, n_sum=1, hidden=16,
                  dlrm=(8, (32, 16))),
-            dict(L=1, d=16, d_ns=8, n_ns=4, T=(32, 32), M=1, n_sum=2, hidden=32,
+            dict(L=2, d=16, d_ns=8, n_ns=4, T=(32, 32), M=1, n_sum=2, hidden=32,
                  dlrm=(12, (64, 32))),
             dict(L=3, d=16, d_ns=16, n_ns=4, T=(32, 32), M=1, n_sum=2, hidden=32,
                  dlrm=(16, (128, 64))),
             dict(L=3, d=32, d_ns=16, n_ns=8, T=(48, 48), M=2, n_sum=4, hidden=64,
-                 dlrm=(32, (256, 128))),
-            dict(L=5, d=32, d_ns=32, n_ns=8, T=(64, 64), M=2, n_sum=4, hidden=64,
-                 dlrm=(48, (512, 256)))),
+                 dlrm=(32, (256, 128)))),
     "gpu": (dict(L=1, d=32, d_ns=16, n_ns=8, T=(64, 128), M=1, n_sum=4, hidden=32,
                  dlrm=(16, (64, 32))),
             dict(L=3, d=64, d_ns=32, n_ns=8, T=(64, 128), M=2, n_sum=4, hidden=64,
@@ -87,7 +87,7 @@ def _log(msg):
 
 
 def size_config(arch: str, size: dict, preset: str, schema, *, batch_size: int, lr: float,
-                warmup: int, seed: int):
+                warmup: int, seed: int, emb_lr: float = 0.2):
   """The full config (``kunlun/configs/common.py`` + model) of ``arch`` at ``size``."""
   from kunlun.config import default_model, tower
   from kunlun.configs.common import base_config
@@ -106,7 +106,7 @@ def size_config(arch: str, size: dict, preset: str, schema, *, batch_size: int, 
     T = min(size["T"][0 if hi else 1], st.max_len)
     m.towers[st.name] = tower(width=w, heads=heads, n_kv=8, window=8, kept_len=T,
                               n_seed=4 * n_sum, n_sum=n_sum, depth=L if hi else max(L - 2, 1))
-  m.heads.update(top_mlp=(max(32, 2 * d),), tower_hidden=max(16, d // 2))
+  m.heads.update(top_mlp=(max(16, 2 * d),), tower_hidden=max(8, d // 2))
   m.dlrm.update(seq_dim=size["dlrm"][0], mlp=tuple(size["dlrm"][1]))
   c.model = m
   c.seed = seed
@@ -114,7 +114,8 @@ def size_config(arch: str, size: dict, preset: str, schema, *, batch_size: int, 
   c.data.batch_size = batch_size
   c.data.shuffle_seed = seed
   c.data.num_threads = 1
-  c.train.lr, c.train.warmup_steps, c.train.schedule = lr, warmup, "cosine"
+  c.train.lr, c.train.emb_lr, c.train.warmup_steps = lr, emb_lr, warmup
+  c.train.schedule = "cosine"
   return c
 
 
@@ -159,7 +160,8 @@ def train_eval(config, schema, data_dir, num_examples: int, eval_cache: dict, bu
                              shard_count=1)
   it = iter(ds)
   first = next(it)
-  key = json.dumps(config.model.to_dict(), sort_keys=True, default=str) + str(steps)
+  key = json.dumps([config.model.to_dict(), config.train.to_dict(), steps], sort_keys=True,
+                   default=str)
   built = {} if built is None else built
   t0 = time.perf_counter()
   if key not in built:
@@ -471,7 +473,8 @@ def run(args) -> dict:
       runs.append(done[key])
       continue
     cfg = size_config(arch, ladder[k], preset, schema, batch_size=args.batch_size, lr=args.lr,
-                      warmup=max(int(0.05 * n / args.batch_size), 1), seed=seed)
+                      emb_lr=args.emb_lr, warmup=max(int(0.05 * n / args.batch_size), 1),
+                      seed=seed)
     _log(f"run {i + 1}/{len(plan)}: {kind} {arch} size {k} seed {seed} examples {n}")
     r = train_eval(cfg, schema, data_dir, n, eval_cache, built, log_every=args.log_every)
     r.update(kind=kind, arch=arch, size=k, seed=seed, num_examples=n, size_knobs=ladder[k],
@@ -496,7 +499,8 @@ def run(args) -> dict:
   out = {
       "bench": "scaling", "quick": args.quick, "ladder": "quick" if args.quick else args.ladder,
       "setup": {"preset": preset, "num_examples": args.num_examples, "seeds": args.seeds,
-                "batch_size": args.batch_size, "lr": args.lr, "schedule": "cosine, 5% warm-up",
+                "batch_size": args.batch_size, "lr": args.lr, "emb_lr": args.emb_lr,
+                "schedule": "cosine, 5% warm-up",
                 "eval_examples": runs[0]["eval_examples"] if runs else None,
                 "data_sizes": args.data_sizes, "data_sweep_size": sweep_size,
                 "ladder": list(ladder), "final_hsp": False,
@@ -552,7 +556,8 @@ def main(argv=None):
   ap.add_argument("--sweep_size", type=int, default=None, help="ladder index of the data sweep")
   ap.add_argument("--seeds", type=int, nargs="+", default=None)
   ap.add_argument("--batch_size", type=int, default=128)
-  ap.add_argument("--lr", type=float, default=2e-3)
+  ap.add_argument("--lr", type=float, default=5e-3, help="AdamW peak LR (dense parameters)")
+  ap.add_argument("--emb_lr", type=float, default=0.2, help="row-wise Adagrad LR (tables)")
   ap.add_argument("--eval_examples", type=int, default=None)
   ap.add_argument("--data_seed", type=int, default=0)
   ap.add_argument("--log_every", type=int, default=0)
@@ -560,7 +565,7 @@ def main(argv=None):
   ap.add_argument("--out", default=None, help="JSON path (PNG beside it)")
   args = ap.parse_args(argv)
   q = args.quick
-  args.num_examples = args.num_examples or (512 if q else 60_000)
+  args.num_examples = args.num_examples or (512 if q else 200_000)
   args.seeds = args.seeds or ([0] if q else [0, 1])
   args.data_sizes = args.data_sizes if args.data_sizes is not None else (
       [] if q else [0.25, 0.5, 1.0, 2.0])
