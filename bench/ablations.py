@@ -12,7 +12,8 @@ batch, examples and eval as the scaling sweep). Each variant changes one switch:
   shared_tower    event-level personalization off: every stream's tower takes the high-value
                   tower's width, heads, depth and summary sizes (one tower config, c.8)
   oneseq          one time-merged stream, one tower, width chosen for equal analytic FLOPs (h-18)
-  mowe_1          one Wukong expert instead of M (c.6)
+  mowe_experts    MoWE with 1 expert if the base has more, else 2 (c.6; ``mowe_1`` / ``mowe_2``
+                  in the table name the variant's count)
   final_hsp       the extra HSP of each tower's last-layer output ([D], off in the spec)
   kunlun_ablated  all of Kunlun's changes off at once (``kunlun/baselines.py``)
 
@@ -41,7 +42,7 @@ import numpy as np  # noqa: E402
 from bench import scaling as S  # noqa: E402
 
 VARIANTS = ("base", "pma", "sumkron_rank1", "full_attention", "no_compskip", "shared_tower",
-            "oneseq", "mowe_1", "final_hsp", "kunlun_ablated")
+            "oneseq", "mowe_experts", "final_hsp", "kunlun_ablated")
 
 
 def _log(msg):
@@ -74,8 +75,8 @@ def variant_config(name: str, base, schema):
                         "kept_len": sum(m.towers[s].kept_len for s in m.towers.keys())})
     m.seq_mode = "oneseq"
     c, _ = equal_flops_config(c, schema)
-  elif name == "mowe_1":
-    m.mowe.num_experts = 1
+  elif name == "mowe_experts":
+    m.mowe.num_experts = 1 if m.mowe.num_experts > 1 else 2
   elif name == "final_hsp":
     m.final_hsp = True
   elif name == "kunlun_ablated":
@@ -106,6 +107,8 @@ def summarize(runs: list[dict], seeds) -> dict:
            for r in rs if get("base", r["seed"])]
       row["ne_delta_pct"][t] = {"per_seed": d, "mean": float(np.mean(d)) if d else None,
                                 "std": float(np.std(d, ddof=1)) if len(d) > 1 else None}
+    if "experts" in rs[0]:
+      row["experts"] = rs[0]["experts"]
     mean = lambda key, rr=rs: float(np.mean([r[key] for r in rr]))
     row.update(step_time_ms=mean("step_time_ms_median"),
                train_flops_per_example=mean("train_flops_per_example"),
@@ -130,6 +133,8 @@ def format_table(table: dict) -> str:
                   f"{d['mean']:+.2f}" + ("" if d["std"] is None else f"+-{d['std']:.2f}"))
   for v, r in table.items():
     dl = r.get("delta_pct", {})
+    if v == "mowe_experts" and "experts" in r:
+      v = f"mowe_{r['experts']}"
     rows.append(f"{v:<15} {pm(r['ne_delta_pct']['click']):>14} "
                 f"{pm(r['ne_delta_pct']['conversion']):>14} {r['step_time_ms']:>8.1f} "
                 f"{dl.get('step_time_ms', float('nan')):>+7.1f} "
@@ -169,7 +174,7 @@ def run(args) -> dict:
     cfg = variant_config(v, base, schema)
     _log(f"run {i + 1}/{len(variants) * len(args.seeds)}: {v} seed {seed}")
     r = S.train_eval(cfg, schema, data_dir, args.num_examples, eval_cache, built)
-    r.update(variant=v, seed=seed, load_avg=os.getloadavg()[0],
+    r.update(variant=v, seed=seed, load_avg=os.getloadavg()[0], experts=cfg.model.mowe.num_experts,
              model=json.loads(json.dumps(cfg.model.to_dict(), default=list)))
     runs.append(r)
     with open(log_path, "a") as f:
@@ -217,7 +222,7 @@ def main(argv=None):
   args.seeds = args.seeds or ([0] if q else [0, 1])
   args.eval_examples = args.eval_examples or (512 if q else 20_000)
   if q:
-    args.variants = args.variants or ["base", "mowe_1"]
+    args.variants = args.variants or ["base", "mowe_experts"]
     args.batch_size = min(args.batch_size, 64)
   out = run(args)
   path = args.out or os.path.join(_ROOT, "bench", "results",

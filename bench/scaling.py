@@ -283,9 +283,30 @@ def flops_to_reach(ne_target: float, power: dict | None, loglin: dict | None,
   return out
 
 
+def select_lr(runs: list[dict], seeds) -> tuple[list[dict], dict]:
+  """Per (arch, size), the runs of the learning rate with the lowest seed-mean click NE among
+  the LRs that ran every seed (spec h-15: LR tuned per model size). Returns (runs, choices)."""
+  ladder = [r for r in runs if r["kind"] == "ladder"]
+  choice, keep = {}, []
+  for arch, size in sorted({(r["arch"], r["size"]) for r in ladder}):
+    cand = {}
+    for r in ladder:
+      if (r["arch"], r["size"]) == (arch, size):
+        cand.setdefault(r["lr"], []).append(r)
+    full = {lr: rs for lr, rs in cand.items() if {r["seed"] for r in rs} >= set(seeds)}
+    if not full:
+      continue
+    ne = {lr: float(np.mean([r["ne"]["click"] for r in rs])) for lr, rs in full.items()}
+    lr = min(ne, key=ne.get)
+    choice[f"{arch}/{size}"] = {"lr": lr, "click_ne_by_lr": {str(k): v for k, v in ne.items()}}
+    keep += [r for r in full[lr] if r["seed"] in seeds]
+  return keep, choice
+
+
 def summarize(runs: list[dict], seeds, n_sizes: int) -> dict:
-  """Fits, scaling-efficiency ratios and the InterFormer FLOPs to match Kunlun (docstring 4)."""
-  main = [r for r in runs if r["kind"] == "ladder"]
+  """Fits, scaling-efficiency ratios and the InterFormer FLOPs to match Kunlun (docstring 4),
+  on the runs of the LR chosen per (arch, size) (``select_lr``)."""
+  main, lr_choice = select_lr(runs, seeds)
   by = lambda arch, seed=None: sorted(
       [r for r in main if r["arch"] == arch and (seed is None or r["seed"] == seed)],
       key=lambda r: r["size"])
@@ -297,8 +318,8 @@ def summarize(runs: list[dict], seeds, n_sizes: int) -> dict:
     ne = [np.mean([r["ne"][task] for r in rs if r["size"] == s]) for s in sizes]
     return np.asarray(C), np.asarray(ne), sizes
 
-  out = {"ne_ref": {}, "fits": {}, "per_seed": {}, "scaling_efficiency_ratio": {},
-         "interformer_flops_to_match_kunlun_best": {}}
+  out = {"lr_choice": lr_choice, "ne_ref": {}, "fits": {}, "per_seed": {},
+         "scaling_efficiency_ratio": {}, "interformer_flops_to_match_kunlun_best": {}}
   for task in TASKS:
     _, ne_i, _ = curve("interformer", task)
     if not len(ne_i):
@@ -456,29 +477,35 @@ def run(args) -> dict:
   EVAL_EXAMPLES = args.eval_examples
 
   # sizes in increasing cost; the seeds of one model back to back (one compilation)
-  plan = [("ladder", arch, k, seed, args.num_examples)
-          for k in range(len(ladder)) for arch in ARCHS for seed in args.seeds]
-  sweep_size = len(ladder) - 1 if args.sweep_size is None else args.sweep_size
+  top = len(ladder) - 1
+  lrs = lambda k: args.lrs_top if (k == top and args.lrs_top) else args.lrs
+  plan = [("ladder", arch, k, seed, args.num_examples, lr)
+          for k in range(len(ladder)) for arch in ARCHS for lr in lrs(k) for seed in args.seeds]
+  sweep_size = top if args.sweep_size is None else args.sweep_size
   for f in args.data_sizes or []:
     if f != 1.0:
-      plan.append(("data", "kunlun", sweep_size, args.seeds[0], int(args.num_examples * f)))
+      plan.append(("data", "kunlun", sweep_size, args.seeds[0], int(args.num_examples * f),
+                   min(lrs(sweep_size))))
   log_path = os.path.join(work, "runs.jsonl")
-  done = {(r["kind"], r["arch"], r["size"], r["seed"], r["num_examples"]): r
-          for r in _read_runs(log_path)}
+  done_runs = _read_runs(log_path)
+  done = {(r["kind"], r["arch"], r["size"], r["seed"], r["num_examples"], r["lr"]): r
+          for r in done_runs}
   eval_cache, built = {}, {}
   runs = []
-  for i, (kind, arch, k, seed, n) in enumerate(plan):
-    key = (kind, arch, k, seed, n)
+  for i, key in enumerate(plan):
+    kind, arch, k, seed, n, lr = key
     if key in done:
       runs.append(done[key])
       continue
-    cfg = size_config(arch, ladder[k], preset, schema, batch_size=args.batch_size, lr=args.lr,
+    if (args.archs and arch not in args.archs) or (args.sizes and k not in args.sizes):
+      continue                                   # another process's share of the plan
+    cfg = size_config(arch, ladder[k], preset, schema, batch_size=args.batch_size, lr=lr,
                       emb_lr=args.emb_lr, warmup=max(int(0.05 * n / args.batch_size), 1),
                       seed=seed)
-    _log(f"run {i + 1}/{len(plan)}: {kind} {arch} size {k} seed {seed} examples {n}")
+    _log(f"run {i + 1}/{len(plan)}: {kind} {arch} size {k} seed {seed} examples {n} lr {lr}")
     r = train_eval(cfg, schema, data_dir, n, eval_cache, built, log_every=args.log_every)
-    r.update(kind=kind, arch=arch, size=k, seed=seed, num_examples=n, size_knobs=ladder[k],
-             load_avg=os.getloadavg()[0])
+    r.update(kind=kind, arch=arch, size=k, seed=seed, num_examples=n, lr=lr,
+             size_knobs=ladder[k], load_avg=os.getloadavg()[0])
     runs.append(r)
     with open(log_path, "a") as f:
       f.write(json.dumps(r) + "\n")
@@ -487,19 +514,24 @@ def run(args) -> dict:
          f"{r['train_flops_per_example_padded'] / 1e6:.2f}, executed "
          f"{r['executed_flops_per_example'] / 1e6:.2f}) | step {r['step_time_ms_median']:.1f} ms"
          f" | {sum(r['timings_s'].values()):.0f}s")
-  # the data sweep's full-size point is the ladder run of the same size and seed
-  for r in runs:
+  # runs outside the plan (e.g. an LR abandoned at the largest size) stay in the record
+  planned = set(plan)
+  extra = [r for r in done_runs if (r["kind"], r["arch"], r["size"], r["seed"],
+                                    r["num_examples"], r["lr"]) not in planned]
+  # the data sweep's full-size point is the ladder run of the same size, seed and LR
+  for r in list(runs):
     if r["kind"] == "ladder" and r["arch"] == "kunlun" and r["size"] == sweep_size \
-        and r["seed"] == args.seeds[0] and args.data_sizes:
+        and r["seed"] == args.seeds[0] and r["lr"] == min(lrs(sweep_size)) and args.data_sizes:
       runs.append({**r, "kind": "data"})
   summary = summarize(runs, args.seeds, len(ladder))
   bayes = {t: runs[0]["bayes_ne"][t] for t in TASKS} if runs else {}
-  best = {t: {a: min((r["ne"][t] for r in runs if r["kind"] == "ladder" and r["arch"] == a),
-                     default=None) for a in ARCHS} for t in TASKS}
+  best = {t: {a: (min(f["ne"]) if (f := summary["fits"].get(t, {}).get(a)) else None)
+              for a in ARCHS} for t in TASKS}          # seed-mean NE at the chosen LRs
   out = {
       "bench": "scaling", "quick": args.quick, "ladder": "quick" if args.quick else args.ladder,
       "setup": {"preset": preset, "num_examples": args.num_examples, "seeds": args.seeds,
-                "batch_size": args.batch_size, "lr": args.lr, "emb_lr": args.emb_lr,
+                "batch_size": args.batch_size, "lrs": args.lrs, "lrs_top": args.lrs_top,
+                "emb_lr": args.emb_lr,
                 "schedule": "cosine, 5% warm-up",
                 "eval_examples": runs[0]["eval_examples"] if runs else None,
                 "data_sizes": args.data_sizes, "data_sweep_size": sweep_size,
@@ -513,6 +545,7 @@ def run(args) -> dict:
                            for a in ARCHS} for t in TASKS} if bayes else {},
       "summary": summary,
       "runs": runs,
+      "runs_outside_plan": extra,
       "seconds": time.perf_counter() - t_start,
   }
   out["environment"]["load_avg_end"] = os.getloadavg()
@@ -556,7 +589,13 @@ def main(argv=None):
   ap.add_argument("--sweep_size", type=int, default=None, help="ladder index of the data sweep")
   ap.add_argument("--seeds", type=int, nargs="+", default=None)
   ap.add_argument("--batch_size", type=int, default=128)
-  ap.add_argument("--lr", type=float, default=5e-3, help="AdamW peak LR (dense parameters)")
+  ap.add_argument("--lrs", type=float, nargs="+", default=[5e-3, 2e-3],
+                  help="AdamW peak LRs tried per size (the best seed-mean click NE is fitted)")
+  ap.add_argument("--lrs_top", type=float, nargs="*", default=None,
+                  help="LRs for the largest size (default: --lrs)")
+  ap.add_argument("--archs", nargs="*", default=None, choices=ARCHS,
+                  help="run only these architectures' share of the plan (parallel workers)")
+  ap.add_argument("--sizes", type=int, nargs="*", default=None, help="run only these sizes")
   ap.add_argument("--emb_lr", type=float, default=0.2, help="row-wise Adagrad LR (tables)")
   ap.add_argument("--eval_examples", type=int, default=None)
   ap.add_argument("--data_seed", type=int, default=0)
@@ -572,6 +611,7 @@ def main(argv=None):
   args.eval_examples = args.eval_examples or (512 if q else 20_000)
   if q:
     args.batch_size = min(args.batch_size, 64)
+    args.lrs = args.lrs[:1]
   out = run(args)
   path = args.out or os.path.join(_ROOT, "bench", "results",
                                   "scaling_quick.json" if q else "scaling.json")

@@ -41,9 +41,12 @@ def test_summary_scaling_efficiency_ratio_per_seed():
                              ("dlrm", 0.5, 0.05)):
       for k, c in enumerate(C):
         ne = 0.9 - 0.01 * slope * (np.log10(c) - 5) + off
-        runs.append({"kind": "ladder", "arch": arch, "size": k, "seed": seed,
-                     "train_flops_per_example": c, "ne": {"click": ne, "conversion": ne}})
+        for lr, worse in ((1e-3, 0.0), (3e-3, 0.05)):      # the better LR is the one fitted
+          runs.append({"kind": "ladder", "arch": arch, "size": k, "seed": seed, "lr": lr,
+                       "train_flops_per_example": c,
+                       "ne": {"click": ne + worse, "conversion": ne + worse}})
   s = S.summarize(runs, [0, 1], 5)
+  assert {v["lr"] for v in s["lr_choice"].values()} == {1e-3}
   r = s["scaling_efficiency_ratio"]["click"]["eta"]
   np.testing.assert_allclose(r["per_seed"], [2.0, 3.0], rtol=1e-9)
   assert r["mean"] == pytest.approx(2.5) and r["std"] == pytest.approx(np.std([2, 3], ddof=1))
