@@ -227,7 +227,7 @@ def block_attention_pallas(q, k, v, *, block_size=64, activation="softmax", leng
                            blocks_per_program=None, num_warps=None, num_stages=None):
   """Pallas block attention; semantics of ``reference.block_attention_reference`` (any T).
 
-  ``block_size``: a power of two >= 16 (the GPU dot minimum). ``rotary`` is ``(cos, sin)`` of
+  ``block_size``: on a GPU a power of two >= 16 (the dot minimum); any size in interpret mode. ``rotary`` is ``(cos, sin)`` of
   shape ``[B|1, T, D/2]`` or ``[B|1, T, H, D/2]``; it receives no gradient. ``score_clip``
   clamps the scores of GDPA activations (softmax is never clipped). ``blocks_per_program``
   (default 4 on GPU, 1 in interpret mode), ``num_warps`` / ``num_stages``: GPU tuning.
@@ -237,9 +237,9 @@ def block_attention_pallas(q, k, v, *, block_size=64, activation="softmax", leng
     raise ValueError(f"block_attention expects equal [B, T, H, D] q/k/v, got {q.shape} "
                      f"{k.shape} {v.shape}")
   B, T, H, D = q.shape
-  if block_size < 16 or block_size & (block_size - 1):
-    raise ValueError(f"block_size must be a power of two >= 16 for the pallas backend, got "
-                     f"{block_size}")
+  if block_size < 1 or (not interpret and (block_size < 16 or block_size & (block_size - 1))):
+    raise ValueError(f"block_size must be a power of two >= 16 for the pallas backend on a GPU "
+                     f"(any size >= 1 in interpret mode), got {block_size}")
   acts = None if activation == "softmax" else activations.per_head(activation, H)
   if lengths is None:
     lengths = jnp.full((B,), T, jnp.int32)

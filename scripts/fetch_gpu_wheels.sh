@@ -1,9 +1,16 @@
 #!/usr/bin/env bash
 # Downloads the wheels the GPU image lacks (jax-triton; grain and its small needs are only for
-# the data/transfer paths) into .whl/ (git-ignored), for the device tool's `carry`.
+# the data/transfer paths) into .whl/ (git-ignored), and copies Meta's Triton GDPA peer kernel
+# (../shared/peers/ads_mkl_gdpa, run beside ours by bench/kernels.py --peer, never vendored) into
+# .peer/ (git-ignored): both for the device tool's `carry`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo /.whl/ >> .git/info/exclude
+exclude=$(git rev-parse --git-path info/exclude)
+mkdir -p "$(dirname "$exclude")"
+for d in /.whl/ /.peer/; do grep -qx "$d" "$exclude" 2>/dev/null || echo "$d" >> "$exclude"; done
+peer=${PEER_DIR:-../shared/peers/ads_mkl_gdpa}
+[ -d "$peer" ] || peer=../../shared/peers/ads_mkl_gdpa
+if [ -d "$peer" ]; then rm -rf .peer && cp -r "$peer" .peer; else echo "no peer folder: skipped"; fi
 plat=()
 for p in manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64 \
          manylinux1_x86_64; do plat+=(--platform "$p"); done

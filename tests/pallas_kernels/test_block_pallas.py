@@ -92,7 +92,7 @@ def test_bf16_forward():
 def test_bad_arguments_raise():
   q, k, v = _qkv()
   with pytest.raises(ValueError, match="power of two"):
-    pallas_block.block_attention_pallas(q, k, v, block_size=12, interpret=True)
+    pallas_block.block_attention_pallas(q, k, v, block_size=12)
   with pytest.raises(ValueError, match="rotary"):
     _kernel(q, k, v, rotary=(jnp.ones((B, T, D)), jnp.ones((B, T, D))))
   with pytest.raises(ValueError, match="activation"):
