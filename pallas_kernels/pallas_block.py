@@ -227,8 +227,9 @@ def block_attention_pallas(q, k, v, *, block_size=64, activation="softmax", leng
                            blocks_per_program=None, num_warps=None, num_stages=None):
   """Pallas block attention; semantics of ``reference.block_attention_reference`` (any T).
 
-  ``block_size``: on a GPU a power of two >= 16 (the dot minimum); any size in interpret mode. ``rotary`` is ``(cos, sin)`` of
-  shape ``[B|1, T, D/2]`` or ``[B|1, T, H, D/2]``; it receives no gradient. ``score_clip``
+  ``block_size``: on a GPU a power of two >= 16 (the dot minimum); any size in interpret mode.
+  ``rotary`` is ``(cos, sin)`` of shape ``[B|1, T, D/2]`` or ``[B|1, T, H, D/2]``; it receives
+  no gradient. ``score_clip``
   clamps the scores of GDPA activations (softmax is never clipped). ``blocks_per_program``
   (default 4 on GPU, 1 in interpret mode), ``num_warps`` / ``num_stages``: GPU tuning.
   """
