@@ -12,7 +12,11 @@ modules take as a field. Every knob of spec d.7 / h is a field here:
   num_layers          Kunlun layers L
   comp_skip           Computation Skip on/off (spec c.7)
   seq_mode            "towers" (one tower per stream) | "oneseq" (one merged stream, spec h-18)
-  num_time_buckets    log-bucketed event-age embedding size
+  num_time_buckets    log-bucketed event-age embedding size (event MLP input)
+  time_buckets.{enabled, kinds, num_buckets, age_horizon_days}   per-head additive bucket
+                      embeddings on the per-token GDPA/attention operand of SWA, PFFN and HSP
+                      (spec b.5-2, ``kunlun.time_encoding``); ``kinds`` a comma-separated subset
+                      of age,log_age,gap,position. Off by default (bench/time_buckets.py)
   attention.{kind, activation, qk_norm, rotary, block_size}   sequence self-attention (c.4)
   pffn_activation     GDPA activation of the PFFN (c.3); key_norm: RMS-normalise generated keys
   pooling             "hsp" | "pma" (c.5); hsp_rank (SumKronLinear r_k), hsp_activation
@@ -37,6 +41,7 @@ import dataclasses
 import ml_collections
 
 from data.schema import Schema
+from kunlun.time_encoding import BUCKET_KINDS, DAY, BucketSpec
 from pallas_kernels.activations import NAMES as GDPA_ACTIVATIONS
 
 ARCHS = ("kunlun", "interformer", "dlrm")
@@ -89,6 +94,21 @@ class MoWEConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class TimeBucketConfig:
+  """Per-head additive time/position bucket embeddings (spec b.5-2); see kunlun.time_encoding."""
+  enabled: bool = False
+  kinds: tuple[str, ...] = ("age", "gap", "position")
+  num_buckets: int = 32
+  age_horizon_days: float = 32.0
+
+  def spec(self, tower: TowerConfig) -> BucketSpec | None:
+    """The tower's ``BucketSpec``, or None when the switch is off."""
+    if not self.enabled:
+      return None
+    return BucketSpec(self.kinds, self.num_buckets, self.age_horizon_days * DAY, tower.kept_len)
+
+
+@dataclasses.dataclass(frozen=True)
 class HeadsConfig:
   kind: str = "towers"
   top_mlp: tuple[int, ...] = (64,)
@@ -131,6 +151,7 @@ class ModelConfig:
   streams: tuple[str, ...]             # schema stream names, in order
   surfaces: tuple[str, ...]
   tasks: tuple[str, ...]
+  time_buckets: TimeBucketConfig = TimeBucketConfig()
 
   @property
   def seq_towers(self) -> tuple[TowerConfig, ...]:
@@ -157,6 +178,8 @@ def default_model() -> ml_collections.ConfigDict:
   m.comp_skip = True
   m.seq_mode = "towers"
   m.num_time_buckets = 32
+  m.time_buckets = ml_collections.ConfigDict(dict(enabled=False, kinds="age,gap,position",
+                                                  num_buckets=32, age_horizon_days=32.0))
   m.attention = ml_collections.ConfigDict(dict(kind="swa", activation="softmax", qk_norm=True,
                                                rotary=True, block_size=64))
   m.pffn_activation = "fast_gelu"
@@ -297,6 +320,7 @@ def parse(config, schema: Schema) -> ModelConfig:
   if isinstance(m.score_clip, bool) or not isinstance(m.score_clip, (int, float)) \
       or not m.score_clip >= 0:
     raise ValueError(f"config.model.score_clip = {m.score_clip!r} must be a number >= 0 (0 = off)")
+  time_buckets = _time_buckets(m.time_buckets)
   if not isinstance(m.mowe.cross_layer, bool):
     raise ValueError(f"config.model.mowe.cross_layer = {m.mowe.cross_layer!r} must be a bool")
   attention = AttentionConfig(**{**m.attention.to_dict(), "activation": "softmax"})
@@ -336,7 +360,27 @@ def parse(config, schema: Schema) -> ModelConfig:
       mowe=MoWEConfig(**m.mowe.to_dict()), towers=towers, oneseq=oneseq,
       heads=HeadsConfig(**{**m.heads.to_dict(), "top_mlp": tuple(m.heads.top_mlp)}),
       dlrm=DLRMConfig(seq_dim=m.dlrm.seq_dim, mlp=tuple(m.dlrm.mlp)),
-      streams=names, surfaces=tuple(schema.surfaces), tasks=schema.task_names)
+      streams=names, surfaces=tuple(schema.surfaces), tasks=schema.task_names,
+      time_buckets=time_buckets)
+
+
+def _time_buckets(tb) -> TimeBucketConfig:
+  if not isinstance(tb.enabled, bool):
+    raise ValueError(f"config.model.time_buckets.enabled = {tb.enabled!r} must be a bool")
+  kinds = tb.kinds
+  if isinstance(kinds, str):
+    kinds = tuple(k.strip() for k in kinds.split(",") if k.strip())
+  kinds = tuple(kinds)
+  bad = [k for k in kinds if k not in BUCKET_KINDS]
+  if not kinds or bad or len(set(kinds)) != len(kinds):
+    raise ValueError(f"config.model.time_buckets.kinds = {tb.kinds!r} must name distinct kinds "
+                     f"from {BUCKET_KINDS} (comma-separated)")
+  _pos_int("time_buckets.num_buckets", tb.num_buckets, minimum=2)
+  h = tb.age_horizon_days
+  if isinstance(h, bool) or not isinstance(h, (int, float)) or not h > 0:
+    raise ValueError(f"config.model.time_buckets.age_horizon_days = {h!r} must be a number > 0")
+  return TimeBucketConfig(enabled=tb.enabled, kinds=kinds, num_buckets=tb.num_buckets,
+                          age_horizon_days=float(h))
 
 
 def _with_defaults(m) -> ml_collections.ConfigDict:
@@ -348,7 +392,7 @@ def _with_defaults(m) -> ml_collections.ConfigDict:
   out = default_model().to_dict()
   for k in m.keys():
     v = m[k]
-    if k in ("attention", "mowe", "heads", "dlrm"):
+    if k in ("attention", "mowe", "heads", "dlrm", "time_buckets"):
       for kk in v.keys():
         if kk not in out[k]:
           raise ValueError(f"config.model.{k}: unknown field {kk!r}; allowed: {sorted(out[k])}")

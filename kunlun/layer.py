@@ -13,6 +13,12 @@ layer's inputs (InterFormer order, spec d.1):
 
 The per-tower schedule lives in ``kunlun.towers.schedule``; skipped modules are never built, so
 they are absent from the layer's parameters and jaxpr.
+
+Shared serving path (spec d.6, ``kunlun.serve``): with ``request_index i32[N]``, ``x`` has ad
+rows and a tower's ``seqs``/``lengths``/``ages`` or a ``summaries`` entry may be
+``request_rows.PerRequest`` (request rows). HSP / attention on a request-level sequence run once
+per request; the PFFN reads the request's sequence through ``q_index`` and returns ad rows, and so
+does every later module of that tower; summaries enter MoWE gathered to ad rows.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from kunlun import request_rows as rows
 from kunlun.config import ModelConfig
 from kunlun.mowe import MoWE
 from kunlun.pffn import PFFN
@@ -38,14 +45,19 @@ def summary_proj(d_ns: int, dtype, name: str):
 
 
 class KunlunLayer(nn.Module):
-  """``(x, seqs, lengths, ages, summaries) -> (x', seqs', summaries')`` (dicts keyed by tower)."""
+  """``(x, seqs, lengths, ages, summaries[, request_index]) -> (x', seqs', summaries')`` (dicts
+  keyed by tower)."""
   cfg: ModelConfig
   index: int
 
   @nn.compact
-  def __call__(self, x, seqs, lengths, ages, summaries):
+  def __call__(self, x, seqs, lengths, ages, summaries, request_index=None):
     cfg, dt = self.cfg, DTYPES[self.cfg.dtype]
+    ri = request_index
     seqs, summaries = dict(seqs), dict(summaries)
+    # lengths / ages follow their sequence to ad rows (after an earlier layer's PFFN)
+    lengths = {n: rows.like(seqs[n], v, ri) if n in seqs else v for n, v in lengths.items()}
+    ages = {n: rows.like(seqs[n], v, ri) if n in seqs else v for n, v in ages.items()}
     with jax.named_scope(f"KunlunLayer_{self.index}"):
       plans = {t.name: schedule(t, self.index, cfg.comp_skip) for t in cfg.seq_towers}
       kv = {}
@@ -55,27 +67,40 @@ class KunlunLayer(nn.Module):
           kv[t.name] = WeightGen(t.n_kv, t.heads, t.width, cfg.key_norm, dt,
                                  name=f"{t.name}_weightgen")(x)
         if p.hsp:
-          summaries[t.name] = make_pooling(cfg, t, dt, f"{t.name}_hsp")(seqs[t.name],
-                                                                       lengths[t.name])
+          summaries[t.name] = rows.apply(make_pooling(cfg, t, dt, f"{t.name}_hsp"), ri,
+                                         seqs[t.name], lengths[t.name], self._age(ages, t))
         if t.name not in summaries:
           raise ValueError(f"tower {t.name!r} has no summary at layer {self.index}: layer 0 must "
                            "run its HSP (depth >= 1)")
-      tokens = [x.astype(dt)] + [summary_proj(cfg.d_ns, dt, f"{t.name}_proj")(summaries[t.name])
-                                 for t in cfg.seq_towers]
+      tokens = [x.astype(dt)] + [
+          rows.to_ads(rows.apply(summary_proj(cfg.d_ns, dt, f"{t.name}_proj"), ri,
+                                 summaries[t.name]), ri) for t in cfg.seq_towers]
       x_in = shard(jnp.concatenate(tokens, axis=1), ("batch", "tokens", "embed"))
       x_new = MoWE(cfg.mowe.num_experts, cfg.mowe.layers_per_expert, cfg.n_ns, cfg.mowe.rank,
                    cfg.mowe.mlp_hidden, dtype=dt, cross_layer=cfg.mowe.cross_layer,
                    name="mowe")(x_in)                                              # (3)
       for t in cfg.seq_towers:                                   # transformer block (4), (5)
         p, s = plans[t.name], seqs[t.name]
+        n_len, age = lengths[t.name], ages[t.name]
         if p.pffn:
           k, v = kv[t.name]
-          s = PFFN(t.heads, cfg.pffn_activation, cfg.backend, dt,
-                   score_clip=cfg.score_clip or None, name=f"{t.name}_pffn")(
-              s, lengths[t.name], k, v)
+          pffn = PFFN(t.heads, cfg.pffn_activation, cfg.backend, dt,
+                      score_clip=cfg.score_clip or None,
+                      time_buckets=cfg.time_buckets.spec(t), name=f"{t.name}_pffn")
+          tb = cfg.time_buckets.enabled
+          if rows.is_shared(s):          # request-level sequence, ad-level K/V -> ad rows
+            s = pffn(s.value, n_len.value, k, v, age.value if tb else None, q_index=ri)
+            n_len, age = rows.to_ads(n_len, ri), rows.to_ads(age, ri)
+          else:
+            s = pffn(s, n_len, k, v, age if tb else None)
         if p.attention:
-          s = make_attention(cfg, t, dt, f"{t.name}_attention")(s, lengths[t.name], ages[t.name])
+          s = rows.apply(make_attention(cfg, t, dt, f"{t.name}_attention"), ri, s, n_len, age)
         if p.final_hsp:
-          summaries[t.name] = make_pooling(cfg, t, dt, f"{t.name}_final_hsp")(s, lengths[t.name])
+          summaries[t.name] = rows.apply(make_pooling(cfg, t, dt, f"{t.name}_final_hsp"), ri,
+                                         s, n_len, age if cfg.time_buckets.enabled else None)
         seqs[t.name] = s
       return x_new, seqs, summaries
+
+  def _age(self, ages, t):
+    """The tower's ages when the time-bucket embeddings need them (else None)."""
+    return ages[t.name] if self.cfg.time_buckets.enabled else None

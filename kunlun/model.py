@@ -7,6 +7,12 @@ and per-(surface, task) heads; the example's own surface is selected.
 
 Batch layout: ``data/schema.py``. Stream arrays may be longer than the tower's kept length (extra
 padding): every length-dependent scale uses the configured kept length, so padding is inert.
+
+Serving (``kunlun.serve``, spec d.6): ``representations(batch, request_index=ri)`` takes the
+context features (``sparse``, ``dense``, ``surface``) with one row per candidate ad (``N``), the
+``events`` with one row per request (``R``) and ``ri i32[N]`` (each ad's request); the event
+embeddings and every module that reads only them run once per request. The outputs equal those of
+``N`` separate examples (events repeated per ad).
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from data.schema import Schema
+from kunlun import request_rows as rows
 from kunlun.config import ModelConfig, parse
 from kunlun.heads import Heads
 from kunlun.inputs import ContextEncoder, EventEmbed
@@ -68,7 +75,7 @@ def apply_heads(cfg: ModelConfig, x, summaries, surface, dtype):
 class Kunlun(nn.Module):
   """``apply({"params": p}, batch, train) -> logits f32[B, K]``;
   ``method="representations"`` -> ``{"pooled" [B, d_rep], "summaries" {tower: [B, n_sum, d_e]},
-  "logits" [B, K]}``."""
+  "logits" [B, K]}``; with ``request_index`` (serving) ``B`` is the number of ads (module doc)."""
   cfg: ModelConfig
   schema: Schema
 
@@ -76,17 +83,27 @@ class Kunlun(nn.Module):
     return self.representations(batch, train)["logits"]
 
   @nn.compact
-  def representations(self, batch, train: bool = False):
+  def representations(self, batch, train: bool = False, request_index=None):
     del train                                   # no dropout / batch statistics
     cfg, dt = self.cfg, DTYPES[self.cfg.dtype]
     with jax.named_scope("Kunlun"):
       x = embed_context(cfg, self.schema, batch, dt)
       seqs, lengths, ages = embed_sequences(cfg, self.schema, batch, dt)
-      x, seqs = self.extra_inputs(batch, x, seqs, lengths)
+      if request_index is None:
+        x, seqs = self.extra_inputs(batch, x, seqs, lengths)
+      else:                                     # shared serving path: sequences per request
+        if type(self).extra_inputs is not Kunlun.extra_inputs:
+          raise ValueError(f"{type(self).__name__} adds model inputs (extra_inputs); the shared "
+                           "serving path supports the plain Kunlun model only")
+        ri = jnp.asarray(request_index, jnp.int32)
+        seqs, lengths, ages = ({n: rows.PerRequest(v) for n, v in d.items()}
+                               for d in (seqs, lengths, ages))
       summaries = {}
       for l in range(cfg.num_layers):
-        x, seqs, summaries = KunlunLayer(cfg, l, name=f"layer_{l}")(x, seqs, lengths, ages,
-                                                                     summaries)
+        x, seqs, summaries = KunlunLayer(cfg, l, name=f"layer_{l}")(
+            x, seqs, lengths, ages, summaries, *(() if request_index is None else (ri,)))
+      if request_index is not None:
+        summaries = {n: rows.to_ads(v, ri) for n, v in summaries.items()}
       return apply_heads(cfg, x, summaries, batch["surface"], dt)
 
   def extra_inputs(self, batch, x_bnd, seqs, lengths):

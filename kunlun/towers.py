@@ -61,14 +61,16 @@ def make_attention(cfg: ModelConfig, tower: TowerConfig, dtype, name: str, kind:
                       block_size=cfg.attention.block_size, activation=cfg.attention.activation,
                       qk_norm=cfg.attention.qk_norm, rotary=cfg.attention.rotary,
                       backend=cfg.backend, t_max=attention_t_max(cfg, tower), dtype=dtype,
-                      score_clip=cfg.score_clip or None, name=name)
+                      score_clip=cfg.score_clip or None,
+                      time_buckets=cfg.time_buckets.spec(tower), name=name)
 
 
 def make_pooling(cfg: ModelConfig, tower: TowerConfig, dtype, name: str,
                  pooling: str | None = None):
   """HSP (default) or PMA summarising ``[B, T, d_e]`` into ``[B, n_sum, d_e]``."""
+  tb = cfg.time_buckets.spec(tower)
   if (pooling or cfg.pooling) == "pma":
-    return PMA(n_sum=tower.n_sum, heads=tower.heads, dtype=dtype, name=name)
+    return PMA(n_sum=tower.n_sum, heads=tower.heads, dtype=dtype, time_buckets=tb, name=name)
   return HSP(n_seed=tower.n_seed, n_sum=tower.n_sum, heads=tower.heads, rank=cfg.hsp_rank,
              activation=cfg.hsp_activation, backend=cfg.backend, t_max=tower.kept_len,
-             dtype=dtype, score_clip=cfg.score_clip or None, name=name)
+             dtype=dtype, score_clip=cfg.score_clip or None, time_buckets=tb, name=name)
