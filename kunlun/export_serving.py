@@ -235,6 +235,8 @@ def main(argv=None) -> int:
   ap.add_argument("--platforms", default="cpu", help=f"comma-separated, from {PLATFORMS}")
   ap.add_argument("--no_verify", action="store_true", help="skip the reload-and-compare check")
   a = ap.parse_args(argv)
+  from absl import logging
+  logging.set_verbosity(logging.ERROR)     # orbax logs its read-only use at WARNING
   from kunlun.train.runtime import FatalError
   try:
     export(a.workdir, a.out, candidates=a.candidates, requests=a.requests, step=a.step,

@@ -53,7 +53,7 @@ class KunlunLayer(nn.Module):
   @nn.compact
   def __call__(self, x, seqs, lengths, ages, summaries, request_index=None):
     cfg, dt = self.cfg, DTYPES[self.cfg.dtype]
-    ri = request_index
+    ri, tb = request_index, cfg.time_buckets.enabled     # tb: HSP / PFFN read the ages
     seqs, summaries = dict(seqs), dict(summaries)
     # lengths / ages follow their sequence to ad rows (after an earlier layer's PFFN)
     lengths = {n: rows.like(seqs[n], v, ri) if n in seqs else v for n, v in lengths.items()}
@@ -68,7 +68,8 @@ class KunlunLayer(nn.Module):
                                  name=f"{t.name}_weightgen")(x)
         if p.hsp:
           summaries[t.name] = rows.apply(make_pooling(cfg, t, dt, f"{t.name}_hsp"), ri,
-                                         seqs[t.name], lengths[t.name], self._age(ages, t))
+                                         seqs[t.name], lengths[t.name],
+                                         ages[t.name] if tb else None)
         if t.name not in summaries:
           raise ValueError(f"tower {t.name!r} has no summary at layer {self.index}: layer 0 must "
                            "run its HSP (depth >= 1)")
@@ -87,7 +88,6 @@ class KunlunLayer(nn.Module):
           pffn = PFFN(t.heads, cfg.pffn_activation, cfg.backend, dt,
                       score_clip=cfg.score_clip or None,
                       time_buckets=cfg.time_buckets.spec(t), name=f"{t.name}_pffn")
-          tb = cfg.time_buckets.enabled
           if rows.is_shared(s):          # request-level sequence, ad-level K/V -> ad rows
             s = pffn(s.value, n_len.value, k, v, age.value if tb else None, q_index=ri)
             n_len, age = rows.to_ads(n_len, ri), rows.to_ads(age, ri)
@@ -97,10 +97,6 @@ class KunlunLayer(nn.Module):
           s = rows.apply(make_attention(cfg, t, dt, f"{t.name}_attention"), ri, s, n_len, age)
         if p.final_hsp:
           summaries[t.name] = rows.apply(make_pooling(cfg, t, dt, f"{t.name}_final_hsp"), ri,
-                                         s, n_len, age if cfg.time_buckets.enabled else None)
+                                         s, n_len, age if tb else None)
         seqs[t.name] = s
       return x_new, seqs, summaries
-
-  def _age(self, ages, t):
-    """The tower's ages when the time-bucket embeddings need them (else None)."""
-    return ages[t.name] if self.cfg.time_buckets.enabled else None
