@@ -10,8 +10,10 @@ warm-up call the two are timed call by call, alternately (``--seconds`` per case
 ``--min_iters`` and ``--max_iters`` calls each) and reported as p50 / p99 latency, requests/s
 and candidates/s (one request in flight), and the speed-up ``naive p50 / shared p50``. The
 analytic bound from the FLOP model, ``total / (ad + request / N)`` (``serve.flops_split``), is
-printed beside it. Parameters are random (speed does not depend on their values). On CPU the
-default dtype is float32 (bfloat16 matmuls are emulated there); on GPU it is the config's.
+printed beside it, and the ratio of the FLOPs XLA counts in the two compiled programs
+(``xlaFLOP``, a count that machine load cannot blur). Parameters are random (speed does not
+depend on their values). On CPU the default dtype is float32 (bfloat16 matmuls are emulated
+there); on GPU it is the config's.
 """
 
 from __future__ import annotations
@@ -39,10 +41,16 @@ def _timed(fns: dict, args, seconds, min_iters, max_iters) -> dict:
   machine load hits every path alike); the first call (compilation) is reported apart."""
   import jax
   out, times = {}, {k: [] for k in fns}
+  fns = dict(fns)
   for k, fn in fns.items():
     t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))                  # compile + first run
+    fns[k] = fn.lower(*args).compile()
     out[k] = {"compile_s": time.perf_counter() - t0}
+    ca = fns[k].cost_analysis()
+    ca = (ca[0] if isinstance(ca, list) else ca) or {}
+    out[k]["xla_gflop"] = float(ca.get("flops", float("nan"))) / 1e9
+    out[k]["xla_gbytes_accessed"] = float(ca.get("bytes accessed", float("nan"))) / 1e9
+    jax.block_until_ready(fns[k](*args))              # first run
   start, i = time.perf_counter(), 0
   while i < max_iters and (i < min_iters or time.perf_counter() - start < seconds):
     for k, fn in fns.items():
@@ -96,7 +104,7 @@ def run(args) -> dict:
         f"candidate {split['total'] / 1e6:.1f} M, request-level {split['request'] / 1e6:.1f} M "
         f"({100 * split['request'] / split['total']:.0f}%)", flush=True)
   head = (f"{'N':>5} {'path':<7} {'p50 ms':>9} {'p99 ms':>9} {'req/s':>8} {'cand/s':>9} "
-          f"{'iters':>5} {'speed-up':>8} {'bound':>6}")
+          f"{'iters':>5} {'speed-up':>8} {'bound':>6} {'xlaFLOP':>7}")
   print(head + "\n" + "-" * len(head), flush=True)
   for n in args.candidates:
     ads = random_batch(schema, n, lens, seed=2)
@@ -106,12 +114,13 @@ def run(args) -> dict:
     for name in ("shared", "naive"):
       case[name]["candidates_per_s"] = case[name]["requests_per_s"] * n
     case["speedup_p50"] = case["naive"]["p50_ms"] / case["shared"]["p50_ms"]
+    case["xla_flops_ratio"] = case["naive"]["xla_gflop"] / case["shared"]["xla_gflop"]
     case["flops_bound"] = split["total"] / (split["ad"] + split["request"] / n)
     res["cases"][str(n)] = case
     for name in ("shared", "naive"):
       c = case[name]
-      extra = (f"{case['speedup_p50']:8.2f} {case['flops_bound']:6.2f}" if name == "naive"
-               else "")
+      extra = (f"{case['speedup_p50']:8.2f} {case['flops_bound']:6.2f} "
+               f"{case['xla_flops_ratio']:7.2f}" if name == "naive" else "")
       print(f"{n:>5} {name:<7} {c['p50_ms']:9.1f} {c['p99_ms']:9.1f} {c['requests_per_s']:8.2f} "
             f"{c['candidates_per_s']:9.0f} {c['iters']:>5} {extra}", flush=True)
   res["load_avg_end"] = os.getloadavg()
