@@ -29,9 +29,7 @@ from sharding import shard, with_axes
 
 
 def take_rows(x, index):
-  """``x[index]`` along the leading (batch) axis; ``x`` itself when ``index`` is None.
-
-  The request -> ad broadcast of the shared serving path (until GDPA takes a ``q_index``)."""
+  """``x[index]`` along the leading (batch) axis; ``x`` itself when ``index`` is None."""
   return x if index is None else jnp.take(x, index, axis=0)
 
 
@@ -61,12 +59,12 @@ class PFFN(nn.Module):
       u = self._affine("ln", layer_norm(s), bias=True)        # f32 [B or R, T, d]
       q = u.astype(self.dtype).reshape(u.shape[0], T, self.heads, dh)
       q = add_bucket_embedding(self, "time_bucket_q", q, age, lengths, self.time_buckets)
-      q = shard(take_rows(q, q_index), ("batch", "seq", "heads", "head_dim"))
-      lengths = take_rows(jnp.asarray(lengths, jnp.int32), q_index)
+      q = shard(q, ("batch", "seq", "heads", "head_dim"))
+      lengths = jnp.asarray(lengths, jnp.int32)
       g = gdpa(q, k.astype(self.dtype), v.astype(self.dtype), activation=self.activation,
                out_scale=1.0, q_lengths=lengths, backend=self.backend,
-               score_clip=self.score_clip)
-      u, s = take_rows(u, q_index), take_rows(s, q_index)
+               score_clip=self.score_clip, q_index=q_index)            # [B, T, H, dh]
+      u, s, lengths = (take_rows(a, q_index) for a in (u, s, lengths))
       y = self._affine("rms", rms_norm(g.reshape(B, T, d).astype(jnp.float32) + u), bias=False)
       y = y + s.astype(jnp.float32)
       valid = jnp.arange(T)[None, :] < lengths[:, None]
