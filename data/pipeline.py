@@ -12,8 +12,10 @@ schema order, files in order), rows ``shard_index::shard_count`` per process, pa
 batches (``example_mask`` 0).
 
 Invalid records under ``skip_invalid`` keep their row as padding (``example_mask`` 0) and are
-counted. Iterators support ``get_state``/``set_state``, ``grain.checkpoint.CheckpointSave/Restore``
-and (for a changed process count) ``data.elastic.CheckpointSave/Restore``; ``mp_prefetch`` works
+counted; so are records in a damaged chunk (kind ``bytes``, ``data.shards``), which otherwise
+raise a ``DamagedChunkError`` naming the file and the chunk's record range. Iterators support
+``get_state``/``set_state``, ``grain.checkpoint.CheckpointSave/Restore`` and (for a changed
+process count) ``data.elastic.CheckpointSave/Restore``; ``mp_prefetch`` works
 (``invalid_counts(iterator)`` adds up the workers' skip counts).
 """
 
@@ -101,14 +103,20 @@ class Loader:
     raws: list[bytes] = [b""] * len(real)
     surf = np.empty(len(real), np.int64)
     names = [None] * len(real)
+    damaged: dict[int, Exception] = {}              # row in ``real`` -> DamagedChunkError
     for s in np.unique(rows.source[real]).tolist():
       sel = np.flatnonzero(rows.source[real] == s)
-      f, local, got = self.sources[s].read_many(rows.index[real[sel]])
+      bad = []
+      f, local, got = self.sources[s].read_many(rows.index[real[sel]],
+                                                damaged=None if self.counter is None else bad)
+      damaged.update((int(sel[n]), e) for n, e in bad)
       surf[sel] = self.source_surface[s][f]
       paths = self.sources[s].paths
       for j, r, fi, li in zip(sel.tolist(), got, f.tolist(), local.tolist(), strict=True):
         raws[j], names[j] = r, (paths[fi], li)
     cols, ok, errors = self.validator(raws, surf, names.__getitem__)
+    if damaged:                                    # their b"" fails validation: name the chunk
+      errors = [(j, damaged.get(j, e)) for j, e in errors]
     skipped: dict[str, int] = {}
     for _, e in errors:
       if self.counter is None:
