@@ -16,12 +16,11 @@ import json
 import os
 
 from absl import app, flags
-from ml_collections import config_flags
 
 from kunlun.train import flags as runtime_flags
 
-config_flags.DEFINE_config_file("config", None, "Config file (default: the one train.py saved "
-                                "in --workdir); --config.a.b=value overrides need --config.")
+runtime_flags.define_config("eval.py", None, "Config file (default: the one train.py saved "
+                            "in --workdir); --config.a.b=value overrides need --config.")
 flags.DEFINE_string("workdir", None, "train.py workdir (checkpoints/ inside).", required=True)
 flags.DEFINE_integer("step", None, "Checkpoint step (default: the latest).")
 flags.DEFINE_string("mesh", "data=1,fsdp=-1,tensor=1,context=1,expert=1", "Mesh axis sizes.")
@@ -104,10 +103,7 @@ def evaluate(argv):
   if FLAGS.step is not None and FLAGS.step not in ckpt.all_steps():
     runtime.fail(f"--step={FLAGS.step}: no such checkpoint; available {ckpt.all_steps()}")
 
-  config, saved_data_dir = (FLAGS.config, None) if FLAGS.config else runtime.load_run_info(workdir)
-  if FLAGS.config:
-    _, saved_data_dir = runtime.load_run_info(workdir) if os.path.exists(
-        os.path.join(workdir, "config.pkl")) else (None, None)
+  config, saved_data_dir = runtime.run_config(workdir, FLAGS.config, FLAGS.trust_workdir)
   data_dir = FLAGS.data_dir or saved_data_dir
   if not data_dir:
     runtime.fail("no --data_dir given and none recorded in the workdir")
@@ -116,6 +112,7 @@ def evaluate(argv):
   bs = FLAGS.batch_size or config.data.get("eval_batch_size", 0) or config.data.batch_size
   runtime.check_batch_size(bs, mesh, rules, "eval batch size")
   schema = runtime.load_schema(data_dir)
+  runtime.check_data_files(data_dir, FLAGS.split)
   model = runtime.build_model(config, schema)
 
   from data import pipeline
@@ -180,4 +177,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=runtime_flags.parser("eval.py"))

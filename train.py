@@ -14,13 +14,12 @@ import signal
 import time
 
 from absl import app, flags
-from ml_collections import config_flags
 
 from kunlun.train import flags as runtime_flags
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-config_flags.DEFINE_config_file("config", os.path.join(_HERE, "kunlun/configs/tiny.py"),
-                                "Config file; override fields with --config.a.b=value.")
+runtime_flags.define_config("train.py", os.path.join(_HERE, "kunlun/configs/tiny.py"),
+                            "Config file; override fields with --config.a.b=value.")
 flags.DEFINE_string("workdir", None, "Checkpoints, metrics.jsonl, tb/ and (generated) data/.",
                     required=True)
 flags.DEFINE_string("mesh", "data=1,fsdp=-1,tensor=1,context=1,expert=1",
@@ -32,7 +31,7 @@ flags.DEFINE_string("data_dir", None, "Dataset directory; absent: generate confi
 flags.DEFINE_string("profile_steps", None,
                     "START:END: capture a jax.profiler trace of these steps.")
 flags.DEFINE_string("profile_dir", None, "Trace output directory (default <workdir>/profile).")
-runtime_flags.define()
+runtime_flags.define(train=True)
 FLAGS = flags.FLAGS
 
 
@@ -85,6 +84,7 @@ def train(argv):
 
   data_dir = FLAGS.data_dir or runtime.synthetic_data_dir(workdir, config)
   schema = runtime.load_schema(data_dir)
+  runtime.check_data_files(data_dir, config.data.train_split)
   model = runtime.build_model(config, schema)
   runtime.save_run_info(workdir, config, data_dir)
 
@@ -118,12 +118,11 @@ def train(argv):
   ckpt = checkpoint.Checkpointer(os.path.join(workdir, "checkpoints"),
                                  keep=config.train.keep_checkpoints)
   start = 0
-  if ckpt.latest_step() is not None:
-    try:
-      start, params, opt_state, train_rng = ckpt.restore(
-          checkpoint.abstract_like(params), checkpoint.abstract_like(opt_state), data_iter)
-    except checkpoint.CheckpointError as e:
-      runtime.fail(str(e))
+  restored = ckpt.restore_latest(checkpoint.abstract_like(params),   # falls back past bad steps
+                                 checkpoint.abstract_like(opt_state), data_iter,
+                                 strict=FLAGS.strict_restore)
+  if restored is not None:
+    start, params, opt_state, train_rng = restored
     print(f"resumed from step {start} ({ckpt.directory})", flush=True)
 
   task_w = tuple(config.train.get("task_weights", ()) or ())
@@ -192,6 +191,7 @@ def train(argv):
             "loss": window_loss / max(window_n, 1), "ne": running.value(),
             "grad_norm": float(stats["grad_norm"]), "step_time_ms": 1e3 * dt,
             "examples_per_s": config.data.batch_size / dt, "bad_steps": bad_total,
+            "skipped_records": pipeline.invalid_counts(data_iter),
             "mfu": progress.mfu(flops_per_step, dt, n_dev, peak)})
         running.reset()
         window_loss, window_n, times = 0.0, 0, times[-1:]
@@ -217,4 +217,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=runtime_flags.parser("train.py"))
