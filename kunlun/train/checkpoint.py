@@ -16,17 +16,27 @@ Damage (issue 15):
 * A save that fails (disk full, I/O error; also in the async commit) is reported and training
   goes on; the step stays uncommitted, the previous steps are untouched. ``wait`` raises if the
   last save failed (the final checkpoint of a run must exist).
+* Content checksums: orbax / TensorStore do not checksum array data, so bytes flipped inside a
+  param file restore silently as other values. Every save stores, in its ``meta`` item, a
+  checksum of each array (``tree_digest``: a position-weighted wrapping sum of the bit patterns,
+  computed on device, independent of the sharding), of the data position and of ``meta``
+  itself; a restore recomputes and compares them, so a changed file is a restore failure (and
+  the fallback above applies). Checkpoints written before this carry no checksums and are not
+  verified.
 * Errors are one line (no TensorStore spec dumps).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import re
 import sys
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
@@ -44,6 +54,51 @@ class CheckpointError(FatalError):
 def abstract_like(tree):
   """``ShapeDtypeStruct``s (with the arrays' shardings) of a tree of arrays."""
   return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+
+
+def _bits_u32(x):
+  """The bit pattern of ``x`` as uint32 (64-bit values: two words on a trailing axis)."""
+  if x.dtype == jnp.bool_:
+    return x.astype(jnp.uint32)
+  n = jnp.dtype(x.dtype).itemsize
+  if n in (1, 2):
+    return jax.lax.bitcast_convert_type(x, jnp.uint8 if n == 1 else jnp.uint16).astype(jnp.uint32)
+  return jax.lax.bitcast_convert_type(x, jnp.uint32)
+
+
+@jax.jit
+def _leaf_sums(leaves):
+  """Per leaf ``[sum(bits), sum(bits * h(position))]`` (uint32, wrapping): exact integer sums,
+  so any sharding gives the same result; the position weights catch moved values."""
+  out = []
+  for x in leaves:
+    b = _bits_u32(x)
+    pos = jnp.zeros(b.shape, jnp.uint32)
+    for ax in range(b.ndim):                   # row-major position, no reshape of sharded data
+      stride = int(np.prod(b.shape[ax + 1:], dtype=np.uint64) % (1 << 32))
+      pos = pos + jax.lax.broadcasted_iota(jnp.uint32, b.shape, ax) * jnp.uint32(stride)
+    w = (pos * jnp.uint32(0x9E3779B1) + jnp.uint32(0x7F4A7C15)) | jnp.uint32(1)
+    out.append(jnp.stack([jnp.sum(b, dtype=jnp.uint32), jnp.sum(b * w, dtype=jnp.uint32)]))
+  return out
+
+
+def tree_digest(tree) -> dict[str, str]:
+  """{leaf path: 16 hex digits} of a tree of arrays (``_leaf_sums``), sharding-independent."""
+  flat = jax.tree_util.tree_leaves_with_path(tree)
+  sums = jax.device_get(_leaf_sums([x for _, x in flat])) if flat else []
+  return {jax.tree_util.keystr(p): f"{int(a):08x}{int(b):08x}" for (p, _), (a, b) in
+          zip(flat, sums, strict=True)}
+
+
+def _plan_digest(data_iter) -> str:
+  """SHA-256 of the iterator's global plan state (the data position, any process count)."""
+  state = elastic.global_state(data_iter.get_state())["plan"]
+  return hashlib.sha256(json.dumps(state, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _meta_check(meta: dict) -> str:
+  body = {k: v for k, v in meta.items() if k != "check"}
+  return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def short_error(e: BaseException, limit: int = 300) -> str:
@@ -145,7 +200,11 @@ class Checkpointer:
       if self._committed(step):
         return
       self.move_aside(step, "uncommitted")
-    meta = {"step": int(step), "rng": np.asarray(jax.random.key_data(rng)).tolist()}
+    meta = {"step": int(step), "rng": np.asarray(jax.random.key_data(rng)).tolist(),
+            "digest": {"params": tree_digest(params), "opt_state": tree_digest(opt_state)}}
+    if isinstance(data_iter, elastic.BatchIterator):
+      meta["digest"]["data_iter"] = _plan_digest(data_iter)
+    meta["check"] = _meta_check(meta)
     try:
       self.mngr.save(step, args=ocp.args.Composite(
           params=ocp.args.StandardSave(params), opt_state=ocp.args.StandardSave(opt_state),
@@ -185,14 +244,36 @@ class Checkpointer:
           f"checkpoint {os.path.join(self.directory, str(step))} could not be restored, it is "
           f"corrupt or does not match the model ({short_error(e)}){hint}") from None
 
+  def _verify(self, step: int, meta: dict | None, **restored) -> None:
+    """Compares restored content with the checksums saved in ``meta`` (none: not verified)."""
+    where = os.path.join(self.directory, str(step))
+    if not meta or "digest" not in meta:
+      return
+    if meta.get("check") != _meta_check(meta):
+      raise CheckpointError(f"checkpoint {where} is corrupt: its meta item fails its checksum")
+    for item, value in restored.items():
+      want = meta["digest"].get(item)
+      if want is None:
+        continue
+      got = _plan_digest(value) if item == "data_iter" else tree_digest(value)
+      if got != want:
+        bad = [k for k in want if got.get(k) != want[k]] if isinstance(want, dict) else [""]
+        more = f" and {len(bad) - 1} more" if len(bad) > 1 else ""
+        raise CheckpointError(
+            f"checkpoint {where} is corrupt: {item}{bad[0]}{more} differs from what was saved "
+            "(checksum mismatch: files changed after the save)")
+
   def restore(self, abstract_params, abstract_opt_state, data_iter, step: int | None = None):
     """Full training state. Returns ``(step, params, opt_state, rng)``; ``data_iter`` (a fresh
-    grain iterator) is moved to the saved position in place."""
+    grain iterator) is moved to the saved position in place. Content is checked against the
+    saved checksums."""
     step = self._check_step(step, ITEMS)
     r = self._restore(step, params=ocp.args.StandardRestore(abstract_params),
                       opt_state=ocp.args.StandardRestore(abstract_opt_state),
                       meta=ocp.args.JsonRestore(),
                       data_iter=elastic.CheckpointRestore(data_iter))
+    extra = {"data_iter": data_iter} if isinstance(data_iter, elastic.BatchIterator) else {}
+    self._verify(step, r.meta, params=r.params, opt_state=r.opt_state, **extra)
     rng = jax.random.wrap_key_data(np.asarray(r.meta["rng"], np.uint32))
     return int(r.meta["step"]), r.params, r.opt_state, rng
 
@@ -233,7 +314,10 @@ class Checkpointer:
   def restore_params(self, abstract_params, step: int | None = None):
     """Params only (no optimizer state). Returns ``(step, params)``."""
     step = self._check_step(step, ("params",))
-    r = self._restore(step, params=ocp.args.StandardRestore(abstract_params))
+    has_meta = os.path.isdir(os.path.join(self.directory, str(step), "meta"))
+    r = self._restore(step, params=ocp.args.StandardRestore(abstract_params),
+                      **({"meta": ocp.args.JsonRestore()} if has_meta else {}))
+    self._verify(step, r.meta if has_meta else None, params=r.params)
     return step, r.params
 
   def wait(self) -> None:

@@ -211,3 +211,46 @@ def test_failed_write_is_reported_and_keeps_previous_steps(three_steps, monkeypa
   for a, b in zip(jax.tree.leaves(p), jax.tree.leaves(saved[3][0]), strict=True):
     np.testing.assert_array_equal(np.asarray(a), b)
   ro.close()
+
+
+def test_flipped_bit_in_param_data_is_caught_by_checksums(tmp_path):
+  """TensorStore does not checksum array data: one flipped bit inside a (zstd raw-literal) data
+  file restores silently as other values. The saved checksums make it a restore failure, and
+  the fallback takes the step before; the digest does not depend on the mesh."""
+  import glob
+  rng = np.random.default_rng(0)
+  mesh = _mesh((8,), ("fsdp",))
+  sh = NamedSharding(mesh, P("fsdp", None))
+  w = rng.normal(size=(64, 64)).astype(np.float32)
+  params = {"w": jax.device_put(w, sh)}
+  opt = {"m": jax.device_put(np.ones((8, 8), np.float32), sh)}
+  d = str(tmp_path / "ck")
+  ck = checkpoint.Checkpointer(d)
+  for s in (1, 2):
+    ck.save(s, params, opt, jax.random.key(s), _iter())
+    ck.wait()
+  ck.close()
+  other = {"w": jax.device_put(w, NamedSharding(_mesh((2, 4), ("a", "b")), P("b", "a")))}
+  assert checkpoint.tree_digest(other) == checkpoint.tree_digest(params)
+  w2 = w.copy()
+  w2[3, 5] = np.nextafter(w2[3, 5], np.float32(9))              # one ulp: another digest
+  assert checkpoint.tree_digest({"w": jax.numpy.asarray(w2)}) != checkpoint.tree_digest(params)
+  f = max(glob.glob(os.path.join(d, "2", "params", "ocdbt.process_0", "d", "*")),
+          key=os.path.getsize)
+  n = os.path.getsize(f)
+  with open(f, "r+b") as fh:
+    fh.seek(n // 2)
+    b = fh.read(1)
+    fh.seek(n // 2)
+    fh.write(bytes([b[0] ^ 0x01]))
+  ro = checkpoint.Checkpointer(d, read_only=True)
+  with pytest.raises(checkpoint.CheckpointError, match=r"params\['w'\] differs .*checksum"):
+    ro.restore_params(checkpoint.abstract_like(params))
+  ro.close()
+  warnings = []
+  ck = checkpoint.Checkpointer(d, warn=warnings.append)
+  step, p, *_ = ck.restore_latest(checkpoint.abstract_like(params), checkpoint.abstract_like(opt),
+                                  _iter())
+  assert step == 1 and "checksum mismatch" in warnings[0]
+  np.testing.assert_array_equal(np.asarray(p["w"]), w)
+  ck.close()
