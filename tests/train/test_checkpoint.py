@@ -14,6 +14,10 @@ from jax.sharding import PartitionSpec as P
 
 from kunlun.train import checkpoint, optim
 
+# a failed TensorStore restore completes its pending reads after orbax closed its event loop
+# ("Event loop is closed", unraisable): noise that run_main silences in the programs
+QUIET = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+
 
 def _mesh(shape, names):
   return jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(shape))
@@ -123,6 +127,7 @@ def _clone(it):
   return c
 
 
+@QUIET
 def test_restore_falls_back_and_moves_the_bad_step_aside(three_steps):
   d, params, opt, saved = three_steps
   _truncate_params(os.path.join(d, "3"))
@@ -147,6 +152,7 @@ def test_restore_falls_back_and_moves_the_bad_step_aside(three_steps):
   ck.close()
 
 
+@QUIET
 def test_strict_restore_and_unrestorable_checkpoints_move_nothing(three_steps):
   d, params, opt, _ = three_steps
   _truncate_params(os.path.join(d, "3"))
@@ -213,6 +219,7 @@ def test_failed_write_is_reported_and_keeps_previous_steps(three_steps, monkeypa
   ro.close()
 
 
+@QUIET
 def test_flipped_bit_in_param_data_is_caught_by_checksums(tmp_path):
   """TensorStore does not checksum array data: one flipped bit inside a (zstd raw-literal) data
   file restores silently as other values. The saved checksums make it a restore failure, and
