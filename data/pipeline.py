@@ -25,7 +25,7 @@ import jax
 import numpy as np
 
 from data import elastic, records
-from data.schema import Schema, check_seq_lens
+from data.schema import Schema, check_seq_lens, surface_weights
 from data.validate import BatchValidator, InvalidCounter
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
@@ -182,13 +182,8 @@ def make_dataset(data_cfg, data_dir: str, split: str, seq_lens: dict[str, int], 
   collate = Collate(schema, seq_lens, groups)
 
   if train:
-    weights = {k: float(v) for k, v in dict(data_cfg.surface_weights).items()}
-    unknown = sorted(set(weights) - set(schema.surfaces))
-    if unknown:
-      raise ValueError(f"data.surface_weights: unknown surface(s) {unknown}; "
-                       f"schema has {schema.surfaces}")
-    if any(w < 0 for w in weights.values()) or sum(weights.values()) <= 0:
-      raise ValueError(f"data.surface_weights must be >= 0 with a positive sum, got {weights}")
+    counts = {s: sum(c for _, c in files.get(s, [])) for s in schema.surfaces}
+    weights = surface_weights(data_cfg.surface_weights, schema.surfaces, counts)
     sources, surf, sizes = [], [], {}
     for si, surface in enumerate(schema.surfaces):
       flist = files.get(surface, [])
