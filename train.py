@@ -85,6 +85,9 @@ def train(argv):
   data_dir = FLAGS.data_dir or runtime.synthetic_data_dir(workdir, config)
   schema = runtime.load_schema(data_dir)
   runtime.check_data_files(data_dir, config.data.train_split)
+  from kunlun.train import validation
+  run_plan = validation.plan(config, schema, data_dir, FLAGS.steps)   # surfaces, epochs, valid
+  total = run_plan.total
   model = runtime.build_model(config, schema)
   runtime.save_run_info(workdir, config, data_dir)
 
@@ -144,6 +147,8 @@ def train(argv):
           f"batch {config.data.batch_size}, "
           f"steps {start}->{total}, data {data_dir}", flush=True)
 
+  validate = validation.Validator(config, data_dir, schema, model, run_plan, b_shard, workdir,
+                                  prog if is_main else None)
   stop = _StopFlag()
   running = RunningNE(schema.task_names)
   bad_in_row = bad_total = 0
@@ -197,11 +202,16 @@ def train(argv):
         window_loss, window_n, times = 0.0, 0, times[-1:]
       if step % config.train.checkpoint_every == 0 and step < total:
         ckpt.save(step, params, opt_state, train_rng, data_iter)
+      if validate(step, params):
+        times.clear()                # the validation pause is not a step time
       if stop.signum is not None:
         print(f"received signal {stop.signum}: saving step {step} and exiting", flush=True)
         break
   if profiling:
     jax.profiler.stop_trace()
+  if step >= total:
+    validate(step, params)           # no-op unless the last step was skipped
+  validate.close()
   ckpt.save(step, params, opt_state, train_rng, data_iter)
   ckpt.wait()
   steps = ckpt.all_steps()

@@ -29,6 +29,8 @@ modules take as a field. Every knob of spec d.7 / h is a field here:
   mowe.{num_experts, layers_per_expert, rank, mlp_hidden, cross_layer}    (c.6; cross_layer:
                       Wukong cross-layer attention connections, spec h-19)
   towers.<stream>.{width, heads, n_kv, window, kept_len, n_seed, n_sum, depth}  (c.8)
+  tower_templates     "click,impression": the towers whose sizes serve streams 0, 1, ... of a
+                      dataset whose streams have other names (kunlun/schema_fit.py; "" = name order)
   oneseq.{width, heads, n_kv, window, kept_len, n_seed, n_sum, depth}   (merged tower)
   heads.{kind, top_mlp, tower_hidden, num_experts, expert_hidden}       (d.3)
   dlrm.{seq_dim, mlp}  (DLRM baseline only)
@@ -191,6 +193,7 @@ def default_model() -> ml_collections.ConfigDict:
   m.mowe = ml_collections.ConfigDict(dict(num_experts=2, layers_per_expert=1, rank=8,
                                           mlp_hidden=64, cross_layer=True))   # h-19
   m.towers = ml_collections.ConfigDict()
+  m.tower_templates = ""          # size templates by stream index (kunlun/schema_fit.py)
   m.oneseq = tower(width=32, heads=2, n_kv=16, window=16, kept_len=64, n_seed=8, n_sum=2, depth=2)
   m.heads = ml_collections.ConfigDict(dict(kind="towers", top_mlp=(64,), tower_hidden=32,
                                            num_experts=2, expert_hidden=32))

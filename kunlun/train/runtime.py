@@ -168,6 +168,8 @@ def check_data_files(data_dir: str, split: str) -> None:
 
 
 def build_model(config, schema):
+  """Fits ``config.model.towers`` to the schema's streams (kunlun/schema_fit.py, in place) and
+  builds the model; a config / schema mismatch is a FatalError."""
   from kunlun.model import build_model as _build
   from kunlun.transfer.settings import parse_transfer
   try:
@@ -178,7 +180,11 @@ def build_model(config, schema):
     fail(f"config.transfer turns on FM inputs ({tr}); train.py/eval.py train and evaluate the "
          "plain model only and would silently ignore them. Set kd_lambda=0 and loopfm_*=False, "
          "or run the transfer path (kunlun.transfer.experiment, bench/transfer.py).")
+  from kunlun.schema_fit import fit_towers
   try:
+    for note in fit_towers(config, schema):     # towers follow the schema's streams (in place)
+      if jax.process_index() == 0:
+        print(f"config: {note}", flush=True)
     return _build(config, schema)
   except ValueError as e:
     fail(f"config does not fit the data schema: {e}")
