@@ -50,7 +50,11 @@ class Coercions:
     self.done.setdefault(column, msg)
 
   def lines(self) -> list[str]:
-    return [f"{c}: {m}" for c, m in self.done.items()]
+    """One line per distinct coercion, naming every column it applied to."""
+    by: dict[str, list[str]] = {}
+    for c, m in self.done.items():
+      by.setdefault(m, []).append(c)
+    return [f"{', '.join(cs)}: {m}" for m, cs in by.items()]
 
 
 def hash_strings(values: pa.Array, bits: int = 63) -> np.ndarray:
@@ -155,8 +159,8 @@ def labels(arr: pa.Array, name: str, log: Coercions) -> pa.Array:
   bad = (x != 0) & (x != 1)
   if bad.any():
     i = first_row(bad)
-    raise CoerceError(f"column {name!r} has value {x[i]!r}; labels must be 0 or 1 (or null = "
-                      "not labelled)", i)
+    raise CoerceError(f"column {name!r} has value {float(x[i])!r}; labels must be 0 or 1 (or "
+                      "null = not labelled)", i)
   return out
 
 

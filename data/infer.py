@@ -171,7 +171,7 @@ def propose(stats: dict[str, ColumnStats], surfaces, order, spec: Spec,
   {"max_len", "item", "action"}}`` ColumnStats-like facts for streams built by ``data.history``.
   Sections given in ``spec.schema`` are taken as they are.
   """
-  notes, hashed_events = [], list(spec.hashed_events)
+  notes, hashed_events, compact = [], list(spec.hashed_events), []
   out = {"surfaces": sorted(surfaces),
          "dense": [c.split(".", 1)[1] for c in order if role(c) == "dense"], "sparse": [],
          "streams": [], "tasks": []}
@@ -182,8 +182,10 @@ def propose(stats: dict[str, ColumnStats], surfaces, order, spec: Spec,
       out["sparse"].append({"name": c.split(".", 1)[1], "vocab_size": vocab,
                             "max_len": max(st.max_len, 1), "hashed": hashed})
       if not hashed:
-        notes.append(f"{c}: ids {st.lo}..{st.hi} -> vocab_size {vocab} (larger ids in later data "
-                     "are invalid: raise vocab_size or set hashed: true)")
+        compact.append(f"{c.split('.', 1)[1]} {vocab}")
+  if compact:
+    notes.append(f"sparse features keep their ids (vocab_size = max id + 1; larger ids in later "
+                 f"data are invalid: raise vocab_size or set hashed: true): {', '.join(compact)}")
   streams: dict[str, dict] = {}
   for c in order:
     if role(c) == "events":

@@ -62,6 +62,9 @@ class Progress:
       self._line(now, frac)
 
   def _line(self, now, frac=None):
+    if self.done == getattr(self, "_shown", None):
+      return
+    self._shown = self.done
     dt = max(now - self.t0, 1e-9)
     msg = f"{PROG}: {self.label}: {self.done:,} rows"
     if frac is None and self.total:
@@ -136,8 +139,12 @@ def canonical(table: pa.Table, spec: Spec, log: Coercions) -> tuple[dict, dict]:
   to_role = {v: k for k, v in spec.columns.items()}
   shown = {r: (f"{c} (as {r})" if c != r else r) for c, r in to_role.items()}
   cols, unknown = {}, []
+  action = (spec.history or {}).get("action")
   for name in table.column_names:
     r = to_role.get(name, name)
+    if r == action and action is not None:
+      cols["_action"] = coerce._arr(table.column(name))     # event action of built histories
+      continue
     if role(r) is None:
       unknown.append(name)
       continue
@@ -187,6 +194,12 @@ def canonical(table: pa.Table, spec: Spec, log: Coercions) -> tuple[dict, dict]:
         out[fname] = pa.LargeListArray.from_arrays(offs, pa.array(feats[r], pa.int64()))
         log.add(fname, f"{r} duplicated as a one-id sparse feature (--ids_as_features)")
   out["_ad_feature"] = pa.array(feats["ad_id"], pa.int64())
+  if "_action" in cols:
+    a = cols["_action"]
+    if not pa.types.is_integer(a.type) or a.null_count:
+      raise CoerceError(f"history action column {action!r} must be integers without nulls "
+                        f"(has type {a.type}, {a.null_count} nulls)")
+    out["_action"] = a
   return out, {"hashed": hashed, "unknown": unknown}
 
 
@@ -283,9 +296,9 @@ class Histories:
                            for p in parts])
     if h.get("action"):
       col = h["action"]
-      if col not in parts[0]:
+      if "_action" not in parts[0]:
         raise CoerceError(f"history.action: no column {col!r} (after renaming)")
-      action = np.concatenate([p[col].fill_null(0).to_numpy(zero_copy_only=False)
+      action = np.concatenate([p["_action"].to_numpy(zero_copy_only=False)
                                for p in parts]).astype(np.int64)
       if len(action) and action.min() < 0:
         raise CoerceError(f"history.action: column {col!r} has negative values")
@@ -467,6 +480,7 @@ def run(sources: dict, out_dir: str, spec: Spec, *, split: str = "time:0.8,0.1,0
                                            hs if hist is not None else None)
   schema = schema_from(proposal, "proposed schema" if len(spec.schema) < 5 else "--schema")
   full = Spec(**{**spec.to_dict(), "schema": proposal, "hashed_events": hashed_events})
+  shown = set(log.lines())
   for line in log.lines():
     say(f"coercion: {line}")
   if unknown:
@@ -536,7 +550,8 @@ def run(sources: dict, out_dir: str, spec: Spec, *, split: str = "time:0.8,0.1,0
       sp = names[k]
       for surface, recs in table_to_records(sub, schema, src.name, rows=first + idx).items():
         writer.write(sp, surface, recs)
-        counts[sp][surface] = counts[sp].get(surface, 0) + len(recs)
+        if recs:
+          counts[sp][surface] = counts[sp].get(surface, 0) + len(recs)
       for j, t in enumerate(schema.tasks):
         y = sub.column(f"label.{t.name}").to_numpy(zero_copy_only=False)
         pos[sp][j] += np.nansum(y)
@@ -565,6 +580,9 @@ def run(sources: dict, out_dir: str, spec: Spec, *, split: str = "time:0.8,0.1,0
             raise _row_error(src, first, e) from None
           prog.add(convert(src, sname, first, cols), frac)
         prog.close()
+  for line in log.lines():                       # coercions only the conversion met
+    if line not in shown:
+      say(f"coercion: {line}")
   manifest = writer.close(tuple(used))
   report = {
       "inputs": [s.name for ss in sources.values() for s in ss], "spec": full.to_dict(),

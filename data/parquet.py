@@ -34,7 +34,7 @@ import pyarrow.parquet as pq
 
 from data import records
 from data.schema import Schema
-from data.validate import InvalidRecordError, Validator
+from data.validate import BatchValidator
 
 
 def schema_columns(schema: Schema) -> set[str]:
@@ -142,14 +142,15 @@ def table_to_records(table: pa.Table, schema: Schema, path: str = "<table>",
     ev = np.stack(cols, 1) if cols and len(cols[0]) else np.zeros((0, len(cols)), np.int32)
     ragged[f"events/{s.name}"] = (ev.astype(np.int32), offs0)
   recs = records.encode_columns(fixed, ragged) if n else []
-  validator = Validator(schema)
+  check = BatchValidator(schema, {})        # vectorised; per-record Validator for the rest
+  for a in range(0, n, 4096):
+    _, _, errors = check(recs[a:a + 4096], surf[a:a + 4096], lambda i, a=a: (path, row_of(a + i)))
+    if errors:
+      i, e = errors[0]
+      raise ValueError(f"{path}: row {row_of(a + i)}: invalid value in the column(s) of "
+                       f"field {e.field!r}: {e}") from e
   out: dict[str, list[bytes]] = {s: [] for s in schema.surfaces}
   for i, r in enumerate(recs):
-    try:
-      validator(r, file=path, index=row_of(i))
-    except InvalidRecordError as e:
-      raise ValueError(f"{path}: row {row_of(i)}: invalid value in the column(s) of "
-                       f"field {e.field!r}: {e}") from e
     out[schema.surfaces[surf[i]]].append(r)
   return out
 
