@@ -155,9 +155,10 @@ def make_dataset(data_cfg, data_dir: str, split: str, seq_lens: dict[str, int], 
                  shard_index: int | None = None, shard_count: int | None = None):
   """grain ``IterDataset`` of numpy batches (``data.schema`` layout plus ``example_mask``).
 
-  data_cfg fields: batch_size (global), surface_weights, shuffle_seed, num_threads (batch loader
-  threads), prefetch (batches in flight; 0 = load synchronously), skip_invalid, length_balance
-  (and optional length_balance_groups, default: local devices). Per-process batch =
+  data_cfg fields: batch_size (global), surface_weights (mapping, "a=1,b=0.5" or "auto": in
+  proportion to the records; ``data.schema.surface_weights``), shuffle_seed, num_threads (batch
+  loader threads), prefetch (batches in flight; 0 = load synchronously), skip_invalid,
+  length_balance (and optional length_balance_groups, default: local devices). Per-process batch =
   batch_size // shard_count. Skipped invalid records stay as padding rows (``example_mask`` 0);
   ``ds.invalid_counter`` counts them in this process (``None`` unless skip_invalid). Eval:
   ``num_eval_batches`` batches per process. Train iterators restore from a state written under

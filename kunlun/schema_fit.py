@@ -27,8 +27,6 @@ from data.schema import Schema, surface_weights
 
 def _templates(m) -> list[str]:
   names = list(m.towers.keys())
-  if not names:
-    raise ValueError("config.model.towers is empty: give at least one tower (a size template)")
   given = str(m.get("tower_templates", "") or "")
   order = [t.strip() for t in given.split(",") if t.strip()]
   bad = [t for t in order if t not in names]
@@ -41,7 +39,10 @@ def _templates(m) -> list[str]:
 def fit_towers(config, schema: Schema) -> list[str]:
   """Rewrites ``config.model.towers`` (and ``oneseq.kept_len``) for ``schema``; returns notes."""
   m = config.model if "model" in config else config
-  order = _templates(m)
+  if not len(m.towers):
+    raise ValueError("config.model.towers is empty: give at least one tower (a size template)")
+  need = [s.name for s in schema.streams if s.name not in m.towers]
+  order = _templates(m) if need else []
   att = m.get("attention", None) or {}
   block = int(att.get("block_size", 64)) if att.get("kind", "swa") == "block" else 1
   notes, new = [], {}
@@ -65,6 +66,8 @@ def fit_towers(config, schema: Schema) -> list[str]:
     notes.append(f"tower(s) {dropped} dropped: the data has no such stream")
   if notes:
     m.towers = ml_collections.ConfigDict(new)
+    if "tower_templates" in m:           # the saved config names its own towers
+      m.tower_templates = ",".join(new)
   if m.get("seq_mode", "towers") == "oneseq" and "oneseq" in m:
     total = sum(t["kept_len"] for t in new.values() if isinstance(t.get("kept_len"), int))
     if isinstance(m.oneseq.get("kept_len"), int) and m.oneseq.kept_len > total > 0:

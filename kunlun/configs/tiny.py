@@ -1,7 +1,8 @@
 """Tiny preset: CPU, well under a second per step at batch 64; used by tests and the demo.
 
-Matches the synthetic ``tiny`` data preset (schema names of ``data.fake.tiny_schema()``: streams
-click & impression, surfaces feed/stories/reels, tasks click/conversion).
+Tower names match the synthetic ``tiny`` data preset (streams click & impression, surfaces
+feed/stories/reels, tasks click/conversion); on any other dataset the towers serve as size
+templates and heads / surface weights follow its schema (kunlun/schema_fit.py).
 """
 
 from kunlun.config import default_model, tower
