@@ -9,12 +9,17 @@ same strictly-earlier rule.
 
 Nothing is materialised for the whole log: ``HistoryIndex`` sorts the events once (O(N log N))
 and ``lists(rows)`` / ``stats(rows)`` answer any subset of rows with two binary searches per row,
-so a converter can go chunk by chunk.
+so a converter can go chunk by chunk. ``FlatLogHistories`` wraps it for ``data.ingest --history``
+(item = ad_id, surface and time of the row, action = label bits or a given column).
 """
 
 from __future__ import annotations
 
 import numpy as np
+import pyarrow as pa
+
+from data import coerce
+from data.coerce import CoerceError, Coercions
 
 
 def _ranks(x: np.ndarray) -> np.ndarray:
@@ -109,4 +114,96 @@ class HistoryIndex:
       for task in self.labels:
         out[f"{side}_{task}_rate"] = ((n(f"pos:{task}") + 1.0) / (n(f"valid:{task}") + 2.0)
                                       ).astype(np.float32)
+    return out
+
+
+# ---- in data.ingest's terms ---------------------------------------------------------------
+
+def _keep_last(vals: dict, offs: np.ndarray, k: int):
+  """Per row, the last ``k`` of the values in ``[offs[i], offs[i+1])``."""
+  lens = np.diff(offs)
+  keep = np.minimum(lens, k)
+  new = np.concatenate([[0], np.cumsum(keep)])
+  take = np.arange(new[-1]) + np.repeat(offs[1:] - keep - new[:-1], keep)
+  return {c: v[take] for c, v in vals.items()}, new
+
+
+def label_bits(cols: dict, tasks) -> np.ndarray:
+  """Per row: bit k set when task k's label is 1 (the event action of built histories)."""
+  bits = np.zeros(len(cols["request_ts"]), np.int64)
+  for k, t in enumerate(tasks):
+    y = cols[f"label.{t}"].fill_null(0).to_numpy(zero_copy_only=False)
+    bits |= (y > 0.5).astype(np.int64) << k
+  return bits
+
+
+class FlatLogHistories:
+  """``data.history`` over the whole (canonical) flat log, in the spec's terms."""
+
+  """``HistoryIndex`` over a whole flat log given as role columns (``data.layout.canonical``),
+  configured by an ingest spec's ``history`` section."""
+
+  def __init__(self, parts: list[dict], spec, surfaces, tasks, log: Coercions):
+    h = spec.history
+    cat = lambda k: np.concatenate([p[k].to_numpy(zero_copy_only=False) for p in parts])
+    user, ts, ad = cat("user_id"), cat("request_ts"), cat("_ad_feature")
+    sidx = {s: i for i, s in enumerate(surfaces)}
+    surf = np.concatenate([np.array([sidx[x] for x in p["surface"].to_pylist()], np.int64)
+                           for p in parts])
+    if h.get("action"):
+      col = h["action"]
+      if "_action" not in parts[0]:
+        raise CoerceError(f"history.action: no column {col!r} (after renaming)")
+      action = np.concatenate([p["_action"].to_numpy(zero_copy_only=False)
+                               for p in parts]).astype(np.int64)
+      if len(action) and action.min() < 0:
+        raise CoerceError(f"history.action: column {col!r} has negative values")
+      self.action_vocab = int(action.max()) + 1 if len(action) else 1
+    else:
+      action = np.concatenate([label_bits(p, tasks) for p in parts])
+      self.action_vocab = 1 << len(tasks)
+    self.item_vocab = int(ad.max()) + 1 if len(ad) else 1
+    item = ad
+    if self.item_vocab > 1 << 22 or (len(ad) and ad.min() < 0):
+      self.item_vocab = 1 << 22
+      item = coerce.hash_mod(ad, self.item_vocab)
+      log.add("history", f"ad ids hashed into [0, {self.item_vocab}) as event items")
+    streams = {}
+    for name, sel in h["streams"].items():
+      if sel == "all":
+        streams[name] = None
+      else:
+        if sel not in parts[0]:
+          raise CoerceError(f"history.streams.{name}: no column {sel!r}")
+        streams[name] = np.concatenate([p[sel].fill_null(0).to_numpy(zero_copy_only=False)
+                                        for p in parts]) > 0.5
+    labels = {}
+    if h.get("stats", False):
+      for t in tasks:
+        y = np.concatenate([p[f"label.{t}"].fill_null(0).to_numpy(zero_copy_only=False)
+                            for p in parts])
+        valid = np.concatenate([~coerce._nulls(p[f"label.{t}"]) for p in parts])
+        labels[t] = (y, valid)
+    self.max_len = int(h.get("max_len", 50))
+    self.index = HistoryIndex(user, ts, ad, streams,
+                              {"item": item, "action": action, "surface": surf, "ts": ts},
+                              labels)
+    self.stats = bool(h.get("stats", False))
+    self.observed_len = {k: int(v.max(initial=0))
+                         for k, v in self.index.lengths(np.arange(len(ts))).items()}
+    self.n = len(ts)
+
+  def columns(self, rows: np.ndarray, max_lens: dict[str, int]) -> dict:
+    """The built ``events.<s>.*`` (and ``dense.*`` statistics) columns of ``rows``."""
+    out = {}
+    for s, (vals, offs) in self.index.lists(rows, max(max_lens.values(), default=1)).items():
+      if s not in max_lens:
+        continue
+      vals, offs = _keep_last(vals, offs, max_lens[s])
+      for col in ("item", "action", "surface", "ts"):
+        out[f"events.{s}.{col}"] = pa.LargeListArray.from_arrays(offs, pa.array(vals[col],
+                                                                                pa.int64()))
+    if self.stats:
+      out.update({f"dense.{k}": pa.array(v.astype(np.float64))
+                  for k, v in self.index.stats(rows).items()})
     return out

@@ -38,8 +38,8 @@ import pyarrow as pa
 from data import coerce, history, records
 from data.coerce import CoerceError, Coercions
 from data.infer import ColumnStats, Spec, propose, role, schema_from
+from data.layout import canonical, finalize
 from data.parquet import table_to_records
-from data.schema import Schema
 
 SPLITS = ("train", "valid", "eval")
 PROG = "data.ingest"
@@ -128,231 +128,6 @@ class Source:
       raise ValueError(f"{self.name}: unreadable: {str(e).splitlines()[0]}") from None
 
 
-# ---- column preparation --------------------------------------------------------------------
-
-def canonical(table: pa.Table, spec: Spec, log: Coercions) -> tuple[dict, dict]:
-  """Renames to roles and coerces types (``data.coerce``).
-
-  Returns ``(columns {role name: pa.Array}, facts)``; facts: ``hashed`` (sparse features turned
-  into hashes), ``unknown`` (input columns with no role).
-  """
-  to_role = {v: k for k, v in spec.columns.items()}
-  shown = {r: (f"{c} (as {r})" if c != r else r) for c, r in to_role.items()}
-  cols, unknown = {}, []
-  action = (spec.history or {}).get("action")
-  for name in table.column_names:
-    r = to_role.get(name, name)
-    if r == action and action is not None:
-      cols["_action"] = coerce._arr(table.column(name))     # event action of built histories
-      continue
-    if role(r) is None:
-      unknown.append(name)
-      continue
-    if r in cols:
-      raise CoerceError(f"two columns play the role {r!r} ({spec.columns.get(r)!r} and {r!r})")
-    cols[r] = coerce._arr(table.column(name))
-  disp = lambda r: shown.get(r, r)
-  out, hashed = {}, set()
-  n = table.num_rows
-  for r in ("request_ts", "user_id", "ad_id"):
-    if r not in cols:
-      raise CoerceError(f"missing column {r!r} (rename yours with --rename {r}=<column>)")
-  out["request_ts"] = pa.array(coerce.timestamps(cols["request_ts"], disp("request_ts"),
-                                                 spec.ts_unit, log))
-  feats = {}
-  for r in ("user_id", "ad_id"):
-    key, feats[r] = coerce.keys(cols[r], disp(r), log)
-    out[r] = pa.array(key)
-  if "surface" in cols:
-    s = cols["surface"]
-    if pa.types.is_integer(s.type):
-      log.add(disp("surface"), "integers -> surface names (their decimal text)")
-    elif not (pa.types.is_string(s.type) or pa.types.is_large_string(s.type)
-              or pa.types.is_dictionary(s.type)):
-      raise CoerceError(f"column {disp('surface')!r} has type {s.type}, expected names")
-    if s.null_count:
-      raise CoerceError(f"column {disp('surface')!r} is null", coerce.first_row(coerce._nulls(s)))
-    out["surface"] = s.cast(pa.string())
-  else:
-    out["surface"] = pa.array([spec.surface] * n, pa.string())
-  for c, a in cols.items():
-    rr = role(c)
-    if rr == "dense":
-      out[c] = coerce.dense(a, disp(c), log)
-    elif rr == "sparse":
-      out[c], h = coerce.id_lists(a, disp(c), log)
-      if h:
-        hashed.add(c)
-    elif rr == "events":
-      out[c] = coerce.event_list(a, disp(c), c.endswith(".ts"), spec.ts_unit, log)
-    elif rr in ("label", "true_prob"):
-      out[c] = coerce.labels(a, disp(c), log) if rr == "label" else a.cast(pa.float64())
-  if spec.ids_as_features:
-    for r, fname in (("user_id", "sparse.user_id"), ("ad_id", "sparse.ad_id")):
-      if fname not in out:
-        offs = np.arange(n + 1, dtype=np.int64)
-        out[fname] = pa.LargeListArray.from_arrays(offs, pa.array(feats[r], pa.int64()))
-        log.add(fname, f"{r} duplicated as a one-id sparse feature (--ids_as_features)")
-  out["_ad_feature"] = pa.array(feats["ad_id"], pa.int64())
-  if "_action" in cols:
-    a = cols["_action"]
-    if not pa.types.is_integer(a.type) or a.null_count:
-      raise CoerceError(f"history action column {action!r} must be integers without nulls "
-                        f"(has type {a.type}, {a.null_count} nulls)")
-    out["_action"] = a
-  return out, {"hashed": hashed, "unknown": unknown}
-
-
-def finalize(cols: dict, schema: Schema, spec: Spec, hashed_events, log: Coercions) -> pa.Table:
-  """Canonical columns -> the ``data/parquet.py`` layout for ``schema``: fills optional event
-  columns, hashes wide event ids, checks / truncates list lengths."""
-  shown = lambda c: f"{spec.columns[c]} (as {c})" if c in spec.columns else c
-  out = {k: cols[k] for k in ("surface", "request_ts", "user_id", "ad_id")}
-  for d in schema.dense:
-    out[f"dense.{d}"] = _need(cols, f"dense.{d}")
-  for f in schema.sparse:
-    c = f"sparse.{f.name}"
-    a = _need(cols, c)
-    lens = np.diff(np.asarray(a.offsets, np.int64))
-    if len(lens) and lens.max() > f.max_len:
-      i = int(np.argmax(lens > f.max_len))
-      raise CoerceError(f"column {shown(c)!r} has {lens[i]} ids > max_len {f.max_len} of sparse "
-                        f"feature {f.name!r}", i)
-    out[c] = a
-  for s in schema.streams:
-    item = _need(cols, f"events.{s.name}.item")
-    offs = np.asarray(item.offsets, np.int64)
-    for col in records.event_columns(s):
-      c = f"events.{s.name}.{col}"
-      a = cols.get(c)
-      if a is None and col in ("action", "surface"):
-        if col == "surface" and len(schema.surfaces) > 1:
-          raise CoerceError(f"missing column {c!r} (the surface of each event; needed with more "
-                            "than one surface)")
-        log.add(c, "missing -> 0 for every event")
-        a = pa.LargeListArray.from_arrays(offs, pa.array(np.zeros(offs[-1] - offs[0], np.int64)))
-      a = _need({c: a}, c)
-      if c in hashed_events:
-        vocab = s.item_vocab if col == "item" else (
-            s.action_vocab if col == "action" else
-            {e.name: e.vocab_size for e in s.extra_fields}[col])
-        ao = np.asarray(a.offsets, np.int64)
-        vals = a.values.to_numpy(zero_copy_only=False)[ao[0]:ao[-1]]
-        log.add(c, f"ids hashed into [0, {vocab})")
-        a = pa.LargeListArray.from_arrays(ao - ao[0], pa.array(coerce.hash_mod(vals, vocab)))
-      lens = np.diff(np.asarray(a.offsets, np.int64))
-      if len(lens) and lens.max() > s.max_len:
-        if not spec.truncate_history:
-          i = int(np.argmax(lens > s.max_len))
-          raise CoerceError(f"column {shown(c)!r} has {lens[i]} events > max_len {s.max_len} of "
-                            f"stream {s.name!r}; pass --truncate_history to keep the most recent "
-                            f"{s.max_len}", i)
-        log.add(f"events.{s.name}", f"histories longer than {s.max_len} truncated to the most "
-                "recent (--truncate_history)")
-        a = coerce.truncate_lists(a, s.max_len)
-      out[c] = a
-  for t in schema.tasks:
-    out[f"label.{t.name}"] = _need(cols, f"label.{t.name}")
-    if f"true_prob.{t.name}" in cols:
-      out[f"true_prob.{t.name}"] = cols[f"true_prob.{t.name}"]
-  return pa.table(out)
-
-
-def _need(cols, c):
-  if c not in cols or cols[c] is None:
-    raise CoerceError(f"missing column {c!r} (named by the schema)")
-  return cols[c]
-
-
-# ---- flat logs: histories -------------------------------------------------------------------
-
-def _keep_last(vals: dict, offs: np.ndarray, k: int):
-  """Per row, the last ``k`` of the values in ``[offs[i], offs[i+1])``."""
-  lens = np.diff(offs)
-  keep = np.minimum(lens, k)
-  new = np.concatenate([[0], np.cumsum(keep)])
-  take = np.arange(new[-1]) + np.repeat(offs[1:] - keep - new[:-1], keep)
-  return {c: v[take] for c, v in vals.items()}, new
-
-
-def label_bits(cols: dict, tasks) -> np.ndarray:
-  """Per row: bit k set when task k's label is 1 (the event action of built histories)."""
-  bits = np.zeros(len(cols["request_ts"]), np.int64)
-  for k, t in enumerate(tasks):
-    y = cols[f"label.{t}"].fill_null(0).to_numpy(zero_copy_only=False)
-    bits |= (y > 0.5).astype(np.int64) << k
-  return bits
-
-
-class Histories:
-  """``data.history`` over the whole (canonical) flat log, in the spec's terms."""
-
-  def __init__(self, parts: list[dict], spec: Spec, surfaces, tasks, log: Coercions):
-    h = spec.history
-    cat = lambda k: np.concatenate([p[k].to_numpy(zero_copy_only=False) for p in parts])
-    user, ts, ad = cat("user_id"), cat("request_ts"), cat("_ad_feature")
-    sidx = {s: i for i, s in enumerate(surfaces)}
-    surf = np.concatenate([np.array([sidx[x] for x in p["surface"].to_pylist()], np.int64)
-                           for p in parts])
-    if h.get("action"):
-      col = h["action"]
-      if "_action" not in parts[0]:
-        raise CoerceError(f"history.action: no column {col!r} (after renaming)")
-      action = np.concatenate([p["_action"].to_numpy(zero_copy_only=False)
-                               for p in parts]).astype(np.int64)
-      if len(action) and action.min() < 0:
-        raise CoerceError(f"history.action: column {col!r} has negative values")
-      self.action_vocab = int(action.max()) + 1 if len(action) else 1
-    else:
-      action = np.concatenate([label_bits(p, tasks) for p in parts])
-      self.action_vocab = 1 << len(tasks)
-    self.item_vocab = int(ad.max()) + 1 if len(ad) else 1
-    item = ad
-    if self.item_vocab > 1 << 22 or (len(ad) and ad.min() < 0):
-      self.item_vocab = 1 << 22
-      item = coerce.hash_mod(ad, self.item_vocab)
-      log.add("history", f"ad ids hashed into [0, {self.item_vocab}) as event items")
-    streams = {}
-    for name, sel in h["streams"].items():
-      if sel == "all":
-        streams[name] = None
-      else:
-        if sel not in parts[0]:
-          raise CoerceError(f"history.streams.{name}: no column {sel!r}")
-        streams[name] = np.concatenate([p[sel].fill_null(0).to_numpy(zero_copy_only=False)
-                                        for p in parts]) > 0.5
-    labels = {}
-    if h.get("stats", False):
-      for t in tasks:
-        y = np.concatenate([p[f"label.{t}"].fill_null(0).to_numpy(zero_copy_only=False)
-                            for p in parts])
-        valid = np.concatenate([~coerce._nulls(p[f"label.{t}"]) for p in parts])
-        labels[t] = (y, valid)
-    self.max_len = int(h.get("max_len", 50))
-    self.index = history.HistoryIndex(user, ts, ad, streams,
-                                      {"item": item, "action": action, "surface": surf, "ts": ts},
-                                      labels)
-    self.stats = bool(h.get("stats", False))
-    self.observed_len = {k: int(v.max(initial=0))
-                         for k, v in self.index.lengths(np.arange(len(ts))).items()}
-    self.n = len(ts)
-
-  def columns(self, rows: np.ndarray, max_lens: dict[str, int]) -> dict:
-    """The built ``events.<s>.*`` (and ``dense.*`` statistics) columns of ``rows``."""
-    out = {}
-    for s, (vals, offs) in self.index.lists(rows, max(max_lens.values(), default=1)).items():
-      if s not in max_lens:
-        continue
-      vals, offs = _keep_last(vals, offs, max_lens[s])
-      for col in ("item", "action", "surface", "ts"):
-        out[f"events.{s}.{col}"] = pa.LargeListArray.from_arrays(offs, pa.array(vals[col],
-                                                                                pa.int64()))
-    if self.stats:
-      out.update({f"dense.{k}": pa.array(v.astype(np.float64))
-                  for k, v in self.index.stats(rows).items()})
-    return out
-
-
 # ---- the two passes ---------------------------------------------------------------------------
 
 def parse_split(text: str) -> tuple[str, tuple[float, ...]]:
@@ -435,7 +210,7 @@ def run(sources: dict, out_dir: str, spec: Spec, *, split: str = "time:0.8,0.1,0
   out, err = out or sys.stdout, err or sys.stderr
   say = lambda *a: print(*a, file=out, flush=True)
   warn = lambda m: print(f"{PROG}: warning: {m}", file=err, flush=True)
-  if os.path.exists(out_dir) and os.listdir(out_dir):
+  if os.path.exists(out_dir) and os.listdir(out_dir) and (yes or not write_schema):
     if not (overwrite and os.path.exists(os.path.join(out_dir, "manifest.json"))):
       raise ValueError(f"--out={out_dir} exists and is not empty" + (
           " (and is not a kunlun dataset: not removed)" if overwrite else
@@ -458,6 +233,7 @@ def run(sources: dict, out_dir: str, spec: Spec, *, split: str = "time:0.8,0.1,0
           parts.append((sname, src, first, cols))
         prog.add(table.num_rows, frac)
       prog.close()
+      src.counted = prog.done
   if not ts_parts or not sum(map(len, ts_parts)):
     raise ValueError("the input has no rows")
   ts_all = np.concatenate(ts_parts)
@@ -470,7 +246,7 @@ def run(sources: dict, out_dir: str, spec: Spec, *, split: str = "time:0.8,0.1,0
     if ev:
       raise ValueError(f"--history builds the event streams, but the log also has {ev}")
     base, _, _ = propose(stats, surfaces, order, spec)
-    hist = Histories([p[3] for p in parts], spec, base["surfaces"],
+    hist = history.FlatLogHistories([p[3] for p in parts], spec, base["surfaces"],
                      [t["name"] for t in base["tasks"]], log)
     if hist.stats:
       order += [f"dense.{k}" for k in hist.index.stats(np.zeros(0, np.int64))]
@@ -572,7 +348,7 @@ def run(sources: dict, out_dir: str, spec: Spec, *, split: str = "time:0.8,0.1,0
   else:
     for sname, srcs in sources.items():
       for src in srcs:
-        prog = Progress(f"convert {src.name}", src.rows or None, err)
+        prog = Progress(f"convert {src.name}", src.counted, err)
         for table, first, frac in src.batches():
           try:
             cols, _ = canonical(table, spec, Coercions())
