@@ -65,8 +65,11 @@ def fetch(cache: str = CACHE) -> str:
   wheels = os.path.join(cache, "wheels")
   os.makedirs(wheels, exist_ok=True)
   _log(f"pip download --no-deps {WHEEL} -> {wheels}")
-  subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", WHEEL,
-                  "-d", wheels], check=True)
+  p = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", WHEEL,
+                      "-d", wheels])
+  if p.returncode:
+    raise SystemExit(f"bench/real_data.py: error: pip download {WHEEL} failed (no network?); "
+                     "pass --inter FILE (ml-100k.inter, u.data or a ratings file) instead")
   whl = [f for f in os.listdir(wheels) if f.startswith("recbole-") and f.endswith(".whl")]
   if not whl:
     raise RuntimeError(f"no recbole wheel in {wheels}")
