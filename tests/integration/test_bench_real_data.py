@@ -57,7 +57,7 @@ def test_real_data_bench_quick(tmp_path):
   assert "validation step" in log and (wd / "best" / "best.json").exists()
   assert any("valid_ne" in json.loads(x) for x in (wd / "metrics.jsonl").read_text().splitlines())
   ev = json.loads((wd / "eval.json").read_text())
-  assert ev["best"] and "own positive rate" in ev["ne_normalisation"]
+  assert ev["best"] and "own base rate" in ev["ne_normalisation"]
   # the per-example predictions reproduce the reported NE (independent numpy computation)
   t = pq.read_table(wd / "predictions.parquet").to_pydict()
   assert set(t) == {"user_id", "ad_id", "request_ts", "surface", "label.click", "prob.click"}
