@@ -267,6 +267,9 @@ def run(sources: dict, out_dir: str, spec: Spec, *, split: str = "time:0.8,0.1,0
         "--ids_as_features to also feed them as sparse features")
   for n_ in notes:
     say(f"note: {n_}")
+  if not schema.streams:
+    say("note: no event streams: the model sees context features only (a flat interaction log? "
+        "--history builds streams from each user's earlier rows)")
   inferred = [k for k in ("sparse", "dense", "streams", "surfaces", "tasks")
               if k not in spec.schema]
   if inferred:

@@ -422,6 +422,4 @@ def validate(config, schema: Schema) -> ModelConfig:
 def seq_lens(config) -> dict[str, int]:
   """Kept length T per stream (the data pipeline pads/truncates each stream to it)."""
   m = config.model if "model" in config else config
-  if not len(m.towers):
-    raise ValueError("config.model.towers is empty: no kept lengths to report")
-  return {s: int(m.towers[s].kept_len) for s in m.towers.keys()}
+  return {s: int(m.towers[s].kept_len) for s in m.towers.keys()}   # {} for data without streams

@@ -39,7 +39,7 @@ def _templates(m) -> list[str]:
 def fit_towers(config, schema: Schema) -> list[str]:
   """Rewrites ``config.model.towers`` (and ``oneseq.kept_len``) for ``schema``; returns notes."""
   m = config.model if "model" in config else config
-  if not len(m.towers):
+  if not len(m.towers) and schema.streams:
     raise ValueError("config.model.towers is empty: give at least one tower (a size template)")
   need = [s.name for s in schema.streams if s.name not in m.towers]
   order = _templates(m) if need else []

@@ -128,7 +128,7 @@ class Validator:
     from kunlun.train import step as step_lib
     self.predict = step_lib.make_predict_step(model)
     self.data_cfg = config.data.copy_and_resolve_references()
-    self.data_cfg.batch_size = int(config.data.get("eval_batch_size", 0) or config.data.batch_size)
+    self.data_cfg.batch_size = int(config.data.batch_size)      # the train batch: valid on the mesh
     self.data_dir, self.b_shard = data_dir, batch_sharding
     self.seq_lens = model_config.seq_lens(config)
     self.best_task = config.train.get("best_task", "") or ""

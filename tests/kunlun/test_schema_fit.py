@@ -86,6 +86,14 @@ def test_every_preset_fits_a_foreign_schema(preset):
   assert cfg.tasks == ("click", "like", "follow")
 
 
+def test_data_without_streams():
+  c = tiny.get_config()
+  s = _schema(streams=())
+  assert fit_towers(c, s) == ["tower(s) ['click', 'impression'] dropped: the data has no such "
+                              "stream"]
+  assert C.seq_lens(c) == {} and C.parse(c, s).towers == ()
+
+
 def test_template_errors():
   c = tiny.get_config()
   c.model.tower_templates = "click,nope"
