@@ -129,9 +129,9 @@ def train_eval(arch: str, seed: int, data_dir: str, work: str, args, env) -> dic
 
 def _features(data_dir: str, split: str, schema):
   """LR design of one split: one-hot user / movie ids, dense history statistics, labels."""
-  from data import records
+  from data import validate
   users, items, dense, y = [], [], [], []
-  for _, _, r in records.read_split(data_dir, split, schema):
+  for _, _, r in validate.read_split(data_dir, split, schema):
     users.append(int(r["sparse/user_id"][0]))
     items.append(int(r["sparse/ad_id"][0]))
     dense.append(r["dense"])

@@ -181,14 +181,20 @@ class Validator:
     return True
 
   def _save_best(self, step, params, value, ne, auc):
+    """Params + a ``meta`` item with their checksums (``checkpoint.Checkpointer.restore_params``
+    verifies them), one step kept."""
     import orbax.checkpoint as ocp
+
+    from kunlun.train.checkpoint import _meta_check, tree_digest
     if self._mngr is None:
       self._mngr = ocp.CheckpointManager(
-          self.dir, item_names=("params",),
+          self.dir, item_names=("params", "meta"),
           options=ocp.CheckpointManagerOptions(max_to_keep=1, create=True,
                                                enable_async_checkpointing=False))
-    self._mngr.save(step, args=ocp.args.Composite(params=ocp.args.StandardSave(params)),
-                    force=True)
+    meta = {"step": int(step), "digest": {"params": tree_digest(params)}}
+    meta["check"] = _meta_check(meta)
+    self._mngr.save(step, args=ocp.args.Composite(params=ocp.args.StandardSave(params),
+                                                  meta=ocp.args.JsonSave(meta)), force=True)
     self._mngr.wait_until_finished()
     self.best = {"step": int(step), "value": float(value),
                  "task": self.best_task or "mean", "valid_ne": ne, "valid_auc": auc}

@@ -4,7 +4,7 @@ seconds) carrying tab and label bits, user features joined, outcome columns neve
 
 import numpy as np
 
-from data import records
+from data import validate
 from data.public import kuairand
 from data.schema import Schema
 
@@ -55,7 +55,7 @@ def test_kuairand_fixture(tmp_path):
   rows = _rows()
   sec = [int(r[4]) // 1000 for r in rows]
   bits = [int(r[5]) | int(r[6]) << 1 | int(r[7]) << 2 for r in rows]
-  got = [r for _, _, r in records.read_split(out, "train")]
+  got = [r for _, _, r in validate.read_split(out, "train")]
   assert len(got) == len(rows)
   di = schema.dense.index("duration_s")
   for g in got:

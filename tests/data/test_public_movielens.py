@@ -5,7 +5,7 @@ earlier ratings only, history statistics and the time split, checked against a l
 import numpy as np
 import pytest
 
-from data import records
+from data import validate
 from data.public import movielens
 from data.schema import Schema
 
@@ -83,7 +83,7 @@ def test_convert_no_future_leakage(tmp_path):
   assert schema.dense == ("user_count", "user_click_rate", "ad_count", "ad_click_rate")
   assert [f.name for f in schema.sparse] == ["user_id", "ad_id"]
   want = _expected(2)
-  got = [r for _, _, r in records.read_split(out, "train")]
+  got = [r for _, _, r in validate.read_split(out, "train")]
   assert len(got) == len(RATINGS) == rep["examples"]["train"]
   for r in got:
     w = want[int(r["request_ts"]), int(r["user_id"]), int(r["ad_id"])]
@@ -99,7 +99,7 @@ def test_time_split_windows(tmp_path, capsys):
   out = str(tmp_path / "ds")
   assert movielens.main(["--input", _write(tmp_path, "u.data"), "--out", out,
                          "--split", "time:0.5,0.25,0.25"]) == 0
-  got = {s: sorted(int(r["request_ts"]) for _, _, r in records.read_split(out, s))
+  got = {s: sorted(int(r["request_ts"]) for _, _, r in validate.read_split(out, s))
          for s in ("train", "valid", "eval")}
   ts = sorted(T0 + t for *_, t in RATINGS)
   assert got["train"] + got["valid"] + got["eval"] == ts
