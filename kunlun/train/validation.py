@@ -86,6 +86,9 @@ def plan(config, schema, data_dir: str, steps_flag: int | None, say=print) -> Pl
     fail("config.train.keep_best needs validation, but " + (
         "config.train.validate_every=-1" if ve < 0 else
         f"the data has no split {vsplit!r} (config.data.valid_split)"))
+  if every:
+    from kunlun.train.runtime import check_data_files
+    check_data_files(data_dir, vsplit)           # shards present and whole (one-line errors)
   bt = config.train.get("best_task", "") or ""
   if bt and bt not in schema.task_names:
     fail(f"config.train.best_task={bt!r}: not a task of the data {schema.task_names}")
