@@ -13,6 +13,10 @@ context features (``sparse``, ``dense``, ``surface``) with one row per candidate
 ``events`` with one row per request (``R``) and ``ri i32[N]`` (each ad's request); the event
 embeddings and every module that reads only them run once per request. The outputs equal those of
 ``N`` separate examples (events repeated per ad).
+
+Rematerialisation (``config.train.remat`` / ``remat_scope``, ``kunlun/remat.py``) wraps each
+Kunlun layer (or each tower module inside it) and the per-stream event embeddings; the parameter
+tree does not change. The serving path never rematerialises.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from data.schema import Schema
+from kunlun import remat as remat_lib
 from kunlun import request_rows as rows
 from kunlun.config import ModelConfig, parse
 from kunlun.heads import Heads
@@ -37,13 +42,15 @@ def embed_context(cfg: ModelConfig, schema: Schema, batch, dtype):
       batch["sparse"], jnp.asarray(batch["dense"]), jnp.asarray(batch["surface"]))
 
 
-def embed_sequences(cfg: ModelConfig, schema: Schema, batch, dtype):
-  """Per tower: ``(seqs {name: [B, T, d]}, lengths {name: i32[B]}, ages {name: f32[B, T]})``."""
+def embed_sequences(cfg: ModelConfig, schema: Schema, batch, dtype, remat: str = "none"):
+  """Per tower: ``(seqs {name: [B, T, d]}, lengths {name: i32[B]}, ages {name: f32[B, T]})``.
+  ``remat``: a ``kunlun.remat`` policy applied to each stream's EventEmbed."""
   ev = batch["events"]
+  Embed = remat_lib.wrap(EventEmbed, remat)
   if cfg.seq_mode == "oneseq":
     t = cfg.oneseq
-    s_list = [EventEmbed(st, len(schema.surfaces), t.width, cfg.num_time_buckets, dtype,
-                         name=f"embed_{st.name}")(ev[st.name]) for st in schema.streams]
+    s_list = [Embed(st, len(schema.surfaces), t.width, cfg.num_time_buckets, dtype,
+                    name=f"embed_{st.name}")(ev[st.name]) for st in schema.streams]
     s, lengths, age, _ = StreamMerge(len(schema.streams), t.kept_len, name="oneseq_merge")(
         s_list, [jnp.asarray(ev[n]["length"], jnp.int32) for n in schema.stream_names],
         [jnp.asarray(ev[n]["age"], jnp.float32) for n in schema.stream_names])
@@ -51,8 +58,8 @@ def embed_sequences(cfg: ModelConfig, schema: Schema, batch, dtype):
   seqs, lengths, ages = {}, {}, {}
   for t in cfg.towers:
     st = schema.stream(t.name)
-    seqs[t.name] = EventEmbed(st, len(schema.surfaces), t.width, cfg.num_time_buckets, dtype,
-                              name=f"embed_{t.name}")(ev[t.name])
+    seqs[t.name] = Embed(st, len(schema.surfaces), t.width, cfg.num_time_buckets, dtype,
+                         name=f"embed_{t.name}")(ev[t.name])
     lengths[t.name] = jnp.asarray(ev[t.name]["length"], jnp.int32)
     ages[t.name] = jnp.asarray(ev[t.name]["age"], jnp.float32)
   return seqs, lengths, ages
@@ -75,9 +82,12 @@ def apply_heads(cfg: ModelConfig, x, summaries, surface, dtype):
 class Kunlun(nn.Module):
   """``apply({"params": p}, batch, train) -> logits f32[B, K]``;
   ``method="representations"`` -> ``{"pooled" [B, d_rep], "summaries" {tower: [B, n_sum, d_e]},
-  "logits" [B, K]}``; with ``request_index`` (serving) ``B`` is the number of ads (module doc)."""
+  "logits" [B, K]}``; with ``request_index`` (serving) ``B`` is the number of ads (module doc).
+  ``remat`` / ``remat_scope``: ``kunlun.remat`` policy and scope (training)."""
   cfg: ModelConfig
   schema: Schema
+  remat: str = "none"
+  remat_scope: str = "layer"
 
   def __call__(self, batch, train: bool = False):
     return self.representations(batch, train)["logits"]
@@ -88,7 +98,8 @@ class Kunlun(nn.Module):
     cfg, dt = self.cfg, DTYPES[self.cfg.dtype]
     with jax.named_scope("Kunlun"):
       x = embed_context(cfg, self.schema, batch, dt)
-      seqs, lengths, ages = embed_sequences(cfg, self.schema, batch, dt)
+      remat = self.remat if request_index is None else "none"
+      seqs, lengths, ages = embed_sequences(cfg, self.schema, batch, dt, remat)
       if request_index is None:
         x, seqs = self.extra_inputs(batch, x, seqs, lengths)
       else:                                     # shared serving path: sequences per request
@@ -99,8 +110,11 @@ class Kunlun(nn.Module):
         seqs, lengths, ages = ({n: rows.PerRequest(v) for n, v in d.items()}
                                for d in (seqs, lengths, ages))
       summaries = {}
+      per_layer = self.remat_scope == "layer"
+      Layer = remat_lib.wrap(KunlunLayer, remat if per_layer else "none")
+      inner = "none" if per_layer else remat
       for l in range(cfg.num_layers):
-        x, seqs, summaries = KunlunLayer(cfg, l, name=f"layer_{l}")(
+        x, seqs, summaries = Layer(cfg, l, inner, name=f"layer_{l}")(
             x, seqs, lengths, ages, summaries, *(() if request_index is None else (ri,)))
       if request_index is not None:
         summaries = {n: rows.to_ads(v, ri) for n, v in summaries.items()}
@@ -120,7 +134,12 @@ def build_model(config, schema: Schema) -> nn.Module:
   Raises ValueError naming the offending field and the allowed values.
   """
   cfg = parse(config, schema)
+  train = config.get("train") if "model" in config else None
+  remat = str(train.get("remat", "none")) if train is not None else "none"
+  scope = str(train.get("remat_scope", "layer")) if train is not None else "layer"
+  remat_lib.check(remat, scope)
   if cfg.arch == "kunlun":
-    return Kunlun(cfg, schema)
+    return Kunlun(cfg, schema, remat, scope)
   from kunlun import baselines
-  return baselines.build(cfg, schema)
+  model = baselines.build(cfg, schema)
+  return model.clone(remat=remat, remat_scope=scope) if isinstance(model, Kunlun) else model
