@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 
 from absl import app, flags
 
@@ -81,6 +80,12 @@ def train(argv):
   mesh = runtime.build_mesh(FLAGS.mesh, FLAGS.dcn_mesh)
   rules = runtime.get_rules(config.sharding.rules)
   runtime.check_batch_size(config.data.batch_size, mesh, rules, "config.data.batch_size")
+  microbatches = int(config.train.get("microbatches", 1))
+  if microbatches < 1 or config.data.batch_size % microbatches:
+    runtime.fail(f"config.train.microbatches={microbatches} must be >= 1 and divide "
+                 f"config.data.batch_size={config.data.batch_size}")
+  runtime.check_batch_size(config.data.batch_size // microbatches, mesh, rules,
+                           "config.data.batch_size / config.train.microbatches")
 
   data_dir = FLAGS.data_dir or runtime.synthetic_data_dir(workdir, config)
   schema = runtime.load_schema(data_dir)
@@ -134,7 +139,8 @@ def train(argv):
                  f"{schema.task_names}")
   train_step = step_lib.make_train_step(
       model, tx, np.asarray(task_w, np.float32) if task_w else None, sparse_update=sparse_update,
-      param_shardings=p_shard, opt_shardings=o_shard, batch_sharding=b_shard)
+      param_shardings=p_shard, opt_shardings=o_shard, batch_sharding=b_shard,
+      microbatches=microbatches)
 
   is_main = jax.process_index() == 0
   prog = progress.Progress(workdir, total, enabled=is_main)
@@ -153,7 +159,49 @@ def train(argv):
   running = RunningNE(schema.task_names)
   bad_in_row = bad_total = 0
   window_loss, window_n, window_t0, times = 0.0, 0, None, []
+  # statistics stay on the device and are fetched metrics_lag steps later (never blocking the
+  # device queue); every pending step is drained before a log line, checkpoint, stop or the end
+  lagged = progress.LaggedStats(int(config.train.get("metrics_lag", 1)))
+  valid_due = lambda s: validate.on and (s % validate.plan.every == 0 or s == validate.plan.total)
+
+  def consume(at, stats, now) -> bool:
+    """Bad-step accounting, running NE and the log line for the (fetched) stats of step ``at``;
+    returns whether the step's update was applied."""
+    nonlocal bad_in_row, bad_total, window_loss, window_n, window_t0, times
+    if window_t0 is None:            # the first step includes compilation: not timed
+      window_t0 = now
+    else:
+      times.append(now)
+    if not stats["ok"]:
+      bad_in_row += 1
+      bad_total += 1
+      print(f"step {at}: non-finite loss or gradient (loss={stats['loss']}, "
+            f"grad_norm={stats['grad_norm']}); update skipped ({bad_in_row} in a row)",
+            flush=True)
+      if bad_in_row > config.train.max_bad_steps:
+        ckpt.close()
+        runtime.fail(f"{bad_in_row} consecutive non-finite steps (> config.train.max_bad_steps="
+                     f"{config.train.max_bad_steps}) at step {at}; stopping without a "
+                     "checkpoint")
+      return False
+    bad_in_row = 0
+    running.update(stats["loss_sum"], stats["pos_sum"], stats["count"])
+    window_loss += float(stats["loss"])
+    window_n += 1
+    if at % config.train.log_every == 0 or at == total:
+      dt = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else float("nan")
+      prog.log(at, {
+          "loss": window_loss / max(window_n, 1), "ne": running.value(),
+          "grad_norm": float(stats["grad_norm"]), "step_time_ms": 1e3 * dt,
+          "examples_per_s": config.data.batch_size / dt, "bad_steps": bad_total,
+          "skipped_records": pipeline.invalid_counts(data_iter),
+          "mfu": progress.mfu(flops_per_step, dt, n_dev, peak)})
+      running.reset()
+      window_loss, window_n, times = 0.0, 0, times[-1:]
+    return True
+
   profiling = False
+  ok = True
   step = start
   with partition.activate(mesh, rules):
     while step < total:
@@ -163,44 +211,20 @@ def train(argv):
       with jax.profiler.StepTraceAnnotation("train", step_num=step):
         batch = pipeline.device_put_batch(next(data_iter), b_shard)
         params, opt_state, stats = train_step(params, opt_state, batch, train_rng, step)
-        stats = jax.device_get(stats)
       step += 1
+      lagged.push(step, stats)
       if profiling and step == profile[1]:
         jax.block_until_ready(params)
         jax.profiler.stop_trace()
         profiling = False
-      now = time.perf_counter()
-      if window_t0 is None:          # the first step includes compilation: not timed
-        window_t0 = now
-      else:
-        times.append(now)
-      if not stats["ok"]:
-        bad_in_row += 1
-        bad_total += 1
-        print(f"step {step}: non-finite loss or gradient (loss={stats['loss']}, "
-              f"grad_norm={stats['grad_norm']}); update skipped ({bad_in_row} in a row)",
-              flush=True)
-        if bad_in_row > config.train.max_bad_steps:
-          ckpt.close()
-          runtime.fail(f"{bad_in_row} consecutive non-finite steps (> config.train.max_bad_steps="
-                       f"{config.train.max_bad_steps}) at step {step}; stopping without a "
-                       "checkpoint")
+      save = step % config.train.checkpoint_every == 0 and step < total
+      drain = (save or step == total or stop.signum is not None
+               or step % config.train.log_every == 0 or valid_due(step))
+      for rec in lagged.pop(drain):
+        ok = consume(*rec)
+      if not ok:                     # a skipped step: no checkpoint or stop before a good one
         continue
-      bad_in_row = 0
-      running.update(stats["loss_sum"], stats["pos_sum"], stats["count"])
-      window_loss += float(stats["loss"])
-      window_n += 1
-      if step % config.train.log_every == 0 or step == total:
-        dt = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else float("nan")
-        prog.log(step, {
-            "loss": window_loss / max(window_n, 1), "ne": running.value(),
-            "grad_norm": float(stats["grad_norm"]), "step_time_ms": 1e3 * dt,
-            "examples_per_s": config.data.batch_size / dt, "bad_steps": bad_total,
-            "skipped_records": pipeline.invalid_counts(data_iter),
-            "mfu": progress.mfu(flops_per_step, dt, n_dev, peak)})
-        running.reset()
-        window_loss, window_n, times = 0.0, 0, times[-1:]
-      if step % config.train.checkpoint_every == 0 and step < total:
+      if save:
         ckpt.save(step, params, opt_state, train_rng, data_iter)
       if validate(step, params):
         times.clear()                # the validation pause is not a step time
