@@ -49,6 +49,10 @@ def base_config() -> ml_collections.ConfigDict:
   c.train.log_every = 10
   c.train.max_bad_steps = 5          # consecutive non-finite steps allowed; one more stops
   c.train.task_weights = ()          # per-task loss weights (empty: all 1.0)
+  c.train.remat = "none"             # recompute in backward: none|dots_no_batch|dots_saveable|full
+  c.train.remat_scope = "layer"      # what the policy wraps: "layer" | "tower" (kunlun/remat.py)
+  c.train.microbatches = 1           # gradient accumulation: the batch in this many parts
+  c.train.metrics_lag = 1            # step stats fetched this many steps late (0: every step)
 
   c.sharding = ml_collections.ConfigDict()
   c.sharding.rules = "fsdp"          # a preset name from sharding.rules
