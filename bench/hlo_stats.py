@@ -163,15 +163,27 @@ def profile_groups(xplane_path: str, op_names: dict, steps: int, top: int = 15) 
   from jax.profiler import ProfileData
   pd = ProfileData.from_file(xplane_path)
   planes = [p for p in pd.planes if p.name.startswith("/device:")]
+  device = bool(planes)
   if not planes:                                 # CPU: thunks run on the host plane
     planes = [p for p in pd.planes if p.name.startswith("/host:CPU")]
   per_op, count = defaultdict(float), 0
+  derived = ("XLA ", "Steps", "Framework", "Source", "TensorFlow", "Launch")
   for plane in planes:
     for line in plane.lines:
+      if str(line.name).startswith(derived):          # summaries of the kernel lines
+        continue
       for ev in line.events:
-        stats = dict(ev.stats)
-        hlo_op = stats.get("hlo_op")
-        if hlo_op is None or str(ev.name).startswith("end:"):
+        name = str(ev.name)
+        if name.startswith("end:"):
+          continue
+        hlo_op = dict(ev.stats).get("hlo_op")
+        if hlo_op is None:                            # kernel named after its fusion
+          alt = name.rsplit("_", 1)
+          hlo_op = name if name in op_names else (
+              ".".join(alt) if len(alt) == 2 and ".".join(alt) in op_names else None)
+        if hlo_op is None and device:                 # a kernel with no HLO op: "other"
+          hlo_op = name
+        if hlo_op is None:
           continue
         per_op[str(hlo_op)] += ev.duration_ns
         count += 1
