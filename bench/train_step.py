@@ -136,7 +136,7 @@ def _cost(compiled) -> dict:
 def _actual_length_flops(config, schema, batch) -> float | None:
   """Model train FLOPs of the batch at its actual lengths, when ``kunlun.flops`` offers it."""
   from kunlun import flops
-  for name in ("train_flops_at_lengths", "model_flops_at_lengths", "actual_length_flops"):
+  for name in ("batch_flops", "train_flops_at_lengths", "model_flops_at_lengths"):
     fn = getattr(flops, name, None)
     if fn is not None:
       try:

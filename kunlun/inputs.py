@@ -215,8 +215,10 @@ class EventEmbed(nn.Module):
       # [B, T, d + sides] concat is written once, in bf16 under model.dtype = "bfloat16"
       x = jnp.concatenate([p.astype(self.dtype) for p in parts], axis=-1)
       T = x.shape[1]
-      h = nn.gelu(_dense(self.dim, ("embed", "mlp"), self.dtype, True, "mlp_in")(x))
-      y = _dense(self.dim, ("mlp", "embed"), self.dtype, True, "mlp_out")(h)
+      # per-event MLP weights are ZeRO-sharded only, never tensor-parallel: a TP split of this
+      # narrow MLP would all-reduce [B, T, d] activations in both passes for d^2 weights
+      h = nn.gelu(_dense(self.dim, ("embed", None), self.dtype, True, "mlp_in")(x))
+      y = _dense(self.dim, (None, "embed"), self.dtype, True, "mlp_out")(h)
       valid_bt = jnp.arange(T)[None, :] < jnp.asarray(events["length"], jnp.int32)[:, None]
       y = jnp.where(valid_bt[..., None], y, 0).astype(self.dtype)
       return shard(y, ("batch", "seq", "embed"))

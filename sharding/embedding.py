@@ -49,7 +49,7 @@ from jax.sharding import PartitionSpec as P
 
 from sharding.partition import fit_spec
 
-CAPACITY_FACTOR = 2.0
+CAPACITY_FACTOR = None       # bucket capacity: statistical bound (``capacity``)
 
 
 def _active_mesh():
@@ -69,9 +69,16 @@ def row_axes(num_rows: int, mesh=None, rules=None) -> tuple[str, ...]:
   return tuple(a for a in axes if mesh.shape[a] > 1)
 
 
-def capacity(num_ids: int, num_shards: int, factor: float = CAPACITY_FACTOR) -> int:
-  """Bucket capacity per owner for ``num_ids`` ids on one device (never more than ``num_ids``)."""
-  return int(min(num_ids, max(4, math.ceil(factor * num_ids / num_shards))))
+def capacity(num_ids: int, num_shards: int, factor: float | None = None) -> int:
+  """Bucket capacity per owner for ``num_ids`` ids on one device (never more than ``num_ids``).
+
+  Default: the mean ``num_ids / num_shards`` plus 4 standard deviations of a uniform spread
+  (``mean + 4 sqrt(mean) + 1``): about 1.2x the mean at ``mean = 512``, so the all-to-all
+  carries little padding, while distinct hashed ids overflow a bucket (and take the fallback
+  path) with probability ~1e-5. ``factor``: ``factor * mean`` instead (at least 4)."""
+  mean = num_ids / num_shards
+  c = math.ceil(factor * mean) if factor is not None else math.ceil(mean + 4 * math.sqrt(mean)) + 1
+  return int(min(num_ids, max(4, c)))
 
 
 def _owners(uid, num_rows, rows_per_shard, n):
@@ -193,7 +200,8 @@ def lookup_tables(tables, ids_list, **kw) -> list:
   return out
 
 
-def lookup(table, ids, *, capacity_factor: float = CAPACITY_FACTOR, force_fallback: bool = False):
+def lookup(table, ids, *, capacity_factor: float | None = CAPACITY_FACTOR,
+           force_fallback: bool = False):
   """Rows of ``table [V, D]`` at ``ids int[...]`` -> ``[..., D]``; negative ids give zero rows.
 
   Ids must be ``< V``. Sharded exchange under an active mesh + rules (see module doc), else a
@@ -219,6 +227,17 @@ def _group_layout(tables):
   n = math.prod(mesh.shape[a] for a in axes)
   R = [V // n for V in sizes]
   return sizes, axes, n, R, sum(R)
+
+
+def _id_axes(axes) -> tuple[str, ...]:
+  """The row axes ordered batch axes first: how the flat ids are split over the devices of the
+  exchange, so that each device's share of the ids comes from its own batch shard (no resharding
+  of ids or rows; the buckets still go to the table owners in ``axes`` order)."""
+  mesh, rules = _active_mesh(), nn.get_logical_axis_rules()
+  spec = nn.logical_to_mesh_axes(("batch",), rules)[0] if rules else None
+  batch = () if spec is None else (spec,) if isinstance(spec, str) else tuple(spec)
+  first = tuple(a for a in batch if a in axes and mesh.shape[a] > 1)
+  return first + tuple(a for a in axes if a not in first)
 
 
 def _virtual_ids(gids, sizes, R, n):
@@ -305,7 +324,7 @@ def group_dense_grads(gids, g, sizes) -> list:
   return [g_vd[a:b] for a, b in zip(offs[:-1], offs[1:], strict=True)]
 
 
-def lookup_flat(tables, gids, *, capacity_factor: float = CAPACITY_FACTOR,
+def lookup_flat(tables, gids, *, capacity_factor: float | None = CAPACITY_FACTOR,
                 force_fallback: bool = False):
   """Rows ``[..., D]`` of one table group at group ids ``gids i32[...]`` (``group_ids``; ``-1`` =
   no row, a zero row). The tables must share width, dtype and row sharding (``plan_groups``)."""
@@ -351,8 +370,9 @@ def lookup_flat(tables, gids, *, capacity_factor: float = CAPACITY_FACTOR,
       return masked(None)
     return jax.lax.cond(overflow, masked, exchange, None)
 
-  out = jax.shard_map(local, in_specs=(P(axes, None),) * k + (P(axes),),
-                      out_specs=P(axes, None), axis_names=set(axes))(*tables, flat)
+  ids_ax = _id_axes(axes)
+  out = jax.shard_map(local, in_specs=(P(axes, None),) * k + (P(ids_ax),),
+                      out_specs=P(ids_ax, None), axis_names=set(axes))(*tables, flat)
   return out[:M].reshape(shape + (D,))
 
 
@@ -397,7 +417,7 @@ def sparse_adagrad_update(table, acc, ids, row_grads, lr: float, eps: float = 1e
 
 
 def sparse_adagrad_update_group(tables, accs, gids, row_grads, lr: float, eps: float = 1e-8, *,
-                                capacity_factor: float = CAPACITY_FACTOR,
+                                capacity_factor: float | None = CAPACITY_FACTOR,
                                 force_fallback: bool = False, enabled=None,
                                 with_sq_norm: bool = False):
   """``sparse_adagrad_update`` for a table group (``plan_groups``) looked up with group ids
@@ -463,8 +483,9 @@ def sparse_adagrad_update_group(tables, accs, gids, row_grads, lr: float, eps: f
     return tuple(o[0] for o in outs) + tuple(o[1] for o in outs) + (
         jax.lax.psum(_sq_norm(rg), axes),)
 
+  ids_ax = _id_axes(axes)
   res = jax.shard_map(
-      local, in_specs=(P(axes, None),) * k + (P(axes),) * k + (P(axes), P(axes, None)),
+      local, in_specs=(P(axes, None),) * k + (P(axes),) * k + (P(ids_ax), P(ids_ax, None)),
       out_specs=(P(axes, None),) * k + (P(axes),) * k + (P(),), axis_names=set(axes))(
           *tables, *accs, flat, g)
   new_t, new_a, sq = list(res[:k]), list(res[k:2 * k]), res[2 * k]
