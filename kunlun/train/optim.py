@@ -87,9 +87,10 @@ def make_sparse_update(train_cfg, total_steps: int):
 
   Returns ``update(params, opt_state, grads, rows, ok) -> (params, opt_state, table_sq_norm)``:
     grads: ``{keystr(path): gradient}`` for every parameter that is not a looked-up table;
-    rows:  ``{group: (member keystrs, gids i32[M], row_grads f32[M, D])}`` for each table group a
-           ``kunlun.inputs`` look-up read (``sharding.embedding.group_ids`` ids into the
-           concatenation of the member tables, and the gradient w.r.t. the looked-up rows);
+    rows:  ``{group: (gids i32[...], row_grads f32[..., D])}`` for each table group a
+           ``kunlun.inputs`` look-up read; ``group`` is the member tables' keystrs joined by
+           ``kunlun.inputs.GROUP_SEP`` ("+"), ``gids`` the ``sharding.embedding.group_ids`` ids
+           into the members' concatenation, ``row_grads`` the gradient w.r.t. the looked-up rows;
     ok:    ``bool[]``; False keeps every parameter and state leaf.
   ``opt_state`` is ``make_optimizer(...).init(params)``'s layout, unchanged, so checkpoints and the
   dense path are interchangeable. Dense leaves get AdamW exactly as in ``make_optimizer``; each
@@ -102,12 +103,14 @@ def make_sparse_update(train_cfg, total_steps: int):
   ``lax.cond(ok, ...)`` (no select over the state); the sparse groups are switched off by ``ok``.
   ``table_sq_norm``: sum over tables of the squared norm of their (dense-equivalent) gradient.
   """
+  from kunlun.inputs import GROUP_SEP
   from sharding.embedding import group_dense_grads, row_axes, sparse_adagrad_update_group
   dense_tx, lr = dense_optimizer(train_cfg, total_steps), train_cfg.emb_lr
   emb_tx = rowwise_adagrad(lr)
   is_mn = lambda x: isinstance(x, optax.MaskedNode)
 
   def update(params, opt_state, grads, rows, ok):
+    rows = {gk: (tuple(gk.split(GROUP_SEP)),) + tuple(v) for gk, v in rows.items()}
     flat, treedef = jax.tree_util.tree_flatten_with_path(params)
     keys = [jax.tree_util.keystr(k) for k, _ in flat]
     index = {k: i for i, k in enumerate(keys)}

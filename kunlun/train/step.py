@@ -203,7 +203,7 @@ def _sparse_train_step(model, sparse_update, task_weights, params, opt_state, ba
                          for k, v in jax.tree_util.tree_leaves_with_path(tree)}
   ids, g_taps = key_of(ids), key_of(g_taps)
   with jax.named_scope("optimizer"):
-    rows = {gk: (members, ids[gk], g_taps[gk]) for gk, members in groups.items()}
+    rows = {GROUP_SEP.join(members): (ids[gk], g_taps[gk]) for gk, members in groups.items()}
     dense_sq = optax.tree.norm(grads, squared=True)
     rows_finite = jnp.all(jnp.asarray([jnp.all(jnp.isfinite(g)) for g in g_taps.values()]))
     ok = jnp.isfinite(loss) & jnp.isfinite(dense_sq) & rows_finite
