@@ -7,9 +7,9 @@ from bench import collectives, hlo_stats, train_step
 
 
 def test_small_run_writes_json_with_counts_memory_and_scopes(tmp_path, capsys):
-  res = train_step.main(["--small", "--profile", "--profile_steps", "1", "--steps", "2",
-                         "--out_dir", str(tmp_path)])
-  (path,) = tmp_path.glob("train_step_tiny_xla_b16_small.json")
+  res = train_step.main(["--small", "--layers", "1", "--profile", "--profile_steps", "1",
+                         "--steps", "2", "--out_dir", str(tmp_path)])
+  (path,) = tmp_path.glob("train_step_tiny_xla_b16_L1_small.json")
   saved = json.loads(path.read_text())
   assert saved["name"] == res["name"] and saved["versions"]["jax"] and saved["platform"] == "cpu"
   assert saved["last_step_ok"] and saved["step_ms"] > 0 and saved["examples_per_s"] > 0
@@ -19,12 +19,12 @@ def test_small_run_writes_json_with_counts_memory_and_scopes(tmp_path, capsys):
   assert m["peak_estimate"] >= m["temp"] > 0 and m["peak_per_example"] == m["peak_estimate"] / 16
   h = saved["hlo"]
   assert h["hlo_instructions"] > h["top_level_ops"] >= h["kernel_launches"] >= h["fusions"] > 100
-  assert {"GDPA", "attention", "embeddings", "optimizer", "MoWE"} <= set(h["launches_by_group"])
+  assert {"GDPA", "PFFN", "HSP", "embeddings", "optimizer", "MoWE"} <= set(h["launches_by_group"])
   prof = saved["profile"]
   assert prof["launches_per_step"] > 100 and prof["device_ms_per_step"] > 0
   assert {"GDPA", "optimizer", "embeddings"} <= set(prof["by_group_ms"])
   out = capsys.readouterr().out
-  assert "tiny_xla_b16_small" in out and "device ms/step by scope" in out
+  assert "tiny_xla_b16_L1_small" in out and "device ms/step by scope" in out
 
 
 HLO = """HloModule m, entry_computation_layout={()->f32[8]}
