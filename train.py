@@ -84,6 +84,9 @@ def train(argv):
   if microbatches < 1 or config.data.batch_size % microbatches:
     runtime.fail(f"config.train.microbatches={microbatches} must be >= 1 and divide "
                  f"config.data.batch_size={config.data.batch_size}")
+  if microbatches > 1 and config.train.get("sparse_embedding_update", False):
+    runtime.fail("config.train.microbatches > 1 needs the dense embedding update "
+                 "(config.train.sparse_embedding_update=False)")
   runtime.check_batch_size(config.data.batch_size // microbatches, mesh, rules,
                            "config.data.batch_size / config.train.microbatches")
 
