@@ -25,8 +25,6 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from data.elastic import mix64
-
 INT32_MAX = 2**31 - 1
 TS_SCALE = {"s": 1, "ms": 1000, "us": 1_000_000}
 
@@ -69,6 +67,7 @@ def hash_strings(values: pa.Array, bits: int = 63) -> np.ndarray:
 
 def hash31(x: np.ndarray) -> np.ndarray:
   """Deterministic 31-bit hash of int64 ids (join keys that do not fit int32)."""
+  from data.elastic import mix64  # here: data.elastic imports grain (and jax)
   return (mix64(np.asarray(x).astype(np.uint64)) & np.uint64(INT32_MAX)).astype(np.int64)
 
 

@@ -106,6 +106,11 @@ class Spec:
     bad = sorted(set(self.schema) - set(SECTIONS))
     if bad:
       raise ValueError(f"{where}: schema: unknown section(s) {bad}; allowed: {SECTIONS}")
+    for k, v in self.schema.items():
+      item = str if k in ("dense", "surfaces") else dict
+      if not isinstance(v, list) or not all(isinstance(x, item) for x in v):
+        raise ValueError(f"{where}: schema.{k} must be a list of "
+                         + ("names" if item is str else "mappings (as in schema.json)"))
     if self.history is not None:
       h = self.history
       if not isinstance(h, dict) or not isinstance(h.get("streams"), dict) or not h["streams"]:

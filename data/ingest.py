@@ -90,6 +90,8 @@ class Source:
     self.delimiter = delimiter or ("\t" if path and path.endswith((".tsv", ".inter")) else ",")
     if path is not None and not os.path.exists(path):
       raise ValueError(f"{path}: no such file")
+    if path is not None and os.path.isdir(path):
+      raise ValueError(f"{path}: a directory; give its Parquet / CSV files")
 
   @property
   def rows(self) -> int | None:
@@ -97,7 +99,10 @@ class Source:
       return self.table.num_rows
     if self.kind == "parquet":
       import pyarrow.parquet as pq
-      return pq.ParquetFile(self.path).metadata.num_rows
+      try:
+        return pq.ParquetFile(self.path).metadata.num_rows
+      except (pa.ArrowInvalid, OSError) as e:
+        raise ValueError(f"{self.name}: unreadable: {str(e).splitlines()[0]}") from None
     return None
 
   def batches(self):
@@ -451,6 +456,8 @@ def main(argv=None) -> int:
   p.add_argument("--records_per_shard", type=int, default=200_000)
   p.add_argument("--delimiter", help="CSV field delimiter (default , ; tab for .tsv / .inter)")
   args = p.parse_args(argv)
+  if args.records_per_shard < 1:
+    p.error(f"--records_per_shard={args.records_per_shard} must be >= 1")
   try:
     spec = build_spec(args)
     mk = lambda files: [Source(f, delimiter=args.delimiter) for f in _files(files)]

@@ -19,10 +19,17 @@ def canonical(table: pa.Table, spec: Spec, log: Coercions) -> tuple[dict, dict]:
   Returns ``(columns {role name: pa.Array}, facts)``; facts: ``hashed`` (sparse features turned
   into hashes), ``unknown`` (input columns with no role).
   """
+  action = (spec.history or {}).get("action")
+  named = {**spec.columns, **({"history action": action} if action is not None else {})}
+  absent = [f"{c!r} (as {r})" for r, c in named.items() if c not in table.column_names]
+  if absent:
+    have = table.column_names
+    raise CoerceError(f"column(s) {', '.join(absent)} named by the spec (--rename / --schema / "
+                      f"--history_action) not in the input; it has {have[:20]}"
+                      + (f" and {len(have) - 20} more" if len(have) > 20 else ""))
   to_role = {v: k for k, v in spec.columns.items()}
   shown = {r: (f"{c} (as {r})" if c != r else r) for c, r in to_role.items()}
   cols, unknown = {}, []
-  action = (spec.history or {}).get("action")
   for name in table.column_names:
     r = to_role.get(name, name)
     if r == action and action is not None:
