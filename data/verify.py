@@ -223,16 +223,19 @@ def main(argv=None) -> int:
   a = ap.parse_args(argv)
   if a.update_manifest and not a.deep:
     ap.error("--update_manifest needs --deep (checksums are recorded only for verified files)")
+  if a.json and not os.path.isdir(os.path.dirname(os.path.abspath(a.json))):
+    ap.error(f"--json={a.json}: no such directory for the report")
   try:
     if not os.path.isdir(a.data_dir):
-      raise FileNotFoundError(f"{a.data_dir}: no such directory")
+      raise FileNotFoundError(f"{a.data_dir}: " + (
+          "not a directory" if os.path.exists(a.data_dir) else "no such directory"))
     rep = verify(a.data_dir, a.deep, a.split.split(",") if a.split else None)
+    if a.json:
+      with open(a.json, "w") as f:
+        json.dump(rep, f, indent=1)
   except (OSError, ValueError) as e:
-    print(f"{prog}: error: {e}", file=sys.stderr)
+    print(f"{prog}: error: {' '.join(str(e).split())}", file=sys.stderr)
     return 2
-  if a.json:
-    with open(a.json, "w") as f:
-      json.dump(rep, f, indent=1)
   if a.update_manifest and rep["ok"] and not rep["sized"]:
     print(f"recorded sizes and checksums of {update_manifest(a.data_dir)} files in "
           f"{a.data_dir}/manifest.json")
