@@ -2,7 +2,7 @@
 
   python -m kunlun.export_serving --workdir=runs/tiny --out=runs/tiny_serving \
       [--candidates=dynamic|N] [--requests=1|dynamic|R] [--step=S] [--data_dir=D] \
-      [--platforms=cpu[,cuda]] [--no_verify]
+      [--platforms=cpu[,cuda]] [--no_verify] [--trust_workdir]
 
 Restores the parameters of a train.py checkpoint (``--step``, default the latest) and writes to
 ``--out``:
@@ -90,7 +90,7 @@ def flatten(tree: dict, prefix: str = "") -> dict:
   return out
 
 
-def _restore(workdir: str, step, data_dir):
+def _restore(workdir: str, step, data_dir, trust_workdir: bool = False):
   """``(config, schema, model, step, params)`` of a train.py workdir (FatalError if unusable)."""
   import jax
 
@@ -110,7 +110,7 @@ def _restore(workdir: str, step, data_dir):
     runtime.fail(f"--workdir={workdir}: {e}")
   if step is not None and step not in ckpt.all_steps():
     runtime.fail(f"--step={step}: no such checkpoint; available {ckpt.all_steps()}")
-  config, saved = runtime.load_run_info(workdir)
+  config, saved = runtime.load_run_info(workdir, trust_workdir)
   data_dir = data_dir or saved
   if not data_dir:
     runtime.fail("no --data_dir given and none recorded in the workdir (data_dir.txt)")
@@ -129,7 +129,8 @@ def _restore(workdir: str, step, data_dir):
 
 
 def export(workdir: str, out: str, *, candidates="dynamic", requests=1, step=None,
-           data_dir=None, platforms=("cpu",), verify: bool = True, log=print) -> dict:
+           data_dir=None, platforms=("cpu",), verify: bool = True, trust_workdir: bool = False,
+           log=print) -> dict:
   """Writes the artifact, parameters and signature to ``out``; returns the signature dict.
   Raises ``runtime.FatalError`` (one line) on bad input."""
   import flax
@@ -148,7 +149,7 @@ def export(workdir: str, out: str, *, candidates="dynamic", requests=1, step=Non
   if bad or not platforms:
     runtime.fail(f"--platforms={','.join(platforms)}: allowed {PLATFORMS}")
   workdir = os.path.abspath(workdir)
-  config, schema, model, used_step, params = _restore(workdir, step, data_dir)
+  config, schema, model, used_step, params = _restore(workdir, step, data_dir, trust_workdir)
   lens = seq_lens(config)
   dims = ", ".join(d for d, f in (("n", n_fixed), ("r", r_fixed)) if f is None)
   sym = dict(zip([d.strip() for d in dims.split(",")], jex.symbolic_shape(dims), strict=True)
@@ -234,14 +235,16 @@ def main(argv=None) -> int:
                   "run's)")
   ap.add_argument("--platforms", default="cpu", help=f"comma-separated, from {PLATFORMS}")
   ap.add_argument("--no_verify", action="store_true", help="skip the reload-and-compare check")
+  ap.add_argument("--trust_workdir", action="store_true",
+                  help="load an older workdir's config.pkl (pickle: runs code from the file)")
   a = ap.parse_args(argv)
-  from absl import logging
-  logging.set_verbosity(logging.ERROR)     # orbax logs its read-only use at WARNING
+  from kunlun.train import runtime
   from kunlun.train.runtime import FatalError
+  runtime.quiet_checkpoint_logs()
   try:
     export(a.workdir, a.out, candidates=a.candidates, requests=a.requests, step=a.step,
            data_dir=a.data_dir, platforms=tuple(p.strip() for p in a.platforms.split(",")),
-           verify=not a.no_verify)
+           verify=not a.no_verify, trust_workdir=a.trust_workdir)
   except FatalError as e:
     print(f"export_serving: error: {e}", file=sys.stderr)
     return 2

@@ -26,15 +26,8 @@ def run_main(prog: str, fn, *args):
   """Runs ``fn(*args)``; a ``FatalError`` or a data error naming a file (``data.shards.DataError``:
   damaged shard, invalid record) exits with status 2 and one line ``<prog>: error: <msg>`` on
   stderr."""
-  from absl import logging
-
   from data.shards import DataError
-  logging.set_verbosity(logging.ERROR)   # orbax logs every save (INFO) and read-only use (WARNING)
-  # orbax also logs a failed save / restore with its traceback (ERROR); kunlun.train.checkpoint
-  # reports every such failure itself, in one line
-  logging.get_absl_handler().addFilter(
-      lambda r: "/orbax/" not in r.pathname or r.levelno >= 50)          # 50: CRITICAL
-  quiet_closed_loop_errors()
+  quiet_checkpoint_logs()
   try:
     return fn(*args)
   except (FatalError, DataError) as e:
@@ -43,6 +36,18 @@ def run_main(prog: str, fn, *args):
       msg += " (config.data.skip_invalid=True skips and counts such records)"
     print(f"{prog}: error: {msg}", file=sys.stderr, flush=True)
     sys.exit(2)
+
+
+def quiet_checkpoint_logs() -> None:
+  """Silences orbax's routine logs and its tracebacks of failed saves / restores (which
+  kunlun.train.checkpoint reports itself, in one line), and the closed-loop noise below."""
+  from absl import logging
+  logging.set_verbosity(logging.ERROR)   # orbax logs every save (INFO) and read-only use (WARNING)
+  handler = logging.get_absl_handler()
+  if not getattr(handler, "_kunlun_quiet", False):
+    handler.addFilter(lambda r: "/orbax/" not in r.pathname or r.levelno >= 50)   # 50: CRITICAL
+    handler._kunlun_quiet = True
+  quiet_closed_loop_errors()
 
 
 def quiet_closed_loop_errors() -> None:
