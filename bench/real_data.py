@@ -45,8 +45,17 @@ MEMBER = "recbole/dataset_example/ml-100k/ml-100k.inter"
 ARCHS = ("kunlun", "interformer", "dlrm")
 
 
+PROG = "bench/real_data.py"
+
+
 def _log(msg):
   print(f"[real_data] {msg}", flush=True)
+
+
+def _fail(msg: str):
+  """Bad input: one line on stderr, exit status 2 (as argparse)."""
+  print(f"{PROG}: error: {' '.join(str(msg).split())}", file=sys.stderr, flush=True)
+  sys.exit(2)
 
 
 def sha256(path: str) -> str:
@@ -68,8 +77,8 @@ def fetch(cache: str = CACHE) -> str:
   p = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", WHEEL,
                       "-d", wheels])
   if p.returncode:
-    raise SystemExit(f"bench/real_data.py: error: pip download {WHEEL} failed (no network?); "
-                     "pass --inter FILE (ml-100k.inter, u.data or a ratings file) instead")
+    _fail(f"pip download {WHEEL} failed (no network?); pass --inter FILE (ml-100k.inter, u.data "
+          "or a ratings file) instead")
   whl = [f for f in os.listdir(wheels) if f.startswith("recbole-") and f.endswith(".whl")]
   if not whl:
     raise RuntimeError(f"no recbole wheel in {wheels}")
@@ -198,8 +207,6 @@ def table(res: dict) -> str:
 
 
 def run(args) -> dict:
-  import jax
-
   from data.public import movielens
   t_start = time.perf_counter()
   inter = args.inter or fetch()
@@ -208,8 +215,13 @@ def run(args) -> dict:
   data_dir = os.path.join(work, "ml100k")
   _log(f"ingest {inter} -> {data_dir}")
   with open(os.path.join(work, "ingest.log"), "w") as log:
-    rep = movielens.convert(inter, data_dir, max_len=args.max_len, overwrite=True,
-                            out=log, err=log)
+    try:
+      rep = movielens.convert(inter, data_dir, max_len=args.max_len, overwrite=True,
+                              out=log, err=log)
+    except (ValueError, OSError) as e:      # a malformed ratings file: named, one line
+      if not args.workdir:
+        shutil.rmtree(work, ignore_errors=True)
+      _fail(e)
   env = _env(os.path.join(CACHE, "xla"))
   models = {}
   for arch in args.archs:
@@ -228,6 +240,7 @@ def run(args) -> dict:
         **{k: {"mean": lr[k], "std": 0.0} for k in ("ne", "auc", "calibration")},
         "best_epoch": "-"}}
   import flax
+  import jax
   import jaxlib
   res = {
       "bench": "real_data", "quick": bool(args.quick),
@@ -252,7 +265,7 @@ def run(args) -> dict:
 
 
 def main(argv=None):
-  ap = argparse.ArgumentParser(description=__doc__,
+  ap = argparse.ArgumentParser(prog=PROG, description=__doc__,
                                formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--quick", action="store_true", help="CI-sized: 1 seed, 1 epoch, batch 32")
   ap.add_argument("--inter", help="a local .inter / u.data / ratings file instead of the fetch")
@@ -272,10 +285,30 @@ def main(argv=None):
   bad = [a for a in args.archs if a not in ARCHS + ("lr",)]
   if bad:
     ap.error(f"--archs: unknown {bad}")
-  args.seeds = [int(s) for s in (args.seeds or ("0" if q else "0,1,2")).split(",")]
+  def numbers(flag, text, kind):
+    try:
+      vals = [kind(x) for x in text.split(",")]
+    except ValueError:
+      ap.error(f"--{flag}={text}: expected comma-separated {kind.__name__}s")
+    if flag == "Cs" and min(vals) <= 0:
+      ap.error(f"--Cs={text}: inverse L2 strengths must be > 0")
+    return vals
+  args.seeds = numbers("seeds", args.seeds or ("0" if q else "0,1,2"), int)
+  args.Cs = numbers("Cs", args.Cs, float)
+  for flag in ("max_epochs", "batch_size", "lr", "max_len"):
+    v = getattr(args, flag)
+    if v is not None and not v > 0:
+      ap.error(f"--{flag}={v:g} must be > 0")
   args.max_epochs = args.max_epochs or (1 if q else 4)
   args.batch_size = args.batch_size or (32 if q else 256)
-  args.Cs = [float(c) for c in args.Cs.split(",")]
+  if args.inter:                                   # fail fast: before any jax import or training
+    if not os.path.isfile(args.inter):
+      ap.error(f"--inter={args.inter}: no such file")
+    from data.public import movielens
+    try:
+      movielens.detect(args.inter)
+    except (ValueError, OSError) as e:
+      ap.error(str(e))
   res = run(args)
   print(table(res))
   path = args.out or os.path.join(_ROOT, "bench", "results",
