@@ -137,6 +137,19 @@ def flip_bit(path, offset=None):
     f.write(bytes([b[0] ^ 0x01]))
 
 
+def flip_shard_bytes(path):
+  """Damages an ArrayRecord shard in place: one flipped byte every 16 KB of its first half
+  (records only, not the footer index), so the manifest's size still matches and the damage is
+  met while reading."""
+  size = os.path.getsize(path)
+  with open(path, "r+b") as f:
+    for off in range(4096, size // 2, 16384):
+      f.seek(off)
+      b = f.read(1)
+      f.seek(off)
+      f.write(bytes([b[0] ^ 0xFF]))
+
+
 def largest_param_file(wd, step):
   files = glob.glob(os.path.join(wd, "checkpoints", str(step), "params", "ocdbt.process_0",
                                  "d", "*"))
@@ -235,13 +248,7 @@ def shard_damage(r: Runner, rng):
   data = os.path.join(r.base, "data_flipped")
   shutil.copytree(r.data, data)
   path = os.path.join(data, "train", "feed-00000-of-00001.arrayrecord")
-  size = os.path.getsize(path)
-  with open(path, "r+b") as f:                      # one flipped byte every 16 KB (first half)
-    for off in range(4096, size // 2, 16384):        # records only, not the footer index
-      f.seek(off)
-      b = f.read(1)
-      f.seek(off)
-      f.write(bytes([b[0] ^ 0xFF]))
+  flip_shard_bytes(path)
   wd = os.path.join(r.base, "shard_noskip")
   p = r.train(wd, data=data, label="shard flip, no skip")
   m = re.search(r"records? (\d+)(?:-(\d+))?: damaged chunk", p.stderr)

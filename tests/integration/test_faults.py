@@ -21,6 +21,8 @@ import sys
 import numpy as np
 import pytest
 
+from bench.faults import flip_shard_bytes, iter_state, params
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STEPS = 6
 ARGS = [f"--steps={STEPS}", "--config.train.checkpoint_every=2", "--config.train.log_every=1",
@@ -54,27 +56,11 @@ def one_line_error(p, prog):
   return errors[0]
 
 
-def params(workdir, step):
-  import orbax.checkpoint as ocp
-
-  from tests.integration.test_train_eval import jax_leaves, jax_tree_map
-  path = os.path.join(workdir, "checkpoints", str(step), "params")
-  meta = ocp.PyTreeCheckpointer().metadata(path)
-  tree = meta.item_metadata.tree if hasattr(meta, "item_metadata") else meta.tree
-  args = jax_tree_map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
-  return jax_leaves(ocp.PyTreeCheckpointer().restore(path, restore_args=args))
-
-
 def assert_same_params(a, b):
-  la, lb = params(a, STEPS), params(b, STEPS)
+  la, lb = params(a, STEPS), params(b, STEPS)     # read with orbax, as numpy
   assert [k for k, _ in la] == [k for k, _ in lb] and len(la) > 10
   for (k, x), (_, y) in zip(la, lb, strict=True):
     np.testing.assert_array_equal(x, y, err_msg=k)
-
-
-def iter_state(workdir, step):
-  return json.load(open(os.path.join(workdir, "checkpoints", str(step), "data_iter",
-                                     "process_0-of-1.json")))
 
 
 @pytest.fixture(scope="module")
@@ -136,13 +122,7 @@ def test_damaged_shard_skipped_counted_and_resumed_exactly(env):
   data = str(env["base"] / "data_damaged")
   shutil.copytree(env["data"], data)
   path = os.path.join(data, "train", "feed-00000-of-00001.arrayrecord")
-  size = os.path.getsize(path)
-  with open(path, "r+b") as f:                       # one flipped byte every 16 KB (first half)
-    for off in range(4096, size // 2, 16384):        # records only, not the footer index
-      f.seek(off)
-      b = f.read(1)
-      f.seek(off)
-      f.write(bytes([b[0] ^ 0xFF]))
+  flip_shard_bytes(path)
   # the manifest's size still matches (flipped bytes): start-up passes, the damage is met later
   wd = str(env["base"] / "skip")
   args = [f"--data_dir={data}", *ARGS, "--config.data.skip_invalid=True"]
