@@ -426,6 +426,20 @@ def build_spec(args) -> Spec:
   return Spec.from_dict(d, "options")
 
 
+def run_cli(prog: str, fn) -> int:
+  """Runs ``fn()`` for a command line: bad input (``ValueError`` / ``OSError``) is one line
+  ``<prog>: error: ...`` on stderr and status 2; Ctrl-C is status 130 without a traceback."""
+  try:
+    fn()
+  except (ValueError, OSError) as e:
+    print(f"{prog}: error: {' '.join(str(e).split())}", file=sys.stderr)
+    return 2
+  except KeyboardInterrupt:
+    print(f"{prog}: interrupted", file=sys.stderr)
+    return 130
+  return 0
+
+
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(prog=f"python -m {PROG}", description=__doc__.split("\n")[0],
                               formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -458,7 +472,8 @@ def main(argv=None) -> int:
   args = p.parse_args(argv)
   if args.records_per_shard < 1:
     p.error(f"--records_per_shard={args.records_per_shard} must be >= 1")
-  try:
+
+  def go():
     spec = build_spec(args)
     mk = lambda files: [Source(f, delimiter=args.delimiter) for f in _files(files)]
     explicit = {s: mk(getattr(args, s)) for s in SPLITS if getattr(args, s)}
@@ -469,13 +484,7 @@ def main(argv=None) -> int:
       raise ValueError("no input files (--input or --train/--valid/--eval)")
     run(sources, args.out, spec, split=args.split, yes=args.yes, write_schema=args.write_schema,
         overwrite=args.overwrite, records_per_shard=args.records_per_shard)
-  except (ValueError, OSError) as e:
-    print(f"{PROG}: error: {' '.join(str(e).split())}", file=sys.stderr)
-    return 2
-  except KeyboardInterrupt:
-    print(f"{PROG}: interrupted", file=sys.stderr)
-    return 130
-  return 0
+  return run_cli(PROG, go)
 
 
 if __name__ == "__main__":

@@ -126,13 +126,10 @@ def main(argv=None) -> int:
   p.add_argument("--split", default="time:0.8,0.1,0.1")
   p.add_argument("--overwrite", action="store_true")
   a = p.parse_args(argv)
-  try:
-    convert(a.input, a.out, user_features=a.user_features, max_len=a.max_len,
-            min_surface_rows=a.min_surface_rows, split=a.split, overwrite=a.overwrite)
-  except (ValueError, OSError) as e:
-    print(f"data.public.kuairand: error: {' '.join(str(e).split())}", file=sys.stderr)
-    return 2
-  return 0
+  from data.ingest import run_cli
+  return run_cli("data.public.kuairand", lambda: convert(
+      a.input, a.out, user_features=a.user_features, max_len=a.max_len,
+      min_surface_rows=a.min_surface_rows, split=a.split, overwrite=a.overwrite))
 
 
 if __name__ == "__main__":

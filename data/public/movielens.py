@@ -122,13 +122,10 @@ def main(argv=None) -> int:
   p.add_argument("--split", default="time:0.8,0.1,0.1")
   p.add_argument("--overwrite", action="store_true")
   a = p.parse_args(argv)
-  try:
-    convert(a.input, a.out, positive=a.positive, max_len=a.max_len, split=a.split,
-            overwrite=a.overwrite)
-  except (ValueError, OSError) as e:
-    print(f"data.public.movielens: error: {' '.join(str(e).split())}", file=sys.stderr)
-    return 2
-  return 0
+  from data.ingest import run_cli
+  return run_cli("data.public.movielens", lambda: convert(
+      a.input, a.out, positive=a.positive, max_len=a.max_len, split=a.split,
+      overwrite=a.overwrite))
 
 
 if __name__ == "__main__":
