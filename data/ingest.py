@@ -443,10 +443,11 @@ def run_cli(prog: str, fn) -> int:
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(prog=f"python -m {PROG}", description=__doc__.split("\n")[0],
                               formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--input", action="append", help="Parquet / CSV files (comma-separated or "
-                 "repeated), split by --split")
+  p.add_argument("--input", action="extend", nargs="+", help="Parquet / CSV files (several, "
+                 "comma-separated or repeated: a shell glob works), split by --split")
   for s in SPLITS:
-    p.add_argument(f"--{s}", action="append", help=f"files of the {s} split (instead of --input)")
+    p.add_argument(f"--{s}", action="extend", nargs="+",
+                   help=f"files of the {s} split (instead of --input)")
   p.add_argument("--out", required=True, help="output dataset directory")
   p.add_argument("--schema", help="spec file (JSON / YAML): renames, options, schema sections")
   p.add_argument("--rename", help="role=column,... e.g. request_ts=time,label.click=clicked")

@@ -168,12 +168,16 @@ def test_write_schema_then_reuse_without_confirmation(tmp_path, capsys):
   saved = json.load(open(spec))
   assert saved["history"]["streams"] == {"clicks": "label.click", "all": "all"}
   assert [s["name"] for s in saved["schema"]["streams"]] == ["clicks", "all"]
-  code, o, e = _run(["--input", str(csv), "--out", str(tmp_path / "ds"), "--schema", spec,
-                     "--split", "time:0.8,0,0.2"], capsys)
+  halves = [tmp_path / "log_a.csv", tmp_path / "log_b.csv"]   # as a shell glob passes them
+  halves[0].write_text("\n".join(rows[:16]) + "\n")
+  halves[1].write_text("\n".join(rows[:1] + rows[16:]) + "\n")
+  code, o, e = _run(["--input", *map(str, halves), "--out", str(tmp_path / "ds"), "--schema",
+                     spec, "--split", "time:0.8,0,0.2"], capsys)
   assert code == 0, e
   assert "proposed spec" not in o                     # nothing inferred: no confirmation
   m = json.load(open(tmp_path / "ds" / "manifest.json"))
   assert sorted(m["splits"]) == ["eval", "train"]     # no valid window asked for
+  assert sum(x["count"] for sp in m["splits"].values() for xs in sp.values() for x in xs) == n
 
 
 @pytest.mark.parametrize("change,msg", [
