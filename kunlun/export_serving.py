@@ -34,8 +34,6 @@ from collections.abc import Mapping
 
 import numpy as np
 
-FORMAT = "kunlun-serving-v1"
-ARTIFACT, PARAMS, SIGNATURE = "serving.jax_export", "params.npz", "signature.json"
 PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
 
 
@@ -67,19 +65,8 @@ def input_spec(schema, seq_lens: dict, n, r) -> dict:
   return spec
 
 
-def nest(flat: dict) -> dict:
-  """``{"a/b": x}`` -> ``{"a": {"b": x}}``."""
-  out = {}
-  for path, v in flat.items():
-    d = out
-    *head, last = path.split("/")
-    for k in head:
-      d = d.setdefault(k, {})
-    d[last] = v
-  return out
-
-
 def flatten(tree: dict, prefix: str = "") -> dict:
+  """``{"a": {"b": x}}`` -> ``{"a/b": x}`` (inverse of ``serving_loader.nest``)."""
   out = {}
   for k, v in tree.items():
     p = f"{prefix}{k}"
@@ -96,6 +83,7 @@ def _restore(workdir: str, step, data_dir, trust_workdir: bool = False):
 
   from data.fake import random_batch
   from kunlun.config import seq_lens
+  from kunlun.serving_loader import nest
   from kunlun.train import checkpoint, runtime
   from sharding import mesh as mesh_lib
   from sharding import partition
@@ -139,6 +127,7 @@ def export(workdir: str, out: str, *, candidates="dynamic", requests=1, step=Non
 
   from kunlun import serve
   from kunlun.config import seq_lens
+  from kunlun.serving_loader import ARTIFACT, FORMAT, PARAMS, SIGNATURE, nest
   from kunlun.train import runtime
 
   try:

@@ -25,7 +25,8 @@ FORMAT = "kunlun-serving-v1"
 ARTIFACT, PARAMS, SIGNATURE = "serving.jax_export", "params.npz", "signature.json"
 
 
-def _nest(flat: dict) -> dict:
+def nest(flat: dict) -> dict:
+  """``{"a/b": x}`` -> ``{"a": {"b": x}}`` (the artifact's paths: params.npz keys, inputs)."""
   out = {}
   for path, v in flat.items():
     d = out
@@ -61,7 +62,7 @@ class ServingArtifact:
     with np.load(os.path.join(directory, PARAMS)) as z:
       flat = {k: z[k] for k in z.files}
     p_avals = self.exported.in_avals[:len(flat)]
-    leaves, tree = jax.tree.flatten(_nest(flat))
+    leaves, tree = jax.tree.flatten(nest(flat))
     # the params' leaves come first in the exported (params, batch) argument order
     self._params = jax.tree.unflatten(tree, [
         np.asarray(x, a.dtype) for x, a in zip(leaves, p_avals, strict=True)])
@@ -97,7 +98,7 @@ class ServingArtifact:
     if ri.size and (ri.min() < 0 or ri.max() >= r):
       raise ValueError(f"request_index must lie in [0, {r}) (the request rows), got "
                        f"[{ri.min()}, {ri.max()}]")
-    return _nest(flat)
+    return nest(flat)
 
   def __call__(self, batch) -> dict:
     out = self.exported.call(self._params, self._check(batch))
