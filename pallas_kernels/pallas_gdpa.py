@@ -324,9 +324,7 @@ def gdpa_pallas(q, k, v, *, activation="fast_gelu", scale=None, out_scale=1.0, q
   """
   del backend
   r = resolve_rows(q, k, v, broadcast_q=broadcast_q, q_index=q_index, kv_index=kv_index,
-                   q_lengths=q_lengths, kv_lengths=kv_lengths)
-  if window is not None and window < 0:
-    raise ValueError(f"window must be >= 0, got {window}")
+                   q_lengths=q_lengths, kv_lengths=kv_lengths, window=window)
   Tq, Hq, D = q.shape[1:]
   Tk = k.shape[1]
   key = tuning.key(shape_class("gdpa", Tq, Tk), D, q.dtype)

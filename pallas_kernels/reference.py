@@ -69,8 +69,9 @@ def _lens(lengths, n, t, what):
 
 
 def resolve_rows(q, k, v, *, broadcast_q=False, q_index=None, kv_index=None, q_lengths=None,
-                 kv_lengths=None) -> Rows:
-  """Checks the GDPA operands and maps every output row to its q and k/v rows.
+                 kv_lengths=None, window=None) -> Rows:
+  """Checks the GDPA operands (and ``window >= 0``) and maps every output row to its q and k/v
+  rows.
 
   Output row ``b`` reads ``q[q_index[b]]`` and ``k/v[kv_index[b]]`` (identity when None; indices
   are clipped into range). ``q_lengths`` has q's batch and ``kv_lengths`` k's batch (indexed
@@ -78,6 +79,8 @@ def resolve_rows(q, k, v, *, broadcast_q=False, q_index=None, kv_index=None, q_l
   where ``q_lengths`` has the output batch. Heads: ``H_q = G * H_kv``; q head ``h`` reads k/v
   head ``h // G``.
   """
+  if window is not None and window < 0:
+    raise ValueError(f"window must be >= 0, got {window}")
   if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
     raise ValueError(f"gdpa expects [B, T, H, D] inputs, got q{q.shape} k{k.shape} v{v.shape}")
   if k.shape != v.shape:
@@ -155,9 +158,7 @@ def gdpa_reference(q, k, v, *, activation="fast_gelu", scale=None, out_scale=1.0
   """
   del backend, interpret
   r = resolve_rows(q, k, v, broadcast_q=broadcast_q, q_index=q_index, kv_index=kv_index,
-                   q_lengths=q_lengths, kv_lengths=kv_lengths)
-  if window is not None and window < 0:
-    raise ValueError(f"window must be >= 0, got {window}")
+                   q_lengths=q_lengths, kv_lengths=kv_lengths, window=window)
   Tq, Hq, D = q.shape[1:]
   Tk = k.shape[1]
   acts = per_head(activation, Hq)

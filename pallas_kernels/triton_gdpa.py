@@ -167,12 +167,10 @@ def gdpa_triton(q, k, v, *, activation="fast_gelu", scale=None, out_scale=1.0, q
   if interpret:
     raise ValueError("gdpa backend 'triton' has no interpret mode; use backend='pallas'")
   r = resolve_rows(q, k, v, broadcast_q=broadcast_q, q_index=q_index, kv_index=kv_index,
-                   q_lengths=q_lengths, kv_lengths=kv_lengths)
+                   q_lengths=q_lengths, kv_lengths=kv_lengths, window=window)
   D = q.shape[3]
   if D & (D - 1) or D < 16:
     raise ValueError(f"gdpa backend 'triton' needs a power-of-two head_dim >= 16, got {D}")
-  if window is not None and window < 0:
-    raise ValueError(f"window must be >= 0, got {window}")
   cfg = make_cfg(q, k, activation=activation, scale=scale, out_scale=out_scale, window=window,
                  has_qi=r.q_index is not None, has_ki=r.kv_index is not None,
                  score_clip=score_clip, config=config)
