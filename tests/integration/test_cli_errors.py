@@ -70,6 +70,8 @@ CASES = [
     ("train.py", ["--workdir={wd}", "--config.train.lr=fast"], "--config.train.lr=fast"),
     ("train.py", ["--workdir={wd}", "steps=5"], "unexpected argument(s) ['steps=5']"),
     ("train.py", ["--workdir={wd}", "--data_dir={missing}"], "no such directory"),
+    ("train.py", ["--workdir={wd}", "--config.train.microbatches=3"],
+     "config.train.microbatches=3 must be >= 1 and divide"),
     ("train.py", ["--workdir={wd}", "--data_dir={cut}"], "{shard}: "),
     ("train.py", ["--workdir={wd}", "--data_dir={data}",
                   "--config.data.surface_weights=feed=1,search=1"], "unknown surface(s) ['search']"),
