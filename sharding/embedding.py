@@ -153,8 +153,9 @@ def plan_groups(tables) -> list[tuple[int, ...]]:
   return [tuple(g) for g in groups.values()]
 
 
-def _lead(shape) -> int:
-  return int(shape[0]) if len(shape) else 1
+def _lead(shape):
+  """The leading (batch) dimension: an int, or a symbolic dimension under ``jax.export``."""
+  return shape[0] if len(shape) else 1
 
 
 def group_ids(ids_list, sizes) -> jax.Array:
@@ -289,7 +290,8 @@ def _batch_axes(lead: int) -> tuple[str, ...]:
   axes = () if spec is None else (spec,) if isinstance(spec, str) else tuple(spec)
   axes = tuple(a for a in axes if mesh.shape[a] > 1)
   n = math.prod(mesh.shape[a] for a in axes)
-  return axes if axes and lead % n == 0 else ()
+  # a symbolic (exported) batch is never split here: its divisibility is unknown at trace time
+  return axes if axes and isinstance(lead, int) and lead % n == 0 else ()
 
 
 def _sorted_dense_grad(gids_k, g_kd, V):
