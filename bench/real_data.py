@@ -285,6 +285,11 @@ def main(argv=None):
   bad = [a for a in args.archs if a not in ARCHS + ("lr",)]
   if bad:
     ap.error(f"--archs: unknown {bad}")
+  if "lr" in args.archs:
+    try:
+      import sklearn  # noqa: F401
+    except ImportError:
+      ap.error("--archs lr needs scikit-learn: pip install -e '.[bench]' (or drop lr from --archs)")
   def numbers(flag, text, kind):
     try:
       vals = [kind(x) for x in text.split(",")]

@@ -30,7 +30,7 @@ def gdpa(q, k, v, *, backend: str = "xla", seq: str = "q", **kw):
   with jax.named_scope("GDPA"):
     if backend == "xla" or kw.get("interpret") or not context.is_sharded(q if seq == "q" else k):
       return pallas_kernels.gdpa(q, k, v, backend=backend, **kw)
-    if kw.get("q_index") is not None or kw.get("kv_index") is not None:
+    if kw.pop("q_index", None) is not None or kw.pop("kv_index", None) is not None:
       raise ValueError("gdpa: q_index / kv_index with a context-sharded sequence and a kernel "
                        "backend is not supported; use backend='xla' or an unsharded sequence")
     window = kw.pop("window", None)
