@@ -1,12 +1,16 @@
 """Evaluates a train.py checkpoint: NE, AUC, calibration per surface x task (+ overall).
 
-  python eval.py --workdir=/tmp/kunlun_tiny [--step=300] [--mesh=fsdp=-1] [--split=eval] \
-      [--out=metrics.json] [--plots_dir=plots]
+  python eval.py --workdir=/tmp/kunlun_tiny [--step=300 | --best] [--mesh=fsdp=-1] \
+      [--split=eval] [--out=metrics.json] [--plots_dir=plots] [--predictions=preds.parquet]
 
 Restores the params only (no optimizer state) onto the given mesh, streams the split once and
 writes JSON of the shape
-  {"step", "examples", "metrics": {surface: {task: {ne, auc, calibration, count, positive_rate,
-   bayes_ne}}}, "overall": {task: {...}}}.
+  {"step", "examples", "ne_normalisation", "metrics": {surface: {task: {ne, auc, calibration,
+   count, positive_rate, bayes_ne}}}, "overall": {task: {...}}}.
+NE is normalised by each evaluated cell's own positive rate (the eval window's base rate, per
+surface x task, or per task overall). ``--predictions`` writes one Parquet row per example: the
+keys (user_id, ad_id, request_ts), surface name, ``label.<task>`` (null = not labelled) and
+``prob.<task>``. ``--best`` evaluates the keep-best params (config.train.keep_best).
 The config and data directory recorded by train.py in --workdir are used unless given.
 """
 
@@ -16,12 +20,11 @@ import json
 import os
 
 from absl import app, flags
-from ml_collections import config_flags
 
 from kunlun.train import flags as runtime_flags
 
-config_flags.DEFINE_config_file("config", None, "Config file (default: the one train.py saved "
-                                "in --workdir); --config.a.b=value overrides need --config.")
+runtime_flags.define_config("eval.py", None, "Config file (default: the one train.py saved "
+                            "in --workdir); --config.a.b=value overrides need --config.")
 flags.DEFINE_string("workdir", None, "train.py workdir (checkpoints/ inside).", required=True)
 flags.DEFINE_integer("step", None, "Checkpoint step (default: the latest).")
 flags.DEFINE_string("mesh", "data=1,fsdp=-1,tensor=1,context=1,expert=1", "Mesh axis sizes.")
@@ -31,10 +34,33 @@ flags.DEFINE_string("split", "eval", "Split to evaluate.")
 flags.DEFINE_integer("batch_size", None, "Global eval batch size (default config.data.batch_size).")
 flags.DEFINE_string("out", None, "Output JSON path (default <workdir>/metrics.json).")
 flags.DEFINE_string("plots_dir", None, "If set, writes calibration_<task>.png there.")
+flags.DEFINE_string("predictions", None, "If set, writes per-example predictions (Parquet) there.")
+flags.DEFINE_bool("best", False, "Evaluate <workdir>/best (config.train.keep_best) instead.")
 runtime_flags.define()
 FLAGS = flags.FLAGS
 
 _KEYS = ("ne", "auc", "calibration", "count", "positive_rate", "bayes_ne")
+NE_NORMALISATION = ("mean log loss / entropy of the positive rate of the same evaluated examples "
+                    "(each surface x task cell and each overall task uses its own base rate)")
+KEY_COLUMNS = ("user_id", "ad_id", "request_ts")
+
+
+def write_predictions(path: str, arrays: dict, surfaces, tasks) -> None:
+  """One Parquet row per example: keys, surface name, label.<task> (null = not labelled) and
+  prob.<task>."""
+  import numpy as np
+  import pyarrow as pa
+  import pyarrow.parquet as pq
+  cols = {k: pa.array(np.asarray(arrays[k], np.int64)) for k in KEY_COLUMNS}
+  cols["surface"] = pa.array(np.asarray(surfaces, object)[np.asarray(arrays["surface"], int)]
+                             .tolist(), pa.string())
+  for k, t in enumerate(tasks):
+    cols[f"label.{t}"] = pa.array(np.asarray(arrays["labels"][:, k], np.int8),
+                                  mask=np.asarray(arrays["label_mask"][:, k]) == 0)
+  for k, t in enumerate(tasks):
+    cols[f"prob.{t}"] = pa.array(np.asarray(arrays["prob"][:, k], np.float32))
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  pq.write_table(pa.table(cols), path)
 
 
 def format_table(result: dict) -> str:
@@ -95,8 +121,14 @@ def evaluate(argv):
   runtime.enable_compilation_cache(FLAGS.compilation_cache)
   workdir = os.path.abspath(FLAGS.workdir)
   from kunlun.train import checkpoint
+  if FLAGS.best and FLAGS.step is not None:
+    runtime.fail("give --step or --best, not both")
+  if FLAGS.best and not os.path.isdir(os.path.join(workdir, "best")):
+    runtime.fail(f"--best: no keep-best params in {workdir}/best (train with "
+                 "--config.train.keep_best=True on data with a validation split)")
   try:
-    ckpt = checkpoint.Checkpointer(os.path.join(workdir, "checkpoints"), read_only=True)
+    ckpt = checkpoint.Checkpointer(os.path.join(workdir, "best" if FLAGS.best else "checkpoints"),
+                                   read_only=True)
     if not ckpt.all_steps():
       runtime.fail(f"--workdir={workdir}: no checkpoints in {ckpt.directory}")
   except checkpoint.CheckpointError as e:
@@ -104,10 +136,7 @@ def evaluate(argv):
   if FLAGS.step is not None and FLAGS.step not in ckpt.all_steps():
     runtime.fail(f"--step={FLAGS.step}: no such checkpoint; available {ckpt.all_steps()}")
 
-  config, saved_data_dir = (FLAGS.config, None) if FLAGS.config else runtime.load_run_info(workdir)
-  if FLAGS.config:
-    _, saved_data_dir = runtime.load_run_info(workdir) if os.path.exists(
-        os.path.join(workdir, "config.pkl")) else (None, None)
+  config, saved_data_dir = runtime.run_config(workdir, FLAGS.config, FLAGS.trust_workdir)
   data_dir = FLAGS.data_dir or saved_data_dir
   if not data_dir:
     runtime.fail("no --data_dir given and none recorded in the workdir")
@@ -116,6 +145,7 @@ def evaluate(argv):
   bs = FLAGS.batch_size or config.data.get("eval_batch_size", 0) or config.data.batch_size
   runtime.check_batch_size(bs, mesh, rules, "eval batch size")
   schema = runtime.load_schema(data_dir)
+  runtime.check_data_files(data_dir, FLAGS.split)
   model = runtime.build_model(config, schema)
 
   from data import pipeline
@@ -144,7 +174,9 @@ def evaluate(argv):
   b_shard = partition.batch_sharding(mesh, rules)
   predict = step_lib.make_predict_step(model)
   acc = metrics.EvalAccumulator(schema.surfaces, schema.task_names)
-  host_keys = ("labels", "label_mask", "surface", "true_prob", "example_mask")
+  host_keys = ("labels", "label_mask", "surface", "true_prob", "example_mask") + (
+      KEY_COLUMNS if FLAGS.predictions else ())
+  keys = {k: [] for k in KEY_COLUMNS}
   with partition.activate(mesh, rules):
     batch = first
     while batch is not None:
@@ -155,9 +187,15 @@ def evaluate(argv):
         prob = multihost_utils.process_allgather(prob, tiled=True)
         host = multihost_utils.process_allgather(host, tiled=True)
       acc.add(np.asarray(prob), host)
+      if FLAGS.predictions:
+        real = np.asarray(host["example_mask"]) > 0
+        for k in KEY_COLUMNS:
+          keys[k].append(np.asarray(host[k])[real])
       batch = next(it, None)
   per_surface, overall = acc.result()
-  result = {"step": int(step), "examples": acc.examples, "metrics": per_surface, "overall": overall}
+  result = {"step": int(step), "best": bool(FLAGS.best), "examples": acc.examples,
+            "ne_normalisation": NE_NORMALISATION,
+            "metrics": per_surface, "overall": overall}
   if jax.process_index() == 0:
     out = FLAGS.out or os.path.join(workdir, "metrics.json")
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
@@ -167,6 +205,10 @@ def evaluate(argv):
           f"{dict(mesh.shape)}")
     print(format_table(result))
     print(f"wrote {out}")
+    if FLAGS.predictions:
+      arrays = {**acc.arrays(), **{k: np.concatenate(v) for k, v in keys.items()}}
+      write_predictions(FLAGS.predictions, arrays, schema.surfaces, schema.task_names)
+      print(f"wrote {FLAGS.predictions} ({acc.examples} examples)")
     if FLAGS.plots_dir:
       for p in calibration_plots(acc.arrays(), schema.surfaces, schema.task_names, FLAGS.plots_dir):
         print(f"wrote {p}")
@@ -180,4 +222,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=runtime_flags.parser("eval.py"))

@@ -11,16 +11,14 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 
 from absl import app, flags
-from ml_collections import config_flags
 
 from kunlun.train import flags as runtime_flags
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-config_flags.DEFINE_config_file("config", os.path.join(_HERE, "kunlun/configs/tiny.py"),
-                                "Config file; override fields with --config.a.b=value.")
+runtime_flags.define_config("train.py", os.path.join(_HERE, "kunlun/configs/tiny.py"),
+                            "Config file; override fields with --config.a.b=value.")
 flags.DEFINE_string("workdir", None, "Checkpoints, metrics.jsonl, tb/ and (generated) data/.",
                     required=True)
 flags.DEFINE_string("mesh", "data=1,fsdp=-1,tensor=1,context=1,expert=1",
@@ -32,7 +30,7 @@ flags.DEFINE_string("data_dir", None, "Dataset directory; absent: generate confi
 flags.DEFINE_string("profile_steps", None,
                     "START:END: capture a jax.profiler trace of these steps.")
 flags.DEFINE_string("profile_dir", None, "Trace output directory (default <workdir>/profile).")
-runtime_flags.define()
+runtime_flags.define(train=True)
 FLAGS = flags.FLAGS
 
 
@@ -82,9 +80,22 @@ def train(argv):
   mesh = runtime.build_mesh(FLAGS.mesh, FLAGS.dcn_mesh)
   rules = runtime.get_rules(config.sharding.rules)
   runtime.check_batch_size(config.data.batch_size, mesh, rules, "config.data.batch_size")
+  microbatches = int(config.train.get("microbatches", 1))
+  if microbatches < 1 or config.data.batch_size % microbatches:
+    runtime.fail(f"config.train.microbatches={microbatches} must be >= 1 and divide "
+                 f"config.data.batch_size={config.data.batch_size}")
+  if microbatches > 1 and config.train.get("sparse_embedding_update", False):
+    runtime.fail("config.train.microbatches > 1 needs the dense embedding update "
+                 "(config.train.sparse_embedding_update=False)")
+  runtime.check_batch_size(config.data.batch_size // microbatches, mesh, rules,
+                           "config.data.batch_size / config.train.microbatches")
 
   data_dir = FLAGS.data_dir or runtime.synthetic_data_dir(workdir, config)
   schema = runtime.load_schema(data_dir)
+  runtime.check_data_files(data_dir, config.data.train_split)
+  from kunlun.train import validation
+  run_plan = validation.plan(config, schema, data_dir, FLAGS.steps)   # surfaces, epochs, valid
+  total = run_plan.total
   model = runtime.build_model(config, schema)
   runtime.save_run_info(workdir, config, data_dir)
 
@@ -118,12 +129,11 @@ def train(argv):
   ckpt = checkpoint.Checkpointer(os.path.join(workdir, "checkpoints"),
                                  keep=config.train.keep_checkpoints)
   start = 0
-  if ckpt.latest_step() is not None:
-    try:
-      start, params, opt_state, train_rng = ckpt.restore(
-          checkpoint.abstract_like(params), checkpoint.abstract_like(opt_state), data_iter)
-    except checkpoint.CheckpointError as e:
-      runtime.fail(str(e))
+  restored = ckpt.restore_latest(checkpoint.abstract_like(params),   # falls back past bad steps
+                                 checkpoint.abstract_like(opt_state), data_iter,
+                                 strict=FLAGS.strict_restore)
+  if restored is not None:
+    start, params, opt_state, train_rng = restored
     print(f"resumed from step {start} ({ckpt.directory})", flush=True)
 
   task_w = tuple(config.train.get("task_weights", ()) or ())
@@ -132,7 +142,8 @@ def train(argv):
                  f"{schema.task_names}")
   train_step = step_lib.make_train_step(
       model, tx, np.asarray(task_w, np.float32) if task_w else None, sparse_update=sparse_update,
-      param_shardings=p_shard, opt_shardings=o_shard, batch_sharding=b_shard)
+      param_shardings=p_shard, opt_shardings=o_shard, batch_sharding=b_shard,
+      microbatches=microbatches)
 
   is_main = jax.process_index() == 0
   prog = progress.Progress(workdir, total, enabled=is_main)
@@ -145,11 +156,55 @@ def train(argv):
           f"batch {config.data.batch_size}, "
           f"steps {start}->{total}, data {data_dir}", flush=True)
 
+  validate = validation.Validator(config, data_dir, schema, model, run_plan, b_shard, workdir,
+                                  prog if is_main else None)
   stop = _StopFlag()
   running = RunningNE(schema.task_names)
   bad_in_row = bad_total = 0
   window_loss, window_n, window_t0, times = 0.0, 0, None, []
+  # statistics stay on the device and are fetched metrics_lag steps later (never blocking the
+  # device queue); every pending step is drained before a log line, checkpoint, stop or the end
+  lagged = progress.LaggedStats(int(config.train.get("metrics_lag", 1)))
+  valid_due = lambda s: validate.on and (s % validate.plan.every == 0 or s == validate.plan.total)
+
+  def consume(at, stats, now) -> bool:
+    """Bad-step accounting, running NE and the log line for the (fetched) stats of step ``at``;
+    returns whether the step's update was applied."""
+    nonlocal bad_in_row, bad_total, window_loss, window_n, window_t0, times
+    if window_t0 is None:            # the first step includes compilation: not timed
+      window_t0 = now
+    else:
+      times.append(now)
+    if not stats["ok"]:
+      bad_in_row += 1
+      bad_total += 1
+      print(f"step {at}: non-finite loss or gradient (loss={stats['loss']}, "
+            f"grad_norm={stats['grad_norm']}); update skipped ({bad_in_row} in a row)",
+            flush=True)
+      if bad_in_row > config.train.max_bad_steps:
+        ckpt.close()
+        runtime.fail(f"{bad_in_row} consecutive non-finite steps (> config.train.max_bad_steps="
+                     f"{config.train.max_bad_steps}) at step {at}; stopping without a "
+                     "checkpoint")
+      return False
+    bad_in_row = 0
+    running.update(stats["loss_sum"], stats["pos_sum"], stats["count"])
+    window_loss += float(stats["loss"])
+    window_n += 1
+    if at % config.train.log_every == 0 or at == total:
+      dt = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else float("nan")
+      prog.log(at, {
+          "loss": window_loss / max(window_n, 1), "ne": running.value(),
+          "grad_norm": float(stats["grad_norm"]), "step_time_ms": 1e3 * dt,
+          "examples_per_s": config.data.batch_size / dt, "bad_steps": bad_total,
+          "skipped_records": pipeline.invalid_counts(data_iter),
+          "mfu": progress.mfu(flop_meter.per_step(), dt, n_dev, peak)})
+      running.reset()
+      window_loss, window_n, times = 0.0, 0, times[-1:]
+    return True
+
   profiling = False
+  ok = True
   step = start
   with partition.activate(mesh, rules):
     while step < total:
@@ -161,49 +216,31 @@ def train(argv):
         flop_meter.add(host_batch)
         batch = pipeline.device_put_batch(host_batch, b_shard)
         params, opt_state, stats = train_step(params, opt_state, batch, train_rng, step)
-        stats = jax.device_get(stats)
       step += 1
+      lagged.push(step, stats)
       if profiling and step == profile[1]:
         jax.block_until_ready(params)
         jax.profiler.stop_trace()
         profiling = False
-      now = time.perf_counter()
-      if window_t0 is None:          # the first step includes compilation: not timed
-        window_t0 = now
-      else:
-        times.append(now)
-      if not stats["ok"]:
-        bad_in_row += 1
-        bad_total += 1
-        print(f"step {step}: non-finite loss or gradient (loss={stats['loss']}, "
-              f"grad_norm={stats['grad_norm']}); update skipped ({bad_in_row} in a row)",
-              flush=True)
-        if bad_in_row > config.train.max_bad_steps:
-          ckpt.close()
-          runtime.fail(f"{bad_in_row} consecutive non-finite steps (> config.train.max_bad_steps="
-                       f"{config.train.max_bad_steps}) at step {step}; stopping without a "
-                       "checkpoint")
+      save = step % config.train.checkpoint_every == 0 and step < total
+      drain = (save or step == total or stop.signum is not None
+               or step % config.train.log_every == 0 or valid_due(step))
+      for rec in lagged.pop(drain):
+        ok = consume(*rec)
+      if not ok:                     # a skipped step: no checkpoint or stop before a good one
         continue
-      bad_in_row = 0
-      running.update(stats["loss_sum"], stats["pos_sum"], stats["count"])
-      window_loss += float(stats["loss"])
-      window_n += 1
-      if step % config.train.log_every == 0 or step == total:
-        dt = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else float("nan")
-        prog.log(step, {
-            "loss": window_loss / max(window_n, 1), "ne": running.value(),
-            "grad_norm": float(stats["grad_norm"]), "step_time_ms": 1e3 * dt,
-            "examples_per_s": config.data.batch_size / dt, "bad_steps": bad_total,
-            "mfu": progress.mfu(flop_meter.per_step(), dt, n_dev, peak)})
-        running.reset()
-        window_loss, window_n, times = 0.0, 0, times[-1:]
-      if step % config.train.checkpoint_every == 0 and step < total:
+      if save:
         ckpt.save(step, params, opt_state, train_rng, data_iter)
+      if validate(step, params):
+        times.clear()                # the validation pause is not a step time
       if stop.signum is not None:
         print(f"received signal {stop.signum}: saving step {step} and exiting", flush=True)
         break
   if profiling:
     jax.profiler.stop_trace()
+  if step >= total:
+    validate(step, params)           # no-op unless the last step was skipped
+  validate.close()
   ckpt.save(step, params, opt_state, train_rng, data_iter)
   ckpt.wait()
   steps = ckpt.all_steps()
@@ -219,4 +256,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=runtime_flags.parser("train.py"))

@@ -15,12 +15,18 @@ Column layout (names are case-sensitive; ``<x>`` = a name from the schema)::
     true_prob.<task>         floating          optional; missing column or null -> NaN
 
 Every converted record is validated like the pipeline does; any problem is a ValueError naming
-the Parquet file, the row and the column. Usage::
+the Parquet file, the row and the column. Columns the schema does not use are listed by
+``unknown_columns`` (``convert_parquet`` warns about them once per file). Usage::
 
     convert_parquet({"train": ["a.parquet"], "eval": ["b.parquet"]}, out_dir, schema)
+
+Logs in other shapes (own column names, scalar ids, float times, flat interaction logs without
+histories, CSV): ``python -m data.ingest`` (data/README.md) coerces them to this layout first.
 """
 
 from __future__ import annotations
+
+import sys
 
 import numpy as np
 import pyarrow as pa
@@ -28,7 +34,22 @@ import pyarrow.parquet as pq
 
 from data import records
 from data.schema import Schema
-from data.validate import InvalidRecordError, Validator
+from data.validate import BatchValidator
+
+
+def schema_columns(schema: Schema) -> set[str]:
+  """Every column name the layout above reads for ``schema`` (true_prob.* optional)."""
+  cols = {"surface", "request_ts", "user_id", "ad_id"}
+  cols |= {f"dense.{d}" for d in schema.dense} | {f"sparse.{f.name}" for f in schema.sparse}
+  cols |= {f"events.{s.name}.{c}" for s in schema.streams for c in records.event_columns(s)}
+  cols |= {f"{p}.{t.name}" for t in schema.tasks for p in ("label", "true_prob")}
+  return cols
+
+
+def unknown_columns(names, schema: Schema) -> list[str]:
+  """Columns of a table that the schema does not read (they would be ignored)."""
+  known = schema_columns(schema)
+  return [c for c in names if c not in known]
 
 
 def _column(table: pa.Table, name: str, kind: str, path: str) -> pa.ChunkedArray:
@@ -45,7 +66,9 @@ def _column(table: pa.Table, name: str, kind: str, path: str) -> pa.ChunkedArray
   if not ok:
     raise ValueError(f"{path}: column {name!r} has type {t}, expected {kind}")
   if kind != "number" and col.null_count:
-    raise ValueError(f"{path}: column {name!r} has {col.null_count} null values")
+    row = int(np.flatnonzero(col.is_null().to_numpy(zero_copy_only=False))[0])
+    raise ValueError(f"{path}: column {name!r} has {col.null_count} null values (first: table "
+                     f"row {row})")
   return col
 
 
@@ -64,11 +87,13 @@ def _list(col: pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def table_to_records(table: pa.Table, schema: Schema, path: str = "<table>",
-                     row_offset: int = 0) -> dict[str, list[bytes]]:
+                     row_offset: int = 0, rows=None) -> dict[str, list[bytes]]:
   """Converts one table; returns ``{surface: [record bytes, ...]}`` in row order.
 
-  ``row_offset``: index of the table's first row in its file (for error messages)."""
+  ``row_offset``: index of the table's first row in its file (for error messages); ``rows``
+  (i64[num_rows], optional) instead names each table row's row in its file."""
   n = table.num_rows
+  row_of = (lambda i: int(rows[i])) if rows is not None else (lambda i: i + row_offset)
   surf_names = _column(table, "surface", "string", path).to_pylist()
   index = {s: i for i, s in enumerate(schema.surfaces)}
   bad = sorted({s for s in surf_names if s not in index})
@@ -111,20 +136,21 @@ def table_to_records(table: pa.Table, schema: Schema, path: str = "<table>",
         offs0 = offs
       elif not np.array_equal(offs, offs0):
         row = int(np.flatnonzero(np.diff(offs) != np.diff(offs0))[0])
-        raise ValueError(f"{path}: row {row + row_offset}: column {name!r} has a different "
+        raise ValueError(f"{path}: row {row_of(row)}: column {name!r} has a different "
                          f"number of events than events.{s.name}.item")
       cols.append(_ints(vals, name, path))
     ev = np.stack(cols, 1) if cols and len(cols[0]) else np.zeros((0, len(cols)), np.int32)
     ragged[f"events/{s.name}"] = (ev.astype(np.int32), offs0)
   recs = records.encode_columns(fixed, ragged) if n else []
-  validator = Validator(schema)
+  check = BatchValidator(schema, {})        # vectorised; per-record Validator for the rest
+  for a in range(0, n, 4096):
+    _, _, errors = check(recs[a:a + 4096], surf[a:a + 4096], lambda i, a=a: (path, row_of(a + i)))
+    if errors:
+      i, e = errors[0]
+      raise ValueError(f"{path}: row {row_of(a + i)}: invalid value in the column(s) of "
+                       f"field {e.field!r}: {e}") from e
   out: dict[str, list[bytes]] = {s: [] for s in schema.surfaces}
   for i, r in enumerate(recs):
-    try:
-      validator(r, file=path, index=i + row_offset)
-    except InvalidRecordError as e:
-      raise ValueError(f"{path}: row {i + row_offset}: invalid value in the column(s) of "
-                       f"field {e.field!r}: {e}") from e
     out[schema.surfaces[surf[i]]].append(r)
   return out
 
@@ -136,6 +162,9 @@ def convert_parquet(splits: dict[str, list[str]], out_dir: str, schema: Schema,
   for split, paths in splits.items():
     for path in paths:
       pf = pq.ParquetFile(path)
+      extra = unknown_columns(pf.schema_arrow.names, schema)
+      if extra:
+        print(f"warning: {path}: columns not in the schema, ignored: {extra}", file=sys.stderr)
       start = 0
       for rg in range(pf.num_row_groups):
         table = pf.read_row_group(rg)

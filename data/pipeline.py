@@ -12,8 +12,10 @@ schema order, files in order), rows ``shard_index::shard_count`` per process, pa
 batches (``example_mask`` 0).
 
 Invalid records under ``skip_invalid`` keep their row as padding (``example_mask`` 0) and are
-counted. Iterators support ``get_state``/``set_state``, ``grain.checkpoint.CheckpointSave/Restore``
-and (for a changed process count) ``data.elastic.CheckpointSave/Restore``; ``mp_prefetch`` works
+counted; so are records in a damaged chunk (kind ``bytes``, ``data.shards``), which otherwise
+raise a ``DamagedChunkError`` naming the file and the chunk's record range. Iterators support
+``get_state``/``set_state``, ``grain.checkpoint.CheckpointSave/Restore`` and (for a changed
+process count) ``data.elastic.CheckpointSave/Restore``; ``mp_prefetch`` works
 (``invalid_counts(iterator)`` adds up the workers' skip counts).
 """
 
@@ -23,7 +25,7 @@ import jax
 import numpy as np
 
 from data import elastic, records
-from data.schema import Schema, check_seq_lens
+from data.schema import Schema, check_seq_lens, surface_weights
 from data.validate import BatchValidator, InvalidCounter
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
@@ -101,14 +103,20 @@ class Loader:
     raws: list[bytes] = [b""] * len(real)
     surf = np.empty(len(real), np.int64)
     names = [None] * len(real)
+    damaged: dict[int, Exception] = {}              # row in ``real`` -> DamagedChunkError
     for s in np.unique(rows.source[real]).tolist():
       sel = np.flatnonzero(rows.source[real] == s)
-      f, local, got = self.sources[s].read_many(rows.index[real[sel]])
+      bad = []
+      f, local, got = self.sources[s].read_many(rows.index[real[sel]],
+                                                damaged=None if self.counter is None else bad)
+      damaged.update((int(sel[n]), e) for n, e in bad)
       surf[sel] = self.source_surface[s][f]
       paths = self.sources[s].paths
       for j, r, fi, li in zip(sel.tolist(), got, f.tolist(), local.tolist(), strict=True):
         raws[j], names[j] = r, (paths[fi], li)
     cols, ok, errors = self.validator(raws, surf, names.__getitem__)
+    if damaged:                                    # their b"" fails validation: name the chunk
+      errors = [(j, damaged.get(j, e)) for j, e in errors]
     skipped: dict[str, int] = {}
     for _, e in errors:
       if self.counter is None:
@@ -147,9 +155,10 @@ def make_dataset(data_cfg, data_dir: str, split: str, seq_lens: dict[str, int], 
                  shard_index: int | None = None, shard_count: int | None = None):
   """grain ``IterDataset`` of numpy batches (``data.schema`` layout plus ``example_mask``).
 
-  data_cfg fields: batch_size (global), surface_weights, shuffle_seed, num_threads (batch loader
-  threads), prefetch (batches in flight; 0 = load synchronously), skip_invalid, length_balance
-  (and optional length_balance_groups, default: local devices). Per-process batch =
+  data_cfg fields: batch_size (global), surface_weights (mapping, "a=1,b=0.5" or "auto": in
+  proportion to the records; ``data.schema.surface_weights``), shuffle_seed, num_threads (batch
+  loader threads), prefetch (batches in flight; 0 = load synchronously), skip_invalid,
+  length_balance (and optional length_balance_groups, default: local devices). Per-process batch =
   batch_size // shard_count. Skipped invalid records stay as padding rows (``example_mask`` 0);
   ``ds.invalid_counter`` counts them in this process (``None`` unless skip_invalid). Eval:
   ``num_eval_batches`` batches per process. Train iterators restore from a state written under
@@ -174,13 +183,8 @@ def make_dataset(data_cfg, data_dir: str, split: str, seq_lens: dict[str, int], 
   collate = Collate(schema, seq_lens, groups)
 
   if train:
-    weights = {k: float(v) for k, v in dict(data_cfg.surface_weights).items()}
-    unknown = sorted(set(weights) - set(schema.surfaces))
-    if unknown:
-      raise ValueError(f"data.surface_weights: unknown surface(s) {unknown}; "
-                       f"schema has {schema.surfaces}")
-    if any(w < 0 for w in weights.values()) or sum(weights.values()) <= 0:
-      raise ValueError(f"data.surface_weights must be >= 0 with a positive sum, got {weights}")
+    counts = {s: sum(c for _, c in files.get(s, [])) for s in schema.surfaces}
+    weights = surface_weights(data_cfg.surface_weights, schema.surfaces, counts)
     sources, surf, sizes = [], [], {}
     for si, surface in enumerate(schema.surfaces):
       flist = files.get(surface, [])

@@ -19,8 +19,13 @@ The record fields of one example (``record_spec`` checks them, see ``data.valida
 On disk (``DatasetWriter``)::
 
     DIR/schema.json
-    DIR/manifest.json           {"format": ..., "splits": {split: {surface: [{"file", "count"}]}}}
+    DIR/manifest.json           {"format": ..., "splits": {split: {surface: [
+                                    {"file", "count", "bytes", "sha256"}]}}}
     DIR/<split>/<surface>-00000-of-00002.arrayrecord   (group_size:1 -> random access)
+
+``bytes`` and ``sha256`` (``data.shards``) are absent from manifests written before they existed;
+readers then check only that the files exist (``split_files``) and ``python -m data.validate
+DIR --deep`` reads every chunk.
 
 ArrayRecord files smaller than 64 KB are fine with array-record 0.8.6: the writer pads every file
 to at least 128 KB, and a shard holding zero records reads back as empty.
@@ -36,6 +41,7 @@ import struct
 
 import numpy as np
 
+from data import shards
 from data.schema import Schema
 
 FORMAT = "kunlun-records-v1"
@@ -210,12 +216,12 @@ class DatasetWriter:
         if (split, surface) not in self._done:   # an empty surface still gets one (empty) shard
           self._new(split, surface)
           self._close_one((split, surface))
-        shards = self._done[(split, surface)]
+        files = self._done[(split, surface)]
         entries = []
-        for i, (tmp, c) in enumerate(shards):
-          rel = os.path.join(split, shard_name(surface, i, len(shards)))
+        for i, (tmp, c) in enumerate(files):
+          rel = os.path.join(split, shard_name(surface, i, len(files)))
           os.replace(tmp, os.path.join(self.out_dir, rel))
-          entries.append({"file": rel, "count": c})
+          entries.append(shards.file_entry(self.out_dir, rel, c))
         manifest["splits"].setdefault(split, {})[surface] = entries
     self.schema.save(self.out_dir)
     with open(os.path.join(self.out_dir, "manifest.json"), "w") as f:
@@ -236,8 +242,10 @@ def load_manifest(data_dir: str, fmt: str = FORMAT,
   return m
 
 
-def split_files(data_dir: str, split: str, schema: Schema) -> dict[str, list[tuple[str, int]]]:
-  """{surface: [(absolute path, count), ...]} for one split, checked against the schema."""
+def split_entries(data_dir: str, split: str, schema: Schema, check: bool = True) -> dict:
+  """{surface: [manifest entry with ``path`` (absolute) added]} for one split, checked against
+  the schema; ``check``: every file exists and has the recorded size (``data.shards``), else a
+  ``shards.DataFileError`` naming it."""
   m = load_manifest(data_dir)
   if split not in m["splits"]:
     raise ValueError(f"{data_dir}: unknown split {split!r}; manifest has {sorted(m['splits'])}")
@@ -246,27 +254,46 @@ def split_files(data_dir: str, split: str, schema: Schema) -> dict[str, list[tup
     if surface not in schema.surfaces:
       raise ValueError(f"{data_dir}/manifest.json: unknown surface {surface!r}; "
                        f"schema has {schema.surfaces}")
-    out[surface] = [(os.path.join(data_dir, e["file"]), int(e["count"])) for e in entries]
+    out[surface] = [dict(e, path=os.path.join(data_dir, e["file"])) for e in entries]
+    if check:
+      for e in out[surface]:
+        shards.check_entry(e["path"], e)
   return out
+
+
+def split_files(data_dir: str, split: str, schema: Schema,
+                check: bool = True) -> dict[str, list[tuple[str, int]]]:
+  """{surface: [(absolute path, count), ...]} for one split (``split_entries``)."""
+  return {s: [(e["path"], int(e["count"])) for e in es]
+          for s, es in split_entries(data_dir, split, schema, check).items()}
+
+
+def unsized_files(data_dir: str, split: str) -> int:
+  """Number of the split's manifest entries without a recorded byte size (older manifests)."""
+  return sum("bytes" not in e for es in load_manifest(data_dir)["splits"].get(split, {}).values()
+             for e in es)
 
 
 class RecordSource:
   """Random-access source over ArrayRecord files: ``src[i] -> (file_id, local_index, bytes)``;
-  ``src.read_many(indices)`` reads a batch (one ``read`` call per file).
+  ``src.read_many(indices)`` reads a batch (one ``read`` call per file). A damaged chunk raises
+  ``shards.DamagedChunkError`` (file and record range), a file that cannot be opened
+  ``shards.DataFileError``.
 
   Picklable (readers open lazily per process), so it works under ``mp_prefetch``.
   """
 
   def __init__(self, files: list[tuple[str, int]]):
     self.paths = [p for p, _ in files]
-    self.starts = np.cumsum([0] + [c for _, c in files]).tolist()
+    self.counts = [c for _, c in files]
+    self.starts = np.cumsum([0] + self.counts).tolist()
     self._readers = None
 
   def __len__(self):
     return self.starts[-1]
 
   def __getstate__(self):
-    return {"paths": self.paths, "starts": self.starts, "_readers": None}
+    return {"paths": self.paths, "counts": self.counts, "starts": self.starts, "_readers": None}
 
   def locate(self, i: int) -> tuple[int, int]:
     f = bisect.bisect_right(self.starts, i) - 1
@@ -276,19 +303,20 @@ class RecordSource:
     if self._readers is None:
       self._readers = [None] * len(self.paths)
     if self._readers[f] is None:   # a racing second open is harmless (reads are positional)
-      from array_record.python import array_record_module
-      self._readers[f] = array_record_module.ArrayRecordReader(
-          self.paths[f], options="readahead_buffer_size:0,max_parallelism:0",
-          file_reader_buffer_size=4096)        # random single-record reads, no reader threads
+      self._readers[f] = shards.open_reader(self.paths[f], self.counts[f])
     return self._readers[f]
 
   def __getitem__(self, i: int):
     i = int(i)
     f, j = self.locate(i)
-    return f, j, self._reader(f).read([j])[0]
+    return f, j, shards.read_records(self._reader(f), self.paths[f], [j], self.counts[f])[0]
 
-  def read_many(self, indices) -> tuple[np.ndarray, np.ndarray, list[bytes]]:
-    """Global record indices i64[N] -> ``(file_id i64[N], local_index i64[N], [bytes] * N)``."""
+  def read_many(self, indices, damaged=None) -> tuple[np.ndarray, np.ndarray, list[bytes]]:
+    """Global record indices i64[N] -> ``(file_id i64[N], local_index i64[N], [bytes] * N)``.
+
+    ``damaged``: a list to collect ``(n, shards.DamagedChunkError)`` for the records that
+    cannot be read (their bytes are ``b""``) instead of raising the first.
+    """
     idx = np.asarray(indices, np.int64)
     if len(idx) and (idx.min() < 0 or idx.max() >= len(self)):
       raise IndexError(f"record index out of [0, {len(self)})")
@@ -297,19 +325,11 @@ class RecordSource:
     out: list[bytes] = [b""] * len(idx)
     for fid in np.unique(f).tolist():
       rows = np.flatnonzero(f == fid)
-      for r, raw in zip(rows.tolist(), self._reader(fid).read(local[rows].tolist()), strict=True):
+      bad = None if damaged is None else []
+      got = shards.read_records(self._reader(fid), self.paths[fid], local[rows].tolist(),
+                                self.counts[fid], bad)
+      for r, raw in zip(rows.tolist(), got, strict=True):
         out[r] = raw
+      if bad:
+        damaged.extend((int(rows[pos]), err) for pos, err in bad)
     return f, local, out
-
-
-def read_split(data_dir: str, split: str, schema: Schema | None = None):
-  """Yields ``(path, index, decoded_and_validated_record)`` for every record of a split."""
-  from data.validate import validate_record
-  schema = schema or Schema.load(data_dir)
-  for surface, files in split_files(data_dir, split, schema).items():
-    for path, count in files:
-      src = RecordSource([(path, count)])
-      for i in range(count):
-        _, _, raw = src[i]
-        yield path, i, validate_record(raw, schema, file=path, index=i,
-                                       surface=schema.surfaces.index(surface))

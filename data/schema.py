@@ -175,3 +175,46 @@ def check_seq_lens(schema: Schema, seq_lens: dict[str, int]) -> dict[str, int]:
                        f"(the stream's max_len in the schema)")
     out[s.name] = T
   return out
+
+
+def surface_weights(value, surfaces, counts: dict[str, int] | None = None) -> dict[str, float]:
+  """``data.surface_weights`` -> ``{surface: weight}`` for every schema surface.
+
+  ``value``: a mapping, a string ``"feed=0.5,reels=0.2"``, or ``"auto"`` / ``""`` (each surface in
+  proportion to its record count, ``counts``). Surfaces not named get weight 0; names that are not
+  schema surfaces are ignored when their weight is 0 and a ValueError otherwise (likely a typo or
+  another dataset's surfaces). Weights must be >= 0 with a positive sum.
+  """
+  if value is None or (isinstance(value, str) and value.strip().lower() in ("", "auto")):
+    if counts is None:
+      raise ValueError("data.surface_weights='auto' needs the surfaces' record counts")
+    w = {s: float(counts.get(s, 0)) for s in surfaces}
+    if sum(w.values()) <= 0:
+      raise ValueError("data.surface_weights='auto': the split has no records")
+    return w
+  if isinstance(value, str):
+    w = {}
+    for part in value.split(","):
+      name, sep, x = part.partition("=")
+      try:
+        if not sep or not name.strip():
+          raise ValueError
+        w[name.strip()] = float(x)
+      except ValueError:
+        raise ValueError(f"data.surface_weights={value!r}: expected 'auto' or "
+                         "'surface=weight,...'") from None
+  else:
+    try:
+      w = {str(k): float(v) for k, v in dict(value).items()}
+    except (TypeError, ValueError):
+      raise ValueError(f"data.surface_weights={value!r}: expected a mapping surface -> weight, "
+                       "'surface=weight,...' or 'auto'") from None
+  unknown = sorted(k for k, v in w.items() if k not in surfaces and v != 0)
+  if unknown:
+    raise ValueError(f"data.surface_weights: unknown surface(s) {unknown} with a non-zero weight; "
+                     f"schema has {tuple(surfaces)} (set them to 0, or use 'auto')")
+  out = {s: w.get(s, 0.0) for s in surfaces}
+  if any(x < 0 or x != x for x in out.values()) or sum(out.values()) <= 0:
+    raise ValueError(f"data.surface_weights must be >= 0 with a positive sum over the schema's "
+                     f"surfaces {tuple(surfaces)}, got {w}")
+  return out

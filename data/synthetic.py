@@ -311,7 +311,7 @@ def generate(out_dir: str, preset: str = "tiny", num_examples: int | None = None
 
 def main(argv=None):
   import argparse
-  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap = argparse.ArgumentParser(prog="python -m data.synthetic", description=__doc__.split("\n")[0])
   ap.add_argument("--out", required=True)
   ap.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
   ap.add_argument("--num_examples", type=int, default=None)
@@ -319,7 +319,10 @@ def main(argv=None):
   ap.add_argument("--pretrain_examples", type=int, default=0,
                   help="also write a 'pretrain' split: the window before train")
   a = ap.parse_args(argv)
-  generate(a.out, a.preset, a.num_examples, a.seed, a.pretrain_examples)
+  try:
+    generate(a.out, a.preset, a.num_examples, a.seed, a.pretrain_examples)
+  except (ValueError, OSError) as e:      # bad sizes, an unwritable --out
+    ap.exit(2, f"{ap.prog}: error: {' '.join(str(e).split())}\n")
   with open(os.path.join(a.out, "synthetic.json")) as f:
     info = json.load(f)
   pre = f" + {info['num_pretrain']} pretrain" if info["num_pretrain"] else ""

@@ -3,25 +3,29 @@
 Nothing is coerced: a record either matches ``data.records`` field layout exactly (dtype, rank,
 sizes, id ranges, finite dense values, consistent timestamps, known surface, 0/1 labels) or it is
 rejected with an ``InvalidRecordError``. Under ``skip_invalid`` the pipeline counts rejections in
-an ``InvalidCounter`` instead of raising.
+an ``InvalidCounter`` instead of raising (records in a damaged chunk, ``data.shards``, count as
+kind ``bytes``). ``read_split`` reads and validates a whole split; ``python -m data.validate DIR``
+checks a dataset directory (``data.verify``).
+
+Imports go one way: this module uses ``data.records``, never the reverse.
 """
 
 from __future__ import annotations
 
 import math
+import sys
 import threading
 
 import numpy as np
-from absl import logging
 
-from data import records
+from data import records, shards
 from data.schema import Schema
 
 KINDS = ("bytes", "missing", "dtype", "shape", "id_range", "non_finite", "timestamp", "surface",
          "label")
 
 
-class InvalidRecordError(ValueError):
+class InvalidRecordError(shards.DataError):
   """A record that does not satisfy the schema. ``kind`` is one of ``KINDS``."""
 
   def __init__(self, kind: str, file: str, index: int, field: str, msg: str):
@@ -30,7 +34,8 @@ class InvalidRecordError(ValueError):
 
 
 class InvalidCounter:
-  """Thread-safe count of skipped records per kind (``skip_invalid=True``)."""
+  """Thread-safe count of skipped records per kind (``skip_invalid=True``); the first
+  ``log_first`` skips are printed to stderr, each naming file, record and reason."""
 
   def __init__(self, log_first: int = 10):
     self._lock = threading.Lock()
@@ -44,12 +49,14 @@ class InvalidCounter:
     self.__dict__.update(d)
     self._lock = threading.Lock()
 
-  def add(self, err: InvalidRecordError) -> None:
+  def add(self, err: InvalidRecordError | shards.DamagedChunkError) -> None:
     with self._lock:
       self.counts[err.kind] = self.counts.get(err.kind, 0) + 1
       n = self.total
     if n <= self.log_first:
-      logging.warning("skipping invalid record (%d so far): %s", n, err)
+      print(f"warning: skipping invalid record ({n} so far"
+            f"{', no more of these messages' if n == self.log_first else ''}): {err}",
+            file=sys.stderr, flush=True)
 
   @property
   def total(self) -> int:
@@ -172,6 +179,18 @@ def validate_record(rec, schema: Schema, *, file: str, index: int,
                     surface: int | None = None) -> dict:
   """One-off validation (the pipeline keeps one ``Validator`` per schema)."""
   return Validator(schema)(rec, file=file, index=index, surface=surface)
+
+
+def read_split(data_dir: str, split: str, schema: Schema | None = None):
+  """Yields ``(path, index, decoded_and_validated_record)`` for every record of a split."""
+  schema = schema or Schema.load(data_dir)
+  v = Validator(schema)
+  for surface, files in records.split_files(data_dir, split, schema).items():
+    for path, count in files:
+      src = records.RecordSource([(path, count)])
+      for i in range(count):
+        _, _, raw = src[i]
+        yield path, i, v(raw, file=path, index=i, surface=schema.surfaces.index(surface))
 
 
 class BatchValidator:
@@ -418,3 +437,8 @@ class BatchValidator:
     ok[:] = False
     ok[rows[good]] = True
     return ok, out
+
+
+if __name__ == "__main__":      # python -m data.validate DIR [--deep]: see data.verify
+  from data import verify
+  sys.exit(verify.main())

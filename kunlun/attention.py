@@ -2,7 +2,9 @@
 
 ``h = RMSNorm(s)``; ``q, k, v = h W_qkv`` (``[B, T, H, d_h]``); QK-norm (RMSNorm over ``d_h`` with a
 learned per-channel scale); rotary time encoding (ROTE on half the heads, positional RoPE on the
-rest); bidirectional attention; ``s' = s + o W_o``; rows ``>= lengths`` are zero.
+rest); bidirectional attention; ``s' = s + o W_o``; rows ``>= lengths`` are zero. With
+``time_buckets`` the queries get per-head additive time/position bucket embeddings (spec b.5-2,
+``kunlun.time_encoding``) after the QK-norm and before the rotary encoding.
 
 Scopes (``kind``):
   * ``"swa"``: ``|i - j| <= window``. Softmax runs as a banded computation (chunks of
@@ -30,7 +32,7 @@ import jax.numpy as jnp
 import pallas_kernels
 from kunlun.gdpa import gdpa
 from kunlun.norms import rms_norm
-from kunlun.time_encoding import rotary_time
+from kunlun.time_encoding import BucketSpec, add_bucket_embedding, rotary_time
 from pallas_kernels.activations import per_head
 from pallas_kernels.reference import apply_rotary
 from sharding import context, shard, with_axes
@@ -99,6 +101,7 @@ class SeqAttention(nn.Module):
   t_max: int | None = None
   dtype: Any = F32
   score_clip: float | None = None   # GDPA activations: clamp scores to [-c, c]; softmax: unused
+  time_buckets: BucketSpec | None = None   # per-head query bucket embeddings (b.5-2); None: off
 
   def _check(self, d):
     if self.kind not in KINDS:
@@ -133,6 +136,7 @@ class SeqAttention(nn.Module):
         sc = lambda n: self.param(n, with_axes(nn.initializers.ones, ("head_dim",)), (dh,), F32)
         q = (rms_norm(q) * sc("q_scale")).astype(self.dtype)
         k = (rms_norm(k) * sc("k_scale")).astype(self.dtype)
+      q = add_bucket_embedding(self, "time_bucket_q", q, age, lengths, self.time_buckets)
       rot = rotary_time(age, H, dh, self.t_scale) if self.rotary else None
       o = self._attend(q, k, v, lengths, rot, T)
       o = shard(o, _ACT_AXES)

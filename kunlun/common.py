@@ -29,15 +29,17 @@ def embed_context(cfg: ModelConfig, schema: Schema, batch, dtype):
       batch["sparse"], jnp.asarray(batch["dense"]), jnp.asarray(batch["surface"]))
 
 
-def embed_streams(towers, schema: Schema, batch, dtype, num_time_buckets: int):
-  """One ``EventEmbed`` per tower (module ``embed_<stream>``, at the tower's width):
+def embed_streams(towers, schema: Schema, batch, dtype, num_time_buckets: int,
+                  embed=EventEmbed):
+  """One ``embed`` (``EventEmbed`` or a rematerialised wrap of it) per tower (module
+  ``embed_<stream>``, at the tower's width):
   ``(seqs {name: [B, T, d]}, lengths {name: i32[B]}, ages {name: f32[B, T]})``."""
   ev = batch["events"]
   seqs, lengths, ages = {}, {}, {}
   for t in towers:
     st = schema.stream(t.name)
-    seqs[t.name] = EventEmbed(st, len(schema.surfaces), t.width, num_time_buckets, dtype,
-                              name=f"embed_{t.name}")(ev[t.name])
+    seqs[t.name] = embed(st, len(schema.surfaces), t.width, num_time_buckets, dtype,
+                         name=f"embed_{t.name}")(ev[t.name])
     lengths[t.name] = jnp.asarray(ev[t.name]["length"], jnp.int32)
     ages[t.name] = jnp.asarray(ev[t.name]["age"], jnp.float32)
   return seqs, lengths, ages

@@ -15,7 +15,11 @@ modules take as a field. Every knob of spec d.7 / h is a field here:
   final_hsp           extra HSP of each tower's output in its last layer ([D], not in spec d.1 /
                       d.4; default off; runs stored before the switch existed had it on)
   seq_mode            "towers" (one tower per stream) | "oneseq" (one merged stream, spec h-18)
-  num_time_buckets    log-bucketed event-age embedding size
+  num_time_buckets    log-bucketed event-age embedding size (event MLP input)
+  time_buckets.{enabled, kinds, num_buckets, age_horizon_days}   per-head additive bucket
+                      embeddings on the per-token GDPA/attention operand of SWA, PFFN and HSP
+                      (spec b.5-2, ``kunlun.time_encoding``); ``kinds`` a comma-separated subset
+                      of age,log_age,gap,position. Off by default (bench/time_buckets.py)
   attention.{kind, activation, qk_norm, rotary, block_size}   sequence self-attention (c.4)
   pffn_activation     GDPA activation of the PFFN (c.3); key_norm: RMS-normalise generated keys
   pooling             "hsp" | "pma" (c.5); hsp_rank (SumKronLinear r_k), hsp_activation
@@ -28,6 +32,8 @@ modules take as a field. Every knob of spec d.7 / h is a field here:
   mowe.{num_experts, layers_per_expert, rank, mlp_hidden, cross_layer}    (c.6; cross_layer:
                       Wukong cross-layer attention connections, spec h-19)
   towers.<stream>.{width, heads, n_kv, window, kept_len, n_seed, n_sum, depth}  (c.8)
+  tower_templates     "click,impression": the towers whose sizes serve streams 0, 1, ... of a
+                      dataset whose streams have other names (kunlun/schema_fit.py; "" = name order)
   oneseq.{width, heads, n_kv, window, kept_len, n_seed, n_sum, depth}   (merged tower)
   heads.{kind, top_mlp, tower_hidden, num_experts, expert_hidden}       (d.3)
   dlrm.{seq_dim, mlp}  (DLRM baseline only)
@@ -43,6 +49,7 @@ import dataclasses
 import ml_collections
 
 from data.schema import Schema
+from kunlun.time_encoding import BUCKET_KINDS, DAY, BucketSpec
 from pallas_kernels.activations import NAMES as GDPA_ACTIVATIONS
 
 ARCHS = ("kunlun", "interformer", "dlrm", "kunlun_ablated")
@@ -92,6 +99,21 @@ class MoWEConfig:
   rank: int = 8
   mlp_hidden: int = 64
   cross_layer: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class TimeBucketConfig:
+  """Per-head additive time/position bucket embeddings (spec b.5-2); see kunlun.time_encoding."""
+  enabled: bool = False
+  kinds: tuple[str, ...] = ("age", "gap", "position")
+  num_buckets: int = 32
+  age_horizon_days: float = 32.0
+
+  def spec(self, tower: TowerConfig) -> BucketSpec | None:
+    """The tower's ``BucketSpec``, or None when the switch is off."""
+    if not self.enabled:
+      return None
+    return BucketSpec(self.kinds, self.num_buckets, self.age_horizon_days * DAY, tower.kept_len)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,6 +167,7 @@ class ModelConfig:
   streams: tuple[str, ...]             # schema stream names, in order
   surfaces: tuple[str, ...]
   tasks: tuple[str, ...]
+  time_buckets: TimeBucketConfig = TimeBucketConfig()
 
   @property
   def seq_towers(self) -> tuple[TowerConfig, ...]:
@@ -172,6 +195,8 @@ def default_model() -> ml_collections.ConfigDict:
   m.final_hsp = False             # spec d.1 / d.4: no extra summary of the last layer's output
   m.seq_mode = "towers"
   m.num_time_buckets = 32
+  m.time_buckets = ml_collections.ConfigDict(dict(enabled=False, kinds="age,gap,position",
+                                                  num_buckets=32, age_horizon_days=32.0))
   m.attention = ml_collections.ConfigDict(dict(kind="swa", activation="softmax", qk_norm=True,
                                                rotary=True, block_size=64))
   m.pffn_activation = "fast_gelu"
@@ -183,6 +208,7 @@ def default_model() -> ml_collections.ConfigDict:
   m.mowe = ml_collections.ConfigDict(dict(num_experts=2, layers_per_expert=1, rank=8,
                                           mlp_hidden=64, cross_layer=True))   # h-19
   m.towers = ml_collections.ConfigDict()
+  m.tower_templates = ""          # size templates by stream index (kunlun/schema_fit.py)
   m.oneseq = tower(width=32, heads=2, n_kv=16, window=16, kept_len=64, n_seed=8, n_sum=2, depth=2)
   m.heads = ml_collections.ConfigDict(dict(kind="towers", top_mlp=(64,), tower_hidden=32,
                                            num_experts=2, expert_hidden=32))
@@ -317,6 +343,7 @@ def parse(config, schema: Schema) -> ModelConfig:
     raise ValueError(f"config.model.score_clip = {m.score_clip!r} must be a number >= 0 (0 = off)")
   if not isinstance(m.final_hsp, bool):
     raise ValueError(f"config.model.final_hsp = {m.final_hsp!r} must be a bool")
+  time_buckets = _time_buckets(m.time_buckets)
   if not isinstance(m.mowe.cross_layer, bool):
     raise ValueError(f"config.model.mowe.cross_layer = {m.mowe.cross_layer!r} must be a bool")
   attention = AttentionConfig(**{**m.attention.to_dict(), "activation": "softmax"})
@@ -358,7 +385,27 @@ def parse(config, schema: Schema) -> ModelConfig:
       heads=HeadsConfig(**{**m.heads.to_dict(), "top_mlp": tuple(m.heads.top_mlp)}),
       dlrm=DLRMConfig(seq_dim=m.dlrm.seq_dim, mlp=tuple(m.dlrm.mlp)),
       interformer=InterFormerConfig(**m.interformer.to_dict()),
-      streams=names, surfaces=tuple(schema.surfaces), tasks=schema.task_names)
+      streams=names, surfaces=tuple(schema.surfaces), tasks=schema.task_names,
+      time_buckets=time_buckets)
+
+
+def _time_buckets(tb) -> TimeBucketConfig:
+  if not isinstance(tb.enabled, bool):
+    raise ValueError(f"config.model.time_buckets.enabled = {tb.enabled!r} must be a bool")
+  kinds = tb.kinds
+  if isinstance(kinds, str):
+    kinds = tuple(k.strip() for k in kinds.split(",") if k.strip())
+  kinds = tuple(kinds)
+  bad = [k for k in kinds if k not in BUCKET_KINDS]
+  if not kinds or bad or len(set(kinds)) != len(kinds):
+    raise ValueError(f"config.model.time_buckets.kinds = {tb.kinds!r} must name distinct kinds "
+                     f"from {BUCKET_KINDS} (comma-separated)")
+  _pos_int("time_buckets.num_buckets", tb.num_buckets, minimum=2)
+  h = tb.age_horizon_days
+  if isinstance(h, bool) or not isinstance(h, (int, float)) or not h > 0:
+    raise ValueError(f"config.model.time_buckets.age_horizon_days = {h!r} must be a number > 0")
+  return TimeBucketConfig(enabled=tb.enabled, kinds=kinds, num_buckets=tb.num_buckets,
+                          age_horizon_days=float(h))
 
 
 def _with_defaults(m) -> ml_collections.ConfigDict:
@@ -370,7 +417,7 @@ def _with_defaults(m) -> ml_collections.ConfigDict:
   out = default_model().to_dict()
   for k in m.keys():
     v = m[k]
-    if k in ("attention", "mowe", "heads", "dlrm", "interformer"):
+    if k in ("attention", "mowe", "heads", "dlrm", "interformer", "time_buckets"):
       for kk in v.keys():
         if kk not in out[k]:
           raise ValueError(f"config.model.{k}: unknown field {kk!r}; allowed: {sorted(out[k])}")
@@ -415,6 +462,4 @@ def validate(config, schema: Schema) -> ModelConfig:
 def seq_lens(config) -> dict[str, int]:
   """Kept length T per stream (the data pipeline pads/truncates each stream to it)."""
   m = config.model if "model" in config else config
-  if not len(m.towers):
-    raise ValueError("config.model.towers is empty: no kept lengths to report")
-  return {s: int(m.towers[s].kept_len) for s in m.towers.keys()}
+  return {s: int(m.towers[s].kept_len) for s in m.towers.keys()}   # {} for data without streams

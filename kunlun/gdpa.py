@@ -22,12 +22,17 @@ def gdpa(q, k, v, *, backend: str = "xla", seq: str = "q", **kw):
 
   Keyword arguments are those of ``pallas_kernels.gdpa``: ``activation`` (name or per-head tuple),
   ``scale`` (default ``1/sqrt(D)``), ``out_scale``, ``q_lengths``, ``kv_lengths``, ``window``,
-  ``broadcast_q``, ``interpret``, ``score_clip`` (clamp scores to ``[-c, c]`` before the
-  activation, spec h-13; None or 0 = off).
+  ``broadcast_q``, ``q_index`` / ``kv_index`` (request-level sharing: output row b reads
+  ``q[q_index[b]]`` / ``k, v[kv_index[b]]``), ``interpret``, ``score_clip`` (clamp scores to
+  ``[-c, c]`` before the activation, spec h-13; None or 0 = off). GQA: ``k, v`` may have
+  ``H_q / G`` heads.
   """
   with jax.named_scope("GDPA"):
     if backend == "xla" or kw.get("interpret") or not context.is_sharded(q if seq == "q" else k):
       return pallas_kernels.gdpa(q, k, v, backend=backend, **kw)
+    if kw.pop("q_index", None) is not None or kw.pop("kv_index", None) is not None:
+      raise ValueError("gdpa: q_index / kv_index with a context-sharded sequence and a kernel "
+                       "backend is not supported; use backend='xla' or an unsharded sequence")
     window = kw.pop("window", None)
     if window is not None:           # banded self-attention: halo exchange between shards
       return context.swa_attention(q, k, v, kw["q_lengths"], window,

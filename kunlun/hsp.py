@@ -2,7 +2,9 @@
 
 HSP: learnable seeds ``E [n_seed, d]`` (shared by the batch, GDPA ``broadcast_q``) attend to the
 sequence, ``Hs = E + GDPA(RMSNorm(E) W_q, RMSNorm(s) W_k, RMSNorm(s) W_v; act, 1/T_max) W_o``, then
-``SumKronLinear`` compresses ``RMSNorm(Hs)`` to ``n_sum`` summary tokens.
+``SumKronLinear`` compresses ``RMSNorm(Hs)`` to ``n_sum`` summary tokens. With ``time_buckets``
+the keys (the per-event side; the queries are the seeds) get per-head additive time/position
+bucket embeddings (spec b.5-2, ``kunlun.time_encoding``).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import jax.numpy as jnp
 from kunlun.attention import masked_softmax_attention
 from kunlun.gdpa import gdpa
 from kunlun.norms import rms_norm
+from kunlun.time_encoding import BucketSpec, add_bucket_embedding
 from pallas_kernels.activations import per_head
 from sharding import shard, with_axes
 
@@ -67,7 +70,8 @@ class SumKronLinear(nn.Module):
 
 
 class HSP(nn.Module):
-  """``(s [B, T, d], lengths i32[B]) -> [B, n_sum, out_dim or d]``.
+  """``(s [B, T, d], lengths i32[B], age f32[B, T] | None) -> [B, n_sum, out_dim or d]``
+  (``age`` is needed with ``time_buckets`` only).
 
   ``out_scale = 1 / t_max`` (default ``t_max = T``, the padded/kept length, spec h-1).
   """
@@ -81,9 +85,10 @@ class HSP(nn.Module):
   t_max: int | None = None
   dtype: Any = F32
   score_clip: float | None = None   # clamp GDPA scores to [-c, c] (spec h-13); None/0: off
+  time_buckets: BucketSpec | None = None   # per-head key bucket embeddings (b.5-2); None: off
 
   @nn.compact
-  def __call__(self, s, lengths):
+  def __call__(self, s, lengths, age=None):
     B, T, d = s.shape
     if d % self.heads:
       raise ValueError(f"HSP: heads={self.heads} does not divide width d={d}")
@@ -95,6 +100,7 @@ class HSP(nn.Module):
       q = _to_heads(self, "query", rms_norm(e), H, dt)
       hs = rms_norm(s)
       k, v = _to_heads(self, "key", hs, H, dt), _to_heads(self, "value", hs, H, dt)
+      k = add_bucket_embedding(self, "time_bucket_k", k, age, lengths, self.time_buckets)
       k = shard(k, ("batch", "seq", "heads", "head_dim"))
       v = shard(v, ("batch", "seq", "heads", "head_dim"))
       o = gdpa(q[None], k, v, activation=self.activation, out_scale=1.0 / (self.t_max or T),
@@ -111,15 +117,16 @@ class PMA(nn.Module):
 
   ``n_sum`` learnable queries softmax-attend to the valid events: ``Y = E + MHA(E, s)``, then
   a linear map to ``out_dim`` when given. ``(s [B, T, d], lengths) -> [B, n_sum, out_dim or d]``;
-  an empty sequence gives ``Y = E``-based output.
+  an empty sequence gives ``Y = E``-based output. ``time_buckets``: key bucket embeddings as HSP.
   """
   n_sum: int
   heads: int
   out_dim: int | None = None
   dtype: Any = F32
+  time_buckets: BucketSpec | None = None
 
   @nn.compact
-  def __call__(self, s, lengths):
+  def __call__(self, s, lengths, age=None):
     B, T, d = s.shape
     if d % self.heads:
       raise ValueError(f"PMA: heads={self.heads} does not divide width d={d}")
@@ -130,6 +137,7 @@ class PMA(nn.Module):
       q = _to_heads(self, "query", rms_norm(e), H, dt)
       hs = rms_norm(s)
       k, v = _to_heads(self, "key", hs, H, dt), _to_heads(self, "value", hs, H, dt)
+      k = add_bucket_embedding(self, "time_bucket_k", k, age, lengths, self.time_buckets)
       valid = jnp.arange(T)[None, :] < jnp.asarray(lengths, jnp.int32)[:, None]    # [B, T]
       mask = jnp.broadcast_to(valid[:, None, :], (B, self.n_sum, T))
       o = masked_softmax_attention(jnp.broadcast_to(q[None], (B,) + q.shape), k, v, mask)

@@ -1,8 +1,10 @@
 """Input stage (spec b.2, b.4, c.0b): sparse and dense tokens, LCE, per-event embeddings.
 
 Every embedding table is a parameter whose name starts with ``embedding`` and carries the logical
-axes ``(table_rows, table_dim)``; all row look-ups go through ``lookup`` so the sharding layer can
-swap in a sharded look-up in one place.
+axes ``(table_rows, table_dim)``; all row look-ups go through ``_embed_many`` /
+``sharding.embedding``, which batch a module's tables of equal width into one gather and one
+backward segment-sum per group (table-batched embeddings) and swap in the sharded exchange under
+a mesh.
 """
 
 from __future__ import annotations
@@ -22,18 +24,21 @@ F32 = jnp.float32
 
 
 # Sparse embedding update (``config.train.sparse_embedding_update``, kunlun/train/step.py): when
-# the train step applies the model with LOOKUP_IDS mutable, every table look-up (``_embed``)
-# records the ids it read in LOOKUP_IDS and adds a zero "tap" from ROW_TAPS to the rows it returns
-# (flax ``Module.perturb`` semantics: a pass with ROW_TAPS mutable creates the zero taps; a pass
-# given them adds them), so the gradient w.r.t. the taps is dLoss/d(looked-up rows). Both
-# collections mirror the params tree: entry ``<module path>/embedding_<name>``. Init and every
-# other apply (LOOKUP_IDS not mutable) are unaffected.
+# the train step applies the model with LOOKUP_IDS mutable, every table-group look-up
+# (``_embed_many``) records the group ids it read (``sharding.embedding.group_ids``) in LOOKUP_IDS
+# and adds a zero "tap" from ROW_TAPS to the flat rows it returns (flax ``Module.perturb``
+# semantics: a pass with ROW_TAPS mutable creates the zero taps; a pass given them adds them), so
+# the gradient w.r.t. the taps is dLoss/d(looked-up rows). Both collections mirror the params
+# tree: entry ``<module path>/<key>`` with ``key`` the group's table names joined by "+"
+# (``embedding_a+embedding_b``; one table: its own name). Init and every other apply
+# (LOOKUP_IDS not mutable) are unaffected.
 LOOKUP_IDS = "embedding_ids"
 ROW_TAPS = "embedding_row_taps"
+GROUP_SEP = "+"
 
 
 def lookup(table, ids):
-  """Rows of ``table [V, d]`` at ``ids i32[...]`` (in range) -> ``[..., d]``.
+  """Rows of ``table [V, d]`` at ``ids i32[...]`` (in range; negative: zero rows) -> ``[..., d]``.
 
   With no mesh this is a plain gather. Under an active mesh + logical rules whose ``table_rows``
   shard the table, rows are fetched with the all-to-all id-bucket exchange of
@@ -48,22 +53,39 @@ def _table(mod: nn.Module, name: str, rows: int, dim: int):
   return mod.param(f"embedding_{name}", with_axes(init, axes), (rows, dim), F32)
 
 
-def _embed(mod: nn.Module, name: str, rows: int, dim: int, ids):
-  """``lookup`` of ``ids`` in ``mod``'s table ``embedding_<name> [rows, dim]``, with the sparse
-  embedding update's id record and row tap (see LOOKUP_IDS above)."""
-  out = lookup(_table(mod, name, rows, dim), ids)
-  key = f"embedding_{name}"
-  if mod.is_initializing() or not mod.is_mutable_collection(LOOKUP_IDS):
-    return out
-  if mod.has_variable(LOOKUP_IDS, key):
-    raise ValueError(f"table {key!r} of {mod.name or type(mod).__name__} looked up twice in one "
-                     "call; the sparse embedding update needs one lookup per table per call")
-  mod.put_variable(LOOKUP_IDS, key, jnp.asarray(ids, jnp.int32))
-  if mod.is_mutable_collection(ROW_TAPS):
-    mod.put_variable(ROW_TAPS, key, jnp.zeros_like(out))
-  elif mod.has_variable(ROW_TAPS, key):
-    out = out + mod.get_variable(ROW_TAPS, key)
+def _embed_many(mod: nn.Module, specs):
+  """Looks up ``specs = [(name, rows, dim, ids i32[...])]`` in ``mod``'s tables
+  ``embedding_<name> [rows, dim]`` (negative ids: zero rows), batched per table group
+  (``sharding.embedding.plan_groups``), with the sparse update's id record and row tap per group
+  (see LOOKUP_IDS above). Returns the rows ``[..., dim]`` of each spec, in order."""
+  tables = [_table(mod, name, rows, dim) for name, rows, dim, _ in specs]
+  ids = [jnp.asarray(i, jnp.int32) for *_, i in specs]
+  record = not mod.is_initializing() and mod.is_mutable_collection(LOOKUP_IDS)
+  out = [None] * len(specs)
+  for grp in sharded_embedding.plan_groups(tables):
+    tg = [tables[i] for i in grp]
+    gids = sharded_embedding.group_ids([ids[i] for i in grp], [t.shape[0] for t in tg])
+    rows = sharded_embedding.lookup_flat(tg, gids)
+    if record:
+      key = GROUP_SEP.join(f"embedding_{specs[i][0]}" for i in grp)
+      if mod.has_variable(LOOKUP_IDS, key):
+        raise ValueError(f"table(s) {key!r} of {mod.name or type(mod).__name__} looked up twice "
+                         "in one call; the sparse embedding update needs one lookup per table "
+                         "per call")
+      mod.put_variable(LOOKUP_IDS, key, gids)
+      if mod.is_mutable_collection(ROW_TAPS):
+        mod.put_variable(ROW_TAPS, key, jnp.zeros_like(rows))
+      elif mod.has_variable(ROW_TAPS, key):
+        rows = rows + mod.get_variable(ROW_TAPS, key)
+    parts = sharded_embedding.split_rows(rows, [ids[i].shape for i in grp])
+    for i, r in zip(grp, parts, strict=True):
+      out[i] = r
   return out
+
+
+def _embed(mod: nn.Module, name: str, rows: int, dim: int, ids):
+  """``_embed_many`` for one table."""
+  return _embed_many(mod, [(name, rows, dim, ids)])[0]
 
 
 def _dense(features, axes, dtype, use_bias=False, name=None, init=None):
@@ -85,7 +107,7 @@ class SparseEmbed(nn.Module):
   @nn.compact
   def __call__(self, sparse: dict[str, Any]):
     with jax.named_scope("SparseEmbed"):
-      out = []
+      specs, weights = [], []
       for f in self.features:
         if f.name not in sparse:
           raise ValueError(f"sparse feature {f.name!r} missing from batch (has {sorted(sparse)})")
@@ -93,9 +115,10 @@ class SparseEmbed(nn.Module):
         if ids.ndim == 1:
           ids = ids[:, None]
         valid_bl = ids >= 0
-        rows_bld = _embed(self, f.name, f.vocab_size, self.dim,
-                          jnp.where(valid_bl, ids % f.vocab_size, 0))
-        w_bl = valid_bl.astype(F32)
+        specs.append((f.name, f.vocab_size, self.dim, jnp.where(valid_bl, ids % f.vocab_size, -1)))
+        weights.append(valid_bl.astype(F32))
+      out = []
+      for rows_bld, w_bl in zip(_embed_many(self, specs), weights, strict=True):
         n_b = jnp.sum(w_bl, axis=1, keepdims=True)
         out.append(jnp.einsum("bld,bl->bd", rows_bld, w_bl) / jnp.maximum(n_b, 1.0))
       x_bfd = jnp.stack(out, axis=1)
@@ -176,19 +199,26 @@ class EventEmbed(nn.Module):
       if missing:
         raise ValueError(f"events[{s.name!r}] lacks fields {missing}")
       side = event_side_dim(self.dim)
-      emb = lambda name, rows, ids, dim: _embed(self, name, rows, dim,
-                                                jnp.asarray(ids, jnp.int32) % rows)
-      parts = [emb("item", s.item_vocab, events["item"], self.dim),
-               emb("action", s.action_vocab, events["action"], side),
-               emb("surface", self.num_surfaces, events["surface"], side)]
+      ids = lambda name, rows: jnp.asarray(events[name], jnp.int32) % rows
+      specs = [("item", s.item_vocab, self.dim, ids("item", s.item_vocab)),
+               ("action", s.action_vocab, side, ids("action", s.action_vocab)),
+               ("surface", self.num_surfaces, side, ids("surface", self.num_surfaces))]
+      specs += [(f.name, f.vocab_size, side, ids(f.name, f.vocab_size)) for f in s.extra_fields]
+      specs.append(("time", self.num_time_buckets, side,
+                    log_time_bucket(events["age"], self.num_time_buckets)))
+      rows = _embed_many(self, specs)
+      parts = rows[:3]
       if s.extra_fields:
-        parts.append(sum(emb(f.name, f.vocab_size, events[f.name], side) for f in s.extra_fields))
-      parts.append(emb("time", self.num_time_buckets,
-                       log_time_bucket(events["age"], self.num_time_buckets), side))
-      x = jnp.concatenate(parts, axis=-1)
+        parts.append(sum(rows[3:-1]))
+      parts.append(rows[-1])
+      # in the compute dtype before the concat (the MLP casts its input to it anyway): the
+      # [B, T, d + sides] concat is written once, in bf16 under model.dtype = "bfloat16"
+      x = jnp.concatenate([p.astype(self.dtype) for p in parts], axis=-1)
       T = x.shape[1]
-      h = nn.gelu(_dense(self.dim, ("embed", "mlp"), self.dtype, True, "mlp_in")(x))
-      y = _dense(self.dim, ("mlp", "embed"), self.dtype, True, "mlp_out")(h)
+      # per-event MLP weights are ZeRO-sharded only, never tensor-parallel: a TP split of this
+      # narrow MLP would all-reduce [B, T, d] activations in both passes for d^2 weights
+      h = nn.gelu(_dense(self.dim, ("embed", None), self.dtype, True, "mlp_in")(x))
+      y = _dense(self.dim, (None, "embed"), self.dtype, True, "mlp_out")(h)
       valid_bt = jnp.arange(T)[None, :] < jnp.asarray(events["length"], jnp.int32)[:, None]
       y = jnp.where(valid_bt[..., None], y, 0).astype(self.dtype)
       return shard(y, ("batch", "seq", "embed"))

@@ -14,7 +14,14 @@ layer's inputs (InterFormer order, spec d.1):
       ``config.model.final_hsp`` (off by default: not in spec d.1 / d.4)
 
 The per-tower schedule lives in ``kunlun.towers.schedule``; skipped modules are never built, so
-they are absent from the layer's parameters and jaxpr.
+they are absent from the layer's parameters and jaxpr. ``remat`` (a ``kunlun.remat`` policy)
+wraps each module of the layer separately (``config.train.remat_scope = "tower"``).
+
+Shared serving path (spec d.6, ``kunlun.serve``): with ``request_index i32[N]``, ``x`` has ad
+rows and a tower's ``seqs``/``lengths``/``ages`` or a ``summaries`` entry may be
+``request_rows.PerRequest`` (request rows). HSP / attention on a request-level sequence run once
+per request; the PFFN reads the request's sequence through ``q_index`` and returns ad rows, and so
+does every later module of that tower; summaries enter MoWE gathered to ad rows.
 """
 
 from __future__ import annotations
@@ -23,9 +30,11 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from kunlun import request_rows as rows
 from kunlun.config import ModelConfig
 from kunlun.mowe import MoWE
 from kunlun.pffn import PFFN
+from kunlun.remat import wrap
 from kunlun.towers import make_attention, make_pooling, schedule
 from kunlun.weightgen import WeightGen
 from sharding import shard, with_axes
@@ -40,14 +49,20 @@ def summary_proj(d_ns: int, dtype, name: str):
 
 
 class KunlunLayer(nn.Module):
-  """``(x, seqs, lengths, ages, summaries) -> (x', seqs', summaries')`` (dicts keyed by tower)."""
+  """``(x, seqs, lengths, ages, summaries[, request_index]) -> (x', seqs', summaries')`` (dicts
+  keyed by tower)."""
   cfg: ModelConfig
   index: int
+  remat: str = "none"
 
   @nn.compact
-  def __call__(self, x, seqs, lengths, ages, summaries):
-    cfg, dt = self.cfg, DTYPES[self.cfg.dtype]
+  def __call__(self, x, seqs, lengths, ages, summaries, request_index=None):
+    cfg, dt, rm = self.cfg, DTYPES[self.cfg.dtype], self.remat
+    ri, tb = request_index, cfg.time_buckets.enabled     # tb: HSP / PFFN read the ages
     seqs, summaries = dict(seqs), dict(summaries)
+    # lengths / ages follow their sequence to ad rows (after an earlier layer's PFFN)
+    lengths = {n: rows.like(seqs[n], v, ri) if n in seqs else v for n, v in lengths.items()}
+    ages = {n: rows.like(seqs[n], v, ri) if n in seqs else v for n, v in ages.items()}
     with jax.named_scope(f"KunlunLayer_{self.index}"):
       plans = {t.name: schedule(t, self.index, cfg.comp_skip, cfg.final_hsp)
                for t in cfg.seq_towers}
@@ -55,30 +70,41 @@ class KunlunLayer(nn.Module):
       for t in cfg.seq_towers:                                   # interaction block (1), (2)
         p = plans[t.name]
         if p.weightgen:
-          kv[t.name] = WeightGen(t.n_kv, t.heads, t.width, cfg.key_norm, dt,
+          kv[t.name] = wrap(WeightGen, rm)(t.n_kv, t.heads, t.width, cfg.key_norm, dt,
                                  name=f"{t.name}_weightgen")(x)
         if p.hsp:
-          summaries[t.name] = make_pooling(cfg, t, dt, f"{t.name}_hsp")(seqs[t.name],
-                                                                       lengths[t.name])
+          summaries[t.name] = rows.apply(make_pooling(cfg, t, dt, f"{t.name}_hsp", remat=rm),
+                                         ri, seqs[t.name], lengths[t.name],
+                                         ages[t.name] if tb else None)
         if t.name not in summaries:
           raise ValueError(f"tower {t.name!r} has no summary at layer {self.index}: layer 0 must "
                            "run its HSP (depth >= 1)")
-      tokens = [x.astype(dt)] + [summary_proj(cfg.d_ns, dt, f"{t.name}_proj")(summaries[t.name])
-                                 for t in cfg.seq_towers]
+      tokens = [x.astype(dt)] + [
+          rows.to_ads(rows.apply(summary_proj(cfg.d_ns, dt, f"{t.name}_proj"), ri,
+                                 summaries[t.name]), ri) for t in cfg.seq_towers]
       x_in = shard(jnp.concatenate(tokens, axis=1), ("batch", "tokens", "embed"))
-      x_new = MoWE(cfg.mowe.num_experts, cfg.mowe.layers_per_expert, cfg.n_ns, cfg.mowe.rank,
-                   cfg.mowe.mlp_hidden, dtype=dt, cross_layer=cfg.mowe.cross_layer,
-                   name="mowe")(x_in)                                              # (3)
+      x_new = wrap(MoWE, rm)(cfg.mowe.num_experts, cfg.mowe.layers_per_expert, cfg.n_ns,
+                             cfg.mowe.rank, cfg.mowe.mlp_hidden, dtype=dt,
+                             cross_layer=cfg.mowe.cross_layer, name="mowe")(x_in)   # (3)
       for t in cfg.seq_towers:                                   # transformer block (4), (5)
         p, s = plans[t.name], seqs[t.name]
+        n_len, age = lengths[t.name], ages[t.name]
         if p.pffn:
           k, v = kv[t.name]
-          s = PFFN(t.heads, cfg.pffn_activation, cfg.backend, dt,
-                   score_clip=cfg.score_clip or None, name=f"{t.name}_pffn")(
-              s, lengths[t.name], k, v)
+          pffn = wrap(PFFN, rm)(t.heads, cfg.pffn_activation, cfg.backend, dt,
+                                score_clip=cfg.score_clip or None,
+                                time_buckets=cfg.time_buckets.spec(t), name=f"{t.name}_pffn")
+          if rows.is_shared(s):          # request-level sequence, ad-level K/V -> ad rows
+            s = pffn(s.value, n_len.value, k, v, age.value if tb else None, q_index=ri)
+            n_len, age = rows.to_ads(n_len, ri), rows.to_ads(age, ri)
+          else:
+            s = pffn(s, n_len, k, v, age if tb else None)
         if p.attention:
-          s = make_attention(cfg, t, dt, f"{t.name}_attention")(s, lengths[t.name], ages[t.name])
+          s = rows.apply(make_attention(cfg, t, dt, f"{t.name}_attention", remat=rm), ri, s,
+                         n_len, age)
         if p.final_hsp:
-          summaries[t.name] = make_pooling(cfg, t, dt, f"{t.name}_final_hsp")(s, lengths[t.name])
+          summaries[t.name] = rows.apply(
+              make_pooling(cfg, t, dt, f"{t.name}_final_hsp", remat=rm), ri, s, n_len,
+              age if tb else None)
         seqs[t.name] = s
       return x_new, seqs, summaries

@@ -7,6 +7,16 @@ and per-(surface, task) heads; the example's own surface is selected.
 
 Batch layout: ``data/schema.py``. Stream arrays may be longer than the tower's kept length (extra
 padding): every length-dependent scale uses the configured kept length, so padding is inert.
+
+Serving (``kunlun.serve``, spec d.6): ``representations(batch, request_index=ri)`` takes the
+context features (``sparse``, ``dense``, ``surface``) with one row per candidate ad (``N``), the
+``events`` with one row per request (``R``) and ``ri i32[N]`` (each ad's request); the event
+embeddings and every module that reads only them run once per request. The outputs equal those of
+``N`` separate examples (events repeated per ad).
+
+Rematerialisation (``config.train.remat`` / ``remat_scope``, ``kunlun/remat.py``) wraps each
+Kunlun layer (or each tower module inside it) and the per-stream event embeddings; the parameter
+tree does not change. The serving path never rematerialises.
 """
 
 from __future__ import annotations
@@ -17,6 +27,8 @@ import jax.numpy as jnp
 
 from data.schema import Schema
 from kunlun import baselines
+from kunlun import remat as remat_lib
+from kunlun import request_rows as rows
 from kunlun.common import apply_heads, embed_context, embed_streams
 from kunlun.config import ARCHS, ModelConfig, parse
 from kunlun.inputs import EventEmbed
@@ -27,42 +39,61 @@ from kunlun.oneseq import StreamMerge
 __all__ = ["Kunlun", "build_model", "embed_sequences", "embed_context", "apply_heads"]
 
 
-def embed_sequences(cfg: ModelConfig, schema: Schema, batch, dtype):
-  """Per tower: ``(seqs {name: [B, T, d]}, lengths {name: i32[B]}, ages {name: f32[B, T]})``."""
+def embed_sequences(cfg: ModelConfig, schema: Schema, batch, dtype, remat: str = "none"):
+  """Per tower: ``(seqs {name: [B, T, d]}, lengths {name: i32[B]}, ages {name: f32[B, T]})``.
+  ``remat``: a ``kunlun.remat`` policy applied to each stream's EventEmbed."""
   ev = batch["events"]
+  Embed = remat_lib.wrap(EventEmbed, remat)
   if cfg.seq_mode == "oneseq":
     t = cfg.oneseq
-    s_list = [EventEmbed(st, len(schema.surfaces), t.width, cfg.num_time_buckets, dtype,
-                         name=f"embed_{st.name}")(ev[st.name]) for st in schema.streams]
+    s_list = [Embed(st, len(schema.surfaces), t.width, cfg.num_time_buckets, dtype,
+                    name=f"embed_{st.name}")(ev[st.name]) for st in schema.streams]
     s, lengths, age, _ = StreamMerge(len(schema.streams), t.kept_len, name="oneseq_merge")(
         s_list, [jnp.asarray(ev[n]["length"], jnp.int32) for n in schema.stream_names],
         [jnp.asarray(ev[n]["age"], jnp.float32) for n in schema.stream_names])
     return {t.name: s}, {t.name: lengths}, {t.name: age}
-  return embed_streams(cfg.towers, schema, batch, dtype, cfg.num_time_buckets)
+  return embed_streams(cfg.towers, schema, batch, dtype, cfg.num_time_buckets, embed=Embed)
 
 
 class Kunlun(nn.Module):
   """``apply({"params": p}, batch, train) -> logits f32[B, K]``;
   ``method="representations"`` -> ``{"pooled" [B, d_rep], "summaries" {tower: [B, n_sum, d_e]},
-  "logits" [B, K]}``."""
+  "logits" [B, K]}``; with ``request_index`` (serving) ``B`` is the number of ads (module doc).
+  ``remat`` / ``remat_scope``: ``kunlun.remat`` policy and scope (training)."""
   cfg: ModelConfig
   schema: Schema
+  remat: str = "none"
+  remat_scope: str = "layer"
 
   def __call__(self, batch, train: bool = False):
     return self.representations(batch, train)["logits"]
 
   @nn.compact
-  def representations(self, batch, train: bool = False):
+  def representations(self, batch, train: bool = False, request_index=None):
     del train                                   # no dropout / batch statistics
     cfg, dt = self.cfg, DTYPES[self.cfg.dtype]
     with jax.named_scope("Kunlun"):
       x = embed_context(cfg, self.schema, batch, dt)
-      seqs, lengths, ages = embed_sequences(cfg, self.schema, batch, dt)
-      x, seqs = self.extra_inputs(batch, x, seqs, lengths)
+      remat = self.remat if request_index is None else "none"
+      seqs, lengths, ages = embed_sequences(cfg, self.schema, batch, dt, remat)
+      if request_index is None:
+        x, seqs = self.extra_inputs(batch, x, seqs, lengths)
+      else:                                     # shared serving path: sequences per request
+        if type(self).extra_inputs is not Kunlun.extra_inputs:
+          raise ValueError(f"{type(self).__name__} adds model inputs (extra_inputs); the shared "
+                           "serving path supports the plain Kunlun model only")
+        ri = jnp.asarray(request_index, jnp.int32)
+        seqs, lengths, ages = ({n: rows.PerRequest(v) for n, v in d.items()}
+                               for d in (seqs, lengths, ages))
       summaries = {}
+      per_layer = self.remat_scope == "layer"
+      Layer = remat_lib.wrap(KunlunLayer, remat if per_layer else "none")
+      inner = "none" if per_layer else remat
       for l in range(cfg.num_layers):
-        x, seqs, summaries = KunlunLayer(cfg, l, name=f"layer_{l}")(x, seqs, lengths, ages,
-                                                                     summaries)
+        x, seqs, summaries = Layer(cfg, l, inner, name=f"layer_{l}")(
+            x, seqs, lengths, ages, summaries, *(() if request_index is None else (ri,)))
+      if request_index is not None:
+        summaries = {n: rows.to_ads(v, ri) for n, v in summaries.items()}
       return apply_heads(cfg, x, summaries, batch["surface"], dt)
 
   def extra_inputs(self, batch, x_bnd, seqs, lengths):
@@ -79,12 +110,16 @@ def build_model(config, schema: Schema) -> nn.Module:
   Raises ValueError naming the offending field and the allowed values.
   """
   cfg = parse(config, schema)
+  train = config.get("train") if "model" in config else None
+  remat = str(train.get("remat", "none")) if train is not None else "none"
+  scope = str(train.get("remat_scope", "layer")) if train is not None else "layer"
+  remat_lib.check(remat, scope)
   if cfg.arch == "kunlun":
-    return Kunlun(cfg, schema)
+    return Kunlun(cfg, schema, remat, scope)
   if cfg.arch == "interformer":
     return InterFormer(cfg, schema)
   if cfg.arch == "kunlun_ablated":
-    return Kunlun(baselines.ablated_config(cfg), schema)
+    return Kunlun(baselines.ablated_config(cfg), schema, remat, scope)
   if cfg.arch == "dlrm":
     return baselines.DLRM(cfg, schema)
   raise ValueError(f"config.model.arch = {cfg.arch!r}; allowed: {ARCHS}")

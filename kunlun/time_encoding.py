@@ -1,11 +1,26 @@
 """Time encodings of events (spec b.5, h-12).
 
-* ``log_time_bucket``: log2-bucketed event->request gap, for an additive learned embedding.
+* ``log_time_bucket``: log2-bucketed event->request gap, for an additive learned embedding
+  (the event MLP input, ``kunlun.inputs.EventEmbed``).
 * ``rotary_time``: rotary angles. The first ``ceil(H / 2)`` heads are temporal (ROTE, angle
   ``omega_i * log(1 + age / t_scale)``), the others positional (ordinary RoPE on the index),
   ``omega_i = 10000 ** (-2 i / head_dim)``. The returned ``(cos, sin)`` pair is the per-head
   layout taken by ``pallas_kernels.block_attention(rotary=...)`` and
   ``pallas_kernels.reference.apply_rotary`` (half-split rotation).
+
+* Per-head additive bucket embeddings (spec b.5-2, ``config.model.time_buckets``): every event
+  gets one bucket id per kind (``bucket_ids``), and a module adds ``sum_kind E_kind[id]`` (a
+  learned ``[kinds, n_buckets, H, d_h]`` table, zero-initialised: the switch starts as a no-op)
+  to the per-token operand of its GDPA / attention (``add_bucket_embedding``): the queries of
+  self-attention (after QK-norm, before the rotary encoding, so the logits stay relative) and of
+  the PFFN; in HSP the queries are the learned seeds and the events are the keys, so HSP adds it
+  to its keys. Kinds (``BUCKET_KINDS``):
+
+  - ``age``: even-width event->request buckets, ``floor(age / (horizon / n))``;
+  - ``log_age``: log2 event->request buckets (as ``log_time_bucket``);
+  - ``gap``: log2 gap to the previous (older) event; bucket 0 = no previous event;
+  - ``position``: even-width recency rank (``length - 1 - t``; 0 = most recent) over the tower's
+    kept length, so padding a batch longer changes nothing.
 
 Choice: with a single head the head is temporal (``ceil``), because time is the signal that
 index distance cannot carry.
@@ -13,9 +28,16 @@ index distance cannot carry.
 
 from __future__ import annotations
 
+import dataclasses
+
+import flax.linen as nn
 import jax.numpy as jnp
 
+from sharding import with_axes
+
 ROPE_BASE = 10000.0
+BUCKET_KINDS = ("age", "log_age", "gap", "position")
+DAY = 86_400.0
 
 
 def log_time_bucket(age, num_buckets: int):
@@ -55,3 +77,72 @@ def rotary_time(age, heads: int, head_dim: int, t_scale: float = 60.0):
   x_bth = jnp.where(is_time_h[None, None, :], tau_bt[..., None], pos_bt[..., None])
   ang = x_bth[..., None] * omega                                        # [B, T, H, D/2]
   return jnp.cos(ang), jnp.sin(ang)
+
+
+@dataclasses.dataclass(frozen=True)
+class BucketSpec:
+  """Per-head bucket embeddings of one tower's modules (``bucket_ids``, ``add_bucket_embedding``).
+
+  ``kinds`` from ``BUCKET_KINDS``; ``num_buckets`` per kind; ``age_horizon`` seconds covered by
+  the even-width age buckets (older events share the last one); ``kept_len`` the tower's kept
+  length (position buckets)."""
+  kinds: tuple[str, ...]
+  num_buckets: int
+  age_horizon: float
+  kept_len: int
+
+
+def even_age_bucket(age, num_buckets: int, horizon: float):
+  """``age f32[B, T]`` (seconds) -> ``i32[B, T]`` = clip(floor(age * n / horizon), 0, n - 1)."""
+  a = jnp.maximum(jnp.asarray(age, jnp.float32), 0.0)
+  return jnp.clip(jnp.floor(a * (num_buckets / horizon)).astype(jnp.int32), 0, num_buckets - 1)
+
+
+def gap_bucket(age, num_buckets: int):
+  """Log2 gap to the previous (older) event: ``age f32[B, T]`` (oldest first) -> ``i32[B, T]``.
+
+  Bucket 0: the first event (no previous one); else ``1 + clip(floor(log2(max(gap, 1))), 0,
+  n - 2)`` with ``gap_t = age_{t-1} - age_t`` (clamped at 0)."""
+  if num_buckets < 2:
+    raise ValueError(f"gap buckets need num_buckets >= 2, got {num_buckets}")
+  a = jnp.asarray(age, jnp.float32)
+  gap = jnp.maximum(a[:, :-1] - a[:, 1:], 0.0)
+  b = 1 + jnp.clip(jnp.floor(jnp.log2(jnp.maximum(gap, 1.0))).astype(jnp.int32), 0,
+                   num_buckets - 2)
+  return jnp.concatenate([jnp.zeros_like(b[:, :1]), b], axis=1)
+
+
+def position_bucket(lengths, T: int, num_buckets: int, kept_len: int):
+  """Recency rank ``r = length - 1 - t`` -> ``i32[B, T]`` = clip(floor(r * n / kept_len), 0, n-1)
+  (padding slots: bucket 0; their rows are masked downstream)."""
+  r = jnp.asarray(lengths, jnp.int32)[:, None] - 1 - jnp.arange(T)[None, :]
+  b = (jnp.maximum(r, 0) * num_buckets) // kept_len
+  return jnp.clip(b, 0, num_buckets - 1).astype(jnp.int32)
+
+
+def bucket_ids(age, lengths, spec: BucketSpec):
+  """``age f32[B, T]``, ``lengths i32[B]`` -> ``i32[B, T, len(spec.kinds)]``."""
+  n, T = spec.num_buckets, age.shape[1]
+  make = {"age": lambda: even_age_bucket(age, n, spec.age_horizon),
+          "log_age": lambda: log_time_bucket(age, n),
+          "gap": lambda: gap_bucket(age, n),
+          "position": lambda: position_bucket(lengths, T, n, spec.kept_len)}
+  bad = [k for k in spec.kinds if k not in make]
+  if bad:
+    raise ValueError(f"unknown time-bucket kind(s) {bad}; allowed: {BUCKET_KINDS}")
+  return jnp.stack([make[k]() for k in spec.kinds], axis=-1)
+
+
+def add_bucket_embedding(mod: nn.Module, name: str, x_bthc, age, lengths, spec: BucketSpec | None):
+  """``x [B, T, H, d_h] + sum_k E[k, id_k]`` with ``E`` the parameter ``name`` of ``mod``
+  (``f32[kinds, n_buckets, H, d_h]``, zeros at init); ``x`` unchanged when ``spec`` is None."""
+  if spec is None:
+    return x_bthc
+  if age is None or lengths is None:
+    raise ValueError(f"{type(mod).__name__}: time buckets need the events' age and lengths")
+  _, T, H, dh = x_bthc.shape
+  table = mod.param(name, with_axes(nn.initializers.zeros, (None, None, "heads", "head_dim")),
+                    (len(spec.kinds), spec.num_buckets, H, dh), jnp.float32)
+  ids = bucket_ids(jnp.asarray(age, jnp.float32)[:, :T], lengths, spec)        # [B, T, K]
+  emb = sum(table[k][ids[..., k]] for k in range(len(spec.kinds)))           # [B, T, H, dh]
+  return (x_bthc.astype(jnp.float32) + emb).astype(x_bthc.dtype)

@@ -27,6 +27,7 @@ import dataclasses
 from kunlun.attention import SeqAttention
 from kunlun.config import ModelConfig, TowerConfig
 from kunlun.hsp import HSP, PMA
+from kunlun.remat import wrap
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,19 +64,27 @@ def attention_t_max(cfg: ModelConfig, tower: TowerConfig) -> int:
   return tower.kept_len
 
 
-def make_attention(cfg: ModelConfig, tower: TowerConfig, dtype, name: str, kind: str | None = None):
-  return SeqAttention(heads=tower.heads, kind=kind or cfg.attention.kind, window=tower.window,
-                      block_size=cfg.attention.block_size, activation=cfg.attention.activation,
-                      qk_norm=cfg.attention.qk_norm, rotary=cfg.attention.rotary,
-                      backend=cfg.backend, t_max=attention_t_max(cfg, tower), dtype=dtype,
-                      score_clip=cfg.score_clip or None, name=name)
+def make_attention(cfg: ModelConfig, tower: TowerConfig, dtype, name: str, kind: str | None = None,
+                   remat: str = "none"):
+  """The tower's SeqAttention (``remat``: a ``kunlun.remat`` policy wrapping it)."""
+  Attention = wrap(SeqAttention, remat)
+  return Attention(heads=tower.heads, kind=kind or cfg.attention.kind, window=tower.window,
+                   block_size=cfg.attention.block_size, activation=cfg.attention.activation,
+                   qk_norm=cfg.attention.qk_norm, rotary=cfg.attention.rotary,
+                   backend=cfg.backend, t_max=attention_t_max(cfg, tower), dtype=dtype,
+                   score_clip=cfg.score_clip or None,
+                   time_buckets=cfg.time_buckets.spec(tower), name=name)
 
 
 def make_pooling(cfg: ModelConfig, tower: TowerConfig, dtype, name: str,
-                 pooling: str | None = None):
-  """HSP (default) or PMA summarising ``[B, T, d_e]`` into ``[B, n_sum, d_e]``."""
+                 pooling: str | None = None, remat: str = "none"):
+  """HSP (default) or PMA summarising ``[B, T, d_e]`` into ``[B, n_sum, d_e]`` (``remat``: a
+  ``kunlun.remat`` policy wrapping it)."""
+  tb = cfg.time_buckets.spec(tower)
   if (pooling or cfg.pooling) == "pma":
-    return PMA(n_sum=tower.n_sum, heads=tower.heads, dtype=dtype, name=name)
-  return HSP(n_seed=tower.n_seed, n_sum=tower.n_sum, heads=tower.heads, rank=cfg.hsp_rank,
-             activation=cfg.hsp_activation, backend=cfg.backend, t_max=tower.kept_len,
-             dtype=dtype, score_clip=cfg.score_clip or None, name=name)
+    return wrap(PMA, remat)(n_sum=tower.n_sum, heads=tower.heads, dtype=dtype, time_buckets=tb,
+                            name=name)
+  Pooling = wrap(HSP, remat)
+  return Pooling(n_seed=tower.n_seed, n_sum=tower.n_sum, heads=tower.heads, rank=cfg.hsp_rank,
+                 activation=cfg.hsp_activation, backend=cfg.backend, t_max=tower.kept_len,
+                 dtype=dtype, score_clip=cfg.score_clip or None, time_buckets=tb, name=name)

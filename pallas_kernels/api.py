@@ -1,8 +1,16 @@
-"""Backend dispatch for the kernels. Backends register themselves lazily by name."""
+"""Backend dispatch for the kernels. Backends register themselves lazily by name.
+
+``backend="auto"`` picks per device and shape class from ``backend_table.json`` (written by
+``bench/kernels.py --write_table`` from measured, checked timings; see ``select_backend``).
+"""
 
 from __future__ import annotations
 
+import functools
 import importlib
+import importlib.util
+import json
+import os
 
 import jax
 
@@ -19,6 +27,7 @@ _BLOCK = {
     "pallas": "pallas_kernels.pallas_block:block_attention_pallas",
 }
 BACKENDS = ("xla", "pallas", "triton", "auto")
+TABLE_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "backend_table.json")
 
 
 def register_backend(kind: str, name: str, target: str) -> None:
@@ -26,15 +35,65 @@ def register_backend(kind: str, name: str, target: str) -> None:
   {"gdpa": _GDPA, "block_attention": _BLOCK}[kind][name] = target
 
 
-def _resolve(table: dict, backend: str, kind: str):
+def shape_class(kind: str, tq: int, tk: int) -> str:
+  """The table's shape class: block attention is one class; GDPA is ``cross`` (short kv, long q:
+  the PFFN), ``pool`` (short q, long kv: HSP seeds) or ``self`` (comparable lengths)."""
+  if kind == "block_attention":
+    return "block"
+  if tk <= 256 and tq >= 4 * tk:
+    return "cross"
+  if tq <= 256 and tk >= 4 * tq:
+    return "pool"
+  return "self"
+
+
+@functools.cache
+def load_table(path: str = TABLE_PATH) -> dict:
+  """The committed backend table (``{}`` when there is none)."""
+  if not os.path.exists(path):
+    return {}
+  with open(path) as f:
+    return json.load(f)
+
+
+def _has_jax_triton() -> bool:
+  return importlib.util.find_spec("jax_triton") is not None
+
+
+def select_backend(kind: str, tq: int, tk: int, *, mode: str = "fwd_bwd", device_kind=None,
+                   platform=None, table=None, has_jax_triton=None) -> str:
+  """The fastest correct backend for ``kind`` ("gdpa" / "block_attention") at this shape class.
+
+  ``mode``: "fwd_bwd" (training, the default: ``auto`` cannot know whether a gradient follows)
+  or "fwd" (inference). The table maps device kind -> kind -> shape class -> mode -> backend.
+  Without an entry: CPU -> xla; GPU -> for GDPA triton when jax-triton is importable, else xla
+  (never pallas: its GDPA backward was measured slower than XLA's); for block attention pallas
+  (measured 2.1x XLA forward+backward on the H200).
+  """
+  platform = platform or jax.default_backend()
+  if platform != "gpu":
+    return "xla"
+  device_kind = device_kind or jax.devices()[0].device_kind
+  table = load_table() if table is None else table
+  entry = (table.get("devices", {}).get(device_kind, {}).get(kind, {})
+           .get(shape_class(kind, tq, tk), {}).get(mode))
+  has_jt = _has_jax_triton() if has_jax_triton is None else has_jax_triton
+  if entry and (entry != "triton" or has_jt):
+    return entry
+  if kind == "block_attention":
+    return "pallas"
+  return "triton" if has_jt else "xla"
+
+
+def _resolve(table: dict, backend: str, kind: str, tq: int, tk: int):
   if backend not in BACKENDS:
     raise ValueError(f"unknown {kind} backend {backend!r}; allowed: {BACKENDS}")
   if backend == "auto":
-    backend = "pallas" if (jax.default_backend() == "gpu" and "pallas" in table) else "xla"
+    backend = select_backend(kind, tq, tk)
   if backend not in table:
     raise ValueError(f"{kind} backend {backend!r} is not available (registered: {sorted(table)})")
   mod, fn = table[backend].split(":")
-  return getattr(importlib.import_module(mod), fn)
+  return backend, getattr(importlib.import_module(mod), fn)
 
 
 def _interpret(backend: str, interpret: bool) -> bool:
@@ -43,21 +102,26 @@ def _interpret(backend: str, interpret: bool) -> bool:
 
 
 def gdpa(q, k, v, *, activation="fast_gelu", scale=None, out_scale=1.0, q_lengths=None,
-         kv_lengths=None, window=None, broadcast_q=False, backend="auto", interpret=False,
-         score_clip=None, **tuning):
+         kv_lengths=None, window=None, broadcast_q=False, q_index=None, kv_index=None,
+         backend="auto", interpret=False, score_clip=None, **tuning):
   """See ``pallas_kernels.reference.gdpa_reference`` for the exact semantics.
 
+  ``q [Bq, Tq, H_q, D]``, ``k, v [Bk, Tk, H_kv, D]`` (GQA: ``H_q = G * H_kv``) -> ``[B, Tq, H_q,
+  D]``. ``q_index`` / ``kv_index`` (``i32[B]`` or None): output row b reads ``q[q_index[b]]`` /
+  ``k, v[kv_index[b]]`` (request-level sharing; the kernels index in place, nothing is
+  gathered); ``q_lengths`` / ``kv_lengths`` are indexed like their operand.
   ``score_clip``: clamp ``scale * q.k`` to ``[-score_clip, score_clip]`` before the activation
   (spec h-13; zero gradient where clamped); None or 0 = off. Every backend implements it.
 
   ``tuning``: backend-only options passed through (pallas: ``block_q``, ``block_k``,
-  ``block_q_bwd``, ``block_k_bwd``, ``num_warps``, ``num_stages``, ``fp8``; triton: ``block_q``,
-  ``block_k``, ``num_warps``, ``num_stages``); the xla backend accepts none.
+  ``block_q_bwd``, ``block_k_bwd``, ``num_warps``, ``num_stages``, ``fp8``; triton: ``config``);
+  the xla backend accepts none.
   """
-  fn = _resolve(_GDPA, backend, "gdpa")
+  name, fn = _resolve(_GDPA, backend, "gdpa", q.shape[1], k.shape[1])
   return fn(q, k, v, activation=activation, scale=scale, out_scale=out_scale,
             q_lengths=q_lengths, kv_lengths=kv_lengths, window=window, broadcast_q=broadcast_q,
-            interpret=_interpret(backend, interpret), score_clip=score_clip, **tuning)
+            q_index=q_index, kv_index=kv_index, interpret=_interpret(name, interpret),
+            score_clip=score_clip, **tuning)
 
 
 def block_attention(q, k, v, *, block_size=64, activation="softmax", lengths=None, rotary=None,
@@ -66,9 +130,9 @@ def block_attention(q, k, v, *, block_size=64, activation="softmax", lengths=Non
 
   ``score_clip`` clamps the scores of GDPA activations (as in ``gdpa``); softmax ignores it.
   """
-  fn = _resolve(_BLOCK, backend, "block_attention")
+  name, fn = _resolve(_BLOCK, backend, "block_attention", q.shape[1], q.shape[1])
   return fn(q, k, v, block_size=block_size, activation=activation, lengths=lengths,
-            rotary=rotary, interpret=_interpret(backend, interpret), score_clip=score_clip)
+            rotary=rotary, interpret=_interpret(name, interpret), score_clip=score_clip)
 
 
-__all__ = ["gdpa", "block_attention", "register_backend", "reference"]
+__all__ = ["gdpa", "block_attention", "register_backend", "select_backend", "reference"]

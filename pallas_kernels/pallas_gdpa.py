@@ -1,20 +1,30 @@
-"""GDPA in Pallas (Triton-style ``pallas_call`` with BlockSpecs; ``interpret=True`` runs on CPU).
+"""GDPA in Pallas (Triton lowering on GPU; ``interpret=True`` runs the same kernels on CPU).
 
-Forward: grid ``(B, H, Tq / bq)``; each program keeps one q tile and walks the kv tiles that can
-hold a visible key (lengths and window bound the loop, so fully masked tiles are never touched).
-Backward (``jax.custom_vjp``, no softmax state; scores are recomputed): a dq kernel with the same
-grid and loop, and a dk/dv kernel with grid ``(B, H, Tk / bk)`` walking the q tiles.
+q, k, v stay in HBM in the caller's ``[B, T, H, D]`` layout (no padding copy, no gather): each
+program computes its own row pointers from the program ids, so the request-level ``q_index`` /
+``kv_index`` (which q / k-v row an output row reads) and GQA (q head ``h`` reads k/v head
+``h // G``) are a pointer offset. Loads are masked by the lengths and fill zeros; since every
+activation has ``act(0) = 0`` and zero-filled v rows contribute nothing, the inner loops need no
+length mask at all (only the optional window adds one). That also keeps NaN/Inf stored beyond
+the lengths out of every result.
 
-``score_clip`` clamps ``scale * q.k`` to ``[-c, c]`` before the activation in every kernel; the
-backward kernels zero the score gradient where the raw score lies outside (spec h-13).
+Forward: grid ``(B, H_q, Tq / bq)``; a program keeps its q tile and walks the kv tiles that
+lengths and window leave visible. Backward (``jax.custom_vjp``, scores recomputed, no softmax
+state): a dq kernel on the forward grid, and a dk/dv kernel on ``(B, H_kv, Tk / bk)`` that walks
+the G q heads of its kv head and their q tiles, computing transposed score tiles (``k q^T``) so
+that ``dv += p^T do`` and ``dk += ds^T q`` need no register transposes. Scales are applied once
+to the accumulators, not per score. With ``q_index`` (``kv_index``) the kernels write per-output-
+row fp32 partial gradients that are summed into the shared rows afterwards (segment sum).
 
-Numerics: dots accumulate in float32 (``plgpu.dot``); ``act(s)`` is cast to the value dtype before
-the second dot (bf16 inputs -> bf16 P, as flash attention does). Padded or masked rows are zeroed
-on load, so NaN/Inf stored beyond the lengths never reaches a valid output or gradient.
+Numerics: dots accumulate in fp32; ``act(s)`` and ``ds`` are rounded to the value dtype before
+their matmuls (bf16 P, as flash attention does); fp32 inputs use full-precision dots. For 16-bit
+inputs on a GPU, tanh / sigmoid in the activations use the hardware approximations
+(``activations.kernel_fn(fast=True)``).
 
-fp8 (``fp8=True``, forward only): q, k, v are quantised to float8_e4m3fn with one scale per tensor
-(amax / 448); q.k runs in fp8 with f32 accumulation and the scales are folded into ``scale`` /
-``out_scale``; P.V runs in bf16 (v upcast from fp8), since act(s) has no bounded range.
+fp8 (``fp8=True``, forward only, no index / GQA): q, k, v are quantised to float8_e4m3fn with one
+scale per tensor (amax / 448); q.k runs in fp8 with f32 accumulation and the scales are folded
+into ``scale`` / ``out_scale``; P.V runs in bf16 (v upcast from fp8), since act(s) has no bounded
+range.
 """
 
 from __future__ import annotations
@@ -28,8 +38,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels import _poison, activations
-from pallas_kernels.reference import check_gdpa_args, score_clip_value
+from pallas_kernels import _poison, activations, tuning
+from pallas_kernels.api import shape_class
+from pallas_kernels.reference import resolve_rows, score_clip_value
 
 _F32 = jnp.float32
 _E4M3_MAX = 448.0
@@ -41,7 +52,9 @@ class _Cfg(NamedTuple):
   scale: float
   out_scale: float
   window: int | None
-  broadcast_q: bool
+  groups: int          # G = H_q / H_kv
+  has_qi: bool         # q rows come through q_index
+  has_ki: bool         # k/v rows come through kv_index
   bq: int
   bk: int
   bq_bwd: int
@@ -50,14 +63,11 @@ class _Cfg(NamedTuple):
   num_warps: int | None = None
   num_stages: int | None = None
   score_clip: float | None = None   # clamp scores to [-c, c] before the activation; None: off
+  fast: bool = False                # hardware tanh / sigmoid (16-bit inputs on a GPU)
+  fp8: bool = False                 # forward only: fp8 q, k, v and a per-tensor q.k scale input
 
   def params(self):
     return plgpu.CompilerParams(num_warps=self.num_warps, num_stages=self.num_stages)
-
-
-def _tile(n: int, block: int) -> int:
-  """A power-of-two tile <= block covering small n (>= 16, Triton's minimum dot size)."""
-  return min(block, max(16, pl.next_power_of_2(n)))
 
 
 def _precision(dtype):
@@ -73,17 +83,6 @@ def _span(start, tile, other_tile, n_other, other_len, window):
   return lo, jnp.maximum(hi, lo)
 
 
-def _mask(rows, cols, q_len, kv_len, window):
-  m = (rows < q_len)[:, None] & (cols < kv_len)[None, :]
-  if window is not None:
-    m = m & (jnp.abs(rows[:, None] - cols[None, :]) <= window)
-  return m
-
-
-def _zero_rows(x, valid):
-  return jnp.where(valid[:, None], x, jnp.zeros_like(x))
-
-
 def _clip(s, c):
   """Scores clamped to ``[-c, c]`` (min/max: lowers to Triton; no ``lax.clamp`` rule needed)."""
   return s if c is None else jnp.minimum(jnp.maximum(s, -c), c)
@@ -94,180 +93,211 @@ def _clip_slope(slope, s, c):
   return slope if c is None else jnp.where(jnp.abs(s) <= c, slope, 0.0)
 
 
+def _load_rows(ref, batch, start, n, head, length):
+  """Rows ``[start, start + n)`` of ``ref[batch, :, head, :]``; rows >= length read as zeros."""
+  d = ref.shape[-1]
+  valid = jnp.broadcast_to((start + jnp.arange(n) < length)[:, None], (n, d))
+  return plgpu.load(ref.at[batch, pl.ds(start, n), head, :], mask=valid, other=0.0)
+
+
+def _store_rows(ref, batch, start, head, x):
+  """Stores ``x [n, D]`` into rows ``[start, start + n)`` of ``ref[batch, :, head, :]`` (rows
+  beyond the array end are dropped)."""
+  n, d = x.shape
+  valid = jnp.broadcast_to((start + jnp.arange(n) < ref.shape[1])[:, None], (n, d))
+  plgpu.store(ref.at[batch, pl.ds(start, n), head, :], x.astype(ref.dtype), mask=valid)
+
+
+def _window_keep(rows, cols, window):
+  return jnp.abs(rows[:, None] - cols[None, :]) <= window
+
+
+def _unpack(refs, cfg: _Cfg):
+  """(q_len, kv_len, q batch row, kv batch row, the remaining refs) of this program."""
+  b = pl.program_id(0)
+  ql_ref, kl_ref, *rest = refs
+  qb = rest.pop(0)[0] if cfg.has_qi else b
+  kb = rest.pop(0)[0] if cfg.has_ki else b
+  return ql_ref[0], kl_ref[0], qb, kb, rest
+
+
 # ----------------------------------------------------------------------------- kernels
 
 
-def _fwd_kernel(ql_ref, kl_ref, q_ref, k_ref, v_ref, o_ref, *, cfg: _Cfg, nk: int):
-  h, i = pl.program_id(1), pl.program_id(2)
-  q_len, kv_len = ql_ref[0], kl_ref[0]
+def _fwd_kernel(*refs, cfg: _Cfg, nk: int):
+  q_len, kv_len, qb, kb, rest = _unpack(refs, cfg)
+  sc_ref = rest.pop(0) if cfg.fp8 else None
+  q_ref, k_ref, v_ref, o_ref = rest
+  b, h, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  hk = lax.div(h, cfg.groups)
   bq, bk = cfg.bq, cfg.bk
-  rows = i * bq + jnp.arange(bq)
-  q = _zero_rows(q_ref[...], rows < q_len)
+  q = _load_rows(q_ref, qb, i * bq, bq, h, q_len)
   lo, hi = _span(i * bq, bq, bk, nk, kv_len, cfg.window)
   hi = jnp.where(i * bq < q_len, hi, lo)
+  prec = None if cfg.fp8 else _precision(q.dtype)
+  scale = cfg.scale * sc_ref[0] if cfg.fp8 else cfg.scale
 
   def body(j, acc):
-    cols = j * bk + jnp.arange(bk)
-    k = _zero_rows(k_ref[pl.ds(j * bk, bk), :], cols < kv_len)
-    v = _zero_rows(v_ref[pl.ds(j * bk, bk), :], cols < kv_len)
-    s = plgpu.dot(q, k, trans_b=True, precision=_precision(q.dtype)) * cfg.scale
-    p = activations.in_kernel(_clip(s, cfg.score_clip), cfg.acts, h)
-    p = jnp.where(_mask(rows, cols, q_len, kv_len, cfg.window), p, 0.0)
-    return acc + plgpu.dot(p.astype(v.dtype), v, precision=_precision(v.dtype))
+    k = _load_rows(k_ref, kb, j * bk, bk, hk, kv_len)
+    v = _load_rows(v_ref, kb, j * bk, bk, hk, kv_len)
+    if cfg.fp8:
+      v = v.astype(jnp.bfloat16)
+    s = plgpu.dot(q, k, trans_b=True, precision=prec) * scale
+    if cfg.window is not None:   # act(0) = 0: a zeroed score contributes nothing
+      s = jnp.where(_window_keep(i * bq + jnp.arange(bq), j * bk + jnp.arange(bk), cfg.window),
+                    s, 0.0)
+    p = activations.in_kernel(_clip(s, cfg.score_clip), cfg.acts, h, fast=cfg.fast)
+    return acc + plgpu.dot(p.astype(v.dtype), v, precision=prec)
 
   acc = lax.fori_loop(lo, hi, body, jnp.zeros((bq, q_ref.shape[-1]), _F32))
-  o_ref[...] = (acc * cfg.out_scale).astype(o_ref.dtype)
+  _store_rows(o_ref, b, i * bq, h, acc * cfg.out_scale)
 
 
-def _dq_kernel(ql_ref, kl_ref, q_ref, k_ref, v_ref, do_ref, dq_ref, *, cfg: _Cfg, nk: int):
-  h, i = pl.program_id(1), pl.program_id(2)
-  q_len, kv_len = ql_ref[0], kl_ref[0]
+def _dq_kernel(*refs, cfg: _Cfg, nk: int):
+  q_len, kv_len, qb, kb, (q_ref, k_ref, v_ref, do_ref, dq_ref) = _unpack(refs, cfg)
+  b, h, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  hk = lax.div(h, cfg.groups)
   bq, bk = cfg.bq_bwd, cfg.bk_bwd
-  rows = i * bq + jnp.arange(bq)
-  q = _zero_rows(q_ref[...], rows < q_len)
-  do = _zero_rows(do_ref[...], rows < q_len)
+  q = _load_rows(q_ref, qb, i * bq, bq, h, q_len)
+  do = _load_rows(do_ref, b, i * bq, bq, h, q_len)
   lo, hi = _span(i * bq, bq, bk, nk, kv_len, cfg.window)
   hi = jnp.where(i * bq < q_len, hi, lo)
   prec = _precision(q.dtype)
 
   def body(j, dq):
-    cols = j * bk + jnp.arange(bk)
-    k = _zero_rows(k_ref[pl.ds(j * bk, bk), :], cols < kv_len)
-    v = _zero_rows(v_ref[pl.ds(j * bk, bk), :], cols < kv_len)
+    k = _load_rows(k_ref, kb, j * bk, bk, hk, kv_len)
+    v = _load_rows(v_ref, kb, j * bk, bk, hk, kv_len)
     s = plgpu.dot(q, k, trans_b=True, precision=prec) * cfg.scale
-    _, slope = activations.in_kernel(_clip(s, cfg.score_clip), cfg.acts, h, with_slope=True)
-    slope = _clip_slope(slope, s, cfg.score_clip)
-    dp = plgpu.dot(do, v, trans_b=True, precision=prec) * cfg.out_scale
-    ds = jnp.where(_mask(rows, cols, q_len, kv_len, cfg.window), dp * slope, 0.0) * cfg.scale
+    _, slope = activations.in_kernel(_clip(s, cfg.score_clip), cfg.acts, h, with_slope=True,
+                                     fast=cfg.fast)
+    ds = plgpu.dot(do, v, trans_b=True, precision=prec) * _clip_slope(slope, s, cfg.score_clip)
+    if cfg.window is not None:
+      ds = jnp.where(_window_keep(i * bq + jnp.arange(bq), j * bk + jnp.arange(bk), cfg.window),
+                     ds, 0.0)
     return dq + plgpu.dot(ds.astype(k.dtype), k, precision=prec)
 
   dq = lax.fori_loop(lo, hi, body, jnp.zeros((bq, q_ref.shape[-1]), _F32))
-  dq_ref[...] = dq.astype(dq_ref.dtype)
+  _store_rows(dq_ref, b, i * bq, h, dq * (cfg.scale * cfg.out_scale))
 
 
-def _dkv_kernel(ql_ref, kl_ref, q_ref, k_ref, v_ref, do_ref, dk_ref, dv_ref, *, cfg: _Cfg,
-                nq: int):
-  h, j = pl.program_id(1), pl.program_id(2)
-  q_len, kv_len = ql_ref[0], kl_ref[0]
+def _dkv_kernel(*refs, cfg: _Cfg, nq: int):
+  q_len, kv_len, qb, kb, (q_ref, k_ref, v_ref, do_ref, dk_ref, dv_ref) = _unpack(refs, cfg)
+  b, hk, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   bq, bk = cfg.bq_bwd, cfg.bk_bwd
-  cols = j * bk + jnp.arange(bk)
-  k = _zero_rows(k_ref[...], cols < kv_len)
-  v = _zero_rows(v_ref[...], cols < kv_len)
+  k = _load_rows(k_ref, kb, j * bk, bk, hk, kv_len)
+  v = _load_rows(v_ref, kb, j * bk, bk, hk, kv_len)
   lo, hi = _span(j * bk, bk, bq, nq, q_len, cfg.window)
   hi = jnp.where(j * bk < kv_len, hi, lo)
   prec = _precision(k.dtype)
+  cols = j * bk + jnp.arange(bk)
 
-  def body(i, carry):
-    dk, dv = carry
-    rows = i * bq + jnp.arange(bq)
-    q = _zero_rows(q_ref[pl.ds(i * bq, bq), :], rows < q_len)
-    do = _zero_rows(do_ref[pl.ds(i * bq, bq), :], rows < q_len)
-    s = plgpu.dot(q, k, trans_b=True, precision=prec) * cfg.scale
-    p, slope = activations.in_kernel(_clip(s, cfg.score_clip), cfg.acts, h, with_slope=True)
-    slope = _clip_slope(slope, s, cfg.score_clip)
-    m = _mask(rows, cols, q_len, kv_len, cfg.window)
-    p = jnp.where(m, p, 0.0) * cfg.out_scale
-    dv = dv + plgpu.dot(p.astype(do.dtype), do, trans_a=True, precision=prec)
-    dp = plgpu.dot(do, v, trans_b=True, precision=prec) * cfg.out_scale
-    ds = jnp.where(m, dp * slope, 0.0) * cfg.scale
-    dk = dk + plgpu.dot(ds.astype(q.dtype), q, trans_a=True, precision=prec)
-    return dk, dv
+  def head(g, carry):
+    h = hk * cfg.groups + g
+
+    def body(i, carry):
+      dk, dv = carry
+      q = _load_rows(q_ref, qb, i * bq, bq, h, q_len)
+      do = _load_rows(do_ref, b, i * bq, bq, h, q_len)
+      s_t = plgpu.dot(k, q, trans_b=True, precision=prec) * cfg.scale          # [bk, bq]
+      keep = None
+      if cfg.window is not None:
+        keep = _window_keep(cols, i * bq + jnp.arange(bq), cfg.window)
+        s_t = jnp.where(keep, s_t, 0.0)
+      p_t, slope_t = activations.in_kernel(_clip(s_t, cfg.score_clip), cfg.acts, h,
+                                           with_slope=True, fast=cfg.fast)
+      dv = dv + plgpu.dot(p_t.astype(do.dtype), do, precision=prec)
+      ds_t = (plgpu.dot(v, do, trans_b=True, precision=prec)
+              * _clip_slope(slope_t, s_t, cfg.score_clip))
+      if keep is not None:
+        ds_t = jnp.where(keep, ds_t, 0.0)
+      dk = dk + plgpu.dot(ds_t.astype(q.dtype), q, precision=prec)
+      return dk, dv
+
+    return lax.fori_loop(lo, hi, body, carry)
 
   zeros = jnp.zeros((bk, k_ref.shape[-1]), _F32)
-  dk, dv = lax.fori_loop(lo, hi, body, (zeros, zeros))
-  dk_ref[...] = dk.astype(dk_ref.dtype)
-  dv_ref[...] = dv.astype(dv_ref.dtype)
+  if cfg.groups == 1:
+    dk, dv = head(0, (zeros, zeros))
+  else:
+    dk, dv = lax.fori_loop(0, cfg.groups, head, (zeros, zeros))
+  _store_rows(dk_ref, b, j * bk, hk, dk * (cfg.scale * cfg.out_scale))
+  _store_rows(dv_ref, b, j * bk, hk, dv * cfg.out_scale)
 
 
 # ----------------------------------------------------------------------------- pallas_calls
 
 
-def _len_spec():
+def _scalar_spec():
   return pl.BlockSpec((1,), lambda b, h, i: (b,))
 
 
-def _row_spec(tile, d, batch0=False):
-  """Tile ``i`` of the sequence axis of a ``[B, T, H, D]`` array (batch 0 when broadcast)."""
-  return pl.BlockSpec((None, tile, None, d), lambda b, h, i: (0 if batch0 else b, i, h, 0))
-
-
-def _full_spec(t, d, batch0=False):
-  """The whole sequence of one (batch, head) of a ``[B, T, H, D]`` array."""
-  return pl.BlockSpec((None, t, None, d), lambda b, h, i: (0 if batch0 else b, 0, h, 0))
-
-
-def _fwd_call(cfg: _Cfg, q, k, v, q_len, kv_len):
-  B, Tk, H, D = k.shape
-  Tq = q.shape[1]
-  nq, nk = Tq // cfg.bq, Tk // cfg.bk
+def _call(kernel, cfg: _Cfg, rows, ops, out_shape, grid, name):
+  """``pallas_call`` with the per-row scalars (lengths, indices) blocked and q/k/v whole."""
+  ql, kl, qi, ki = rows
+  scalars = [ql, kl] + ([qi] if cfg.has_qi else []) + ([ki] if cfg.has_ki else [])
+  n_out = len(out_shape) if isinstance(out_shape, tuple) else 1
+  whole = pl.no_block_spec
   return _poison.pallas_call(
-      functools.partial(_fwd_kernel, cfg=cfg, nk=nk), (q_len, kv_len, q, k, v),
-      out_shape=jax.ShapeDtypeStruct((B, Tq, H, D), q.dtype), grid=(B, H, nq),
-      in_specs=[_len_spec(), _len_spec(), _row_spec(cfg.bq, D, cfg.broadcast_q),
-                _full_spec(Tk, D), _full_spec(Tk, D)],
-      out_specs=_row_spec(cfg.bq, D), interpret=cfg.interpret, name="gdpa_fwd",
+      kernel, (*scalars, *ops), out_shape=out_shape, grid=grid,
+      in_specs=[_scalar_spec()] * len(scalars) + [whole] * len(ops),
+      out_specs=(whole,) * n_out if n_out > 1 else whole, interpret=cfg.interpret, name=name,
       compiler_params=cfg.params())
 
 
-def _bwd_calls(cfg: _Cfg, q, k, v, q_len, kv_len, do):
-  B, Tk, H, D = k.shape
-  Tq = q.shape[1]
-  nq, nk = Tq // cfg.bq_bwd, Tk // cfg.bk_bwd
-  bcast = cfg.broadcast_q
-  dq_dtype = _F32 if bcast else q.dtype  # per-example dq is summed over the batch afterwards
-  dq = _poison.pallas_call(
-      functools.partial(_dq_kernel, cfg=cfg, nk=nk), (q_len, kv_len, q, k, v, do),
-      out_shape=jax.ShapeDtypeStruct((B, Tq, H, D), dq_dtype),
-      grid=(B, H, nq),
-      in_specs=[_len_spec(), _len_spec(), _row_spec(cfg.bq_bwd, D, bcast), _full_spec(Tk, D),
-                _full_spec(Tk, D), _row_spec(cfg.bq_bwd, D)],
-      out_specs=_row_spec(cfg.bq_bwd, D), interpret=cfg.interpret, name="gdpa_bwd_dq",
-      compiler_params=cfg.params())
-  if bcast:
-    dq = dq.sum(0, keepdims=True).astype(q.dtype)
-  dk, dv = _poison.pallas_call(
-      functools.partial(_dkv_kernel, cfg=cfg, nq=nq), (q_len, kv_len, q, k, v, do),
-      out_shape=(jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)),
-      grid=(B, H, nk),
-      in_specs=[_len_spec(), _len_spec(), _full_spec(Tq, D, bcast), _row_spec(cfg.bk_bwd, D),
-                _row_spec(cfg.bk_bwd, D), _full_spec(Tq, D)],
-      out_specs=(_row_spec(cfg.bk_bwd, D), _row_spec(cfg.bk_bwd, D)),
-      interpret=cfg.interpret, name="gdpa_bwd_dkv", compiler_params=cfg.params())
+def _fwd_call(cfg: _Cfg, q, k, v, rows, extra=()):
+  B = rows[0].shape[0]
+  Tq, Hq, D = q.shape[1:]
+  nq, nk = pl.cdiv(Tq, cfg.bq), pl.cdiv(k.shape[1], cfg.bk)
+  out_dtype = _F32 if cfg.fp8 else q.dtype
+  return _call(functools.partial(_fwd_kernel, cfg=cfg, nk=nk), cfg, rows, (*extra, q, k, v),
+               jax.ShapeDtypeStruct((B, Tq, Hq, D), out_dtype), (B, Hq, nq),
+               "gdpa_fwd_fp8" if cfg.fp8 else "gdpa_fwd")
+
+
+def _bwd_calls(cfg: _Cfg, q, k, v, rows, do):
+  B = do.shape[0]
+  Tq, Hq, D = q.shape[1:]
+  Tk, Hkv = k.shape[1:3]
+  nq, nk = pl.cdiv(Tq, cfg.bq_bwd), pl.cdiv(Tk, cfg.bk_bwd)
+  dq_dtype = _F32 if cfg.has_qi else q.dtype      # per-output-row partials are summed after
+  dkv_dtype = _F32 if cfg.has_ki else k.dtype
+  dq = _call(functools.partial(_dq_kernel, cfg=cfg, nk=nk), cfg, rows, (q, k, v, do),
+             jax.ShapeDtypeStruct((B, Tq, Hq, D), dq_dtype), (B, Hq, nq), "gdpa_bwd_dq")
+  dk, dv = _call(functools.partial(_dkv_kernel, cfg=cfg, nq=nq), cfg, rows, (q, k, v, do),
+                 (jax.ShapeDtypeStruct((B, Tk, Hkv, D), dkv_dtype),) * 2, (B, Hkv, nk),
+                 "gdpa_bwd_dkv")
   return dq, dk, dv
 
 
+def segment_rows(x_rows, index, shape, dtype):
+  """Sums per-output-row partial gradients ``x_rows [B, ...]`` into the shared rows."""
+  if index is None:
+    return x_rows
+  return jnp.zeros(shape, _F32).at[index].add(x_rows.astype(_F32)).astype(dtype)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _gdpa_padded(cfg, q, k, v, q_len, kv_len):
-  return _fwd_call(cfg, q, k, v, q_len, kv_len)
+def _gdpa(cfg, q, k, v, rows):
+  return _fwd_call(cfg, q, k, v, rows)
 
 
-def _gdpa_padded_fwd(cfg, q, k, v, q_len, kv_len):
-  return _fwd_call(cfg, q, k, v, q_len, kv_len), (q, k, v, q_len, kv_len)
+def _gdpa_fwd(cfg, q, k, v, rows):
+  return _fwd_call(cfg, q, k, v, rows), (q, k, v, rows)
 
 
-def _gdpa_padded_bwd(cfg, res, do):
-  q, k, v, q_len, kv_len = res
-  dq, dk, dv = _bwd_calls(cfg, q, k, v, q_len, kv_len, do.astype(q.dtype))
-  return dq, dk, dv, None, None
+def _gdpa_bwd(cfg, res, do):
+  q, k, v, rows = res
+  dq, dk, dv = _bwd_calls(cfg, q, k, v, rows, do.astype(q.dtype))
+  _, _, qi, ki = rows
+  dq = segment_rows(dq, qi, q.shape, q.dtype)
+  dk, dv = (segment_rows(x, ki, k.shape, k.dtype) for x in (dk, dv))
+  return dq, dk, dv, jax.tree.map(lambda _: None, rows)
 
 
-_gdpa_padded.defvjp(_gdpa_padded_fwd, _gdpa_padded_bwd)
+_gdpa.defvjp(_gdpa_fwd, _gdpa_bwd)
 
 
 # ----------------------------------------------------------------------------- public
-
-
-def _pad_seq(x, n):
-  return x if x.shape[1] == n else jnp.pad(x, ((0, 0), (0, n - x.shape[1]), (0, 0), (0, 0)))
-
-
-def _lengths(lengths, batch, t):
-  if lengths is None:
-    return jnp.full((batch,), t, jnp.int32)
-  lengths = jnp.asarray(lengths, jnp.int32)
-  if lengths.shape != (batch,):
-    raise ValueError(f"lengths must have shape ({batch},), got {lengths.shape}")
-  return jnp.clip(lengths, 0, t)
 
 
 def _quantise(x):
@@ -276,76 +306,46 @@ def _quantise(x):
   return (x.astype(_F32) / s).astype(jnp.float8_e4m3fn), s
 
 
+def _zero_beyond(x, lengths):
+  """``x [N, T, H, D]`` with rows at or beyond ``lengths[n]`` zeroed (fp8 amax, no NaN)."""
+  keep = jnp.arange(x.shape[1])[None, :] < lengths[:, None]
+  return jnp.where(keep[:, :, None, None], x, jnp.zeros_like(x))
+
+
 def gdpa_pallas(q, k, v, *, activation="fast_gelu", scale=None, out_scale=1.0, q_lengths=None,
-                kv_lengths=None, window=None, broadcast_q=False, backend="pallas",
-                interpret=False, score_clip=None, block_q=64, block_k=64, block_q_bwd=32,
-                block_k_bwd=32, num_warps=None, num_stages=None, fp8=False):
+                kv_lengths=None, window=None, broadcast_q=False, q_index=None, kv_index=None,
+                backend="pallas", interpret=False, score_clip=None, block_q=None, block_k=None,
+                block_q_bwd=None, block_k_bwd=None, num_warps=None, num_stages=None, fp8=False):
   """Pallas GDPA; same semantics as ``reference.gdpa_reference`` (see there for shapes).
 
-  Extra args: ``block_*`` tile sizes (powers of two; clipped to the sequence lengths),
-  ``fp8`` (forward-only float8_e4m3fn path, see the module docstring).
+  Extra args: ``block_*`` tile sizes (powers of two >= 16; clipped to the sequence lengths;
+  default: ``tuning.lookup``), ``num_warps`` / ``num_stages`` (GPU), ``fp8`` (forward-only
+  float8_e4m3fn path, see the module docstring).
   """
   del backend
-  check_gdpa_args(q, k, v, broadcast_q)
-  B, Tk, H, D = k.shape
-  Tq = q.shape[1]
-  if window is not None and window < 0:
-    raise ValueError(f"window must be >= 0, got {window}")
-  bq, bk = _tile(Tq, block_q), _tile(Tk, block_k)
-  bq_b, bk_b = _tile(Tq, block_q_bwd), _tile(Tk, block_k_bwd)
-  tq_pad = pl.cdiv(Tq, max(bq, bq_b)) * max(bq, bq_b)
-  tk_pad = pl.cdiv(Tk, max(bk, bk_b)) * max(bk, bk_b)
-  q_len = _lengths(q_lengths, B, Tq)
-  kv_len = _lengths(kv_lengths, B, Tk)
-  scale = D ** -0.5 if scale is None else float(scale)
-  cfg = _Cfg(activations.per_head(activation, H), scale, float(out_scale),
-             None if window is None else int(window), bool(broadcast_q), bq, bk, bq_b, bk_b,
-             bool(interpret), num_warps, num_stages, score_clip_value(score_clip))
-  qp, kp, vp = _pad_seq(q, tq_pad), _pad_seq(k, tk_pad), _pad_seq(v, tk_pad)
-  if fp8:  # zero the rows beyond the lengths first so they cannot set (or NaN) the amax
-    qv = jnp.arange(tq_pad)[None, :] < (q_len[:, None] if not broadcast_q else Tq)
-    kv = (jnp.arange(tk_pad)[None, :] < kv_len[:, None])[:, :, None, None]
-    qp = jnp.where(qv[:, :, None, None], qp, 0)
-    (qp, sq), (kp, sk), (vp, sv) = (_quantise(qp), _quantise(jnp.where(kv, kp, 0)),
-                                    _quantise(jnp.where(kv, vp, 0)))
-    return _fp8_forward(cfg, qp, kp, vp, sq * sk, sv, q_len, kv_len)[:, :Tq].astype(q.dtype)
-  return _gdpa_padded(cfg, qp, kp, vp, q_len, kv_len)[:, :Tq]
-
-
-def _fp8_forward(cfg, q8, k8, v8, qk_scale, v_scale, q_len, kv_len):
-  """fp8 forward: the per-tensor scale of q.k must be applied before the activation, so it is
-  passed to the kernel as data (a [1] f32 input) rather than folded into the static config."""
-  B, Tk, H, D = k8.shape
-  Tq = q8.shape[1]
-  nq, nk = Tq // cfg.bq, Tk // cfg.bk
-
-  def kernel(ql_ref, kl_ref, sc_ref, q_ref, k_ref, v_ref, o_ref):
-    h, i = pl.program_id(1), pl.program_id(2)
-    q_len_, kv_len_ = ql_ref[0], kl_ref[0]
-    s_qk = sc_ref[0] * cfg.scale
-    rows = i * cfg.bq + jnp.arange(cfg.bq)
-    q = q_ref[...]
-    lo, hi = _span(i * cfg.bq, cfg.bq, cfg.bk, nk, kv_len_, cfg.window)
-    hi = jnp.where(i * cfg.bq < q_len_, hi, lo)
-
-    def body(j, acc):
-      cols = j * cfg.bk + jnp.arange(cfg.bk)
-      k = k_ref[pl.ds(j * cfg.bk, cfg.bk), :]
-      v = v_ref[pl.ds(j * cfg.bk, cfg.bk), :].astype(jnp.bfloat16)
-      v = _zero_rows(v, cols < kv_len_)
-      s = plgpu.dot(q, k, trans_b=True) * s_qk
-      m = _mask(rows, cols, q_len_, kv_len_, cfg.window)
-      p = jnp.where(m, activations.in_kernel(_clip(s, cfg.score_clip), cfg.acts, h), 0.0)
-      return acc + plgpu.dot(p.astype(jnp.bfloat16), v)
-
-    acc = lax.fori_loop(lo, hi, body, jnp.zeros((cfg.bq, D), _F32))
-    o_ref[...] = (acc * cfg.out_scale).astype(o_ref.dtype)
-
-  out = _poison.pallas_call(
-      kernel, (q_len, kv_len, jnp.reshape(qk_scale, (1,)).astype(_F32), q8, k8, v8),
-      out_shape=jax.ShapeDtypeStruct((B, Tq, H, D), jnp.float32), grid=(B, H, nq),
-      in_specs=[_len_spec(), _len_spec(), pl.BlockSpec((1,), lambda b, h, i: (0,)),
-                _row_spec(cfg.bq, D, cfg.broadcast_q), _full_spec(Tk, D), _full_spec(Tk, D)],
-      out_specs=_row_spec(cfg.bq, D), interpret=cfg.interpret, name="gdpa_fwd_fp8",
-      compiler_params=cfg.params())
-  return out * v_scale
+  r = resolve_rows(q, k, v, broadcast_q=broadcast_q, q_index=q_index, kv_index=kv_index,
+                   q_lengths=q_lengths, kv_lengths=kv_lengths, window=window)
+  Tq, Hq, D = q.shape[1:]
+  Tk = k.shape[1]
+  key = tuning.key(shape_class("gdpa", Tq, Tk), D, q.dtype)
+  fq, fk, fw, fs = tuning.lookup("pallas", "fwd", key, q.dtype)
+  bq_b, bk_b, bw, bs = tuning.lookup("pallas", "dkv", key, q.dtype)
+  bq, bk = tuning.clamp_tile(block_q or fq, Tq), tuning.clamp_tile(block_k or fk, Tk)
+  bq_b = tuning.clamp_tile(block_q_bwd or bq_b, Tq)
+  bk_b = tuning.clamp_tile(block_k_bwd or bk_b, Tk)
+  fast = not interpret and jnp.dtype(q.dtype) in (jnp.bfloat16, jnp.float16)
+  cfg = _Cfg(activations.per_head(activation, Hq), D ** -0.5 if scale is None else float(scale),
+             float(out_scale), None if window is None else int(window), r.groups,
+             r.q_index is not None, r.kv_index is not None, bq, bk, bq_b, bk_b, bool(interpret),
+             num_warps or fw, num_stages or fs, score_clip_value(score_clip), fast)
+  rows = (r.q_len, r.kv_len, r.q_index, r.kv_index)
+  if fp8:
+    # Zero the rows no output row reads first, so they cannot set (or NaN) the amax.
+    own = lambda x, idx, lens: _zero_beyond(x, lens if idx is None else jnp.zeros(
+        (x.shape[0],), jnp.int32).at[idx].max(lens))
+    (q8, sq), (k8, sk), (v8, sv) = (_quantise(own(q, r.q_index, r.q_len)),
+                                    *(_quantise(own(x, r.kv_index, r.kv_len)) for x in (k, v)))
+    sc = jnp.reshape(sq * sk, (1,)).astype(_F32)
+    out = _fwd_call(cfg._replace(fp8=True), q8, k8, v8, rows, extra=(sc,))
+    return (out * sv).astype(q.dtype)
+  return _gdpa(cfg, q, k, v, rows)

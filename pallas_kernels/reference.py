@@ -6,6 +6,8 @@ output is cast back to ``q.dtype``.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax.numpy as jnp
 
 from pallas_kernels.activations import apply_per_head, per_head
@@ -38,19 +40,80 @@ def gdpa_mask(batch, tq, tk, q_lengths=None, kv_lengths=None, window=None):
   return m
 
 
-def check_gdpa_args(q, k, v, broadcast_q):
+class Rows(NamedTuple):
+  """Which q and k/v batch row each output row reads, and its lengths (see ``resolve_rows``)."""
+  batch: int                        # B: output rows
+  q_index: jnp.ndarray | None       # i32[B] into q's batch, or None (identity)
+  kv_index: jnp.ndarray | None      # i32[B] into k/v's batch, or None (identity)
+  q_len: jnp.ndarray                # i32[B] valid query rows of each output row, in [0, Tq]
+  kv_len: jnp.ndarray               # i32[B] valid keys of each output row, in [0, Tk]
+  groups: int                       # G = H_q / H_kv (GQA; 1 = multi-head)
+
+
+def _index(idx, n_rows, what):
+  if idx is None:
+    return None
+  idx = jnp.asarray(idx)
+  if idx.ndim != 1 or not jnp.issubdtype(idx.dtype, jnp.integer):
+    raise ValueError(f"{what} must be a 1-D integer array, got {idx.dtype}{list(idx.shape)}")
+  return jnp.clip(idx.astype(jnp.int32), 0, n_rows - 1)
+
+
+def _lens(lengths, n, t, what):
+  if lengths is None:
+    return jnp.full((n,), t, jnp.int32)
+  lengths = jnp.asarray(lengths, jnp.int32)
+  if lengths.shape != (n,):
+    raise ValueError(f"{what} must have shape ({n},), got {lengths.shape}")
+  return jnp.clip(lengths, 0, t)
+
+
+def resolve_rows(q, k, v, *, broadcast_q=False, q_index=None, kv_index=None, q_lengths=None,
+                 kv_lengths=None, window=None) -> Rows:
+  """Checks the GDPA operands (and ``window >= 0``) and maps every output row to its q and k/v
+  rows.
+
+  Output row ``b`` reads ``q[q_index[b]]`` and ``k/v[kv_index[b]]`` (identity when None; indices
+  are clipped into range). ``q_lengths`` has q's batch and ``kv_lengths`` k's batch (indexed
+  like their operand), except with the legacy ``broadcast_q=True`` (= ``q_index`` all zeros),
+  where ``q_lengths`` has the output batch. Heads: ``H_q = G * H_kv``; q head ``h`` reads k/v
+  head ``h // G``.
+  """
+  if window is not None and window < 0:
+    raise ValueError(f"window must be >= 0, got {window}")
   if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
     raise ValueError(f"gdpa expects [B, T, H, D] inputs, got q{q.shape} k{k.shape} v{v.shape}")
-  if k.shape != v.shape[:3] + (k.shape[3],) or k.shape[:3] != v.shape[:3]:
-    raise ValueError(f"k {k.shape} and v {v.shape} must agree on [B, Tk, H]")
+  if k.shape != v.shape:
+    raise ValueError(f"k {k.shape} and v {v.shape} must have the same shape")
+  if q.shape[3] != k.shape[3]:
+    raise ValueError(f"q {q.shape} and k {k.shape} must agree on head_dim")
+  if q.shape[2] % k.shape[2]:
+    raise ValueError(f"q heads {q.shape[2]} must be a multiple of the k/v heads {k.shape[2]} "
+                     "(GQA: H_q = G * H_kv)")
+  Bq, Tq = q.shape[:2]
+  Bk, Tk = k.shape[:2]
   if broadcast_q:
-    if q.shape[0] != 1:
+    if q_index is not None:
+      raise ValueError("give either broadcast_q=True or q_index, not both")
+    if Bq != 1:
       raise ValueError(f"broadcast_q=True needs q of shape [1, Tq, H, D], got {q.shape}")
-  elif q.shape[0] != k.shape[0]:
-    raise ValueError(f"q batch {q.shape[0]} != k batch {k.shape[0]} "
-                     "(use broadcast_q=True to share q)")
-  if q.shape[2] != k.shape[2] or q.shape[3] != k.shape[3]:
-    raise ValueError(f"q {q.shape} and k {k.shape} must agree on heads and head_dim")
+  qi, ki = _index(q_index, Bq, "q_index"), _index(kv_index, Bk, "kv_index")
+  if qi is not None and ki is not None and qi.shape != ki.shape:
+    raise ValueError(f"q_index {qi.shape} and kv_index {ki.shape} must have the same length")
+  B = qi.shape[0] if qi is not None else ki.shape[0] if ki is not None else Bk
+  if ki is None and Bk != B:
+    raise ValueError(f"k batch {Bk} != output batch {B} (q_index has {B} rows; give kv_index)")
+  if qi is None and not broadcast_q and Bq != B:
+    raise ValueError(f"q batch {Bq} != k batch {B} (use broadcast_q=True or q_index to share q)")
+  if broadcast_q:
+    qi = jnp.zeros((B,), jnp.int32)
+    q_len = _lens(q_lengths, B, Tq, "q_lengths (broadcast_q: one per output row)")
+  else:
+    q_len = _lens(q_lengths, Bq, Tq, "q_lengths")
+    q_len = q_len if qi is None else q_len[qi]
+  kv_len = _lens(kv_lengths, Bk, Tk, "kv_lengths")
+  kv_len = kv_len if ki is None else kv_len[ki]
+  return Rows(B, qi, ki, q_len, kv_len, q.shape[2] // k.shape[2])
 
 
 def score_clip_value(score_clip) -> float | None:
@@ -70,39 +133,47 @@ def clip_scores(s, score_clip):
 
 
 def gdpa_reference(q, k, v, *, activation="fast_gelu", scale=None, out_scale=1.0, q_lengths=None,
-                   kv_lengths=None, window=None, broadcast_q=False, backend="xla", interpret=False,
-                   score_clip=None):
+                   kv_lengths=None, window=None, broadcast_q=False, q_index=None, kv_index=None,
+                   backend="xla", interpret=False, score_clip=None):
   """Generalized dot-product attention: ``o_i = out_scale * sum_j act(clip(scale <q_i, k_j>)) v_j``.
 
   Args:
-    q: ``[B, Tq, H, D]`` (``[1, Tq, H, D]`` with ``broadcast_q``).
-    k, v: ``[B, Tk, H, D]``.
-    activation: a name from ``pallas_kernels.activations.NAMES`` or a tuple with one per head.
+    q: ``[Bq, Tq, H_q, D]``; k, v: ``[Bk, Tk, H_kv, D]`` with ``H_q = G * H_kv`` (GQA: q head h
+      reads k/v head ``h // G``).
+    activation: a name from ``pallas_kernels.activations.NAMES`` or a tuple with one per q head.
     scale: multiplies q.k before the activation (default ``1/sqrt(D)``).
     out_scale: multiplies the output.
-    q_lengths, kv_lengths: ``i32[B]``; rows at or beyond ``q_lengths[b]`` output zeros and keys
-      at or beyond ``kv_lengths[b]`` contribute nothing.
+    q_lengths: ``i32[Bq]``, kv_lengths: ``i32[Bk]`` (each indexed like its operand); query rows
+      at or beyond the length output zeros and keys at or beyond it contribute nothing.
     window: keep only ``|i - j| <= window``.
+    broadcast_q: q is ``[1, Tq, H, D]`` shared by every example (= ``q_index`` all zeros, but
+      ``q_lengths`` then has the output batch, one per example).
+    q_index, kv_index: ``i32[B]`` or None (request-level sharing, spec d.6): output row b reads
+      ``q[q_index[b]]`` and ``k, v[kv_index[b]]``, so one q (or k/v) row can serve many output
+      rows (its gradient is the sum over them). The output batch B is their length (else k's).
     score_clip: clamp the scaled scores to ``[-score_clip, score_clip]`` before the activation
       (spec h-13); None or 0: no clipping. The gradient is zero where a score is clamped.
   Returns:
-    ``[B, Tq, H, D]`` in ``q.dtype``.
+    ``[B, Tq, H_q, D]`` in ``q.dtype``.
   """
   del backend, interpret
-  check_gdpa_args(q, k, v, broadcast_q)
-  B, Tk, H, D = k.shape
-  Tq = q.shape[1]
-  acts = per_head(activation, H)
+  r = resolve_rows(q, k, v, broadcast_q=broadcast_q, q_index=q_index, kv_index=kv_index,
+                   q_lengths=q_lengths, kv_lengths=kv_lengths, window=window)
+  Tq, Hq, D = q.shape[1:]
+  Tk = k.shape[1]
+  acts = per_head(activation, Hq)
   scale = D ** -0.5 if scale is None else scale
+  take = lambda x, idx: x if idx is None else jnp.take(x, idx, axis=0)   # AD: scatter-add
   # Zero the rows beyond the lengths: keeps NaN/Inf stored in padding out of valid outputs.
-  k, v = (_zero_invalid(x, kv_lengths) for x in (k, v))
-  if not broadcast_q:
-    q = _zero_invalid(q, q_lengths)
-  s = jnp.einsum("bqhd,bkhd->bhqk", q.astype(_F32), k.astype(_F32)) * scale   # [B|1, H, Tq, Tk]
+  q = _zero_invalid(take(q, r.q_index), r.q_len)
+  k, v = (_zero_invalid(take(x, r.kv_index), r.kv_len) for x in (k, v))
+  if r.groups > 1:
+    k, v = (jnp.repeat(x, r.groups, axis=2) for x in (k, v))
+  s = jnp.einsum("bqhd,bkhd->bhqk", q.astype(_F32), k.astype(_F32)) * scale   # [B, H, Tq, Tk]
   p = apply_per_head(clip_scores(s, score_clip), acts, head_axis=1)
-  m = gdpa_mask(B, Tq, Tk, q_lengths, kv_lengths, window)[:, None]
+  m = gdpa_mask(r.batch, Tq, Tk, r.q_len, r.kv_len, window)[:, None]
   p = jnp.where(m, p, 0.0)
-  o = jnp.einsum("bhqk,bkhd->bqhd", jnp.broadcast_to(p, (B, H, Tq, Tk)), v.astype(_F32))
+  o = jnp.einsum("bhqk,bkhd->bqhd", p, v.astype(_F32))
   return (o * out_scale).astype(q.dtype)
 
 
@@ -129,7 +200,9 @@ def block_attention_reference(q, k, v, *, block_size=64, activation="softmax", l
   Token i attends to token j iff ``i // block_size == j // block_size`` and both are below
   ``lengths[b]``. ``activation="softmax"`` is softmax attention with scale ``1/sqrt(D)``; a GDPA
   activation uses ``act(q.k / sqrt(D)) / block_size`` (HSTU-style 1/N normalisation). Rows at or
-  beyond ``lengths[b]`` output zeros. ``T`` must be a multiple of ``block_size``. ``score_clip``
+  beyond ``lengths[b]`` output zeros. Any ``T``: the last block may be partial (it holds
+  ``T mod block_size`` tokens; the GDPA normalisation stays ``1/block_size``, as if the sequence
+  were zero-padded to a multiple of the block). ``score_clip``
   clamps the scores of a GDPA activation to ``[-c, c]`` first (as in ``gdpa_reference``); softmax
   scores are never clipped.
 
@@ -137,13 +210,17 @@ def block_attention_reference(q, k, v, *, block_size=64, activation="softmax", l
   Returns: ``[B, T, H, D]`` in ``q.dtype``.
   """
   del backend, interpret
-  B, T, H, D = q.shape
-  if T % block_size:
-    raise ValueError(f"sequence length {T} is not a multiple of block_size {block_size}")
+  B, T0, H, D = q.shape
+  if block_size < 1:
+    raise ValueError(f"block_size must be >= 1, got {block_size}")
+  lengths = jnp.clip(jnp.asarray(T0 if lengths is None else lengths, jnp.int32), 0, T0)
+  lengths = jnp.broadcast_to(lengths, (B,))
   q, k, v = (_zero_invalid(x, lengths) for x in (q, k, v))
   if rotary is not None:
     q, k = apply_rotary(q, rotary), apply_rotary(k, rotary)
-  nb = T // block_size
+  nb = -(-T0 // block_size)
+  T = nb * block_size                        # zero-pad a partial last block (masked below)
+  q, k, v = (jnp.pad(x, ((0, 0), (0, T - T0), (0, 0), (0, 0))) for x in (q, k, v))
   blk = lambda x: x.astype(_F32).reshape(B, nb, block_size, H, D)
   s = jnp.einsum("bnqhd,bnkhd->bnhqk", blk(q), blk(k)) * D ** -0.5
   valid = _lengths_mask(lengths, B, T).reshape(B, nb, block_size)
@@ -160,4 +237,4 @@ def block_attention_reference(q, k, v, *, block_size=64, activation="softmax", l
     p = jnp.where(m, apply_per_head(clip_scores(s, score_clip), acts, head_axis=2), 0.0)
     p = p / block_size
   o = jnp.einsum("bnhqk,bnkhd->bnqhd", p, blk(v))
-  return o.reshape(B, T, H, D).astype(q.dtype)
+  return o.reshape(B, T, H, D)[:, :T0].astype(q.dtype)

@@ -1,21 +1,44 @@
 #!/usr/bin/env bash
-# The prepared GPU session (device tool, one H200): gpu-marked kernel tests, then bench/kernels.py
-# (correctness at the real shapes + TFLOP/s table). Run from the repo root with
-#   run(command="bash scripts/gpu_check.sh", carry=[".whl"], timeout_s=540)
-# after `bash scripts/fetch_gpu_wheels.sh` here. Logs and JSON go to $OUT (default
-# bench/results); copy the JSON into bench/results/ and commit it.
+# The prepared GPU session (device tool, one H200): `bash scripts/gpu_check.sh [all|kernels|
+# train_step]` (default all: up to ~650 s of device time, more than one call may run). Run the
+# two parts as two calls back to back (the machine stays warm for 30 s between calls):
+#   run(command="bash scripts/gpu_check.sh kernels", carry=[".whl", ".peer"], timeout_s=420)
+#   run(command="bash scripts/gpu_check.sh train_step", carry=[".whl"], timeout_s=300)
+# Kernel part (up to ~400 s of device time):
+#   1. gpu-marked kernel tests (Triton and Pallas numerics on the GPU; ~60 s),
+#   2. bench/kernels.py --autotune: per shape, times the candidate tiles of the Triton (fwd, dq,
+#      dk/dv) and Pallas (fwd) GDPA kernels and keeps the fastest; then checks every backend
+#      against the XLA reference at the real shapes and times forward and forward+backward,
+#      with Meta's Triton GDPA forward (PyTorch subprocess) as column meta_triton (~150 s),
+#   3. writes tuning.json and backend_table.json for pallas_kernels/.
+# Train-step part (~240 s): scripts/gpu_train_step.sh (mid, three backends, remat, profile).
+# Before the run, here (CPU): `bash scripts/fetch_gpu_wheels.sh` (wheels into .whl/, the peer
+# kernel into .peer/, both git-ignored).
+# Afterwards copy $OUT/tables/{tuning,backend_table}.json into pallas_kernels/ and the
+# kernels_*.json and train_step_gpu.json into bench/results/, and commit them.
 set -o pipefail
+PART=${1:-all}
+case "$PART" in all|kernels|train_step) ;; *) echo "usage: $0 [all|kernels|train_step]" >&2; exit 2;; esac
 OUT=${OUT:-bench/results}
 mkdir -p "$OUT"
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
       --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:${PYTHONPATH:-} || exit 1
 fi
-export PYTHONUNBUFFERED=1 JAX_PLATFORMS=cuda
+# JAX must not grab 75% of the GPU: the peer benchmark's PyTorch shares it.
+export PYTHONUNBUFFERED=1 JAX_PLATFORMS=cuda XLA_PYTHON_CLIENT_PREALLOCATE=false
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,memory.total --format=csv \
     2>&1 | tee "$OUT/gpu.txt"
 python3 -c "import jax, triton; print(jax.__version__, triton.__version__, jax.devices())" \
     2>&1 | tee -a "$OUT/gpu.txt"
-timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/pallas_kernels \
+if [[ $PART == train_step ]]; then
+  exec bash scripts/gpu_train_step.sh
+fi
+timeout 90 python3 -m pytest -q -m gpu -p no:cacheprovider tests/pallas_kernels \
     2>&1 | tee "$OUT/gpu_tests.log"
-timeout 300 python3 bench/kernels.py --out_dir "$OUT" 2>&1 | tee "$OUT/kernels.log"
+PEER=()
+[ -f .peer/bench_peer_gdpa.py ] && PEER=(--peer "$PWD/.peer")
+timeout 300 python3 bench/kernels.py --autotune --iters 10 --out_dir "$OUT" \
+    --write_tables "$OUT/tables" "${PEER[@]}" 2>&1 | tee "$OUT/kernels.log"
+[[ $PART == all ]] && bash scripts/gpu_train_step.sh
+exit 0

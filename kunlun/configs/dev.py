@@ -21,6 +21,7 @@ def get_config():
                               n_sum=4, depth=2)
   m.towers.conversion = tower(width=128, heads=4, n_kv=32, window=32, kept_len=64, n_seed=32,
                               n_sum=8, depth=4)
+  m.tower_templates = "click,impression,conversion"   # sizes for streams 0, 1, 2 of other data
   m.oneseq = tower(width=128, heads=4, n_kv=32, window=32, kept_len=832, n_seed=32, n_sum=8,
                    depth=4)
   m.heads.update(kind="towers", top_mlp=(256,), tower_hidden=64)

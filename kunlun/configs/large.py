@@ -24,6 +24,7 @@ def get_config():
   m.towers.click = tower(kept_len=512, **HIGH)
   m.towers.conversion = tower(kept_len=128, **HIGH)
   m.towers.impression = tower(kept_len=2048, **LOW)
+  m.tower_templates = "click,impression,conversion"   # sizes for streams 0, 1, 2 of other data
   m.oneseq = tower(width=512, heads=4, n_kv=128, window=100, kept_len=2688, n_seed=128, n_sum=32,
                    depth=12)
   m.heads.update(kind="mmoe", top_mlp=(1024, 512), tower_hidden=256, num_experts=4,

@@ -24,6 +24,7 @@ def get_config():
   m.towers.click = tower(kept_len=512, **HIGH)
   m.towers.conversion = tower(kept_len=128, **HIGH)
   m.towers.impression = tower(kept_len=1024, **LOW)
+  m.tower_templates = "click,impression,conversion"   # sizes for streams 0, 1, 2 of other data
   m.oneseq = tower(width=256, heads=4, n_kv=64, window=64, kept_len=1664, n_seed=64, n_sum=16,
                    depth=8)
   m.heads.update(kind="towers", top_mlp=(512, 256), tower_hidden=128)

@@ -1,7 +1,8 @@
 """Tiny preset: CPU, well under a second per step at batch 64; used by tests and the demo.
 
-Matches the synthetic ``tiny`` data preset (schema names of ``data.fake.tiny_schema()``: streams
-click & impression, surfaces feed/stories/reels, tasks click/conversion).
+Tower names match the synthetic ``tiny`` data preset (streams click & impression, surfaces
+feed/stories/reels, tasks click/conversion); on any other dataset the towers serve as size
+templates and heads / surface weights follow its schema (kunlun/schema_fit.py).
 """
 
 from kunlun.config import default_model, tower
@@ -22,6 +23,7 @@ def get_config():
                          depth=2)
   m.towers.impression = tower(width=16, heads=2, n_kv=8, window=8, kept_len=32, n_seed=4,
                               n_sum=1, depth=1)
+  m.tower_templates = "click,impression"   # size templates for streams 0, 1, ... of other data
   m.oneseq = tower(width=32, heads=2, n_kv=8, window=8, kept_len=48, n_seed=8, n_sum=2, depth=2)
   m.heads.update(kind="towers", top_mlp=(32,), tower_hidden=16, num_experts=2, expert_hidden=16)
   m.dlrm.update(seq_dim=16, mlp=(64, 32))

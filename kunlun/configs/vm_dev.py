@@ -20,6 +20,7 @@ def get_config():
                          depth=2)
   m.towers.impression = tower(width=16, heads=2, n_kv=8, window=16, kept_len=64, n_seed=4,
                               n_sum=1, depth=1)
+  m.tower_templates = "click,impression"   # size templates for streams 0, 1, ... of other data
   m.oneseq = tower(width=32, heads=2, n_kv=16, window=16, kept_len=128, n_seed=8, n_sum=2,
                    depth=2)
   m.heads.update(kind="towers", top_mlp=(64,), tower_hidden=32)

@@ -35,6 +35,7 @@ def get_config():
                          depth=1)
   m.towers.impression = tower(width=8, heads=2, n_kv=4, window=4, kept_len=8, n_seed=2, n_sum=1,
                               depth=1)
+  m.tower_templates = "click,impression"   # size templates for streams 0, 1, ... of other data
   m.oneseq = tower(width=16, heads=2, n_kv=4, window=4, kept_len=16, n_seed=4, n_sum=1, depth=1)
   m.heads.update(kind="towers", top_mlp=(16,), tower_hidden=8, num_experts=1, expert_hidden=8)
   m.dlrm.update(seq_dim=8, mlp=(32, 16))

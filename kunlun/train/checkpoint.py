@@ -4,23 +4,51 @@ asynchronously, keeping the last K (jax_stack_notes §8).
 
 Restores take abstract targets (``jax.ShapeDtypeStruct`` with shardings), so a checkpoint written
 under one mesh restores onto another. ``restore_params`` reads the params item only (eval).
+
+Damage (issue 15):
+* A step counts only when its directory holds orbax's commit marker (``commit_success.txt``,
+  written before the atomic rename of the finished step): a partly written or partly copied
+  step is never used (``all_steps``).
+* ``restore_latest`` restores the newest step that restores. A newer step that fails is moved
+  aside (renamed ``<step>.corrupt-<time>``, never deleted) with a warning once an older step has
+  restored, so a restarted job does not stay down; if no step restores (e.g. the model no longer
+  matches), nothing is moved and the newest step's error is raised. ``strict`` raises at once.
+* A save that fails (disk full, I/O error; also in the async commit) is reported and training
+  goes on; the step stays uncommitted, the previous steps are untouched. ``wait`` raises if the
+  last save failed (the final checkpoint of a run must exist).
+* Content checksums: orbax / TensorStore do not checksum array data, so bytes flipped inside a
+  param file restore silently as other values. Every save stores, in its ``meta`` item, a
+  checksum of each array (``tree_digest``: a position-weighted wrapping sum of the bit patterns,
+  computed on device, independent of the sharding), of the data position and of ``meta``
+  itself; a restore recomputes and compares them, so a changed file is a restore failure (and
+  the fallback above applies). Checkpoints written before this carry no checksums and are not
+  verified.
+* Errors are one line (no TensorStore spec dumps).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
+import re
+import sys
+import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
 from data import elastic
+from kunlun.train.runtime import FatalError
 
 ITEMS = ("params", "opt_state", "meta", "data_iter")
+COMMIT_MARKER = "commit_success.txt"
 
 
-class CheckpointError(RuntimeError):
-  """A missing, incomplete or unreadable checkpoint."""
+class CheckpointError(FatalError):
+  """A missing, incomplete, unreadable or unwritable checkpoint (a one-line message)."""
 
 
 def abstract_like(tree):
@@ -28,37 +56,171 @@ def abstract_like(tree):
   return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
 
 
+def _bits_u32(x):
+  """The bit pattern of ``x`` as uint32 (64-bit values: two words on a trailing axis)."""
+  if x.dtype == jnp.bool_:
+    return x.astype(jnp.uint32)
+  n = jnp.dtype(x.dtype).itemsize
+  if n in (1, 2):
+    return jax.lax.bitcast_convert_type(x, jnp.uint8 if n == 1 else jnp.uint16).astype(jnp.uint32)
+  return jax.lax.bitcast_convert_type(x, jnp.uint32)
+
+
+@jax.jit
+def _leaf_sums(leaves):
+  """Per leaf ``[sum(bits), sum(bits * h(position))]`` (uint32, wrapping): exact integer sums,
+  so any sharding gives the same result; the position weights catch moved values."""
+  out = []
+  for x in leaves:
+    b = _bits_u32(x)
+    pos = jnp.zeros(b.shape, jnp.uint32)
+    for ax in range(b.ndim):                   # row-major position, no reshape of sharded data
+      stride = int(np.prod(b.shape[ax + 1:], dtype=np.uint64) % (1 << 32))
+      pos = pos + jax.lax.broadcasted_iota(jnp.uint32, b.shape, ax) * jnp.uint32(stride)
+    w = (pos * jnp.uint32(0x9E3779B1) + jnp.uint32(0x7F4A7C15)) | jnp.uint32(1)
+    out.append(jnp.stack([jnp.sum(b, dtype=jnp.uint32), jnp.sum(b * w, dtype=jnp.uint32)]))
+  return out
+
+
+def tree_digest(tree) -> dict[str, str]:
+  """{leaf path: 16 hex digits} of a tree of arrays (``_leaf_sums``), sharding-independent."""
+  flat = jax.tree_util.tree_leaves_with_path(tree)
+  sums = jax.device_get(_leaf_sums([x for _, x in flat])) if flat else []
+  return {jax.tree_util.keystr(p): f"{int(a):08x}{int(b):08x}" for (p, _), (a, b) in
+          zip(flat, sums, strict=True)}
+
+
+def _plan_digest(data_iter) -> str:
+  """SHA-256 of the iterator's global plan state (the data position, any process count)."""
+  state = elastic.global_state(data_iter.get_state())["plan"]
+  return hashlib.sha256(json.dumps(state, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _meta_check(meta: dict) -> str:
+  body = {k: v for k, v in meta.items() if k != "check"}
+  return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def short_error(e: BaseException, limit: int = 300) -> str:
+  """``Type: message`` on one line, without TensorStore specs and driver chains."""
+  msg = " ".join(str(e).split())
+  msg = re.sub(r" ?\[tensorstore_spec.*", "", msg)
+  msg = re.sub(r'(Error opening "\w+" driver: )+', "", msg)
+  if len(msg) > limit:
+    msg = msg[:limit] + "..."
+  return f"{type(e).__name__}: {msg}"
+
+
+def _warn(msg: str) -> None:
+  print(f"warning: {msg}", file=sys.stderr, flush=True)
+
+
+def _all_processes(ok: bool) -> bool:
+  """``ok`` on every process (a restore is collective: all processes take the same branch)."""
+  if jax.process_count() == 1:
+    return ok
+  from jax.experimental import multihost_utils
+  return bool(np.all(multihost_utils.process_allgather(np.int32(ok))))
+
+
 class Checkpointer:
   """Thin wrapper over ``ocp.CheckpointManager`` for ``<workdir>/checkpoints``."""
 
-  def __init__(self, directory: str, *, keep: int = 3, read_only: bool = False):
+  def __init__(self, directory: str, *, keep: int = 3, read_only: bool = False, warn=_warn):
     self.directory = os.path.abspath(directory)
+    self.read_only, self.warn = read_only, warn
     if read_only and not os.path.isdir(self.directory):
       raise CheckpointError(f"no checkpoint directory at {self.directory}")
-    self.mngr = ocp.CheckpointManager(
-        self.directory, item_names=ITEMS,
-        options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=not read_only,
-                                             enable_async_checkpointing=True,
-                                             read_only=read_only))
+    try:
+      self.mngr = ocp.CheckpointManager(
+          self.directory, item_names=ITEMS,
+          options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=not read_only,
+                                               enable_async_checkpointing=True,
+                                               read_only=read_only))
+    except (OSError, ValueError) as e:
+      raise CheckpointError(f"cannot open checkpoints at {self.directory} "
+                            f"({short_error(e)})") from None
+    self._pending: int | None = None          # step of the async save in flight
+    self._last_failed: int | None = None      # step of the last save that failed
 
-  def latest_step(self) -> int | None:
-    return self.mngr.latest_step()
+  # ---- steps -----------------------------------------------------------------------------------
+  def _committed(self, step: int) -> bool:
+    return os.path.exists(os.path.join(self.directory, str(step), COMMIT_MARKER))
 
   def all_steps(self) -> list[int]:
-    return list(self.mngr.all_steps())
+    """Committed steps, oldest first (a step directory without the commit marker is ignored)."""
+    return sorted(s for s in self.mngr.all_steps() if self._committed(s))
+
+  def uncommitted_steps(self) -> list[int]:
+    return sorted(s for s in self.mngr.all_steps() if not self._committed(s))
+
+  def latest_step(self) -> int | None:
+    steps = self.all_steps()
+    return steps[-1] if steps else None
+
+  def move_aside(self, step: int, why: str) -> str:
+    """Renames step ``step`` to ``<step>.<why>-<time>`` (process 0; never deletes); returns it."""
+    src = os.path.join(self.directory, str(step))
+    dst = f"{src}.{why}-{time.strftime('%Y%m%d-%H%M%S')}"
+    if jax.process_index() == 0:
+      n = 1
+      while os.path.exists(dst):
+        dst, n = f"{src}.{why}-{time.strftime('%Y%m%d-%H%M%S')}-{n}", n + 1
+      os.rename(src, dst)
+    if jax.process_count() > 1:
+      from jax.experimental import multihost_utils
+      multihost_utils.sync_global_devices(f"checkpoint_move_{step}")
+    self.mngr.reload()
+    return dst
+
+  # ---- save ------------------------------------------------------------------------------------
+  def _check_pending(self) -> None:
+    """Waits for the async save in flight (as orbax's next save would); its error is reported,
+    not raised."""
+    if self._pending is None:
+      return
+    step, self._pending = self._pending, None
+    try:
+      self.mngr.wait_until_finished()
+    except Exception as e:  # noqa: BLE001 -- any write error: report, keep training
+      self._save_failed(step, e)
+
+  def _save_failed(self, step: int, e: BaseException) -> None:
+    self._last_failed = step
+    good = self.latest_step()
+    self.warn(f"checkpoint of step {step} could not be written ({short_error(e)}); training "
+              f"continues, the newest good checkpoint is "
+              f"{'step ' + str(good) if good is not None else 'none'}")
 
   def save(self, step: int, params, opt_state, rng, data_iter) -> None:
-    """Starts an async save of ``step`` (no-op if that step is already saved)."""
+    """Starts an async save of ``step`` (no-op if that step is already saved). A failure (also
+    of the previous async save) is reported as a warning; the step is then not committed."""
+    self._check_pending()
     if step in self.mngr.all_steps():
-      return
-    meta = {"step": int(step), "rng": np.asarray(jax.random.key_data(rng)).tolist()}
-    self.mngr.save(step, args=ocp.args.Composite(
-        params=ocp.args.StandardSave(params), opt_state=ocp.args.StandardSave(opt_state),
-        meta=ocp.args.JsonSave(meta), data_iter=elastic.CheckpointSave(data_iter)),
-        force=True)
+      if self._committed(step):
+        return
+      self.move_aside(step, "uncommitted")
+    meta = {"step": int(step), "rng": np.asarray(jax.random.key_data(rng)).tolist(),
+            "digest": {"params": tree_digest(params), "opt_state": tree_digest(opt_state)}}
+    if isinstance(data_iter, elastic.BatchIterator):
+      meta["digest"]["data_iter"] = _plan_digest(data_iter)
+    meta["check"] = _meta_check(meta)
+    try:
+      self.mngr.save(step, args=ocp.args.Composite(
+          params=ocp.args.StandardSave(params), opt_state=ocp.args.StandardSave(opt_state),
+          meta=ocp.args.JsonSave(meta), data_iter=elastic.CheckpointSave(data_iter)),
+          force=True)
+      self._pending, self._last_failed = step, None
+    except Exception as e:  # noqa: BLE001
+      self._save_failed(step, e)
 
+  # ---- restore ---------------------------------------------------------------------------------
   def _check_step(self, step: int | None, items) -> int:
     steps = self.all_steps()
+    if step is not None and step in self.uncommitted_steps():
+      raise CheckpointError(f"checkpoint {os.path.join(self.directory, str(step))} has no commit "
+                            f"marker ({COMMIT_MARKER}): written or copied only in part; "
+                            f"committed steps: {steps}")
     if not steps:
       raise CheckpointError(f"no checkpoint found in {self.directory}")
     step = steps[-1] if step is None else step
@@ -76,30 +238,106 @@ class Checkpointer:
     try:
       return self.mngr.restore(step, args=ocp.args.Composite(**args))
     except Exception as e:  # orbax / tensorstore raise many types; name the checkpoint instead
+      older = [s for s in self.all_steps() if s < step]
+      hint = f"; older steps: {older}" if older else ""
       raise CheckpointError(
           f"checkpoint {os.path.join(self.directory, str(step))} could not be restored, it is "
-          f"corrupt or does not match the model ({type(e).__name__}: {str(e)[:500]})") from e
+          f"corrupt or does not match the model ({short_error(e)}){hint}") from None
+
+  def _verify(self, step: int, meta: dict | None, **restored) -> None:
+    """Compares restored content with the checksums saved in ``meta`` (none: not verified)."""
+    where = os.path.join(self.directory, str(step))
+    if not meta or "digest" not in meta:
+      return
+    if meta.get("check") != _meta_check(meta):
+      raise CheckpointError(f"checkpoint {where} is corrupt: its meta item fails its checksum")
+    for item, value in restored.items():
+      want = meta["digest"].get(item)
+      if want is None:
+        continue
+      got = _plan_digest(value) if item == "data_iter" else tree_digest(value)
+      if got != want:
+        bad = [k for k in want if got.get(k) != want[k]] if isinstance(want, dict) else [""]
+        more = f" and {len(bad) - 1} more" if len(bad) > 1 else ""
+        raise CheckpointError(
+            f"checkpoint {where} is corrupt: {item}{bad[0]}{more} differs from what was saved "
+            "(checksum mismatch: files changed after the save)")
 
   def restore(self, abstract_params, abstract_opt_state, data_iter, step: int | None = None):
     """Full training state. Returns ``(step, params, opt_state, rng)``; ``data_iter`` (a fresh
-    grain iterator) is moved to the saved position in place."""
+    grain iterator) is moved to the saved position in place. Content is checked against the
+    saved checksums."""
     step = self._check_step(step, ITEMS)
     r = self._restore(step, params=ocp.args.StandardRestore(abstract_params),
                       opt_state=ocp.args.StandardRestore(abstract_opt_state),
                       meta=ocp.args.JsonRestore(),
                       data_iter=elastic.CheckpointRestore(data_iter))
+    extra = {"data_iter": data_iter} if isinstance(data_iter, elastic.BatchIterator) else {}
+    self._verify(step, r.meta, params=r.params, opt_state=r.opt_state, **extra)
     rng = jax.random.wrap_key_data(np.asarray(r.meta["rng"], np.uint32))
     return int(r.meta["step"]), r.params, r.opt_state, rng
+
+  def restore_latest(self, abstract_params, abstract_opt_state, data_iter, *,
+                     strict: bool = False):
+    """``restore`` of the newest step that restores (``None`` without checkpoints).
+
+    Uncommitted steps are moved aside first. If the newest step fails and an older one
+    restores, the failed newer steps are moved aside with a warning (unless ``strict``: the
+    first failure raises). If none restores, nothing is moved and the newest error is raised.
+    """
+    if not self.read_only:
+      for s in self.uncommitted_steps():
+        self.warn(f"checkpoint step {s} has no commit marker (written or copied only in part); "
+                  f"moved to {self.move_aside(s, 'uncommitted')}")
+    failed: list[tuple[int, CheckpointError]] = []
+    for step in reversed(self.all_steps()):
+      try:
+        out = self.restore(abstract_params, abstract_opt_state, data_iter, step)
+        ok = True
+      except CheckpointError as e:
+        ok, err = False, e
+      if not _all_processes(ok):
+        if ok:
+          err = CheckpointError(f"checkpoint step {step} failed to restore on another process")
+        if strict:
+          raise CheckpointError(f"{err} (--strict_restore: not falling back to an older step)")
+        failed.append((step, err))
+        continue
+      for s, e in failed:
+        dst = self.move_aside(s, "corrupt") if not self.read_only else "(read-only: not moved)"
+        self.warn(f"{e}; moved it to {dst}")
+      return out
+    if failed:
+      raise failed[0][1]
+    return None
 
   def restore_params(self, abstract_params, step: int | None = None):
     """Params only (no optimizer state). Returns ``(step, params)``."""
     step = self._check_step(step, ("params",))
-    r = self._restore(step, params=ocp.args.StandardRestore(abstract_params))
+    has_meta = os.path.isdir(os.path.join(self.directory, str(step), "meta"))
+    r = self._restore(step, params=ocp.args.StandardRestore(abstract_params),
+                      **({"meta": ocp.args.JsonRestore()} if has_meta else {}))
+    self._verify(step, r.meta if has_meta else None, params=r.params)
     return step, r.params
 
   def wait(self) -> None:
-    self.mngr.wait_until_finished()
+    """Waits for the async save; raises ``CheckpointError`` if the last save failed."""
+    try:
+      self.mngr.wait_until_finished()
+    except Exception as e:  # noqa: BLE001
+      if self._pending is not None:
+        self._save_failed(self._pending, e)
+    self._pending = None
+    if self._last_failed is not None:
+      good = self.latest_step()
+      raise CheckpointError(f"checkpoint of step {self._last_failed} could not be written (see "
+                            f"the warning above); the newest good checkpoint in {self.directory} "
+                            f"is {'step ' + str(good) if good is not None else 'none'}")
 
   def close(self) -> None:
-    self.mngr.wait_until_finished()
+    try:
+      self.mngr.wait_until_finished()
+    except Exception as e:  # noqa: BLE001
+      if self._pending is not None:
+        self._save_failed(self._pending, e)
     self.mngr.close()

@@ -87,69 +87,102 @@ def make_sparse_update(train_cfg, total_steps: int):
 
   Returns ``update(params, opt_state, grads, rows, ok) -> (params, opt_state, table_sq_norm)``:
     grads: ``{keystr(path): gradient}`` for every parameter that is not a looked-up table;
-    rows:  ``{keystr(path): (ids i32[...], row_grads f32[..., D])}`` for each looked-up table
-           (the id record of a ``kunlun.inputs`` look-up and the gradient w.r.t. its rows);
-    ok:    ``bool[]``; False keeps every parameter and state leaf (tables without a table-wide
-           select: their update is switched off).
+    rows:  ``{group: (gids i32[...], row_grads f32[..., D])}`` for each table group a
+           ``kunlun.inputs`` look-up read; ``group`` is the member tables' keystrs joined by
+           ``kunlun.inputs.GROUP_SEP`` ("+"), ``gids`` the ``sharding.embedding.group_ids`` ids
+           into the members' concatenation, ``row_grads`` the gradient w.r.t. the looked-up rows;
+    ok:    ``bool[]``; False keeps every parameter and state leaf.
   ``opt_state`` is ``make_optimizer(...).init(params)``'s layout, unchanged, so checkpoints and the
   dense path are interchangeable. Dense leaves get AdamW exactly as in ``make_optimizer``; each
-  looked-up table gets ``sharding.embedding.sparse_adagrad_update`` (only rows in ``ids`` are
-  read or written; repeated ids summed first, as the dense gradient sums them), except a small
-  table (rows <= ids in the step, rows not sharded), whose row gradients are scatter-added into a
-  table-shaped gradient for the dense row-wise Adagrad (cheaper than the sparse path's sorts at
+  looked-up group gets ``sharding.embedding.sparse_adagrad_update_group`` (only rows in the ids
+  are read or written; repeated ids summed first, as the dense gradient sums them), except a small
+  group (rows <= ids in the step, rows not sharded), whose row gradients are scatter-added into
+  table-shaped gradients for the dense row-wise Adagrad (cheaper than the sparse path's sorts at
   that size; same result). An "emb" leaf that is not looked up (read some other way) gets the
-  dense row-wise Adagrad from its autodiff gradient.
+  dense row-wise Adagrad from its autodiff gradient. The dense-style updates run inside one
+  ``lax.cond(ok, ...)`` (no select over the state); the sparse groups are switched off by ``ok``.
   ``table_sq_norm``: sum over tables of the squared norm of their (dense-equivalent) gradient.
   """
-  from sharding.embedding import row_axes, sparse_adagrad_update
+  from kunlun.inputs import GROUP_SEP
+  from sharding.embedding import group_dense_grads, row_axes, sparse_adagrad_update_group
   dense_tx, lr = dense_optimizer(train_cfg, total_steps), train_cfg.emb_lr
   emb_tx = rowwise_adagrad(lr)
   is_mn = lambda x: isinstance(x, optax.MaskedNode)
 
   def update(params, opt_state, grads, rows, ok):
+    rows = {gk: (tuple(gk.split(GROUP_SEP)),) + tuple(v) for gk, v in rows.items()}
     flat, treedef = jax.tree_util.tree_flatten_with_path(params)
     keys = [jax.tree_util.keystr(k) for k, _ in flat]
+    index = {k: i for i, k in enumerate(keys)}
     p = [v for _, v in flat]
     labels = jax.tree.leaves(param_labels(params))
-    missing = [k for k in keys if k not in rows and k not in grads]
-    if missing or set(rows) - set(keys):
+    member = {m: gk for gk, (members, _, _) in rows.items() for m in members}
+    missing = [k for k in keys if k not in member and k not in grads]
+    unknown = sorted(set(member) - set(keys))
+    if missing or unknown:
       raise ValueError(f"sparse update: no gradient for {missing}; tables not in params "
-                       f"{sorted(set(rows) - set(keys))} (params must be unboxed: nn.meta.unbox)")
-    keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
+                       f"{unknown} (params must be unboxed: nn.meta.unbox)")
+    small, sparse = [], []
+    for gk, (members, gids, _) in rows.items():
+      V = sum(p[index[m]].shape[0] for m in members)
+      sharded = bool(row_axes(p[index[members[0]]].shape[0]))
+      (sparse if V > jnp.size(gids) or sharded else small).append(gk)
     masked = lambda leaves, group: treedef.unflatten(
         [x if lab == group else optax.MaskedNode()
          for x, lab in zip(leaves, labels, strict=False)])
-    # dense group: the optax.masked(dense_tx) update of optax.partition
     d_state = opt_state.inner_states["dense"].inner_state
-    g = [grads.get(k) for k in keys]
-    d_upd, new_d_state = dense_tx.update(masked(g, "dense"), d_state, masked(p, "dense"))
-    d_upd = jax.tree.leaves(d_upd, is_leaf=is_mn)
-    # emb group: sparse per looked-up table, dense row-wise Adagrad for the rest
+    acc_def = jax.tree.structure(opt_state.inner_states["emb"].inner_state.acc, is_leaf=is_mn)
     acc = jax.tree.leaves(opt_state.inner_states["emb"].inner_state.acc, is_leaf=is_mn)
-    new_p, new_acc, sq = list(p), list(acc), jnp.zeros((), jnp.float32)
-    for i, (k, lab) in enumerate(zip(keys, labels, strict=False)):
-      if lab == "dense":
-        new_p[i] = keep(optax.apply_updates(p[i], d_upd[i]), p[i])
-      elif k in rows and (p[i].shape[0] > jnp.size(rows[k][0]) or row_axes(p[i].shape[0])):
-        ids, g_rows = rows[k]
-        new_p[i], new_acc[i], s = sparse_adagrad_update(p[i], acc[i], ids, g_rows, lr,
-                                                        enabled=ok, with_sq_norm=True)
-        sq = sq + s
-      elif k in rows:     # a small unsharded table (rows <= ids): the scatter beats the sorts
-        ids, g_rows = rows[k]
-        V = p[i].shape[0]
-        g_tab = jnp.zeros_like(p[i]).at[jnp.where(ids >= 0, ids, V)].add(g_rows, mode="drop")
-        u, st = emb_tx.update(g_tab, RowwiseAdagradState(acc[i]))
-        new_p[i], new_acc[i] = keep(optax.apply_updates(p[i], u), p[i]), keep(st.acc, acc[i])
-        sq = sq + jnp.where(ok, jnp.sum(jnp.square(g_tab)), 0.0)
-      else:
-        u, st = emb_tx.update(g[i], RowwiseAdagradState(acc[i]))
-        new_p[i], new_acc[i] = keep(optax.apply_updates(p[i], u), p[i]), keep(st.acc, acc[i])
-    acc_tree = jax.tree.unflatten(jax.tree.structure(opt_state.inner_states["emb"].inner_state.acc,
-                                                     is_leaf=is_mn), new_acc)
+    g = [grads.get(k) for k in keys]
+    in_sparse = {index[m] for gk in sparse for m in rows[gk][0]}
+    mine = [i for i in range(len(keys)) if i not in in_sparse]       # updated inside the cond
+
+    def dense_step(state):
+      """AdamW, small groups and unlooked-up tables; returns the new (params, acc) of ``mine``,
+      the new AdamW state and the small groups' squared gradient norm."""
+      p_mine, acc_mine, d_st = state
+      cur_p, cur_acc = dict(zip(mine, p_mine, strict=True)), dict(zip(mine, acc_mine, strict=True))
+      leaves = [cur_p.get(i, p[i]) for i in range(len(keys))]
+      d_upd, new_d = dense_tx.update(masked(g, "dense"), d_st, masked(leaves, "dense"))
+      d_upd = jax.tree.leaves(d_upd, is_leaf=is_mn)
+      sq = jnp.zeros((), jnp.float32)
+      g_tab = {}
+      for gk in small:
+        members, gids, g_rows = rows[gk]
+        idx = [index[m] for m in members]
+        parts = group_dense_grads(gids, g_rows, [p[i].shape[0] for i in idx])
+        for i, gt in zip(idx, parts, strict=True):
+          g_tab[i] = gt.astype(p[i].dtype)
+          sq = sq + jnp.sum(jnp.square(gt.astype(jnp.float32)))
+      for i in mine:
+        if labels[i] == "dense":
+          cur_p[i] = optax.apply_updates(cur_p[i], d_upd[i])
+        else:
+          u, st = emb_tx.update(g_tab.get(i, g[i]), RowwiseAdagradState(cur_acc[i]))
+          cur_p[i], cur_acc[i] = optax.apply_updates(cur_p[i], u), st.acc
+      return [cur_p[i] for i in mine], [cur_acc[i] for i in mine], new_d, sq
+
+    def skip(state):
+      p_mine, acc_mine, d_st = state
+      return p_mine, acc_mine, d_st, jnp.zeros((), jnp.float32)
+
+    p_mine, acc_mine, new_d, sq = jax.lax.cond(
+        ok, dense_step, skip, ([p[i] for i in mine], [acc[i] for i in mine], d_state))
+    new_p, new_acc = list(p), list(acc)
+    for i, v, a in zip(mine, p_mine, acc_mine, strict=True):
+      new_p[i], new_acc[i] = v, a
+    for gk in sparse:
+      members, gids, g_rows = rows[gk]
+      idx = [index[m] for m in members]
+      tabs, accs, s = sparse_adagrad_update_group(
+          [p[i] for i in idx], [acc[i] for i in idx], gids, g_rows, lr, enabled=ok,
+          with_sq_norm=True)
+      for i, t, a in zip(idx, tabs, accs, strict=True):
+        new_p[i], new_acc[i] = t, a
+      sq = sq + s
     new_state = type(opt_state)({
-        "dense": optax.MaskedState(keep(new_d_state, d_state)),
-        "emb": optax.MaskedState(RowwiseAdagradState(acc_tree))})
+        "dense": optax.MaskedState(new_d),
+        "emb": optax.MaskedState(RowwiseAdagradState(jax.tree.unflatten(acc_def, new_acc)))})
     return treedef.unflatten(new_p), new_state, sq
 
   return update

@@ -1,8 +1,10 @@
 """Progress reporting: a printed line, JSONL in the workdir and TensorBoard event files
-(tensorboardX, no TensorFlow), plus MFU against a device peak table."""
+(tensorboardX, no TensorFlow), plus MFU against a device peak table, and ``LaggedStats``, which
+fetches a step's statistics from the device only once later steps are queued."""
 
 from __future__ import annotations
 
+import collections
 import json
 import math
 import os
@@ -39,6 +41,38 @@ def mfu(flops_per_step: float | None, step_time_s: float, num_devices: int,
   if not flops_per_step or not peak_flops or step_time_s <= 0:
     return None
   return flops_per_step / (step_time_s * num_devices * peak_flops)
+
+
+class LaggedStats:
+  """Per-step statistics kept on the device and fetched ``lag`` steps later.
+
+  ``push(step, stats)`` after dispatching a step; ``pop(drain)`` returns ``[(step, host_stats,
+  t)]`` for every pending step but the newest ``lag`` (all of them with ``drain=True``), in step
+  order, each fetched with ``jax.device_get`` (which waits for that step only) and stamped with
+  the time its fetch returned. A fetch of step ``s - lag`` then overlaps step ``s`` on the device:
+  the host never stalls the device queue for a log line (``lag=0`` fetches every step at once).
+  Drain before anything that must see every step's outcome (a checkpoint, the end, a stop).
+  """
+
+  def __init__(self, lag: int = 1):
+    if lag < 0:
+      raise ValueError(f"metrics lag must be >= 0, got {lag}")
+    self.lag = int(lag)
+    self._pending = collections.deque()
+
+  def push(self, step: int, stats) -> None:
+    self._pending.append((int(step), stats))
+
+  def pop(self, drain: bool = False) -> list:
+    out = []
+    while len(self._pending) > (0 if drain else self.lag):
+      step, stats = self._pending.popleft()
+      stats = jax.device_get(stats)
+      out.append((step, stats, time.perf_counter()))
+    return out
+
+  def __len__(self) -> int:
+    return len(self._pending)
 
 
 def _fmt(x, spec=".4f"):

@@ -1,10 +1,10 @@
 """Shared start-up of train.py and eval.py: multi-host init, compilation cache, mesh, data
-directory, config persistence, and a clean fatal-error exit."""
+directory and its integrity, run info (JSON, no pickle), and a clean fatal-error exit."""
 
 from __future__ import annotations
 
+import json
 import os
-import pickle
 import sys
 
 import jax
@@ -23,14 +23,47 @@ def fail(msg: str):
 
 
 def run_main(prog: str, fn, *args):
-  """Runs ``fn(*args)``; FatalError exits with status 2 and ``<prog>: error: <msg>`` on stderr."""
-  from absl import logging
-  logging.set_verbosity(logging.ERROR)   # orbax logs every save (INFO) and read-only use (WARNING)
+  """Runs ``fn(*args)``; a ``FatalError`` or a data error naming a file (``data.shards.DataError``:
+  damaged shard, invalid record) exits with status 2 and one line ``<prog>: error: <msg>`` on
+  stderr."""
+  from data.shards import DataError
+  quiet_checkpoint_logs()
   try:
     return fn(*args)
-  except FatalError as e:
-    print(f"{prog}: error: {e}", file=sys.stderr, flush=True)
+  except (FatalError, DataError) as e:
+    msg = " ".join(str(e).split("\n"))
+    if hasattr(e, "kind"):                       # an invalid record or a damaged chunk
+      msg += " (config.data.skip_invalid=True skips and counts such records)"
+    print(f"{prog}: error: {msg}", file=sys.stderr, flush=True)
     sys.exit(2)
+
+
+def quiet_checkpoint_logs() -> None:
+  """Silences orbax's routine logs and its tracebacks of failed saves / restores (which
+  kunlun.train.checkpoint reports itself, in one line), and the closed-loop noise below."""
+  from absl import logging
+  logging.set_verbosity(logging.ERROR)   # orbax logs every save (INFO) and read-only use (WARNING)
+  handler = logging.get_absl_handler()
+  if not getattr(handler, "_kunlun_quiet", False):
+    handler.addFilter(lambda r: "/orbax/" not in r.pathname or r.levelno >= 50)   # 50: CRITICAL
+    handler._kunlun_quiet = True
+  quiet_closed_loop_errors()
+
+
+def quiet_closed_loop_errors() -> None:
+  """Drops the ``RuntimeError('Event loop is closed')`` that TensorStore reports as unraisable
+  when reads of a failed orbax restore complete after orbax closed its event loop (noise: the
+  restore already raised); every other unraisable exception still goes to the previous hook."""
+  prev = sys.unraisablehook
+  if getattr(prev, "_kunlun_quiet", False):
+    return
+
+  def hook(u):
+    if isinstance(u.exc_value, RuntimeError) and str(u.exc_value) == "Event loop is closed":
+      return
+    prev(u)
+  hook._kunlun_quiet = True
+  sys.unraisablehook = hook
 
 
 def maybe_initialize_distributed(coordinator_address=None, num_processes=None, process_id=None):
@@ -122,7 +155,26 @@ def load_schema(data_dir: str):
     fail(f"--data_dir={data_dir}: {e}")
 
 
+def check_data_files(data_dir: str, split: str) -> None:
+  """Every shard of ``split`` exists and has the byte size the manifest records (one-line error
+  naming the file otherwise); manifests without sizes (older) get existence checks and a note."""
+  from data import records
+  from data.shards import DataError
+  try:
+    records.split_files(data_dir, split, load_schema(data_dir))
+    unsized = records.unsized_files(data_dir, split)
+  except (DataError, ValueError, FileNotFoundError) as e:
+    fail(f"--data_dir={data_dir}: {e}" if not str(e).startswith(data_dir) else str(e))
+  if unsized and jax.process_index() == 0:
+    print(f"note: {data_dir}/manifest.json records no file sizes (older format): only the "
+          f"existence of the {split!r} shards was checked at start-up; `python -m data.validate "
+          f"{data_dir} --deep --update_manifest` checks every record and records them",
+          flush=True)
+
+
 def build_model(config, schema):
+  """Fits ``config.model.towers`` to the schema's streams (kunlun/schema_fit.py, in place) and
+  builds the model; a config / schema mismatch is a FatalError."""
   from kunlun.model import build_model as _build
   from kunlun.transfer.settings import parse_transfer
   try:
@@ -133,14 +185,55 @@ def build_model(config, schema):
     fail(f"config.transfer turns on FM inputs ({tr}); train.py/eval.py train and evaluate the "
          "plain model only and would silently ignore them. Set kd_lambda=0 and loopfm_*=False, "
          "or run the transfer path (kunlun.transfer.experiment, bench/transfer.py).")
+  from kunlun.schema_fit import fit_towers
   try:
+    for note in fit_towers(config, schema):     # towers follow the schema's streams (in place)
+      if jax.process_index() == 0:
+        print(f"config: {note}", flush=True)
     return _build(config, schema)
   except ValueError as e:
     fail(f"config does not fit the data schema: {e}")
 
 
+RUN_INFO = "run_info.json"
+RUN_INFO_FORMAT = "kunlun-run-info-v1"
+
+
+def config_to_plain(x, path: str = "config"):
+  """A ConfigDict as JSON-able plain types; tuples become ``{"__tuple__": [...]}`` so they come
+  back as tuples. Anything else (objects, callables) raises ``TypeError`` naming the field."""
+  import ml_collections
+  if isinstance(x, (ml_collections.ConfigDict, ml_collections.FrozenConfigDict)):
+    x = x.to_dict()
+  if isinstance(x, dict):
+    return {str(k): config_to_plain(v, f"{path}.{k}") for k, v in x.items()}
+  if isinstance(x, tuple):
+    return {"__tuple__": [config_to_plain(v, f"{path}[{i}]") for i, v in enumerate(x)]}
+  if isinstance(x, list):
+    return [config_to_plain(v, f"{path}[{i}]") for i, v in enumerate(x)]
+  if x is None or isinstance(x, (bool, int, float, str)):
+    return x
+  raise TypeError(f"{path} = {x!r} ({type(x).__name__}) cannot be stored in {RUN_INFO}")
+
+
+def config_from_plain(x):
+  """Inverse of ``config_to_plain``: a ``ml_collections.ConfigDict``."""
+  import ml_collections
+
+  def dec(v):
+    if isinstance(v, dict):
+      if set(v) == {"__tuple__"}:
+        return tuple(dec(a) for a in v["__tuple__"])
+      return {k: dec(a) for k, a in v.items()}
+    if isinstance(v, list):
+      return [dec(a) for a in v]
+    return v
+  return ml_collections.ConfigDict(dec(x))
+
+
 def save_run_info(workdir: str, config, data_dir: str) -> None:
-  """``config.pkl`` (exact, for eval.py), ``config.json`` (readable) and ``data_dir.txt``.
+  """``run_info.json``: the exact config (``config_to_plain``) and the data directory; eval.py,
+  the export and later resumes read it (no pickle: loading a workdir runs no code from it).
 
   ``config.model`` is stored with every default filled in, so a later change of a default
   (e.g. ``score_clip``) cannot change how an existing checkpoint is evaluated or exported.
@@ -151,27 +244,76 @@ def save_run_info(workdir: str, config, data_dir: str) -> None:
   config = config.copy_and_resolve_references()
   if "model" in config:
     config.model = with_defaults(config.model)
+  try:
+    plain = config_to_plain(config)
+  except TypeError as e:
+    fail(str(e))
   os.makedirs(workdir, exist_ok=True)
-  with open(os.path.join(workdir, "config.pkl"), "wb") as f:
-    pickle.dump(config, f)
-  with open(os.path.join(workdir, "config.json"), "w") as f:
-    f.write(config.to_json_best_effort(indent=1))
-  with open(os.path.join(workdir, "data_dir.txt"), "w") as f:
-    f.write(os.path.abspath(data_dir))
+  path = os.path.join(workdir, RUN_INFO)
+  with open(path + ".tmp", "w") as f:
+    json.dump({"format": RUN_INFO_FORMAT, "data_dir": os.path.abspath(data_dir),
+               "config": plain}, f, indent=1)
+  os.replace(path + ".tmp", path)
 
 
-def load_run_info(workdir: str):
-  """``(config, data_dir)`` recorded by train.py in ``workdir``."""
-  path = os.path.join(workdir, "config.pkl")
-  if not os.path.exists(path):
-    fail(f"--workdir={workdir}: no config.pkl (not a train.py workdir); pass --config")
-  with open(path, "rb") as f:
+def load_run_info(workdir: str, trust_pickle: bool = False):
+  """``(config, data_dir)`` recorded by train.py in ``workdir``: from ``run_info.json``; a
+  workdir written by an older version holds only ``config.pkl``, which is unpickled only with
+  ``trust_pickle`` (``--trust_workdir``), with a warning."""
+  path = os.path.join(workdir, RUN_INFO)
+  if os.path.exists(path):
+    try:
+      with open(path) as f:
+        info = json.load(f)
+      if info.get("format") != RUN_INFO_FORMAT:
+        raise ValueError(f"format {info.get('format')!r}, expected {RUN_INFO_FORMAT!r}")
+      return _upgraded(config_from_plain(info["config"])), info.get("data_dir")
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+      fail(f"{path}: unreadable run info ({type(e).__name__}: {e})")
+  pkl = os.path.join(workdir, "config.pkl")
+  if not os.path.exists(pkl):
+    fail(f"--workdir={workdir}: no {RUN_INFO} (not a train.py workdir)")
+  if not trust_pickle:
+    fail(f"--workdir={workdir} holds only config.pkl (written by an older version); unpickling "
+         "it can run arbitrary code from the file. Pass --trust_workdir if you trust where this "
+         "workdir came from")
+  print(f"warning: --trust_workdir: unpickling {pkl} (code in it runs with your rights)",
+        file=sys.stderr, flush=True)
+  import pickle
+  with open(pkl, "rb") as f:
     config = pickle.load(f)
-  if "model" in config:            # fields added since the run was stored keep the run's value
+  return _upgraded(config), _saved_data_dir(workdir)
+
+
+def _upgraded(config):
+  """Model fields added since the run was stored get the value that run was trained with
+  (``kunlun.config.upgrade_stored``: e.g. ``final_hsp`` on for runs stored before the switch)."""
+  if "model" in config:
     from kunlun.config import upgrade_stored
-    config.model = upgrade_stored(config.model)
-  data_dir = None
+    with config.unlocked():
+      config.model = upgrade_stored(config.model)
+  return config
+
+
+def _saved_data_dir(workdir: str) -> str | None:
+  """The data directory recorded in ``workdir`` (run_info.json, or an older data_dir.txt)."""
+  path = os.path.join(workdir, RUN_INFO)
+  if os.path.exists(path):
+    try:
+      with open(path) as f:
+        return json.load(f).get("data_dir")
+    except ValueError:
+      return None
   p = os.path.join(workdir, "data_dir.txt")
-  if os.path.exists(p):
-    data_dir = open(p).read().strip()
-  return config, data_dir
+  return open(p).read().strip() if os.path.exists(p) else None
+
+
+def run_config(workdir: str, config=None, trust_pickle: bool = False):
+  """``(config, data_dir)`` for eval-like programs: the given ``--config`` (the workdir still
+  supplies the data directory, read without unpickling) or the one recorded in ``workdir``."""
+  if config is not None:
+    return config, _saved_data_dir(workdir)
+  try:
+    return load_run_info(workdir, trust_pickle)
+  except FatalError as e:
+    fail(f"{e}; or give --config")

@@ -3,7 +3,13 @@
 Mixed precision is the model's business (``config.model.dtype`` = "bfloat16" computes in bf16;
 parameters, optimizer state, norms and the loss stay float32). A step whose loss or gradient
 global norm is not finite keeps the old params and optimizer state (the update is skipped) and
-reports ``ok = False``; the host counts these and stops after too many in a row.
+reports ``ok = False``; the host counts these and stops after too many in a row. The skip is a
+``lax.cond`` around the optimizer update: a good step runs the update alone (no select over
+every parameter and state leaf), a bad one returns the old state untouched.
+
+The statistics stay on the device (train.py fetches them lagged, ``progress.LaggedStats``). The
+loss runs under the named scope ``loss`` and the optimizer under ``optimizer`` (profiles and
+``bench/train_step.py`` group device time by scope).
 """
 
 from __future__ import annotations
@@ -31,38 +37,68 @@ def label_mask(batch):
 
 
 def make_train_step(model, tx, task_weights=None, *, sparse_update=None, param_shardings=None,
-                    opt_shardings=None, batch_sharding=None):
+                    opt_shardings=None, batch_sharding=None, microbatches: int = 1):
   """Returns ``train_step(params, opt_state, batch, rng, step) -> (params, opt_state, stats)``.
 
   ``stats``: loss f32[], per_task f32[K], grad_norm f32[], ok bool[], and per-task sums
   ``loss_sum``, ``pos_sum``, ``count`` f32[K]. Params and optimizer state are donated.
   ``sparse_update``: ``optim.make_sparse_update(...)`` (``config.train.sparse_embedding_update``)
   switches to the sparse embedding step (``_sparse_train_step``); ``tx`` then only defines the
-  optimizer-state layout (``tx.init``).
+  optimizer-state layout (``tx.init``). ``param_shardings``: the gradients are constrained to
+  them (under FSDP each device reduces only its own shard of every gradient).
+  ``microbatches`` (``config.train.microbatches``): the batch is split into that many strided
+  microbatches (every device keeps an equal share of each), their gradients are accumulated
+  in a ``lax.scan`` and one optimizer update follows: the same loss and update as the whole batch
+  (per-task means over the whole batch; sums reassociated), with the activation memory of one
+  microbatch. Dense embedding update only.
   """
+  if microbatches < 1:
+    raise ValueError(f"config.train.microbatches = {microbatches} must be >= 1")
+  if microbatches > 1 and sparse_update is not None:
+    raise ValueError("config.train.microbatches > 1 needs the dense embedding update "
+                     "(config.train.sparse_embedding_update = False)")
+  constrain = sparse_constrain = lambda g: g
+  if param_shardings is not None:
+    constrain = lambda g: jax.lax.with_sharding_constraint(g, param_shardings)
+    by_key = {jax.tree_util.keystr(k): v
+              for k, v in jax.tree_util.tree_leaves_with_path(param_shardings)}
+    sparse_constrain = lambda g: {k: jax.lax.with_sharding_constraint(v, by_key[k])
+                                  for k, v in g.items()}
 
   def train_step(params, opt_state, batch, rng, step):
     if sparse_update is not None:
       return _sparse_train_step(model, sparse_update, task_weights, params, opt_state, batch,
-                                rng, step)
+                                rng, step, sparse_constrain)
     mask = label_mask(batch)
+    rngs = {"dropout": jax.random.fold_in(rng, step)}
+    if microbatches == 1:
+      def loss_fn(p):
+        logits = model.apply({"params": p}, batch, train=True, rngs=rngs)
+        with jax.named_scope("loss"):
+          loss, per_task = masked_bce(logits, batch["labels"], mask, task_weights)
+        return loss, (per_task, logits)
 
-    def loss_fn(p):
-      logits = model.apply({"params": p}, batch, train=True,
-                           rngs={"dropout": jax.random.fold_in(rng, step)})
-      loss, per_task = masked_bce(logits, batch["labels"], mask, task_weights)
-      return loss, (per_task, logits)
+      (loss, (per_task, logits)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+      grads = constrain(grads)
+      with jax.named_scope("loss"):
+        loss_sum, pos_sum, count = _per_task_sums(logits, batch["labels"], mask)
+    else:
+      loss, per_task, grads, (loss_sum, pos_sum, count) = _accumulated_grads(
+          model, params, batch, mask, rngs, task_weights, microbatches, constrain)
+    with jax.named_scope("optimizer"):
+      grad_norm = optax.tree.norm(grads)
+      ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
 
-    (loss, (per_task, logits)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
-    grad_norm = optax.tree.norm(grads)
-    ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-    updates, new_opt = tx.update(grads, opt_state, params)
-    new_params = optax.apply_updates(params, updates)
-    keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
-    loss_sum, pos_sum, count = _per_task_sums(logits, batch["labels"], mask)
+      def update(state):
+        p, o, g = state
+        updates, new_o = tx.update(g, o, p)
+        return optax.apply_updates(p, updates), new_o
+
+      new_params, new_opt = jax.lax.cond(ok, update, lambda state: state[:2],
+                                         (params, opt_state, grads))
     stats = {"loss": loss, "per_task": per_task, "grad_norm": grad_norm, "ok": ok,
              "loss_sum": loss_sum, "pos_sum": pos_sum, "count": count}
-    return keep(new_params, params), keep(new_opt, opt_state), stats
+    return new_params, new_opt, stats
 
   kw = {}
   if param_shardings is not None:
@@ -71,29 +107,83 @@ def make_train_step(model, tx, task_weights=None, *, sparse_update=None, param_s
   return jax.jit(train_step, donate_argnums=(0, 1), **kw)
 
 
-def _sparse_train_step(model, sparse_update, task_weights, params, opt_state, batch, rng, step):
-  """The train step with sparse embedding-table updates.
+def split_microbatches(batch, k: int):
+  """``[B, ...]`` leaves -> ``[k, B / k, ...]``: microbatch ``j`` holds rows ``j, j + k, ...``, so
+  a device holding a contiguous block of the batch holds an equal share of every microbatch."""
+  def split(x):
+    x = jnp.asarray(x)
+    if x.shape[0] % k:
+      raise ValueError(f"batch of {x.shape[0]} rows does not split into {k} microbatches")
+    return jnp.swapaxes(x.reshape((x.shape[0] // k, k) + x.shape[1:]), 0, 1)
+  return jax.tree.map(split, batch)
+
+
+def _accumulated_grads(model, params, batch, mask, rngs, task_weights, k, constrain):
+  """Loss, per-task loss, summed gradients and per-task sums of the whole batch from ``k``
+  microbatches (``lax.scan``). Each microbatch's loss is its share of the whole batch's masked
+  mean (``sum_b bce m / max(count_total, 1)`` per task), so the microbatch losses and gradients
+  add up to the whole batch's."""
+  count_total = jnp.sum(mask, 0)
+  K = mask.shape[1]
+  w = jnp.ones((K,), jnp.float32) if task_weights is None else jnp.asarray(task_weights,
+                                                                           jnp.float32)
+  mbs = split_microbatches({"batch": batch, "mask": mask}, k)
+
+  def body(carry, xs):
+    g_acc, sums = carry
+    mb, m, j = xs["batch"], xs["mask"], xs["j"]
+
+    def loss_fn(p):
+      logits = model.apply({"params": p}, mb, train=True,
+                           rngs={n: jax.random.fold_in(r, j) for n, r in rngs.items()})
+      with jax.named_scope("loss"):
+        s = _per_task_sums(logits, mb["labels"], m)
+        loss = jnp.sum(w * s[0] / jnp.maximum(count_total, 1.0))
+      return loss, s
+
+    (_, s), g = jax.value_and_grad(loss_fn, has_aux=True)(params)
+    g_acc = constrain(jax.tree.map(jnp.add, g_acc, g))
+    return (g_acc, tuple(a + b for a, b in zip(sums, s, strict=True))), None
+
+  zeros = constrain(jax.tree.map(jnp.zeros_like, params))
+  sums0 = tuple(jnp.zeros((K,), jnp.float32) for _ in range(3))
+  (grads, sums), _ = jax.lax.scan(body, (zeros, sums0),
+                                  {"batch": mbs["batch"], "mask": mbs["mask"],
+                                   "j": jnp.arange(k)})
+  per_task = sums[0] / jnp.maximum(count_total, 1.0)
+  return jnp.sum(w * per_task), per_task, grads, sums
+
+
+def _sparse_train_step(model, sparse_update, task_weights, params, opt_state, batch, rng, step,
+                       constrain=lambda g: g):
+  """The train step with sparse embedding-table updates (``constrain``: maps the dense gradients
+  ``{keystr: grad}`` to their parameters' shardings).
 
   Tables read through ``kunlun.inputs`` look-ups are not differentiated: the model is applied with
-  their ids recorded (``LOOKUP_IDS``) and a zero tap added to the looked-up rows (``ROW_TAPS``),
-  and the gradient is taken w.r.t. the other parameters and the taps, i.e. w.r.t. the gathered
-  rows ``[..., D]`` (no table-sized gradient exists). ``sparse_update`` then applies AdamW to the
-  dense leaves and the row-wise Adagrad to the looked-up rows only. ``grad_norm`` is the dense
-  path's norm (the per-row summed table gradients count once per row); on a skipped step it is
-  computed from the unsummed row gradients instead (it is then non-finite or the loss is).
-  A looked-up table must be read only through those look-ups: any other read of it would get no
-  gradient here (the tiny-model equivalence test in tests/sharding/test_kunlun_lookup.py checks
-  the real model).
+  each table group's ids recorded (``LOOKUP_IDS``) and a zero tap added to the group's looked-up
+  rows (``ROW_TAPS``), and the gradient is taken w.r.t. the other parameters and the taps, i.e.
+  w.r.t. the gathered rows ``[M, D]`` (no table-sized gradient exists). ``sparse_update`` then
+  applies AdamW to the dense leaves and the row-wise Adagrad to the looked-up rows only.
+  ``grad_norm`` is the dense path's norm (the per-row summed table gradients count once per row);
+  on a skipped step it is computed from the unsummed row gradients instead (it is then non-finite
+  or the loss is). A looked-up table must be read only through those look-ups: any other read of
+  it would get no gradient here (the tiny-model equivalence test in tests/train/test_step.py
+  checks the real input stage).
   """
-  from kunlun.inputs import LOOKUP_IDS, ROW_TAPS
+  from kunlun.inputs import GROUP_SEP, LOOKUP_IDS, ROW_TAPS
   mask = label_mask(batch)
   rngs = {"dropout": jax.random.fold_in(rng, step)}
   apply = lambda variables, mutable: model.apply(variables, batch, train=True, rngs=rngs,
                                                  mutable=mutable)
-  # which tables are looked up and the shapes of their rows (tracing only, no computation)
+  # which table groups are looked up and the shapes of their rows (tracing only, no computation)
   taps = jax.eval_shape(lambda p: apply({"params": p}, [LOOKUP_IDS, ROW_TAPS])[1], params)
   taps = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), taps.get(ROW_TAPS, {}))
-  tables = {jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_leaves_with_path(taps)}
+  groups = {}                       # group keystr -> member tables' keystrs
+  for path, _ in jax.tree_util.tree_leaves_with_path(taps):
+    members = path[-1].key.split(GROUP_SEP)
+    groups[jax.tree_util.keystr(path)] = tuple(
+        jax.tree_util.keystr(path[:-1] + (jax.tree_util.DictKey(m),)) for m in members)
+  tables = {m for members in groups.values() for m in members}
   flat, treedef = jax.tree_util.tree_flatten_with_path(params)
   keys = [jax.tree_util.keystr(k) for k, _ in flat]
   diff = {k: v for k, (_, v) in zip(keys, flat, strict=False) if k not in tables}
@@ -102,22 +192,26 @@ def _sparse_train_step(model, sparse_update, task_weights, params, opt_state, ba
     p = treedef.unflatten([diff[k] if k in diff else v
                            for k, (_, v) in zip(keys, flat, strict=False)])
     logits, state = apply({"params": p, ROW_TAPS: taps}, [LOOKUP_IDS])
-    loss, per_task = masked_bce(logits, batch["labels"], mask, task_weights)
+    with jax.named_scope("loss"):
+      loss, per_task = masked_bce(logits, batch["labels"], mask, task_weights)
     return loss, (per_task, logits, state.get(LOOKUP_IDS, {}))
 
   (loss, (per_task, logits, ids)), (grads, g_taps) = jax.value_and_grad(
       loss_fn, argnums=(0, 1), has_aux=True)(diff, taps)
+  grads = constrain(grads)
   key_of = lambda tree: {jax.tree_util.keystr(k): v
                          for k, v in jax.tree_util.tree_leaves_with_path(tree)}
   ids, g_taps = key_of(ids), key_of(g_taps)
-  rows = {k: (ids[k], g_taps[k]) for k in tables}
-  dense_sq = optax.tree.norm(grads, squared=True)
-  rows_finite = jnp.all(jnp.asarray([jnp.all(jnp.isfinite(g)) for g in g_taps.values()]))
-  ok = jnp.isfinite(loss) & jnp.isfinite(dense_sq) & rows_finite
-  new_params, new_opt, table_sq = sparse_update(params, opt_state, grads, rows, ok)
-  raw_sq = optax.tree.norm(g_taps, squared=True)
-  grad_norm = jnp.sqrt(dense_sq + jnp.where(ok, table_sq, raw_sq))
-  loss_sum, pos_sum, count = _per_task_sums(logits, batch["labels"], mask)
+  with jax.named_scope("optimizer"):
+    rows = {GROUP_SEP.join(members): (ids[gk], g_taps[gk]) for gk, members in groups.items()}
+    dense_sq = optax.tree.norm(grads, squared=True)
+    rows_finite = jnp.all(jnp.asarray([jnp.all(jnp.isfinite(g)) for g in g_taps.values()]))
+    ok = jnp.isfinite(loss) & jnp.isfinite(dense_sq) & rows_finite
+    new_params, new_opt, table_sq = sparse_update(params, opt_state, grads, rows, ok)
+    raw_sq = optax.tree.norm(g_taps, squared=True)
+    grad_norm = jnp.sqrt(dense_sq + jnp.where(ok, table_sq, raw_sq))
+  with jax.named_scope("loss"):
+    loss_sum, pos_sum, count = _per_task_sums(logits, batch["labels"], mask)
   stats = {"loss": loss, "per_task": per_task, "grad_norm": grad_norm, "ok": ok,
            "loss_sum": loss_sum, "pos_sum": pos_sum, "count": count}
   return new_params, new_opt, stats

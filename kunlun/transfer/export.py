@@ -4,7 +4,7 @@
       [--quantize int8|bf16|none] [--summaries] [--batch_size N] [--shard_batches N]
       [--coordinator_address H:P --num_processes N --process_id I] [--mesh M] [--dcn_mesh M]
 
-Restores the FM's latest checkpoint (train.py workdir: config.pkl + checkpoints/), applies
+Restores the FM's latest checkpoint (train.py workdir: run_info.json + checkpoints/), applies
 ``method="representations"`` and writes, per real example, one record (``data.records.encode``)::
 
     user_id, ad_id, request_ts  i64[]   join keys (time in seconds)
@@ -245,7 +245,7 @@ def _agreed_done(counts: list[int]) -> list[int]:
 def export(workdir: str, out_dir: str, *, data_dir: str | None = None, splits=("train", "eval"),
            quantize_mode: str = "int8", summaries: bool = False, batch_size: int | None = None,
            shard_batches: int = 50, step: int | None = None, mesh_flag: str = "data=-1",
-           dcn_mesh_flag: str | None = None, log=print) -> dict:
+           dcn_mesh_flag: str | None = None, log=print, trust_workdir: bool = False) -> dict:
   """Runs the FM of ``workdir`` over ``splits`` and writes the export; returns the manifest.
 
   Under several JAX processes every process calls this (same arguments, ``out_dir`` shared);
@@ -263,7 +263,7 @@ def export(workdir: str, out_dir: str, *, data_dir: str | None = None, splits=("
   if shard_batches < 1:
     raise ValueError(f"--shard_batches must be >= 1, got {shard_batches}")
   pid, nproc = jax.process_index(), jax.process_count()
-  config, saved_dir = runtime.load_run_info(workdir)
+  config, saved_dir = runtime.load_run_info(workdir, trust_workdir)
   data_dir = data_dir or saved_dir
   if not data_dir:
     raise ValueError("no --data_dir given and none recorded in the workdir")
@@ -399,14 +399,18 @@ def main(argv=None):
   ap.add_argument("--coordinator_address", default=None, help="multi-host: coordinator host:port")
   ap.add_argument("--num_processes", type=int, default=None, help="multi-host: process count")
   ap.add_argument("--process_id", type=int, default=None, help="multi-host: this process's index")
+  ap.add_argument("--trust_workdir", action="store_true",
+                  help="load an older workdir's config.pkl (pickle: runs code from the file)")
   a = ap.parse_args(argv)
+  from kunlun.train import runtime
   from kunlun.train.runtime import FatalError, maybe_initialize_distributed
+  runtime.quiet_closed_loop_errors()
   try:
     maybe_initialize_distributed(a.coordinator_address, a.num_processes, a.process_id)
     export(a.workdir, a.out, data_dir=a.data_dir, splits=tuple(a.split.split(",")),
            quantize_mode=a.quantize, summaries=a.summaries, batch_size=a.batch_size,
            shard_batches=a.shard_batches, step=a.step, mesh_flag=a.mesh,
-           dcn_mesh_flag=a.dcn_mesh)
+           dcn_mesh_flag=a.dcn_mesh, trust_workdir=a.trust_workdir)
   except (ValueError, FileNotFoundError, FatalError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2

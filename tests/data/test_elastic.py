@@ -7,7 +7,7 @@ import ml_collections
 import numpy as np
 import pytest
 
-from data import elastic, records
+from data import elastic, records, validate
 from data.pipeline import invalid_counts, make_dataset
 
 LENS = {"click": 4, "impression": 4}
@@ -42,7 +42,7 @@ def test_permute_is_a_bijection(n):
 
 
 def test_one_epoch_reads_every_record_once(tiny_dir):
-  feed = [r for _, _, r in records.read_split(tiny_dir, "train") if r["surface"] == 0]
+  feed = [r for _, _, r in validate.read_split(tiny_dir, "train") if r["surface"] == 0]
   want = collections.Counter((int(r["request_ts"]), int(r["user_id"]), int(r["ad_id"]))
                              for r in feed)
   n = len(feed) // 32

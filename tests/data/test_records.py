@@ -4,7 +4,7 @@ import os
 import numpy as np
 import pytest
 
-from data import records
+from data import records, validate
 from data.fake import tiny_schema
 
 
@@ -85,12 +85,14 @@ def test_writer_reader_roundtrip(tmp_path):
   feed = manifest["splits"]["train"]["feed"]
   assert [e["count"] for e in feed] == [3, 3, 1]
   assert [e["file"] for e in feed] == [f"train/feed-0000{i}-of-00003.arrayrecord" for i in range(3)]
-  assert manifest["splits"]["train"]["stories"] == [
-      {"file": "train/stories-00000-of-00001.arrayrecord", "count": 0}]
+  stories = manifest["splits"]["train"]["stories"]
+  assert [(e["file"], e["count"]) for e in stories] == [
+      ("train/stories-00000-of-00001.arrayrecord", 0)]
+  assert stories[0]["bytes"] == os.path.getsize(tmp_path / stories[0]["file"])
   for e in feed:                                      # small shards (< 64 KB of data) are fine
     assert os.path.exists(tmp_path / e["file"])
   got = {}
-  for path, _, rec in records.read_split(str(tmp_path), "train"):
+  for path, _, rec in validate.read_split(str(tmp_path), "train"):
     got.setdefault(os.path.basename(path).split("-")[0], []).append(rec)
   assert sorted(got) == ["feed", "reels"]
   for surface, recs in written.items():

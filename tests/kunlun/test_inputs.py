@@ -35,14 +35,18 @@ def test_sparse_pooling_ignores_empty_slots_and_wraps_ids():
 
 
 def test_lookup_is_the_single_row_gather(monkeypatch):
+  """Every table look-up goes through ``sharding.embedding.lookup_flat``, batched per group:
+  EventEmbed's five tables of one width (item, action, surface, field, time) in one call."""
   calls = []
-  orig = inputs.lookup
-  monkeypatch.setattr(inputs, "lookup", lambda t, i: calls.append(t.shape) or orig(t, i))
+  se = inputs.sharded_embedding
+  orig = se.lookup_flat
+  monkeypatch.setattr(se, "lookup_flat",
+                      lambda t, i, **kw: calls.append([x.shape for x in t]) or orig(t, i, **kw))
   sch = tiny_schema()
   b = random_batch(sch, 2, {"click": 8})
   m = EventEmbed(sch.streams[0], 3, 8)
   jax.jit(m.init)(jax.random.key(0), b["events"]["click"])
-  assert (500, 8) in calls and len(calls) == 5               # item, action, surface, field, time
+  assert calls == [[(500, 8), (3, 8), (3, 8), (20, 8), (32, 8)]]
 
 
 def test_dense_tokens_per_example_and_formula():

@@ -7,14 +7,31 @@ import numpy as np
 
 _ERF = np.vectorize(math.erf)
 
+def _tanh_gelu(x):
+  return 0.5 * x * (1.0 + np.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x ** 3)))
+
+
+def _bf16(x):
+  """Round to bfloat16 (nearest even) in numpy: keep the top 16 bits of the float32."""
+  b = np.asarray(x, np.float32).view(np.uint32)
+  b = ((b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000).astype(np.uint32)
+  return b.view(np.float32).astype(np.float64)
+
+
+_C = 1.0 / math.sqrt(2.0 * math.pi)
 NP_ACTS = {
     "identity": lambda x: x,
     "gelu": lambda x: 0.5 * x * (1.0 + _ERF(x / math.sqrt(2.0))),
-    "fast_gelu": lambda x: 0.5 * x * (
-        1.0 + np.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x ** 3))),
+    "gelu_tanh": _tanh_gelu,
+    "fast_gelu": _tanh_gelu,
+    "fast_gelu_bf16": lambda x: _tanh_gelu(_bf16(x)),
+    "gelu_taylor": lambda x: 0.5 * x + _C * x ** 2 - _C / 6 * x ** 4 + _C / 40 * x ** 6,
     "silu": lambda x: x / (1.0 + np.exp(-x)),
+    "fast_silu": lambda x: x / (1.0 + np.exp(-x)),
     "relu": lambda x: np.maximum(x, 0.0),
     "relu2": lambda x: np.maximum(x, 0.0) ** 2,
+    "leaky_relu": lambda x: np.where(x >= 0, x, 0.01 * x),
+    "hardswish": lambda x: x * np.clip(x + 3.0, 0.0, 6.0) / 6.0,
 }
 
 
@@ -23,27 +40,33 @@ def _acts(activation, heads):
 
 
 def gdpa_loop(q, k, v, activation="fast_gelu", scale=None, out_scale=1.0, q_lengths=None,
-              kv_lengths=None, window=None, broadcast_q=False, score_clip=None):
+              kv_lengths=None, window=None, broadcast_q=False, score_clip=None, q_index=None,
+              kv_index=None):
+  """Output row b reads q[q_index[b]] and k, v[kv_index[b]] (lengths indexed like their operand;
+  with broadcast_q, q_lengths has the output batch); q head h reads k/v head h // G."""
   q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
-  B, Tk, H, D = k.shape
-  Tq = q.shape[1]
+  Tq, Hq, D = q.shape[1:]
+  Tk, Hkv = k.shape[1:3]
+  G = Hq // Hkv
+  B = len(q_index) if q_index is not None else len(kv_index) if kv_index is not None else len(k)
   scale = D ** -0.5 if scale is None else scale
-  acts = _acts(activation, H)
-  out = np.zeros((B, Tq, H, D))
+  acts = _acts(activation, Hq)
+  out = np.zeros((B, Tq, Hq, D))
   for b in range(B):
-    ql = Tq if q_lengths is None else int(q_lengths[b])
-    kl = Tk if kv_lengths is None else int(kv_lengths[b])
-    qb = q[0 if broadcast_q else b]
-    for h in range(H):
+    qb = 0 if broadcast_q else (b if q_index is None else int(q_index[b]))
+    kb = b if kv_index is None else int(kv_index[b])
+    ql = Tq if q_lengths is None else int(q_lengths[b if broadcast_q else qb])
+    kl = Tk if kv_lengths is None else int(kv_lengths[kb])
+    for h in range(Hq):
       for i in range(ql):
         js = [j for j in range(kl) if window is None or abs(i - j) <= window]
         if not js:
           continue
-        s = np.array([qb[i, h] @ k[b, j, h] for j in js]) * scale
+        s = np.array([q[qb, i, h] @ k[kb, j, h // G] for j in js]) * scale
         if score_clip:
           s = np.minimum(np.maximum(s, -score_clip), score_clip)
         p = NP_ACTS[acts[h]](s)
-        out[b, i, h] = out_scale * sum(p[n] * v[b, j, h] for n, j in enumerate(js))
+        out[b, i, h] = out_scale * sum(p[n] * v[kb, j, h // G] for n, j in enumerate(js))
   return out
 
 

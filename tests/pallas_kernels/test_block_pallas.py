@@ -91,8 +91,8 @@ def test_bf16_forward():
 
 def test_bad_arguments_raise():
   q, k, v = _qkv()
-  with pytest.raises(ValueError, match="multiple of block_size"):
-    pallas_block.block_attention_pallas(q, k, v, block_size=12, interpret=True)
+  with pytest.raises(ValueError, match="power of two"):
+    pallas_block.block_attention_pallas(q, k, v, block_size=12)
   with pytest.raises(ValueError, match="rotary"):
     _kernel(q, k, v, rotary=(jnp.ones((B, T, D)), jnp.ones((B, T, D))))
   with pytest.raises(ValueError, match="activation"):
@@ -109,3 +109,27 @@ def test_score_clip_changes_gdpa_only():
                 - f("xla", activation="silu")).max() > 0.05
   for backend in ("xla", "pallas"):
     np.testing.assert_array_equal(f(backend, score_clip=0.5), f(backend))
+
+
+@pytest.mark.parametrize("activation", ["softmax", ("silu", "fast_gelu")])
+def test_partial_last_block(activation):
+  """T = 37 with 16-token blocks (the last block holds 5 tokens), two blocks per program, rotary
+  and lengths: forward against the dense numpy loop, gradients against jax.grad of the XLA
+  reference (which pads internally); every output written (poisoned), the kernel pads nothing."""
+  t = 37
+  ks = jax.random.split(jax.random.key(9), 4)
+  q, k, v = (jax.random.normal(kk, (B, t, H, D)) for kk in ks[:3])
+  ang = jax.random.uniform(ks[3], (1, t, D // 2), maxval=6.0)
+  kw = dict(activation=activation, lengths=np.array([37, 35]), rotary=(jnp.cos(ang), jnp.sin(ang)))
+  kern = lambda q, k, v: pallas_block.block_attention_pallas(
+      q, k, v, block_size=BS, interpret=True, blocks_per_program=2, **kw)
+  with _poison.poison_outputs():
+    out = jax.jit(kern)(q, k, v)
+    w = jnp.cos(jnp.arange(t * D, dtype=jnp.float32).reshape(t, 1, D))
+    got = jax.jit(jax.grad(lambda q, k, v: jnp.sum(kern(q, k, v) * w), (0, 1, 2)))(q, k, v)
+  np.testing.assert_allclose(out, block_loop(q, k, v, BS, **kw), atol=2e-5, rtol=1e-5)
+  assert np.all(np.asarray(out[1, 35:]) == 0)
+  want = jax.grad(lambda q, k, v: jnp.sum(reference.block_attention_reference(
+      q, k, v, block_size=BS, **kw) * w), (0, 1, 2))(q, k, v)
+  for name, g, r in zip("qkv", got, want, strict=True):
+    np.testing.assert_allclose(g, r, atol=5e-5, rtol=1e-4, err_msg=f"d{name}")

@@ -8,16 +8,18 @@ import pytest
 
 import pallas_kernels
 from pallas_kernels import _poison, activations, pallas_gdpa, reference
-from tests.pallas_kernels.np_ref import gdpa_loop
+from tests.pallas_kernels.np_ref import NP_ACTS, gdpa_loop
 
 B, TQ, TK, H, D = 2, 37, 29, 2, 8
 TILES = dict(block_q=16, block_k=16, block_q_bwd=16, block_k_bwd=16)
 
 
-def _qkv(dtype=jnp.float32, seed=0, tq=TQ, tk=TK, bq=B, h=H):
+def _qkv(dtype=jnp.float32, seed=0, tq=TQ, tk=TK, bq=B, h=H, bk=B, hk=None):
   kq, kk, kv = jax.random.split(jax.random.key(seed), 3)
-  return (jax.random.normal(kq, (bq, tq, h, D), dtype), jax.random.normal(kk, (B, tk, h, D), dtype),
-          jax.random.normal(kv, (B, tk, h, D), dtype))
+  hk = hk or h
+  return (jax.random.normal(kq, (bq, tq, h, D), dtype),
+          jax.random.normal(kk, (bk, tk, hk, D), dtype),
+          jax.random.normal(kv, (bk, tk, hk, D), dtype))
 
 
 def _jit(fn, **kw):
@@ -188,6 +190,88 @@ def test_tile_span_covers_exactly_the_visible_tiles():
                         for j in range(t * other, (t + 1) * other))
           if visible:
             assert lo <= t < hi, (start, other_len, window, t, lo, hi)
+
+
+def test_kernel_activation_forms_match_reference():
+  """The closed-form values and derivatives the kernels use (activations.kernel_fn; the Triton
+  source mirrors them) against the reference definitions, jax.grad and numpy."""
+  x = jnp.linspace(-5.0, 5.0, 2001) + 1e-3           # avoid the kinks at exactly 0 and +-3
+  for name in activations.NAMES:
+    ref = activations.ACTIVATIONS[name]
+    val, slope = activations.kernel_fn(name, with_slope=True)(x)
+    np.testing.assert_allclose(val, ref(x), atol=2e-6, rtol=1e-5, err_msg=name)
+    np.testing.assert_allclose(val, NP_ACTS[name](np.asarray(x, np.float64)), atol=2e-6,
+                               rtol=1e-5, err_msg=name)
+    np.testing.assert_allclose(slope, jax.vmap(jax.grad(ref))(x), atol=1e-5, rtol=1e-5,
+                               err_msg=name)
+    assert float(activations.kernel_fn(name)(jnp.zeros(()))) == 0.0, name   # act(0) = 0
+  # gelu_taylor is the spec's polynomial: close to GELU only near 0 (hence the score clip).
+  small = jnp.linspace(-1.0, 1.0, 201)
+  np.testing.assert_allclose(activations.ACTIVATIONS["gelu_taylor"](small),
+                             activations.ACTIVATIONS["gelu"](small), atol=2e-3)
+
+
+# ---- request-level sharing (q_index / kv_index, spec d.6) and GQA ------------------------------
+
+QI, KI = np.array([1, 0, 1]), np.array([0, 0, 1])          # 3 output rows; q and k/v have 2
+
+
+def _per_ad(q, k, v, q_index, kv_index):
+  """The dense per-ad operands (an explicit gather: what the kernels must never materialise)."""
+  return (q if q_index is None else q[q_index]), *(x if kv_index is None else x[kv_index]
+                                                   for x in (k, v))
+
+
+@pytest.mark.parametrize("qi,ki", [(QI, KI), (None, KI)], ids=["both", "kv"])  # q: broadcast_q
+def test_sharing_and_gqa_forward_and_gradients(qi, ki):
+  """Output row b reads q[q_index[b]] and k/v[kv_index[b]] (lengths indexed like their operand),
+  with GQA (4 q heads on 2 kv heads, per-head activations): forward against the numpy loop,
+  gradients against jax.grad of the reference on explicitly gathered per-ad operands, i.e. the
+  shared rows' gradients are sums over their ads."""
+  n_out = 3
+  q, k, v = _qkv(seed=11, h=4, hk=2, bq=2 if qi is not None else n_out,
+                 bk=2 if ki is not None else n_out)
+  ql = np.array([37, 21]) if qi is not None else np.array([37, 21, 30])
+  kl = np.array([29, 12]) if ki is not None else np.array([29, 12, 5])
+  kw = dict(activation=("fast_gelu", "silu", "gelu_taylor", "hardswish"), q_lengths=ql,
+            kv_lengths=kl, window=20)
+  out = _jit(_kernel, q_index=qi, kv_index=ki, **kw)(q, k, v)
+  assert out.shape == (n_out, TQ, 4, D)
+  np.testing.assert_allclose(out, gdpa_loop(q, k, v, q_index=qi, kv_index=ki, **kw), atol=2e-5,
+                             rtol=1e-5)
+  got = _grads(lambda q, k, v, **kw: _kernel(q, k, v, q_index=qi, kv_index=ki, **kw), q, k, v,
+               kw)
+  dense_kw = dict(kw, q_lengths=ql if qi is None else ql[qi],
+                  kv_lengths=kl if ki is None else kl[ki])
+  want = _grads(lambda q, k, v, **kw: reference.gdpa_reference(*_per_ad(q, k, v, qi, ki), **kw),
+                q, k, v, dense_kw)
+  for name, g, r in zip("qkv", got, want, strict=True):
+    assert g.shape == r.shape
+    np.testing.assert_allclose(g, r, atol=5e-5, rtol=1e-4, err_msg=f"d{name}")
+  # The XLA reference with indices is the same computation.
+  np.testing.assert_allclose(reference.gdpa_reference(q, k, v, q_index=qi, kv_index=ki, **kw),
+                             out, atol=2e-5, rtol=1e-5)
+
+
+def test_sharing_bf16_and_index_errors():
+  q, k, v = _qkv(jnp.bfloat16, seed=12, h=2, hk=1, bq=1, bk=2)
+  qi, ki = np.array([0, 0, 0]), np.array([1, 0, 1])
+  kw = dict(activation="fast_gelu", q_index=qi, kv_index=ki, kv_lengths=np.array([29, 9]))
+  got = _grads(_kernel, q, k, v, kw)
+  f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+  want = _grads(lambda q, k, v: reference.gdpa_reference(
+      *_per_ad(q, k, v, qi, ki), activation="fast_gelu", kv_lengths=np.array([9, 29, 9])),
+      *f32, {})
+  for g, r in zip(got, want, strict=True):
+    assert g.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(g, np.float32), r, atol=6e-2 * float(jnp.abs(r).max()))
+  with pytest.raises(ValueError, match="same length"):
+    _kernel(q, k, v, q_index=np.array([0]), kv_index=np.array([0, 1]))
+  with pytest.raises(ValueError, match="multiple of the k/v heads"):
+    _kernel(q, k[:, :, :1].repeat(3, axis=2), v[:, :, :1].repeat(3, axis=2),
+            q_index=np.array([0, 0]))
+  with pytest.raises(ValueError, match="kv_index"):
+    _kernel(q, k, v, q_index=np.array([0, 0, 0]))
 
 
 def test_bad_arguments_raise():

@@ -14,6 +14,10 @@ from jax.sharding import PartitionSpec as P
 
 from kunlun.train import checkpoint, optim
 
+# a failed TensorStore restore completes its pending reads after orbax closed its event loop
+# ("Event loop is closed", unraisable): noise that run_main silences in the programs
+QUIET = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+
 
 def _mesh(shape, names):
   return jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(shape))
@@ -88,4 +92,172 @@ def test_errors_name_the_problem(tmp_path):
         fh.write(b"\x00garbage")
   with pytest.raises(checkpoint.CheckpointError, match="corrupt"):
     ck.restore_params(checkpoint.abstract_like(params))
+  ck.close()
+
+
+def _truncate_params(step_dir):
+  for root, _, files in os.walk(os.path.join(step_dir, "params")):
+    for f in files:
+      if "ocdbt" in root or os.path.basename(root) == "d":
+        with open(os.path.join(root, f), "r+b") as fh:
+          fh.truncate(10)
+
+
+@pytest.fixture()
+def three_steps(tmp_path):
+  """Steps 1, 2, 3 of a small state (params + 1 after each step); the iterator state of each."""
+  mesh = _mesh((8,), ("fsdp",))
+  params, opt, _ = _state(mesh, P("fsdp", None))
+  it = _iter()
+  ck = checkpoint.Checkpointer(str(tmp_path / "ck"), keep=5)
+  saved = {}
+  for s in (1, 2, 3):
+    next(it)
+    params = jax.tree.map(lambda x: x + 1, params)
+    ck.save(s, params, opt, jax.random.key(s), it)
+    ck.wait()
+    saved[s] = (jax.tree.map(np.asarray, params), next(_clone(it)))
+  ck.close()
+  return str(tmp_path / "ck"), params, opt, saved
+
+
+def _clone(it):
+  c = _iter()
+  c.set_state(it.get_state())
+  return c
+
+
+@QUIET
+def test_restore_falls_back_and_moves_the_bad_step_aside(three_steps):
+  d, params, opt, saved = three_steps
+  _truncate_params(os.path.join(d, "3"))
+  warnings = []
+  ck = checkpoint.Checkpointer(d, warn=warnings.append)
+  it = _iter()
+  step, p, _, rng = ck.restore_latest(checkpoint.abstract_like(params),
+                                      checkpoint.abstract_like(opt), it)
+  assert step == 2 and ck.all_steps() == [1, 2]
+  for a, b in zip(jax.tree.leaves(p), jax.tree.leaves(saved[2][0]), strict=True):
+    np.testing.assert_array_equal(np.asarray(a), b)
+  np.testing.assert_array_equal(next(it), saved[2][1])       # the data position of step 2
+  np.testing.assert_array_equal(jax.random.key_data(rng), jax.random.key_data(jax.random.key(2)))
+  moved = [x for x in os.listdir(d) if x.startswith("3.corrupt-")]
+  assert len(moved) == 1 and os.path.isdir(os.path.join(d, moved[0], "params"))   # not deleted
+  assert len(warnings) == 1 and f"{d}/3 could not be restored" in warnings[0]
+  assert "tensorstore_spec" not in warnings[0] and "\n" not in warnings[0]
+  assert moved[0] in warnings[0]
+  ck.save(3, p, opt, rng, it)                 # step 3 is written again, normally
+  ck.wait()
+  assert ck.all_steps() == [1, 2, 3]
+  ck.close()
+
+
+@QUIET
+def test_strict_restore_and_unrestorable_checkpoints_move_nothing(three_steps):
+  d, params, opt, _ = three_steps
+  _truncate_params(os.path.join(d, "3"))
+  ck = checkpoint.Checkpointer(d, warn=pytest.fail)
+  with pytest.raises(checkpoint.CheckpointError, match="strict_restore"):
+    ck.restore_latest(checkpoint.abstract_like(params), checkpoint.abstract_like(opt), _iter(),
+                      strict=True)
+  # a model that no longer matches: every step fails, so none is moved aside
+  wrong = jax.tree.map(lambda x: jax.ShapeDtypeStruct((3, 3), x.dtype), params)
+  with pytest.raises(checkpoint.CheckpointError, match=f"{d}/3 could not be restored"):
+    ck.restore_latest(wrong, checkpoint.abstract_like(opt), _iter())
+  assert ck.all_steps() == [1, 2, 3] and sorted(os.listdir(d)) == ["1", "2", "3"]
+  ck.close()
+
+
+def test_step_without_commit_marker_is_never_used(three_steps):
+  d, params, opt, _ = three_steps
+  os.remove(os.path.join(d, "3", checkpoint.COMMIT_MARKER))
+  ro = checkpoint.Checkpointer(d, read_only=True)
+  assert ro.all_steps() == [1, 2] and ro.latest_step() == 2
+  with pytest.raises(checkpoint.CheckpointError, match="no commit marker"):
+    ro.restore_params(checkpoint.abstract_like(params), step=3)
+  assert ro.restore_params(checkpoint.abstract_like(params))[0] == 2
+  ro.close()
+  warnings = []
+  ck = checkpoint.Checkpointer(d, warn=warnings.append)
+  step, *_ = ck.restore_latest(checkpoint.abstract_like(params), checkpoint.abstract_like(opt),
+                               _iter())
+  assert step == 2 and "no commit marker" in warnings[0]
+  assert [x for x in os.listdir(d) if x.startswith("3.uncommitted-")]
+  ck.close()
+
+
+def test_failed_write_is_reported_and_keeps_previous_steps(three_steps, monkeypatch):
+  """An OSError in the async commit of step 4 (disk full): a warning names it, training can go
+  on, step 4 is never listed, step 3 still restores; a final save that fails raises."""
+  from orbax.checkpoint._src.handlers import json_checkpoint_handler as jh
+  d, params, opt, saved = three_steps
+  orig = jh.JsonCheckpointHandler._save_fn
+
+  async def failing(self, x, directory):
+    if x.get("step") in (4, 6):
+      raise OSError(28, "No space left on device")
+    return await orig(self, x, directory)
+  monkeypatch.setattr(jh.JsonCheckpointHandler, "_save_fn", failing)
+  warnings = []
+  ck = checkpoint.Checkpointer(d, keep=5, warn=warnings.append)
+  ck.save(4, params, opt, jax.random.key(4), _iter())
+  ck.save(5, params, opt, jax.random.key(5), _iter())       # surfaces step 4's failure
+  assert len(warnings) == 1 and "step 4 could not be written" in warnings[0]
+  assert "No space left on device" in warnings[0] and "newest good checkpoint is step 3" \
+      in warnings[0]
+  ck.wait()                                                  # step 5 is fine
+  assert ck.all_steps() == [1, 2, 3, 5]
+  ck.save(6, params, opt, jax.random.key(6), _iter())
+  with pytest.raises(checkpoint.CheckpointError, match="step 6 could not be written.*step 5"):
+    ck.wait()
+  ck.close()
+  ro = checkpoint.Checkpointer(d, read_only=True)
+  assert ro.all_steps() == [1, 2, 3, 5]
+  step, p = ro.restore_params(checkpoint.abstract_like(params), step=3)
+  for a, b in zip(jax.tree.leaves(p), jax.tree.leaves(saved[3][0]), strict=True):
+    np.testing.assert_array_equal(np.asarray(a), b)
+  ro.close()
+
+
+@QUIET
+def test_flipped_bit_in_param_data_is_caught_by_checksums(tmp_path):
+  """TensorStore does not checksum array data: one flipped bit inside a (zstd raw-literal) data
+  file restores silently as other values. The saved checksums make it a restore failure, and
+  the fallback takes the step before; the digest does not depend on the mesh."""
+  import glob
+  rng = np.random.default_rng(0)
+  mesh = _mesh((8,), ("fsdp",))
+  sh = NamedSharding(mesh, P("fsdp", None))
+  w = rng.normal(size=(64, 64)).astype(np.float32)
+  params = {"w": jax.device_put(w, sh)}
+  opt = {"m": jax.device_put(np.ones((8, 8), np.float32), sh)}
+  d = str(tmp_path / "ck")
+  ck = checkpoint.Checkpointer(d)
+  for s in (1, 2):
+    ck.save(s, params, opt, jax.random.key(s), _iter())
+    ck.wait()
+  ck.close()
+  other = {"w": jax.device_put(w, NamedSharding(_mesh((2, 4), ("a", "b")), P("b", "a")))}
+  assert checkpoint.tree_digest(other) == checkpoint.tree_digest(params)
+  w2 = w.copy()
+  w2[3, 5] = np.nextafter(w2[3, 5], np.float32(9))              # one ulp: another digest
+  assert checkpoint.tree_digest({"w": jax.numpy.asarray(w2)}) != checkpoint.tree_digest(params)
+  f = max(glob.glob(os.path.join(d, "2", "params", "ocdbt.process_0", "d", "*")),
+          key=os.path.getsize)
+  n = os.path.getsize(f)
+  with open(f, "r+b") as fh:
+    fh.seek(n // 2)
+    b = fh.read(1)
+    fh.seek(n // 2)
+    fh.write(bytes([b[0] ^ 0x01]))
+  ro = checkpoint.Checkpointer(d, read_only=True)
+  with pytest.raises(checkpoint.CheckpointError, match=r"params\['w'\] differs .*checksum"):
+    ro.restore_params(checkpoint.abstract_like(params))
+  ro.close()
+  warnings = []
+  ck = checkpoint.Checkpointer(d, warn=warnings.append)
+  step, p, *_ = ck.restore_latest(checkpoint.abstract_like(params), checkpoint.abstract_like(opt),
+                                  _iter())
+  assert step == 1 and "checksum mismatch" in warnings[0]
+  np.testing.assert_array_equal(np.asarray(p["w"]), w)
   ck.close()

@@ -103,3 +103,53 @@ def test_running_ne_equals_full_ne():
     r.update([metrics.log_loss_sum(p[sl, k], y[sl, k]) for k in range(2)], y[sl].sum(0),
              np.full(2, 25))
   assert r.value()["y"] == pytest.approx(_loop_ne(p[:, 1], y[:, 1]))
+
+
+def _saturated(seed=5, n=60):
+  """f32 sigmoid probabilities with exact 0.0 / 1.0 (|logit| > ~17), half of them confidently
+  wrong, for 2 tasks."""
+  rng = np.random.default_rng(seed)
+  logits = rng.normal(0, 2, (n, 2)).astype(np.float32)
+  logits[:10] = [[40.0, -40.0]] * 10
+  logits[10:20] = [[-120.0, 25.0]] * 10                    # exp overflows: p = 0.0 exactly
+  with np.errstate(over="ignore"):
+    p = (1 / (1 + np.exp(-logits))).astype(np.float32)
+  assert (p == 1.0).sum() >= 20 and (p == 0.0).sum() >= 10
+  y = (rng.uniform(size=(n, 2)) < 0.3).astype(np.float32)
+  y[:5], y[10:15] = [[0, 1]] * 5, [[1, 0]] * 5                  # wrong at p = 1 and p = 0
+  y[5:10], y[15:20] = [[1, 0]] * 5, [[0, 1]] * 5                 # right at p = 1 and p = 0
+  return p, y
+
+
+def _loop_ne64(p, y):
+  return _loop_ne(np.asarray(p, np.float64).tolist(), np.asarray(y, np.float64).tolist())
+
+
+def test_ne_with_saturated_probabilities_is_finite_for_both_tasks():
+  p, y = _saturated()
+  for k in range(2):
+    got = metrics.ne(p[:, k], y[:, k])
+    assert math.isfinite(got) and got == pytest.approx(_loop_ne64(p[:, k], y[:, k]), rel=1e-9)
+  acc = metrics.EvalAccumulator(("a",), ("click", "conv"))
+  acc.add(p, {"labels": y, "label_mask": np.ones_like(y), "surface": np.zeros(len(y), int)})
+  per, overall = acc.result()
+  for k, t in enumerate(("click", "conv")):
+    assert overall[t]["ne"] == pytest.approx(_loop_ne64(p[:, k], y[:, k]), rel=1e-9)
+    assert per["a"][t]["ne"] == overall[t]["ne"]
+
+
+def test_running_ne_with_saturated_probabilities_and_reset():
+  p, y = _saturated()
+  r = metrics.RunningNE(("click", "conv"))
+  for sl in (slice(0, 25), slice(25, 60)):
+    r.update([metrics.log_loss_sum(p[sl, k], y[sl, k]) for k in range(2)], y[sl].sum(0),
+             np.full(2, sl.stop - sl.start))
+  for k, t in enumerate(("click", "conv")):
+    assert r.value()[t] == pytest.approx(_loop_ne64(p[:, k], y[:, k]), rel=1e-9)
+  r.reset()
+  sl = slice(0, 30)                        # a new window: only its examples count
+  r.update([metrics.log_loss_sum(p[sl, k], y[sl, k]) for k in range(2)], y[sl].sum(0),
+           np.full(2, 30))
+  for k, t in enumerate(("click", "conv")):
+    v = r.value()[t]
+    assert math.isfinite(v) and v == pytest.approx(_loop_ne64(p[sl, k], y[sl, k]), rel=1e-9)

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from kunlun.train import optim
+from sharding.embedding import group_ids
 
 
 def _cfg(**kw):
@@ -95,11 +96,12 @@ def _scatter(ids, g_rows, rows):
   return g
 
 
-@pytest.mark.parametrize("jit", [True, False])
-def test_sparse_update_matches_dense_optimizer_and_numpy(jit):
+@pytest.mark.parametrize("jit, grouped", [(True, False), (False, False), (True, True)])
+def test_sparse_update_matches_dense_optimizer_and_numpy(jit, grouped):
   """Row gradients + ids drive the same update as the dense table gradient (numpy scatter-add):
-  a 16-row table (> ids: the sparse path) and a 3-row one (<= ids: the scatter path); the
-  optimizer-state layout is make_optimizer's; rows never looked up stay bitwise unchanged."""
+  a 16-row table (> ids: the sparse path) and a 3-row one (<= ids: the scatter path), or both in
+  one table group (group ids into their concatenation); the optimizer-state layout is
+  make_optimizer's; rows never looked up stay bitwise unchanged."""
   cfg = _cfg()
   tx, sparse = optim.make_optimizer(cfg, 100), optim.make_sparse_update(cfg, 100)
   sparse = jax.jit(sparse) if jit else sparse
@@ -125,7 +127,13 @@ def test_sparse_update_matches_dense_optimizer_and_numpy(jit):
              "Dense_0": {"kernel": g_other["['Dense_0']['kernel']"], "bias": g_other["['Dense_0']['bias']"]}}
     upd, s_dense = tx.update(grads, s_dense, p_dense)
     p_dense = jax.tree.map(lambda p, u: p + u, p_dense, upd)
-    rows = {key(n): (ids[n], g_rows[n]) for n in ids}
+    if grouped:
+      names = ("ad_embedding", "small_embedding")
+      gids = group_ids([ids[n] for n in names], [16, 3])
+      g = jnp.concatenate([jnp.asarray(g_rows[n]) for n in names], axis=1)
+      rows = {"+".join(key(n) for n in names): (gids, g)}
+    else:
+      rows = {key(n): (ids[n], g_rows[n]) for n in ids}
     p_sparse, s_sparse, sq = sparse(p_sparse, s_sparse, g_other, rows, jnp.asarray(True))
     want_sq = sum(float(np.sum(g.astype(np.float64) ** 2)) for g in g_table.values())
     np.testing.assert_allclose(float(sq), want_sq, rtol=1e-5)

@@ -26,3 +26,28 @@ def test_log_writes_jsonl_tb_and_line(tmp_path):
   assert glob.glob(str(tmp_path / "tb" / "events.out.tfevents.*"))
   line = out.getvalue()
   assert "step 5/10" in line and "click=0.9000" in line and "MFU n/a" in line
+
+
+def test_lagged_stats_fetch_order_and_drain():
+  """Stats stay on the device until ``lag`` newer steps are queued; a drain fetches the rest, in
+  step order, as host numpy values."""
+  import jax.numpy as jnp
+  import numpy as np
+  import pytest
+
+  lag = progress.LaggedStats(lag=2)
+  got = []
+  for s in range(1, 6):
+    lag.push(s, {"loss": jnp.float32(s) * 2, "ok": jnp.bool_(s != 3)})
+    got += lag.pop(drain=s == 5)
+    assert len(lag) == (0 if s == 5 else min(s, 2))
+  assert [g[0] for g in got] == [1, 2, 3, 4, 5]
+  assert [float(g[1]["loss"]) for g in got] == [2.0, 4.0, 6.0, 8.0, 10.0]
+  assert [bool(g[1]["ok"]) for g in got] == [True, True, False, True, True]
+  assert all(isinstance(g[1]["loss"], np.ndarray | np.generic) for g in got)
+  assert all(a[2] <= b[2] for a, b in zip(got, got[1:], strict=False))      # fetch times
+  zero = progress.LaggedStats(lag=0)
+  zero.push(1, {"loss": jnp.float32(1)})
+  assert [s for s, *_ in zero.pop()] == [1]
+  with pytest.raises(ValueError, match="lag must be >= 0"):
+    progress.LaggedStats(lag=-1)

@@ -31,7 +31,7 @@ def test_quantize_roundtrip():
 
 @pytest.fixture(scope="module")
 def fm_workdir(tmp_path_factory):
-  """A train.py-style workdir: config.pkl, data_dir.txt, checkpoints/<step>/params."""
+  """A train.py-style workdir: run_info.json, checkpoints/<step>/params."""
   root = tmp_path_factory.mktemp("fm")
   data_dir, workdir = str(root / "data"), str(root / "work")
   schema = synthetic.generate(data_dir, "tiny", num_examples=160, seed=0)

@@ -120,3 +120,35 @@ def test_bad_ids_raise():
     join.pair_key([-1], [0])
   with pytest.raises(ValueError, match="emb"):
     join.AsOfIndex([1, 2], [1, 2], np.ones((3, 2)))
+
+
+@pytest.mark.parametrize("key", ["user_item", "user"])
+def test_as_of_boundaries_are_exact(key):
+  """Rows logged at t = 1000 and t + 1: events at t - 0.6, t - 0.4, t, t + 0.6 s see the row
+  of t only from t on (rounding to the nearest second would join t - 0.4 to row t and t + 0.6 to
+  row t + 1, both logged after the event); an age exactly max_age is still joined, one second
+  more is not."""
+  t = 1000
+  log = join.EmbeddingLog([3, 3], [7, 7], [t, t + 1], np.array([[1.0], [2.0]]))
+  req = 1500
+  offsets = np.array([-0.6, -0.4, 0.0, 0.6])
+  b = {"user_id": np.array([3]), "ad_id": np.array([7]), "request_ts": np.array([req]),
+       "events": {"s": {"item": np.full((1, 4), 7), "age": (req - (t + offsets))[None]
+                        .astype(np.float32), "length": np.array([4])}}}
+  emb, present, age = log.join_events(b, "s", key=key)
+  np.testing.assert_array_equal(present[0], [False, False, True, True])
+  np.testing.assert_array_equal(emb[0, :, 0], [0.0, 0.0, 1.0, 1.0])
+  np.testing.assert_array_equal(age[0], [0, 0, 0, 0])
+  # max_age: events 5 s and 6 s after the row at t + 1 (no later row), max_age = 5
+  b["events"]["s"]["age"] = np.array([[req - (t + 6), req - (t + 7), req - (t + 6.5), 0]],
+                                     np.float32)
+  _, present, age = log.join_events(b, "s", key=key, max_age=5)
+  np.testing.assert_array_equal(present[0, :3], [True, False, True])
+  np.testing.assert_array_equal(age[0, :3], [5, 0, 5])
+  # the current example (pair key) at request time: same boundary
+  cur = {"user_id": np.array([3, 3, 3]), "ad_id": np.array([7, 7, 7]),
+         "request_ts": np.array([t - 1, t, t + 6])}
+  e, p, a = log.join_current(cur, max_age=5)
+  np.testing.assert_array_equal(p, [False, True, True])
+  np.testing.assert_array_equal(a, [0, 0, 5])
+  np.testing.assert_array_equal(e[:, 0], [0, 1, 2])

@@ -1,0 +1,83 @@
+"""Runs train.py / eval.py with injected faults (for bench/faults.py and the fault tests).
+
+  KUNLUN_FAULTS='{"kill_at_step": 7}' python bench/fault_hooks.py train.py --workdir=... ...
+
+The faults live here, never in the programs: this wrapper patches library functions, then runs
+the script as ``__main__``. ``KUNLUN_FAULTS`` (JSON) keys, all optional:
+
+  kill_at_step N      SIGKILL just before training step N + 1 runs (N steps done in this run)
+  kill_after_save N   SIGKILL right after the async save of step N started (mid-write)
+  save_oserror [N..]  the checkpoint write of these steps fails with OSError ENOSPC (async commit)
+  nan_at_step N       the N-th batch of this run (1-based) has NaN dense features
+  batch_log PATH      appends one line per batch: "<n> <sha1 of the batch's example keys>"
+
+Batch counts are per process run (a resumed run counts from 1 again).
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import runpy
+import signal
+import sys
+
+
+def _install(faults: dict) -> None:
+  import numpy as np
+
+  from data import pipeline
+  from kunlun.train import checkpoint
+
+  calls = {"n": 0}
+  orig_put = pipeline.device_put_batch
+
+  def put(batch, sharding):
+    calls["n"] += 1
+    n = calls["n"]
+    if faults.get("kill_at_step") is not None and n == int(faults["kill_at_step"]) + 1:
+      os.kill(os.getpid(), signal.SIGKILL)
+    if faults.get("batch_log"):
+      keys = np.stack([batch["user_id"], batch["ad_id"], batch["request_ts"],
+                       batch["example_mask"].astype(np.int64)]).astype(np.int64)
+      with open(faults["batch_log"], "a") as f:
+        f.write(f"{n} {hashlib.sha1(keys.tobytes()).hexdigest()}\n")
+    if faults.get("nan_at_step") is not None and n == int(faults["nan_at_step"]):
+      batch = dict(batch, dense=np.full_like(batch["dense"], np.nan))
+    return orig_put(batch, sharding)
+  pipeline.device_put_batch = put
+
+  if faults.get("kill_after_save") is not None:
+    orig_save = checkpoint.Checkpointer.save
+
+    def save(self, step, *a, **k):
+      orig_save(self, step, *a, **k)
+      if step == int(faults["kill_after_save"]):
+        os.kill(os.getpid(), signal.SIGKILL)
+    checkpoint.Checkpointer.save = save
+
+  if faults.get("save_oserror"):
+    from orbax.checkpoint._src.handlers import json_checkpoint_handler as jh
+    bad = {int(s) for s in faults["save_oserror"]}
+    orig_fn = jh.JsonCheckpointHandler._save_fn
+
+    async def save_fn(self, x, directory):
+      if isinstance(x, dict) and x.get("step") in bad:
+        raise OSError(errno.ENOSPC, "No space left on device (injected)")
+      return await orig_fn(self, x, directory)
+    jh.JsonCheckpointHandler._save_fn = save_fn
+
+
+def main() -> None:
+  script, args = sys.argv[1], sys.argv[2:]
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  sys.path.insert(0, root)
+  _install(json.loads(os.environ.get("KUNLUN_FAULTS", "{}")))
+  sys.argv = [script, *args]
+  runpy.run_path(os.path.join(root, script), run_name="__main__")
+
+
+if __name__ == "__main__":
+  main()

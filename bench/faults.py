@@ -1,0 +1,420 @@
+"""Fault injection on real train.py / eval.py runs (tiny Kunlun model, CPU): does training
+survive, and does it end exactly where an uninterrupted run ends?
+
+  nice -n 10 python bench/faults.py [--kills 20] [--steps 40] [--checkpoint_every 10] [--seed 0]
+                                    [--quick] [--out bench/results/faults.json]
+
+Faults (``bench/fault_hooks.py`` patches library calls; the programs are unchanged):
+  * SIGKILL at random steps and right after an async checkpoint save started (mid-write),
+    ``--kills`` times in all, several per run; each run is then finished. Final parameters, the
+    eval metrics and the batch sequence (sha1 of every batch's example keys, the surviving run's
+    for each step) must equal the uninterrupted run's bitwise, and the iterator position in the
+    final checkpoint must be steps x batch: no example repeated or skipped.
+  * a checkpoint whose param data has one flipped bit / whose param files are truncated: eval.py
+    fails in one line; train.py moves the step aside and resumes from the one before.
+  * a checkpoint write failing with ENOSPC: reported, training goes on.
+  * a train shard with flipped bytes: a one-line error naming the file and record range; under
+    skip_invalid the records are skipped and counted, and a killed run resumes exactly.
+  * a train shard cut short: refused at start-up, naming the file.
+  * NaN features in one batch: that update is skipped and counted.
+
+Prints a table (fault, times injected, outcome, steps lost) and writes JSON (versions, config,
+per-run records) to ``bench/results/faults.json``. Exit status 1 if any check fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import math
+import os
+import platform
+import random
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+
+class Runner:
+  """train.py / eval.py subprocesses through ``fault_hooks.py`` sharing one compilation cache."""
+
+  def __init__(self, base: str, data: str, steps: int, every: int):
+    self.base, self.data, self.steps, self.every = base, data, steps, every
+    self.env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT,
+                    KUNLUN_COMPILATION_CACHE=os.path.join(base, "xla_cache"))
+    self.runs = []
+
+  def args(self, wd, data=None, extra=()):
+    return [f"--workdir={wd}", f"--data_dir={data or self.data}", f"--steps={self.steps}",
+            f"--config.train.checkpoint_every={self.every}", "--config.train.log_every=1",
+            "--config.train.keep_checkpoints=3", *extra]
+
+  def run(self, script, args, faults=None, label=""):
+    env = dict(self.env)
+    if faults:
+      env["KUNLUN_FAULTS"] = json.dumps(faults)
+    t0 = time.perf_counter()
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "fault_hooks.py"), script,
+                        *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
+    dt = time.perf_counter() - t0
+    self.runs.append({"label": label, "script": script, "faults": faults or {},
+                      "rc": p.returncode, "seconds": round(dt, 1)})
+    print(f"  [{label}] {script} rc={p.returncode} {dt:.0f}s", flush=True)
+    return p
+
+  def train(self, wd, faults=None, data=None, extra=(), label=""):
+    return self.run("train.py", self.args(wd, data, extra), faults, label)
+
+
+def committed(wd) -> list[int]:
+  d = os.path.join(wd, "checkpoints")
+  if not os.path.isdir(d):
+    return []
+  return sorted(int(x) for x in os.listdir(d) if x.isdigit() and
+                os.path.exists(os.path.join(d, x, "commit_success.txt")))
+
+
+def resumed_from(p) -> int:
+  m = re.search(r"resumed from step (\d+)", p.stdout)
+  return int(m.group(1)) if m else 0
+
+
+def params(wd, step):
+  import jax
+  import orbax.checkpoint as ocp
+  from absl import logging
+  logging.set_verbosity(logging.ERROR)
+  path = os.path.join(wd, "checkpoints", str(step), "params")
+  meta = ocp.PyTreeCheckpointer().metadata(path)
+  tree = meta.item_metadata.tree if hasattr(meta, "item_metadata") else meta.tree
+  args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree,
+                      is_leaf=lambda x: not isinstance(x, dict))
+  got = ocp.PyTreeCheckpointer().restore(path, restore_args=args)
+  return [(jax.tree_util.keystr(k), np.asarray(v))
+          for k, v in jax.tree_util.tree_leaves_with_path(got)]
+
+
+def same_params(a, b, step) -> bool:
+  la, lb = params(a, step), params(b, step)
+  return len(la) == len(lb) > 10 and all(
+      ka == kb and np.array_equal(x, y) for (ka, x), (kb, y) in zip(la, lb, strict=True))
+
+
+def iter_state(wd, step) -> dict:
+  return json.load(open(os.path.join(wd, "checkpoints", str(step), "data_iter",
+                                     "process_0-of-1.json")))
+
+
+def batch_log(path) -> list[str]:
+  if not os.path.exists(path):
+    return []
+  return [line.split()[1] for line in open(path)]
+
+
+def one_line(p, prog) -> bool:
+  out = p.stdout + p.stderr
+  errors = [x for x in p.stderr.splitlines() if x.startswith(f"{prog}: error: ")]
+  return (p.returncode == 2 and len(errors) == 1 and "Traceback" not in out
+          and "Event loop is closed" not in out)
+
+
+def flip_bit(path, offset=None):
+  n = os.path.getsize(path)
+  offset = n // 2 if offset is None else offset
+  with open(path, "r+b") as f:
+    f.seek(offset)
+    b = f.read(1)
+    f.seek(offset)
+    f.write(bytes([b[0] ^ 0x01]))
+
+
+def flip_shard_bytes(path):
+  """Damages an ArrayRecord shard in place: one flipped byte every 16 KB of its first half
+  (records only, not the footer index), so the manifest's size still matches and the damage is
+  met while reading."""
+  size = os.path.getsize(path)
+  with open(path, "r+b") as f:
+    for off in range(4096, size // 2, 16384):
+      f.seek(off)
+      b = f.read(1)
+      f.seek(off)
+      f.write(bytes([b[0] ^ 0xFF]))
+
+
+def largest_param_file(wd, step):
+  files = glob.glob(os.path.join(wd, "checkpoints", str(step), "params", "ocdbt.process_0",
+                                 "d", "*"))
+  return max(files, key=os.path.getsize)
+
+
+# ---- the faults ---------------------------------------------------------------------------------
+
+def kill_trials(r: Runner, base_wd, base_hashes, base_metrics, kills, per_run, rng):
+  """SIGKILLs at random steps / mid-save, ``per_run`` per workdir, then finish and compare."""
+  S, G = r.steps, 64
+  records, groups = [], []
+  ckpt_steps = list(range(r.every, S + 1, r.every))
+  for g in range(math.ceil(kills / per_run)):
+    wd = os.path.join(r.base, f"kill_{g}")
+    lineage: dict[int, str] = {}
+    n_here = min(per_run, kills - g * per_run)
+    for k in range(n_here + 1):
+      start = (committed(wd) or [0])[-1]
+      final = k == n_here or start >= S - 1              # nothing left to interrupt
+      log = os.path.join(r.base, f"kill_{g}_{k}.log")
+      if final:
+        faults, reached, kind = {"batch_log": log}, S, "finish"
+      elif rng.random() < 0.5 and [c for c in ckpt_steps if c > start]:
+        c = rng.choice([c for c in ckpt_steps if c > start])
+        faults, reached, kind = {"kill_after_save": c, "batch_log": log}, c, "mid-save"
+      else:
+        a = rng.randint(start + 1, S - 1)
+        faults, reached, kind = {"kill_at_step": a - start, "batch_log": log}, a, "at step"
+      p = r.train(wd, faults, label=f"kill {g}.{k} {kind} {reached}")
+      got_start = resumed_from(p)
+      for i, h in enumerate(batch_log(log)):
+        lineage[got_start + i] = h
+      if final:
+        ok = p.returncode == 0
+        groups.append({"workdir": wd, "resumed_from": got_start, "rc": p.returncode})
+        break
+      after = (committed(wd) or [0])[-1]
+      records.append({"group": g, "kind": kind, "target_step": reached, "start": got_start,
+                      "rc": p.returncode, "committed_after": after,
+                      "steps_lost": reached - after, "killed": p.returncode == -9,
+                      "target_committed": reached in committed(wd)})
+    grp = groups[-1]
+    grp["params_equal"] = ok and same_params(base_wd, wd, S)
+    ev = r.run("eval.py", [f"--workdir={wd}", f"--out={wd}/metrics.json"], label=f"eval kill {g}")
+    grp["eval_equal"] = ev.returncode == 0 and json.load(open(f"{wd}/metrics.json")) == \
+        base_metrics
+    grp["batches_equal"] = [lineage.get(i) for i in range(S)] == base_hashes
+    st = iter_state(wd, S)
+    grp["position_ok"] = st["plan"]["position"] == S * G and \
+        st["plan"] == iter_state(base_wd, S)["plan"]
+    grp["ok"] = all(grp[k] for k in ("params_equal", "eval_equal", "batches_equal",
+                                     "position_ok"))
+  return records, groups
+
+
+def checkpoint_damage(r: Runner, base_wd, how):
+  S, every = r.steps, r.every
+  wd = os.path.join(r.base, f"ckpt_{how}")
+  shutil.copytree(base_wd, wd, ignore=shutil.ignore_patterns("tb"))
+  if how == "flip":
+    flip_bit(largest_param_file(wd, S))
+  else:
+    for f in glob.glob(os.path.join(wd, "checkpoints", str(S), "params", "**", "d", "*"),
+                       recursive=True):
+      with open(f, "r+b") as fh:
+        fh.truncate(os.path.getsize(f) // 2)
+  ev = r.run("eval.py", [f"--workdir={wd}"], label=f"eval ckpt {how}")
+  p = r.train(wd, label=f"ckpt {how}")
+  moved = [d for d in os.listdir(os.path.join(wd, "checkpoints")) if d.startswith(f"{S}.corrupt")]
+  rec = {"eval_one_line_error": one_line(ev, "eval.py"), "rc": p.returncode,
+         "resumed_from": resumed_from(p), "moved_aside": moved,
+         "detected_by": "checksum" if "checksum mismatch" in p.stderr else "restore error",
+         "params_equal": p.returncode == 0 and same_params(base_wd, wd, S)}
+  rec["ok"] = (rec["eval_one_line_error"] and rec["rc"] == 0 and rec["resumed_from"] == S - every
+               and len(moved) == 1 and rec["params_equal"])
+  rec["steps_lost"] = S - rec["resumed_from"]
+  return rec
+
+
+def write_failure(r: Runner, base_wd):
+  S, every = r.steps, r.every
+  wd = os.path.join(r.base, "ckpt_enospc")
+  p = r.train(wd, {"save_oserror": [every]}, label="ckpt ENOSPC")
+  rec = {"rc": p.returncode, "warned": f"checkpoint of step {every} could not be written"
+         in p.stderr, "committed": committed(wd),
+         "params_equal": p.returncode == 0 and same_params(base_wd, wd, S)}
+  rec["ok"] = rec["rc"] == 0 and rec["warned"] and every not in rec["committed"] and \
+      rec["params_equal"] and "Traceback" not in p.stderr
+  rec["steps_lost"] = 0
+  return rec
+
+
+def shard_damage(r: Runner, rng):
+  S = r.steps
+  data = os.path.join(r.base, "data_flipped")
+  shutil.copytree(r.data, data)
+  path = os.path.join(data, "train", "feed-00000-of-00001.arrayrecord")
+  flip_shard_bytes(path)
+  wd = os.path.join(r.base, "shard_noskip")
+  p = r.train(wd, data=data, label="shard flip, no skip")
+  m = re.search(r"records? (\d+)(?:-(\d+))?: damaged chunk", p.stderr)
+  logged = [json.loads(x)["step"] for x in open(os.path.join(wd, "metrics.jsonl"))] \
+      if os.path.exists(os.path.join(wd, "metrics.jsonl")) else []
+  died_at = max(logged, default=0)
+  noskip = {"rc": p.returncode, "one_line_error": one_line(p, "train.py"),
+            "names_file_and_range": bool(m) and path in p.stderr,
+            "steps_lost": died_at - (committed(wd) or [0])[-1]}
+  noskip["ok"] = noskip["one_line_error"] and noskip["names_file_and_range"]
+  skip_args = ["--config.data.skip_invalid=True"]
+  wd_a = os.path.join(r.base, "shard_skip")
+  pa = r.train(wd_a, data=data, extra=skip_args, label="shard flip, skip")
+  wd_b = os.path.join(r.base, "shard_skip_killed")
+  kill = rng.randint(r.every + 1, S - 1)
+  pb1 = r.train(wd_b, {"kill_at_step": kill}, data=data, extra=skip_args,
+                label=f"shard flip, skip, kill {kill}")
+  pb2 = r.train(wd_b, data=data, extra=skip_args, label="shard flip, skip, resume")
+  counts = iter_state(wd_a, S)["invalid"] if pa.returncode == 0 else {}
+  skip = {"rc": pa.returncode, "skipped": counts, "killed_at": kill,
+          "killed": pb1.returncode == -9, "resumed_from": resumed_from(pb2),
+          "steps_lost": kill - resumed_from(pb2)}
+  skip["resume_equal"] = pa.returncode == pb2.returncode == 0 and same_params(wd_a, wd_b, S) \
+      and iter_state(wd_b, S)["invalid"] == counts
+  skip["ok"] = skip["resume_equal"] and counts.get("bytes", 0) > 0 and skip["killed"]
+  return noskip, skip
+
+
+def shard_truncated(r: Runner):
+  data = os.path.join(r.base, "data_cut")
+  shutil.copytree(r.data, data)
+  path = os.path.join(data, "train", "stories-00000-of-00001.arrayrecord")
+  with open(path, "r+b") as f:
+    f.truncate(os.path.getsize(path) // 2)
+  p = r.train(os.path.join(r.base, "shard_cut"), data=data, label="shard truncated")
+  rec = {"rc": p.returncode, "one_line_error": one_line(p, "train.py"),
+         "names_file": f"{path}: " in p.stderr, "steps_lost": 0}
+  rec["ok"] = rec["one_line_error"] and rec["names_file"]
+  return rec
+
+
+def nan_batch(r: Runner, rng):
+  k = rng.randint(2, r.steps - 1)
+  wd = os.path.join(r.base, "nan")
+  p = r.train(wd, {"nan_at_step": k}, label=f"nan batch {k}")
+  logged = [json.loads(x) for x in open(os.path.join(wd, "metrics.jsonl"))]
+  rec = {"rc": p.returncode, "step": k, "skipped_updates": logged[-1].get("bad_steps"),
+         "message": f"step {k}: non-finite loss" in p.stdout, "steps_lost": 1}
+  rec["ok"] = p.returncode == 0 and rec["skipped_updates"] == 1 and rec["message"]
+  return rec
+
+
+# ---- main ---------------------------------------------------------------------------------------
+
+def versions() -> dict:
+  import flax
+  import grain
+  import jax
+  import jaxlib
+  import orbax.checkpoint
+  return {"jax": jax.__version__, "jaxlib": jaxlib.__version__, "flax": flax.__version__,
+          "orbax_checkpoint": orbax.checkpoint.__version__,
+          "grain": getattr(grain, "__version__", "?"), "python": sys.version.split()[0]}
+
+
+def main(argv=None) -> int:
+  ap = argparse.ArgumentParser(prog="python bench/faults.py", description=__doc__.split("\n")[0])
+  ap.add_argument("--kills", type=int, default=20, help="random SIGKILLs in all")
+  ap.add_argument("--kills_per_run", type=int, default=5, help="kills before a run is finished")
+  ap.add_argument("--steps", type=int, default=40)
+  ap.add_argument("--checkpoint_every", type=int, default=10)
+  ap.add_argument("--num_examples", type=int, default=4000, help="train examples (tiny preset)")
+  ap.add_argument("--seed", type=int, default=0)
+  ap.add_argument("--quick", action="store_true", help="4 kills, 20 steps")
+  ap.add_argument("--workdir", default=None, help="keep the runs here (default: a temp dir)")
+  ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "faults.json"))
+  a = ap.parse_args(argv)
+  if a.quick:
+    a.kills, a.kills_per_run, a.steps, a.checkpoint_every = 4, 2, 20, 5
+  rng = random.Random(a.seed)
+  t_start = time.perf_counter()
+  base = a.workdir or tempfile.mkdtemp(prefix="kunlun_faults_")
+  os.makedirs(base, exist_ok=True)
+  from data import synthetic
+  data = os.path.join(base, "data")
+  if not os.path.exists(os.path.join(data, "manifest.json")):
+    synthetic.generate(data, "tiny", a.num_examples, seed=0)
+  r = Runner(base, data, a.steps, a.checkpoint_every)
+  print(f"baseline: {a.steps} steps, checkpoints every {a.checkpoint_every} ({base})", flush=True)
+  base_wd = os.path.join(base, "baseline")
+  log = os.path.join(base, "baseline.log")
+  p = r.train(base_wd, {"batch_log": log}, label="baseline")
+  if p.returncode:
+    print(p.stderr[-3000:])
+    return 1
+  base_hashes = batch_log(log)
+  ev = r.run("eval.py", [f"--workdir={base_wd}", f"--out={base_wd}/metrics.json"],
+             label="eval baseline")
+  base_metrics = json.load(open(f"{base_wd}/metrics.json")) if ev.returncode == 0 else None
+
+  kills, groups = kill_trials(r, base_wd, base_hashes, base_metrics, a.kills, a.kills_per_run,
+                              rng)
+  flip = checkpoint_damage(r, base_wd, "flip")
+  cut = checkpoint_damage(r, base_wd, "truncate")
+  enospc = write_failure(r, base_wd)
+  noskip, skip = shard_damage(r, rng)
+  trunc = shard_truncated(r)
+  nan = nan_batch(r, rng)
+
+  n_kill = sum(k["killed"] for k in kills)
+  mid = sum(k["killed"] and k["kind"] == "mid-save" and not k["target_committed"] for k in kills)
+  rows = [
+      ("SIGKILL (random step / mid async save)", f"{n_kill} ({mid} mid-save)",
+       f"{sum(g['ok'] for g in groups)}/{len(groups)} runs resumed bitwise equal (params, eval, "
+       "batches, position)", sum(k["steps_lost"] for k in kills)),
+      ("checkpoint: 1 bit flipped in param data", 1,
+       f"{'ok' if flip['ok'] else 'FAIL'}: eval one-line error; detected by "
+       f"{flip['detected_by']}, moved aside, resumed from {flip['resumed_from']}, final bitwise "
+       "equal", flip["steps_lost"]),
+      ("checkpoint: param files truncated", 1,
+       f"{'ok' if cut['ok'] else 'FAIL'}: eval one-line error; moved aside, resumed from "
+       f"{cut['resumed_from']}, final bitwise equal", cut["steps_lost"]),
+      ("checkpoint write fails (ENOSPC)", 1,
+       f"{'ok' if enospc['ok'] else 'FAIL'}: warned, step not committed, training went on, "
+       "final bitwise equal", enospc["steps_lost"]),
+      ("shard: bytes flipped", 1,
+       f"{'ok' if noskip['ok'] else 'FAIL'}: one-line error naming file and record range",
+       noskip["steps_lost"]),
+      ("shard: bytes flipped + skip_invalid + kill", 1,
+       f"{'ok' if skip['ok'] else 'FAIL'}: {skip['skipped']} skipped and counted; resume "
+       "bitwise equal", skip["steps_lost"]),
+      ("shard: truncated", 1, f"{'ok' if trunc['ok'] else 'FAIL'}: refused at start-up, "
+       "file named", trunc["steps_lost"]),
+      ("NaN features in one batch", 1, f"{'ok' if nan['ok'] else 'FAIL'}: update skipped and "
+       f"counted ({nan['skipped_updates']})", nan["steps_lost"]),
+  ]
+  ok = all(g["ok"] for g in groups) and all(k["killed"] for k in kills) and all(
+      x["ok"] for x in (flip, cut, enospc, noskip, skip, trunc, nan))
+  w = max(len(x[0]) for x in rows)
+  print(f"\n{'fault':<{w}}  {'injected':>14}  {'steps lost':>10}  outcome")
+  for fault, n, outcome, lost in rows:
+    print(f"{fault:<{w}}  {n!s:>14}  {lost:>10}  {outcome}")
+  print(f"\n{'ALL OK' if ok else 'SOME CHECKS FAILED'}: {n_kill} kills, zero divergence: "
+        f"{all(g['ok'] for g in groups)} ({time.perf_counter() - t_start:.0f}s, load average "
+        f"{os.getloadavg()[0]:.1f})")
+  result = {
+      "ok": ok, "device": "cpu", "machine": platform.machine(), "cpus": os.cpu_count(),
+      "load_avg": os.getloadavg(), "versions": versions(),
+      "config": {"preset": "tiny (Kunlun)", "steps": a.steps, "batch_size": 64,
+                 "checkpoint_every": a.checkpoint_every, "keep_checkpoints": 3,
+                 "num_examples": a.num_examples, "seed": a.seed, "kills": a.kills,
+                 "kills_per_run": a.kills_per_run},
+      "table": [{"fault": f, "injected": n, "outcome": o, "steps_lost": lost}
+                for f, n, o, lost in rows],
+      "kills": kills, "kill_runs": groups,
+      "checkpoint_flip": flip, "checkpoint_truncate": cut, "checkpoint_enospc": enospc,
+      "shard_flip_noskip": noskip, "shard_flip_skip": skip, "shard_truncated": trunc,
+      "nan_batch": nan, "runs": r.runs, "seconds": round(time.perf_counter() - t_start, 1)}
+  os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+  with open(a.out, "w") as f:
+    json.dump(result, f, indent=1)
+  print("wrote", a.out)
+  if not a.workdir:
+    shutil.rmtree(base, ignore_errors=True)
+  return 0 if ok else 1
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,459 @@
+"""Throughput, memory and structure of the real train step for one config / backend / mesh / batch.
+
+  python -m bench.train_step --config mid --backend triton --batch 1024          # GPU
+  python -m bench.train_step --config mid --batch 4096 --set train.remat=full --compile_only
+  python -m bench.train_step --small                                            # CPU smoke run
+  python -m bench.train_step --table bench/results/train_step_*.json            # compare runs
+
+Builds the model, optimizer and ``kunlun.train.step.make_train_step`` exactly as train.py does
+(parameter / optimizer-state / batch shardings on the mesh, donated state), feeds a synthetic
+in-memory batch (``data.fake.random_batch``; sequence lengths drawn like the synthetic data
+preset's, see ``--lengths``) and reports:
+
+  compile_s           lower + compile of the step (AOT; the timed steps reuse it)
+  step_ms             median of per-step times (each step blocked), and ``pipelined_ms``: N steps
+                      dispatched back to back / N (what a loop with lagged metrics sees)
+  examples_per_s      global batch / pipelined step time
+  mfu_analytic        ``kunlun.flops`` train FLOPs at the padded kept lengths (as train.py) /
+                      (step time x devices x peak bf16); ``mfu_actual_lengths`` when kunlun.flops
+                      provides the count at the batch's lengths
+  mfu_xla             XLA's compiled cost analysis (per device, after partitioning; counts remat
+                      recomputation, and custom calls (Pallas / Triton kernels) as 0 unless they
+                      carry a cost estimate) / (step time x peak)
+  memory              compiled memory analysis per device (argument, output, temp, alias, peak
+                      estimate, peak per example) and, on GPU, the allocator's live peak
+  hlo                 HLO instructions, top-level ops, fusions, kernel launches (bench/hlo_stats)
+  profile             (--profile) device time per named-scope group (GDPA, PFFN, HSP, attention,
+                      MoWE, embeddings, optimizer, ...) and the top ops, from a short trace
+
+``--compile_only`` stops after compilation (memory and structure without running: how the CPU
+shows the memory of a GPU-sized batch). JSON goes to ``bench/results/train_step_<name>.json``;
+a table is printed. Timings on a shared CPU are noisy: compare counts and bytes there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import glob
+import importlib
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+RESULTS = os.path.join(_HERE, "results")
+
+
+def load_config(name: str, overrides: list[str]):
+  """A preset module name (``mid``) or a path to a config file, then ``a.b=value`` overrides."""
+  if name.endswith(".py"):
+    spec = importlib.util.spec_from_file_location("bench_cfg", name)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+  else:
+    mod = importlib.import_module(f"kunlun.configs.{name}")
+  cfg = mod.get_config()
+  for o in overrides:
+    key, _, raw = o.partition("=")
+    if not _:
+      raise SystemExit(f"--set {o!r}: expected key=value")
+    try:
+      val = ast.literal_eval(raw)
+    except (ValueError, SyntaxError):
+      val = raw
+    node, *path = key.split(".")
+    parent = cfg
+    for p in [node] + path[:-1]:
+      parent = parent[p]
+    last = path[-1] if path else node
+    with parent.ignore_type():
+      parent[last] = val
+  return cfg
+
+
+def clip_layers(cfg, layers: int) -> None:
+  """Stand-in with fewer Kunlun layers: tower depths clipped to match."""
+  cfg.model.num_layers = layers
+  for t in list(cfg.model.towers.keys()):
+    cfg.model.towers[t].depth = min(cfg.model.towers[t].depth, layers)
+  if "oneseq" in cfg.model and cfg.model.oneseq is not None:
+    cfg.model.oneseq.depth = min(cfg.model.oneseq.depth, layers)
+
+
+def synthetic_batch(schema, batch_size: int, seq_lens: dict, lengths: str, seed: int = 0):
+  """``data.fake.random_batch`` with stream lengths ``full`` (= kept length), ``uniform``
+  (1..T) or ``preset`` (lognormal around the synthetic data preset's median, as
+  ``data.synthetic`` draws them, truncated to the kept length)."""
+  import numpy as np
+
+  from data.fake import random_batch
+  b = random_batch(schema, batch_size, seq_lens, seed=seed, min_len=1)
+  if lengths == "uniform":
+    return b
+  rng = np.random.default_rng(seed + 1)
+  medians = _preset_medians(schema)
+  for s in schema.streams:
+    ev = b["events"][s.name]
+    T = ev["item"].shape[1]
+    if lengths == "full":
+      L = np.full(batch_size, T)
+    else:
+      med = medians.get(s.name, T / 4)
+      L = np.clip(np.floor(rng.lognormal(np.log(med), 1.0, batch_size)), 1, T)
+    L = L.astype(np.int32)
+    valid = np.arange(T)[None, :] < L[:, None]
+    for k in ev:
+      if k != "length":
+        ev[k] = np.where(valid, ev[k], 0).astype(ev[k].dtype)
+    ev["length"] = L
+  return b
+
+
+def _preset_medians(schema) -> dict:
+  from data.synthetic import PRESETS
+  for p in PRESETS.values():
+    names = {s.name: s for s in p.streams}
+    if all(s.name in names and names[s.name].max_len == s.max_len for s in schema.streams):
+      return {n: s.median_len for n, s in names.items()}
+  return {}
+
+
+def _cost(compiled) -> dict:
+  c = compiled.cost_analysis()
+  if isinstance(c, (list, tuple)):
+    c = c[0] if c else {}
+  c = c or {}
+  get = lambda k: float(c.get(k, 0.0))
+  return {"flops": get("flops"), "bytes_accessed": get("bytes accessed"),
+          "transcendentals": get("transcendentals")}
+
+
+def _actual_length_flops(config, schema, batch) -> float | None:
+  """Model train FLOPs of the batch at its actual lengths, when ``kunlun.flops`` offers it."""
+  from kunlun import flops
+  for name in ("batch_flops", "train_flops_at_lengths", "model_flops_at_lengths"):
+    fn = getattr(flops, name, None)
+    if fn is not None:
+      try:
+        out = fn(config, schema, batch)
+      except TypeError:
+        continue
+      return float(out["train_step"] if isinstance(out, dict) else out)
+  return None
+
+
+def versions() -> dict:
+  import flax
+  import jax
+  import optax
+  out = {"jax": jax.__version__, "jaxlib": jax.lib.__version__, "flax": flax.__version__,
+         "optax": optax.__version__, "python": platform.python_version()}
+  try:
+    import jax_triton
+    out["jax_triton"] = jax_triton.__version__
+  except Exception:  # noqa: BLE001 - optional, GPU only
+    pass
+  return out
+
+
+def build_step(cfg, mesh, rules, batch_np, abstract: bool):
+  """The real train step of ``cfg`` on ``mesh`` / ``rules`` as train.py builds it, and its
+  arguments: ``(jitted_step, model, params, opt_state, batch)``. ``abstract``: ShapeDtypeStructs
+  with shardings (compile without initialising), else initialised arrays."""
+  import jax
+
+  from data.synthetic import PRESETS, preset_schema
+  from kunlun.model import build_model
+  from kunlun.train import optim
+  from kunlun.train import step as step_lib
+  from sharding import partition
+
+  schema = preset_schema(PRESETS[cfg.data.preset])
+  model = build_model(cfg, schema)
+  total = int(cfg.train.steps)
+  tx = optim.make_optimizer(cfg.train, total)
+  sparse = (optim.make_sparse_update(cfg.train, total)
+            if cfg.train.get("sparse_embedding_update", False) else None)
+  b_shard = partition.batch_sharding(mesh, rules)
+  if abstract:
+    params = partition.abstract_params(model, jax.random.key(0), batch_np, mesh, rules)
+    p_shard = jax.tree.map(lambda x: x.sharding, params)
+    o_shard = optim.opt_state_shardings(tx, params, p_shard, mesh)
+    opt_state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                             jax.eval_shape(tx.init, params), o_shard)
+    batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=b_shard),
+                         batch_np)
+  else:
+    params, p_shard = partition.init_sharded(model, jax.random.key(0), batch_np, mesh, rules)
+    o_shard = optim.opt_state_shardings(tx, _abstract(params), p_shard, mesh)
+    opt_state = jax.jit(tx.init, out_shardings=o_shard)(params)
+    batch = jax.device_put(batch_np, b_shard)
+  train_step = step_lib.make_train_step(model, tx, sparse_update=sparse, param_shardings=p_shard,
+                                        opt_shardings=o_shard, batch_sharding=b_shard,
+                                        microbatches=int(cfg.train.get("microbatches", 1)))
+  return train_step, model, params, opt_state, batch
+
+
+def run(args) -> dict:
+  import jax
+  import jax.numpy as jnp
+
+  from bench import hlo_stats
+  from data.synthetic import PRESETS, preset_schema
+  from kunlun import config as model_config
+  from kunlun.flops import model_flops
+  from kunlun.train import progress
+  from sharding import checks, partition
+  from sharding import mesh as mesh_lib
+  from sharding import rules as rules_lib
+
+  cfg = load_config(args.config, args.set)
+  if args.backend:
+    cfg.model.backend = args.backend
+  if args.batch:
+    cfg.data.batch_size = args.batch
+  if args.layers:
+    clip_layers(cfg, args.layers)
+  if args.rules:
+    cfg.sharding.rules = args.rules
+  B = int(cfg.data.batch_size)
+  schema = preset_schema(PRESETS[cfg.data.preset])
+  devices = jax.devices()[:args.devices] if args.devices else None
+  mesh = mesh_lib.make_mesh(mesh_lib.parse_mesh_flag(args.mesh), devices=devices)
+  rules = rules_lib.get_rules(cfg.sharding.rules)
+  n_dev = mesh.devices.size
+  if B % partition.batch_shard_count(mesh, rules):
+    raise SystemExit(f"--batch {B} is not a multiple of the mesh's batch shards")
+  batch_np = synthetic_batch(schema, B, model_config.seq_lens(cfg), args.lengths, seed=args.seed)
+  t0 = time.perf_counter()
+  train_step, model, params, opt_state, batch = build_step(cfg, mesh, rules, batch_np,
+                                                           args.compile_only)
+  init_s = time.perf_counter() - t0
+  rng = jax.random.key(1)
+  step0 = jnp.asarray(0, jnp.int32)
+
+  with partition.activate(mesh, rules):
+    t0 = time.perf_counter()
+    lowered = train_step.lower(params, opt_state, batch, rng, step0)
+    compiled = lowered.compile()
+    compile_s = time.perf_counter() - t0
+  device = jax.devices()[0]
+  flops_analytic = model_flops(cfg, schema)["train_step"] * B
+  flops_actual = _actual_length_flops(cfg, schema, batch_np)
+  cost = _cost(compiled)
+  mem = checks.memory_per_device(compiled)
+  local_b = B // n_dev if n_dev > 1 else B
+  mem["peak_per_example"] = mem["peak_estimate"] / max(local_b, 1)
+  mem["temp_per_example"] = mem["temp"] / max(local_b, 1)
+  text = compiled.as_text()
+  hlo = hlo_stats.hlo_stats(text)
+  op_names = hlo.pop("op_names")
+  res = {
+      "name": args.name or default_name(args, cfg),
+      "config": args.config, "backend": cfg.model.backend, "dtype": cfg.model.dtype,
+      "remat": cfg.train.get("remat", "none"),
+      "remat_scope": cfg.train.get("remat_scope", "layer"),
+      "microbatches": int(cfg.train.get("microbatches", 1)),
+      "sparse_embedding_update": bool(cfg.train.get("sparse_embedding_update", False)),
+      "mesh": mesh_lib.describe(mesh), "rules": cfg.sharding.rules, "devices": n_dev,
+      "device_kind": device.device_kind, "platform": device.platform,
+      "global_batch": B, "lengths": args.lengths, "num_layers": int(cfg.model.num_layers),
+      "versions": versions(),
+      "params": int(sum(x.size for x in jax.tree.leaves(params))),
+      "init_s": round(init_s, 2), "compile_s": round(compile_s, 2),
+      "flops": {"analytic_padded": flops_analytic, "analytic_actual_lengths": flops_actual,
+                "xla_per_device": cost["flops"], "xla_bytes_accessed_per_device":
+                cost["bytes_accessed"]},
+      "memory": mem, "hlo": hlo, "overrides": list(args.set),
+  }
+  if args.dump_hlo:
+    with open(args.dump_hlo, "w") as f:
+      f.write(text)
+  if args.compile_only:
+    return res
+
+  peak = progress.device_peak_flops(device)
+  with partition.activate(mesh, rules):
+    p, o = params, opt_state
+    for i in range(args.warmup):
+      p, o, stats = compiled(p, o, batch, rng, jnp.asarray(i, jnp.int32))
+    jax.block_until_ready((p, o))
+    times = []
+    for i in range(args.steps):
+      t = time.perf_counter()
+      p, o, stats = compiled(p, o, batch, rng, jnp.asarray(i, jnp.int32))
+      jax.block_until_ready((p, o, stats))
+      times.append(time.perf_counter() - t)
+    t = time.perf_counter()
+    for i in range(args.steps):
+      p, o, stats = compiled(p, o, batch, rng, jnp.asarray(i, jnp.int32))
+    jax.block_until_ready((p, o, stats))
+    pipelined = (time.perf_counter() - t) / args.steps
+    ok = bool(jax.device_get(stats["ok"]))
+    prof = None
+    if args.profile:
+      prof = _profile(compiled, p, o, batch, rng, args.profile_steps, op_names)
+  med = statistics.median(times)
+  res.update({
+      "steps": args.steps, "warmup": args.warmup, "last_step_ok": ok,
+      "step_ms": round(1e3 * med, 3), "step_ms_min": round(1e3 * min(times), 3),
+      "pipelined_ms": round(1e3 * pipelined, 3),
+      "examples_per_s": round(B / pipelined, 1),
+      "peak_flops_per_device": peak,
+      "tflops_per_device_analytic": flops_analytic / pipelined / n_dev / 1e12,
+      "mfu_analytic": progress.mfu(flops_analytic, pipelined, n_dev, peak),
+      "mfu_actual_lengths": progress.mfu(flops_actual, pipelined, n_dev, peak),
+      "mfu_xla": progress.mfu(cost["flops"] * n_dev, pipelined, n_dev, peak),
+  })
+  if device.platform != "cpu":
+    ms = device.memory_stats() or {}
+    res["memory"]["live_peak_bytes"] = ms.get("peak_bytes_in_use")
+    res["memory"]["live_bytes_limit"] = ms.get("bytes_limit")
+  if prof is not None:
+    res["profile"] = prof
+  return res
+
+
+def _abstract(tree):
+  """ShapeDtypeStructs with shardings (``kunlun.train.checkpoint.abstract_like``, without
+  importing orbax: the GPU image's bench needs no checkpointing)."""
+  import jax
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+
+
+def _profile(compiled, p, o, batch, rng, steps, op_names) -> dict:
+  import tempfile
+
+  import jax
+  import jax.numpy as jnp
+
+  from bench import hlo_stats
+  d = tempfile.mkdtemp(prefix="train_step_trace_")
+  jax.profiler.start_trace(d)
+  for i in range(steps):
+    with jax.profiler.StepTraceAnnotation("train", step_num=i):
+      p, o, _ = compiled(p, o, batch, rng, jnp.asarray(i, jnp.int32))
+  jax.block_until_ready((p, o))
+  jax.profiler.stop_trace()
+  (path,) = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)[:1] or (None,)
+  if path is None:
+    return {"error": "no xplane.pb written"}
+  out = hlo_stats.profile_groups(path, op_names, steps)
+  out["trace_dir"] = d
+  return out
+
+
+def default_name(args, cfg) -> str:
+  parts = [args.config.replace("/", "_").removesuffix(".py"), cfg.model.backend,
+           f"b{cfg.data.batch_size}"]
+  if args.layers:
+    parts.append(f"L{args.layers}")
+  remat = cfg.train.get("remat", "none")
+  if remat != "none":
+    parts.append(f"remat-{remat}")
+    if cfg.train.get("remat_scope", "layer") != "layer":
+      parts.append(cfg.train.remat_scope)
+  if int(cfg.train.get("microbatches", 1)) > 1:
+    parts.append(f"mb{cfg.train.microbatches}")
+  if cfg.train.get("sparse_embedding_update", False):
+    parts.append("sparse")
+  if args.tag:
+    parts.append(args.tag)
+  return "_".join(parts)
+
+
+COLUMNS = (("name", "{}", 34), ("compile_s", "{:.1f}", 8), ("step_ms", "{:.1f}", 8),
+           ("examples_per_s", "{:.0f}", 9), ("mfu_analytic", "{:.1%}", 7), ("mfu_xla", "{:.1%}", 7),
+           ("peak_GiB", "{:.2f}", 9), ("MiB/ex", "{:.2f}", 7), ("fusions", "{}", 7),
+           ("launches", "{}", 8), ("hlo_ops", "{}", 7))
+
+
+def _row(r: dict) -> dict:
+  m, h = r.get("memory", {}), r.get("hlo", {})
+  live = m.get("live_peak_bytes")
+  return {**r, "peak_GiB": (live or m.get("peak_estimate", 0)) / 2**30,
+          "MiB/ex": m.get("peak_per_example", 0) / 2**20, "fusions": h.get("fusions"),
+          "launches": h.get("kernel_launches"), "hlo_ops": h.get("hlo_instructions")}
+
+
+def print_table(results, stream=None) -> None:
+  stream = stream or sys.stdout
+  head = " ".join(f"{c:>{w}}" if i else f"{c:<{w}}" for i, (c, _, w) in enumerate(COLUMNS))
+  print(head, file=stream)
+  for r in results:
+    row = _row(r)
+    cells = []
+    for i, (c, fmt, w) in enumerate(COLUMNS):
+      v = row.get(c)
+      s = "-" if v is None else fmt.format(v)
+      cells.append(f"{s:<{w}}" if i == 0 else f"{s:>{w}}")
+    print(" ".join(cells), file=stream)
+  for r in results:
+    if "profile" in r and "by_group_ms" in r["profile"]:
+      g = ", ".join(f"{k} {v:.2f}" for k, v in r["profile"]["by_group_ms"].items())
+      print(f"{r['name']}: device ms/step by scope: {g}", file=stream)
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap.add_argument("--config", default="mid", help="kunlun.configs module (tiny, dev, mid) or file")
+  ap.add_argument("--backend", default=None, help="model.backend: xla, pallas, triton, auto")
+  ap.add_argument("--batch", type=int, default=None, help="global batch (default: the config's)")
+  ap.add_argument("--mesh", default="data=1,fsdp=-1", help="mesh axis sizes (train.py --mesh)")
+  ap.add_argument("--rules", default=None, help="sharding rule preset (default: the config's)")
+  ap.add_argument("--devices", type=int, default=None, help="use the first N devices (default all)")
+  ap.add_argument("--layers", type=int, default=None, help="fewer Kunlun layers (stand-in)")
+  ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                  help="config override, e.g. train.remat=full (repeatable)")
+  ap.add_argument("--lengths", default="preset", choices=("preset", "uniform", "full"))
+  ap.add_argument("--steps", type=int, default=16)
+  ap.add_argument("--warmup", type=int, default=2)
+  ap.add_argument("--seed", type=int, default=0)
+  ap.add_argument("--compile_only", action="store_true")
+  ap.add_argument("--profile", action="store_true", help="trace a few steps, group by scope")
+  ap.add_argument("--profile_steps", type=int, default=3)
+  ap.add_argument("--small", action="store_true",
+                  help="CPU smoke run: tiny config, batch 16, one device")
+  ap.add_argument("--name", default=None)
+  ap.add_argument("--tag", default=None, help="suffix of the result name")
+  ap.add_argument("--out_dir", default=RESULTS)
+  ap.add_argument("--dump_hlo", default=None, help="write the compiled HLO text here")
+  ap.add_argument("--table", nargs="*", default=None, help="print a table of result JSONs")
+  args = ap.parse_args(argv)
+  if args.table is not None:
+    files = [f for pat in args.table for f in sorted(glob.glob(pat))]
+    print_table([json.load(open(f)) for f in files])
+    return None
+  if args.small:
+    args.config = "tiny" if args.config == "mid" else args.config
+    args.batch = args.batch or 16
+    args.devices = args.devices or 1
+    args.steps = min(args.steps, 3)
+    args.warmup = min(args.warmup, 1)
+    args.tag = args.tag or "small"
+  res = run(args)
+  os.makedirs(args.out_dir, exist_ok=True)
+  path = os.path.join(args.out_dir, f"train_step_{res['name']}.json")
+  with open(path, "w") as f:
+    json.dump(res, f, indent=1, default=_json_default)
+  print_table([res])
+  print("wrote", path, flush=True)
+  return res
+
+
+def _json_default(x):
+  if isinstance(x, float) and not math.isfinite(x):
+    return None
+  try:
+    return float(x)
+  except (TypeError, ValueError):
+    return str(x)
+
+
+if __name__ == "__main__":
+  main()

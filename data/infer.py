@@ -1,0 +1,239 @@
+"""The ingest spec (one small JSON / YAML file) and the schema proposal inferred from a log.
+
+Spec file (every key optional; ``python -m data.ingest --write_schema FILE`` writes a complete
+one to edit)::
+
+    columns:            {role: your column}   e.g. {"request_ts": "time", "label.click": "liked"}
+    surface: all        surface name of every row when the log has no ``surface`` column
+    ids_as_features: false   also feed user_id / ad_id to the model as sparse features
+    truncate_history: false  keep the most recent max_len events of longer histories
+    ts_unit: s          s | ms | us: unit of integer times (request_ts, events.*.ts)
+    history:            build event streams from a flat log (data.history), e.g.
+                        {"streams": {"click": "label.click", "impression": "all"},
+                         "max_len": 50, "stats": true, "action": null}
+    hashed_events: []   events.<s>.<c> columns whose ids are hashed into the stream's vocab
+    schema: {sparse, dense, streams, surfaces, tasks}   schema.json sections; missing ones are
+                        inferred from the data
+
+Roles (column names after renaming): ``surface``, ``request_ts``, ``user_id``, ``ad_id``,
+``dense.<f>``, ``sparse.<f>``, ``events.<stream>.<item|action|surface|ts|extra>``, ``label.<task>``,
+``true_prob.<task>``. Any other column is unknown: listed as a warning and not converted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import numpy as np
+
+from data.schema import Schema
+
+KEYS = ("surface", "request_ts", "user_id", "ad_id")
+PREFIXES = ("dense", "sparse", "label", "true_prob")
+TS_UNITS = ("s", "ms", "us")
+SECTIONS = ("sparse", "dense", "streams", "surfaces", "tasks")
+MAX_VOCAB = 1 << 22          # larger id ranges are hashed into this many rows
+HISTORY_KEYS = ("streams", "max_len", "stats", "action")
+
+
+def role(name: str) -> str | None:
+  """The role a (renamed) column name plays, or None for an unknown column."""
+  if name in KEYS:
+    return name
+  parts = name.split(".")
+  if len(parts) == 2 and parts[0] in PREFIXES and parts[1]:
+    return parts[0]
+  if len(parts) == 3 and parts[0] == "events" and parts[1] and parts[2]:
+    return "events"
+  return None
+
+
+@dataclasses.dataclass
+class Spec:
+  columns: dict = dataclasses.field(default_factory=dict)
+  surface: str = "all"
+  ids_as_features: bool = False
+  truncate_history: bool = False
+  ts_unit: str = "s"
+  history: dict | None = None
+  hashed_events: list = dataclasses.field(default_factory=list)
+  schema: dict = dataclasses.field(default_factory=dict)
+
+  @classmethod
+  def from_dict(cls, d: dict, where: str = "spec") -> "Spec":
+    if not isinstance(d, dict):
+      raise ValueError(f"{where}: expected a mapping at the top level")
+    fields = {f.name for f in dataclasses.fields(cls)}
+    bad = sorted(set(d) - fields)
+    if bad:
+      raise ValueError(f"{where}: unknown key(s) {bad}; allowed: {sorted(fields)}")
+    s = cls(**d)
+    s.check(where)
+    return s
+
+  @classmethod
+  def load(cls, path: str) -> "Spec":
+    if not os.path.exists(path):
+      raise ValueError(f"--schema={path}: no such file")
+    with open(path) as f:
+      text = f.read()
+    try:
+      if path.endswith((".yaml", ".yml")):
+        import yaml
+        d = yaml.safe_load(text) or {}
+      else:
+        d = json.loads(text)
+    except Exception as e:   # JSON / YAML syntax errors: name the file, one line
+      raise ValueError(f"--schema={path}: cannot parse: {str(e).splitlines()[0]}") from None
+    return cls.from_dict(d, path)
+
+  def check(self, where: str) -> None:
+    if not isinstance(self.columns, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in self.columns.items()):
+      raise ValueError(f"{where}: 'columns' must map role names to your column names")
+    bad = sorted(k for k in self.columns if role(k) is None)
+    if bad:
+      raise ValueError(f"{where}: columns: {bad} are not roles (surface, request_ts, user_id, "
+                       "ad_id, dense.<f>, sparse.<f>, events.<s>.<c>, label.<t>, true_prob.<t>)")
+    targets = list(self.columns.values())
+    dup = sorted({t for t in targets if targets.count(t) > 1})
+    if dup:
+      raise ValueError(f"{where}: columns: {dup} mapped to more than one role")
+    if self.ts_unit not in TS_UNITS:
+      raise ValueError(f"{where}: ts_unit={self.ts_unit!r}; allowed: {TS_UNITS}")
+    bad = sorted(set(self.schema) - set(SECTIONS))
+    if bad:
+      raise ValueError(f"{where}: schema: unknown section(s) {bad}; allowed: {SECTIONS}")
+    for k, v in self.schema.items():
+      item = str if k in ("dense", "surfaces") else dict
+      if not isinstance(v, list) or not all(isinstance(x, item) for x in v):
+        raise ValueError(f"{where}: schema.{k} must be a list of "
+                         + ("names" if item is str else "mappings (as in schema.json)"))
+    if self.history is not None:
+      h = self.history
+      if not isinstance(h, dict) or not isinstance(h.get("streams"), dict) or not h["streams"]:
+        raise ValueError(f"{where}: history needs 'streams': {{name: 'all' | 'label.<task>'}}")
+      bad = sorted(set(h) - set(HISTORY_KEYS))
+      if bad:
+        raise ValueError(f"{where}: history: unknown key(s) {bad}; allowed: {HISTORY_KEYS}")
+      for name, sel in h["streams"].items():
+        if "." in name or not (sel == "all" or (isinstance(sel, str) and sel.startswith("label."))):
+          raise ValueError(f"{where}: history.streams.{name}={sel!r}: expected 'all' or "
+                           "'label.<task>' (stream names without dots)")
+      ml = h.get("max_len", 50)
+      if isinstance(ml, bool) or not isinstance(ml, int) or ml < 1:
+        raise ValueError(f"{where}: history.max_len={ml!r} must be an integer >= 1")
+
+  def to_dict(self) -> dict:
+    return dataclasses.asdict(self)
+
+
+class ColumnStats:
+  """What the scan saw in one canonical column."""
+
+  def __init__(self):
+    self.max_len = 0
+    self.lo, self.hi = None, None
+    self.hashed = False
+    self.nulls = 0
+    self.count = 0
+    self.pos = 0.0
+    self.distinct: set | None = set()
+
+  def values(self, x: np.ndarray) -> None:
+    if not len(x):
+      return
+    lo, hi = int(x.min()), int(x.max())
+    self.lo = lo if self.lo is None else min(self.lo, lo)
+    self.hi = hi if self.hi is None else max(self.hi, hi)
+    if self.distinct is not None:
+      self.distinct.update(np.unique(x).tolist())
+      if len(self.distinct) > MAX_VOCAB:
+        self.distinct = None             # too many to count: at least MAX_VOCAB
+
+  @property
+  def n_distinct(self) -> int:
+    return MAX_VOCAB if self.distinct is None else len(self.distinct)
+
+
+def vocab_for(st: ColumnStats) -> tuple[int, bool]:
+  """(vocab_size, hashed) for an id column: compact non-negative ids keep their values
+  (vocab = max id + 1); hashed or wide ids get ``2 * distinct`` rounded up to a power of two
+  (at most MAX_VOCAB rows)."""
+  if not st.hashed and st.hi is not None and st.lo >= 0 and st.hi < MAX_VOCAB:
+    return st.hi + 1, False
+  n = max(2 * st.n_distinct, 16)
+  return min(MAX_VOCAB, 1 << (n - 1).bit_length()), True
+
+
+def propose(stats: dict[str, ColumnStats], surfaces, order, spec: Spec,
+            history_streams: dict | None = None) -> tuple[dict, list, list[str]]:
+  """The schema.json sections from the scan: ``(schema_dict, hashed_events, notes)``.
+
+  ``order``: canonical column names in first-seen order; ``history_streams``: ``{stream:
+  {"max_len", "item", "action"}}`` ColumnStats-like facts for streams built by ``data.history``.
+  Sections given in ``spec.schema`` are taken as they are.
+  """
+  notes, hashed_events, compact = [], list(spec.hashed_events), []
+  out = {"surfaces": sorted(surfaces),
+         "dense": [c.split(".", 1)[1] for c in order if role(c) == "dense"], "sparse": [],
+         "streams": [], "tasks": []}
+  for c in order:
+    if role(c) == "sparse":
+      st = stats[c]
+      vocab, hashed = vocab_for(st)
+      out["sparse"].append({"name": c.split(".", 1)[1], "vocab_size": vocab,
+                            "max_len": max(st.max_len, 1), "hashed": hashed})
+      if not hashed:
+        compact.append(f"{c.split('.', 1)[1]} {vocab}")
+  if compact:
+    notes.append(f"sparse features keep their ids (vocab_size = max id + 1; larger ids in later "
+                 f"data are invalid: raise vocab_size or set hashed: true): {', '.join(compact)}")
+  streams: dict[str, dict] = {}
+  for c in order:
+    if role(c) == "events":
+      _, s, col = c.split(".")
+      streams.setdefault(s, {})[col] = stats[c]
+  for s, cols in streams.items():
+    if "item" not in cols or "ts" not in cols:
+      raise ValueError(f"stream {s!r}: columns events.{s}.item and events.{s}.ts are required")
+    d = {"name": s, "max_len": max(cols["item"].max_len, 1), "extra_fields": []}
+    for col in ["item", "action"] + [k for k in cols if k not in ("item", "action", "surface",
+                                                                   "ts")]:
+      st = cols.get(col)
+      vocab = 1 if st is None or st.hi is None else st.hi + 1
+      if st is not None and st.lo is not None and st.lo < 0:
+        raise ValueError(f"events.{s}.{col}: negative ids ({st.lo}); ids must be >= 0")
+      if vocab > MAX_VOCAB:
+        hashed_events.append(f"events.{s}.{col}")
+        notes.append(f"events.{s}.{col}: ids up to {st.hi} hashed into {MAX_VOCAB} rows")
+        vocab = MAX_VOCAB
+      if col == "item":
+        d["item_vocab"] = vocab
+      elif col == "action":
+        d["action_vocab"] = vocab
+      else:
+        d["extra_fields"].append({"name": col, "vocab_size": vocab})
+    out["streams"].append(d)
+  for s, h in (history_streams or {}).items():
+    out["streams"].append({"name": s, "max_len": h["max_len"], "item_vocab": h["item_vocab"],
+                           "action_vocab": h["action_vocab"], "extra_fields": []})
+  for c in order:
+    if role(c) == "label":
+      out["tasks"].append({"name": c.split(".", 1)[1], "always_valid": stats[c].nulls == 0})
+  if not out["tasks"] and "tasks" not in spec.schema:
+    raise ValueError("no label columns: name at least one, e.g. --rename label.click=<your "
+                     "0/1 column> (or a 'columns' entry in the --schema file)")
+  for k in SECTIONS:
+    if k in spec.schema:
+      out[k] = spec.schema[k]
+  return out, sorted(set(hashed_events)), notes
+
+
+def schema_from(d: dict, where: str = "schema") -> Schema:
+  try:
+    return Schema.from_dict(d)
+  except ValueError as e:
+    raise ValueError(f"{where}: {e}") from None

@@ -1,0 +1,1 @@
+"""Recipes for public interaction logs (MovieLens, KuaiRand) -> kunlun datasets."""

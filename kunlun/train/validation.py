@@ -1,0 +1,211 @@
+"""Training length in epochs, periodic validation and a keep-best checkpoint (train.py).
+
+  config.train.epochs          > 0: passes over the train split; replaces config.train.steps
+                               (steps = ceil(epochs * steps_per_epoch), steps_per_epoch =
+                               ceil(train records of the surfaces with weight > 0 / batch_size))
+  config.train.validate_every  steps between validations on config.data.valid_split; 0 = once
+                               per epoch; -1 = never. A dataset without that split (synthetic
+                               data) is not validated.
+  config.train.keep_best       keep the params with the best validation NE in <workdir>/best
+                               (orbax, params only; best.json: step and NE); eval.py --best
+  config.train.best_task       task whose validation NE decides ("" = mean over the tasks)
+
+Validation NE is each split's own normalisation (mean log loss / entropy of the validation
+window's positive rate). It is printed, written to metrics.jsonl (``valid_ne``, ``valid_auc``,
+``epoch``) and to TensorBoard (``valid_ne/<task>``). The surface weights are resolved here too
+(kunlun/schema_fit.py), since an epoch counts the records of the surfaces trained on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+
+import jax
+import numpy as np
+
+HOST_KEYS = ("labels", "label_mask", "surface", "true_prob", "example_mask")
+
+
+@dataclasses.dataclass
+class Plan:
+  total: int                 # training steps
+  steps_per_epoch: int
+  every: int                 # validation period in steps (0: no validation)
+  split: str | None          # validation split
+  weights: dict              # resolved surface weights
+
+
+def plan(config, schema, data_dir: str, steps_flag: int | None, say=print) -> Plan:
+  """Resolves surface weights, epochs -> steps and the validation period (writes the resolved
+  ``train.steps`` / ``data.surface_weights`` into ``config``). Mismatches are FatalErrors."""
+  from data import records
+  from kunlun.schema_fit import fit_surface_weights
+  from kunlun.train.runtime import fail
+  split = config.data.get("train_split", "train")
+  try:
+    files = records.split_files(data_dir, split, schema)
+  except (ValueError, FileNotFoundError) as e:
+    fail(f"config.data.train_split={split!r}: {e}")
+  counts = {s: sum(c for _, c in files.get(s, [])) for s in schema.surfaces}
+  try:
+    weights, notes = fit_surface_weights(config, schema, counts)
+  except ValueError as e:
+    fail(str(e))
+  main = jax.process_index() == 0
+  for n in notes:
+    if main:
+      say(f"config: {n}")
+  n = sum(counts[s] for s in schema.surfaces if weights[s] > 0)
+  B = int(config.data.batch_size)
+  spe = max(1, math.ceil(n / B))
+  epochs = config.train.get("epochs", 0) or 0
+  if isinstance(epochs, bool) or not isinstance(epochs, (int, float)) or epochs < 0:
+    fail(f"config.train.epochs={epochs!r} must be a number >= 0 (0: use train.steps)")
+  if epochs > 0:
+    if steps_flag is not None:
+      fail(f"--steps={steps_flag} and config.train.epochs={epochs:g} both set: give one")
+    total = max(1, math.ceil(epochs * spe))
+    config.train.steps = total
+    if main:
+      say(f"epochs {epochs:g} x {spe} steps ({n:,} train records, batch {B}) = {total} steps")
+  else:
+    total = int(config.train.steps)
+  vsplit = config.data.get("valid_split", "valid") or None
+  has = bool(vsplit) and vsplit in records.load_manifest(data_dir)["splits"]
+  ve = config.train.get("validate_every", 0)
+  if isinstance(ve, bool) or not isinstance(ve, int) or ve < -1:
+    fail(f"config.train.validate_every={ve!r}: steps > 0, 0 (once per epoch) or -1 (never)")
+  if ve > 0 and not has:
+    fail(f"config.train.validate_every={ve}: the data has no split {vsplit!r} "
+         "(config.data.valid_split; data.ingest --split time:... writes 'valid')")
+  every = 0 if ve < 0 or not has else (ve or spe)
+  if config.train.get("keep_best", False) and not every:
+    fail("config.train.keep_best needs validation, but " + (
+        "config.train.validate_every=-1" if ve < 0 else
+        f"the data has no split {vsplit!r} (config.data.valid_split)"))
+  if every:
+    from kunlun.train.runtime import check_data_files
+    check_data_files(data_dir, vsplit)           # shards present and whole (one-line errors)
+  bt = config.train.get("best_task", "") or ""
+  if bt and bt not in schema.task_names:
+    fail(f"config.train.best_task={bt!r}: not a task of the data {schema.task_names}")
+  return Plan(total, spe, every, vsplit if every else None, weights)
+
+
+def collect(predict, params, batches, batch_sharding, keys=()) -> dict[str, np.ndarray]:
+  """Predictions over ``batches`` gathered from every process: host arrays of the real rows
+  (example_mask 1): ``prob f[N, K]``, labels, label_mask, surface, true_prob and ``keys``."""
+  from data import pipeline
+  parts = {k: [] for k in ("prob",) + HOST_KEYS[:-1] + tuple(keys)}
+  for batch in batches:
+    prob = predict(params, pipeline.device_put_batch(batch, batch_sharding))
+    host = {k: batch[k] for k in HOST_KEYS + tuple(keys) if k in batch}
+    if jax.process_count() > 1:
+      from jax.experimental import multihost_utils
+      prob = multihost_utils.process_allgather(prob, tiled=True)
+      host = multihost_utils.process_allgather(host, tiled=True)
+    keep = np.asarray(host.get("example_mask", np.ones(len(prob)))) > 0
+    parts["prob"].append(np.asarray(prob, np.float64)[keep])
+    for k in parts:
+      if k != "prob":
+        parts[k].append(np.asarray(host[k])[keep])
+  return {k: np.concatenate(v) if v else np.zeros((0,)) for k, v in parts.items()}
+
+
+class Validator:
+  """``validator(step, params)`` after each train step: validates every ``plan.every`` steps and
+  at the last step, logs NE / AUC, keeps the best params (``keep_best``)."""
+
+  def __init__(self, config, data_dir, schema, model, run_plan: Plan, batch_sharding,
+               workdir: str, prog, say=print):
+    self.plan, self.on = run_plan, run_plan.every > 0
+    self.schema, self.prog, self.say = schema, prog, say
+    self.main = jax.process_index() == 0
+    self.last, self._mngr = None, None
+    if not self.on:
+      return
+    from kunlun import config as model_config
+    from kunlun.train import step as step_lib
+    self.predict = step_lib.make_predict_step(model)
+    self.data_cfg = config.data.copy_and_resolve_references()
+    self.data_cfg.batch_size = int(config.data.batch_size)      # the train batch: valid on the mesh
+    self.data_dir, self.b_shard = data_dir, batch_sharding
+    self.seq_lens = model_config.seq_lens(config)
+    self.best_task = config.train.get("best_task", "") or ""
+    self.keep = bool(config.train.get("keep_best", False))
+    self.dir = os.path.join(workdir, "best")
+    self.best = None
+    if self.keep and os.path.exists(os.path.join(self.dir, "best.json")):
+      with open(os.path.join(self.dir, "best.json")) as f:
+        self.best = json.load(f)
+
+  def score(self, ne: dict) -> float:
+    if self.best_task:
+      v = ne.get(self.best_task)
+      return float("nan") if v is None else v
+    vals = [v for v in ne.values() if v is not None and np.isfinite(v)]
+    return float(np.mean(vals)) if vals else float("nan")
+
+  def evaluate(self, params) -> tuple[dict, dict]:
+    """Overall (per task) NE and AUC on the validation split."""
+    from data import pipeline
+    from kunlun.train import metrics
+    ds = pipeline.make_dataset(self.data_cfg, self.data_dir, self.plan.split, self.seq_lens,
+                               train=False, shard_index=jax.process_index(),
+                               shard_count=jax.process_count())
+    a = collect(self.predict, params, iter(ds), self.b_shard)
+    _, overall = metrics.surface_task_metrics(
+        a["prob"], a["labels"], a["label_mask"], a["surface"], self.schema.surfaces,
+        self.schema.task_names)
+    return ({t: m["ne"] for t, m in overall.items()}, {t: m["auc"] for t, m in overall.items()})
+
+  def __call__(self, step: int, params) -> bool:
+    """Validates when due; returns whether it did."""
+    if not self.on or step == self.last:
+      return False
+    if step % self.plan.every and step != self.plan.total:
+      return False
+    self.last = step
+    ne, auc = self.evaluate(params)
+    value = self.score(ne)
+    better = np.isfinite(value) and (self.best is None or value < self.best["value"])
+    epoch = step / self.plan.steps_per_epoch
+    if self.prog is not None:
+      self.prog.log(step, {"valid_ne": ne, "valid_auc": auc, "epoch": epoch}, line=False)
+    if self.main:
+      fmt = lambda d: " ".join(f"{t}={'n/a' if v is None else f'{v:.4f}'}" for t, v in d.items())
+      self.say(f"validation step {step} (epoch {epoch:.2f}): NE {fmt(ne)} | AUC {fmt(auc)}"
+               + (" | best so far" if better and self.keep else ""), flush=True)
+    if self.keep and better:
+      self._save_best(step, params, value, ne, auc)
+    return True
+
+  def _save_best(self, step, params, value, ne, auc):
+    """Params + a ``meta`` item with their checksums (``checkpoint.Checkpointer.restore_params``
+    verifies them), one step kept."""
+    import orbax.checkpoint as ocp
+
+    from kunlun.train.checkpoint import _meta_check, tree_digest
+    if self._mngr is None:
+      self._mngr = ocp.CheckpointManager(
+          self.dir, item_names=("params", "meta"),
+          options=ocp.CheckpointManagerOptions(max_to_keep=1, create=True,
+                                               enable_async_checkpointing=False))
+    meta = {"step": int(step), "digest": {"params": tree_digest(params)}}
+    meta["check"] = _meta_check(meta)
+    self._mngr.save(step, args=ocp.args.Composite(params=ocp.args.StandardSave(params),
+                                                  meta=ocp.args.JsonSave(meta)), force=True)
+    self._mngr.wait_until_finished()
+    self.best = {"step": int(step), "value": float(value),
+                 "task": self.best_task or "mean", "valid_ne": ne, "valid_auc": auc}
+    if self.main:
+      with open(os.path.join(self.dir, "best.json.tmp"), "w") as f:
+        json.dump(self.best, f, indent=1)
+      os.replace(os.path.join(self.dir, "best.json.tmp"), os.path.join(self.dir, "best.json"))
+
+  def close(self) -> None:
+    if self._mngr is not None:
+      self._mngr.close()

@@ -1,0 +1,127 @@
+"""Exported serving artifact: round trip through the jax/numpy-only loader equals the in-process
+model (N separate examples); signature; one-line errors on bad input."""
+
+import ast
+import json
+import os
+
+import flax.linen as nn
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+from data.fake import random_batch, tiny_schema
+from kunlun import export_serving, serve, serving_loader
+from kunlun.config import seq_lens
+from kunlun.configs import tiny
+from kunlun.model import build_model
+from kunlun.train import checkpoint, runtime
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+  """A train.py-style workdir (config.pkl, data_dir.txt, checkpoints/5/params) and an export."""
+  root = tmp_path_factory.mktemp("serving")
+  data_dir, workdir = str(root / "data"), str(root / "work")
+  schema = tiny_schema()
+  os.makedirs(data_dir)
+  schema.save(data_dir)
+  config = tiny.get_config()
+  runtime.save_run_info(workdir, config, data_dir)
+  model = build_model(config, schema)
+  shapes = nn.unbox(jax.eval_shape(model.init, jax.random.key(0),
+                                   random_batch(schema, 2, seq_lens(config)))["params"])
+  rng = np.random.default_rng(0)
+  params = jax.tree.map(lambda s: (0.3 * rng.normal(size=s.shape)).astype(s.dtype), shapes)
+  ck = checkpoint.Checkpointer(os.path.join(workdir, "checkpoints"))
+  ck.mngr.save(5, args=ocp.args.Composite(params=ocp.args.StandardSave(params)))
+  ck.close()
+  out = str(root / "artifact")
+  sig = export_serving.export(workdir, out, verify=False, log=lambda *_: None)
+  return schema, config, model, params, workdir, out, sig
+
+
+def _batch(schema, config, n, r=1, seed=0):
+  req = random_batch(schema, r, seq_lens(config), seed=seed + 1, min_len=1)
+  ads = random_batch(schema, n, seq_lens(config), seed=seed + 2)
+  return serve.serving_batch(req["events"], ads, np.arange(n) % r)
+
+
+def test_artifact_round_trip(run):
+  schema, config, model, params, _, out, sig = run
+  assert sig["candidates"] == "n" and sig["requests"] == 1 and sig["source"]["step"] == 5
+  on_disk = json.load(open(os.path.join(out, "signature.json")))
+  assert on_disk["inputs"]["sparse/user_interests"] == {"dtype": "int32", "shape": ["n", 4]}
+  assert on_disk["inputs"]["events/click/age"] == {"dtype": "float32", "shape": [1, 32]}
+  art = serving_loader.load(out)
+  b = _batch(schema, config, 6)
+  got = art(b)
+  # independent: the normal model on 6 separate examples (events repeated per ad)
+  want = np.asarray(jax.jit(lambda p, e: model.apply({"params": p}, e))(params, serve.expand(b)))
+  assert got["logits"].shape == (6, 2) and np.abs(want).max() > 0.1
+  np.testing.assert_allclose(got["logits"], want, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(got["prob"], 1 / (1 + np.exp(-want)), rtol=1e-5, atol=1e-6)
+  # another candidate count through the same (symbolic) artifact
+  b2 = jax.tree.map(lambda x: x, b)
+  for k in ("dense", "surface", "request_index"):
+    b2[k] = np.asarray(b[k])[:2]
+  b2["sparse"] = {k: v[:2] for k, v in b["sparse"].items()}
+  np.testing.assert_allclose(art(b2)["logits"], want[:2], rtol=1e-5, atol=1e-5)
+
+
+def test_loader_rejects_bad_input(run):
+  schema, config, _, _, _, out, _ = run
+  art = serving_loader.load(out)
+  b = _batch(schema, config, 3)
+
+  def err(batch):
+    with pytest.raises(ValueError) as e:
+      art(batch)
+    assert "\n" not in str(e.value)
+    return str(e.value)
+  assert "'dense' is missing" in err({k: v for k, v in b.items() if k != "dense"})
+  assert "dimension 'n' = 2" in err(dict(b, surface=b["surface"][:2]))
+  ev = {s: dict(v) for s, v in b["events"].items()}
+  ev["click"]["item"] = ev["click"]["item"][:, :16]
+  assert "events/click/item" in err(dict(b, events=ev))
+  assert "request_index must lie in [0, 1)" in err(dict(b, request_index=np.array([0, 1, 0])))
+  assert "integer ids" in err(dict(b, surface=np.zeros(3, np.float32)))
+  with pytest.raises(FileNotFoundError, match="not a kunlun.export_serving output"):
+    serving_loader.load(os.path.dirname(out))
+
+
+def test_fixed_count_and_cli_errors(run, tmp_path, capsys):
+  schema, config, _, _, workdir, _, _ = run
+  out = str(tmp_path / "fixed")
+  assert export_serving.main([f"--workdir={workdir}", f"--out={out}", "--candidates=4",
+                              "--no_verify"]) == 0
+  art = serving_loader.load(out)
+  assert art.signature["candidates"] == 4 and art.inputs["dense"]["shape"] == [4, 3]
+  with pytest.raises(ValueError, match=r"shape \[5, 1\], want \[4, 1\]"):
+    art(_batch(schema, config, 5))
+  capsys.readouterr()
+  empty = tmp_path / "empty"
+  empty.mkdir()
+  runtime.save_run_info(str(empty), config, "/nonexistent")
+  for args, msg in (([f"--workdir={tmp_path}/missing"], "no such directory"),
+                    ([f"--workdir={empty}"], "no checkpoint"),
+                    ([f"--workdir={workdir}", "--candidates=0"], "--candidates='0' must be"),
+                    ([f"--workdir={workdir}", "--requests=two"], "--requests='two' must be"),
+                    ([f"--workdir={workdir}", "--step=9"], "--step=9: no such checkpoint"),
+                    ([f"--workdir={workdir}", "--platforms=cpu,quantum"], "--platforms")):
+    assert export_serving.main(args + [f"--out={tmp_path}/o"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines[-1].startswith("export_serving: error: ") and msg in lines[-1], lines
+    assert not any(line.startswith("Traceback") for line in lines)
+
+
+def test_loader_imports_only_jax_and_numpy():
+  src = open(serving_loader.__file__).read()
+  mods = set()
+  for node in ast.walk(ast.parse(src)):
+    if isinstance(node, ast.Import):
+      mods |= {a.name.split(".")[0] for a in node.names}
+    elif isinstance(node, ast.ImportFrom):
+      mods.add((node.module or "").split(".")[0])
+  assert mods <= {"__future__", "json", "os", "jax", "numpy"}, mods
