@@ -101,7 +101,7 @@ def train(argv):
 
   from data import pipeline
   from kunlun import config as model_config
-  from kunlun.flops import model_flops
+  from kunlun.flops import FlopMeter
   from kunlun.train import checkpoint, optim, progress
   from kunlun.train import step as step_lib
   from kunlun.train.metrics import RunningNE
@@ -147,7 +147,7 @@ def train(argv):
 
   is_main = jax.process_index() == 0
   prog = progress.Progress(workdir, total, enabled=is_main)
-  flops_per_step = model_flops(config, schema)["train_step"] * config.data.batch_size
+  flop_meter = FlopMeter(config, schema, scale=jax.process_count())   # at the actual lengths
   peak = progress.device_peak_flops()
   n_dev = mesh.devices.size
   if is_main:
@@ -198,7 +198,7 @@ def train(argv):
           "grad_norm": float(stats["grad_norm"]), "step_time_ms": 1e3 * dt,
           "examples_per_s": config.data.batch_size / dt, "bad_steps": bad_total,
           "skipped_records": pipeline.invalid_counts(data_iter),
-          "mfu": progress.mfu(flops_per_step, dt, n_dev, peak)})
+          "mfu": progress.mfu(flop_meter.per_step(), dt, n_dev, peak)})
       running.reset()
       window_loss, window_n, times = 0.0, 0, times[-1:]
     return True
@@ -212,7 +212,9 @@ def train(argv):
         jax.profiler.start_trace(FLAGS.profile_dir or os.path.join(workdir, "profile"))
         profiling = True
       with jax.profiler.StepTraceAnnotation("train", step_num=step):
-        batch = pipeline.device_put_batch(next(data_iter), b_shard)
+        host_batch = next(data_iter)
+        flop_meter.add(host_batch)
+        batch = pipeline.device_put_batch(host_batch, b_shard)
         params, opt_state, stats = train_step(params, opt_state, batch, train_rng, step)
       step += 1
       lagged.push(step, stats)

@@ -1,14 +1,15 @@
-"""Baselines built from the same parts (spec A.1, h-17), selected by ``config.model.arch``.
+"""Reference models built from the project's parts, selected by ``config.model.arch``.
 
-* ``"interformer"``: InterFormer-style. The Kunlun trunk with InterFormer's choices substituted:
-  the PFFN is one generated projection (GDPA with the identity activation: ``s (K^T V)`` per head,
-  a personalized rank-``n_kv`` projection, spec c.2), PMA pooling, full self-attention, a single
-  Wukong stack as the interaction (one "expert"), no CompSkip and no event-level depth (every tower
-  runs all ``num_layers``). Widths, heads, kept lengths and summary tokens come from the config's
-  towers, so the two architectures are compared on the same budget knobs.
 * ``"dlrm"``: DLRM-style. The same context tokens (sparse embeddings + dense tokens + LCE +
   surface embedding), each stream embedded at width ``dlrm.seq_dim`` and mean-pooled over its
   valid events, then an MLP (``dlrm.mlp``) and the same heads.
+* ``"kunlun_ablated"``: the Kunlun trunk with its own changes switched off, the floor of the
+  ablation table (``bench/ablations.py``): a generated rank-``n_kv`` projection as the PFFN
+  (GDPA with the identity activation), PMA pooling, full self-attention, one Wukong stack (no
+  mixture), no CompSkip and no event-level depth (every tower runs all ``num_layers``). Widths,
+  heads, kept lengths and summary tokens are the config's. It is *not* InterFormer (that is
+  ``kunlun/interformer.py``, arch ``"interformer"``); runs stored as ``"interformer"`` before
+  InterFormer existed load as this (``kunlun.config.upgrade_stored``).
 """
 
 from __future__ import annotations
@@ -20,19 +21,19 @@ import jax
 import jax.numpy as jnp
 
 from data.schema import Schema
+from kunlun.common import apply_heads, embed_context
 from kunlun.config import ModelConfig, MoWEConfig
 from kunlun.heads import MLP
 from kunlun.inputs import EventEmbed
 from kunlun.layer import DTYPES
-from kunlun.model import Kunlun, apply_heads, embed_context
 from sharding import shard
 
 
-def interformer_config(cfg: ModelConfig) -> ModelConfig:
-  """The Kunlun ModelConfig that realises the InterFormer-style baseline."""
+def ablated_config(cfg: ModelConfig) -> ModelConfig:
+  """The Kunlun ModelConfig of ``"kunlun_ablated"`` (module docstring)."""
   towers = tuple(dataclasses.replace(t, depth=cfg.num_layers) for t in cfg.towers)
   return dataclasses.replace(
-      cfg, arch="interformer", comp_skip=False, seq_mode="towers", oneseq=None, towers=towers,
+      cfg, arch="kunlun_ablated", comp_skip=False, seq_mode="towers", oneseq=None, towers=towers,
       pooling="pma", pffn_activation="identity",
       attention=dataclasses.replace(cfg.attention, kind="full"),
       mowe=MoWEConfig(num_experts=1, layers_per_expert=cfg.mowe.layers_per_expert,
@@ -68,11 +69,3 @@ class DLRM(nn.Module):
       out = apply_heads(cfg, h[:, None, :], {}, batch["surface"], dt)
       out["summaries"] = pooled
       return out
-
-
-def build(cfg: ModelConfig, schema: Schema) -> nn.Module:
-  if cfg.arch == "interformer":
-    return Kunlun(interformer_config(cfg), schema)
-  if cfg.arch == "dlrm":
-    return DLRM(cfg, schema)
-  raise ValueError(f"config.model.arch = {cfg.arch!r}; allowed: ('kunlun', 'interformer', 'dlrm')")

@@ -4,13 +4,16 @@ Presets (``kunlun/configs/*.py``) fill ``config.model`` as an ``ml_collections.C
 ``parse(config, schema)`` validates it and returns a frozen, hashable ``ModelConfig`` that Linen
 modules take as a field. Every knob of spec d.7 / h is a field here:
 
-  arch                "kunlun" | "interformer" | "dlrm"            (model family, baselines.py)
+  arch                "kunlun" | "interformer" | "dlrm" | "kunlun_ablated"   (model family:
+                      model.py, interformer.py, baselines.py)
   dtype               "float32" | "bfloat16"                      (compute; params stay fp32)
   backend             "xla" | "pallas" | "triton" | "auto"        (GDPA / block-attention kernels)
   d_ns, n_ns          non-sequence token width and count (after LCE)
   n_dense_tokens      tokens the dense features are projected into
   num_layers          Kunlun layers L
   comp_skip           Computation Skip on/off (spec c.7)
+  final_hsp           extra HSP of each tower's output in its last layer ([D], not in spec d.1 /
+                      d.4; default off; runs stored before the switch existed had it on)
   seq_mode            "towers" (one tower per stream) | "oneseq" (one merged stream, spec h-18)
   num_time_buckets    log-bucketed event-age embedding size (event MLP input)
   time_buckets.{enabled, kinds, num_buckets, age_horizon_days}   per-head additive bucket
@@ -34,6 +37,9 @@ modules take as a field. Every knob of spec d.7 / h is a field here:
   oneseq.{width, heads, n_kv, window, kept_len, n_seed, n_sum, depth}   (merged tower)
   heads.{kind, top_mlp, tower_hidden, num_experts, expert_hidden}       (d.3)
   dlrm.{seq_dim, mlp}  (DLRM baseline only)
+  interformer.{n_cls, n_recent}   (InterFormer only: CLS tokens = X_sum tokens, recent tokens in
+                      S_sum; its PMA queries are towers.*.n_sum and its DHEN interaction takes
+                      mowe.{layers_per_expert, rank, mlp_hidden}, so both are sized by one knob)
 """
 
 from __future__ import annotations
@@ -46,7 +52,7 @@ from data.schema import Schema
 from kunlun.time_encoding import BUCKET_KINDS, DAY, BucketSpec
 from pallas_kernels.activations import NAMES as GDPA_ACTIVATIONS
 
-ARCHS = ("kunlun", "interformer", "dlrm")
+ARCHS = ("kunlun", "interformer", "dlrm", "kunlun_ablated")
 DTYPES = ("float32", "bfloat16")
 BACKENDS = ("xla", "pallas", "triton", "auto")
 SEQ_MODES = ("towers", "oneseq")
@@ -126,6 +132,12 @@ class DLRMConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class InterFormerConfig:
+  n_cls: int = 4
+  n_recent: int = 2
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelConfig:
   """Frozen, validated form of ``config.model`` (hashable, so Linen modules can hold it)."""
   arch: str
@@ -136,6 +148,7 @@ class ModelConfig:
   n_dense_tokens: int
   num_layers: int
   comp_skip: bool
+  final_hsp: bool
   seq_mode: str
   num_time_buckets: int
   attention: AttentionConfig
@@ -150,6 +163,7 @@ class ModelConfig:
   oneseq: TowerConfig | None           # the merged tower (seq_mode == "oneseq")
   heads: HeadsConfig
   dlrm: DLRMConfig
+  interformer: InterFormerConfig
   streams: tuple[str, ...]             # schema stream names, in order
   surfaces: tuple[str, ...]
   tasks: tuple[str, ...]
@@ -178,6 +192,7 @@ def default_model() -> ml_collections.ConfigDict:
   m.n_dense_tokens = 1
   m.num_layers = 2
   m.comp_skip = True
+  m.final_hsp = False             # spec d.1 / d.4: no extra summary of the last layer's output
   m.seq_mode = "towers"
   m.num_time_buckets = 32
   m.time_buckets = ml_collections.ConfigDict(dict(enabled=False, kinds="age,gap,position",
@@ -198,6 +213,7 @@ def default_model() -> ml_collections.ConfigDict:
   m.heads = ml_collections.ConfigDict(dict(kind="towers", top_mlp=(64,), tower_hidden=32,
                                            num_experts=2, expert_hidden=32))
   m.dlrm = ml_collections.ConfigDict(dict(seq_dim=32, mlp=(128, 64)))
+  m.interformer = ml_collections.ConfigDict(dict(n_cls=4, n_recent=2))
   return m
 
 
@@ -317,12 +333,16 @@ def parse(config, schema: Schema) -> ModelConfig:
     _pos_int(f"heads.{f}", m.heads[f])
   for i, h in enumerate(m.heads.top_mlp):
     _pos_int(f"heads.top_mlp[{i}]", h)
+  _pos_int("interformer.n_cls", m.interformer.n_cls)
+  _pos_int("interformer.n_recent", m.interformer.n_recent, minimum=0)
   _pos_int("dlrm.seq_dim", m.dlrm.seq_dim)
   for i, h in enumerate(m.dlrm.mlp):
     _pos_int(f"dlrm.mlp[{i}]", h)
   if isinstance(m.score_clip, bool) or not isinstance(m.score_clip, (int, float)) \
       or not m.score_clip >= 0:
     raise ValueError(f"config.model.score_clip = {m.score_clip!r} must be a number >= 0 (0 = off)")
+  if not isinstance(m.final_hsp, bool):
+    raise ValueError(f"config.model.final_hsp = {m.final_hsp!r} must be a bool")
   time_buckets = _time_buckets(m.time_buckets)
   if not isinstance(m.mowe.cross_layer, bool):
     raise ValueError(f"config.model.mowe.cross_layer = {m.mowe.cross_layer!r} must be a bool")
@@ -348,7 +368,7 @@ def parse(config, schema: Schema) -> ModelConfig:
       raise ValueError(f"config.model.oneseq.kept_len = {oneseq.kept_len} exceeds the merged "
                        f"length sum(towers.*.kept_len) = {total}; allowed: 1..{total}")
   # the towers whose modules take the activations (InterFormer always runs per-stream towers)
-  running = (oneseq,) if (oneseq is not None and m.arch != "interformer") else towers
+  running = (oneseq,) if (oneseq is not None and m.arch == "kunlun") else towers
   acts = {f: _activation(f, _get(m, f), allowed, running)
           for f, allowed in (("attention.activation", ATTENTION_ACTIVATIONS),
                              ("pffn_activation", GDPA_ACTIVATIONS),
@@ -357,12 +377,14 @@ def parse(config, schema: Schema) -> ModelConfig:
   return ModelConfig(
       arch=m.arch, dtype=m.dtype, backend=m.backend, d_ns=m.d_ns, n_ns=m.n_ns,
       n_dense_tokens=m.n_dense_tokens, num_layers=m.num_layers, comp_skip=bool(m.comp_skip),
-      seq_mode=m.seq_mode, num_time_buckets=m.num_time_buckets, attention=attention,
+      final_hsp=m.final_hsp, seq_mode=m.seq_mode, num_time_buckets=m.num_time_buckets,
+      attention=attention,
       pffn_activation=acts["pffn_activation"], key_norm=bool(m.key_norm), pooling=m.pooling,
       hsp_rank=m.hsp_rank, hsp_activation=acts["hsp_activation"], score_clip=float(m.score_clip),
       mowe=MoWEConfig(**m.mowe.to_dict()), towers=towers, oneseq=oneseq,
       heads=HeadsConfig(**{**m.heads.to_dict(), "top_mlp": tuple(m.heads.top_mlp)}),
       dlrm=DLRMConfig(seq_dim=m.dlrm.seq_dim, mlp=tuple(m.dlrm.mlp)),
+      interformer=InterFormerConfig(**m.interformer.to_dict()),
       streams=names, surfaces=tuple(schema.surfaces), tasks=schema.task_names,
       time_buckets=time_buckets)
 
@@ -395,7 +417,7 @@ def _with_defaults(m) -> ml_collections.ConfigDict:
   out = default_model().to_dict()
   for k in m.keys():
     v = m[k]
-    if k in ("attention", "mowe", "heads", "dlrm", "time_buckets"):
+    if k in ("attention", "mowe", "heads", "dlrm", "interformer", "time_buckets"):
       for kk in v.keys():
         if kk not in out[k]:
           raise ValueError(f"config.model.{k}: unknown field {kk!r}; allowed: {sorted(out[k])}")
@@ -412,6 +434,24 @@ def _with_defaults(m) -> ml_collections.ConfigDict:
 def with_defaults(m) -> ml_collections.ConfigDict:
   """``config.model`` with every field present (defaults filled in), e.g. to store with a run."""
   return _with_defaults(m)
+
+
+# Fields added after runs were stored, with the value those runs were trained with (a stored
+# config.model lacking the field predates it). ``upgrade_stored`` fills them on load.
+STORED_BEFORE = {"final_hsp": True}
+
+
+def upgrade_stored(m) -> ml_collections.ConfigDict:
+  """A stored ``config.model`` (``train.py`` run info) with every field added since it was written
+  set to the value that run was trained with (``STORED_BEFORE``); other fields unchanged."""
+  m = m.copy_and_resolve_references()
+  with m.unlocked():
+    if "final_hsp" not in m and m.get("arch") == "interformer":
+      m.arch = "kunlun_ablated"     # "interformer" was this Kunlun-with-switches-off variant
+    for k, v in STORED_BEFORE.items():
+      if k not in m:
+        m[k] = v
+  return m
 
 
 def validate(config, schema: Schema) -> ModelConfig:

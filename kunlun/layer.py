@@ -9,7 +9,9 @@ layer's inputs (InterFormer order, spec d.1):
   (2) ``summary_e = HSP_e(s_e)``                       [even; odd layers reuse the cached summary]
   (3) ``x' = MoWE(concat(x, Proj_e(summary_e) for all e))``   [every layer]
   (4) ``s_e' = PFFN(s_e; K_e, V_e)`` (even) or ``SeqAttention(s_e)`` (odd), while ``l < L_e``
-  (5) ``summary_e = HSP_final(s_e')`` in the tower's last layer (see ``towers.py``)
+      and a later HSP of the tower reads the result (``towers.py``)
+  (5) ``summary_e = HSP_final(s_e')`` in the tower's last layer, only with
+      ``config.model.final_hsp`` (off by default: not in spec d.1 / d.4)
 
 The per-tower schedule lives in ``kunlun.towers.schedule``; skipped modules are never built, so
 they are absent from the layer's parameters and jaxpr. ``remat`` (a ``kunlun.remat`` policy)
@@ -62,7 +64,8 @@ class KunlunLayer(nn.Module):
     lengths = {n: rows.like(seqs[n], v, ri) if n in seqs else v for n, v in lengths.items()}
     ages = {n: rows.like(seqs[n], v, ri) if n in seqs else v for n, v in ages.items()}
     with jax.named_scope(f"KunlunLayer_{self.index}"):
-      plans = {t.name: schedule(t, self.index, cfg.comp_skip) for t in cfg.seq_towers}
+      plans = {t.name: schedule(t, self.index, cfg.comp_skip, cfg.final_hsp)
+               for t in cfg.seq_towers}
       kv = {}
       for t in cfg.seq_towers:                                   # interaction block (1), (2)
         p = plans[t.name]

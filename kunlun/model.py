@@ -26,20 +26,17 @@ import jax
 import jax.numpy as jnp
 
 from data.schema import Schema
+from kunlun import baselines
 from kunlun import remat as remat_lib
 from kunlun import request_rows as rows
-from kunlun.config import ModelConfig, parse
-from kunlun.heads import Heads
-from kunlun.inputs import ContextEncoder, EventEmbed
+from kunlun.common import apply_heads, embed_context, embed_streams
+from kunlun.config import ARCHS, ModelConfig, parse
+from kunlun.inputs import EventEmbed
+from kunlun.interformer import InterFormer
 from kunlun.layer import DTYPES, KunlunLayer
 from kunlun.oneseq import StreamMerge
-from sharding import shard
 
-
-def embed_context(cfg: ModelConfig, schema: Schema, batch, dtype):
-  return ContextEncoder(schema.sparse, cfg.n_dense_tokens, cfg.n_ns, cfg.d_ns,
-                        len(schema.surfaces), dtype, name="context")(
-      batch["sparse"], jnp.asarray(batch["dense"]), jnp.asarray(batch["surface"]))
+__all__ = ["Kunlun", "build_model", "embed_sequences", "embed_context", "apply_heads"]
 
 
 def embed_sequences(cfg: ModelConfig, schema: Schema, batch, dtype, remat: str = "none"):
@@ -55,28 +52,7 @@ def embed_sequences(cfg: ModelConfig, schema: Schema, batch, dtype, remat: str =
         s_list, [jnp.asarray(ev[n]["length"], jnp.int32) for n in schema.stream_names],
         [jnp.asarray(ev[n]["age"], jnp.float32) for n in schema.stream_names])
     return {t.name: s}, {t.name: lengths}, {t.name: age}
-  seqs, lengths, ages = {}, {}, {}
-  for t in cfg.towers:
-    st = schema.stream(t.name)
-    seqs[t.name] = Embed(st, len(schema.surfaces), t.width, cfg.num_time_buckets, dtype,
-                         name=f"embed_{t.name}")(ev[t.name])
-    lengths[t.name] = jnp.asarray(ev[t.name]["length"], jnp.int32)
-    ages[t.name] = jnp.asarray(ev[t.name]["age"], jnp.float32)
-  return seqs, lengths, ages
-
-
-def apply_heads(cfg: ModelConfig, x, summaries, surface, dtype):
-  """``z = concat(flatten(x), flatten(summaries))`` -> heads. Returns the representation dict."""
-  B = x.shape[0]
-  z = jnp.concatenate([x.reshape(B, -1).astype(jnp.float32)]
-                      + [summaries[n].reshape(B, -1).astype(jnp.float32) for n in summaries], 1)
-  z = shard(z, ("batch", None))
-  h = cfg.heads
-  logits, pooled = Heads(len(cfg.surfaces), len(cfg.tasks), h.kind, h.top_mlp, h.tower_hidden,
-                         h.num_experts, h.expert_hidden, dtype, name="heads")(
-      z, jnp.asarray(surface, jnp.int32))
-  return {"pooled": pooled, "logits": logits,
-          "summaries": {n: s.astype(jnp.float32) for n, s in summaries.items()}}
+  return embed_streams(cfg.towers, schema, batch, dtype, cfg.num_time_buckets, embed=Embed)
 
 
 class Kunlun(nn.Module):
@@ -140,6 +116,10 @@ def build_model(config, schema: Schema) -> nn.Module:
   remat_lib.check(remat, scope)
   if cfg.arch == "kunlun":
     return Kunlun(cfg, schema, remat, scope)
-  from kunlun import baselines
-  model = baselines.build(cfg, schema)
-  return model.clone(remat=remat, remat_scope=scope) if isinstance(model, Kunlun) else model
+  if cfg.arch == "interformer":
+    return InterFormer(cfg, schema)
+  if cfg.arch == "kunlun_ablated":
+    return Kunlun(baselines.ablated_config(cfg), schema, remat, scope)
+  if cfg.arch == "dlrm":
+    return baselines.DLRM(cfg, schema)
+  raise ValueError(f"config.model.arch = {cfg.arch!r}; allowed: {ARCHS}")

@@ -15,6 +15,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from kunlun.flops import model_flops
 from sharding import shard, with_axes
 
 
@@ -75,7 +76,6 @@ def equal_flops_config(config, schema, widths=None):
   per-stream-tower model's: searches the merged tower's width over multiples of its head count
   (keeping ``oneseq.kept_len``, heads, depth and the other knobs). Returns ``(config, ratio)`` with
   ``ratio = oneseq_flops / towers_flops``."""
-  from kunlun.flops import model_flops
   base = copy.deepcopy(config)
   base.model.seq_mode = "towers"
   target = model_flops(base, schema)["forward"]

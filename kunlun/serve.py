@@ -104,8 +104,8 @@ def check_batch(schema: Schema, batch: dict) -> None:
 
 
 def supports_sharing(model) -> bool:
-  """Kunlun (and the InterFormer baseline built on it) share; DLRM and models that add inputs
-  through ``extra_inputs`` (LoopFM) are served naively."""
+  """Kunlun (and ``kunlun_ablated``, built on it) share; InterFormer, DLRM and models that add
+  inputs through ``extra_inputs`` (LoopFM) are served naively."""
   return isinstance(model, Kunlun) and type(model).extra_inputs is Kunlun.extra_inputs
 
 
@@ -139,9 +139,9 @@ def sharing_plan(cfg: ModelConfig) -> dict[str, list[str]]:
   attention on a request-level sequence are request-level; everything reading ``X`` is ad-level.
   The PFFN itself is listed as ad-level (its query side, ``LN(s)``, is computed per request).
   """
-  if cfg.arch == "interformer":
-    from kunlun.baselines import interformer_config
-    cfg = interformer_config(cfg)
+  if cfg.arch == "kunlun_ablated":
+    from kunlun.baselines import ablated_config
+    cfg = ablated_config(cfg)
   req = [f"embed_{st}" for st in cfg.streams] if cfg.seq_mode == "towers" else (
       [f"embed_{st}" for st in cfg.streams] + ["oneseq_merge"])
   ad = ["context"]
@@ -173,14 +173,13 @@ def flops_split(config, schema: Schema) -> dict[str, float]:
   request-level HSP / attention of ``sharing_plan``), ``ad = total - request``. Speed-up bound
   at ``N`` candidates per request: ``total / (ad + request / N)``."""
   cfg = config if isinstance(config, ModelConfig) else parse(config, schema)
-  if cfg.arch == "dlrm":
-    total = flops.model_flops(cfg, schema)["forward"]
-    return {"total": total, "request": 0.0, "ad": total}
   total = flops.model_flops(cfg, schema)["forward"]
+  if cfg.arch in ("dlrm", "interformer"):          # served naively (supports_sharing)
+    return {"total": total, "request": 0.0, "ad": total}
   c = cfg
-  if cfg.arch == "interformer":
-    from kunlun.baselines import interformer_config
-    c = interformer_config(cfg)
+  if cfg.arch == "kunlun_ablated":
+    from kunlun.baselines import ablated_config
+    c = ablated_config(cfg)
   plan = set(sharing_plan(cfg)["request"])
   req = 0.0
   for st in schema.streams:

@@ -9,10 +9,15 @@ Schedule of tower ``e`` in layer ``l`` (``schedule``):
     GDPA-PFFN (transformer block); odd ``l``: self-attention, the previous summary is reused.
   * CompSkip off: every active layer runs WeightGen + HSP + PFFN + attention
     (``s' = SWA(PFFN(s))``).
-  * ``final_hsp`` in the tower's last layer ``l = L_e - 1``: the tower's output sequence is
-    summarised once more [D]. Without it the last layer's sequence output would reach nothing
-    (spec d.4 drops it), leaving that layer's parameters without gradient; with it, a shallow
-    tower's "last summary" is the summary of its final sequence.
+  * ``final_hsp`` off (default, spec d.1 / d.4): the summary that leaves the tower is the one of
+    its last HSP, which reads that layer's *input*. A transformer block at or after the tower's
+    last HSP layer therefore reaches nothing (neither a summary nor the heads); it is not built
+    (same function, no dead parameters or FLOPs), and neither is the WeightGen of such a PFFN. With
+    CompSkip a tower of depth ``L_e`` runs the sequence blocks of the layers before its last even
+    layer: depth 1 or 2 is embedding + HSP only, depth 3 and 4 run PFFN, SWA, then HSP.
+  * ``final_hsp`` on ([D], the behaviour before it became a switch): the tower's last layer
+    ``l = L_e - 1`` summarises its output sequence once more, so every layer's blocks run and a
+    shallow tower's "last summary" is the summary of its final sequence (one more HSP per tower).
 """
 
 from __future__ import annotations
@@ -38,15 +43,17 @@ class Schedule:
     return self.pffn or self.attention
 
 
-def schedule(tower: TowerConfig, layer: int, comp_skip: bool) -> Schedule:
-  """What tower ``tower`` runs in Kunlun layer ``layer``."""
+def schedule(tower: TowerConfig, layer: int, comp_skip: bool, final_hsp: bool = False) -> Schedule:
+  """What tower ``tower`` runs in Kunlun layer ``layer`` (module docstring)."""
   if layer >= tower.depth:
     return Schedule()
-  final = layer == tower.depth - 1
-  if not comp_skip:
-    return Schedule(True, True, True, True, final)
-  even = layer % 2 == 0
-  return Schedule(weightgen=even, hsp=even, pffn=even, attention=not even, final_hsp=final)
+  hsp_at = lambda l: not comp_skip or l % 2 == 0          # fresh summary (and PFFN) in layer l
+  pffn, attention = hsp_at(layer), not comp_skip or layer % 2 == 1
+  if final_hsp:
+    return Schedule(pffn, pffn, pffn, attention, final_hsp=layer == tower.depth - 1)
+  live = layer < max(l for l in range(tower.depth) if hsp_at(l))   # a later HSP reads the output
+  return Schedule(weightgen=pffn and live, hsp=pffn, pffn=pffn and live,
+                  attention=attention and live)
 
 
 def attention_t_max(cfg: ModelConfig, tower: TowerConfig) -> int:

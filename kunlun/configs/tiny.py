@@ -14,6 +14,7 @@ def get_config():
   m = default_model()
   m.d_ns, m.n_ns, m.n_dense_tokens = 16, 4, 1
   m.num_layers = 2
+  m.final_hsp = True     # shallow towers: the spec dataflow (off) would run HSP only
   m.num_time_buckets = 16
   m.attention.block_size = 16
   m.hsp_rank = 2

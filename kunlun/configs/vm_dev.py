@@ -13,6 +13,7 @@ def get_config():
   m = default_model()
   m.d_ns, m.n_ns, m.n_dense_tokens = 32, 8, 1
   m.num_layers = 2
+  m.final_hsp = True     # shallow towers: the spec dataflow (off) would run HSP only
   m.hsp_rank = 2
   m.mowe.update(num_experts=1, layers_per_expert=1, rank=4, mlp_hidden=64)
   m.towers.click = tower(width=32, heads=2, n_kv=16, window=16, kept_len=64, n_seed=8, n_sum=2,

@@ -27,6 +27,7 @@ def get_config():
   m = default_model()
   m.d_ns, m.n_ns, m.n_dense_tokens = 8, 4, 1
   m.num_layers = 1
+  m.final_hsp = True     # shallow towers: the spec dataflow (off) would run HSP only
   m.num_time_buckets = 8
   m.hsp_rank = 2
   m.mowe.update(num_experts=1, layers_per_expert=1, rank=2, mlp_hidden=16)

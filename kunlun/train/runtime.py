@@ -267,7 +267,7 @@ def load_run_info(workdir: str, trust_pickle: bool = False):
         info = json.load(f)
       if info.get("format") != RUN_INFO_FORMAT:
         raise ValueError(f"format {info.get('format')!r}, expected {RUN_INFO_FORMAT!r}")
-      return config_from_plain(info["config"]), info.get("data_dir")
+      return _upgraded(config_from_plain(info["config"])), info.get("data_dir")
     except (ValueError, KeyError, TypeError, AttributeError) as e:
       fail(f"{path}: unreadable run info ({type(e).__name__}: {e})")
   pkl = os.path.join(workdir, "config.pkl")
@@ -282,7 +282,17 @@ def load_run_info(workdir: str, trust_pickle: bool = False):
   import pickle
   with open(pkl, "rb") as f:
     config = pickle.load(f)
-  return config, _saved_data_dir(workdir)
+  return _upgraded(config), _saved_data_dir(workdir)
+
+
+def _upgraded(config):
+  """Model fields added since the run was stored get the value that run was trained with
+  (``kunlun.config.upgrade_stored``: e.g. ``final_hsp`` on for runs stored before the switch)."""
+  if "model" in config:
+    from kunlun.config import upgrade_stored
+    with config.unlocked():
+      config.model = upgrade_stored(config.model)
+  return config
 
 
 def _saved_data_dir(workdir: str) -> str | None:

@@ -1,4 +1,6 @@
-"""Analytic FLOPs against XLA's cost analysis (forward only, XLA-only configs, matmul-dominated)."""
+"""Analytic FLOPs against XLA's compiled cost analysis, and model FLOPs at actual lengths."""
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -6,112 +8,141 @@ import numpy as np
 import pytest
 
 from data.fake import random_batch, tiny_schema
+from data.synthetic import PRESETS, preset_schema
 from kunlun import flops as F
 from kunlun.attention import SeqAttention
-from kunlun.config import seq_lens, tower
-from kunlun.configs import tiny
+from kunlun.config import parse, seq_lens
+from kunlun.configs import dev, tiny
+from kunlun.dhen import DHENLayer
 from kunlun.hsp import HSP
+from kunlun.interformer import PersonalizedFFN
 from kunlun.model import build_model
 from kunlun.mowe import MoWE
 from kunlun.pffn import PFFN
 from kunlun.weightgen import WeightGen
 
 KEY = jax.random.key(0, impl="unsafe_rbg")
-
-
-def xla_flops(fn, *args):
-  return jax.jit(fn).lower(*args).cost_analysis()["flops"]
+PRESET_CFG = {"tiny": (tiny, tiny_schema), "dev": (dev, lambda: preset_schema(PRESETS["dev"]))}
 
 
 def module_flops(module, *args):
   params = jax.eval_shape(module.init, KEY, *args)
-  return xla_flops(lambda p, *a: module.apply(p, *a), params, *args)
+  return F.executed_flops(lambda p, *a: module.apply(p, *a), params, *args)
 
 
-def xla_config():
-  """Matmul-dominated, XLA-only (full softmax attention: XLA computes exactly the counted band)."""
-  c = tiny.get_config()
-  m = c.model
-  m.d_ns, m.n_ns = 64, 8
-  m.attention.kind = "full"
-  m.towers.click = tower(width=128, heads=2, n_kv=32, window=8, kept_len=32, n_seed=8, n_sum=2,
-                         depth=2)
-  m.towers.impression = tower(width=128, heads=2, n_kv=32, window=8, kept_len=32, n_seed=8,
-                              n_sum=2, depth=1)
-  m.mowe.update(mlp_hidden=128, rank=8)
-  m.heads.update(top_mlp=(128,), tower_hidden=32)
-  m.dlrm.update(seq_dim=128, mlp=(512, 256))
-  return c
-
-
-@pytest.mark.parametrize("arch,comp_skip,cross_layer", [
-    ("kunlun", True, False), ("kunlun", False, False), ("kunlun", True, True),
-    ("interformer", True, False), ("dlrm", True, False)])
-def test_model_flops_match_xla(arch, comp_skip, cross_layer):
-  c, schema, B = xla_config(), tiny_schema(), 8
-  c.model.arch, c.model.comp_skip = arch, comp_skip
-  if cross_layer:                                  # connections need >= 2 layers per expert
-    c.model.mowe.update(layers_per_expert=3, cross_layer=True)
+@pytest.mark.parametrize("preset", ["tiny", "dev"])
+@pytest.mark.parametrize("arch", ["kunlun", "interformer", "dlrm"])
+def test_executed_estimate_within_5pct_of_compiled(preset, arch):
+  """The shipped presets (CPU path: float32, XLA backend), forward pass, batch 8."""
+  mod, schema_fn = PRESET_CFG[preset]
+  c, schema, B = mod.get_config(), schema_fn(), 8
+  c.model.update(arch=arch, dtype="float32", backend="xla")
   model = build_model(c, schema)
   batch = random_batch(schema, B, seq_lens(c), seed=0)
   params = jax.eval_shape(model.init, KEY, batch, False)
-  xf = xla_flops(lambda p, b: model.apply(p, b, False), params, batch) / B
-  an = F.model_flops(c, schema)
-  assert abs(an["forward"] / xf - 1) < 0.05, (an["forward"], xf)
+  fig = F.flop_figures(c, schema, batch, lambda p, b: model.apply(p, b, False), params, batch,
+                       train=False)
+  assert abs(fig["executed_estimate"] / fig["executed"] - 1) < 0.05, fig
+  an = F.executed_estimate(c, schema)
   assert an["train_step"] == 3 * an["forward"]
   assert abs(sum(an["per_module"].values()) - an["forward"]) < 1e-6 * an["forward"]
+  # random_batch lengths are below the kept lengths: the model count at them is smaller
+  assert fig["model_actual"] < fig["model_padded"] <= fig["executed_estimate"] * 1.0001
 
 
 def test_module_formulas_match_xla():
   rng = np.random.default_rng(0)
-  B, T, d, H, n_kv, d_ns, N = 4, 32, 512, 2, 128, 64, 8   # d_h = 256: matmuls dominate
-  s = jnp.asarray(rng.normal(size=(B, T, d)), jnp.float32)
-  lengths = jnp.full((B,), T, jnp.int32)
-  age = jnp.ones((B, T), jnp.float32)
+  B, d, H, n_kv, d_ns, N = 4, 64, 2, 16, 32, 8
   x = jnp.asarray(rng.normal(size=(B, N, d_ns)), jnp.float32)
-  kv = jnp.ones((B, n_kv, H, d // H), jnp.float32)
   close = lambda a, b: abs(a / b - 1) < 0.05
   assert close(F.weightgen_flops(N, d_ns, n_kv, d) * B, module_flops(WeightGen(n_kv, H, d), x))
-  assert close(F.pffn_flops(T, n_kv, d) * B, module_flops(PFFN(H), s, lengths, kv, kv))
-  att = SeqAttention(H, kind="full", rotary=False)
-  assert close(F.attention_flops(T, d, "full", 0, 64) * B, module_flops(att, s, lengths, age))
-  # HSP: the seed query projection is batch-shared (not counted per example)
-  hsp = HSP(n_seed=16, n_sum=4, heads=H, rank=4)
-  q_shared = 2 * 16 * d * d
-  assert close(F.hsp_flops(T, d, 16, 4, 4) * B + q_shared, module_flops(hsp, s, lengths))
-  mw = MoWE(num_experts=2, layers_per_expert=2, n_out=N, rank=8, mlp_hidden=256)
-  cfg = F.parse(xla_config(), tiny_schema())
-  import dataclasses
+  for T, w in ((40, 8), (200, 16)):          # swa dense (T <= 3 chunk) and banded, as executed
+    s = jnp.asarray(rng.normal(size=(B, T, d)), jnp.float32)
+    lengths = jnp.full((B,), T, jnp.int32)
+    att = SeqAttention(H, kind="swa", window=w)
+    assert close(F.attention_flops(T, d, "swa", w, 64, H, executed=True) * B,
+                 module_flops(att, s, lengths, jnp.ones((B, T))))
+  kv = jnp.ones((B, n_kv, H, d // H), jnp.float32)
+  assert close(F.pffn_flops(T, n_kv, d, H) * B, module_flops(PFFN(H, score_clip=8.0), s, lengths,
+                                                               kv, kv))
+  q_shared = 2 * 16 * d * d                   # HSP seed queries: once per batch, not counted
+  assert close(F.hsp_flops(T, d, 16, 4, 2, H) * B + q_shared,
+               module_flops(HSP(16, 4, H, rank=2, score_clip=8.0), s, lengths))
+  z = jnp.asarray(rng.normal(size=(B, N + 6, d_ns)), jnp.float32)
+  cfg = parse(tiny.get_config(), tiny_schema())
   cfg = dataclasses.replace(cfg, d_ns=d_ns, n_ns=N, mowe=dataclasses.replace(
-      cfg.mowe, num_experts=2, layers_per_expert=2, rank=8, mlp_hidden=256))
-  x12 = jnp.asarray(rng.normal(size=(B, N + 4, d_ns)), jnp.float32)
-  assert close(F.mowe_flops(cfg, N + 4) * B, module_flops(mw, x12))
+      cfg.mowe, num_experts=2, layers_per_expert=2, rank=8, mlp_hidden=64, cross_layer=True))
+  assert close(F.mowe_flops(cfg, N + 6) * B, module_flops(MoWE(2, 2, N, 8, 64, cross_layer=True),
+                                                          z))
+  assert close(F.dhen_layer_flops(N + 6, d_ns, N, 4, 64) * B,
+               module_flops(DHENLayer(N, 4, 64), z))
+  valid = jnp.ones((B, T), bool)
+  want = 2 * 4 * d_ns * d_ns + 9 * d_ns + 2 * d_ns * d * d + d * d + 3 * 4 * d_ns \
+      + 2 * T * d * d + 4 * T * d
+  assert close(want * B, module_flops(PersonalizedFFN(d_ns), s, x[:, :4], valid))
 
 
-def test_swa_and_block_counts_are_the_model_band():
-  T, d, w, b = 1024, 256, 64, 64
-  assert F.attention_flops(T, d, "swa", w, b) == 8 * T * d * d + 4 * T * (2 * w + 1) * d
-  assert F.attention_flops(T, d, "block", w, b) == 8 * T * d * d + 4 * T * b * d
-  assert F.attention_flops(T, d, "full", w, b) == 8 * T * d * d + 4 * T * T * d
+def test_band_pairs_is_the_band():
+  for n in (0, 1, 5, 17, 40):
+    for w in (0, 3, 8, 64):
+      want = sum(abs(i - j) <= w for i in range(n) for j in range(n))
+      assert F.band_pairs(n, w) == want, (n, w)
+  np.testing.assert_array_equal(F.band_pairs(np.array([0, 5, 40]), 3),
+                                [F.band_pairs(n, 3) for n in (0, 5, 40)])
 
 
-@pytest.mark.parametrize("num_layers", [2, 3])
-def test_mowe_cross_layer_flops_match_xla(num_layers):
-  """The extra FLOPs of the cross-layer connections (h-19): analytic vs XLA, on vs off."""
-  import dataclasses
-  B, N, d_ns, n_in = 4, 8, 64, 12
-  x = jnp.ones((B, n_in, d_ns), jnp.float32)
-  cfg = F.parse(xla_config(), tiny_schema())
-  got = {}
-  for cross in (False, True):
-    mowe = dataclasses.replace(cfg.mowe, num_experts=2, layers_per_expert=num_layers, rank=8,
-                               mlp_hidden=256, cross_layer=cross)
-    c = dataclasses.replace(cfg, d_ns=d_ns, n_ns=N, mowe=mowe)
-    got[cross] = (F.mowe_flops(c, n_in) * B,
-                  module_flops(MoWE(2, num_layers, N, 8, 256, cross_layer=cross), x))
-  extra = 2 * (2 * n_in * N * d_ns + sum(2 * (l + 1) * N * d_ns for l in range(1, num_layers)))
-  assert got[True][0] - got[False][0] == extra * B
-  assert abs((got[True][1] - got[False][1]) / (extra * B) - 1) < 0.1, got   # + residual adds
-  assert abs(got[True][0] / got[True][1] - 1) < 0.05, got
-  assert F.wukong_cross_layer_flops(n_in, d_ns, N, 1) == 0.0
-  assert F.wukong_cross_layer_flops(N, d_ns, N, 2) == 2 * 2 * N * d_ns     # no X_0 token map
+@pytest.mark.parametrize("arch,seq_mode", [("kunlun", "towers"), ("kunlun", "oneseq"),
+                                           ("interformer", "towers"), ("dlrm", "towers")])
+def test_batch_flops_is_the_sum_of_per_example_counts(arch, seq_mode):
+  """Vectorised count at a batch's lengths = per-example counts of configs whose kept lengths
+  are those lengths; padded examples count nothing."""
+  c, schema = tiny.get_config(), tiny_schema()
+  c.model.update(arch=arch, seq_mode=seq_mode)
+  cfg = parse(c, schema)
+  batch = random_batch(schema, 6, seq_lens(c), seed=3)
+  batch["example_mask"] = np.array([1, 1, 1, 1, 1, 0], np.float32)
+  got = F.batch_flops(cfg, schema, batch)
+  want = 0.0
+  for b in range(5):
+    n = {s: int(batch["events"][s]["length"][b]) for s in schema.stream_names}
+    towers = tuple(dataclasses.replace(t, kept_len=n[t.name]) for t in cfg.towers)
+    one = cfg.oneseq
+    if seq_mode == "oneseq":
+      one = dataclasses.replace(one, kept_len=min(sum(n.values()), one.kept_len))
+    want += sum(F._per_module(dataclasses.replace(cfg, towers=towers, oneseq=one),
+                              schema).values())
+  assert got["examples"] == 5
+  np.testing.assert_allclose(got["forward"], want, rtol=1e-9)
+  assert got["train_step"] == 3 * got["forward"]
+  full = {s: batch["events"][s]["length"] * 0 + t for s, t in seq_lens(c).items()}
+  for s in full:
+    batch["events"][s]["length"] = full[s]
+  np.testing.assert_allclose(F.batch_flops(cfg, schema, batch)["forward"],
+                             5 * F.model_flops(cfg, schema)["forward"], rtol=1e-9)
+
+
+def test_swa_model_count_is_the_band_and_executed_count_the_chunks():
+  T, d, w = 1024, 256, 64
+  pairs = F.band_pairs(T, w)
+  assert pairs == T * (2 * w + 1) - w * (w + 1)
+  model = F.attention_flops(T, d, "swa", w, 64)
+  executed = F.attention_flops(T, d, "swa", w, 64, executed=True)
+  per_pair = 4 * d + F.SOFTMAX + 3            # two matmuls, softmax (one head), mask
+  # as executed, each query of a w-chunk sees 3 chunks of keys
+  np.testing.assert_allclose(executed - model, per_pair * (T * 3 * w - pairs))
+  # short sequences (T <= 3 chunk) run the dense masked T x T softmax
+  T = 40
+  np.testing.assert_allclose(F.attention_flops(T, d, "swa", 8, 64, executed=True)
+                             - F.attention_flops(T, d, "swa", 8, 64),
+                             per_pair * (T * T - F.band_pairs(T, 8)))
+
+
+def test_flop_meter():
+  c, schema = tiny.get_config(), tiny_schema()
+  meter = F.FlopMeter(c, schema, scale=2.0)
+  assert meter.per_step() is None
+  batches = [random_batch(schema, 4, seq_lens(c), seed=s) for s in (1, 2)]
+  got = [meter.add(b) for b in batches]
+  assert got == [F.batch_flops(c, schema, b)["train_step"] for b in batches]
+  assert meter.per_step() == pytest.approx(2.0 * sum(got) / 2)
+  assert meter.per_step() is None

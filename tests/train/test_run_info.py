@@ -93,3 +93,18 @@ def test_old_config_pkl_needs_trust_workdir(tmp_path, capsys):
   assert "warning: --trust_workdir: unpickling" in capsys.readouterr().err
   with pytest.raises(runtime.FatalError, match="no run_info.json"):
     runtime.load_run_info(str(tmp_path / "empty"))
+
+
+def test_run_stored_before_final_hsp_keeps_it_on(tmp_path):
+  """A run stored before ``final_hsp`` existed was trained with the final HSP: loading its run
+  info turns it on (its checkpoint has those parameters); a new run stores the field (off)."""
+  c = tiny.get_config()
+  with c.unlocked():
+    c.model.final_hsp = False
+  runtime.save_run_info(str(tmp_path), c, str(tmp_path))
+  assert runtime.load_run_info(str(tmp_path))[0].model.final_hsp is False
+  path = tmp_path / "run_info.json"
+  info = json.loads(path.read_text())
+  del info["config"]["model"]["final_hsp"]
+  path.write_text(json.dumps(info))
+  assert runtime.load_run_info(str(tmp_path))[0].model.final_hsp is True
