@@ -50,18 +50,24 @@ def test_schedule_table_spec_default():
   assert runs(t, 2, False) == {"hsp"}
 
 
-@pytest.fixture(scope="module")
-def spec_default():
-  """3-layer tiny, click tower depth 3, impression depth 1, final_hsp off."""
-  cfg, schema = tiny.get_config(), tiny_schema()
-  cfg.model.num_layers, cfg.model.towers.click.depth = 3, 3
-  cfg.model.final_hsp = False
+def _init(cfg, schema):
+  """``(model, batch, params, representations, intermediates)`` in one compile: parameters,
+  representations and every module's output."""
   model = build_model(cfg, schema)
   batch = random_batch(schema, 8, seq_lens(cfg), seed=5, min_len=1)
   rep, v = jax.jit(lambda k, b: model.init_with_output(
       k, b, method="representations", capture_intermediates=True))(
           jax.random.key(0, impl="unsafe_rbg"), batch)
   return model, batch, nn.meta.unbox(v)["params"], rep, v["intermediates"]
+
+
+@pytest.fixture(scope="module")
+def spec_default():
+  """3-layer tiny, click tower depth 3, impression depth 1, final_hsp off."""
+  cfg, schema = tiny.get_config(), tiny_schema()
+  cfg.model.num_layers, cfg.model.towers.click.depth = 3, 3
+  cfg.model.final_hsp = False
+  return _init(cfg, schema)
 
 
 def test_spec_default_summaries_and_gradients(spec_default):
@@ -93,13 +99,7 @@ def setup():
   cfg.model.final_hsp = True
   m = parse(cfg, schema)
   assert m.num_layers == 2 and m.tower("impression").depth == 1 and m.tower("click").depth == 2
-  model = build_model(cfg, schema)
-  batch = random_batch(schema, 8, seq_lens(cfg), seed=5, min_len=1)
-  # one compile: parameters, representations and every module's output (intermediates)
-  rep, v = jax.jit(lambda k, b: model.init_with_output(
-      k, b, method="representations", capture_intermediates=True))(
-          jax.random.key(0, impl="unsafe_rbg"), batch)
-  return model, batch, nn.meta.unbox(v)["params"], rep, v["intermediates"]
+  return _init(cfg, schema)
 
 
 def test_shallow_tower_keeps_feeding_last_summary(setup):
