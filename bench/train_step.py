@@ -14,9 +14,9 @@ preset's, see ``--lengths``) and reports:
   step_ms             median of per-step times (each step blocked), and ``pipelined_ms``: N steps
                       dispatched back to back / N (what a loop with lagged metrics sees)
   examples_per_s      global batch / pipelined step time
-  mfu_analytic        ``kunlun.flops`` train FLOPs at the padded kept lengths (as train.py) /
-                      (step time x devices x peak bf16); ``mfu_actual_lengths`` when kunlun.flops
-                      provides the count at the batch's lengths
+  mfu_analytic        ``kunlun.flops`` train FLOPs at the padded kept lengths (issue 11's yardstick)
+                      / (step time x devices x peak bf16); ``mfu_actual_lengths``: model FLOPs at
+                      the batch's actual lengths (``kunlun.flops.batch_flops``, what train.py logs)
   mfu_xla             XLA's compiled cost analysis (per device, after partitioning; counts remat
                       recomputation, and custom calls (Pallas / Triton kernels) as 0 unless they
                       carry a cost estimate) / (step time x peak)
@@ -133,18 +133,10 @@ def _cost(compiled) -> dict:
           "transcendentals": get("transcendentals")}
 
 
-def _actual_length_flops(config, schema, batch) -> float | None:
-  """Model train FLOPs of the batch at its actual lengths, when ``kunlun.flops`` offers it."""
-  from kunlun import flops
-  for name in ("batch_flops", "train_flops_at_lengths", "model_flops_at_lengths"):
-    fn = getattr(flops, name, None)
-    if fn is not None:
-      try:
-        out = fn(config, schema, batch)
-      except TypeError:
-        continue
-      return float(out["train_step"] if isinstance(out, dict) else out)
-  return None
+def _actual_length_flops(config, schema, batch) -> float:
+  """Model train FLOPs of the batch at its actual lengths (``kunlun.flops.batch_flops``)."""
+  from kunlun.flops import batch_flops
+  return float(batch_flops(config, schema, batch)["train_step"])
 
 
 def versions() -> dict:

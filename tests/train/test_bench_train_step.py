@@ -15,6 +15,8 @@ def test_small_run_writes_json_with_counts_memory_and_scopes(tmp_path, capsys):
   assert saved["last_step_ok"] and saved["step_ms"] > 0 and saved["examples_per_s"] > 0
   assert saved["mfu_analytic"] is None                   # no peak FLOP/s for a CPU
   assert saved["flops"]["xla_per_device"] > saved["flops"]["analytic_padded"] > 0
+  # random lengths: the model count at actual lengths is below the padded one
+  assert 0 < saved["flops"]["analytic_actual_lengths"] < saved["flops"]["analytic_padded"]
   m = saved["memory"]
   assert m["peak_estimate"] >= m["temp"] > 0 and m["peak_per_example"] == m["peak_estimate"] / 16
   h = saved["hlo"]
