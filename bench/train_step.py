@@ -360,7 +360,8 @@ def default_name(args, cfg) -> str:
 
 
 COLUMNS = (("name", "{}", 34), ("compile_s", "{:.1f}", 8), ("step_ms", "{:.1f}", 8),
-           ("examples_per_s", "{:.0f}", 9), ("mfu_analytic", "{:.1%}", 7), ("mfu_xla", "{:.1%}", 7),
+           ("examples_per_s", "{:.0f}", 9), ("mfu_analytic", "{:.1%}", 7),
+           ("mfu_actual_lengths", "{:.1%}", 18), ("mfu_xla", "{:.1%}", 7),
            ("peak_GiB", "{:.2f}", 9), ("MiB/ex", "{:.2f}", 7), ("fusions", "{}", 7),
            ("launches", "{}", 8), ("hlo_ops", "{}", 7))
 
