@@ -195,7 +195,8 @@ def run(args) -> dict:
                    "step_time": "median train-step time; 2 shared CPU cores, noisy"},
          "environment": {**env, "load_avg_end": os.getloadavg()},
          "bayes_ne": runs[0]["bayes_ne"] if runs else None,
-         "table": table, "runs": runs, "seconds": time.perf_counter() - t_start}
+         "table": table, "runs": runs, "seconds": time.perf_counter() - t_start,
+         "run_seconds": sum(sum(r["timings_s"].values()) for r in runs)}
   return out
 
 

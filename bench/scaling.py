@@ -546,7 +546,9 @@ def run(args) -> dict:
       "summary": summary,
       "runs": runs,
       "runs_outside_plan": extra,
-      "seconds": time.perf_counter() - t_start,
+      "seconds": time.perf_counter() - t_start,        # this invocation (resumed runs: ~0)
+      "run_seconds": sum(sum(r["timings_s"].values()) for r in runs if r["kind"] == "ladder"
+                         or r["num_examples"] != args.num_examples),   # every run's own time
   }
   out["environment"]["load_avg_end"] = os.getloadavg()
   return out
