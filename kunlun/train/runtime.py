@@ -47,7 +47,25 @@ def quiet_checkpoint_logs() -> None:
   if not getattr(handler, "_kunlun_quiet", False):
     handler.addFilter(lambda r: "/orbax/" not in r.pathname or r.levelno >= 50)   # 50: CRITICAL
     handler._kunlun_quiet = True
+  import logging as std_logging
+  aio = std_logging.getLogger("asyncio")
+  if not any(getattr(f, "_kunlun_quiet", False) for f in aio.filters):
+    aio.addFilter(_OrbaxTaskNoise())
   quiet_closed_loop_errors()
+
+
+class _OrbaxTaskNoise:
+  """Drops asyncio's "Task exception was never retrieved" report (with its traceback) for a task
+  that failed inside orbax: a failed restore's leftover read tasks, logged whenever they are
+  garbage-collected. The restore itself raised, and kunlun.train.checkpoint reports it in one
+  line. Everything else asyncio logs passes."""
+  _kunlun_quiet = True
+
+  def filter(self, record) -> bool:
+    import traceback
+    tb = record.exc_info[2] if record.exc_info else None
+    return not (tb is not None and "never retrieved" in str(record.msg)
+                and any("/orbax/" in f.filename for f in traceback.extract_tb(tb)))
 
 
 def quiet_closed_loop_errors() -> None:
