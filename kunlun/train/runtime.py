@@ -55,17 +55,21 @@ def quiet_checkpoint_logs() -> None:
 
 
 class _OrbaxTaskNoise:
-  """Drops asyncio's "Task exception was never retrieved" report (with its traceback) for a task
-  that failed inside orbax: a failed restore's leftover read tasks, logged whenever they are
-  garbage-collected. The restore itself raised, and kunlun.train.checkpoint reports it in one
-  line. Everything else asyncio logs passes."""
+  """Drops asyncio's "Task / Future exception was never retrieved" report (with the exception,
+  and a traceback for tasks) for a task that failed inside orbax or a future that TensorStore
+  failed: a failed restore's leftover reads, logged whenever they are garbage-collected. The
+  restore itself raised, and kunlun.train.checkpoint reports it in one line. Everything else
+  asyncio logs passes."""
   _kunlun_quiet = True
 
   def filter(self, record) -> bool:
     import traceback
-    tb = record.exc_info[2] if record.exc_info else None
-    return not (tb is not None and "never retrieved" in str(record.msg)
-                and any("/orbax/" in f.filename for f in traceback.extract_tb(tb)))
+    if not record.exc_info or "never retrieved" not in str(record.msg):
+      return True
+    _, exc, tb = record.exc_info
+    from_orbax = tb is not None and any("/orbax/" in f.filename
+                                        for f in traceback.extract_tb(tb))
+    return not (from_orbax or "tensorstore_spec" in str(exc))
 
 
 def quiet_closed_loop_errors() -> None:

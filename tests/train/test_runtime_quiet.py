@@ -11,6 +11,8 @@ from kunlun.train import runtime
 # code whose frames carry an orbax file name, as the real failing read does
 _ORBAX = compile("async def read():\n  raise ValueError('OUT_OF_RANGE: byte range')\n",
                  "/site-packages/orbax/checkpoint/_src/serialization/serialization.py", "exec")
+SPEC = ("OUT_OF_RANGE: Error reading byte range of local file [tensorstore_spec='{\"driver\": "
+        "\"zarr\"}']")
 _OTHER = compile("async def read():\n  raise ValueError('something else')\n",
                  "/site-packages/somelib/io.py", "exec")
 
@@ -25,6 +27,20 @@ def _unretrieved_failure(code) -> None:
     loop.run_until_complete(asyncio.sleep(0.01))
     assert task.done()
     del task
+    gc.collect()
+  finally:
+    loop.close()
+  gc.collect()
+
+
+def _unretrieved_future(message: str) -> None:
+  """A future failed from outside Python code (no traceback, as TensorStore's read futures),
+  never retrieved, collected."""
+  loop = asyncio.new_event_loop()
+  try:
+    fut = loop.create_future()
+    fut.set_exception(ValueError(message))
+    del fut
     gc.collect()
   finally:
     loop.close()
@@ -50,14 +66,19 @@ def test_orbax_task_noise_is_dropped_and_other_reports_kept():
   try:
     _unretrieved_failure(_ORBAX)                 # before: reported with a traceback
     assert any("never retrieved" in m and "Traceback" in m for m in cap.messages)
+    _unretrieved_future(SPEC)
+    assert any("Future exception was never retrieved" in m and SPEC in m for m in cap.messages)
     runtime.quiet_checkpoint_logs()
     runtime.quiet_checkpoint_logs()              # idempotent: one filter
     assert sum(getattr(f, "_kunlun_quiet", False) for f in log.filters) == 1
     cap.messages.clear()
     _unretrieved_failure(_ORBAX)
+    _unretrieved_future(SPEC)
     assert not cap.messages
     _unretrieved_failure(_OTHER)                 # not orbax: still reported
     assert any("never retrieved" in m and "something else" in m for m in cap.messages)
+    _unretrieved_future("a plain failure")
+    assert any("never retrieved" in m and "a plain failure" in m for m in cap.messages)
   finally:
     log.removeHandler(cap)
     for f in installed:
