@@ -39,6 +39,7 @@ sys.path.insert(0, _ROOT)
 
 import numpy as np  # noqa: E402
 
+from bench import output  # noqa: E402
 from bench import scaling as S  # noqa: E402
 
 VARIANTS = ("base", "pma", "sumkron_rank1", "full_attention", "no_compskip", "shared_tower",
@@ -226,11 +227,8 @@ def main(argv=None):
     args.variants = args.variants or ["base", "mowe_experts"]
     args.batch_size = min(args.batch_size, 64)
   out = run(args)
-  path = args.out or os.path.join(_ROOT, "bench", "results",
-                                  "ablations_quick.json" if q else "ablations.json")
-  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-  with open(path, "w") as f:
-    json.dump(S.finite(out), f, indent=1)
+  path = output.result_path("ablations", q, args.out)
+  output.write_json(path, S.finite(out))
   print(format_table(out["table"]))
   _log(f"wrote {path} ({out['seconds']:.0f}s)")
   return out

@@ -39,6 +39,8 @@ import numpy as np
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, _ROOT)
 
+from bench import output  # noqa: E402
+
 CACHE = os.path.join(_ROOT, "bench", ".cache")
 WHEEL = "recbole==1.2.1"
 MEMBER = "recbole/dataset_example/ml-100k/ml-100k.inter"
@@ -316,11 +318,8 @@ def main(argv=None):
       ap.error(str(e))
   res = run(args)
   print(table(res))
-  path = args.out or os.path.join(_ROOT, "bench", "results",
-                                  "real_data_quick.json" if q else "real_data.json")
-  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-  with open(path, "w") as f:
-    json.dump(res, f, indent=1)
+  path = output.result_path("real_data", q, args.out)
+  output.write_json(path, res)
   _log(f"wrote {path} ({res['timings_s']['total']:.0f}s)")
   return res
 

@@ -46,6 +46,8 @@ sys.path.insert(0, _ROOT)
 
 import numpy as np  # noqa: E402
 
+from bench import output  # noqa: E402
+
 ARCHS = ("kunlun", "interformer", "dlrm")
 TASKS = ("click", "conversion")
 HIGH_VALUE = ("click", "conversion")   # streams with the large tower (spec h-10); others small
@@ -618,16 +620,13 @@ def main(argv=None):
     args.lrs = args.lrs[:1]
     args.lrs_top = None
   out = run(args)
-  path = args.out or os.path.join(_ROOT, "bench", "results",
-                                  "scaling_quick.json" if q else "scaling.json")
-  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  path = output.result_path("scaling", q, args.out)
   png = os.path.splitext(path)[0] + ".png"
   title = (f"{out['setup']['preset']} synthetic data, {args.num_examples} examples one pass, "
            f"seeds {args.seeds}, batch {args.batch_size}; {out['environment']['device']}")
   plot(out["runs"], out["summary"], out["bayes_ne"], png, title)
   out["png"] = os.path.relpath(png, _ROOT) if png.startswith(_ROOT) else png
-  with open(path, "w") as f:
-    json.dump(finite(out), f, indent=1)
+  output.write_json(path, finite(out))
   print(table(out))
   _log(f"wrote {path} and {png} ({out['seconds']:.0f}s)")
   return out

@@ -41,6 +41,8 @@ sys.path.insert(0, _ROOT)
 
 import numpy as np  # noqa: E402
 
+from bench import output  # noqa: E402
+
 
 def _log(msg):
   print(f"[transfer {time.strftime('%H:%M:%S')}] {msg}", flush=True)
@@ -306,11 +308,8 @@ def main(argv=None):
   args.vm_steps = args.vm_steps or (100 if q else 1000)
   args.adapter_steps = args.adapter_steps or (100 if q else 300)
   out = run(args)
-  path = args.out or os.path.join(_ROOT, "bench", "results",
-                                  "transfer_quick.json" if q else "transfer.json")
-  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-  with open(path, "w") as f:
-    json.dump(out, f, indent=1)
+  path = output.result_path("transfer", q, args.out)
+  output.write_json(path, out)
   _log(f"wrote {path} ({out['timings_s']['total']:.0f}s)")
   return out
 
