@@ -15,7 +15,7 @@ batch, examples and eval as the scaling sweep). Each variant changes one switch:
   mowe_experts    MoWE with 1 expert if the base has more, else 2 (c.6; ``mowe_1`` / ``mowe_2``
                   in the table name the variant's count)
   final_hsp       the extra HSP of each tower's last-layer output ([D], off in the spec)
-  kunlun_ablated  all of Kunlun's changes off at once (``kunlun/baselines.py``)
+  kunlun_ablated  all of Kunlun's changes off at once (``kunlun/baselines/ablated.py``)
 
 Per variant and seed: eval NE per task, training step time (median, noisy on a shared machine),
 FLOPs per example (model FLOPs at actual lengths, the analytic estimate as executed and XLA's
@@ -53,6 +53,7 @@ def _log(msg):
 def variant_config(name: str, base, schema):
   """``base`` (a Kunlun config) with switch ``name`` flipped (module docstring)."""
   from kunlun.config import tower
+  from kunlun.flops import model_flops
   from kunlun.oneseq import equal_flops_config
   c = copy.deepcopy(base)
   m = c.model
@@ -75,7 +76,7 @@ def variant_config(name: str, base, schema):
     m.oneseq = tower(**{**hi.to_dict(),
                         "kept_len": sum(m.towers[s].kept_len for s in m.towers.keys())})
     m.seq_mode = "oneseq"
-    c, _ = equal_flops_config(c, schema)
+    c, _ = equal_flops_config(c, lambda x: model_flops(x, schema)["forward"])
   elif name == "mowe_experts":
     m.mowe.num_experts = 1 if m.mowe.num_experts > 1 else 2
   elif name == "final_hsp":

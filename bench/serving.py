@@ -1,4 +1,5 @@
-"""Serving throughput: the shared request-level path (``kunlun.serve``) vs naive per-ad scoring.
+"""Serving throughput: the shared request-level path (``kunlun.serving.score``) vs naive
+per-ad scoring.
 
   nice -n 10 python bench/serving.py [--config dev] [--candidates 16,128,1024] [--dtype float32]
       [--seconds 20] [--min_iters 3] [--max_iters 50] [--out bench/results/serving_cpu.json]
@@ -9,7 +10,7 @@ request) and (b) the naive path (N separate examples through the model). Both ar
 warm-up call the two are timed call by call, alternately (``--seconds`` per case, between
 ``--min_iters`` and ``--max_iters`` calls each) and reported as p50 / p99 latency, requests/s
 and candidates/s (one request in flight), and the speed-up ``naive p50 / shared p50``. The
-analytic bound from the FLOP model, ``total / (ad + request / N)`` (``serve.flops_split``), is
+analytic bound from the FLOP model, ``total / (ad + request / N)`` (``score.flops_split``), is
 printed beside it, and the ratio of the FLOPs XLA counts in the two compiled programs
 (``xlaFLOP``, a count that machine load cannot blur). Parameters are random (speed does not
 depend on their values). On CPU the default dtype is float32 (bfloat16 matmuls are emulated
@@ -72,9 +73,9 @@ def run(args) -> dict:
 
   from data.fake import random_batch
   from data.synthetic import PRESETS, preset_schema
-  from kunlun import serve
   from kunlun.config import seq_lens
   from kunlun.model import build_model
+  from kunlun.serving import score
 
   config = _load_config(args.config)
   on_cpu = jax.default_backend() == "cpu"
@@ -88,8 +89,8 @@ def run(args) -> dict:
   rng = np.random.default_rng(0)
   params = jax.tree.map(lambda s: jax.device_put((0.05 * rng.normal(size=s.shape))
                                                  .astype(s.dtype)), shapes)
-  shared, naive = serve.make_scorer(model), serve.make_scorer(model, shared=False)
-  split = serve.flops_split(config, schema)
+  shared, naive = score.make_scorer(model), score.make_scorer(model, shared=False)
+  split = score.flops_split(config, schema)
   res = {
       "what": "one request (full-length streams) x N candidate ads; latency per request",
       "device": jax.devices()[0].device_kind, "backend": jax.default_backend(),
@@ -108,7 +109,7 @@ def run(args) -> dict:
   print(head + "\n" + "-" * len(head), flush=True)
   for n in args.candidates:
     ads = random_batch(schema, n, lens, seed=2)
-    batch = jax.device_put(serve.serving_batch(req["events"], ads))
+    batch = jax.device_put(score.serving_batch(req["events"], ads))
     case = _timed({"shared": shared, "naive": naive}, (params, batch), args.seconds,
                   args.min_iters, args.max_iters)
     for name in ("shared", "naive"):

@@ -6,7 +6,7 @@
 ``apply_heads``: ``z = concat(flatten(x), flatten(summaries))`` -> shared top MLP -> per-(surface,
 task) heads (``kunlun.heads.Heads``, spec d.2, d.3).
 
-Kunlun (``model.py``), InterFormer (``interformer.py``) and DLRM (``baselines.py``) import these;
+Kunlun (``model.py``), InterFormer and DLRM (``baselines/``) import these;
 this module imports none of them, so the model files, the baselines and the FLOP counter form no
 import cycle.
 """

@@ -5,7 +5,7 @@ Presets (``kunlun/configs/*.py``) fill ``config.model`` as an ``ml_collections.C
 modules take as a field. Every knob of spec d.7 / h is a field here:
 
   arch                "kunlun" | "interformer" | "dlrm" | "kunlun_ablated"   (model family:
-                      model.py, interformer.py, baselines.py)
+                      model.py, baselines/)
   dtype               "float32" | "bfloat16"                      (compute; params stay fp32)
   backend             "xla" | "pallas" | "triton" | "auto"        (GDPA / block-attention kernels)
   d_ns, n_ns          non-sequence token width and count (after LCE)

@@ -32,7 +32,7 @@ from collections import defaultdict
 import numpy as np
 
 from data.schema import Schema
-from kunlun.baselines import ablated_config
+from kunlun.baselines.ablated import ablated_config
 from kunlun.config import ModelConfig, TowerConfig, parse
 from kunlun.inputs import event_side_dim
 from kunlun.towers import schedule
@@ -195,8 +195,8 @@ def heads_flops(cfg: ModelConfig, d_z: int) -> float:
 
 
 def dhen_layer_flops(N: int, d: int, n_out: int, rank: int, hidden: int) -> float:
-  """DHENLayer (``kunlun/dhen.py``): DOT (Gram + triangle projection), low-rank DCN + token map,
-  shortcut, LayerNorm, token-wise MLP, LayerNorm."""
+  """DHENLayer (``kunlun/baselines/dhen.py``): DOT (Gram + triangle projection), low-rank DCN +
+  token map, shortcut, LayerNorm, token-wise MLP, LayerNorm."""
   pairs = N * (N + 1) // 2
   f = 2 * N * N * d + N * N + 2 * pairs * n_out * d
   f += 4 * N * d * rank + 3 * N * d + 2 * N * n_out * d
@@ -284,8 +284,9 @@ def _dlrm_flops(cfg: ModelConfig, schema: Schema, lens, executed) -> dict:
 
 
 def _interformer_flops(cfg: ModelConfig, schema: Schema, lens, executed) -> dict:
-  """``kunlun/interformer.py``: CLS Cross Arch, then per layer Cross Arch (X and every stream),
-  DHEN interaction, generated-projection PFFN and full RoPE MHA per stream; a final Cross Arch."""
+  """``kunlun/baselines/interformer.py``: CLS Cross Arch, then per layer Cross Arch (X and every
+  stream), DHEN interaction, generated-projection PFFN and full RoPE MHA per stream; a final
+  Cross Arch."""
   del executed                                      # full attention runs exactly its scope
   s_lens = _stream_lens(cfg, lens)
   i, d_ns, m = cfg.interformer, cfg.d_ns, cfg.mowe

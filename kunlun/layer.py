@@ -17,9 +17,9 @@ The per-tower schedule lives in ``kunlun.towers.schedule``; skipped modules are 
 they are absent from the layer's parameters and jaxpr. ``remat`` (a ``kunlun.remat`` policy)
 wraps each module of the layer separately (``config.train.remat_scope = "tower"``).
 
-Shared serving path (spec d.6, ``kunlun.serve``): with ``request_index i32[N]``, ``x`` has ad
-rows and a tower's ``seqs``/``lengths``/``ages`` or a ``summaries`` entry may be
-``request_rows.PerRequest`` (request rows). HSP / attention on a request-level sequence run once
+Shared serving path (spec d.6, ``kunlun.serving.score``): with ``request_index i32[N]``, ``x``
+has ad rows and a tower's ``seqs``/``lengths``/``ages`` or a ``summaries`` entry may be
+``rows.PerRequest`` (request rows). HSP / attention on a request-level sequence run once
 per request; the PFFN reads the request's sequence through ``q_index`` and returns ad rows, and so
 does every later module of that tower; summaries enter MoWE gathered to ad rows.
 """
@@ -30,11 +30,11 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from kunlun import request_rows as rows
 from kunlun.config import ModelConfig
 from kunlun.mowe import MoWE
 from kunlun.pffn import PFFN
 from kunlun.remat import wrap
+from kunlun.serving import rows
 from kunlun.towers import make_attention, make_pooling, schedule
 from kunlun.weightgen import WeightGen
 from sharding import shard, with_axes

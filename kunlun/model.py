@@ -8,7 +8,7 @@ and per-(surface, task) heads; the example's own surface is selected.
 Batch layout: ``data/schema.py``. Stream arrays may be longer than the tower's kept length (extra
 padding): every length-dependent scale uses the configured kept length, so padding is inert.
 
-Serving (``kunlun.serve``, spec d.6): ``representations(batch, request_index=ri)`` takes the
+Serving (``kunlun.serving.score``, spec d.6): ``representations(batch, request_index=ri)`` takes the
 context features (``sparse``, ``dense``, ``surface``) with one row per candidate ad (``N``), the
 ``events`` with one row per request (``R``) and ``ri i32[N]`` (each ad's request); the event
 embeddings and every module that reads only them run once per request. The outputs equal those of
@@ -26,15 +26,13 @@ import jax
 import jax.numpy as jnp
 
 from data.schema import Schema
-from kunlun import baselines
 from kunlun import remat as remat_lib
-from kunlun import request_rows as rows
 from kunlun.common import apply_heads, embed_context, embed_streams
 from kunlun.config import ARCHS, ModelConfig, parse
 from kunlun.inputs import EventEmbed
-from kunlun.interformer import InterFormer
 from kunlun.layer import DTYPES, KunlunLayer
 from kunlun.oneseq import StreamMerge
+from kunlun.serving import rows
 
 __all__ = ["Kunlun", "build_model", "embed_sequences", "embed_context", "apply_heads"]
 
@@ -105,7 +103,8 @@ class Kunlun(nn.Module):
 
 
 def build_model(config, schema: Schema) -> nn.Module:
-  """Validates ``config.model`` against ``schema`` and builds ``config.model.arch``.
+  """Validates ``config.model`` against ``schema`` and builds ``config.model.arch``: Kunlun
+  here, a baseline from ``kunlun/baselines/`` (imported only when asked for).
 
   Raises ValueError naming the offending field and the allowed values.
   """
@@ -117,9 +116,12 @@ def build_model(config, schema: Schema) -> nn.Module:
   if cfg.arch == "kunlun":
     return Kunlun(cfg, schema, remat, scope)
   if cfg.arch == "interformer":
+    from kunlun.baselines.interformer import InterFormer
     return InterFormer(cfg, schema)
   if cfg.arch == "kunlun_ablated":
-    return Kunlun(baselines.ablated_config(cfg), schema, remat, scope)
+    from kunlun.baselines.ablated import ablated_config
+    return Kunlun(ablated_config(cfg), schema, remat, scope)
   if cfg.arch == "dlrm":
-    return baselines.DLRM(cfg, schema)
+    from kunlun.baselines.dlrm import DLRM
+    return DLRM(cfg, schema)
   raise ValueError(f"config.model.arch = {cfg.arch!r}; allowed: {ARCHS}")

@@ -4,7 +4,8 @@ Each stream is embedded by its own ``EventEmbed`` (their fields differ) to the m
 width; a learned stream-type embedding is added to every valid event; the streams are merged by
 event age (oldest first, as in the per-stream layout), valid events packed at the front, and the
 most recent ``kept_len`` events are kept. ``equal_flops_config`` picks the merged tower's width so
-that the model's analytic FLOPs match the per-stream-tower model (the "equal FLOPs" switch).
+that the model's FLOPs match the per-stream-tower model (the "equal FLOPs" switch), from a FLOP
+formula it is given (``kunlun.flops``), so the model's import chain holds no FLOP counter.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from kunlun.flops import model_flops
 from sharding import shard, with_axes
 
 
@@ -71,14 +71,15 @@ class StreamMerge(nn.Module):
       return shard(s, ("batch", "seq", "embed")), lengths, age, src
 
 
-def equal_flops_config(config, schema, widths=None):
-  """Copy of ``config`` switched to OneSeq whose analytic forward FLOPs best match the
-  per-stream-tower model's: searches the merged tower's width over multiples of its head count
-  (keeping ``oneseq.kept_len``, heads, depth and the other knobs). Returns ``(config, ratio)`` with
-  ``ratio = oneseq_flops / towers_flops``."""
+def equal_flops_config(config, forward_flops, widths=None):
+  """Copy of ``config`` switched to OneSeq whose forward FLOPs best match the per-stream-tower
+  model's: searches the merged tower's width over multiples of its head count (keeping
+  ``oneseq.kept_len``, heads, depth and the other knobs). ``forward_flops(config) -> float`` is the
+  count to match, e.g. ``lambda c: kunlun.flops.model_flops(c, schema)["forward"]``. Returns
+  ``(config, ratio)`` with ``ratio = oneseq_flops / towers_flops``."""
   base = copy.deepcopy(config)
   base.model.seq_mode = "towers"
-  target = model_flops(base, schema)["forward"]
+  target = forward_flops(base)
   heads = int(config.model.oneseq.heads)
   step = 2 * heads
   widths = widths or range(step, 8 * max(t.width for t in base.model.towers.values()) + 1, step)
@@ -87,7 +88,7 @@ def equal_flops_config(config, schema, widths=None):
     c = copy.deepcopy(config)
     c.model.seq_mode = "oneseq"
     c.model.oneseq.width = int(w)
-    f = model_flops(c, schema)["forward"]
+    f = forward_flops(c)
     if best is None or abs(f - target) < abs(best[1] - target):
       best = (c, f)
   return best[0], best[1] / target

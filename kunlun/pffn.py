@@ -7,10 +7,10 @@ adds learned per-channel scales (LN and RMSNorm) and a bias (LN), the ablation o
 affine-free default. ``time_buckets`` adds per-head time/position bucket embeddings to the GDPA
 query (spec b.5-2; ``u`` in the residual is unchanged).
 
-Request-level sharing (serving, spec d.6, ``kunlun.serve``): with ``q_index i32[N]`` the sequence
-side (``s``, ``lengths``, ``age``: ``R`` request rows) is normalised once per request and output
-row ``b`` combines request ``q_index[b]``'s sequence with ad ``b``'s K/V (``N`` rows), which
-equals the PFFN of ``N`` separate examples.
+Request-level sharing (serving, spec d.6, ``kunlun.serving.score``): with ``q_index i32[N]`` the
+sequence side (``s``, ``lengths``, ``age``: ``R`` request rows) is normalised once per request
+and output row ``b`` combines request ``q_index[b]``'s sequence with ad ``b``'s K/V (``N`` rows),
+which equals the PFFN of ``N`` separate examples.
 """
 
 from __future__ import annotations

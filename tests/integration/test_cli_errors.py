@@ -1,6 +1,6 @@
 """Bad invocations of every command line program fail fast with one error line, never a
 traceback: train.py, eval.py, ``python -m data.synthetic``, ``data.ingest``, ``data.validate``,
-the FM export, ``kunlun.export_serving`` and ``bench/real_data.py``. Every case is a subprocess
+the FM export, ``kunlun.serving.export`` and ``bench/real_data.py``. Every case is a subprocess
 that stops before any compilation (most before importing jax); two run at a time."""
 
 import concurrent.futures
@@ -113,17 +113,17 @@ CASES = [
     ("-m kunlun.transfer.export", ["--workdir={fresh}", "--out={wd}"], "no checkpoint"),
     ("-m kunlun.transfer.export", ["--workdir={old}", "--out={wd}"], "--trust_workdir"),
     ("-m kunlun.transfer.export", ["--workdir={fresh}"], "--out"),
-    ("-m kunlun.export_serving", ["--workdir={fresh}"], "--out"),
-    ("-m kunlun.export_serving", ["--workdir={fresh}", "--out={wd}", "--step=two"],
+    ("-m kunlun.serving.export", ["--workdir={fresh}"], "--out"),
+    ("-m kunlun.serving.export", ["--workdir={fresh}", "--out={wd}", "--step=two"],
      "invalid int value: 'two'"),
-    ("-m kunlun.export_serving", ["--workdir={missing}", "--out={wd}"], "no such directory"),
-    ("-m kunlun.export_serving", ["--workdir={fresh}", "--out={wd}"], "no checkpoint"),
-    ("-m kunlun.export_serving", ["--workdir={fresh}", "--out={wd}", "--candidates=many"],
+    ("-m kunlun.serving.export", ["--workdir={missing}", "--out={wd}"], "no such directory"),
+    ("-m kunlun.serving.export", ["--workdir={fresh}", "--out={wd}"], "no checkpoint"),
+    ("-m kunlun.serving.export", ["--workdir={fresh}", "--out={wd}", "--candidates=many"],
      "--candidates='many'"),
-    ("-m kunlun.export_serving", ["--workdir={fresh}", "--out={wd}", "--platforms=metal"],
+    ("-m kunlun.serving.export", ["--workdir={fresh}", "--out={wd}", "--platforms=metal"],
      "--platforms=metal"),
-    ("-m kunlun.export_serving", ["--workdir={old}", "--out={wd}"], "--trust_workdir"),
-    ("-m kunlun.export_serving", ["--workdir={old}", "--out={wd}", "--trust_workdir",
+    ("-m kunlun.serving.export", ["--workdir={old}", "--out={wd}"], "--trust_workdir"),
+    ("-m kunlun.serving.export", ["--workdir={old}", "--out={wd}", "--trust_workdir",
                                   "--data_dir={data}"], "incomplete or corrupt"),
     # {inter} (rows that do not parse) stops the bench early should a flag check ever be lost:
     # without --inter it would download MovieLens and train

@@ -13,18 +13,18 @@ import flax.linen as nn
 import jax
 import numpy as np
 import pytest
-from test_attention import np_attention
-from test_heads import np_heads
-from test_hsp import np_hsp
-from test_pffn import fast_gelu, np_pffn
-from test_weightgen import gelu_tanh, rms
-from test_wukong import np_wukong_layer
 
 from data.fake import random_batch, tiny_schema
 from kunlun.config import parse, seq_lens
 from kunlun.configs import tiny
 from kunlun.model import build_model
 from kunlun.wukong import split_tokens
+from tests.kunlun.test_attention import np_attention
+from tests.kunlun.test_heads import np_heads
+from tests.kunlun.test_hsp import np_hsp
+from tests.kunlun.test_pffn import fast_gelu, np_pffn
+from tests.kunlun.test_weightgen import gelu_tanh, rms
+from tests.kunlun.test_wukong import np_wukong_layer
 
 
 def np_weightgen(p, x, heads, key_norm):

@@ -11,11 +11,11 @@ from data.fake import random_batch, tiny_schema
 from data.synthetic import PRESETS, preset_schema
 from kunlun import flops as F
 from kunlun.attention import SeqAttention
+from kunlun.baselines.dhen import DHENLayer
+from kunlun.baselines.interformer import PersonalizedFFN
 from kunlun.config import parse, seq_lens
 from kunlun.configs import dev, tiny
-from kunlun.dhen import DHENLayer
 from kunlun.hsp import HSP
-from kunlun.interformer import PersonalizedFFN
 from kunlun.model import build_model
 from kunlun.mowe import MoWE
 from kunlun.pffn import PFFN

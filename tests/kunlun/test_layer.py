@@ -6,7 +6,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jaxpr_scopes import name_stacks
 
 from data.fake import tiny_schema
 from data.synthetic import PRESETS, preset_schema
@@ -14,6 +13,7 @@ from kunlun.config import parse
 from kunlun.configs import mid, tiny
 from kunlun.flops import layer_flops, model_flops
 from kunlun.layer import KunlunLayer
+from tests.kunlun.jaxpr_scopes import name_stacks
 
 
 def mid_schema():

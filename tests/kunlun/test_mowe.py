@@ -6,7 +6,6 @@ import jax
 import numpy as np
 import optax
 import pytest
-from test_wukong import np_cross_stack
 
 from data.fake import random_batch, tiny_schema
 from kunlun.config import seq_lens
@@ -15,6 +14,7 @@ from kunlun.losses import masked_bce
 from kunlun.model import build_model
 from kunlun.mowe import MoWE
 from kunlun.wukong import WukongStack
+from tests.kunlun.test_wukong import np_cross_stack
 
 
 def test_mowe_is_mean_of_independent_experts():

@@ -49,7 +49,7 @@ def test_merge_is_time_ordered_and_keeps_most_recent():
 
 def test_equal_flops_switch_runs():
   cfg, schema = tiny.get_config(), tiny_schema()
-  one, ratio = equal_flops_config(cfg, schema)
+  one, ratio = equal_flops_config(cfg, lambda c: model_flops(c, schema)["forward"])
   assert one.model.seq_mode == "oneseq"
   assert abs(ratio - 1) < 0.1, ratio
   f_towers = model_flops(cfg, schema)["forward"]

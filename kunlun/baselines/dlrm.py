@@ -1,20 +1,11 @@
-"""Reference models built from the project's parts, selected by ``config.model.arch``.
+"""DLRM (``config.model.arch = "dlrm"``), a reference model built from the project's parts.
 
-* ``"dlrm"``: DLRM-style. The same context tokens (sparse embeddings + dense tokens + LCE +
-  surface embedding), each stream embedded at width ``dlrm.seq_dim`` and mean-pooled over its
-  valid events, then an MLP (``dlrm.mlp``) and the same heads.
-* ``"kunlun_ablated"``: the Kunlun trunk with its own changes switched off, the floor of the
-  ablation table (``bench/ablations.py``): a generated rank-``n_kv`` projection as the PFFN
-  (GDPA with the identity activation), PMA pooling, full self-attention, one Wukong stack (no
-  mixture), no CompSkip and no event-level depth (every tower runs all ``num_layers``). Widths,
-  heads, kept lengths and summary tokens are the config's. It is *not* InterFormer (that is
-  ``kunlun/interformer.py``, arch ``"interformer"``); runs stored as ``"interformer"`` before
-  InterFormer existed load as this (``kunlun.config.upgrade_stored``).
+The same context tokens as Kunlun (sparse embeddings + dense tokens + LCE + surface embedding),
+each stream embedded at width ``dlrm.seq_dim`` and mean-pooled over its valid events, then an MLP
+(``dlrm.mlp``) and the same heads.
 """
 
 from __future__ import annotations
-
-import dataclasses
 
 import flax.linen as nn
 import jax
@@ -22,22 +13,11 @@ import jax.numpy as jnp
 
 from data.schema import Schema
 from kunlun.common import apply_heads, embed_context
-from kunlun.config import ModelConfig, MoWEConfig
+from kunlun.config import ModelConfig
 from kunlun.heads import MLP
 from kunlun.inputs import EventEmbed
 from kunlun.layer import DTYPES
 from sharding import shard
-
-
-def ablated_config(cfg: ModelConfig) -> ModelConfig:
-  """The Kunlun ModelConfig of ``"kunlun_ablated"`` (module docstring)."""
-  towers = tuple(dataclasses.replace(t, depth=cfg.num_layers) for t in cfg.towers)
-  return dataclasses.replace(
-      cfg, arch="kunlun_ablated", comp_skip=False, seq_mode="towers", oneseq=None, towers=towers,
-      pooling="pma", pffn_activation="identity",
-      attention=dataclasses.replace(cfg.attention, kind="full"),
-      mowe=MoWEConfig(num_experts=1, layers_per_expert=cfg.mowe.layers_per_expert,
-                      rank=cfg.mowe.rank, mlp_hidden=cfg.mowe.mlp_hidden))
 
 
 class DLRM(nn.Module):

@@ -7,11 +7,16 @@ import numpy as np
 import pytest
 
 from data.fake import random_batch, tiny_schema
+from kunlun.baselines.interformer import (
+  CrossSeq,
+  InterFormer,
+  PersonalizedFFN,
+  RoPEAttention,
+  recent_tokens,
+)
 from kunlun.config import seq_lens
 from kunlun.configs import tiny
-from kunlun.dhen import DHENLayer
 from kunlun.hsp import PMA
-from kunlun.interformer import CrossSeq, InterFormer, PersonalizedFFN, RoPEAttention, recent_tokens
 from kunlun.losses import masked_bce
 from kunlun.model import build_model
 
@@ -32,11 +37,6 @@ def _init_apply(module, *args):
 
 def np_rms(x):
   return x / np.sqrt(np.mean(x * x, -1, keepdims=True) + 1e-6)
-
-
-def np_ln(x, scale, bias):
-  mu = x.mean(-1, keepdims=True)
-  return (x - mu) / np.sqrt(((x - mu) ** 2).mean(-1, keepdims=True) + 1e-6) * scale + bias
 
 
 def np_gelu(x):
@@ -104,24 +104,6 @@ def test_cross_seq_gates_cls_pma_and_recent():
   g = 1 / (1 + np.exp(-(z @ p["gate"]["dense"]["kernel"] + p["gate"]["dense"]["bias"])))
   np.testing.assert_allclose(got, g * z, rtol=1e-4, atol=1e-5)
   assert got.shape == (B, n_cls + n_pma + n_rec, d)
-
-
-def test_dhen_layer_matches_numpy():
-  N, dd, n_out, r, hid = 5, 4, 3, 2, 6
-  z = RNG.normal(size=(B, N, dd)).astype(np.float32)
-  p, got = _init_apply(DHENLayer(n_out, r, hid), z)
-  i, j = np.triu_indices(N)
-  gram = np.einsum("bnd,bmd->bnm", z, z) / np.sqrt(dd)
-  dot = (gram[:, i, j] @ p["dot"]).reshape(B, n_out, dd)
-  x0 = z.reshape(B, -1)
-  cross = x0 * ((x0 @ p["dcn_u"]) @ p["dcn_v"] + p["dcn_b"]) + x0
-  dcn = np.einsum("bnd,nm->bmd", cross.reshape(B, N, dd), p["dcn_tokens"])
-  res = np.einsum("bnd,nm->bmd", z, p["res_proj"])
-  y = np_ln(dot + dcn + res, p["norm"]["scale"], p["norm"]["bias"])
-  hdn = np_gelu(y @ p["mlp_in"]["kernel"] + p["mlp_in"]["bias"])
-  want = np_ln(y + hdn @ p["mlp_out"]["kernel"] + p["mlp_out"]["bias"], p["out_norm"]["scale"],
-               p["out_norm"]["bias"])
-  np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
 
 
 @pytest.fixture(scope="module")

@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 
 from data.fake import random_batch, tiny_schema
-from kunlun import serve
 from kunlun.config import seq_lens
 from kunlun.configs import tiny
 from kunlun.flops import event_embed_flops, model_flops, pooling_flops
 from kunlun.model import build_model
+from kunlun.serving import score
 
 R, N = 2, 5
 RI = np.array([1, 0, 1, 1, 0], np.int32)
@@ -26,9 +26,9 @@ def _setup(comp_skip, time_buckets):
   model = build_model(cfg, schema)
   req = random_batch(schema, R, seq_lens(cfg), seed=1, min_len=1)
   ads = random_batch(schema, N, seq_lens(cfg), seed=2)
-  batch = serve.serving_batch(req["events"], ads, RI)
+  batch = score.serving_batch(req["events"], ads, RI)
   shapes = nn.meta.unbox(jax.eval_shape(model.init, jax.random.key(0),
-                                        serve.expand(batch))["params"])
+                                        score.expand(batch))["params"])
   rng = np.random.default_rng(0)     # random everywhere (zero-initialised tables included)
   params = jax.tree.map(lambda s: (0.3 * rng.normal(size=s.shape)).astype(s.dtype), shapes)
   return cfg, schema, model, batch, params
@@ -37,13 +37,13 @@ def _setup(comp_skip, time_buckets):
 @pytest.mark.parametrize("comp_skip,time_buckets", [(True, False), (False, True)])
 def test_shared_path_equals_separate_examples(comp_skip, time_buckets):
   cfg, schema, model, batch, params = _setup(comp_skip, time_buckets)
-  shared = serve.make_scorer(model, jit=False)
+  shared = score.make_scorer(model, jit=False)
 
   def naive(p, b):                   # N separate examples (events repeated) through __call__
     return model.apply({"params": p}, b)
 
   f = jax.jit(lambda p, b, e: (shared(p, b)["logits"], naive(p, e)))
-  got, want = f(params, batch, serve.expand(batch))
+  got, want = f(params, batch, score.expand(batch))
   got, want = np.asarray(got), np.asarray(want)
   assert got.shape == (N, 2) and np.abs(want).max() > 0.1
   assert np.abs(want[1] - want[0]).max() > 1e-3        # the ads differ
@@ -59,18 +59,18 @@ def test_shared_path_equals_separate_examples(comp_skip, time_buckets):
     v[j] = v[i]
   b2["request_index"] = RI.copy()
   b2["request_index"][0] = 1 - RI[0]
-  got2, _ = f(params, b2, serve.expand(b2))
+  got2, _ = f(params, b2, score.expand(b2))
   got2 = np.asarray(got2)
   np.testing.assert_allclose(got2[j], got2[i], rtol=1e-5, atol=1e-6)
   assert np.abs(got2[0] - got[0]).max() > 1e-4          # ad 0 moved to the other request
 
   # the sharing plan is what runs: request-level module outputs have R rows, the others N
   def captured(p, b):
-    return model.apply({"params": p}, {k: b[k] for k in serve.AD_KEYS + ("events",)},
+    return model.apply({"params": p}, {k: b[k] for k in score.AD_KEYS + ("events",)},
                        method="representations", request_index=b["request_index"],
                        capture_intermediates=True, mutable=["intermediates"])[1]["intermediates"]
   inter = jax.eval_shape(captured, params, batch)
-  plan = serve.sharing_plan(model.cfg)
+  plan = score.sharing_plan(model.cfg)
 
   def rows(path):
     node = inter
@@ -86,7 +86,7 @@ def test_shared_path_equals_separate_examples(comp_skip, time_buckets):
 
 def test_flops_split_and_batch_checks():
   cfg, schema = tiny.get_config(), tiny_schema()
-  split = serve.flops_split(cfg, schema)
+  split = score.flops_split(cfg, schema)
   m = build_model(cfg, schema).cfg
   per = model_flops(cfg, schema)["per_module"]
   want_req = (sum(event_embed_flops(schema.stream(t.name), t.kept_len, t.width) for t in m.towers)
@@ -98,14 +98,14 @@ def test_flops_split_and_batch_checks():
 
   req = random_batch(schema, R, seq_lens(cfg), seed=1)
   ads = random_batch(schema, N, seq_lens(cfg), seed=2)
-  b = serve.serving_batch(req["events"], ads, RI)
-  serve.check_batch(schema, b)
-  e = serve.expand(b)
+  b = score.serving_batch(req["events"], ads, RI)
+  score.check_batch(schema, b)
+  e = score.expand(b)
   np.testing.assert_array_equal(e["events"]["click"]["item"], req["events"]["click"]["item"][RI])
   bad = dict(b, request_index=np.array([0, 1, 2, 0, 0], np.int32))
   with pytest.raises(ValueError, match=r"request_index must lie in \[0, 2\)"):
-    serve.check_batch(schema, bad)
+    score.check_batch(schema, bad)
   with pytest.raises(ValueError, match="dense has 4 rows"):
-    serve.check_batch(schema, dict(b, dense=b["dense"][:4]))
+    score.check_batch(schema, dict(b, dense=b["dense"][:4]))
   with pytest.raises(ValueError, match="lacks"):
-    serve.check_batch(schema, {k: v for k, v in b.items() if k != "events"})
+    score.check_batch(schema, {k: v for k, v in b.items() if k != "events"})

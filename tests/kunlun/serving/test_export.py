@@ -12,10 +12,10 @@ import orbax.checkpoint as ocp
 import pytest
 
 from data.fake import random_batch, tiny_schema
-from kunlun import export_serving, serve, serving_loader
 from kunlun.config import seq_lens
 from kunlun.configs import tiny
 from kunlun.model import build_model
+from kunlun.serving import export, loader, score
 from kunlun.train import checkpoint, runtime
 
 
@@ -38,14 +38,14 @@ def run(tmp_path_factory):
   ck.mngr.save(5, args=ocp.args.Composite(params=ocp.args.StandardSave(params)))
   ck.close()
   out = str(root / "artifact")
-  sig = export_serving.export(workdir, out, verify=False, log=lambda *_: None)
+  sig = export.export(workdir, out, verify=False, log=lambda *_: None)
   return schema, config, model, params, workdir, out, sig
 
 
 def _batch(schema, config, n, r=1, seed=0):
   req = random_batch(schema, r, seq_lens(config), seed=seed + 1, min_len=1)
   ads = random_batch(schema, n, seq_lens(config), seed=seed + 2)
-  return serve.serving_batch(req["events"], ads, np.arange(n) % r)
+  return score.serving_batch(req["events"], ads, np.arange(n) % r)
 
 
 def test_artifact_round_trip(run):
@@ -54,11 +54,11 @@ def test_artifact_round_trip(run):
   on_disk = json.load(open(os.path.join(out, "signature.json")))
   assert on_disk["inputs"]["sparse/user_interests"] == {"dtype": "int32", "shape": ["n", 4]}
   assert on_disk["inputs"]["events/click/age"] == {"dtype": "float32", "shape": [1, 32]}
-  art = serving_loader.load(out)
+  art = loader.load(out)
   b = _batch(schema, config, 6)
   got = art(b)
   # independent: the normal model on 6 separate examples (events repeated per ad)
-  want = np.asarray(jax.jit(lambda p, e: model.apply({"params": p}, e))(params, serve.expand(b)))
+  want = np.asarray(jax.jit(lambda p, e: model.apply({"params": p}, e))(params, score.expand(b)))
   assert got["logits"].shape == (6, 2) and np.abs(want).max() > 0.1
   np.testing.assert_allclose(got["logits"], want, rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(got["prob"], 1 / (1 + np.exp(-want)), rtol=1e-5, atol=1e-6)
@@ -72,7 +72,7 @@ def test_artifact_round_trip(run):
 
 def test_loader_rejects_bad_input(run):
   schema, config, _, _, _, out, _ = run
-  art = serving_loader.load(out)
+  art = loader.load(out)
   b = _batch(schema, config, 3)
 
   def err(batch):
@@ -87,16 +87,16 @@ def test_loader_rejects_bad_input(run):
   assert "events/click/item" in err(dict(b, events=ev))
   assert "request_index must lie in [0, 1)" in err(dict(b, request_index=np.array([0, 1, 0])))
   assert "integer ids" in err(dict(b, surface=np.zeros(3, np.float32)))
-  with pytest.raises(FileNotFoundError, match="not a kunlun.export_serving output"):
-    serving_loader.load(os.path.dirname(out))
+  with pytest.raises(FileNotFoundError, match="not a kunlun.serving.export output"):
+    loader.load(os.path.dirname(out))
 
 
 def test_fixed_count_and_cli_errors(run, tmp_path, capsys):
   schema, config, _, _, workdir, _, _ = run
   out = str(tmp_path / "fixed")
-  assert export_serving.main([f"--workdir={workdir}", f"--out={out}", "--candidates=4",
+  assert export.main([f"--workdir={workdir}", f"--out={out}", "--candidates=4",
                               "--no_verify"]) == 0
-  art = serving_loader.load(out)
+  art = loader.load(out)
   assert art.signature["candidates"] == 4 and art.inputs["dense"]["shape"] == [4, 3]
   with pytest.raises(ValueError, match=r"shape \[5, 1\], want \[4, 1\]"):
     art(_batch(schema, config, 5))
@@ -110,14 +110,14 @@ def test_fixed_count_and_cli_errors(run, tmp_path, capsys):
                     ([f"--workdir={workdir}", "--requests=two"], "--requests='two' must be"),
                     ([f"--workdir={workdir}", "--step=9"], "--step=9: no such checkpoint"),
                     ([f"--workdir={workdir}", "--platforms=cpu,quantum"], "--platforms")):
-    assert export_serving.main(args + [f"--out={tmp_path}/o"]) == 2
+    assert export.main(args + [f"--out={tmp_path}/o"]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
-    assert lines[-1].startswith("export_serving: error: ") and msg in lines[-1], lines
+    assert lines[-1].startswith("kunlun.serving.export: error: ") and msg in lines[-1], lines
     assert not any(line.startswith("Traceback") for line in lines)
 
 
 def test_loader_imports_only_jax_and_numpy():
-  src = open(serving_loader.__file__).read()
+  src = open(loader.__file__).read()
   mods = set()
   for node in ast.walk(ast.parse(src)):
     if isinstance(node, ast.Import):

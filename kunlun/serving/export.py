@@ -1,0 +1,245 @@
+"""Export a trained run's shared serving path (``kunlun.serving.score``) as a ``jax.export``
+artifact.
+
+  python -m kunlun.serving.export --workdir=runs/tiny --out=runs/tiny_serving \
+      [--candidates=dynamic|N] [--requests=1|dynamic|R] [--step=S] [--data_dir=D] \
+      [--platforms=cpu[,cuda]] [--no_verify] [--trust_workdir]
+
+Restores the parameters of a train.py checkpoint (``--step``, default the latest) and writes to
+``--out``:
+
+  serving.jax_export   the serialized ``jax.export.Exported`` (StableHLO) of
+                       ``(params, batch) -> {"logits", "prob"}`` (``f32[N, K]``), the request-level
+                       parts computed once per request (spec d.6)
+  params.npz           the parameters, one array per ``a/b/c`` path of the params tree
+  signature.json       every input (path, dtype, shape; ``"n"`` = candidates, ``"r"`` = requests
+                       when symbolic), the outputs, the surfaces / tasks, the kept length per
+                       stream, how to build the inputs, and the source run
+
+``--candidates=dynamic`` (default) exports a symbolic candidate count ``n`` (any ``N >= 1`` per
+call, one compilation per distinct ``N`` at the caller); an integer fixes it. ``--requests``
+likewise (default 1: one user per call). ``kunlun/serving/loader.py`` runs the artifact with jax
+and numpy only. After writing, the artifact is reloaded and checked against the in-process model
+on a random batch (``--no_verify`` skips it). Bad input is a one-line
+``kunlun.serving.export: error: ...``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+from collections.abc import Mapping
+
+import numpy as np
+
+PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
+
+
+def parse_count(flag: str, value) -> int | None:
+  """``"dynamic"`` -> None (symbolic); a positive integer -> int; else ValueError."""
+  if isinstance(value, str) and value.strip().lower() in ("dynamic", "symbolic", "n", "r"):
+    return None
+  try:
+    n = int(value)
+  except (TypeError, ValueError):
+    raise ValueError(f"--{flag}={value!r} must be a positive integer or 'dynamic'") from None
+  if n < 1 or str(n) != str(value).strip():
+    raise ValueError(f"--{flag}={value!r} must be a positive integer or 'dynamic'")
+  return n
+
+
+def input_spec(schema, seq_lens: dict, n, r) -> dict:
+  """The serving batch as ``{path: (shape, dtype)}`` with ``n`` / ``r`` ints or dim names."""
+  spec = {f"sparse/{f.name}": ((n, f.max_len), "int32") for f in schema.sparse}
+  spec["dense"] = ((n, len(schema.dense)), "float32")
+  spec["surface"] = ((n,), "int32")
+  for st in schema.streams:
+    T = seq_lens[st.name]
+    for f in ("item", "action", "surface") + tuple(e.name for e in st.extra_fields):
+      spec[f"events/{st.name}/{f}"] = ((r, T), "int32")
+    spec[f"events/{st.name}/age"] = ((r, T), "float32")
+    spec[f"events/{st.name}/length"] = ((r,), "int32")
+  spec["request_index"] = ((n,), "int32")
+  return spec
+
+
+def flatten(tree: dict, prefix: str = "") -> dict:
+  """``{"a": {"b": x}}`` -> ``{"a/b": x}`` (inverse of ``loader.nest``)."""
+  out = {}
+  for k, v in tree.items():
+    p = f"{prefix}{k}"
+    if isinstance(v, Mapping):
+      out.update(flatten(v, p + "/"))
+    else:
+      out[p] = v
+  return out
+
+
+def _restore(workdir: str, step, data_dir, trust_workdir: bool = False):
+  """``(config, schema, model, step, params)`` of a train.py workdir (FatalError if unusable)."""
+  import jax
+
+  from data.fake import random_batch
+  from kunlun.config import seq_lens
+  from kunlun.serving.loader import nest
+  from kunlun.train import checkpoint, runtime
+  from sharding import mesh as mesh_lib
+  from sharding import partition
+
+  if not os.path.isdir(workdir):
+    runtime.fail(f"--workdir={workdir}: no such directory")
+  try:
+    ckpt = checkpoint.Checkpointer(os.path.join(workdir, "checkpoints"), read_only=True)
+    if not ckpt.all_steps():
+      runtime.fail(f"--workdir={workdir}: no checkpoints in {ckpt.directory}")
+  except checkpoint.CheckpointError as e:
+    runtime.fail(f"--workdir={workdir}: {e}")
+  if step is not None and step not in ckpt.all_steps():
+    runtime.fail(f"--step={step}: no such checkpoint; available {ckpt.all_steps()}")
+  config, saved = runtime.load_run_info(workdir, trust_workdir)
+  data_dir = data_dir or saved
+  if not data_dir:
+    runtime.fail("no --data_dir given and none recorded in the workdir (data_dir.txt)")
+  schema = runtime.load_schema(data_dir)
+  model = runtime.build_model(config, schema)
+  mesh = mesh_lib.make_mesh(devices=jax.devices()[:1])
+  example = random_batch(schema, 1, seq_lens(config))
+  abstract = partition.abstract_params(model, jax.random.key(0), example, mesh,
+                                       runtime.get_rules(config.sharding.rules))
+  try:
+    used, params = ckpt.restore_params(abstract, step)
+  except checkpoint.CheckpointError as e:
+    runtime.fail(str(e))
+  params = nest(flatten(jax.tree.map(np.asarray, params)))     # plain nested dicts
+  return config, schema, model, used, params
+
+
+def export(workdir: str, out: str, *, candidates="dynamic", requests=1, step=None,
+           data_dir=None, platforms=("cpu",), verify: bool = True, trust_workdir: bool = False,
+           log=print) -> dict:
+  """Writes the artifact, parameters and signature to ``out``; returns the signature dict.
+  Raises ``runtime.FatalError`` (one line) on bad input."""
+  import flax
+  import jax
+  from jax import export as jex
+
+  from kunlun.config import seq_lens
+  from kunlun.serving import score
+  from kunlun.serving.loader import ARTIFACT, FORMAT, PARAMS, SIGNATURE, nest
+  from kunlun.train import runtime
+
+  try:
+    n_fixed, r_fixed = parse_count("candidates", candidates), parse_count("requests", requests)
+  except ValueError as e:
+    runtime.fail(str(e))
+  bad = [p for p in platforms if p not in PLATFORMS]
+  if bad or not platforms:
+    runtime.fail(f"--platforms={','.join(platforms)}: allowed {PLATFORMS}")
+  workdir = os.path.abspath(workdir)
+  config, schema, model, used_step, params = _restore(workdir, step, data_dir, trust_workdir)
+  lens = seq_lens(config)
+  dims = ", ".join(d for d, f in (("n", n_fixed), ("r", r_fixed)) if f is None)
+  sym = dict(zip([d.strip() for d in dims.split(",")], jex.symbolic_shape(dims), strict=True)
+             ) if dims else {}
+  n, r = sym.get("n", n_fixed), sym.get("r", r_fixed)
+  spec = input_spec(schema, lens, n, r)
+  batch_struct = nest({p: jax.ShapeDtypeStruct(s, d) for p, (s, d) in spec.items()})
+  param_struct = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params)
+  scorer = score.make_scorer(model, jit=False)
+  log(f"exporting {config.model.arch} (step {used_step}) for {','.join(platforms)}: "
+      f"candidates={'n (symbolic)' if n_fixed is None else n_fixed}, "
+      f"requests={'r (symbolic)' if r_fixed is None else r_fixed}")
+  try:
+    exp = jex.export(jax.jit(scorer), platforms=tuple(platforms))(param_struct, batch_struct)
+  except Exception as e:  # tracing / lowering failures: name the cause in one line
+    runtime.fail(f"export failed ({type(e).__name__}: {str(e).splitlines()[0][:300]})")
+  os.makedirs(out, exist_ok=True)
+  with open(os.path.join(out, ARTIFACT), "wb") as f:
+    f.write(exp.serialize())
+  np.savez(os.path.join(out, PARAMS), **flatten(params))
+  name = lambda x: x if isinstance(x, int) else str(x)
+  K = len(schema.tasks)
+  sig = {
+      "format": FORMAT,
+      "inputs": {p: {"dtype": d, "shape": [name(x) for x in s]} for p, (s, d) in spec.items()},
+      "outputs": {k: {"dtype": "float32", "shape": [name(n), K]} for k in ("logits", "prob")},
+      "candidates": "n" if n_fixed is None else n_fixed,
+      "requests": "r" if r_fixed is None else r_fixed,
+      "tasks": list(schema.task_names), "surfaces": list(schema.surfaces),
+      "kept_len": lens, "platforms": list(platforms),
+      "usage": {
+          "rows": "sparse/dense/surface/request_index: one row per candidate ad (n); events: one "
+                  "row per request (r); request_index[i] = the request of ad i, in [0, r)",
+          "sparse": "ids in [0, vocab); -1 = empty slot; hashed features: "
+                    "data.pipeline.hash_ids(raw, vocab) = ((raw * 0x9E3779B97F4A7C15 mod 2^64) "
+                    ">> 29) mod vocab",
+          "dense": "raw values (the model normalises them)",
+          "surface": "index into surfaces",
+          "events": "per stream the most recent kept_len events, oldest first, valid ones in "
+                    "[0, length); age = request time - event time in seconds; padding 0",
+          "outputs": "logits / sigmoid probabilities per task on the ad row's surface",
+      },
+      "source": {"workdir": workdir, "step": int(used_step), "arch": config.model.arch,
+                 "comp_skip": bool(config.model.comp_skip)},
+      "versions": {"jax": jax.__version__, "flax": flax.__version__,
+                   "python": platform.python_version()},
+  }
+  with open(os.path.join(out, SIGNATURE), "w") as f:
+    json.dump(sig, f, indent=1)
+  log(f"wrote {out}/{{{ARTIFACT},{PARAMS},{SIGNATURE}}}")
+  here = jax.default_backend()
+  if verify and ({"gpu": "cuda"}.get(here, here) in platforms or here in platforms):
+    err = _verify(out, schema, lens, model, params, n_fixed or 3, r_fixed or 1)
+    sig["verify_max_abs_diff"] = err
+    log(f"verified: artifact vs in-process model, max |logit diff| = {err:.2e}")
+  return sig
+
+
+def _verify(out, schema, lens, model, params, n: int, r: int) -> float:
+  """Max |logit difference| between the reloaded artifact and the in-process shared path."""
+  from data.fake import random_batch
+  from kunlun.serving import loader, score
+  req = random_batch(schema, r, lens, seed=1, min_len=1)
+  ads = random_batch(schema, n, lens, seed=2)
+  b = score.serving_batch(req["events"], ads, np.arange(n) % r)
+  got = loader.load(out)(b)["logits"]
+  want = np.asarray(score.make_scorer(model)(params, b)["logits"])
+  err = float(np.max(np.abs(got - want)))
+  if not err <= 1e-3 * max(1.0, float(np.max(np.abs(want)))):
+    raise AssertionError(f"exported artifact disagrees with the model: max |diff| {err}")
+  return err
+
+
+def main(argv=None) -> int:
+  ap = argparse.ArgumentParser(prog="kunlun.serving.export", description=__doc__,
+                               formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("--workdir", required=True, help="train.py workdir")
+  ap.add_argument("--out", required=True, help="output directory")
+  ap.add_argument("--candidates", default="dynamic", help="'dynamic' or a fixed count")
+  ap.add_argument("--requests", default="1", help="requests per call: a count or 'dynamic'")
+  ap.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
+  ap.add_argument("--data_dir", default=None, help="dataset dir with schema.json (default: the "
+                  "run's)")
+  ap.add_argument("--platforms", default="cpu", help=f"comma-separated, from {PLATFORMS}")
+  ap.add_argument("--no_verify", action="store_true", help="skip the reload-and-compare check")
+  ap.add_argument("--trust_workdir", action="store_true",
+                  help="load an older workdir's config.pkl (pickle: runs code from the file)")
+  a = ap.parse_args(argv)
+  from kunlun.train import runtime
+  from kunlun.train.runtime import FatalError
+  runtime.quiet_checkpoint_logs()
+  try:
+    export(a.workdir, a.out, candidates=a.candidates, requests=a.requests, step=a.step,
+           data_dir=a.data_dir, platforms=tuple(p.strip() for p in a.platforms.split(",")),
+           verify=not a.no_verify, trust_workdir=a.trust_workdir)
+  except FatalError as e:
+    print(f"kunlun.serving.export: error: {e}", file=sys.stderr)
+    return 2
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,109 @@
+"""Runs a serving artifact written by ``kunlun.serving.export`` with jax and numpy only.
+
+  from kunlun.serving.loader import load       # or copy this one file next to the artifact
+  scorer = load("runs/tiny_serving")
+  out = scorer(batch)     # {"logits": f32[N, K], "prob": f32[N, K]} as numpy
+
+``batch`` is a nested dict of arrays in the layout of ``signature.json`` (its ``usage`` section):
+``sparse {name: i32[N, L]}``, ``dense f32[N, F]``, ``surface i32[N]``, ``events {stream:
+{field: [R, T], length i32[R]}}``, ``request_index i32[N]``; extra keys are ignored. Inputs are
+checked against the signature (missing arrays, shapes, the candidate / request counts, the
+``request_index`` range) and a mismatch is a ``ValueError`` with one line naming it. This module
+imports nothing of the model code (no flax, no ``kunlun.model``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+import numpy as np
+from jax import export as jex
+
+FORMAT = "kunlun-serving-v1"
+ARTIFACT, PARAMS, SIGNATURE = "serving.jax_export", "params.npz", "signature.json"
+
+
+def nest(flat: dict) -> dict:
+  """``{"a/b": x}`` -> ``{"a": {"b": x}}`` (the artifact's paths: params.npz keys, inputs)."""
+  out = {}
+  for path, v in flat.items():
+    d = out
+    *head, last = path.split("/")
+    for k in head:
+      d = d.setdefault(k, {})
+    d[last] = v
+  return out
+
+
+def _get(batch, path: str):
+  x = batch
+  for k in path.split("/"):
+    if not isinstance(x, dict) or k not in x:
+      raise ValueError(f"serving input {path!r} is missing")
+    x = x[k]
+  return x
+
+
+class ServingArtifact:
+  """A loaded artifact: ``__call__(batch) -> {"logits", "prob"}`` (numpy)."""
+
+  def __init__(self, directory: str):
+    for f in (ARTIFACT, PARAMS, SIGNATURE):
+      if not os.path.exists(os.path.join(directory, f)):
+        raise FileNotFoundError(f"{directory}: no {f} (not a kunlun.serving.export output)")
+    with open(os.path.join(directory, SIGNATURE)) as f:
+      self.signature = json.load(f)
+    if self.signature.get("format") != FORMAT:
+      raise ValueError(f"{directory}: format {self.signature.get('format')!r}, want {FORMAT!r}")
+    with open(os.path.join(directory, ARTIFACT), "rb") as f:
+      self.exported = jex.deserialize(bytearray(f.read()))
+    with np.load(os.path.join(directory, PARAMS)) as z:
+      flat = {k: z[k] for k in z.files}
+    p_avals = self.exported.in_avals[:len(flat)]
+    leaves, tree = jax.tree.flatten(nest(flat))
+    # the params' leaves come first in the exported (params, batch) argument order
+    self._params = jax.tree.unflatten(tree, [
+        np.asarray(x, a.dtype) for x, a in zip(leaves, p_avals, strict=True)])
+    self._params = jax.device_put(self._params)
+
+  @property
+  def inputs(self) -> dict:
+    return self.signature["inputs"]
+
+  def _check(self, batch) -> dict:
+    dims, flat = {}, {}
+    for path, s in self.inputs.items():
+      x = np.asarray(_get(batch, path))
+      want = s["shape"]
+      if x.ndim != len(want):
+        raise ValueError(f"serving input {path!r}: rank {x.ndim}, want shape {want}")
+      for got, w in zip(x.shape, want, strict=True):
+        if isinstance(w, str):
+          if dims.setdefault(w, got) != got:
+            raise ValueError(f"serving input {path!r}: dimension {w!r} = {got} but "
+                             f"{dims[w]} elsewhere (shape {list(x.shape)}, want {want})")
+        elif got != w:
+          raise ValueError(f"serving input {path!r}: shape {list(x.shape)}, want {want}")
+      kind = np.dtype(s["dtype"]).kind
+      if kind == "i" and x.dtype.kind not in "iu":
+        raise ValueError(f"serving input {path!r}: integer ids expected, got {x.dtype}")
+      flat[path] = x.astype(s["dtype"])
+    for name, size in dims.items():
+      if size < 1:
+        raise ValueError(f"serving inputs: dimension {name!r} must be >= 1, got {size}")
+    ri = flat["request_index"]
+    r = next(np.shape(v)[0] for p, v in flat.items() if p.startswith("events/"))
+    if ri.size and (ri.min() < 0 or ri.max() >= r):
+      raise ValueError(f"request_index must lie in [0, {r}) (the request rows), got "
+                       f"[{ri.min()}, {ri.max()}]")
+    return nest(flat)
+
+  def __call__(self, batch) -> dict:
+    out = self.exported.call(self._params, self._check(batch))
+    return {k: np.asarray(v) for k, v in out.items()}
+
+
+def load(directory: str) -> ServingArtifact:
+  return ServingArtifact(directory)

@@ -1,0 +1,199 @@
+"""Request-level serving (spec d.6): score one user's request against N candidate ads, computing
+the request's work once and broadcasting it to the ads.
+
+What is request-level in Kunlun (worked out from spec c.2-c.5, c.7, d.1 and this code)
+-----------------------------------------------------------------------------------------
+The candidate ad enters the model only through the context features (spec h-20): the ad's sparse
+ids and dense values are tokens of ``X0``, and the LCE mixes user, ad and context tokens, so
+``X`` is ad-specific from the start, and so are everything computed from it: WeightGen's K/V
+(c.2), MoWE (c.6) and the heads. The event streams belong to the user, so per tower:
+
+* request-level (once per request): the event embeddings ``s0_e`` (b.4; OneSeq's merge too), the
+  time encodings, the layer-0 HSP / PMA summary (K/V projections, seed attention, SumKronLinear:
+  it reads only ``s0_e``; spec d.6's "HSP seed attention"), that summary's projection to
+  ``d_ns`` (until a later HSP replaces it), and the layer-0 PFFN's query side
+  ``u = LN(s0_e)`` (+ its time-bucket embeddings);
+* ad-level: the PFFN output. ``s1_e = RMSNorm(GDPA(u, K_ad, V_ad) + u) + s0_e`` mixes in the
+  ad's K/V, so from there on the sequence is ad-specific (spec d.6's caveat), and with it every
+  later SWA / block attention, every later HSP (including the tower's final one) and the
+  summaries they produce.
+* SWA before any ad-conditioned PFFN: none. Layer 0 is a "global" layer under CompSkip (h-9:
+  WeightGen + PFFN + HSP; SWA from layer 1) and without CompSkip its SWA runs after its PFFN
+  (``s' = SWA(PFFN(s))``), so every tower's first PFFN precedes its first SWA. The layer code
+  still runs any module whose inputs are all request-level once per request
+  (``kunlun.serving.rows``), so a schedule with attention first would share it automatically.
+
+So the shared path saves the event embeddings and one HSP per tower per candidate, about 1/4 of
+the forward FLOPs of the ``dev`` preset (``flops_split``); the rest of the sequence work is
+ad-conditioned and stays per candidate. Context features are taken per ad row (user features
+repeated): the schema does not mark which features are the user's, and the LCE mixes them.
+
+Batch layout (``serving_batch``): ``sparse {name: i32[N, L]}``, ``dense f32[N, F]``,
+``surface i32[N]`` per candidate; ``events {stream: {... [R, T], length i32[R]}}`` per request;
+``request_index i32[N]`` (each candidate's request, in ``[0, R)``). ``make_scorer`` returns
+``{"logits", "prob"}`` (``f32[N, K]``, per task on the ad row's surface) from the shared path, or
+from ``N`` separate examples (``shared=False``: the naive path, ``expand``). The parameters are
+those of training (same tree); no model copy is made.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from data.schema import Schema
+from kunlun import flops
+from kunlun.baselines.ablated import ablated_config
+from kunlun.config import ModelConfig, parse
+from kunlun.model import Kunlun
+from kunlun.towers import schedule
+
+AD_KEYS = ("sparse", "dense", "surface")
+
+
+def serving_batch(request_events: dict, ads: dict, request_index=None) -> dict:
+  """``request_events {stream: {field: [R, T], length [R]}}`` + ``ads {sparse, dense, surface}``
+  (``N`` rows) -> a serving batch. ``request_index`` defaults to all zeros (one request)."""
+  n = int(np.shape(ads["surface"])[0])
+  ri = np.zeros(n, np.int32) if request_index is None else np.asarray(request_index, np.int32)
+  return {"sparse": dict(ads["sparse"]), "dense": ads["dense"], "surface": ads["surface"],
+          "events": request_events, "request_index": ri}
+
+
+def expand(batch: dict) -> dict:
+  """The naive form of a serving batch: ``N`` separate examples (each ad row with its request's
+  events), in the training batch layout."""
+  ri = np.asarray(batch["request_index"])
+  out = {k: batch[k] for k in AD_KEYS}
+  out["events"] = {s: {f: np.asarray(a)[ri] for f, a in ev.items()}
+                   for s, ev in batch["events"].items()}
+  return out
+
+
+def check_batch(schema: Schema, batch: dict) -> None:
+  """Validates a serving batch's keys, row counts and ``request_index`` range (ValueError naming
+  the problem). Values of ids are the model's concern (they are wrapped / hashed there)."""
+  missing = [k for k in AD_KEYS + ("events", "request_index") if k not in batch]
+  if missing:
+    raise ValueError(f"serving batch lacks {missing}")
+  ri = np.asarray(batch["request_index"])
+  n = ri.shape[0] if ri.ndim == 1 else -1
+  if n < 1:
+    raise ValueError(f"request_index must be i32[N] with N >= 1, got shape {ri.shape}")
+  for k in ("dense", "surface"):
+    if np.shape(batch[k])[0] != n:
+      raise ValueError(f"{k} has {np.shape(batch[k])[0]} rows, request_index has {n}")
+  for f in schema.sparse:
+    if f.name not in batch["sparse"]:
+      raise ValueError(f"sparse feature {f.name!r} missing (has {sorted(batch['sparse'])})")
+    if np.shape(batch["sparse"][f.name])[0] != n:
+      raise ValueError(f"sparse[{f.name!r}] has {np.shape(batch['sparse'][f.name])[0]} rows, "
+                       f"request_index has {n}")
+  r = None
+  for st in schema.streams:
+    ev = batch["events"].get(st.name)
+    if ev is None or "length" not in ev:
+      raise ValueError(f"events[{st.name!r}] missing or without 'length'")
+    r = np.shape(ev["length"])[0] if r is None else r
+    bad = [f for f, a in ev.items() if np.shape(a)[0] != r]
+    if bad:
+      raise ValueError(f"events[{st.name!r}] fields {bad} do not have {r} request rows")
+  if ri.min() < 0 or ri.max() >= r:
+    raise ValueError(f"request_index must lie in [0, {r}) (the request rows), got "
+                     f"[{ri.min()}, {ri.max()}]")
+
+
+def supports_sharing(model) -> bool:
+  """Kunlun (and ``kunlun_ablated``, built on it) share; InterFormer, DLRM and models that add
+  inputs through ``extra_inputs`` (LoopFM) are served naively."""
+  return isinstance(model, Kunlun) and type(model).extra_inputs is Kunlun.extra_inputs
+
+
+def make_scorer(model, *, shared: bool = True, jit: bool = True):
+  """``fn(params, batch) -> {"logits": f32[N, K], "prob": f32[N, K]}`` for a serving batch.
+
+  ``shared=True`` runs the request-level parts once per request (falls back to the naive path
+  for models without sharing, ``supports_sharing``); ``shared=False`` scores ``expand(batch)``.
+  """
+  share = shared and supports_sharing(model)
+
+  def fn(params, batch):
+    if share:
+      reps = model.apply({"params": params}, {k: batch[k] for k in AD_KEYS + ("events",)},
+                         method="representations", request_index=batch["request_index"])
+    else:
+      ri = jnp.asarray(batch["request_index"], jnp.int32)
+      b = {k: batch[k] for k in AD_KEYS}
+      b["events"] = jax.tree.map(lambda a: jnp.take(jnp.asarray(a), ri, axis=0), batch["events"])
+      reps = model.apply({"params": params}, b, method="representations")
+    logits = reps["logits"].astype(jnp.float32)
+    return {"logits": logits, "prob": jax.nn.sigmoid(logits)}
+  return jax.jit(fn) if jit else fn
+
+
+# ---- what is shared, in FLOPs ------------------------------------------------------------------
+def sharing_plan(cfg: ModelConfig) -> dict[str, list[str]]:
+  """Module paths (as in the params tree) by level: ``{"request": [...], "ad": [...]}``.
+
+  Follows the layer code: a tower's sequence is request-level until its first PFFN; HSP and
+  attention on a request-level sequence are request-level; everything reading ``X`` is ad-level.
+  The PFFN itself is listed as ad-level (its query side, ``LN(s)``, is computed per request).
+  """
+  if cfg.arch == "kunlun_ablated":
+    cfg = ablated_config(cfg)
+  req = [f"embed_{st}" for st in cfg.streams] if cfg.seq_mode == "towers" else (
+      [f"embed_{st}" for st in cfg.streams] + ["oneseq_merge"])
+  ad = ["context"]
+  shared = {t.name: True for t in cfg.seq_towers}
+  for l in range(cfg.num_layers):
+    for t in cfg.seq_towers:
+      p = schedule(t, l, cfg.comp_skip)
+      if p.weightgen:
+        ad.append(f"layer_{l}/{t.name}_weightgen")
+      if p.hsp:
+        (req if shared[t.name] else ad).append(f"layer_{l}/{t.name}_hsp")
+    ad.append(f"layer_{l}/mowe")
+    for t in cfg.seq_towers:
+      p = schedule(t, l, cfg.comp_skip)
+      if p.pffn:
+        ad.append(f"layer_{l}/{t.name}_pffn")
+        shared[t.name] = False
+      if p.attention:
+        (req if shared[t.name] else ad).append(f"layer_{l}/{t.name}_attention")
+      if p.final_hsp:
+        (req if shared[t.name] else ad).append(f"layer_{l}/{t.name}_final_hsp")
+  ad.append("heads")
+  return {"request": req, "ad": ad}
+
+
+def flops_split(config, schema: Schema) -> dict[str, float]:
+  """Analytic forward FLOPs per candidate (``kunlun.flops``): ``{"total", "request", "ad"}``;
+  ``request`` is what the shared path computes once per request (event embeddings and the
+  request-level HSP / attention of ``sharing_plan``), ``ad = total - request``. Speed-up bound
+  at ``N`` candidates per request: ``total / (ad + request / N)``."""
+  cfg = config if isinstance(config, ModelConfig) else parse(config, schema)
+  total = flops.model_flops(cfg, schema)["forward"]
+  if cfg.arch in ("dlrm", "interformer"):          # served naively (supports_sharing)
+    return {"total": total, "request": 0.0, "ad": total}
+  c = cfg
+  if cfg.arch == "kunlun_ablated":
+    c = ablated_config(cfg)
+  plan = set(sharing_plan(cfg)["request"])
+  req = 0.0
+  for st in schema.streams:
+    t = c.oneseq if c.seq_mode == "oneseq" else c.tower(st.name)
+    req += flops.event_embed_flops(st, _stream_len(c, st.name), t.width)
+  for l in range(c.num_layers):
+    for t in c.seq_towers:
+      for suffix in ("hsp", "final_hsp"):
+        if f"layer_{l}/{t.name}_{suffix}" in plan:
+          req += flops.pooling_flops(c, t)
+      if f"layer_{l}/{t.name}_attention" in plan:
+        req += flops.attention_flops(t.kept_len, t.width, c.attention.kind, t.window,
+                                     c.attention.block_size)
+  return {"total": total, "request": req, "ad": total - req}
+
+
+def _stream_len(cfg: ModelConfig, stream: str) -> int:
+  return next(t.kept_len for t in cfg.towers if t.name == stream)
