@@ -76,3 +76,18 @@ def test_kernel_gelu_matches_exact():
   exact = activations.ACTIVATIONS["gelu"]
   np.testing.assert_allclose(val, exact(x), atol=1e-6)
   np.testing.assert_allclose(slope, jax.vmap(jax.grad(exact))(x), atol=1e-6)
+
+
+@pytest.mark.parametrize("kw", [
+    dict(window=64, q_lengths=jnp.array([3, 100]), kv_lengths=jnp.array([100, 40])),
+    dict(q_lengths=jnp.array([0, 100]), kv_lengths=jnp.array([100, 0])),
+    dict(window=8, q_index=jnp.array([1, 0, 1]), kv_index=jnp.array([0, 0, 1]),
+         kv_start=jnp.array([2, 0]), q_offset=8),
+], ids=["band", "full", "shared_halo"])
+def test_softmax_attention_forward_and_backward_lower(sm90, kw):
+  from pallas_kernels import pallas_softmax
+  assert _n_triton_calls(_loss(pallas_softmax.softmax_attention_pallas, **kw),
+                         BF16, BF16, BF16) == 3                           # fwd, dq, dk/dv
+  f32 = jax.ShapeDtypeStruct(BF16.shape, jnp.float32)
+  assert _n_triton_calls(_loss(pallas_softmax.softmax_attention_pallas, **kw), f32, f32,
+                         f32) == 3
