@@ -302,6 +302,18 @@ def _attention_bwd(cfg, res, do):
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
+def hbm_bytes(B, Tq, Tk, Hq, Hkv, D, dtype, *, backward=True) -> dict:
+  """Compulsory HBM traffic of the kernels (each operand read once, each result written once;
+  re-reads of a key tile by the q tiles of its band are assumed to hit L2): ``{"fwd": bytes,
+  "bwd": bytes, "total": bytes}``. Forward: q, k, v in; o, lse (fp32) out. Backward: dq kernel
+  q, k, v, o, dO, lse in, dq, delta out; dk/dv kernel q, k, v, dO, lse, delta in, dk, dv out."""
+  s = jnp.dtype(dtype).itemsize
+  q, kv, stat = B * Tq * Hq * D * s, B * Tk * Hkv * D * s, B * Hq * Tq * 4
+  fwd = q + 2 * kv + q + stat
+  bwd = (q + 2 * kv + 2 * q + stat + q + stat) + (q + 2 * kv + q + 2 * stat + 2 * kv)
+  return {"fwd": fwd, "bwd": bwd if backward else 0, "total": fwd + (bwd if backward else 0)}
+
+
 def tiles(tq, tk, head_dim, dtype, window=None, block_q=None, block_k=None, block_q_bwd=None,
           block_k_bwd=None):
   """``(bq, bk, bq_bwd, bk_bwd, num_warps, num_stages)`` at this shape: explicit tiles, else
