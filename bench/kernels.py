@@ -190,9 +190,9 @@ def pallas_tiles(t):
   if "fwd" in t:
     bq, bk, w, st = t["fwd"]
     out.update(block_q=bq, block_k=bk, num_warps=w, num_stages=st)
-  if "dkv" in t:
-    bq, bk, _, _ = t["dkv"]
-    out.update(block_q_bwd=bq, block_k_bwd=bk)
+  if "dkv" in t:                       # softmax attention only (GDPA tunes pallas fwd alone)
+    bq, bk, w, st = t["dkv"]
+    out.update(block_q_bwd=bq, block_k_bwd=bk, num_warps_bwd=w, num_stages_bwd=st)
   return out
 
 
@@ -234,8 +234,8 @@ def autotune(name, s, q, k, v, iters):
 
 
 SWA_CANDIDATES = {  # Pallas softmax attention (band w = 64): forward tiles, then backward tiles
-    "fwd": [(64, 64, 4, 3), (128, 64, 8, 3), (64, 32, 4, 3), (32, 64, 4, 3)],
-    "dkv": [(32, 64, 4, 3), (64, 64, 4, 2), (32, 32, 4, 3)],
+    "fwd": [(64, 64, 8, 3), (128, 64, 8, 3), (64, 32, 4, 3), (32, 64, 4, 3)],
+    "dkv": [(64, 64, 8, 2), (32, 64, 8, 3), (32, 64, 8, 2)],
 }
 
 

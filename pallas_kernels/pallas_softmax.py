@@ -59,10 +59,14 @@ class _Cfg(NamedTuple):
   bq_bwd: int
   bk_bwd: int
   interpret: bool
-  num_warps: int | None = None
+  num_warps: int | None = None      # forward
   num_stages: int | None = None
+  num_warps_bwd: int | None = None  # dq and dk/dv
+  num_stages_bwd: int | None = None
 
-  def params(self):
+  def params(self, bwd=False):
+    if bwd:
+      return plgpu.CompilerParams(num_warps=self.num_warps_bwd, num_stages=self.num_stages_bwd)
     return plgpu.CompilerParams(num_warps=self.num_warps, num_stages=self.num_stages)
 
 
@@ -238,7 +242,7 @@ def _dkv_kernel(*refs, cfg: _Cfg, nq: int):
 # ----------------------------------------------------------------------------- pallas_calls
 
 
-def _call(kernel, cfg: _Cfg, rows, ops, out_shape, grid, name):
+def _call(kernel, cfg: _Cfg, rows, ops, out_shape, grid, name, bwd=False):
   """``pallas_call`` with the per-row scalars (lengths, key start, indices) blocked and the
   arrays whole."""
   ql, lo, hi, qi, ki = rows
@@ -249,7 +253,7 @@ def _call(kernel, cfg: _Cfg, rows, ops, out_shape, grid, name):
       kernel, (*scalars, *ops), out_shape=out_shape, grid=grid,
       in_specs=[pl.BlockSpec((1,), lambda b, h, i: (b,))] * len(scalars) + [whole] * len(ops),
       out_specs=(whole,) * n_out if n_out > 1 else whole, interpret=cfg.interpret, name=name,
-      compiler_params=cfg.params())
+      compiler_params=cfg.params(bwd))
 
 
 def _fwd_call(cfg: _Cfg, q, k, v, rows):
@@ -272,11 +276,11 @@ def _bwd_calls(cfg: _Cfg, q, k, v, rows, o, lse, do):
                     (q, k, v, o, lse, do),
                     (jax.ShapeDtypeStruct((B, Tq, Hq, D), dq_dtype),
                      jax.ShapeDtypeStruct((B, Hq, Tq), _F32)), (B, Hq, nq),
-                    "softmax_attention_bwd_dq")
+                    "softmax_attention_bwd_dq", bwd=True)
   dk, dv = _call(functools.partial(_dkv_kernel, cfg=cfg, nq=nq), cfg, rows,
                  (q, k, v, lse, delta, do),
                  (jax.ShapeDtypeStruct((B, Tk, Hkv, D), dkv_dtype),) * 2, (B, Hkv, nk),
-                 "softmax_attention_bwd_dkv")
+                 "softmax_attention_bwd_dkv", bwd=True)
   return dq, dk, dv
 
 
@@ -316,27 +320,30 @@ def hbm_bytes(B, Tq, Tk, Hq, Hkv, D, dtype, *, backward=True) -> dict:
 
 def tiles(tq, tk, head_dim, dtype, window=None, block_q=None, block_k=None, block_q_bwd=None,
           block_k_bwd=None):
-  """``(bq, bk, bq_bwd, bk_bwd, num_warps, num_stages)`` at this shape: explicit tiles, else
-  ``tuning.lookup`` (shape class "swa" / "full", defaults ``tuning.SOFTMAX_DEFAULTS``)."""
+  """``(bq, bk, bq_bwd, bk_bwd, (fwd warps, stages), (bwd warps, stages))`` at this shape:
+  explicit tiles, else ``tuning.lookup`` (shape class "swa" / "full", defaults
+  ``tuning.SOFTMAX_DEFAULTS``)."""
   cls = softmax_class(window)
   key = tuning.key(cls, head_dim, dtype)
-  fq, fk, fw, fs = tuning.lookup("pallas", "fwd", key, dtype, defaults=tuning.softmax_defaults(cls))
-  bq_b, bk_b, _, _ = tuning.lookup("pallas", "dkv", key, dtype,
-                                   defaults=tuning.softmax_defaults(cls))
+  look = lambda kern: tuning.lookup("pallas", kern, key, dtype,
+                                    defaults=tuning.softmax_defaults(cls))
+  fq, fk, fw, fs = look("fwd")
+  bq_b, bk_b, bw, bs = look("dkv")
   return (tuning.clamp_tile(block_q or fq, tq), tuning.clamp_tile(block_k or fk, tk),
           tuning.clamp_tile(block_q_bwd or bq_b, tq), tuning.clamp_tile(block_k_bwd or bk_b, tk),
-          fw, fs)
+          (fw, fs), (bw, bs))
 
 
 def softmax_attention_pallas(q, k, v, *, window=None, scale=None, q_lengths=None,
                              kv_lengths=None, kv_start=None, q_offset=0, q_index=None,
                              kv_index=None, backend="pallas", interpret=False, block_q=None,
                              block_k=None, block_q_bwd=None, block_k_bwd=None, num_warps=None,
-                             num_stages=None):
+                             num_stages=None, num_warps_bwd=None, num_stages_bwd=None):
   """Pallas softmax attention; semantics of ``reference.softmax_attention_reference``.
 
   Extra args: ``block_*`` tile sizes (powers of two >= 16, clipped to the sequence lengths;
-  default ``tiles``), ``num_warps`` / ``num_stages`` (GPU).
+  default ``tiles``), ``num_warps`` / ``num_stages`` (GPU; forward) and ``num_warps_bwd`` /
+  ``num_stages_bwd`` (the dq and dk/dv kernels).
   """
   del backend
   r = resolve_rows(q, k, v, q_index=q_index, kv_index=kv_index, q_lengths=q_lengths,
@@ -345,10 +352,10 @@ def softmax_attention_pallas(q, k, v, *, window=None, scale=None, q_lengths=None
   Tk = k.shape[1]
   kv_lo = kv_start_rows(kv_start, k.shape[0], Tk)
   kv_lo = kv_lo if r.kv_index is None else kv_lo[r.kv_index]
-  bq, bk, bq_b, bk_b, nw, ns = tiles(Tq, Tk, D, q.dtype, window, block_q, block_k, block_q_bwd,
-                                     block_k_bwd)
+  bq, bk, bq_b, bk_b, (nw, ns), (bw, bs) = tiles(Tq, Tk, D, q.dtype, window, block_q, block_k,
+                                                 block_q_bwd, block_k_bwd)
   cfg = _Cfg(D ** -0.5 if scale is None else float(scale),
              None if window is None else int(window), check_q_offset(q_offset), r.groups,
              r.q_index is not None, r.kv_index is not None, bq, bk, bq_b, bk_b, bool(interpret),
-             num_warps or nw, num_stages or ns)
+             num_warps or nw, num_stages or ns, num_warps_bwd or bw, num_stages_bwd or bs)
   return _attention(cfg, q, k, v, (r.q_len, kv_lo, r.kv_len, r.q_index, r.kv_index))

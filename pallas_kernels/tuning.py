@@ -36,15 +36,17 @@ DEFAULTS_F32 = {  # fp32 operands take twice the registers and shared memory
     "dkv": (32, 64, 4, 2),
 }
 
-# Softmax attention (``pallas_softmax``), per shape class; not measured yet. Banded ("swa", w = 64):
-# a 64-row q tile touches 3 key tiles of 64 (192 keys for a 129-key band, 67% useful), a 128-row
-# one 4 (50%); backward ("dkv" tiles, used by the dq kernel too): 64-key tiles and 32-row q
-# tiles (6 inner steps, 67%).
+# Softmax attention (``pallas_softmax``), per shape class (not timed yet; sm_90 compile-only:
+# ``sm90_report.pallas_softmax_stats``, bf16, D 128). Banded ("swa", w = 64): a 64-row q tile
+# touches 3 key tiles of 64 (192 keys for a 129-key band, 67% useful), a 128-row one 4 (50%).
+# Forward 64x64 / 8 warps: 174 registers, no spills (4 warps: 247). Backward ("dkv" tiles and
+# warps, used by the dq kernel too) 64x64 / 8 warps / 2 stages: dq 153, dk/dv 249 registers, no
+# spills, both on wgmma (32-row q tiles fall back to mma.sync in dq; 4 warps spill in dk/dv).
 SOFTMAX_DEFAULTS = {
-    "swa": {"fwd": (64, 64, 4, 3), "dkv": (32, 64, 4, 3)},
-    "full": {"fwd": (128, 64, 8, 3), "dkv": (32, 128, 8, 3)},
+    "swa": {"fwd": (64, 64, 8, 3), "dkv": (64, 64, 8, 2)},
+    "full": {"fwd": (128, 64, 8, 3), "dkv": (64, 64, 8, 2)},
 }
-SOFTMAX_DEFAULTS_F32 = {"fwd": (64, 32, 4, 3), "dkv": (32, 64, 4, 2)}
+SOFTMAX_DEFAULTS_F32 = {"fwd": (64, 32, 8, 2), "dkv": (32, 32, 8, 2)}
 
 
 def softmax_defaults(shape_cls: str):
