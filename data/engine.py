@@ -1,0 +1,409 @@
+"""``data.ingest`` out of core on an embedded engine (DuckDB), on all cores.
+
+Why DuckDB: an in-process SQL engine (a pip wheel, no server) that reads and writes Parquet, runs
+sorts, window functions and partitioned writes multi-threaded, spills them to disk under a memory
+limit, and hands results to Python as Arrow without copies. The alternatives considered:
+Polars (fast, but its out-of-core streaming engine does not cover the ordered window aggregates
+used here, and it has no memory limit to set), DataFusion (spills, but its Python package is
+young and its window operators buffer whole partitions), SQLite (single-threaded, row-wise).
+
+Three passes (``data.ingest.run`` drives them):
+
+1. **scan** (``Staging``): each input batch is renamed and coerced (``data.layout.canonical``:
+   row-local Arrow compute, the same code as the in-memory path) and written as a Parquet part
+   with its source and row number; the scan statistics are gathered on the way.
+2. **engine, whole log** (``split_times``, ``partition``): the split quantiles (an exact
+   ``ORDER BY .. OFFSET``), the ad-side history statistics (window aggregates partitioned by ad,
+   strictly earlier seconds), and a hash partition of the rows by user into buckets of about
+   ``rows_per_bucket`` rows (Parquet, written in parallel). DuckDB spills to ``work_dir``.
+3. **engine, per bucket, in parallel** (``convert_task`` in a process pool, one DuckDB
+   thread each): the rows sorted by (user, time, row) with, per stream, the number of strictly
+   earlier events of the same user and where they end (window aggregates over (user, second)
+   peers), and the user-side statistics; numpy then copies the last ``max_len`` events into
+   the rows' lists, ``data.layout.finalize`` and ``data.parquet.table_to_records`` encode them
+   (chunks of ``CHUNK`` rows), and each task writes its own ArrayRecord shards.
+
+Without ``--history`` the buckets are the scan's parts, in input order. Memory is bounded by the
+engine's limit plus, per worker, one bucket's rows (about 40 bytes each for the event columns
+plus one chunk of records): a single user with more rows than a bucket makes that bucket larger.
+Output records are byte-equal to the in-memory path's (``tests/data/test_ingest_engine.py``);
+within a split and surface they come bucket by bucket, each in (user, time) order.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import glob
+import hashlib
+import multiprocessing
+import os
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from data.coerce import CoerceError, Coercions
+
+CHUNK = 50_000                  # rows encoded at a time
+ROWS_PER_BUCKET = 1_000_000
+
+
+def _q(name: str) -> str:
+  return '"' + name.replace('"', '""') + '"'
+
+
+def connect(work_dir: str, threads: int, memory_limit: str):
+  import duckdb
+  con = duckdb.connect()
+  tmp = os.path.join(work_dir, "duckdb_tmp")
+  os.makedirs(tmp, exist_ok=True)
+  con.execute(f"SET threads={int(threads)}")
+  con.execute(f"SET memory_limit='{memory_limit}'")
+  con.execute(f"SET temp_directory='{tmp}'")
+  con.execute("SET preserve_insertion_order=false")
+  return con
+
+
+class Staging:
+  """Pass 1's output: the canonical columns of every input batch as Parquet parts."""
+
+  def __init__(self, work_dir: str):
+    self.dir = os.path.join(work_dir, "canon")
+    os.makedirs(self.dir, exist_ok=True)
+    self.files: list[str] = []
+    self.schema = None
+    self.rows = 0
+
+  def add(self, cols: dict, src: int, first: int, split: int) -> None:
+    n = len(cols["request_ts"])
+    t = pa.table({**cols, "_src": pa.array(np.full(n, src, np.int32)),
+                  "_row": pa.array(np.arange(first, first + n, dtype=np.int64)),
+                  "_split": pa.array(np.full(n, split, np.int8))})
+    if self.schema is None:
+      self.schema = t.schema
+    elif t.schema.names == self.schema.names and t.schema != self.schema:
+      try:
+        t = t.cast(self.schema)
+      except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+        pass                    # read back by name (union_by_name)
+    path = os.path.join(self.dir, f"part-{len(self.files):06d}.parquet")
+    pq.write_table(t, path, compression="none")
+    self.files.append(path)
+    self.rows += n
+
+  @property
+  def glob(self) -> str:
+    return os.path.join(self.dir, "*.parquet")
+
+
+def _scan(files) -> str:
+  lst = ", ".join("'" + f.replace("'", "''") + "'" for f in files)
+  return f"read_parquet([{lst}], union_by_name=true)"
+
+
+def split_times(con, staging: Staging, kind: str, vals) -> tuple[float, float]:
+  """``data.ingest.cut_times`` as engine queries: exact order statistics of request_ts."""
+  src = _scan(staging.files)
+  n = staging.rows
+  if kind == "ts":
+    return vals
+  at = lambda k: float(con.execute(f"SELECT request_ts FROM {src} ORDER BY request_ts LIMIT 1 "
+                                   f"OFFSET {k}").fetchone()[0]) if k < n else float("inf")
+  k1, k2 = int(np.ceil(vals[0] * n)), int(np.ceil((vals[0] + vals[1]) * n))
+  t1, t2 = at(k1), at(k2)
+  if vals[1] == 0:
+    t2 = t1
+  first = float(con.execute(f"SELECT min(request_ts) FROM {src}").fetchone()[0])
+  if not n or t1 <= first:
+    raise ValueError(f"--split=time:...: no train rows (the earliest {vals[0]:.0%} of the rows all "
+                     "have the first request_ts); use --split ts:T1,T2 or none")
+  return t1, t2
+
+
+# ---- the history plan: what the streams are, in the schema's terms ---------------------------
+
+def stat_names(tasks) -> list[str]:
+  """The dense statistics ``--history_stats`` adds, in order (as ``data.history.stats``)."""
+  return [n for side in ("user", "ad") for n in
+          [f"{side}_count"] + [f"{side}_{t}_rate" for t in tasks]]
+
+
+def _sel(sel: str | None) -> str:
+  """SQL: 1 when the row is an event of a stream with selector ``sel`` (None: every row)."""
+  return "1" if sel is None else f"(coalesce({_q(sel)}, 0) > 0.5)::BIGINT"
+
+
+def _valid(t) -> str:
+  return f"({_q('label.' + t)} IS NOT NULL)::BIGINT"
+
+
+def _pos(t) -> str:
+  return f"(coalesce({_q('label.' + t)}, 0) > 0.5)::BIGINT"
+
+
+def _earlier(expr: str, part: str) -> str:
+  """SQL: the sum of ``expr`` over the rows of the same ``part`` key with a strictly earlier
+  request_ts (running sum over ts peers minus the row's own second)."""
+  return (f"(sum({expr}) OVER (PARTITION BY {part} ORDER BY request_ts) - "
+          f"sum({expr}) OVER (PARTITION BY {part}, request_ts))")
+
+
+def partition(con, staging: Staging, plan: dict, work_dir: str, buckets: int) -> list[list[str]]:
+  """Ad-side statistics (whole log) and the hash partition by user: ``[[files of bucket k]]``."""
+  extra = [f"hash(user_id) % {int(buckets)} AS _bucket"]
+  if plan["stats"]:
+    extra.append("(rank() OVER (PARTITION BY _ad_feature ORDER BY request_ts) - 1) AS _ad_count")
+    for t in plan["tasks"]:
+      extra.append(f"{_earlier(_valid(t), '_ad_feature')} AS {_q('_av.' + t)}")
+      extra.append(f"{_earlier(_pos(t), '_ad_feature')} AS {_q('_ap.' + t)}")
+  out = os.path.join(work_dir, "buckets")
+  con.execute(f"COPY (SELECT *, {', '.join(extra)} FROM {_scan(staging.files)}) TO '{out}' "
+              "(FORMAT parquet, PARTITION_BY (_bucket), COMPRESSION uncompressed)")
+  parts = []
+  for k in range(buckets):
+    files = sorted(glob.glob(os.path.join(out, f"_bucket={k}", "*.parquet")))
+    if files:
+      parts.append(files)
+  return parts
+
+
+def bucket_sql(src: str, plan: dict) -> str:
+  """One bucket's rows in (user, time, row) order with, per stream ``s``, ``_n.s`` (the user's
+  strictly earlier events) and ``_hi.s`` (how many of the bucket's events of ``s`` precede the
+  row's (user, second)), and the user-side statistic counts."""
+  cols = []
+  for s, sel in plan["streams"].items():
+    e = _sel(sel)
+    cols.append(f"{_earlier(e, 'user_id')} AS {_q('_n.' + s)}")
+    cols.append(f"(sum({e}) OVER (ORDER BY user_id, request_ts) - "
+                f"sum({e}) OVER (PARTITION BY user_id, request_ts)) AS {_q('_hi.' + s)}")
+  if plan["stats"]:
+    cols.append("(rank() OVER (PARTITION BY user_id ORDER BY request_ts) - 1) AS _user_count")
+    for t in plan["tasks"]:
+      cols.append(f"{_earlier(_valid(t), 'user_id')} AS {_q('_uv.' + t)}")
+      cols.append(f"{_earlier(_pos(t), 'user_id')} AS {_q('_up.' + t)}")
+  return (f"SELECT *, {', '.join(cols)} FROM {src} "
+          "ORDER BY user_id, request_ts, _src, _row")
+
+
+# ---- one task: a bucket (or a scan part) -> shards ----------------------------------------
+
+def _np(tbl, name, dtype=None):
+  a = tbl.column(name).to_numpy()
+  return a if dtype is None else a.astype(dtype, copy=False)
+
+
+def _rate(pos, valid):
+  return ((pos + 1.0) / (valid + 2.0)).astype(np.float32).astype(np.float64)
+
+
+class HistoryColumns:
+  """The built ``events.<s>.*`` and ``dense.*`` statistic columns of a sorted bucket table."""
+
+  def __init__(self, tbl: pa.Table, plan: dict, schema):
+    self.plan, self.tbl = plan, tbl
+    n = tbl.num_rows
+    surfaces = {s: i for i, s in enumerate(schema.surfaces)}
+    surf = tbl.column("surface").combine_chunks().dictionary_encode()
+    names = surf.dictionary.to_pylist()
+    bad = sorted(s for s in names if s not in surfaces)
+    if bad:
+      raise ValueError(f"column 'surface' has unknown surface(s) {bad}; schema has "
+                       f"{schema.surfaces}")
+    lut = np.array([surfaces[s] for s in names] or [0], np.int64)
+    ev = {"surface": lut[surf.indices.to_numpy(zero_copy_only=False)] if n else
+          np.zeros(0, np.int64)}
+    ad = _np(tbl, "_ad_feature", np.int64)
+    if plan["hash_items"]:
+      from data.coerce import hash_mod
+      ev["item"] = hash_mod(ad, plan["item_vocab"])
+    else:
+      ev["item"] = ad
+    if plan["action"]:
+      ev["action"] = _np(tbl, "_action", np.int64)
+    else:
+      bits = np.zeros(n, np.int64)
+      for k, t in enumerate(plan["tasks"]):
+        y = tbl.column(f"label.{t}").fill_null(0).to_numpy()
+        bits |= (y > 0.5).astype(np.int64) << k
+      ev["action"] = bits
+    ev["ts"] = _np(tbl, "request_ts", np.int64)
+    self.events = {}
+    for s, sel in plan["streams"].items():
+      if sel is None:
+        keep = None
+      else:
+        keep = tbl.column(sel).fill_null(0).to_numpy() > 0.5
+      self.events[s] = ({c: (v if keep is None else v[keep]) for c, v in ev.items()},
+                        _np(tbl, f"_n.{s}", np.int64), _np(tbl, f"_hi.{s}", np.int64))
+
+  def columns(self, a: int, b: int, max_lens: dict) -> dict:
+    out = {}
+    for s, L in max_lens.items():
+      vals, n_all, hi_all = self.events[s]
+      n, hi = n_all[a:b], hi_all[a:b]
+      lens = np.minimum(n, L)
+      offs = np.concatenate([[0], np.cumsum(lens)])
+      take = np.arange(offs[-1]) + np.repeat(hi - lens - offs[:-1], lens)
+      for c in ("item", "action", "surface", "ts"):
+        out[f"events.{s}.{c}"] = pa.LargeListArray.from_arrays(offs, pa.array(vals[c][take],
+                                                                               pa.int64()))
+    if self.plan["stats"]:
+      t = self.tbl.slice(a, b - a)
+      out["dense.user_count"] = pa.array(_np(t, "_user_count", np.float64))
+      for task in self.plan["tasks"]:
+        out[f"dense.user_{task}_rate"] = pa.array(_rate(_np(t, f"_up.{task}", np.float64),
+                                                        _np(t, f"_uv.{task}", np.float64)))
+      out["dense.ad_count"] = pa.array(_np(t, "_ad_count", np.float64))
+      for task in self.plan["tasks"]:
+        out[f"dense.ad_{task}_rate"] = pa.array(_rate(_np(t, f"_ap.{task}", np.float64),
+                                                      _np(t, f"_av.{task}", np.float64)))
+    return out
+
+
+class PartWriter:
+  """One task's ArrayRecord shards per (split, surface), rotated at ``per_shard`` records."""
+
+  def __init__(self, out_dir: str, task: int, per_shard: int):
+    from array_record.python import array_record_module
+
+    from data.records import WRITER_OPTIONS
+    self._mod, self._opts = array_record_module, WRITER_OPTIONS
+    self.out_dir, self.task, self.per_shard = out_dir, task, per_shard
+    self.open: dict = {}
+    self.files: dict = {}
+
+  def write(self, split: str, surface: str, recs) -> None:
+    key = (split, surface)
+    i = 0
+    while i < len(recs):
+      if key not in self.open:
+        files = self.files.setdefault(key, [])
+        os.makedirs(os.path.join(self.out_dir, split), exist_ok=True)
+        rel = os.path.join(split, f".{surface}-t{self.task:05d}-{len(files):04d}.tmp")
+        self.open[key] = [self._mod.ArrayRecordWriter(os.path.join(self.out_dir, rel),
+                                                      self._opts), 0, rel]
+      w = self.open[key]
+      take = recs[i:i + self.per_shard - w[1]]
+      for r in take:
+        w[0].write(r)
+      w[1] += len(take)
+      i += len(take)
+      if w[1] >= self.per_shard:
+        self._close(key)
+
+  def _close(self, key):
+    w, c, rel = self.open.pop(key)
+    w.close()
+    path = os.path.join(self.out_dir, rel)
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+      while chunk := f.read(1 << 22):
+        h.update(chunk)
+    self.files[key].append((rel, c, os.path.getsize(path), h.hexdigest()))
+
+  def close(self) -> dict:
+    for key in list(self.open):
+      self._close(key)
+    return self.files
+
+
+def convert_task(task: dict) -> dict:
+  """Pass 3 for one bucket / part (runs in a worker process): shards, counts, coercions."""
+  try:
+    return _convert(task)
+  except CoerceError as e:
+    raise ValueError(e.msg) from None
+  except ValueError as e:
+    raise ValueError(str(e)) from None
+
+
+def _convert(task: dict) -> dict:
+  from data.infer import Spec
+  from data.layout import finalize
+  from data.parquet import table_to_records
+  from data.schema import Schema
+  ctx = task["ctx"]
+  schema = Schema.from_dict(ctx["schema"])
+  full = Spec.from_dict(ctx["spec"])
+  plan = ctx["plan"]
+  con = connect(task["work_dir"], 1, ctx["worker_memory"])
+  src = _scan(task["files"])
+  tbl = con.sql(bucket_sql(src, plan) if plan else f"SELECT * FROM {src}").to_arrow_table()
+  con.close()
+  hist = HistoryColumns(tbl, plan, schema) if plan else None
+  max_lens = {s.name: s.max_len for s in schema.streams}
+  if plan:
+    max_lens = {s: L for s, L in max_lens.items() if s in plan["streams"]}
+  log = Coercions()
+  writer = PartWriter(task["out_dir"], task["id"], ctx["records_per_shard"])
+  names, splits = ctx["sources"], ctx["splits"]
+  used = ctx["used"]
+  counts = {s: {} for s in used}
+  pos = {s: [0.0] * len(schema.tasks) for s in used}
+  lab = {s: [0.0] * len(schema.tasks) for s in used}
+  route = np.array(ctx["route"])
+  drop = [c for c in tbl.column_names if c.startswith(("_n.", "_hi.", "_uv.", "_up.", "_av.",
+                                                       "_ap.")) or c in ("_bucket",
+                                                                         "_user_count",
+                                                                         "_ad_count")]
+  base = tbl.drop_columns(drop) if drop else tbl
+  n = tbl.num_rows
+  for a in range(0, n, CHUNK):
+    b = min(n, a + CHUNK)
+    sl = base.slice(a, b - a)
+    cols = {c: sl.column(c).combine_chunks() for c in sl.column_names}
+    if hist is not None:
+      cols.update(hist.columns(a, b, max_lens))
+    srcs = cols["_src"].to_numpy().astype(np.int64)
+    rows = cols["_row"].to_numpy().astype(np.int64)
+    try:
+      fin = finalize(cols, schema, full, ctx["hashed_events"], log)
+    except CoerceError as e:
+      r = e.row if e.row is not None else 0
+      where = f"{names[srcs[r]]}: row {rows[r]}: " if e.row is not None else f"{names[srcs[0]]}: "
+      raise ValueError(where + e.msg) from None
+    if ctx["explicit"]:
+      which = cols["_split"].to_numpy().astype(np.int64)
+    else:
+      which = np.searchsorted(route, fin.column("request_ts").to_numpy(), side="right")
+    key = which * len(names) + srcs
+    for k in np.unique(key).tolist():
+      idx = np.flatnonzero(key == k)
+      sp, s_i = splits[k // len(names)], k % len(names)
+      sub = fin.take(pa.array(idx)) if len(idx) < len(fin) else fin
+      for surface, recs in table_to_records(sub, schema, names[s_i], rows=rows[idx]).items():
+        if recs:
+          writer.write(sp, surface, recs)
+          counts[sp][surface] = counts[sp].get(surface, 0) + len(recs)
+      for j, t in enumerate(schema.tasks):
+        y = sub.column(f"label.{t.name}").to_numpy(zero_copy_only=False)
+        pos[sp][j] += float(np.nansum(y))
+        lab[sp][j] += float(np.sum(~np.isnan(y)))
+  return {"id": task["id"], "rows": n, "files": writer.close(), "counts": counts, "pos": pos,
+          "lab": lab, "log": log.done}
+
+
+def run_tasks(tasks: list[dict], workers: int, progress=None) -> list[dict]:
+  """``convert_task`` over ``tasks`` in ``workers`` processes (in-process for one worker)."""
+  if workers <= 1 or len(tasks) <= 1:
+    out = []
+    for t in tasks:
+      out.append(convert_task(t))
+      if progress:
+        progress(out[-1]["rows"])
+    return out
+  ctx = multiprocessing.get_context("spawn")
+  results = []
+  with concurrent.futures.ProcessPoolExecutor(min(workers, len(tasks)), mp_context=ctx) as pool:
+    futs = [pool.submit(convert_task, t) for t in tasks]
+    try:
+      for f in concurrent.futures.as_completed(futs):
+        results.append(f.result())
+        if progress:
+          progress(results[-1]["rows"])
+    except BaseException:
+      for f in futs:
+        f.cancel()
+      raise
+  return sorted(results, key=lambda r: r["id"])
