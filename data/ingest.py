@@ -750,9 +750,19 @@ def main(argv=None) -> int:
   p.add_argument("--overwrite", action="store_true", help="replace an existing dataset in --out")
   p.add_argument("--records_per_shard", type=int, default=200_000)
   p.add_argument("--delimiter", help="CSV field delimiter (default , ; tab for .tsv / .inter)")
-  args = p.parse_args(argv)
+  p.add_argument("--runner", choices=("duckdb", "beam"), default="duckdb",
+                 help="duckdb: out of core on this machine (default); beam: an Apache Beam "
+                 "pipeline (other arguments are its pipeline options, e.g. --runner_options "
+                 "below, --beam_runner=FlinkRunner ...)")
+  p.add_argument("--workers", type=int, help="processes converting buckets (default: all cores)")
+  p.add_argument("--memory_limit", default="1GB", help="DuckDB memory limit (it spills beyond)")
+  args, rest = p.parse_known_args(argv)
+  if rest and args.runner != "beam":
+    p.error(f"unrecognized arguments: {' '.join(rest)}")
   if args.records_per_shard < 1:
     p.error(f"--records_per_shard={args.records_per_shard} must be >= 1")
+  if args.workers is not None and args.workers < 1:
+    p.error(f"--workers={args.workers} must be >= 1")
 
   def go():
     spec = build_spec(args)
@@ -764,7 +774,8 @@ def main(argv=None) -> int:
     if not any(sources.values()):
       raise ValueError("no input files (--input or --train/--valid/--eval)")
     run(sources, args.out, spec, split=args.split, yes=args.yes, write_schema=args.write_schema,
-        overwrite=args.overwrite, records_per_shard=args.records_per_shard)
+        overwrite=args.overwrite, records_per_shard=args.records_per_shard, engine=args.runner,
+        workers=args.workers, memory_limit=args.memory_limit, beam_args=rest)
   return run_cli(PROG, go)
 
 
