@@ -45,7 +45,7 @@ import pyarrow.parquet as pq
 from data.coerce import CoerceError, Coercions
 
 CHUNK = 50_000                  # rows encoded at a time
-ROWS_PER_BUCKET = 1_000_000
+ROWS_PER_BUCKET = 250_000
 
 
 def _q(name: str) -> str:
@@ -141,18 +141,25 @@ def _pos(t) -> str:
   return f"(coalesce({_q('label.' + t)}, 0) > 0.5)::BIGINT"
 
 
+_BEFORE = ("OVER (PARTITION BY {part} ORDER BY request_ts RANGE BETWEEN UNBOUNDED PRECEDING "
+           "AND 1 PRECEDING)")
+
+
 def _earlier(expr: str, part: str) -> str:
   """SQL: the sum of ``expr`` over the rows of the same ``part`` key with a strictly earlier
-  request_ts (running sum over ts peers minus the row's own second)."""
-  return (f"(sum({expr}) OVER (PARTITION BY {part} ORDER BY request_ts) - "
-          f"sum({expr}) OVER (PARTITION BY {part}, request_ts))")
+  request_ts (integer seconds: a frame that ends one second before the row's)."""
+  return f"coalesce(sum({expr}) {_BEFORE.format(part=part)}, 0)::BIGINT"
+
+
+def _count_earlier(part: str) -> str:
+  return f"count(*) {_BEFORE.format(part=part)}"
 
 
 def partition(con, staging: Staging, plan: dict, work_dir: str, buckets: int) -> list[list[str]]:
   """Ad-side statistics (whole log) and the hash partition by user: ``[[files of bucket k]]``."""
   extra = [f"hash(user_id) % {int(buckets)} AS _bucket"]
   if plan["stats"]:
-    extra.append("(rank() OVER (PARTITION BY _ad_feature ORDER BY request_ts) - 1) AS _ad_count")
+    extra.append(f"{_count_earlier('_ad_feature')} AS _ad_count")
     for t in plan["tasks"]:
       extra.append(f"{_earlier(_valid(t), '_ad_feature')} AS {_q('_av.' + t)}")
       extra.append(f"{_earlier(_pos(t), '_ad_feature')} AS {_q('_ap.' + t)}")
@@ -167,23 +174,29 @@ def partition(con, staging: Staging, plan: dict, work_dir: str, buckets: int) ->
   return parts
 
 
+ORDER = "ORDER BY user_id, request_ts, _src, _row"
+
+
 def bucket_sql(src: str, plan: dict) -> str:
-  """One bucket's rows in (user, time, row) order with, per stream ``s``, ``_n.s`` (the user's
-  strictly earlier events) and ``_hi.s`` (how many of the bucket's events of ``s`` precede the
-  row's (user, second)), and the user-side statistic counts."""
-  cols = []
-  for s, sel in plan["streams"].items():
-    e = _sel(sel)
-    cols.append(f"{_earlier(e, 'user_id')} AS {_q('_n.' + s)}")
-    cols.append(f"(sum({e}) OVER (ORDER BY user_id, request_ts) - "
-                f"sum({e}) OVER (PARTITION BY user_id, request_ts)) AS {_q('_hi.' + s)}")
+  """The history counts of one bucket's rows, in (user, time, row) order (``ORDER``): per
+  stream ``s``, ``_n.s`` = the user's events of ``s`` strictly earlier than the row; with
+  statistics the user's strictly earlier rows, labelled rows and positives per task. A narrow
+  query (the keys and labels only): the wide rows come sorted by the same unique key."""
+  keep = ["user_id", "request_ts", "surface", "_ad_feature", "_src", "_row", "_split"]
+  keep += [f"label.{t}" for t in plan["tasks"]] + (["_action"] if plan["action"] else [])
+  keep += [sel for sel in plan["streams"].values() if sel is not None]
   if plan["stats"]:
-    cols.append("(rank() OVER (PARTITION BY user_id ORDER BY request_ts) - 1) AS _user_count")
+    keep += ["_ad_count"] + [f"_a{x}.{t}" for t in plan["tasks"] for x in "vp"]
+  cols = [_q(c) for c in dict.fromkeys(keep)]
+  for s, sel in plan["streams"].items():
+    cols.append(f"{_count_earlier('user_id') if sel is None else _earlier(_sel(sel), 'user_id')}"
+                f" AS {_q('_n.' + s)}")
+  if plan["stats"]:
+    cols.append(f"{_count_earlier('user_id')} AS _user_count")
     for t in plan["tasks"]:
       cols.append(f"{_earlier(_valid(t), 'user_id')} AS {_q('_uv.' + t)}")
       cols.append(f"{_earlier(_pos(t), 'user_id')} AS {_q('_up.' + t)}")
-  return (f"SELECT *, {', '.join(cols)} FROM {src} "
-          "ORDER BY user_id, request_ts, _src, _row")
+  return f"SELECT {', '.join(cols)} FROM {src} {ORDER}"
 
 
 # ---- one task: a bucket (or a scan part) -> shards ----------------------------------------
@@ -210,9 +223,9 @@ class HistoryColumns:
     if bad:
       raise ValueError(f"column 'surface' has unknown surface(s) {bad}; schema has "
                        f"{schema.surfaces}")
-    lut = np.array([surfaces[s] for s in names] or [0], np.int64)
+    lut = np.array([surfaces[s] for s in names] or [0], np.int32)
     ev = {"surface": lut[surf.indices.to_numpy(zero_copy_only=False)] if n else
-          np.zeros(0, np.int64)}
+          np.zeros(0, np.int32)}
     ad = _np(tbl, "_ad_feature", np.int64)
     if plan["hash_items"]:
       from data.coerce import hash_mod
@@ -228,36 +241,40 @@ class HistoryColumns:
         bits |= (y > 0.5).astype(np.int64) << k
       ev["action"] = bits
     ev["ts"] = _np(tbl, "request_ts", np.int64)
+    user = _np(tbl, "user_id", np.int64)
+    first = np.flatnonzero(np.concatenate([[True], user[1:] != user[:-1]])) if n else \
+        np.zeros(0, np.int64)
+    user_start = np.repeat(first, np.diff(np.concatenate([first, [n]])))
     self.events = {}
     for s, sel in plan["streams"].items():
-      if sel is None:
-        keep = None
-      else:
-        keep = tbl.column(sel).fill_null(0).to_numpy() > 0.5
+      keep = None if sel is None else tbl.column(sel).fill_null(0).to_numpy() > 0.5
+      before = np.concatenate([[0], np.cumsum(keep)]) if keep is not None else np.arange(n + 1)
+      # the row's earlier events end where the user's events start plus their count
+      hi = before[user_start] + _np(tbl, f"_n.{s}", np.int64)
       self.events[s] = ({c: (v if keep is None else v[keep]) for c, v in ev.items()},
-                        _np(tbl, f"_n.{s}", np.int64), _np(tbl, f"_hi.{s}", np.int64))
+                        _np(tbl, f"_n.{s}", np.int64), hi)
 
-  def columns(self, a: int, b: int, max_lens: dict) -> dict:
+    if plan["stats"]:
+      g = lambda c: _np(tbl, c, np.float64)
+      self.stats = {"user_count": g("_user_count"), "ad_count": g("_ad_count")}
+      for t in plan["tasks"]:
+        self.stats[f"user_{t}_rate"] = _rate(g(f"_up.{t}"), g(f"_uv.{t}"))
+        self.stats[f"ad_{t}_rate"] = _rate(g(f"_ap.{t}"), g(f"_av.{t}"))
+
+  def columns(self, idx: np.ndarray, max_lens: dict) -> dict:
+    """The built columns of the rows ``idx`` (positions in the sorted table)."""
     out = {}
     for s, L in max_lens.items():
       vals, n_all, hi_all = self.events[s]
-      n, hi = n_all[a:b], hi_all[a:b]
+      n, hi = n_all[idx], hi_all[idx]
       lens = np.minimum(n, L)
       offs = np.concatenate([[0], np.cumsum(lens)])
       take = np.arange(offs[-1]) + np.repeat(hi - lens - offs[:-1], lens)
       for c in ("item", "action", "surface", "ts"):
-        out[f"events.{s}.{c}"] = pa.LargeListArray.from_arrays(offs, pa.array(vals[c][take],
-                                                                               pa.int64()))
+        out[f"events.{s}.{c}"] = pa.LargeListArray.from_arrays(offs, pa.array(vals[c][take]))
     if self.plan["stats"]:
-      t = self.tbl.slice(a, b - a)
-      out["dense.user_count"] = pa.array(_np(t, "_user_count", np.float64))
-      for task in self.plan["tasks"]:
-        out[f"dense.user_{task}_rate"] = pa.array(_rate(_np(t, f"_up.{task}", np.float64),
-                                                        _np(t, f"_uv.{task}", np.float64)))
-      out["dense.ad_count"] = pa.array(_np(t, "_ad_count", np.float64))
-      for task in self.plan["tasks"]:
-        out[f"dense.ad_{task}_rate"] = pa.array(_rate(_np(t, f"_ap.{task}", np.float64),
-                                                      _np(t, f"_av.{task}", np.float64)))
+      for k in stat_names(self.plan["tasks"]):
+        out[f"dense.{k}"] = pa.array(self.stats[k][idx])
     return out
 
 
@@ -318,6 +335,14 @@ def convert_task(task: dict) -> dict:
     raise ValueError(str(e)) from None
 
 
+def _split_sql(ctx) -> str:
+  """SQL: the split index of a row (time windows, or the explicit split of its input)."""
+  if ctx["explicit"]:
+    return "_split"
+  t1, t2 = (("'inf'::DOUBLE" if not np.isfinite(t) else repr(float(t))) for t in ctx["route"])
+  return f"(CASE WHEN request_ts < {t1} THEN 0 WHEN request_ts < {t2} THEN 1 ELSE 2 END)"
+
+
 def _convert(task: dict) -> dict:
   from data.infer import Spec
   from data.layout import finalize
@@ -329,9 +354,21 @@ def _convert(task: dict) -> dict:
   plan = ctx["plan"]
   con = connect(task["work_dir"], 1, ctx["worker_memory"])
   src = _scan(task["files"])
-  tbl = con.sql(bucket_sql(src, plan) if plan else f"SELECT * FROM {src}").to_arrow_table()
+  key = f"{_split_sql(ctx)} * {len(ctx['sources'])} + _src"
+  hist, perm = None, None
+  if plan:
+    narrow = con.sql(f"SELECT {key} AS _key, * FROM ({bucket_sql(src, plan)})").to_arrow_table()
+    hist = HistoryColumns(narrow, plan, schema)
+    # the wide rows by (split, input, user, time, row): the stable sort of the narrow order
+    perm = np.argsort(_np(narrow, "_key"), kind="stable")
+    keys = _np(narrow, "_key", np.int64)[perm]
+    del narrow
+    tbl = con.sql(f"SELECT * FROM {src} ORDER BY {key}, user_id, request_ts, _row"
+                  ).to_arrow_table()
+  else:
+    tbl = con.sql(f"SELECT {key} AS _key, * FROM {src}").to_arrow_table()
+    keys = _np(tbl, "_key", np.int64)
   con.close()
-  hist = HistoryColumns(tbl, plan, schema) if plan else None
   max_lens = {s.name: s.max_len for s in schema.streams}
   if plan:
     max_lens = {s: L for s, L in max_lens.items() if s in plan["streams"]}
@@ -342,42 +379,32 @@ def _convert(task: dict) -> dict:
   counts = {s: {} for s in used}
   pos = {s: [0.0] * len(schema.tasks) for s in used}
   lab = {s: [0.0] * len(schema.tasks) for s in used}
-  route = np.array(ctx["route"])
-  drop = [c for c in tbl.column_names if c.startswith(("_n.", "_hi.", "_uv.", "_up.", "_av.",
-                                                       "_ap.")) or c in ("_bucket",
-                                                                         "_user_count",
-                                                                         "_ad_count")]
-  base = tbl.drop_columns(drop) if drop else tbl
+  base = tbl.drop_columns([c for c in ("_key", "_bucket") if c in tbl.column_names])
   n = tbl.num_rows
-  for a in range(0, n, CHUNK):
-    b = min(n, a + CHUNK)
-    sl = base.slice(a, b - a)
-    cols = {c: sl.column(c).combine_chunks() for c in sl.column_names}
-    if hist is not None:
-      cols.update(hist.columns(a, b, max_lens))
-    srcs = cols["_src"].to_numpy().astype(np.int64)
-    rows = cols["_row"].to_numpy().astype(np.int64)
-    try:
-      fin = finalize(cols, schema, full, ctx["hashed_events"], log)
-    except CoerceError as e:
-      r = e.row if e.row is not None else 0
-      where = f"{names[srcs[r]]}: row {rows[r]}: " if e.row is not None else f"{names[srcs[0]]}: "
-      raise ValueError(where + e.msg) from None
-    if ctx["explicit"]:
-      which = cols["_split"].to_numpy().astype(np.int64)
-    else:
-      which = np.searchsorted(route, fin.column("request_ts").to_numpy(), side="right")
-    key = which * len(names) + srcs
-    for k in np.unique(key).tolist():
-      idx = np.flatnonzero(key == k)
-      sp, s_i = splits[k // len(names)], k % len(names)
-      sub = fin.take(pa.array(idx)) if len(idx) < len(fin) else fin
-      for surface, recs in table_to_records(sub, schema, names[s_i], rows=rows[idx]).items():
+  rows_all = _np(tbl, "_row", np.int64)
+  cuts = np.flatnonzero(np.diff(keys)) + 1 if n else np.zeros(0, np.int64)
+  for lo, hi in zip(np.concatenate([[0], cuts]).tolist(), np.concatenate([cuts, [n]]).tolist(),
+                    strict=True):
+    k = int(keys[lo]) if n else 0
+    sp, s_i = splits[k // len(names)], k % len(names)
+    for a in range(lo, hi, CHUNK):
+      b = min(hi, a + CHUNK)
+      sl = base.slice(a, b - a)
+      cols = {c: sl.column(c).combine_chunks() for c in sl.column_names}
+      if hist is not None:
+        cols.update(hist.columns(perm[a:b], max_lens))
+      rows = rows_all[a:b]
+      try:
+        fin = finalize(cols, schema, full, ctx["hashed_events"], log)
+      except CoerceError as e:
+        where = f"{names[s_i]}: row {rows[e.row]}: " if e.row is not None else f"{names[s_i]}: "
+        raise ValueError(where + e.msg) from None
+      for surface, recs in table_to_records(fin, schema, names[s_i], rows=rows).items():
         if recs:
           writer.write(sp, surface, recs)
           counts[sp][surface] = counts[sp].get(surface, 0) + len(recs)
       for j, t in enumerate(schema.tasks):
-        y = sub.column(f"label.{t.name}").to_numpy(zero_copy_only=False)
+        y = fin.column(f"label.{t.name}").to_numpy(zero_copy_only=False)
         pos[sp][j] += float(np.nansum(y))
         lab[sp][j] += float(np.sum(~np.isnan(y)))
   return {"id": task["id"], "rows": n, "files": writer.close(), "counts": counts, "pos": pos,
