@@ -344,6 +344,8 @@ def _split_sql(ctx) -> str:
 
 
 def _convert(task: dict) -> dict:
+  import time
+  c0 = time.process_time()
   from data.infer import Spec
   from data.layout import finalize
   from data.parquet import table_to_records
@@ -369,6 +371,7 @@ def _convert(task: dict) -> dict:
     tbl = con.sql(f"SELECT {key} AS _key, * FROM {src}").to_arrow_table()
     keys = _np(tbl, "_key", np.int64)
   con.close()
+  c1 = time.process_time()
   max_lens = {s.name: s.max_len for s in schema.streams}
   if plan:
     max_lens = {s: L for s, L in max_lens.items() if s in plan["streams"]}
@@ -407,8 +410,10 @@ def _convert(task: dict) -> dict:
         y = fin.column(f"label.{t.name}").to_numpy(zero_copy_only=False)
         pos[sp][j] += float(np.nansum(y))
         lab[sp][j] += float(np.sum(~np.isnan(y)))
-  return {"id": task["id"], "rows": n, "files": writer.close(), "counts": counts, "pos": pos,
-          "lab": lab, "log": log.done}
+  files = writer.close()
+  return {"id": task["id"], "rows": n, "files": files, "counts": counts, "pos": pos,
+          "lab": lab, "log": log.done,
+          "cpu_s": {"queries": c1 - c0, "records": time.process_time() - c1}}
 
 
 def run_tasks(tasks: list[dict], workers: int, progress=None) -> list[dict]:

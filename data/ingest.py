@@ -350,6 +350,7 @@ def _run(sources, out_dir, tmp, spec, *, split, yes, write_schema, records_per_s
   kind, vals = ("none", ()) if explicit else parse_split(split)
   split_names = [s for s in SPLITS if s in sources] + sorted(set(sources) - set(SPLITS))
   log = Coercions()
+  cpu = {"start": time.process_time()}
   stats, order, surfaces, unknown, ts_parts, parts = {}, [], set(), {}, [], []
   names = [s.name for ss in sources.values() for s in ss]
   staging = None
@@ -400,6 +401,7 @@ def _run(sources, out_dir, tmp, spec, *, split, yes, write_schema, records_per_s
       prog.close()
       src.counted = prog.done
       src_i += 1
+  cpu["scan"] = time.process_time() - cpu.pop("start")
   if ts_lo is None:
     raise ValueError("the input has no rows")
   if ts_hi > coerce.INT32_MAX or ts_lo < 0:
@@ -491,6 +493,7 @@ def _run(sources, out_dir, tmp, spec, *, split, yes, write_schema, records_per_s
     used = split_names
   else:
     used = ["train"] + (["valid"] if t2 > t1 else []) + (["eval"] if np.isfinite(t2) else [])
+  c0 = time.process_time()
   ctx = {"schema": schema.to_dict(), "spec": full.to_dict(), "hashed_events": hashed_events,
          "plan": plan, "sources": names, "explicit": explicit,
          "splits": split_names if explicit else ["train", "valid", "eval"], "used": used,
@@ -502,7 +505,7 @@ def _run(sources, out_dir, tmp, spec, *, split, yes, write_schema, records_per_s
                                                  err, spec)
   elif engine == "duckdb":
     counts, pos, lab, manifest = _convert_engine(con, staging, tmp, schema, ctx, log, workers,
-                                                 rows_per_bucket, err)
+                                                 rows_per_bucket, err, cpu)
     con = None
   else:
     con.close()
@@ -515,8 +518,9 @@ def _run(sources, out_dir, tmp, spec, *, split, yes, write_schema, records_per_s
   for line in log.lines():                       # coercions only the conversion met
     if line not in shown:
       say(f"coercion: {line}")
+  cpu["convert_parent"] = time.process_time() - c0
   report = {
-      "inputs": names, "engine": engine, "spec": full.to_dict(),
+      "inputs": names, "engine": engine, "spec": full.to_dict(), "cpu_s": cpu,
       "split": ({"kind": "explicit"} if explicit else
                 {"kind": kind, "values": list(vals), "t1": t1, "t2": t2}),
       "coercions": log.lines(), "unknown_columns": sorted(unknown),
@@ -608,16 +612,18 @@ def _convert_memory(sources, tmp, schema, full, hashed_events, log, hist, parts,
   return counts, pos, lab, writer.close(tuple(used))
 
 
-def _convert_engine(con, staging, tmp, schema, ctx, log, workers, rows_per_bucket, err):
+def _convert_engine(con, staging, tmp, schema, ctx, log, workers, rows_per_bucket, err, cpu):
   """Passes 2 and 3 on the embedded engine (``data.engine``)."""
   E = engine_mod()
   work = os.path.join(tmp, ".work")
+  c0 = time.process_time()
   if ctx["plan"] is not None:
     buckets = max(1, -(-staging.rows // rows_per_bucket))
     groups = E.partition(con, staging, ctx["plan"], work, buckets)
   else:
     groups = [[f] for f in staging.files]
   con.close()
+  cpu["partition"] = time.process_time() - c0
   tasks = [{"id": i, "files": g, "ctx": ctx, "out_dir": tmp, "work_dir": work}
            for i, g in enumerate(groups)]
   prog = Progress(f"convert ({min(workers, len(tasks))} workers)", staging.rows, err)
@@ -628,6 +634,8 @@ def _convert_engine(con, staging, tmp, schema, ctx, log, workers, rows_per_bucke
   pos = {s: np.zeros(len(schema.tasks)) for s in used}
   lab = {s: np.zeros(len(schema.tasks)) for s in used}
   files = {}
+  for k in ("queries", "records"):
+    cpu[f"tasks_{k}"] = sum(r["cpu_s"][k] for r in results)
   for r in results:
     for m, v in r["log"].items():
       log.add(m, v)

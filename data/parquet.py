@@ -76,7 +76,7 @@ def _ints(x: np.ndarray, name: str, path: str, dtype=np.int32) -> np.ndarray:
   info = np.iinfo(dtype)
   if len(x) and (x.min() < info.min or x.max() > info.max):
     raise ValueError(f"{path}: column {name!r} has values outside the {np.dtype(dtype)} range")
-  return x.astype(dtype)
+  return x.astype(dtype, copy=False)
 
 
 def _list(col: pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray]:
@@ -241,8 +241,13 @@ def table_to_records(table: pa.Table, schema: Schema, path: str = "<table>",
                        f"{field!r}: {msg}")
     recs = records.encode_columns(fixed, ragged) if n else []
   out: dict[str, list[bytes]] = {s: [] for s in schema.surfaces}
-  for i, r in enumerate(recs):
-    out[schema.surfaces[surf[i]]].append(r)
+  if n and (surf == surf[0]).all():
+    out[schema.surfaces[surf[0]]] = recs
+    return out
+  objs = np.empty(n, object)
+  objs[:] = recs
+  for k, s in enumerate(schema.surfaces):
+    out[s] = objs[surf == k].tolist()
   return out
 
 
