@@ -155,14 +155,20 @@ def _count_earlier(part: str) -> str:
   return f"count(*) {_BEFORE.format(part=part)}"
 
 
+def ad_columns(plan: dict) -> list[str]:
+  """SQL: the ad-side statistic counts (strictly earlier rows of the same ad)."""
+  if not plan["stats"]:
+    return []
+  out = [f"{_count_earlier('_ad_feature')} AS _ad_count"]
+  for t in plan["tasks"]:
+    out.append(f"{_earlier(_valid(t), '_ad_feature')} AS {_q('_av.' + t)}")
+    out.append(f"{_earlier(_pos(t), '_ad_feature')} AS {_q('_ap.' + t)}")
+  return out
+
+
 def partition(con, staging: Staging, plan: dict, work_dir: str, buckets: int) -> list[list[str]]:
   """Ad-side statistics (whole log) and the hash partition by user: ``[[files of bucket k]]``."""
-  extra = [f"hash(user_id) % {int(buckets)} AS _bucket"]
-  if plan["stats"]:
-    extra.append(f"{_count_earlier('_ad_feature')} AS _ad_count")
-    for t in plan["tasks"]:
-      extra.append(f"{_earlier(_valid(t), '_ad_feature')} AS {_q('_av.' + t)}")
-      extra.append(f"{_earlier(_pos(t), '_ad_feature')} AS {_q('_ap.' + t)}")
+  extra = [f"hash(user_id) % {int(buckets)} AS _bucket"] + ad_columns(plan)
   out = os.path.join(work_dir, "buckets")
   con.execute(f"COPY (SELECT *, {', '.join(extra)} FROM {_scan(staging.files)}) TO '{out}' "
               "(FORMAT parquet, PARTITION_BY (_bucket), COMPRESSION uncompressed)")
@@ -325,10 +331,12 @@ class PartWriter:
     return self.files
 
 
-def convert_task(task: dict) -> dict:
-  """Pass 3 for one bucket / part (runs in a worker process): shards, counts, coercions."""
+def convert_task(task: dict, emit=None) -> dict:
+  """Pass 3 for one bucket / part (runs in a worker process): shards, counts, coercions.
+  ``task``: ``files`` (Parquet) or ``table`` (Arrow) rows; ``emit(split, surface, records)``
+  instead of writing shards (Beam)."""
   try:
-    return _convert(task)
+    return _convert(task, emit)
   except CoerceError as e:
     raise ValueError(e.msg) from None
   except ValueError as e:
@@ -343,7 +351,7 @@ def _split_sql(ctx) -> str:
   return f"(CASE WHEN request_ts < {t1} THEN 0 WHEN request_ts < {t2} THEN 1 ELSE 2 END)"
 
 
-def _convert(task: dict) -> dict:
+def _convert(task: dict, emit=None) -> dict:
   import time
   c0 = time.process_time()
   from data.infer import Spec
@@ -355,7 +363,11 @@ def _convert(task: dict) -> dict:
   full = Spec.from_dict(ctx["spec"])
   plan = ctx["plan"]
   con = connect(task["work_dir"], 1, ctx["worker_memory"])
-  src = _scan(task["files"])
+  if "table" in task:
+    con.register("bucket", task["table"])
+    src = "bucket"
+  else:
+    src = _scan(task["files"])
   key = f"{_split_sql(ctx)} * {len(ctx['sources'])} + _src"
   hist, perm = None, None
   if plan:
@@ -376,7 +388,8 @@ def _convert(task: dict) -> dict:
   if plan:
     max_lens = {s: L for s, L in max_lens.items() if s in plan["streams"]}
   log = Coercions()
-  writer = PartWriter(task["out_dir"], task["id"], ctx["records_per_shard"])
+  writer = PartWriter(task["out_dir"], task["id"], ctx["records_per_shard"]) if emit is None \
+      else None
   names, splits = ctx["sources"], ctx["splits"]
   used = ctx["used"]
   counts = {s: {} for s in used}
@@ -404,13 +417,13 @@ def _convert(task: dict) -> dict:
         raise ValueError(where + e.msg) from None
       for surface, recs in table_to_records(fin, schema, names[s_i], rows=rows).items():
         if recs:
-          writer.write(sp, surface, recs)
+          (emit or writer.write)(sp, surface, recs)
           counts[sp][surface] = counts[sp].get(surface, 0) + len(recs)
       for j, t in enumerate(schema.tasks):
         y = fin.column(f"label.{t.name}").to_numpy(zero_copy_only=False)
         pos[sp][j] += float(np.nansum(y))
         lab[sp][j] += float(np.sum(~np.isnan(y)))
-  files = writer.close()
+  files = writer.close() if writer is not None else {}
   return {"id": task["id"], "rows": n, "files": files, "counts": counts, "pos": pos,
           "lab": lab, "log": log.done,
           "cpu_s": {"queries": c1 - c0, "records": time.process_time() - c1}}
