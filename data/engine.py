@@ -17,9 +17,10 @@ Three passes (``data.ingest.run`` drives them):
    strictly earlier seconds), and a hash partition of the rows by user into buckets of about
    ``rows_per_bucket`` rows (Parquet, written in parallel). DuckDB spills to ``work_dir``.
 3. **engine, per bucket, in parallel** (``convert_task`` in a process pool, one DuckDB
-   thread each): the rows sorted by (user, time, row) with, per stream, the number of strictly
-   earlier events of the same user and where they end (window aggregates over (user, second)
-   peers), and the user-side statistics; numpy then copies the last ``max_len`` events into
+   thread each): a narrow query gives every row, per stream, the number of the same user's
+   strictly earlier events (window aggregates over a frame that ends one second before the
+   row) and the user-side statistic counts, in (user, time, row) order; the wide rows come
+   sorted by (split, input, user, time, row). numpy then copies the last ``max_len`` events into
    the rows' lists, ``data.layout.finalize`` and ``data.parquet.table_to_records`` encode them
    (chunks of ``CHUNK`` rows), and each task writes its own ArrayRecord shards.
 
@@ -246,7 +247,7 @@ class HistoryColumns:
         y = tbl.column(f"label.{t}").fill_null(0).to_numpy()
         bits |= (y > 0.5).astype(np.int64) << k
       ev["action"] = bits
-    ev["ts"] = _np(tbl, "request_ts", np.int64)
+    ev["ts"] = _np(tbl, "request_ts", np.int32)
     user = _np(tbl, "user_id", np.int64)
     first = np.flatnonzero(np.concatenate([[True], user[1:] != user[:-1]])) if n else \
         np.zeros(0, np.int64)
@@ -257,7 +258,9 @@ class HistoryColumns:
       before = np.concatenate([[0], np.cumsum(keep)]) if keep is not None else np.arange(n + 1)
       # the row's earlier events end where the user's events start plus their count
       hi = before[user_start] + _np(tbl, f"_n.{s}", np.int64)
-      self.events[s] = ({c: (v if keep is None else v[keep]) for c, v in ev.items()},
+      stacked = np.stack([np.asarray(ev[c], np.int32) for c in ("item", "action", "surface",
+                                                                "ts")], 1)
+      self.events[s] = (stacked if keep is None else stacked[keep],
                         _np(tbl, f"_n.{s}", np.int64), hi)
 
     if plan["stats"]:
@@ -267,21 +270,22 @@ class HistoryColumns:
         self.stats[f"user_{t}_rate"] = _rate(g(f"_up.{t}"), g(f"_uv.{t}"))
         self.stats[f"ad_{t}_rate"] = _rate(g(f"_ap.{t}"), g(f"_av.{t}"))
 
-  def columns(self, idx: np.ndarray, max_lens: dict) -> dict:
-    """The built columns of the rows ``idx`` (positions in the sorted table)."""
-    out = {}
+  def columns(self, idx: np.ndarray, max_lens: dict) -> tuple[dict, dict]:
+    """``(dense statistic columns, {stream: (events i32[E, 4], offsets)})`` of the rows
+    ``idx`` (positions in the sorted table): each row's last ``max_len`` strictly earlier
+    events of the same user, oldest first."""
+    out, built = {}, {}
     for s, L in max_lens.items():
       vals, n_all, hi_all = self.events[s]
       n, hi = n_all[idx], hi_all[idx]
       lens = np.minimum(n, L)
       offs = np.concatenate([[0], np.cumsum(lens)])
       take = np.arange(offs[-1]) + np.repeat(hi - lens - offs[:-1], lens)
-      for c in ("item", "action", "surface", "ts"):
-        out[f"events.{s}.{c}"] = pa.LargeListArray.from_arrays(offs, pa.array(vals[c][take]))
+      built[s] = (vals[take], offs)
     if self.plan["stats"]:
       for k in stat_names(self.plan["tasks"]):
         out[f"dense.{k}"] = pa.array(self.stats[k][idx])
-    return out
+    return out, built
 
 
 class PartWriter:
@@ -407,15 +411,18 @@ def _convert(task: dict, emit=None) -> dict:
       b = min(hi, a + CHUNK)
       sl = base.slice(a, b - a)
       cols = {c: sl.column(c).combine_chunks() for c in sl.column_names}
+      built = {}
       if hist is not None:
-        cols.update(hist.columns(perm[a:b], max_lens))
+        dense, built = hist.columns(perm[a:b], max_lens)
+        cols.update(dense)
       rows = rows_all[a:b]
       try:
-        fin = finalize(cols, schema, full, ctx["hashed_events"], log)
+        fin = finalize(cols, schema, full, ctx["hashed_events"], log, built)
       except CoerceError as e:
         where = f"{names[s_i]}: row {rows[e.row]}: " if e.row is not None else f"{names[s_i]}: "
         raise ValueError(where + e.msg) from None
-      for surface, recs in table_to_records(fin, schema, names[s_i], rows=rows).items():
+      for surface, recs in table_to_records(fin, schema, names[s_i], rows=rows,
+                                            prebuilt=built).items():
         if recs:
           (emit or writer.write)(sp, surface, recs)
           counts[sp][surface] = counts[sp].get(surface, 0) + len(recs)

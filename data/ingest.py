@@ -17,8 +17,15 @@ into train / valid / eval (every valid row is later than every train row, ...);
 ``--train/--valid/--eval FILES`` give the splits explicitly.
 
 Flat logs (one row per interaction, no history columns): ``--history click=label.click,
-impression=all`` builds each row's event streams from the same user's strictly earlier rows
-(data.history; whole log in memory), ``--history_stats`` adds earlier-count / rate features.
+impression=all`` builds each row's event streams from the same user's strictly earlier rows,
+``--history_stats`` adds earlier-count / rate features.
+
+Engines: ``--runner duckdb`` (default; data.engine: out of core, all cores, ``--workers``,
+``--memory_limit``) or ``--runner beam`` (data.beam_ingest: an Apache Beam pipeline, the other
+arguments are its options). ``run(..., engine="memory")`` keeps the whole log in memory
+(data.history): the reference the tests compare both with. The dataset is written beside
+``--out`` and renamed into place when complete. Categorical columns get exact vocabularies or
+stay hashed (data.vocab; ``ingest.json`` reports each hashed column's collision rate).
 Column layout and a worked example: data/README.md.
 """
 

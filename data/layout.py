@@ -111,9 +111,11 @@ def canonical(table: pa.Table, spec: Spec, log: Coercions) -> tuple[dict, dict]:
                "hashed_keys": hashed_keys}
 
 
-def finalize(cols: dict, schema: Schema, spec: Spec, hashed_events, log: Coercions) -> pa.Table:
+def finalize(cols: dict, schema: Schema, spec: Spec, hashed_events, log: Coercions,
+             built=()) -> pa.Table:
   """Canonical columns -> the ``data/parquet.py`` layout for ``schema``: fills optional event
-  columns, hashes wide event ids, checks / truncates list lengths."""
+  columns, hashes wide event ids, checks / truncates list lengths. Streams in ``built`` are
+  left out (their events come already encoded: ``table_to_records(prebuilt=...)``)."""
   shown = lambda c: f"{spec.columns[c]} (as {c})" if c in spec.columns else c
   out = {k: cols[k] for k in ("surface", "request_ts", "user_id", "ad_id")}
   for d in schema.dense:
@@ -131,6 +133,8 @@ def finalize(cols: dict, schema: Schema, spec: Spec, hashed_events, log: Coercio
     else:
       out[c] = a
   for s in schema.streams:
+    if s.name in built:
+      continue
     item = _need(cols, f"events.{s.name}.item")
     offs = np.asarray(item.offsets, np.int64)
     for col in records.event_columns(s):

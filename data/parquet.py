@@ -166,14 +166,16 @@ def check_columns(fixed: dict, ragged: dict, schema: Schema):
 
 
 def table_to_records(table: pa.Table, schema: Schema, path: str = "<table>",
-                     row_offset: int = 0, rows=None,
-                     validate: str = "columns") -> dict[str, list[bytes]]:
+                     row_offset: int = 0, rows=None, validate: str = "columns",
+                     prebuilt: dict | None = None) -> dict[str, list[bytes]]:
   """Converts one table; returns ``{surface: [record bytes, ...]}`` in row order.
 
   ``row_offset``: index of the table's first row in its file (for error messages); ``rows``
   (i64[num_rows], optional) instead names each table row's row in its file. ``validate``:
   ``columns`` checks the values column-wise before encoding (``check_columns``), ``records``
-  decodes and validates the encoded records (``data.validate.BatchValidator``, slower)."""
+  decodes and validates the encoded records (``data.validate.BatchValidator``, slower).
+  ``prebuilt``: ``{stream: (events i32[E, 4 + extras], offsets i64[N + 1])}`` of streams given
+  as arrays rather than table columns (checked the same way)."""
   n = table.num_rows
   row_of = (lambda i: int(rows[i])) if rows is not None else (lambda i: i + row_offset)
   surf_names = _column(table, "surface", "string", path).to_pylist()
@@ -210,6 +212,11 @@ def table_to_records(table: pa.Table, schema: Schema, path: str = "<table>",
     vals, offs = _list(_column(table, name, "list<integer>", path))
     ragged[f"sparse/{f.name}"] = (_ints(vals, name, path, np.int64), offs)
   for s in schema.streams:
+    if prebuilt and s.name in prebuilt:
+      ev, offs = prebuilt[s.name]
+      ragged[f"events/{s.name}"] = (np.ascontiguousarray(ev, np.int32),
+                                    np.asarray(offs, np.int64))
+      continue
     cols, offs0 = [], None
     for c in records.event_columns(s):
       name = f"events.{s.name}.{c}"

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Sets up .venv (and .venv-beam) if needed, then runs the whole test suite on CPU (8 fake devices per process).
+# Sets up .venv (and .venv-beam) if needed, then runs the whole test suite on CPU (8 fake
+# devices per process).
 # Two pytest-xdist workers by default (test files stay whole on one worker, so module fixtures
 # run once); KUNLUN_TEST_WORKERS=0 runs serially. Extra arguments go to pytest.
 set -euo pipefail
