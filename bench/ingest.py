@@ -3,6 +3,7 @@
   nice -n 10 python bench/ingest.py                       # 1M and 10M rows (DuckDB engine)
   nice -n 10 python bench/ingest.py --sizes 50000000      # the 50M-row run
   python bench/ingest.py --sizes 1000000 --runner beam    # the Beam path (DirectRunner)
+  python bench/ingest.py --sizes 1000000 --runner memory  # the in-memory path, for comparison
   python bench/ingest.py --quick                          # 100k rows, a smoke run
 
 Each size: a flat Parquet log is generated (8 columns: time, user, ad, tab, click, conv, bid,
@@ -98,9 +99,26 @@ class TreeRSS(threading.Thread):
       time.sleep(self.every)
 
 
+MEMORY = """import sys
+from data import ingest
+args = sys.argv[1:]
+real = ingest.run
+ingest.run = lambda *a, **k: real(*a, **{**k, "engine": "memory"})
+sys.exit(ingest.main(args))
+"""
+
+
 def ingest(log: str, out: str, runner: str, extra=()) -> dict:
-  cmd = [sys.executable, "-m", "data.ingest", "--input", log, "--out", out, "--rename", RENAME,
-         *HISTORY, "--yes", "--runner", runner, *extra]
+  """One ``data.ingest`` run in a subprocess; ``runner`` memory is the in-memory reference
+  (``run(engine="memory")``: today's path before the engine, for comparison)."""
+  args = ["--input", log, "--out", out, "--rename", RENAME, *HISTORY, "--yes", *extra]
+  if runner == "memory":
+    cmd = [sys.executable, "-c", MEMORY, *args]
+  elif runner == "beam":
+    beam_py = os.path.join(_ROOT, ".venv-beam", "bin", "python")
+    cmd = [beam_py, "-m", "data.ingest", *args, "--runner", "beam", "--buckets", "8"]
+  else:
+    cmd = [sys.executable, "-m", "data.ingest", *args, "--runner", runner]
   env = dict(os.environ, PYTHONPATH=_ROOT)
   r0 = resource.getrusage(resource.RUSAGE_CHILDREN)
   t0 = time.perf_counter()
@@ -127,13 +145,15 @@ def dataset_facts(out: str) -> dict:
   size = sum(e["bytes"] for e in files)
   rep = json.load(open(os.path.join(out, "ingest.json")))
   return {"examples": n, "output_bytes": size, "shards": len(files),
-          "bytes_per_example": size / max(n, 1), "encodings": rep.get("encodings")}
+          "bytes_per_example": size / max(n, 1), "encodings": rep.get("encodings"),
+          "cpu_s_by_stage": rep.get("cpu_s")}
 
 
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--sizes", default="1000000,10000000")
-  ap.add_argument("--runner", default="duckdb", choices=("duckdb", "beam"))
+  ap.add_argument("--runner", default="duckdb", choices=("duckdb", "beam", "memory"),
+                 help="memory: the in-memory reference (the path before the engine)")
   ap.add_argument("--quick", action="store_true", help="100k rows")
   ap.add_argument("--work", help="scratch directory (default: a temporary one)")
   ap.add_argument("--out", help="result JSON (default bench/results/ingest[_quick].json)")
