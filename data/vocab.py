@@ -78,3 +78,22 @@ def display(vocab, keep: int = 8) -> list:
   """A short form of a long vocabulary for printing."""
   v = list(vocab)
   return v if len(v) <= 2 * keep else v[:keep] + [f"... {len(v) - keep} more"]
+
+
+def ids_for(feature, values) -> np.ndarray:
+  """Raw values of one sparse feature with an exact vocabulary (``schema.json``) -> their ids,
+  as ``data.ingest`` maps them: what eval on other data and serving apply to a request's
+  values. ``values``: strings or integers, None = null."""
+  from data.coerce import hash_strings
+  if feature.vocab is None:
+    raise ValueError(f"sparse feature {feature.name!r} has no exact vocabulary")
+  vals = list(values)
+  null = np.array([v is None for v in vals], bool)
+  present = [v for v in vals if v is not None]
+  if present and isinstance(feature.vocab[0], str):
+    raw = hash_strings(pa.array([str(v) for v in present], pa.string()))
+  else:
+    raw = np.asarray(present, np.int64)
+  out = np.full(len(vals), NULL_ID, np.int64)
+  out[~null] = Lookup(feature.vocab)(raw)
+  return out

@@ -60,6 +60,9 @@ def test_exact_vocabulary_maps_every_value_to_its_own_id(tmp_path, engine):
     assert ids[ts] == [want]
   assert len({v[0] for v in ids.values()} - {0}) == len(AGES)       # 7 values stay 7
   assert rep["encodings"]["sparse.age"] == {"kind": "vocab", "values": 7, "vocab_size": 9}
+  # serving / eval map raw values the same way (schema.json alone)
+  got = vocab.ids_for(f["age"], rows["age"] + ["90+"]).tolist()
+  assert got == [ids[ts][0] for ts in rows["ts"]] + [1]
   assert "exact vocabularies" in o and "age 7" in o
 
 

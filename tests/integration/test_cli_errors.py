@@ -154,6 +154,10 @@ CASES = [
      "--out={holder} contains the input {held}"),
     ("-m data.ingest", ["--input={log}", "--out={out}", "--runner=spark"],
      "invalid choice: 'spark'"),
+    ("-m data.ingest", ["--input={log}", "--out={out}", "--workers=0"], "--workers=0 must be"),
+    ("-m data.ingest", ["--input={log}", "--out={out}", "--yes", "--runner=beam",
+                        "--rename=request_ts=ts,user_id=user,ad_id=item,label.click=clicked"],
+     "--runner beam needs apache-beam"),
 ]
 
 
