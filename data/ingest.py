@@ -245,6 +245,27 @@ def _staging_dir(out_dir: str) -> str:
   return os.path.join(parent, f".{base}.ingest-{os.getpid()}")
 
 
+def clear_stale(out_dir: str, warn=None) -> None:
+  """Removes the staging folders (``_staging_dir``) that killed runs left beside ``out_dir``:
+  those whose process is gone."""
+  parent, base = os.path.split(os.path.abspath(out_dir))
+  prefix = f".{base}.ingest-"
+  for name in os.listdir(parent) if os.path.isdir(parent) else ():
+    pid = name[len(prefix):].split(".")[0]
+    if not name.startswith(prefix) or not pid.isdigit():
+      continue
+    try:
+      os.kill(int(pid), 0)
+      continue                              # still running (another ingest): leave it
+    except ProcessLookupError:
+      pass
+    except PermissionError:
+      continue
+    shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
+    if warn:
+      warn(f"removed {os.path.join(parent, name)}, left by an ingest that was killed")
+
+
 def publish(tmp: str, out_dir: str) -> None:
   """Makes the finished dataset in ``tmp`` appear at ``out_dir`` by renames: a killed run leaves
   the previous dataset (or nothing), never a partial one."""
@@ -329,6 +350,7 @@ def run(sources: dict, out_dir: str, spec: Spec, *, split: str = "time:0.8,0.1,0
   if engine not in ENGINES:
     raise ValueError(f"engine={engine!r}; one of {ENGINES}")
   check_out(out_dir, sources, overwrite, yes, write_schema)
+  clear_stale(out_dir, lambda m: print(f"{PROG}: warning: {m}", file=err or sys.stderr))
   tmp = _staging_dir(out_dir)
   if os.path.exists(tmp):
     shutil.rmtree(tmp)

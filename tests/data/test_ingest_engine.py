@@ -161,3 +161,35 @@ def test_table_source_equals_reference(tmp_path):
              Spec.from_dict(SPEC), yes=True, engine="memory", out=open(os.devnull, "w"),
              err=open(os.devnull, "w"))
   assert_same_examples(ref, out)
+
+
+def test_kill_leaves_no_partial_dataset(tmp_path):
+  """SIGKILL in the middle of the conversion: nothing at --out (the old dataset stays), the
+  staging folder beside it is removed by the next run, which then completes."""
+  import signal
+  import subprocess
+  import sys
+  import time
+  t = flat_log(4000, 6)
+  p = str(tmp_path / "log.parquet")
+  pq.write_table(t, p)
+  out = tmp_path / "ds"
+  cols = ",".join(f"{r}={c}" for r, c in SPEC["columns"].items())
+  args = [sys.executable, "-m", "data.ingest", "--input", p, "--out", str(out), "--rename", cols,
+          "--ids_as_features", "--history", "click=label.click,impression=all", "--yes",
+          "--history_stats", "--workers", "1"]
+  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  env = dict(os.environ, PYTHONPATH=root)
+  proc = subprocess.Popen(args, cwd=root, env=env, stdout=subprocess.DEVNULL,
+                          stderr=subprocess.DEVNULL)
+  deadline = time.time() + 120
+  staging = tmp_path / f".ds.ingest-{proc.pid}"
+  while time.time() < deadline and not list(staging.glob("*/.*.tmp")):   # shards being written
+    time.sleep(0.01)
+  proc.send_signal(signal.SIGKILL)
+  proc.wait()
+  assert staging.exists() and not out.exists()
+  r = subprocess.run(args, cwd=root, env=env, capture_output=True, text=True, timeout=300)
+  assert r.returncode == 0, r.stderr[-2000:]
+  assert "left by an ingest that was killed" in r.stderr
+  assert not staging.exists() and (out / "manifest.json").exists()
