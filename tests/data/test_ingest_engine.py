@@ -134,7 +134,7 @@ def test_overwrite_refuses_an_out_that_holds_an_input(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("text,msg", [
-    ("ts,user,item,user\n100,1,5,1\n200,2,6,0\n",
+    ("ts,user,item,clicked,user\n100,1,5,1,3\n200,2,6,0,4\n",
      "column name(s) ['user'] appear more than once in the input"),
     ("ts,user,item,clicked\n100,9223372036854775808,5,1\n200,2,6,0\n",
      "row 0: column 'user (as user_id)' has integer ids outside the int64 range"),

@@ -51,7 +51,7 @@ def paths(tmp_path_factory):
            "inter": "bad.inter"}
   for k, text in f.items():
     (base / names[k]).write_text(text)
-  (base / "dupcol.csv").write_text("ts,user,item,user\n100,1,5,1\n200,2,6,0\n")
+  (base / "dupcol.csv").write_text("ts,user,item,clicked,user\n100,1,5,1,3\n200,2,6,0,4\n")
   (base / "bigid.csv").write_text("ts,user,item,clicked\n100,9223372036854775808,5,1\n"
                                   "200,2,6,0\n")
   holder = base / "holder"                                # a dataset holding its own input
