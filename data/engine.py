@@ -13,9 +13,10 @@ Three passes (``data.ingest.run`` drives them):
    row-local Arrow compute, the same code as the in-memory path) and written as a Parquet part
    with its source and row number; the scan statistics are gathered on the way.
 2. **engine, whole log** (``split_times``, ``partition``): the split quantiles (an exact
-   ``ORDER BY .. OFFSET``), the ad-side history statistics (window aggregates partitioned by ad,
-   strictly earlier seconds), and a hash partition of the rows by user into buckets of about
-   ``rows_per_bucket`` rows (Parquet, written in parallel). DuckDB spills to ``work_dir``.
+   ``ORDER BY .. OFFSET``), a hash partition of the rows by user into buckets of about
+   ``rows_per_bucket`` rows (Parquet, written in parallel), and the ad-side history statistics
+   (window aggregates partitioned by ad over strictly earlier seconds, on the few columns they
+   need) partitioned the same way. DuckDB spills to ``work_dir``.
 3. **engine, per bucket, in parallel** (``convert_task`` in a process pool, one DuckDB
    thread each): a narrow query gives every row, per stream, the number of the same user's
    strictly earlier events (window aggregates over a frame that ends one second before the
@@ -167,18 +168,27 @@ def ad_columns(plan: dict) -> list[str]:
   return out
 
 
-def partition(con, staging: Staging, plan: dict, work_dir: str, buckets: int) -> list[list[str]]:
-  """Ad-side statistics (whole log) and the hash partition by user: ``[[files of bucket k]]``."""
-  extra = [f"hash(user_id) % {int(buckets)} AS _bucket"] + ad_columns(plan)
-  out = os.path.join(work_dir, "buckets")
-  con.execute(f"COPY (SELECT *, {', '.join(extra)} FROM {_scan(staging.files)}) TO '{out}' "
+def partition(con, staging: Staging, plan: dict, work_dir: str, buckets: int) -> list[dict]:
+  """The hash partition of the rows by user, and the ad-side statistics (a window query over
+  the whole log, on the few columns it needs) partitioned the same way: one task per bucket,
+  ``{"files": [...], "ad_files": [...] or None}``."""
+  bucket = f"hash(user_id) % {int(buckets)} AS _bucket"
+  src = _scan(staging.files)
+  dirs = {"files": os.path.join(work_dir, "buckets")}
+  con.execute(f"COPY (SELECT *, {bucket} FROM {src}) TO '{dirs['files']}' "
               "(FORMAT parquet, PARTITION_BY (_bucket), COMPRESSION uncompressed)")
-  parts = []
+  if plan["stats"]:
+    dirs["ad_files"] = os.path.join(work_dir, "ad_stats")
+    con.execute(f"COPY (SELECT _src, _row, {bucket}, {', '.join(ad_columns(plan))} FROM {src}) "
+                f"TO '{dirs['ad_files']}' (FORMAT parquet, PARTITION_BY (_bucket), "
+                "COMPRESSION uncompressed)")
+  tasks = []
   for k in range(buckets):
-    files = sorted(glob.glob(os.path.join(out, f"_bucket={k}", "*.parquet")))
-    if files:
-      parts.append(files)
-  return parts
+    t = {key: sorted(glob.glob(os.path.join(d, f"_bucket={k}", "*.parquet")))
+         for key, d in dirs.items()}
+    if t["files"]:
+      tasks.append({"files": t["files"], "ad_files": t.get("ad_files")})
+  return tasks
 
 
 ORDER = "ORDER BY user_id, request_ts, _src, _row"
@@ -372,10 +382,15 @@ def _convert(task: dict, emit=None) -> dict:
     src = "bucket"
   else:
     src = _scan(task["files"])
+  narrow_src = src
+  if task.get("ad_files"):
+    narrow_src = (f"(SELECT * FROM {src} AS r JOIN {_scan(task['ad_files'])} AS a "
+                  "USING (_src, _row))")
   key = f"{_split_sql(ctx)} * {len(ctx['sources'])} + _src"
   hist, perm = None, None
   if plan:
-    narrow = con.sql(f"SELECT {key} AS _key, * FROM ({bucket_sql(src, plan)})").to_arrow_table()
+    narrow = con.sql(f"SELECT {key} AS _key, * FROM ({bucket_sql(narrow_src, plan)})"
+                     ).to_arrow_table()
     hist = HistoryColumns(narrow, plan, schema)
     # the wide rows by (split, input, user, time, row): the stable sort of the narrow order
     perm = np.argsort(_np(narrow, "_key"), kind="stable")

@@ -650,10 +650,10 @@ def _convert_engine(con, staging, tmp, schema, ctx, log, workers, rows_per_bucke
     buckets = max(1, -(-staging.rows // rows_per_bucket))
     groups = E.partition(con, staging, ctx["plan"], work, buckets)
   else:
-    groups = [[f] for f in staging.files]
+    groups = [{"files": [f]} for f in staging.files]
   con.close()
   cpu["partition"] = time.process_time() - c0
-  tasks = [{"id": i, "files": g, "ctx": ctx, "out_dir": tmp, "work_dir": work}
+  tasks = [{"id": i, **g, "ctx": ctx, "out_dir": tmp, "work_dir": work}
            for i, g in enumerate(groups)]
   prog = Progress(f"convert ({min(workers, len(tasks))} workers)", staging.rows, err)
   results = E.run_tasks(tasks, workers, prog.add)
