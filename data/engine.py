@@ -1,11 +1,12 @@
 """``data.ingest`` out of core on an embedded engine (DuckDB), on all cores.
 
-Why DuckDB: an in-process SQL engine (a pip wheel, no server) that reads and writes Parquet, runs
-sorts, window functions and partitioned writes multi-threaded, spills them to disk under a memory
-limit, and hands results to Python as Arrow without copies. The alternatives considered:
-Polars (fast, but its out-of-core streaming engine does not cover the ordered window aggregates
-used here, and it has no memory limit to set), DataFusion (spills, but its Python package is
-young and its window operators buffer whole partitions), SQLite (single-threaded, row-wise).
+Why DuckDB: an in-process SQL engine (one pip wheel, no server, no JVM) that reads and writes
+Parquet, runs sorts, window functions and hash-partitioned writes on all cores, spills them to
+disk under a memory limit it lets us set (``memory_limit``, ``temp_directory``), and hands
+results to Python as Arrow. The alternatives weighed: Polars (fast in memory, but a memory cap
+and spilling of ordered window aggregates are not what its streaming engine offers), DataFusion
+(spills too, but its Python bindings are younger and far less used), SQLite (row-wise and
+single-threaded). Measured costs are in bench/results/ingest.json (``cpu_s_by_stage``).
 
 Three passes (``data.ingest.run`` drives them):
 
@@ -26,8 +27,9 @@ Three passes (``data.ingest.run`` drives them):
    (chunks of ``CHUNK`` rows), and each task writes its own ArrayRecord shards.
 
 Without ``--history`` the buckets are the scan's parts, in input order. Memory is bounded by the
-engine's limit plus, per worker, one bucket's rows (about 40 bytes each for the event columns
-plus one chunk of records): a single user with more rows than a bucket makes that bucket larger.
+engine's limit plus, per worker, one bucket's rows (their coerced columns and the events of its
+streams) and one chunk of records: a single user with more rows than a bucket makes that bucket
+larger.
 Output records are byte-equal to the in-memory path's (``tests/data/test_ingest_engine.py``);
 within a split and surface they come bucket by bucket, each in (user, time) order.
 """
