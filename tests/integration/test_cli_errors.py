@@ -51,12 +51,21 @@ def paths(tmp_path_factory):
            "inter": "bad.inter"}
   for k, text in f.items():
     (base / names[k]).write_text(text)
+  (base / "dupcol.csv").write_text("ts,user,item,clicked,user\n100,1,5,1,3\n200,2,6,0,4\n")
+  (base / "bigid.csv").write_text("ts,user,item,clicked\n100,9223372036854775808,5,1\n"
+                                  "200,2,6,0\n")
+  holder = base / "holder"                                # a dataset holding its own input
+  holder.mkdir()
+  (holder / "manifest.json").write_text("{}")
+  (holder / "log.csv").write_text(f["log"])
   badschema = base / "badschema"                          # a dataset whose schema.json is cut
   badschema.mkdir()
   (badschema / "schema.json").write_text('{"sparse": [')
   return {"data": data, "cut": cut, "shard": shard, "fresh": fresh, "old": str(old),
           "file": str(afile), "wd": str(base / "wd"), "missing": str(base / "missing"),
           "out": str(base / "ingest_out"), "badschema": str(badschema),
+          "dupcol": str(base / "dupcol.csv"), "bigid": str(base / "bigid.csv"),
+          "holder": str(holder), "held": str(holder / "log.csv"),
           **{k: str(base / v) for k, v in names.items()}}
 
 
@@ -134,6 +143,21 @@ CASES = [
     ("bench/real_data.py", ["--inter={missing}"], "--inter={missing}: no such file"),
     ("bench/real_data.py", ["--inter={log}"], "not a known MovieLens format"),
     ("bench/real_data.py", ["--inter={inter}", "--archs=lr"], "{inter}: line 2"),
+    ("-m data.ingest", ["--input={dupcol}", "--out={out}", "--yes",
+                        "--rename=request_ts=ts,user_id=user,ad_id=item,label.click=clicked"],
+     "column name(s) ['user'] appear more than once"),
+    ("-m data.ingest", ["--input={bigid}", "--out={out}", "--yes",
+                        "--rename=request_ts=ts,user_id=user,ad_id=item,label.click=clicked"],
+     "has integer ids outside the int64 range"),
+    ("-m data.ingest", ["--input={held}", "--out={holder}", "--yes", "--overwrite",
+                        "--rename=request_ts=ts,user_id=user,ad_id=item,label.click=clicked"],
+     "--out={holder} contains the input {held}"),
+    ("-m data.ingest", ["--input={log}", "--out={out}", "--runner=spark"],
+     "invalid choice: 'spark'"),
+    ("-m data.ingest", ["--input={log}", "--out={out}", "--workers=0"], "--workers=0 must be"),
+    ("-m data.ingest", ["--input={log}", "--out={out}", "--yes", "--runner=beam",
+                        "--rename=request_ts=ts,user_id=user,ad_id=item,label.click=clicked"],
+     "--runner beam needs apache-beam"),
 ]
 
 
