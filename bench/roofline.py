@@ -167,10 +167,60 @@ class _Flops:
     return 0.0, 0.0
 
 
+_PARTIAL_READ = ("slice", "dynamic-slice", "gather")
+_VIEW = ("bitcast", "reshape")
+
+
+def _param_reads(comps, roots, comp: str, shapes) -> tuple[dict, float | None]:
+  """For a fused computation: ``({parameter number: bytes read}, in-place output bytes)``.
+
+  A parameter whose every use (through bitcasts / reshapes) is the sliced operand of a
+  ``slice`` / ``dynamic-slice`` / ``gather`` reads the bytes those produce; a parameter that is
+  the buffer a root ``dynamic-update-slice`` updates in place reads nothing, and the output then
+  writes only the update (returned second; None otherwise). Other parameters read everything."""
+  body = comps.get(comp, [])
+  users = defaultdict(list)
+  for ins in body:
+    for i, x in enumerate(operands(ins[2])):
+      users[x].append((ins, i))
+  params = {ins[0]: int(re.match(r"parameter\((\d+)\)", ins[2]).group(1))
+            for ins in body if ins[1] == "parameter"}
+
+  def partial(name, depth=0):
+    """Bytes read through ``name``'s uses, or None when some use reads all of it."""
+    total = 0.0
+    for ins, pos in users.get(name, []):
+      if ins[1] in _VIEW and depth < 8:
+        sub = partial(ins[0], depth + 1)
+        if sub is None:
+          return None
+        total += sub
+      elif ins[1] in _PARTIAL_READ and pos == 0:
+        total += shape_bytes(ins[3])
+      else:
+        return None
+    return total
+
+  reads = {}
+  for name, k in params.items():
+    r = partial(name)
+    if r is not None:
+      reads[k] = min(r, shape_bytes(shapes.get(name, "")))
+  root = next((ins for ins in body if ins[0] == roots.get(comp)), None)
+  inplace = None
+  if root is not None and root[1] == "dynamic-update-slice":
+    ops = operands(root[2])
+    if ops and ops[0] in params:
+      reads[params[ops[0]]] = 0.0
+      inplace = shape_bytes(shapes.get(ops[1], "")) if len(ops) > 1 else None
+  return reads, inplace
+
+
 def op_costs(text: str) -> list[dict]:
   """Every top-level launched op of an HLO module: ``{name, opcode, op_name, times, bytes_in,
   bytes_out, flops, transcendentals}`` (per execution; ``times`` executions per step)."""
   comps, entry = hlo_stats.parse_hlo(text)
+  roots = _roots(text)
   fl = _Flops(comps)
   out = []
   for ins in hlo_stats.top_level(comps, entry):
@@ -178,11 +228,40 @@ def op_costs(text: str) -> list[dict]:
     if not hlo_stats.is_launch(op):
       continue
     m = hlo_stats._OPNAME_RE.search(rest)
-    seen = dict.fromkeys(operands(rest))
+    ops = list(dict.fromkeys(operands(rest)))
+    nbytes = {x: shape_bytes(fl.shapes.get(x, "")) for x in ops}
+    b_out = shape_bytes(shape)
+    if op == "fusion":
+      called = hlo_stats._called(rest)
+      reads, inplace = (_param_reads(comps, roots, called[0], fl.shapes) if called
+                        else ({}, None))
+      all_ops = operands(rest)
+      for k, r in reads.items():
+        if k < len(all_ops):
+          nbytes[all_ops[k]] = min(nbytes[all_ops[k]], r)
+      b_out = b_out if inplace is None else inplace
+    elif op in _PARTIAL_READ and ops:
+      nbytes[ops[0]] = min(nbytes[ops[0]], b_out)
+    elif op == "dynamic-update-slice" and len(ops) > 1:
+      nbytes[ops[0]], b_out = 0.0, nbytes[ops[1]]
     f, t = fl.instruction(ins)
     out.append({"name": name, "opcode": op, "op_name": m.group(1) if m else "", "times": times,
-                "bytes_in": sum(shape_bytes(fl.shapes.get(x, "")) for x in seen),
-                "bytes_out": shape_bytes(shape), "flops": f, "transcendentals": t})
+                "bytes_in": sum(nbytes.values()), "bytes_out": b_out, "flops": f,
+                "transcendentals": t})
+  return out
+
+
+def _roots(text: str) -> dict:
+  """{computation: the name of its ROOT instruction}."""
+  out, cur = {}, None
+  for line in text.splitlines():
+    m = hlo_stats._COMP_RE.match(line)
+    if m and "=" not in line.split("(")[0]:
+      cur = m.group(2)
+      continue
+    s = line.strip()
+    if cur and s.startswith("ROOT "):
+      out[cur] = s[5:].split("=", 1)[0].strip().lstrip("%")
   return out
 
 
