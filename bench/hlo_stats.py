@@ -136,6 +136,39 @@ def top_level(comps, entry) -> list:
   return out
 
 
+def resolve_op_names(comps, entry) -> dict:
+  """{instruction: op_name}: its ``metadata`` op_name, or (top-level ops XLA created without
+  metadata: copies, the row-wise reduce-windows of a cond branch, ...) that of a fused inner op,
+  of the first user or operand in its computation that has one, or of the control-flow op that
+  runs its computation."""
+  names, parent = {}, {}
+  for ins in (i for body in comps.values() for i in body):
+    m = _OPNAME_RE.search(ins[2])
+    if m:
+      names[ins[0]] = m.group(1)
+  for ins in top_level(comps, entry):
+    if ins[1] in ("while", "conditional", "call"):
+      for b in _called(ins[2]):
+        parent.setdefault(b, ins[0])
+  operands = lambda rest: re.findall(r"%([\w.\-]+)", rest[rest.index("("):].split("),")[0])
+  for comp in [c for c in comps if c == entry or c in parent]:
+    body = comps[comp]
+    users = defaultdict(list)
+    for ins in body:
+      for x in operands(ins[2]):
+        users[x].append(ins[0])
+    for _ in range(4):                       # neighbours of neighbours
+      for name, op, rest, _ in body:
+        if name in names:
+          continue
+        inner = [i[0] for c in _called(rest) if op == "fusion" for i in comps.get(c, ())]
+        for cand in inner + users[name] + operands(rest) + [parent.get(comp)]:
+          if cand in names:
+            names[name] = names[cand]
+            break
+  return names
+
+
 def is_launch(opcode: str) -> bool:
   """Whether a top-level instruction runs device work (module doc: ``kernel_launches``)."""
   return opcode not in _NO_LAUNCH
@@ -148,12 +181,7 @@ def hlo_stats(text: str) -> dict:
   total = sum(len(v) for v in comps.values())
   top = [ins[:3] for ins in top_level(comps, entry)]
   launches = [(n, op, rest) for n, op, rest in top if is_launch(op)]
-  op_names = {}
-  for ins in comps.values():
-    for n, _, rest, _ in ins:
-      m = _OPNAME_RE.search(rest)
-      if m:
-        op_names[n] = m.group(1)
+  op_names = resolve_op_names(comps, entry)
   by_group = Counter(scope_group(op_names.get(n, "")) for n, _, _ in launches)
   by_op = Counter(op for _, op, _ in launches)
   return {"hlo_instructions": total, "top_level_ops": len(top),

@@ -221,13 +221,13 @@ def op_costs(text: str) -> list[dict]:
   bytes_out, flops, transcendentals}`` (per execution; ``times`` executions per step)."""
   comps, entry = hlo_stats.parse_hlo(text)
   roots = _roots(text)
+  names = hlo_stats.resolve_op_names(comps, entry)
   fl = _Flops(comps)
   out = []
   for ins in hlo_stats.top_level(comps, entry):
     name, op, rest, shape, times = ins
     if not hlo_stats.is_launch(op):
       continue
-    m = hlo_stats._OPNAME_RE.search(rest)
     ops = list(dict.fromkeys(operands(rest)))
     nbytes = {x: shape_bytes(fl.shapes.get(x, "")) for x in ops}
     b_out = shape_bytes(shape)
@@ -245,7 +245,7 @@ def op_costs(text: str) -> list[dict]:
     elif op == "dynamic-update-slice" and len(ops) > 1:
       nbytes[ops[0]], b_out = 0.0, nbytes[ops[1]]
     f, t = fl.instruction(ins)
-    out.append({"name": name, "opcode": op, "op_name": m.group(1) if m else "", "times": times,
+    out.append({"name": name, "opcode": op, "op_name": names.get(name, ""), "times": times,
                 "bytes_in": sum(nbytes.values()), "bytes_out": b_out, "flops": f,
                 "transcendentals": t})
   return out
