@@ -10,7 +10,8 @@ Builds the model, optimizer and ``kunlun.train.step.make_train_step`` exactly as
 in-memory batch (``data.fake.random_batch``; sequence lengths drawn like the synthetic data
 preset's, see ``--lengths``) and reports:
 
-  compile_s           lower + compile of the step (AOT; the timed steps reuse it)
+  compile_s           lower + compile of the step (AOT; the timed steps reuse it); compile_cpu_s:
+                      the process CPU time of it (all threads; steadier on a shared machine)
   step_ms             median of per-step times (each step blocked), and ``pipelined_ms``: N steps
                       dispatched back to back / N (what a loop with lagged metrics sees)
   examples_per_s      global batch / pipelined step time
@@ -30,6 +31,8 @@ preset's, see ``--lengths``) and reports:
                       (``--peak_flops``, ``--bandwidth``, ``--launch_us``; H200 defaults);
                       bench/roofline.py says what is counted. On CPU the compiled program is a
                       stand-in for the GPU's (the table says so)
+  param_casts         parameter leaves the model casts to a 16-bit compute dtype and at how many
+                      sites (bench/param_casts.py; one site each = cast once per step)
   profile             (--profile) device time per named-scope group (GDPA, PFFN, HSP, attention,
                       MoWE, embeddings, optimizer, ...) and the top ops, from a short trace
 
@@ -202,7 +205,7 @@ def run(args) -> dict:
   import jax
   import jax.numpy as jnp
 
-  from bench import hlo_stats, roofline
+  from bench import hlo_stats, param_casts, roofline
   from data.synthetic import PRESETS, preset_schema
   from kunlun import config as model_config
   from kunlun.flops import model_flops
@@ -237,10 +240,10 @@ def run(args) -> dict:
   step0 = jnp.asarray(0, jnp.int32)
 
   with partition.activate(mesh, rules), roofline.record_kernels() as kernel_calls:
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     lowered = train_step.lower(params, opt_state, batch, rng, step0)
     compiled = lowered.compile()
-    compile_s = time.perf_counter() - t0
+    compile_s, compile_cpu_s = time.perf_counter() - t0, time.process_time() - c0
   device = jax.devices()[0]
   flops_analytic = model_flops(cfg, schema)["train_step"] * B
   flops_actual = _actual_length_flops(cfg, schema, batch_np)
@@ -258,6 +261,10 @@ def run(args) -> dict:
                          launch_s=args.launch_us * 1e-6,
                          repeat=int(cfg.train.get("microbatches", 1)))
   rl["flops_xla_cost_analysis"] = cost["flops"]
+  with partition.activate(mesh, rules):
+    casts = param_casts.summary(
+        lambda p, b: model.apply({"params": p}, b, train=True, rngs={"dropout": rng}),
+        jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params), batch_np)
   rl["bytes_xla_cost_analysis"] = cost["bytes_accessed"]
   res = {
       "name": args.name or default_name(args, cfg),
@@ -272,10 +279,12 @@ def run(args) -> dict:
       "versions": versions(),
       "params": int(sum(x.size for x in jax.tree.leaves(params))),
       "init_s": round(init_s, 2), "compile_s": round(compile_s, 2),
+      "compile_cpu_s": round(compile_cpu_s, 2),
       "flops": {"analytic_padded": flops_analytic, "analytic_actual_lengths": flops_actual,
                 "xla_per_device": cost["flops"], "xla_bytes_accessed_per_device":
                 cost["bytes_accessed"]},
-      "memory": mem, "hlo": hlo, "roofline": rl, "overrides": list(args.set),
+      "memory": mem, "hlo": hlo, "roofline": rl, "param_casts": casts,
+      "overrides": list(args.set),
   }
   if args.dump_hlo:
     with open(args.dump_hlo, "w") as f:

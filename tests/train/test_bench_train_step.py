@@ -214,3 +214,63 @@ def test_kernel_formulas_and_recorded_calls():
   gd = next(c for c in calls if c["kind"] == "gdpa")
   hq, hk = S((1, 4, 2, 8), jnp.float32), S((2, 64, 2, 8), jnp.float32)
   assert gd["bytes"] == roofline.gdpa_kernel(hq, hk, hk, 2, True, False)["bytes"]
+
+
+def test_param_casts_counts_cast_sites():
+  """``bench.param_casts``: a leaf cast to bf16 at one site, one cast at two sites (also inside
+  a remat), one also read in float32, one never cast."""
+  import jax
+  import jax.numpy as jnp
+
+  from bench import param_casts
+
+  def f(p, x):
+    a = x @ p["once"].astype(jnp.bfloat16)
+    b = jax.checkpoint(lambda w: a @ w.astype(jnp.bfloat16))(p["twice"])
+    c = b @ p["twice"].astype(jnp.bfloat16).T
+    return jnp.sum(c.astype(jnp.float32) * p["mixed"][0, 0] + p["mixed"].astype(jnp.bfloat16)[0, 0]
+                   + p["f32"][0, 0])
+
+  S = jax.ShapeDtypeStruct
+  p = {"f32": S((4, 4), jnp.float32), "mixed": S((4, 4), jnp.float32),
+       "once": S((4, 4), jnp.float32), "twice": S((4, 4), jnp.float32)}
+  res = dict(zip(sorted(p), param_casts.cast_uses(f, p, S((2, 4), jnp.bfloat16)), strict=True))
+  assert res["once"] == (jnp.dtype(jnp.bfloat16), 1)
+  assert res["twice"] == (jnp.dtype(jnp.bfloat16), 2)
+  assert res["mixed"][0] is None and res["f32"][0] is None
+  assert param_casts.summary(f, p, S((2, 4), jnp.bfloat16)) == {
+      "leaves": 4, "cast_16bit": 2, "cast_sites": 3, "max_sites": 2}
+
+
+SLICE_HLO = """HloModule s
+
+%fused_slice (p0: f32[1000], p1: f32[10]) -> f32[10] {
+  %p0 = f32[1000]{0} parameter(0)
+  %p1 = f32[10]{0} parameter(1)
+  %s = f32[10]{0} slice(%p0), slice={[20:30]}
+  ROOT %a = f32[10]{0} add(%s, %p1)
+}
+
+%fused_dus (q0: f32[1000], q1: f32[10], q2: s32[]) -> f32[1000] {
+  %q0 = f32[1000]{0} parameter(0)
+  %q1 = f32[10]{0} parameter(1)
+  %q2 = s32[] parameter(2)
+  ROOT %d = f32[1000]{0} dynamic-update-slice(%q0, %q1, %q2)
+}
+
+ENTRY %main (x: f32[1000], y: f32[10], i: s32[]) -> f32[1000] {
+  %x = f32[1000]{0} parameter(0)
+  %y = f32[10]{0} parameter(1)
+  %i = s32[] parameter(2)
+  %f = f32[10]{0} fusion(%x, %y), kind=kLoop, calls=%fused_slice, metadata={op_name="jit(f)/optimizer/add"}
+  ROOT %u = f32[1000]{0} fusion(%x, %f, %i), kind=kLoop, calls=%fused_dus, metadata={op_name="jit(f)/optimizer/dus"}
+}
+"""
+
+
+def test_roofline_counts_sliced_operands_and_in_place_updates():
+  """A fusion reading a slice of a buffer counts the slice; one updating a buffer in place
+  (root dynamic-update-slice) reads nothing of it and writes only the update."""
+  costs = {c["name"]: c for c in roofline.op_costs(SLICE_HLO)}
+  assert (costs["f"]["bytes_in"], costs["f"]["bytes_out"]) == (40 + 40, 40)
+  assert (costs["u"]["bytes_in"], costs["u"]["bytes_out"]) == (40 + 4, 40)
