@@ -41,7 +41,7 @@ analytic input + output bytes (``kernel_bytes`` / ``kernel_launches``), beside t
 
 Only the bytes and launches change in the kernel column; the FLOPs are the XLA program's. The
 shapes come from tracing (``record_kernels`` wraps ``pallas_kernels.gdpa`` and
-``kunlun.attention``'s attention functions while the step is lowered and records each
+``kunlun.attention.softmax_attention`` while the step is lowered and records each
 differentiated call's shapes and named scope, via JAX's current name stack).
 
 Roofline lower bound of a step on a target device (flags of ``bench/train_step.py``):
@@ -328,12 +328,16 @@ def record_kernels():
   """Records, while active, the differentiated GDPA and softmax-attention calls a trace makes:
   yields a list of ``{kind, scope, bytes, launches}`` (kind "gdpa", "attention" or "rotary";
   ``scope`` the name stack, e.g. ``jvp(Kunlun)/.../click_hsp/HSP/GDPA``). Only calls under a
-  ``jvp`` (the train step's forward, whose backward autodiff derives) are kept."""
+  ``jvp`` (the train step's forward, whose backward autodiff derives) are kept.
+
+  Softmax attention is recorded at ``kunlun.attention.softmax_attention``, the dispatch that
+  ``SeqAttention._attend`` calls for every backend (xla reference, pallas / cudnn directly or per
+  shard through ``sharding.context``), with the global ``q, k, v`` shapes."""
   import pallas_kernels
   from kunlun import attention
-  calls, depth = [], [0]
-  orig = {"gdpa": pallas_kernels.gdpa, "banded": attention.banded_softmax_attention,
-          "masked": attention.masked_softmax_attention, "rotary": attention.apply_rotary}
+  calls = []
+  orig = {"gdpa": pallas_kernels.gdpa, "softmax": attention.softmax_attention,
+          "rotary": attention.apply_rotary}
 
   def keep(kind, cost):
     scope = _name_stack()
@@ -347,31 +351,22 @@ def record_kernels():
                              ki is not None))
     return orig["gdpa"](q, k, v, **kw)
 
-  def attend(fn):
-    def wrapped(q, k, v, *a, **kw):
-      if depth[0] == 0:
-        keep("attention", flash_attention_kernel(q, k, v))
-      depth[0] += 1
-      try:
-        return fn(q, k, v, *a, **kw)
-      finally:
-        depth[0] -= 1
-    return wrapped
+  def softmax(q, k, v, *a, **kw):
+    keep("attention", flash_attention_kernel(q, k, v))
+    return orig["softmax"](q, k, v, *a, **kw)
 
   def rotary(x, rot):
     keep("rotary", rotary_op(x, rot))
     return orig["rotary"](x, rot)
 
   pallas_kernels.gdpa = gdpa
-  attention.banded_softmax_attention = attend(orig["banded"])
-  attention.masked_softmax_attention = attend(orig["masked"])
+  attention.softmax_attention = softmax
   attention.apply_rotary = rotary
   try:
     yield calls
   finally:
     pallas_kernels.gdpa = orig["gdpa"]
-    attention.banded_softmax_attention = orig["banded"]
-    attention.masked_softmax_attention = orig["masked"]
+    attention.softmax_attention = orig["softmax"]
     attention.apply_rotary = orig["rotary"]
 
 

@@ -216,6 +216,44 @@ def test_kernel_formulas_and_recorded_calls():
   assert gd["bytes"] == roofline.gdpa_kernel(hq, hk, hk, 2, True, False)["bytes"]
 
 
+def test_record_kernels_sees_every_seq_attention_of_a_model():
+  """On the tiny model's differentiated forward, ``record_kernels`` records one softmax-attention
+  call per ``SeqAttention`` call (counted independently by flax's method interception), each in
+  its tower's ``._attend`` scope: the kernel column cannot silently lose the attention."""
+  import flax.linen as nn
+  import jax
+  import jax.numpy as jnp
+
+  from data.synthetic import PRESETS, preset_schema
+  from kunlun import config as model_config
+  from kunlun.attention import SeqAttention
+  from kunlun.model import build_model
+
+  cfg = train_step.load_config("tiny", [])
+  schema = preset_schema(PRESETS[cfg.data.preset])
+  batch = train_step.synthetic_batch(schema, 2, model_config.seq_lens(cfg), "uniform")
+  model = build_model(cfg, schema)
+  params = jax.eval_shape(lambda b: model.init(jax.random.key(0), b, train=False), batch)
+  seen = []
+
+  def count(f, args, kwargs, context):
+    if isinstance(context.module, SeqAttention) and context.method_name == "__call__":
+      seen.append(context.module.name)
+    return f(*args, **kwargs)
+
+  def loss(p):
+    out = model.apply(p, batch, train=True, rngs={"dropout": jax.random.key(1)})
+    return sum(jnp.sum(x.astype(jnp.float32)) for x in jax.tree.leaves(out))
+
+  with roofline.record_kernels() as calls, nn.intercept_methods(count):
+    jax.make_jaxpr(jax.grad(loss))(params)
+  att = [c for c in calls if c["kind"] == "attention"]
+  towers = list(cfg.model.towers.keys())
+  assert seen and len(att) == len(seen), (seen, att)
+  assert all("._attend" in c["scope"] and roofline.scope_tower(c["scope"], towers)
+             for c in att)
+
+
 def test_param_casts_counts_cast_sites():
   """``bench.param_casts``: a leaf cast to bf16 at one site, one cast at two sites (also inside
   a remat), one also read in float32, one never cast."""
