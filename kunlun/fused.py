@@ -4,6 +4,7 @@ Each is one forward pass that keeps nothing full-size for the backward but its i
 backward recomputes the cheap intermediates. Autodiff instead keeps (and XLA writes) full-size
 float32 intermediates and broadcast masks.
 
+  norm_residual(g, u, s, lengths)      the PFFN's ``where(t < lengths, RMSNorm(g + u) + s, 0)``
   rotary(x, age)                       the rotary encoding, angles recomputed from ``age``
                                        (never stored); the backward is the inverse rotation
   qk_norm_rotary(x, scale, age, ...)   QK-norm, bucket embedding and rotary in two passes
@@ -22,7 +23,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from kunlun.norms import scaled_rms_norm
+from kunlun.norms import EPS, scaled_rms_norm
 from kunlun.time_encoding import rotary_angles
 
 F32 = jnp.float32
@@ -61,6 +62,44 @@ def _mr_bwd(res, g):
 
 
 masked_residual.defvjp(_mr_fwd, _mr_bwd)
+
+
+# ---- the PFFN's tail: RMSNorm(g + u) + s, masked ------------------------------------------
+
+@jax.custom_vjp
+def norm_residual(g, u, s, lengths):
+  """``where(t < lengths, rms_norm(g + u) + s, 0)`` in float32, in ``s.dtype`` (``g, u, s [B, T,
+  d]``). The backward recomputes ``g + u`` and its statistics; ``g`` and ``u`` get the same
+  cotangent."""
+  return _norm_residual(g, u, s, lengths)
+
+
+def _norm_residual(g, u, s, lengths):
+  t = g.astype(F32) + u.astype(F32)
+  y = t * _rsqrt_ms(t) + s.astype(F32)
+  return jnp.where(_valid(lengths, s.shape[1])[..., None], y, 0.0).astype(s.dtype)
+
+
+def _rsqrt_ms(t):
+  return jax.lax.rsqrt(jnp.mean(jnp.square(t), axis=-1, keepdims=True) + EPS)
+
+
+def _nr_fwd(g, u, s, lengths):
+  return _norm_residual(g, u, s, lengths), (g, u, lengths, jnp.zeros((0,), s.dtype))
+
+
+def _nr_bwd(res, dy):
+  g, u, lengths, s0 = jax.lax.optimization_barrier(res)   # no CSE with the forward
+  gm = jnp.where(_valid(lengths, dy.shape[1])[..., None], dy, jnp.zeros((), dy.dtype))
+  t = g.astype(F32) + u.astype(F32)
+  r = _rsqrt_ms(t)
+  z = t * r
+  d = gm.astype(F32)
+  dt = r * (d - z * jnp.mean(d * z, axis=-1, keepdims=True))
+  return dt.astype(g.dtype), dt.astype(u.dtype), gm.astype(s0.dtype), None
+
+
+norm_residual.defvjp(_nr_fwd, _nr_bwd)
 
 
 # ---- rotary ---------------------------------------------------------------------------------

@@ -58,7 +58,9 @@ def _layer_norm(x, eps, dtype):
 
 
 def _layer_norm_fwd(x, eps, dtype):
-  return _layer_norm(x, eps, dtype), x
+  # the barrier keeps XLA from sharing this norm's float32 copy of x with another norm of the
+  # same x (HSP's and PFFN's of one sequence), which it would then write out
+  return _layer_norm(jax.lax.optimization_barrier(x), eps, dtype), x
 
 
 def _layer_norm_bwd(eps, dtype, x, dy):
@@ -87,7 +89,7 @@ def _rms_norm(x, eps, dtype):
 
 
 def _rms_norm_fwd(x, eps, dtype):
-  return _rms_norm(x, eps, dtype), x
+  return _rms_norm(jax.lax.optimization_barrier(x), eps, dtype), x      # as _layer_norm_fwd
 
 
 def _rms_norm_bwd(eps, dtype, x, dy):
@@ -110,7 +112,7 @@ def _scaled_rms_norm(x, scale, eps, dtype):
 
 
 def _scaled_rms_norm_fwd(x, scale, eps, dtype):
-  return _scaled_rms_norm(x, scale, eps, dtype), (x, scale)
+  return _scaled_rms_norm(jax.lax.optimization_barrier(x), scale, eps, dtype), (x, scale)
 
 
 def _scaled_rms_norm_bwd(eps, dtype, res, dz):
