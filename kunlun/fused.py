@@ -29,8 +29,12 @@ from kunlun.time_encoding import rotary_angles
 F32 = jnp.float32
 
 
-def _valid(lengths, T):
-  return jnp.arange(T)[None, :] < jnp.asarray(lengths, jnp.int32)[:, None]      # [B, T]
+def _mask(lengths, T):
+  """``f32[B, T, 1]``: 1 at rows ``t < lengths[b]``, else 0. The modules zero their padding rows
+  by multiplying with it (XLA:CPU fuses a multiply with the row norms, not a select); the
+  padding rows of the sequence activations are finite (zero) by construction."""
+  valid = jnp.arange(T)[None, :] < jnp.asarray(lengths, jnp.int32)[:, None]
+  return valid.astype(F32)[..., None]
 
 
 # ---- masked residual ----------------------------------------------------------------------
@@ -47,7 +51,7 @@ def masked_residual(s, y, lengths):
 
 def _masked_residual(s, y, lengths):
   out = s.astype(F32) + y.astype(F32)
-  return jnp.where(_valid(lengths, s.shape[1])[..., None], out, 0.0).astype(s.dtype)
+  return (out * _mask(lengths, s.shape[1])).astype(s.dtype)
 
 
 def _mr_fwd(s, y, lengths):
@@ -57,8 +61,8 @@ def _mr_fwd(s, y, lengths):
 
 def _mr_bwd(res, g):
   lengths, s0, y0 = res
-  gm = jnp.where(_valid(lengths, g.shape[1])[..., None], g, jnp.zeros((), g.dtype))
-  return gm.astype(s0.dtype), g.astype(y0.dtype), None
+  gm = (g.astype(F32) * _mask(lengths, g.shape[1])).astype(s0.dtype)
+  return gm, g.astype(y0.dtype), None
 
 
 masked_residual.defvjp(_mr_fwd, _mr_bwd)
@@ -77,7 +81,7 @@ def norm_residual(g, u, s, lengths):
 def _norm_residual(g, u, s, lengths):
   t = g.astype(F32) + u.astype(F32)
   y = t * _rsqrt_ms(t) + s.astype(F32)
-  return jnp.where(_valid(lengths, s.shape[1])[..., None], y, 0.0).astype(s.dtype)
+  return (y * _mask(lengths, s.shape[1])).astype(s.dtype)
 
 
 def _rsqrt_ms(t):
@@ -89,14 +93,17 @@ def _nr_fwd(g, u, s, lengths):
 
 
 def _nr_bwd(res, dy):
-  g, u, lengths, s0 = jax.lax.optimization_barrier(res)   # no CSE with the forward
-  gm = jnp.where(_valid(lengths, dy.shape[1])[..., None], dy, jnp.zeros((), dy.dtype))
+  g, u, lengths, s0 = res
+  gm = (dy.astype(F32) * _mask(lengths, dy.shape[1])).astype(s0.dtype)
+  # dt in one pass over its own (barrier-separated) inputs: no CSE with the forward, no float32
+  # copy of the masked cotangent shared with gm
+  g, u, lengths, dy = jax.lax.optimization_barrier((g, u, lengths, dy))
   t = g.astype(F32) + u.astype(F32)
   r = _rsqrt_ms(t)
   z = t * r
-  d = gm.astype(F32)
+  d = dy.astype(F32) * _mask(lengths, dy.shape[1])
   dt = r * (d - z * jnp.mean(d * z, axis=-1, keepdims=True))
-  return dt.astype(g.dtype), dt.astype(u.dtype), gm.astype(s0.dtype), None
+  return dt.astype(g.dtype), dt.astype(u.dtype), gm, None
 
 
 norm_residual.defvjp(_nr_fwd, _nr_bwd)

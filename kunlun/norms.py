@@ -57,15 +57,21 @@ def _layer_norm(x, eps, dtype):
   return ((x - mu) * r).astype(dtype)
 
 
+def _fenced(x, tag: int):
+  """``x`` behind an optimization barrier tagged per norm kind: XLA then shares no float32 copy
+  of ``x`` between two different norms of the same ``x`` (HSP's RMSNorm and the PFFN's
+  LayerNorm of one sequence), which it would write out. The tag keeps the barrier distinct from
+  the backward's (which also holds the cotangent), so CSE cannot merge them either."""
+  return jax.lax.optimization_barrier((x, jnp.int32(tag)))[0]
+
+
 def _layer_norm_fwd(x, eps, dtype):
-  # the barrier keeps XLA from sharing this norm's float32 copy of x with another norm of the
-  # same x (HSP's and PFFN's of one sequence), which it would then write out
-  return _layer_norm(jax.lax.optimization_barrier(x), eps, dtype), x
+  return _layer_norm(_fenced(x, 1), eps, dtype), x
 
 
 def _layer_norm_bwd(eps, dtype, x, dy):
   """``dx = r (dy - mean(dy) - y mean(dy y))`` with ``y = (x - mu) r``."""
-  x = jax.lax.optimization_barrier(x)             # no CSE with the forward's intermediates
+  x, dy = jax.lax.optimization_barrier((x, dy))   # no CSE with the forward's intermediates
   _, mu, r = _ln_stats(x, eps)
   dy = dy.astype(F32)
   y = (x.astype(F32) - mu) * r
@@ -89,12 +95,12 @@ def _rms_norm(x, eps, dtype):
 
 
 def _rms_norm_fwd(x, eps, dtype):
-  return _rms_norm(jax.lax.optimization_barrier(x), eps, dtype), x      # as _layer_norm_fwd
+  return _rms_norm(_fenced(x, 2), eps, dtype), x
 
 
 def _rms_norm_bwd(eps, dtype, x, dy):
   """``dx = r (dy - y mean(dy y))`` with ``y = x r``."""
-  x = jax.lax.optimization_barrier(x)
+  x, dy = jax.lax.optimization_barrier((x, dy))
   _, r = _rms_stats(x, eps)
   dy = dy.astype(F32)
   y = x.astype(F32) * r
@@ -112,7 +118,7 @@ def _scaled_rms_norm(x, scale, eps, dtype):
 
 
 def _scaled_rms_norm_fwd(x, scale, eps, dtype):
-  return _scaled_rms_norm(jax.lax.optimization_barrier(x), scale, eps, dtype), (x, scale)
+  return _scaled_rms_norm(_fenced(x, 3), scale, eps, dtype), (x, scale)
 
 
 def _scaled_rms_norm_bwd(eps, dtype, res, dz):
@@ -123,7 +129,7 @@ def _scaled_rms_norm_bwd(eps, dtype, res, dz):
   del dtype
   dscale = jnp.sum(dz1.astype(F32) * (x1.astype(F32) * _rms_stats(x1, eps)[1]),
                    axis=tuple(range(dz.ndim - 1)))
-  x, scale = jax.lax.optimization_barrier(res)      # no CSE with the forward's intermediates
+  x, scale, dz = jax.lax.optimization_barrier(res + (dz,))   # no CSE with the forward
   _, r = _rms_stats(x, eps)
   y = x.astype(F32) * r
   dy = dz.astype(F32) * scale

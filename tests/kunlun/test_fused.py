@@ -117,3 +117,45 @@ def test_seq_attention_float32_output_and_gradients_equal_the_plain_composition(
   g_ref = jax.grad(lambda p, s: jnp.sum(plain(p, s) * w), argnums=(0, 1))(p, s)
   for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g_ref), strict=True):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+
+
+def test_norm_residual_values_and_gradients():
+  rng = np.random.default_rng(5)
+  g, u, s, w = (jnp.asarray(rng.normal(size=(3, 7, 8)), F32) for _ in range(4))
+  lengths = jnp.array([7, 2, 0])
+  valid = (jnp.arange(7)[None] < lengths[:, None])[..., None]
+  plain = lambda g, u, s: jnp.where(valid, _plain_rms(g + u) + s, 0.0)
+  got = lambda g, u, s: fused.norm_residual(g, u, s, lengths)
+  np.testing.assert_allclose(np.asarray(got(g, u, s)), np.asarray(plain(g, u, s)), rtol=1e-6,
+                             atol=1e-6)
+  gr = jax.grad(lambda *a: jnp.sum(got(*a) * w), argnums=(0, 1, 2))(g, u, s)
+  gr_ref = jax.grad(lambda *a: jnp.sum(plain(*a) * w), argnums=(0, 1, 2))(g, u, s)
+  for a, b in zip(gr, gr_ref, strict=True):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+def test_pffn_float32_gradients_equal_the_plain_composition():
+  """PFFN (float32) against autodiff of ``where(valid, RMSNorm(GDPA(LN(s)) + LN(s)) + s, 0)``."""
+  from kunlun.pffn import PFFN
+  from pallas_kernels.reference import gdpa_reference
+  rng = np.random.default_rng(6)
+  B, T, d, H, n = 3, 10, 16, 4, 5
+  s, w = (jnp.asarray(rng.normal(size=(B, T, d)), F32) for _ in range(2))
+  k, v = (jnp.asarray(rng.normal(size=(B, n, H, d // H)), F32) for _ in range(2))
+  lengths = jnp.array([10, 4, 0], jnp.int32)
+  valid = (jnp.arange(T)[None] < lengths[:, None])[..., None]
+
+  def plain(s, k, v):
+    x = s - jnp.mean(s, -1, keepdims=True)
+    u = x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-6)
+    g = gdpa_reference(u.reshape(B, T, H, d // H), k, v, activation="fast_gelu",
+                       q_lengths=lengths).reshape(B, T, d)
+    return jnp.where(valid, _plain_rms(g + u) + s, 0.0)
+
+  got = lambda s, k, v: PFFN(H).apply({}, s, lengths, k, v)
+  np.testing.assert_allclose(np.asarray(got(s, k, v)), np.asarray(plain(s, k, v)), rtol=1e-5,
+                             atol=1e-5)
+  gr = jax.grad(lambda *a: jnp.sum(got(*a) * w), argnums=(0, 1, 2))(s, k, v)
+  gr_ref = jax.grad(lambda *a: jnp.sum(plain(*a) * w), argnums=(0, 1, 2))(s, k, v)
+  for a, b in zip(gr, gr_ref, strict=True):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
