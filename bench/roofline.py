@@ -31,17 +31,23 @@ analytic input + output bytes (``kernel_bytes`` / ``kernel_launches``), beside t
     summed: one more read of it and a write of q's size) and dk, dv (f32 per output row when k/v
     are shared, likewise). 3 launches (+1 per shared operand's sum).
   * Softmax sequence self-attention (``kunlun.attention``, ``kind`` "swa" / "full"; the region is
-    the ops under ``SeqAttention/<tower>_attention._attend``) as a fused flash attention, per
-    call with ``q, k, v, o [B, T, H, D]`` and ``lse f32[B, H, T]``: forward reads q, k, v and
-    writes o, lse; backward reads q, k, v, o, do, lse and writes dq, dk, dv (the row sums
-    ``rowsum(o * do)`` are computed from o and do in the kernel); 1 + 2 launches. The rotary
-    encoding applied inside ``_attend`` stays an XLA op at its own bytes (read x, cos, sin,
-    write x; the same backward; 2 launches per call). On CPU the attention runs as XLA; it is
-    counted at this kernel column all the same.
+    the ops under the ``SoftmaxAttention`` scope, the call of ``kunlun.attention.
+    softmax_attention``) as a fused flash attention, per call with ``q, k, v, o [B, T, H, D]``
+    and ``lse f32[B, H, T]``: forward reads q, k, v and writes o, lse; backward reads q, k, v,
+    o, do, lse and writes dq, dk, dv (the row sums ``rowsum(o * do)`` are computed from o and
+    do in the kernel); 1 + 2 launches. QK-norm and the rotary encoding run before the call
+    (``kunlun.fused.qk_norm_rotary``) and are counted as the XLA ops they are. On CPU the
+    attention runs as XLA; it is counted at this kernel column all the same.
+
+While recorded, the calls are fenced (``record_kernels(fence=True)``, the default): their
+operands, results and cotangents pass optimization barriers, so the ops around them move what
+they would move around the kernel (otherwise XLA fuses parts of the reference into its
+neighbours, e.g. a key gradient summed from the banded reference's windows inside the next
+op, and the region boundary no longer matches the kernel's interface).
 
 Only the bytes and launches change in the kernel column; the FLOPs are the XLA program's. The
 shapes come from tracing (``record_kernels`` wraps ``pallas_kernels.gdpa`` and
-``kunlun.attention``'s attention functions while the step is lowered and records each
+``kunlun.attention.softmax_attention`` while the step is lowered and records each
 differentiated call's shapes and named scope, via JAX's current name stack).
 
 Roofline lower bound of a step on a target device (flags of ``bench/train_step.py``):
@@ -54,6 +60,7 @@ indicative (a GPU HLO dump gives the exact ones).
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import re
 import sys
@@ -309,12 +316,6 @@ def flash_attention_kernel(q, k, v) -> dict:
   return {"bytes": fwd + bwd, "launches": 3}
 
 
-def rotary_op(x, rot) -> dict:
-  """An XLA rotary encoding's forward + backward bytes: read x, cos, sin, write x (twice)."""
-  r = sum(_nbytes(a.shape, a.dtype) for a in rot)
-  return {"bytes": 2 * (2 * _nbytes(x.shape, x.dtype) + r), "launches": 2}
-
-
 def _name_stack() -> str:
   try:
     from jax._src import source_info_util
@@ -323,21 +324,50 @@ def _name_stack() -> str:
     return ""
 
 
+@functools.cache
+def _fence_fn():
+  import jax
+
+  @jax.custom_vjp
+  def fence(x):
+    return jax.lax.optimization_barrier(x)
+
+  fence.defvjp(lambda x: (jax.lax.optimization_barrier(x), None),
+               lambda _, g: (jax.lax.optimization_barrier(g),))
+  return fence
+
+
+def _fence(x):
+  """Identity whose value and cotangent pass an optimization barrier: XLA fuses nothing across
+  it, so the ops around a fenced kernel call read and write exactly the kernel's operands, as
+  they would around the GPU kernel (a custom call)."""
+  return _fence_fn()(x)
+
+
 @contextlib.contextmanager
-def record_kernels():
+def record_kernels(fence: bool = True):
   """Records, while active, the differentiated GDPA and softmax-attention calls a trace makes:
-  yields a list of ``{kind, scope, bytes, launches}`` (kind "gdpa", "attention" or "rotary";
+  yields a list of ``{kind, scope, bytes, launches}`` (kind "gdpa" or "attention";
   ``scope`` the name stack, e.g. ``jvp(Kunlun)/.../click_hsp/HSP/GDPA``). Only calls under a
-  ``jvp`` (the train step's forward, whose backward autodiff derives) are kept."""
+  ``jvp`` (the train step's forward, whose backward autodiff derives) are kept.
+
+  Softmax attention is recorded at ``kunlun.attention.softmax_attention``, the dispatch that
+  ``SeqAttention._attend`` calls for every backend (xla reference, pallas / cudnn directly or per
+  shard through ``sharding.context``), with the global ``q, k, v`` shapes.
+
+  ``fence``: the recorded calls' operands and results (and their cotangents) pass optimization
+  barriers (``_fence``), so that XLA fuses none of the reference computation into the ops
+  around it: those then move the kernel's interface (q, k, v in, o out; do in, dq, dk, dv
+  out), the bytes they would move around the GPU kernel, and the replaced region is exactly the
+  call. Values are unchanged; the XLA column is that of the fenced program."""
   import pallas_kernels
   from kunlun import attention
-  calls, depth = [], [0]
-  orig = {"gdpa": pallas_kernels.gdpa, "banded": attention.banded_softmax_attention,
-          "masked": attention.masked_softmax_attention, "rotary": attention.apply_rotary}
+  calls = []
+  orig = {"gdpa": pallas_kernels.gdpa, "softmax": attention.softmax_attention}
 
   def keep(kind, cost):
     scope = _name_stack()
-    if "jvp(" in scope and (kind == "gdpa" or "._attend" in scope):
+    if "jvp(" in scope:
       calls.append({"kind": kind, "scope": scope, **cost})
 
   def gdpa(q, k, v, **kw):
@@ -345,40 +375,29 @@ def record_kernels():
     out_b = (qi.shape[0] if qi is not None else ki.shape[0] if ki is not None else k.shape[0])
     keep("gdpa", gdpa_kernel(q, k, v, out_b, bool(kw.get("broadcast_q")) or qi is not None,
                              ki is not None))
-    return orig["gdpa"](q, k, v, **kw)
+    if not fence:
+      return orig["gdpa"](q, k, v, **kw)
+    return _fence(orig["gdpa"](*_fence((q, k, v)), **kw))
 
-  def attend(fn):
-    def wrapped(q, k, v, *a, **kw):
-      if depth[0] == 0:
-        keep("attention", flash_attention_kernel(q, k, v))
-      depth[0] += 1
-      try:
-        return fn(q, k, v, *a, **kw)
-      finally:
-        depth[0] -= 1
-    return wrapped
-
-  def rotary(x, rot):
-    keep("rotary", rotary_op(x, rot))
-    return orig["rotary"](x, rot)
+  def softmax(q, k, v, *a, **kw):
+    keep("attention", flash_attention_kernel(q, k, v))
+    if not fence:
+      return orig["softmax"](q, k, v, *a, **kw)
+    return _fence(orig["softmax"](*_fence((q, k, v)), *a, **kw))
 
   pallas_kernels.gdpa = gdpa
-  attention.banded_softmax_attention = attend(orig["banded"])
-  attention.masked_softmax_attention = attend(orig["masked"])
-  attention.apply_rotary = rotary
+  attention.softmax_attention = softmax
   try:
     yield calls
   finally:
     pallas_kernels.gdpa = orig["gdpa"]
-    attention.banded_softmax_attention = orig["banded"]
-    attention.masked_softmax_attention = orig["masked"]
-    attention.apply_rotary = orig["rotary"]
+    attention.softmax_attention = orig["softmax"]
 
 
 # ---- the table ----------------------------------------------------------------------------------
 def _replaced(group: str, op_name: str) -> bool:
   """Whether an op lies in a region the kernel column replaces."""
-  return group == "GDPA" or (group == "attention" and "._attend" in op_name)
+  return group == "GDPA" or (group == "attention" and "/SoftmaxAttention" in op_name)
 
 
 def roofline(costs: list[dict], calls: list[dict] | None, towers=(), *, examples: int = 1,

@@ -35,11 +35,12 @@ import jax
 import jax.numpy as jnp
 
 import pallas_kernels
+from kunlun.fused import masked_residual, qk_norm_rotary
 from kunlun.gdpa import gdpa
 from kunlun.norms import rms_norm
-from kunlun.time_encoding import BucketSpec, add_bucket_embedding, rotary_time
+from kunlun.time_encoding import BucketSpec, bucket_embedding, rotary_time
 from pallas_kernels.activations import per_head
-from pallas_kernels.reference import (  # noqa: F401  (masked_softmax_attention: re-exported)
+from pallas_kernels.reference import (  # noqa: F401  (re-exported: apply_rotary, masked_...)
     apply_rotary,
     band_chunk,
     masked_softmax_attention,
@@ -120,28 +121,30 @@ class SeqAttention(nn.Module):
     H, dh = self.heads, d // self.heads
     lengths = jnp.asarray(lengths, jnp.int32)
     with jax.named_scope("SeqAttention"):
-      h = rms_norm(s).astype(self.dtype)
+      h = rms_norm(s, dtype=self.dtype)
       w_qkv = self.param("qkv", with_axes(nn.initializers.lecun_normal(0, (1, 2, 3)),
                                           ("embed", None, "heads", "head_dim")), (d, 3, H, dh), F32)
-      qkv = jnp.einsum("btd,dihc->btihc", h, w_qkv.astype(self.dtype))
-      q, k, v = (shard(qkv[:, :, i], _ACT_AXES) for i in range(3))
-      if self.qk_norm:
-        sc = lambda n: self.param(n, with_axes(nn.initializers.ones, ("head_dim",)), (dh,), F32)
-        q = (rms_norm(q) * sc("q_scale")).astype(self.dtype)
-        k = (rms_norm(k) * sc("k_scale")).astype(self.dtype)
-      q = add_bucket_embedding(self, "time_bucket_q", q, age, lengths, self.time_buckets)
-      rot = rotary_time(age, H, dh, self.t_scale) if self.rotary else None
+      w = w_qkv.astype(self.dtype)        # q, k, v as three projections: separate buffers
+      q, k, v = (shard(jnp.einsum("btd,dhc->bthc", h, w[:, i]), _ACT_AXES) for i in range(3))
+      sc = lambda n: (self.param(n, with_axes(nn.initializers.ones, ("head_dim",)), (dh,), F32)
+                      if self.qk_norm else None)
+      emb = bucket_embedding(self, "time_bucket_q", q, age, lengths, self.time_buckets)
+      rot, rot_age = None, age if self.rotary else None
+      if self.rotary and self.kind == "block":         # the block kernel rotates in-kernel
+        rot, rot_age = rotary_time(age, H, dh, self.t_scale), None
+      q = qk_norm_rotary(q, sc("q_scale"), rot_age, dtype=self.dtype, t_scale=self.t_scale,
+                         emb=emb)
+      k = qk_norm_rotary(k, sc("k_scale"), rot_age, dtype=self.dtype, t_scale=self.t_scale)
       o = self._attend(q, k, v, lengths, rot, T)
       o = shard(o, _ACT_AXES)
       w_o = self.param("out", with_axes(nn.initializers.lecun_normal((0, 1), 2),
                                         ("heads", "head_dim", "embed")), (H, dh, d), F32)
       out = jnp.einsum("bthc,hcd->btd", o.astype(self.dtype), w_o.astype(self.dtype))
-      y = s.astype(F32) + out.astype(F32)
-      valid = jnp.arange(T)[None, :] < lengths[:, None]
-      y = jnp.where(valid[..., None], y, 0.0).astype(s.dtype)
-      return shard(y, ("batch", "seq", "embed"))
+      return shard(masked_residual(s, out, lengths), ("batch", "seq", "embed"))
 
   def _attend(self, q, k, v, lengths, rot, T):
+    """The attention proper (q, k already rotated unless ``kind="block"``, whose kernel rotates
+    with ``rot``)."""
     if self.kind == "block":
       bs = self.block_size
       pad = -T % bs
@@ -158,8 +161,6 @@ class SeqAttention(nn.Module):
                                     rotary=rot, backend=self.backend,
                                     score_clip=self.score_clip)
       return o[:, :T]
-    if rot is not None:
-      q, k = apply_rotary(q, rot), apply_rotary(k, rot)
     window = self.window if self.kind == "swa" else None
     if self.activation != "softmax":
       n = self.t_max or (T if window is None else min(T, 2 * window + 1))
@@ -168,5 +169,3 @@ class SeqAttention(nn.Module):
                   score_clip=self.score_clip)
     with jax.named_scope("SoftmaxAttention"):
       return softmax_attention(q, k, v, lengths, window, self.backend)
-
-

@@ -98,7 +98,7 @@ class HSP(nn.Module):
       e = self.param("seeds", with_axes(nn.initializers.normal(0.02), ("seeds", "embed")),
                      (self.n_seed, d), F32)
       q = _to_heads(self, "query", rms_norm(e), H, dt)
-      hs = rms_norm(s)
+      hs = rms_norm(s, dtype=dt)
       k, v = _to_heads(self, "key", hs, H, dt), _to_heads(self, "value", hs, H, dt)
       k = add_bucket_embedding(self, "time_bucket_k", k, age, lengths, self.time_buckets)
       k = shard(k, ("batch", "seq", "heads", "head_dim"))
@@ -135,7 +135,7 @@ class PMA(nn.Module):
       e = self.param("queries", with_axes(nn.initializers.normal(0.02), ("seeds", "embed")),
                      (self.n_sum, d), F32)
       q = _to_heads(self, "query", rms_norm(e), H, dt)
-      hs = rms_norm(s)
+      hs = rms_norm(s, dtype=dt)
       k, v = _to_heads(self, "key", hs, H, dt), _to_heads(self, "value", hs, H, dt)
       k = add_bucket_embedding(self, "time_bucket_k", k, age, lengths, self.time_buckets)
       valid = jnp.arange(T)[None, :] < jnp.asarray(lengths, jnp.int32)[:, None]    # [B, T]

@@ -1,7 +1,9 @@
 """GDPA-enhanced personalized FFN block (spec c.3).
 
 ``u = LN(s)``; ``g = GDPA(Q=u, K, V; act, scale=1/sqrt(d_h), out_scale=1)``;
-``s' = RMSNorm(g + u) + s``. Norms are affine-free, span all heads and run in float32. Rows at or
+``s' = RMSNorm(g + u) + s``. Norms are affine-free, span all heads and run in float32; ``u`` is
+kept in the compute dtype (it is the GDPA query; with bfloat16 the residual ``g + u`` adds the
+rounded ``u``), and the tail is one pass with a hand-written VJP (``kunlun.fused``). Rows at or
 beyond ``lengths`` are zero in the output (and so receive no gradient). ``norm_affine=True``
 adds learned per-channel scales (LN and RMSNorm) and a bias (LN), the ablation of Meta's
 affine-free default. ``time_buckets`` adds per-head time/position bucket embeddings to the GDPA
@@ -21,6 +23,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from kunlun.fused import norm_residual
 from kunlun.gdpa import gdpa
 from kunlun.norms import layer_norm, rms_norm
 from kunlun.time_encoding import BucketSpec, add_bucket_embedding
@@ -56,7 +59,10 @@ class PFFN(nn.Module):
     if k.shape[0] != B or k.shape[2:] != (self.heads, dh) or v.shape != k.shape:
       raise ValueError(f"PFFN: k{k.shape}/v{v.shape} must be [B={B}, n_kv, {self.heads}, {dh}]")
     with jax.named_scope("PFFN"):
-      u = self._affine("ln", layer_norm(s), bias=True)        # f32 [B or R, T, d]
+      # u in the compute dtype (float32 with the affine norms): it is both GDPA's query and the
+      # residual of the RMSNorm below (kunlun.fused.norm_residual)
+      u = (self._affine("ln", layer_norm(s), bias=True) if self.norm_affine
+           else layer_norm(s, dtype=self.dtype))             # [B or R, T, d]
       q = u.astype(self.dtype).reshape(u.shape[0], T, self.heads, dh)
       q = add_bucket_embedding(self, "time_bucket_q", q, age, lengths, self.time_buckets)
       q = shard(q, ("batch", "seq", "heads", "head_dim"))
@@ -65,7 +71,10 @@ class PFFN(nn.Module):
                out_scale=1.0, q_lengths=lengths, backend=self.backend,
                score_clip=self.score_clip, q_index=q_index)            # [B, T, H, dh]
       u, s, lengths = (take_rows(a, q_index) for a in (u, s, lengths))
-      y = self._affine("rms", rms_norm(g.reshape(B, T, d).astype(jnp.float32) + u), bias=False)
+      g = g.reshape(B, T, d)
+      if not self.norm_affine:
+        return shard(norm_residual(g, u, s, lengths), ("batch", "seq", "embed"))
+      y = self._affine("rms", rms_norm(g.astype(jnp.float32) + u), bias=False)
       y = y + s.astype(jnp.float32)
       valid = jnp.arange(T)[None, :] < lengths[:, None]
       y = jnp.where(valid[..., None], y, 0.0).astype(s.dtype)

@@ -56,15 +56,8 @@ def rope_frequencies(head_dim: int):
   return ROPE_BASE ** (-jnp.arange(head_dim // 2, dtype=jnp.float32) * 2.0 / head_dim)
 
 
-def rotary_time(age, heads: int, head_dim: int, t_scale: float = 60.0):
-  """Per-head rotary ``(cos, sin)``, each ``f32[B, T, heads, head_dim // 2]``.
-
-  Args:
-    age: ``f32[B, T]`` request time - event time in seconds.
-    heads: number of heads; heads ``[0, ceil(heads/2))`` use time, the rest use positions.
-    head_dim: per-head width (even).
-    t_scale: seconds; the temporal "position" is ``log(1 + age / t_scale)``.
-  """
+def rotary_angles(age, heads: int, head_dim: int, t_scale: float = 60.0):
+  """The angles of ``rotary_time``: ``f32[B, T, heads, head_dim // 2]`` (same arguments)."""
   if heads < 1:
     raise ValueError(f"heads must be >= 1, got {heads}")
   omega = rope_frequencies(head_dim)                                    # [D/2]
@@ -75,7 +68,19 @@ def rotary_time(age, heads: int, head_dim: int, t_scale: float = 60.0):
   n_time = (heads + 1) // 2
   is_time_h = jnp.arange(heads) < n_time                                # [H]
   x_bth = jnp.where(is_time_h[None, None, :], tau_bt[..., None], pos_bt[..., None])
-  ang = x_bth[..., None] * omega                                        # [B, T, H, D/2]
+  return x_bth[..., None] * omega                                       # [B, T, H, D/2]
+
+
+def rotary_time(age, heads: int, head_dim: int, t_scale: float = 60.0):
+  """Per-head rotary ``(cos, sin)``, each ``f32[B, T, heads, head_dim // 2]``.
+
+  Args:
+    age: ``f32[B, T]`` request time - event time in seconds.
+    heads: number of heads; heads ``[0, ceil(heads/2))`` use time, the rest use positions.
+    head_dim: per-head width (even).
+    t_scale: seconds; the temporal "position" is ``log(1 + age / t_scale)``.
+  """
+  ang = rotary_angles(age, heads, head_dim, t_scale)
   return jnp.cos(ang), jnp.sin(ang)
 
 
@@ -133,16 +138,25 @@ def bucket_ids(age, lengths, spec: BucketSpec):
   return jnp.stack([make[k]() for k in spec.kinds], axis=-1)
 
 
-def add_bucket_embedding(mod: nn.Module, name: str, x_bthc, age, lengths, spec: BucketSpec | None):
-  """``x [B, T, H, d_h] + sum_k E[k, id_k]`` with ``E`` the parameter ``name`` of ``mod``
-  (``f32[kinds, n_buckets, H, d_h]``, zeros at init); ``x`` unchanged when ``spec`` is None."""
+def bucket_embedding(mod: nn.Module, name: str, x_bthc, age, lengths, spec: BucketSpec | None):
+  """``sum_k E[k, id_k]`` (``f32[B, T, H, d_h]``, the shape of ``x``) with ``E`` the parameter
+  ``name`` of ``mod`` (``f32[kinds, n_buckets, H, d_h]``, zeros at init); None when ``spec`` is
+  None."""
   if spec is None:
-    return x_bthc
+    return None
   if age is None or lengths is None:
     raise ValueError(f"{type(mod).__name__}: time buckets need the events' age and lengths")
   _, T, H, dh = x_bthc.shape
   table = mod.param(name, with_axes(nn.initializers.zeros, (None, None, "heads", "head_dim")),
                     (len(spec.kinds), spec.num_buckets, H, dh), jnp.float32)
   ids = bucket_ids(jnp.asarray(age, jnp.float32)[:, :T], lengths, spec)        # [B, T, K]
-  emb = sum(table[k][ids[..., k]] for k in range(len(spec.kinds)))           # [B, T, H, dh]
+  return sum(table[k][ids[..., k]] for k in range(len(spec.kinds)))          # [B, T, H, dh]
+
+
+def add_bucket_embedding(mod: nn.Module, name: str, x_bthc, age, lengths, spec: BucketSpec | None):
+  """``x [B, T, H, d_h] + sum_k E[k, id_k]`` (``bucket_embedding``), in ``x.dtype``; ``x``
+  unchanged when ``spec`` is None."""
+  emb = bucket_embedding(mod, name, x_bthc, age, lengths, spec)
+  if emb is None:
+    return x_bthc
   return (x_bthc.astype(jnp.float32) + emb).astype(x_bthc.dtype)

@@ -51,3 +51,36 @@ def test_values_and_gradients(name):
   gv = jax.jit(jax.vmap(jax.grad(lambda x, w: jnp.sum(fn(x) * w))))(x, w)
   gv_ref = jax.vmap(jax.grad(lambda x, w: jnp.sum(plain(x) * w)))(x, w)
   np.testing.assert_allclose(np.asarray(gv), np.asarray(gv_ref), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["layer_norm", "rms_norm", "scaled_rms_norm"])
+def test_output_dtype_inside_the_vjp(name):
+  """``dtype=bfloat16``: the float32 value rounded once; gradients (also the scale's) equal
+  autodiff of the plain formula followed by the cast."""
+  rng = np.random.default_rng(1)
+  x = jnp.asarray(rng.normal(size=(4, 6, 16)), jnp.bfloat16)
+  w = jnp.asarray(rng.normal(size=(4, 6, 16)), jnp.float32)
+  sc = jnp.asarray(1 + 0.3 * rng.normal(size=16), jnp.float32)
+  plain = {"layer_norm": lambda x, sc: _plain_ln(x), "rms_norm": lambda x, sc: _plain_rms(x),
+           "scaled_rms_norm": lambda x, sc: _plain_rms(x) * sc}[name]
+  fn = getattr(norms, name)
+  got = ((lambda x, sc, dt: fn(x, sc, dtype=dt)) if name == "scaled_rms_norm"
+         else (lambda x, sc, dt: fn(x, dtype=dt)))
+  np.testing.assert_array_equal(np.asarray(got(x, sc, jnp.float32)), np.asarray(plain(x, sc)))
+  yb = got(x, sc, jnp.bfloat16)
+  assert yb.dtype == jnp.bfloat16
+  np.testing.assert_array_equal(np.asarray(yb, np.float32),
+                                np.asarray(plain(x, sc).astype(jnp.bfloat16), np.float32))
+  loss = lambda f: (lambda x, sc: jnp.sum(f(x, sc).astype(jnp.float32) * w))
+  g = jax.grad(loss(lambda x, sc: got(x, sc, jnp.bfloat16)), argnums=(0, 1))(x, sc)
+  g_ref = jax.grad(loss(lambda x, sc: plain(x, sc).astype(jnp.bfloat16)), argnums=(0, 1))(x, sc)
+  assert g[0].dtype == jnp.bfloat16
+  np.testing.assert_allclose(np.asarray(g[0], np.float32), np.asarray(g_ref[0], np.float32),
+                             rtol=2e-2, atol=2e-2)
+  np.testing.assert_allclose(np.asarray(g[1]), np.asarray(g_ref[1]), rtol=1e-4, atol=1e-4)
+  # float32: the scale's gradient and dx as autodiff (row sums reassociated: rtol 1e-5)
+  xf = x.astype(jnp.float32)
+  g = jax.grad(loss(lambda x, sc: got(x, sc, jnp.float32)), argnums=(0, 1))(xf, sc)
+  g_ref = jax.grad(loss(plain), argnums=(0, 1))(xf, sc)
+  for a, b in zip(g, g_ref, strict=True):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
