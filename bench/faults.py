@@ -407,9 +407,8 @@ def main(argv=None) -> int:
       "checkpoint_flip": flip, "checkpoint_truncate": cut, "checkpoint_enospc": enospc,
       "shard_flip_noskip": noskip, "shard_flip_skip": skip, "shard_truncated": trunc,
       "nan_batch": nan, "runs": r.runs, "seconds": round(time.perf_counter() - t_start, 1)}
-  os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-  with open(a.out, "w") as f:
-    json.dump(result, f, indent=1)
+  from kunlun.train import atomic
+  atomic.write_json(a.out, result)
   print("wrote", a.out)
   if not a.workdir:
     shutil.rmtree(base, ignore_errors=True)
