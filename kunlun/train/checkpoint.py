@@ -320,15 +320,19 @@ class Checkpointer:
   def _verify(self, step: int, meta: dict | None, **restored) -> None:
     """Compares restored content with the checksums saved in ``meta`` (none: not verified)."""
     where = os.path.join(self.directory, str(step))
-    if not meta or "digest" not in meta:
+    # every digest first, on every process alike: they are collectives (jit over the global
+    # arrays), so a process that found a problem early must still take part (else: a hang)
+    digests = {item: _plan_digest(value) if item == "data_iter" else tree_digest(value)
+               for item, value in restored.items()}
+    if not isinstance(meta, dict) or "digest" not in meta:
       return
     if meta.get("check") != _meta_check(meta):
       raise CheckpointError(f"checkpoint {where} is corrupt: its meta item fails its checksum")
-    for item, value in restored.items():
+    for item in restored:
       want = meta["digest"].get(item)
       if want is None:
         continue
-      got = _plan_digest(value) if item == "data_iter" else tree_digest(value)
+      got = digests[item]
       if got != want:
         bad = [k for k in want if got.get(k) != want[k]] if isinstance(want, dict) else [""]
         more = f" and {len(bad) - 1} more" if len(bad) > 1 else ""

@@ -240,7 +240,9 @@ def doc(path: str) -> str | None:
 
 # ---- checks ----------------------------------------------------------------------------------
 def _fail(path: str, value, allowed: str, why: str = ""):
-  shown = repr(value)
+  if hasattr(value, "to_dict"):
+    value = value.to_dict()
+  shown = " ".join(repr(value).split())
   if len(shown) > 80:
     shown = shown[:77] + "..."
   raise SettingsError(f"config.{path} = {shown}: allowed {allowed}" + (f" ({why})" if why else ""))
