@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 
 from absl import app, flags
 
@@ -81,7 +82,6 @@ def show_config(config) -> None:
 
 
 def _config_file() -> str:
-  import sys
   given = [a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--config=")]
   return given[-1] if given else "kunlun/configs/tiny.py (default)"
 
@@ -125,6 +125,10 @@ def _train(config, workdir: str, profile):
 
   data_dir = FLAGS.data_dir or runtime.synthetic_data_dir(workdir, config)
   schema = runtime.load_schema(data_dir)
+  task_w = tuple(config.train.get("task_weights", ()) or ())
+  if task_w and len(task_w) != len(schema.tasks):
+    runtime.fail(f"config.train.task_weights={task_w} needs one weight per task "
+                 f"{schema.task_names}")
   runtime.check_data_files(data_dir, config.data.train_split)
   from kunlun.train import validation
   run_plan = validation.plan(config, schema, data_dir, FLAGS.steps)   # surfaces, epochs, valid
@@ -169,10 +173,6 @@ def _train(config, workdir: str, profile):
     start, params, opt_state, train_rng = restored
     print(f"resumed from step {start} ({ckpt.directory})", flush=True)
 
-  task_w = tuple(config.train.get("task_weights", ()) or ())
-  if task_w and len(task_w) != len(schema.tasks):
-    runtime.fail(f"config.train.task_weights={task_w} needs one weight per task "
-                 f"{schema.task_names}")
   train_step = step_lib.make_train_step(
       model, tx, np.asarray(task_w, np.float32) if task_w else None, sparse_update=sparse_update,
       param_shardings=p_shard, opt_shardings=o_shard, batch_sharding=b_shard,
@@ -255,7 +255,7 @@ def _train(config, workdir: str, profile):
     validate.remove_tmp_dirs()
     good = ckpt.latest_step()
     if ok and (good is None or good < step):       # the last attempt to keep this step
-      ckpt.save(step, params, opt_state, train_rng, data_iter)
+      ckpt.save(step, params, opt_state, train_rng, data_iter, last_try=True)
       ckpt.settle()
       ckpt.remove_tmp_dirs()
       good = ckpt.latest_step()

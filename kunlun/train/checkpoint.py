@@ -77,6 +77,16 @@ def is_disk_full(e: BaseException) -> bool:
   return False
 
 
+def space_error(e: BaseException, directory: str) -> str:
+  """A short 'No space left on device' line naming the file being written (or ``directory``)."""
+  where = getattr(e, "filename", None)
+  if not where:
+    m = re.search(r'writing local file "([^"]+)"', str(e))
+    where = m.group(1) if m else directory
+  quota = "Disk quota exceeded" in str(e) or getattr(e, "errno", None) == errno.EDQUOT
+  return f"{'Disk quota exceeded' if quota else 'No space left on device'} writing {where}"
+
+
 def remove_tmp_dirs(directory: str) -> list[str]:
   """Deletes the partial steps (``<step>.orbax-checkpoint-tmp-*``) in ``directory``; returns
   their names. Only for a directory no save is writing to at the moment."""
@@ -259,16 +269,19 @@ class Checkpointer:
   def _save_failed(self, step: int, e: BaseException) -> None:
     self._last_failed = step
     if is_disk_full(e):
-      self.disk_full = short_error(e, 160)
+      self.disk_full = space_error(e, self.directory)
     good = self.latest_step()
     then = "stopping" if self.disk_full else "training continues"
     self.warn(f"checkpoint of step {step} could not be written ({short_error(e)}); {then}, the "
               f"newest good checkpoint is {'step ' + str(good) if good is not None else 'none'}")
 
-  def save(self, step: int, params, opt_state, rng, data_iter) -> None:
+  def save(self, step: int, params, opt_state, rng, data_iter, *, last_try: bool = False) -> None:
     """Starts an async save of ``step`` (no-op if that step is already saved). A failure (also
-    of the previous async save) is reported as a warning; the step is then not committed."""
+    of the previous async save) is reported as a warning; the step is then not committed. Once
+    ``disk_full`` is set only a ``last_try`` save is started."""
     self._check_pending()
+    if self.disk_full and not last_try:          # no space: only the caller's last attempt
+      return
     if step in self.mngr.all_steps():
       if self._committed(step):
         return

@@ -181,9 +181,9 @@ class Validator:
       try:
         self._save_best(step, params, value, ne, auc)
       except Exception as e:  # noqa: BLE001 -- orbax / OS errors: report in one line
-        from kunlun.train.checkpoint import is_disk_full, short_error
+        from kunlun.train.checkpoint import is_disk_full, short_error, space_error
         if is_disk_full(e):
-          self.disk_full = short_error(e, 160)
+          self.disk_full = space_error(e, self.dir)
         print(f"warning: keep-best params of step {step} could not be written to {self.dir} "
               f"({short_error(e)}); the previous best stays", file=sys.stderr, flush=True)
     return True
