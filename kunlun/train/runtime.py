@@ -230,7 +230,7 @@ def check_data_files(data_dir: str, split: str) -> None:
     fail(f"--data_dir={data_dir}: {e}" if not str(e).startswith(data_dir) else str(e))
   if unsized and jax.process_index() == 0:
     print(f"note: {data_dir}/manifest.json records no file sizes (older format): only the "
-          f"existence of the {split!r} shards was checked at start-up; `python -m data.validate "
+          f"existence of the {split!r} shards was checked at start-up; `python -m data.verify "
           f"{data_dir} --deep --update_manifest` checks every record and records them",
           flush=True)
 

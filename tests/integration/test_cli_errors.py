@@ -1,5 +1,5 @@
 """Bad invocations of every command line program fail fast with one error line, never a
-traceback: train.py, eval.py, ``python -m data.synthetic``, ``data.ingest``, ``data.verify``,
+traceback: train.py, eval.py, ``python -m data.synthetic``, ``data.ingest``, ``data.verify`` (and its old name ``data.validate``),
 the FM export, ``kunlun.serving.export`` and ``bench/real_data.py``. Every case is a subprocess
 that stops before any compilation (most before importing jax); two run at a time. Bad settings
 (issue 20) stop before any data is read: train.py is given a real dataset and would train (and
@@ -161,13 +161,14 @@ CASES = [
     ("-m data.synthetic", ["--out={file}/sub", "--num_examples=50"], "Not a directory"),
     ("-m data.synthetic", ["--out={wd}", "--num_examples=-5"], "num_examples must be > 0"),
     ("-m data.synthetic", ["--out={wd}", "--preset=huge"], "invalid choice: 'huge'"),
-    ("-m data.validate", ["{missing}"], "no such directory"),
-    ("-m data.validate", ["{file}"], "not a directory"),
-    ("-m data.validate", ["{fresh}"], "no schema.json"),
-    ("-m data.validate", ["{badschema}"], "schema.json: not valid JSON"),
-    ("-m data.validate", ["{data}", "--split=nope"], "unknown split(s) ['nope']"),
-    ("-m data.validate", ["{data}", "--update_manifest"], "--update_manifest needs --deep"),
-    ("-m data.validate", ["{data}", "--json={missing}/r.json"], "--json={missing}/r.json"),
+    ("-m data.verify", ["{missing}"], "no such directory"),
+    ("-m data.validate", ["{missing}"], "no such directory"),        # the old name, one release
+    ("-m data.verify", ["{file}"], "not a directory"),
+    ("-m data.verify", ["{fresh}"], "no schema.json"),
+    ("-m data.verify", ["{badschema}"], "schema.json: not valid JSON"),
+    ("-m data.verify", ["{data}", "--split=nope"], "unknown split(s) ['nope']"),
+    ("-m data.verify", ["{data}", "--update_manifest"], "--update_manifest needs --deep"),
+    ("-m data.verify", ["{data}", "--json={missing}/r.json"], "--json={missing}/r.json"),
     ("-m data.ingest", ["--input={log}"], "required: --out"),
     ("-m data.ingest", ["--input={log}", "--out={out}", "--bogus"], "unrecognized arguments"),
     ("-m data.ingest", ["--input={missing}/a.csv", "--out={out}"], "{missing}/a.csv: no such"),
