@@ -7,7 +7,8 @@ the script as ``__main__``. ``KUNLUN_FAULTS`` (JSON) keys, all optional:
 
   kill_at_step N      SIGKILL just before training step N + 1 runs (N steps done in this run)
   kill_after_save N   SIGKILL right after the async save of step N started (mid-write)
-  save_oserror [N..]  the checkpoint write of these steps fails with OSError ENOSPC (async commit)
+  save_oserror [N..]  the checkpoint write of these steps fails with OSError EIO (async commit;
+                      a transient I/O error: training goes on. ENOSPC: disk_full_at_step)
   nan_at_step N       the N-th batch of this run (1-based) has NaN dense features
   batch_log PATH      appends one line per batch: "<n> <sha1 of the batch's example keys>"
   data_error_at_step N  the batch for step N + 1 of this run raises a data error (a damaged
@@ -129,7 +130,7 @@ def _install(faults: dict) -> None:
 
     async def save_fn(self, x, directory):
       if isinstance(x, dict) and x.get("step") in bad:
-        raise OSError(errno.ENOSPC, "No space left on device (injected)")
+        raise OSError(errno.EIO, "Input/output error (injected)")
       return await orig_fn(self, x, directory)
     jh.JsonCheckpointHandler._save_fn = save_fn
 

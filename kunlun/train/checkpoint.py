@@ -462,4 +462,9 @@ class Checkpointer:
     except Exception as e:  # noqa: BLE001
       if self._pending is not None:
         self._save_failed(self._pending, e)
-    self.mngr.close()
+    self._pending = None
+    try:
+      self.mngr.close()        # re-raises a failed background write (e.g. its metadata)
+    except Exception as e:  # noqa: BLE001 -- reported in one line, never a traceback
+      if not (self.disk_full or self._last_failed is not None):
+        self.warn(f"closing the checkpoints in {self.directory}: {short_error(e)}")

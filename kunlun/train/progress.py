@@ -106,7 +106,12 @@ class _TensorBoard:
     self._w.flush()
 
   def close(self) -> None:
-    self._w.close()
+    """Flushes and closes the event file; the file is closed even when the flush fails (a full
+    disk), so nothing is left for the garbage collector to flush and report."""
+    try:
+      self._w.flush()
+    finally:
+      self._w._py_recordio_writer._writer.close()
 
 
 class Progress:

@@ -187,15 +187,16 @@ def test_step_without_commit_marker_is_never_used(three_steps):
 
 
 def test_failed_write_is_reported_and_keeps_previous_steps(three_steps, monkeypatch):
-  """An OSError in the async commit of step 4 (disk full): a warning names it, training can go
-  on, step 4 is never listed, step 3 still restores; a final save that fails raises."""
+  """An OSError in the async commit of step 4 (an I/O error; a full disk stops training, see
+  below): a warning names it, training can go on, step 4 is never listed, step 3 still
+  restores; a final save that fails raises."""
   from orbax.checkpoint._src.handlers import json_checkpoint_handler as jh
   d, params, opt, saved = three_steps
   orig = jh.JsonCheckpointHandler._save_fn
 
   async def failing(self, x, directory):
     if x.get("step") in (4, 6):
-      raise OSError(28, "No space left on device")
+      raise OSError(5, "Input/output error")
     return await orig(self, x, directory)
   monkeypatch.setattr(jh.JsonCheckpointHandler, "_save_fn", failing)
   warnings = []
@@ -203,7 +204,7 @@ def test_failed_write_is_reported_and_keeps_previous_steps(three_steps, monkeypa
   ck.save(4, params, opt, jax.random.key(4), _iter())
   ck.save(5, params, opt, jax.random.key(5), _iter())       # surfaces step 4's failure
   assert len(warnings) == 1 and "step 4 could not be written" in warnings[0]
-  assert "No space left on device" in warnings[0] and "newest good checkpoint is step 3" \
+  assert "Input/output error" in warnings[0] and "newest good checkpoint is step 3" \
       in warnings[0]
   ck.wait()                                                  # step 5 is fine
   assert ck.all_steps() == [1, 2, 3, 5]
@@ -458,11 +459,17 @@ def test_disk_full_save_is_flagged_and_partial_steps_removed(three_steps, monkey
   ck.save(5, params, opt, jax.random.key(5), _iter())
   ck.settle()
   assert "No space left on device" in ck.disk_full and "stopping" in warnings[-1]
+  ck.save(6, params, opt, jax.random.key(6), _iter())          # disk full: not even started
+  ck.settle()
+  assert 6 not in ck.all_steps() and not [x for x in os.listdir(d) if x.startswith("6")]
+  ck.save(6, params, opt, jax.random.key(6), _iter(), last_try=True)    # the last attempt
+  ck.settle()
+  assert 6 in ck.all_steps()
   for name in ("7.orbax-checkpoint-tmp-123", "8.orbax-checkpoint-tmp-9"):
     os.makedirs(os.path.join(d, name, "params"))
   left = sorted(os.listdir(d))
   gone = ck.remove_tmp_dirs()
   assert set(gone) >= {"7.orbax-checkpoint-tmp-123", "8.orbax-checkpoint-tmp-9"}
   assert sorted(os.listdir(d)) == sorted(x for x in left if checkpoint.TMP_MARKER not in x)
-  assert ck.all_steps() == [1, 2, 3]
+  assert ck.all_steps() == [1, 2, 3, 6]
   ck.close()

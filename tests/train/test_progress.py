@@ -115,3 +115,31 @@ def test_write_errors_never_raise(tmp_path, monkeypatch):
   q.log(1, {"loss": 0.5})
   assert q.disk_full == "metrics.jsonl: No space left on device"
   q.close()
+
+
+def test_event_file_is_closed_even_when_its_flush_fails(tmp_path):
+  """A full disk at close: the event file's flush fails, the file is closed all the same (left
+  open, the garbage collector would flush it again and print a traceback)."""
+  import errno
+
+  class Raw:
+    closed = False
+
+    def write(self, _):
+      pass
+
+    def flush(self):
+      raise OSError(errno.ENOSPC, "No space left on device")
+
+    def close(self):
+      self.closed = True
+      raise OSError(errno.ENOSPC, "No space left on device")
+  p = progress.Progress(str(tmp_path), total_steps=3, stream=io.StringIO(), warn=_no_warning)
+  raw = Raw()
+  p._tb._w._py_recordio_writer._writer = raw
+  p.close()                                   # no exception
+  assert raw.closed
+
+
+def _no_warning(msg):
+  raise AssertionError(msg)
