@@ -516,7 +516,7 @@ def main(argv=None) -> int:
                            "each step logged once", two["steps_lost"])
   if "disk_full" in want:
     full = res["disk_full"] = disk_full(r, base_wd)
-    rows["disk_full"] = (f"disk full ({full['filesystem']} workdir)", 1,
+    rows["disk_full"] = ("disk full (workdir on a small filesystem)", full["filesystem"],
                          f"{'ok' if full['ok'] else 'FAIL'}: one-line error, no traceback, no "
                          f"partial checkpoint left, newest good step {full['committed'][-1:]} "
                          f"kept; resumed with space from {full['resumed_from']}, final bitwise "
@@ -527,7 +527,8 @@ def main(argv=None) -> int:
   if a.cases != "all" and os.path.exists(a.out):      # merge into the last full table
     previous = json.load(open(a.out))
   replaced = {"checkpoint write fails (ENOSPC)"} if "write_error" in want else set()  # now: I/O
-  kept = [t for t in previous.get("table", []) if t["fault"] not in replaced]
+  kept = [t for t in previous.get("table", []) if t["fault"] not in replaced
+          and not t["fault"].startswith("disk full (tmpfs")]           # an older row name
   table = {t["fault"]: t for t in kept}
   order = [t["fault"] for t in kept]
   for fault, n, outcome, lost in rows.values():
