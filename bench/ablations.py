@@ -8,6 +8,9 @@ batch, examples and eval as the scaling sweep). Each variant changes one switch:
   pma             HSP -> PMA pooling (c.5)
   sumkron_rank1   SumKronLinear rank r_k -> 1: a separable token map x channel map (c.5)
   full_attention  sliding-window -> full self-attention (c.4)
+  block_attention sliding-window -> block attention (GEM's faster variant of c.4): independent
+                  blocks of ``2 w`` tokens (w the high-value tower's window; the base's 64 does not
+                  divide the ladder's kept lengths), about the keys a window of ``w`` sees
   no_compskip     CompSkip off: every layer runs WeightGen + PFFN + attention + HSP (c.7)
   shared_tower    event-level personalization off: every stream's tower takes the high-value
                   tower's width, heads, depth and summary sizes (one tower config, c.8)
@@ -42,8 +45,8 @@ import numpy as np  # noqa: E402
 from bench import output  # noqa: E402
 from bench import scaling as S  # noqa: E402
 
-VARIANTS = ("base", "pma", "sumkron_rank1", "full_attention", "no_compskip", "shared_tower",
-            "oneseq", "mowe_experts", "final_hsp", "kunlun_ablated")
+VARIANTS = ("base", "pma", "sumkron_rank1", "full_attention", "block_attention", "no_compskip",
+            "shared_tower", "oneseq", "mowe_experts", "final_hsp", "kunlun_ablated")
 
 
 def _log(msg):
@@ -65,6 +68,9 @@ def variant_config(name: str, base, schema):
     m.hsp_rank = 1
   elif name == "full_attention":
     m.attention.kind = "full"
+  elif name == "block_attention":
+    m.attention.kind = "block"
+    m.attention.block_size = 2 * m.towers[S.HIGH_VALUE[0]].window
   elif name == "no_compskip":
     m.comp_skip = False
   elif name == "shared_tower":

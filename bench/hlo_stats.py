@@ -49,12 +49,14 @@ _NO_LAUNCH = {"parameter", "constant", "tuple", "get-tuple-element", "bitcast", 
               "async-done", "send-done", "recv-done", "while", "conditional", "call"}
 _COMP_RE = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
 _OPNAME_RE = re.compile(r'op_name="([^"]*)"')
+_TRIP_RE = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
 _CALLS_RE = re.compile(r"(?:calls|body|condition|to_apply|branch_computations|"
                        r"true_computation|false_computation)=\{?([^,}]+(?:,\s*%[\w.\-]+)*)\}?")
 
 
 def _split_instruction(line: str):
-  """``(name, opcode, rest)`` of an HLO instruction line, or None."""
+  """``(name, opcode, rest, shape)`` of an HLO instruction line, or None (``shape``: the result
+  shape text, e.g. ``f32[3,128]{1,0}`` or a parenthesised tuple)."""
   s = line.strip()
   if s.startswith("ROOT "):
     s = s[5:]
@@ -63,23 +65,23 @@ def _split_instruction(line: str):
   name, _, rhs = s.partition("=")
   rhs = rhs.lstrip()
   if rhs.startswith("("):                       # tuple shape: skip the balanced parentheses
-    depth = 0
+    depth, shape = 0, rhs
     for i, ch in enumerate(rhs):
       depth += ch == "("
       depth -= ch == ")"
       if depth == 0:
-        rhs = rhs[i + 1:].lstrip()
+        shape, rhs = rhs[:i + 1], rhs[i + 1:].lstrip()
         break
   else:
-    rhs = rhs.split(None, 1)[1] if " " in rhs else ""
+    shape, _, rhs = rhs.partition(" ")
   m = re.match(r"([\w\-]+)\(", rhs)
   if not m:
     return None
-  return name.strip().lstrip("%"), m.group(1), rhs
+  return name.strip().lstrip("%"), m.group(1), rhs, shape
 
 
 def parse_hlo(text: str):
-  """``({computation: [(name, opcode, rest)]}, entry_name)`` of an HLO module's text."""
+  """``({computation: [(name, opcode, rest, shape)]}, entry_name)`` of an HLO module's text."""
   comps, entry, cur = {}, None, None
   for line in text.splitlines():
     if cur is None:
@@ -115,28 +117,71 @@ def _called(rest: str) -> list[str]:
   return out
 
 
+def top_level(comps, entry) -> list:
+  """``[(name, opcode, rest, shape, times)]``: the instructions of the entry computation and of
+  the bodies of its control flow (while / conditional / call), not fusion bodies, i.e. what the
+  runtime schedules. ``times``: the product of the enclosing ``while`` loops' known trip counts
+  (``backend_config`` ``known_trip_count``; 1 where XLA does not know it)."""
+  out, seen, stack = [], set(), [(entry, 1)] if entry else []
+  while stack:
+    c, times = stack.pop()
+    if c in seen or c not in comps:
+      continue
+    seen.add(c)
+    for ins in comps[c]:
+      out.append((*ins, times))
+      if ins[1] in ("while", "conditional", "call"):
+        m = _TRIP_RE.search(ins[2]) if ins[1] == "while" else None
+        stack += [(b, times * (int(m.group(1)) if m else 1)) for b in _called(ins[2])]
+  return out
+
+
+def resolve_op_names(comps, entry) -> dict:
+  """{instruction: op_name}: its ``metadata`` op_name, or (top-level ops XLA created without
+  metadata: copies, the row-wise reduce-windows of a cond branch, ...) that of a fused inner op,
+  of the first user or operand in its computation that has one, or of the control-flow op that
+  runs its computation."""
+  names, parent = {}, {}
+  for ins in (i for body in comps.values() for i in body):
+    m = _OPNAME_RE.search(ins[2])
+    if m:
+      names[ins[0]] = m.group(1)
+  for ins in top_level(comps, entry):
+    if ins[1] in ("while", "conditional", "call"):
+      for b in _called(ins[2]):
+        parent.setdefault(b, ins[0])
+  operands = lambda rest: re.findall(r"%([\w.\-]+)", rest[rest.index("("):].split("),")[0])
+  for comp in [c for c in comps if c == entry or c in parent]:
+    body = comps[comp]
+    users = defaultdict(list)
+    for ins in body:
+      for x in operands(ins[2]):
+        users[x].append(ins[0])
+    for _ in range(4):                       # neighbours of neighbours
+      for name, op, rest, _ in body:
+        if name in names:
+          continue
+        inner = [i[0] for c in _called(rest) if op == "fusion" for i in comps.get(c, ())]
+        for cand in inner + users[name] + operands(rest) + [parent.get(comp)]:
+          if cand in names:
+            names[name] = names[cand]
+            break
+  return names
+
+
+def is_launch(opcode: str) -> bool:
+  """Whether a top-level instruction runs device work (module doc: ``kernel_launches``)."""
+  return opcode not in _NO_LAUNCH
+
+
 def hlo_stats(text: str) -> dict:
   """Counts of a compiled module (see module doc) plus ``op_names`` {instruction: op_name} and
   ``launches_by_group`` / ``launches_by_opcode`` of the top-level launches."""
   comps, entry = parse_hlo(text)
   total = sum(len(v) for v in comps.values())
-  top, seen, stack = [], set(), [entry] if entry else []
-  while stack:                                   # entry + control-flow bodies, not fusion bodies
-    c = stack.pop()
-    if c in seen or c not in comps:
-      continue
-    seen.add(c)
-    for name, op, rest in comps[c]:
-      top.append((name, op, rest))
-      if op in ("while", "conditional", "call"):
-        stack += _called(rest)
-  launches = [(n, op, rest) for n, op, rest in top if op not in _NO_LAUNCH]
-  op_names = {}
-  for ins in comps.values():
-    for n, _, rest in ins:
-      m = _OPNAME_RE.search(rest)
-      if m:
-        op_names[n] = m.group(1)
+  top = [ins[:3] for ins in top_level(comps, entry)]
+  launches = [(n, op, rest) for n, op, rest in top if is_launch(op)]
+  op_names = resolve_op_names(comps, entry)
   by_group = Counter(scope_group(op_names.get(n, "")) for n, _, _ in launches)
   by_op = Counter(op for _, op, _ in launches)
   return {"hlo_instructions": total, "top_level_ops": len(top),
@@ -150,7 +195,7 @@ def hlo_stats(text: str) -> dict:
 
 
 def _count_ops(comps, opcode: str) -> int:
-  return sum(op == opcode for ins in comps.values() for _, op, _ in ins)
+  return sum(ins[1] == opcode for body in comps.values() for ins in body)
 
 
 def profile_groups(xplane_path: str, op_names: dict, steps: int, top: int = 15) -> dict:

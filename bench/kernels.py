@@ -1,4 +1,5 @@
-"""Kernel check and benchmark: GDPA and block attention, xla / pallas / triton / cuDNN softmax.
+"""Kernel check and benchmark: GDPA, block attention and sliding-window softmax attention, xla /
+pallas / triton / cuDNN.
 
 On a GPU: first checks every backend against the XLA reference at the real shapes (forward, and
 gradients at a reduced batch), then times forward and forward+backward (median of ``--iters``
@@ -16,10 +17,21 @@ fastest backend whose check passed) for ``pallas_kernels/``. ``--peer DIR`` also
 Triton GDPA forward (``DIR/bench_peer_gdpa.py``, a PyTorch subprocess; only when torch is
 importable) at the same shapes: column ``meta_triton``.
 
-FLOPs: GDPA / attention forward ``4 B Tq Tk H D`` (block attention: ``Tk`` = block size);
+FLOPs: GDPA / attention forward ``4 B Tq Tk H D`` (block attention: ``Tk`` = block size;
+sliding-window attention: ``Tq Tk`` = the band's (query, key) pairs ``T (2w + 1) - w (w + 1)``);
 forward+backward counted as 3.5x forward (the convention of jax_stack_notes §2.2), i.e. model
-FLOPs, not the recomputed scores. cuDNN is softmax attention (not GDPA): a speed yardstick only;
-for block attention it runs on the sequence reshaped to ``[B * T / 64, 64, H, D]``.
+FLOPs, not the recomputed scores. For GDPA and block attention cuDNN is softmax attention (not
+the same function): a speed yardstick only; for block attention it runs on the sequence reshaped
+to ``[B * T / 64, 64, H, D]``. Sliding-window softmax attention (cases ``swa_*``, window 64,
+ragged lengths) is the same function on every backend: xla (the banded reference), pallas
+(``pallas_softmax``) and cudnn (``cudnn_softmax``: two causal left-window calls merged by their
+log-sum-exp; bf16 only, so its gradients are checked in bf16 against the fp32 reference, with the
+bf16 tolerances). On CPU (``--small``) the cudnn column is its XLA stand-in
+(``cudnn_xla_standin``: checks the merge, times nothing of cuDNN) and pallas runs in interpret
+mode: not speed measurements.
+
+  python bench/kernels.py --attention_bytes   # CPU: HLO bytes of the banded XLA attention vs the
+                                              # kernel's analytic HBM bytes (mid preset towers)
 """
 
 from __future__ import annotations
@@ -28,8 +40,10 @@ import argparse
 import datetime
 import importlib.util
 import json
+import math
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -43,19 +57,34 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from pallas_kernels import api, pallas_block, pallas_gdpa, reference, tuning  # noqa: E402
+from pallas_kernels import (  # noqa: E402
+    api,
+    cudnn_softmax,
+    pallas_block,
+    pallas_gdpa,
+    pallas_softmax,
+    reference,
+    tuning,
+)
 
 FULL = {
     "self_attention": dict(kind="gdpa", B=16, Tq=2048, Tk=2048, H=8, D=128),
     "cross_attention": dict(kind="gdpa", B=512, Tq=1024, Tk=128, H=4, D=128),
     "block_attention": dict(kind="block", B=16, Tq=4096, Tk=4096, H=8, D=128, block=64),
+    # sliding-window softmax attention (issue 19 / 22): B, H, D of the GDPA self case
+    "swa_512": dict(kind="swa", B=16, Tq=512, Tk=512, H=8, D=128, window=64),
+    "swa_2048": dict(kind="swa", B=16, Tq=2048, Tk=2048, H=8, D=128, window=64),
 }
 SMALL = {
     "self_attention": dict(kind="gdpa", B=2, Tq=40, Tk=40, H=2, D=16),
     "cross_attention": dict(kind="gdpa", B=2, Tq=48, Tk=16, H=2, D=16),
     "block_attention": dict(kind="block", B=2, Tq=64, Tk=64, H=2, D=16, block=16),
+    "swa": dict(kind="swa", B=2, Tq=53, Tk=53, H=2, D=16, window=5),
 }
-CLASS = {"self_attention": "self", "cross_attention": "cross", "block_attention": "block"}
+CLASS = {"self_attention": "self", "cross_attention": "cross", "block_attention": "block",
+         "swa_512": "swa", "swa_2048": "swa", "swa": "swa"}
+KIND = {"gdpa": "gdpa", "block": "block_attention", "swa": "softmax_attention"}
+BF16_ONLY = {"cudnn"}      # checked with bf16 operands (cuDNN takes no fp32)
 
 # Targets of issue 12 (H200, bf16): (case, mode) -> minimum TFLOP/s, or ("x_xla", factor).
 TARGETS = {
@@ -64,6 +93,9 @@ TARGETS = {
     ("cross_attention", "fwd"): 250.0,
     ("cross_attention", "fwd+bwd"): 200.0,
     ("block_attention", "fwd+bwd"): ("x_xla", 3.0),
+    # issue 19: the fused sliding-window attention at least 3x the banded XLA path
+    ("swa_512", "fwd+bwd"): ("x_xla", 3.0),
+    ("swa_2048", "fwd+bwd"): ("x_xla", 3.0),
 }
 
 
@@ -75,7 +107,7 @@ def check_targets(results):
     if case is None:
       continue
     key = "fwd_ms" if mode == "fwd" else "fwd_bwd_ms"
-    ours = {i: ms for i, ms in case[key].items() if i in ("pallas", "triton") and ms}
+    ours = {i: ms for i, ms in case[key].items() if i in ("pallas", "triton", "cudnn") and ms}
     if not ours:
       continue
     impl, ms = min(ours.items(), key=lambda kv: kv[1])
@@ -91,8 +123,22 @@ def check_targets(results):
   return out
 
 
+def band_pairs(T, w):
+  """(query, key) pairs with ``|i - j| <= w`` in a length-``T`` sequence."""
+  w = min(w, T - 1)
+  return T * (2 * w + 1) - w * (w + 1)
+
+
 def fwd_flops(s):
+  if s["kind"] == "swa":
+    return 4.0 * s["B"] * band_pairs(s["Tq"], s["window"]) * s["H"] * s["D"]
   return 4.0 * s["B"] * s["Tq"] * (s.get("block") or s["Tk"]) * s["H"] * s["D"]
+
+
+def swa_lengths(s, batch):
+  """Ragged lengths of the sliding-window cases: every other example 3/4 full."""
+  T = s["Tq"]
+  return np.array([T if b % 2 == 0 else (3 * T) // 4 for b in range(batch)], np.int32)
 
 
 def make_fns(name, s, small, on_gpu, tuned=None):
@@ -113,6 +159,16 @@ def make_fns(name, s, small, on_gpu, tuned=None):
     if on_gpu:
       fns["cudnn_softmax"] = lambda q, k, v: jax.nn.dot_product_attention(
           q, k, v, implementation="cudnn")
+  elif s["kind"] == "swa":
+    w = s["window"]
+    lens = lambda q: jnp.asarray(swa_lengths(s, q.shape[0]))
+    kw = lambda q: dict(window=w, q_lengths=lens(q), kv_lengths=lens(q))
+    fns["xla"] = lambda q, k, v: reference.softmax_attention_reference(q, k, v, **kw(q))
+    pt = {} if small else pallas_tiles(tuned.get("pallas", {}))
+    fns["pallas"] = lambda q, k, v: pallas_softmax.softmax_attention_pallas(
+        q, k, v, interpret=interp, **kw(q), **pt)
+    fns["cudnn" if on_gpu else "cudnn_xla_standin"] = (
+        lambda q, k, v: cudnn_softmax.softmax_attention_cudnn(q, k, v, interpret=interp, **kw(q)))
   else:
     bs = s["block"]
     fns["xla"] = lambda q, k, v: reference.block_attention_reference(q, k, v, block_size=bs)
@@ -134,6 +190,9 @@ def pallas_tiles(t):
   if "fwd" in t:
     bq, bk, w, st = t["fwd"]
     out.update(block_q=bq, block_k=bk, num_warps=w, num_stages=st)
+  if "dkv" in t:                       # softmax attention only (GDPA tunes pallas fwd alone)
+    bq, bk, w, st = t["dkv"]
+    out.update(block_q_bwd=bq, block_k_bwd=bk, num_warps_bwd=w, num_stages_bwd=st)
   return out
 
 
@@ -172,6 +231,36 @@ def autotune(name, s, q, k, v, iters):
   pick("pallas", "fwd", lambda t: (lambda q, k, v: pallas_gdpa.gdpa_pallas(
       q, k, v, **fwd_kw, **pallas_tiles({"fwd": t}))), "fwd")
   return best, log
+
+
+SWA_CANDIDATES = {  # Pallas softmax attention (band w = 64): forward tiles, then backward tiles
+    "fwd": [(64, 64, 8, 3), (128, 64, 8, 3), (64, 32, 4, 3), (32, 64, 4, 3)],
+    "dkv": [(64, 64, 8, 2), (32, 64, 8, 3), (32, 64, 8, 2)],
+}
+
+
+def autotune_swa(name, s, q, k, v, iters):
+  """Pallas softmax-attention tiles at this shape: the fastest forward, then the fastest
+  backward (``block_q_bwd``, ``block_k_bwd``) under forward+backward with that forward."""
+  lens = jnp.asarray(swa_lengths(s, q.shape[0]))
+  kw = dict(window=s["window"], q_lengths=lens, kv_lengths=lens)
+  best, log = {}, {}
+  for kern, mode in (("fwd", "fwd"), ("dkv", "fwd_bwd")):
+    times = {}
+    for tiles in SWA_CANDIDATES[kern]:
+      t = pallas_tiles({**best, kern: tiles})
+      f = lambda q, k, v, t=t: pallas_softmax.softmax_attention_pallas(q, k, v, **kw, **t)
+      try:
+        times["x".join(map(str, tiles))] = median_ms(
+            jax.jit(f if mode == "fwd" else fwd_bwd(f)), (q, k, v), iters)
+      except Exception as e:  # noqa: BLE001 - a config that does not compile or fit is skipped
+        times["x".join(map(str, tiles))] = f"{type(e).__name__}: {e}"[:120]
+    ok = {t: ms for t, ms in times.items() if isinstance(ms, float)}
+    log[f"pallas/{kern}"] = times
+    if ok:
+      best[kern] = tuple(int(x) for x in min(ok, key=ok.get).split("x"))
+    print(f"  autotune {name:16s} pallas/{kern}: best {best.get(kern)}", flush=True)
+  return {"pallas": best}, log
 
 
 def run_peer(peer_dir, out_dir):
@@ -246,8 +335,9 @@ def run(small=False, iters=20, dtype="bfloat16", out_dir=None, cases=None, tune=
       continue
     q, k, v = inputs(s, dt)
     tuned = None
-    if tune and on_gpu and s["kind"] == "gdpa":
-      tuned, log = autotune(name, s, q, k, v, max(3, iters // 2))
+    if tune and on_gpu and s["kind"] in ("gdpa", "swa"):
+      tuner = autotune if s["kind"] == "gdpa" else autotune_swa
+      tuned, log = tuner(name, s, q, k, v, max(3, iters // 2))
       results["tuned"][name] = {"best": tuned, "ms": log}
     fns = make_fns(name, s, small, on_gpu, tuned)
     case = {"shape": s, "fwd_flops": fwd_flops(s), "check": {}, "fwd_ms": {}, "fwd_bwd_ms": {}}
@@ -268,7 +358,10 @@ def run(small=False, iters=20, dtype="bfloat16", out_dir=None, cases=None, tune=
         continue
       try:
         err = {"fwd_rel_err": rel_err(jax.jit(f)(q, k, v), ref)}
-        g = jax.jit(fwd_bwd(f))(qs, ks, vs)
+        if impl in BF16_ONLY:
+          err["check_dtype"] = "bfloat16"
+        gq = [x.astype(jnp.bfloat16) for x in (qs, ks, vs)] if impl in BF16_ONLY else (qs, ks, vs)
+        g = jax.jit(fwd_bwd(f))(*gq)
         err.update({f"d{n}_rel_err": rel_err(a, b) for n, a, b in zip("qkv", g, g_ref,
                                                                        strict=True)})
         case["check"][impl] = err
@@ -302,17 +395,27 @@ def run(small=False, iters=20, dtype="bfloat16", out_dir=None, cases=None, tune=
   return results, path
 
 
-# A backend's result counts only if it matched the reference (bf16 forward, fp32 gradients).
+# A backend's result counts only if it matched the reference (bf16 forward, fp32 gradients;
+# bf16-only backends: bf16 gradients against the fp32 reference).
 MAX_ERR = {"fwd_rel_err": 1e-2, "dq_rel_err": 1e-3, "dk_rel_err": 1e-3, "dv_rel_err": 1e-3}
+MAX_ERR_BF16 = {"fwd_rel_err": 1e-2, "dq_rel_err": 3e-2, "dk_rel_err": 3e-2, "dv_rel_err": 3e-2}
+
+
+def _passed(err):
+  if "error" in err:
+    return False
+  lim = MAX_ERR_BF16 if err.get("check_dtype") == "bfloat16" else MAX_ERR
+  return all(err.get(k, 0.0) <= m for k, m in lim.items())
 
 
 def backend_table(results):
-  """{device kind: {kind: {shape class: {mode: fastest correct backend}}}} from this run."""
+  """{device kind: {kind: {shape class: {mode: fastest correct backend}}}} from this run (only
+  names ``pallas_kernels.api`` dispatches: no stand-ins, no yardsticks)."""
   dev = {}
   for name, case in results["cases"].items():
-    kind = "gdpa" if case["shape"]["kind"] == "gdpa" else "block_attention"
-    ok = {"xla"} | {i for i, err in case["check"].items()
-                    if "error" not in err and all(err.get(k, 0.0) <= m for k, m in MAX_ERR.items())}
+    kind = KIND[case["shape"]["kind"]]
+    ok = {"xla"} | {i for i, err in case["check"].items() if _passed(err)}
+    ok &= set(api.SOFTMAX_BACKENDS)
     for mode, key in (("fwd", "fwd_ms"), ("fwd_bwd", "fwd_bwd_ms")):
       cand = {i: ms for i, ms in case[key].items() if i in ok and ms}
       if cand:
@@ -349,15 +452,122 @@ def print_table(rows, results):
         f"versions {results['versions']}")
   for name, case in results["cases"].items():
     for impl, err in case["check"].items():
-      print(f"  check {name:16s} {impl:8s} {err}")
-  print(f"{'case':16s} {'impl':14s} {'mode':8s} {'median ms':>10s} {'TFLOP/s':>9s}")
+      print(f"  check {name:16s} {impl:17s} {err}")
+  print(f"{'case':16s} {'impl':17s} {'mode':8s} {'median ms':>10s} {'TFLOP/s':>9s}")
   for name, impl, mode, ms, tf in rows:
     ms_s = "error" if ms is None else f"{ms:10.3f}"
     tf_s = "" if tf is None else f"{tf:9.4g}"
-    print(f"{name:16s} {impl:14s} {mode:8s} {ms_s:>10s} {tf_s:>9s}")
+    print(f"{name:16s} {impl:17s} {mode:8s} {ms_s:>10s} {tf_s:>9s}")
   for k, t in results.get("targets", {}).items():
     print(f"target {k:28s} {t['best']:7s} {t['tflops']:9.4g} TFLOP/s  ({t['target']}): "
           f"{'met' if t['met'] else 'NOT met'}")
+
+
+# ---- HLO bytes of the banded XLA attention vs the kernel's analytic HBM bytes (CPU compile) -----
+
+_ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2, "u16": 2,
+             "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}
+_ARRAY_RE = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\]")
+_INSTR_RE = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s([\w\-]+)\((.*)$")
+_NO_BYTES = {"parameter", "constant", "tuple", "get-tuple-element", "bitcast", "after-all"}
+
+
+def _shape_bytes(text):
+  return sum(_ITEMSIZE.get(dt, 4) * math.prod(int(d) for d in dims.split(",") if d)
+             for dt, dims in _ARRAY_RE.findall(text) if dt in _ITEMSIZE)
+
+
+def hlo_entry_bytes(text):
+  """``(bytes, launches)`` of a compiled module's entry computation: operand plus output bytes of
+  every top-level op that does device work (what an unfused GPU program would move through HBM,
+  each op reading its inputs and writing its outputs once). No control flow expected."""
+  lines = text.splitlines()
+  start = next(i for i, ln in enumerate(lines) if ln.startswith("ENTRY"))
+  shapes, total, launches = {}, 0, 0
+  for ln in lines[start + 1:]:
+    if ln.strip() == "}":
+      break
+    m = _INSTR_RE.match(ln)
+    if not m:
+      continue
+    name, shape, op, rest = m.groups()
+    shapes[name] = _shape_bytes(shape)
+    if op in ("while", "conditional", "call"):
+      raise ValueError("hlo_entry_bytes: control flow in the entry computation")
+    if op in _NO_BYTES:
+      continue
+    depth, args = 0, ""
+    for ch in rest:                       # the operand list: up to the matching parenthesis
+      if ch == ")" and depth == 0:
+        break
+      depth += (ch == "(") - (ch == ")")
+      args += ch
+    total += shapes[name] + sum(shapes.get(a, 0) for a in re.findall(r"%([\w.\-]+)", args))
+    launches += 1
+  return total, launches
+
+
+MID_TOWERS = {  # kunlun/configs/mid.py at the roofline's batch 256: (T = kept_len, H, d_h, w)
+    "click": dict(B=256, T=512, H=4, D=64, window=64),
+    "conversion": dict(B=256, T=128, H=4, D=64, window=64),
+    "impression": dict(B=256, T=1024, H=2, D=64, window=64),
+}
+
+
+def attention_bytes(B, T, H, D, window, dtype="bfloat16"):
+  """One SeqAttention softmax call (self-attention, ragged lengths), forward and
+  forward+backward: the XLA path compiled for CPU (entry-op bytes, XLA's cost-analysis bytes, temp
+  buffer bytes, launches) beside the Pallas kernels' compulsory HBM bytes (analytic)."""
+  x = jax.ShapeDtypeStruct((B, T, H, D), jnp.dtype(dtype))
+  lens = jax.ShapeDtypeStruct((B,), jnp.int32)
+  attn = lambda q, k, v, n: reference.softmax_attention_reference(
+      q, k, v, window=window, q_lengths=n, kv_lengths=n)
+
+  def fwd_bwd(q, k, v, n, do):
+    o, vjp = jax.vjp(lambda q, k, v: attn(q, k, v, n), q, k, v)
+    return o, vjp(do)
+
+  out = {"shape": dict(B=B, T=T, H=H, D=D, window=window, dtype=dtype),
+         "xla_path": "banded" if T > 3 * reference.band_chunk(window) else "dense"}
+  for mode, f, args in (("fwd", attn, (x, x, x, lens)), ("fwd_bwd", fwd_bwd, (x, x, x, lens, x))):
+    comp = jax.jit(f).lower(*args).compile()
+    nbytes, launches = hlo_entry_bytes(comp.as_text())
+    cost = comp.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    out[f"xla_{mode}"] = {"entry_op_bytes": nbytes, "launches": launches,
+                          "cost_analysis_bytes": float(cost.get("bytes accessed", 0.0)),
+                          "temp_bytes": int(comp.memory_analysis().temp_size_in_bytes)}
+  kb = pallas_softmax.hbm_bytes(B, T, T, H, H, D, dtype)
+  stat = B * H * T * 4                       # fp32 lse (forward) and delta (backward)
+  out["kernel_fwd"] = {"hbm_bytes": kb["fwd"], "launches": 1, "temp_bytes": stat}
+  out["kernel_fwd_bwd"] = {"hbm_bytes": kb["total"], "launches": 3, "temp_bytes": 2 * stat}
+  out["band_fwd_flops"] = 4.0 * B * band_pairs(T, window) * H * D
+  return out
+
+
+def run_attention_bytes(out_dir=None, dtype="bfloat16"):
+  res = {"bench": "kernels/attention_bytes", "device": str(jax.devices()[0].device_kind),
+         "backend": jax.default_backend(),
+         "versions": {"jax": jax.__version__, "python": platform.python_version()},
+         "note": "CPU compile of the XLA banded path; the kernel column is analytic (Pallas "
+                 "interpret mode on CPU is not a measurement of the GPU kernel)",
+         "towers": {n: attention_bytes(**s, dtype=dtype) for n, s in MID_TOWERS.items()}}
+  gb = lambda b: f"{b / 1e9:8.3f}"
+  print(f"{'tower':11s} {'mode':8s} {'XLA GB':>8s} {'cost GB':>8s} {'temp GB':>8s} "
+        f"{'launch':>6s} {'kernel GB':>9s} {'ratio':>6s}")
+  for n, r in res["towers"].items():
+    for mode in ("fwd", "fwd_bwd"):
+      x, kb = r[f"xla_{mode}"], r[f"kernel_{mode}"]["hbm_bytes"]
+      print(f"{n:11s} {mode:8s} {gb(x['entry_op_bytes'])} {gb(x['cost_analysis_bytes'])} "
+            f"{gb(x['temp_bytes'])} {x['launches']:6d} {gb(kb):>9s} "
+            f"{x['entry_op_bytes'] / kb:6.1f}")
+  out_dir = out_dir or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+  os.makedirs(out_dir, exist_ok=True)
+  path = os.path.join(out_dir, "attention_bytes_mid_b256_cpu.json")
+  with open(path, "w") as f:
+    json.dump(res, f, indent=1)
+  print(f"wrote {path}")
+  return res, path
 
 
 def main(argv=None):
@@ -367,17 +577,25 @@ def main(argv=None):
   p.add_argument("--dtype", default=None, choices=["bfloat16", "float32"],
                  help="input dtype (default bfloat16; small: float32)")
   p.add_argument("--out_dir", default=None, help="where the JSON goes (default bench/results)")
-  p.add_argument("--cases", default=None, help="comma-separated subset of " + ",".join(FULL))
+  p.add_argument("--cases", default=None, help="comma-separated subset of " + ",".join(FULL)
+                 + " (--small: " + ",".join(SMALL) + ")")
   p.add_argument("--autotune", action="store_true", help="GPU: time the candidate tiles first")
   p.add_argument("--write_tables", default=None, metavar="DIR",
                  help="write tuning.json and backend_table.json here (for pallas_kernels/)")
   p.add_argument("--peer", default=None, metavar="DIR",
                  help="folder of Meta's Triton GDPA peer (bench_peer_gdpa.py); needs torch")
+  p.add_argument("--attention_bytes", action="store_true",
+                 help="CPU: HLO bytes of the banded XLA attention vs the kernel's analytic bytes "
+                      "(mid preset towers, batch 256) instead of the kernel benchmark")
   a = p.parse_args(argv)
+  if a.attention_bytes:
+    run_attention_bytes(a.out_dir, a.dtype or "bfloat16")
+    return
   cases = a.cases.split(",") if a.cases else None
+  allowed = SMALL if a.small else FULL
   for c in cases or ():
-    if c not in FULL:
-      p.error(f"unknown case {c!r}; allowed: {', '.join(FULL)}")
+    if c not in allowed:
+      p.error(f"unknown case {c!r}; allowed: {', '.join(allowed)}")
   run(small=a.small, iters=a.iters or (2 if a.small else 20),
       dtype=a.dtype or ("float32" if a.small else "bfloat16"), out_dir=a.out_dir, cases=cases,
       tune=a.autotune, tables_dir=a.write_tables, peer_dir=a.peer)

@@ -10,7 +10,8 @@ Builds the model, optimizer and ``kunlun.train.step.make_train_step`` exactly as
 in-memory batch (``data.fake.random_batch``; sequence lengths drawn like the synthetic data
 preset's, see ``--lengths``) and reports:
 
-  compile_s           lower + compile of the step (AOT; the timed steps reuse it)
+  compile_s           lower + compile of the step (AOT; the timed steps reuse it); compile_cpu_s:
+                      the process CPU time of it (all threads; steadier on a shared machine)
   step_ms             median of per-step times (each step blocked), and ``pipelined_ms``: N steps
                       dispatched back to back / N (what a loop with lagged metrics sees)
   examples_per_s      global batch / pipelined step time
@@ -23,6 +24,15 @@ preset's, see ``--lengths``) and reports:
   memory              compiled memory analysis per device (argument, output, temp, alias, peak
                       estimate, peak per example) and, on GPU, the allocator's live peak
   hlo                 HLO instructions, top-level ops, fusions, kernel launches (bench/hlo_stats)
+  roofline            bytes read + written and FLOPs of every launched op, by named scope x tower,
+                      with a second "kernel" column where a GPU kernel replaces a scope (GDPA, the
+                      fused softmax attention; analytic kernel bytes), FLOP/byte, launches and the
+                      lower bound max(FLOPs / peak, bytes / bandwidth) + launches x launch cost
+                      (``--peak_flops``, ``--bandwidth``, ``--launch_us``; H200 defaults);
+                      bench/roofline.py says what is counted. On CPU the compiled program is a
+                      stand-in for the GPU's (the table says so)
+  param_casts         parameter leaves the model casts to a 16-bit compute dtype and at how many
+                      sites (bench/param_casts.py; one site each = cast once per step)
   profile             (--profile) device time per named-scope group (GDPA, PFFN, HSP, attention,
                       MoWE, embeddings, optimizer, ...) and the top ops, from a short trace
 
@@ -195,7 +205,7 @@ def run(args) -> dict:
   import jax
   import jax.numpy as jnp
 
-  from bench import hlo_stats
+  from bench import hlo_stats, param_casts, roofline
   from data.synthetic import PRESETS, preset_schema
   from kunlun import config as model_config
   from kunlun.flops import model_flops
@@ -229,11 +239,11 @@ def run(args) -> dict:
   rng = jax.random.key(1)
   step0 = jnp.asarray(0, jnp.int32)
 
-  with partition.activate(mesh, rules):
-    t0 = time.perf_counter()
+  with partition.activate(mesh, rules), roofline.record_kernels() as kernel_calls:
+    t0, c0 = time.perf_counter(), time.process_time()
     lowered = train_step.lower(params, opt_state, batch, rng, step0)
     compiled = lowered.compile()
-    compile_s = time.perf_counter() - t0
+    compile_s, compile_cpu_s = time.perf_counter() - t0, time.process_time() - c0
   device = jax.devices()[0]
   flops_analytic = model_flops(cfg, schema)["train_step"] * B
   flops_actual = _actual_length_flops(cfg, schema, batch_np)
@@ -245,6 +255,17 @@ def run(args) -> dict:
   text = compiled.as_text()
   hlo = hlo_stats.hlo_stats(text)
   op_names = hlo.pop("op_names")
+  towers = list(cfg.model.towers.keys()) + ["oneseq"]
+  rl = roofline.roofline(roofline.op_costs(text), kernel_calls, towers, examples=B,
+                         peak_flops=args.peak_flops, bandwidth=args.bandwidth,
+                         launch_s=args.launch_us * 1e-6,
+                         repeat=int(cfg.train.get("microbatches", 1)))
+  rl["flops_xla_cost_analysis"] = cost["flops"]
+  with partition.activate(mesh, rules):
+    casts = param_casts.summary(
+        lambda p, b: model.apply({"params": p}, b, train=True, rngs={"dropout": rng}),
+        jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params), batch_np)
+  rl["bytes_xla_cost_analysis"] = cost["bytes_accessed"]
   res = {
       "name": args.name or default_name(args, cfg),
       "config": args.config, "backend": cfg.model.backend, "dtype": cfg.model.dtype,
@@ -258,10 +279,12 @@ def run(args) -> dict:
       "versions": versions(),
       "params": int(sum(x.size for x in jax.tree.leaves(params))),
       "init_s": round(init_s, 2), "compile_s": round(compile_s, 2),
+      "compile_cpu_s": round(compile_cpu_s, 2),
       "flops": {"analytic_padded": flops_analytic, "analytic_actual_lengths": flops_actual,
                 "xla_per_device": cost["flops"], "xla_bytes_accessed_per_device":
                 cost["bytes_accessed"]},
-      "memory": mem, "hlo": hlo, "overrides": list(args.set),
+      "memory": mem, "hlo": hlo, "roofline": rl, "param_casts": casts,
+      "overrides": list(args.set),
   }
   if args.dump_hlo:
     with open(args.dump_hlo, "w") as f:
@@ -363,13 +386,18 @@ COLUMNS = (("name", "{}", 34), ("compile_s", "{:.1f}", 8), ("step_ms", "{:.1f}",
            ("examples_per_s", "{:.0f}", 9), ("mfu_analytic", "{:.1%}", 7),
            ("mfu_actual_lengths", "{:.1%}", 18), ("mfu_xla", "{:.1%}", 7),
            ("peak_GiB", "{:.2f}", 9), ("MiB/ex", "{:.2f}", 7), ("fusions", "{}", 7),
-           ("launches", "{}", 8), ("hlo_ops", "{}", 7))
+           ("launches", "{}", 8), ("hlo_ops", "{}", 7), ("GB/step", "{:.1f}", 7),
+           ("krn_GB", "{:.1f}", 7), ("krn_F/B", "{:.1f}", 7))
 
 
 def _row(r: dict) -> dict:
   m, h = r.get("memory", {}), r.get("hlo", {})
   live = m.get("live_peak_bytes")
+  rl = r.get("roofline") or {}
+  gb = lambda col: rl[col]["bytes"] / 1e9 if col in rl else None
   return {**r, "peak_GiB": (live or m.get("peak_estimate", 0)) / 2**30,
+          "GB/step": gb("xla"), "krn_GB": gb("kernel"),
+          "krn_F/B": rl.get("kernel", {}).get("flop_per_byte"),
           "MiB/ex": m.get("peak_per_example", 0) / 2**20, "fusions": h.get("fusions"),
           "launches": h.get("kernel_launches"), "hlo_ops": h.get("hlo_instructions")}
 
@@ -417,6 +445,12 @@ def main(argv=None):
   ap.add_argument("--out_dir", default=RESULTS)
   ap.add_argument("--dump_hlo", default=None, help="write the compiled HLO text here")
   ap.add_argument("--table", nargs="*", default=None, help="print a table of result JSONs")
+  ap.add_argument("--peak_flops", type=float, default=989e12,
+                  help="roofline target: peak FLOP/s (default H200 bf16 dense)")
+  ap.add_argument("--bandwidth", type=float, default=4.8e12,
+                  help="roofline target: memory bandwidth, B/s (default H200)")
+  ap.add_argument("--launch_us", type=float, default=4.0,
+                  help="roofline target: cost of one kernel launch, us")
   args = ap.parse_args(argv)
   if args.table is not None:
     files = [f for pat in args.table for f in sorted(glob.glob(pat))]
@@ -435,6 +469,8 @@ def main(argv=None):
   with open(path, "w") as f:
     json.dump(res, f, indent=1, default=_json_default)
   print_table([res])
+  from bench.roofline import print_roofline
+  print_roofline(res["roofline"])
   print("wrote", path, flush=True)
   return res
 

@@ -123,6 +123,15 @@ def keys(arr: pa.Array, name: str, log: Coercions) -> tuple[np.ndarray, np.ndarr
     log.add(name, "strings -> stable 31-bit hash (join key and id feature)")
     h = hash_strings(arr.cast(pa.string()), 31)
     return h, h
+  if pa.types.is_floating(t):
+    x = arr.to_numpy(zero_copy_only=False)
+    big = np.isfinite(x) & (x == np.floor(x)) & (np.abs(x) >= 2.0**63)
+    if big.any():
+      i = first_row(big)
+      raise CoerceError(f"column {name!r} has integer ids outside the int64 range (e.g. "
+                        f"{x[i]:.0f}: the reader turned the column into floating point, which "
+                        "loses digits); "
+                        "give such ids as strings (a string column in Parquet)", i)
   if not pa.types.is_integer(t):
     raise CoerceError(f"column {name!r} has type {t}, expected integer or string ids")
   x = arr.to_numpy(zero_copy_only=False).astype(np.int64)

@@ -12,6 +12,10 @@ one to edit)::
                         {"streams": {"click": "label.click", "impression": "all"},
                          "max_len": 50, "stats": true, "action": null}
     hashed_events: []   events.<s>.<c> columns whose ids are hashed into the stream's vocab
+    vocab: {}           per sparse feature, force an exact vocabulary (``exact``) or hashing
+                        (``hash``); by default features whose values would be hashed get an
+                        exact vocabulary when they have at most ``vocab_max`` values (data.vocab)
+    vocab_max: 10000    the cardinality threshold of exact vocabularies
     schema: {sparse, dense, streams, surfaces, tasks}   schema.json sections; missing ones are
                         inferred from the data
 
@@ -36,6 +40,7 @@ TS_UNITS = ("s", "ms", "us")
 SECTIONS = ("sparse", "dense", "streams", "surfaces", "tasks")
 MAX_VOCAB = 1 << 22          # larger id ranges are hashed into this many rows
 HISTORY_KEYS = ("streams", "max_len", "stats", "action")
+VOCAB_CHOICES = ("exact", "hash")
 
 
 def role(name: str) -> str | None:
@@ -59,6 +64,8 @@ class Spec:
   ts_unit: str = "s"
   history: dict | None = None
   hashed_events: list = dataclasses.field(default_factory=list)
+  vocab: dict = dataclasses.field(default_factory=dict)
+  vocab_max: int = 10_000
   schema: dict = dataclasses.field(default_factory=dict)
 
   @classmethod
@@ -101,6 +108,13 @@ class Spec:
     dup = sorted({t for t in targets if targets.count(t) > 1})
     if dup:
       raise ValueError(f"{where}: columns: {dup} mapped to more than one role")
+    from data.vocab import VOCAB_CAP
+    if not isinstance(self.vocab, dict) or any(
+        not isinstance(k, str) or v not in VOCAB_CHOICES for k, v in self.vocab.items()):
+      raise ValueError(f"{where}: vocab must map sparse feature names to one of {VOCAB_CHOICES}")
+    vm = self.vocab_max
+    if isinstance(vm, bool) or not isinstance(vm, int) or not 0 <= vm <= VOCAB_CAP:
+      raise ValueError(f"{where}: vocab_max={vm!r} must be an integer in [0, {VOCAB_CAP}]")
     if self.ts_unit not in TS_UNITS:
       raise ValueError(f"{where}: ts_unit={self.ts_unit!r}; allowed: {TS_UNITS}")
     bad = sorted(set(self.schema) - set(SECTIONS))
@@ -141,6 +155,7 @@ class ColumnStats:
     self.count = 0
     self.pos = 0.0
     self.distinct: set | None = set()
+    self.strings: dict | None = {}       # hash -> string of a string column (data.vocab)
 
   def values(self, x: np.ndarray) -> None:
     if not len(x):
@@ -153,9 +168,48 @@ class ColumnStats:
       if len(self.distinct) > MAX_VOCAB:
         self.distinct = None             # too many to count: at least MAX_VOCAB
 
+  def add_strings(self, hashes: np.ndarray, strings: list) -> None:
+    """The distinct strings of a string column (and their hashes), up to ``VOCAB_CAP``."""
+    from data.vocab import VOCAB_CAP
+    if self.strings is not None:
+      self.strings.update(zip(np.asarray(hashes).tolist(), strings, strict=True))
+      if len(self.strings) > VOCAB_CAP:
+        self.strings = None
+
+  def merge(self, o: "ColumnStats") -> "ColumnStats":
+    """Both scans' stats in one (Beam combines partial scans)."""
+    self.max_len = max(self.max_len, o.max_len)
+    for k, f in (("lo", min), ("hi", max)):
+      a, b = getattr(self, k), getattr(o, k)
+      setattr(self, k, b if a is None else a if b is None else f(a, b))
+    self.hashed |= o.hashed
+    self.nulls += o.nulls
+    self.count += o.count
+    self.pos += o.pos
+    self.distinct = None if self.distinct is None or o.distinct is None else (
+        self.distinct | o.distinct)
+    if self.distinct is not None and len(self.distinct) > MAX_VOCAB:
+      self.distinct = None
+    if self.strings is not None and o.strings is not None:
+      self.add_strings(np.array(list(o.strings), np.int64), list(o.strings.values()))
+    else:
+      self.strings = None
+    return self
+
   @property
   def n_distinct(self) -> int:
     return MAX_VOCAB if self.distinct is None else len(self.distinct)
+
+  def vocab_values(self) -> list | None:
+    """The sorted distinct values (strings of a string column), None when not all were kept."""
+    from data.vocab import VOCAB_CAP
+    if self.distinct is None or len(self.distinct) > VOCAB_CAP:
+      return None
+    if self.hashed:
+      if self.strings is None or set(self.strings) != self.distinct:
+        return None
+      return sorted(self.strings.values())
+    return sorted(self.distinct)
 
 
 def vocab_for(st: ColumnStats) -> tuple[int, bool]:
@@ -180,17 +234,39 @@ def propose(stats: dict[str, ColumnStats], surfaces, order, spec: Spec,
   out = {"surfaces": sorted(surfaces),
          "dense": [c.split(".", 1)[1] for c in order if role(c) == "dense"], "sparse": [],
          "streams": [], "tasks": []}
+  exact = []
   for c in order:
     if role(c) == "sparse":
       st = stats[c]
+      name = c.split(".", 1)[1]
+      force = spec.vocab.get(name)
       vocab, hashed = vocab_for(st)
-      out["sparse"].append({"name": c.split(".", 1)[1], "vocab_size": vocab,
-                            "max_len": max(st.max_len, 1), "hashed": hashed})
-      if not hashed:
-        compact.append(f"{c.split('.', 1)[1]} {vocab}")
+      entry = {"name": name, "vocab_size": vocab, "max_len": max(st.max_len, 1),
+               "hashed": hashed}
+      values = st.vocab_values()
+      if force == "exact" or (force is None and hashed and values is not None
+                              and len(values) <= spec.vocab_max):
+        if values is None:
+          raise ValueError(f"vocab.{name}=exact: the column has more than "
+                           f"{min(st.n_distinct, MAX_VOCAB):,} distinct values, too many to keep "
+                           "(hash it: vocab.{name}=hash)")
+        entry.update(vocab_size=len(values) + 2, hashed=False, vocab=values)
+        exact.append(f"{name} {len(values)}")
+      elif force == "hash" and not hashed:
+        n = max(2 * st.n_distinct, 16)
+        entry.update(vocab_size=min(MAX_VOCAB, 1 << (n - 1).bit_length()), hashed=True)
+      out["sparse"].append(entry)
+      if not entry["hashed"] and "vocab" not in entry:
+        compact.append(f"{name} {entry['vocab_size']}")
   if compact:
     notes.append(f"sparse features keep their ids (vocab_size = max id + 1; larger ids in later "
                  f"data are invalid: raise vocab_size or set hashed: true): {', '.join(compact)}")
+  if exact:
+    notes.append("exact vocabularies (value -> id 2.., id 0 = null, 1 = out of vocabulary; "
+                 f"stored in schema.json): {', '.join(exact)}")
+  bad = sorted(set(spec.vocab) - {c.split(".", 1)[1] for c in order if role(c) == "sparse"})
+  if bad and "sparse" not in spec.schema:
+    raise ValueError(f"vocab: {bad} are not sparse features of the input")
   streams: dict[str, dict] = {}
   for c in order:
     if role(c) == "events":

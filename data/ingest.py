@@ -17,8 +17,15 @@ into train / valid / eval (every valid row is later than every train row, ...);
 ``--train/--valid/--eval FILES`` give the splits explicitly.
 
 Flat logs (one row per interaction, no history columns): ``--history click=label.click,
-impression=all`` builds each row's event streams from the same user's strictly earlier rows
-(data.history; whole log in memory), ``--history_stats`` adds earlier-count / rate features.
+impression=all`` builds each row's event streams from the same user's strictly earlier rows,
+``--history_stats`` adds earlier-count / rate features.
+
+Engines: ``--runner duckdb`` (default; data.engine: out of core, all cores, ``--workers``,
+``--memory_limit``) or ``--runner beam`` (data.beam_ingest: an Apache Beam pipeline, the other
+arguments are its options). ``run(..., engine="memory")`` keeps the whole log in memory
+(data.history): the reference the tests compare both with. The dataset is written beside
+``--out`` and renamed into place when complete. Categorical columns get exact vocabularies or
+stay hashed (data.vocab; ``ingest.json`` reports each hashed column's collision rate).
 Column layout and a worked example: data/README.md.
 """
 
@@ -35,7 +42,7 @@ import time
 import numpy as np
 import pyarrow as pa
 
-from data import coerce, history, records
+from data import coerce, history, records, shards
 from data.coerce import CoerceError, Coercions
 from data.infer import ColumnStats, Spec, propose, role, schema_from
 from data.layout import canonical, finalize
@@ -190,6 +197,8 @@ def _scan_batch(cols, facts, stats, order, surfaces, unknown, src_name):
         st.max_len = max(st.max_len, int(np.diff(offs).max()))
       st.values(a.values.to_numpy(zero_copy_only=False)[offs[0]:offs[-1]])
       st.hashed |= c in facts["hashed"]
+      if c in facts.get("strings", {}):
+        st.add_strings(*facts["strings"][c])
     elif r == "label":
       st.nulls += a.null_count
       st.count += len(a) - a.null_count
@@ -205,25 +214,183 @@ def _row_error(src, first, e):
   return ValueError(where + e.msg)
 
 
-def run(sources: dict, out_dir: str, spec: Spec, *, split: str = "time:0.8,0.1,0.1",
-        yes: bool = False, write_schema: str | None = None, overwrite: bool = False,
-        records_per_shard: int = 200_000, out=None, err=None, ask=None) -> dict | None:
-  """Converts ``sources`` (``{None: [Source]}`` split by ``split``, or ``{split: [Source]}``)
-  into ``out_dir``. Returns the ingest report (also ``out_dir/ingest.json``), or None when it
-  stopped after ``write_schema`` without ``yes``. ``ask(prompt) -> bool`` confirms an inferred
-  schema (default: a terminal prompt; no terminal and no ``yes`` is an error)."""
-  out, err = out or sys.stdout, err or sys.stderr
-  say = lambda *a: print(*a, file=out, flush=True)
-  warn = lambda m: print(f"{PROG}: warning: {m}", file=err, flush=True)
+ENGINES = ("duckdb", "memory", "beam")
+
+
+def check_out(out_dir: str, sources: dict, overwrite: bool, yes: bool, write_schema) -> None:
+  """``--out`` may not contain or lie inside an input; an existing non-empty one is replaced
+  only with ``--overwrite`` and only when it is a dataset (has a manifest)."""
+  real = os.path.realpath(out_dir)
+  for srcs in sources.values():
+    for s in srcs:
+      if s.path is None:
+        continue
+      p = os.path.realpath(s.path)
+      if os.path.commonpath([p, real]) in (p, real):
+        raise ValueError(f"--out={out_dir} " + ("contains" if os.path.commonpath([p, real]) == real
+                                                else "lies inside")
+                         + f" the input {s.path}: write the dataset somewhere else")
+  if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+    raise ValueError(f"--out={out_dir} exists and is not a directory")
   if os.path.exists(out_dir) and os.listdir(out_dir) and (yes or not write_schema):
     if not (overwrite and os.path.exists(os.path.join(out_dir, "manifest.json"))):
       raise ValueError(f"--out={out_dir} exists and is not empty" + (
           " (and is not a kunlun dataset: not removed)" if overwrite else
           "; pass --overwrite to replace a dataset written before"))
+
+
+def _staging_dir(out_dir: str) -> str:
+  """Where the dataset is written before it is renamed to ``out_dir`` (same filesystem)."""
+  parent, base = os.path.split(os.path.abspath(out_dir))
+  return os.path.join(parent, f".{base}.ingest-{os.getpid()}")
+
+
+def clear_stale(out_dir: str, warn=None) -> None:
+  """Removes the staging folders (``_staging_dir``) that killed runs left beside ``out_dir``:
+  those whose process is gone."""
+  parent, base = os.path.split(os.path.abspath(out_dir))
+  prefix = f".{base}.ingest-"
+  for name in os.listdir(parent) if os.path.isdir(parent) else ():
+    pid = name[len(prefix):].split(".")[0]
+    if not name.startswith(prefix) or not pid.isdigit():
+      continue
+    try:
+      os.kill(int(pid), 0)
+      continue                              # still running (another ingest): leave it
+    except ProcessLookupError:
+      pass
+    except PermissionError:
+      continue
+    shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
+    if warn:
+      warn(f"removed {os.path.join(parent, name)}, left by an ingest that was killed")
+
+
+def publish(tmp: str, out_dir: str) -> None:
+  """Makes the finished dataset in ``tmp`` appear at ``out_dir`` by renames: a killed run leaves
+  the previous dataset (or nothing), never a partial one."""
+  old = None
+  if os.path.exists(out_dir) and os.listdir(out_dir):
+    old = tmp + ".old"
+    os.rename(out_dir, old)
+  elif os.path.exists(out_dir):
+    os.rmdir(out_dir)
+  os.rename(tmp, out_dir)
+  if old:
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _history_plan(spec: Spec, first_cols: dict, tasks, ad_range, act_range, log) -> dict:
+  """The engine's history configuration (as data.history.FlatLogHistories decides it)."""
+  h = spec.history
+  streams = {}
+  for name, sel in h["streams"].items():
+    if sel != "all" and sel not in first_cols:
+      raise CoerceError(f"history.streams.{name}: no column {sel!r}")
+    streams[name] = None if sel == "all" else sel
+  if h.get("action"):
+    if act_range[0] is not None and act_range[0] < 0:
+      raise CoerceError(f"history.action: column {h['action']!r} has negative values")
+    action_vocab = act_range[1] + 1 if act_range[1] is not None else 1
+  else:
+    action_vocab = 1 << len(tasks)
+  lo, hi = ad_range
+  item_vocab = hi + 1 if hi is not None else 1
+  hash_items = False
+  if item_vocab > 1 << 22 or (lo is not None and lo < 0):
+    item_vocab, hash_items = 1 << 22, True
+    log.add("history", f"ad ids hashed into [0, {item_vocab}) as event items")
+  return {"streams": streams, "stats": bool(h.get("stats", False)), "tasks": list(tasks),
+          "action": bool(h.get("action")), "item_vocab": item_vocab,
+          "action_vocab": action_vocab, "hash_items": hash_items,
+          "max_len": int(h.get("max_len", 50))}
+
+
+def encodings(stats: dict, order, schema, spec: Spec, key_stats: dict) -> dict:
+  """Per categorical column: exact vocabulary, kept ids or hashed (with the expected collision
+  rate and, when the scan kept the distinct values, the values that share a row)."""
+  from data import vocab as V
+  out = {}
+  for f in schema.sparse:
+    c = f"sparse.{f.name}"
+    st = stats.get(c)
+    if f.vocab is not None:
+      out[c] = {"kind": "vocab", "values": len(f.vocab), "vocab_size": f.vocab_size}
+    elif not f.hashed:
+      out[c] = {"kind": "ids", "vocab_size": f.vocab_size}
+    else:
+      d = {"kind": "hash", "vocab_size": f.vocab_size}
+      if st is not None:
+        d["distinct"] = st.n_distinct if st.distinct is not None else None
+        d["distinct_at_least"] = st.n_distinct
+        d["expected_collision_rate"] = V.expected_collision_rate(st.n_distinct, f.vocab_size)
+        if st.distinct is not None:
+          d["colliding_values"], d["rows_used"] = V.colliding_values(
+              np.fromiter(st.distinct, np.int64, len(st.distinct)), f.vocab_size)
+      out[c] = d
+  for k, n in key_stats.items():          # join keys hashed to 31 bits
+    out[k] = {"kind": "hash", "vocab_size": 2**31, "distinct": n,
+              "expected_collision_rate": V.expected_collision_rate(n, 2**31)}
+  return out
+
+
+def run(sources: dict, out_dir: str, spec: Spec, *, split: str = "time:0.8,0.1,0.1",
+        yes: bool = False, write_schema: str | None = None, overwrite: bool = False,
+        records_per_shard: int = 200_000, out=None, err=None, ask=None, engine: str = "duckdb",
+        workers: int | None = None, memory_limit: str = "1GB",
+        rows_per_bucket: int | None = None, beam_args: list | None = None) -> dict | None:
+  """Converts ``sources`` (``{None: [Source]}`` split by ``split``, or ``{split: [Source]}``)
+  into ``out_dir``. Returns the ingest report (also ``out_dir/ingest.json``), or None when it
+  stopped after ``write_schema`` without ``yes``. ``ask(prompt) -> bool`` confirms an inferred
+  schema (default: a terminal prompt; no terminal and no ``yes`` is an error).
+
+  ``engine``: ``duckdb`` (out of core, ``workers`` processes, ``data.engine``), ``beam`` (an
+  Apache Beam pipeline, ``beam_args`` its options, ``data.beam_ingest``) or ``memory`` (the whole
+  log in memory: the reference the tests compare the others with)."""
+  if engine not in ENGINES:
+    raise ValueError(f"engine={engine!r}; one of {ENGINES}")
+  check_out(out_dir, sources, overwrite, yes, write_schema)
+  clear_stale(out_dir, lambda m: print(f"{PROG}: warning: {m}", file=err or sys.stderr))
+  tmp = _staging_dir(out_dir)
+  if os.path.exists(tmp):
+    shutil.rmtree(tmp)
+  try:
+    return _run(sources, out_dir, tmp, spec, split=split, yes=yes, write_schema=write_schema,
+                records_per_shard=records_per_shard, out=out, err=err, ask=ask, engine=engine,
+                workers=workers or os.cpu_count() or 1, memory_limit=memory_limit,
+                rows_per_bucket=rows_per_bucket or engine_mod().ROWS_PER_BUCKET,
+                beam_args=beam_args or [])
+  finally:
+    if os.path.exists(tmp):
+      shutil.rmtree(tmp, ignore_errors=True)
+
+
+def engine_mod():
+  from data import engine as E
+  return E
+
+
+def _run(sources, out_dir, tmp, spec, *, split, yes, write_schema, records_per_shard, out, err,
+         ask, engine, workers, memory_limit, rows_per_bucket, beam_args):
+  out, err = out or sys.stdout, err or sys.stderr
+  say = lambda *a: print(*a, file=out, flush=True)
+  warn = lambda m: print(f"{PROG}: warning: {m}", file=err, flush=True)
   explicit = None not in sources
   kind, vals = ("none", ()) if explicit else parse_split(split)
+  split_names = [s for s in SPLITS if s in sources] + sorted(set(sources) - set(SPLITS))
   log = Coercions()
+  cpu = {"start": time.process_time()}
   stats, order, surfaces, unknown, ts_parts, parts = {}, [], set(), {}, [], []
+  names = [s.name for ss in sources.values() for s in ss]
+  staging = None
+  if engine != "memory":
+    work = os.path.join(tmp, ".work")
+    os.makedirs(work)
+    staging = engine_mod().Staging(work)
+  ts_lo, ts_hi = None, None
+  ad_lo = ad_hi = act_lo = act_hi = None
+  first_cols, key_sets = None, {}
+  src_i = 0
   for sname, srcs in sources.items():
     for src in srcs:
       prog = Progress(f"scan {src.name}", src.rows, err)
@@ -233,32 +400,63 @@ def run(sources: dict, out_dir: str, spec: Spec, *, split: str = "time:0.8,0.1,0
         except CoerceError as e:
           raise _row_error(src, first, e) from None
         _scan_batch(cols, facts, stats, order, surfaces, unknown, src.name)
-        ts_parts.append(cols["request_ts"].to_numpy(zero_copy_only=False))
-        if spec.history is not None:
-          parts.append((sname, src, first, cols))
+        ts = cols["request_ts"].to_numpy(zero_copy_only=False)
+        if len(ts):
+          ts_lo = int(ts.min()) if ts_lo is None else min(ts_lo, int(ts.min()))
+          ts_hi = int(ts.max()) if ts_hi is None else max(ts_hi, int(ts.max()))
+          ad = cols["_ad_feature"].to_numpy(zero_copy_only=False)
+          ad_lo = int(ad.min()) if ad_lo is None else min(ad_lo, int(ad.min()))
+          ad_hi = int(ad.max()) if ad_hi is None else max(ad_hi, int(ad.max()))
+          if "_action" in cols:
+            ac = cols["_action"].to_numpy(zero_copy_only=False)
+            act_lo = int(ac.min()) if act_lo is None else min(act_lo, int(ac.min()))
+            act_hi = int(ac.max()) if act_hi is None else max(act_hi, int(ac.max()))
+        for k in facts.get("hashed_keys", ()):
+          sset = key_sets.setdefault(k, set())
+          if sset is not None:
+            sset.update(np.unique(cols[k].to_numpy(zero_copy_only=False)).tolist())
+            if len(sset) > 1 << 22:
+              key_sets[k] = None
+        first_cols = first_cols or cols
+        if engine == "memory":
+          ts_parts.append(ts)
+          if spec.history is not None:
+            parts.append((sname, src, first, cols))
+        elif engine == "duckdb":
+          staging.add(cols, src_i, first, -1 if sname is None else split_names.index(sname))
+        else:
+          staging.add({"request_ts": cols["request_ts"]}, src_i, first, -1)
         prog.add(table.num_rows, frac)
       prog.close()
       src.counted = prog.done
-  if not ts_parts or not sum(map(len, ts_parts)):
+      src_i += 1
+  cpu["scan"] = time.process_time() - cpu.pop("start")
+  if ts_lo is None:
     raise ValueError("the input has no rows")
-  ts_all = np.concatenate(ts_parts)
-  if ts_all.max() > coerce.INT32_MAX or ts_all.min() < 0:
-    raise ValueError(f"request_ts ranges over {ts_all.min()}..{ts_all.max()}, outside unix seconds "
+  if ts_hi > coerce.INT32_MAX or ts_lo < 0:
+    raise ValueError(f"request_ts ranges over {ts_lo}..{ts_hi}, outside unix seconds "
                      "in int32; are the times in ms or us? pass --ts_unit ms|us")
-  hist = None
+  hist = plan = None
+  hs = None
   if spec.history is not None:
     ev = [c for c in order if role(c) == "events"]
     if ev:
       raise ValueError(f"--history builds the event streams, but the log also has {ev}")
     base, _, _ = propose(stats, surfaces, order, spec)
-    hist = history.FlatLogHistories([p[3] for p in parts], spec, base["surfaces"],
-                     [t["name"] for t in base["tasks"]], log)
-    if hist.stats:
-      order += [f"dense.{k}" for k in hist.index.stats(np.zeros(0, np.int64))]
-    hs = {s: {"max_len": hist.max_len, "item_vocab": hist.item_vocab,
-              "action_vocab": hist.action_vocab} for s in hist.observed_len}
-  proposal, hashed_events, notes = propose(stats, surfaces, order, spec,
-                                           hs if hist is not None else None)
+    tasks = [t["name"] for t in base["tasks"]]
+    if engine == "memory":
+      hist = history.FlatLogHistories([p[3] for p in parts], spec, base["surfaces"], tasks, log)
+      if hist.stats:
+        order += [f"dense.{k}" for k in hist.index.stats(np.zeros(0, np.int64))]
+      hs = {s: {"max_len": hist.max_len, "item_vocab": hist.item_vocab,
+                "action_vocab": hist.action_vocab} for s in hist.observed_len}
+    else:
+      plan = _history_plan(spec, first_cols, tasks, (ad_lo, ad_hi), (act_lo, act_hi), log)
+      if plan["stats"]:
+        order += [f"dense.{k}" for k in engine_mod().stat_names(tasks)]
+      hs = {s: {"max_len": plan["max_len"], "item_vocab": plan["item_vocab"],
+                "action_vocab": plan["action_vocab"]} for s in plan["streams"]}
+  proposal, hashed_events, notes = propose(stats, surfaces, order, spec, hs)
   schema = schema_from(proposal, "proposed schema" if len(spec.schema) < 5 else "--schema")
   full = Spec(**{**spec.to_dict(), "schema": proposal, "hashed_events": hashed_events})
   shown = set(log.lines())
@@ -275,11 +473,24 @@ def run(sources: dict, out_dir: str, spec: Spec, *, split: str = "time:0.8,0.1,0
   if not schema.streams:
     say("note: no event streams: the model sees context features only (a flat interaction log? "
         "--history builds streams from each user's earlier rows)")
+  key_stats = {k: len(v) for k, v in key_sets.items() if v is not None}
+  enc = encodings(stats, order, schema, spec, key_stats)
+  for c, d in enc.items():
+    if d.get("colliding_values"):
+      warn(f"{c}: {d['colliding_values']} of its {d['distinct']} distinct values share a hash "
+           f"row with another ({d['distinct'] - d['rows_used']} merged; vocab_size "
+           f"{d['vocab_size']}); give it an exact vocabulary (vocab: {{{c.split('.', 1)[1]}: "
+           "exact}) or a larger vocab_size")
   inferred = [k for k in ("sparse", "dense", "streams", "surfaces", "tasks")
               if k not in spec.schema]
   if inferred:
     say(f"proposed spec (inferred: {', '.join(inferred)}):")
-    say(json.dumps(full.to_dict(), indent=1))
+    shown_spec = full.to_dict()
+    from data.vocab import display
+    shown_spec["schema"] = {**proposal, "sparse": [
+        {**f, "vocab": display(f["vocab"])} if f.get("vocab") else f
+        for f in proposal["sparse"]]}
+    say(json.dumps(shown_spec, indent=1))
   if write_schema:
     with open(write_schema, "w") as f:
       if write_schema.endswith((".yaml", ".yml")):
@@ -298,21 +509,84 @@ def run(sources: dict, out_dir: str, spec: Spec, *, split: str = "time:0.8,0.1,0
     if not ask("Write the dataset with this schema? [y/N] "):
       raise ValueError("not confirmed; nothing written")
 
+  con = None
+  if engine != "memory":
+    con = engine_mod().connect(os.path.join(tmp, ".work"), workers, memory_limit)
   if kind == "none":
     t1 = t2 = float("inf")
+  elif engine == "memory":
+    t1, t2 = cut_times(np.concatenate(ts_parts), kind, vals)
   else:
-    t1, t2 = cut_times(ts_all, kind, vals)
+    t1, t2 = engine_mod().split_times(con, staging, kind, vals)
   if explicit:
-    used = [s for s in SPLITS if s in sources] + sorted(set(sources) - set(SPLITS))
+    used = split_names
   else:
     used = ["train"] + (["valid"] if t2 > t1 else []) + (["eval"] if np.isfinite(t2) else [])
-  if overwrite and os.path.exists(out_dir):
-    shutil.rmtree(out_dir)
-  writer = records.DatasetWriter(out_dir, schema, records_per_shard)
+  c0 = time.process_time()
+  ctx = {"schema": schema.to_dict(), "spec": full.to_dict(), "hashed_events": hashed_events,
+         "plan": plan, "sources": names, "explicit": explicit,
+         "splits": split_names if explicit else ["train", "valid", "eval"], "used": used,
+         "route": [t1, t2], "records_per_shard": records_per_shard,
+         "worker_memory": "512MB"}
+  if engine == "memory":
+    counts, pos, lab, manifest = _convert_memory(sources, tmp, schema, full, hashed_events, log,
+                                                 hist, parts, used, (t1, t2), records_per_shard,
+                                                 err, spec)
+  elif engine == "duckdb":
+    counts, pos, lab, manifest = _convert_engine(con, staging, tmp, schema, ctx, log, workers,
+                                                 rows_per_bucket, err, cpu)
+    con = None
+  else:
+    con.close()
+    con = None
+    from data import beam_ingest
+    counts, pos, lab, manifest = beam_ingest.convert(sources, tmp, schema, ctx, log,
+                                                     rows_per_bucket, beam_args, err)
+  if con is not None:
+    con.close()
+  for line in log.lines():                       # coercions only the conversion met
+    if line not in shown:
+      say(f"coercion: {line}")
+  cpu["convert_parent"] = time.process_time() - c0
+  report = {
+      "inputs": names, "engine": engine, "spec": full.to_dict(), "cpu_s": cpu,
+      "split": ({"kind": "explicit"} if explicit else
+                {"kind": kind, "values": list(vals), "t1": t1, "t2": t2}),
+      "coercions": log.lines(), "unknown_columns": sorted(unknown),
+      "encodings": enc,
+      "counts": counts,
+      "positive_rate": {s: {t.name: (pos[s][j] / lab[s][j] if lab[s][j] else None)
+                            for j, t in enumerate(schema.tasks)} for s in used},
+      "examples": {s: sum(e["count"] for es in manifest["splits"][s].values() for e in es)
+                   for s in used},
+  }
+  shutil.rmtree(os.path.join(tmp, ".work"), ignore_errors=True)
+  with open(os.path.join(tmp, "ingest.json"), "w") as f:
+    json.dump(report, f, indent=1, default=float)
+  publish(tmp, out_dir)
+  if kind in ("time", "ts"):
+    say(f"split {kind}: train < {_utc(t1)} <= valid < {_utc(t2)} <= eval")
+  for s in used:
+    rates = ", ".join(f"{t}={'-' if r is None else f'{r:.4f}'}"
+                      for t, r in report["positive_rate"][s].items())
+    say(f"{s}: {sum(counts[s].values()):,} examples {dict(counts[s])}; positive rate {rates}")
+  hashed = {c: d for c, d in enc.items() if d["kind"] == "hash"}
+  if hashed:
+    say("hashed columns (expected share of values colliding): " + ", ".join(
+        f"{c} {d['expected_collision_rate']:.2%}" for c, d in hashed.items()))
+  say(f"wrote {out_dir} (schema.json, manifest.json, ingest.json). Train with:\n"
+      f"  python train.py --config=kunlun/configs/tiny.py --workdir=runs/mine --data_dir={out_dir}")
+  return report
+
+
+def _convert_memory(sources, tmp, schema, full, hashed_events, log, hist, parts, used, cuts,
+                    records_per_shard, err, spec):
+  """The reference conversion: the whole log in memory (``data.history``), one process."""
+  writer = records.DatasetWriter(tmp, schema, records_per_shard)
   counts = {s: {} for s in used}
   pos = {s: np.zeros(len(schema.tasks)) for s in used}
   lab = {s: np.zeros(len(schema.tasks)) for s in used}
-  route = np.array([t1, t2])
+  route = np.array(cuts)
 
   def convert(src, sname, first, cols, rows=None):
     if rows is not None:
@@ -364,32 +638,75 @@ def run(sources: dict, out_dir: str, spec: Spec, *, split: str = "time:0.8,0.1,0
             raise _row_error(src, first, e) from None
           prog.add(convert(src, sname, first, cols), frac)
         prog.close()
-  for line in log.lines():                       # coercions only the conversion met
-    if line not in shown:
-      say(f"coercion: {line}")
-  manifest = writer.close(tuple(used))
-  report = {
-      "inputs": [s.name for ss in sources.values() for s in ss], "spec": full.to_dict(),
-      "split": ({"kind": "explicit"} if explicit else
-                {"kind": kind, "values": list(vals), "t1": t1, "t2": t2}),
-      "coercions": log.lines(), "unknown_columns": sorted(unknown),
-      "counts": counts,
-      "positive_rate": {s: {t.name: (pos[s][j] / lab[s][j] if lab[s][j] else None)
-                            for j, t in enumerate(schema.tasks)} for s in used},
-      "examples": {s: sum(e["count"] for es in manifest["splits"][s].values() for e in es)
-                   for s in used},
-  }
-  with open(os.path.join(out_dir, "ingest.json"), "w") as f:
-    json.dump(report, f, indent=1, default=float)
-  if kind in ("time", "ts"):
-    say(f"split {kind}: train < {_utc(t1)} <= valid < {_utc(t2)} <= eval")
-  for s in used:
-    rates = ", ".join(f"{t}={'-' if r is None else f'{r:.4f}'}"
-                      for t, r in report["positive_rate"][s].items())
-    say(f"{s}: {sum(counts[s].values()):,} examples {dict(counts[s])}; positive rate {rates}")
-  say(f"wrote {out_dir} (schema.json, manifest.json, ingest.json). Train with:\n"
-      f"  python train.py --config=kunlun/configs/tiny.py --workdir=runs/mine --data_dir={out_dir}")
-  return report
+  return counts, pos, lab, writer.close(tuple(used))
+
+
+def _convert_engine(con, staging, tmp, schema, ctx, log, workers, rows_per_bucket, err, cpu):
+  """Passes 2 and 3 on the embedded engine (``data.engine``)."""
+  E = engine_mod()
+  work = os.path.join(tmp, ".work")
+  c0 = time.process_time()
+  if ctx["plan"] is not None:
+    buckets = max(1, -(-staging.rows // rows_per_bucket))
+    groups = E.partition(con, staging, ctx["plan"], work, buckets)
+  else:
+    groups = [{"files": [f]} for f in staging.files]
+  con.close()
+  cpu["partition"] = time.process_time() - c0
+  tasks = [{"id": i, **g, "ctx": ctx, "out_dir": tmp, "work_dir": work}
+           for i, g in enumerate(groups)]
+  prog = Progress(f"convert ({min(workers, len(tasks))} workers)", staging.rows, err)
+  results = E.run_tasks(tasks, workers, prog.add)
+  prog.close()
+  used = ctx["used"]
+  counts = {s: {} for s in used}
+  pos = {s: np.zeros(len(schema.tasks)) for s in used}
+  lab = {s: np.zeros(len(schema.tasks)) for s in used}
+  files = {}
+  for k in ("queries", "records"):
+    cpu[f"tasks_{k}"] = sum(r["cpu_s"][k] for r in results)
+  for r in results:
+    for m, v in r["log"].items():
+      log.add(m, v)
+    for s in used:
+      for surface, c in r["counts"][s].items():
+        counts[s][surface] = counts[s].get(surface, 0) + c
+      pos[s] += r["pos"][s]
+      lab[s] += r["lab"][s]
+    for key, fs in r["files"].items():
+      files.setdefault(tuple(key), []).extend(fs)
+  return counts, pos, lab, write_manifest(tmp, schema, used, files)
+
+
+def write_manifest(out_dir: str, schema, used, files: dict) -> dict:
+  """Renames each (split, surface)'s shards ``[(rel, count, bytes, sha256)]`` (in order) to
+  ``<surface>-0000i-of-0000N.arrayrecord``, adds an empty shard where a split has no records of
+  a surface, then writes ``schema.json`` and ``manifest.json`` (last: its presence marks the
+  dataset complete)."""
+  from array_record.python import array_record_module
+  manifest = {"format": records.FORMAT, "splits": {}}
+  for split in used:
+    os.makedirs(os.path.join(out_dir, split), exist_ok=True)
+    for surface in schema.surfaces:
+      fs = files.get((split, surface), [])
+      if not fs:
+        rel = os.path.join(split, f".{surface}-empty.tmp")
+        array_record_module.ArrayRecordWriter(os.path.join(out_dir, rel),
+                                              records.WRITER_OPTIONS).close()
+        fs = [(rel, 0, None, None)]
+      entries = []
+      for i, (rel, c, size, sha) in enumerate(fs):
+        final = os.path.join(split, records.shard_name(surface, i, len(fs)))
+        os.replace(os.path.join(out_dir, rel), os.path.join(out_dir, final))
+        if sha is None:
+          entries.append(shards.file_entry(out_dir, final, c))
+        else:
+          entries.append({"file": final, "count": int(c), "bytes": int(size), "sha256": sha})
+      manifest["splits"].setdefault(split, {})[surface] = entries
+  schema.save(out_dir)
+  with open(os.path.join(out_dir, "manifest.json"), "w") as f:
+    json.dump(manifest, f, indent=1)
+  return manifest
 
 
 # ---- command line -----------------------------------------------------------------------------
@@ -470,9 +787,19 @@ def main(argv=None) -> int:
   p.add_argument("--overwrite", action="store_true", help="replace an existing dataset in --out")
   p.add_argument("--records_per_shard", type=int, default=200_000)
   p.add_argument("--delimiter", help="CSV field delimiter (default , ; tab for .tsv / .inter)")
-  args = p.parse_args(argv)
+  p.add_argument("--runner", choices=("duckdb", "beam"), default="duckdb",
+                 help="duckdb: out of core on this machine (default); beam: an Apache Beam "
+                 "pipeline (other arguments are its pipeline options, e.g. --runner_options "
+                 "below, --beam_runner=FlinkRunner ...)")
+  p.add_argument("--workers", type=int, help="processes converting buckets (default: all cores)")
+  p.add_argument("--memory_limit", default="1GB", help="DuckDB memory limit (it spills beyond)")
+  args, rest = p.parse_known_args(argv)
+  if rest and args.runner != "beam":
+    p.error(f"unrecognized arguments: {' '.join(rest)}")
   if args.records_per_shard < 1:
     p.error(f"--records_per_shard={args.records_per_shard} must be >= 1")
+  if args.workers is not None and args.workers < 1:
+    p.error(f"--workers={args.workers} must be >= 1")
 
   def go():
     spec = build_spec(args)
@@ -484,7 +811,8 @@ def main(argv=None) -> int:
     if not any(sources.values()):
       raise ValueError("no input files (--input or --train/--valid/--eval)")
     run(sources, args.out, spec, split=args.split, yes=args.yes, write_schema=args.write_schema,
-        overwrite=args.overwrite, records_per_shard=args.records_per_shard)
+        overwrite=args.overwrite, records_per_shard=args.records_per_shard, engine=args.runner,
+        workers=args.workers, memory_limit=args.memory_limit, beam_args=rest)
   return run_cli(PROG, go)
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from data import coerce, records
 from data.coerce import CoerceError, Coercions
@@ -17,8 +18,15 @@ def canonical(table: pa.Table, spec: Spec, log: Coercions) -> tuple[dict, dict]:
   """Renames to roles and coerces types (``data.coerce``).
 
   Returns ``(columns {role name: pa.Array}, facts)``; facts: ``hashed`` (sparse features turned
-  into hashes), ``unknown`` (input columns with no role).
+  into hashes), ``strings`` ({sparse column: (hashes, strings)}: the distinct values of string
+  columns, for exact vocabularies), ``unknown`` (input columns with no role). A scalar sparse
+  column also gets ``_null.<column>`` (bool: the row's value is null; its list is empty).
   """
+  names = table.column_names
+  dup = sorted({c for c in names if names.count(c) > 1})
+  if dup:
+    raise CoerceError(f"column name(s) {dup} appear more than once in the input; every column "
+                      "needs its own name")
   action = (spec.history or {}).get("action")
   named = {**spec.columns, **({"history action": action} if action is not None else {})}
   absent = [f"{c!r} (as {r})" for r, c in named.items() if c not in table.column_names]
@@ -42,17 +50,21 @@ def canonical(table: pa.Table, spec: Spec, log: Coercions) -> tuple[dict, dict]:
       raise CoerceError(f"two columns play the role {r!r} ({spec.columns.get(r)!r} and {r!r})")
     cols[r] = coerce._arr(table.column(name))
   disp = lambda r: shown.get(r, r)
-  out, hashed = {}, set()
+  out, hashed, strings = {}, set(), {}
   n = table.num_rows
   for r in ("request_ts", "user_id", "ad_id"):
     if r not in cols:
       raise CoerceError(f"missing column {r!r} (rename yours with --rename {r}=<column>)")
   out["request_ts"] = pa.array(coerce.timestamps(cols["request_ts"], disp("request_ts"),
                                                  spec.ts_unit, log))
-  feats = {}
+  feats, hashed_keys = {}, []
   for r in ("user_id", "ad_id"):
     key, feats[r] = coerce.keys(cols[r], disp(r), log)
     out[r] = pa.array(key)
+    t = cols[r].type
+    if not pa.types.is_integer(t) or (len(key) and not np.array_equal(
+        key, cols[r].to_numpy(zero_copy_only=False))):
+      hashed_keys.append(r)
   if "surface" in cols:
     s = cols["surface"]
     if pa.types.is_integer(s.type):
@@ -71,8 +83,13 @@ def canonical(table: pa.Table, spec: Spec, log: Coercions) -> tuple[dict, dict]:
       out[c] = coerce.dense(a, disp(c), log)
     elif rr == "sparse":
       out[c], h = coerce.id_lists(a, disp(c), log)
+      if not coerce._is_list(a.type):
+        out[f"_null.{c}"] = a.is_null()
       if h:
         hashed.add(c)
+        flat = a.flatten() if coerce._is_list(a.type) else a
+        u = pc.unique(flat.drop_null().cast(pa.string()))
+        strings[c] = (coerce.hash_strings(u), u.to_pylist())
     elif rr == "events":
       out[c] = coerce.event_list(a, disp(c), c.endswith(".ts"), spec.ts_unit, log)
     elif rr in ("label", "true_prob"):
@@ -89,13 +106,16 @@ def canonical(table: pa.Table, spec: Spec, log: Coercions) -> tuple[dict, dict]:
     if not pa.types.is_integer(a.type) or a.null_count:
       raise CoerceError(f"history action column {action!r} must be integers without nulls "
                         f"(has type {a.type}, {a.null_count} nulls)")
-    out["_action"] = a
-  return out, {"hashed": hashed, "unknown": unknown}
+    out["_action"] = a.cast(pa.int64())
+  return out, {"hashed": hashed, "strings": strings, "unknown": unknown,
+               "hashed_keys": hashed_keys}
 
 
-def finalize(cols: dict, schema: Schema, spec: Spec, hashed_events, log: Coercions) -> pa.Table:
+def finalize(cols: dict, schema: Schema, spec: Spec, hashed_events, log: Coercions,
+             built=()) -> pa.Table:
   """Canonical columns -> the ``data/parquet.py`` layout for ``schema``: fills optional event
-  columns, hashes wide event ids, checks / truncates list lengths."""
+  columns, hashes wide event ids, checks / truncates list lengths. Streams in ``built`` are
+  left out (their events come already encoded: ``table_to_records(prebuilt=...)``)."""
   shown = lambda c: f"{spec.columns[c]} (as {c})" if c in spec.columns else c
   out = {k: cols[k] for k in ("surface", "request_ts", "user_id", "ad_id")}
   for d in schema.dense:
@@ -108,8 +128,13 @@ def finalize(cols: dict, schema: Schema, spec: Spec, hashed_events, log: Coercio
       i = int(np.argmax(lens > f.max_len))
       raise CoerceError(f"column {shown(c)!r} has {lens[i]} ids > max_len {f.max_len} of sparse "
                         f"feature {f.name!r}", i)
-    out[c] = a
+    if f.vocab is not None:
+      out[c] = _vocab_ids(a, cols.get(f"_null.{c}"), f.vocab)
+    else:
+      out[c] = a
   for s in schema.streams:
+    if s.name in built:
+      continue
     item = _need(cols, f"events.{s.name}.item")
     offs = np.asarray(item.offsets, np.int64)
     for col in records.event_columns(s):
@@ -146,6 +171,31 @@ def finalize(cols: dict, schema: Schema, spec: Spec, hashed_events, log: Coercio
     if f"true_prob.{t.name}" in cols:
       out[f"true_prob.{t.name}"] = cols[f"true_prob.{t.name}"]
   return pa.table(out)
+
+
+_LOOKUPS: dict = {}
+
+
+def _vocab_ids(a: pa.Array, null_mask, vocab) -> pa.Array:
+  """Raw id lists -> exact-vocabulary ids (``data.vocab``); a null scalar -> [NULL_ID]."""
+  from data import vocab as V
+  look = _LOOKUPS.get(id(vocab))
+  if look is None or look[0] is not vocab:
+    look = _LOOKUPS[id(vocab)] = (vocab, V.Lookup(vocab))
+  offs = np.asarray(a.offsets, np.int64)
+  vals = a.values.to_numpy(zero_copy_only=False)[offs[0]:offs[-1]]
+  ids = look[1](vals)
+  offs = offs - offs[0]
+  if null_mask is not None:
+    nul = np.asarray(null_mask.to_numpy(zero_copy_only=False), bool)
+    if nul.any():                       # a null scalar's empty list -> one NULL_ID
+      lens = np.diff(offs) + nul
+      pos = np.repeat(np.arange(len(lens)), np.diff(offs))
+      new = np.full(int(lens.sum()), V.NULL_ID, np.int64)
+      starts = np.concatenate([[0], np.cumsum(lens)])
+      new[starts[pos] + (np.arange(len(ids)) - offs[pos])] = ids
+      ids, offs = new, starts
+  return pa.LargeListArray.from_arrays(offs, pa.array(ids, pa.int64()))
 
 
 def _need(cols, c):

@@ -76,7 +76,7 @@ def _ints(x: np.ndarray, name: str, path: str, dtype=np.int32) -> np.ndarray:
   info = np.iinfo(dtype)
   if len(x) and (x.min() < info.min or x.max() > info.max):
     raise ValueError(f"{path}: column {name!r} has values outside the {np.dtype(dtype)} range")
-  return x.astype(dtype)
+  return x.astype(dtype, copy=False)
 
 
 def _list(col: pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray]:
@@ -86,12 +86,96 @@ def _list(col: pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray]:
   return vals, offs - offs[0]
 
 
+def _first(mask: np.ndarray, offs: np.ndarray | None = None) -> int:
+  """The first row with a True in ``mask`` (per value when ``offs`` maps values to rows)."""
+  i = int(np.flatnonzero(mask)[0])
+  return i if offs is None else int(np.searchsorted(offs, i, side="right") - 1)
+
+
+def check_columns(fixed: dict, ragged: dict, schema: Schema):
+  """The record checks of ``data.validate.Validator`` on the columns before encoding (same
+  rules, vectorised over the whole table): ``(row, field, message)`` of the first failure, or
+  None."""
+  found = []
+  S = len(schema.surfaces)
+  dense = fixed["dense"]
+  if dense.size and not np.isfinite(dense).all():
+    i, j = np.argwhere(~np.isfinite(dense))[0]
+    found.append((int(i), f"dense/{schema.dense[j]}", f"value {dense[i, j]} is not finite"))
+  for f in schema.sparse:
+    vals, offs = ragged[f"sparse/{f.name}"]
+    lens = np.diff(offs)
+    if len(lens) and lens.max() > f.max_len:
+      i = _first(lens > f.max_len)
+      found.append((i, f"sparse/{f.name}", f"{lens[i]} ids, max_len is {f.max_len}"))
+    out = (vals < 0) | ((vals >= f.vocab_size) if not f.hashed else False)
+    if np.any(out):
+      i = _first(out, offs)
+      v = vals[offs[i]:offs[i + 1]]
+      found.append((i, f"sparse/{f.name}", f"ids in [{v.min()}, {v.max()}] outside "
+                    f"[0, {'inf' if f.hashed else f.vocab_size})"))
+  req = fixed["request_ts"].astype(np.int64)
+  if len(req) and req.min() < 0:
+    found.append((_first(req < 0), "request_ts", f"negative timestamp {req.min()}"))
+  for s in schema.streams:
+    ev, offs = ragged[f"events/{s.name}"]
+    name = f"events/{s.name}"
+    lens = np.diff(offs)
+    if len(lens) and lens.max() > s.max_len:
+      i = _first(lens > s.max_len)
+      found.append((i, name, f"{lens[i]} events, max_len is {s.max_len}"))
+    if not len(ev):
+      continue
+    cols = records.event_columns(s)
+    hi = np.array([s.item_vocab, s.action_vocab, S, np.iinfo(np.int32).max]
+                  + [e.vocab_size for e in s.extra_fields], np.int64)
+    out = (ev < 0) | (ev >= hi)
+    if out.any():
+      e, c = np.argwhere(out)[0]
+      i = _first(np.arange(len(ev)) == e, offs)
+      kind = f"{name}/{cols[c]}"
+      found.append((i, kind, f"value {ev[e, c]} outside [0, {hi[c]})"))
+    row = np.repeat(np.arange(len(lens)), lens)
+    ts = ev[:, 3].astype(np.int64)
+    late = ts > req[row]
+    if late.any():
+      e = int(np.flatnonzero(late)[0])
+      found.append((int(row[e]), f"{name}/ts", f"event at {ts[e]} after the request at "
+                    f"{req[row[e]]}"))
+    back = np.zeros(len(ts), bool)
+    back[1:] = (ts[1:] < ts[:-1]) & (row[1:] == row[:-1])
+    if back.any():
+      found.append((int(row[np.flatnonzero(back)[0]]), f"{name}/ts",
+                    "events not in time order (oldest first)"))
+  for k in ("labels", "label_mask"):
+    v = fixed[k]
+    out = (v != 0) & (v != 1)
+    if out.any():
+      i = int(np.argwhere(out)[0][0])
+      found.append((i, k, f"values {v[i].tolist()} must be 0 or 1"))
+  always = [k for k, t in enumerate(schema.tasks) if t.always_valid]
+  if always and len(fixed["label_mask"]) and (fixed["label_mask"][:, always] != 1).any():
+    i = int(np.argwhere(fixed["label_mask"][:, always] != 1)[0][0])
+    found.append((i, "label_mask", "an always-valid task has label_mask 0"))
+  p = fixed["true_prob"]
+  out = (p < 0) | (p > 1)
+  if out.any():
+    i = int(np.argwhere(out)[0][0])
+    found.append((i, "true_prob", f"values {p[i].tolist()} outside [0, 1] (NaN = unknown)"))
+  return min(found, key=lambda x: x[0]) if found else None
+
+
 def table_to_records(table: pa.Table, schema: Schema, path: str = "<table>",
-                     row_offset: int = 0, rows=None) -> dict[str, list[bytes]]:
+                     row_offset: int = 0, rows=None, validate: str = "columns",
+                     prebuilt: dict | None = None) -> dict[str, list[bytes]]:
   """Converts one table; returns ``{surface: [record bytes, ...]}`` in row order.
 
   ``row_offset``: index of the table's first row in its file (for error messages); ``rows``
-  (i64[num_rows], optional) instead names each table row's row in its file."""
+  (i64[num_rows], optional) instead names each table row's row in its file. ``validate``:
+  ``columns`` checks the values column-wise before encoding (``check_columns``), ``records``
+  decodes and validates the encoded records (``data.validate.BatchValidator``, slower).
+  ``prebuilt``: ``{stream: (events i32[E, 4 + extras], offsets i64[N + 1])}`` of streams given
+  as arrays rather than table columns (checked the same way)."""
   n = table.num_rows
   row_of = (lambda i: int(rows[i])) if rows is not None else (lambda i: i + row_offset)
   surf_names = _column(table, "surface", "string", path).to_pylist()
@@ -128,6 +212,11 @@ def table_to_records(table: pa.Table, schema: Schema, path: str = "<table>",
     vals, offs = _list(_column(table, name, "list<integer>", path))
     ragged[f"sparse/{f.name}"] = (_ints(vals, name, path, np.int64), offs)
   for s in schema.streams:
+    if prebuilt and s.name in prebuilt:
+      ev, offs = prebuilt[s.name]
+      ragged[f"events/{s.name}"] = (np.ascontiguousarray(ev, np.int32),
+                                    np.asarray(offs, np.int64))
+      continue
     cols, offs0 = [], None
     for c in records.event_columns(s):
       name = f"events.{s.name}.{c}"
@@ -141,17 +230,31 @@ def table_to_records(table: pa.Table, schema: Schema, path: str = "<table>",
       cols.append(_ints(vals, name, path))
     ev = np.stack(cols, 1) if cols and len(cols[0]) else np.zeros((0, len(cols)), np.int32)
     ragged[f"events/{s.name}"] = (ev.astype(np.int32), offs0)
-  recs = records.encode_columns(fixed, ragged) if n else []
-  check = BatchValidator(schema, {})        # vectorised; per-record Validator for the rest
-  for a in range(0, n, 4096):
-    _, _, errors = check(recs[a:a + 4096], surf[a:a + 4096], lambda i, a=a: (path, row_of(a + i)))
-    if errors:
-      i, e = errors[0]
-      raise ValueError(f"{path}: row {row_of(a + i)}: invalid value in the column(s) of "
-                       f"field {e.field!r}: {e}") from e
+  if validate == "records":
+    recs = records.encode_columns(fixed, ragged) if n else []
+    check = BatchValidator(schema, {})        # vectorised; per-record Validator for the rest
+    for a in range(0, n, 4096):
+      _, _, errors = check(recs[a:a + 4096], surf[a:a + 4096],
+                           lambda i, a=a: (path, row_of(a + i)))
+      if errors:
+        i, e = errors[0]
+        raise ValueError(f"{path}: row {row_of(a + i)}: invalid value in the column(s) of "
+                         f"field {e.field!r}: {e}") from e
+  else:
+    bad = check_columns(fixed, ragged, schema)
+    if bad is not None:
+      i, field, msg = bad
+      raise ValueError(f"{path}: row {row_of(i)}: invalid value in the column(s) of field "
+                       f"{field!r}: {msg}")
+    recs = records.encode_columns(fixed, ragged) if n else []
   out: dict[str, list[bytes]] = {s: [] for s in schema.surfaces}
-  for i, r in enumerate(recs):
-    out[schema.surfaces[surf[i]]].append(r)
+  if n and (surf == surf[0]).all():
+    out[schema.surfaces[surf[0]]] = recs
+    return out
+  objs = np.empty(n, object)
+  objs[:] = recs
+  for k, s in enumerate(schema.surfaces):
+    out[s] = objs[surf == k].tolist()
   return out
 
 

@@ -134,30 +134,44 @@ def encode_columns(fixed: dict[str, np.ndarray],
   fixed:  {name: array[N, ...]} (row i is record i's field).
   ragged: {name: (values[E, ...], offsets i64[N + 1])} (rows offsets[i]:offsets[i+1]).
   Returns the N records, byte-identical to ``encode`` of the row dicts (fixed fields first).
+
+  Each record is a constant-width prefix (magic, field headers with the record's ragged lengths
+  patched in, the fixed fields' bytes), then its slice of every ragged field's values; Arrow's
+  ``binary_join_element_wise`` concatenates the pieces of all records in one C++ call.
   """
+  import pyarrow as pa
+  import pyarrow.compute as pc
   n = len(next(iter(fixed.values())))
+  if not n:
+    return []
   fixed = {k: np.ascontiguousarray(v) for k, v in fixed.items()}
   head = b"KR" + struct.pack("<BB", _VERSION, len(fixed) + len(ragged))
   head += b"".join(_field_header(k, v.dtype, v.shape[1:]) for k, v in fixed.items())
-  fixed_u8 = np.concatenate([v.reshape(n, -1).view(np.uint8) for v in fixed.values()], axis=1)
-  fixed_rows = [r.tobytes() for r in fixed_u8] if n else []
-  rag = []
+  parts, pieces = [np.frombuffer(head, np.uint8)[None].repeat(n, 0)], []
   for k, (vals, offs) in ragged.items():
     vals = np.ascontiguousarray(vals)
+    offs = np.asarray(offs, np.int64)
+    tmpl = np.frombuffer(_field_header(k, vals.dtype, (0,) + vals.shape[1:]), np.uint8)
+    hdr = tmpl[None].repeat(n, 0)
+    at = 1 + len(k.encode()) + 2                       # the u32 length: first dim
+    hdr[:, at:at + 4] = (offs[1:] - offs[:-1]).astype("<u4").view(np.uint8).reshape(n, 4)
+    parts.append(hdr)
     row = vals.dtype.itemsize * int(np.prod(vals.shape[1:], dtype=np.int64))
-    cache: dict[int, bytes] = {}
-    hdr = lambda L, k=k, vals=vals, cache=cache: cache.get(L) or cache.setdefault(
-        L, _field_header(k, vals.dtype, (L,) + vals.shape[1:]))
-    rag.append((hdr, vals.tobytes(), (np.asarray(offs, np.int64) * row).tolist(),
-                np.diff(offs).tolist()))
-  out = []
-  for i in range(n):
-    parts = [head]
-    parts += [h(lens[i]) for h, _, _, lens in rag]
-    parts.append(fixed_rows[i])
-    parts += [buf[o[i]:o[i + 1]] for _, buf, o, _ in rag]
-    out.append(b"".join(parts))
-  return out
+    data = pa.py_buffer(vals.astype(vals.dtype.newbyteorder("<"), copy=False).tobytes()
+                        if vals.dtype.byteorder == ">" else vals)
+    byte_offs = pa.py_buffer(((offs - offs[0]) * row).astype(np.int64))
+    if offs[0]:
+      data = data[int(offs[0]) * row:]
+    pieces.append(pa.LargeBinaryArray.from_buffers(pa.large_binary(), n, [None, byte_offs, data]))
+  parts += [v.reshape(n, -1).view(np.uint8) for v in fixed.values()]
+  prefix = np.ascontiguousarray(np.concatenate(parts, axis=1))
+  w = prefix.shape[1]
+  first = pa.LargeBinaryArray.from_buffers(
+      pa.large_binary(), n, [None, pa.py_buffer(np.arange(n + 1, dtype=np.int64) * w),
+                             pa.py_buffer(prefix)])
+  if not pieces:
+    return first.to_pylist()
+  return pc.binary_join_element_wise(first, *pieces, pa.scalar(b"", pa.large_binary())).to_pylist()
 
 
 # ---- files -----------------------------------------------------------------------------------

@@ -45,11 +45,14 @@ class SparseFeature:
 
   ``hashed``: raw ids are arbitrary non-negative integers, hashed into ``[0, vocab_size)`` by
   the pipeline; otherwise an id outside ``[0, vocab_size)`` is invalid input.
+  ``vocab``: the exact vocabulary ``data.ingest`` mapped the column's values with (value ->
+  id ``2 + position``; id 0 = null, 1 = out of vocabulary; ``data.vocab``), or None.
   """
   name: str
   vocab_size: int
   max_len: int = 1
   hashed: bool = False
+  vocab: tuple | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,6 +99,10 @@ class Schema:
     for f in self.sparse:
       if f.vocab_size <= 0 or f.max_len <= 0:
         raise ValueError(f"schema.sparse[{f.name}]: vocab_size and max_len must be > 0")
+      if f.vocab is not None and (f.hashed or f.vocab_size != len(f.vocab) + 2
+                                  or len(set(f.vocab)) != len(f.vocab)):
+        raise ValueError(f"schema.sparse[{f.name}]: a vocab needs hashed: false, distinct values "
+                         "and vocab_size = len(vocab) + 2 (null and out-of-vocabulary ids)")
     for s in self.streams:
       if s.max_len <= 0 or s.item_vocab <= 0 or s.action_vocab <= 0:
         raise ValueError(f"schema.streams[{s.name}]: max_len/item_vocab/action_vocab must be > 0")
@@ -116,13 +123,20 @@ class Schema:
 
   # ---- serialisation -------------------------------------------------------------------------
   def to_dict(self) -> dict[str, Any]:
-    return dataclasses.asdict(self)
+    d = dataclasses.asdict(self)
+    for f in d["sparse"]:                  # no exact vocabulary: the key stays out of schema.json
+      if f.get("vocab") is None:
+        f.pop("vocab", None)
+      else:
+        f["vocab"] = list(f["vocab"])
+    return d
 
   @classmethod
   def from_dict(cls, d: dict[str, Any]) -> "Schema":
     try:
       return cls(
-          sparse=tuple(SparseFeature(**f) for f in d["sparse"]),
+          sparse=tuple(SparseFeature(**{**f, "vocab": None if f.get("vocab") is None
+                                        else tuple(f["vocab"])}) for f in d["sparse"]),
           dense=tuple(d["dense"]),
           streams=tuple(
               EventStream(**{**s, "extra_fields": tuple(EventField(**e)

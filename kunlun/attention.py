@@ -7,18 +7,23 @@ rest); bidirectional attention; ``s' = s + o W_o``; rows ``>= lengths`` are zero
 ``kunlun.time_encoding``) after the QK-norm and before the rotary encoding.
 
 Scopes (``kind``):
-  * ``"swa"``: ``|i - j| <= window``. Softmax runs as a banded computation (chunks of
-    ``c >= window`` queries see their own and both neighbouring chunks; cost ``O(T * 3c)``).
+  * ``"swa"``: ``|i - j| <= window``. Softmax goes through ``pallas_kernels.softmax_attention``:
+    on "xla" a banded computation (chunks of ``c >= window`` queries see their own and both
+    neighbouring chunks; cost ``O(T * 3c)``), on "pallas" a flash-attention kernel that visits
+    only the key tiles of the band, on "cudnn" two causal left-window cuDNN calls merged by their
+    log-sum-exp; "auto" picks from the backend table (CPU: xla; GPU default: pallas).
   * ``"block"``: independent ``block_size`` blocks via ``pallas_kernels.block_attention``
     (``T`` is padded internally to a multiple of ``block_size``).
-  * ``"full"``: every valid key (short sequences).
+  * ``"full"``: every valid key (short sequences); softmax on "auto" takes cuDNN on a GPU
+    (16-bit operands; its padding masks take the lengths), else pallas / xla.
 
 ``activation="softmax"`` or a GDPA activation (name or per-head tuple), then through
 ``kunlun.gdpa.gdpa`` with ``out_scale = 1/n``, ``n`` the most keys a query can see: ``T`` for
 "full", ``min(T, 2 window + 1)`` for "swa" (the kernel uses ``1/block_size`` for "block").
 ``t_max`` overrides ``n`` (set it to the kept length to make outputs independent of padding).
 ``score_clip`` clamps the scores of a GDPA activation to ``[-c, c]`` first (spec h-13; softmax
-scores are never clipped).
+scores are never clipped). ``backend="triton"`` has no softmax kernel of its own and runs the
+Pallas one (GDPA activations keep jax-triton).
 """
 
 from __future__ import annotations
@@ -34,7 +39,12 @@ from kunlun.gdpa import gdpa
 from kunlun.norms import rms_norm
 from kunlun.time_encoding import BucketSpec, add_bucket_embedding, rotary_time
 from pallas_kernels.activations import per_head
-from pallas_kernels.reference import apply_rotary
+from pallas_kernels.reference import (  # noqa: F401  (masked_softmax_attention: re-exported)
+    apply_rotary,
+    band_chunk,
+    masked_softmax_attention,
+    softmax_attention_reference,
+)
 from sharding import context, shard, with_axes
 
 F32 = jnp.float32
@@ -42,49 +52,32 @@ KINDS = ("swa", "block", "full")
 _ACT_AXES = ("batch", "seq", "heads", "head_dim")
 
 
-def masked_softmax_attention(q, k, v, mask):
-  """Masked softmax attention, ``[..., Tq, H, D]`` output.
+def banded_softmax_attention(q, k, v, lengths, window: int, chunk: int | None = None):
+  """Softmax attention restricted to ``|i - j| <= window`` and valid keys, in ``O(T * 3c)``
+  (``pallas_kernels.reference.softmax_attention_reference``; ``chunk`` is its ``band_chunk``).
 
-  ``q [..., Tq, H, D]``, ``k, v [..., Tk, H, D]``, ``mask bool[..., Tq, Tk]``.
-
-  Scores and softmax in float32 with scale ``1/sqrt(D)``; rows without a valid key give zeros.
+  ``q, k, v [B, T, H, D]``, ``lengths i32[B]``.
   """
-  D = q.shape[-1]
-  s = jnp.einsum("...qhd,...khd->...hqk", q, k, preferred_element_type=F32) * D ** -0.5
-  m = mask[..., None, :, :]
-  s = jnp.where(m, s, -jnp.inf)
-  mx = jnp.max(s, axis=-1, keepdims=True)
-  e = jnp.where(m, jnp.exp(s - jnp.where(jnp.isfinite(mx), mx, 0.0)), 0.0)
-  den = jnp.sum(e, axis=-1, keepdims=True)
-  p = e / jnp.where(den > 0, den, 1.0)
-  return jnp.einsum("...hqk,...khd->...qhd", p.astype(v.dtype), v,
-                    preferred_element_type=F32).astype(q.dtype)
+  if chunk is not None and chunk != band_chunk(window):
+    raise ValueError(f"chunk {chunk}: the banded path uses band_chunk(window) = "
+                     f"{band_chunk(window)}")
+  return softmax_attention_reference(q, k, v, window=window, q_lengths=lengths,
+                                     kv_lengths=lengths)
 
 
-def banded_softmax_attention(q, k, v, lengths, window: int, chunk: int):
-  """Softmax attention restricted to ``|i - j| <= window`` and valid keys, in ``O(T * 3 chunk)``.
-
-  ``q, k, v [B, T, H, D]``, ``lengths i32[B]``, ``chunk >= window``. Rows of chunk ``n`` see
-  keys of chunks ``n - 1, n, n + 1``, which cover the whole band.
-  """
-  if chunk < window:
-    raise ValueError(f"chunk {chunk} must be >= window {window}")
-  B, T, H, D = q.shape
-  nb = -(-T // chunk)
-  pad = nb * chunk - T
-  padt = lambda x: jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0)))
-  blk = lambda x: padt(x).reshape(B, nb, chunk, H, D)
-  qb = blk(q)
-  nbr = lambda x: jnp.pad(blk(x), ((0, 0), (1, 1), (0, 0), (0, 0), (0, 0)))
-  three = lambda x: jnp.concatenate([x[:, :-2], x[:, 1:-1], x[:, 2:]], axis=2)   # [B, nb, 3c, H, D]
-  kx, vx = three(nbr(k)), three(nbr(v))
-  qpos = jnp.arange(nb * chunk).reshape(nb, chunk)                                 # [nb, c]
-  kpos = (jnp.arange(nb)[:, None] - 1) * chunk + jnp.arange(3 * chunk)[None, :]    # [nb, 3c]
-  band = jnp.abs(qpos[:, :, None] - kpos[:, None, :]) <= window                    # [nb, c, 3c]
-  kval = (kpos[None] >= 0) & (kpos[None] < jnp.asarray(lengths, jnp.int32)[:, None, None])
-  mask = band[None] & kval[:, :, None, :]                                          # [B, nb, c, 3c]
-  o = masked_softmax_attention(qb, kx, vx, mask)
-  return o.reshape(B, nb * chunk, H, D)[:, :T]
+def softmax_attention(q, k, v, lengths, window: int | None, backend: str):
+  """Bidirectional softmax self-attention over valid keys (``window``: the band ``|i - j| <=
+  window``; None: full). ``backend`` as ``pallas_kernels.softmax_attention`` ("auto" resolved
+  here); "xla" is the banded reference, left to XLA's SPMD partitioner; kernel backends run per
+  shard through ``sharding.context`` when the mesh splits the operands."""
+  if backend == "auto":
+    backend = pallas_kernels.api.select_backend("softmax_attention", q.shape[1], k.shape[1],
+                                                window=window, dtype=q.dtype,
+                                                head_dim=q.shape[-1])
+  if backend == "xla":
+    return softmax_attention_reference(q, k, v, window=window, q_lengths=lengths,
+                                       kv_lengths=lengths)
+  return context.softmax_attention(q, k, v, lengths, window, backend=backend)
 
 
 class SeqAttention(nn.Module):
@@ -173,13 +166,7 @@ class SeqAttention(nn.Module):
       return gdpa(q, k, v, activation=self.activation, out_scale=1.0 / n, q_lengths=lengths,
                   kv_lengths=lengths, window=window, backend=self.backend,
                   score_clip=self.score_clip)
-    chunk = max(self.window, 16)
-    if window is None or T <= 3 * chunk:
-      i = jnp.arange(T)
-      m = (i[None, :] < lengths[:, None])[:, None, :]                             # keys [B,1,T]
-      if window is not None:
-        m = m & (jnp.abs(i[:, None] - i[None, :]) <= window)[None]
-      return masked_softmax_attention(q, k, v, jnp.broadcast_to(m, (q.shape[0], T, T)))
-    return banded_softmax_attention(q, k, v, lengths, window, chunk)
+    with jax.named_scope("SoftmaxAttention"):
+      return softmax_attention(q, k, v, lengths, window, self.backend)
 
 

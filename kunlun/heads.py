@@ -15,6 +15,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from kunlun.activations import gelu
 from sharding import shard, with_axes
 
 _INIT = nn.initializers.lecun_normal()
@@ -33,7 +34,7 @@ class MLP(nn.Module):
       x = nn.Dense(f, dtype=self.dtype, kernel_init=with_axes(_INIT, (None, "mlp")),
                    bias_init=with_axes(_ZEROS, ("mlp",)), name=f"dense_{i}")(x)
       if i < len(self.features) - 1 or self.final_act:
-        x = nn.gelu(x)
+        x = gelu(x)
     return x
 
 
@@ -44,7 +45,7 @@ def _stacked_tower(mod, x_bskh, hidden, prefix):
   b1 = mod.param(f"{prefix}b1", with_axes(_ZEROS, (None, None, "mlp")), (S, K, hidden))
   w2 = mod.param(f"{prefix}w2", with_axes(_INIT, (None, None, "mlp")), (S, K, hidden))
   b2 = mod.param(f"{prefix}b2", with_axes(_ZEROS, (None, None)), (S, K))
-  h = nn.gelu(jnp.einsum("bskh,skhf->bskf", x_bskh, w1.astype(x_bskh.dtype)) + b1)
+  h = gelu(jnp.einsum("bskh,skhf->bskf", x_bskh, w1.astype(x_bskh.dtype)) + b1)
   return jnp.einsum("bskf,skf->bsk", h, w2.astype(h.dtype)) + b2
 
 
@@ -72,7 +73,7 @@ class Heads(nn.Module):
         E, He = self.num_experts, self.expert_hidden
         we = self.param("expert_w", with_axes(_INIT, (None, None, "mlp")), (E, D, He))
         be = self.param("expert_b", with_axes(_ZEROS, (None, "mlp")), (E, He))
-        experts = nn.gelu(jnp.einsum("bd,edh->beh", shared, we.astype(shared.dtype)) + be)
+        experts = gelu(jnp.einsum("bd,edh->beh", shared, we.astype(shared.dtype)) + be)
         wg = self.param("gate_w", with_axes(_INIT, (None, None, None, None)), (S, K, D, E))
         gates = jax.nn.softmax(jnp.einsum("bd,skde->bske", shared.astype(jnp.float32), wg),
                                axis=-1)

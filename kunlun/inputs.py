@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from data.schema import EventStream, SparseFeature
+from kunlun.activations import gelu
 from kunlun.time_encoding import log_time_bucket
 from sharding import embedding as sharded_embedding
 from sharding import shard, with_axes
@@ -217,7 +218,7 @@ class EventEmbed(nn.Module):
       T = x.shape[1]
       # per-event MLP weights are ZeRO-sharded only, never tensor-parallel: a TP split of this
       # narrow MLP would all-reduce [B, T, d] activations in both passes for d^2 weights
-      h = nn.gelu(_dense(self.dim, ("embed", None), self.dtype, True, "mlp_in")(x))
+      h = gelu(_dense(self.dim, ("embed", None), self.dtype, True, "mlp_in")(x))
       y = _dense(self.dim, (None, "embed"), self.dtype, True, "mlp_out")(h)
       valid_bt = jnp.arange(T)[None, :] < jnp.asarray(events["length"], jnp.int32)[:, None]
       y = jnp.where(valid_bt[..., None], y, 0).astype(self.dtype)

@@ -12,7 +12,8 @@ dropped. Heads follow ``schema.surfaces`` x ``schema.tasks`` by construction.
 
 Surface weights (``data.surface_weights``): when they name none of the data's surfaces (a preset's
 synthetic defaults on another dataset) they become ``"auto"`` (each surface in proportion to its
-train records); otherwise ``data.schema.surface_weights`` rules apply (unknown names need weight
+train records; noted only when more than one surface has train records: on one, every weighting
+trains the same); otherwise ``data.schema.surface_weights`` rules apply (unknown names need weight
 0, surfaces left out get 0).
 
 Both functions change the config in place and return notes (one line each) saying what changed.
@@ -101,9 +102,10 @@ def fit_surface_weights(config, schema: Schema, counts: dict[str, int]) -> tuple
   named = _named(value)
   notes = []
   if named and not set(named) & set(schema.surfaces):
-    notes.append(f"data.surface_weights names none of the data's surfaces ({sorted(named)} vs "
-                 f"{list(schema.surfaces)}): using 'auto' (each surface in proportion to its "
-                 "train records)")
+    if sum(1 for s in schema.surfaces if counts.get(s, 0)) > 1:   # else every weighting is 100%
+      notes.append(f"data.surface_weights names none of the data's surfaces ({sorted(named)} vs "
+                   f"{list(schema.surfaces)}): using 'auto' (each surface in proportion to its "
+                   "train records)")
     with config.data.unlocked():
       del config.data["surface_weights"]
       config.data.surface_weights = "auto"

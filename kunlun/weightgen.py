@@ -14,6 +14,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from kunlun.activations import gelu
 from kunlun.norms import rms_norm
 from sharding import shard, with_axes
 
@@ -42,7 +43,7 @@ class WeightGen(nn.Module):
       h = nn.Dense(d_ns, dtype=self.dtype, param_dtype=F32, name="hidden",
                    kernel_init=with_axes(nn.initializers.lecun_normal(), ("embed", "mlp")),
                    bias_init=with_axes(nn.initializers.zeros, ("mlp",)))(z)
-      h = nn.gelu(h)
+      h = gelu(h)
       kv_init = with_axes(nn.initializers.lecun_normal(in_axis=0, out_axis=(1, 2)),
                           ("mlp", "heads", "head_dim"))
       shape = (d_ns, self.heads, dh)

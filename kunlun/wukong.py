@@ -21,6 +21,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from kunlun.activations import gelu
+from kunlun.norms import layer_norm
 from sharding import shard, with_axes
 
 F32 = jnp.float32
@@ -33,9 +35,7 @@ class _LayerNorm(nn.Module):
   @nn.compact
   def __call__(self, x):
     d = x.shape[-1]
-    x = x.astype(F32)
-    mu = jnp.mean(x, -1, keepdims=True)
-    y = (x - mu) * jax.lax.rsqrt(jnp.mean(jnp.square(x - mu), -1, keepdims=True) + 1e-6)
+    y = layer_norm(x, 1e-6)
     scale = self.param("scale", with_axes(nn.initializers.ones, (None,)), (d,), F32)
     bias = self.param("bias", with_axes(nn.initializers.zeros, (None,)), (d,), F32)
     return y * scale + bias
@@ -67,7 +67,7 @@ class WukongLayer(nn.Module):
       h = nn.Dense(self.mlp_hidden, dtype=dt, param_dtype=F32, name="fm_mlp_in",
                    kernel_init=with_axes(nn.initializers.lecun_normal(), (None, "mlp")),
                    bias_init=with_axes(nn.initializers.zeros, ("mlp",)))(h)
-      h = shard(nn.gelu(h), ("batch", "mlp"))
+      h = shard(gelu(h), ("batch", "mlp"))
       h = nn.Dense(self.n_fm * d, dtype=dt, param_dtype=F32, name="fm_mlp_out",
                    kernel_init=with_axes(nn.initializers.lecun_normal(), ("mlp", None)),
                    bias_init=with_axes(nn.initializers.zeros, (None,)))(h)

@@ -26,20 +26,34 @@ _BLOCK = {
     "xla": "pallas_kernels.reference:block_attention_reference",
     "pallas": "pallas_kernels.pallas_block:block_attention_pallas",
 }
+_SOFTMAX = {
+    "xla": "pallas_kernels.reference:softmax_attention_reference",
+    "pallas": "pallas_kernels.pallas_softmax:softmax_attention_pallas",
+    "cudnn": "pallas_kernels.cudnn_softmax:softmax_attention_cudnn",
+}
 BACKENDS = ("xla", "pallas", "triton", "auto")
+SOFTMAX_BACKENDS = ("xla", "pallas", "cudnn", "triton", "auto")
 TABLE_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "backend_table.json")
 
 
 def register_backend(kind: str, name: str, target: str) -> None:
   """Registers ``target`` ("module:function") as backend ``name`` for kernel ``kind``."""
-  {"gdpa": _GDPA, "block_attention": _BLOCK}[kind][name] = target
+  {"gdpa": _GDPA, "block_attention": _BLOCK, "softmax_attention": _SOFTMAX}[kind][name] = target
 
 
-def shape_class(kind: str, tq: int, tk: int) -> str:
-  """The table's shape class: block attention is one class; GDPA is ``cross`` (short kv, long q:
-  the PFFN), ``pool`` (short q, long kv: HSP seeds) or ``self`` (comparable lengths)."""
+def softmax_class(window) -> str:
+  """Shape class of softmax attention: ``swa`` (banded, a window) or ``full``."""
+  return "full" if window is None else "swa"
+
+
+def shape_class(kind: str, tq: int, tk: int, window=None) -> str:
+  """The table's shape class: block attention is one class; softmax attention ``swa`` (with a
+  window) or ``full``; GDPA is ``cross`` (short kv, long q: the PFFN), ``pool`` (short q, long
+  kv: HSP seeds) or ``self`` (comparable lengths)."""
   if kind == "block_attention":
     return "block"
+  if kind == "softmax_attention":
+    return softmax_class(window)
   if tk <= 256 and tq >= 4 * tk:
     return "cross"
   if tq <= 256 and tk >= 4 * tq:
@@ -60,15 +74,30 @@ def _has_jax_triton() -> bool:
   return importlib.util.find_spec("jax_triton") is not None
 
 
+def cudnn_supports(dtype, head_dim) -> bool:
+  """cuDNN flash attention's operand limits: fp16/bf16 inputs, head_dim a multiple of 8 <= 128."""
+  import jax.numpy as jnp
+  return (dtype is not None and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
+          and head_dim is not None and head_dim % 8 == 0 and head_dim <= 128)
+
+
 def select_backend(kind: str, tq: int, tk: int, *, mode: str = "fwd_bwd", device_kind=None,
-                   platform=None, table=None, has_jax_triton=None) -> str:
-  """The fastest correct backend for ``kind`` ("gdpa" / "block_attention") at this shape class.
+                   platform=None, table=None, has_jax_triton=None, window=None, dtype=None,
+                   head_dim=None) -> str:
+  """The fastest correct backend for ``kind`` ("gdpa" / "block_attention" /
+  "softmax_attention") at this shape class.
 
   ``mode``: "fwd_bwd" (training, the default: ``auto`` cannot know whether a gradient follows)
   or "fwd" (inference). The table maps device kind -> kind -> shape class -> mode -> backend.
   Without an entry: CPU -> xla; GPU -> for GDPA triton when jax-triton is importable, else xla
   (never pallas: its GDPA backward was measured slower than XLA's); for block attention pallas
-  (measured 2.1x XLA forward+backward on the H200).
+  (measured 2.1x XLA forward+backward on the H200). Softmax attention (``window``, ``dtype`` and
+  ``head_dim`` pick the class and cuDNN's eligibility): banded ("swa") -> pallas (the kernel
+  visits only the key tiles of the band and moves q, k, v, o once; cuDNN needs two left-window
+  calls plus reversal gathers and a merge, see ``cudnn_softmax``); full -> cudnn when it takes
+  the operands (16-bit, head_dim % 8 == 0, <= 128: measured 3x XLA fwd+bwd at T 2048,
+  jax_stack_notes 2.2), else pallas. A table entry naming cudnn for operands cuDNN cannot
+  take is ignored.
   """
   platform = platform or jax.default_backend()
   if platform != "gpu":
@@ -76,12 +105,15 @@ def select_backend(kind: str, tq: int, tk: int, *, mode: str = "fwd_bwd", device
   device_kind = device_kind or jax.devices()[0].device_kind
   table = load_table() if table is None else table
   entry = (table.get("devices", {}).get(device_kind, {}).get(kind, {})
-           .get(shape_class(kind, tq, tk), {}).get(mode))
+           .get(shape_class(kind, tq, tk, window), {}).get(mode))
   has_jt = _has_jax_triton() if has_jax_triton is None else has_jax_triton
-  if entry and (entry != "triton" or has_jt):
+  ok_cudnn = cudnn_supports(dtype, head_dim)
+  if entry and (entry != "triton" or has_jt) and (entry != "cudnn" or ok_cudnn):
     return entry
   if kind == "block_attention":
     return "pallas"
+  if kind == "softmax_attention":
+    return "cudnn" if window is None and ok_cudnn else "pallas"
   return "triton" if has_jt else "xla"
 
 
@@ -135,4 +167,37 @@ def block_attention(q, k, v, *, block_size=64, activation="softmax", lengths=Non
             rotary=rotary, interpret=_interpret(name, interpret), score_clip=score_clip)
 
 
-__all__ = ["gdpa", "block_attention", "register_backend", "select_backend", "reference"]
+def softmax_attention(q, k, v, *, window=None, scale=None, q_lengths=None, kv_lengths=None,
+                      kv_start=None, q_offset=0, q_index=None, kv_index=None, backend="auto",
+                      interpret=False, **tuning):
+  """Softmax attention, full or banded: see ``reference.softmax_attention_reference``.
+
+  ``q [Bq, Tq, H_q, D]``, ``k, v [Bk, Tk, H_kv, D]`` -> ``[B, Tq, H_q, D]``; valid keys
+  ``[kv_start, kv_lengths)``, band ``|i + q_offset - j| <= window``. ``backend``: "xla"
+  (reference; banded in ``O(T * 3c)``), "pallas" (``pallas_softmax``: flash attention visiting
+  only the band's key tiles; interpret mode on CPU), "cudnn" (``cudnn_softmax``: full attention
+  with cuDNN's padding masks, the band as two causal left-window calls merged by their
+  log-sum-exp; GPU, or ``interpret=True`` for its XLA stand-in), "triton" (no jax-triton
+  softmax kernel: runs pallas, so a model-wide ``backend="triton"`` still reaches a kernel) or
+  "auto" (``select_backend``). ``tuning``: backend-only options (pallas: ``block_q``,
+  ``block_k``, ``block_q_bwd``, ``block_k_bwd``, ``num_warps``, ``num_stages``).
+  """
+  if backend not in SOFTMAX_BACKENDS:
+    raise ValueError(f"unknown softmax_attention backend {backend!r}; allowed: "
+                     f"{SOFTMAX_BACKENDS}")
+  if backend == "auto":
+    backend = select_backend("softmax_attention", q.shape[1], k.shape[1], window=window,
+                             dtype=q.dtype, head_dim=q.shape[-1])
+  name = "pallas" if backend == "triton" else backend
+  if name not in _SOFTMAX:
+    raise ValueError(f"softmax_attention backend {name!r} is not available "
+                     f"(registered: {sorted(_SOFTMAX)})")
+  mod, fn = _SOFTMAX[name].split(":")
+  fn = getattr(importlib.import_module(mod), fn)
+  return fn(q, k, v, window=window, scale=scale, q_lengths=q_lengths, kv_lengths=kv_lengths,
+            kv_start=kv_start, q_offset=q_offset, q_index=q_index, kv_index=kv_index,
+            interpret=_interpret(name, interpret), **tuning)
+
+
+__all__ = ["gdpa", "block_attention", "softmax_attention", "register_backend", "select_backend",
+           "reference"]

@@ -1,5 +1,9 @@
 """Pure-XLA reference twins of every kernel (same signatures as the kernel API).
 
+``gdpa_reference`` (GDPA), ``block_attention_reference`` (block attention) and
+``softmax_attention_reference`` (softmax attention, full or banded ``|i - j| <= window``: the
+banded XLA path of the sequence self-attention).
+
 Layout everywhere: ``[batch, seq, heads, head_dim]``. Scores are accumulated in float32 and the
 output is cast back to ``q.dtype``.
 """
@@ -238,3 +242,119 @@ def block_attention_reference(q, k, v, *, block_size=64, activation="softmax", l
     p = p / block_size
   o = jnp.einsum("bnhqk,bnkhd->bnqhd", p, blk(v))
   return o.reshape(B, T, H, D)[:, :T0].astype(q.dtype)
+
+
+# ---- softmax attention (full or banded) -------------------------------------------------------
+
+def masked_softmax_attention(q, k, v, mask, scale=None):
+  """Masked softmax attention, ``[..., Tq, H, D]`` output.
+
+  ``q [..., Tq, H, D]``, ``k, v [..., Tk, H, D]``, ``mask bool[..., Tq, Tk]``. Scores and softmax
+  in float32 with ``scale`` (default ``1/sqrt(D)``); rows without a valid key give zeros.
+  """
+  D = q.shape[-1]
+  scale = D ** -0.5 if scale is None else scale
+  s = jnp.einsum("...qhd,...khd->...hqk", q, k, preferred_element_type=_F32) * scale
+  m = mask[..., None, :, :]
+  s = jnp.where(m, s, -jnp.inf)
+  mx = jnp.max(s, axis=-1, keepdims=True)
+  e = jnp.where(m, jnp.exp(s - jnp.where(jnp.isfinite(mx), mx, 0.0)), 0.0)
+  den = jnp.sum(e, axis=-1, keepdims=True)
+  p = e / jnp.where(den > 0, den, 1.0)
+  return jnp.einsum("...hqk,...khd->...qhd", p.astype(v.dtype), v,
+                    preferred_element_type=_F32).astype(q.dtype)
+
+
+def band_chunk(window: int) -> int:
+  """Query chunk of the banded path: ``c >= window`` (at least 16 rows)."""
+  return max(int(window), 16)
+
+
+def _banded(q, k, v, kv_lo, kv_hi, window, q_offset, scale):
+  """Banded softmax attention in ``O(Tq * 3c)``: query chunk ``n`` (``c`` rows) sees the key rows
+  ``q_offset + (n - 1) c + [0, 3c)``, which cover its whole band ``|i + q_offset - j| <= window``.
+  ``kv_lo / kv_hi i32[B]``: valid keys ``[kv_lo, kv_hi)``."""
+  B, Tq, H, D = q.shape
+  Tk = k.shape[1]
+  c = band_chunk(window)
+  nb = -(-Tq // c)
+  qb = jnp.pad(q, ((0, 0), (0, nb * c - Tq), (0, 0), (0, 0))).reshape(B, nb, c, H, D)
+  base, n_ext = q_offset - c, (nb + 2) * c          # key rows [base, base + n_ext) of k
+  lpad, rpad = max(0, -base), max(0, base + n_ext - Tk)
+
+  def three(x):                                      # [B, nb, 3c, H, D]
+    x = jnp.pad(x, ((0, 0), (lpad, rpad), (0, 0), (0, 0)))[:, base + lpad:base + lpad + n_ext]
+    x = x.reshape(B, nb + 2, c, H, D)
+    return jnp.concatenate([x[:, :-2], x[:, 1:-1], x[:, 2:]], axis=2)
+
+  qpos = q_offset + jnp.arange(nb * c).reshape(nb, c)                          # [nb, c]
+  kpos = base + jnp.arange(nb)[:, None] * c + jnp.arange(3 * c)[None, :]       # [nb, 3c]
+  band = jnp.abs(qpos[:, :, None] - kpos[:, None, :]) <= window                # [nb, c, 3c]
+  kval = (kpos[None] >= kv_lo[:, None, None]) & (kpos[None] < kv_hi[:, None, None])
+  mask = band[None] & kval[:, :, None, :]                                      # [B, nb, c, 3c]
+  o = masked_softmax_attention(qb, three(k), three(v), mask, scale)
+  return o.reshape(B, nb * c, H, D)[:, :Tq]
+
+
+def kv_start_rows(kv_start, n, t):
+  """``kv_start`` (first valid key of each k/v row; None = 0) as ``i32[n]`` clipped to [0, t]."""
+  if kv_start is None:
+    return jnp.zeros((n,), jnp.int32)
+  kv_start = jnp.asarray(kv_start, jnp.int32)
+  if kv_start.shape != (n,):
+    raise ValueError(f"kv_start must have shape ({n},), got {kv_start.shape}")
+  return jnp.clip(kv_start, 0, t)
+
+
+def check_q_offset(q_offset) -> int:
+  if int(q_offset) != q_offset or q_offset < 0:
+    raise ValueError(f"q_offset must be an integer >= 0, got {q_offset!r}")
+  return int(q_offset)
+
+
+def softmax_attention_reference(q, k, v, *, window=None, scale=None, q_lengths=None,
+                                kv_lengths=None, kv_start=None, q_offset=0, q_index=None,
+                                kv_index=None, backend="xla", interpret=False):
+  """Softmax attention over the valid keys, optionally banded to ``|i + q_offset - j| <= window``.
+
+  Args:
+    q: ``[Bq, Tq, H_q, D]``; k, v: ``[Bk, Tk, H_kv, D]`` (GQA: q head h reads k/v head h // G).
+    window: keep only keys with ``|i + q_offset - j| <= window`` (None: every valid key).
+    scale: multiplies q.k (default ``1/sqrt(D)``).
+    q_lengths ``i32[Bq]``, kv_lengths ``i32[Bk]``: valid query rows / keys (indexed like their
+      operand, as in ``gdpa_reference``); kv_start ``i32[Bk]``: first valid key (default 0), so
+      the valid keys are ``[kv_start, kv_lengths)``.
+    q_offset: static position of query row 0 in key coordinates (0 for self-attention; the
+      context-parallel path passes its halo width).
+    q_index, kv_index: request-level sharing, as in ``gdpa_reference``.
+  Returns:
+    ``[B, Tq, H_q, D]`` in ``q.dtype``; rows at or beyond ``q_lengths`` and rows that see no key
+    are zero. Scores and softmax in float32 (P rounded to v's dtype before P.V).
+
+  With a window and ``Tq > 3 c`` (``c = band_chunk(window)``) the computation is banded (chunks of
+  ``c`` queries against ``3c`` keys, ``O(Tq * 3c)``); otherwise one dense masked ``[Tq, Tk]``.
+  """
+  del backend, interpret
+  r = resolve_rows(q, k, v, q_index=q_index, kv_index=kv_index, q_lengths=q_lengths,
+                   kv_lengths=kv_lengths, window=window)
+  q_offset = check_q_offset(q_offset)
+  Tq, Tk = q.shape[1], k.shape[1]
+  kv_lo = kv_start_rows(kv_start, k.shape[0], Tk)
+  kv_lo = kv_lo if r.kv_index is None else kv_lo[r.kv_index]
+  take = lambda x, idx: x if idx is None else jnp.take(x, idx, axis=0)   # AD: scatter-add
+  q = _zero_invalid(take(q, r.q_index), r.q_len)
+  kvalid = ((jnp.arange(Tk)[None, :] >= kv_lo[:, None])
+            & (jnp.arange(Tk)[None, :] < r.kv_len[:, None]))
+  k, v = (jnp.where(kvalid[:, :, None, None], take(x, r.kv_index), 0).astype(x.dtype)
+          for x in (k, v))
+  if r.groups > 1:
+    k, v = (jnp.repeat(x, r.groups, axis=2) for x in (k, v))
+  if window is not None and Tq > 3 * band_chunk(window):
+    o = _banded(q, k, v, kv_lo, r.kv_len, window, q_offset, scale)
+  else:
+    m = kvalid[:, None, :]
+    if window is not None:
+      i, j = jnp.arange(Tq) + q_offset, jnp.arange(Tk)
+      m = m & (jnp.abs(i[:, None] - j[None, :]) <= window)[None]
+    o = masked_softmax_attention(q, k, v, jnp.broadcast_to(m, (r.batch, Tq, Tk)), scale)
+  return _zero_invalid(o, r.q_len)

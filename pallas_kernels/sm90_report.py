@@ -6,8 +6,9 @@ instruction mix that matters on Hopper (``wgmma`` = tensor-core warpgroup MMA, `
 asynchronous (pipelined) copies, ``tanh.approx`` / ``ex2.approx`` = MUFU ops).
 
 - jax-triton kernels (``_triton_src.py``): compiled from source with their constexprs.
-- Pallas kernels (``pallas_gdpa.py``, ``pallas_block.py``): lowered by jax to Triton IR (with
-  jax's GPU-info query stubbed to sm_90), then the same IR is compiled by triton 3.6.
+- Pallas kernels (``pallas_gdpa.py``, ``pallas_block.py``, ``pallas_softmax.py``): lowered by
+  jax to Triton IR (with jax's GPU-info query stubbed to sm_90), then the same IR is compiled by
+  triton 3.6.
 
   python -m pallas_kernels.sm90_report            # table for the default shapes and candidates
   python -m pallas_kernels.sm90_report --json out.json
@@ -151,12 +152,23 @@ def pallas_block_stats(T=4096, H=8, D=128, block=64, activation="softmax", dtype
   return {name: compile_ttir(ir, w, s) for name, ir, w, s in pallas_ttir(loss, x, x, x)}
 
 
+def pallas_softmax_stats(T=2048, H=8, D=128, window=64, dtype=jnp.bfloat16, **tiles):
+  """Stats of the Pallas softmax-attention forward, dq and dk/dv kernels (batch 2, ragged)."""
+  from pallas_kernels import pallas_softmax
+  x = jax.ShapeDtypeStruct((2, T, H, D), dtype)
+  lens = jnp.array([T, 3 * T // 4], jnp.int32)
+  loss = jax.grad(lambda q, k, v: jnp.sum(pallas_softmax.softmax_attention_pallas(
+      q, k, v, window=window, q_lengths=lens, kv_lengths=lens, **tiles).astype(jnp.float32)),
+      (0, 1, 2))
+  return {name: compile_ttir(ir, w, s) for name, ir, w, s in pallas_ttir(loss, x, x, x)}
+
+
 # ----------------------------------------------------------------------------- report
 
 
 def report() -> dict:
   from pallas_kernels import tuning
-  out = {"triton": {}, "pallas": {}, "pallas_block": {}}
+  out = {"triton": {}, "pallas": {}, "pallas_block": {}, "pallas_softmax": {}}
   for cls, shape in SHAPES.items():
     for kern, cands in tuning.CANDIDATES.items():
       for tiles in cands:
@@ -173,6 +185,9 @@ def report() -> dict:
   for act in ("softmax", "silu"):
     for name, st in pallas_block_stats(activation=act).items():
       out["pallas_block"][f"{act}/{name}"] = st
+  for window in (64, None):
+    for name, st in pallas_softmax_stats(window=window).items():
+      out["pallas_softmax"][f"{'swa64' if window else 'full'}/{name}"] = st
   return out
 
 

@@ -36,6 +36,23 @@ DEFAULTS_F32 = {  # fp32 operands take twice the registers and shared memory
     "dkv": (32, 64, 4, 2),
 }
 
+# Softmax attention (``pallas_softmax``), per shape class (not timed yet; sm_90 compile-only:
+# ``sm90_report.pallas_softmax_stats``, bf16, D 128). Banded ("swa", w = 64): a 64-row q tile
+# touches 3 key tiles of 64 (192 keys for a 129-key band, 67% useful), a 128-row one 4 (50%).
+# Forward 64x64 / 8 warps: 174 registers, no spills (4 warps: 247). Backward ("dkv" tiles and
+# warps, used by the dq kernel too) 64x64 / 8 warps / 2 stages: dq 153, dk/dv 249 registers, no
+# spills, both on wgmma (32-row q tiles fall back to mma.sync in dq; 4 warps spill in dk/dv).
+SOFTMAX_DEFAULTS = {
+    "swa": {"fwd": (64, 64, 8, 3), "dkv": (64, 64, 8, 2)},
+    "full": {"fwd": (128, 64, 8, 3), "dkv": (64, 64, 8, 2)},
+}
+SOFTMAX_DEFAULTS_F32 = {"fwd": (64, 32, 8, 2), "dkv": (32, 32, 8, 2)}
+
+
+def softmax_defaults(shape_cls: str):
+  """``(DEFAULTS for 16-bit, DEFAULTS for fp32)`` of the softmax-attention kernels."""
+  return SOFTMAX_DEFAULTS[shape_cls], SOFTMAX_DEFAULTS_F32
+
 
 def key(shape_cls: str, head_dim: int, dtype) -> str:
   return f"{shape_cls}/D{head_dim}/{jnp.dtype(dtype).name}"
@@ -58,13 +75,17 @@ def _device_kind() -> str | None:
 
 
 def lookup(backend: str, kernel: str, shape_key: str, dtype, *, device_kind=None,
-           path: str = TUNING_PATH) -> tuple[int, int, int, int]:
-  """``(block_q, block_k, num_warps, num_stages)`` for ``kernel`` ("fwd", "dq", "dkv")."""
+           path: str = TUNING_PATH, defaults=None) -> tuple[int, int, int, int]:
+  """``(block_q, block_k, num_warps, num_stages)`` for ``kernel`` ("fwd", "dq", "dkv").
+
+  ``defaults``: ``(16-bit table, fp32 table)`` used without a tuned entry (GDPA's by default).
+  """
   device_kind = device_kind or _device_kind()
   entry = _load(path).get(device_kind or "", {}).get(backend, {}).get(shape_key, {}).get(kernel)
   if entry:
     return tuple(entry)
-  return (DEFAULTS_F32 if jnp.dtype(dtype) == jnp.float32 else DEFAULTS)[kernel]
+  d16, d32 = defaults or (DEFAULTS, DEFAULTS_F32)
+  return (d32 if jnp.dtype(dtype) == jnp.float32 else d16)[kernel]
 
 
 def clamp_tile(block: int, n: int) -> int:

@@ -1,22 +1,39 @@
 #!/usr/bin/env bash
-# Demo: set up .venv, generate tiny synthetic ads data, train the tiny Kunlun model on CPU,
-# evaluate the checkpoint and print NE / AUC / calibration per surface x task.
+# Demo: set up .venv, generate synthetic ads data (100k train + 20k eval examples, seconds), train
+# the tiny Kunlun model on CPU for one pass over it (kunlun/configs/demo.py), evaluate the
+# checkpoint on the next time window and print NE / AUC / calibration per surface x task.
 # Runs in a few minutes on 2 CPU cores. Output goes to ${DEMO_DIR:-/tmp/kunlun_demo}.
+# DEMO_EXAMPLES: train examples (default 100000); DEMO_EPOCHS: passes (default 1);
+# DEMO_STEPS: a step count instead of epochs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export JAX_PLATFORMS="${JAX_PLATFORMS:-cpu}"
 DIR="${DEMO_DIR:-/tmp/kunlun_demo}"
-STEPS="${DEMO_STEPS:-300}"
+EXAMPLES="${DEMO_EXAMPLES:-100000}"
 PY=.venv/bin/python
-
-if [ ! -f "$DIR/data/schema.json" ]; then
-  echo "[demo] generating tiny synthetic data into $DIR/data"
-  $PY -m data.synthetic --out "$DIR/data" --preset tiny
+if [ -n "${DEMO_STEPS:-}" ]; then
+  LENGTH=(--steps="$DEMO_STEPS" --config.train.epochs=0); WHAT="$DEMO_STEPS steps"
+else
+  EPOCHS="${DEMO_EPOCHS:-1}"
+  LENGTH=(--config.train.epochs="$EPOCHS"); WHAT="$EPOCHS pass(es) over the train split"
 fi
-echo "[demo] training tiny Kunlun for $STEPS steps on CPU (workdir $DIR/work; resumes if present)"
-$PY train.py --config=kunlun/configs/tiny.py --workdir="$DIR/work" --data_dir="$DIR/data" \
-  --steps="$STEPS" --config.train.log_every=50
+
+have=$($PY -c 'import json, sys; print(json.load(open(sys.argv[1]))["num_train"])' \
+  "$DIR/data/synthetic.json" 2>/dev/null || echo none)
+if [ "$have" != "$EXAMPLES" ]; then
+  if [ "$have" != none ] || [ -e "$DIR/work" ]; then
+    echo "[demo] $DIR holds data of $have train examples, not $EXAMPLES: starting afresh"
+    rm -rf "$DIR/data" "$DIR/work"
+  fi
+  echo "[demo] generating $EXAMPLES synthetic train examples into $DIR/data"
+  $PY -m data.synthetic --out "$DIR/data" --preset tiny --num_examples "$EXAMPLES"
+fi
+echo "[demo] training tiny Kunlun for $WHAT on CPU (workdir $DIR/work; resumes if present)"
+$PY train.py --config=kunlun/configs/demo.py --workdir="$DIR/work" --data_dir="$DIR/data" \
+  "${LENGTH[@]}"
 echo "[demo] evaluating the latest checkpoint on the eval split (the next time window)"
 $PY eval.py --workdir="$DIR/work" --out="$DIR/metrics.json" --plots_dir="$DIR/plots"
+echo "[demo] NE = log loss / that of always predicting the cell's own base rate (below 1: better"
+echo "[demo] than the base rate); bayesNE = the planted teacher's true probabilities (the floor)"
 echo "[demo] metrics: $DIR/metrics.json, calibration plots: $DIR/plots, TensorBoard: $DIR/work/tb"

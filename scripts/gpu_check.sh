@@ -1,16 +1,21 @@
 #!/usr/bin/env bash
 # The prepared GPU session (device tool, one H200): `bash scripts/gpu_check.sh [all|kernels|
-# train_step]` (default all: up to ~650 s of device time, more than one call may run). Run the
+# train_step]` (default all: up to ~720 s of device time, more than one call may run). Run the
 # two parts as two calls back to back (the machine stays warm for 30 s between calls):
-#   run(command="bash scripts/gpu_check.sh kernels", carry=[".whl", ".peer"], timeout_s=420)
+#   run(command="bash scripts/gpu_check.sh kernels", carry=[".whl", ".peer"], timeout_s=480)
 #   run(command="bash scripts/gpu_check.sh train_step", carry=[".whl"], timeout_s=300)
-# Kernel part (up to ~400 s of device time):
-#   1. gpu-marked kernel tests (Triton and Pallas numerics on the GPU; ~60 s),
+# Kernel part (up to ~470 s of device time):
+#   1. gpu-marked kernel tests (Triton and Pallas numerics on the GPU, the softmax attention's
+#      pallas and cudnn backends, banded and full; ~70 s),
 #   2. bench/kernels.py --autotune: per shape, times the candidate tiles of the Triton (fwd, dq,
-#      dk/dv) and Pallas (fwd) GDPA kernels and keeps the fastest; then checks every backend
-#      against the XLA reference at the real shapes and times forward and forward+backward,
-#      with Meta's Triton GDPA forward (PyTorch subprocess) as column meta_triton (~150 s),
-#   3. writes tuning.json and backend_table.json for pallas_kernels/.
+#      dk/dv) and Pallas (fwd) GDPA kernels and of the Pallas sliding-window softmax kernel (fwd,
+#      then backward tiles) and keeps the fastest; then checks every backend against the XLA
+#      reference at the real shapes and times forward and forward+backward: GDPA self / cross,
+#      block attention, sliding-window softmax attention at T 512 and 2048 with w 64 (xla banded,
+#      pallas, cudnn LSE merge), with Meta's Triton GDPA forward (PyTorch subprocess) as column
+#      meta_triton (~230 s),
+#   3. writes tuning.json and backend_table.json for pallas_kernels/ (softmax_attention "swa"
+#      entries included; "full" keeps its documented default, cudnn, until a case measures it).
 # Train-step part (~240 s): scripts/gpu_train_step.sh (mid, three backends, remat, profile).
 # Before the run, here (CPU): `bash scripts/fetch_gpu_wheels.sh` (wheels into .whl/, the peer
 # kernel into .peer/, both git-ignored).
@@ -38,7 +43,7 @@ timeout 90 python3 -m pytest -q -m gpu -p no:cacheprovider tests/pallas_kernels 
     2>&1 | tee "$OUT/gpu_tests.log"
 PEER=()
 [ -f .peer/bench_peer_gdpa.py ] && PEER=(--peer "$PWD/.peer")
-timeout 300 python3 bench/kernels.py --autotune --iters 10 --out_dir "$OUT" \
+timeout 380 python3 bench/kernels.py --autotune --iters 10 --out_dir "$OUT" \
     --write_tables "$OUT/tables" "${PEER[@]}" 2>&1 | tee "$OUT/kernels.log"
 [[ $PART == all ]] && bash scripts/gpu_train_step.sh
 exit 0

@@ -1,8 +1,17 @@
 #!/usr/bin/env bash
 # Creates .venv from a Python >= 3.12 and installs the project (with dev extras).
 # Idempotent: re-running only reinstalls when pyproject.toml changed.
+# --beam: also (or only, with VENV=.venv-beam) a second venv .venv-beam with the `beam` extra:
+# apache-beam caps numpy / pyarrow / protobuf below the main stack, so it gets its own
+# (`python -m data.ingest --runner beam` and tests/data/test_ingest_beam.py use it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+if [ "${1:-}" = "--beam" ]; then
+  VENV=.venv-beam EXTRAS="beam,dev" bash "$0"
+  exit
+fi
+VENV="${VENV:-.venv}"
+EXTRAS="${EXTRAS:-dev}"
 
 find_python() {
   for cand in "${PYTHON:-}" python3.13 python3.12 python3; do
@@ -23,23 +32,23 @@ find_python() {
   return 1
 }
 
-if [ ! -x .venv/bin/python ] || ! .venv/bin/python -c 'import sys; sys.exit(0 if sys.version_info >= (3, 12) else 1)' 2>/dev/null; then
+if [ ! -x "$VENV/bin/python" ] || ! "$VENV/bin/python" -c 'import sys; sys.exit(0 if sys.version_info >= (3, 12) else 1)' 2>/dev/null; then
   PY="$(find_python)" || {
     echo "ERROR: kunlun-jax needs Python >= 3.12 (jax 0.11.2 does not support older versions)." >&2
     echo "Install python3.12 (e.g. 'pyenv install 3.12') or set PYTHON=/path/to/python3.12." >&2
     exit 1
   }
-  echo "[setup] creating .venv with $PY ($("$PY" --version))"
-  rm -rf .venv
-  "$PY" -m venv .venv
+  echo "[setup] creating $VENV with $PY ($("$PY" --version))"
+  rm -rf "$VENV"
+  "$PY" -m venv "$VENV"
 fi
 
-stamp=.venv/.kunlun-installed
+stamp="$VENV/.kunlun-installed"
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
-  echo "[setup] installing kunlun-jax and its pinned dependencies into .venv"
-  .venv/bin/python -m pip install --quiet --upgrade pip >/dev/null 2>&1 || true
-  .venv/bin/python -m pip install --quiet -e ".[dev]"
+  echo "[setup] installing kunlun-jax and its pinned dependencies into $VENV"
+  "$VENV/bin/python" -m pip install --quiet --upgrade pip >/dev/null 2>&1 || true
+  "$VENV/bin/python" -m pip install --quiet -e ".[$EXTRAS]"
   touch "$stamp"
 fi
-.venv/bin/python -c 'import jax; assert jax.__version__ == "0.11.2", jax.__version__' || {
-  echo "ERROR: expected jax 0.11.2 in .venv" >&2; exit 1; }
+"$VENV/bin/python" -c 'import jax; assert jax.__version__ == "0.11.2", jax.__version__' || {
+  echo "ERROR: expected jax 0.11.2 in $VENV" >&2; exit 1; }

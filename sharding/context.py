@@ -9,6 +9,9 @@ only what the math needs:
                     no cross-shard traffic at all.
   swa_attention     |i - j| <= window: each shard receives ``window`` key/value rows from each
                     neighbour (two ``ppermute`` halo exchanges), then attends locally.
+  softmax_attention the softmax kernels (pallas / cudnn), full or banded: the same halo exchange
+                    for the band (the kernel's ``q_offset`` / ``kv_start`` place the local
+                    queries among the haloed keys); full attention all-gathers k and v.
   gdpa              ``shard="q"`` (PFFN: sequence queries against per-example K/V rows):
                     purely local. ``shard="kv"`` (HSP: seed queries over the sequence keys):
                     local partial sums of ``out_scale * sum_j act(q.k_j) v_j`` and a ``psum``.
@@ -19,6 +22,7 @@ Lengths are global: rows at or beyond ``lengths[b]`` output zeros and such keys 
 
 from __future__ import annotations
 
+import functools
 import math
 
 import flax.linen as nn
@@ -153,6 +157,57 @@ def swa_attention(q, k, v, lengths, window: int, *, activation="softmax", out_sc
 
   return jax.shard_map(local, in_specs=(spec, spec, spec, P(spec[0])), out_specs=spec,
                        check_vma=False)(q, k, v, jnp.asarray(lengths, jnp.int32))
+
+
+# ---- softmax attention through a kernel backend ----------------------------------------------
+
+def softmax_attention(q, k, v, lengths, window=None, *, backend="pallas"):
+  """``pallas_kernels.softmax_attention`` (self-attention: ``lengths`` for queries and keys) per
+  shard, for kernel backends (XLA cannot partition a custom call).
+
+  ``q, k, v [B, T, H, D]``; ``window`` None (full) or the band ``|i - j| <= window``. Batch and
+  heads split as the rules say. With ``seq`` over ``n`` context shards: banded, each shard gets
+  ``window`` halo rows of k and v from each neighbour (``ppermute``) and calls the kernel on its
+  ``T/n`` queries against ``T/n + 2 window`` keys (``q_offset = window``; ``kv_start`` masks the
+  missing halo of the first shard; cuDNN takes neither, so this case runs "pallas"); full, k and
+  v are all-gathered. Rows at or beyond ``lengths`` are zero.
+  """
+  lengths = jnp.asarray(lengths, jnp.int32)
+  call = functools.partial(pallas_kernels.softmax_attention, window=window, backend=backend)
+  plan = _plan(q)
+  if plan is None:
+    return call(q, k, v, q_lengths=lengths, kv_lengths=lengths)
+  mesh, spec, cax = plan
+  T = q.shape[1]
+  n = math.prod(mesh.shape[a] for a in cax)
+  W = window or 0
+  if n > 1 and window is not None and (T % n or T // n < W):
+    raise ValueError(f"softmax_attention: {n} context shards of T={T} need T divisible by {n} "
+                     f"and T/{n} >= window={W}")
+
+  if n > 1 and window is not None and backend == "cudnn":
+    call = functools.partial(call, backend="pallas")   # cuDNN takes no q_offset / kv_start
+
+  def local(q, k, v, lengths):
+    c, n_ = _ctx_index(cax)
+    Tl = q.shape[1]
+    q_len = jnp.clip(lengths - c * Tl, 0, Tl)
+    if n_ == 1:
+      return call(q, k, v, q_lengths=q_len, kv_lengths=q_len)
+    if window is None:                               # full: every key of the sequence
+      kg, vg = (jax.lax.all_gather(x, cax, axis=1, tiled=True) for x in (k, v))
+      return call(q, kg, vg, q_lengths=q_len, kv_lengths=lengths)
+    if W:
+      right = [(i, i + 1) for i in range(n_ - 1)]
+      left = [(i + 1, i) for i in range(n_ - 1)]
+      k, v = (jnp.concatenate([jax.lax.ppermute(x[:, Tl - W:], cax, right), x,
+                               jax.lax.ppermute(x[:, :W], cax, left)], axis=1) for x in (k, v))
+    kv_start = jnp.broadcast_to(jnp.maximum(W - c * Tl, 0), lengths.shape).astype(jnp.int32)
+    kv_len = jnp.clip(lengths - c * Tl + W, 0, Tl + 2 * W)
+    return call(q, k, v, q_lengths=q_len, kv_lengths=kv_len, kv_start=kv_start, q_offset=W)
+
+  return jax.shard_map(local, in_specs=(spec, spec, spec, P(spec[0])), out_specs=spec,
+                       check_vma=False)(q, k, v, lengths)
 
 
 # ---- block attention -------------------------------------------------------------------------

@@ -12,7 +12,7 @@ exposure logs have the same header). One example per impression:
 * surfaces: the app tab of the impression (``tab<k>``); tabs with fewer than
   ``--min_surface_rows`` impressions are pooled into ``tab_other``;
 * tasks: ``click``, ``like``, ``follow`` (is_click, is_like, is_follow; every impression labelled);
-* streams (``data.history``, from the same user's impressions **strictly earlier** in time, whole
+* streams (``--history``, from the same user's impressions **strictly earlier** in time, whole
   seconds): ``click`` = clicked videos, ``impression`` = all impressions; each event carries its
   tab as surface and click | like << 1 | follow << 2 as action;
 * features known at request time: user and video ids, hour of day, is_rand (random exposure),

@@ -12,7 +12,7 @@ Formats (recognised by name, then by the first line)::
     ratings.csv     ml-latest*, ml-20m / 25m / 32m   header userId,movieId,rating,timestamp
 
 One example per rating (user u, movie m, time t); label ``click`` = rating >= ``--positive``
-(default 4). Built by ``data.ingest`` in flat-log mode (``data.history``): stream ``liked`` = u's
+(default 4). Built by ``data.ingest`` in flat-log mode (``--history``): stream ``liked`` = u's
 earlier ratings >= positive, stream ``rated`` = all of u's earlier ratings, each event's action =
 2 x its rating (half stars of ml-latest stay distinct), all **strictly earlier** than t (ratings of
 the same second are not in each other's history); dense features = earlier rating count and

@@ -25,6 +25,10 @@ Damage (issue 15):
   verified.
 * Errors are one line (no TensorStore spec dumps).
 
+The optimizer state is stored in its per-leaf layout (``kunlun.train.optim.to_per_leaf``; the
+flat AdamW buffers are mesh-dependent) and converted back on restore, so a checkpoint restores
+onto another mesh, and those written before the flat optimizer restore as they are.
+
 Readers and a full disk (issue 20):
 * A read-only ``Checkpointer`` (eval.py, the exports) lists the committed steps from the
   directory each time it is asked, never from a list cached at open (orbax 0.12.8's read-only
@@ -55,6 +59,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from data import elastic
+from kunlun.train import optim
 from kunlun.train.runtime import FatalError
 
 ITEMS = ("params", "opt_state", "meta", "data_iter")
@@ -286,6 +291,7 @@ class Checkpointer:
       if self._committed(step):
         return
       self.move_aside(step, "uncommitted")
+    opt_state = optim.to_per_leaf(opt_state, params)     # the mesh-independent stored layout
     meta = {"step": int(step), "rng": np.asarray(jax.random.key_data(rng)).tolist(),
             "digest": {"params": tree_digest(params), "opt_state": tree_digest(opt_state)}}
     if isinstance(data_iter, elastic.BatchIterator):
@@ -369,14 +375,18 @@ class Checkpointer:
     grain iterator) is moved to the saved position in place. Content is checked against the
     saved checksums; the step returned is the one saved in meta."""
     step = self._check_step(step, ITEMS)
+    flat = optim.is_flat(abstract_opt_state)          # stored per leaf (optim.to_per_leaf)
+    stored = optim.per_leaf_abstract(abstract_params) if flat else abstract_opt_state
     r = self._restore(step, params=ocp.args.StandardRestore(abstract_params),
-                      opt_state=ocp.args.StandardRestore(abstract_opt_state),
+                      opt_state=ocp.args.StandardRestore(stored),
                       meta=ocp.args.JsonRestore(),
                       data_iter=elastic.CheckpointRestore(data_iter))
     extra = {"data_iter": data_iter} if isinstance(data_iter, elastic.BatchIterator) else {}
     self._verify(step, r.meta, params=r.params, opt_state=r.opt_state, **extra)
     rng = jax.random.wrap_key_data(np.asarray(r.meta["rng"], np.uint32))
-    return self._saved_step(step, r.meta), r.params, r.opt_state, rng
+    opt_state = (optim.from_per_leaf(r.opt_state, abstract_params, abstract_opt_state) if flat
+                 else r.opt_state)
+    return self._saved_step(step, r.meta), r.params, opt_state, rng
 
   def restore_latest(self, abstract_params, abstract_opt_state, data_iter, *,
                      strict: bool = False):

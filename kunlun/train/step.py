@@ -59,6 +59,9 @@ def make_train_step(model, tx, task_weights=None, *, sparse_update=None, param_s
                      "(config.train.sparse_embedding_update = False)")
   constrain = sparse_constrain = lambda g: g
   if param_shardings is not None:
+    for opt in (tx, sparse_update):              # the flat optimizer groups leaves by sharding
+      if hasattr(opt, "bind"):
+        opt.bind(param_shardings)
     constrain = lambda g: jax.lax.with_sharding_constraint(g, param_shardings)
     by_key = {jax.tree_util.keystr(k): v
               for k, v in jax.tree_util.tree_leaves_with_path(param_shardings)}
@@ -86,16 +89,22 @@ def make_train_step(model, tx, task_weights=None, *, sparse_update=None, param_s
       loss, per_task, grads, (loss_sum, pos_sum, count) = _accumulated_grads(
           model, params, batch, mask, rngs, task_weights, microbatches, constrain)
     with jax.named_scope("optimizer"):
-      grad_norm = optax.tree.norm(grads)
+      if hasattr(tx, "prepare"):                 # optim.Optimizer: norms once, flat buffers
+        prep = tx.prepare(grads, params)
+        grad_norm = jnp.sqrt(prep.dense_sq + prep.emb_sq)
+        apply = lambda p, o, g, prep: tx.updates(prep, g, o, p)
+      else:                                      # any optax transformation
+        prep, grad_norm = None, optax.tree.norm(grads)
+        apply = lambda p, o, g, _: tx.update(g, o, p)
       ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
 
       def update(state):
-        p, o, g = state
-        updates, new_o = tx.update(g, o, p)
+        p, o, g, pr = state
+        updates, new_o = apply(p, o, g, pr)
         return optax.apply_updates(p, updates), new_o
 
       new_params, new_opt = jax.lax.cond(ok, update, lambda state: state[:2],
-                                         (params, opt_state, grads))
+                                         (params, opt_state, grads, prep))
     stats = {"loss": loss, "per_task": per_task, "grad_norm": grad_norm, "ok": ok,
              "loss_sum": loss_sum, "pos_sum": pos_sum, "count": count}
     return new_params, new_opt, stats
@@ -204,10 +213,14 @@ def _sparse_train_step(model, sparse_update, task_weights, params, opt_state, ba
   ids, g_taps = key_of(ids), key_of(g_taps)
   with jax.named_scope("optimizer"):
     rows = {GROUP_SEP.join(members): (ids[gk], g_taps[gk]) for gk, members in groups.items()}
-    dense_sq = optax.tree.norm(grads, squared=True)
+    if hasattr(sparse_update, "prepare"):        # norms once, packed dense gradients
+      prep = sparse_update.prepare(params, grads)
+      dense_sq, extra = prep.dense_sq + prep.emb_sq, {"prepared": prep}
+    else:
+      dense_sq, extra = optax.tree.norm(grads, squared=True), {}
     rows_finite = jnp.all(jnp.asarray([jnp.all(jnp.isfinite(g)) for g in g_taps.values()]))
     ok = jnp.isfinite(loss) & jnp.isfinite(dense_sq) & rows_finite
-    new_params, new_opt, table_sq = sparse_update(params, opt_state, grads, rows, ok)
+    new_params, new_opt, table_sq = sparse_update(params, opt_state, grads, rows, ok, **extra)
     raw_sq = optax.tree.norm(g_taps, squared=True)
     grad_norm = jnp.sqrt(dense_sq + jnp.where(ok, table_sq, raw_sq))
   with jax.named_scope("loss"):

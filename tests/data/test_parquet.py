@@ -89,3 +89,55 @@ def test_parquet_column_errors(source, tmp_path, column, change, msg):
   with pytest.raises(ValueError, match=msg) as e:
     convert_parquet({"train": [path]}, str(tmp_path / "out"), schema)
   assert "bad.parquet" in str(e.value)
+
+
+@pytest.mark.parametrize("change", ["nan", "sparse_range", "sparse_long", "item_range",
+                                    "ts_late", "ts_order", "events_long", "neg_action",
+                                    "true_prob", "ok"])
+def test_column_checks_agree_with_record_checks(source, change):
+  """``check_columns`` (before encoding) flags the same row and field as the decoded-record
+  validator (``validate="records"``), for each kind of bad value."""
+  from data.parquet import table_to_records
+  schema, recs = source
+  recs = [r for r in recs if len(r["events/click"]) > 1][:12]
+  t = _table(recs, schema)
+  col = lambda name: t.column(name).to_pylist()
+  put = lambda name, v, typ: t.set_column(t.column_names.index(name), name, pa.array(v, typ))
+  L = pa.list_(pa.int32())
+  f = schema.sparse[0]
+  s = schema.stream("click")
+  if change == "nan":
+    v = col("dense.ad_bid"); v[4] = float("inf"); t = put("dense.ad_bid", v, pa.float64())
+  elif change == "sparse_range" and not f.hashed:
+    v = col(f"sparse.{f.name}"); v[5] = [f.vocab_size]; t = put(f"sparse.{f.name}", v,
+                                                                pa.list_(pa.int64()))
+  elif change == "sparse_long":
+    v = col(f"sparse.{f.name}"); v[2] = [0] * (f.max_len + 1)
+    t = put(f"sparse.{f.name}", v, pa.list_(pa.int64()))
+  elif change == "item_range":
+    v = col("events.click.item"); v[6][0] = s.item_vocab; t = put("events.click.item", v, L)
+  elif change == "ts_late":
+    v = col("events.click.ts"); v[3][-1] = col("request_ts")[3] + 1
+    t = put("events.click.ts", v, L)
+  elif change == "ts_order":
+    v = col("events.click.ts"); v[7][0], v[7][1] = v[7][1] + 1, v[7][0]
+    t = put("events.click.ts", v, L)
+  elif change == "events_long":
+    for c in records.event_columns(s):
+      v = col(f"events.click.{c}"); v[1] = v[1] * (s.max_len // len(v[1]) + 1)
+      t = put(f"events.click.{c}", v, L)
+  elif change == "neg_action":
+    v = col("events.click.action"); v[8][0] = -1; t = put("events.click.action", v, L)
+  elif change == "true_prob":
+    name = f"true_prob.{schema.tasks[0].name}"
+    v = col(name); v[9] = 1.5; t = put(name, v, pa.float32())
+  errs = []
+  for mode in ("columns", "records"):
+    try:
+      table_to_records(t, schema, "x.parquet", validate=mode)
+      errs.append(None)
+    except ValueError as e:
+      msg = str(e)
+      errs.append((msg.split(": invalid")[0], msg.split("field ")[1].split(":")[0]))
+  assert errs[0] == errs[1], errs
+  assert (errs[0] is None) == (change == "ok" or (change == "sparse_range" and f.hashed))

@@ -35,6 +35,7 @@ def schema(tmp_path_factory):
 # the model fields each variant may change (everything else must stay as in the base)
 CHANGED = {
     "pma": {"pooling"}, "sumkron_rank1": {"hsp_rank"}, "full_attention": {"attention.kind"},
+    "block_attention": {"attention.kind", "attention.block_size"},
     "no_compskip": {"comp_skip"}, "final_hsp": {"final_hsp"}, "kunlun_ablated": {"arch"},
     "mowe_experts": {"mowe.num_experts"},
 }

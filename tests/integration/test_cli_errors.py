@@ -85,6 +85,13 @@ def paths(tmp_path_factory):
            "inter": "bad.inter"}
   for k, text in f.items():
     (base / names[k]).write_text(text)
+  (base / "dupcol.csv").write_text("ts,user,item,clicked,user\n100,1,5,1,3\n200,2,6,0,4\n")
+  (base / "bigid.csv").write_text("ts,user,item,clicked\n100,9223372036854775808,5,1\n"
+                                  "200,2,6,0\n")
+  holder = base / "holder"                                # a dataset holding its own input
+  holder.mkdir()
+  (holder / "manifest.json").write_text("{}")
+  (holder / "log.csv").write_text(f["log"])
   badschema = base / "badschema"                          # a dataset whose schema.json is cut
   badschema.mkdir()
   (badschema / "schema.json").write_text('{"sparse": [')
@@ -97,18 +104,20 @@ def paths(tmp_path_factory):
   _edit_run_info(ck, str(base / "info_str"), lambda i: i["config"]["data"].update(batch_size="64"))
   locked = base / "locked"                                # held by another train.py
   locked.mkdir()
-  holder = subprocess.Popen([sys.executable, "-c", HOLD, str(locked)], cwd=ROOT,
+  locker = subprocess.Popen([sys.executable, "-c", HOLD, str(locked)], cwd=ROOT,
                             env=dict(os.environ, PYTHONPATH=ROOT), stdout=subprocess.PIPE,
                             text=True)
-  assert holder.stdout.readline().strip() == "held"
+  assert locker.stdout.readline().strip() == "held"
   yield {"data": data, "cut": cut, "shard": shard, "fresh": fresh, "old": str(old),
          "file": str(afile), "wd": str(base / "wd"), "missing": str(base / "missing"),
          "out": str(base / "ingest_out"), "badschema": str(badschema), "ck": ck,
-         "locked": str(locked), "holder_pid": str(holder.pid),
+         "dupcol": str(base / "dupcol.csv"), "bigid": str(base / "bigid.csv"),
+         "holder": str(holder), "held": str(holder / "log.csv"),
+         "locked": str(locked), "holder_pid": str(locker.pid),
          **{k: str(base / k) for k in ("info_null", "info_nomodel", "info_huge", "info_str")},
          **{k: str(base / v) for k, v in names.items()}}
-  holder.kill()
-  holder.wait(timeout=30)
+  locker.kill()
+  locker.wait(timeout=30)
 
 
 # (program, args, a substring the error line must contain); {name} -> paths[name]
@@ -225,6 +234,21 @@ CASES = [
     ("bench/real_data.py", ["--inter={missing}"], "--inter={missing}: no such file"),
     ("bench/real_data.py", ["--inter={log}"], "not a known MovieLens format"),
     ("bench/real_data.py", ["--inter={inter}", "--archs=lr"], "{inter}: line 2"),
+    ("-m data.ingest", ["--input={dupcol}", "--out={out}", "--yes",
+                        "--rename=request_ts=ts,user_id=user,ad_id=item,label.click=clicked"],
+     "column name(s) ['user'] appear more than once"),
+    ("-m data.ingest", ["--input={bigid}", "--out={out}", "--yes",
+                        "--rename=request_ts=ts,user_id=user,ad_id=item,label.click=clicked"],
+     "has integer ids outside the int64 range"),
+    ("-m data.ingest", ["--input={held}", "--out={holder}", "--yes", "--overwrite",
+                        "--rename=request_ts=ts,user_id=user,ad_id=item,label.click=clicked"],
+     "--out={holder} contains the input {held}"),
+    ("-m data.ingest", ["--input={log}", "--out={out}", "--runner=spark"],
+     "invalid choice: 'spark'"),
+    ("-m data.ingest", ["--input={log}", "--out={out}", "--workers=0"], "--workers=0 must be"),
+    ("-m data.ingest", ["--input={log}", "--out={out}", "--yes", "--runner=beam",
+                        "--rename=request_ts=ts,user_id=user,ad_id=item,label.click=clicked"],
+     "--runner beam needs apache-beam"),
 ]
 
 

@@ -181,3 +181,43 @@ def test_per_head_gdpa_activations_and_score_clip():
                          score_clip=clip)
       np.testing.assert_allclose(outs[clip], ref, rtol=2e-4, atol=2e-4, err_msg=kind)
     assert np.abs(outs[None] - outs[0.5]).max() > 1e-3, kind
+
+
+@pytest.mark.parametrize("kind,window,T", [("swa", 5, 53), ("full", 0, 21)])
+def test_softmax_kernel_backend_matches_xla(kind, window, T):
+  """SeqAttention's softmax through the Pallas kernel (interpret mode) equals the banded XLA
+  path, output and gradients (parameters and input), with ragged and empty examples."""
+  s, lengths, age = _setup(T=T, lengths=(T, T - 17, 0))
+  mods = {b: SeqAttention(4, kind, window=window, backend=b) for b in ("xla", "pallas")}
+  var = _init_perturbed(mods["xla"], s, lengths, age)
+
+  def run(m):
+    loss = lambda v, x: jnp.sum(jnp.sin(m.apply(v, x, lengths, age)))
+    return jax.jit(lambda v, x: (m.apply(v, x, lengths, age),
+                                 jax.grad(loss, argnums=(0, 1))(v, x)))(var, s)
+
+  (want, g_want), (got, g_got) = run(mods["xla"]), run(mods["pallas"])
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+  flat = lambda g: jax.tree.leaves(g)
+  for a, b in zip(flat(g_got), flat(g_want), strict=True):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=2e-5)
+  ref = np_attention(var["params"], s, lengths, age, kind, window)
+  np.testing.assert_allclose(np.asarray(got), ref, rtol=2e-4, atol=2e-4)
+
+
+def test_serving_request_rows_through_the_kernel():
+  """The shared serving path (spec d.6): attention on a request-level sequence runs once per
+  request (``rows.apply`` with ``PerRequest`` inputs); through the Pallas kernel it equals the
+  XLA attention on the ad rows (request rows gathered by ``request_index``)."""
+  from kunlun.serving import rows
+  s, lengths, age = _setup(B=2, T=53, lengths=(53, 30))
+  ri = np.array([1, 0, 1], np.int32)
+  ker, ref = (SeqAttention(4, "swa", window=5, backend=b) for b in ("pallas", "xla"))
+  var = _init_perturbed(ref, s, lengths, age)
+  per = rows.PerRequest
+  shared = jax.jit(lambda v: rows.apply(lambda *a: ker.apply(v, *a), ri, per(s), per(lengths),
+                                        per(age)))(var)
+  assert rows.is_shared(shared) and shared.value.shape == s.shape
+  ads = jax.jit(lambda v: ref.apply(v, s[ri], lengths[ri], age[ri]))(var)
+  np.testing.assert_allclose(np.asarray(rows.to_ads(shared, ri)), np.asarray(ads), rtol=1e-5,
+                             atol=1e-5)

@@ -127,6 +127,22 @@ def test_surface_weights():
       surface_weights(bad, s.surfaces, counts)
 
 
+@pytest.mark.parametrize("surfaces,counts", [
+    (("movielens",), {"movielens": 700}),                        # one surface
+    (("home", "search"), {"home": 700, "search": 0}),            # one surface with train records
+])
+def test_surface_weights_fallback_is_silent_on_one_surface(surfaces, counts):
+  """Any weighting trains one surface the same: the 'auto' fallback changes nothing, no note."""
+  c = tiny.get_config()                                          # feed/stories/reels defaults
+  w, notes = fit_surface_weights(c, _schema(surfaces=surfaces), counts)
+  assert notes == [] and c.data.surface_weights == "auto"
+  assert w == {s: float(counts[s]) for s in surfaces}
+  c.data.surface_weights = "home=1,search=0"                     # the user's own choice: noted
+  w, notes = fit_surface_weights(c, _schema(surfaces=("home", "search", "live")),
+                                 {"home": 700, "search": 0, "live": 5})
+  assert notes == ["surface(s) ['live'] have weight 0 in data.surface_weights: not trained on"]
+
+
 @pytest.fixture(scope="module")
 def ml_dir(tmp_path_factory):
   from data.public import movielens

@@ -108,3 +108,49 @@ def block_loop(q, k, v, block_size, activation="softmax", lengths=None, rotary=N
           p = NP_ACTS[act](s) / block_size
         out[b, i, h] = sum(p[n] * v[b, j, h] for n, j in enumerate(js))
   return out
+
+
+def softmax_loop(q, k, v, window=None, scale=None, q_lengths=None, kv_lengths=None,
+                 kv_start=None, q_offset=0, q_index=None, kv_index=None, do=None):
+  """Dense masked softmax attention in float64, and with ``do`` its gradients (dq, dk, dv by the
+  closed form dS = P (dO V^T - rowsum(dO O)), summed into shared rows).
+
+  Output row b reads q[q_index[b]] and k, v[kv_index[b]]; query i sits at key position
+  i + q_offset and sees keys j in [kv_start, kv_len) with |i + q_offset - j| <= window; rows at
+  or beyond q_len or without a key are zero. Returns ``o`` or ``(o, dq, dk, dv)``.
+  """
+  q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+  Tq, Hq, D = q.shape[1:]
+  Tk, Hkv = k.shape[1:3]
+  G = Hq // Hkv
+  B = len(q_index) if q_index is not None else len(kv_index) if kv_index is not None else len(k)
+  scale = D ** -0.5 if scale is None else scale
+  o = np.zeros((B, Tq, Hq, D))
+  dq, dk, dv = np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
+  for b in range(B):
+    qb = b if q_index is None else int(q_index[b])
+    kb = b if kv_index is None else int(kv_index[b])
+    ql = Tq if q_lengths is None else min(int(q_lengths[qb]), Tq)
+    kl = Tk if kv_lengths is None else min(int(kv_lengths[kb]), Tk)
+    k0 = 0 if kv_start is None else int(kv_start[kb])
+    for h in range(Hq):
+      hk = h // G
+      for i in range(ql):
+        js = [j for j in range(k0, kl) if window is None or abs(i + q_offset - j) <= window]
+        if not js:
+          continue
+        s = np.array([q[qb, i, h] @ k[kb, j, hk] for j in js]) * scale
+        p = np.exp(s - s.max())
+        p /= p.sum()
+        vs = np.stack([v[kb, j, hk] for j in js])
+        o[b, i, h] = p @ vs
+        if do is None:
+          continue
+        g = np.asarray(do[b, i, h], np.float64)
+        ds = p * (vs @ g - g @ o[b, i, h])
+        ks = np.stack([k[kb, j, hk] for j in js])
+        dq[qb, i, h] += scale * ds @ ks
+        for n, j in enumerate(js):
+          dk[kb, j, hk] += scale * ds[n] * q[qb, i, h]
+          dv[kb, j, hk] += p[n] * g
+  return o if do is None else (o, dq, dk, dv)

@@ -72,3 +72,19 @@ def test_tuning_lookup(tmp_path):
   assert tuning.lookup("triton", "fwd", key, jnp.float32, device_kind=None,
                        path=str(path)) == tuning.DEFAULTS_F32["fwd"]
   assert tuning.clamp_tile(128, 37) == 64 and tuning.clamp_tile(128, 3) == 16
+
+
+def test_softmax_attention_defaults_and_table():
+  """Softmax attention: banded -> pallas, full -> cudnn (16-bit, head_dim <= 128) without an
+  entry; a table entry wins, except cudnn for operands cuDNN cannot take; CPU -> xla."""
+  bf16, f32 = jnp.bfloat16, jnp.float32
+  sel = lambda **kw: _sel("softmax_attention", 512, 512, **{"dtype": bf16, "head_dim": 64, **kw})
+  assert sel(window=64) == "pallas"
+  assert sel() == "cudnn"
+  assert sel(dtype=f32) == "pallas" and sel(head_dim=256) == "pallas"
+  table = {"devices": {H200: {"softmax_attention": {
+      "swa": {"fwd": "cudnn", "fwd_bwd": "xla"}, "full": {"fwd_bwd": "cudnn"}}}}}
+  assert sel(window=64, table=table) == "xla"
+  assert sel(window=64, table=table, mode="fwd") == "cudnn"
+  assert sel(table=table, dtype=f32) == "pallas"              # cudnn entry, fp32 operands
+  assert sel(window=64, platform="cpu") == "xla"

@@ -43,3 +43,29 @@ def test_pallas_block_partial_block_on_gpu():
     out = pallas_block.block_attention_pallas(q, k, v, **kw)
     f32 = [x.astype(jnp.float32) for x in (q, k, v)]
     assert _rel(out, reference.block_attention_reference(*f32, **kw)) < 1e-2, act
+
+
+def _softmax_case(seed, dtype, B=2, T=300, H=4, D=64):
+  ks = jax.random.split(jax.random.key(seed), 3)
+  return tuple(jax.random.normal(kk, (B, T, H, D), dtype) for kk in ks)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["pallas", "cudnn"])
+@pytest.mark.parametrize("window", [64, None])
+def test_softmax_attention_on_gpu(backend, window):
+  """Pallas kernel and cuDNN (LSE merge of two left-window calls; full: padding lengths) in
+  bf16 against the fp32 XLA reference, output and gradients, ragged lengths."""
+  from pallas_kernels import api
+  q, k, v = _softmax_case(2, jnp.bfloat16)
+  kw = dict(window=window, q_lengths=np.array([300, 123], np.int32),
+            kv_lengths=np.array([300, 123], np.int32))
+  fn = lambda q, k, v: api.softmax_attention(q, k, v, backend=backend, **kw)
+  ref = lambda q, k, v: reference.softmax_attention_reference(q, k, v, **kw)
+  f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+  assert _rel(jax.jit(fn)(q, k, v), ref(*f32)) < 1e-2
+  loss = lambda f: (lambda q, k, v: jnp.sum(jnp.sin(f(q, k, v).astype(jnp.float32))))
+  got = jax.jit(jax.grad(loss(fn), (0, 1, 2)))(q, k, v)
+  want = jax.grad(loss(ref), (0, 1, 2))(*f32)
+  for name, g, r in zip("qkv", got, want, strict=True):
+    assert _rel(g, r) < 3e-2, name

@@ -1,4 +1,5 @@
-"""The Pallas kernels lower to Triton IR for an sm_90 (H100/H200) target, checked on CPU.
+"""The Pallas kernels lower to Triton IR for an sm_90 (H100/H200) target, checked on CPU (and the
+cuDNN softmax-attention backend's graph lowers for CUDA).
 
 Interpret mode does not exercise the Triton lowering, which supports fewer primitives (e.g. no
 ``lax.erf``, no bool->int adds). Lowering for ``cuda`` needs the GPU's compute capability, so the
@@ -76,3 +77,48 @@ def test_kernel_gelu_matches_exact():
   exact = activations.ACTIVATIONS["gelu"]
   np.testing.assert_allclose(val, exact(x), atol=1e-6)
   np.testing.assert_allclose(slope, jax.vmap(jax.grad(exact))(x), atol=1e-6)
+
+
+@pytest.mark.parametrize("kw", [
+    dict(window=64, q_lengths=jnp.array([3, 100]), kv_lengths=jnp.array([100, 40])),
+    dict(q_lengths=jnp.array([0, 100]), kv_lengths=jnp.array([100, 0])),
+    dict(window=8, q_index=jnp.array([1, 0, 1]), kv_index=jnp.array([0, 0, 1]),
+         kv_start=jnp.array([2, 0]), q_offset=8),
+], ids=["band", "full", "shared_halo"])
+def test_softmax_attention_forward_and_backward_lower(sm90, kw):
+  from pallas_kernels import pallas_softmax
+  assert _n_triton_calls(_loss(pallas_softmax.softmax_attention_pallas, **kw),
+                         BF16, BF16, BF16) == 3                           # fwd, dq, dk/dv
+  f32 = jax.ShapeDtypeStruct(BF16.shape, jnp.float32)
+  assert _n_triton_calls(_loss(pallas_softmax.softmax_attention_pallas, **kw), f32, f32,
+                         f32) == 3
+
+
+@pytest.fixture
+def cudnn_sm90(monkeypatch):
+  """jax's cuDNN attention checks the installed cuDNN and the device before lowering: stub
+  them (private hooks of the pinned jax 0.11.2) to lower the cuDNN graph on CPU."""
+  from jax._src.cudnn import fused_attention_stablehlo as fa
+  monkeypatch.setattr(fa, "check_cudnn_version", lambda: 91000)
+  monkeypatch.setattr(fa, "check_compute_capability", lambda c: True)
+  monkeypatch.setattr(fa, "is_cuda_compute_capability_equal", lambda c: False)
+
+
+@pytest.mark.parametrize("window", [64, None])
+def test_cudnn_softmax_attention_lowers_for_cuda(cudnn_sm90, window):
+  """The cuDNN backend's graph (forward with fp32 statistics, the backward primitive bound with
+  the merged o / lse) builds and lowers for CUDA: 2 forward and 2 backward cuDNN calls for the
+  band, 1 + 1 for full attention. Numerics need a GPU (test_pallas_gpu.py)."""
+  from pallas_kernels import cudnn_softmax
+  x = jax.ShapeDtypeStruct((2, 256, 4, 64), jnp.bfloat16)
+  n = jax.ShapeDtypeStruct((2,), jnp.int32)
+  if window is None:
+    fn = lambda q, k, v, n: cudnn_softmax._full(q, k, v, n, n, 0.125, False)
+  else:
+    cfg = cudnn_softmax._Cfg(window, 0.125, False)
+    fn = lambda q, k, v, n: cudnn_softmax._band(cfg, q, k, v, n, n)
+  f = jax.grad(lambda q, k, v, n: jnp.sum(fn(q, k, v, n).astype(jnp.float32)), (0, 1, 2))
+  text = jax.jit(f).trace(x, x, x, n).lower(lowering_platforms=("cuda",)).as_text()
+  calls = 2 if window is not None else 1
+  assert text.count("@__cudnn$fmhaSoftmaxBackward(") == calls
+  assert text.count("@__cudnn$fmhaSoftmax(") == calls

@@ -1,7 +1,8 @@
 """Kernel backends inside the model's modules run per shard under sharded meshes.
 
-PFFN (sequence as GDPA query), HSP (sequence as GDPA keys, partial sums + psum) and block
-attention with ``backend="pallas"`` (interpret mode on CPU) under a mesh that splits batch, heads
+PFFN (sequence as GDPA query), HSP (sequence as GDPA keys, partial sums + psum), block
+attention and softmax attention (banded with a halo exchange; full with k/v all-gathered) with
+``backend="pallas"`` (interpret mode on CPU) under a mesh that splits batch, heads
 and the sequence (``5d`` rules: fsdp x tensor x context) must equal the unsharded XLA reference
 modules, forward and gradient.
 """
@@ -37,6 +38,11 @@ CASES = {
             lambda m, p, s: m.apply(p, s, LENGTHS)),
     "block": (lambda be: SeqAttention(H, kind="block", block_size=8, backend=be),
               lambda m, p, s: m.apply(p, s, LENGTHS, AGE)),
+    # softmax kernel: banded (halo exchange, q_offset / kv_start) and full (k, v all-gathered)
+    "swa": (lambda be: SeqAttention(H, kind="swa", window=4, backend=be),
+            lambda m, p, s: m.apply(p, s, LENGTHS, AGE)),
+    "full": (lambda be: SeqAttention(H, kind="full", backend=be),
+             lambda m, p, s: m.apply(p, s, LENGTHS, AGE)),
 }
 
 
@@ -62,3 +68,7 @@ def test_pallas_module_under_5d_mesh_equals_xla_unsharded(name):
   np.testing.assert_allclose(np.asarray(got_g), np.asarray(want_g), rtol=2e-3, atol=2e-3)
   if name == "hsp":                     # keys split over context: partial sums are all-reduced
     assert "all-reduce" in hlo
+  if name == "swa":                     # halo rows from the neighbouring context shard
+    assert "collective-permute" in hlo
+  if name == "full":
+    assert "all-gather" in hlo

@@ -1,5 +1,6 @@
 """Optimizer against numpy re-implementations of AdamW and row-wise Adagrad."""
 
+import grain
 import jax
 import jax.numpy as jnp
 import ml_collections
@@ -156,3 +157,190 @@ def test_sparse_update_matches_dense_optimizer_and_numpy(jit, grouped):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   with pytest.raises(ValueError, match="no gradient"):
     optim.make_sparse_update(cfg, 100)(p_sparse, s_sparse, {}, rows, jnp.asarray(True))
+
+
+# ---- the flat (multi-tensor) AdamW ------------------------------------------------------------
+
+import optax  # noqa: E402
+from jax.sharding import AxisType, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+from kunlun.train import checkpoint, flat  # noqa: E402
+
+
+def _mixed_params(seed=0):
+  """Leaves of 0 to 3 dimensions (decayed: ndim >= 2) and two embedding tables."""
+  rng = np.random.default_rng(seed)
+  a = lambda *s: jnp.asarray(rng.normal(size=s), jnp.float32)
+  return {"blk": {"kernel": a(8, 4), "bias": a(4), "w3": a(2, 4, 8), "scale": a()},
+          "out": {"kernel": a(4, 8), "bias": a(8)},
+          "SparseEmbed_0": {"ad_embedding": a(16, 4), "u_embedding": a(8, 2)}}
+
+
+def _optax_reference(cfg, total):
+  """Plain optax, leaf by leaf: clip + AdamW (decay on ndim >= 2) on dense leaves; the row-wise
+  Adagrad in numpy."""
+  sched = optax.join_schedules([optax.linear_schedule(0.0, cfg.lr, cfg.warmup_steps),
+                                optax.constant_schedule(cfg.lr)], [cfg.warmup_steps])
+  return optax.chain(optax.clip_by_global_norm(cfg.clip_norm),
+                     optax.adamw(sched, b1=cfg.b1, b2=cfg.b2, eps=1e-8,
+                                 weight_decay=cfg.weight_decay,
+                                 mask=lambda p: jax.tree.map(lambda x: x.ndim >= 2, p)))
+
+
+def test_flat_adamw_matches_optax_leafwise():
+  """Five steps (clipping on in some, off in others): params, moments and accumulators equal
+  plain optax / numpy leaf by leaf. Only the global norm is a reassociated sum: rtol 2e-6."""
+  cfg = _cfg(clip_norm=3.0)
+  tx = optim.make_optimizer(cfg, 100)
+  ref_tx = _optax_reference(cfg, 100)
+  params = _mixed_params()
+  dense = lambda t: {k: v for k, v in t.items() if k != "SparseEmbed_0"}
+  state, ref_p, ref_s = tx.init(params), dense(params), ref_tx.init(dense(params))
+  emb = {n: [np.asarray(v, np.float64), np.zeros(v.shape[0])]
+         for n, v in params["SparseEmbed_0"].items()}
+  rng = np.random.default_rng(1)
+  update, ref_update = jax.jit(tx.update), jax.jit(ref_tx.update)
+  for t in range(5):
+    scale = 5.0 if t % 2 else 0.01                       # clipped / not clipped
+    grads = jax.tree.map(lambda x, s=scale: jnp.asarray(rng.normal(size=x.shape) * s, jnp.float32),
+                         params)
+    upd, state = update(grads, state, params)
+    params = optax.apply_updates(params, upd)
+    u, ref_s = ref_update(dense(grads), ref_s, ref_p)
+    ref_p = optax.apply_updates(ref_p, u)
+    for n, (tab, acc) in emb.items():
+      g = np.asarray(grads["SparseEmbed_0"][n], np.float64)
+      acc += (g ** 2).mean(1)
+      tab -= 0.05 * g / (np.sqrt(acc)[:, None] + 1e-8)
+  for a, b in zip(jax.tree.leaves(dense(params)), jax.tree.leaves(ref_p), strict=True):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-6, atol=1e-7)
+  per_leaf = optim.to_per_leaf(state, params)
+  adam = per_leaf.inner_states["dense"].inner_state[1][0]
+  assert int(adam.count) == int(ref_s[1][0].count) == 5
+  for a, b in zip(jax.tree.leaves(adam.mu) + jax.tree.leaves(adam.nu),
+                  jax.tree.leaves(ref_s[1][0].mu) + jax.tree.leaves(ref_s[1][0].nu), strict=True):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-6, atol=1e-9)
+  acc = state.inner_states["emb"].inner_state.acc["SparseEmbed_0"]
+  for n, (tab, a) in emb.items():
+    np.testing.assert_allclose(np.asarray(params["SparseEmbed_0"][n]), tab, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(acc[n]), a, rtol=1e-5)
+  # the step's norms: squared sums of the dense and the "emb" gradients, once
+  prep = tx.prepare(grads, params)
+  want = lambda ks: sum(float(np.sum(np.asarray(v, np.float64) ** 2)) for k, v in
+                        jax.tree_util.tree_leaves_with_path(grads)
+                        if ("embedding" in jax.tree_util.keystr(k)) == ks)
+  np.testing.assert_allclose([float(prep.dense_sq), float(prep.emb_sq)], [want(False), want(True)],
+                             rtol=1e-5)
+
+
+def _mesh(shape, names):
+  return jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(shape))
+
+
+SPECS = {"blk": {"kernel": P("fsdp", "tensor"), "bias": P("tensor"), "w3": P(None, "fsdp"),
+                 "scale": P()},
+         "out": {"kernel": P(None, ("fsdp", "tensor")), "bias": P()},
+         "SparseEmbed_0": {"ad_embedding": P(("fsdp", "tensor"), None), "u_embedding": P()}}
+
+
+def test_flat_layout_keeps_shards_local_and_matches_one_device():
+  """fsdp=4 x tensor=2: the flat buffers hold each device's own shards (grouped by the mesh axes
+  that shard a leaf), the update moves no parameter data between devices (only scalar norm
+  all-reduces) and equals the single-device update (norm sums reassociated: rtol 2e-6)."""
+  mesh = _mesh((4, 2), ("fsdp", "tensor"))
+  params0 = _mixed_params(3)
+  shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), SPECS,
+                           is_leaf=lambda x: isinstance(x, P))
+  params = jax.device_put(params0, shardings)
+  cfg = _cfg()
+  tx = optim.make_optimizer(cfg, 100)
+  o_sh = optim.opt_state_shardings(tx, checkpoint.abstract_like(params), shardings, mesh)
+  state = jax.jit(tx.init, out_shardings=o_sh)(params)
+  layout, _ = tx.layout(params)
+  groups = {g.axes: g for g in layout.groups}
+  # fsdp x tensor (kernel [8, 4] on both dims; out kernel [4, 8] on dim 1), tensor (bias),
+  # fsdp (w3 dim 1), unsharded (scale, bias)
+  assert set(groups) == {(("fsdp",), ("tensor",)), (("fsdp", "tensor"),), (("tensor",),),
+                         (("fsdp",),), ()}
+  both = groups[(("fsdp",), ("tensor",))]
+  assert both.shape == (4, 2, 4) and [m.shape for m in both.members] == [(8, 4)]
+  mu = state.inner_states["dense"].inner_state.mu[layout.groups.index(both)]
+  assert mu.sharding.shard_shape(mu.shape) == (1, 1, 4)
+  grads = jax.tree.map(lambda x: x * 0.7 + 0.1, params)
+  update = jax.jit(lambda g, s, p: tx.update(g, s, p), out_shardings=(shardings, o_sh))
+  hlo = update.lower(grads, state, params).compile().as_text()
+  assert not any(op in hlo for op in ("all-gather", "all-to-all", "collective-permute")), hlo
+  for line in hlo.splitlines():
+    if "all-reduce(" in line:
+      assert " f32[] all-reduce(" in line or "(f32[], f32[]" in line, line
+  upd, state = update(grads, state, params)
+  # single device, no shardings
+  tx1 = optim.make_optimizer(cfg, 100)
+  p1 = jax.tree.map(jnp.asarray, params0)
+  u1, _ = jax.jit(tx1.update)(jax.tree.map(lambda x: x * 0.7 + 0.1, p1), tx1.init(p1), p1)
+  for a, b, s in zip(jax.tree.leaves(upd), jax.tree.leaves(u1), jax.tree.leaves(shardings),
+                     strict=True):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-6, atol=1e-9)
+    assert a.sharding.is_equivalent_to(s, a.ndim)
+  with pytest.raises(ValueError, match="bind"):
+    tx.bind(jax.tree.map(lambda x: NamedSharding(mesh, P()), shardings))
+
+
+def test_pack_unpack_round_trip_of_local_blocks():
+  """``flat.Layout``: pack then unpack gives every leaf back bitwise, for any sharded dims."""
+  mesh = _mesh((4, 2), ("fsdp", "tensor"))
+  params = _mixed_params(5)
+  sh = jax.tree.leaves(jax.tree.map(lambda s: NamedSharding(mesh, s), SPECS,
+                                    is_leaf=lambda x: isinstance(x, P)))
+  leaves = jax.tree.leaves(params)
+  layout = flat.Layout.build([(x.shape, x.dtype) for x in leaves], sh)
+  bufs = layout.pack(leaves)
+  got = {m.index: layout.unpack(b, m) for g, b in zip(layout.groups, bufs, strict=True)
+         for m in g.members}
+  assert sorted(got) == list(range(len(leaves)))
+  for i, x in enumerate(leaves):
+    np.testing.assert_array_equal(np.asarray(got[i]), np.asarray(x))
+
+
+def test_checkpoint_of_the_per_leaf_optimizer_restores_into_the_flat_one(tmp_path):
+  """A checkpoint written by the old code path (the per-leaf optax state, built here with plain
+  optax) restores with the flat optimizer's abstract state; the next update then equals the old
+  optimizer's next update."""
+  mesh = _mesh((8,), ("fsdp",))
+  specs = {"blk": {"kernel": P("fsdp", None), "bias": P(), "w3": P(None, None, "fsdp"),
+                   "scale": P()},
+           "out": {"kernel": P(None, "fsdp"), "bias": P("fsdp")},
+           "SparseEmbed_0": {"ad_embedding": P("fsdp", None), "u_embedding": P("fsdp", None)}}
+  shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
+                           is_leaf=lambda x: isinstance(x, P))
+  params = jax.device_put(_mixed_params(7), shardings)
+  cfg = _cfg()
+  old = optax.partition({"dense": _optax_reference(cfg, 100),
+                         "emb": optim.rowwise_adagrad(cfg.emb_lr)}, optim.param_labels)
+  old_update = jax.jit(old.update)
+  old_state = jax.jit(old.init)(params)
+  g1 = jax.tree.map(lambda x: x * 0.3 - 0.2, params)
+  u, old_state = old_update(g1, old_state, params)
+  params = optax.apply_updates(params, u)
+  it = iter(grain.MapDataset.range(10).to_iter_dataset())
+  ck = checkpoint.Checkpointer(str(tmp_path / "ck"))
+  ck.save(1, params, old_state, jax.random.key(0), it)
+  ck.close()
+
+  tx = optim.make_optimizer(cfg, 100)
+  o_sh = optim.opt_state_shardings(tx, checkpoint.abstract_like(params), shardings, mesh)
+  new_abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                              jax.eval_shape(tx.init, params), o_sh)
+  ck = checkpoint.Checkpointer(str(tmp_path / "ck"))
+  step, p, state, _ = ck.restore(checkpoint.abstract_like(params), new_abstract,
+                                 iter(grain.MapDataset.range(10).to_iter_dataset()))
+  ck.close()
+  assert step == 1 and optim.is_flat(state)
+  for a, s in zip(jax.tree.leaves(state), jax.tree.leaves(o_sh), strict=True):
+    assert a.sharding.is_equivalent_to(s, a.ndim)
+  g2 = jax.tree.map(lambda x: x * -0.5 + 0.05, params)
+  u_new, _ = jax.jit(tx.update)(g2, state, p)
+  u_old, _ = old_update(g2, old_state, params)
+  for a, b in zip(jax.tree.leaves(u_new), jax.tree.leaves(u_old), strict=True):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-6, atol=1e-9)

@@ -10,7 +10,7 @@ import pytest
 from kunlun.configs import tiny
 from kunlun.train import runtime, settings
 
-PRESETS = ("tiny", "dev", "mid", "large", "vm_tiny", "vm_dev")
+PRESETS = ("tiny", "demo", "dev", "mid", "large", "vm_tiny", "vm_dev")
 
 
 def _walk(x, path=""):
