@@ -16,7 +16,6 @@ The config and data directory recorded by train.py in --workdir are used unless 
 
 from __future__ import annotations
 
-import json
 import os
 
 from absl import app, flags
@@ -59,8 +58,9 @@ def write_predictions(path: str, arrays: dict, surfaces, tasks) -> None:
                                   mask=np.asarray(arrays["label_mask"][:, k]) == 0)
   for k, t in enumerate(tasks):
     cols[f"prob.{t}"] = pa.array(np.asarray(arrays["prob"][:, k], np.float32))
-  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-  pq.write_table(pa.table(cols), path)
+  from kunlun.train import atomic
+  with atomic.target(path) as tmp:          # a killed write leaves no partial file at ``path``
+    pq.write_table(pa.table(cols), tmp)
 
 
 def format_table(result: dict) -> str:
@@ -85,6 +85,8 @@ def calibration_plots(arrays: dict, surfaces, tasks, plots_dir: str, bins: int =
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
   import numpy as np
+
+  from kunlun.train import atomic
   os.makedirs(plots_dir, exist_ok=True)
   paths = []
   for k, task in enumerate(tasks):
@@ -104,7 +106,8 @@ def calibration_plots(arrays: dict, surfaces, tasks, plots_dir: str, bins: int =
     ax.set(xlabel="mean prediction", ylabel="observed rate", title=f"calibration: {task}")
     ax.legend(fontsize=8)
     path = os.path.join(plots_dir, f"calibration_{task}.png")
-    fig.savefig(path, dpi=100, bbox_inches="tight")
+    with atomic.target(path) as tmp:
+      fig.savefig(tmp, format="png", dpi=100, bbox_inches="tight")
     plt.close(fig)
     paths.append(path)
   return paths
@@ -120,7 +123,13 @@ def evaluate(argv):
 
   runtime.enable_compilation_cache(FLAGS.compilation_cache)
   workdir = os.path.abspath(FLAGS.workdir)
-  from kunlun.train import checkpoint
+  from kunlun.train import checkpoint, settings
+  try:
+    settings.check_flag("batch_size", FLAGS.batch_size, 1,
+                        "an integer >= 1 (leave it out for config.data.eval_batch_size)")
+    settings.check_flag("step", FLAGS.step, 0)
+  except settings.SettingsError as e:
+    runtime.fail(str(e))
   if FLAGS.best and FLAGS.step is not None:
     runtime.fail("give --step or --best, not both")
   if FLAGS.best and not os.path.isdir(os.path.join(workdir, "best")):
@@ -135,6 +144,12 @@ def evaluate(argv):
     runtime.fail(f"--workdir={workdir}: {e}")
   if FLAGS.step is not None and FLAGS.step not in ckpt.all_steps():
     runtime.fail(f"--step={FLAGS.step}: no such checkpoint; available {ckpt.all_steps()}")
+  out = os.path.abspath(FLAGS.out or os.path.join(workdir, "metrics.json"))
+  runtime.check_output(out, "--out" if FLAGS.out else "--out (default)")   # before evaluating
+  if FLAGS.predictions:
+    runtime.check_output(FLAGS.predictions, "--predictions")
+  if FLAGS.plots_dir:
+    runtime.check_output(os.path.join(FLAGS.plots_dir, "calibration.png"), "--plots_dir")
 
   config, saved_data_dir = runtime.run_config(workdir, FLAGS.config, FLAGS.trust_workdir)
   data_dir = FLAGS.data_dir or saved_data_dir
@@ -197,21 +212,26 @@ def evaluate(argv):
             "ne_normalisation": NE_NORMALISATION,
             "metrics": per_surface, "overall": overall}
   if jax.process_index() == 0:
-    out = FLAGS.out or os.path.join(workdir, "metrics.json")
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    with open(out, "w") as f:
-      json.dump(result, f, indent=1)
     print(f"step {step}, split {FLAGS.split!r}, {acc.examples} examples, mesh "
           f"{dict(mesh.shape)}")
     print(format_table(result))
+    # every output is written atomically, metrics.json last: a metrics.json at --out means the
+    # predictions and plots asked for are complete too
+    from kunlun.train import atomic
+    try:
+      if FLAGS.predictions:
+        arrays = {**acc.arrays(), **{k: np.concatenate(v) for k, v in keys.items()}}
+        write_predictions(FLAGS.predictions, arrays, schema.surfaces, schema.task_names)
+        print(f"wrote {FLAGS.predictions} ({acc.examples} examples)")
+      if FLAGS.plots_dir:
+        for p in calibration_plots(acc.arrays(), schema.surfaces, schema.task_names,
+                                   FLAGS.plots_dir):
+          print(f"wrote {p}")
+      atomic.write_json(out, result)
+    except OSError as e:
+      runtime.fail(f"cannot write {e.filename or out} ({e.strerror or e}); nothing partial was "
+                   "left at the output paths")
     print(f"wrote {out}")
-    if FLAGS.predictions:
-      arrays = {**acc.arrays(), **{k: np.concatenate(v) for k, v in keys.items()}}
-      write_predictions(FLAGS.predictions, arrays, schema.surfaces, schema.task_names)
-      print(f"wrote {FLAGS.predictions} ({acc.examples} examples)")
-    if FLAGS.plots_dir:
-      for p in calibration_plots(acc.arrays(), schema.surfaces, schema.task_names, FLAGS.plots_dir):
-        print(f"wrote {p}")
   ckpt.close()
   return result
 

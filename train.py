@@ -4,13 +4,18 @@
   python train.py --config=kunlun/configs/dev.py --config.train.lr=1e-3 \
       --workdir=runs/dev --mesh=data=1,fsdp=-1 --data_dir=/data/dev --profile_steps=20:25
 
-SIGTERM / SIGINT finish the current step, save a checkpoint and exit 0.
+  python train.py --show_config [--config=...] [--config.a.b=value]   # every field, described
+
+SIGTERM / SIGINT finish the current step, save a checkpoint and exit 0. Settings are checked
+before any data is read (kunlun/train/settings.py); the workdir is locked against a second
+train.py (kunlun/train/lock.py); a full disk stops the run with the newest good checkpoint kept.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import sys
 
 from absl import app, flags
 
@@ -19,8 +24,10 @@ from kunlun.train import flags as runtime_flags
 _HERE = os.path.dirname(os.path.abspath(__file__))
 runtime_flags.define_config("train.py", os.path.join(_HERE, "kunlun/configs/tiny.py"),
                             "Config file; override fields with --config.a.b=value.")
-flags.DEFINE_string("workdir", None, "Checkpoints, metrics.jsonl, tb/ and (generated) data/.",
-                    required=True)
+flags.DEFINE_string("workdir", None, "Checkpoints, metrics.jsonl, tb/ and (generated) data/ "
+                    "(required; one train.py at a time: train.lock).")
+flags.DEFINE_bool("show_config", False, "Print every config field (overrides applied) with its "
+                  "value and a one-line description, then exit.")
 flags.DEFINE_string("mesh", "data=1,fsdp=-1,tensor=1,context=1,expert=1",
                     "Mesh axis sizes within a host (one -1 absorbs the remaining devices).")
 flags.DEFINE_string("dcn_mesh", None, "Mesh axis sizes across hosts / slices (e.g. data=2).")
@@ -62,36 +69,66 @@ class _StopFlag:
     self.signum = signum
 
 
+def show_config(config) -> None:
+  """``--show_config``: every field of the config (overrides applied), its value and what it is."""
+  from kunlun.train import settings
+  try:
+    settings.check(config)
+    status = "all settings within their allowed ranges"
+  except settings.SettingsError as e:
+    status = f"NOT VALID: {e}"
+  print(f"# config {_config_file()}, overrides applied: {status}")
+  print("\n".join(settings.describe(config)))
+
+
+def _config_file() -> str:
+  given = [a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--config=")]
+  return given[-1] if given else "kunlun/configs/tiny.py (default)"
+
+
 def train(argv):
   del argv
   from kunlun.train import runtime
+  config = FLAGS.config
+  if FLAGS.show_config:
+    show_config(config)
+    return
+  if not FLAGS.workdir:
+    runtime.fail("--workdir is required (checkpoints, metrics and generated data go there)")
+  runtime.check_settings(config, steps_flag=FLAGS.steps)   # before any data, jax or compile
+  if FLAGS.steps is not None:
+    config.train.steps = FLAGS.steps
+  profile = parse_profile_steps(FLAGS.profile_steps)
+  workdir = os.path.abspath(FLAGS.workdir)
   runtime.maybe_initialize_distributed(FLAGS.coordinator_address, FLAGS.num_processes,
                                        FLAGS.process_id)
+  lock = runtime.prepare_workdir(workdir)       # one writer: a second train.py stops here
+  try:
+    _train(config, workdir, profile)
+  finally:
+    lock.release()
+
+
+def _train(config, workdir: str, profile):
   import jax
   import numpy as np
 
+  from kunlun.train import runtime
+
   runtime.enable_compilation_cache(FLAGS.compilation_cache)
-  config = FLAGS.config
-  if FLAGS.steps is not None:
-    config.train.steps = FLAGS.steps
-  total = int(config.train.steps)
-  profile = parse_profile_steps(FLAGS.profile_steps)
-  workdir = os.path.abspath(FLAGS.workdir)
   mesh = runtime.build_mesh(FLAGS.mesh, FLAGS.dcn_mesh)
   rules = runtime.get_rules(config.sharding.rules)
   runtime.check_batch_size(config.data.batch_size, mesh, rules, "config.data.batch_size")
   microbatches = int(config.train.get("microbatches", 1))
-  if microbatches < 1 or config.data.batch_size % microbatches:
-    runtime.fail(f"config.train.microbatches={microbatches} must be >= 1 and divide "
-                 f"config.data.batch_size={config.data.batch_size}")
-  if microbatches > 1 and config.train.get("sparse_embedding_update", False):
-    runtime.fail("config.train.microbatches > 1 needs the dense embedding update "
-                 "(config.train.sparse_embedding_update=False)")
   runtime.check_batch_size(config.data.batch_size // microbatches, mesh, rules,
                            "config.data.batch_size / config.train.microbatches")
 
   data_dir = FLAGS.data_dir or runtime.synthetic_data_dir(workdir, config)
   schema = runtime.load_schema(data_dir)
+  task_w = tuple(config.train.get("task_weights", ()) or ())
+  if task_w and len(task_w) != len(schema.tasks):
+    runtime.fail(f"config.train.task_weights={task_w} needs one weight per task "
+                 f"{schema.task_names}")
   runtime.check_data_files(data_dir, config.data.train_split)
   from kunlun.train import validation
   run_plan = validation.plan(config, schema, data_dir, FLAGS.steps)   # surfaces, epochs, valid
@@ -136,10 +173,6 @@ def train(argv):
     start, params, opt_state, train_rng = restored
     print(f"resumed from step {start} ({ckpt.directory})", flush=True)
 
-  task_w = tuple(config.train.get("task_weights", ()) or ())
-  if task_w and len(task_w) != len(schema.tasks):
-    runtime.fail(f"config.train.task_weights={task_w} needs one weight per task "
-                 f"{schema.task_names}")
   train_step = step_lib.make_train_step(
       model, tx, np.asarray(task_w, np.float32) if task_w else None, sparse_update=sparse_update,
       param_shardings=p_shard, opt_shardings=o_shard, batch_sharding=b_shard,
@@ -206,13 +239,59 @@ def train(argv):
   profiling = False
   ok = True
   step = start
+
+  def drain_all() -> None:
+    nonlocal ok
+    for rec in lagged.pop(True):
+      ok = consume(*rec)
+
+  def stop_disk_full():
+    """A write failed for lack of space: keep the newest good checkpoint (remove what failed saves
+    left, then try once more to save this step) and stop with one line."""
+    err = ckpt.disk_full or prog.disk_full or validate.disk_full
+    drain_all()
+    ckpt.settle()                                  # the async save in flight, if any
+    ckpt.remove_tmp_dirs()                         # partial steps: frees their space
+    validate.remove_tmp_dirs()
+    good = ckpt.latest_step()
+    if ok and (good is None or good < step):       # the last attempt to keep this step
+      ckpt.save(step, params, opt_state, train_rng, data_iter, last_try=True)
+      ckpt.settle()
+      ckpt.remove_tmp_dirs()
+      good = ckpt.latest_step()
+    validate.close()
+    prog.close()
+    ckpt.close()
+    runtime.fail(f"disk full ({err}): stopped at step {step}; the newest good checkpoint is "
+                 f"{'step ' + str(good) if good is not None else 'none'} in {ckpt.directory}; "
+                 "free some space and run the same command again to resume")
+
+  def stop_data_error(e):
+    """A data error mid-run (damaged shard, invalid record): save this step first, then stop
+    (single process: under several, the others are not at this point to save with it)."""
+    drain_all()
+    if ok and step > start and jax.process_count() == 1:
+      ckpt.save(step, params, opt_state, train_rng, data_iter)   # position: the batches used
+      ckpt.settle()
+      if step in ckpt.all_steps():
+        print(f"data error after step {step}: saved checkpoint {step} before stopping",
+              flush=True)
+    validate.close()
+    prog.close()
+    ckpt.close()
+    raise e
+
+  from data.shards import DataError
   with partition.activate(mesh, rules):
     while step < total:
       if profile and step == profile[0]:
         jax.profiler.start_trace(FLAGS.profile_dir or os.path.join(workdir, "profile"))
         profiling = True
       with jax.profiler.StepTraceAnnotation("train", step_num=step):
-        host_batch = next(data_iter)
+        try:
+          host_batch = next(data_iter)
+        except DataError as e:
+          stop_data_error(e)
         flop_meter.add(host_batch)
         batch = pipeline.device_put_batch(host_batch, b_shard)
         params, opt_state, stats = train_step(params, opt_state, batch, train_rng, step)
@@ -227,12 +306,16 @@ def train(argv):
                or step % config.train.log_every == 0 or valid_due(step))
       for rec in lagged.pop(drain):
         ok = consume(*rec)
+      if prog.disk_full:
+        stop_disk_full()
       if not ok:                     # a skipped step: no checkpoint or stop before a good one
         continue
       if save:
         ckpt.save(step, params, opt_state, train_rng, data_iter)
       if validate(step, params):
         times.clear()                # the validation pause is not a step time
+      if ckpt.disk_full or prog.disk_full or validate.disk_full:
+        stop_disk_full()
       if stop.signum is not None:
         print(f"received signal {stop.signum}: saving step {step} and exiting", flush=True)
         break
@@ -240,8 +323,11 @@ def train(argv):
     jax.profiler.stop_trace()
   if step >= total:
     validate(step, params)           # no-op unless the last step was skipped
-  validate.close()
   ckpt.save(step, params, opt_state, train_rng, data_iter)
+  ckpt.settle()
+  if ckpt.disk_full or prog.disk_full or validate.disk_full:
+    stop_disk_full()
+  validate.close()
   ckpt.wait()
   steps = ckpt.all_steps()
   ckpt.close()

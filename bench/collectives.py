@@ -31,7 +31,6 @@ step takes; ``all_branches`` counts every collective in the module text. Results
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import time
@@ -285,9 +284,8 @@ def main(argv=None):
   suffix = f"_L{a.layers}" if a.layers is not None else ""
   path = a.out or os.path.join(os.path.dirname(__file__), "results",
                                f"collectives_{a.config}{suffix}.json")
-  os.makedirs(os.path.dirname(path), exist_ok=True)
-  with open(path, "w") as f:
-    json.dump(res, f, indent=1)
+  from kunlun.train import atomic
+  atomic.write_json(path, res)
   print("wrote", path)
 
 

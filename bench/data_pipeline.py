@@ -132,9 +132,8 @@ def main(argv=None):
   for preset, stage, th, eps, epc, note in rows:
     print(f"{preset:6s} {stage:16s} {th!s:>7s} {eps:11.0f} {epc:9.0f}  {note}")
   print(f"(cpus {result['cpus']}, load average {result['load_avg'][0]:.1f})")
-  os.makedirs(os.path.dirname(a.out), exist_ok=True)
-  with open(a.out, "w") as f:
-    json.dump(result, f, indent=1)
+  from kunlun.train import atomic
+  atomic.write_json(a.out, result)
   print("wrote", a.out)
   return result
 

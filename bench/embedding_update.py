@@ -24,7 +24,6 @@ sparse path's sorts can cost more than they save). Results go to
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import time
@@ -161,9 +160,8 @@ def main():
           "machine": platform.machine(), "load_avg": list(os.getloadavg()), "quick": a.quick,
           "dim": a.dim, "ids_per_step": a.ids, "reps": reps, "results": res,
           "train_step": step_res}
-  os.makedirs(os.path.dirname(a.out), exist_ok=True)
-  with open(a.out, "w") as f:
-    json.dump(meta, f, indent=1)
+  from kunlun.train import atomic
+  atomic.write_json(a.out, meta)
   print(f"wrote {a.out}")
 
 

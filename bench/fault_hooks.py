@@ -7,9 +7,17 @@ the script as ``__main__``. ``KUNLUN_FAULTS`` (JSON) keys, all optional:
 
   kill_at_step N      SIGKILL just before training step N + 1 runs (N steps done in this run)
   kill_after_save N   SIGKILL right after the async save of step N started (mid-write)
-  save_oserror [N..]  the checkpoint write of these steps fails with OSError ENOSPC (async commit)
+  save_oserror [N..]  the checkpoint write of these steps fails with OSError EIO (async commit;
+                      a transient I/O error: training goes on. ENOSPC: disk_full_at_step)
   nan_at_step N       the N-th batch of this run (1-based) has NaN dense features
   batch_log PATH      appends one line per batch: "<n> <sha1 of the batch's example keys>"
+  data_error_at_step N  the batch for step N + 1 of this run raises a data error (a damaged
+                      chunk, as data.shards reports it) after N steps ran
+  kill_in_write K     SIGKILL in the middle of writing output K ("parquet": eval.py
+                      --predictions), after half the file is on disk
+  disk_full_at_step N  from the N-th batch on, every metrics.jsonl / TensorBoard write and every
+                      checkpoint write fails with ENOSPC (a disk that filled up; for machines
+                      where a small tmpfs cannot be mounted)
 
 Batch counts are per process run (a resumed run counts from 1 again).
 """
@@ -33,6 +41,8 @@ def _install(faults: dict) -> None:
 
   calls = {"n": 0}
   orig_put = pipeline.device_put_batch
+  full = lambda: (faults.get("disk_full_at_step") is not None
+                  and calls["n"] >= int(faults["disk_full_at_step"]))
 
   def put(batch, sharding):
     calls["n"] += 1
@@ -58,6 +68,61 @@ def _install(faults: dict) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
     checkpoint.Checkpointer.save = save
 
+  if faults.get("data_error_at_step") is not None:
+    from data import elastic, shards
+    orig_next = elastic.BatchIterator.__next__
+
+    def next_(self):
+      if calls["n"] == int(faults["data_error_at_step"]):
+        raise shards.DamagedChunkError("train/feed-00000-of-00001.arrayrecord", 10, 19, 12,
+                                       "injected")
+      return orig_next(self)
+    elastic.BatchIterator.__next__ = next_
+
+  if faults.get("kill_in_write") == "parquet":
+    import pyarrow.parquet as pq
+    orig_write = pq.write_table
+
+    def write_table(table, where, *a, **k):
+      orig_write(table, where, *a, **k)
+      with open(where, "r+b") as f:                     # as if killed mid-write
+        f.truncate(os.path.getsize(where) // 2)
+      os.kill(os.getpid(), signal.SIGKILL)
+    pq.write_table = write_table
+
+  if faults.get("disk_full_at_step") is not None:
+    from orbax.checkpoint._src.handlers import json_checkpoint_handler as jh
+
+    from kunlun.train import progress
+    enospc = lambda: OSError(errno.ENOSPC, "No space left on device (injected)")
+
+    class _Full:
+      def __init__(self, f):
+        self._f = f
+
+      def write(self, text):
+        if full():
+          raise enospc()
+        return self._f.write(text)
+
+      def __getattr__(self, name):
+        return getattr(self._f, name)
+    progress.open = lambda *a, **k: _Full(open(*a, **k))
+    orig_scalars = progress._TensorBoard.scalars
+
+    def scalars(self, *a, **k):
+      if full():
+        raise enospc()
+      return orig_scalars(self, *a, **k)
+    progress._TensorBoard.scalars = scalars
+    orig_json = jh.JsonCheckpointHandler._save_fn
+
+    async def json_save(self, x, directory):
+      if full():
+        raise enospc()
+      return await orig_json(self, x, directory)
+    jh.JsonCheckpointHandler._save_fn = json_save
+
   if faults.get("save_oserror"):
     from orbax.checkpoint._src.handlers import json_checkpoint_handler as jh
     bad = {int(s) for s in faults["save_oserror"]}
@@ -65,7 +130,7 @@ def _install(faults: dict) -> None:
 
     async def save_fn(self, x, directory):
       if isinstance(x, dict) and x.get("step") in bad:
-        raise OSError(errno.ENOSPC, "No space left on device (injected)")
+        raise OSError(errno.EIO, "Input/output error (injected)")
       return await orig_fn(self, x, directory)
     jh.JsonCheckpointHandler._save_fn = save_fn
 

@@ -3,6 +3,7 @@ survive, and does it end exactly where an uninterrupted run ends?
 
   nice -n 10 python bench/faults.py [--kills 20] [--steps 40] [--checkpoint_every 10] [--seed 0]
                                     [--quick] [--out bench/results/faults.json]
+                                    [--cases concurrency,disk_full]   # merge into --out
 
 Faults (``bench/fault_hooks.py`` patches library calls; the programs are unchanged):
   * SIGKILL at random steps and right after an async checkpoint save started (mid-write),
@@ -12,7 +13,14 @@ Faults (``bench/fault_hooks.py`` patches library calls; the programs are unchang
     final checkpoint must be steps x batch: no example repeated or skipped.
   * a checkpoint whose param data has one flipped bit / whose param files are truncated: eval.py
     fails in one line; train.py moves the step aside and resumes from the one before.
-  * a checkpoint write failing with ENOSPC: reported, training goes on.
+  * a checkpoint write failing with an I/O error: reported, training goes on.
+  * two train.py on one workdir (a job restarted while the old one runs): the second stops at
+    once with one line naming the first (pid, host), the first ends bitwise equal to the
+    baseline with each step logged once; a trainer killed with -9 leaves a lock the next run
+    takes over with a warning (checked in every resumed kill run).
+  * a full disk: the workdir on a tmpfs that holds about 2.5 checkpoints (an injected ENOSPC
+    where mounting is not allowed): one error line, no traceback, no partial checkpoint left;
+    moved to a disk with space, the same command resumes and ends bitwise equal.
   * a train shard with flipped bytes: a one-line error naming the file and record range; under
     skip_invalid the records are skipped and counted, and a killed run resumes exactly.
   * a train shard cut short: refused at start-up, naming the file.
@@ -161,7 +169,7 @@ def largest_param_file(wd, step):
 def kill_trials(r: Runner, base_wd, base_hashes, base_metrics, kills, per_run, rng):
   """SIGKILLs at random steps / mid-save, ``per_run`` per workdir, then finish and compare."""
   S, G = r.steps, 64
-  records, groups = [], []
+  records, groups, takeovers = [], [], []
   ckpt_steps = list(range(r.every, S + 1, r.every))
   for g in range(math.ceil(kills / per_run)):
     wd = os.path.join(r.base, f"kill_{g}")
@@ -180,6 +188,9 @@ def kill_trials(r: Runner, base_wd, base_hashes, base_metrics, kills, per_run, r
         a = rng.randint(start + 1, S - 1)
         faults, reached, kind = {"kill_at_step": a - start, "batch_log": log}, a, "at step"
       p = r.train(wd, faults, label=f"kill {g}.{k} {kind} {reached}")
+      if k > 0:                         # the run before was killed: its lock is taken over
+        takeovers.append("which no longer runs" in p.stderr and "taking the workdir over"
+                         in p.stderr)
       got_start = resumed_from(p)
       for i, h in enumerate(batch_log(log)):
         lineage[got_start + i] = h
@@ -203,7 +214,7 @@ def kill_trials(r: Runner, base_wd, base_hashes, base_metrics, kills, per_run, r
         st["plan"] == iter_state(base_wd, S)["plan"]
     grp["ok"] = all(grp[k] for k in ("params_equal", "eval_equal", "batches_equal",
                                      "position_ok"))
-  return records, groups
+  return records, groups, takeovers
 
 
 def checkpoint_damage(r: Runner, base_wd, how):
@@ -232,14 +243,107 @@ def checkpoint_damage(r: Runner, base_wd, how):
 
 def write_failure(r: Runner, base_wd):
   S, every = r.steps, r.every
-  wd = os.path.join(r.base, "ckpt_enospc")
-  p = r.train(wd, {"save_oserror": [every]}, label="ckpt ENOSPC")
+  wd = os.path.join(r.base, "ckpt_eio")
+  p = r.train(wd, {"save_oserror": [every]}, label="ckpt I/O error")
   rec = {"rc": p.returncode, "warned": f"checkpoint of step {every} could not be written"
          in p.stderr, "committed": committed(wd),
          "params_equal": p.returncode == 0 and same_params(base_wd, wd, S)}
   rec["ok"] = rec["rc"] == 0 and rec["warned"] and every not in rec["committed"] and \
       rec["params_equal"] and "Traceback" not in p.stderr
   rec["steps_lost"] = 0
+  return rec
+
+
+def concurrency(r: Runner, base_wd):
+  """A second train.py on the workdir of a running one: refused at once, naming the holder; the
+  first is undisturbed (bitwise equal to the baseline, every step logged once)."""
+  S = r.steps
+  wd = os.path.join(r.base, "two_writers")
+  env = dict(r.env)
+  cmd = [sys.executable, os.path.join(ROOT, "bench", "fault_hooks.py"), "train.py", *r.args(wd)]
+  t0 = time.perf_counter()
+  first = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True)
+  jsonl = os.path.join(wd, "metrics.jsonl")
+  while first.poll() is None and not (os.path.exists(jsonl) and
+                                      len(open(jsonl).read().splitlines()) >= 2):
+    time.sleep(0.2)
+  running = first.poll() is None
+  second = r.train(wd, label="second train.py, same workdir")
+  out, err = first.communicate(timeout=3600)
+  r.runs.append({"label": "first train.py (running)", "script": "train.py", "faults": {},
+                 "rc": first.returncode, "seconds": round(time.perf_counter() - t0, 1)})
+  steps = [json.loads(x)["step"] for x in open(jsonl)]
+  rec = {"second_rc": second.returncode, "second_one_line": one_line(second, "train.py"),
+         "second_error": second.stderr.strip().splitlines()[-1:],
+         "names_holder": f"pid {first.pid} on host" in second.stderr,
+         "second_took_seconds": r.runs[-2]["seconds"], "first_rc": first.returncode,
+         "first_running_when_second_started": running,
+         "steps_logged_once": sorted(steps) == list(range(1, S + 1)),
+         "params_equal": first.returncode == 0 and same_params(base_wd, wd, S),
+         "lock_left_empty": open(os.path.join(wd, "train.lock")).read() == "", "steps_lost": 0}
+  rec["ok"] = (running and rec["second_one_line"] and rec["names_holder"] and rec["first_rc"] == 0
+               and rec["steps_logged_once"] and rec["params_equal"] and rec["lock_left_empty"])
+  return rec
+
+
+def _excerpt(text: str, mark: str, n: int = 12) -> list[str]:
+  """The lines around the first ``mark`` in ``text`` (for the JSON record of a failed check)."""
+  lines = text.splitlines()
+  at = next((i for i, x in enumerate(lines) if mark in x), None)
+  return [] if at is None else lines[max(0, at - 2):at + n]
+
+
+def _mount_small(path: str, kib: int):
+  """A tmpfs of ``kib`` KiB at ``path``; returns an unmount function, or None (not root, or
+  mounting not allowed)."""
+  os.makedirs(path, exist_ok=True)
+  if os.geteuid() != 0:
+    return None
+  p = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={kib}k", "tmpfs", path],
+                     capture_output=True)
+  if p.returncode:
+    return None
+  return lambda: subprocess.run(["umount", "-l", path], capture_output=True)
+
+
+def disk_full(r: Runner, base_wd):
+  """The workdir on a filesystem that holds about 2.5 checkpoints (data elsewhere)."""
+  S, every = r.steps, r.every
+  ck = os.path.join(base_wd, "checkpoints", str(S))
+  size = sum(-(-os.path.getsize(os.path.join(d, f)) // 4096) * 4096      # tmpfs pages
+             for d, _, fs in os.walk(ck) for f in fs)
+  mnt = os.path.join(r.base, "small_disk")
+  kib = int(2.5 * size / 1024)
+  unmount = _mount_small(mnt, kib)
+  faults = None if unmount else {"disk_full_at_step": 2 * every + 1}
+  wd = os.path.join(mnt, "wd")
+  try:
+    p = r.train(wd, faults, label=f"disk full ({kib} KiB tmpfs)" if unmount else
+                "disk full (injected ENOSPC)")
+    left = sorted(os.listdir(os.path.join(wd, "checkpoints"))) if os.path.isdir(
+        os.path.join(wd, "checkpoints")) else []
+    good = committed(wd)
+    m = re.search(r"stopped at step (\d+)", p.stderr)
+    rec = {"filesystem": f"tmpfs {kib} KiB" if unmount else "injected ENOSPC",
+           "checkpoint_bytes": size, "rc": p.returncode, "one_line_error": one_line(p, "train.py"),
+           "error": p.stderr.strip().splitlines()[-1:], "disk_full_named": "disk full" in p.stderr,
+           "tracebacks": (p.stdout + p.stderr).count("Traceback"),
+           "traceback_excerpt": _excerpt(p.stdout + p.stderr, "Traceback"),
+           "partial_steps_left": [x for x in left if "orbax-checkpoint-tmp" in x],
+           "committed": good, "stopped_at": int(m.group(1)) if m else None}
+    wd2 = os.path.join(r.base, "disk_full_resumed")      # "free some space": another disk
+    shutil.copytree(wd, wd2, ignore=shutil.ignore_patterns("tb"))
+  finally:
+    if unmount:
+      unmount()
+  p2 = r.train(wd2, label="disk full: resumed with space")
+  rec["resumed_from"] = resumed_from(p2)
+  rec["params_equal"] = p2.returncode == 0 and same_params(base_wd, wd2, S)
+  rec["steps_lost"] = (rec["stopped_at"] or 0) - (good[-1] if good else 0)
+  rec["ok"] = (rec["one_line_error"] and rec["disk_full_named"] and not rec["tracebacks"]
+               and not rec["partial_steps_left"] and bool(good)
+               and rec["resumed_from"] == good[-1] and rec["params_equal"])
   return rec
 
 
@@ -303,6 +407,9 @@ def nan_batch(r: Runner, rng):
 
 # ---- main ---------------------------------------------------------------------------------------
 
+CASES = ("kills", "damage", "write_error", "shard", "nan", "concurrency", "disk_full")
+
+
 def versions() -> dict:
   import flax
   import grain
@@ -325,7 +432,13 @@ def main(argv=None) -> int:
   ap.add_argument("--quick", action="store_true", help="4 kills, 20 steps")
   ap.add_argument("--workdir", default=None, help="keep the runs here (default: a temp dir)")
   ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "faults.json"))
+  ap.add_argument("--cases", default="all",
+                  help=f"comma-separated subset of {','.join(CASES)}: run only these and merge "
+                       "them into the table already at --out")
   a = ap.parse_args(argv)
+  bad = set(a.cases.split(",")) - set(CASES) if a.cases != "all" else set()
+  if bad:
+    ap.error(f"--cases: unknown {sorted(bad)}; allowed {CASES}")
   if a.quick:
     a.kills, a.kills_per_run, a.steps, a.checkpoint_every = 4, 2, 20, 5
   rng = random.Random(a.seed)
@@ -349,67 +462,113 @@ def main(argv=None) -> int:
              label="eval baseline")
   base_metrics = json.load(open(f"{base_wd}/metrics.json")) if ev.returncode == 0 else None
 
-  kills, groups = kill_trials(r, base_wd, base_hashes, base_metrics, a.kills, a.kills_per_run,
-                              rng)
-  flip = checkpoint_damage(r, base_wd, "flip")
-  cut = checkpoint_damage(r, base_wd, "truncate")
-  enospc = write_failure(r, base_wd)
-  noskip, skip = shard_damage(r, rng)
-  trunc = shard_truncated(r)
-  nan = nan_batch(r, rng)
-
-  n_kill = sum(k["killed"] for k in kills)
-  mid = sum(k["killed"] and k["kind"] == "mid-save" and not k["target_committed"] for k in kills)
-  rows = [
-      ("SIGKILL (random step / mid async save)", f"{n_kill} ({mid} mid-save)",
-       f"{sum(g['ok'] for g in groups)}/{len(groups)} runs resumed bitwise equal (params, eval, "
-       "batches, position)", sum(k["steps_lost"] for k in kills)),
-      ("checkpoint: 1 bit flipped in param data", 1,
-       f"{'ok' if flip['ok'] else 'FAIL'}: eval one-line error; detected by "
-       f"{flip['detected_by']}, moved aside, resumed from {flip['resumed_from']}, final bitwise "
-       "equal", flip["steps_lost"]),
-      ("checkpoint: param files truncated", 1,
-       f"{'ok' if cut['ok'] else 'FAIL'}: eval one-line error; moved aside, resumed from "
-       f"{cut['resumed_from']}, final bitwise equal", cut["steps_lost"]),
-      ("checkpoint write fails (ENOSPC)", 1,
-       f"{'ok' if enospc['ok'] else 'FAIL'}: warned, step not committed, training went on, "
-       "final bitwise equal", enospc["steps_lost"]),
-      ("shard: bytes flipped", 1,
-       f"{'ok' if noskip['ok'] else 'FAIL'}: one-line error naming file and record range",
-       noskip["steps_lost"]),
-      ("shard: bytes flipped + skip_invalid + kill", 1,
-       f"{'ok' if skip['ok'] else 'FAIL'}: {skip['skipped']} skipped and counted; resume "
-       "bitwise equal", skip["steps_lost"]),
-      ("shard: truncated", 1, f"{'ok' if trunc['ok'] else 'FAIL'}: refused at start-up, "
-       "file named", trunc["steps_lost"]),
-      ("NaN features in one batch", 1, f"{'ok' if nan['ok'] else 'FAIL'}: update skipped and "
-       f"counted ({nan['skipped_updates']})", nan["steps_lost"]),
-  ]
-  ok = all(g["ok"] for g in groups) and all(k["killed"] for k in kills) and all(
-      x["ok"] for x in (flip, cut, enospc, noskip, skip, trunc, nan))
-  w = max(len(x[0]) for x in rows)
+  want = set(CASES if a.cases == "all" else a.cases.split(","))
+  res, rows = {}, {}
+  if "kills" in want:
+    kills, groups, takeovers = kill_trials(r, base_wd, base_hashes, base_metrics, a.kills,
+                                           a.kills_per_run, rng)
+    n_kill = sum(k["killed"] for k in kills)
+    mid = sum(k["killed"] and k["kind"] == "mid-save" and not k["target_committed"]
+              for k in kills)
+    res.update(kills=kills, kill_runs=groups, stale_lock_takeovers=takeovers)
+    rows["kills"] = ("SIGKILL (random step / mid async save)", f"{n_kill} ({mid} mid-save)",
+                     f"{sum(g['ok'] for g in groups)}/{len(groups)} runs resumed bitwise equal "
+                     "(params, eval, batches, position); stale lock taken over with a warning "
+                     f"in {sum(takeovers)}/{len(takeovers)}", sum(k["steps_lost"] for k in kills))
+    res["kills_ok"] = all(g["ok"] for g in groups) and all(k["killed"] for k in kills) and all(
+        takeovers)
+  if "damage" in want:
+    flip = res["checkpoint_flip"] = checkpoint_damage(r, base_wd, "flip")
+    cut = res["checkpoint_truncate"] = checkpoint_damage(r, base_wd, "truncate")
+    rows["flip"] = ("checkpoint: 1 bit flipped in param data", 1,
+                    f"{'ok' if flip['ok'] else 'FAIL'}: eval one-line error; detected by "
+                    f"{flip['detected_by']}, moved aside, resumed from {flip['resumed_from']}, "
+                    "final bitwise equal", flip["steps_lost"])
+    rows["cut"] = ("checkpoint: param files truncated", 1,
+                   f"{'ok' if cut['ok'] else 'FAIL'}: eval one-line error; moved aside, resumed "
+                   f"from {cut['resumed_from']}, final bitwise equal", cut["steps_lost"])
+  if "write_error" in want:
+    eio = res["checkpoint_write_error"] = write_failure(r, base_wd)
+    rows["write_error"] = ("checkpoint write fails (I/O error)", 1,
+                           f"{'ok' if eio['ok'] else 'FAIL'}: warned, step not committed, "
+                           "training went on, final bitwise equal", eio["steps_lost"])
+  if "shard" in want:
+    noskip, skip = shard_damage(r, rng)
+    trunc = shard_truncated(r)
+    res.update(shard_flip_noskip=noskip, shard_flip_skip=skip, shard_truncated=trunc)
+    rows["shard_flip"] = ("shard: bytes flipped", 1,
+                          f"{'ok' if noskip['ok'] else 'FAIL'}: one-line error naming file and "
+                          "record range", noskip["steps_lost"])
+    rows["shard_skip"] = ("shard: bytes flipped + skip_invalid + kill", 1,
+                          f"{'ok' if skip['ok'] else 'FAIL'}: {skip['skipped']} skipped and "
+                          "counted; resume bitwise equal", skip["steps_lost"])
+    rows["shard_cut"] = ("shard: truncated", 1, f"{'ok' if trunc['ok'] else 'FAIL'}: refused "
+                         "at start-up, file named", trunc["steps_lost"])
+  if "nan" in want:
+    nan = res["nan_batch"] = nan_batch(r, rng)
+    rows["nan"] = ("NaN features in one batch", 1, f"{'ok' if nan['ok'] else 'FAIL'}: update "
+                   f"skipped and counted ({nan['skipped_updates']})", nan["steps_lost"])
+  if "concurrency" in want:
+    two = res["two_writers"] = concurrency(r, base_wd)
+    rows["concurrency"] = ("two train.py on one workdir", 1,
+                           f"{'ok' if two['ok'] else 'FAIL'}: the second refused in one line "
+                           "naming the first (pid, host); the first undisturbed: bitwise equal, "
+                           "each step logged once", two["steps_lost"])
+  if "disk_full" in want:
+    full = res["disk_full"] = disk_full(r, base_wd)
+    rows["disk_full"] = ("disk full (workdir on a small filesystem)", full["filesystem"],
+                         f"{'ok' if full['ok'] else 'FAIL'}: one-line error, no traceback, no "
+                         f"partial checkpoint left, newest good step {full['committed'][-1:]} "
+                         f"kept; resumed with space from {full['resumed_from']}, final bitwise "
+                         "equal", full["steps_lost"])
+  checks = [v["ok"] for k, v in res.items() if isinstance(v, dict) and "ok" in v]
+  ok = all(checks) and res.get("kills_ok", True)
+  previous = {}
+  if a.cases != "all" and os.path.exists(a.out):      # merge into the last full table
+    previous = json.load(open(a.out))
+  replaced = {"checkpoint write fails (ENOSPC)"} if "write_error" in want else set()  # now: I/O
+  kept = [t for t in previous.get("table", []) if t["fault"] not in replaced
+          and not t["fault"].startswith("disk full (tmpfs")]           # an older row name
+  table = {t["fault"]: t for t in kept}
+  order = [t["fault"] for t in kept]
+  for fault, n, outcome, lost in rows.values():
+    if fault not in table:
+      order.append(fault)
+    table[fault] = {"fault": fault, "injected": n, "outcome": outcome, "steps_lost": lost}
+  table = [table[f] for f in order]
+  w = max(len(t["fault"]) for t in table)
   print(f"\n{'fault':<{w}}  {'injected':>14}  {'steps lost':>10}  outcome")
-  for fault, n, outcome, lost in rows:
-    print(f"{fault:<{w}}  {n!s:>14}  {lost:>10}  {outcome}")
-  print(f"\n{'ALL OK' if ok else 'SOME CHECKS FAILED'}: {n_kill} kills, zero divergence: "
-        f"{all(g['ok'] for g in groups)} ({time.perf_counter() - t_start:.0f}s, load average "
-        f"{os.getloadavg()[0]:.1f})")
-  result = {
-      "ok": ok, "device": "cpu", "machine": platform.machine(), "cpus": os.cpu_count(),
-      "load_avg": os.getloadavg(), "versions": versions(),
+  for t in table:
+    print(f"{t['fault']:<{w}}  {t['injected']!s:>14}  {t['steps_lost']:>10}  {t['outcome']}")
+  print(f"\n{'ALL OK' if ok else 'SOME CHECKS FAILED'} (this run: {', '.join(sorted(want))}; "
+        f"{time.perf_counter() - t_start:.0f}s, load average {os.getloadavg()[0]:.1f})")
+  result = dict(previous)
+  if previous:
+    stale = {"checkpoint_enospc"} if "write_error" in want else set()
+    result = {k: v for k, v in previous.items() if k not in stale}
+    result["merged"] = result.get("merged", []) + [{
+        "cases": sorted(want), "date": time.strftime("%Y-%m-%d"), "load_avg": os.getloadavg(),
+        "seconds": round(time.perf_counter() - t_start, 1), "runs": r.runs}]
+  else:
+    result.update(runs=r.runs, seconds=round(time.perf_counter() - t_start, 1))
+  result.update(res)
+  result.pop("kills_ok", None)
+  ok = (all(v["ok"] for v in result.values() if isinstance(v, dict) and "ok" in v)
+         and all(g["ok"] for g in result.get("kill_runs", []))
+         and all(k["killed"] for k in result.get("kills", []))
+         and all(result.get("stale_lock_takeovers", [])))        # every case, merged ones too
+  result.update({
+      "ok": ok, "device": "cpu", "machine": platform.machine(),
+      "cpus": os.cpu_count(), "versions": versions(),
       "config": {"preset": "tiny (Kunlun)", "steps": a.steps, "batch_size": 64,
                  "checkpoint_every": a.checkpoint_every, "keep_checkpoints": 3,
                  "num_examples": a.num_examples, "seed": a.seed, "kills": a.kills,
                  "kills_per_run": a.kills_per_run},
-      "table": [{"fault": f, "injected": n, "outcome": o, "steps_lost": lost}
-                for f, n, o, lost in rows],
-      "kills": kills, "kill_runs": groups,
-      "checkpoint_flip": flip, "checkpoint_truncate": cut, "checkpoint_enospc": enospc,
-      "shard_flip_noskip": noskip, "shard_flip_skip": skip, "shard_truncated": trunc,
-      "nan_batch": nan, "runs": r.runs, "seconds": round(time.perf_counter() - t_start, 1)}
-  os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-  with open(a.out, "w") as f:
-    json.dump(result, f, indent=1)
+      "table": table})
+  if not previous:
+    result["load_avg"] = os.getloadavg()
+  from kunlun.train import atomic
+  atomic.write_json(a.out, result)
   print("wrote", a.out)
   if not a.workdir:
     shutil.rmtree(base, ignore_errors=True)

@@ -1,9 +1,11 @@
-"""Where a benchmark's JSON goes: ``bench/results/<name>[_quick].json`` unless ``--out`` says."""
+"""Where a benchmark's JSON goes: ``bench/results/<name>[_quick].json`` unless ``--out`` says;
+written atomically (a killed bench leaves the previous table, never a partial one)."""
 
 from __future__ import annotations
 
-import json
 import os
+
+from kunlun.train import atomic
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
@@ -16,5 +18,4 @@ def result_path(name: str, quick: bool, out: str | None = None) -> str:
 
 
 def write_json(path: str, obj) -> None:
-  with open(path, "w") as f:
-    json.dump(obj, f, indent=1)
+  atomic.write_json(path, obj)

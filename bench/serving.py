@@ -20,7 +20,6 @@ there); on GPU it is the config's.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
@@ -141,9 +140,8 @@ def main():
   args.candidates = [int(x) for x in args.candidates.split(",")]
   res = run(args)
   out = args.out or os.path.join(_ROOT, "bench/results", f"serving_{res['backend']}.json")
-  os.makedirs(os.path.dirname(out), exist_ok=True)
-  with open(out, "w") as f:
-    json.dump(res, f, indent=1)
+  from kunlun.train import atomic
+  atomic.write_json(out, res)
   print(f"wrote {out}")
 
 

@@ -108,9 +108,8 @@ def main():
       "seconds": time.perf_counter() - t0,
       "note": "machine shared with other jobs (2 CPU cores); NE does not depend on speed",
   }
-  os.makedirs(os.path.dirname(args.out), exist_ok=True)
-  with open(args.out, "w") as f:
-    json.dump(result, f, indent=1)
+  from kunlun.train import atomic
+  atomic.write_json(args.out, result)
   print(f"{'task':<12} {'NE off':>8} {'NE on':>8} {'delta':>9} {'std':>8} {'sem':>8} helps")
   for t in tasks:
     off = np.mean([runs[s]["off"]["overall"][t] for s in seeds])

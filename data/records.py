@@ -24,7 +24,7 @@ On disk (``DatasetWriter``)::
     DIR/<split>/<surface>-00000-of-00002.arrayrecord   (group_size:1 -> random access)
 
 ``bytes`` and ``sha256`` (``data.shards``) are absent from manifests written before they existed;
-readers then check only that the files exist (``split_files``) and ``python -m data.validate
+readers then check only that the files exist (``split_files``) and ``python -m data.verify
 DIR --deep`` reads every chunk.
 
 ArrayRecord files smaller than 64 KB are fine with array-record 0.8.6: the writer pads every file

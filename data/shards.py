@@ -4,7 +4,7 @@ The manifest (``data.records``) lists every shard with its record ``count``, its
 its ``sha256`` (manifests written before these two fields existed carry only the count).
 
 * ``check_entry`` (start-up, cheap): the file exists and has the recorded size.
-* ``sha256_file``: the whole-file checksum (``python -m data.validate`` compares it).
+* ``sha256_file``: the whole-file checksum (``python -m data.verify`` compares it).
 * ``open_reader``: an ArrayRecord reader, or a ``DataFileError`` naming the file when it cannot
   be opened (truncated, not an ArrayRecord file).
 * ``read_records``: a batched read that, when a chunk is damaged (Riegeli checks a hash per
@@ -85,7 +85,7 @@ def check_entry(path: str, entry: dict) -> None:
     how = "truncated" if size < int(want) else "longer than written"
     raise DataFileError(f"{path}: {size} bytes, the manifest says {int(want)} ({how}: damaged "
                         "or partly copied; restore the file, or check all files with "
-                        "`python -m data.validate DIR`)")
+                        "`python -m data.verify DIR`)")
 
 
 def open_reader(path: str, count: int | None = None):

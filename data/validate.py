@@ -4,10 +4,12 @@ Nothing is coerced: a record either matches ``data.records`` field layout exactl
 sizes, id ranges, finite dense values, consistent timestamps, known surface, 0/1 labels) or it is
 rejected with an ``InvalidRecordError``. Under ``skip_invalid`` the pipeline counts rejections in
 an ``InvalidCounter`` instead of raising (records in a damaged chunk, ``data.shards``, count as
-kind ``bytes``). ``read_split`` reads and validates a whole split; ``python -m data.validate DIR``
-checks a dataset directory (``data.verify``).
+kind ``bytes``). ``read_split`` reads and validates a whole split. The dataset check
+``python -m data.verify DIR`` (``data.verify``) is built on this module.
 
-Imports go one way: this module uses ``data.records``, never the reverse.
+Imports go one way: this module uses ``data.records``, never the reverse; ``data.verify`` uses
+this module, never the reverse (``python -m data.validate`` is a one-release alias that runs
+``data.verify`` as a script, without importing it here).
 """
 
 from __future__ import annotations
@@ -439,6 +441,8 @@ class BatchValidator:
     return ok, out
 
 
-if __name__ == "__main__":      # python -m data.validate DIR [--deep]: see data.verify
-  from data import verify
-  sys.exit(verify.main())
+if __name__ == "__main__":      # the old name of python -m data.verify (one release)
+  import runpy
+  print("note: `python -m data.validate` is now `python -m data.verify` (same arguments)",
+        file=sys.stderr, flush=True)
+  runpy.run_module("data.verify", run_name="__main__", alter_sys=True)

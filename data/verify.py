@@ -1,6 +1,6 @@
 """Checks a dataset directory against its manifest and schema, file by file.
 
-  python -m data.validate DIR [--deep] [--split train,eval] [--json OUT] [--update_manifest]
+  python -m data.verify DIR [--deep] [--split train,eval] [--json OUT] [--update_manifest]
 
 Every shard listed in ``manifest.json``:
   * exists and has the recorded byte size and SHA-256 (``data.shards``; manifests written before
@@ -211,7 +211,7 @@ def update_manifest(data_dir: str) -> int:
 
 def main(argv=None) -> int:
   import argparse
-  prog = "python -m data.validate"
+  prog = "python -m data.verify"
   ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
   ap.add_argument("data_dir")
   ap.add_argument("--deep", action="store_true",

@@ -27,7 +27,6 @@ on a random batch (``--no_verify`` skips it). Bad input is a one-line
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
@@ -139,7 +138,10 @@ def export(workdir: str, out: str, *, candidates="dynamic", requests=1, step=Non
   if bad or not platforms:
     runtime.fail(f"--platforms={','.join(platforms)}: allowed {PLATFORMS}")
   workdir = os.path.abspath(workdir)
+  if os.path.exists(out) and not os.path.isdir(out):
+    runtime.fail(f"--out={out}: exists and is not a directory")
   config, schema, model, used_step, params = _restore(workdir, step, data_dir, trust_workdir)
+  runtime.check_output(os.path.join(out, SIGNATURE), "--out")       # before tracing the model
   lens = seq_lens(config)
   dims = ", ".join(d for d, f in (("n", n_fixed), ("r", r_fixed)) if f is None)
   sym = dict(zip([d.strip() for d in dims.split(",")], jex.symbolic_shape(dims), strict=True)
@@ -156,10 +158,18 @@ def export(workdir: str, out: str, *, candidates="dynamic", requests=1, step=Non
     exp = jex.export(jax.jit(scorer), platforms=tuple(platforms))(param_struct, batch_struct)
   except Exception as e:  # tracing / lowering failures: name the cause in one line
     runtime.fail(f"export failed ({type(e).__name__}: {str(e).splitlines()[0][:300]})")
-  os.makedirs(out, exist_ok=True)
-  with open(os.path.join(out, ARTIFACT), "wb") as f:
-    f.write(exp.serialize())
-  np.savez(os.path.join(out, PARAMS), **flatten(params))
+  # each file atomically; signature.json (what the loader opens first) is removed before and
+  # written last, so a killed export leaves an artifact the loader refuses, never a mixed one
+  from kunlun.train import atomic
+  sig_path = os.path.join(out, SIGNATURE)
+  try:
+    if os.path.exists(sig_path):
+      os.remove(sig_path)
+    atomic.write_bytes(os.path.join(out, ARTIFACT), exp.serialize())
+    with atomic.target(os.path.join(out, PARAMS)) as tmp, open(tmp, "wb") as f:
+      np.savez(f, **flatten(params))
+  except OSError as e:
+    runtime.fail(f"--out={out}: cannot write the export ({e.strerror or e})")
   name = lambda x: x if isinstance(x, int) else str(x)
   K = len(schema.tasks)
   sig = {
@@ -187,8 +197,10 @@ def export(workdir: str, out: str, *, candidates="dynamic", requests=1, step=Non
       "versions": {"jax": jax.__version__, "flax": flax.__version__,
                    "python": platform.python_version()},
   }
-  with open(os.path.join(out, SIGNATURE), "w") as f:
-    json.dump(sig, f, indent=1)
+  try:
+    atomic.write_json(sig_path, sig)
+  except OSError as e:
+    runtime.fail(f"--out={out}: cannot write {SIGNATURE} ({e.strerror or e})")
   log(f"wrote {out}/{{{ARTIFACT},{PARAMS},{SIGNATURE}}}")
   here = jax.default_backend()
   if verify and ({"gpu": "cuda"}.get(here, here) in platforms or here in platforms):
@@ -235,8 +247,9 @@ def main(argv=None) -> int:
     export(a.workdir, a.out, candidates=a.candidates, requests=a.requests, step=a.step,
            data_dir=a.data_dir, platforms=tuple(p.strip() for p in a.platforms.split(",")),
            verify=not a.no_verify, trust_workdir=a.trust_workdir)
-  except FatalError as e:
-    print(f"kunlun.serving.export: error: {e}", file=sys.stderr)
+  except (FatalError, OSError) as e:
+    msg = f"{e.filename}: {e.strerror}" if isinstance(e, OSError) and e.strerror else str(e)
+    print(f"kunlun.serving.export: error: {' '.join(msg.split())}", file=sys.stderr)
     return 2
   return 0
 

@@ -28,14 +28,28 @@ Damage (issue 15):
 The optimizer state is stored in its per-leaf layout (``kunlun.train.optim.to_per_leaf``; the
 flat AdamW buffers are mesh-dependent) and converted back on restore, so a checkpoint restores
 onto another mesh, and those written before the flat optimizer restore as they are.
+
+Readers and a full disk (issue 20):
+* A read-only ``Checkpointer`` (eval.py, the exports) lists the committed steps from the
+  directory each time it is asked, never from a list cached at open (orbax 0.12.8's read-only
+  manager keeps the list it read at open: after a running trainer saved newer steps and deleted
+  those, it lists none). ``restore_params`` without a step restores the newest committed step
+  and, if that step disappears while it is read (the trainer's cleanup), retries with the newest
+  one then. The step reported is the one saved in the checkpoint's ``meta``; a directory whose
+  name differs from it (renamed, copied) gets a warning.
+* A save that fails for lack of space (ENOSPC / EDQUOT) sets ``disk_full``; train.py then stops:
+  ``remove_tmp_dirs`` deletes the partial ``*.orbax-checkpoint-tmp*`` steps failed saves left,
+  one more save of the current step is tried, and the newest committed step is kept.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
 import re
+import shutil
 import sys
 import time
 
@@ -50,6 +64,45 @@ from kunlun.train.runtime import FatalError
 
 ITEMS = ("params", "opt_state", "meta", "data_iter")
 COMMIT_MARKER = "commit_success.txt"
+TMP_MARKER = ".orbax-checkpoint-tmp"          # orbax's name for a step being written
+RETRIES = 5                                   # restores of a step deleted while being read
+
+
+def is_disk_full(e: BaseException) -> bool:
+  """Whether ``e`` (or an exception it was raised from) is ENOSPC / EDQUOT; TensorStore and
+  orbax wrap the OS error, so its text counts too."""
+  seen = set()
+  while e is not None and id(e) not in seen:
+    seen.add(id(e))
+    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+      return True
+    if "No space left on device" in str(e) or "Disk quota exceeded" in str(e):
+      return True
+    e = e.__cause__ or e.__context__
+  return False
+
+
+def space_error(e: BaseException, directory: str) -> str:
+  """A short 'No space left on device' line naming the file being written (or ``directory``)."""
+  where = getattr(e, "filename", None)
+  if not where:
+    m = re.search(r'writing local file "([^"]+)"', str(e))
+    where = m.group(1) if m else directory
+  quota = "Disk quota exceeded" in str(e) or getattr(e, "errno", None) == errno.EDQUOT
+  return f"{'Disk quota exceeded' if quota else 'No space left on device'} writing {where}"
+
+
+def remove_tmp_dirs(directory: str) -> list[str]:
+  """Deletes the partial steps (``<step>.orbax-checkpoint-tmp-*``) in ``directory``; returns
+  their names. Only for a directory no save is writing to at the moment."""
+  gone = []
+  if not os.path.isdir(directory):
+    return gone
+  for name in sorted(os.listdir(directory)):
+    if TMP_MARKER in name:
+      shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
+      gone.append(name)
+  return gone
 
 
 class CheckpointError(FatalError):
@@ -147,17 +200,29 @@ class Checkpointer:
                             f"({short_error(e)})") from None
     self._pending: int | None = None          # step of the async save in flight
     self._last_failed: int | None = None      # step of the last save that failed
+    self.disk_full: str | None = None         # the error of a save that found no space
 
   # ---- steps -----------------------------------------------------------------------------------
   def _committed(self, step: int) -> bool:
     return os.path.exists(os.path.join(self.directory, str(step), COMMIT_MARKER))
 
+  def _listed(self) -> list[int]:
+    """Step directories: orbax's list for the writer (it tracks its own saves); read from the
+    directory now for a reader (a trainer may have saved and deleted steps since it opened)."""
+    if not self.read_only:
+      return list(self.mngr.all_steps())
+    try:
+      names = os.listdir(self.directory)
+    except OSError:
+      return []
+    return [int(n) for n in names if n.isdigit() and os.path.isdir(os.path.join(self.directory, n))]
+
   def all_steps(self) -> list[int]:
     """Committed steps, oldest first (a step directory without the commit marker is ignored)."""
-    return sorted(s for s in self.mngr.all_steps() if self._committed(s))
+    return sorted(s for s in self._listed() if self._committed(s))
 
   def uncommitted_steps(self) -> list[int]:
-    return sorted(s for s in self.mngr.all_steps() if not self._committed(s))
+    return sorted(s for s in self._listed() if not self._committed(s))
 
   def latest_step(self) -> int | None:
     steps = self.all_steps()
@@ -190,17 +255,38 @@ class Checkpointer:
     except Exception as e:  # noqa: BLE001 -- any write error: report, keep training
       self._save_failed(step, e)
 
+  def settle(self) -> None:
+    """Waits for the async save in flight; a failure is reported (``disk_full`` set for lack of
+    space), not raised."""
+    self._check_pending()
+
+  def remove_tmp_dirs(self) -> list[str]:
+    """Deletes the partial steps failed saves left (process 0; call when no save is running)."""
+    gone = remove_tmp_dirs(self.directory) if jax.process_index() == 0 else []
+    if gone:
+      self.warn(f"removed {len(gone)} partial checkpoint(s) left by failed saves: "
+                f"{', '.join(gone)}")
+    if jax.process_count() > 1:
+      from jax.experimental import multihost_utils
+      multihost_utils.sync_global_devices("checkpoint_remove_tmp")
+    return gone
+
   def _save_failed(self, step: int, e: BaseException) -> None:
     self._last_failed = step
+    if is_disk_full(e):
+      self.disk_full = space_error(e, self.directory)
     good = self.latest_step()
-    self.warn(f"checkpoint of step {step} could not be written ({short_error(e)}); training "
-              f"continues, the newest good checkpoint is "
-              f"{'step ' + str(good) if good is not None else 'none'}")
+    then = "stopping" if self.disk_full else "training continues"
+    self.warn(f"checkpoint of step {step} could not be written ({short_error(e)}); {then}, the "
+              f"newest good checkpoint is {'step ' + str(good) if good is not None else 'none'}")
 
-  def save(self, step: int, params, opt_state, rng, data_iter) -> None:
+  def save(self, step: int, params, opt_state, rng, data_iter, *, last_try: bool = False) -> None:
     """Starts an async save of ``step`` (no-op if that step is already saved). A failure (also
-    of the previous async save) is reported as a warning; the step is then not committed."""
+    of the previous async save) is reported as a warning; the step is then not committed. Once
+    ``disk_full`` is set only a ``last_try`` save is started."""
     self._check_pending()
+    if self.disk_full and not last_try:          # no space: only the caller's last attempt
+      return
     if step in self.mngr.all_steps():
       if self._committed(step):
         return
@@ -253,15 +339,19 @@ class Checkpointer:
   def _verify(self, step: int, meta: dict | None, **restored) -> None:
     """Compares restored content with the checksums saved in ``meta`` (none: not verified)."""
     where = os.path.join(self.directory, str(step))
-    if not meta or "digest" not in meta:
+    # every digest first, on every process alike: they are collectives (jit over the global
+    # arrays), so a process that found a problem early must still take part (else: a hang)
+    digests = {item: _plan_digest(value) if item == "data_iter" else tree_digest(value)
+               for item, value in restored.items()}
+    if not isinstance(meta, dict) or "digest" not in meta:
       return
     if meta.get("check") != _meta_check(meta):
       raise CheckpointError(f"checkpoint {where} is corrupt: its meta item fails its checksum")
-    for item, value in restored.items():
+    for item in restored:
       want = meta["digest"].get(item)
       if want is None:
         continue
-      got = _plan_digest(value) if item == "data_iter" else tree_digest(value)
+      got = digests[item]
       if got != want:
         bad = [k for k in want if got.get(k) != want[k]] if isinstance(want, dict) else [""]
         more = f" and {len(bad) - 1} more" if len(bad) > 1 else ""
@@ -269,10 +359,21 @@ class Checkpointer:
             f"checkpoint {where} is corrupt: {item}{bad[0]}{more} differs from what was saved "
             "(checksum mismatch: files changed after the save)")
 
+  def _saved_step(self, step: int, meta: dict | None) -> int:
+    """The step recorded in the checkpoint's meta (the directory name without one); a differing
+    directory name (renamed, copied) is a warning."""
+    saved = meta.get("step") if isinstance(meta, dict) else None
+    if saved is None:
+      return int(step)
+    if int(saved) != int(step):
+      self.warn(f"checkpoint directory {os.path.join(self.directory, str(step))} holds step "
+                f"{saved} (its meta): renamed or copied from another name; reporting step {saved}")
+    return int(saved)
+
   def restore(self, abstract_params, abstract_opt_state, data_iter, step: int | None = None):
     """Full training state. Returns ``(step, params, opt_state, rng)``; ``data_iter`` (a fresh
     grain iterator) is moved to the saved position in place. Content is checked against the
-    saved checksums."""
+    saved checksums; the step returned is the one saved in meta."""
     step = self._check_step(step, ITEMS)
     flat = optim.is_flat(abstract_opt_state)          # stored per leaf (optim.to_per_leaf)
     stored = optim.per_leaf_abstract(abstract_params) if flat else abstract_opt_state
@@ -285,7 +386,7 @@ class Checkpointer:
     rng = jax.random.wrap_key_data(np.asarray(r.meta["rng"], np.uint32))
     opt_state = (optim.from_per_leaf(r.opt_state, abstract_params, abstract_opt_state) if flat
                  else r.opt_state)
-    return int(r.meta["step"]), r.params, opt_state, rng
+    return self._saved_step(step, r.meta), r.params, opt_state, rng
 
   def restore_latest(self, abstract_params, abstract_opt_state, data_iter, *,
                      strict: bool = False):
@@ -322,13 +423,34 @@ class Checkpointer:
     return None
 
   def restore_params(self, abstract_params, step: int | None = None):
-    """Params only (no optimizer state). Returns ``(step, params)``."""
-    step = self._check_step(step, ("params",))
-    has_meta = os.path.isdir(os.path.join(self.directory, str(step), "meta"))
-    r = self._restore(step, params=ocp.args.StandardRestore(abstract_params),
-                      **({"meta": ocp.args.JsonRestore()} if has_meta else {}))
-    self._verify(step, r.meta if has_meta else None, params=r.params)
-    return step, r.params
+    """Params only (no optimizer state). Returns ``(step, params)`` (the step saved in meta).
+
+    Without ``step``: the newest committed step at the time of the call; if it is deleted while
+    being read (a trainer's cleanup of old steps), the newest committed step then is restored
+    instead (up to ``RETRIES`` times)."""
+    for attempt in range(RETRIES + 1):
+      listed = self.all_steps()
+      want = step if step is not None else (listed[-1] if listed else None)
+      step_dir = os.path.join(self.directory, str(want))
+      try:
+        self._check_step(want, ("params",))
+        has_meta = os.path.isdir(os.path.join(step_dir, "meta"))
+        r = self._restore(want, params=ocp.args.StandardRestore(abstract_params),
+                          **({"meta": ocp.args.JsonRestore()} if has_meta else {}))
+        self._verify(want, r.meta if has_meta else None, params=r.params)
+      except CheckpointError:
+        if want not in listed or (os.path.isdir(step_dir) and self._committed(want)):
+          raise                         # never there, or still there: really unreadable
+        if step is not None:
+          raise CheckpointError(f"checkpoint {step_dir} was deleted while it was read (by a "
+                                "running train.py's cleanup of old steps?); committed steps "
+                                f"now: {self.all_steps()}") from None
+        if attempt == RETRIES:
+          raise
+        self.warn(f"checkpoint step {want} was deleted while it was read (a running train.py "
+                  "keeps only the newest steps); restoring the newest committed step instead")
+        continue
+      return self._saved_step(want, r.meta if has_meta else None), r.params
 
   def wait(self) -> None:
     """Waits for the async save; raises ``CheckpointError`` if the last save failed."""
@@ -350,4 +472,9 @@ class Checkpointer:
     except Exception as e:  # noqa: BLE001
       if self._pending is not None:
         self._save_failed(self._pending, e)
-    self.mngr.close()
+    self._pending = None
+    try:
+      self.mngr.close()        # re-raises a failed background write (e.g. its metadata)
+    except Exception as e:  # noqa: BLE001 -- reported in one line, never a traceback
+      if not (self.disk_full or self._last_failed is not None):
+        self.warn(f"closing the checkpoints in {self.directory}: {short_error(e)}")

@@ -1,10 +1,16 @@
 """Progress reporting: a printed line, JSONL in the workdir and TensorBoard event files
 (tensorboardX, no TensorFlow), plus MFU against a device peak table, and ``LaggedStats``, which
-fetches a step's statistics from the device only once later steps are queued."""
+fetches a step's statistics from the device only once later steps are queued.
+
+A write that fails never raises: lack of space (ENOSPC / EDQUOT) sets ``disk_full`` (train.py then
+stops, keeping its newest checkpoint); any other error is one warning and that log is off from
+then on (training goes on). TensorBoard events are written synchronously (tensorboardX's event
+writer without its background thread, whose errors would be tracebacks from the thread)."""
 
 from __future__ import annotations
 
 import collections
+import errno
 import json
 import math
 import os
@@ -79,33 +85,90 @@ def _fmt(x, spec=".4f"):
   return "n/a" if x is None or (isinstance(x, float) and not math.isfinite(x)) else format(x, spec)
 
 
+def _disk_full(e: OSError) -> bool:
+  return e.errno in (errno.ENOSPC, errno.EDQUOT)
+
+
+class _TensorBoard:
+  """Scalars to ``<logdir>/events.out.tfevents.*``, written and flushed in the calling thread."""
+
+  def __init__(self, logdir: str):
+    from tensorboardX.event_file_writer import EventsWriter
+    os.makedirs(logdir, exist_ok=True)
+    self._w = EventsWriter(os.path.join(logdir, "events"))
+
+  def scalars(self, step: int, values: dict) -> None:
+    from tensorboardX.proto import event_pb2
+    from tensorboardX.summary import scalar
+    now = time.time()
+    for tag, x in values.items():
+      self._w.write_event(event_pb2.Event(wall_time=now, step=int(step), summary=scalar(tag, x)))
+    self._w.flush()
+
+  def close(self) -> None:
+    """Flushes and closes the event file; the file is closed even when the flush fails (a full
+    disk), so nothing is left for the garbage collector to flush and report."""
+    try:
+      self._w.flush()
+    finally:
+      self._w._py_recordio_writer._writer.close()
+
+
 class Progress:
   """Writes ``<workdir>/metrics.jsonl`` and ``<workdir>/tb/`` and prints one line per log.
 
   Only process 0 writes (``enabled``). Scalars may be nested one level (``{"ne": {task: x}}``);
-  they are flattened as ``ne/task`` for TensorBoard.
+  they are flattened as ``ne/task`` for TensorBoard. Write errors: module doc.
   """
 
-  def __init__(self, workdir: str, total_steps: int, enabled: bool = True, stream=None):
+  def __init__(self, workdir: str, total_steps: int, enabled: bool = True, stream=None,
+               warn=None):
     self.total, self.enabled = total_steps, enabled
     self.stream = stream or sys.stdout
+    self.warn = warn or (lambda m: print(f"warning: {m}", file=sys.stderr, flush=True))
+    self.disk_full: str | None = None
     self._jsonl = self._tb = None
     if enabled:
-      os.makedirs(workdir, exist_ok=True)
-      self._jsonl = open(os.path.join(workdir, "metrics.jsonl"), "a")
-      from tensorboardX import SummaryWriter
-      self._tb = SummaryWriter(os.path.join(workdir, "tb"))
+      self._jsonl_path = os.path.join(workdir, "metrics.jsonl")
+      self._jsonl = self._guard("metrics.jsonl", lambda: open(self._jsonl_path, "a"))
+      self._tb = self._guard("tb/", lambda: _TensorBoard(os.path.join(workdir, "tb")))
+
+  def _guard(self, what: str, fn):
+    """``fn()``; an OSError is recorded (disk full) or warned about once; returns None then."""
+    try:
+      return fn()
+    except OSError as e:
+      msg = f"{what}: {e.strerror or e}"
+      if _disk_full(e):
+        self.disk_full = self.disk_full or msg
+      else:
+        self.warn(f"cannot write {msg}; that log is off for the rest of the run (training "
+                  "goes on)")
+      return None
 
   def log(self, step: int, scalars: dict, line: bool = True) -> None:
     if not self.enabled:
       return
     rec = _finite_or_none({"step": int(step), "time": time.time(), **scalars})
-    self._jsonl.write(json.dumps(rec, default=_json_default) + "\n")
-    self._jsonl.flush()
-    for k, v in scalars.items():
-      for name, x in (v.items() if isinstance(v, dict) else [(None, v)]):
-        if isinstance(x, (int, float)) and x is not None and math.isfinite(x):
-          self._tb.add_scalar(k if name is None else f"{k}/{name}", x, step)
+    if self._jsonl is not None:
+      text = json.dumps(rec, default=_json_default) + "\n"
+
+      def write():
+        self._jsonl.write(text)
+        self._jsonl.flush()
+        return True
+      if self._guard("metrics.jsonl", write) is None:
+        self._close_quietly(self._jsonl)
+        self._jsonl = None
+    if self._tb is not None:
+      flat = {}
+      for k, v in scalars.items():
+        for name, x in (v.items() if isinstance(v, dict) else [(None, v)]):
+          if isinstance(x, (int, float)) and x is not None and math.isfinite(x):
+            flat[k if name is None else f"{k}/{name}"] = x
+      if flat and self._guard("tb/", lambda: self._tb.scalars(step, flat) or True) is None:
+        self._close_quietly(self._tb)
+        self._tb = None
     if line:
       self.print_line(step, scalars)
 
@@ -120,10 +183,18 @@ class Progress:
       msg += f" | skipped {s['bad_steps']}"
     print(msg, file=self.stream, flush=True)
 
+  @staticmethod
+  def _close_quietly(f) -> None:
+    try:
+      f.close()
+    except (OSError, ValueError):
+      pass
+
   def close(self) -> None:
-    if self._jsonl:
-      self._jsonl.close()
-      self._tb.close()
+    for f in (self._jsonl, self._tb):
+      if f is not None:
+        self._close_quietly(f)
+    self._jsonl = self._tb = None
 
 
 def _json_default(x):

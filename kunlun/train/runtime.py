@@ -1,5 +1,6 @@
-"""Shared start-up of train.py and eval.py: multi-host init, compilation cache, mesh, data
-directory and its integrity, run info (JSON, no pickle), and a clean fatal-error exit."""
+"""Shared start-up of train.py and eval.py: settings checks, the workdir (its lock, writable
+outputs), multi-host init, compilation cache, mesh, data directory and its integrity, run info
+(JSON, no pickle, written atomically), and a clean fatal-error exit."""
 
 from __future__ import annotations
 
@@ -88,6 +89,43 @@ def quiet_closed_loop_errors() -> None:
   sys.unraisablehook = hook
 
 
+def check_settings(config, steps_flag=None, where: str = "") -> None:
+  """``kunlun.train.settings.check`` (and ``--steps``) as a one-line FatalError; ``where``
+  prefixes the message (e.g. the run_info.json a config was loaded from)."""
+  from kunlun.train import settings
+  try:
+    settings.check_flag("steps", steps_flag, 0, "an integer >= 0 (training steps)")
+    settings.check(config)
+  except settings.SettingsError as e:
+    fail(f"{where}: {e}" if where else str(e))
+
+
+def check_output(path: str, what: str) -> None:
+  """An output file can be written at ``path`` (a one-line FatalError naming the flag otherwise:
+  a directory there, read-only, full, no permission); run before the work that fills it."""
+  from kunlun.train.atomic import check_writable
+  why = check_writable(path, what) if jax.process_index() == 0 else None
+  if why:
+    fail(why)
+
+
+def prepare_workdir(workdir: str):
+  """train.py's workdir: a directory (created), writable, and locked for this run (process 0;
+  ``kunlun.train.lock``). Returns the held lock; problems are one-line FatalErrors."""
+  from kunlun.train import lock
+  if os.path.exists(workdir) and not os.path.isdir(workdir):
+    fail(f"--workdir={workdir}: exists and is not a directory")
+  if jax.process_index() == 0:
+    try:
+      os.makedirs(workdir, exist_ok=True)
+    except OSError as e:
+      fail(f"--workdir={workdir}: cannot create it ({e.strerror or e})")
+  try:
+    return lock.acquire_all(workdir)
+  except lock.LockError as e:
+    fail(str(e))
+
+
 def maybe_initialize_distributed(coordinator_address=None, num_processes=None, process_id=None):
   """``jax.distributed.initialize`` with explicit flags, or auto-detected from a cluster env
   (SLURM, Open MPI, ...); a no-op for a single process. Must run before any other JAX call."""
@@ -158,9 +196,12 @@ def synthetic_data_dir(workdir: str, config) -> str:
             flush=True)
       try:
         synthetic.generate(out, config.data.preset, n, config.data.get("synthetic_seed", 0))
+        open(done, "w").close()
       except ValueError as e:
         fail(f"config.data.preset: {e}")
-      open(done, "w").close()
+      except OSError as e:
+        fail(f"cannot generate the synthetic data into {out} ({e.strerror or e}); give "
+             "--data_dir or free space")
     if jax.process_count() > 1:
       from jax.experimental import multihost_utils
       multihost_utils.sync_global_devices("synthetic_data")
@@ -189,7 +230,7 @@ def check_data_files(data_dir: str, split: str) -> None:
     fail(f"--data_dir={data_dir}: {e}" if not str(e).startswith(data_dir) else str(e))
   if unsized and jax.process_index() == 0:
     print(f"note: {data_dir}/manifest.json records no file sizes (older format): only the "
-          f"existence of the {split!r} shards was checked at start-up; `python -m data.validate "
+          f"existence of the {split!r} shards was checked at start-up; `python -m data.verify "
           f"{data_dir} --deep --update_manifest` checks every record and records them",
           flush=True)
 
@@ -270,12 +311,13 @@ def save_run_info(workdir: str, config, data_dir: str) -> None:
     plain = config_to_plain(config)
   except TypeError as e:
     fail(str(e))
-  os.makedirs(workdir, exist_ok=True)
+  from kunlun.train import atomic
   path = os.path.join(workdir, RUN_INFO)
-  with open(path + ".tmp", "w") as f:
-    json.dump({"format": RUN_INFO_FORMAT, "data_dir": os.path.abspath(data_dir),
-               "config": plain}, f, indent=1)
-  os.replace(path + ".tmp", path)
+  try:
+    atomic.write_json(path, {"format": RUN_INFO_FORMAT, "data_dir": os.path.abspath(data_dir),
+                             "config": plain})
+  except OSError as e:
+    fail(f"--workdir={workdir}: cannot write {RUN_INFO} ({e.strerror or e})")
 
 
 def load_run_info(workdir: str, trust_pickle: bool = False):
@@ -287,11 +329,18 @@ def load_run_info(workdir: str, trust_pickle: bool = False):
     try:
       with open(path) as f:
         info = json.load(f)
-      if info.get("format") != RUN_INFO_FORMAT:
-        raise ValueError(f"format {info.get('format')!r}, expected {RUN_INFO_FORMAT!r}")
-      return _upgraded(config_from_plain(info["config"])), info.get("data_dir")
+      if not isinstance(info, dict) or info.get("format") != RUN_INFO_FORMAT:
+        got = info.get("format") if isinstance(info, dict) else type(info).__name__
+        raise ValueError(f"format {got!r}, expected {RUN_INFO_FORMAT!r}")
+      plain = info.get("config")
+      if not isinstance(plain, dict) or not plain:
+        raise ValueError(f"config is {plain!r}, expected the config train.py stored (a mapping "
+                         "with data, train and model sections)")
+      config = _upgraded(config_from_plain(plain))
     except (ValueError, KeyError, TypeError, AttributeError) as e:
       fail(f"{path}: unreadable run info ({type(e).__name__}: {e})")
+    check_settings(config, where=path)       # the rules of a fresh run, before any work
+    return config, info.get("data_dir")
   pkl = os.path.join(workdir, "config.pkl")
   if not os.path.exists(pkl):
     fail(f"--workdir={workdir}: no {RUN_INFO} (not a train.py workdir)")
@@ -304,7 +353,9 @@ def load_run_info(workdir: str, trust_pickle: bool = False):
   import pickle
   with open(pkl, "rb") as f:
     config = pickle.load(f)
-  return _upgraded(config), _saved_data_dir(workdir)
+  config = _upgraded(config)
+  check_settings(config, where=pkl)
+  return config, _saved_data_dir(workdir)
 
 
 def _upgraded(config):
@@ -334,6 +385,7 @@ def run_config(workdir: str, config=None, trust_pickle: bool = False):
   """``(config, data_dir)`` for eval-like programs: the given ``--config`` (the workdir still
   supplies the data directory, read without unpickling) or the one recorded in ``workdir``."""
   if config is not None:
+    check_settings(config)
     return config, _saved_data_dir(workdir)
   try:
     return load_run_info(workdir, trust_pickle)

@@ -22,6 +22,7 @@ import dataclasses
 import json
 import math
 import os
+import sys
 
 import jax
 import numpy as np
@@ -61,9 +62,7 @@ def plan(config, schema, data_dir: str, steps_flag: int | None, say=print) -> Pl
   n = sum(counts[s] for s in schema.surfaces if weights[s] > 0)
   B = int(config.data.batch_size)
   spe = max(1, math.ceil(n / B))
-  epochs = config.train.get("epochs", 0) or 0
-  if isinstance(epochs, bool) or not isinstance(epochs, (int, float)) or epochs < 0:
-    fail(f"config.train.epochs={epochs!r} must be a number >= 0 (0: use train.steps)")
+  epochs = config.train.get("epochs", 0) or 0     # types / ranges: kunlun.train.settings
   if epochs > 0:
     if steps_flag is not None:
       fail(f"--steps={steps_flag} and config.train.epochs={epochs:g} both set: give one")
@@ -76,8 +75,6 @@ def plan(config, schema, data_dir: str, steps_flag: int | None, say=print) -> Pl
   vsplit = config.data.get("valid_split", "valid") or None
   has = bool(vsplit) and vsplit in records.load_manifest(data_dir)["splits"]
   ve = config.train.get("validate_every", 0)
-  if isinstance(ve, bool) or not isinstance(ve, int) or ve < -1:
-    fail(f"config.train.validate_every={ve!r}: steps > 0, 0 (once per epoch) or -1 (never)")
   if ve > 0 and not has:
     fail(f"config.train.validate_every={ve}: the data has no split {vsplit!r} "
          "(config.data.valid_split; data.ingest --split time:... writes 'valid')")
@@ -125,6 +122,8 @@ class Validator:
     self.schema, self.prog, self.say = schema, prog, say
     self.main = jax.process_index() == 0
     self.last, self._mngr = None, None
+    self.disk_full: str | None = None          # a keep-best save found no space
+    self.dir = os.path.join(workdir, "best")
     if not self.on:
       return
     from kunlun import config as model_config
@@ -136,7 +135,6 @@ class Validator:
     self.seq_lens = model_config.seq_lens(config)
     self.best_task = config.train.get("best_task", "") or ""
     self.keep = bool(config.train.get("keep_best", False))
-    self.dir = os.path.join(workdir, "best")
     self.best = None
     if self.keep and os.path.exists(os.path.join(self.dir, "best.json")):
       with open(os.path.join(self.dir, "best.json")) as f:
@@ -180,7 +178,14 @@ class Validator:
       self.say(f"validation step {step} (epoch {epoch:.2f}): NE {fmt(ne)} | AUC {fmt(auc)}"
                + (" | best so far" if better and self.keep else ""), flush=True)
     if self.keep and better:
-      self._save_best(step, params, value, ne, auc)
+      try:
+        self._save_best(step, params, value, ne, auc)
+      except Exception as e:  # noqa: BLE001 -- orbax / OS errors: report in one line
+        from kunlun.train.checkpoint import is_disk_full, short_error, space_error
+        if is_disk_full(e):
+          self.disk_full = space_error(e, self.dir)
+        print(f"warning: keep-best params of step {step} could not be written to {self.dir} "
+              f"({short_error(e)}); the previous best stays", file=sys.stderr, flush=True)
     return True
 
   def _save_best(self, step, params, value, ne, auc):
@@ -202,10 +207,18 @@ class Validator:
     self.best = {"step": int(step), "value": float(value),
                  "task": self.best_task or "mean", "valid_ne": ne, "valid_auc": auc}
     if self.main:
-      with open(os.path.join(self.dir, "best.json.tmp"), "w") as f:
-        json.dump(self.best, f, indent=1)
-      os.replace(os.path.join(self.dir, "best.json.tmp"), os.path.join(self.dir, "best.json"))
+      from kunlun.train import atomic
+      atomic.write_json(os.path.join(self.dir, "best.json"), self.best)
+
+  def remove_tmp_dirs(self) -> list[str]:
+    """Partial keep-best saves left by failed writes (process 0)."""
+    from kunlun.train.checkpoint import remove_tmp_dirs
+    return remove_tmp_dirs(self.dir) if self.main else []
 
   def close(self) -> None:
     if self._mngr is not None:
-      self._mngr.close()
+      try:
+        self._mngr.close()
+      except Exception:  # noqa: BLE001 -- a failed last save was reported already
+        pass
+      self._mngr = None

@@ -169,10 +169,8 @@ class _Progress:
     self._write()
 
   def _write(self):
-    tmp = self.path + ".tmp"
-    with open(tmp, "w") as f:
-      json.dump(self.state, f)
-    os.replace(tmp, self.path)
+    from kunlun.train import atomic
+    atomic.write_json(self.path, self.state, indent=None)
 
 
 def _check_layout(out_dir: str, layout: dict) -> None:
@@ -262,7 +260,16 @@ def export(workdir: str, out_dir: str, *, data_dir: str | None = None, splits=("
     raise ValueError(f"--quantize={quantize_mode!r}; allowed: {QUANT}")
   if shard_batches < 1:
     raise ValueError(f"--shard_batches must be >= 1, got {shard_batches}")
+  if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int)
+                                 or batch_size < 1):
+    raise ValueError(f"--batch_size={batch_size}: allowed an integer >= 1 (leave it out for the "
+                     "FM's config.data.batch_size)")
+  if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+    raise ValueError(f"--out={out_dir}: exists and is not a directory")
   pid, nproc = jax.process_index(), jax.process_count()
+  ckpt = checkpoint.Checkpointer(os.path.join(workdir, "checkpoints"), read_only=True)
+  if not ckpt.all_steps():
+    raise ValueError(f"--workdir={workdir}: no checkpoint found in {ckpt.directory}")
   config, saved_dir = runtime.load_run_info(workdir, trust_workdir)
   data_dir = data_dir or saved_dir
   if not data_dir:
@@ -275,7 +282,8 @@ def export(workdir: str, out_dir: str, *, data_dir: str | None = None, splits=("
   data_cfg.batch_size = batch_size or config.data.batch_size
   runtime.check_batch_size(data_cfg.batch_size, mesh, rules, "--batch_size")
   seq_lens = model_config.seq_lens(config)
-  ckpt = checkpoint.Checkpointer(os.path.join(workdir, "checkpoints"), read_only=True)
+  if pid == 0:
+    runtime.check_output(os.path.join(out_dir, "manifest.json"), "--out")   # before the model
   os.makedirs(out_dir, exist_ok=True)
   layout = {"process_count": nproc, "batch_size": int(data_cfg.batch_size),
             "shard_batches": shard_batches, "quantize": quantize_mode, "summaries": summaries}
@@ -332,6 +340,7 @@ def export(workdir: str, out_dir: str, *, data_dir: str | None = None, splits=("
             w.write(r)
           count += int(keep.sum())
       w.close()
+      _fsync(tmp)
       os.replace(tmp, os.path.join(out_dir, rel))
       prog.set(split, k, {"file": rel, "count": count})
       dt = time.perf_counter() - t0
@@ -364,16 +373,22 @@ def export(workdir: str, out_dir: str, *, data_dir: str | None = None, splits=("
       "tasks": list(schema.task_names), "surfaces": list(schema.surfaces),
   }
   if pid == 0:
-    tmp = os.path.join(out_dir, ".manifest.json.tmp")
-    with open(tmp, "w") as f:
-      json.dump(manifest, f, indent=1)
-    os.replace(tmp, os.path.join(out_dir, "manifest.json"))
+    from kunlun.train import atomic
+    atomic.write_json(os.path.join(out_dir, "manifest.json"), manifest)   # written last
     log(f"[export] wrote {out_dir}/manifest.json: "
         f"{ {s: v['count'] for s, v in manifest_splits.items()} }")
   if nproc > 1:
     from jax.experimental import multihost_utils
     multihost_utils.sync_global_devices("kunlun_export_manifest_written")
   return manifest
+
+
+def _fsync(path: str) -> None:
+  fd = os.open(path, os.O_RDONLY)
+  try:
+    os.fsync(fd)
+  finally:
+    os.close(fd)
 
 
 def _recorded_step(out_dir: str):
@@ -404,15 +419,16 @@ def main(argv=None):
   a = ap.parse_args(argv)
   from kunlun.train import runtime
   from kunlun.train.runtime import FatalError, maybe_initialize_distributed
-  runtime.quiet_closed_loop_errors()
+  runtime.quiet_checkpoint_logs()
   try:
     maybe_initialize_distributed(a.coordinator_address, a.num_processes, a.process_id)
     export(a.workdir, a.out, data_dir=a.data_dir, splits=tuple(a.split.split(",")),
            quantize_mode=a.quantize, summaries=a.summaries, batch_size=a.batch_size,
            shard_batches=a.shard_batches, step=a.step, mesh_flag=a.mesh,
            dcn_mesh_flag=a.dcn_mesh, trust_workdir=a.trust_workdir)
-  except (ValueError, FileNotFoundError, FatalError) as e:
-    print(f"error: {e}", file=sys.stderr)
+  except (ValueError, OSError, FatalError) as e:
+    msg = f"{e.filename}: {e.strerror}" if isinstance(e, OSError) and e.strerror else str(e)
+    print(f"error: {' '.join(msg.split())}", file=sys.stderr)
     return 2
   return 0
 

@@ -230,3 +230,22 @@ def test_train_checkpointer_restores_iterator_under_another_process_count(tiny_d
   assert step == 1
   np.testing.assert_array_equal(p["w"], params["w"])
   jax.tree.map(np.testing.assert_array_equal, want, next(it1))
+
+
+def test_zero_weight_surface_in_the_middle_is_never_picked():
+  """Weights {feed 0.5, stories 0, reels 0.5}: every row comes from feed or reels, about half
+  each, and stories never; the per-surface counts in the state match the rows (an independent
+  count). Picking an index among the active surfaces only (not mapped back to all surfaces)
+  would train on stories and never on reels."""
+  plan = elastic.TrainPlan({"feed": 1000, "stories": 500, "reels": 800},
+                           {"feed": 0.5, "stories": 0.0, "reels": 0.5}, seed=5,
+                           global_batch=256, shard_index=0, shard_count=1)
+  st, src = plan.initial_state(), []
+  for _ in range(8):
+    rows, st = plan.step(st)
+    src.append(rows.source)
+  src = np.concatenate(src)
+  counts = collections.Counter(src.tolist())
+  assert set(counts) == {0, 2} and counts[1] == 0
+  assert 0.4 < counts[0] / len(src) < 0.6
+  assert st["consumed"] == {"feed": counts[0], "stories": 0, "reels": counts[2]}

@@ -188,3 +188,23 @@ def test_batch_validator_agrees_with_validator_on_corrupted_bytes():
     np.testing.assert_array_equal(cols["dense"][3], rec["dense"])
     np.testing.assert_array_equal(cols["labels"][3], rec["labels"])
   assert 30 < n_rejected < 290                       # both outcomes exercised
+
+
+def test_validate_and_verify_import_one_way():
+  """``data.verify`` (the dataset check) is built on ``data.validate`` (the record rules), never
+  the reverse: nothing in validate imports verify, not even its old-name script entry."""
+  import ast
+  import inspect
+
+  from data import validate, verify
+
+  def imported(mod):
+    names = set()
+    for n in ast.walk(ast.parse(inspect.getsource(mod))):
+      if isinstance(n, ast.ImportFrom):
+        names |= {n.module or ""} | {f"{n.module}.{a.name}" for a in n.names}
+      elif isinstance(n, ast.Import):
+        names |= {a.name for a in n.names}
+    return names
+  assert not {x for x in imported(validate) if "verify" in x}
+  assert "data.validate" in imported(verify)

@@ -6,12 +6,13 @@ logistic-regression baseline. The eval NE is recomputed here from the prediction
 import json
 import math
 import os
-import subprocess
 import sys
 
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
+
+from tests import subproc
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -39,9 +40,9 @@ def test_real_data_bench_quick(tmp_path):
   _inter(inter)
   out, work = tmp_path / "r.json", tmp_path / "work"
   env = {**os.environ, "JAX_PLATFORMS": "cpu", "KUNLUN_COMPILATION_CACHE": str(tmp_path / "xla")}
-  subprocess.run([sys.executable, os.path.join(ROOT, "bench", "real_data.py"), "--quick",
-                  "--inter", str(inter), "--archs", "kunlun,lr", "--workdir", str(work),
-                  "--out", str(out)], check=True, env=env, cwd=ROOT, timeout=1200)
+  subproc.run([sys.executable, os.path.join(ROOT, "bench", "real_data.py"), "--quick",
+               "--inter", str(inter), "--archs", "kunlun,lr", "--workdir", str(work),
+               "--out", str(out)], check=True, env=env, cwd=ROOT)
   r = json.loads(out.read_text())
   assert set(r["models"]) == {"kunlun", "logreg"} and r["quick"]
   k = r["models"]["kunlun"]["seeds"]["0"]

@@ -3,11 +3,12 @@
 import json
 import math
 import os
-import subprocess
 import sys
 
 import numpy as np
 import pytest
+
+from tests import subproc
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
@@ -62,9 +63,9 @@ def test_summary_scaling_efficiency_ratio_per_seed():
 def test_scaling_quick(tmp_path):
   out = tmp_path / "scaling.json"
   env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-  subprocess.run([sys.executable, os.path.join(ROOT, "bench", "scaling.py"), "--quick",
-                  "--workdir", str(tmp_path / "work"), "--out", str(out)],
-                 check=True, env=env, cwd=ROOT, timeout=900, capture_output=True)
+  subproc.run([sys.executable, os.path.join(ROOT, "bench", "scaling.py"), "--quick",
+               "--workdir", str(tmp_path / "work"), "--out", str(out)],
+              check=True, env=env, cwd=ROOT)
   r = json.loads(out.read_text())
   assert (tmp_path / "scaling.png").stat().st_size > 1000
   assert {x["arch"] for x in r["runs"]} == set(S.ARCHS)

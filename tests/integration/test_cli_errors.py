@@ -1,18 +1,52 @@
 """Bad invocations of every command line program fail fast with one error line, never a
-traceback: train.py, eval.py, ``python -m data.synthetic``, ``data.ingest``, ``data.validate``,
+traceback: train.py, eval.py, ``python -m data.synthetic``, ``data.ingest``, ``data.verify`` (and its old name ``data.validate``),
 the FM export, ``kunlun.serving.export`` and ``bench/real_data.py``. Every case is a subprocess
-that stops before any compilation (most before importing jax); two run at a time."""
+that stops before any compilation (most before importing jax); two run at a time. Bad settings
+(issue 20) stop before any data is read: train.py is given a real dataset and would train (and
+time out here) if a check were lost; so are a workdir held by another train.py, output paths
+that are directories, read-only or full, and a run_info.json with a bad config."""
 
 import concurrent.futures
 import json
 import os
 import pickle
+import shutil
 import subprocess
 import sys
 
 import pytest
 
+from tests import fs_faults
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+HOLD = ("import sys, time\n"
+        "from kunlun.train.lock import WorkdirLock\n"
+        "WorkdirLock(sys.argv[1]).acquire()\n"
+        "print('held', flush=True)\n"
+        "time.sleep(3600)\n")
+
+
+def _checkpointed(wd, data):
+  """A workdir with run_info.json (tiny config) and one committed checkpoint of a stand-in tree:
+  enough for the checks that come before a restore."""
+  import grain
+  import jax.numpy as jnp
+
+  from kunlun.configs import tiny
+  from kunlun.train import checkpoint, runtime
+  runtime.save_run_info(wd, tiny.get_config(), data)
+  ck = checkpoint.Checkpointer(os.path.join(wd, "checkpoints"))
+  it = iter(grain.MapDataset.range(8).to_iter_dataset().batch(2))
+  ck.save(2, {"w": jnp.ones(4)}, {"m": jnp.zeros(4)}, __import__("jax").random.key(0), it)
+  ck.close()
+
+
+def _edit_run_info(src, dst, edit):
+  shutil.copytree(src, dst)
+  path = os.path.join(dst, "run_info.json")
+  info = json.load(open(path))
+  edit(info)
+  json.dump(info, open(path, "w"))
 
 
 @pytest.fixture(scope="module")
@@ -61,12 +95,29 @@ def paths(tmp_path_factory):
   badschema = base / "badschema"                          # a dataset whose schema.json is cut
   badschema.mkdir()
   (badschema / "schema.json").write_text('{"sparse": [')
-  return {"data": data, "cut": cut, "shard": shard, "fresh": fresh, "old": str(old),
-          "file": str(afile), "wd": str(base / "wd"), "missing": str(base / "missing"),
-          "out": str(base / "ingest_out"), "badschema": str(badschema),
-          "dupcol": str(base / "dupcol.csv"), "bigid": str(base / "bigid.csv"),
-          "holder": str(holder), "held": str(holder / "log.csv"),
-          **{k: str(base / v) for k, v in names.items()}}
+  ck = str(base / "ck")                                   # run info + a committed checkpoint
+  _checkpointed(ck, data)
+  _edit_run_info(ck, str(base / "info_null"), lambda i: i.update(config=None))
+  _edit_run_info(ck, str(base / "info_nomodel"), lambda i: i["config"].pop("model"))
+  _edit_run_info(ck, str(base / "info_huge"),
+                 lambda i: i["config"]["data"].update(batch_size=10**12))
+  _edit_run_info(ck, str(base / "info_str"), lambda i: i["config"]["data"].update(batch_size="64"))
+  locked = base / "locked"                                # held by another train.py
+  locked.mkdir()
+  locker = subprocess.Popen([sys.executable, "-c", HOLD, str(locked)], cwd=ROOT,
+                            env=dict(os.environ, PYTHONPATH=ROOT), stdout=subprocess.PIPE,
+                            text=True)
+  assert locker.stdout.readline().strip() == "held"
+  yield {"data": data, "cut": cut, "shard": shard, "fresh": fresh, "old": str(old),
+         "file": str(afile), "wd": str(base / "wd"), "missing": str(base / "missing"),
+         "out": str(base / "ingest_out"), "badschema": str(badschema), "ck": ck,
+         "dupcol": str(base / "dupcol.csv"), "bigid": str(base / "bigid.csv"),
+         "holder": str(holder), "held": str(holder / "log.csv"),
+         "locked": str(locked), "holder_pid": str(locker.pid),
+         **{k: str(base / k) for k in ("info_null", "info_nomodel", "info_huge", "info_str")},
+         **{k: str(base / v) for k, v in names.items()}}
+  locker.kill()
+  locker.wait(timeout=30)
 
 
 # (program, args, a substring the error line must contain); {name} -> paths[name]
@@ -80,23 +131,53 @@ CASES = [
     ("train.py", ["--workdir={wd}", "steps=5"], "unexpected argument(s) ['steps=5']"),
     ("train.py", ["--workdir={wd}", "--data_dir={missing}"], "no such directory"),
     ("train.py", ["--workdir={wd}", "--config.train.microbatches=3"],
-     "config.train.microbatches=3 must be >= 1 and divide"),
+     "config.train.microbatches = 3: allowed a divisor of config.data.batch_size = 64"),
+    # settings checked before any data is read (issue 20)
+    ("train.py", ["--workdir={wd}", "--data_dir={data}", "--config.train.keep_checkpoints=0"],
+     "config.train.keep_checkpoints = 0: allowed an integer >= 1"),
+    ("train.py", ["--workdir={wd}", "--data_dir={data}", "--steps=-1"],
+     "--steps=-1: allowed an integer >= 0"),
+    ("train.py", ["--workdir={wd}", "--data_dir={data}", "--config.train.checkpoint_every=0"],
+     "config.train.checkpoint_every = 0: allowed an integer >= 1"),
+    ("train.py", ["--workdir={wd}", "--data_dir={data}", "--config.train.log_every=0"],
+     "config.train.log_every = 0: allowed an integer >= 1"),
+    ("train.py", ["--workdir={wd}", "--data_dir={data}", "--config.data.batch_size=0"],
+     "config.data.batch_size = 0: allowed an integer in [1, 1048576]"),
+    ("train.py", ["--workdir={wd}", "--data_dir={data}", "--config.data.batch_size=-64"],
+     "config.data.batch_size = -64: allowed an integer in [1, 1048576]"),
+    ("train.py", ["--workdir={wd}", "--config.train.max_bad_steps=-1"],
+     "config.train.max_bad_steps = -1"),
+    ("train.py", ["--workdir={file}"], "--workdir={file}: exists and is not a directory"),
+    ("train.py", ["--workdir={file}/sub"], "--workdir={file}/sub: cannot create it"),
+    ("train.py", ["--workdir={locked}", "--data_dir={data}"],
+     "--workdir={locked} is in use: train.py (pid {holder_pid} on host"),
     ("train.py", ["--workdir={wd}", "--data_dir={cut}"], "{shard}: "),
     ("train.py", ["--workdir={wd}", "--data_dir={data}",
                   "--config.data.surface_weights=feed=1,search=1"], "unknown surface(s) ['search']"),
     ("eval.py", ["--workdir={missing}"], "no checkpoint"),
     ("eval.py", ["--workdir={old}"], "--trust_workdir"),
     ("eval.py", ["--workdir={old}", "--step=two"], "--step=two"),
+    ("eval.py", ["--workdir={ck}", "--batch_size=0"], "--batch_size=0: allowed an integer >= 1"),
+    ("eval.py", ["--workdir={ck}", "--step=-2"], "--step=-2: allowed an integer >= 0"),
+    ("eval.py", ["--workdir={ck}", "--out={ck}/checkpoints"],
+     "--out={ck}/checkpoints: is a directory"),
+    ("eval.py", ["--workdir={ck}", "--predictions={ck}"], "--predictions={ck}: is a directory"),
+    ("eval.py", ["--workdir={ck}", "--out={file}/m.json"], "--out={file}/m.json: cannot create"),
+    ("eval.py", ["--workdir={info_null}"], "unreadable run info (ValueError: config is None"),
+    ("eval.py", ["--workdir={info_huge}"],
+     "config.data.batch_size = 1000000000000: allowed an integer in [1, 1048576]"),
+    ("eval.py", ["--workdir={info_str}"], "config.data.batch_size = '64': allowed an integer"),
     ("-m data.synthetic", ["--out={file}/sub", "--num_examples=50"], "Not a directory"),
     ("-m data.synthetic", ["--out={wd}", "--num_examples=-5"], "num_examples must be > 0"),
     ("-m data.synthetic", ["--out={wd}", "--preset=huge"], "invalid choice: 'huge'"),
-    ("-m data.validate", ["{missing}"], "no such directory"),
-    ("-m data.validate", ["{file}"], "not a directory"),
-    ("-m data.validate", ["{fresh}"], "no schema.json"),
-    ("-m data.validate", ["{badschema}"], "schema.json: not valid JSON"),
-    ("-m data.validate", ["{data}", "--split=nope"], "unknown split(s) ['nope']"),
-    ("-m data.validate", ["{data}", "--update_manifest"], "--update_manifest needs --deep"),
-    ("-m data.validate", ["{data}", "--json={missing}/r.json"], "--json={missing}/r.json"),
+    ("-m data.verify", ["{missing}"], "no such directory"),
+    ("-m data.validate", ["{missing}"], "no such directory"),        # the old name, one release
+    ("-m data.verify", ["{file}"], "not a directory"),
+    ("-m data.verify", ["{fresh}"], "no schema.json"),
+    ("-m data.verify", ["{badschema}"], "schema.json: not valid JSON"),
+    ("-m data.verify", ["{data}", "--split=nope"], "unknown split(s) ['nope']"),
+    ("-m data.verify", ["{data}", "--update_manifest"], "--update_manifest needs --deep"),
+    ("-m data.verify", ["{data}", "--json={missing}/r.json"], "--json={missing}/r.json"),
     ("-m data.ingest", ["--input={log}"], "required: --out"),
     ("-m data.ingest", ["--input={log}", "--out={out}", "--bogus"], "unrecognized arguments"),
     ("-m data.ingest", ["--input={missing}/a.csv", "--out={out}"], "{missing}/a.csv: no such"),
@@ -122,6 +203,12 @@ CASES = [
     ("-m kunlun.transfer.export", ["--workdir={fresh}", "--out={wd}"], "no checkpoint"),
     ("-m kunlun.transfer.export", ["--workdir={old}", "--out={wd}"], "--trust_workdir"),
     ("-m kunlun.transfer.export", ["--workdir={fresh}"], "--out"),
+    ("-m kunlun.transfer.export", ["--workdir={ck}", "--out={wd}", "--batch_size=0"],
+     "--batch_size=0: allowed an integer >= 1"),
+    ("-m kunlun.transfer.export", ["--workdir={info_nomodel}", "--out={wd}"],
+     "config.model: missing"),
+    ("-m kunlun.transfer.export", ["--workdir={ck}", "--out={file}"],
+     "--out={file}: exists and is not a directory"),
     ("-m kunlun.serving.export", ["--workdir={fresh}"], "--out"),
     ("-m kunlun.serving.export", ["--workdir={fresh}", "--out={wd}", "--step=two"],
      "invalid int value: 'two'"),
@@ -132,6 +219,10 @@ CASES = [
     ("-m kunlun.serving.export", ["--workdir={fresh}", "--out={wd}", "--platforms=metal"],
      "--platforms=metal"),
     ("-m kunlun.serving.export", ["--workdir={old}", "--out={wd}"], "--trust_workdir"),
+    ("-m kunlun.serving.export", ["--workdir={info_nomodel}", "--out={wd}"],
+     "config.model: missing"),
+    ("-m kunlun.serving.export", ["--workdir={ck}", "--out={file}"],
+     "--out={file}: exists and is not a directory"),
     ("-m kunlun.serving.export", ["--workdir={old}", "--out={wd}", "--trust_workdir",
                                   "--data_dir={data}"], "incomplete or corrupt"),
     # {inter} (rows that do not parse) stops the bench early should a flag check ever be lost:
@@ -161,31 +252,99 @@ CASES = [
 ]
 
 
-def _run(case, paths, env):
+def _run(case, paths, env, i=0):
   prog, args, _ = case
+  paths = dict(paths, wd=f"{paths['wd']}{i}")          # cases run in parallel: own workdirs
   args = [a.format(**paths) for a in args]
   cmd = [sys.executable, *(prog.split() if prog.startswith("-m") else [prog]), *args]
   try:
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
   except subprocess.TimeoutExpired as e:     # e.g. a case that no longer fails and trains
     out = (e.stdout or b"").decode(errors="replace") + (e.stderr or b"").decode(errors="replace")
     return subprocess.CompletedProcess(cmd, "timeout", out, "")
 
 
-def test_bad_invocations_give_one_error_line(paths):
+def _env():
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT, XLA_FLAGS="",
              KUNLUN_COMPILATION_CACHE="")
   env.pop("JAX_NUM_CPU_DEVICES", None)
+  return env
+
+
+def _check_table(cases, paths):
+  env = _env()
   with concurrent.futures.ThreadPoolExecutor(2) as pool:
-    results = list(pool.map(lambda c: _run(c, paths, env), CASES))
+    results = list(pool.map(lambda ic: _run(ic[1], paths, env, ic[0]), enumerate(cases)))
   failures = []
-  for (prog, args, want), p in zip(CASES, results, strict=True):
+  for i, ((prog, args, want), p) in enumerate(zip(cases, results, strict=True)):
     out = p.stdout + p.stderr
     errors = [x for x in out.splitlines() if "error:" in x.lower()]
-    want = want.format(**paths)
+    want = want.format(**dict(paths, wd=f"{paths['wd']}{i}"))
     ok = (p.returncode == 2 and "Traceback" not in out and len(errors) == 1
           and want in errors[0])
     if not ok:
       failures.append(f"{prog} {args}: rc={p.returncode} errors={errors} want {want!r}\n"
                       f"{out[-1500:]}")
   assert not failures, "\n\n".join(failures)
+
+
+def test_bad_invocations_give_one_error_line(paths):
+  _check_table(CASES, paths)
+
+
+def test_show_config_lists_every_field_with_overrides(paths):
+  """``train.py --show_config``: every field, its value after overrides, a description; no
+  workdir needed, nothing written."""
+  p = subprocess.run([sys.executable, "train.py", "--show_config", "--config.train.lr=0.25",
+                      "--config.seed=3"], cwd=ROOT, env=_env(), capture_output=True, text=True,
+                     timeout=300)
+  assert p.returncode == 0, p.stderr[-2000:]
+  rows = {x.split(" = ")[0].strip(): x for x in p.stdout.splitlines() if " = " in x}
+  assert "0.25" in rows["train.lr"] and "learning rate" in rows["train.lr"]
+  assert rows["seed"].split(" = ")[1].split()[0] == "3"
+  assert {"data.batch_size", "train.epochs", "model.arch", "model.backend", "train.remat",
+          "sharding.rules", "model.towers.click.width"} <= set(rows)
+  assert "(no description)" not in p.stdout and "all settings within" in p.stdout
+
+
+@pytest.fixture(scope="module")
+def fs_paths(paths, tmp_path_factory):
+  """A read-only copy of the checkpointed workdir and of an empty directory, and a full disk
+  (a 1 MB tmpfs filled up); skipped where this machine can make neither."""
+  base = tmp_path_factory.mktemp("fs")
+  ro_ck, ro = str(base / "ro_ck"), str(base / "ro")
+  shutil.copytree(paths["ck"], ro_ck)
+  os.makedirs(ro)
+  cleanups = [fs_faults.make_readonly(ro_ck), fs_faults.make_readonly(ro)]
+  full = str(base / "full")
+  cleanups.append(fs_faults.small_fs(full, "1m"))
+  if cleanups[-1] is not None:
+    with open(os.path.join(full, "filler"), "wb") as f:
+      try:
+        f.write(b"\0" * (2 << 20))
+      except OSError:
+        pass
+  if any(c is None for c in cleanups[:2]):
+    pytest.skip("cannot make a read-only directory on this machine")
+  yield dict(paths, ro_ck=ro_ck, ro=ro, full=full if cleanups[-1] else None)
+  for c in reversed(cleanups):
+    if c is not None:
+      c()
+
+
+def test_read_only_and_full_outputs_fail_before_work(fs_paths):
+  """A read-only workdir (train.py before writing anything; eval.py's default --out before it
+  evaluates) and a full --out are one line naming the path and the OS reason."""
+  cases = [
+      ("train.py", ["--workdir={ro}", "--data_dir={data}"],
+       "--workdir={ro}: cannot create train.lock (Read-only file system)"),
+      ("train.py", ["--workdir={ro}/new", "--data_dir={data}"],
+       "--workdir={ro}/new: cannot create it (Read-only file system)"),
+      ("eval.py", ["--workdir={ro_ck}"],
+       "--out (default)={ro_ck}/metrics.json: cannot write in {ro_ck} (Read-only file system)"),
+      ("-m kunlun.transfer.export", ["--workdir={ck}", "--out={ro}/e"], "{ro}/e"),
+  ]
+  if fs_paths["full"]:
+    cases.append(("eval.py", ["--workdir={ck}", "--out={full}/m.json"],
+                  "--out={full}/m.json: cannot write in {full} (No space left on device)"))
+  _check_table(cases, fs_paths)

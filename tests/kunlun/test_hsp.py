@@ -92,9 +92,12 @@ def test_hsp_padding_invariance_and_gradients():
   assert np.all(g[~valid] == 0) and np.abs(g[valid]).sum() > 0
 
 
-def test_pma_matches_numpy():
+@pytest.mark.parametrize("out_dim", [None, 5])
+def test_pma_matches_numpy(out_dim):
+  """Also the ``out_dim`` path (HSP->PMA ablation): the RMS-normalised pooled tokens times the
+  ``final`` projection."""
   s, lengths = _seq()
-  m = PMA(n_sum=3, heads=2)
+  m = PMA(n_sum=3, heads=2, out_dim=out_dim)
   v = jax.jit(m.init)(jax.random.key(0), s, lengths)
   p = _params(v)
   y = np.asarray(jax.jit(m.apply)(v, s, lengths))
@@ -110,6 +113,9 @@ def test_pma_matches_numpy():
         pr = np.exp(sc - sc.max(-1, keepdims=True))
         o[b, :, h] = (pr / pr.sum(-1, keepdims=True)) @ vv[b, :lengths[b], h]
   ref = e + np.einsum("bnhc,hcd->bnd", o, p["out"])
+  if out_dim:
+    assert y.shape == (3, 3, out_dim)
+    ref = rms(ref) @ p["final"]
   np.testing.assert_allclose(y, ref, rtol=1e-4, atol=1e-5)
 
 

@@ -192,15 +192,16 @@ def test_step_without_commit_marker_is_never_used(three_steps):
 
 
 def test_failed_write_is_reported_and_keeps_previous_steps(three_steps, monkeypatch):
-  """An OSError in the async commit of step 4 (disk full): a warning names it, training can go
-  on, step 4 is never listed, step 3 still restores; a final save that fails raises."""
+  """An OSError in the async commit of step 4 (an I/O error; a full disk stops training, see
+  below): a warning names it, training can go on, step 4 is never listed, step 3 still
+  restores; a final save that fails raises."""
   from orbax.checkpoint._src.handlers import json_checkpoint_handler as jh
   d, params, opt, saved = three_steps
   orig = jh.JsonCheckpointHandler._save_fn
 
   async def failing(self, x, directory):
     if x.get("step") in (4, 6):
-      raise OSError(28, "No space left on device")
+      raise OSError(5, "Input/output error")
     return await orig(self, x, directory)
   monkeypatch.setattr(jh.JsonCheckpointHandler, "_save_fn", failing)
   warnings = []
@@ -208,7 +209,7 @@ def test_failed_write_is_reported_and_keeps_previous_steps(three_steps, monkeypa
   ck.save(4, params, opt, jax.random.key(4), _iter())
   ck.save(5, params, opt, jax.random.key(5), _iter())       # surfaces step 4's failure
   assert len(warnings) == 1 and "step 4 could not be written" in warnings[0]
-  assert "No space left on device" in warnings[0] and "newest good checkpoint is step 3" \
+  assert "Input/output error" in warnings[0] and "newest good checkpoint is step 3" \
       in warnings[0]
   ck.wait()                                                  # step 5 is fine
   assert ck.all_steps() == [1, 2, 3, 5]
@@ -265,4 +266,215 @@ def test_flipped_bit_in_param_data_is_caught_by_checksums(tmp_path):
                                   _iter())
   assert step == 1 and "checksum mismatch" in warnings[0]
   np.testing.assert_array_equal(np.asarray(p["w"]), w)
+  ck.close()
+
+
+# ---- issue 20: readers while a trainer writes, renamed steps, tampering, a full disk ----------
+
+def _small(seed=0):
+  mesh = _mesh((8,), ("fsdp",))
+  sh = NamedSharding(mesh, P("fsdp", None))
+  rng = np.random.default_rng(seed)
+  return ({"w": jax.device_put(rng.normal(size=(16, 8)).astype(np.float32), sh)},
+          {"m": jax.device_put(rng.normal(size=(16, 8)).astype(np.float32), sh)})
+
+
+def test_reader_lists_steps_at_restore_time_not_at_open(tmp_path):
+  """A read-only Checkpointer opened at [20, 40, 60]; the trainer then saves 80 and its cleanup
+  deletes 20, 40 and 60. The reader restores 80 (orbax's read-only manager alone still lists
+  the steps it read at open and, filtered by what exists, finds none)."""
+  import shutil
+  d = str(tmp_path / "ck")
+  params, opt = _small()
+  w = checkpoint.Checkpointer(d, keep=10)
+  for s in (20, 40, 60):
+    w.save(s, jax.tree.map(lambda x, s=s: x + s, params), opt, jax.random.key(s), _iter())
+    w.wait()
+  ro = checkpoint.Checkpointer(d, read_only=True)
+  assert ro.all_steps() == [20, 40, 60]
+  w.save(80, jax.tree.map(lambda x: x + 80, params), opt, jax.random.key(80), _iter())
+  w.wait()
+  for s in (20, 40, 60):
+    shutil.rmtree(os.path.join(d, str(s)))
+  assert ro.all_steps() == [80] and ro.latest_step() == 80
+  step, p = ro.restore_params(checkpoint.abstract_like(params))
+  assert step == 80
+  np.testing.assert_array_equal(np.asarray(p["w"]), np.asarray(params["w"]) + 80)
+  ro.close()
+  w.close()
+
+
+def test_step_deleted_between_list_and_restore_retries_the_newest(tmp_path, monkeypatch):
+  """The newest step disappears while it is read (the trainer saved a newer one and removed it):
+  restore_params without --step retries with the newest committed step, with a warning; an
+  explicitly asked step that disappears is a one-line error."""
+  import shutil
+  d = str(tmp_path / "ck")
+  params, opt = _small()
+  w = checkpoint.Checkpointer(d, keep=10)
+  for s in (1, 2, 3):
+    w.save(s, jax.tree.map(lambda x, s=s: x + s, params), opt, jax.random.key(s), _iter())
+    w.wait()
+  warnings = []
+  ro = checkpoint.Checkpointer(d, read_only=True, warn=warnings.append)
+  orig = ro.mngr.restore
+  calls = []
+
+  def restore(step, *a, **k):
+    calls.append(step)
+    if len(calls) == 1:                     # the trainer: step 4 saved, step 3 deleted mid-read
+      w.save(4, jax.tree.map(lambda x: x + 4, params), opt, jax.random.key(4), _iter())
+      w.wait()
+      shutil.rmtree(os.path.join(d, str(step)))
+      raise FileNotFoundError(f"{d}/{step}/params: gone")
+    return orig(step, *a, **k)
+  monkeypatch.setattr(ro.mngr, "restore", restore)
+  step, p = ro.restore_params(checkpoint.abstract_like(params))
+  assert calls == [3, 4] and step == 4
+  np.testing.assert_array_equal(np.asarray(p["w"]), np.asarray(params["w"]) + 4)
+  assert len(warnings) == 1 and "step 3 was deleted while it was read" in warnings[0]
+  calls.clear()
+
+  def vanish(step, *a, **k):
+    calls.append(step)
+    shutil.rmtree(os.path.join(d, str(step)))
+    raise FileNotFoundError("gone")
+  monkeypatch.setattr(ro.mngr, "restore", vanish)
+  with pytest.raises(checkpoint.CheckpointError, match=r"/2 was deleted while it was read.*"
+                     r"committed steps now: \[1, 4\]"):
+    ro.restore_params(checkpoint.abstract_like(params), step=2)
+  ro.close()
+  w.close()
+
+
+def test_renamed_step_directory_reports_the_saved_step(tmp_path):
+  """checkpoints/80 holding step 60 (renamed or symlinked): the step reported is 60, from the
+  checkpoint's meta, with a warning naming both."""
+  d = str(tmp_path / "ck")
+  params, opt = _small()
+  w = checkpoint.Checkpointer(d)
+  w.save(60, params, opt, jax.random.key(6), _iter())
+  w.close()
+  os.rename(os.path.join(d, "60"), os.path.join(d, "80"))
+  warnings = []
+  ro = checkpoint.Checkpointer(d, read_only=True, warn=warnings.append)
+  assert ro.all_steps() == [80]
+  step, _ = ro.restore_params(checkpoint.abstract_like(params))
+  assert step == 60
+  assert len(warnings) == 1 and f"{d}/80 holds step 60" in warnings[0]
+  ro.close()
+  warnings.clear()
+  ck = checkpoint.Checkpointer(d, warn=warnings.append)
+  step, *_ = ck.restore(checkpoint.abstract_like(params), checkpoint.abstract_like(opt), _iter())
+  assert step == 60 and "holds step 60" in warnings[0]
+  ck.close()
+
+
+def _elastic_iter():
+  from data import elastic
+  plan = elastic.TrainPlan({"a": 100, "b": 40}, {"a": 1.0, "b": 1.0}, seed=0, global_batch=8,
+                           shard_index=0, shard_count=1)
+  return iter(elastic.BatchIterDataset(plan, lambda rows: ({"i": rows.index}, {}), prefetch=0))
+
+
+def _flip_middle_bit(path):
+  n = os.path.getsize(path)
+  with open(path, "r+b") as fh:
+    fh.seek(n // 2)
+    b = fh.read(1)
+    fh.seek(n // 2)
+    fh.write(bytes([b[0] ^ 0x01]))
+
+
+@QUIET
+@pytest.mark.parametrize("what", ["opt_state", "meta", "data_iter"])
+def test_tampered_opt_state_meta_or_data_position_fails_restore(tmp_path, what):
+  """Every item is verified, not only the params: a flipped bit in the optimizer state's data,
+  a changed RNG in meta, a moved data position each make the step fail to restore (and the
+  fallback takes the step before)."""
+  import glob
+  import json
+  d = str(tmp_path / "ck")
+  params, opt = _small()
+  opt = {"m": opt["m"], "big": jax.device_put(np.random.default_rng(1).normal(
+      size=(64, 64)).astype(np.float32), opt["m"].sharding)}
+  ck = checkpoint.Checkpointer(d)
+  it = _elastic_iter()
+  for s in (1, 2):
+    next(it)
+    ck.save(s, params, opt, jax.random.key(s), it)
+    ck.wait()
+  ck.close()
+  step_dir = os.path.join(d, "2")
+  if what == "opt_state":
+    _flip_middle_bit(max(glob.glob(os.path.join(step_dir, "opt_state", "ocdbt.process_0", "d",
+                                                "*")), key=os.path.getsize))
+    want = r"opt_state\['big'\] differs .*checksum"
+  elif what == "meta":
+    path = os.path.join(step_dir, "meta", "metadata")
+    meta = json.load(open(path))
+    meta["rng"][0] ^= 1
+    json.dump(meta, open(path, "w"))
+    want = "meta item fails its checksum"
+  else:
+    path = os.path.join(step_dir, "data_iter", "process_0-of-1.json")
+    st = json.load(open(path))
+    st["plan"]["position"] += 8
+    json.dump(st, open(path, "w"))
+    want = "data_iter differs"
+  abstract = checkpoint.abstract_like(params), checkpoint.abstract_like(opt)
+  ro = checkpoint.Checkpointer(d)
+  with pytest.raises(checkpoint.CheckpointError, match=want):
+    ro.restore(*abstract, _elastic_iter(), step=2)
+  warnings = []
+  ro.warn = warnings.append
+  step, *_ = ro.restore_latest(*abstract, _elastic_iter())
+  assert step == 1 and len(warnings) == 1 and "corrupt" in warnings[0]
+  ro.close()
+
+
+def test_disk_full_save_is_flagged_and_partial_steps_removed(three_steps, monkeypatch):
+  """A save failing with ENOSPC (wrapped as orbax / TensorStore do) sets ``disk_full``; another
+  OSError does not. ``remove_tmp_dirs`` deletes the ``*.orbax-checkpoint-tmp*`` partial steps
+  and nothing else."""
+  from orbax.checkpoint._src.handlers import json_checkpoint_handler as jh
+  d, params, opt, _ = three_steps
+  assert checkpoint.is_disk_full(RuntimeError("write failed: No space left on device [x]"))
+  try:
+    try:
+      raise OSError(28, "No space left on device")
+    except OSError as inner:
+      raise ValueError("tensorstore: write failed") from inner
+  except ValueError as e:
+    assert checkpoint.is_disk_full(e)
+  assert not checkpoint.is_disk_full(OSError(5, "Input/output error"))
+  orig = jh.JsonCheckpointHandler._save_fn
+  errors = {4: OSError(5, "Input/output error"), 5: OSError(28, "No space left on device")}
+
+  async def failing(self, x, directory):
+    if x.get("step") in errors:
+      raise errors[x["step"]]
+    return await orig(self, x, directory)
+  monkeypatch.setattr(jh.JsonCheckpointHandler, "_save_fn", failing)
+  warnings = []
+  ck = checkpoint.Checkpointer(d, keep=5, warn=warnings.append)
+  ck.save(4, params, opt, jax.random.key(4), _iter())
+  ck.settle()
+  assert ck.disk_full is None and "training continues" in warnings[-1]
+  ck.save(5, params, opt, jax.random.key(5), _iter())
+  ck.settle()
+  assert "No space left on device" in ck.disk_full and "stopping" in warnings[-1]
+  ck.save(6, params, opt, jax.random.key(6), _iter())          # disk full: not even started
+  ck.settle()
+  assert 6 not in ck.all_steps() and not [x for x in os.listdir(d) if x.startswith("6")]
+  ck.save(6, params, opt, jax.random.key(6), _iter(), last_try=True)    # the last attempt
+  ck.settle()
+  assert 6 in ck.all_steps()
+  for name in ("7.orbax-checkpoint-tmp-123", "8.orbax-checkpoint-tmp-9"):
+    os.makedirs(os.path.join(d, name, "params"))
+  left = sorted(os.listdir(d))
+  gone = ck.remove_tmp_dirs()
+  assert set(gone) >= {"7.orbax-checkpoint-tmp-123", "8.orbax-checkpoint-tmp-9"}
+  assert sorted(os.listdir(d)) == sorted(x for x in left if checkpoint.TMP_MARKER not in x)
+  assert ck.all_steps() == [1, 2, 3, 6]
   ck.close()

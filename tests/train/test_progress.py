@@ -3,6 +3,7 @@
 import glob
 import io
 import json
+import os
 
 import jax
 
@@ -51,3 +52,94 @@ def test_lagged_stats_fetch_order_and_drain():
   assert [s for s, *_ in zero.pop()] == [1]
   with pytest.raises(ValueError, match="lag must be >= 0"):
     progress.LaggedStats(lag=-1)
+
+
+def _events(path):
+  """(step, tag, value) of every scalar in a TensorBoard event file: an independent TFRecord
+  parse (length, crc, payload, crc) with the Event proto."""
+  import struct
+
+  from tensorboardX.proto import event_pb2
+  out, data, i = [], open(path, "rb").read(), 0
+  while i < len(data):
+    n = struct.unpack("<Q", data[i:i + 8])[0]
+    ev = event_pb2.Event.FromString(data[i + 12:i + 12 + n])
+    i += 12 + n + 4
+    out += [(ev.step, v.tag, v.simple_value) for v in ev.summary.value]
+  return out
+
+
+def test_tensorboard_scalars_are_written_in_the_calling_thread(tmp_path):
+  p = progress.Progress(str(tmp_path), total_steps=3, stream=io.StringIO())
+  p.log(1, {"loss": 0.5, "ne": {"click": 0.75}})
+  files = glob.glob(str(tmp_path / "tb" / "events.out.tfevents.*"))
+  assert len(files) == 1
+  assert sorted(_events(files[0])) == [(1, "loss", 0.5), (1, "ne/click", 0.75)]   # no close
+  p.close()
+
+
+def test_write_errors_never_raise(tmp_path, monkeypatch):
+  """ENOSPC from metrics.jsonl or TensorBoard sets ``disk_full`` (train.py stops, keeping its
+  newest checkpoint); another OSError is one warning and that log is off; no exception."""
+  import errno
+
+  class Failing:
+    def __init__(self, code):
+      self.code, self.closed = code, False
+
+    def write(self, _):
+      raise OSError(self.code, os.strerror(self.code))
+
+    def flush(self):
+      pass
+
+    def close(self):
+      self.closed = True
+
+  warnings = []
+  p = progress.Progress(str(tmp_path), total_steps=3, stream=io.StringIO(), warn=warnings.append)
+  p._jsonl = Failing(errno.EIO)
+  p.log(1, {"loss": 0.5})
+  p.log(2, {"loss": 0.5})
+  assert p.disk_full is None and p._jsonl is None and len(warnings) == 1
+  assert "metrics.jsonl" in warnings[0] and "training goes on" in warnings[0]
+
+  def full(*a, **k):
+    raise OSError(errno.ENOSPC, "No space left on device")
+  monkeypatch.setattr(progress._TensorBoard, "scalars", full)
+  p.log(3, {"loss": 0.5})
+  assert p.disk_full == "tb/: No space left on device" and p._tb is None
+  p.close()
+  q = progress.Progress(str(tmp_path / "q"), total_steps=3, stream=io.StringIO())
+  q._jsonl = Failing(errno.ENOSPC)
+  q.log(1, {"loss": 0.5})
+  assert q.disk_full == "metrics.jsonl: No space left on device"
+  q.close()
+
+
+def test_event_file_is_closed_even_when_its_flush_fails(tmp_path):
+  """A full disk at close: the event file's flush fails, the file is closed all the same (left
+  open, the garbage collector would flush it again and print a traceback)."""
+  import errno
+
+  class Raw:
+    closed = False
+
+    def write(self, _):
+      pass
+
+    def flush(self):
+      raise OSError(errno.ENOSPC, "No space left on device")
+
+    def close(self):
+      self.closed = True
+      raise OSError(errno.ENOSPC, "No space left on device")
+  p = progress.Progress(str(tmp_path), total_steps=3, stream=io.StringIO(), warn=_no_warning)
+  raw = Raw()
+  p._tb._w._py_recordio_writer._writer = raw
+  p.close()                                   # no exception
+  assert raw.closed
+
+
+def _no_warning(msg):
+  raise AssertionError(msg)

@@ -252,6 +252,36 @@ def test_sparse_checkpoint_resume(tmp_path):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+def test_positive_count_uses_the_mask():
+  """``pos_sum`` (the training-log NE's base rate) counts only labelled, real rows: masked rows
+  and padding rows that carry label 1 are not positives (unmasked, the NE would be wrong or
+  NaN). Checked against numpy, and through the running NE of the log."""
+  from kunlun.train.metrics import RunningNE
+  model, tx, params, opt = _setup()
+  train_step = step.make_train_step(model, tx)
+  b = _batch(seed=3)
+  b["labels"][:] = 0.0
+  b["labels"][:4] = 1.0                          # 4 positives per task ...
+  b["label_mask"][1, 0] = 0.0                    # ... one unlabelled for task 0
+  b["label_mask"][2:4, 1] = 0.0                  # ... two for task 1
+  b["labels"][-3:] = 1.0                         # padding rows (example_mask 0) with label 1
+  logits = np.asarray(model.apply({"params": params}, b), np.float64)
+  _, _, s = train_step(params, opt, b, jax.random.key(1), 0)
+  m = b["label_mask"] * b["example_mask"][:, None]
+  want = (b["labels"] * m).sum(0)
+  np.testing.assert_array_equal(want, [3.0, 2.0])
+  np.testing.assert_allclose(s["pos_sum"], want)
+  assert not np.allclose(s["pos_sum"], b["labels"].sum(0))
+  ne = RunningNE(("a", "b"))
+  ne.update(s["loss_sum"], s["pos_sum"], s["count"])
+  p = 1 / (1 + np.exp(-logits))
+  bce = -(b["labels"] * np.log(p) + (1 - b["labels"]) * np.log(1 - p))
+  rate = want / m.sum(0)
+  ent = -(rate * np.log(rate) + (1 - rate) * np.log(1 - rate))
+  got = ne.value()
+  np.testing.assert_allclose([got["a"], got["b"]], (bce * m).sum(0) / m.sum(0) / ent, rtol=1e-5)
+
+
 def test_step_equals_plain_optax_and_numpy_with_a_few_optimizer_launches():
   """The step (f32) against an independent computation: the loss and gradients by
   ``jax.value_and_grad`` of an optax BCE, clip + AdamW by plain optax leaf by leaf, the row-wise

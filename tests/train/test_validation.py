@@ -45,7 +45,6 @@ def test_epochs_to_steps_and_validation_period(ml_dir):  # noqa: F811
 
 @pytest.mark.parametrize("train,steps_flag,msg", [
     (dict(epochs=1.0), 100, "--steps=100 and config.train.epochs=1 both set: give one"),
-    (dict(epochs=-1.0), None, "config.train.epochs=-1.0 must be a number >= 0"),
     (dict(keep_best=True, validate_every=-1), None,
      "config.train.keep_best needs validation, but config.train.validate_every=-1"),
     (dict(best_task="like"), None, "config.train.best_task='like': not a task of the data"),

@@ -109,3 +109,38 @@ def test_flops_split_and_batch_checks():
     score.check_batch(schema, dict(b, dense=b["dense"][:4]))
   with pytest.raises(ValueError, match="lacks"):
     score.check_batch(schema, {k: v for k, v in b.items() if k != "events"})
+
+
+def test_negative_request_index_is_rejected():
+  """An ad pointing at request -1 would be scored against another request's events (a gather
+  wraps around): check_batch refuses it, as it refuses one past the last request."""
+  cfg, schema = tiny.get_config(), tiny_schema()
+  req = random_batch(schema, R, seq_lens(cfg), seed=1)
+  ads = random_batch(schema, N, seq_lens(cfg), seed=2)
+  b = score.serving_batch(req["events"], ads, RI)
+  score.check_batch(schema, b)
+  for bad in ([0, -1, 1, 1, 0], [-3, 0, 0, 0, 0]):
+    with pytest.raises(ValueError, match=r"request_index must lie in \[0, 2\)"):
+      score.check_batch(schema, dict(b, request_index=np.array(bad, np.int32)))
+
+
+def test_naive_path_and_models_that_cannot_share():
+  """``shared=False`` scores N separate examples: equal to the model on ``expand(batch)`` and to
+  the shared path. A model adding inputs through ``extra_inputs`` (LoopFM) is not shared (the
+  shared path does not feed those inputs): its scorer takes the naive path and matches the
+  model's own output."""
+  from kunlun.transfer import loopfm
+  cfg, schema, model, batch, params = _setup(True, False)
+  naive = score.make_scorer(model, shared=False)(params, batch)["logits"]
+  shared = score.make_scorer(model)(params, batch)["logits"]
+  want = model.apply({"params": params}, score.expand(batch))
+  np.testing.assert_allclose(np.asarray(naive), np.asarray(want), rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(np.asarray(shared), np.asarray(want), rtol=1e-5, atol=1e-5)
+  fm = loopfm.build_loopfm(cfg, schema, use_ctx=False, use_events=False)
+  assert score.supports_sharing(model) and not score.supports_sharing(fm)
+  got = score.make_scorer(fm)(params, batch)                   # same parameter tree as Kunlun
+  np.testing.assert_allclose(np.asarray(got["logits"]),
+                             np.asarray(fm.apply({"params": params}, score.expand(batch))),
+                             rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(np.asarray(got["prob"]), 1 / (1 + np.exp(-np.asarray(want))),
+                             rtol=1e-5, atol=1e-6)

@@ -1,0 +1,144 @@
+"""The settings table (kunlun/train/settings.py): every preset passes and every field of every
+preset is described; each bad value is one SettingsError naming the field, the value and what is
+allowed; a run_info.json with a bad config fails in one line when loaded (issue 20)."""
+
+import importlib
+import json
+
+import pytest
+
+from kunlun.configs import tiny
+from kunlun.train import runtime, settings
+
+PRESETS = ("tiny", "demo", "dev", "mid", "large", "vm_tiny", "vm_dev")
+
+
+def _walk(x, path=""):
+  """Leaf paths of a ConfigDict (an independent walk)."""
+  if hasattr(x, "keys") and not isinstance(x, str):
+    return [p for k in x.keys() for p in _walk(x[k], f"{path}.{k}" if path else k)]
+  return [path]
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_presets_pass_and_every_field_is_described(name):
+  c = importlib.import_module(f"kunlun.configs.{name}").get_config()
+  settings.check(c)
+  lines = settings.describe(c)
+  paths = _walk(c)
+  assert len(lines) == len(paths) and paths
+  for p in paths:
+    assert settings.doc(p), f"{name}: config.{p} has no description"
+  got = {line.split(" = ", 1)[0].strip() for line in lines}
+  assert got == set(paths)
+
+
+def test_describe_shows_overridden_values():
+  c = tiny.get_config()
+  c.train.lr = 0.125
+  c.seed = 7
+  lines = {x.split(" = ")[0].strip(): x for x in settings.describe(c)}
+  assert "0.125" in lines["train.lr"] and "learning rate" in lines["train.lr"]
+  assert lines["seed"].split("=", 1)[1].split()[0] == "7"
+  assert "[an integer >= 1]" in lines["train.keep_checkpoints"]
+  assert list(lines)[0] == "seed"
+
+
+def _set(c, path, value):
+  head, _, name = path.rpartition(".")
+  sec = c[head] if head else c
+  with sec.unlocked(), sec.ignore_type():
+    sec[name] = value
+
+
+# (field, bad value, text the error must contain): the issue's cases first
+BAD = [
+    ("train.keep_checkpoints", 0, "config.train.keep_checkpoints = 0: allowed an integer >= 1"),
+    ("train.steps", -1, "config.train.steps = -1: allowed an integer >= 0"),
+    ("train.checkpoint_every", 0, "config.train.checkpoint_every = 0: allowed an integer >= 1"),
+    ("train.log_every", 0, "config.train.log_every = 0: allowed an integer >= 1"),
+    ("data.batch_size", 0, "config.data.batch_size = 0: allowed an integer in [1, 1048576]"),
+    ("data.batch_size", -64, "config.data.batch_size = -64: allowed an integer in [1, 1048576]"),
+    ("data.batch_size", "64", "config.data.batch_size = '64': allowed an integer"),
+    ("data.batch_size", 10**12, "config.data.batch_size = 1000000000000: allowed an integer in "
+                                "[1, 1048576] (at most 1048576"),
+    ("data.batch_size", True, "config.data.batch_size = True: allowed an integer"),
+    ("train.max_bad_steps", -1, "config.train.max_bad_steps = -1: allowed an integer >= 0"),
+    ("train.epochs", -1.0, "config.train.epochs = -1.0: allowed a number >= 0"),
+    ("train.validate_every", -2, "config.train.validate_every = -2: allowed an integer >= -1"),
+    ("train.lr", float("nan"), "config.train.lr = nan: allowed a number >= 0"),
+    ("train.b2", 1.0, "config.train.b2 = 1.0: allowed a number in [0, 1)"),
+    ("train.schedule", "linear", "config.train.schedule = 'linear': allowed one of ('cosine', "
+                                 "'constant')"),
+    ("train.remat", "all", "config.train.remat = 'all': allowed one of ('none'"),
+    ("train.task_weights", (1.0, -1.0), "config.train.task_weights = (1.0, -1.0): allowed"),
+    ("train.keep_best", "yes", "config.train.keep_best = 'yes': allowed True or False"),
+    ("data.eval_batch_size", -8, "config.data.eval_batch_size = -8: allowed an integer in [0,"),
+    ("data.num_threads", 0, "config.data.num_threads = 0: allowed an integer in [1, 256]"),
+    ("data.preset", "huge", "config.data.preset = 'huge': allowed one of ('tiny', 'dev', 'mid')"),
+    ("data.surface_weights", {"feed": -1.0}, "config.data.surface_weights = {'feed': -1.0}"),
+    ("sharding.rules", "zero3", "config.sharding.rules = 'zero3': allowed one of ('dp', 'fsdp'"),
+    ("seed", 1.5, "config.seed = 1.5: allowed an integer"),
+    ("train.microbatches", 3, "config.train.microbatches = 3: allowed a divisor of "
+                              "config.data.batch_size = 64"),
+]
+
+
+@pytest.mark.parametrize("path,value,want", BAD, ids=[f"{p}={v!r}" for p, v, _ in BAD])
+def test_bad_setting_is_one_line_naming_field_value_and_range(path, value, want):
+  c = tiny.get_config()
+  _set(c, path, value)
+  with pytest.raises(settings.SettingsError) as e:
+    settings.check(c)
+  msg = str(e.value)
+  assert want in msg and "\n" not in msg, msg
+
+
+def test_relations_and_flags():
+  c = tiny.get_config()
+  c.train.microbatches = 2
+  c.train.sparse_embedding_update = True
+  with pytest.raises(settings.SettingsError, match="microbatches > 1 needs the dense"):
+    settings.check(c)
+  c = tiny.get_config()
+  with c.unlocked():
+    c.transfer = {"kd_lambda": -1.0}
+  with pytest.raises(settings.SettingsError, match="config.transfer.kd_lambda = -1.0"):
+    settings.check(c)
+  settings.check_flag("steps", None, 0)
+  settings.check_flag("steps", 0, 0)
+  with pytest.raises(settings.SettingsError, match="--batch_size=0: allowed an integer >= 1"):
+    settings.check_flag("batch_size", 0, 1)
+  # a field left out takes the default, as the programs read it (older run_info.json files)
+  c = tiny.get_config()
+  with c.train.unlocked():
+    del c.train["metrics_lag"]
+  settings.check(c)
+
+
+@pytest.mark.parametrize("config,want", [
+    (None, "config is None"),
+    ({}, "config is {}"),
+    ({"data": {"batch_size": 64}, "train": {}}, "config.model: missing"),
+    ("tiny", "config is 'tiny'"),
+    ("batch_size='64'", "config.data.batch_size = '64': allowed an integer"),
+    ("batch_size=10**12", "config.data.batch_size = 1000000000000: allowed an integer in [1, "
+                          "1048576]"),
+])
+def test_loaded_run_info_gets_the_same_checks(tmp_path, config, want):
+  """A run_info.json whose config is null, empty, without a model section, or with a bad
+  value fails to load with one line naming the file (no AttributeError / TypeError traceback,
+  no 7 TiB allocation later)."""
+  c = tiny.get_config()
+  runtime.save_run_info(str(tmp_path), c, str(tmp_path))
+  path = tmp_path / "run_info.json"
+  info = json.loads(path.read_text())
+  if isinstance(config, str) and config.startswith("batch_size="):
+    info["config"]["data"]["batch_size"] = eval(config.split("=", 1)[1])
+  else:
+    info["config"] = config
+  path.write_text(json.dumps(info))
+  with pytest.raises(runtime.FatalError) as e:
+    runtime.load_run_info(str(tmp_path))
+  msg = str(e.value)
+  assert msg.startswith(str(path)) and want in msg and "\n" not in msg, msg
