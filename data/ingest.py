@@ -280,8 +280,11 @@ def publish(tmp: str, out_dir: str) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def _history_plan(spec: Spec, first_cols: dict, tasks, ad_range, act_range, log) -> dict:
-  """The engine's history configuration (as data.history.FlatLogHistories decides it)."""
+def _history_plan(spec: Spec, first_cols: dict, tasks, ad_range, act_range, log,
+                  null_free=(), rows: int = 0) -> dict:
+  """The engine's history configuration (as data.history.FlatLogHistories decides it).
+  ``null_free``: the tasks whose labels the scan found never null (their valid counts are the
+  row counts); ``rows``: the log's size (``pack``: counts fit 40 bits, ``data.engine.ad_sql``)."""
   h = spec.history
   streams = {}
   for name, sel in h["streams"].items():
@@ -303,7 +306,8 @@ def _history_plan(spec: Spec, first_cols: dict, tasks, ad_range, act_range, log)
   return {"streams": streams, "stats": bool(h.get("stats", False)), "tasks": list(tasks),
           "action": bool(h.get("action")), "item_vocab": item_vocab,
           "action_vocab": action_vocab, "hash_items": hash_items,
-          "max_len": int(h.get("max_len", 50))}
+          "max_len": int(h.get("max_len", 50)),
+          "null_free": [t for t in tasks if t in null_free], "pack": rows < 1 << 40}
 
 
 def encodings(stats: dict, order, schema, spec: Spec, key_stats: dict) -> dict:
@@ -451,7 +455,9 @@ def _run(sources, out_dir, tmp, spec, *, split, yes, write_schema, records_per_s
       hs = {s: {"max_len": hist.max_len, "item_vocab": hist.item_vocab,
                 "action_vocab": hist.action_vocab} for s in hist.observed_len}
     else:
-      plan = _history_plan(spec, first_cols, tasks, (ad_lo, ad_hi), (act_lo, act_hi), log)
+      null_free = [t for t in tasks if f"label.{t}" in stats and not stats[f"label.{t}"].nulls]
+      plan = _history_plan(spec, first_cols, tasks, (ad_lo, ad_hi), (act_lo, act_hi), log,
+                           null_free, sum(s.counted for ss in sources.values() for s in ss))
       if plan["stats"]:
         order += [f"dense.{k}" for k in engine_mod().stat_names(tasks)]
       hs = {s: {"max_len": plan["max_len"], "item_vocab": plan["item_vocab"],
@@ -547,7 +553,7 @@ def _run(sources, out_dir, tmp, spec, *, split, yes, write_schema, records_per_s
   for line in log.lines():                       # coercions only the conversion met
     if line not in shown:
       say(f"coercion: {line}")
-  cpu["convert_parent"] = time.process_time() - c0
+  cpu["convert_parent"] = time.process_time() - c0 - cpu.get("partition", 0.0)
   report = {
       "inputs": names, "engine": engine, "spec": full.to_dict(), "cpu_s": cpu,
       "split": ({"kind": "explicit"} if explicit else
@@ -663,7 +669,7 @@ def _convert_engine(con, staging, tmp, schema, ctx, log, workers, rows_per_bucke
   pos = {s: np.zeros(len(schema.tasks)) for s in used}
   lab = {s: np.zeros(len(schema.tasks)) for s in used}
   files = {}
-  for k in ("queries", "records"):
+  for k in ("queries", "history", "encode", "write"):
     cpu[f"tasks_{k}"] = sum(r["cpu_s"][k] for r in results)
   for r in results:
     for m, v in r["log"].items():
