@@ -26,7 +26,7 @@ import numpy as np
 import pyarrow as pa
 
 from data.coerce import INT32_MAX, CoerceError, Coercions
-from data.engine import _q, ad_counts, bucket_sql, connect, stat_names
+from data.engine import ad_counts, bucket_sql, connect, stat_names
 
 CHUNK = 50_000                  # rows encoded at a time
 
@@ -226,35 +226,40 @@ def _split_sql(ctx) -> str:
 
 def _query(task: dict, ctx: dict) -> tuple[pa.Table, pa.Table | None]:
   """The task's rows as stored, with ``_key`` = split * inputs + input; with histories, also
-  the engine's order of them (``bucket_sql``; ``_pos``: the row's position in the first)."""
-  from data.engine import _scan
+  the engine's order of them (``bucket_sql``; ``_pos``: the row's position in the first) and
+  their ad-side statistics (joined by row)."""
+  from data.engine import read_ipc
   plan = ctx["plan"]
+  wide = task["table"] if "table" in task else read_ipc(task["files"])
   con = connect(task["work_dir"], 1, ctx["worker_memory"])
   try:
     key = f"{_split_sql(ctx)} * {len(ctx['sources'])} + _src"
-    if "table" in task:
-      wide = task["table"]
-      con.register("bucket", wide.append_column("_pos", pa.array(np.arange(wide.num_rows))))
-      src, keep = "bucket", ["_pos"]
-    else:
-      src, keep = _scan(task["files"]), ["r.file_index AS _fi", "r.file_row_number AS _fr"]
     if not plan:
-      return con.sql(f"SELECT *, {key} AS _key FROM {src}").to_arrow_table(), None
-    ad = ""
-    if task.get("ad_files"):
-      keep += [f"a.{_q(c)}" for c in ["_ad_count"] + [c for c, _ in ad_counts(plan)]]
-      ad = f" JOIN {_scan(task['ad_files'])} AS a USING (_src, _row)"
-    order = con.sql(bucket_sql(f"{src} AS r{ad}", plan, key, keep)).to_arrow_table()
+      con.register("bucket", wide)
+      return con.sql(f"SELECT *, {key} AS _key FROM bucket").to_arrow_table(), None
+    con.register("bucket", wide.append_column("_pos", pa.array(np.arange(wide.num_rows))))
+    order = con.sql(bucket_sql("bucket", plan, key, ["_pos"])).to_arrow_table()
   finally:
     con.close()
-  if "table" not in task:
-    import pyarrow.parquet as pq
-    parts = [pq.read_table(f) for f in task["files"]]
-    starts = np.cumsum([0] + [p.num_rows for p in parts])
-    wide = pa.concat_tables(parts)
-    pos = starts[_np(order, "_fi", np.int64)] + _np(order, "_fr", np.int64)
-    order = order.drop_columns(["_fi", "_fr"]).append_column("_pos", pa.array(pos))
+  if task.get("ad_files"):
+    wide = _join_rows(wide, read_ipc(task["ad_files"]))
   return wide, order
+
+
+def _join_rows(wide: pa.Table, other: pa.Table) -> pa.Table:
+  """``wide`` with the columns of ``other`` (the same rows, any order) matched by (_src, _row)."""
+  k = lambda t: (_np(t, "_src", np.int64) << 40) | _np(t, "_row", np.int64)
+  kw, ko = k(wide), k(other)
+  order = np.argsort(ko, kind="stable")
+  at = np.minimum(np.searchsorted(ko[order], kw), len(ko) - 1) if len(ko) else \
+      np.zeros(len(kw), np.int64)
+  if len(kw) and (not len(ko) or (ko[order][at] != kw).any()):
+    raise ValueError("internal error: ad statistics missing for some rows of a bucket")
+  take = pa.array(order[at])
+  for c in other.column_names:
+    if c not in ("_src", "_row"):
+      wide = wide.append_column(c, other.column(c).take(take))
+  return wide
 
 
 def _convert(task: dict, emit=None) -> dict:
@@ -305,6 +310,9 @@ def _convert(task: dict, emit=None) -> dict:
   group = group[perm]
   base = wide.select([c for c in wide.column_names if not c.startswith("_")
                       or c.startswith("_null.")])
+  if "surface" in base.column_names:    # taken per chunk: as indices into the names
+    base = base.set_column(base.column_names.index("surface"), "surface",
+                           base.column("surface").dictionary_encode())
   cpu["history"] = time.process_time() - c1
   cpu["encode"] = cpu["write"] = 0.0
   log = Coercions()

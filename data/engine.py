@@ -43,7 +43,6 @@ import os
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 ROWS_PER_BUCKET = 250_000
 
@@ -65,13 +64,16 @@ def connect(work_dir: str, threads: int, memory_limit: str):
 
 
 class Staging:
-  """Pass 1's output: the canonical columns of every input batch as Parquet parts."""
+  """Pass 1's output: the canonical columns of every input batch as Arrow IPC parts (written
+  and read back at memory speed; the engine scans them as one ``pyarrow.dataset``)."""
 
   def __init__(self, work_dir: str):
     self.dir = os.path.join(work_dir, "canon")
     os.makedirs(self.dir, exist_ok=True)
     self.files: list[str] = []
+    self.counts: list[int] = []
     self.schema = None
+    self.schemas: list = []
     self.rows = 0
 
   def add(self, cols: dict, src: int, first: int, split: int) -> None:
@@ -85,35 +87,50 @@ class Staging:
       try:
         t = t.cast(self.schema)
       except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
-        pass                    # read back by name (union_by_name)
-    path = os.path.join(self.dir, f"part-{len(self.files):06d}.parquet")
-    pq.write_table(t, path, compression="none", use_dictionary=False)
+        pass                    # unified by name (``dataset``)
+    if not any(t.schema == x for x in self.schemas):
+      self.schemas.append(t.schema)
+    path = os.path.join(self.dir, f"part-{len(self.files):06d}.arrow")
+    write_ipc(t, path)
     self.files.append(path)
+    self.counts.append(n)
     self.rows += n
 
-  @property
-  def glob(self) -> str:
-    return os.path.join(self.dir, "*.parquet")
+  def dataset(self, files=None):
+    """The parts (``files``: a subset) as one dataset; columns unified by name."""
+    import pyarrow.dataset as pds
+    schema = pa.unify_schemas(self.schemas, promote_options="permissive") if self.schemas \
+        else None
+    return pds.dataset(files or self.files, format="ipc", schema=schema)
 
 
-def _scan(files) -> str:
-  lst = ", ".join("'" + f.replace("'", "''") + "'" for f in files)
-  return f"read_parquet([{lst}], union_by_name=true, hive_partitioning=false)"
+def write_ipc(t: pa.Table, path: str) -> None:
+  with pa.OSFile(path, "wb") as f, pa.ipc.new_file(f, t.schema) as w:
+    w.write_table(t)
+
+
+def read_ipc(files) -> pa.Table:
+  """The rows of Arrow IPC files, in order."""
+  parts = []
+  for p in files:
+    with pa.memory_map(p) as f:
+      parts.append(pa.ipc.open_file(f).read_all())
+  return pa.concat_tables(parts, promote_options="permissive") if len(parts) != 1 else parts[0]
 
 
 def split_times(con, staging: Staging, kind: str, vals) -> tuple[float, float]:
   """``data.ingest.cut_times`` as engine queries: exact order statistics of request_ts."""
-  src = _scan(staging.files)
+  con.register("staging", staging.dataset())
   n = staging.rows
   if kind == "ts":
     return vals
-  at = lambda k: float(con.execute(f"SELECT request_ts FROM {src} ORDER BY request_ts LIMIT 1 "
-                                   f"OFFSET {k}").fetchone()[0]) if k < n else float("inf")
+  at = lambda k: float(con.execute("SELECT request_ts FROM staging ORDER BY request_ts LIMIT 1 "
+                                   f"OFFSET {k}").fetchall()[0][0]) if k < n else float("inf")
   k1, k2 = int(np.ceil(vals[0] * n)), int(np.ceil((vals[0] + vals[1]) * n))
   t1, t2 = at(k1), at(k2)
   if vals[1] == 0:
     t2 = t1
-  first = float(con.execute(f"SELECT min(request_ts) FROM {src}").fetchone()[0])
+  first = float(con.execute("SELECT min(request_ts) FROM staging").fetchall()[0][0])
   if not n or t1 <= first:
     raise ValueError(f"--split=time:...: no train rows (the earliest {vals[0]:.0%} of the rows all "
                      "have the first request_ts); use --split ts:T1,T2 or none")
@@ -181,26 +198,49 @@ def ad_sql(plan: dict, src: str, keep: list[str]) -> str:
   return sql
 
 
+BATCH_ROWS = 1 << 18             # rows per batch the engine hands to the partitioned writer
+
+
+def _write_partitioned(con, sql: str, out: str) -> None:
+  """The rows of ``sql`` into ``out/_bucket=<k>/part-<i>.arrow`` by their ``_bucket``:
+  Arrow's dataset writer, streaming (a batch at a time, a bounded number of open files)."""
+  import pyarrow.dataset as pds
+  reader = con.sql(sql).to_arrow_reader(BATCH_ROWS)
+  pds.write_dataset(reader, out, format="ipc", partitioning=["_bucket"],
+                    partitioning_flavor="hive", existing_data_behavior="overwrite_or_ignore",
+                    use_threads=True)
+
+
 def partition(con, staging: Staging, plan: dict, work_dir: str, buckets: int) -> list[dict]:
   """The hash partition of the rows by user, and the ad-side statistics (a window query over
   the whole log, on the few columns it needs) partitioned the same way: one task per bucket,
-  ``{"files": [...], "ad_files": [...] or None}``."""
-  bucket = f"hash(user_id) % {int(buckets)} AS _bucket"
-  src = _scan(staging.files)
+  ``{"files": [...], "ad_files": [...] or None}`` (Arrow IPC)."""
+  bucket = f"(hash(user_id) % {int(buckets)})::BIGINT AS _bucket"
+  con.register("staging", staging.dataset())
   dirs = {"files": os.path.join(work_dir, "buckets")}
-  opts = "FORMAT parquet, PARTITION_BY (_bucket), COMPRESSION uncompressed, DICTIONARY_SIZE_LIMIT 1"
-  con.execute(f"COPY (SELECT *, {bucket} FROM {src}) TO '{dirs['files']}' ({opts})")
+  _write_partitioned(con, f"SELECT *, {bucket} FROM staging", dirs["files"])
   if plan["stats"]:
     dirs["ad_files"] = os.path.join(work_dir, "ad_stats")
-    con.execute(f"COPY ({ad_sql(plan, src, ['_src', '_row', bucket])}) TO "
-                f"'{dirs['ad_files']}' ({opts})")
+    _write_partitioned(con, ad_sql(plan, "staging", ["_src", "_row", bucket]), dirs["ad_files"])
   tasks = []
   for k in range(buckets):
-    t = {key: sorted(glob.glob(os.path.join(d, f"_bucket={k}", "*.parquet")))
+    t = {key: sorted(glob.glob(os.path.join(d, f"_bucket={k}", "*.arrow")))
          for key, d in dirs.items()}
     if t["files"]:
       tasks.append({"files": t["files"], "ad_files": t.get("ad_files")})
   return tasks
+
+
+def part_groups(staging: Staging, rows: int) -> list[dict]:
+  """Without histories: tasks of consecutive scan parts, about ``rows`` rows each."""
+  tasks, cur, n = [], [], 0
+  for f, c in zip(staging.files, staging.counts, strict=True):
+    cur.append(f)
+    n += c
+    if n >= rows:
+      tasks.append({"files": cur})
+      cur, n = [], 0
+  return tasks + ([{"files": cur}] if cur else [])
 
 
 ORDER = "ORDER BY user_id, request_ts, _src, _row"
@@ -220,6 +260,14 @@ def bucket_sql(src: str, plan: dict, key: str, keep: list[str]) -> str:
   return f"SELECT {', '.join(cols)} FROM {src} {ORDER}"
 
 
+_ONE_THREAD = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+def _worker_init():
+  import gc
+  gc.freeze()                     # the imports: never scanned again by the cycle collector
+
+
 def run_tasks(tasks: list[dict], workers: int, progress=None) -> list[dict]:
   """``data.bucket.convert_task`` over ``tasks`` in ``workers`` processes (in-process for one
   worker)."""
@@ -233,15 +281,27 @@ def run_tasks(tasks: list[dict], workers: int, progress=None) -> list[dict]:
     return out
   ctx = multiprocessing.get_context("spawn")
   results = []
-  with concurrent.futures.ProcessPoolExecutor(min(workers, len(tasks)), mp_context=ctx) as pool:
-    futs = [pool.submit(convert_task, t) for t in tasks]
-    try:
-      for f in concurrent.futures.as_completed(futs):
-        results.append(f.result())
-        if progress:
-          progress(results[-1]["rows"])
-    except BaseException:
-      for f in futs:
-        f.cancel()
-      raise
+  # one process per core already: no BLAS thread pools in the workers (idle ones spin); the
+  # workers start at the first submits and inherit the environment then
+  env = {k: os.environ.get(k) for k in _ONE_THREAD}
+  os.environ.update(dict.fromkeys(_ONE_THREAD, "1"))
+  try:
+    with concurrent.futures.ProcessPoolExecutor(min(workers, len(tasks)), mp_context=ctx,
+                                                initializer=_worker_init) as pool:
+      futs = [pool.submit(convert_task, t) for t in tasks]
+      try:
+        for f in concurrent.futures.as_completed(futs):
+          results.append(f.result())
+          if progress:
+            progress(results[-1]["rows"])
+      except BaseException:
+        for f in futs:
+          f.cancel()
+        raise
+  finally:
+    for k, v in env.items():
+      if v is None:
+        os.environ.pop(k, None)
+      else:
+        os.environ[k] = v
   return sorted(results, key=lambda r: r["id"])

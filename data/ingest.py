@@ -656,7 +656,7 @@ def _convert_engine(con, staging, tmp, schema, ctx, log, workers, rows_per_bucke
     buckets = max(1, -(-staging.rows // rows_per_bucket))
     groups = E.partition(con, staging, ctx["plan"], work, buckets)
   else:
-    groups = [{"files": [f]} for f in staging.files]
+    groups = E.part_groups(staging, rows_per_bucket)
   con.close()
   cpu["partition"] = time.process_time() - c0
   tasks = [{"id": i, **g, "ctx": ctx, "out_dir": tmp, "work_dir": work}

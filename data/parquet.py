@@ -57,7 +57,8 @@ def _column(table: pa.Table, name: str, kind: str, path: str) -> pa.ChunkedArray
     raise ValueError(f"{path}: missing column {name!r} (expected {kind})")
   col = table.column(name)
   t = col.type
-  ok = {"string": pa.types.is_string(t) or pa.types.is_large_string(t),
+  text = lambda t: pa.types.is_string(t) or pa.types.is_large_string(t)
+  ok = {"string": text(t) or (pa.types.is_dictionary(t) and text(t.value_type)),
         "integer": pa.types.is_integer(t),
         "floating": pa.types.is_floating(t),
         "number": pa.types.is_integer(t) or pa.types.is_floating(t),
@@ -182,7 +183,8 @@ def table_to_records(table: pa.Table, schema: Schema, path: str = "<table>",
   place: ``records.encode_ranges``), checked by the caller (``data.bucket``: once per event)."""
   n = table.num_rows
   row_of = (lambda i: int(rows[i])) if rows is not None else (lambda i: i + row_offset)
-  surf_col = _column(table, "surface", "string", path).combine_chunks().dictionary_encode()
+  surf_col = _column(table, "surface", "string", path).combine_chunks()
+  surf_col = surf_col if pa.types.is_dictionary(surf_col.type) else surf_col.dictionary_encode()
   surf_names = surf_col.dictionary.to_pylist()
   index = {s: i for i, s in enumerate(schema.surfaces)}
   bad = sorted({s for s in surf_names if s not in index})
