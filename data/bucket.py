@@ -160,11 +160,11 @@ class HistoryColumns:
 class PartWriter:
   """One task's ArrayRecord shards per (split, surface), rotated at ``per_shard`` records."""
 
-  def __init__(self, out_dir: str, task: int, per_shard: int):
+  def __init__(self, out_dir: str, task: int, per_shard: int, records_per_chunk: int = 1):
     from array_record.python import array_record_module
 
-    from data.records import WRITER_OPTIONS
-    self._mod, self._opts = array_record_module, WRITER_OPTIONS
+    from data.records import writer_options
+    self._mod, self._opts = array_record_module, writer_options(records_per_chunk)
     self.out_dir, self.task, self.per_shard = out_dir, task, per_shard
     self.open: dict = {}
     self.files: dict = {}
@@ -316,8 +316,8 @@ def _convert(task: dict, emit=None) -> dict:
   cpu["history"] = time.process_time() - c1
   cpu["encode"] = cpu["write"] = 0.0
   log = Coercions()
-  writer = PartWriter(task["out_dir"], task["id"], ctx["records_per_shard"]) if emit is None \
-      else None
+  writer = PartWriter(task["out_dir"], task["id"], ctx["records_per_shard"],
+                      ctx.get("records_per_chunk", 1)) if emit is None else None
   used = ctx["used"]
   counts = {s: {} for s in used}
   pos = {s: [0.0] * len(schema.tasks) for s in used}

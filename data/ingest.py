@@ -340,7 +340,8 @@ def encodings(stats: dict, order, schema, spec: Spec, key_stats: dict) -> dict:
 
 def run(sources: dict, out_dir: str, spec: Spec, *, split: str = "time:0.8,0.1,0.1",
         yes: bool = False, write_schema: str | None = None, overwrite: bool = False,
-        records_per_shard: int = 200_000, out=None, err=None, ask=None, engine: str = "duckdb",
+        records_per_shard: int = 200_000, records_per_chunk: int | None = None, out=None,
+        err=None, ask=None, engine: str = "duckdb",
         workers: int | None = None, memory_limit: str = "1GB",
         rows_per_bucket: int | None = None, beam_args: list | None = None) -> dict | None:
   """Converts ``sources`` (``{None: [Source]}`` split by ``split``, or ``{split: [Source]}``)
@@ -360,7 +361,9 @@ def run(sources: dict, out_dir: str, spec: Spec, *, split: str = "time:0.8,0.1,0
     shutil.rmtree(tmp)
   try:
     return _run(sources, out_dir, tmp, spec, split=split, yes=yes, write_schema=write_schema,
-                records_per_shard=records_per_shard, out=out, err=err, ask=ask, engine=engine,
+                records_per_shard=records_per_shard,
+                records_per_chunk=records_per_chunk or records.INGEST_RECORDS_PER_CHUNK,
+                out=out, err=err, ask=ask, engine=engine,
                 workers=workers or os.cpu_count() or 1, memory_limit=memory_limit,
                 rows_per_bucket=rows_per_bucket or engine_mod().ROWS_PER_BUCKET,
                 beam_args=beam_args or [])
@@ -374,7 +377,8 @@ def engine_mod():
   return E
 
 
-def _run(sources, out_dir, tmp, spec, *, split, yes, write_schema, records_per_shard, out, err,
+def _run(sources, out_dir, tmp, spec, *, split, yes, write_schema, records_per_shard,
+         records_per_chunk, out, err,
          ask, engine, workers, memory_limit, rows_per_bucket, beam_args):
   out, err = out or sys.stdout, err or sys.stderr
   say = lambda *a: print(*a, file=out, flush=True)
@@ -533,10 +537,12 @@ def _run(sources, out_dir, tmp, spec, *, split, yes, write_schema, records_per_s
          "plan": plan, "sources": names, "explicit": explicit,
          "splits": split_names if explicit else ["train", "valid", "eval"], "used": used,
          "route": [t1, t2], "records_per_shard": records_per_shard,
+         "records_per_chunk": records_per_chunk,
          "worker_memory": "512MB"}
   if engine == "memory":
     counts, pos, lab, manifest = _convert_memory(sources, tmp, schema, full, hashed_events, log,
-                                                 hist, parts, used, (t1, t2), records_per_shard,
+                                                 hist, parts, used, (t1, t2),
+                                                 (records_per_shard, records_per_chunk),
                                                  err, spec)
   elif engine == "duckdb":
     counts, pos, lab, manifest = _convert_engine(con, staging, tmp, schema, ctx, log, workers,
@@ -586,9 +592,10 @@ def _run(sources, out_dir, tmp, spec, *, split, yes, write_schema, records_per_s
 
 
 def _convert_memory(sources, tmp, schema, full, hashed_events, log, hist, parts, used, cuts,
-                    records_per_shard, err, spec):
-  """The reference conversion: the whole log in memory (``data.history``), one process."""
-  writer = records.DatasetWriter(tmp, schema, records_per_shard)
+                    per_shard_chunk, err, spec):
+  """The reference conversion: the whole log in memory (``data.history``), one process.
+  ``per_shard_chunk``: (records per shard, records per chunk)."""
+  writer = records.DatasetWriter(tmp, schema, *per_shard_chunk)
   counts = {s: {} for s in used}
   pos = {s: np.zeros(len(schema.tasks)) for s in used}
   lab = {s: np.zeros(len(schema.tasks)) for s in used}
@@ -792,6 +799,9 @@ def main(argv=None) -> int:
   p.add_argument("--write_schema", help="write the proposed spec to this file")
   p.add_argument("--overwrite", action="store_true", help="replace an existing dataset in --out")
   p.add_argument("--records_per_shard", type=int, default=200_000)
+  p.add_argument("--records_per_chunk", type=int, default=records.INGEST_RECORDS_PER_CHUNK,
+                 help="records per ArrayRecord chunk (the unit of a random read and of a hash "
+                 "check; the writer's cost is per chunk)")
   p.add_argument("--delimiter", help="CSV field delimiter (default , ; tab for .tsv / .inter)")
   p.add_argument("--runner", choices=("duckdb", "beam"), default="duckdb",
                  help="duckdb: out of core on this machine (default); beam: an Apache Beam "
@@ -804,6 +814,8 @@ def main(argv=None) -> int:
     p.error(f"unrecognized arguments: {' '.join(rest)}")
   if args.records_per_shard < 1:
     p.error(f"--records_per_shard={args.records_per_shard} must be >= 1")
+  if args.records_per_chunk < 1:
+    p.error(f"--records_per_chunk={args.records_per_chunk} must be >= 1")
   if args.workers is not None and args.workers < 1:
     p.error(f"--workers={args.workers} must be >= 1")
 
@@ -817,7 +829,8 @@ def main(argv=None) -> int:
     if not any(sources.values()):
       raise ValueError("no input files (--input or --train/--valid/--eval)")
     run(sources, args.out, spec, split=args.split, yes=args.yes, write_schema=args.write_schema,
-        overwrite=args.overwrite, records_per_shard=args.records_per_shard, engine=args.runner,
+        overwrite=args.overwrite, records_per_shard=args.records_per_shard,
+        records_per_chunk=args.records_per_chunk, engine=args.runner,
         workers=args.workers, memory_limit=args.memory_limit, beam_args=rest)
   return run_cli(PROG, go)
 

@@ -51,8 +51,18 @@ _CODES = {np.dtype(np.float32): 0, np.dtype(np.float64): 1, np.dtype(np.int32): 
           np.dtype(np.int16): 6, np.dtype(np.float16): 7}
 _DTYPES = {c: d for d, c in _CODES.items()}
 _UNPACK = {k: struct.Struct(f"<{k}I").unpack_from for k in range(1, 256)}
-WRITER_OPTIONS = "group_size:1,uncompressed"   # one record per chunk (random access); no codec:
-# snappy costs 2.5x the CPU of the write for ~25% less disk on these small-int records
+def writer_options(records_per_chunk: int = 1) -> str:
+  """ArrayRecord writer options: ``records_per_chunk`` records per Riegeli chunk (the unit of a
+  random read and of a hash check), no codec (snappy costs 2.5x the CPU of the write for ~25%
+  less disk on these small-int records)."""
+  return f"group_size:{int(records_per_chunk)},uncompressed"
+
+
+WRITER_OPTIONS = writer_options(1)               # one record per chunk
+INGEST_RECORDS_PER_CHUNK = 8    # data.ingest's default: the writer's cost is per chunk (half of
+# it at 8: bench/results/ingest.json), a random read of an uncompressed 8-record chunk costs no
+# more than of a 1-record one, and a damaged chunk makes its 8 records unreadable (reported as
+# their range, data.shards)
 EVENT_COLUMNS = ("item", "action", "surface", "ts")   # then the stream's extra fields
 
 
@@ -276,9 +286,10 @@ class DatasetWriter:
   to ``<surface>-0000i-of-0000N.arrayrecord`` and writes ``schema.json`` and ``manifest.json``.
   """
 
-  def __init__(self, out_dir: str, schema: Schema, records_per_shard: int = 200_000):
+  def __init__(self, out_dir: str, schema: Schema, records_per_shard: int = 200_000,
+               records_per_chunk: int = 1):
     from array_record.python import array_record_module
-    self._mod = array_record_module
+    self._mod, self._opts = array_record_module, writer_options(records_per_chunk)
     self.out_dir, self.schema, self.per_shard = out_dir, schema, records_per_shard
     self._open: dict[tuple[str, str], tuple[object, int]] = {}
     self._done: dict[tuple[str, str], list[tuple[str, int]]] = {}
@@ -288,7 +299,7 @@ class DatasetWriter:
     shards = self._done.setdefault((split, surface), [])
     os.makedirs(os.path.join(self.out_dir, split), exist_ok=True)
     tmp = os.path.join(self.out_dir, split, f".{surface}-{len(shards):05d}.tmp")
-    self._open[(split, surface)] = (self._mod.ArrayRecordWriter(tmp, WRITER_OPTIONS), 0)
+    self._open[(split, surface)] = (self._mod.ArrayRecordWriter(tmp, self._opts), 0)
     shards.append((tmp, 0))
 
   def write(self, split: str, surface: str, records) -> None:
