@@ -224,6 +224,24 @@ def _split_sql(ctx) -> str:
   return f"(CASE WHEN request_ts < {t1} THEN 0 WHEN request_ts < {t2} THEN 1 ELSE 2 END)"
 
 
+_CONNECTION: dict = {}
+
+
+def _connection(work_dir: str, memory: str):
+  """The worker's engine connection (one DuckDB thread), kept from task to task."""
+  key = (work_dir, memory)
+  if key not in _CONNECTION:
+    close_connection()
+    _CONNECTION[key] = connect(work_dir, 1, memory)
+  return _CONNECTION[key]
+
+
+def close_connection() -> None:
+  for con in _CONNECTION.values():
+    con.close()
+  _CONNECTION.clear()
+
+
 def _query(task: dict, ctx: dict) -> tuple[pa.Table, pa.Table | None]:
   """The task's rows as stored, with ``_key`` = split * inputs + input; with histories, also
   the engine's order of them (``bucket_sql``; ``_pos``: the row's position in the first) and
@@ -231,7 +249,7 @@ def _query(task: dict, ctx: dict) -> tuple[pa.Table, pa.Table | None]:
   from data.engine import read_ipc
   plan = ctx["plan"]
   wide = task["table"] if "table" in task else read_ipc(task["files"])
-  con = connect(task["work_dir"], 1, ctx["worker_memory"])
+  con = _connection(task["work_dir"], ctx["worker_memory"])
   try:
     key = f"{_split_sql(ctx)} * {len(ctx['sources'])} + _src"
     if not plan:
@@ -239,8 +257,12 @@ def _query(task: dict, ctx: dict) -> tuple[pa.Table, pa.Table | None]:
       return con.sql(f"SELECT *, {key} AS _key FROM bucket").to_arrow_table(), None
     con.register("bucket", wide.append_column("_pos", pa.array(np.arange(wide.num_rows))))
     order = con.sql(bucket_sql("bucket", plan, key, ["_pos"])).to_arrow_table()
+  except BaseException:
+    close_connection()
+    raise
   finally:
-    con.close()
+    if _CONNECTION:
+      con.unregister("bucket")
   if task.get("ad_files"):
     wide = _join_rows(wide, read_ipc(task["ad_files"]))
   return wide, order

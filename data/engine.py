@@ -1,35 +1,40 @@
 """``data.ingest`` out of core on an embedded engine (DuckDB), on all cores.
 
-Why DuckDB: an in-process SQL engine (one pip wheel, no server, no JVM) that reads and writes
-Parquet, runs sorts, window functions and hash-partitioned writes on all cores, spills them to
-disk under a memory limit it lets us set (``memory_limit``, ``temp_directory``), and hands
-results to Python as Arrow. The alternatives weighed: Polars (fast in memory, but a memory cap
-and spilling of ordered window aggregates are not what its streaming engine offers), DataFusion
-(spills too, but its Python bindings are younger and far less used), SQLite (row-wise and
-single-threaded). Measured costs are in bench/results/ingest.json (``cpu_s_by_stage``).
+Why DuckDB: an in-process SQL engine (one pip wheel, no server, no JVM) that runs sorts, window
+functions and joins on all cores, spills them to disk under a memory limit it lets us set
+(``memory_limit``, ``temp_directory``), and exchanges data with Arrow without copies (it scans
+Arrow tables and datasets, and hands results over as Arrow streams). The alternatives weighed:
+Polars (fast in memory, but a memory cap and spilling of ordered window aggregates are not what
+its streaming engine offers), DataFusion (spills too, but its Python bindings are younger and
+far less used), SQLite (row-wise and single-threaded). Between passes the rows live in Arrow IPC
+files: written and read back at memory speed, where Parquet spent more CPU encoding and decoding
+them than any query. Measured costs: bench/results/ingest.json (``cpu_s_by_stage``).
 
 Three passes (``data.ingest.run`` drives them):
 
 1. **scan** (``Staging``): each input batch is renamed and coerced (``data.layout.canonical``:
-   row-local Arrow compute, the same code as the in-memory path) and written as a Parquet part
+   row-local Arrow compute, the same code as the in-memory path) and written as an IPC part
    with its source and row number; the scan statistics are gathered on the way.
 2. **engine, whole log** (``split_times``, ``partition``): the split quantiles (an exact
    ``ORDER BY .. OFFSET``), a hash partition of the rows by user into buckets of about
-   ``rows_per_bucket`` rows (Parquet, written in parallel), and the ad-side history statistics
-   (window aggregates partitioned by ad over strictly earlier seconds, on the few columns they
-   need) partitioned the same way. DuckDB spills to ``work_dir``.
-3. **engine, per bucket, in parallel** (``convert_task`` in a process pool, one DuckDB
-   thread each): a narrow query gives every row, per stream, the number of the same user's
-   strictly earlier events (window aggregates over a frame that ends one second before the
-   row) and the user-side statistic counts, in (user, time, row) order; the wide rows come
-   sorted by (split, input, user, time, row). numpy then copies the last ``max_len`` events into
-   the rows' lists, ``data.layout.finalize`` and ``data.parquet.table_to_records`` encode them
-   (chunks of ``CHUNK`` rows), and each task writes its own ArrayRecord shards.
+   ``rows_per_bucket`` rows, and the ad-side history statistics (``ad_sql``: per row the same
+   ad's strictly earlier rows, ``rank() - 1``, and their labelled / positive counts, window sums
+   over a frame without the row's second, on the few columns they need) partitioned the same
+   way. The engine streams both results into Arrow's partitioned dataset writer (a batch at a
+   time, a bounded number of open files); its sorts spill to ``work_dir``.
+3. **per bucket, in parallel** (``data.bucket.convert_task`` in a process pool, one DuckDB
+   thread each): the engine orders a narrow copy of the bucket's rows by (user, time, input,
+   row) and gives each row ``rank() - 1`` over the user's rows by time (the number of strictly
+   earlier ones) and its stream flags (``bucket_sql``); numpy counts each stream's earlier events
+   with prefix sums in that order and the record encoder reads each row's last ``max_len`` of
+   them in place (``data.records.encode_ranges``); ``data.layout.finalize`` and
+   ``data.parquet.table_to_records`` encode ``CHUNK`` rows at a time, and each task writes its
+   own ArrayRecord shards.
 
-Without ``--history`` the buckets are the scan's parts, in input order. Memory is bounded by the
-engine's limit plus, per worker, one bucket's rows (their coerced columns and the events of its
-streams) and one chunk of records: a single user with more rows than a bucket makes that bucket
-larger.
+Without ``--history`` the tasks are runs of the scan's parts, in input order. Memory is bounded
+by the engine's limit plus, per worker, one bucket's rows (their coerced columns and the events
+of its streams) and one chunk of records: a single user with more rows than a bucket makes that
+bucket larger.
 Output records are byte-equal to the in-memory path's (``tests/data/test_ingest_engine.py``);
 within a split and surface they come bucket by bucket, each in (user, time) order.
 """
@@ -271,13 +276,16 @@ def _worker_init():
 def run_tasks(tasks: list[dict], workers: int, progress=None) -> list[dict]:
   """``data.bucket.convert_task`` over ``tasks`` in ``workers`` processes (in-process for one
   worker)."""
-  from data.bucket import convert_task
+  from data.bucket import close_connection, convert_task
   if workers <= 1 or len(tasks) <= 1:
     out = []
-    for t in tasks:
-      out.append(convert_task(t))
-      if progress:
-        progress(out[-1]["rows"])
+    try:
+      for t in tasks:
+        out.append(convert_task(t))
+        if progress:
+          progress(out[-1]["rows"])
+    finally:
+      close_connection()
     return out
   ctx = multiprocessing.get_context("spawn")
   results = []
