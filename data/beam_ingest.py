@@ -9,10 +9,10 @@ shuffles in place of the engine's partitioned writes:
 1. ``Read``: one element per input (per Parquet row group): the rows are renamed and coerced
    (``data.layout.canonical``) and keyed by a hash of the user into ``--buckets`` buckets; with
    ``--history_stats`` a narrow copy (keys, time, labels) is keyed by a hash of the ad.
-2. ``AdStats``: per ad bucket, the ad-side statistics (``data.engine.ad_columns``: the same SQL,
+2. ``AdStats``: per ad bucket, the ad-side statistics (``data.engine.ad_sql``: the same SQL,
    run by DuckDB inside the worker on the bucket's rows), sent back keyed by user bucket.
 3. ``Convert``: per user bucket (``CoGroupByKey`` of its rows and their ad statistics),
-   ``data.engine.convert_task``: the history counts, lists, statistics, ``finalize`` and the
+   ``data.bucket.convert_task``: the history counts, lists, statistics, ``finalize`` and the
    record encoding, byte for byte the engine's. Records go out as (split, surface, bytes).
 4. ``Write``: ``array_record.beam.arrayrecordio.WriteToArrayRecord`` per split x surface.
 5. ``Manifest``: a final step over all written files (records, bytes, SHA-256), then
@@ -95,8 +95,7 @@ def _ad_stats(item, plan, buckets):
   con = duckdb.connect()
   con.execute("SET threads=1")
   con.register("ads", t)
-  out = con.sql(f"SELECT _src, _row, user_id, {', '.join(engine.ad_columns(plan))} "
-                "FROM ads").to_arrow_table()
+  out = con.sql(engine.ad_sql(plan, "ads", ["_src", "_row", "user_id"])).to_arrow_table()
   con.close()
   ub = _bucket(out.column("user_id").to_numpy(), buckets)
   out = out.drop_columns(["user_id"])
@@ -109,7 +108,7 @@ def _convert(item, ctx, work_dir):
   ('stats', ...) summary."""
   import duckdb
 
-  from data import engine
+  from data import bucket
   _, groups = item
   rows = list(groups["rows"])
   if not rows:
@@ -125,7 +124,7 @@ def _convert(item, ctx, work_dir):
                 ).to_arrow_table()
     con.close()
   out = []
-  res = engine.convert_task({"id": 0, "table": t, "ctx": ctx, "work_dir": work_dir},
+  res = bucket.convert_task({"id": 0, "table": t, "ctx": ctx, "work_dir": work_dir},
                             emit=lambda sp, surface, recs: out.append((sp, surface, recs)))
   for sp, surface, recs in out:
     for r in recs:

@@ -280,8 +280,11 @@ def publish(tmp: str, out_dir: str) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def _history_plan(spec: Spec, first_cols: dict, tasks, ad_range, act_range, log) -> dict:
-  """The engine's history configuration (as data.history.FlatLogHistories decides it)."""
+def _history_plan(spec: Spec, first_cols: dict, tasks, ad_range, act_range, log,
+                  null_free=(), rows: int = 0) -> dict:
+  """The engine's history configuration (as data.history.FlatLogHistories decides it).
+  ``null_free``: the tasks whose labels the scan found never null (their valid counts are the
+  row counts); ``rows``: the log's size (``pack``: counts fit 40 bits, ``data.engine.ad_sql``)."""
   h = spec.history
   streams = {}
   for name, sel in h["streams"].items():
@@ -303,7 +306,8 @@ def _history_plan(spec: Spec, first_cols: dict, tasks, ad_range, act_range, log)
   return {"streams": streams, "stats": bool(h.get("stats", False)), "tasks": list(tasks),
           "action": bool(h.get("action")), "item_vocab": item_vocab,
           "action_vocab": action_vocab, "hash_items": hash_items,
-          "max_len": int(h.get("max_len", 50))}
+          "max_len": int(h.get("max_len", 50)),
+          "null_free": [t for t in tasks if t in null_free], "pack": rows < 1 << 40}
 
 
 def encodings(stats: dict, order, schema, spec: Spec, key_stats: dict) -> dict:
@@ -336,7 +340,8 @@ def encodings(stats: dict, order, schema, spec: Spec, key_stats: dict) -> dict:
 
 def run(sources: dict, out_dir: str, spec: Spec, *, split: str = "time:0.8,0.1,0.1",
         yes: bool = False, write_schema: str | None = None, overwrite: bool = False,
-        records_per_shard: int = 200_000, out=None, err=None, ask=None, engine: str = "duckdb",
+        records_per_shard: int = 200_000, records_per_chunk: int | None = None, out=None,
+        err=None, ask=None, engine: str = "duckdb",
         workers: int | None = None, memory_limit: str = "1GB",
         rows_per_bucket: int | None = None, beam_args: list | None = None) -> dict | None:
   """Converts ``sources`` (``{None: [Source]}`` split by ``split``, or ``{split: [Source]}``)
@@ -356,7 +361,9 @@ def run(sources: dict, out_dir: str, spec: Spec, *, split: str = "time:0.8,0.1,0
     shutil.rmtree(tmp)
   try:
     return _run(sources, out_dir, tmp, spec, split=split, yes=yes, write_schema=write_schema,
-                records_per_shard=records_per_shard, out=out, err=err, ask=ask, engine=engine,
+                records_per_shard=records_per_shard,
+                records_per_chunk=records_per_chunk or records.INGEST_RECORDS_PER_CHUNK,
+                out=out, err=err, ask=ask, engine=engine,
                 workers=workers or os.cpu_count() or 1, memory_limit=memory_limit,
                 rows_per_bucket=rows_per_bucket or engine_mod().ROWS_PER_BUCKET,
                 beam_args=beam_args or [])
@@ -370,7 +377,8 @@ def engine_mod():
   return E
 
 
-def _run(sources, out_dir, tmp, spec, *, split, yes, write_schema, records_per_shard, out, err,
+def _run(sources, out_dir, tmp, spec, *, split, yes, write_schema, records_per_shard,
+         records_per_chunk, out, err,
          ask, engine, workers, memory_limit, rows_per_bucket, beam_args):
   out, err = out or sys.stdout, err or sys.stderr
   say = lambda *a: print(*a, file=out, flush=True)
@@ -451,7 +459,9 @@ def _run(sources, out_dir, tmp, spec, *, split, yes, write_schema, records_per_s
       hs = {s: {"max_len": hist.max_len, "item_vocab": hist.item_vocab,
                 "action_vocab": hist.action_vocab} for s in hist.observed_len}
     else:
-      plan = _history_plan(spec, first_cols, tasks, (ad_lo, ad_hi), (act_lo, act_hi), log)
+      null_free = [t for t in tasks if f"label.{t}" in stats and not stats[f"label.{t}"].nulls]
+      plan = _history_plan(spec, first_cols, tasks, (ad_lo, ad_hi), (act_lo, act_hi), log,
+                           null_free, sum(s.counted for ss in sources.values() for s in ss))
       if plan["stats"]:
         order += [f"dense.{k}" for k in engine_mod().stat_names(tasks)]
       hs = {s: {"max_len": plan["max_len"], "item_vocab": plan["item_vocab"],
@@ -527,10 +537,12 @@ def _run(sources, out_dir, tmp, spec, *, split, yes, write_schema, records_per_s
          "plan": plan, "sources": names, "explicit": explicit,
          "splits": split_names if explicit else ["train", "valid", "eval"], "used": used,
          "route": [t1, t2], "records_per_shard": records_per_shard,
+         "records_per_chunk": records_per_chunk,
          "worker_memory": "512MB"}
   if engine == "memory":
     counts, pos, lab, manifest = _convert_memory(sources, tmp, schema, full, hashed_events, log,
-                                                 hist, parts, used, (t1, t2), records_per_shard,
+                                                 hist, parts, used, (t1, t2),
+                                                 (records_per_shard, records_per_chunk),
                                                  err, spec)
   elif engine == "duckdb":
     counts, pos, lab, manifest = _convert_engine(con, staging, tmp, schema, ctx, log, workers,
@@ -547,7 +559,7 @@ def _run(sources, out_dir, tmp, spec, *, split, yes, write_schema, records_per_s
   for line in log.lines():                       # coercions only the conversion met
     if line not in shown:
       say(f"coercion: {line}")
-  cpu["convert_parent"] = time.process_time() - c0
+  cpu["convert_parent"] = time.process_time() - c0 - cpu.get("partition", 0.0)
   report = {
       "inputs": names, "engine": engine, "spec": full.to_dict(), "cpu_s": cpu,
       "split": ({"kind": "explicit"} if explicit else
@@ -580,9 +592,10 @@ def _run(sources, out_dir, tmp, spec, *, split, yes, write_schema, records_per_s
 
 
 def _convert_memory(sources, tmp, schema, full, hashed_events, log, hist, parts, used, cuts,
-                    records_per_shard, err, spec):
-  """The reference conversion: the whole log in memory (``data.history``), one process."""
-  writer = records.DatasetWriter(tmp, schema, records_per_shard)
+                    per_shard_chunk, err, spec):
+  """The reference conversion: the whole log in memory (``data.history``), one process.
+  ``per_shard_chunk``: (records per shard, records per chunk)."""
+  writer = records.DatasetWriter(tmp, schema, *per_shard_chunk)
   counts = {s: {} for s in used}
   pos = {s: np.zeros(len(schema.tasks)) for s in used}
   lab = {s: np.zeros(len(schema.tasks)) for s in used}
@@ -650,7 +663,7 @@ def _convert_engine(con, staging, tmp, schema, ctx, log, workers, rows_per_bucke
     buckets = max(1, -(-staging.rows // rows_per_bucket))
     groups = E.partition(con, staging, ctx["plan"], work, buckets)
   else:
-    groups = [{"files": [f]} for f in staging.files]
+    groups = E.part_groups(staging, rows_per_bucket)
   con.close()
   cpu["partition"] = time.process_time() - c0
   tasks = [{"id": i, **g, "ctx": ctx, "out_dir": tmp, "work_dir": work}
@@ -663,7 +676,7 @@ def _convert_engine(con, staging, tmp, schema, ctx, log, workers, rows_per_bucke
   pos = {s: np.zeros(len(schema.tasks)) for s in used}
   lab = {s: np.zeros(len(schema.tasks)) for s in used}
   files = {}
-  for k in ("queries", "records"):
+  for k in ("queries", "history", "encode", "write"):
     cpu[f"tasks_{k}"] = sum(r["cpu_s"][k] for r in results)
   for r in results:
     for m, v in r["log"].items():
@@ -786,6 +799,9 @@ def main(argv=None) -> int:
   p.add_argument("--write_schema", help="write the proposed spec to this file")
   p.add_argument("--overwrite", action="store_true", help="replace an existing dataset in --out")
   p.add_argument("--records_per_shard", type=int, default=200_000)
+  p.add_argument("--records_per_chunk", type=int, default=records.INGEST_RECORDS_PER_CHUNK,
+                 help="records per ArrayRecord chunk (the unit of a random read and of a hash "
+                 "check; the writer's cost is per chunk)")
   p.add_argument("--delimiter", help="CSV field delimiter (default , ; tab for .tsv / .inter)")
   p.add_argument("--runner", choices=("duckdb", "beam"), default="duckdb",
                  help="duckdb: out of core on this machine (default); beam: an Apache Beam "
@@ -798,6 +814,8 @@ def main(argv=None) -> int:
     p.error(f"unrecognized arguments: {' '.join(rest)}")
   if args.records_per_shard < 1:
     p.error(f"--records_per_shard={args.records_per_shard} must be >= 1")
+  if args.records_per_chunk < 1:
+    p.error(f"--records_per_chunk={args.records_per_chunk} must be >= 1")
   if args.workers is not None and args.workers < 1:
     p.error(f"--workers={args.workers} must be >= 1")
 
@@ -811,7 +829,8 @@ def main(argv=None) -> int:
     if not any(sources.values()):
       raise ValueError("no input files (--input or --train/--valid/--eval)")
     run(sources, args.out, spec, split=args.split, yes=args.yes, write_schema=args.write_schema,
-        overwrite=args.overwrite, records_per_shard=args.records_per_shard, engine=args.runner,
+        overwrite=args.overwrite, records_per_shard=args.records_per_shard,
+        records_per_chunk=args.records_per_chunk, engine=args.runner,
         workers=args.workers, memory_limit=args.memory_limit, beam_args=rest)
   return run_cli(PROG, go)
 

@@ -57,7 +57,8 @@ def _column(table: pa.Table, name: str, kind: str, path: str) -> pa.ChunkedArray
     raise ValueError(f"{path}: missing column {name!r} (expected {kind})")
   col = table.column(name)
   t = col.type
-  ok = {"string": pa.types.is_string(t) or pa.types.is_large_string(t),
+  text = lambda t: pa.types.is_string(t) or pa.types.is_large_string(t)
+  ok = {"string": text(t) or (pa.types.is_dictionary(t) and text(t.value_type)),
         "integer": pa.types.is_integer(t),
         "floating": pa.types.is_floating(t),
         "number": pa.types.is_integer(t) or pa.types.is_floating(t),
@@ -92,10 +93,10 @@ def _first(mask: np.ndarray, offs: np.ndarray | None = None) -> int:
   return i if offs is None else int(np.searchsorted(offs, i, side="right") - 1)
 
 
-def check_columns(fixed: dict, ragged: dict, schema: Schema):
+def check_columns(fixed: dict, ragged: dict, schema: Schema, skip=()):
   """The record checks of ``data.validate.Validator`` on the columns before encoding (same
   rules, vectorised over the whole table): ``(row, field, message)`` of the first failure, or
-  None."""
+  None. Ragged fields named in ``skip`` were checked by the caller."""
   found = []
   S = len(schema.surfaces)
   dense = fixed["dense"]
@@ -118,8 +119,10 @@ def check_columns(fixed: dict, ragged: dict, schema: Schema):
   if len(req) and req.min() < 0:
     found.append((_first(req < 0), "request_ts", f"negative timestamp {req.min()}"))
   for s in schema.streams:
-    ev, offs = ragged[f"events/{s.name}"]
     name = f"events/{s.name}"
+    if name in skip:
+      continue
+    ev, offs = ragged[name]
     lens = np.diff(offs)
     if len(lens) and lens.max() > s.max_len:
       i = _first(lens > s.max_len)
@@ -174,17 +177,22 @@ def table_to_records(table: pa.Table, schema: Schema, path: str = "<table>",
   (i64[num_rows], optional) instead names each table row's row in its file. ``validate``:
   ``columns`` checks the values column-wise before encoding (``check_columns``), ``records``
   decodes and validates the encoded records (``data.validate.BatchValidator``, slower).
-  ``prebuilt``: ``{stream: (events i32[E, 4 + extras], offsets i64[N + 1])}`` of streams given
-  as arrays rather than table columns (checked the same way)."""
+  ``prebuilt``: streams given as arrays rather than table columns: ``{stream: (events i32[E,
+  4 + extras], offsets i64[N + 1])}`` (checked the same way), or ``(events, start i64[N], stop
+  i64[N])``: row i's events are ``events[start[i]:stop[i]]`` (windows into one array, encoded in
+  place: ``records.encode_ranges``), checked by the caller (``data.bucket``: once per event)."""
   n = table.num_rows
   row_of = (lambda i: int(rows[i])) if rows is not None else (lambda i: i + row_offset)
-  surf_names = _column(table, "surface", "string", path).to_pylist()
+  surf_col = _column(table, "surface", "string", path).combine_chunks()
+  surf_col = surf_col if pa.types.is_dictionary(surf_col.type) else surf_col.dictionary_encode()
+  surf_names = surf_col.dictionary.to_pylist()
   index = {s: i for i, s in enumerate(schema.surfaces)}
   bad = sorted({s for s in surf_names if s not in index})
   if bad:
     raise ValueError(f"{path}: column 'surface' has unknown surface(s) {bad}; "
                      f"schema has {schema.surfaces}")
-  surf = np.array([index[s] for s in surf_names], np.int32)
+  surf = np.array([index[s] for s in surf_names] or [0], np.int32)[
+      surf_col.indices.to_numpy(zero_copy_only=False)]
   ints = lambda name: _ints(_column(table, name, "integer", path).to_numpy(), name, path)
   dense = [_column(table, f"dense.{d}", "floating", path).to_numpy() for d in schema.dense]
   labels, mask, prob = [], [], []
@@ -206,12 +214,16 @@ def table_to_records(table: pa.Table, schema: Schema, path: str = "<table>",
   fixed = {"dense": f32(dense), "surface": surf, "labels": f32(labels),
            "label_mask": f32(mask), "true_prob": f32(prob), "user_id": ints("user_id"),
            "ad_id": ints("ad_id"), "request_ts": ints("request_ts")}
-  ragged = {}
+  ragged, ranges = {}, {}
   for f in schema.sparse:
     name = f"sparse.{f.name}"
     vals, offs = _list(_column(table, name, "list<integer>", path))
     ragged[f"sparse/{f.name}"] = (_ints(vals, name, path, np.int64), offs)
   for s in schema.streams:
+    if prebuilt and s.name in prebuilt and len(prebuilt[s.name]) == 3:
+      ev, start, stop = prebuilt[s.name]
+      ranges[f"events/{s.name}"] = (np.ascontiguousarray(ev, np.int32), start, stop)
+      continue
     if prebuilt and s.name in prebuilt:
       ev, offs = prebuilt[s.name]
       ragged[f"events/{s.name}"] = (np.ascontiguousarray(ev, np.int32),
@@ -230,8 +242,13 @@ def table_to_records(table: pa.Table, schema: Schema, path: str = "<table>",
       cols.append(_ints(vals, name, path))
     ev = np.stack(cols, 1) if cols and len(cols[0]) else np.zeros((0, len(cols)), np.int32)
     ragged[f"events/{s.name}"] = (ev.astype(np.int32), offs0)
+  order = [f"sparse/{f.name}" for f in schema.sparse] + [f"events/{s.name}"
+                                                         for s in schema.streams]
+  encode = lambda: records.encode_ranges(fixed, {
+      k: ranges[k] if k in ranges else (ragged[k][0], ragged[k][1][:-1], ragged[k][1][1:])
+      for k in order})
   if validate == "records":
-    recs = records.encode_columns(fixed, ragged) if n else []
+    recs = encode().to_pylist() if n else []
     check = BatchValidator(schema, {})        # vectorised; per-record Validator for the rest
     for a in range(0, n, 4096):
       _, _, errors = check(recs[a:a + 4096], surf[a:a + 4096],
@@ -241,18 +258,21 @@ def table_to_records(table: pa.Table, schema: Schema, path: str = "<table>",
         raise ValueError(f"{path}: row {row_of(a + i)}: invalid value in the column(s) of "
                          f"field {e.field!r}: {e}") from e
   else:
-    bad = check_columns(fixed, ragged, schema)
+    bad = check_columns(fixed, ragged, schema, skip=set(ranges))
     if bad is not None:
       i, field, msg = bad
       raise ValueError(f"{path}: row {row_of(i)}: invalid value in the column(s) of field "
                        f"{field!r}: {msg}")
-    recs = records.encode_columns(fixed, ragged) if n else []
+    recs = encode() if n else []
   out: dict[str, list[bytes]] = {s: [] for s in schema.surfaces}
   if n and (surf == surf[0]).all():
-    out[schema.surfaces[surf[0]]] = recs
+    out[schema.surfaces[surf[0]]] = recs if isinstance(recs, list) else recs.to_pylist()
     return out
-  objs = np.empty(n, object)
-  objs[:] = recs
+  if isinstance(recs, list):
+    objs = np.empty(n, object)
+    objs[:] = recs
+  else:
+    objs = recs.to_numpy(zero_copy_only=False)
   for k, s in enumerate(schema.surfaces):
     out[s] = objs[surf == k].tolist()
   return out

@@ -51,8 +51,18 @@ _CODES = {np.dtype(np.float32): 0, np.dtype(np.float64): 1, np.dtype(np.int32): 
           np.dtype(np.int16): 6, np.dtype(np.float16): 7}
 _DTYPES = {c: d for d, c in _CODES.items()}
 _UNPACK = {k: struct.Struct(f"<{k}I").unpack_from for k in range(1, 256)}
-WRITER_OPTIONS = "group_size:1,uncompressed"   # one record per chunk (random access); no codec:
-# snappy costs 2.5x the CPU of the write for ~25% less disk on these small-int records
+def writer_options(records_per_chunk: int = 1) -> str:
+  """ArrayRecord writer options: ``records_per_chunk`` records per Riegeli chunk (the unit of a
+  random read and of a hash check), no codec (snappy costs 2.5x the CPU of the write for ~25%
+  less disk on these small-int records)."""
+  return f"group_size:{int(records_per_chunk)},uncompressed"
+
+
+WRITER_OPTIONS = writer_options(1)               # one record per chunk
+INGEST_RECORDS_PER_CHUNK = 8    # data.ingest's default: the writer's cost is per chunk (half of
+# it at 8: bench/results/ingest.json), a random read of an uncompressed 8-record chunk costs no
+# more than of a 1-record one, and a damaged chunk makes its 8 records unreadable (reported as
+# their range, data.shards)
 EVENT_COLUMNS = ("item", "action", "surface", "ts")   # then the stream's extra fields
 
 
@@ -134,44 +144,133 @@ def encode_columns(fixed: dict[str, np.ndarray],
   fixed:  {name: array[N, ...]} (row i is record i's field).
   ragged: {name: (values[E, ...], offsets i64[N + 1])} (rows offsets[i]:offsets[i+1]).
   Returns the N records, byte-identical to ``encode`` of the row dicts (fixed fields first).
+  """
+  ranges = {k: (v, np.asarray(o, np.int64)[:-1], np.asarray(o, np.int64)[1:])
+            for k, (v, o) in ragged.items()}
+  return encode_ranges(fixed, ranges).to_pylist()
 
-  Each record is a constant-width prefix (magic, field headers with the record's ragged lengths
-  patched in, the fixed fields' bytes), then its slice of every ragged field's values; Arrow's
-  ``binary_join_element_wise`` concatenates the pieces of all records in one C++ call.
+
+_VIEW_MAX = (1 << 31) - 1        # an Arrow binary view addresses its buffer with int32 offsets
+_BATCH = 1 << 16                 # records per binary-view gather
+
+
+def _little(a) -> np.ndarray:
+  a = np.asarray(a)
+  return np.ascontiguousarray(a, a.dtype.newbyteorder("<"))
+
+
+def encode_ranges(fixed: dict[str, np.ndarray],
+                  ragged: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]):
+  """Vectorised ``encode`` of N records: a ``pyarrow.ChunkedArray`` (large_binary) whose
+  element i is byte-identical to ``encode`` of record i's dict (fixed fields first, then the
+  ragged ones, each group in order).
+
+  fixed:  {name: array[N, ...]} (row i is record i's field).
+  ragged: {name: (values[E, ...], start i64[N], stop i64[N])}: record i's field is
+          ``values[start[i]:stop[i]]``. The ranges may overlap and come in any order (each
+          row's history as a window into one array of events, never copied per row).
+
+  A record is a constant-width prefix (magic, field headers with its ragged lengths patched
+  in, the fixed fields' bytes) followed by one byte range per ragged field. The pieces of all
+  records become one Arrow ``binary_view`` array (a view: length, buffer, offset); its cast to
+  ``large_binary`` copies them into one buffer in record order, in C++.
   """
   import pyarrow as pa
-  import pyarrow.compute as pc
-  n = len(next(iter(fixed.values())))
-  if not n:
-    return []
-  fixed = {k: np.ascontiguousarray(v) for k, v in fixed.items()}
+  if len(fixed) + len(ragged) > 255:
+    raise ValueError("a record holds at most 255 fields")
+  fixed = {k: _little(v) for k, v in fixed.items()}
+  n = len(next(iter(fixed.values()))) if fixed else (
+      len(next(iter(ragged.values()))[1]) if ragged else 0)
   head = b"KR" + struct.pack("<BB", _VERSION, len(fixed) + len(ragged))
   head += b"".join(_field_header(k, v.dtype, v.shape[1:]) for k, v in fixed.items())
-  parts, pieces = [np.frombuffer(head, np.uint8)[None].repeat(n, 0)], []
-  for k, (vals, offs) in ragged.items():
-    vals = np.ascontiguousarray(vals)
-    offs = np.asarray(offs, np.int64)
-    tmpl = np.frombuffer(_field_header(k, vals.dtype, (0,) + vals.shape[1:]), np.uint8)
-    hdr = tmpl[None].repeat(n, 0)
-    at = 1 + len(k.encode()) + 2                       # the u32 length: first dim
-    hdr[:, at:at + 4] = (offs[1:] - offs[:-1]).astype("<u4").view(np.uint8).reshape(n, 4)
-    parts.append(hdr)
-    row = vals.dtype.itemsize * int(np.prod(vals.shape[1:], dtype=np.int64))
-    data = pa.py_buffer(vals.astype(vals.dtype.newbyteorder("<"), copy=False).tobytes()
-                        if vals.dtype.byteorder == ">" else vals)
-    byte_offs = pa.py_buffer(((offs - offs[0]) * row).astype(np.int64))
-    if offs[0]:
-      data = data[int(offs[0]) * row:]
-    pieces.append(pa.LargeBinaryArray.from_buffers(pa.large_binary(), n, [None, byte_offs, data]))
-  parts += [v.reshape(n, -1).view(np.uint8) for v in fixed.values()]
-  prefix = np.ascontiguousarray(np.concatenate(parts, axis=1))
-  w = prefix.shape[1]
-  first = pa.LargeBinaryArray.from_buffers(
-      pa.large_binary(), n, [None, pa.py_buffer(np.arange(n + 1, dtype=np.int64) * w),
-                             pa.py_buffer(prefix)])
-  if not pieces:
-    return first.to_pylist()
-  return pc.binary_join_element_wise(first, *pieces, pa.scalar(b"", pa.large_binary())).to_pylist()
+  rows = []                 # (u32 length position in the prefix, values as bytes [E, B], ...)
+  for k, (vals, start, stop) in ragged.items():
+    vals = _little(vals)
+    start, stop = np.asarray(start, np.int64), np.asarray(stop, np.int64)
+    if len(start) != n or len(stop) != n:
+      raise ValueError(f"record field {k!r}: {len(start)} ranges for {n} records")
+    if n and ((stop < start).any() or start.min() < 0 or stop.max() > len(vals)):
+      raise ValueError(f"record field {k!r}: ranges outside its {len(vals)} values")
+    at = len(head) + 1 + len(k.encode()) + 2
+    head += _field_header(k, vals.dtype, (0,) + vals.shape[1:])
+    row_bytes = vals.dtype.itemsize * math.prod(vals.shape[1:])
+    rows.append((at, vals.reshape(-1).view(np.uint8).reshape(len(vals), row_bytes), start,
+                 stop))
+  if not n:
+    return pa.chunked_array([], pa.large_binary())
+  sizes = [v[0].nbytes for v in fixed.values()]
+  width = len(head) + sum(sizes)
+  prefix = np.empty((n, width), np.uint8)
+  prefix[:] = np.frombuffer(head + bytes(sum(sizes)), np.uint8)
+  at = len(head)
+  for v, size in zip(fixed.values(), sizes, strict=True):
+    prefix[:, at:at + size] = v.reshape(-1).view(np.uint8).reshape(n, size)
+    at += size
+  for at, _, start, stop in rows:
+    lens = stop - start
+    if lens.max() > 0xFFFFFFFF:
+      raise ValueError("record field longer than 2**32 rows")
+    prefix[:, at:at + 4] = lens.astype("<u4").view(np.uint8).reshape(n, 4)
+  chunks, a = [], 0
+  while a < n:                   # batches whose buffers fit the views' int32 offsets
+    b = min(n, a + _BATCH)
+    while True:
+      spans = [(int(s[a:b].min()), int(e[a:b].max())) for _, _, s, e in rows]
+      if (b - a) * width <= _VIEW_MAX and all(
+          (hi - lo) * r[1].shape[1] <= _VIEW_MAX for (lo, hi), r in zip(spans, rows,
+                                                                       strict=True)):
+        break
+      b = a + max(1, (b - a) // 2)
+    chunks.append(_gather(prefix[a:b], [(r[1], r[2][a:b], r[3][a:b]) for r in rows], spans))
+    a = b
+  return pa.chunked_array(chunks, pa.large_binary())
+
+
+def _gather(prefix: np.ndarray, rows, spans):
+  """The records of one batch: ``prefix`` u8[M, W], per ragged field ``(values as bytes u8[E,
+  B], start[M], stop[M])`` and the ``(lo, hi)`` of the value rows the batch uses."""
+  import pyarrow as pa
+  m, width = prefix.shape
+  k = 1 + len(rows)
+  views = np.zeros((m, k, 4), np.int32)     # Arrow's view: i32 length, then 12 inline bytes or
+  buffers = [pa.py_buffer(prefix)]          # 4 bytes of prefix, i32 buffer index, i32 offset
+  pieces = [(prefix.reshape(-1), np.arange(m, dtype=np.int64) * width,
+             np.full(m, width, np.int64))]
+  for (b, start, stop), (lo, hi) in zip(rows, spans, strict=True):
+    w = b.shape[1]
+    buffers.append(pa.py_buffer(b[lo:hi]))
+    pieces.append((b[lo:hi].reshape(-1), (start - lo) * w, (stop - start) * w))
+  for j, (flat, off, length) in enumerate(pieces):
+    views[:, j, 0] = length
+    if not len(flat):
+      continue                              # every piece empty: all zeros
+    long = length > 12
+    if j == 0 and long.all():               # the prefixes: same first 4 bytes
+      views[:, 0, 1], views[:, 0, 2], views[:, 0, 3] = flat[:4].view("<i4")[0], 0, off
+      continue
+    short = np.flatnonzero(~long)
+    views[:, j, 1], views[:, j, 2], views[:, j, 3] = _first_words(flat, off, 1)[:, 0], j, off
+    if len(short):                          # up to 12 bytes: inline, zero-padded
+      keep = np.arange(12) < length[short, None]
+      inline = _first_words(flat, off[short], 3).view(np.uint8).reshape(len(short), 12)
+      views[short, j, 1:] = np.where(keep, inline, 0).astype(np.uint8).view("<i4")
+  arr = pa.Array.from_buffers(pa.binary_view(), m * k, [None, pa.py_buffer(views)] + buffers)
+  joined = arr.cast(pa.large_binary())
+  offs = np.frombuffer(joined.buffers()[1], np.int64)[:m * k + 1:k]
+  return pa.LargeBinaryArray.from_buffers(pa.large_binary(), m,
+                                          [None, pa.py_buffer(np.ascontiguousarray(offs)),
+                                           joined.buffers()[2]])
+
+
+def _first_words(flat: np.ndarray, off: np.ndarray, c: int) -> np.ndarray:
+  """i32[M, c]: the ``4 * c`` bytes of ``flat`` from each byte offset (zeros past its end)."""
+  if len(flat) % 4 == 0 and not (off % 4).any():
+    words = flat.view("<i4")
+    idx = off[:, None] // 4 + np.arange(c)
+    return np.where(idx < len(words), words[np.minimum(idx, len(words) - 1)], 0)
+  idx = off[:, None] + np.arange(4 * c)
+  got = np.where(idx < len(flat), flat[np.minimum(idx, len(flat) - 1)], 0).astype(np.uint8)
+  return got.view("<i4")
 
 
 # ---- files -----------------------------------------------------------------------------------
@@ -187,9 +286,10 @@ class DatasetWriter:
   to ``<surface>-0000i-of-0000N.arrayrecord`` and writes ``schema.json`` and ``manifest.json``.
   """
 
-  def __init__(self, out_dir: str, schema: Schema, records_per_shard: int = 200_000):
+  def __init__(self, out_dir: str, schema: Schema, records_per_shard: int = 200_000,
+               records_per_chunk: int = 1):
     from array_record.python import array_record_module
-    self._mod = array_record_module
+    self._mod, self._opts = array_record_module, writer_options(records_per_chunk)
     self.out_dir, self.schema, self.per_shard = out_dir, schema, records_per_shard
     self._open: dict[tuple[str, str], tuple[object, int]] = {}
     self._done: dict[tuple[str, str], list[tuple[str, int]]] = {}
@@ -199,7 +299,7 @@ class DatasetWriter:
     shards = self._done.setdefault((split, surface), [])
     os.makedirs(os.path.join(self.out_dir, split), exist_ok=True)
     tmp = os.path.join(self.out_dir, split, f".{surface}-{len(shards):05d}.tmp")
-    self._open[(split, surface)] = (self._mod.ArrayRecordWriter(tmp, WRITER_OPTIONS), 0)
+    self._open[(split, surface)] = (self._mod.ArrayRecordWriter(tmp, self._opts), 0)
     shards.append((tmp, 0))
 
   def write(self, split: str, surface: str, records) -> None:

@@ -197,6 +197,7 @@ def export(workdir: str, out: str, *, candidates="dynamic", requests=1, step=Non
       "versions": {"jax": jax.__version__, "flax": flax.__version__,
                    "python": platform.python_version()},
   }
+  add_vocab(sig, schema)
   try:
     atomic.write_json(sig_path, sig)
   except OSError as e:
@@ -208,6 +209,24 @@ def export(workdir: str, out: str, *, candidates="dynamic", requests=1, step=Non
     sig["verify_max_abs_diff"] = err
     log(f"verified: artifact vs in-process model, max |logit diff| = {err:.2e}")
   return sig
+
+
+def add_vocab(sig: dict, schema) -> None:
+  """Puts the exact vocabularies ingestion stored in schema.json (``SparseFeature.vocab``,
+  ``data.vocab``) into the signature: ``sig["vocab"] = {feature: {"kind": "string" | "int",
+  "values": [...], "null_id", "oov_id", "first_id"}}``, so serving maps a request's raw values
+  with ``loader.vocab_ids`` exactly as ingestion did."""
+  from data.vocab import FIRST_ID, NULL_ID, OOV_ID
+  sig["vocab"] = {
+      f.name: {"kind": "string" if f.vocab and isinstance(f.vocab[0], str) else "int",
+               "values": list(f.vocab), "null_id": NULL_ID, "oov_id": OOV_ID,
+               "first_id": FIRST_ID}
+      for f in schema.sparse if f.vocab is not None}
+  sig["usage"]["vocab"] = (
+      "features in 'vocab' take ids from their exact vocabulary (loader.vocab_ids): null -> "
+      "null_id, a value not in values -> oov_id, values[i] -> first_id + i; string values "
+      "are compared by their 63-bit key (blake2b, 8-byte digest of the UTF-8 text, little-endian, "
+      ">> 1) as data.ingest compared them")
 
 
 def _verify(out, schema, lens, model, params, n: int, r: int) -> float:

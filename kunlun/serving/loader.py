@@ -9,11 +9,17 @@
 {field: [R, T], length i32[R]}}``, ``request_index i32[N]``; extra keys are ignored. Inputs are
 checked against the signature (missing arrays, shapes, the candidate / request counts, the
 ``request_index`` range) and a mismatch is a ``ValueError`` with one line naming it. This module
-imports nothing of the model code (no flax, no ``kunlun.model``).
+imports nothing of the model code (no flax, no ``kunlun.model``, no ``data``).
+
+Categorical features with an exact vocabulary (``signature.json`` ``vocab``, from the dataset's
+schema) take their ids from it, as ingestion mapped them::
+
+  ids = scorer.vocab_ids("category", ["cat-03", None, "never seen"])   # -> [5, 0, 1]
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 
@@ -46,6 +52,29 @@ def _get(batch, path: str):
   return x
 
 
+def _string_key(s: str) -> int:
+  """A string's 63-bit key (``data.coerce.hash_strings``: blake2b, 8-byte digest, >> 1)."""
+  return int.from_bytes(hashlib.blake2b(s.encode(), digest_size=8).digest(), "little") >> 1
+
+
+def vocab_ids(entry: dict, values) -> np.ndarray:
+  """Raw values of one feature -> ids i64[N] by its exact vocabulary ``entry`` (an item of
+  ``signature.json`` ``vocab``), as ``data.ingest`` mapped them (``data.vocab.ids_for``):
+  None -> ``null_id``, a value not in ``values`` -> ``oov_id``, ``values[i]`` ->
+  ``first_id + i``. Strings are compared by their 63-bit key, integers as int64."""
+  vals = list(values)
+  if entry["kind"] == "string":
+    key = lambda xs: [_string_key(str(x)) for x in xs]
+  else:
+    key = lambda xs: np.asarray(xs, np.int64).tolist()
+  table = {}
+  for i, k in enumerate(key(entry["values"])):
+    table.setdefault(k, entry["first_id"] + i)
+  present = [v for v in vals if v is not None]
+  got = iter([table.get(k, entry["oov_id"]) for k in key(present)] if present else [])
+  return np.array([entry["null_id"] if v is None else next(got) for v in vals], np.int64)
+
+
 class ServingArtifact:
   """A loaded artifact: ``__call__(batch) -> {"logits", "prob"}`` (numpy)."""
 
@@ -71,6 +100,14 @@ class ServingArtifact:
   @property
   def inputs(self) -> dict:
     return self.signature["inputs"]
+
+  def vocab_ids(self, feature: str, values) -> np.ndarray:
+    """``vocab_ids`` with the artifact's vocabulary of sparse feature ``feature``."""
+    vocab = self.signature.get("vocab", {})
+    if feature not in vocab:
+      raise ValueError(f"sparse feature {feature!r} has no exact vocabulary in this artifact "
+                       f"(those with one: {sorted(vocab)})")
+    return vocab_ids(vocab[feature], values)
 
   def _check(self, batch) -> dict:
     dims, flat = {}, {}

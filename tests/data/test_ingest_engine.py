@@ -193,3 +193,40 @@ def test_kill_leaves_no_partial_dataset(tmp_path):
   assert r.returncode == 0, r.stderr[-2000:]
   assert "left by an ingest that was killed" in r.stderr
   assert not staging.exists() and (out / "manifest.json").exists()
+
+
+def test_bad_history_events_are_one_line_errors(tmp_path):
+  """A forced schema whose item vocabulary the ad ids exceed: both paths stop with the field
+  and the value; the engine (which checks each event once, at its source row) names a row
+  whose ad id is that value."""
+  t = flat_log(300, 7)
+  streams = [{"name": s, "max_len": 8, "item_vocab": 10, "action_vocab": 4}
+             for s in ("click", "impression")]
+  spec = dict(SPEC, schema={"streams": streams})
+  msgs = {}
+  for eng in ("memory", "duckdb"):
+    with pytest.raises(ValueError) as e:
+      _ingest(tmp_path, eng, [t], eng, spec=spec)
+    msgs[eng] = str(e.value)
+    assert "invalid value in the column(s) of field 'events/impression/item'" in msgs[eng]
+    assert "outside [0, 10)" in msgs[eng] and "\n" not in msgs[eng]
+  row = int(msgs["duckdb"].split(": row ")[1].split(":")[0])
+  value = int(msgs["duckdb"].split(": value ")[1].split(" ")[0])
+  assert t.column("ad")[row].as_py() == value >= 10
+
+
+def test_records_per_chunk_changes_files_not_examples(tmp_path):
+  t = flat_log(400, 8)
+  one, _ = _ingest(tmp_path, "one", [t], "duckdb", records_per_chunk=1)
+  eight, _ = _ingest(tmp_path, "eight", [t], "duckdb", records_per_chunk=8)
+  assert_same_examples(one, eight)
+  size = lambda d: sum(e["bytes"] for s in json.load(open(f"{d}/manifest.json"))["splits"].values()
+                       for es in s.values() for e in es)
+  assert size(eight) < size(one)              # fewer chunk headers
+  from data import records
+  from data.schema import Schema
+  files = records.split_files(eight, "train", Schema.load(eight))
+  src = records.RecordSource([f for fs in files.values() for f in fs])
+  idx = np.random.default_rng(0).permutation(len(src))[:50]
+  _, _, got = src.read_many(idx)                # random access into 8-record chunks
+  assert all(records.decode(g)["labels"].shape == (2,) for g in got)
