@@ -39,17 +39,22 @@ def _acts(activation, heads):
   return (activation,) * heads if isinstance(activation, str) else tuple(activation)
 
 
+def _operands(q, k, v, scale, q_index, kv_index):
+  """q, k, v in float64, the sizes (B output rows, Tq, Tk, Hq, D, G query heads per kv head)
+  and the score scale (default D ** -0.5)."""
+  q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+  Tq, Hq, D = q.shape[1:]
+  Tk, Hkv = k.shape[1:3]
+  B = len(q_index) if q_index is not None else len(kv_index) if kv_index is not None else len(k)
+  return q, k, v, (B, Tq, Tk, Hq, D, Hq // Hkv), D ** -0.5 if scale is None else scale
+
+
 def gdpa_loop(q, k, v, activation="fast_gelu", scale=None, out_scale=1.0, q_lengths=None,
               kv_lengths=None, window=None, broadcast_q=False, score_clip=None, q_index=None,
               kv_index=None):
   """Output row b reads q[q_index[b]] and k, v[kv_index[b]] (lengths indexed like their operand;
   with broadcast_q, q_lengths has the output batch); q head h reads k/v head h // G."""
-  q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
-  Tq, Hq, D = q.shape[1:]
-  Tk, Hkv = k.shape[1:3]
-  G = Hq // Hkv
-  B = len(q_index) if q_index is not None else len(kv_index) if kv_index is not None else len(k)
-  scale = D ** -0.5 if scale is None else scale
+  q, k, v, (B, Tq, Tk, Hq, D, G), scale = _operands(q, k, v, scale, q_index, kv_index)
   acts = _acts(activation, Hq)
   out = np.zeros((B, Tq, Hq, D))
   for b in range(B):
@@ -119,12 +124,7 @@ def softmax_loop(q, k, v, window=None, scale=None, q_lengths=None, kv_lengths=No
   i + q_offset and sees keys j in [kv_start, kv_len) with |i + q_offset - j| <= window; rows at
   or beyond q_len or without a key are zero. Returns ``o`` or ``(o, dq, dk, dv)``.
   """
-  q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
-  Tq, Hq, D = q.shape[1:]
-  Tk, Hkv = k.shape[1:3]
-  G = Hq // Hkv
-  B = len(q_index) if q_index is not None else len(kv_index) if kv_index is not None else len(k)
-  scale = D ** -0.5 if scale is None else scale
+  q, k, v, (B, Tq, Tk, Hq, D, G), scale = _operands(q, k, v, scale, q_index, kv_index)
   o = np.zeros((B, Tq, Hq, D))
   dq, dk, dv = np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
   for b in range(B):

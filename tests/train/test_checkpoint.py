@@ -279,6 +279,13 @@ def _small(seed=0):
           {"m": jax.device_put(rng.normal(size=(16, 8)).astype(np.float32), sh)})
 
 
+def _save_offset(w, params, opt, steps):
+  """Saves each step s of ``steps`` with params + s (and RNG key s), waiting for each."""
+  for s in steps:
+    w.save(s, jax.tree.map(lambda x, s=s: x + s, params), opt, jax.random.key(s), _iter())
+    w.wait()
+
+
 def test_reader_lists_steps_at_restore_time_not_at_open(tmp_path):
   """A read-only Checkpointer opened at [20, 40, 60]; the trainer then saves 80 and its cleanup
   deletes 20, 40 and 60. The reader restores 80 (orbax's read-only manager alone still lists
@@ -287,13 +294,10 @@ def test_reader_lists_steps_at_restore_time_not_at_open(tmp_path):
   d = str(tmp_path / "ck")
   params, opt = _small()
   w = checkpoint.Checkpointer(d, keep=10)
-  for s in (20, 40, 60):
-    w.save(s, jax.tree.map(lambda x, s=s: x + s, params), opt, jax.random.key(s), _iter())
-    w.wait()
+  _save_offset(w, params, opt, (20, 40, 60))
   ro = checkpoint.Checkpointer(d, read_only=True)
   assert ro.all_steps() == [20, 40, 60]
-  w.save(80, jax.tree.map(lambda x: x + 80, params), opt, jax.random.key(80), _iter())
-  w.wait()
+  _save_offset(w, params, opt, (80,))
   for s in (20, 40, 60):
     shutil.rmtree(os.path.join(d, str(s)))
   assert ro.all_steps() == [80] and ro.latest_step() == 80
@@ -312,9 +316,7 @@ def test_step_deleted_between_list_and_restore_retries_the_newest(tmp_path, monk
   d = str(tmp_path / "ck")
   params, opt = _small()
   w = checkpoint.Checkpointer(d, keep=10)
-  for s in (1, 2, 3):
-    w.save(s, jax.tree.map(lambda x, s=s: x + s, params), opt, jax.random.key(s), _iter())
-    w.wait()
+  _save_offset(w, params, opt, (1, 2, 3))
   warnings = []
   ro = checkpoint.Checkpointer(d, read_only=True, warn=warnings.append)
   orig = ro.mngr.restore
