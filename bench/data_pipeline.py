@@ -1,7 +1,7 @@
 """Data benchmark: synthetic generation speed and whole-pipeline throughput on CPU.
 
 For each preset (tiny, mid): generate a dataset (examples/s, wall and CPU time of this process),
-time decode + validation of raw records per record (``Validator``) and per batch
+time decode + validation of raw records per record (``RecordChecker``) and per batch
 (``BatchValidator``), then iterate ``data.pipeline.make_dataset`` (train mode, mixing, read,
 decode, validate, pad, batch) with in-process loader threads, and separately with ``mp_prefetch``
 worker processes. ``ex/cpu-s`` = examples per CPU-second of this process (all its threads; the
@@ -68,12 +68,12 @@ def _pipe(data_dir, batch_size, batches, threads=2, workers=0):
 
 
 def _decode(data_dir, batch_size, batches):
-  """Records/s per CPU-second: per-record ``Validator`` + padding vs ``BatchValidator``."""
+  """Records/s per CPU-second: per-record ``RecordChecker`` + padding vs ``BatchValidator``."""
   import numpy as np
 
   from data import records
   from data.schema import Schema
-  from data.validate import BatchValidator
+  from data.verify import BatchValidator
   schema = Schema.load(data_dir)
   seq = {s.name: s.max_len for s in schema.streams}
   src = records.RecordSource(records.split_files(data_dir, "train", schema)[schema.surfaces[0]])

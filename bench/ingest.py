@@ -100,11 +100,11 @@ class TreeRSS(threading.Thread):
 
 
 MEMORY = """import sys
-from data import ingest
+from data.ingest import cli
 args = sys.argv[1:]
-real = ingest.run
-ingest.run = lambda *a, **k: real(*a, **{**k, "engine": "memory"})
-sys.exit(ingest.main(args))
+real = cli.run
+cli.run = lambda *a, **k: real(*a, **{**k, "engine": "memory"})
+sys.exit(cli.main(args))
 """
 
 

@@ -6,8 +6,9 @@
 1. Data, fetched at bench time: ``pip download --no-deps recbole==1.2.1`` (no install) into the
    git-ignored ``bench/.cache/``; ``recbole/dataset_example/ml-100k/ml-100k.inter`` is read from
    the wheel (sha256 recorded). ``--inter FILE`` uses a local file in the same format instead.
-2. ``data.public.movielens``: one example per rating, click = rating >= 4, histories and history
-   statistics from strictly earlier ratings only, time split 80 / 10 / 10 (train, valid, eval).
+2. ``data.ingest.public.movielens``: one example per rating, click = rating >= 4, histories
+   and history statistics from strictly earlier ratings only, time split 80 / 10 / 10 (train,
+   valid, eval).
 3. For each model and seed: ``train.py --config=kunlun/configs/tiny.py`` (the preset fits itself
    to the data's streams and surface) with ``config.model.arch`` = kunlun / interformer / dlrm,
    ``config.train.epochs`` = max_epochs, validation NE after every epoch and keep-best: the epoch
@@ -140,9 +141,9 @@ def train_eval(arch: str, seed: int, data_dir: str, work: str, args, env) -> dic
 
 def _features(data_dir: str, split: str, schema):
   """LR design of one split: one-hot user / movie ids, dense history statistics, labels."""
-  from data import validate
+  from data import verify
   users, items, dense, y = [], [], [], []
-  for _, _, r in validate.read_split(data_dir, split, schema):
+  for _, _, r in verify.read_split(data_dir, split, schema):
     users.append(int(r["sparse/user_id"][0]))
     items.append(int(r["sparse/ad_id"][0]))
     dense.append(r["dense"])
@@ -209,7 +210,7 @@ def table(res: dict) -> str:
 
 
 def run(args) -> dict:
-  from data.public import movielens
+  from data.ingest.public import movielens
   t_start = time.perf_counter()
   inter = args.inter or fetch()
   work = args.workdir or tempfile.mkdtemp(prefix="real_data_")
@@ -311,7 +312,7 @@ def main(argv=None):
   if args.inter:                                   # fail fast: before any jax import or training
     if not os.path.isfile(args.inter):
       ap.error(f"--inter={args.inter}: no such file")
-    from data.public import movielens
+    from data.ingest.public import movielens
     try:
       movielens.detect(args.inter)
     except (ValueError, OSError) as e:

@@ -44,15 +44,9 @@ import grain
 import numpy as np
 from absl import logging
 
+from data.hashing import mix64
+
 _MASK = (1 << 64) - 1
-
-
-def mix64(x: np.ndarray) -> np.ndarray:
-  """splitmix64 finaliser of a uint64 array (vectorised; array arithmetic wraps mod 2**64)."""
-  x = np.atleast_1d(np.asarray(x, np.uint64))
-  x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-  x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-  return x ^ (x >> np.uint64(31))
 
 
 def _mix_int(x: int) -> int:

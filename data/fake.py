@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from data.schema import Schema
+from data.schema import EventField, EventStream, Schema, SparseFeature, Task
 
 
 def random_batch(schema: Schema, batch_size: int, seq_lens: dict[str, int] | None = None,
@@ -57,7 +57,6 @@ def random_batch(schema: Schema, batch_size: int, seq_lens: dict[str, int] | Non
 
 def tiny_schema() -> Schema:
   """A small schema used by unit tests (mirrors the synthetic ``tiny`` preset's structure)."""
-  from data.schema import EventField, EventStream, SparseFeature, Task
   return Schema(
       sparse=(SparseFeature("user_segment", 50), SparseFeature("ad_category", 20),
               SparseFeature("ad_id_hash", 1000, hashed=True),

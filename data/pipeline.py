@@ -25,17 +25,9 @@ import jax
 import numpy as np
 
 from data import elastic, records
+from data.hashing import hash_ids
 from data.schema import Schema, check_seq_lens, surface_weights
-from data.validate import BatchValidator, InvalidCounter
-
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
-
-
-def hash_ids(ids: np.ndarray, vocab_size: int) -> np.ndarray:
-  """Deterministic hash of non-negative int64 ids into ``[0, vocab_size)`` (multiplicative)."""
-  with np.errstate(over="ignore"):
-    h = ids.astype(np.uint64) * _GOLDEN
-  return ((h >> np.uint64(29)) % np.uint64(vocab_size)).astype(np.int32)
+from data.verify import BatchValidator, InvalidCounter
 
 
 def balance_order(total_len: np.ndarray, groups: int) -> np.ndarray:

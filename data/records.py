@@ -6,7 +6,7 @@ One record = one example = a dict of numpy arrays, serialised as::
     per field: name_len:u8 name:utf8 dtype:u8 ndim:u8 dims:u32[ndim]
     payload: the arrays' raw little-endian C-order bytes, in header order
 
-The record fields of one example (``record_spec`` checks them, see ``data.validate``)::
+The record fields of one example (``record_spec`` checks them, see ``data.verify``)::
 
     dense          f32[F_dense]
     sparse/<name>  i64[n]          n in [0, max_len]; raw ids (any id >= 0 for hashed features)

@@ -38,6 +38,8 @@ import json
 import os
 from typing import Any
 
+NULL_ID, OOV_ID, FIRST_ID = 0, 1, 2   # exact-vocabulary ids: null, out of vocabulary, vocab[0]
+
 
 @dataclasses.dataclass(frozen=True)
 class SparseFeature:
@@ -46,7 +48,8 @@ class SparseFeature:
   ``hashed``: raw ids are arbitrary non-negative integers, hashed into ``[0, vocab_size)`` by
   the pipeline; otherwise an id outside ``[0, vocab_size)`` is invalid input.
   ``vocab``: the exact vocabulary ``data.ingest`` mapped the column's values with (value ->
-  id ``2 + position``; id 0 = null, 1 = out of vocabulary; ``data.vocab``), or None.
+  id ``FIRST_ID + position``; ``NULL_ID`` = null, ``OOV_ID`` = out of vocabulary;
+  ``data.ingest.vocab``), or None.
   """
   name: str
   vocab_size: int

@@ -37,7 +37,7 @@ class DamagedChunkError(DataError):
 
   ``file``, ``first``..``last`` (the damaged chunk's record range, inclusive), ``index`` (the
   record that was asked for). ``kind`` is ``"bytes"``, as for undecodable records
-  (``data.validate.KINDS``), so ``skip_invalid`` counts it with them.
+  (``data.verify.KINDS``), so ``skip_invalid`` counts it with them.
   """
   kind = "bytes"
 

@@ -29,6 +29,7 @@ CLI: ``python -m data.synthetic --out DIR --preset tiny|dev|mid [--num_examples 
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import os
@@ -310,7 +311,6 @@ def generate(out_dir: str, preset: str = "tiny", num_examples: int | None = None
 
 
 def main(argv=None):
-  import argparse
   ap = argparse.ArgumentParser(prog="python -m data.synthetic", description=__doc__.split("\n")[0])
   ap.add_argument("--out", required=True)
   ap.add_argument("--preset", default="tiny", choices=sorted(PRESETS))

@@ -3,7 +3,7 @@
 # Idempotent: re-running only reinstalls when pyproject.toml changed.
 # --beam: also (or only, with VENV=.venv-beam) a second venv .venv-beam with the `beam` extra:
 # apache-beam caps numpy / pyarrow / protobuf below the main stack, so it gets its own
-# (`python -m data.ingest --runner beam` and tests/data/test_ingest_beam.py use it).
+# (`python -m data.ingest --runner beam` and tests/data/ingest/test_ingest_beam.py use it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ "${1:-}" = "--beam" ]; then

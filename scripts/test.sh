@@ -6,7 +6,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-bash scripts/setup.sh --beam      # .venv-beam: tests/data/test_ingest_beam.py runs there
+bash scripts/setup.sh --beam      # .venv-beam: tests/data/ingest/test_ingest_beam.py runs there
 export JAX_PLATFORMS="${JAX_PLATFORMS:-cpu}"
 workers="${KUNLUN_TEST_WORKERS:-2}"
 if [ "$workers" = "0" ]; then

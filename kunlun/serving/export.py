@@ -213,10 +213,10 @@ def export(workdir: str, out: str, *, candidates="dynamic", requests=1, step=Non
 
 def add_vocab(sig: dict, schema) -> None:
   """Puts the exact vocabularies ingestion stored in schema.json (``SparseFeature.vocab``,
-  ``data.vocab``) into the signature: ``sig["vocab"] = {feature: {"kind": "string" | "int",
+  ``data.ingest.vocab``) into the signature: ``sig["vocab"] = {feature: {"kind": "string" | "int",
   "values": [...], "null_id", "oov_id", "first_id"}}``, so serving maps a request's raw values
   with ``loader.vocab_ids`` exactly as ingestion did."""
-  from data.vocab import FIRST_ID, NULL_ID, OOV_ID
+  from data.schema import FIRST_ID, NULL_ID, OOV_ID
   sig["vocab"] = {
       f.name: {"kind": "string" if f.vocab and isinstance(f.vocab[0], str) else "int",
                "values": list(f.vocab), "null_id": NULL_ID, "oov_id": OOV_ID,

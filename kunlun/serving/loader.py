@@ -53,13 +53,13 @@ def _get(batch, path: str):
 
 
 def _string_key(s: str) -> int:
-  """A string's 63-bit key (``data.coerce.hash_strings``: blake2b, 8-byte digest, >> 1)."""
+  """A string's 63-bit key (``data.ingest.coerce.hash_strings``: blake2b, 8-byte digest, >> 1)."""
   return int.from_bytes(hashlib.blake2b(s.encode(), digest_size=8).digest(), "little") >> 1
 
 
 def vocab_ids(entry: dict, values) -> np.ndarray:
   """Raw values of one feature -> ids i64[N] by its exact vocabulary ``entry`` (an item of
-  ``signature.json`` ``vocab``), as ``data.ingest`` mapped them (``data.vocab.ids_for``):
+  ``signature.json`` ``vocab``), as ``data.ingest`` mapped them (``data.ingest.vocab.ids_for``):
   None -> ``null_id``, a value not in ``values`` -> ``oov_id``, ``values[i]`` ->
   ``first_id + i``. Strings are compared by their 63-bit key, integers as int64."""
   vals = list(values)

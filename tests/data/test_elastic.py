@@ -7,7 +7,7 @@ import ml_collections
 import numpy as np
 import pytest
 
-from data import elastic, records, validate
+from data import elastic, records, verify
 from data.pipeline import invalid_counts, make_dataset
 
 LENS = {"click": 4, "impression": 4}
@@ -42,7 +42,7 @@ def test_permute_is_a_bijection(n):
 
 
 def test_one_epoch_reads_every_record_once(tiny_dir):
-  feed = [r for _, _, r in validate.read_split(tiny_dir, "train") if r["surface"] == 0]
+  feed = [r for _, _, r in verify.read_split(tiny_dir, "train") if r["surface"] == 0]
   want = collections.Counter((int(r["request_ts"]), int(r["user_id"]), int(r["ad_id"]))
                              for r in feed)
   n = len(feed) // 32
@@ -133,7 +133,7 @@ def test_mp_prefetch_skip_counts_reach_the_parent(tmp_path):
   """Known bad records (one of each kind) in an eval split read by 2 worker processes."""
   from absl import flags
 
-  from tests.data.test_validate import _write_mixed
+  from tests.data.test_verify import _write_mixed
   flags.FLAGS.mark_as_parsed()
   bad = _write_mixed(tmp_path, n_good=5)
   want = collections.Counter(kind for kind, _, _ in bad)
@@ -154,7 +154,7 @@ def test_mp_prefetch_skip_counts_reach_the_parent(tmp_path):
 
 def test_skipped_rows_are_padding_in_train(tmp_path):
   from tests.data.test_records import _example
-  from tests.data.test_validate import SCHEMA, _bad
+  from tests.data.test_verify import SCHEMA, _bad
   w = records.DatasetWriter(str(tmp_path), SCHEMA)
   rng = np.random.default_rng(0)
   good = [records.encode(_example(SCHEMA, rng, 0)) for _ in range(6)]

@@ -10,7 +10,7 @@ import ml_collections
 import numpy as np
 import pytest
 
-from data import records, shards, validate
+from data import records, shards, verify
 from data.pipeline import invalid_counts, make_dataset
 
 SEQ = {"click": 8, "impression": 16}
@@ -151,15 +151,15 @@ def invalid_counts_at(batches, n):
   return {"bytes": sum(int((b["example_mask"] == 0).sum()) for b in batches[:n])}
 
 
-def test_read_split_lives_in_validate_and_imports_go_one_way():
+def test_read_split_lives_in_verify_and_imports_go_one_way():
   import ast
   import inspect
   src = inspect.getsource(records)
   imported = {a.name for n in ast.walk(ast.parse(src)) if isinstance(n, ast.ImportFrom)
               for a in n.names} | {n.module for n in ast.walk(ast.parse(src))
                                    if isinstance(n, ast.ImportFrom)}
-  assert "validate" not in imported and "data.validate" not in imported
-  assert not hasattr(records, "read_split") and callable(validate.read_split)
+  assert "verify" not in imported and "data.verify" not in imported
+  assert not hasattr(records, "read_split") and callable(verify.read_split)
 
 
 def test_validate_cli_reports_per_file(tiny_dir, copy_dir, tmp_path, capsys):
@@ -187,7 +187,7 @@ def test_validate_cli_reports_per_file(tiny_dir, copy_dir, tmp_path, capsys):
   assert "4/6 files intact" in text.out
   # an intact file holding a record that breaks the schema: counted per kind
   schema = _schema(copy_dir)
-  recs = [r for _, _, r in validate.read_split(tiny_dir, "eval", schema)][:6]
+  recs = [r for _, _, r in verify.read_split(tiny_dir, "eval", schema)][:6]
   recs[4] = dict(recs[4], labels=np.array([2, 0], np.float32))
   w = records.DatasetWriter(str(tmp_path / "inv"), schema)
   w.write("eval", "feed", [records.encode(r) for r in recs])

@@ -6,7 +6,7 @@ import ml_collections
 import numpy as np
 import pytest
 
-from data import records, validate
+from data import records, verify
 from data.pipeline import balance_order, device_put_batch, make_dataset
 from data.schema import Schema
 
@@ -30,7 +30,7 @@ def _hash(x, vocab):   # independent big-int version of the documented multiplic
 
 def test_eval_batches_match_records(tiny_dir):
   schema = Schema.load(tiny_dir)
-  recs = [r for _, _, r in validate.read_split(tiny_dir, "eval", schema)]
+  recs = [r for _, _, r in verify.read_split(tiny_dir, "eval", schema)]
   ds = make_dataset(_cfg(), tiny_dir, "eval", SEQ, train=False, shard_index=0, shard_count=1)
   batches = list(ds)
   assert len(batches) == -(-len(recs) // 32)
@@ -149,7 +149,7 @@ def test_eval_shards_partition_the_split(tiny_dir):
     got.append([_key(b, i) for b in bs for i in range(32) if b["example_mask"][i]])
   assert n_batches[0] == n_batches[1]
   all_recs = [(int(r["request_ts"]), int(r["user_id"]), int(r["ad_id"]))
-              for _, _, r in validate.read_split(tiny_dir, "eval")]
+              for _, _, r in verify.read_split(tiny_dir, "eval")]
   assert got[0] == all_recs[0::2] and got[1] == all_recs[1::2]
 
 

@@ -4,7 +4,7 @@ import os
 import numpy as np
 import pytest
 
-from data import records, validate
+from data import records, verify
 from data.fake import tiny_schema
 
 
@@ -92,7 +92,7 @@ def test_writer_reader_roundtrip(tmp_path):
   for e in feed:                                      # small shards (< 64 KB of data) are fine
     assert os.path.exists(tmp_path / e["file"])
   got = {}
-  for path, _, rec in validate.read_split(str(tmp_path), "train"):
+  for path, _, rec in verify.read_split(str(tmp_path), "train"):
     got.setdefault(os.path.basename(path).split("-")[0], []).append(rec)
   assert sorted(got) == ["feed", "reels"]
   for surface, recs in written.items():

@@ -6,7 +6,7 @@ import pytest
 from scipy import sparse
 from scipy.optimize import minimize
 
-from data import synthetic, validate
+from data import synthetic, verify
 from data.schema import Schema
 
 
@@ -32,13 +32,13 @@ def test_dev_preset_three_streams_long_tails(tmp_path):
   synthetic.generate(str(tmp_path), "dev", 400, seed=0)
   schema = Schema.load(str(tmp_path))
   assert schema.stream_names == ("click", "impression", "conversion")
-  lens = [len(r["events/impression"]) for _, _, r in validate.read_split(str(tmp_path), "train")]
+  lens = [len(r["events/impression"]) for _, _, r in verify.read_split(str(tmp_path), "train")]
   assert min(lens) < 50 and max(lens) > 500          # tens to (near) a thousand events
 
 
 def _load(d):
   schema = Schema.load(d)
-  return {split: [r for _, _, r in validate.read_split(d, split, schema)]
+  return {split: [r for _, _, r in verify.read_split(d, split, schema)]
           for split in ("train", "eval")}
 
 
@@ -172,7 +172,7 @@ def test_pretrain_window_precedes_train_and_leaves_it_unchanged(tmp_path):
     sb = {k: v for k, v in _bytes(b).items() if k.startswith(split + "/")}
     assert sa and sa == sb
   ts = lambda split: np.array([int(r["request_ts"])
-                               for _, _, r in validate.read_split(b, split)])
+                               for _, _, r in verify.read_split(b, split)])
   pre, train = ts("pretrain"), ts("train")
   assert len(pre) == 500 and pre.max() < train.min()
   # same request rate: the pretrain window spans ~500/300 of the train window's duration

@@ -1,5 +1,5 @@
 """Bad invocations of every command line program fail fast with one error line, never a
-traceback: train.py, eval.py, ``python -m data.synthetic``, ``data.ingest``, ``data.verify`` (and its old name ``data.validate``),
+traceback: train.py, eval.py, ``python -m data.synthetic``, ``data.ingest``, ``data.verify``,
 the FM export, ``kunlun.serving.export`` and ``bench/real_data.py``. Every case is a subprocess
 that stops before any compilation (most before importing jax); two run at a time. Bad settings
 (issue 20) stop before any data is read: train.py is given a real dataset and would train (and
@@ -171,7 +171,6 @@ CASES = [
     ("-m data.synthetic", ["--out={wd}", "--num_examples=-5"], "num_examples must be > 0"),
     ("-m data.synthetic", ["--out={wd}", "--preset=huge"], "invalid choice: 'huge'"),
     ("-m data.verify", ["{missing}"], "no such directory"),
-    ("-m data.validate", ["{missing}"], "no such directory"),        # the old name, one release
     ("-m data.verify", ["{file}"], "not a directory"),
     ("-m data.verify", ["{fresh}"], "no schema.json"),
     ("-m data.verify", ["{badschema}"], "schema.json: not valid JSON"),

@@ -145,8 +145,8 @@ def test_surface_weights_fallback_is_silent_on_one_surface(surfaces, counts):
 
 @pytest.fixture(scope="module")
 def ml_dir(tmp_path_factory):
-  from data.public import movielens
-  from tests.data.test_public_movielens import RATINGS, T0
+  from data.ingest.public import movielens
+  from tests.data.ingest.test_public_movielens import RATINGS, T0
   base = tmp_path_factory.mktemp("ml")
   p = base / "u.data"
   p.write_text("".join(f"{u}\t{m}\t{r}\t{T0 + t}\n" for u, m, r, t in RATINGS * 3))

@@ -1,6 +1,6 @@
 """Exact vocabularies reach serving: raw values -> ingest (vocabularies in schema.json) -> export
 (signature.json) -> the loader's ``vocab_ids`` give the ids ingestion wrote into the records
-(decoded) and ``data.vocab.ids_for`` gives, for strings and integers, nulls and unseen values."""
+(decoded) and ``data.ingest.vocab.ids_for`` gives, for strings and integers, nulls and unseen values."""
 
 import os
 
@@ -12,16 +12,17 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from data import ingest, vocab
+from data import ingest
 from data.fake import random_batch
-from data.infer import Spec
+from data.ingest import vocab
+from data.ingest.infer import Spec
 from data.schema import Schema
 from kunlun.config import seq_lens
 from kunlun.configs import tiny
 from kunlun.model import build_model
 from kunlun.serving import export, loader
 from kunlun.train import checkpoint, runtime
-from tests.data.ingest_logs import decoded
+from tests.data.ingest.logs import decoded
 
 AGES = ["18-24", "25-34", "<18", "ünï-名", "56+"]
 REGIONS = [-7, 3, 40_000_000_000, -1]
@@ -71,7 +72,7 @@ def test_loader_maps_raw_values_as_ingest_did(artifact):
   written = {int(r["request_ts"]): r for _, r in decoded(data_dir)["train"]}
   for name, extra in (("age", ["90+", "", "18-24 "]), ("region", [5, 0, -7])):
     got = art.vocab_ids(name, rows[name] + extra)
-    # the ids ingestion wrote into the records (decoded), and data.vocab's mapping
+    # the ids ingestion wrote into the records (decoded), and data.ingest.vocab's mapping
     want = [written[ts][f"sparse/{name}"].tolist()[0] for ts in rows["ts"]]
     assert got[:len(want)].tolist() == want
     np.testing.assert_array_equal(got, vocab.ids_for(f[name], rows[name] + extra))
@@ -82,7 +83,7 @@ def test_loader_maps_raw_values_as_ingest_did(artifact):
 
 def test_string_keys_are_ingests():
   """The loader's own copy of the 63-bit string key (a collision maps as ingestion mapped it)."""
-  from data.coerce import hash_strings
+  from data.ingest.coerce import hash_strings
   words = AGES + ["", "90+", "x" * 300]
   assert [loader._string_key(w) for w in words] == hash_strings(pa.array(words)).tolist()
 

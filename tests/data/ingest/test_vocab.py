@@ -1,5 +1,5 @@
 """Exact vocabularies (value -> id, null and out-of-vocabulary buckets, stored in schema.json and
-reused by a later ingest) and the collision report of hashed columns (data/vocab.py)."""
+reused by a later ingest) and the collision report of hashed columns (data/ingest/vocab.py)."""
 
 import json
 import os
@@ -9,10 +9,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from data import ingest, vocab
-from data.infer import Spec
+from data import ingest
+from data.ingest import vocab
+from data.ingest.infer import Spec
 from data.schema import Schema
-from tests.data.ingest_logs import decoded
+from tests.data.ingest.logs import decoded
 
 AGES = ["18-24", "25-34", "35-44", "45-49", "50-55", "56+", "<18"]
 

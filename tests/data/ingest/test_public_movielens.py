@@ -1,12 +1,12 @@
-"""data.public.movielens on hand-written fixtures in the published formats (ml-100k u.data,
+"""data.ingest.public.movielens on hand-written fixtures in the published formats (ml-100k u.data,
 RecBole .inter, ml-1m ratings.dat, ml-latest ratings.csv): labels, histories from strictly
 earlier ratings only, history statistics and the time split, checked against a loop here."""
 
 import numpy as np
 import pytest
 
-from data import validate
-from data.public import movielens
+from data import verify
+from data.ingest.public import movielens
 from data.schema import Schema
 
 T0 = 881250000
@@ -83,7 +83,7 @@ def test_convert_no_future_leakage(tmp_path):
   assert schema.dense == ("user_count", "user_click_rate", "ad_count", "ad_click_rate")
   assert [f.name for f in schema.sparse] == ["user_id", "ad_id"]
   want = _expected(2)
-  got = [r for _, _, r in validate.read_split(out, "train")]
+  got = [r for _, _, r in verify.read_split(out, "train")]
   assert len(got) == len(RATINGS) == rep["examples"]["train"]
   for r in got:
     w = want[int(r["request_ts"]), int(r["user_id"]), int(r["ad_id"])]
@@ -99,11 +99,11 @@ def test_time_split_windows(tmp_path, capsys):
   out = str(tmp_path / "ds")
   assert movielens.main(["--input", _write(tmp_path, "u.data"), "--out", out,
                          "--split", "time:0.5,0.25,0.25"]) == 0
-  got = {s: sorted(int(r["request_ts"]) for _, _, r in validate.read_split(out, s))
+  got = {s: sorted(int(r["request_ts"]) for _, _, r in verify.read_split(out, s))
          for s in ("train", "valid", "eval")}
   ts = sorted(T0 + t for *_, t in RATINGS)
   assert got["train"] + got["valid"] + got["eval"] == ts
   assert got["train"][-1] < got["valid"][0] and got["valid"][-1] < got["eval"][0]
   assert movielens.main(["--input", str(tmp_path / "nope.data"), "--out", out]) == 2
   assert capsys.readouterr().err.strip().splitlines()[-1].startswith(
-      "data.public.movielens: error: ")
+      "data.ingest.public.movielens: error: ")

@@ -1,16 +1,7 @@
-"""User histories built from a flat interaction log, with no future leakage.
-
-A flat log has one row per (user, item, time) interaction with its labels. For every row n the
-history of a stream is the same user's rows with a timestamp **strictly earlier** than ``ts[n]``
-(rows of the same second are not in each other's history) that pass the stream's filter (e.g.
-``label.click == 1``), the most recent ``max_len`` of them, oldest first. History statistics
-(earlier row count and Laplace-smoothed positive rate per task, per user and per item) use the
-same strictly-earlier rule.
-
-Nothing is materialised for the whole log: ``HistoryIndex`` sorts the events once (O(N log N))
-and ``lists(rows)`` / ``stats(rows)`` answer any subset of rows with two binary searches per row,
-so a converter can go chunk by chunk. ``FlatLogHistories`` wraps it for ``data.ingest --history``
-(item = ad_id, surface and time of the row, action = label bits or a given column).
+"""User histories from a flat interaction log held in memory, with no future leakage: a row's
+history is the same user's rows strictly earlier in time. ``HistoryIndex`` (events sorted once,
+any subset of rows answered by binary searches), ``FlatLogHistories`` (``--history`` in the spec's
+terms): the reference the DuckDB and Beam runners are tested against. Rules: data/README.md.
 """
 
 from __future__ import annotations
@@ -18,8 +9,8 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 
-from data import coerce
-from data.coerce import CoerceError, Coercions
+import data.ingest.coerce as coerce
+from data.ingest.coerce import CoerceError, Coercions
 
 
 def _ranks(x: np.ndarray) -> np.ndarray:
@@ -138,9 +129,9 @@ def label_bits(cols: dict, tasks) -> np.ndarray:
 
 
 class FlatLogHistories:
-  """``data.history`` over the whole (canonical) flat log, in the spec's terms."""
+  """``data.ingest.history`` over the whole (canonical) flat log, in the spec's terms."""
 
-  """``HistoryIndex`` over a whole flat log given as role columns (``data.layout.canonical``),
+  """``HistoryIndex`` over a whole flat log given as role columns (``layout.canonical``),
   configured by an ingest spec's ``history`` section."""
 
   def __init__(self, parts: list[dict], spec, surfaces, tasks, log: Coercions):

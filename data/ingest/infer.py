@@ -1,27 +1,6 @@
-"""The ingest spec (one small JSON / YAML file) and the schema proposal inferred from a log.
-
-Spec file (every key optional; ``python -m data.ingest --write_schema FILE`` writes a complete
-one to edit)::
-
-    columns:            {role: your column}   e.g. {"request_ts": "time", "label.click": "liked"}
-    surface: all        surface name of every row when the log has no ``surface`` column
-    ids_as_features: false   also feed user_id / ad_id to the model as sparse features
-    truncate_history: false  keep the most recent max_len events of longer histories
-    ts_unit: s          s | ms | us: unit of integer times (request_ts, events.*.ts)
-    history:            build event streams from a flat log (data.history), e.g.
-                        {"streams": {"click": "label.click", "impression": "all"},
-                         "max_len": 50, "stats": true, "action": null}
-    hashed_events: []   events.<s>.<c> columns whose ids are hashed into the stream's vocab
-    vocab: {}           per sparse feature, force an exact vocabulary (``exact``) or hashing
-                        (``hash``); by default features whose values would be hashed get an
-                        exact vocabulary when they have at most ``vocab_max`` values (data.vocab)
-    vocab_max: 10000    the cardinality threshold of exact vocabularies
-    schema: {sparse, dense, streams, surfaces, tasks}   schema.json sections; missing ones are
-                        inferred from the data
-
-Roles (column names after renaming): ``surface``, ``request_ts``, ``user_id``, ``ad_id``,
-``dense.<f>``, ``sparse.<f>``, ``events.<stream>.<item|action|surface|ts|extra>``, ``label.<task>``,
-``true_prob.<task>``. Any other column is unknown: listed as a warning and not converted.
+"""The ingest spec (``Spec``: one small JSON / YAML file) and the schema proposal inferred from a
+log's scan (``ColumnStats``, ``propose``, ``schema_from``); ``role(column)`` names a column's
+role. The spec file's keys and the roles: data/README.md ("The spec file").
 """
 
 from __future__ import annotations
@@ -32,6 +11,7 @@ import os
 
 import numpy as np
 
+from data.ingest.vocab import VOCAB_CAP
 from data.schema import Schema
 
 KEYS = ("surface", "request_ts", "user_id", "ad_id")
@@ -108,7 +88,6 @@ class Spec:
     dup = sorted({t for t in targets if targets.count(t) > 1})
     if dup:
       raise ValueError(f"{where}: columns: {dup} mapped to more than one role")
-    from data.vocab import VOCAB_CAP
     if not isinstance(self.vocab, dict) or any(
         not isinstance(k, str) or v not in VOCAB_CHOICES for k, v in self.vocab.items()):
       raise ValueError(f"{where}: vocab must map sparse feature names to one of {VOCAB_CHOICES}")
@@ -155,7 +134,7 @@ class ColumnStats:
     self.count = 0
     self.pos = 0.0
     self.distinct: set | None = set()
-    self.strings: dict | None = {}       # hash -> string of a string column (data.vocab)
+    self.strings: dict | None = {}       # hash -> string of a string column (data.ingest.vocab)
 
   def values(self, x: np.ndarray) -> None:
     if not len(x):
@@ -170,7 +149,6 @@ class ColumnStats:
 
   def add_strings(self, hashes: np.ndarray, strings: list) -> None:
     """The distinct strings of a string column (and their hashes), up to ``VOCAB_CAP``."""
-    from data.vocab import VOCAB_CAP
     if self.strings is not None:
       self.strings.update(zip(np.asarray(hashes).tolist(), strings, strict=True))
       if len(self.strings) > VOCAB_CAP:
@@ -202,7 +180,6 @@ class ColumnStats:
 
   def vocab_values(self) -> list | None:
     """The sorted distinct values (strings of a string column), None when not all were kept."""
-    from data.vocab import VOCAB_CAP
     if self.distinct is None or len(self.distinct) > VOCAB_CAP:
       return None
     if self.hashed:
@@ -227,7 +204,7 @@ def propose(stats: dict[str, ColumnStats], surfaces, order, spec: Spec,
   """The schema.json sections from the scan: ``(schema_dict, hashed_events, notes)``.
 
   ``order``: canonical column names in first-seen order; ``history_streams``: ``{stream:
-  {"max_len", "item", "action"}}`` ColumnStats-like facts for streams built by ``data.history``.
+  {"max_len", "item", "action"}}`` ColumnStats-like facts for streams built by ``history``.
   Sections given in ``spec.schema`` are taken as they are.
   """
   notes, hashed_events, compact = [], list(spec.hashed_events), []

@@ -3,8 +3,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from data import records, validate
-from data.parquet import convert_parquet
+from data import records, verify
+from data.ingest.parquet import convert_parquet
 from data.schema import Schema
 
 
@@ -33,7 +33,7 @@ def _table(recs, schema):
 @pytest.fixture(scope="module")
 def source(tiny_dir):
   schema = Schema.load(tiny_dir)
-  recs = [r for _, _, r in validate.read_split(tiny_dir, "eval", schema)][:120]
+  recs = [r for _, _, r in verify.read_split(tiny_dir, "eval", schema)][:120]
   return schema, recs
 
 
@@ -42,7 +42,7 @@ def test_parquet_roundtrip(source, tmp_path):
   path = str(tmp_path / "a.parquet")
   pq.write_table(_table(recs, schema), path, row_group_size=50)
   manifest = convert_parquet({"train": [path]}, str(tmp_path / "out"), schema)
-  got = [r for _, _, r in validate.read_split(str(tmp_path / "out"), "train")]
+  got = [r for _, _, r in verify.read_split(str(tmp_path / "out"), "train")]
   assert sum(e["count"] for es in manifest["splits"]["train"].values() for e in es) == len(recs)
   # converter groups rows per surface (schema order), keeping row order within a surface
   want = sorted(recs, key=lambda r: int(r["surface"]))
@@ -97,7 +97,7 @@ def test_parquet_column_errors(source, tmp_path, column, change, msg):
 def test_column_checks_agree_with_record_checks(source, change):
   """``check_columns`` (before encoding) flags the same row and field as the decoded-record
   validator (``validate="records"``), for each kind of bad value."""
-  from data.parquet import table_to_records
+  from data.ingest.parquet import table_to_records
   schema, recs = source
   recs = [r for r in recs if len(r["events/click"]) > 1][:12]
   t = _table(recs, schema)

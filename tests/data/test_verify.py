@@ -7,7 +7,7 @@ import pytest
 from data import records
 from data.fake import tiny_schema
 from data.pipeline import make_dataset
-from data.validate import BatchValidator, InvalidRecordError, Validator
+from data.verify import BatchValidator, InvalidRecordError, RecordChecker
 from tests.data.test_records import _example
 
 SCHEMA = tiny_schema()
@@ -63,7 +63,7 @@ CASES = ["bytes", "dtype", "shape", "multi_hot_too_long", "id_range", "item_rang
 def test_each_bad_kind_is_named(name):
   kind, field, raw = _bad(name)
   with pytest.raises(InvalidRecordError) as e:
-    Validator(SCHEMA)(raw, file="f.arrayrecord", index=17, surface=0)
+    RecordChecker(SCHEMA)(raw, file="f.arrayrecord", index=17, surface=0)
   assert e.value.kind == kind and e.value.field == field
   assert "f.arrayrecord: record 17: field" in str(e.value) and field in str(e.value)
 
@@ -71,7 +71,7 @@ def test_each_bad_kind_is_named(name):
 def test_valid_record_passes_and_hashed_ids_unbounded():
   r = _example(SCHEMA, np.random.default_rng(0), 1)
   r["sparse/ad_id_hash"] = np.array([2**40], np.int64)        # hashed: any id >= 0
-  out = Validator(SCHEMA)(records.encode(r), file="x", index=0, surface=1)
+  out = RecordChecker(SCHEMA)(records.encode(r), file="x", index=0, surface=1)
   np.testing.assert_array_equal(out["sparse/ad_id_hash"], [2**40])
 
 
@@ -116,7 +116,7 @@ def test_pipeline_skip_invalid_counts(tmp_path):
 
 def test_batch_validator_matches_per_record_validator():
   """Good records (one with another field order) and every bad kind, shuffled into one batch:
-  the same errors as ``Validator`` row by row, good rows decoded, padded and truncated."""
+  the same errors as ``RecordChecker`` row by row, good rows decoded, padded and truncated."""
   rng = np.random.default_rng(5)
   good = [_example(SCHEMA, rng, 0) for _ in range(12)]
   good[3] = dict(reversed(list(good[3].items())))                # another header layout
@@ -165,11 +165,11 @@ def test_batch_validator_empty_ragged_field_at_the_end_of_the_batch():
 
 
 def test_batch_validator_agrees_with_validator_on_corrupted_bytes():
-  """Random byte corruptions: a record is accepted by the batch path iff ``Validator`` accepts
+  """Random byte corruptions: a record is accepted by the batch path iff ``RecordChecker`` accepts
   it, with the same error kind and field otherwise (the batch path is never weaker)."""
   rng = np.random.default_rng(7)
   good = [records.encode(_example(SCHEMA, rng, 0)) for _ in range(8)]
-  bv, v = BatchValidator(SCHEMA, {"click": 2, "impression": 3}), Validator(SCHEMA)
+  bv, v = BatchValidator(SCHEMA, {"click": 2, "impression": 3}), RecordChecker(SCHEMA)
   n_rejected = 0
   for trial in range(300):
     raw = bytearray(good[trial % 8])
@@ -188,23 +188,3 @@ def test_batch_validator_agrees_with_validator_on_corrupted_bytes():
     np.testing.assert_array_equal(cols["dense"][3], rec["dense"])
     np.testing.assert_array_equal(cols["labels"][3], rec["labels"])
   assert 30 < n_rejected < 290                       # both outcomes exercised
-
-
-def test_validate_and_verify_import_one_way():
-  """``data.verify`` (the dataset check) is built on ``data.validate`` (the record rules), never
-  the reverse: nothing in validate imports verify, not even its old-name script entry."""
-  import ast
-  import inspect
-
-  from data import validate, verify
-
-  def imported(mod):
-    names = set()
-    for n in ast.walk(ast.parse(inspect.getsource(mod))):
-      if isinstance(n, ast.ImportFrom):
-        names |= {n.module or ""} | {f"{n.module}.{a.name}" for a in n.names}
-      elif isinstance(n, ast.Import):
-        names |= {a.name for a in n.names}
-    return names
-  assert not {x for x in imported(validate) if "verify" in x}
-  assert "data.validate" in imported(verify)

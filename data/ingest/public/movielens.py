@@ -1,7 +1,8 @@
 """MovieLens ratings -> a kunlun dataset (one surface, one task), with no future leakage.
 
-  python -m data.public.movielens --input ml-100k/u.data --out data/ml100k
-  python -m data.public.movielens --input ml-latest-small/ratings.csv --out data/mll --positive 4.5
+  python -m data.ingest.public.movielens --input ml-100k/u.data --out data/ml100k
+  python -m data.ingest.public.movielens --input ml-latest-small/ratings.csv --out data/mll \\
+      --positive 4.5
 
 Formats (recognised by name, then by the first line)::
 
@@ -29,6 +30,11 @@ import sys
 
 import numpy as np
 import pyarrow as pa
+
+from data.ingest.cli import run_cli
+from data.ingest.driver import run
+from data.ingest.infer import Spec
+from data.ingest.sources import Source
 
 SURFACE = "movielens"
 FORMATS = ("u.data", "inter", "ratings.dat", "ratings.csv")
@@ -97,7 +103,6 @@ def table(r: dict[str, np.ndarray], positive: float = 4.0) -> pa.Table:
 
 
 def spec(max_len: int = 50):
-  from data.infer import Spec
   return Spec(surface=SURFACE, ids_as_features=True,
               history={"streams": {"liked": "label.click", "rated": "all"}, "max_len": max_len,
                        "stats": True, "action": "rating_x2"})
@@ -106,15 +111,14 @@ def spec(max_len: int = 50):
 def convert(path: str, out_dir: str, *, positive: float = 4.0, max_len: int = 50,
             split: str = "time:0.8,0.1,0.1", overwrite: bool = False, out=None, err=None) -> dict:
   """Reads one MovieLens ratings file and writes the dataset; returns the ingest report."""
-  from data import ingest
   r = read(path)
-  src = ingest.Source(table=table(r, positive), name=path)
-  return ingest.run({None: [src]}, out_dir, spec(max_len), split=split, yes=True,
+  src = Source(table=table(r, positive), name=path)
+  return run({None: [src]}, out_dir, spec(max_len), split=split, yes=True,
                     overwrite=overwrite, out=out, err=err)
 
 
 def main(argv=None) -> int:
-  p = argparse.ArgumentParser(prog="python -m data.public.movielens", description=__doc__)
+  p = argparse.ArgumentParser(prog="python -m data.ingest.public.movielens", description=__doc__)
   p.add_argument("--input", required=True, help="u.data, *.inter, ratings.dat or ratings.csv")
   p.add_argument("--out", required=True)
   p.add_argument("--positive", type=float, default=4.0, help="ratings >= this are clicks")
@@ -122,8 +126,7 @@ def main(argv=None) -> int:
   p.add_argument("--split", default="time:0.8,0.1,0.1")
   p.add_argument("--overwrite", action="store_true")
   a = p.parse_args(argv)
-  from data.ingest import run_cli
-  return run_cli("data.public.movielens", lambda: convert(
+  return run_cli("data.ingest.public.movielens", lambda: convert(
       a.input, a.out, positive=a.positive, max_len=a.max_len, split=a.split,
       overwrite=a.overwrite))
 

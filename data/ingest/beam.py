@@ -1,28 +1,7 @@
-"""``python -m data.ingest --runner beam``: the conversion as an Apache Beam pipeline.
-
-  python -m data.ingest --input logs/*.parquet --out /shared/data/mine --schema spec.yaml --yes \\
-      --runner beam [--beam_runner FlinkRunner --flink_master HOST:8081 ...] [--buckets 512]
-
-The transformation is the embedded engine's (``data.engine``), step for step, with Beam's
-shuffles in place of the engine's partitioned writes:
-
-1. ``Read``: one element per input (per Parquet row group): the rows are renamed and coerced
-   (``data.layout.canonical``) and keyed by a hash of the user into ``--buckets`` buckets; with
-   ``--history_stats`` a narrow copy (keys, time, labels) is keyed by a hash of the ad.
-2. ``AdStats``: per ad bucket, the ad-side statistics (``data.engine.ad_sql``: the same SQL,
-   run by DuckDB inside the worker on the bucket's rows), sent back keyed by user bucket.
-3. ``Convert``: per user bucket (``CoGroupByKey`` of its rows and their ad statistics),
-   ``data.bucket.convert_task``: the history counts, lists, statistics, ``finalize`` and the
-   record encoding, byte for byte the engine's. Records go out as (split, surface, bytes).
-4. ``Write``: ``array_record.beam.arrayrecordio.WriteToArrayRecord`` per split x surface.
-5. ``Manifest``: a final step over all written files (records, bytes, SHA-256), then
-   ``schema.json`` and ``manifest.json``; the counts, positive rates and coercions for
-   ``ingest.json`` go to a side file the launcher reads.
-
-The scan pass (types, vocabularies, split times) runs on the launching machine before the
-pipeline is built: the schema has to be shown and confirmed first. The ArrayRecord sink writes
-through local file APIs, so ``--out`` must be a filesystem every worker mounts (NFS, a FUSE
-bucket mount); the launcher renames the finished dataset into place at the end.
+"""``--runner beam``: the DuckDB runner's conversion as an Apache Beam pipeline (``BeamRunner``).
+Read (per Parquet row group) -> AdStats (per ad bucket) -> Convert (per user bucket,
+``bucket.convert_task``) -> WriteToArrayRecord (per split x surface) -> Manifest; ``--out`` must
+be a filesystem every worker mounts. Steps and options: data/README.md.
 """
 
 from __future__ import annotations
@@ -33,6 +12,17 @@ import re
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.parquet as pq
+
+from data import records, shards
+from data.ingest.bucket import convert_task
+from data.ingest.coerce import CoerceError, Coercions
+from data.ingest.engine import EngineRunner
+from data.ingest.infer import Spec
+from data.ingest.layout import canonical
+from data.ingest.sources import Source
+from data.ingest.sql import ad_sql
+from data.schema import Schema
 
 BUCKETS = 64
 
@@ -45,16 +35,10 @@ def _bucket(x: np.ndarray, n: int) -> np.ndarray:
 
 def _read(element, spec_dict, plan, buckets):
   """(src index, path, row group or None, split index) -> keyed canonical sub-tables."""
-  import pyarrow.parquet as pq
-
-  from data.coerce import CoerceError, Coercions
-  from data.infer import Spec
-  from data.layout import canonical
   src_i, path, rg, split_i, delimiter = element
   spec = Spec.from_dict(spec_dict)
   log = Coercions()                       # (the launcher's scan reported the coercions)
   if rg is None:
-    from data.ingest import Source
     batches = ((t, first) for t, first, _ in Source(path, delimiter=delimiter).batches())
   else:
     f = pq.ParquetFile(path)
@@ -88,14 +72,12 @@ def _read(element, spec_dict, plan, buckets):
 def _ad_stats(item, plan, buckets):
   """One ad bucket -> (user bucket, ad statistic counts of its rows)."""
   import duckdb
-
-  from data import engine
   _, tables = item
   t = pa.concat_tables(list(tables), promote_options="permissive")
   con = duckdb.connect()
   con.execute("SET threads=1")
   con.register("ads", t)
-  out = con.sql(engine.ad_sql(plan, "ads", ["_src", "_row", "user_id"])).to_arrow_table()
+  out = con.sql(ad_sql(plan, "ads", ["_src", "_row", "user_id"])).to_arrow_table()
   con.close()
   ub = _bucket(out.column("user_id").to_numpy(), buckets)
   out = out.drop_columns(["user_id"])
@@ -107,8 +89,6 @@ def _convert(item, ctx, work_dir):
   """One user bucket (its rows and their ad statistics) -> (split, surface, record) and a
   ('stats', ...) summary."""
   import duckdb
-
-  from data import bucket
   _, groups = item
   rows = list(groups["rows"])
   if not rows:
@@ -124,7 +104,7 @@ def _convert(item, ctx, work_dir):
                 ).to_arrow_table()
     con.close()
   out = []
-  res = bucket.convert_task({"id": 0, "table": t, "ctx": ctx, "work_dir": work_dir},
+  res = convert_task({"id": 0, "table": t, "ctx": ctx, "work_dir": work_dir},
                             emit=lambda sp, surface, recs: out.append((sp, surface, recs)))
   for sp, surface, recs in out:
     for r in recs:
@@ -153,9 +133,6 @@ def _manifest(_, files, stats, out_dir, schema_dict, used):
   """The final step: manifest.json (records, bytes, SHA-256 of every written shard) and
   schema.json; the run's counts for ingest.json."""
   from array_record.python import array_record_module
-
-  from data import records, shards
-  from data.schema import Schema
   schema = Schema.from_dict(schema_dict)
   manifest = {"format": records.FORMAT, "splits": {}}
   by = {}
@@ -210,7 +187,7 @@ def pipeline_options(beam_args):
   return PipelineOptions(args), buckets
 
 
-def convert(sources, tmp, schema, ctx, log, rows_per_bucket, beam_args, err):
+def convert(sources, tmp, schema, ctx, log, beam_args):
   """Runs the Beam pipeline writing the dataset into ``tmp``; returns
   ``(counts, pos, lab, manifest)`` as ``data.ingest`` expects."""
   try:
@@ -220,7 +197,6 @@ def convert(sources, tmp, schema, ctx, log, rows_per_bucket, beam_args, err):
     raise ValueError(f"--runner beam needs apache-beam ({e}); install the beam extra in its own "
                      "venv: bash scripts/setup.sh --beam, then .venv-beam/bin/python -m "
                      "data.ingest ...") from None
-  import pyarrow.parquet as pq
   opts, buckets = pipeline_options(beam_args)
   work = os.path.join(tmp, ".work")
   os.makedirs(work, exist_ok=True)
@@ -281,3 +257,17 @@ def convert(sources, tmp, schema, ctx, log, rows_per_bucket, beam_args, err):
   pos = {s: np.asarray(st["pos"].get(s, [0.0] * len(schema.tasks))) for s in used}
   lab = {s: np.asarray(st["lab"].get(s, [0.0] * len(schema.tasks))) for s in used}
   return counts, pos, lab, manifest
+
+
+class BeamRunner(EngineRunner):
+  """``--runner beam``: the scan stages only the times (for the split on this machine); the
+  conversion is the Beam pipeline of ``convert`` (``opts.beam_args``: its options)."""
+
+  name = "beam"
+
+  def stage(self, sname, split_i, src_i, src, first, cols):
+    self.staging.add({"request_ts": cols["request_ts"]}, src_i, first, -1)
+
+  def convert(self, sources, full, schema, ctx, log, cpu):
+    self.close()
+    return convert(sources, self.tmp, schema, ctx, log, self.opts.beam_args)

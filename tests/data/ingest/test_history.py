@@ -1,9 +1,9 @@
-"""data.history against an explicit loop: strictly earlier events only (no future leakage, no
+"""data.ingest.history against an explicit loop: strictly earlier events only (no future leakage, no
 same-second events), most recent max_len, oldest first; statistics from the same rows."""
 
 import numpy as np
 
-from data.history import HistoryIndex
+from data.ingest.history import HistoryIndex
 
 
 def test_history_matches_loop():

@@ -1,18 +1,7 @@
-"""Pass 3 of ``data.engine``: one bucket of rows (or one scan part) -> ArrayRecord shards.
-
-``convert_task`` runs in a worker process with one DuckDB thread. With histories the engine
-hands over the bucket's rows sorted by (user, time, input, row) with ``_earlier`` (the number of
-the user's rows with a strictly earlier request_ts: ``rank() - 1``), each stream's selection
-flag and, joined by row, the ad-side statistic counts (``data.engine.bucket_sql``). In that order
-a row's strictly earlier rows are the ``_earlier`` rows just before its second, so numpy counts
-with prefix sums (``HistoryColumns``): the row's history of a stream is a window of the
-stream's events, ``[end - min(count, max_len), end)``, which the record encoder reads in place
-(``data.records.encode_ranges``), never copied per row.
-
-Rows are then grouped by (split, input, surface) (a stable sort: each group stays in (user,
-time) order) and encoded ``CHUNK`` rows at a time: ``data.layout.finalize`` (vocabularies,
-hashing, list lengths) and ``data.parquet.table_to_records`` (checks, encoding). The events of
-built histories are checked once per source row rather than once per copy in a history.
+"""Pass 3 of the DuckDB runner (also Beam's ``Convert``): one bucket of rows (or one scan part)
+-> ArrayRecord shards. ``convert_task(task) -> {counts, pos, lab, files, log, cpu_s}``: the
+bucket ordered by (user, time), history counts by numpy prefix sums (``HistoryColumns``), records
+encoded ``CHUNK`` rows at a time and written by ``PartWriter``. Design: data/README.md.
 """
 
 from __future__ import annotations
@@ -25,8 +14,13 @@ import time
 import numpy as np
 import pyarrow as pa
 
-from data.coerce import INT32_MAX, CoerceError, Coercions
-from data.engine import ad_counts, bucket_sql, connect, stat_names
+from data.ingest.coerce import INT32_MAX, CoerceError, Coercions, hash_mod
+from data.ingest.infer import Spec
+from data.ingest.layout import finalize
+from data.ingest.parquet import table_to_records
+from data.ingest.sql import ad_counts, bucket_sql, connect, read_ipc, stat_names
+from data.records import writer_options
+from data.schema import Schema
 
 CHUNK = 50_000                  # rows encoded at a time
 
@@ -76,7 +70,6 @@ class HistoryColumns:
     ev = {"surface": surface}
     ad = _np(tbl, "_ad_feature", np.int64)
     if plan["hash_items"]:
-      from data.coerce import hash_mod
       ev["item"] = hash_mod(ad, plan["item_vocab"])
     else:
       ev["item"] = ad
@@ -117,7 +110,7 @@ class HistoryColumns:
         self.stats[f"ad_{t}_rate"] = _rate(_np(tbl, f"_ap.{t}", np.float64), av)
 
   def check(self, schema, max_lens: dict):
-    """The record checks of the events (``data.parquet.check_columns``), once per source row
+    """The record checks of the events (``data.ingest.parquet.check_columns``), once per source row
     that some row's history holds: ``(event's row, field, message)`` of the first bad value,
     or None. (Their time order and strictly-earlier times hold by construction.)"""
     S = len(schema.surfaces)
@@ -163,7 +156,6 @@ class PartWriter:
   def __init__(self, out_dir: str, task: int, per_shard: int, records_per_chunk: int = 1):
     from array_record.python import array_record_module
 
-    from data.records import writer_options
     self._mod, self._opts = array_record_module, writer_options(records_per_chunk)
     self.out_dir, self.task, self.per_shard = out_dir, task, per_shard
     self.open: dict = {}
@@ -246,7 +238,6 @@ def _query(task: dict, ctx: dict) -> tuple[pa.Table, pa.Table | None]:
   """The task's rows as stored, with ``_key`` = split * inputs + input; with histories, also
   the engine's order of them (``bucket_sql``; ``_pos``: the row's position in the first) and
   their ad-side statistics (joined by row)."""
-  from data.engine import read_ipc
   plan = ctx["plan"]
   wide = task["table"] if "table" in task else read_ipc(task["files"])
   con = _connection(task["work_dir"], ctx["worker_memory"])
@@ -285,10 +276,6 @@ def _join_rows(wide: pa.Table, other: pa.Table) -> pa.Table:
 
 
 def _convert(task: dict, emit=None) -> dict:
-  from data.infer import Spec
-  from data.layout import finalize
-  from data.parquet import table_to_records
-  from data.schema import Schema
   cpu = {}
   c0 = time.process_time()
   ctx = task["ctx"]

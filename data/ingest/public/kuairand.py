@@ -1,6 +1,7 @@
 """KuaiRand (Pure / 1K / 27K) -> a multi-surface, multi-task kunlun dataset in the GEM mould.
 
-  python -m data.public.kuairand --input KuaiRand-Pure/data/log_standard_4_08_to_4_21_pure.csv \\
+  python -m data.ingest.public.kuairand \\
+      --input KuaiRand-Pure/data/log_standard_4_08_to_4_21_pure.csv \\
       --input KuaiRand-Pure/data/log_standard_4_22_to_5_08_pure.csv \\
       [--user_features KuaiRand-Pure/data/user_features_pure.csv] --out data/kuairand
 
@@ -30,6 +31,12 @@ import sys
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.csv as pcsv
+
+from data.ingest.cli import run_cli
+from data.ingest.driver import run
+from data.ingest.infer import Spec
+from data.ingest.sources import Source
 
 LOG_COLUMNS = ("user_id", "video_id", "date", "hourmin", "time_ms", "is_click", "is_like",
                "is_follow", "is_comment", "is_forward", "is_hate", "long_view", "play_time_ms",
@@ -40,7 +47,6 @@ USER_DENSE = ("follow_user_num", "fans_user_num", "friend_user_num", "register_d
 
 
 def _read_csv(path: str) -> pa.Table:
-  import pyarrow.csv as pcsv
   try:
     return pcsv.read_csv(path)
   except (pa.ArrowInvalid, OSError) as e:
@@ -96,7 +102,6 @@ def table(logs: pa.Table, users: pa.Table | None = None, min_surface_rows: int =
 
 
 def spec(max_len: int = 50):
-  from data.infer import Spec
   return Spec(ids_as_features=True,
               history={"streams": {"click": "label.click", "impression": "all"},
                        "max_len": max_len, "stats": True, "action": None})
@@ -105,18 +110,18 @@ def spec(max_len: int = 50):
 def convert(paths, out_dir: str, *, user_features: str | None = None, max_len: int = 50,
             min_surface_rows: int = 1000, split: str = "time:0.8,0.1,0.1",
             overwrite: bool = False, out=None, err=None) -> dict:
-  from data import ingest
   users = _read_csv(user_features) if user_features else None
   if users is not None and "user_id" not in users.column_names:
     raise ValueError(f"{user_features}: no user_id column")
-  src = ingest.Source(table=table(read_logs(paths), users, min_surface_rows),
+  src = Source(table=table(read_logs(paths), users, min_surface_rows),
                       name=",".join(paths))
-  return ingest.run({None: [src]}, out_dir, spec(max_len), split=split, yes=True,
+  return run({None: [src]}, out_dir, spec(max_len), split=split, yes=True,
                     overwrite=overwrite, out=out, err=err)
 
 
 def main(argv=None) -> int:
-  p = argparse.ArgumentParser(prog="python -m data.public.kuairand", description=__doc__,
+  p = argparse.ArgumentParser(prog="python -m data.ingest.public.kuairand",
+                              description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--input", action="append", required=True, help="log_*.csv (repeatable)")
   p.add_argument("--user_features", help="user_features_*.csv (optional)")
@@ -126,8 +131,7 @@ def main(argv=None) -> int:
   p.add_argument("--split", default="time:0.8,0.1,0.1")
   p.add_argument("--overwrite", action="store_true")
   a = p.parse_args(argv)
-  from data.ingest import run_cli
-  return run_cli("data.public.kuairand", lambda: convert(
+  return run_cli("data.ingest.public.kuairand", lambda: convert(
       a.input, a.out, user_features=a.user_features, max_len=a.max_len,
       min_surface_rows=a.min_surface_rows, split=a.split, overwrite=a.overwrite))
 

@@ -1,4 +1,4 @@
-"""data.ingest on DuckDB (data/engine.py) = the in-memory reference, example by example, on small
+"""data.ingest on DuckDB (data/ingest/engine.py) = the in-memory reference, example by example, on small
 logs with the edge cases: same-second rows, a heavy user, null labels, unicode ids, several
 inputs, explicit splits, many buckets and workers; plus the output-safety rules (atomic output,
 --out around an input)."""
@@ -11,8 +11,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from data import ingest
-from data.infer import Spec
-from tests.data.ingest_logs import SPEC, assert_same_examples, flat_log
+from data.ingest import engine as duckdb_runner
+from data.ingest.infer import Spec
+from tests.data.ingest.logs import SPEC, assert_same_examples, flat_log
 
 
 def _ingest(tmp_path, name, tables, engine, spec=SPEC, split="time:0.7,0.15,0.15", **kw):
@@ -66,7 +67,7 @@ def test_histories_against_a_loop(tmp_path):
   """The engine's streams and statistics of every example, from the source rows directly."""
   t = flat_log(300, 3)
   out, _ = _ingest(tmp_path, "eng", [t], "duckdb", split="none", workers=2, rows_per_bucket=60)
-  from tests.data.ingest_logs import decoded
+  from tests.data.ingest.logs import decoded
   rows = t.to_pydict()
   n = t.num_rows
   ts, uid, ad = rows["time"], rows["uid"], rows["ad"]
@@ -105,7 +106,7 @@ def test_failed_run_leaves_the_old_dataset(tmp_path, monkeypatch):
   before = json.load(open(f"{out}/manifest.json"))
   def boom(*a, **k):
     raise ValueError("disk full (simulated)")
-  monkeypatch.setattr(ingest, "write_manifest", boom)
+  monkeypatch.setattr(duckdb_runner, "write_manifest", boom)
   with pytest.raises(ValueError, match="simulated"):
     _ingest(tmp_path, "ds", [t], "duckdb", overwrite=True)
   assert json.load(open(f"{out}/manifest.json")) == before     # untouched, still complete
@@ -178,7 +179,8 @@ def test_kill_leaves_no_partial_dataset(tmp_path):
   args = [sys.executable, "-m", "data.ingest", "--input", p, "--out", str(out), "--rename", cols,
           "--ids_as_features", "--history", "click=label.click,impression=all", "--yes",
           "--history_stats", "--workers", "1"]
-  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(
+      os.path.abspath(__file__)))))
   env = dict(os.environ, PYTHONPATH=root)
   proc = subprocess.Popen(args, cwd=root, env=env, stdout=subprocess.DEVNULL,
                           stderr=subprocess.DEVNULL)

@@ -1,27 +1,6 @@
-"""Parquet -> ArrayRecord converter (pyarrow). One Parquet row = one example.
-
-Column layout (names are case-sensitive; ``<x>`` = a name from the schema)::
-
-    surface                  string            one of schema.surfaces
-    request_ts               integer           unix seconds (int32 range)
-    user_id, ad_id           integer           join keys (int32 range)
-    dense.<feature>          floating          one column per dense feature
-    sparse.<feature>         list<integer>     0..max_len ids (raw ids for hashed features)
-    events.<stream>.<col>    list<integer>     col in item, action, surface, ts, <extra fields>;
-                                               all columns of a stream have equal list lengths
-                                               per row; events oldest first
-    label.<task>             integer/floating  0/1; null = label not valid (only for tasks with
-                                               always_valid=False)
-    true_prob.<task>         floating          optional; missing column or null -> NaN
-
-Every converted record is validated like the pipeline does; any problem is a ValueError naming
-the Parquet file, the row and the column. Columns the schema does not use are listed by
-``unknown_columns`` (``convert_parquet`` warns about them once per file). Usage::
-
-    convert_parquet({"train": ["a.parquet"], "eval": ["b.parquet"]}, out_dir, schema)
-
-Logs in other shapes (own column names, scalar ids, float times, flat interaction logs without
-histories, CSV): ``python -m data.ingest`` (data/README.md) coerces them to this layout first.
+"""Parquet with the documented column layout -> ArrayRecord: ``table_to_records`` (one table row
+= one example, checked like the pipeline checks records; errors name file, row and column) and
+``convert_parquet({split: [paths]}, out_dir, schema)``. The layout: data/README.md ("Parquet").
 """
 
 from __future__ import annotations
@@ -34,7 +13,7 @@ import pyarrow.parquet as pq
 
 from data import records
 from data.schema import Schema
-from data.validate import BatchValidator
+from data.verify import BatchValidator
 
 
 def schema_columns(schema: Schema) -> set[str]:
@@ -94,7 +73,7 @@ def _first(mask: np.ndarray, offs: np.ndarray | None = None) -> int:
 
 
 def check_columns(fixed: dict, ragged: dict, schema: Schema, skip=()):
-  """The record checks of ``data.validate.Validator`` on the columns before encoding (same
+  """The record checks of ``data.verify.RecordChecker`` on the columns before encoding (same
   rules, vectorised over the whole table): ``(row, field, message)`` of the first failure, or
   None. Ragged fields named in ``skip`` were checked by the caller."""
   found = []
@@ -176,11 +155,11 @@ def table_to_records(table: pa.Table, schema: Schema, path: str = "<table>",
   ``row_offset``: index of the table's first row in its file (for error messages); ``rows``
   (i64[num_rows], optional) instead names each table row's row in its file. ``validate``:
   ``columns`` checks the values column-wise before encoding (``check_columns``), ``records``
-  decodes and validates the encoded records (``data.validate.BatchValidator``, slower).
+  decodes and validates the encoded records (``data.verify.BatchValidator``, slower).
   ``prebuilt``: streams given as arrays rather than table columns: ``{stream: (events i32[E,
   4 + extras], offsets i64[N + 1])}`` (checked the same way), or ``(events, start i64[N], stop
   i64[N])``: row i's events are ``events[start[i]:stop[i]]`` (windows into one array, encoded in
-  place: ``records.encode_ranges``), checked by the caller (``data.bucket``: once per event)."""
+  place: ``records.encode_ranges``), checked by the caller (``bucket``: once per event)."""
   n = table.num_rows
   row_of = (lambda i: int(rows[i])) if rows is not None else (lambda i: i + row_offset)
   surf_col = _column(table, "surface", "string", path).combine_chunks()
@@ -249,7 +228,7 @@ def table_to_records(table: pa.Table, schema: Schema, path: str = "<table>",
       for k in order})
   if validate == "records":
     recs = encode().to_pylist() if n else []
-    check = BatchValidator(schema, {})        # vectorised; per-record Validator for the rest
+    check = BatchValidator(schema, {})        # vectorised; per-record RecordChecker for the rest
     for a in range(0, n, 4096):
       _, _, errors = check(recs[a:a + 4096], surf[a:a + 4096],
                            lambda i, a=a: (path, row_of(a + i)))

@@ -14,7 +14,8 @@ import subprocess
 import pyarrow.parquet as pq
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__)))))
 BEAM_PY = os.environ.get("KUNLUN_BEAM_PYTHON", os.path.join(ROOT, ".venv-beam", "bin", "python"))
 
 try:
@@ -26,7 +27,7 @@ except ImportError:
 
 def _both(tmp_path, spec, sources, beam_args, **kw):
   from data import ingest
-  from data.infer import Spec
+  from data.ingest.infer import Spec
   out = {}
   for eng in ("duckdb", "beam"):
     out[eng] = str(tmp_path / eng)
@@ -39,7 +40,7 @@ def _both(tmp_path, spec, sources, beam_args, **kw):
 def check_beam_equals_engine(tmp_path):
   from data import ingest
   from data.verify import verify
-  from tests.data.ingest_logs import SPEC, assert_same_examples, flat_log
+  from tests.data.ingest.logs import SPEC, assert_same_examples, flat_log
   for i, (n, seed) in enumerate(((500, 0), (300, 1))):
     pq.write_table(flat_log(n, seed), str(tmp_path / f"log{i}.parquet"), row_group_size=97)
   srcs = lambda: {None: [ingest.Source(str(tmp_path / f"log{i}.parquet")) for i in range(2)]}
@@ -57,7 +58,7 @@ def check_beam_equals_engine(tmp_path):
 
 def check_beam_equals_engine_explicit_splits_no_history(tmp_path):
   from data import ingest
-  from tests.data.ingest_logs import SPEC, assert_same_examples, flat_log
+  from tests.data.ingest.logs import SPEC, assert_same_examples, flat_log
   t = flat_log(300, 2)
   pq.write_table(t.slice(0, 200), str(tmp_path / "a.parquet"), row_group_size=64)
   import pyarrow.csv as pcsv
@@ -84,7 +85,7 @@ def test_beam_equals_engine(tmp_path):
       pytest.fail(f"{BEAM_PY} missing: scripts/test.sh creates it (bash scripts/setup.sh --beam)")
     pytest.skip(f"no {BEAM_PY}: create it with bash scripts/setup.sh --beam")
   env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
-  code = ("import pathlib, sys; import tests.data.test_ingest_beam as t; "
+  code = ("import pathlib, sys; import tests.data.ingest.test_ingest_beam as t; "
           "[getattr(t, n)(pathlib.Path(sys.argv[1]) / n) or print('ok', n) for n in t.CHECKS "
           "if (pathlib.Path(sys.argv[1]) / n).mkdir() is None]")
   p = subprocess.run([BEAM_PY, "-c", code, str(tmp_path)], cwd=ROOT, env=env,

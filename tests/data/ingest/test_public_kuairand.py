@@ -1,11 +1,11 @@
-"""data.public.kuairand on a hand-written fixture in the published KuaiRand CSV layout: tabs as
+"""data.ingest.public.kuairand on a hand-written fixture in the published KuaiRand CSV layout: tabs as
 surfaces, click / like / follow tasks, histories from strictly earlier impressions (whole
 seconds) carrying tab and label bits, user features joined, outcome columns never features."""
 
 import numpy as np
 
-from data import validate
-from data.public import kuairand
+from data import verify
+from data.ingest.public import kuairand
 from data.schema import Schema
 
 HEADER = ("user_id,video_id,date,hourmin,time_ms,is_click,is_like,is_follow,is_comment,"
@@ -55,7 +55,7 @@ def test_kuairand_fixture(tmp_path):
   rows = _rows()
   sec = [int(r[4]) // 1000 for r in rows]
   bits = [int(r[5]) | int(r[6]) << 1 | int(r[7]) << 2 for r in rows]
-  got = [r for _, _, r in validate.read_split(out, "train")]
+  got = [r for _, _, r in verify.read_split(out, "train")]
   assert len(got) == len(rows)
   di = schema.dense.index("duration_s")
   for g in got:

@@ -1,5 +1,5 @@
 """Column layer of ``data.ingest``: your columns -> role columns (renamed, coerced) -> the
-``data/parquet.py`` layout for a schema (optional event columns filled, wide ids hashed, list
+``data/ingest/parquet.py`` layout for a schema (optional event columns filled, wide ids hashed, list
 lengths checked or truncated). Errors are ``CoerceError`` with the table row."""
 
 from __future__ import annotations
@@ -8,14 +8,16 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from data import coerce, records
-from data.coerce import CoerceError, Coercions
-from data.infer import Spec, role
+import data.ingest.coerce as coerce
+import data.ingest.vocab as V
+from data import records
+from data.ingest.coerce import CoerceError, Coercions
+from data.ingest.infer import Spec, role
 from data.schema import Schema
 
 
 def canonical(table: pa.Table, spec: Spec, log: Coercions) -> tuple[dict, dict]:
-  """Renames to roles and coerces types (``data.coerce``).
+  """Renames to roles and coerces types (``data.ingest.coerce``).
 
   Returns ``(columns {role name: pa.Array}, facts)``; facts: ``hashed`` (sparse features turned
   into hashes), ``strings`` ({sparse column: (hashes, strings)}: the distinct values of string
@@ -113,7 +115,7 @@ def canonical(table: pa.Table, spec: Spec, log: Coercions) -> tuple[dict, dict]:
 
 def finalize(cols: dict, schema: Schema, spec: Spec, hashed_events, log: Coercions,
              built=()) -> pa.Table:
-  """Canonical columns -> the ``data/parquet.py`` layout for ``schema``: fills optional event
+  """Canonical columns -> the ``data/ingest/parquet.py`` layout for ``schema``: fills optional event
   columns, hashes wide event ids, checks / truncates list lengths. Streams in ``built`` are
   left out (their events come already encoded: ``table_to_records(prebuilt=...)``)."""
   shown = lambda c: f"{spec.columns[c]} (as {c})" if c in spec.columns else c
@@ -177,8 +179,7 @@ _LOOKUPS: dict = {}
 
 
 def _vocab_ids(a: pa.Array, null_mask, vocab) -> pa.Array:
-  """Raw id lists -> exact-vocabulary ids (``data.vocab``); a null scalar -> [NULL_ID]."""
-  from data import vocab as V
+  """Raw id lists -> exact-vocabulary ids (``data.ingest.vocab``); a null scalar -> [NULL_ID]."""
   look = _LOOKUPS.get(id(vocab))
   if look is None or look[0] is not vocab:
     look = _LOOKUPS[id(vocab)] = (vocab, V.Lookup(vocab))

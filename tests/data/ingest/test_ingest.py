@@ -10,7 +10,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from data import ingest, validate
+from data import ingest, verify
 from data.schema import Schema
 
 N = 40
@@ -42,7 +42,7 @@ def _log_table(n=N, seed=0, long_hist=6):
 def _records(d):
   out = {}
   for split in ("train", "valid", "eval"):
-    out[split] = [r for _, _, r in validate.read_split(d, split)]
+    out[split] = [r for _, _, r in verify.read_split(d, split)]
   return out
 
 
@@ -142,7 +142,7 @@ def test_spec_file_truncation_and_ids_as_features(log_file, tmp_path, capsys):
   assert {"user_id", "ad_id"} <= {f.name for f in schema.sparse}
   t = _log_table().to_pydict()
   by_ts = {int(np.floor(x)): i for i, x in enumerate(t["time"])}
-  got = [r for _, _, r in validate.read_split(out, "train")]
+  got = [r for _, _, r in verify.read_split(out, "train")]
   assert len(got) == N
   for r in got:
     i = by_ts[int(r["request_ts"])]
@@ -215,12 +215,12 @@ def test_bad_input_is_one_line(tmp_path, capsys, change, msg):
 
 
 def test_convert_parquet_warns_about_unknown_columns(tiny_dir, tmp_path, capsys):
-  from data.parquet import convert_parquet, unknown_columns
+  from data.ingest.parquet import convert_parquet, unknown_columns
   schema = Schema.load(tiny_dir)
   assert unknown_columns(["surface", "dense.ad_bid", "sparse.nope", "extra"], schema) == [
       "sparse.nope", "extra"]
-  recs = [r for _, _, r in validate.read_split(tiny_dir, "eval", schema)][:5]
-  from tests.data.test_parquet import _table
+  recs = [r for _, _, r in verify.read_split(tiny_dir, "eval", schema)][:5]
+  from tests.data.ingest.test_parquet import _table
   t = _table(recs, schema).append_column("campaign", pa.array(["x"] * 5))
   p = str(tmp_path / "a.parquet")
   pq.write_table(t, p)

@@ -1,20 +1,7 @@
-"""Explicit type coercions from common log forms to the ``data/parquet.py`` column layout.
-
-Every coercion that changes a value's type or representation is reported once per column through
-``Coercions`` (``data.ingest`` prints them), e.g. ``sparse.genre: int64 scalars -> one-id lists``.
-What cannot be coerced safely (a label that is not 0/1, a null dense value) is a ``CoerceError``
-naming the column and the first offending row.
-
-Forms handled (after ``data.ingest`` renamed the columns to their roles)::
-
-    surface              string, integer (-> its decimal name), dictionary
-    request_ts           integer, floating (floored), timestamp (-> seconds); ts_unit ms / us
-    user_id, ad_id       integer (beyond int32: hashed to 31 bits), string (hashed to 31 bits)
-    dense.<f>            floating, integer / bool (-> float)
-    sparse.<f>           list<integer>, scalar integer (-> one-id list, null -> empty list),
-                         string or list<string> (-> stable 63-bit hash, feature marked hashed)
-    events.<s>.<c>       list<integer>; list<floating> / list<timestamp> for ts (-> seconds)
-    label.<t>            bool, integer or floating 0/1; null = no label
+"""Explicit type coercions from common log forms to the Parquet column layout (``parquet``).
+Each change of type is reported once per column through ``Coercions``; what cannot be coerced
+safely is a ``CoerceError`` naming the column and the first offending row. The forms handled:
+data/README.md ("Coercions").
 """
 
 from __future__ import annotations
@@ -24,6 +11,8 @@ import hashlib
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+
+from data.hashing import hash_ids, mix64
 
 INT32_MAX = 2**31 - 1
 TS_SCALE = {"s": 1, "ms": 1000, "us": 1_000_000}
@@ -67,7 +56,6 @@ def hash_strings(values: pa.Array, bits: int = 63) -> np.ndarray:
 
 def hash31(x: np.ndarray) -> np.ndarray:
   """Deterministic 31-bit hash of int64 ids (join keys that do not fit int32)."""
-  from data.elastic import mix64  # here: data.elastic imports grain (and jax)
   return (mix64(np.asarray(x).astype(np.uint64)) & np.uint64(INT32_MAX)).astype(np.int64)
 
 
@@ -237,6 +225,5 @@ def truncate_lists(arr: pa.Array, max_len: int) -> pa.Array:
 
 
 def hash_mod(x: np.ndarray, vocab: int) -> np.ndarray:
-  """Ids -> ``[0, vocab)`` with the pipeline's multiplicative hash (``data.pipeline.hash_ids``)."""
-  from data.pipeline import hash_ids
+  """Ids -> ``[0, vocab)`` with the pipeline's multiplicative hash (``data.hashing.hash_ids``)."""
   return hash_ids(np.asarray(x, np.int64), vocab).astype(np.int64)

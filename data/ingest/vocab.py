@@ -1,20 +1,7 @@
-"""Exact vocabularies of categorical columns, and the collision report of hashed ones.
-
-A sparse feature whose raw values would otherwise be hashed (strings, ids that are negative or
-too wide to keep) and that has at most ``vocab_max`` distinct values (``data.infer.Spec``,
-default 10,000) gets an exact vocabulary, computed in the scan pass and stored in
-``schema.json`` (``SparseFeature.vocab``) so that eval, serving and a later ingest with the same
-spec map values identically::
-
-    id 0            null (a null scalar value)
-    id 1            out of vocabulary (a value that is not in ``vocab``)
-    id 2 + i        vocab[i]; vocab sorted (strings, or integers), so ids do not depend on the
-                    order the log was read in
-
-Higher-cardinality ids stay hashed (the pipeline's ``hash_ids`` into ``vocab_size`` rows);
-``report`` gives each hashed column's expected collision rate and, when the scan kept its
-distinct values, the number of values that actually share a row. The spec's ``vocab:
-{feature: exact | hash}`` forces either choice per column.
+"""Exact vocabularies of categorical columns (value -> id: ``NULL_ID``, ``OOV_ID``, ``FIRST_ID +
+position`` of the sorted values; ``Lookup``, ``ids_for``) and the collision report of hashed
+ones (``expected_collision_rate``, ``colliding_values``, ``encodings`` for ``ingest.json``).
+Rules: data/README.md ("Vocabularies").
 """
 
 from __future__ import annotations
@@ -22,15 +9,17 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 
-NULL_ID, OOV_ID, FIRST_ID = 0, 1, 2
+from data.hashing import hash_ids
+from data.ingest.coerce import hash_strings
+from data.schema import FIRST_ID, NULL_ID, OOV_ID
+
 VOCAB_CAP = 100_000            # the scan keeps at most this many distinct values per column
 
 
 def keys(vocab) -> np.ndarray:
   """The canonical int64 form of vocabulary values: strings -> their stable 63-bit hash
-  (``coerce.hash_strings``, as ``data.layout.canonical`` hashes string columns), ints as they
+  (``coerce.hash_strings``, as ``data.ingest.layout.canonical`` hashes string columns), ints as they
   are."""
-  from data.coerce import hash_strings
   vals = list(vocab)
   if vals and isinstance(vals[0], str):
     return hash_strings(pa.array(vals, pa.string()))
@@ -65,7 +54,6 @@ def expected_collision_rate(n: int, m: int) -> float:
 def colliding_values(values: np.ndarray, m: int) -> tuple[int, int]:
   """``(values sharing a row, rows used)`` for distinct raw ids hashed into ``m`` rows with the
   pipeline's ``hash_ids``."""
-  from data.pipeline import hash_ids  # the hash the pipeline applies (imports jax)
   v = np.unique(np.asarray(values, np.int64))
   if not len(v):
     return 0, 0
@@ -84,7 +72,6 @@ def ids_for(feature, values) -> np.ndarray:
   """Raw values of one sparse feature with an exact vocabulary (``schema.json``) -> their ids,
   as ``data.ingest`` maps them: what eval on other data and serving apply to a request's
   values. ``values``: strings or integers, None = null."""
-  from data.coerce import hash_strings
   if feature.vocab is None:
     raise ValueError(f"sparse feature {feature.name!r} has no exact vocabulary")
   vals = list(values)
@@ -96,4 +83,31 @@ def ids_for(feature, values) -> np.ndarray:
     raw = np.asarray(present, np.int64)
   out = np.full(len(vals), NULL_ID, np.int64)
   out[~null] = Lookup(feature.vocab)(raw)
+  return out
+
+
+def encodings(stats: dict, order, schema, spec, key_stats: dict) -> dict:
+  """Per categorical column: exact vocabulary, kept ids or hashed (with the expected collision
+  rate and, when the scan kept the distinct values, the values that share a row)."""
+  out = {}
+  for f in schema.sparse:
+    c = f"sparse.{f.name}"
+    st = stats.get(c)
+    if f.vocab is not None:
+      out[c] = {"kind": "vocab", "values": len(f.vocab), "vocab_size": f.vocab_size}
+    elif not f.hashed:
+      out[c] = {"kind": "ids", "vocab_size": f.vocab_size}
+    else:
+      d = {"kind": "hash", "vocab_size": f.vocab_size}
+      if st is not None:
+        d["distinct"] = st.n_distinct if st.distinct is not None else None
+        d["distinct_at_least"] = st.n_distinct
+        d["expected_collision_rate"] = expected_collision_rate(st.n_distinct, f.vocab_size)
+        if st.distinct is not None:
+          d["colliding_values"], d["rows_used"] = colliding_values(
+              np.fromiter(st.distinct, np.int64, len(st.distinct)), f.vocab_size)
+      out[c] = d
+  for k, n in key_stats.items():          # join keys hashed to 31 bits
+    out[k] = {"kind": "hash", "vocab_size": 2**31, "distinct": n,
+              "expected_collision_rate": expected_collision_rate(n, 2**31)}
   return out

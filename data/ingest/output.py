@@ -1,0 +1,106 @@
+"""Output safety of an ingest: the checks on ``--out``, the staging folder beside it (stale ones
+of killed runs removed), ``write_manifest`` (shards renamed, ``manifest.json`` written last) and
+``publish`` (the finished dataset renamed into place)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+from array_record.python import array_record_module
+
+from data import records, shards
+
+
+def check_out(out_dir: str, sources: dict, overwrite: bool, yes: bool, write_schema) -> None:
+  """``--out`` may not contain or lie inside an input; an existing non-empty one is replaced
+  only with ``--overwrite`` and only when it is a dataset (has a manifest)."""
+  real = os.path.realpath(out_dir)
+  for srcs in sources.values():
+    for s in srcs:
+      if s.path is None:
+        continue
+      p = os.path.realpath(s.path)
+      if os.path.commonpath([p, real]) in (p, real):
+        raise ValueError(f"--out={out_dir} " + ("contains" if os.path.commonpath([p, real]) == real
+                                                else "lies inside")
+                         + f" the input {s.path}: write the dataset somewhere else")
+  if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+    raise ValueError(f"--out={out_dir} exists and is not a directory")
+  if os.path.exists(out_dir) and os.listdir(out_dir) and (yes or not write_schema):
+    if not (overwrite and os.path.exists(os.path.join(out_dir, "manifest.json"))):
+      raise ValueError(f"--out={out_dir} exists and is not empty" + (
+          " (and is not a kunlun dataset: not removed)" if overwrite else
+          "; pass --overwrite to replace a dataset written before"))
+
+
+def staging_dir(out_dir: str) -> str:
+  """Where the dataset is written before it is renamed to ``out_dir`` (same filesystem)."""
+  parent, base = os.path.split(os.path.abspath(out_dir))
+  return os.path.join(parent, f".{base}.ingest-{os.getpid()}")
+
+
+def clear_stale(out_dir: str, warn=None) -> None:
+  """Removes the staging folders (``staging_dir``) that killed runs left beside ``out_dir``:
+  those whose process is gone."""
+  parent, base = os.path.split(os.path.abspath(out_dir))
+  prefix = f".{base}.ingest-"
+  for name in os.listdir(parent) if os.path.isdir(parent) else ():
+    pid = name[len(prefix):].split(".")[0]
+    if not name.startswith(prefix) or not pid.isdigit():
+      continue
+    try:
+      os.kill(int(pid), 0)
+      continue                              # still running (another ingest): leave it
+    except ProcessLookupError:
+      pass
+    except PermissionError:
+      continue
+    shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
+    if warn:
+      warn(f"removed {os.path.join(parent, name)}, left by an ingest that was killed")
+
+
+def publish(tmp: str, out_dir: str) -> None:
+  """Makes the finished dataset in ``tmp`` appear at ``out_dir`` by renames: a killed run leaves
+  the previous dataset (or nothing), never a partial one."""
+  old = None
+  if os.path.exists(out_dir) and os.listdir(out_dir):
+    old = tmp + ".old"
+    os.rename(out_dir, old)
+  elif os.path.exists(out_dir):
+    os.rmdir(out_dir)
+  os.rename(tmp, out_dir)
+  if old:
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def write_manifest(out_dir: str, schema, used, files: dict) -> dict:
+  """Renames each (split, surface)'s shards ``[(rel, count, bytes, sha256)]`` (in order) to
+  ``<surface>-0000i-of-0000N.arrayrecord``, adds an empty shard where a split has no records of
+  a surface, then writes ``schema.json`` and ``manifest.json`` (last: its presence marks the
+  dataset complete)."""
+  manifest = {"format": records.FORMAT, "splits": {}}
+  for split in used:
+    os.makedirs(os.path.join(out_dir, split), exist_ok=True)
+    for surface in schema.surfaces:
+      fs = files.get((split, surface), [])
+      if not fs:
+        rel = os.path.join(split, f".{surface}-empty.tmp")
+        array_record_module.ArrayRecordWriter(os.path.join(out_dir, rel),
+                                              records.WRITER_OPTIONS).close()
+        fs = [(rel, 0, None, None)]
+      entries = []
+      for i, (rel, c, size, sha) in enumerate(fs):
+        final = os.path.join(split, records.shard_name(surface, i, len(fs)))
+        os.replace(os.path.join(out_dir, rel), os.path.join(out_dir, final))
+        if sha is None:
+          entries.append(shards.file_entry(out_dir, final, c))
+        else:
+          entries.append({"file": final, "count": int(c), "bytes": int(size), "sha256": sha})
+      manifest["splits"].setdefault(split, {})[surface] = entries
+  schema.save(out_dir)
+  with open(os.path.join(out_dir, "manifest.json"), "w") as f:
+    json.dump(manifest, f, indent=1)
+  return manifest
