@@ -9,6 +9,7 @@ Derived from it: ``base_config()`` / ``default_model()`` / ``transfer_config()``
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import math
 from typing import Any
 
@@ -123,31 +124,21 @@ def _weights_ok(v) -> bool:
                                    for k, w in items)
 
 
+# registry name -> (module, attribute): modules that import jax, so imported only when asked
+_REGISTRIES = {"rules": ("sharding.rules", "PRESETS"), "presets": ("data.synthetic", "PRESETS"),
+               "remat": ("kunlun.remat", "POLICIES"), "remat_scope": ("kunlun.remat", "SCOPES"),
+               "gdpa": ("pallas_kernels.activations", "NAMES"),
+               "bucket_kinds": ("kunlun.time_encoding", "BUCKET_KINDS")}
+
+
 def choices(spec) -> tuple:
   """The allowed values of a ``choice`` field (a registry name is imported here, lazily)."""
   if not isinstance(spec, str):
     return tuple(spec)
-  if spec == "rules":
-    from sharding.rules import PRESETS
-    return tuple(PRESETS)
-  if spec == "presets":
-    from data.synthetic import PRESETS
-    return tuple(PRESETS)
-  if spec == "remat":
-    from kunlun.remat import POLICIES
-    return tuple(POLICIES)
-  if spec == "remat_scope":
-    from kunlun.remat import SCOPES
-    return tuple(SCOPES)
-  if spec == "gdpa":
-    from pallas_kernels.activations import NAMES
-    return tuple(NAMES)
   if spec == "attention":
     return ("softmax",) + choices("gdpa")
-  if spec == "bucket_kinds":
-    from kunlun.time_encoding import BUCKET_KINDS
-    return tuple(BUCKET_KINDS)
-  raise KeyError(spec)
+  module, name = _REGISTRIES[spec]
+  return tuple(getattr(importlib.import_module(module), name))
 
 
 I, N, B, S, C = "int", "number", "bool", "str", "choice"
