@@ -1,9 +1,9 @@
 """Model configuration: the ``config.model`` schema, its validation and a frozen parsed form.
 
 Presets (``kunlun/configs/*.py``) fill ``config.model`` (``default_model()``, an
-``ml_collections.ConfigDict``); ``parse(config, schema)`` validates it and returns a frozen, hashable
-``ModelConfig`` that Linen modules take as a field. Every field, its default, range and description:
-the ``model.*`` rows of ``kunlun.configs.fields`` (``train.py --show_config`` prints them).
+``ml_collections.ConfigDict``); ``parse(config, schema)`` validates it and returns a frozen,
+hashable ``ModelConfig`` that Linen modules take as a field. Every field, its default, range and
+description: the ``model.*`` rows of ``kunlun.configs.fields`` (``train.py --show_config``).
 """
 
 from __future__ import annotations
@@ -13,16 +13,13 @@ import dataclasses
 import ml_collections
 
 from data.schema import Schema
-from kunlun.configs.fields import (ARCHS, ATTENTION_KINDS, BACKENDS, DTYPES, FIELDS, HEAD_KINDS,
-                                   POOLINGS, SEQ_MODES, TOWER_FIELDS, check_value, choices,
-                                   defaults)
+from kunlun.configs.fields import ARCHS, FIELDS, TOWER_FIELDS, check_value, choices, defaults
 from kunlun.configs.fields import default as _d
 from kunlun.time_encoding import DAY, BucketSpec
 from pallas_kernels.activations import NAMES as GDPA_ACTIVATIONS
 
-__all__ = ["ARCHS", "ATTENTION_KINDS", "BACKENDS", "DTYPES", "HEAD_KINDS", "POOLINGS", "SEQ_MODES",
-           "TOWER_FIELDS", "ModelConfig", "default_model", "parse", "tower", "upgrade_stored",
-           "validate", "with_defaults", "seq_lens"]
+__all__ = ["ARCHS", "TOWER_FIELDS", "ModelConfig", "default_model", "parse", "tower",
+           "upgrade_stored", "validate", "with_defaults", "seq_lens"]
 
 ATTENTION_ACTIVATIONS = ("softmax",) + GDPA_ACTIVATIONS
 ONESEQ = "oneseq"   # tower name of the merged stream

@@ -2,8 +2,9 @@
 doc, kind, range/choices)`` (paths ``train.lr``, ``model.mowe.rank``; ``*`` = any tower name).
 
 Derived from it: ``base_config()`` / ``default_model()`` / ``transfer_config()`` defaults, the
-``kunlun.config`` dataclass defaults, ``check_value`` (types and ranges of ``kunlun.train.settings``,
-``kunlun.config.parse``, ``kunlun.configs.transfer``) and ``train.py --show_config``. No jax here.
+``kunlun.config`` dataclass defaults, ``check_value`` (the types and ranges checked by
+``kunlun.train.settings``, ``kunlun.config.parse``, ``kunlun.configs.transfer``) and
+``train.py --show_config``. No jax here.
 """
 
 from __future__ import annotations
@@ -267,7 +268,8 @@ FIELDS: dict[str, Field] = {
     "model.mowe.mlp_hidden": F(64, "MoWE MLP hidden width", I, 1),
     "model.mowe.cross_layer": F(True, "Wukong cross-layer attention connections (GEM, spec h-19)",
                                 B),
-    **{f"model.towers.*.{k}": F(REQUIRED, f"tower: {d}", I, lo) for k, (d, lo, _) in _TOWER.items()},
+    **{f"model.towers.*.{k}": F(REQUIRED, f"tower: {d}", I, lo)
+       for k, (d, lo, _) in _TOWER.items()},
     "model.tower_templates": F("", "towers whose sizes serve streams 0, 1, ... of other data ('' "
                                "= name order; kunlun/schema_fit.py)", S),
     **{f"model.oneseq.{k}": F(one, f"merged OneSeq tower: {d}", I, lo)

@@ -8,8 +8,8 @@
 
 from __future__ import annotations
 
-from kunlun.configs.fields import (FIELDS, MAX_BATCH, SECTIONS, Field, SettingsError,
-                                   check_value, row)
+from kunlun.configs import fields
+from kunlun.configs.fields import FIELDS, MAX_BATCH, Field, SettingsError, check_value, row
 from kunlun.configs.transfer import parse_transfer
 
 __all__ = ["FIELDS", "MAX_BATCH", "Field", "SettingsError", "check", "check_flag", "describe",
@@ -99,8 +99,9 @@ def _leaves(x, path=""):
 
 def describe(config) -> list[str]:
   """One line per config field: ``path = value  description [allowed]`` (overrides applied)."""
+  order = fields.SECTIONS
   top = lambda p: p.split(".")[0]
-  rank = lambda p: (SECTIONS.index(top(p)) if top(p) in SECTIONS else len(SECTIONS), p)
+  rank = lambda p: (order.index(top(p)) if top(p) in order else len(order), p)
   rows = []
   for path, v in sorted(_leaves(config), key=lambda pv: rank(pv[0])):
     f: Field | None = row(path)
