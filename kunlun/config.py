@@ -1,45 +1,9 @@
 """Model configuration: the ``config.model`` schema, its validation and a frozen parsed form.
 
-Presets (``kunlun/configs/*.py``) fill ``config.model`` as an ``ml_collections.ConfigDict``;
-``parse(config, schema)`` validates it and returns a frozen, hashable ``ModelConfig`` that Linen
-modules take as a field. Every knob of spec d.7 / h is a field here:
-
-  arch                "kunlun" | "interformer" | "dlrm" | "kunlun_ablated"   (model family:
-                      model.py, baselines/)
-  dtype               "float32" | "bfloat16"                      (compute; params stay fp32)
-  backend             "xla" | "pallas" | "triton" | "auto"        (GDPA / block-attention kernels)
-  d_ns, n_ns          non-sequence token width and count (after LCE)
-  n_dense_tokens      tokens the dense features are projected into
-  num_layers          Kunlun layers L
-  comp_skip           Computation Skip on/off (spec c.7)
-  final_hsp           extra HSP of each tower's output in its last layer ([D], not in spec d.1 /
-                      d.4; default off; runs stored before the switch existed had it on)
-  seq_mode            "towers" (one tower per stream) | "oneseq" (one merged stream, spec h-18)
-  num_time_buckets    log-bucketed event-age embedding size (event MLP input)
-  time_buckets.{enabled, kinds, num_buckets, age_horizon_days}   per-head additive bucket
-                      embeddings on the per-token GDPA/attention operand of SWA, PFFN and HSP
-                      (spec b.5-2, ``kunlun.time_encoding``); ``kinds`` a comma-separated subset
-                      of age,log_age,gap,position. Off by default (bench/time_buckets.py)
-  attention.{kind, activation, qk_norm, rotary, block_size}   sequence self-attention (c.4)
-  pffn_activation     GDPA activation of the PFFN (c.3); key_norm: RMS-normalise generated keys
-  pooling             "hsp" | "pma" (c.5); hsp_rank (SumKronLinear r_k), hsp_activation
-                      (pffn_activation, hsp_activation and a non-softmax attention.activation take
-                      one name, or one GDPA name per head: a tuple/list, or "relu,silu" (also a
-                      command-line override), whose length equals every running tower's heads;
-                      a ConfigDict field holding a name needs ``with m.ignore_type():`` to take a
-                      tuple. Parsed to a tuple.)
-  score_clip          clip GDPA pre-activation scores to [-c, c] (spec h-13: 8); 0 = off
-  mowe.{num_experts, layers_per_expert, rank, mlp_hidden, cross_layer}    (c.6; cross_layer:
-                      Wukong cross-layer attention connections, spec h-19)
-  towers.<stream>.{width, heads, n_kv, window, kept_len, n_seed, n_sum, depth}  (c.8)
-  tower_templates     "click,impression": the towers whose sizes serve streams 0, 1, ... of a
-                      dataset whose streams have other names (kunlun/schema_fit.py; "" = name order)
-  oneseq.{width, heads, n_kv, window, kept_len, n_seed, n_sum, depth}   (merged tower)
-  heads.{kind, top_mlp, tower_hidden, num_experts, expert_hidden}       (d.3)
-  dlrm.{seq_dim, mlp}  (DLRM baseline only)
-  interformer.{n_cls, n_recent}   (InterFormer only: CLS tokens = X_sum tokens, recent tokens in
-                      S_sum; its PMA queries are towers.*.n_sum and its DHEN interaction takes
-                      mowe.{layers_per_expert, rank, mlp_hidden}, so both are sized by one knob)
+Presets (``kunlun/configs/*.py``) fill ``config.model`` (``default_model()``, an
+``ml_collections.ConfigDict``); ``parse(config, schema)`` validates it and returns a frozen,
+hashable ``ModelConfig`` that Linen modules take as a field. Every field, its default, range and
+description: the ``model.*`` rows of ``kunlun.configs.fields`` (``train.py --show_config``).
 """
 
 from __future__ import annotations
@@ -49,18 +13,15 @@ import dataclasses
 import ml_collections
 
 from data.schema import Schema
-from kunlun.time_encoding import BUCKET_KINDS, DAY, BucketSpec
+from kunlun.configs.fields import ARCHS, FIELDS, TOWER_FIELDS, check_value, choices, defaults
+from kunlun.configs.fields import default as _d
+from kunlun.time_encoding import DAY, BucketSpec
 from pallas_kernels.activations import NAMES as GDPA_ACTIVATIONS
 
-ARCHS = ("kunlun", "interformer", "dlrm", "kunlun_ablated")
-DTYPES = ("float32", "bfloat16")
-BACKENDS = ("xla", "pallas", "triton", "auto")
-SEQ_MODES = ("towers", "oneseq")
-ATTENTION_KINDS = ("swa", "block", "full")
+__all__ = ["ARCHS", "TOWER_FIELDS", "ModelConfig", "default_model", "parse", "tower",
+           "upgrade_stored", "validate", "with_defaults", "seq_lens"]
+
 ATTENTION_ACTIVATIONS = ("softmax",) + GDPA_ACTIVATIONS
-POOLINGS = ("hsp", "pma")
-HEAD_KINDS = ("towers", "mmoe")
-TOWER_FIELDS = ("width", "heads", "n_kv", "window", "kept_len", "n_seed", "n_sum", "depth")
 ONESEQ = "oneseq"   # tower name of the merged stream
 
 
@@ -85,29 +46,29 @@ class TowerConfig:
 
 @dataclasses.dataclass(frozen=True)
 class AttentionConfig:
-  kind: str = "swa"
-  activation: str | tuple[str, ...] = "softmax"   # "softmax", a GDPA name, or one per head
-  qk_norm: bool = True
-  rotary: bool = True
-  block_size: int = 64
+  kind: str = _d("model.attention.kind")
+  activation: str | tuple[str, ...] = _d("model.attention.activation")   # or one per head
+  qk_norm: bool = _d("model.attention.qk_norm")
+  rotary: bool = _d("model.attention.rotary")
+  block_size: int = _d("model.attention.block_size")
 
 
 @dataclasses.dataclass(frozen=True)
 class MoWEConfig:
-  num_experts: int = 2
-  layers_per_expert: int = 1
-  rank: int = 8
-  mlp_hidden: int = 64
-  cross_layer: bool = False
+  num_experts: int = _d("model.mowe.num_experts")
+  layers_per_expert: int = _d("model.mowe.layers_per_expert")
+  rank: int = _d("model.mowe.rank")
+  mlp_hidden: int = _d("model.mowe.mlp_hidden")
+  cross_layer: bool = _d("model.mowe.cross_layer")
 
 
 @dataclasses.dataclass(frozen=True)
 class TimeBucketConfig:
   """Per-head additive time/position bucket embeddings (spec b.5-2); see kunlun.time_encoding."""
-  enabled: bool = False
-  kinds: tuple[str, ...] = ("age", "gap", "position")
-  num_buckets: int = 32
-  age_horizon_days: float = 32.0
+  enabled: bool = _d("model.time_buckets.enabled")
+  kinds: tuple[str, ...] = tuple(_d("model.time_buckets.kinds").split(","))
+  num_buckets: int = _d("model.time_buckets.num_buckets")
+  age_horizon_days: float = _d("model.time_buckets.age_horizon_days")
 
   def spec(self, tower: TowerConfig) -> BucketSpec | None:
     """The tower's ``BucketSpec``, or None when the switch is off."""
@@ -118,23 +79,23 @@ class TimeBucketConfig:
 
 @dataclasses.dataclass(frozen=True)
 class HeadsConfig:
-  kind: str = "towers"
-  top_mlp: tuple[int, ...] = (64,)
-  tower_hidden: int = 32
-  num_experts: int = 2
-  expert_hidden: int = 32
+  kind: str = _d("model.heads.kind")
+  top_mlp: tuple[int, ...] = _d("model.heads.top_mlp")
+  tower_hidden: int = _d("model.heads.tower_hidden")
+  num_experts: int = _d("model.heads.num_experts")
+  expert_hidden: int = _d("model.heads.expert_hidden")
 
 
 @dataclasses.dataclass(frozen=True)
 class DLRMConfig:
-  seq_dim: int = 32
-  mlp: tuple[int, ...] = (128, 64)
+  seq_dim: int = _d("model.dlrm.seq_dim")
+  mlp: tuple[int, ...] = _d("model.dlrm.mlp")
 
 
 @dataclasses.dataclass(frozen=True)
 class InterFormerConfig:
-  n_cls: int = 4
-  n_recent: int = 2
+  n_cls: int = _d("model.interformer.n_cls")
+  n_recent: int = _d("model.interformer.n_recent")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,39 +143,9 @@ class ModelConfig:
 
 
 def default_model() -> ml_collections.ConfigDict:
-  """Every ``config.model`` field with a default (presets override; ``towers`` must be filled)."""
-  m = ml_collections.ConfigDict()
-  m.arch = "kunlun"
-  m.dtype = "float32"
-  m.backend = "xla"
-  m.d_ns = 32
-  m.n_ns = 8
-  m.n_dense_tokens = 1
-  m.num_layers = 2
-  m.comp_skip = True
-  m.final_hsp = False             # spec d.1 / d.4: no extra summary of the last layer's output
-  m.seq_mode = "towers"
-  m.num_time_buckets = 32
-  m.time_buckets = ml_collections.ConfigDict(dict(enabled=False, kinds="age,gap,position",
-                                                  num_buckets=32, age_horizon_days=32.0))
-  m.attention = ml_collections.ConfigDict(dict(kind="swa", activation="softmax", qk_norm=True,
-                                               rotary=True, block_size=64))
-  m.pffn_activation = "fast_gelu"
-  m.key_norm = False
-  m.pooling = "hsp"
-  m.hsp_rank = 4
-  m.hsp_activation = "fast_gelu"
-  m.score_clip = 8.0              # spec h-13: GDPA scores clipped to [-8, 8]
-  m.mowe = ml_collections.ConfigDict(dict(num_experts=2, layers_per_expert=1, rank=8,
-                                          mlp_hidden=64, cross_layer=True))   # h-19
-  m.towers = ml_collections.ConfigDict()
-  m.tower_templates = ""          # size templates by stream index (kunlun/schema_fit.py)
-  m.oneseq = tower(width=32, heads=2, n_kv=16, window=16, kept_len=64, n_seed=8, n_sum=2, depth=2)
-  m.heads = ml_collections.ConfigDict(dict(kind="towers", top_mlp=(64,), tower_hidden=32,
-                                           num_experts=2, expert_hidden=32))
-  m.dlrm = ml_collections.ConfigDict(dict(seq_dim=32, mlp=(128, 64)))
-  m.interformer = ml_collections.ConfigDict(dict(n_cls=4, n_recent=2))
-  return m
+  """Every ``config.model`` field with its table default (presets override; ``towers`` must be
+  filled, one ``tower(...)`` per stream)."""
+  return defaults("model")
 
 
 def tower(**kw) -> ml_collections.ConfigDict:
@@ -232,11 +163,6 @@ def _choice(field, value, allowed):
     raise ValueError(f"config.model.{field} = {value!r} is not allowed; allowed values: {allowed}")
 
 
-def _pos_int(field, value, minimum=1):
-  if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-    raise ValueError(f"config.model.{field} = {value!r} must be an integer >= {minimum}")
-
-
 def _parse_tower(field, name, t, num_layers, attention, max_len=None) -> TowerConfig:
   keys = set(t.keys())
   if keys != set(TOWER_FIELDS):
@@ -244,7 +170,7 @@ def _parse_tower(field, name, t, num_layers, attention, max_len=None) -> TowerCo
                      f"{list(TOWER_FIELDS)} (missing {sorted(set(TOWER_FIELDS) - keys)}, unknown "
                      f"{sorted(keys - set(TOWER_FIELDS))})")
   for f in TOWER_FIELDS:
-    _pos_int(f"{field}.{f}", t[f], minimum=0 if f == "window" else 1)
+    check_value(f"model.{field}.{f}", t[f])
   tc = TowerConfig(name=name, **{f: t[f] for f in TOWER_FIELDS})
   if tc.width % tc.heads:
     raise ValueError(f"config.model.{field}.heads = {tc.heads} does not divide "
@@ -314,38 +240,14 @@ def parse(config, schema: Schema) -> ModelConfig:
   if unknown:
     raise ValueError(f"config.model: unknown fields {unknown}; allowed fields: {sorted(known)}")
   m = _with_defaults(m)
-  _choice("arch", m.arch, ARCHS)
-  _choice("dtype", m.dtype, DTYPES)
-  _choice("backend", m.backend, BACKENDS)
-  _choice("seq_mode", m.seq_mode, SEQ_MODES)
-  _choice("attention.kind", m.attention.kind, ATTENTION_KINDS)
-  for f, allowed in (("attention.activation", ATTENTION_ACTIVATIONS),
-                     ("pffn_activation", GDPA_ACTIVATIONS), ("hsp_activation", GDPA_ACTIVATIONS)):
-    _activation(f, _get(m, f), allowed, ())               # names only; head counts checked below
-  _choice("pooling", m.pooling, POOLINGS)
-  _choice("heads.kind", m.heads.kind, HEAD_KINDS)
-  for f in ("d_ns", "n_ns", "n_dense_tokens", "num_layers", "num_time_buckets", "hsp_rank"):
-    _pos_int(f, m[f])
-  _pos_int("attention.block_size", m.attention.block_size)
-  for f in ("num_experts", "layers_per_expert", "rank", "mlp_hidden"):
-    _pos_int(f"mowe.{f}", m.mowe[f])
-  for f in ("tower_hidden", "num_experts", "expert_hidden"):
-    _pos_int(f"heads.{f}", m.heads[f])
-  for i, h in enumerate(m.heads.top_mlp):
-    _pos_int(f"heads.top_mlp[{i}]", h)
-  _pos_int("interformer.n_cls", m.interformer.n_cls)
-  _pos_int("interformer.n_recent", m.interformer.n_recent, minimum=0)
-  _pos_int("dlrm.seq_dim", m.dlrm.seq_dim)
-  for i, h in enumerate(m.dlrm.mlp):
-    _pos_int(f"dlrm.mlp[{i}]", h)
-  if isinstance(m.score_clip, bool) or not isinstance(m.score_clip, (int, float)) \
-      or not m.score_clip >= 0:
-    raise ValueError(f"config.model.score_clip = {m.score_clip!r} must be a number >= 0 (0 = off)")
-  if not isinstance(m.final_hsp, bool):
-    raise ValueError(f"config.model.final_hsp = {m.final_hsp!r} must be a bool")
+  for path, f in FIELDS.items():      # types and ranges (the towers': _parse_tower)
+    if path.startswith(("model.towers.", "model.oneseq.")) or not path.startswith("model."):
+      continue
+    if f.kind == "activation":        # names only; head counts checked below
+      _activation(path[len("model."):], _get(m, path[len("model."):]), choices(f.choices), ())
+    else:
+      check_value(path, _get(m, path[len("model."):]))
   time_buckets = _time_buckets(m.time_buckets)
-  if not isinstance(m.mowe.cross_layer, bool):
-    raise ValueError(f"config.model.mowe.cross_layer = {m.mowe.cross_layer!r} must be a bool")
   attention = AttentionConfig(**{**m.attention.to_dict(), "activation": "softmax"})
 
   names = schema.stream_names
@@ -390,22 +292,12 @@ def parse(config, schema: Schema) -> ModelConfig:
 
 
 def _time_buckets(tb) -> TimeBucketConfig:
-  if not isinstance(tb.enabled, bool):
-    raise ValueError(f"config.model.time_buckets.enabled = {tb.enabled!r} must be a bool")
+  """The parsed ``time_buckets`` (values checked by the table in ``parse``)."""
   kinds = tb.kinds
   if isinstance(kinds, str):
     kinds = tuple(k.strip() for k in kinds.split(",") if k.strip())
-  kinds = tuple(kinds)
-  bad = [k for k in kinds if k not in BUCKET_KINDS]
-  if not kinds or bad or len(set(kinds)) != len(kinds):
-    raise ValueError(f"config.model.time_buckets.kinds = {tb.kinds!r} must name distinct kinds "
-                     f"from {BUCKET_KINDS} (comma-separated)")
-  _pos_int("time_buckets.num_buckets", tb.num_buckets, minimum=2)
-  h = tb.age_horizon_days
-  if isinstance(h, bool) or not isinstance(h, (int, float)) or not h > 0:
-    raise ValueError(f"config.model.time_buckets.age_horizon_days = {h!r} must be a number > 0")
-  return TimeBucketConfig(enabled=tb.enabled, kinds=kinds, num_buckets=tb.num_buckets,
-                          age_horizon_days=float(h))
+  return TimeBucketConfig(enabled=tb.enabled, kinds=tuple(kinds), num_buckets=tb.num_buckets,
+                          age_horizon_days=float(tb.age_horizon_days))
 
 
 def _with_defaults(m) -> ml_collections.ConfigDict:
@@ -417,7 +309,7 @@ def _with_defaults(m) -> ml_collections.ConfigDict:
   out = default_model().to_dict()
   for k in m.keys():
     v = m[k]
-    if k in ("attention", "mowe", "heads", "dlrm", "interformer", "time_buckets"):
+    if k not in ("towers", "oneseq") and isinstance(out.get(k), dict):   # a sub-section
       for kk in v.keys():
         if kk not in out[k]:
           raise ValueError(f"config.model.{k}: unknown field {kk!r}; allowed: {sorted(out[k])}")

@@ -5,7 +5,7 @@ Roughly 1/4 of ``dev``'s width, 2 layers, 64-event histories; ``config.transfer`
 
 from kunlun.config import default_model, tower
 from kunlun.configs.common import base_config
-from kunlun.configs.vm_tiny import transfer_config
+from kunlun.configs.transfer import transfer_config
 
 
 def get_config():

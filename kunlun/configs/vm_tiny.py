@@ -5,21 +5,9 @@ evaluated by the same train.py / eval.py; ``config.transfer`` holds the knowledg
 used by ``kunlun.transfer`` (KD weight, LoopFM on/off); plain training ignores it.
 """
 
-import ml_collections
-
 from kunlun.config import default_model, tower
 from kunlun.configs.common import base_config
-
-
-def transfer_config() -> ml_collections.ConfigDict:
-  """Defaults of ``config.transfer`` (fields and rules: ``kunlun.transfer.settings``)."""
-  t = ml_collections.ConfigDict()
-  t.kd_lambda = 0.0          # weight of the student-adapter soft-target BCE (0 = off)
-  t.loopfm_ctx = False       # FM embedding of the current example as an extra context token
-  t.loopfm_events = False    # per-event FM embeddings through the event-encoder adapter
-  t.join_key = "user_item"   # history join key: "user_item" | "user"
-  t.max_age = -1.0           # seconds; joined embeddings older than this are missing (-1 = off)
-  return t
+from kunlun.configs.transfer import transfer_config
 
 
 def get_config():

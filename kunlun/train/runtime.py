@@ -238,8 +238,8 @@ def check_data_files(data_dir: str, split: str) -> None:
 def build_model(config, schema):
   """Fits ``config.model.towers`` to the schema's streams (kunlun/schema_fit.py, in place) and
   builds the model; a config / schema mismatch is a FatalError."""
+  from kunlun.configs.transfer import parse_transfer
   from kunlun.model import build_model as _build
-  from kunlun.transfer.settings import parse_transfer
   try:
     tr = parse_transfer(config)
   except ValueError as e:
