@@ -161,7 +161,7 @@ def evaluate(argv):
   runtime.check_batch_size(bs, mesh, rules, "eval batch size")
   schema = runtime.load_schema(data_dir)
   runtime.check_data_files(data_dir, FLAGS.split)
-  model = runtime.build_model(config, schema)
+  model = runtime.fit_and_build_model(config, schema)
 
   from data import pipeline
   from kunlun import config as model_config

@@ -14,11 +14,16 @@ loss runs under the named scope ``loss`` and the optimizer under ``optimizer`` (
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from kunlun.losses import masked_bce
+from kunlun.train import optim
+from sharding import partition
 
 
 def _per_task_sums(logits_bk, labels_bk, mask_bk):
@@ -34,6 +39,47 @@ def label_mask(batch):
   if "example_mask" in batch:
     mask = mask * batch["example_mask"][:, None]
   return mask
+
+
+@dataclasses.dataclass(eq=False)
+class TrainStep:
+  """``build``'s result: the jitted step, its optimizer, initial state and shardings."""
+  fn: object                  # (params, opt_state, batch, rng, step) -> (params, opt_state, stats)
+  tx: object
+  params: object
+  opt_state: object
+  param_shardings: object
+  opt_shardings: object
+  batch_sharding: object
+
+
+def build(config, model, example, mesh, rules, rng, *, task_weights=(), abstract=False):
+  """The train step of ``config`` (optimizer scheduled over ``train.schedule_steps`` or
+  ``train.steps``, the sparse embedding update if on, microbatches) with parameters initialised
+  from ``rng`` into their sharded layout on ``mesh`` / ``rules`` and the optimizer state.
+  ``abstract``: ShapeDtypeStructs with shardings instead (compile without initialising)."""
+  schedule_steps = int(config.train.get("schedule_steps", 0)) or int(config.train.steps)
+  tx = optim.make_optimizer(config.train, schedule_steps)
+  sparse_update = (optim.make_sparse_update(config.train, schedule_steps)
+                   if config.train.get("sparse_embedding_update", False) else None)
+  if abstract:
+    params = partition.abstract_params(model, rng, example, mesh, rules)
+    p_shard = jax.tree.map(lambda x: x.sharding, params)
+  else:
+    params, p_shard = partition.init_sharded(model, rng, example, mesh, rules)
+  shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                        params)
+  o_shard = optim.opt_state_shardings(tx, shapes, p_shard, mesh)
+  if abstract:
+    opt_state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                             jax.eval_shape(tx.init, params), o_shard)
+  else:
+    opt_state = jax.jit(tx.init, out_shardings=o_shard)(params)
+  b_shard = partition.batch_sharding(mesh, rules)
+  fn = make_train_step(model, tx, np.asarray(task_weights, np.float32) if task_weights else None,
+                       sparse_update=sparse_update, param_shardings=p_shard, opt_shardings=o_shard,
+                       batch_sharding=b_shard, microbatches=int(config.train.get("microbatches", 1)))
+  return TrainStep(fn, tx, params, opt_state, p_shard, o_shard, b_shard)
 
 
 def make_train_step(model, tx, task_weights=None, *, sparse_update=None, param_shardings=None,

@@ -112,8 +112,8 @@ def collect(predict, params, batches, batch_sharding, keys=()) -> dict[str, np.n
   return {k: np.concatenate(v) if v else np.zeros((0,)) for k, v in parts.items()}
 
 
-class Validator:
-  """``validator(step, params)`` after each train step: validates every ``plan.every`` steps and
+class ValidSplitEvaluator:
+  """``evaluator(step, params)`` after each train step: validates every ``plan.every`` steps and
   at the last step, logs NE / AUC, keeps the best params (``keep_best``)."""
 
   def __init__(self, config, data_dir, schema, model, run_plan: Plan, batch_sharding,
