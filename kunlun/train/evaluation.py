@@ -26,6 +26,15 @@ import sys
 
 import jax
 import numpy as np
+import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
+
+from data import pipeline, records
+from kunlun import config as model_config
+from kunlun.schema_fit import fit_surface_weights
+from kunlun.train import atomic, checkpoint, metrics
+from kunlun.train import step as step_lib
+from kunlun.train.runtime import check_data_files, fail
 
 HOST_KEYS = ("labels", "label_mask", "surface", "true_prob", "example_mask")
 
@@ -42,9 +51,6 @@ class Plan:
 def plan(config, schema, data_dir: str, steps_flag: int | None, say=print) -> Plan:
   """Resolves surface weights, epochs -> steps and the validation period (writes the resolved
   ``train.steps`` / ``data.surface_weights`` into ``config``). Mismatches are FatalErrors."""
-  from data import records
-  from kunlun.schema_fit import fit_surface_weights
-  from kunlun.train.runtime import fail
   split = config.data.get("train_split", "train")
   try:
     files = records.split_files(data_dir, split, schema)
@@ -84,7 +90,6 @@ def plan(config, schema, data_dir: str, steps_flag: int | None, say=print) -> Pl
         "config.train.validate_every=-1" if ve < 0 else
         f"the data has no split {vsplit!r} (config.data.valid_split)"))
   if every:
-    from kunlun.train.runtime import check_data_files
     check_data_files(data_dir, vsplit)           # shards present and whole (one-line errors)
   bt = config.train.get("best_task", "") or ""
   if bt and bt not in schema.task_names:
@@ -95,13 +100,11 @@ def plan(config, schema, data_dir: str, steps_flag: int | None, say=print) -> Pl
 def collect(predict, params, batches, batch_sharding, keys=()) -> dict[str, np.ndarray]:
   """Predictions over ``batches`` gathered from every process: host arrays of the real rows
   (example_mask 1): ``prob f[N, K]``, labels, label_mask, surface, true_prob and ``keys``."""
-  from data import pipeline
   parts = {k: [] for k in ("prob",) + HOST_KEYS[:-1] + tuple(keys)}
   for batch in batches:
     prob = predict(params, pipeline.device_put_batch(batch, batch_sharding))
     host = {k: batch[k] for k in HOST_KEYS + tuple(keys) if k in batch}
     if jax.process_count() > 1:
-      from jax.experimental import multihost_utils
       prob = multihost_utils.process_allgather(prob, tiled=True)
       host = multihost_utils.process_allgather(host, tiled=True)
     keep = np.asarray(host.get("example_mask", np.ones(len(prob)))) > 0
@@ -126,8 +129,6 @@ class ValidSplitEvaluator:
     self.dir = os.path.join(workdir, "best")
     if not self.on:
       return
-    from kunlun import config as model_config
-    from kunlun.train import step as step_lib
     self.predict = step_lib.make_predict_step(model)
     self.data_cfg = config.data.copy_and_resolve_references()
     self.data_cfg.batch_size = int(config.data.batch_size)      # the train batch: valid on the mesh
@@ -149,8 +150,6 @@ class ValidSplitEvaluator:
 
   def evaluate(self, params) -> tuple[dict, dict]:
     """Overall (per task) NE and AUC on the validation split."""
-    from data import pipeline
-    from kunlun.train import metrics
     ds = pipeline.make_dataset(self.data_cfg, self.data_dir, self.plan.split, self.seq_lens,
                                train=False, shard_index=jax.process_index(),
                                shard_count=jax.process_count())
@@ -181,39 +180,34 @@ class ValidSplitEvaluator:
       try:
         self._save_best(step, params, value, ne, auc)
       except Exception as e:  # noqa: BLE001 -- orbax / OS errors: report in one line
-        from kunlun.train.checkpoint import is_disk_full, short_error, space_error
-        if is_disk_full(e):
-          self.disk_full = space_error(e, self.dir)
+        if checkpoint.is_disk_full(e):
+          self.disk_full = checkpoint.space_error(e, self.dir)
         print(f"warning: keep-best params of step {step} could not be written to {self.dir} "
-              f"({short_error(e)}); the previous best stays", file=sys.stderr, flush=True)
+              f"({checkpoint.short_error(e)}); the previous best stays", file=sys.stderr,
+              flush=True)
     return True
 
   def _save_best(self, step, params, value, ne, auc):
     """Params + a ``meta`` item with their checksums (``checkpoint.Checkpointer.restore_params``
     verifies them), one step kept."""
-    import orbax.checkpoint as ocp
-
-    from kunlun.train.checkpoint import _meta_check, tree_digest
     if self._mngr is None:
       self._mngr = ocp.CheckpointManager(
           self.dir, item_names=("params", "meta"),
           options=ocp.CheckpointManagerOptions(max_to_keep=1, create=True,
                                                enable_async_checkpointing=False))
-    meta = {"step": int(step), "digest": {"params": tree_digest(params)}}
-    meta["check"] = _meta_check(meta)
+    meta = {"step": int(step), "digest": {"params": checkpoint.tree_digest(params)}}
+    meta["check"] = checkpoint._meta_check(meta)
     self._mngr.save(step, args=ocp.args.Composite(params=ocp.args.StandardSave(params),
                                                   meta=ocp.args.JsonSave(meta)), force=True)
     self._mngr.wait_until_finished()
     self.best = {"step": int(step), "value": float(value),
                  "task": self.best_task or "mean", "valid_ne": ne, "valid_auc": auc}
     if self.main:
-      from kunlun.train import atomic
       atomic.write_json(os.path.join(self.dir, "best.json"), self.best)
 
   def remove_tmp_dirs(self) -> list[str]:
     """Partial keep-best saves left by failed writes (process 0)."""
-    from kunlun.train.checkpoint import remove_tmp_dirs
-    return remove_tmp_dirs(self.dir) if self.main else []
+    return checkpoint.remove_tmp_dirs(self.dir) if self.main else []
 
   def close(self) -> None:
     if self._mngr is not None:

@@ -1,11 +1,12 @@
 """train.py's set-up and loop: ``setup`` builds one ``Run`` (data, mesh, model, train step,
 restored state, checkpointer), ``train`` runs it; ``StepAccounting`` does the per-step
 bookkeeping (lagged statistics, skipped steps, progress lines with MFU, log / save / validation
-cadence). eval.py shares ``open_mesh``."""
+cadence). ``eval_setup`` is eval.py's set-up (``open_mesh`` and the model are shared)."""
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
 import signal
 
@@ -113,6 +114,58 @@ def setup(config, workdir: str, *, mesh: str, dcn_mesh: str | None = None,
     print(f"resumed from step {start} ({ckpt.directory})", flush=True)
   return Run(config, workdir, data_dir, schema, plan, mesh_, rules, model, data_iter, ts, ckpt,
              params, opt_state, train_rng, start, start)
+
+
+@dataclasses.dataclass(eq=False)
+class EvalRun:
+  """What eval.py's loop works on: the model and restored params on the mesh, and the split."""
+  config: object
+  data_dir: str
+  schema: object
+  mesh: object
+  rules: object
+  model: object
+  step: int
+  params: object
+  batches: object            # iterator over the split's host batches
+  batch_sharding: object
+
+
+def eval_setup(workdir: str, ckpt: checkpoint.Checkpointer, *, config=None,
+               trust_workdir: bool = False, data_dir: str | None = None, split: str,
+               batch_size: int | None = None, step: int | None = None, mesh: str,
+               dcn_mesh: str | None = None, compilation_cache: str | None = None) -> EvalRun:
+  """eval.py's set-up after its flag and output checks: the config and data directory (given, or
+  recorded in ``workdir``), mesh, model, the batches of ``split`` and the params of checkpoint
+  ``step`` of ``ckpt`` (default the latest); problems are FatalErrors."""
+  config, saved_data_dir = runtime.run_config(workdir, config, trust_workdir)
+  data_dir = data_dir or saved_data_dir
+  if not data_dir:
+    runtime.fail("no --data_dir given and none recorded in the workdir")
+  bs = batch_size or config.data.get("eval_batch_size", 0) or config.data.batch_size
+  mesh_, rules = open_mesh(config, mesh, dcn_mesh, {"eval batch size": bs}, compilation_cache)
+  schema = runtime.load_schema(data_dir)
+  runtime.check_data_files(data_dir, split)
+  model = runtime.fit_and_build_model(config, schema)
+  data_cfg = config.data.copy_and_resolve_references()
+  data_cfg.batch_size = bs
+  try:
+    ds = pipeline.make_dataset(data_cfg, data_dir, split, model_config.seq_lens(config),
+                               train=False, shard_index=jax.process_index(),
+                               shard_count=jax.process_count())
+  except (ValueError, FileNotFoundError) as e:
+    runtime.fail(f"--split={split} in {data_dir}: {e}")
+  it = iter(ds)
+  first = next(it, None)
+  if first is None:
+    runtime.fail(f"split {split!r} in {data_dir} is empty")
+  abstract = partition.abstract_params(model, jax.random.key(0), first, mesh_, rules)
+  try:
+    step, params = ckpt.restore_params(abstract, step)
+  except checkpoint.CheckpointError as e:
+    runtime.fail(str(e))
+  return EvalRun(config, data_dir, schema, mesh_, rules, model, step, params,
+                 itertools.chain([first], it), partition.batch_sharding(mesh_, rules))
 
 
 class StepAccounting:

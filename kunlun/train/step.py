@@ -76,9 +76,10 @@ def build(config, model, example, mesh, rules, rng, *, task_weights=(), abstract
   else:
     opt_state = jax.jit(tx.init, out_shardings=o_shard)(params)
   b_shard = partition.batch_sharding(mesh, rules)
-  fn = make_train_step(model, tx, np.asarray(task_weights, np.float32) if task_weights else None,
-                       sparse_update=sparse_update, param_shardings=p_shard, opt_shardings=o_shard,
-                       batch_sharding=b_shard, microbatches=int(config.train.get("microbatches", 1)))
+  weights = np.asarray(task_weights, np.float32) if task_weights else None
+  fn = make_train_step(model, tx, weights, sparse_update=sparse_update, param_shardings=p_shard,
+                       opt_shardings=o_shard, batch_sharding=b_shard,
+                       microbatches=int(config.train.get("microbatches", 1)))
   return TrainStep(fn, tx, params, opt_state, p_shard, o_shard, b_shard)
 
 
