@@ -175,13 +175,14 @@ def build_step(cfg, mesh, rules, batch_np, abstract: bool):
   from kunlun.train import step as step_lib
 
   model = build_model(cfg, preset_schema(PRESETS[cfg.data.preset]))
-  ts = step_lib.build(cfg, model, batch_np, mesh, rules, jax.random.key(0), abstract=abstract)
+  ts, params, opt_state = step_lib.build(cfg, model, batch_np, mesh, rules, jax.random.key(0),
+                                         abstract=abstract)
   if abstract:
     batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
                                                         sharding=ts.batch_sharding), batch_np)
   else:
     batch = jax.device_put(batch_np, ts.batch_sharding)
-  return ts.fn, model, ts.params, ts.opt_state, batch
+  return ts.fn, model, params, opt_state, batch
 
 
 def run(args) -> dict:

@@ -102,10 +102,11 @@ def setup(config, workdir: str, *, mesh: str, dcn_mesh: str | None = None,
   example = next(iter(ds))           # shapes only; the training iterator starts fresh below
   data_iter = iter(ds)
   init_rng, train_rng = jax.random.split(jax.random.key(config.seed))
-  ts = step_lib.build(config, model, example, mesh_, rules, init_rng, task_weights=task_w)
+  ts, params, opt_state = step_lib.build(config, model, example, mesh_, rules, init_rng,
+                                         task_weights=task_w)
   ckpt = checkpoint.Checkpointer(os.path.join(workdir, "checkpoints"),
                                  keep=config.train.keep_checkpoints)
-  params, opt_state, start = ts.params, ts.opt_state, 0
+  start = 0
   restored = ckpt.restore_latest(checkpoint.abstract_like(params),   # falls back past bad steps
                                  checkpoint.abstract_like(opt_state), data_iter,
                                  strict=strict_restore)

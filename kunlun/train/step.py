@@ -43,11 +43,9 @@ def label_mask(batch):
 
 @dataclasses.dataclass(eq=False)
 class TrainStep:
-  """``build``'s result: the jitted step, its optimizer, initial state and shardings."""
+  """``build``'s jitted step with its optimizer and shardings."""
   fn: object                  # (params, opt_state, batch, rng, step) -> (params, opt_state, stats)
   tx: object
-  params: object
-  opt_state: object
   param_shardings: object
   opt_shardings: object
   batch_sharding: object
@@ -57,7 +55,8 @@ def build(config, model, example, mesh, rules, rng, *, task_weights=(), abstract
   """The train step of ``config`` (optimizer scheduled over ``train.schedule_steps`` or
   ``train.steps``, the sparse embedding update if on, microbatches) with parameters initialised
   from ``rng`` into their sharded layout on ``mesh`` / ``rules`` and the optimizer state.
-  ``abstract``: ShapeDtypeStructs with shardings instead (compile without initialising)."""
+  Returns ``(TrainStep, params, opt_state)``; ``abstract``: ShapeDtypeStructs with shardings
+  instead of arrays (compile without initialising)."""
   schedule_steps = int(config.train.get("schedule_steps", 0)) or int(config.train.steps)
   tx = optim.make_optimizer(config.train, schedule_steps)
   sparse_update = (optim.make_sparse_update(config.train, schedule_steps)
@@ -80,7 +79,7 @@ def build(config, model, example, mesh, rules, rng, *, task_weights=(), abstract
   fn = make_train_step(model, tx, weights, sparse_update=sparse_update, param_shardings=p_shard,
                        opt_shardings=o_shard, batch_sharding=b_shard,
                        microbatches=int(config.train.get("microbatches", 1)))
-  return TrainStep(fn, tx, params, opt_state, p_shard, o_shard, b_shard)
+  return TrainStep(fn, tx, p_shard, o_shard, b_shard), params, opt_state
 
 
 def make_train_step(model, tx, task_weights=None, *, sparse_update=None, param_shardings=None,
