@@ -1,20 +1,6 @@
-"""Training length in epochs, periodic validation and a keep-best checkpoint (train.py).
-
-  config.train.epochs          > 0: passes over the train split; replaces config.train.steps
-                               (steps = ceil(epochs * steps_per_epoch), steps_per_epoch =
-                               ceil(train records of the surfaces with weight > 0 / batch_size))
-  config.train.validate_every  steps between validations on config.data.valid_split; 0 = once
-                               per epoch; -1 = never. A dataset without that split (synthetic
-                               data) is not validated.
-  config.train.keep_best       keep the params with the best validation NE in <workdir>/best
-                               (orbax, params only; best.json: step and NE); eval.py --best
-  config.train.best_task       task whose validation NE decides ("" = mean over the tasks)
-
-Validation NE is each split's own normalisation (mean log loss / entropy of the validation
-window's positive rate). It is printed, written to metrics.jsonl (``valid_ne``, ``valid_auc``,
-``epoch``) and to TensorBoard (``valid_ne/<task>``). The surface weights are resolved here too
-(kunlun/schema_fit.py), since an epoch counts the records of the surfaces trained on.
-"""
+"""The run plan (surface weights, epochs -> steps, validation period) and validation on the
+held-out split during training, with keep-best params in ``<workdir>/best`` (train.py; the
+config fields: README "Training length", kunlun/train/settings.py)."""
 
 from __future__ import annotations
 
@@ -49,8 +35,10 @@ class Plan:
 
 
 def plan(config, schema, data_dir: str, steps_flag: int | None, say=print) -> Plan:
-  """Resolves surface weights, epochs -> steps and the validation period (writes the resolved
-  ``train.steps`` / ``data.surface_weights`` into ``config``). Mismatches are FatalErrors."""
+  """Resolves surface weights, epochs -> steps (``ceil(epochs * steps_per_epoch)``, an epoch =
+  ``ceil(train records of the surfaces with weight > 0 / batch_size)`` steps) and the validation
+  period (writes the resolved ``train.steps`` / ``data.surface_weights`` into ``config``).
+  Mismatches are FatalErrors."""
   split = config.data.get("train_split", "train")
   try:
     files = records.split_files(data_dir, split, schema)
@@ -117,7 +105,9 @@ def collect(predict, params, batches, batch_sharding, keys=()) -> dict[str, np.n
 
 class ValidSplitEvaluator:
   """``evaluator(step, params)`` after each train step: validates every ``plan.every`` steps and
-  at the last step, logs NE / AUC, keeps the best params (``keep_best``)."""
+  at the last step, logs NE / AUC (each normalised by the validation window's own positive rate;
+  printed, ``valid_ne`` / ``valid_auc`` / ``epoch`` in metrics.jsonl, ``valid_ne/<task>`` in
+  TensorBoard), keeps the best params (``keep_best``, by ``best_task`` or the mean NE)."""
 
   def __init__(self, config, data_dir, schema, model, run_plan: Plan, batch_sharding,
                workdir: str, prog, say=print):

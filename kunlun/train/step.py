@@ -1,16 +1,5 @@
-"""The jitted train and predict steps.
-
-Mixed precision is the model's business (``config.model.dtype`` = "bfloat16" computes in bf16;
-parameters, optimizer state, norms and the loss stay float32). A step whose loss or gradient
-global norm is not finite keeps the old params and optimizer state (the update is skipped) and
-reports ``ok = False``; the host counts these and stops after too many in a row. The skip is a
-``lax.cond`` around the optimizer update: a good step runs the update alone (no select over
-every parameter and state leaf), a bad one returns the old state untouched.
-
-The statistics stay on the device (train.py fetches them lagged, ``progress.LaggedStats``). The
-loss runs under the named scope ``loss`` and the optimizer under ``optimizer`` (profiles and
-``bench/train_step.py`` group device time by scope).
-"""
+"""The jitted train and predict steps; ``build`` makes the train step with its optimizer,
+initial state and shardings (train.py's set-up, kunlun/train/loop.py, and bench/train_step.py)."""
 
 from __future__ import annotations
 
@@ -97,6 +86,15 @@ def make_train_step(model, tx, task_weights=None, *, sparse_update=None, param_s
   in a ``lax.scan`` and one optimizer update follows: the same loss and update as the whole batch
   (per-task means over the whole batch; sums reassociated), with the activation memory of one
   microbatch. Dense embedding update only.
+
+  Mixed precision is the model's business (``config.model.dtype`` = "bfloat16" computes in bf16;
+  parameters, optimizer state, norms and the loss stay float32). A step whose loss or gradient
+  global norm is not finite keeps the old params and optimizer state and reports ``ok = False``
+  (the host counts these and stops after too many in a row): a ``lax.cond`` around the optimizer
+  update, so a good step runs the update alone (no select over every leaf). The statistics stay
+  on the device (fetched lagged, ``progress.LaggedStats``); the loss runs under the named scope
+  ``loss`` and the optimizer under ``optimizer`` (profiles and bench/train_step.py group by
+  scope).
   """
   if microbatches < 1:
     raise ValueError(f"config.train.microbatches = {microbatches} must be >= 1")
