@@ -120,10 +120,14 @@ def evaluate(argv):
                                        FLAGS.process_id)
   import jax
   import numpy as np
+  from jax.experimental import multihost_utils
 
-  runtime.enable_compilation_cache(FLAGS.compilation_cache)
+  from data import pipeline
+  from kunlun.train import atomic, checkpoint, loop, metrics, settings
+  from kunlun.train import step as step_lib
+  from sharding import partition
+
   workdir = os.path.abspath(FLAGS.workdir)
-  from kunlun.train import checkpoint, settings
   try:
     settings.check_flag("batch_size", FLAGS.batch_size, 1,
                         "an integer >= 1 (leave it out for config.data.eval_batch_size)")
@@ -151,54 +155,21 @@ def evaluate(argv):
   if FLAGS.plots_dir:
     runtime.check_output(os.path.join(FLAGS.plots_dir, "calibration.png"), "--plots_dir")
 
-  config, saved_data_dir = runtime.run_config(workdir, FLAGS.config, FLAGS.trust_workdir)
-  data_dir = FLAGS.data_dir or saved_data_dir
-  if not data_dir:
-    runtime.fail("no --data_dir given and none recorded in the workdir")
-  mesh = runtime.build_mesh(FLAGS.mesh, FLAGS.dcn_mesh)
-  rules = runtime.get_rules(config.sharding.rules)
-  bs = FLAGS.batch_size or config.data.get("eval_batch_size", 0) or config.data.batch_size
-  runtime.check_batch_size(bs, mesh, rules, "eval batch size")
-  schema = runtime.load_schema(data_dir)
-  runtime.check_data_files(data_dir, FLAGS.split)
-  model = runtime.build_model(config, schema)
-
-  from data import pipeline
-  from kunlun import config as model_config
-  from kunlun.train import metrics
-  from kunlun.train import step as step_lib
-  from sharding import partition
-
-  data_cfg = config.data.copy_and_resolve_references()
-  data_cfg.batch_size = bs
-  try:
-    ds = pipeline.make_dataset(data_cfg, data_dir, FLAGS.split, model_config.seq_lens(config),
-                               train=False, shard_index=jax.process_index(),
-                               shard_count=jax.process_count())
-  except (ValueError, FileNotFoundError) as e:
-    runtime.fail(f"--split={FLAGS.split} in {data_dir}: {e}")
-  it = iter(ds)
-  first = next(it, None)
-  if first is None:
-    runtime.fail(f"split {FLAGS.split!r} in {data_dir} is empty")
-  abstract = partition.abstract_params(model, jax.random.key(0), first, mesh, rules)
-  try:
-    step, params = ckpt.restore_params(abstract, FLAGS.step)
-  except checkpoint.CheckpointError as e:
-    runtime.fail(str(e))
-  b_shard = partition.batch_sharding(mesh, rules)
-  predict = step_lib.make_predict_step(model)
+  run = loop.eval_setup(workdir, ckpt, config=FLAGS.config, trust_workdir=FLAGS.trust_workdir,
+                        data_dir=FLAGS.data_dir, split=FLAGS.split, batch_size=FLAGS.batch_size,
+                        step=FLAGS.step, mesh=FLAGS.mesh, dcn_mesh=FLAGS.dcn_mesh,
+                        compilation_cache=FLAGS.compilation_cache)
+  schema, is_main = run.schema, jax.process_index() == 0
+  predict = step_lib.make_predict_step(run.model)
   acc = metrics.EvalAccumulator(schema.surfaces, schema.task_names)
   host_keys = ("labels", "label_mask", "surface", "true_prob", "example_mask") + (
       KEY_COLUMNS if FLAGS.predictions else ())
   keys = {k: [] for k in KEY_COLUMNS}
-  with partition.activate(mesh, rules):
-    batch = first
-    while batch is not None:
-      prob = predict(params, pipeline.device_put_batch(batch, b_shard))
+  with partition.activate(run.mesh, run.rules):
+    for batch in run.batches:
+      prob = predict(run.params, pipeline.device_put_batch(batch, run.batch_sharding))
       host = {k: batch[k] for k in host_keys if k in batch}
       if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
         prob = multihost_utils.process_allgather(prob, tiled=True)
         host = multihost_utils.process_allgather(host, tiled=True)
       acc.add(np.asarray(prob), host)
@@ -206,18 +177,16 @@ def evaluate(argv):
         real = np.asarray(host["example_mask"]) > 0
         for k in KEY_COLUMNS:
           keys[k].append(np.asarray(host[k])[real])
-      batch = next(it, None)
   per_surface, overall = acc.result()
-  result = {"step": int(step), "best": bool(FLAGS.best), "examples": acc.examples,
+  result = {"step": int(run.step), "best": bool(FLAGS.best), "examples": acc.examples,
             "ne_normalisation": NE_NORMALISATION,
             "metrics": per_surface, "overall": overall}
-  if jax.process_index() == 0:
-    print(f"step {step}, split {FLAGS.split!r}, {acc.examples} examples, mesh "
-          f"{dict(mesh.shape)}")
+  if is_main:
+    print(f"step {run.step}, split {FLAGS.split!r}, {acc.examples} examples, mesh "
+          f"{dict(run.mesh.shape)}")
     print(format_table(result))
     # every output is written atomically, metrics.json last: a metrics.json at --out means the
     # predictions and plots asked for are complete too
-    from kunlun.train import atomic
     try:
       if FLAGS.predictions:
         arrays = {**acc.arrays(), **{k: np.concatenate(v) for k, v in keys.items()}}

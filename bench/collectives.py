@@ -3,7 +3,7 @@
   JAX_PLATFORMS=cpu python -m bench.collectives --config mid [--presets fsdp,5d] [--layers 1]
 
 Compiles (never runs) ``kunlun.train.step.make_train_step`` (AdamW + row-wise Adagrad, the
-parameter / optimizer-state / batch shardings train.py uses; ``bench.train_step.build_step``) on
+parameter / optimizer-state / batch shardings train.py uses; ``kunlun.train.step.build``) on
 8 CPU devices for each rule preset and sums, per collective kind, the bytes one device sends (ring
 estimates from ``sharding.checks.collectives``). Next to it: the analytic minimum of the
 *parameter* traffic for the same layout (sharding/checks.py conventions):

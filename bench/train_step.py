@@ -5,7 +5,7 @@
   python -m bench.train_step --small                                            # CPU smoke run
   python -m bench.train_step --table bench/results/train_step_*.json            # compare runs
 
-Builds the model, optimizer and ``kunlun.train.step.make_train_step`` exactly as train.py does
+Builds the model, optimizer and train step with ``kunlun.train.step.build``, as train.py does
 (parameter / optimizer-state / batch shardings on the mesh, donated state), feeds a synthetic
 in-memory batch (``data.fake.random_batch``; sequence lengths drawn like the synthetic data
 preset's, see ``--lengths``) and reports:
@@ -164,41 +164,25 @@ def versions() -> dict:
 
 
 def build_step(cfg, mesh, rules, batch_np, abstract: bool):
-  """The real train step of ``cfg`` on ``mesh`` / ``rules`` as train.py builds it, and its
-  arguments: ``(jitted_step, model, params, opt_state, batch)``. ``abstract``: ShapeDtypeStructs
-  with shardings (compile without initialising), else initialised arrays."""
+  """The real train step of ``cfg`` on ``mesh`` / ``rules`` as train.py builds it
+  (``kunlun.train.step.build``), and its arguments: ``(jitted_step, model, params, opt_state,
+  batch)``. ``abstract``: ShapeDtypeStructs with shardings (compile without initialising), else
+  initialised arrays."""
   import jax
 
   from data.synthetic import PRESETS, preset_schema
   from kunlun.model import build_model
-  from kunlun.train import optim
   from kunlun.train import step as step_lib
-  from sharding import partition
 
-  schema = preset_schema(PRESETS[cfg.data.preset])
-  model = build_model(cfg, schema)
-  total = int(cfg.train.steps)
-  tx = optim.make_optimizer(cfg.train, total)
-  sparse = (optim.make_sparse_update(cfg.train, total)
-            if cfg.train.get("sparse_embedding_update", False) else None)
-  b_shard = partition.batch_sharding(mesh, rules)
+  model = build_model(cfg, preset_schema(PRESETS[cfg.data.preset]))
+  ts, params, opt_state = step_lib.build(cfg, model, batch_np, mesh, rules, jax.random.key(0),
+                                         abstract=abstract)
   if abstract:
-    params = partition.abstract_params(model, jax.random.key(0), batch_np, mesh, rules)
-    p_shard = jax.tree.map(lambda x: x.sharding, params)
-    o_shard = optim.opt_state_shardings(tx, params, p_shard, mesh)
-    opt_state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                             jax.eval_shape(tx.init, params), o_shard)
-    batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=b_shard),
-                         batch_np)
+    batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                                        sharding=ts.batch_sharding), batch_np)
   else:
-    params, p_shard = partition.init_sharded(model, jax.random.key(0), batch_np, mesh, rules)
-    o_shard = optim.opt_state_shardings(tx, _abstract(params), p_shard, mesh)
-    opt_state = jax.jit(tx.init, out_shardings=o_shard)(params)
-    batch = jax.device_put(batch_np, b_shard)
-  train_step = step_lib.make_train_step(model, tx, sparse_update=sparse, param_shardings=p_shard,
-                                        opt_shardings=o_shard, batch_sharding=b_shard,
-                                        microbatches=int(cfg.train.get("microbatches", 1)))
-  return train_step, model, params, opt_state, batch
+    batch = jax.device_put(batch_np, ts.batch_sharding)
+  return ts.fn, model, params, opt_state, batch
 
 
 def run(args) -> dict:
@@ -332,13 +316,6 @@ def run(args) -> dict:
   if prof is not None:
     res["profile"] = prof
   return res
-
-
-def _abstract(tree):
-  """ShapeDtypeStructs with shardings (``kunlun.train.checkpoint.abstract_like``, without
-  importing orbax: the GPU image's bench needs no checkpointing)."""
-  import jax
-  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
 
 
 def _profile(compiled, p, o, batch, rng, steps, op_names) -> dict:

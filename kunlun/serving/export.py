@@ -103,7 +103,7 @@ def _restore(workdir: str, step, data_dir, trust_workdir: bool = False):
   if not data_dir:
     runtime.fail("no --data_dir given and none recorded in the workdir (data_dir.txt)")
   schema = runtime.load_schema(data_dir)
-  model = runtime.build_model(config, schema)
+  model = runtime.fit_and_build_model(config, schema)
   mesh = mesh_lib.make_mesh(devices=jax.devices()[:1])
   example = random_batch(schema, 1, seq_lens(config))
   abstract = partition.abstract_params(model, jax.random.key(0), example, mesh,

@@ -235,7 +235,7 @@ def check_data_files(data_dir: str, split: str) -> None:
           flush=True)
 
 
-def build_model(config, schema):
+def fit_and_build_model(config, schema):
   """Fits ``config.model.towers`` to the schema's streams (kunlun/schema_fit.py, in place) and
   builds the model; a config / schema mismatch is a FatalError."""
   from kunlun.configs.transfer import parse_transfer

@@ -1,24 +1,18 @@
-"""The jitted train and predict steps.
-
-Mixed precision is the model's business (``config.model.dtype`` = "bfloat16" computes in bf16;
-parameters, optimizer state, norms and the loss stay float32). A step whose loss or gradient
-global norm is not finite keeps the old params and optimizer state (the update is skipped) and
-reports ``ok = False``; the host counts these and stops after too many in a row. The skip is a
-``lax.cond`` around the optimizer update: a good step runs the update alone (no select over
-every parameter and state leaf), a bad one returns the old state untouched.
-
-The statistics stay on the device (train.py fetches them lagged, ``progress.LaggedStats``). The
-loss runs under the named scope ``loss`` and the optimizer under ``optimizer`` (profiles and
-``bench/train_step.py`` group device time by scope).
-"""
+"""The jitted train and predict steps; ``build`` makes the train step with its optimizer,
+initial state and shardings (train.py's set-up, kunlun/train/loop.py, and bench/train_step.py)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from kunlun.losses import masked_bce
+from kunlun.train import optim
+from sharding import partition
 
 
 def _per_task_sums(logits_bk, labels_bk, mask_bk):
@@ -36,6 +30,47 @@ def label_mask(batch):
   return mask
 
 
+@dataclasses.dataclass(eq=False)
+class TrainStep:
+  """``build``'s jitted step with its optimizer and shardings."""
+  fn: object                  # (params, opt_state, batch, rng, step) -> (params, opt_state, stats)
+  tx: object
+  param_shardings: object
+  opt_shardings: object
+  batch_sharding: object
+
+
+def build(config, model, example, mesh, rules, rng, *, task_weights=(), abstract=False):
+  """The train step of ``config`` (optimizer scheduled over ``train.schedule_steps`` or
+  ``train.steps``, the sparse embedding update if on, microbatches) with parameters initialised
+  from ``rng`` into their sharded layout on ``mesh`` / ``rules`` and the optimizer state.
+  Returns ``(TrainStep, params, opt_state)``; ``abstract``: ShapeDtypeStructs with shardings
+  instead of arrays (compile without initialising)."""
+  schedule_steps = int(config.train.get("schedule_steps", 0)) or int(config.train.steps)
+  tx = optim.make_optimizer(config.train, schedule_steps)
+  sparse_update = (optim.make_sparse_update(config.train, schedule_steps)
+                   if config.train.get("sparse_embedding_update", False) else None)
+  if abstract:
+    params = partition.abstract_params(model, rng, example, mesh, rules)
+    p_shard = jax.tree.map(lambda x: x.sharding, params)
+  else:
+    params, p_shard = partition.init_sharded(model, rng, example, mesh, rules)
+  shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                        params)
+  o_shard = optim.opt_state_shardings(tx, shapes, p_shard, mesh)
+  if abstract:
+    opt_state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                             jax.eval_shape(tx.init, params), o_shard)
+  else:
+    opt_state = jax.jit(tx.init, out_shardings=o_shard)(params)
+  b_shard = partition.batch_sharding(mesh, rules)
+  weights = np.asarray(task_weights, np.float32) if task_weights else None
+  fn = make_train_step(model, tx, weights, sparse_update=sparse_update, param_shardings=p_shard,
+                       opt_shardings=o_shard, batch_sharding=b_shard,
+                       microbatches=int(config.train.get("microbatches", 1)))
+  return TrainStep(fn, tx, p_shard, o_shard, b_shard), params, opt_state
+
+
 def make_train_step(model, tx, task_weights=None, *, sparse_update=None, param_shardings=None,
                     opt_shardings=None, batch_sharding=None, microbatches: int = 1):
   """Returns ``train_step(params, opt_state, batch, rng, step) -> (params, opt_state, stats)``.
@@ -51,6 +86,15 @@ def make_train_step(model, tx, task_weights=None, *, sparse_update=None, param_s
   in a ``lax.scan`` and one optimizer update follows: the same loss and update as the whole batch
   (per-task means over the whole batch; sums reassociated), with the activation memory of one
   microbatch. Dense embedding update only.
+
+  Mixed precision is the model's business (``config.model.dtype`` = "bfloat16" computes in bf16;
+  parameters, optimizer state, norms and the loss stay float32). A step whose loss or gradient
+  global norm is not finite keeps the old params and optimizer state and reports ``ok = False``
+  (the host counts these and stops after too many in a row): a ``lax.cond`` around the optimizer
+  update, so a good step runs the update alone (no select over every leaf). The statistics stay
+  on the device (fetched lagged, ``progress.LaggedStats``); the loss runs under the named scope
+  ``loss`` and the optimizer under ``optimizer`` (profiles and bench/train_step.py group by
+  scope).
   """
   if microbatches < 1:
     raise ValueError(f"config.train.microbatches = {microbatches} must be >= 1")

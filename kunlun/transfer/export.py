@@ -275,7 +275,7 @@ def export(workdir: str, out_dir: str, *, data_dir: str | None = None, splits=("
   if not data_dir:
     raise ValueError("no --data_dir given and none recorded in the workdir")
   schema = runtime.load_schema(data_dir)
-  model = runtime.build_model(config, schema)
+  model = runtime.fit_and_build_model(config, schema)
   mesh = runtime.build_mesh(mesh_flag, dcn_mesh_flag)
   rules = runtime.get_rules(config.sharding.rules)
   data_cfg = config.data.copy_and_resolve_references()

@@ -41,9 +41,9 @@ def test_train_py_refuses_fm_inputs_it_would_ignore():
   c = vm_tiny.get_config()
   c.transfer.kd_lambda = 0.5
   with pytest.raises(runtime.FatalError, match="kd_lambda"):
-    runtime.build_model(c, tiny_schema())
+    runtime.fit_and_build_model(c, tiny_schema())
   c = vm_tiny.get_config()
   c.transfer = ml_collections.ConfigDict({"join_key": "x"})
   with pytest.raises(runtime.FatalError, match="join_key"):
-    runtime.build_model(c, tiny_schema())
-  assert runtime.build_model(vm_tiny.get_config(), tiny_schema()) is not None
+    runtime.fit_and_build_model(c, tiny_schema())
+  assert runtime.fit_and_build_model(vm_tiny.get_config(), tiny_schema()) is not None

@@ -11,7 +11,7 @@ import pytest
 from data import records
 from data.schema import Schema
 from kunlun.configs import tiny
-from kunlun.train import runtime, validation
+from kunlun.train import evaluation, runtime
 from tests.kunlun.test_schema_fit import ml_dir  # noqa: F401  (module fixture: a valid split)
 
 
@@ -32,15 +32,15 @@ def test_epochs_to_steps_and_validation_period(ml_dir):  # noqa: F811
   schema = Schema.load(ml_dir)
   n = sum(_counts(ml_dir).values())
   c = _cfg(epochs=2.5)
-  p = validation.plan(c, schema, ml_dir, None, say=lambda *a: None)
+  p = evaluation.plan(c, schema, ml_dir, None, say=lambda *a: None)
   spe = math.ceil(n / 8)
   assert p.steps_per_epoch == spe and p.total == math.ceil(2.5 * spe) == c.train.steps
   assert p.every == spe and p.split == "valid"                   # once per epoch by default
   assert c.data.surface_weights == "auto" and p.weights == {"movielens": float(n)}
   c = _cfg(validate_every=3)
-  p = validation.plan(c, schema, ml_dir, 40, say=lambda *a: None)
+  p = evaluation.plan(c, schema, ml_dir, 40, say=lambda *a: None)
   assert p.total == c.train.steps == 300 and p.every == 3        # steps unchanged without epochs
-  assert validation.plan(_cfg(validate_every=-1), schema, ml_dir, None, say=print).every == 0
+  assert evaluation.plan(_cfg(validate_every=-1), schema, ml_dir, None, say=print).every == 0
 
 
 @pytest.mark.parametrize("train,steps_flag,msg", [
@@ -51,7 +51,7 @@ def test_epochs_to_steps_and_validation_period(ml_dir):  # noqa: F811
 ])
 def test_plan_errors(ml_dir, train, steps_flag, msg):  # noqa: F811
   with pytest.raises(runtime.FatalError, match=msg.replace("(", r"\(").replace(")", r"\)")):
-    validation.plan(_cfg(**train), Schema.load(ml_dir), ml_dir, steps_flag, say=print)
+    evaluation.plan(_cfg(**train), Schema.load(ml_dir), ml_dir, steps_flag, say=print)
 
 
 def test_no_valid_split(ml_dir, tmp_path):  # noqa: F811
@@ -63,16 +63,16 @@ def test_no_valid_split(ml_dir, tmp_path):  # noqa: F811
   del m["splits"]["valid"]
   json.dump(m, open(os.path.join(d, "manifest.json"), "w"))
   schema = Schema.load(d)
-  assert validation.plan(_cfg(), schema, d, None, say=print).every == 0   # synthetic-like data
+  assert evaluation.plan(_cfg(), schema, d, None, say=print).every == 0   # synthetic-like data
   with pytest.raises(runtime.FatalError, match="keep_best needs validation, but the data has no "
                      "split 'valid'"):
-    validation.plan(_cfg(keep_best=True), schema, d, None, say=print)
+    evaluation.plan(_cfg(keep_best=True), schema, d, None, say=print)
   with pytest.raises(runtime.FatalError, match="validate_every=5: the data has no split 'valid'"):
-    validation.plan(_cfg(validate_every=5), schema, d, None, say=print)
+    evaluation.plan(_cfg(validate_every=5), schema, d, None, say=print)
 
 
-class _Scripted(validation.Validator):
-  """The Validator's schedule and best tracking with scripted validation NEs (no model)."""
+class _Scripted(evaluation.ValidSplitEvaluator):
+  """The ValidSplitEvaluator's schedule and best tracking with scripted validation NEs (no model)."""
 
   def __init__(self, plan, nes, keep, workdir, best_task=""):
     self.plan, self.on, self.prog, self.main = plan, True, None, True
@@ -91,7 +91,7 @@ class _Scripted(validation.Validator):
 
 
 def test_schedule_and_best(tmp_path):
-  plan = validation.Plan(total=10, steps_per_epoch=4, every=4, split="valid", weights={})
+  plan = evaluation.Plan(total=10, steps_per_epoch=4, every=4, split="valid", weights={})
   nes = [{"click": 0.9, "like": 0.7}, {"click": 0.8, "like": 0.9}, {"click": 0.85, "like": 0.6}]
   v = _Scripted(plan, nes, keep=True, workdir=str(tmp_path))
   ran = [s for s in range(1, 11) if v(s, None)]

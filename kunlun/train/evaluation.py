@@ -1,20 +1,6 @@
-"""Training length in epochs, periodic validation and a keep-best checkpoint (train.py).
-
-  config.train.epochs          > 0: passes over the train split; replaces config.train.steps
-                               (steps = ceil(epochs * steps_per_epoch), steps_per_epoch =
-                               ceil(train records of the surfaces with weight > 0 / batch_size))
-  config.train.validate_every  steps between validations on config.data.valid_split; 0 = once
-                               per epoch; -1 = never. A dataset without that split (synthetic
-                               data) is not validated.
-  config.train.keep_best       keep the params with the best validation NE in <workdir>/best
-                               (orbax, params only; best.json: step and NE); eval.py --best
-  config.train.best_task       task whose validation NE decides ("" = mean over the tasks)
-
-Validation NE is each split's own normalisation (mean log loss / entropy of the validation
-window's positive rate). It is printed, written to metrics.jsonl (``valid_ne``, ``valid_auc``,
-``epoch``) and to TensorBoard (``valid_ne/<task>``). The surface weights are resolved here too
-(kunlun/schema_fit.py), since an epoch counts the records of the surfaces trained on.
-"""
+"""The run plan (surface weights, epochs -> steps, validation period) and validation on the
+held-out split during training, with keep-best params in ``<workdir>/best`` (train.py; the
+config fields: README "Training length", kunlun/train/settings.py)."""
 
 from __future__ import annotations
 
@@ -26,6 +12,15 @@ import sys
 
 import jax
 import numpy as np
+import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
+
+from data import pipeline, records
+from kunlun import config as model_config
+from kunlun.schema_fit import fit_surface_weights
+from kunlun.train import atomic, checkpoint, metrics
+from kunlun.train import step as step_lib
+from kunlun.train.runtime import check_data_files, fail
 
 HOST_KEYS = ("labels", "label_mask", "surface", "true_prob", "example_mask")
 
@@ -40,11 +35,10 @@ class Plan:
 
 
 def plan(config, schema, data_dir: str, steps_flag: int | None, say=print) -> Plan:
-  """Resolves surface weights, epochs -> steps and the validation period (writes the resolved
-  ``train.steps`` / ``data.surface_weights`` into ``config``). Mismatches are FatalErrors."""
-  from data import records
-  from kunlun.schema_fit import fit_surface_weights
-  from kunlun.train.runtime import fail
+  """Resolves surface weights, epochs -> steps (``ceil(epochs * steps_per_epoch)``, an epoch =
+  ``ceil(train records of the surfaces with weight > 0 / batch_size)`` steps) and the validation
+  period (writes the resolved ``train.steps`` / ``data.surface_weights`` into ``config``).
+  Mismatches are FatalErrors."""
   split = config.data.get("train_split", "train")
   try:
     files = records.split_files(data_dir, split, schema)
@@ -84,7 +78,6 @@ def plan(config, schema, data_dir: str, steps_flag: int | None, say=print) -> Pl
         "config.train.validate_every=-1" if ve < 0 else
         f"the data has no split {vsplit!r} (config.data.valid_split)"))
   if every:
-    from kunlun.train.runtime import check_data_files
     check_data_files(data_dir, vsplit)           # shards present and whole (one-line errors)
   bt = config.train.get("best_task", "") or ""
   if bt and bt not in schema.task_names:
@@ -95,13 +88,11 @@ def plan(config, schema, data_dir: str, steps_flag: int | None, say=print) -> Pl
 def collect(predict, params, batches, batch_sharding, keys=()) -> dict[str, np.ndarray]:
   """Predictions over ``batches`` gathered from every process: host arrays of the real rows
   (example_mask 1): ``prob f[N, K]``, labels, label_mask, surface, true_prob and ``keys``."""
-  from data import pipeline
   parts = {k: [] for k in ("prob",) + HOST_KEYS[:-1] + tuple(keys)}
   for batch in batches:
     prob = predict(params, pipeline.device_put_batch(batch, batch_sharding))
     host = {k: batch[k] for k in HOST_KEYS + tuple(keys) if k in batch}
     if jax.process_count() > 1:
-      from jax.experimental import multihost_utils
       prob = multihost_utils.process_allgather(prob, tiled=True)
       host = multihost_utils.process_allgather(host, tiled=True)
     keep = np.asarray(host.get("example_mask", np.ones(len(prob)))) > 0
@@ -112,9 +103,11 @@ def collect(predict, params, batches, batch_sharding, keys=()) -> dict[str, np.n
   return {k: np.concatenate(v) if v else np.zeros((0,)) for k, v in parts.items()}
 
 
-class Validator:
-  """``validator(step, params)`` after each train step: validates every ``plan.every`` steps and
-  at the last step, logs NE / AUC, keeps the best params (``keep_best``)."""
+class ValidSplitEvaluator:
+  """``evaluator(step, params)`` after each train step: validates every ``plan.every`` steps and
+  at the last step, logs NE / AUC (each normalised by the validation window's own positive rate;
+  printed, ``valid_ne`` / ``valid_auc`` / ``epoch`` in metrics.jsonl, ``valid_ne/<task>`` in
+  TensorBoard), keeps the best params (``keep_best``, by ``best_task`` or the mean NE)."""
 
   def __init__(self, config, data_dir, schema, model, run_plan: Plan, batch_sharding,
                workdir: str, prog, say=print):
@@ -126,8 +119,6 @@ class Validator:
     self.dir = os.path.join(workdir, "best")
     if not self.on:
       return
-    from kunlun import config as model_config
-    from kunlun.train import step as step_lib
     self.predict = step_lib.make_predict_step(model)
     self.data_cfg = config.data.copy_and_resolve_references()
     self.data_cfg.batch_size = int(config.data.batch_size)      # the train batch: valid on the mesh
@@ -149,8 +140,6 @@ class Validator:
 
   def evaluate(self, params) -> tuple[dict, dict]:
     """Overall (per task) NE and AUC on the validation split."""
-    from data import pipeline
-    from kunlun.train import metrics
     ds = pipeline.make_dataset(self.data_cfg, self.data_dir, self.plan.split, self.seq_lens,
                                train=False, shard_index=jax.process_index(),
                                shard_count=jax.process_count())
@@ -181,39 +170,34 @@ class Validator:
       try:
         self._save_best(step, params, value, ne, auc)
       except Exception as e:  # noqa: BLE001 -- orbax / OS errors: report in one line
-        from kunlun.train.checkpoint import is_disk_full, short_error, space_error
-        if is_disk_full(e):
-          self.disk_full = space_error(e, self.dir)
+        if checkpoint.is_disk_full(e):
+          self.disk_full = checkpoint.space_error(e, self.dir)
         print(f"warning: keep-best params of step {step} could not be written to {self.dir} "
-              f"({short_error(e)}); the previous best stays", file=sys.stderr, flush=True)
+              f"({checkpoint.short_error(e)}); the previous best stays", file=sys.stderr,
+              flush=True)
     return True
 
   def _save_best(self, step, params, value, ne, auc):
     """Params + a ``meta`` item with their checksums (``checkpoint.Checkpointer.restore_params``
     verifies them), one step kept."""
-    import orbax.checkpoint as ocp
-
-    from kunlun.train.checkpoint import _meta_check, tree_digest
     if self._mngr is None:
       self._mngr = ocp.CheckpointManager(
           self.dir, item_names=("params", "meta"),
           options=ocp.CheckpointManagerOptions(max_to_keep=1, create=True,
                                                enable_async_checkpointing=False))
-    meta = {"step": int(step), "digest": {"params": tree_digest(params)}}
-    meta["check"] = _meta_check(meta)
+    meta = {"step": int(step), "digest": {"params": checkpoint.tree_digest(params)}}
+    meta["check"] = checkpoint._meta_check(meta)
     self._mngr.save(step, args=ocp.args.Composite(params=ocp.args.StandardSave(params),
                                                   meta=ocp.args.JsonSave(meta)), force=True)
     self._mngr.wait_until_finished()
     self.best = {"step": int(step), "value": float(value),
                  "task": self.best_task or "mean", "valid_ne": ne, "valid_auc": auc}
     if self.main:
-      from kunlun.train import atomic
       atomic.write_json(os.path.join(self.dir, "best.json"), self.best)
 
   def remove_tmp_dirs(self) -> list[str]:
     """Partial keep-best saves left by failed writes (process 0)."""
-    from kunlun.train.checkpoint import remove_tmp_dirs
-    return remove_tmp_dirs(self.dir) if self.main else []
+    return checkpoint.remove_tmp_dirs(self.dir) if self.main else []
 
   def close(self) -> None:
     if self._mngr is not None:
