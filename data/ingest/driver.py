@@ -25,6 +25,7 @@ from data.ingest.runner import Options
 from data.ingest.scan import Scan
 from data.ingest.sources import PROG, Progress, row_error
 from data.ingest.splits import SPLITS, parse_split, utc
+from data.ingest.sql import check_memory_limit, check_workers
 from data.ingest.vocab import display, encodings
 
 RUNNERS = {"duckdb": EngineRunner, "memory": MemoryRunner, "beam": BeamRunner}
@@ -47,6 +48,9 @@ def run(sources: dict, out_dir: str, spec: Spec, *, split: str = "time:0.8,0.1,0
   ``memory`` (the whole log in memory: the reference the tests compare the others with)."""
   if engine not in ENGINES:
     raise ValueError(f"engine={engine!r}; one of {ENGINES}")
+  check_memory_limit(memory_limit, "--memory_limit")
+  if workers is not None:
+    check_workers(workers, "--workers")
   check_out(out_dir, sources, overwrite, yes, write_schema)
   clear_stale(out_dir, lambda m: print(f"{PROG}: warning: {m}", file=err or sys.stderr))
   tmp = staging_dir(out_dir)

@@ -6,6 +6,7 @@ streams, statistics, vocabularies), the ad-side statistics (``ad_sql``) and a bu
 from __future__ import annotations
 
 import os
+import re
 
 import pyarrow as pa
 
@@ -17,16 +18,35 @@ def _q(name: str) -> str:
   return '"' + name.replace('"', '""') + '"'
 
 
+MEMORY_LIMIT = re.compile(r"\d+(\.\d+)?\s*([KMGT]i?B|B|bytes|%)", re.IGNORECASE)
+MAX_THREADS = 4 * (os.cpu_count() or 1)      # the most threads / worker processes asked for
+
+
+def check_memory_limit(value: str, where: str = "memory_limit") -> str:
+  """``value`` if it is a size (``1GB``, ``512MiB``, ``80%``), else a one-line ValueError."""
+  if not isinstance(value, str) or not MEMORY_LIMIT.fullmatch(value.strip()):
+    raise ValueError(f"{where}={value!r}: expected a size such as 1GB, 512MB or 80%")
+  return value.strip()
+
+
+def check_workers(value: int, where: str = "workers") -> int:
+  if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_THREADS:
+    raise ValueError(f"{where}={value!r} must be an integer in [1, {MAX_THREADS}] (4 x the "
+                     "cores of this machine)")
+  return value
+
+
 def connect(work_dir: str, threads: int, memory_limit: str):
+  """A DuckDB connection with its settings given through the configuration API (never
+  formatted into SQL): ``threads`` and ``memory_limit`` checked, the spill folder inside
+  ``work_dir`` (any characters)."""
   import duckdb
-  con = duckdb.connect()
+  check_workers(threads, "threads")
+  memory_limit = check_memory_limit(memory_limit)
   tmp = os.path.join(work_dir, "duckdb_tmp")
   os.makedirs(tmp, exist_ok=True)
-  con.execute(f"SET threads={int(threads)}")
-  con.execute(f"SET memory_limit='{memory_limit}'")
-  con.execute(f"SET temp_directory='{tmp}'")
-  con.execute("SET preserve_insertion_order=false")
-  return con
+  return duckdb.connect(config={"threads": threads, "memory_limit": memory_limit,
+                                "temp_directory": tmp, "preserve_insertion_order": False})
 
 
 def write_ipc(t: pa.Table, path: str) -> None:
