@@ -51,6 +51,7 @@ def run(sources: dict, out_dir: str, spec: Spec, *, split: str = "time:0.8,0.1,0
   check_memory_limit(memory_limit, "--memory_limit")
   if workers is not None:
     check_workers(workers, "--workers")
+  out_dir = os.path.realpath(out_dir)        # a link at --out stays; its target is written
   check_out(out_dir, sources, overwrite, yes, write_schema)
   clear_stale(out_dir, lambda m: print(f"{PROG}: warning: {m}", file=err or sys.stderr))
   tmp = staging_dir(out_dir)
@@ -93,6 +94,11 @@ def _run(sources, out_dir, tmp, spec, *, split, yes, write_schema, records_per_s
     t1 = t2 = float("inf")
     if kind != "none":
       t1, t2 = runner.split_times(kind, vals)
+    if kind == "ts" and t1 <= scan.ts[0]:
+      raise ValueError(f"--split={split}: no train rows (the earliest request_ts is "
+                       f"{utc(scan.ts[0])}, not before T1 {utc(t1)})")
+    if explicit and "train" in sources and not sum(s.counted for s in sources["train"]):
+      raise ValueError("--train: its files have no rows")
     if explicit:
       used = split_names
     else:
