@@ -89,6 +89,8 @@ def main(argv=None) -> int:
                  help="add earlier-count / positive-rate dense features per user and ad")
   p.add_argument("--history_action", help="integer column used as the event action "
                  "(default: the row's labels as bits)")
+  p.add_argument("--allow_overlap", action="store_true",
+                 help="accept --train / --valid / --eval files that overlap in time (a warning)")
   p.add_argument("--split", default="time:0.8,0.1,0.1", help="time:A,B,C | ts:T1,T2 | none")
   p.add_argument("--yes", action="store_true", help="accept an inferred schema")
   p.add_argument("--write_schema", help="write the proposed spec to this file")
@@ -126,5 +128,6 @@ def main(argv=None) -> int:
     run(sources, args.out, spec, split=args.split, yes=args.yes, write_schema=args.write_schema,
         overwrite=args.overwrite, records_per_shard=args.records_per_shard,
         records_per_chunk=args.records_per_chunk, engine=args.runner,
-        workers=args.workers, memory_limit=args.memory_limit, beam_args=rest)
+        workers=args.workers, memory_limit=args.memory_limit, beam_args=rest,
+        allow_overlap=args.allow_overlap)
   return run_cli(PROG, go)
