@@ -23,7 +23,7 @@ from data.ingest.memory import MemoryRunner
 from data.ingest.output import check_out, clear_stale, publish, staging_dir
 from data.ingest.runner import Options
 from data.ingest.scan import Scan
-from data.ingest.sources import PROG, Progress, row_error
+from data.ingest.sources import PROG, Progress, key_decision, row_error
 from data.ingest.splits import SPLITS, parse_split, utc
 from data.ingest.sql import check_memory_limit, check_workers
 from data.ingest.vocab import display, encodings
@@ -60,6 +60,8 @@ def run(sources: dict, out_dir: str, spec: Spec, *, split: str = "time:0.8,0.1,0
   out_dir = os.path.realpath(out_dir)        # a link at --out stays; its target is written
   check_out(out_dir, sources, overwrite, yes, write_schema)
   clear_stale(out_dir, lambda m: print(f"{PROG}: warning: {m}", file=err or sys.stderr))
+  keys = sorted(set(spec.hash_keys) | set(key_decision(sources, spec.columns)))
+  spec = Spec(**{**spec.to_dict(), "hash_keys": keys})      # one decision per id column
   tmp = staging_dir(out_dir)
   if os.path.exists(tmp):
     shutil.rmtree(tmp)

@@ -44,6 +44,7 @@ class Spec:
   ts_unit: str = "s"
   history: dict | None = None
   hashed_events: list = dataclasses.field(default_factory=list)
+  hash_keys: list = dataclasses.field(default_factory=list)   # join keys hashed in every row
   vocab: dict = dataclasses.field(default_factory=dict)
   vocab_max: int = 10_000
   schema: dict = dataclasses.field(default_factory=dict)
@@ -94,6 +95,8 @@ class Spec:
     vm = self.vocab_max
     if isinstance(vm, bool) or not isinstance(vm, int) or not 0 <= vm <= VOCAB_CAP:
       raise ValueError(f"{where}: vocab_max={vm!r} must be an integer in [0, {VOCAB_CAP}]")
+    if not isinstance(self.hash_keys, list) or not set(self.hash_keys) <= {"user_id", "ad_id"}:
+      raise ValueError(f"{where}: hash_keys={self.hash_keys!r}: a list of user_id / ad_id")
     if self.ts_unit not in TS_UNITS:
       raise ValueError(f"{where}: ts_unit={self.ts_unit!r}; allowed: {TS_UNITS}")
     bad = sorted(set(self.schema) - set(SECTIONS))
