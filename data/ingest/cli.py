@@ -48,6 +48,17 @@ def build_spec(args) -> Spec:
       streams[name.strip()] = sel.strip() if sep else "all"
     d["history"] = {"streams": streams, "max_len": args.history_len,
                     "stats": bool(args.history_stats), "action": args.history_action}
+  if args.label_delay:
+    if not d.get("history"):
+      raise ValueError("--label_delay applies to built histories: give --history too")
+    delays = dict(d["history"].get("label_delay") or {})
+    for part in args.label_delay.split(","):
+      t, sep, v = part.partition("=")
+      if not sep or not t.strip():
+        raise ValueError(f"--label_delay={args.label_delay}: expected task=duration,... (e.g. "
+                         "click=0s,conversion=1d)")
+      delays[t.strip()] = v.strip()
+    d["history"] = {**d["history"], "label_delay": delays}
   return Spec.from_dict(d, "options")
 
 
@@ -87,6 +98,9 @@ def main(argv=None) -> int:
   p.add_argument("--history_len", type=int, default=50, help="events kept per built stream")
   p.add_argument("--history_stats", action="store_true",
                  help="add earlier-count / positive-rate dense features per user and ad")
+  p.add_argument("--label_delay", help="task=duration,... how long after its event a label "
+                 "becomes visible to later requests in built histories and --history_stats "
+                 "(e.g. click=0s,conversion=1d; default: 1d for conversion-like tasks, else 0)")
   p.add_argument("--history_action", help="integer column used as the event action "
                  "(default: the row's labels as bits)")
   p.add_argument("--allow_overlap", action="store_true",

@@ -158,16 +158,17 @@ def test_conversions_are_delayed_by_default(tmp_path, engine):
   recs = _delay_run(tmp_path, "d", engine)
   # schema dense: user_count, user_click_rate, user_conversion_rate, ad_count, ...
   r10, r120, r2d = recs[1], recs[2], recs[3]
-  for r in (r10, r120):
+  for r, rate in ((r10, 2 / 3), (r120, 2 / 4)):
     assert r["events/imp"][:, 1].tolist()[0] == 1          # the click bit only
     assert len(r["events/conv"]) == 0                       # not known yet
-    assert r["dense"][1] == pytest.approx(2 / 3)           # click seen
+    assert r["dense"][1] == pytest.approx(rate)            # click seen
     assert r["dense"][2] == pytest.approx(0.5)             # conversion prior
   assert r2d["events/imp"][0, 1] == 3 and len(r2d["events/conv"]) == 1
   assert r2d["dense"][2] == pytest.approx(2 / 5)
   recs = _delay_run(tmp_path, "d2", engine, {"click": "1m", "conversion": "0s"})
   assert recs[1]["events/imp"][0, 1] == 2 and len(recs[1]["events/conv"]) == 1
-  assert recs[1]["dense"][1] == pytest.approx(0.5) and recs[2]["dense"][1] == pytest.approx(2 / 3)
+  assert recs[1]["dense"][1] == pytest.approx(0.5)        # the click not seen yet: the prior
+  assert recs[2]["events/imp"][0, 1] == 3                 # 2 minutes on: both seen
 
 
 def test_label_delay_flag_is_checked(tmp_path, capsys):

@@ -73,7 +73,7 @@ def test_histories_against_a_loop(tmp_path):
   rows = t.to_pydict()
   n = t.num_rows
   ts, uid, ad = rows["time"], rows["uid"], rows["ad"]
-  click = rows["click"]
+  click, conv = rows["click"], rows["conv"]
   got = decoded(out)["train"]
   assert len(got) == n
   seen = {}
@@ -95,8 +95,15 @@ def test_histories_against_a_loop(tmp_path):
         assert d[1] == len(earlier)
         pos = sum(click[j] for j in earlier)
         assert np.isclose(d[2], (pos + 1) / (len(earlier) + 2))
+        vis = [j for j in earlier if conv[j] is not None and ts[j] + 300 < ts[i]]   # 5m delay
+        assert np.isclose(d[3], (sum(conv[j] > 0.5 for j in vis) + 1) / (len(vis) + 2))
+        want_act = [click[j] + 2 * (conv[j] is not None and conv[j] > 0.5
+                                    and ts[j] + 300 < ts[i]) for j in earlier][-8:]
+        assert r["events/impression"][:, 1].tolist() == want_act
         same_ad = [j for j in range(n) if ad[j] == ad[i] and ts[j] < ts[i]]
         assert d[4] == len(same_ad)
+        vis = [j for j in same_ad if conv[j] is not None and ts[j] + 300 < ts[i]]
+        assert np.isclose(d[6], (sum(conv[j] > 0.5 for j in vis) + 1) / (len(vis) + 2))
         break
     assert match is not None, key
     seen.setdefault(key, set()).add(match)
