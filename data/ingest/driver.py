@@ -60,8 +60,6 @@ def run(sources: dict, out_dir: str, spec: Spec, *, split: str = "time:0.8,0.1,0
   out_dir = os.path.realpath(out_dir)        # a link at --out stays; its target is written
   check_out(out_dir, sources, overwrite, yes, write_schema)
   clear_stale(out_dir, lambda m: print(f"{PROG}: warning: {m}", file=err or sys.stderr))
-  keys = sorted(set(spec.hash_keys) | set(key_decision(sources, spec.columns)))
-  spec = Spec(**{**spec.to_dict(), "hash_keys": keys})      # one decision per id column
   tmp = staging_dir(out_dir)
   if os.path.exists(tmp):
     shutil.rmtree(tmp)
@@ -90,6 +88,8 @@ def _run(sources, out_dir, tmp, spec, *, split, yes, write_schema, records_per_s
   log = Coercions()
   cpu = {"start": time.process_time()}
   names = [s.name for ss in sources.values() for s in ss]
+  keys = sorted(set(spec.hash_keys) | set(key_decision(sources, spec.columns)))
+  spec = Spec(**{**spec.to_dict(), "hash_keys": keys})      # one decision per id column
   runner = RUNNERS[engine](tmp, spec, Options(workers, memory_limit, rows_per_bucket, beam_args,
                                               err))
   try:

@@ -101,7 +101,8 @@ class Source:
 
 
 def _key_arrays(src: Source, col: str):
-  """The values of column ``col`` of ``src`` (nothing when it has no such column): Parquet row
+  """The values of column ``col`` of ``src`` (nothing, or nulls, when it has no such column;
+  the scan reports it): Parquet row
   group statistics where they have both bounds, else the column read alone."""
   if src.kind == "table":
     if col in src.table.column_names:
@@ -124,11 +125,22 @@ def _key_arrays(src: Source, col: str):
     with open(src.path, "rb") as fh:
       reader = pcsv.open_csv(fh, read_options=pcsv.ReadOptions(block_size=64 << 20),
                              parse_options=pcsv.ParseOptions(delimiter=src.delimiter),
-                             convert_options=pcsv.ConvertOptions(include_columns=[col]))
+                             convert_options=pcsv.ConvertOptions(include_columns=[col],
+                                                                 include_missing_columns=True))
       for b in reader:
         yield b.column(0)
   except (pa.ArrowInvalid, pa.ArrowTypeError, KeyError) as e:
     raise ValueError(f"{src.name}: unreadable: {str(e).splitlines()[0]}") from None
+
+
+def _hashed_ids(a: pa.Array) -> bool:
+  """True when ``a`` holds ids that ``coerce.keys`` hashes: strings, or integers outside
+  [0, 2**31) (a missing column's nulls: no)."""
+  if pa.types.is_null(a.type) or len(a) == a.null_count:
+    return False
+  if not pa.types.is_integer(a.type):
+    return True
+  return pc.min(a).as_py() < 0 or pc.max(a).as_py() > 2**31 - 1
 
 
 def key_decision(sources: dict, columns: dict) -> list[str]:
@@ -139,9 +151,7 @@ def key_decision(sources: dict, columns: dict) -> list[str]:
   for r in ("user_id", "ad_id"):
     col = columns.get(r, r)
     for s in (s for ss in sources.values() for s in ss):
-      if any(not pa.types.is_integer(a.type) or (
-          len(a) - a.null_count and (pc.min(a).as_py() < 0 or pc.max(a).as_py() > 2**31 - 1))
-             for a in _key_arrays(s, col)):
+      if any(map(_hashed_ids, _key_arrays(s, col))):
         out.append(r)
         break
   return out
