@@ -107,10 +107,12 @@ def test_memory_limit_and_workers_are_checked(tmp_path, capsys, monkeypatch):
   assert sorted(os.listdir(tmp_path)) == ["log.csv"]
 
 
-def test_engine_settings_never_formatted_into_sql(tmp_path):
+def test_engine_settings_never_formatted_into_sql(tmp_path, monkeypatch):
   from data.ingest.sql import connect
+  monkeypatch.chdir(tmp_path)
   with pytest.raises(ValueError, match="memory_limit"):
     connect(str(tmp_path), 1, "1GB'; COPY (SELECT 1) TO 'x.csv'; SET threads='1")
+  assert not (tmp_path / "x.csv").exists()
   d = tmp_path / "it's"
   con = connect(str(d), 2, "512MB")
   assert con.execute("SELECT current_setting('temp_directory')").fetchone()[0].endswith(
