@@ -36,9 +36,23 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 from typing import Any
 
 NULL_ID, OOV_ID, FIRST_ID = 0, 1, 2   # exact-vocabulary ids: null, out of vocabulary, vocab[0]
+
+# A name from the data (surface, task, stream, feature, event field) becomes part of file names
+# (shards, plots) and queries: a letter, digit or _ first, then letters, digits, _ . + -
+# (Unicode letters allowed), at most 100 characters; never a path.
+_SAFE_NAME = re.compile(r"\w[\w.+\-]{0,99}")
+
+
+def check_name(name, where: str) -> str:
+  """``name`` if it is a safe name (``_SAFE_NAME``), else a one-line ``ValueError`` naming it."""
+  if not isinstance(name, str) or not _SAFE_NAME.fullmatch(name):
+    raise ValueError(f"{where}: {name!r} is not a safe name (a letter, digit or _ first, then "
+                     "letters, digits, _ . + -; at most 100 characters): rename it")
+  return name
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,6 +105,14 @@ class Schema:
   tasks: tuple[Task, ...]
 
   def __post_init__(self):
+    for kind, names in (("sparse", [f.name for f in self.sparse]), ("dense", self.dense),
+                        ("streams", [s.name for s in self.streams]),
+                        ("surfaces", self.surfaces), ("tasks", [t.name for t in self.tasks])):
+      for n in names:
+        check_name(n, f"schema.{kind}")
+    for s in self.streams:
+      for e in s.extra_fields:
+        check_name(e.name, f"schema.streams[{s.name}].extra_fields")
     for kind, items in (("sparse", self.sparse), ("streams", self.streams), ("tasks", self.tasks)):
       names = [x.name for x in items]
       if len(set(names)) != len(names):

@@ -15,6 +15,7 @@ import numpy as np
 import pyarrow as pa
 
 from data.ingest.coerce import INT32_MAX, CoerceError, Coercions, hash_mod
+from data.ingest.history import hide_labels
 from data.ingest.infer import Spec
 from data.ingest.layout import finalize
 from data.ingest.parquet import table_to_records
@@ -57,6 +58,26 @@ def _earlier_sums(flag: np.ndarray | None, start: np.ndarray, bound: np.ndarray)
   return end - cum[start], end
 
 
+def _delayed_bounds(user: np.ndarray, ts: np.ndarray, first: np.ndarray, bound: np.ndarray):
+  """``delay -> i64[N]``: per row (sorted by user, time), the end of the same user's rows
+  with ``ts + delay < ts(row)`` (``bound`` for 0)."""
+  n = len(ts)
+  if not n:
+    return lambda delay: bound
+  ts = np.asarray(ts, np.int64)
+  t0, span = int(ts.min()), int(ts.max() - ts.min()) + 2
+  rank = np.cumsum(np.isin(np.arange(n), first)) - 1
+  comb = rank * span + (ts - t0)
+  cache = {0: bound}
+
+  def at(delay):
+    if delay not in cache:
+      cache[delay] = np.searchsorted(comb, rank * span + np.maximum(ts - delay - t0, 0),
+                                     side="left")
+    return cache[delay]
+  return at
+
+
 class HistoryColumns:
   """Built streams and statistics of one bucket's rows, sorted by (user, time, input, row).
 
@@ -88,13 +109,16 @@ class HistoryColumns:
         np.zeros(0, np.int64)
     start = np.repeat(first, np.diff(np.concatenate([first, [n]])))
     bound = start + _np(tbl, "_earlier", np.int64)        # rows [start, bound): earlier
+    delayed = _delayed_bounds(user, ev["ts"], first, bound)   # delay -> rows seen that late
     stacked = np.stack([np.asarray(ev[c], np.int32) for c in ("item", "action", "surface",
                                                               "ts")], 1)
     self._raw = {c: ev[c] for c in ("item", "action", "surface", "ts")}
+    self.bit_delays = None if plan["action"] else [plan.get("delays", {}).get(t, 0)
+                                                     for t in plan["tasks"]]
     self.events = {}
     for s, sel in plan["streams"].items():
       keep = None if sel is None else _np(tbl, f"_keep.{s}", bool)
-      count, end = _earlier_sums(keep, start, bound)
+      count, end = _earlier_sums(keep, start, delayed(plan.get("stream_delays", {}).get(s, 0)))
       self.events[s] = (stacked if keep is None else stacked[keep], count, end,
                         None if keep is None else np.flatnonzero(keep))
     if plan["stats"]:
@@ -103,8 +127,9 @@ class HistoryColumns:
       have = set(tbl.column_names)
       for t in plan["tasks"]:
         valid = ~np.asarray(labels[t].is_null().to_numpy(zero_copy_only=False), bool)
-        uv, _ = _earlier_sums(valid, start, bound)
-        up, _ = _earlier_sums(valid & y[t], start, bound)
+        seen = delayed(plan.get("delays", {}).get(t, 0))
+        uv, _ = _earlier_sums(valid, start, seen)
+        up, _ = _earlier_sums(valid & y[t], start, seen)
         self.stats[f"user_{t}_rate"] = _rate(up, uv)
         av = _np(tbl, f"_av.{t}" if f"_av.{t}" in have else "_ad_count", np.float64)
         self.stats[f"ad_{t}_rate"] = _rate(_np(tbl, f"_ap.{t}", np.float64), av)
@@ -144,6 +169,16 @@ class HistoryColumns:
       vals, count, end, _ = self.events[s]
       e = end[idx]
       built[s] = (vals, e - np.minimum(count[idx], L), e)
+      if self.bit_delays and any(self.bit_delays):     # labels seen late: per request
+        b = built[s][1]
+        lens = e - b
+        offs = np.concatenate([[0], np.cumsum(lens)])
+        g = vals[np.arange(offs[-1]) + np.repeat(b - offs[:-1], lens)]
+        act = g[:, 1].astype(np.int64)
+        hide_labels(act, g[:, 3], np.repeat(np.asarray(self._raw["ts"])[idx], lens),
+                    self.bit_delays)
+        g[:, 1] = act
+        built[s] = (g, offs[:-1], offs[1:])
     if self.plan["stats"]:
       for k in stat_names(self.plan["tasks"]):
         out[f"dense.{k}"] = pa.array(self.stats[k][idx])
@@ -292,7 +327,8 @@ def _convert(task: dict, emit=None) -> dict:
   else:                            # the columns the histories read, in the engine's order
     where = _np(order, "_pos", np.int64)
     need = ["user_id", "request_ts", "_ad_feature", "_action", "_src", "_row"]
-    need += [f"label.{t}" for t in plan["tasks"]] + ["_ad_count"] + [c for c, _ in ad_counts(plan)]
+    need += [f"label.{t}" for t in plan["tasks"]] + ["_ad_count"]
+    need += [c[0] for c in ad_counts(plan)]
     tbl = wide.select([c for c in need if c in wide.column_names]).take(pa.array(where))
     for c in order.column_names:
       if c not in tbl.column_names:

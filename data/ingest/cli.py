@@ -48,6 +48,17 @@ def build_spec(args) -> Spec:
       streams[name.strip()] = sel.strip() if sep else "all"
     d["history"] = {"streams": streams, "max_len": args.history_len,
                     "stats": bool(args.history_stats), "action": args.history_action}
+  if args.label_delay:
+    if not d.get("history"):
+      raise ValueError("--label_delay applies to built histories: give --history too")
+    delays = dict(d["history"].get("label_delay") or {})
+    for part in args.label_delay.split(","):
+      t, sep, v = part.partition("=")
+      if not sep or not t.strip():
+        raise ValueError(f"--label_delay={args.label_delay}: expected task=duration,... (e.g. "
+                         "click=0s,conversion=1d)")
+      delays[t.strip()] = v.strip()
+    d["history"] = {**d["history"], "label_delay": delays}
   return Spec.from_dict(d, "options")
 
 
@@ -87,8 +98,13 @@ def main(argv=None) -> int:
   p.add_argument("--history_len", type=int, default=50, help="events kept per built stream")
   p.add_argument("--history_stats", action="store_true",
                  help="add earlier-count / positive-rate dense features per user and ad")
+  p.add_argument("--label_delay", help="task=duration,... how long after its event a label "
+                 "becomes visible to later requests in built histories and --history_stats "
+                 "(e.g. click=0s,conversion=1d; default: 1d for conversion-like tasks, else 0)")
   p.add_argument("--history_action", help="integer column used as the event action "
                  "(default: the row's labels as bits)")
+  p.add_argument("--allow_overlap", action="store_true",
+                 help="accept --train / --valid / --eval files that overlap in time (a warning)")
   p.add_argument("--split", default="time:0.8,0.1,0.1", help="time:A,B,C | ts:T1,T2 | none")
   p.add_argument("--yes", action="store_true", help="accept an inferred schema")
   p.add_argument("--write_schema", help="write the proposed spec to this file")
@@ -126,5 +142,6 @@ def main(argv=None) -> int:
     run(sources, args.out, spec, split=args.split, yes=args.yes, write_schema=args.write_schema,
         overwrite=args.overwrite, records_per_shard=args.records_per_shard,
         records_per_chunk=args.records_per_chunk, engine=args.runner,
-        workers=args.workers, memory_limit=args.memory_limit, beam_args=rest)
+        workers=args.workers, memory_limit=args.memory_limit, beam_args=rest,
+        allow_overlap=args.allow_overlap)
   return run_cli(PROG, go)

@@ -101,8 +101,11 @@ def timestamps(arr: pa.Array, name: str, unit: str, log: Coercions) -> np.ndarra
                     "seconds")
 
 
-def keys(arr: pa.Array, name: str, log: Coercions) -> tuple[np.ndarray, np.ndarray]:
-  """Join key -> ``(int32-range key, int64 feature id >= 0)``."""
+def keys(arr: pa.Array, name: str, log: Coercions,
+         hash_all: bool = False) -> tuple[np.ndarray, np.ndarray]:
+  """Join key -> ``(int32-range key, int64 feature id >= 0)``. Integer ids are hashed when
+  ``hash_all`` (the whole column has ids outside [0, 2**31): ``sources.key_decision``) or
+  when this batch has such ids."""
   t = arr.type
   nulls = _nulls(arr)
   if nulls.any():
@@ -123,7 +126,7 @@ def keys(arr: pa.Array, name: str, log: Coercions) -> tuple[np.ndarray, np.ndarr
   if not pa.types.is_integer(t):
     raise CoerceError(f"column {name!r} has type {t}, expected integer or string ids")
   x = arr.to_numpy(zero_copy_only=False).astype(np.int64)
-  if len(x) and (x.min() < 0 or x.max() > INT32_MAX):
+  if hash_all or (len(x) and (x.min() < 0 or x.max() > INT32_MAX)):
     log.add(name, "ids outside [0, 2**31) -> 31-bit hash (join key and id feature)")
     h = hash31(x)
     return h, h

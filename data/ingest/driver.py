@@ -23,8 +23,9 @@ from data.ingest.memory import MemoryRunner
 from data.ingest.output import check_out, clear_stale, publish, staging_dir
 from data.ingest.runner import Options
 from data.ingest.scan import Scan
-from data.ingest.sources import PROG, Progress, row_error
+from data.ingest.sources import PROG, Progress, key_decision, row_error
 from data.ingest.splits import SPLITS, parse_split, utc
+from data.ingest.sql import check_memory_limit, check_workers
 from data.ingest.vocab import display, encodings
 
 RUNNERS = {"duckdb": EngineRunner, "memory": MemoryRunner, "beam": BeamRunner}
@@ -36,7 +37,8 @@ def run(sources: dict, out_dir: str, spec: Spec, *, split: str = "time:0.8,0.1,0
         records_per_shard: int = 200_000, records_per_chunk: int | None = None, out=None,
         err=None, ask=None, engine: str = "duckdb",
         workers: int | None = None, memory_limit: str = "1GB",
-        rows_per_bucket: int | None = None, beam_args: list | None = None) -> dict | None:
+        rows_per_bucket: int | None = None, beam_args: list | None = None,
+        allow_overlap: bool = False) -> dict | None:
   """Converts ``sources`` (``{None: [Source]}`` split by ``split``, or ``{split: [Source]}``)
   into ``out_dir``. Returns the ingest report (also ``out_dir/ingest.json``), or None when it
   stopped after ``write_schema`` without ``yes``. ``ask(prompt) -> bool`` confirms an inferred
@@ -44,9 +46,18 @@ def run(sources: dict, out_dir: str, spec: Spec, *, split: str = "time:0.8,0.1,0
 
   ``engine``: a runner of ``RUNNERS``: ``duckdb`` (out of core, ``workers`` processes,
   ``engine``), ``beam`` (an Apache Beam pipeline, ``beam_args`` its options, ``beam``) or
-  ``memory`` (the whole log in memory: the reference the tests compare the others with)."""
+  ``memory`` (the whole log in memory: the reference the tests compare the others with).
+
+  Explicit splits (``{split: [Source]}``) must follow each other in time (an earlier split's
+  rows all at or before a later split's first request_ts) unless ``allow_overlap`` (a
+  warning); one file given twice is an error."""
   if engine not in ENGINES:
     raise ValueError(f"engine={engine!r}; one of {ENGINES}")
+  check_memory_limit(memory_limit, "--memory_limit")
+  if workers is not None:
+    check_workers(workers, "--workers")
+  _check_distinct(sources)
+  out_dir = os.path.realpath(out_dir)        # a link at --out stays; its target is written
   check_out(out_dir, sources, overwrite, yes, write_schema)
   clear_stale(out_dir, lambda m: print(f"{PROG}: warning: {m}", file=err or sys.stderr))
   tmp = staging_dir(out_dir)
@@ -59,7 +70,7 @@ def run(sources: dict, out_dir: str, spec: Spec, *, split: str = "time:0.8,0.1,0
                 out=out, err=err, ask=ask, engine=engine,
                 workers=workers or os.cpu_count() or 1, memory_limit=memory_limit,
                 rows_per_bucket=rows_per_bucket or ROWS_PER_BUCKET,
-                beam_args=beam_args or [])
+                beam_args=beam_args or [], allow_overlap=allow_overlap)
   finally:
     if os.path.exists(tmp):
       shutil.rmtree(tmp, ignore_errors=True)
@@ -67,7 +78,7 @@ def run(sources: dict, out_dir: str, spec: Spec, *, split: str = "time:0.8,0.1,0
 
 def _run(sources, out_dir, tmp, spec, *, split, yes, write_schema, records_per_shard,
          records_per_chunk, out, err, ask, engine, workers, memory_limit, rows_per_bucket,
-         beam_args):
+         beam_args, allow_overlap):
   out, err = out or sys.stdout, err or sys.stderr
   say = lambda *a: print(*a, file=out, flush=True)
   warn = lambda m: print(f"{PROG}: warning: {m}", file=err, flush=True)
@@ -77,10 +88,14 @@ def _run(sources, out_dir, tmp, spec, *, split, yes, write_schema, records_per_s
   log = Coercions()
   cpu = {"start": time.process_time()}
   names = [s.name for ss in sources.values() for s in ss]
+  keys = sorted(set(spec.hash_keys) | set(key_decision(sources, spec.columns)))
+  spec = Spec(**{**spec.to_dict(), "hash_keys": keys})      # one decision per id column
   runner = RUNNERS[engine](tmp, spec, Options(workers, memory_limit, rows_per_bucket, beam_args,
                                               err))
   try:
     scan = _scan(sources, spec, log, runner, split_names, err)
+    if explicit:
+      _check_overlap(scan.split_ts, allow_overlap, warn)
     cpu["scan"] = time.process_time() - cpu.pop("start")
     proposal = _propose(scan, sources, spec, log, runner, say, warn)
     if not _confirm(proposal, spec, yes, write_schema, ask, say):
@@ -89,6 +104,11 @@ def _run(sources, out_dir, tmp, spec, *, split, yes, write_schema, records_per_s
     t1 = t2 = float("inf")
     if kind != "none":
       t1, t2 = runner.split_times(kind, vals)
+    if kind == "ts" and t1 <= scan.ts[0]:
+      raise ValueError(f"--split={split}: no train rows (the earliest request_ts is "
+                       f"{utc(scan.ts[0])}, not before T1 {utc(t1)})")
+    if explicit and "train" in sources and not sum(s.counted for s in sources["train"]):
+      raise ValueError("--train: its files have no rows")
     if explicit:
       used = split_names
     else:
@@ -127,6 +147,35 @@ def _run(sources, out_dir, tmp, spec, *, split, yes, write_schema, records_per_s
   return report
 
 
+def _check_distinct(sources: dict) -> None:
+  """One input file given twice (in one split or two) is an error."""
+  seen = {}
+  for sname, srcs in sources.items():
+    for s in srcs:
+      if s.path is None:
+        continue
+      key = os.path.realpath(s.path)
+      where = f"--{sname}" if sname else "--input"
+      if key in seen:
+        raise ValueError(f"{s.path} is given twice ({seen[key]} and {where}): each input once")
+      seen[key] = where
+
+
+def _check_overlap(split_ts: dict, allow: bool, warn) -> None:
+  """Explicit split files must follow each other in time (train, valid, eval): a later split's
+  rows in an earlier split's histories and statistics are leaked labels."""
+  named = [s for s in SPLITS if split_ts.get(s, (None,))[0] is not None]
+  for i, a in enumerate(named):
+    for b in named[i + 1:]:
+      if split_ts[a][1] > split_ts[b][0]:
+        msg = (f"--{a} and --{b} overlap in time: {a}'s rows run to {utc(split_ts[a][1])}, "
+               f"{b}'s start at {utc(split_ts[b][0])} (the {a} rows' histories and statistics "
+               f"would hold {b} rows with their labels)")
+        if not allow:
+          raise ValueError(msg + "; pass --allow_overlap to accept it")
+        warn(msg + " (--allow_overlap)")
+
+
 def _scan(sources, spec, log, runner, split_names, err) -> Scan:
   """Pass 1: every batch of every source coerced (``layout.canonical``), scanned and staged by
   the runner; ``src.counted`` = its rows."""
@@ -141,7 +190,7 @@ def _scan(sources, spec, log, runner, split_names, err) -> Scan:
           cols, facts = canonical(table, spec, log)
         except CoerceError as e:
           raise row_error(src, first, e) from None
-        scan.add(cols, facts, src.name)
+        scan.add(cols, facts, src.name, sname)
         runner.stage(sname, split_i, src_i, src, first, cols)
         prog.add(table.num_rows, frac)
       prog.close()

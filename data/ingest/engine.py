@@ -7,10 +7,13 @@ Pass 1 stages each coerced batch as an Arrow IPC part (``Staging``); pass 2 runs
 from __future__ import annotations
 
 import concurrent.futures
+import ctypes
 import gc
 import glob
 import multiprocessing
 import os
+import signal
+import sys
 import time
 
 import numpy as np
@@ -132,7 +135,24 @@ def part_groups(staging: Staging, rows: int) -> list[dict]:
 _ONE_THREAD = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
 
 
-def _worker_init():
+def die_with_parent(parent: int | None = None) -> None:
+  """Makes this process die with its parent (``kill -9`` / SIGTERM of an ingest leaves no
+  workers behind): Linux's ``PR_SET_PDEATHSIG``, then a check that ``parent`` (if given) is
+  still the parent, for a parent that died before."""
+  if sys.platform.startswith("linux"):
+    try:
+      ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+      pass
+  if parent is not None and os.getppid() != parent:
+    os._exit(1)
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _worker_init(parent: int | None = None):
+  die_with_parent(parent)
   gc.freeze()                     # the imports: never scanned again by the cycle collector
 
 
@@ -157,7 +177,8 @@ def run_tasks(tasks: list[dict], workers: int, progress=None) -> list[dict]:
   os.environ.update(dict.fromkeys(_ONE_THREAD, "1"))
   try:
     with concurrent.futures.ProcessPoolExecutor(min(workers, len(tasks)), mp_context=ctx,
-                                                initializer=_worker_init) as pool:
+                                                initializer=_worker_init,
+                                                initargs=(os.getpid(),)) as pool:
       futs = [pool.submit(convert_task, t) for t in tasks]
       try:
         for f in concurrent.futures.as_completed(futs):

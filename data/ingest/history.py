@@ -11,6 +11,7 @@ import pyarrow as pa
 
 import data.ingest.coerce as coerce
 from data.ingest.coerce import CoerceError, Coercions
+from data.ingest.infer import label_delays
 
 
 def _ranks(x: np.ndarray) -> np.ndarray:
@@ -29,10 +30,12 @@ class _Sorted:
     self.comb = key_n[self.rows] * span + (ts_n[self.rows] - t0)
     self.span, self.t0 = span, t0
 
-  def bounds(self, key, ts) -> tuple[np.ndarray, np.ndarray]:
-    """``[lo, hi)`` of the sorted events with the same key and a strictly earlier ts."""
+  def bounds(self, key, ts, delay: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """``[lo, hi)`` of the sorted events with the same key and a ts earlier than
+    ``ts - delay`` (strictly)."""
     lo = np.searchsorted(self.comb, key * self.span, side="left")
-    hi = np.searchsorted(self.comb, key * self.span + (ts - self.t0), side="left")
+    hi = np.searchsorted(self.comb, key * self.span + np.maximum(ts - delay - self.t0, 0),
+                         side="left")
     return lo, hi
 
 
@@ -43,10 +46,14 @@ class HistoryIndex:
   streams: ``{name: bool[N] or None}`` (None: every row is an event of that stream);
   columns: ``{column: int array[N]}`` the per-event values to return (e.g. item, action,
   surface, ts); labels: ``{task: (y f[N] 0/1, valid bool[N])}`` for the statistics.
+  ``delays`` / ``stream_delays``: seconds after its event a row counts for a task's
+  statistics (``{task: d}``) / for a stream (``{stream: d}``): a request at r sees it when
+  ``e + d < r``.
   """
 
   def __init__(self, user_n, ts_n, item_n, streams: dict, columns: dict,
-               labels: dict | None = None):
+               labels: dict | None = None, delays: dict | None = None,
+               stream_delays: dict | None = None):
     ts = np.asarray(ts_n, np.int64)
     self.n = len(ts)
     self.t0 = int(ts.min()) if self.n else 0
@@ -60,6 +67,7 @@ class HistoryIndex:
                                    else np.asarray(sel, bool), self.t0, span)
                      for name, sel in streams.items()}
     self.labels = labels or {}
+    self.delays, self.stream_delays = delays or {}, stream_delays or {}
     self._stats = {}
     for side, key in (("user", self.user), ("ad", self.item)):
       self._stats[side] = {"all": _Sorted(key, ts, np.ones(self.n, bool), self.t0, span)}
@@ -74,7 +82,7 @@ class HistoryIndex:
     rows = np.asarray(rows, np.int64)
     out = {}
     for name, s in self._streams.items():
-      lo, hi = s.bounds(self.user[rows], self.ts[rows])
+      lo, hi = s.bounds(self.user[rows], self.ts[rows], self.stream_delays.get(name, 0))
       out[name] = hi - lo
     return out
 
@@ -84,7 +92,7 @@ class HistoryIndex:
     rows = np.asarray(rows, np.int64)
     out = {}
     for name, s in self._streams.items():
-      lo, hi = s.bounds(self.user[rows], self.ts[rows])
+      lo, hi = s.bounds(self.user[rows], self.ts[rows], self.stream_delays.get(name, 0))
       start = np.maximum(lo, hi - max_len)
       lens = hi - start
       offs = np.concatenate([[0], np.cumsum(lens)])
@@ -95,15 +103,17 @@ class HistoryIndex:
 
   def stats(self, rows: np.ndarray) -> dict[str, np.ndarray]:
     """Dense statistics f32[len(rows)] from strictly earlier rows: ``user_count``,
-    ``user_<task>_rate``, ``ad_count``, ``ad_<task>_rate`` (rate = (pos + 1) / (valid + 2))."""
+    ``user_<task>_rate``, ``ad_count``, ``ad_<task>_rate`` (rate = (pos + 1) / (valid + 2), of
+    the rows whose label is visible: ``delays``)."""
     rows = np.asarray(rows, np.int64)
     out = {}
     for side, key in (("user", self.user), ("ad", self.item)):
       q = (key[rows], self.ts[rows])
-      n = lambda k, q=q, side=side: np.subtract(*self._stats[side][k].bounds(*q)[::-1])
+      n = lambda k, d=0, q=q, side=side: np.subtract(*self._stats[side][k].bounds(*q, d)[::-1])
       out[f"{side}_count"] = n("all").astype(np.float32)
       for task in self.labels:
-        out[f"{side}_{task}_rate"] = ((n(f"pos:{task}") + 1.0) / (n(f"valid:{task}") + 2.0)
+        d = self.delays.get(task, 0)
+        out[f"{side}_{task}_rate"] = ((n(f"pos:{task}", d) + 1.0) / (n(f"valid:{task}", d) + 2.0)
                                       ).astype(np.float32)
     return out
 
@@ -117,6 +127,15 @@ def _keep_last(vals: dict, offs: np.ndarray, k: int):
   new = np.concatenate([[0], np.cumsum(keep)])
   take = np.arange(new[-1]) + np.repeat(offs[1:] - keep - new[:-1], keep)
   return {c: v[take] for c, v in vals.items()}, new
+
+
+def hide_labels(action: np.ndarray, ev_ts: np.ndarray, req_ts: np.ndarray, delays: list) -> None:
+  """Clears, in place, bit k of each event's label-bits ``action`` where the event's label is
+  not yet visible to its request (``ev_ts + delays[k] >= req_ts``)."""
+  gap = np.asarray(req_ts, np.int64) - np.asarray(ev_ts, np.int64)
+  for k, d in enumerate(delays):
+    if d > 0:
+      action[gap <= d] &= ~(1 << k)
 
 
 def label_bits(cols: dict, tasks) -> np.ndarray:
@@ -168,6 +187,10 @@ class FlatLogHistories:
           raise CoerceError(f"history.streams.{name}: no column {sel!r}")
         streams[name] = np.concatenate([p[sel].fill_null(0).to_numpy(zero_copy_only=False)
                                         for p in parts]) > 0.5
+    delays = label_delays(h, tasks)
+    self.bit_delays = None if h.get("action") else [delays[t] for t in tasks]
+    stream_delays = {name: delays.get(sel.split(".", 1)[1], 0)
+                     for name, sel in h["streams"].items() if sel != "all"}
     labels = {}
     if h.get("stats", False):
       for t in tasks:
@@ -178,7 +201,7 @@ class FlatLogHistories:
     self.max_len = int(h.get("max_len", 50))
     self.index = HistoryIndex(user, ts, ad, streams,
                               {"item": item, "action": action, "surface": surf, "ts": ts},
-                              labels)
+                              labels, delays, stream_delays)
     self.stats = bool(h.get("stats", False))
     self.observed_len = {k: int(v.max(initial=0))
                          for k, v in self.index.lengths(np.arange(len(ts))).items()}
@@ -191,6 +214,10 @@ class FlatLogHistories:
       if s not in max_lens:
         continue
       vals, offs = _keep_last(vals, offs, max_lens[s])
+      if self.bit_delays and any(self.bit_delays):
+        vals["action"] = vals["action"].copy()
+        hide_labels(vals["action"], vals["ts"], np.repeat(self.index.ts[rows], np.diff(offs)),
+                    self.bit_delays)
       for col in ("item", "action", "surface", "ts"):
         out[f"events.{s}.{col}"] = pa.LargeListArray.from_arrays(offs, pa.array(vals[col],
                                                                                 pa.int64()))

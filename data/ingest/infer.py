@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 
 import numpy as np
 
@@ -19,7 +20,39 @@ PREFIXES = ("dense", "sparse", "label", "true_prob")
 TS_UNITS = ("s", "ms", "us")
 SECTIONS = ("sparse", "dense", "streams", "surfaces", "tasks")
 MAX_VOCAB = 1 << 22          # larger id ranges are hashed into this many rows
-HISTORY_KEYS = ("streams", "max_len", "stats", "action")
+HISTORY_KEYS = ("streams", "max_len", "stats", "action", "label_delay")
+# label delays of built histories and statistics (``label_delays``): a conversion-like task
+# (name starting with conv, or holding conversion / purchase) defaults to one day, others to 0
+DEFAULT_CONVERSION_DELAY = 86_400
+_DURATION = re.compile(r"(\d+)\s*([smhd]?)")
+_UNIT_S = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86_400}
+
+
+def duration(value, where: str) -> int:
+  """Seconds of ``value``: an integer >= 0 or text such as ``0s``, ``90``, ``5m``, ``2h``,
+  ``1d``; else a one-line ValueError naming ``where``."""
+  if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+    return value
+  m = _DURATION.fullmatch(value.strip()) if isinstance(value, str) else None
+  if m is None:
+    raise ValueError(f"{where}={value!r}: expected a duration such as 0s, 90, 5m, 2h or 1d")
+  return int(m.group(1)) * _UNIT_S[m.group(2)]
+
+
+def label_delays(history: dict, tasks) -> dict[str, int]:
+  """Per task, the seconds after its event a label becomes visible to later requests (built
+  histories and ``--history_stats``): a request at ``r`` sees the label of an event at ``e``
+  when ``e + delay < r`` (0: strictly earlier). ``history["label_delay"]`` overrides the
+  defaults (``DEFAULT_CONVERSION_DELAY`` for conversion-like tasks, else 0)."""
+  given = history.get("label_delay") or {}
+  bad = sorted(set(given) - set(tasks))
+  if bad:
+    raise ValueError(f"--label_delay / history.label_delay: no task(s) {bad}; the tasks are "
+                     f"{list(tasks)}")
+  conv = lambda t: t.lower().startswith("conv") or any(w in t.lower()
+                                                      for w in ("conversion", "purchase"))
+  return {t: duration(given[t], f"--label_delay {t}") if t in given else
+          (DEFAULT_CONVERSION_DELAY if conv(t) else 0) for t in tasks}
 VOCAB_CHOICES = ("exact", "hash")
 
 
@@ -44,6 +77,7 @@ class Spec:
   ts_unit: str = "s"
   history: dict | None = None
   hashed_events: list = dataclasses.field(default_factory=list)
+  hash_keys: list = dataclasses.field(default_factory=list)   # join keys hashed in every row
   vocab: dict = dataclasses.field(default_factory=dict)
   vocab_max: int = 10_000
   schema: dict = dataclasses.field(default_factory=dict)
@@ -94,6 +128,8 @@ class Spec:
     vm = self.vocab_max
     if isinstance(vm, bool) or not isinstance(vm, int) or not 0 <= vm <= VOCAB_CAP:
       raise ValueError(f"{where}: vocab_max={vm!r} must be an integer in [0, {VOCAB_CAP}]")
+    if not isinstance(self.hash_keys, list) or not set(self.hash_keys) <= {"user_id", "ad_id"}:
+      raise ValueError(f"{where}: hash_keys={self.hash_keys!r}: a list of user_id / ad_id")
     if self.ts_unit not in TS_UNITS:
       raise ValueError(f"{where}: ts_unit={self.ts_unit!r}; allowed: {TS_UNITS}")
     bad = sorted(set(self.schema) - set(SECTIONS))
@@ -115,6 +151,11 @@ class Spec:
         if "." in name or not (sel == "all" or (isinstance(sel, str) and sel.startswith("label."))):
           raise ValueError(f"{where}: history.streams.{name}={sel!r}: expected 'all' or "
                            "'label.<task>' (stream names without dots)")
+      ld = h.get("label_delay") or {}
+      if not isinstance(ld, dict):
+        raise ValueError(f"{where}: history.label_delay must map task names to durations")
+      for t, v in ld.items():
+        duration(v, f"--label_delay {t}")
       ml = h.get("max_len", 50)
       if isinstance(ml, bool) or not isinstance(ml, int) or ml < 1:
         raise ValueError(f"{where}: history.max_len={ml!r} must be an integer >= 1")

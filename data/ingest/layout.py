@@ -61,7 +61,7 @@ def canonical(table: pa.Table, spec: Spec, log: Coercions) -> tuple[dict, dict]:
                                                  spec.ts_unit, log))
   feats, hashed_keys = {}, []
   for r in ("user_id", "ad_id"):
-    key, feats[r] = coerce.keys(cols[r], disp(r), log)
+    key, feats[r] = coerce.keys(cols[r], disp(r), log, r in spec.hash_keys)
     out[r] = pa.array(key)
     t = cols[r].type
     if not pa.types.is_integer(t) or (len(key) and not np.array_equal(

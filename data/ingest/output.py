@@ -15,7 +15,8 @@ from data import records, shards
 
 def check_out(out_dir: str, sources: dict, overwrite: bool, yes: bool, write_schema) -> None:
   """``--out`` may not contain or lie inside an input; an existing non-empty one is replaced
-  only with ``--overwrite`` and only when it is a dataset (has a manifest)."""
+  only with ``--overwrite`` and only when it is a dataset: its ``manifest.json`` has this
+  format and lists every file in it (``dataset_files``). ``out_dir``: resolved (no links)."""
   real = os.path.realpath(out_dir)
   for srcs in sources.values():
     for s in srcs:
@@ -29,10 +30,44 @@ def check_out(out_dir: str, sources: dict, overwrite: bool, yes: bool, write_sch
   if os.path.exists(out_dir) and not os.path.isdir(out_dir):
     raise ValueError(f"--out={out_dir} exists and is not a directory")
   if os.path.exists(out_dir) and os.listdir(out_dir) and (yes or not write_schema):
-    if not (overwrite and os.path.exists(os.path.join(out_dir, "manifest.json"))):
-      raise ValueError(f"--out={out_dir} exists and is not empty" + (
-          " (and is not a kunlun dataset: not removed)" if overwrite else
-          "; pass --overwrite to replace a dataset written before"))
+    if not overwrite:
+      raise ValueError(f"--out={out_dir} exists and is not empty; pass --overwrite to replace a "
+                       "dataset written before")
+    dataset_files(out_dir)
+
+
+def dataset_files(out_dir: str) -> set[str]:
+  """The files (relative paths) of the dataset in ``out_dir``: those its ``manifest.json`` (of
+  ``records.FORMAT``) lists, with ``schema.json``, ``manifest.json`` and ``ingest.json``. A
+  ValueError when there is no such manifest or ``out_dir`` holds anything else: ``--overwrite``
+  never removes what is not the dataset's."""
+  not_ds = f"--out={out_dir} exists and is not empty (and is not a kunlun dataset: not removed)"
+  try:
+    with open(os.path.join(out_dir, "manifest.json")) as f:
+      m = json.load(f)
+  except (OSError, ValueError):
+    raise ValueError(not_ds) from None
+  if not isinstance(m, dict) or m.get("format") != records.FORMAT or not isinstance(
+      m.get("splits"), dict):
+    raise ValueError(not_ds + f": its manifest.json is not of format {records.FORMAT}")
+  listed = {"manifest.json", "schema.json", "ingest.json"}
+  try:
+    for surfaces in m["splits"].values():
+      for entries in surfaces.values():
+        for e in entries:
+          rel = os.path.normpath(e["file"])
+          if os.path.isabs(rel) or rel.split(os.sep)[0] == "..":
+            raise ValueError(f"{not_ds}: its manifest lists {e['file']!r}, outside it")
+          listed.add(rel)
+  except (AttributeError, KeyError, TypeError):
+    raise ValueError(not_ds + ": malformed manifest.json") from None
+  for root, dirs, files in os.walk(out_dir):
+    for name in files + [d for d in dirs if os.path.islink(os.path.join(root, d))]:
+      rel = os.path.relpath(os.path.join(root, name), out_dir)
+      if rel not in listed:
+        raise ValueError(f"--out={out_dir} holds {rel}, which its manifest.json does not list: "
+                         "not removed (move it away, or remove it yourself)")
+  return listed
 
 
 def staging_dir(out_dir: str) -> str:
@@ -63,17 +98,26 @@ def clear_stale(out_dir: str, warn=None) -> None:
 
 
 def publish(tmp: str, out_dir: str) -> None:
-  """Makes the finished dataset in ``tmp`` appear at ``out_dir`` by renames: a killed run leaves
-  the previous dataset (or nothing), never a partial one."""
+  """Makes the finished dataset in ``tmp`` appear at ``out_dir`` (resolved: no links) by
+  renames: a killed run leaves the previous dataset (or nothing), never a partial one. Of the
+  previous dataset only the files its manifest lists are removed (``dataset_files``)."""
   old = None
   if os.path.exists(out_dir) and os.listdir(out_dir):
+    listed = dataset_files(out_dir)
     old = tmp + ".old"
     os.rename(out_dir, old)
   elif os.path.exists(out_dir):
     os.rmdir(out_dir)
   os.rename(tmp, out_dir)
   if old:
-    shutil.rmtree(old, ignore_errors=True)
+    for rel in listed:
+      if os.path.lexists(os.path.join(old, rel)):
+        os.remove(os.path.join(old, rel))
+    for root, _, _ in os.walk(old, topdown=False):        # emptied folders, deepest first
+      try:
+        os.rmdir(root)
+      except OSError:
+        pass
 
 
 def write_manifest(out_dir: str, schema, used, files: dict) -> dict:

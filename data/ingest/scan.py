@@ -18,18 +18,22 @@ def _widen(rng: tuple, x: np.ndarray) -> tuple:
 
 class Scan:
   """What pass 1 learnt: ``stats`` / ``order`` (columns in first-seen order), ``surfaces``,
-  ``unknown`` (column -> first file), ``ts`` / ``ad`` / ``act`` ranges, ``first_cols``."""
+  ``unknown`` (column -> first file), ``ts`` / ``ad`` / ``act`` ranges (``split_ts``: per
+  explicit split), ``first_cols``."""
 
   def __init__(self):
     self.stats, self.order, self.surfaces, self.unknown = {}, [], set(), {}
     self.ts = self.ad = self.act = (None, None)
     self.first_cols, self.key_sets = None, {}
+    self.split_ts = {}                 # explicit split -> its (lo, hi) request_ts
 
-  def add(self, cols: dict, facts: dict, src_name: str) -> None:
+  def add(self, cols: dict, facts: dict, src_name: str, split=None) -> None:
     self._columns(cols, facts, src_name)
     ts = cols["request_ts"].to_numpy(zero_copy_only=False)
     if len(ts):
       self.ts = _widen(self.ts, ts)
+      if split is not None:
+        self.split_ts[split] = _widen(self.split_ts.get(split, (None, None)), ts)
       self.ad = _widen(self.ad, cols["_ad_feature"].to_numpy(zero_copy_only=False))
       if "_action" in cols:
         self.act = _widen(self.act, cols["_action"].to_numpy(zero_copy_only=False))

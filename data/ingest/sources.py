@@ -8,6 +8,7 @@ import sys
 import time
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.csv as pcsv
 import pyarrow.parquet as pq
 
@@ -97,6 +98,63 @@ class Source:
           first += b.num_rows
     except (pa.ArrowInvalid, pa.ArrowTypeError) as e:
       raise ValueError(f"{self.name}: unreadable: {str(e).splitlines()[0]}") from None
+
+
+def _key_arrays(src: Source, col: str):
+  """The values of column ``col`` of ``src`` (nothing, or nulls, when it has no such column;
+  the scan reports it): Parquet row
+  group statistics where they have both bounds, else the column read alone."""
+  if src.kind == "table":
+    if col in src.table.column_names:
+      yield from src.table.column(col).chunks
+    return
+  try:
+    if src.kind == "parquet":
+      f = pq.ParquetFile(src.path)
+      if col not in f.schema_arrow.names:
+        return
+      j = f.schema_arrow.names.index(col)
+      t = f.schema_arrow.field(j).type
+      for g in range(f.metadata.num_row_groups):
+        st = f.metadata.row_group(g).column(j).statistics if pa.types.is_integer(t) else None
+        if st is not None and st.has_min_max:
+          yield pa.array([st.min, st.max], t)
+        else:
+          yield from f.read_row_group(g, columns=[col]).column(0).chunks
+      return
+    with open(src.path, "rb") as fh:
+      reader = pcsv.open_csv(fh, read_options=pcsv.ReadOptions(block_size=64 << 20),
+                             parse_options=pcsv.ParseOptions(delimiter=src.delimiter),
+                             convert_options=pcsv.ConvertOptions(include_columns=[col],
+                                                                 include_missing_columns=True))
+      for b in reader:
+        yield b.column(0)
+  except (pa.ArrowInvalid, pa.ArrowTypeError, KeyError) as e:
+    raise ValueError(f"{src.name}: unreadable: {str(e).splitlines()[0]}") from None
+
+
+def _hashed_ids(a: pa.Array) -> bool:
+  """True when ``a`` holds ids that ``coerce.keys`` hashes: strings, or integers outside
+  [0, 2**31) (a missing column's nulls: no)."""
+  if pa.types.is_null(a.type) or len(a) == a.null_count:
+    return False
+  if not pa.types.is_integer(a.type):
+    return True
+  return pc.min(a).as_py() < 0 or pc.max(a).as_py() > 2**31 - 1
+
+
+def key_decision(sources: dict, columns: dict) -> list[str]:
+  """The join keys (``user_id``, ``ad_id``) to hash in every row: a first pass over their
+  columns (renamed by ``columns``) in every input; a column with an id outside [0, 2**31) or a
+  string anywhere is hashed everywhere, so one column never mixes hashed and raw ids."""
+  out = []
+  for r in ("user_id", "ad_id"):
+    col = columns.get(r, r)
+    for s in (s for ss in sources.values() for s in ss):
+      if any(map(_hashed_ids, _key_arrays(s, col))):
+        out.append(r)
+        break
+  return out
 
 
 def row_error(src, first, e):

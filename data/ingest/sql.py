@@ -6,27 +6,47 @@ streams, statistics, vocabularies), the ad-side statistics (``ad_sql``) and a bu
 from __future__ import annotations
 
 import os
+import re
 
 import pyarrow as pa
 
 from data.ingest.coerce import CoerceError
-from data.ingest.infer import Spec
+from data.ingest.infer import Spec, label_delays
 
 
 def _q(name: str) -> str:
   return '"' + name.replace('"', '""') + '"'
 
 
+MEMORY_LIMIT = re.compile(r"\d+(\.\d+)?\s*([KMGT]i?B|B|bytes|%)", re.IGNORECASE)
+MAX_THREADS = 4 * (os.cpu_count() or 1)      # the most threads / worker processes asked for
+
+
+def check_memory_limit(value: str, where: str = "memory_limit") -> str:
+  """``value`` if it is a size (``1GB``, ``512MiB``, ``80%``), else a one-line ValueError."""
+  if not isinstance(value, str) or not MEMORY_LIMIT.fullmatch(value.strip()):
+    raise ValueError(f"{where}={value!r}: expected a size such as 1GB, 512MB or 80%")
+  return value.strip()
+
+
+def check_workers(value: int, where: str = "workers") -> int:
+  if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_THREADS:
+    raise ValueError(f"{where}={value!r} must be an integer in [1, {MAX_THREADS}] (4 x the "
+                     "cores of this machine)")
+  return value
+
+
 def connect(work_dir: str, threads: int, memory_limit: str):
+  """A DuckDB connection with its settings given through the configuration API (never
+  formatted into SQL): ``threads`` and ``memory_limit`` checked, the spill folder inside
+  ``work_dir`` (any characters)."""
   import duckdb
-  con = duckdb.connect()
+  check_workers(threads, "threads")
+  memory_limit = check_memory_limit(memory_limit)
   tmp = os.path.join(work_dir, "duckdb_tmp")
   os.makedirs(tmp, exist_ok=True)
-  con.execute(f"SET threads={int(threads)}")
-  con.execute(f"SET memory_limit='{memory_limit}'")
-  con.execute(f"SET temp_directory='{tmp}'")
-  con.execute("SET preserve_insertion_order=false")
-  return con
+  return duckdb.connect(config={"threads": threads, "memory_limit": memory_limit,
+                                "temp_directory": tmp, "preserve_insertion_order": False})
 
 
 def write_ipc(t: pa.Table, path: str) -> None:
@@ -69,13 +89,23 @@ _AD = "PARTITION BY _ad_feature ORDER BY request_ts"
 _EARLIER = f"({_AD} RANGE BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW EXCLUDE GROUP)"
 
 
-def ad_counts(plan: dict) -> list[tuple[str, str]]:
-  """``[(column, SQL 0/1 of a row)]``: the ad-side counts summed over strictly earlier rows;
-  a task whose labels the scan found never null has its valid count equal to ``_ad_count``
-  (not computed)."""
-  out = [(f"_ap.{t}", _pos(t)) for t in plan["tasks"]]
-  return out + [(f"_av.{t}", _valid(t)) for t in plan["tasks"]
-                if t not in plan.get("null_free", ())]
+def ad_counts(plan: dict) -> list[tuple[str, str, int]]:
+  """``[(column, SQL 0/1 of a row, label delay)]``: the ad-side counts summed over the rows
+  whose label a row sees (``e + delay < r``; delay 0: strictly earlier); a task with no delay
+  whose labels the scan found never null has its valid count equal to ``_ad_count`` (not
+  computed)."""
+  d = plan.get("delays", {})
+  out = [(f"_ap.{t}", _pos(t), d.get(t, 0)) for t in plan["tasks"]]
+  return out + [(f"_av.{t}", _valid(t), d.get(t, 0)) for t in plan["tasks"]
+                if d.get(t, 0) or t not in plan.get("null_free", ())]
+
+
+def _frame(delay: int) -> str:
+  """The window of the rows of the same ad seen ``delay`` seconds late (integer seconds:
+  ``e + delay < r`` is ``e <= r - delay - 1``)."""
+  if not delay:
+    return _EARLIER
+  return f"({_AD} RANGE BETWEEN UNBOUNDED PRECEDING AND {int(delay) + 1} PRECEDING)"
 
 
 def ad_sql(plan: dict, src: str, keep: list[str]) -> str:
@@ -87,17 +117,21 @@ def ad_sql(plan: dict, src: str, keep: list[str]) -> str:
   counts = ad_counts(plan)
   step = 3 if plan.get("pack") else 1
   inner, outer, packs = [f"rank() OVER ({_AD}) - 1 AS _ad_count"], [], []
-  for g in range(0, len(counts), step):
-    part = counts[g:g + step]
+  groups = []                                  # counts of one delay share windows
+  for delay in sorted({c[2] for c in counts}):
+    same = [c for c in counts if c[2] == delay]
+    groups += [same[g:g + step] for g in range(0, len(same), step)]
+  for g, part in enumerate(groups):
+    frame = _frame(part[0][2])
     if step == 1:
-      inner.append(f"coalesce(sum({part[0][1]}) OVER {_EARLIER}, 0)::BIGINT AS {_q(part[0][0])}")
+      inner.append(f"coalesce(sum({part[0][1]}) OVER {frame}, 0)::BIGINT AS {_q(part[0][0])}")
       continue
-    packed = " + ".join(f"({e}::HUGEINT << {_BITS * i})" for i, (_, e) in enumerate(part))
-    inner.append(f"coalesce(sum({packed}) OVER {_EARLIER}, 0::HUGEINT) AS _s{g}")
+    packed = " + ".join(f"({e}::HUGEINT << {_BITS * i})" for i, (_, e, _) in enumerate(part))
+    inner.append(f"coalesce(sum({packed}) OVER {frame}, 0::HUGEINT) AS _s{g}")
     packs.append(f"_s{g}")
     mask = (1 << _BITS) - 1
     outer += [f"((_s{g} >> {_BITS * i}) & {mask})::BIGINT AS {_q(c)}"
-              for i, (c, _) in enumerate(part)]
+              for i, (c, _, _) in enumerate(part)]
   sql = f"SELECT {', '.join(list(keep) + inner)} FROM {src}"
   if packs:
     sql = f"SELECT * EXCLUDE ({', '.join(packs)}), {', '.join(outer)} FROM ({sql})"
@@ -138,6 +172,9 @@ def history_plan(spec: Spec, first_cols: dict, tasks, ad_range, act_range, log,
     action_vocab = act_range[1] + 1 if act_range[1] is not None else 1
   else:
     action_vocab = 1 << len(tasks)
+  delays = label_delays(h, tasks)
+  stream_delays = {name: delays.get(sel.split(".", 1)[1], 0) if sel else 0
+                   for name, sel in streams.items()}
   lo, hi = ad_range
   item_vocab = hi + 1 if hi is not None else 1
   hash_items = False
@@ -148,4 +185,5 @@ def history_plan(spec: Spec, first_cols: dict, tasks, ad_range, act_range, log,
           "action": bool(h.get("action")), "item_vocab": item_vocab,
           "action_vocab": action_vocab, "hash_items": hash_items,
           "max_len": int(h.get("max_len", 50)),
-          "null_free": [t for t in tasks if t in null_free], "pack": rows < 1 << 40}
+          "null_free": [t for t in tasks if t in null_free], "pack": rows < 1 << 40,
+          "delays": delays, "stream_delays": stream_delays}

@@ -29,7 +29,7 @@ SPEC = {"columns": {"request_ts": "time", "user_id": "uid", "ad_id": "ad", "surf
                     "sparse.cat": "cat"},
         "ids_as_features": True,
         "history": {"streams": {"click": "label.click", "impression": "all"}, "max_len": 8,
-                    "stats": True}}
+                    "stats": True, "label_delay": {"click": "0s", "conv": "5m"}}}
 
 
 def decoded(d):

@@ -53,13 +53,15 @@ def test_engine_equals_reference_without_histories_and_explicit_splits(tmp_path)
     pq.write_table(x, str(tmp_path / f"s{i}.parquet"), row_group_size=50)
   mk = lambda: {"train": [ingest.Source(str(tmp_path / "s0.parquet"), batch_rows=60)],
                 "eval": [ingest.Source(str(tmp_path / "s1.parquet"), batch_rows=60)]}
-  ref, _ = _ingest(tmp_path, "ref", [], "memory", spec=spec, sources=mk())
-  eng, _ = _ingest(tmp_path, "eng", [], "duckdb", spec=spec, sources=mk(), workers=2)
+  # the halves of a shuffled log overlap in time: accepted with allow_overlap
+  ref, _ = _ingest(tmp_path, "ref", [], "memory", spec=spec, sources=mk(), allow_overlap=True)
+  eng, _ = _ingest(tmp_path, "eng", [], "duckdb", spec=spec, sources=mk(), workers=2,
+                   allow_overlap=True)
   assert_same_examples(ref, eng)
   hist = dict(spec, history=SPEC["history"])      # histories across explicit splits too
-  ref, _ = _ingest(tmp_path, "ref2", [], "memory", spec=hist, sources=mk())
+  ref, _ = _ingest(tmp_path, "ref2", [], "memory", spec=hist, sources=mk(), allow_overlap=True)
   eng, _ = _ingest(tmp_path, "eng2", [], "duckdb", spec=hist, sources=mk(), workers=2,
-                   rows_per_bucket=100)
+                   rows_per_bucket=100, allow_overlap=True)
   assert_same_examples(ref, eng)
 
 
@@ -71,7 +73,7 @@ def test_histories_against_a_loop(tmp_path):
   rows = t.to_pydict()
   n = t.num_rows
   ts, uid, ad = rows["time"], rows["uid"], rows["ad"]
-  click = rows["click"]
+  click, conv = rows["click"], rows["conv"]
   got = decoded(out)["train"]
   assert len(got) == n
   seen = {}
@@ -93,8 +95,15 @@ def test_histories_against_a_loop(tmp_path):
         assert d[1] == len(earlier)
         pos = sum(click[j] for j in earlier)
         assert np.isclose(d[2], (pos + 1) / (len(earlier) + 2))
+        vis = [j for j in earlier if conv[j] is not None and ts[j] + 300 < ts[i]]   # 5m delay
+        assert np.isclose(d[3], (sum(conv[j] > 0.5 for j in vis) + 1) / (len(vis) + 2))
+        want_act = [click[j] + 2 * (conv[j] is not None and conv[j] > 0.5
+                                    and ts[j] + 300 < ts[i]) for j in earlier][-8:]
+        assert r["events/impression"][:, 1].tolist() == want_act
         same_ad = [j for j in range(n) if ad[j] == ad[i] and ts[j] < ts[i]]
         assert d[4] == len(same_ad)
+        vis = [j for j in same_ad if conv[j] is not None and ts[j] + 300 < ts[i]]
+        assert np.isclose(d[6], (sum(conv[j] > 0.5 for j in vis) + 1) / (len(vis) + 2))
         break
     assert match is not None, key
     seen.setdefault(key, set()).add(match)
