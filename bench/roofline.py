@@ -47,7 +47,7 @@ op, and the region boundary no longer matches the kernel's interface).
 
 Only the bytes and launches change in the kernel column; the FLOPs are the XLA program's. The
 shapes come from tracing (``record_kernels`` wraps ``pallas_kernels.gdpa`` and
-``kunlun.attention.softmax_attention`` while the step is lowered and records each
+``kunlun.attention.softmax_attention_op`` while the step is lowered and records each
 differentiated call's shapes and named scope, via JAX's current name stack).
 
 Roofline lower bound of a step on a target device (flags of ``bench/train_step.py``):
@@ -351,7 +351,7 @@ def record_kernels(fence: bool = True):
   ``scope`` the name stack, e.g. ``jvp(Kunlun)/.../click_hsp/HSP/GDPA``). Only calls under a
   ``jvp`` (the train step's forward, whose backward autodiff derives) are kept.
 
-  Softmax attention is recorded at ``kunlun.attention.softmax_attention``, the dispatch that
+  Softmax attention is recorded at ``kunlun.attention.softmax_attention_op``, the dispatch that
   ``SeqAttention._attend`` calls for every backend (xla reference, pallas / cudnn directly or per
   shard through ``sharding.context``), with the global ``q, k, v`` shapes.
 
@@ -363,7 +363,7 @@ def record_kernels(fence: bool = True):
   import pallas_kernels
   from kunlun import attention
   calls = []
-  orig = {"gdpa": pallas_kernels.gdpa, "softmax": attention.softmax_attention}
+  orig = {"gdpa": pallas_kernels.gdpa, "softmax": attention.softmax_attention_op}
 
   def keep(kind, cost):
     scope = _name_stack()
@@ -386,12 +386,12 @@ def record_kernels(fence: bool = True):
     return _fence(orig["softmax"](*_fence((q, k, v)), *a, **kw))
 
   pallas_kernels.gdpa = gdpa
-  attention.softmax_attention = softmax
+  attention.softmax_attention_op = softmax
   try:
     yield calls
   finally:
     pallas_kernels.gdpa = orig["gdpa"]
-    attention.softmax_attention = orig["softmax"]
+    attention.softmax_attention_op = orig["softmax"]
 
 
 # ---- the table ----------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ Scopes (``kind``):
     (16-bit operands; its padding masks take the lengths), else pallas / xla.
 
 ``activation="softmax"`` or a GDPA activation (name or per-head tuple), then through
-``kunlun.gdpa.gdpa`` with ``out_scale = 1/n``, ``n`` the most keys a query can see: ``T`` for
+``kunlun.gdpa.gdpa_op`` with ``out_scale = 1/n``, ``n`` the most keys a query can see: ``T`` for
 "full", ``min(T, 2 window + 1)`` for "swa" (the kernel uses ``1/block_size`` for "block").
 ``t_max`` overrides ``n`` (set it to the kept length to make outputs independent of padding).
 ``score_clip`` clamps the scores of a GDPA activation to ``[-c, c]`` first (spec h-13; softmax
@@ -36,7 +36,7 @@ import jax.numpy as jnp
 
 import pallas_kernels
 from kunlun.fused import masked_residual, qk_norm_rotary
-from kunlun.gdpa import gdpa
+from kunlun.gdpa import gdpa_op
 from kunlun.norms import rms_norm
 from kunlun.time_encoding import BucketSpec, bucket_embedding, rotary_time
 from pallas_kernels.activations import per_head
@@ -66,7 +66,7 @@ def banded_softmax_attention(q, k, v, lengths, window: int, chunk: int | None = 
                                      kv_lengths=lengths)
 
 
-def softmax_attention(q, k, v, lengths, window: int | None, backend: str):
+def softmax_attention_op(q, k, v, lengths, window: int | None, backend: str):
   """Bidirectional softmax self-attention over valid keys (``window``: the band ``|i - j| <=
   window``; None: full). ``backend`` as ``pallas_kernels.softmax_attention`` ("auto" resolved
   here); "xla" is the banded reference, left to XLA's SPMD partitioner; kernel backends run per
@@ -78,7 +78,7 @@ def softmax_attention(q, k, v, lengths, window: int | None, backend: str):
   if backend == "xla":
     return softmax_attention_reference(q, k, v, window=window, q_lengths=lengths,
                                        kv_lengths=lengths)
-  return context.softmax_attention(q, k, v, lengths, window, backend=backend)
+  return context.context_parallel_softmax_attention(q, k, v, lengths, window, backend=backend)
 
 
 class SeqAttention(nn.Module):
@@ -164,8 +164,8 @@ class SeqAttention(nn.Module):
     window = self.window if self.kind == "swa" else None
     if self.activation != "softmax":
       n = self.t_max or (T if window is None else min(T, 2 * window + 1))
-      return gdpa(q, k, v, activation=self.activation, out_scale=1.0 / n, q_lengths=lengths,
+      return gdpa_op(q, k, v, activation=self.activation, out_scale=1.0 / n, q_lengths=lengths,
                   kv_lengths=lengths, window=window, backend=self.backend,
                   score_clip=self.score_clip)
     with jax.named_scope("SoftmaxAttention"):
-      return softmax_attention(q, k, v, lengths, window, self.backend)
+      return softmax_attention_op(q, k, v, lengths, window, self.backend)

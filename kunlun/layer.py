@@ -39,7 +39,7 @@ from kunlun.towers import make_attention, make_pooling, schedule
 from kunlun.weightgen import WeightGen
 from sharding import shard, with_axes
 
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+COMPUTE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
 def summary_proj(d_ns: int, dtype, name: str):
@@ -57,7 +57,7 @@ class KunlunLayer(nn.Module):
 
   @nn.compact
   def __call__(self, x, seqs, lengths, ages, summaries, request_index=None):
-    cfg, dt, rm = self.cfg, DTYPES[self.cfg.dtype], self.remat
+    cfg, dt, rm = self.cfg, COMPUTE_DTYPES[self.cfg.dtype], self.remat
     ri, tb = request_index, cfg.time_buckets.enabled     # tb: HSP / PFFN read the ages
     seqs, summaries = dict(seqs), dict(summaries)
     # lengths / ages follow their sequence to ad rows (after an earlier layer's PFFN)

@@ -30,7 +30,7 @@ from kunlun import remat as remat_lib
 from kunlun.common import apply_heads, embed_context, embed_streams
 from kunlun.config import ARCHS, ModelConfig, parse
 from kunlun.inputs import EventEmbed
-from kunlun.layer import DTYPES, KunlunLayer
+from kunlun.layer import COMPUTE_DTYPES, KunlunLayer
 from kunlun.oneseq import StreamMerge
 from kunlun.serving import rows
 
@@ -69,7 +69,7 @@ class Kunlun(nn.Module):
   @nn.compact
   def representations(self, batch, train: bool = False, request_index=None):
     del train                                   # no dropout / batch statistics
-    cfg, dt = self.cfg, DTYPES[self.cfg.dtype]
+    cfg, dt = self.cfg, COMPUTE_DTYPES[self.cfg.dtype]
     with jax.named_scope("Kunlun"):
       x = embed_context(cfg, self.schema, batch, dt)
       remat = self.remat if request_index is None else "none"

@@ -46,7 +46,7 @@ from kunlun.common import apply_heads, embed_context, embed_streams
 from kunlun.config import ModelConfig
 from kunlun.hsp import PMA
 from kunlun.inputs import LCE
-from kunlun.layer import DTYPES
+from kunlun.layer import COMPUTE_DTYPES
 from kunlun.norms import rms_norm
 from kunlun.time_encoding import rope_frequencies
 from pallas_kernels.reference import apply_rotary
@@ -190,7 +190,7 @@ class InterFormerLayer(nn.Module):
 
   @nn.compact
   def __call__(self, x, seqs, lengths):
-    cfg, dt = self.cfg, DTYPES[self.cfg.dtype]
+    cfg, dt = self.cfg, COMPUTE_DTYPES[self.cfg.dtype]
     n_cls = cfg.interformer.n_cls
     with jax.named_scope(f"InterFormerLayer_{self.index}"):
       x_sum = CrossX(n_cls, dt, name="x_cross")(x)
@@ -223,7 +223,7 @@ class InterFormer(nn.Module):
   @nn.compact
   def representations(self, batch, train: bool = False):
     del train
-    cfg, dt = self.cfg, DTYPES[self.cfg.dtype]
+    cfg, dt = self.cfg, COMPUTE_DTYPES[self.cfg.dtype]
     with jax.named_scope("InterFormer"):
       x = embed_context(cfg, self.schema, batch, dt)
       ev, lengths, _ = embed_streams(cfg.towers, self.schema, batch, dt, cfg.num_time_buckets)
