@@ -44,6 +44,12 @@ import numpy as np  # noqa: E402
 
 from bench import output  # noqa: E402
 from bench import scaling as S  # noqa: E402
+from data import synthetic  # noqa: E402
+from data.schema import Schema  # noqa: E402
+from kunlun.config import tower  # noqa: E402
+from kunlun.flops import model_flops  # noqa: E402
+from kunlun.oneseq import equal_flops_config  # noqa: E402
+from kunlun.train.runtime import enable_compilation_cache  # noqa: E402
 
 VARIANTS = ("base", "pma", "sumkron_rank1", "full_attention", "block_attention", "no_compskip",
             "shared_tower", "oneseq", "mowe_experts", "final_hsp", "kunlun_ablated")
@@ -55,9 +61,6 @@ def _log(msg):
 
 def variant_config(name: str, base, schema):
   """``base`` (a Kunlun config) with switch ``name`` flipped (module docstring)."""
-  from kunlun.config import tower
-  from kunlun.flops import model_flops
-  from kunlun.oneseq import equal_flops_config
   c = copy.deepcopy(base)
   m = c.model
   if name == "base":
@@ -152,9 +155,6 @@ def format_table(table: dict) -> str:
 
 
 def run(args) -> dict:
-  from data import synthetic
-  from data.schema import Schema
-  from kunlun.train.runtime import enable_compilation_cache
   t_start = time.perf_counter()
   env = S._environment()
   work = args.workdir or tempfile.mkdtemp(prefix="kunlun_ablations_")

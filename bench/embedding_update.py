@@ -24,25 +24,30 @@ sparse path's sorts can cost more than they save). Results go to
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import platform
 import time
 
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from data.fake import random_batch, tiny_schema
+from kunlun.config import seq_lens
+from kunlun.model import build_model
+from kunlun.train import atomic, optim, step
+from kunlun.train.optim import rowwise_adagrad
+from sharding.embedding import sparse_adagrad_update
+
 
 def _zipf_ids(rng, n, rows, a=1.2):
-  import numpy as np
   return ((rng.zipf(a, n) - 1) % rows).astype(np.int32)
 
 
 def bench_one(rows: int, dim: int, n_ids: int, reps: int, lr: float = 0.05) -> dict:
-  import jax
-  import jax.numpy as jnp
-  import numpy as np
-  import optax
-
-  from kunlun.train.optim import rowwise_adagrad
-  from sharding.embedding import sparse_adagrad_update
-
   rng = np.random.default_rng(0)
   ids = jnp.asarray(_zipf_ids(rng, n_ids, rows))
   g = jnp.asarray(rng.normal(size=(n_ids, dim)).astype(np.float32))
@@ -86,17 +91,6 @@ def bench_one(rows: int, dim: int, n_ids: int, reps: int, lr: float = 0.05) -> d
 
 def bench_train_step(config: str, batch_size: int, reps: int) -> dict:
   """Step time of the whole train step, dense vs sparse embedding update (one device)."""
-  import importlib
-
-  import flax.linen as nn
-  import jax
-  import numpy as np
-
-  from data.fake import random_batch, tiny_schema
-  from kunlun.config import seq_lens
-  from kunlun.model import build_model
-  from kunlun.train import optim, step
-
   cfg, schema = importlib.import_module(f"kunlun.configs.{config}").get_config(), tiny_schema()
   model = build_model(cfg, schema)
   batch = random_batch(schema, batch_size, seq_lens(cfg), seed=1, min_len=1)
@@ -139,7 +133,6 @@ def main():
   rows = [4096, 16384] if a.quick else [int(r) for r in a.rows.split(",")]
   reps = 3 if a.quick else a.reps
 
-  import jax
   res = [bench_one(r, a.dim, a.ids, reps) for r in rows]
   hdr = (f"{'rows':>9} {'table MB':>9} {'touched':>8} {'dense ms':>9} {'sparse ms':>10} "
          f"{'speedup':>8} {'dense tmp MB':>13} {'sparse tmp MB':>14} {'max |diff|':>10}")
@@ -160,7 +153,6 @@ def main():
           "machine": platform.machine(), "load_avg": list(os.getloadavg()), "quick": a.quick,
           "dim": a.dim, "ids_per_step": a.ids, "reps": reps, "results": res,
           "train_step": step_res}
-  from kunlun.train import atomic
   atomic.write_json(a.out, meta)
   print(f"wrote {a.out}")
 

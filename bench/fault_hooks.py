@@ -32,13 +32,18 @@ import runpy
 import signal
 import sys
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import numpy as np  # noqa: E402
+import pyarrow.parquet as pq  # noqa: E402
+from orbax.checkpoint._src.handlers import json_checkpoint_handler as jh  # noqa: E402
+
+from data import elastic, pipeline, shards  # noqa: E402
+from kunlun.train import checkpoint, progress  # noqa: E402
+
 
 def _install(faults: dict) -> None:
-  import numpy as np
-
-  from data import pipeline
-  from kunlun.train import checkpoint
-
   calls = {"n": 0}
   orig_put = pipeline.device_put_batch
   full = lambda: (faults.get("disk_full_at_step") is not None
@@ -69,7 +74,6 @@ def _install(faults: dict) -> None:
     checkpoint.Checkpointer.save = save
 
   if faults.get("data_error_at_step") is not None:
-    from data import elastic, shards
     orig_next = elastic.BatchIterator.__next__
 
     def next_(self):
@@ -80,7 +84,6 @@ def _install(faults: dict) -> None:
     elastic.BatchIterator.__next__ = next_
 
   if faults.get("kill_in_write") == "parquet":
-    import pyarrow.parquet as pq
     orig_write = pq.write_table
 
     def write_table(table, where, *a, **k):
@@ -91,9 +94,6 @@ def _install(faults: dict) -> None:
     pq.write_table = write_table
 
   if faults.get("disk_full_at_step") is not None:
-    from orbax.checkpoint._src.handlers import json_checkpoint_handler as jh
-
-    from kunlun.train import progress
     enospc = lambda: OSError(errno.ENOSPC, "No space left on device (injected)")
 
     class _Full:
@@ -124,7 +124,6 @@ def _install(faults: dict) -> None:
     jh.JsonCheckpointHandler._save_fn = json_save
 
   if faults.get("save_oserror"):
-    from orbax.checkpoint._src.handlers import json_checkpoint_handler as jh
     bad = {int(s) for s in faults["save_oserror"]}
     orig_fn = jh.JsonCheckpointHandler._save_fn
 
@@ -137,11 +136,9 @@ def _install(faults: dict) -> None:
 
 def main() -> None:
   script, args = sys.argv[1], sys.argv[2:]
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  sys.path.insert(0, root)
   _install(json.loads(os.environ.get("KUNLUN_FAULTS", "{}")))
   sys.argv = [script, *args]
-  runpy.run_path(os.path.join(root, script), run_name="__main__")
+  runpy.run_path(os.path.join(ROOT, script), run_name="__main__")
 
 
 if __name__ == "__main__":

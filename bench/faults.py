@@ -46,10 +46,20 @@ import sys
 import tempfile
 import time
 
-import numpy as np
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+
+import flax  # noqa: E402
+import grain  # noqa: E402
+import jax  # noqa: E402
+import jaxlib  # noqa: E402
+import numpy as np  # noqa: E402
+import orbax.checkpoint  # noqa: E402
+import orbax.checkpoint as ocp  # noqa: E402
+from absl import logging  # noqa: E402
+
+from data import synthetic  # noqa: E402
+from kunlun.train import atomic  # noqa: E402
 
 
 class Runner:
@@ -97,9 +107,6 @@ def resumed_from(p) -> int:
 
 
 def params(wd, step):
-  import jax
-  import orbax.checkpoint as ocp
-  from absl import logging
   logging.set_verbosity(logging.ERROR)
   path = os.path.join(wd, "checkpoints", str(step), "params")
   meta = ocp.PyTreeCheckpointer().metadata(path)
@@ -411,11 +418,6 @@ CASES = ("kills", "damage", "write_error", "shard", "nan", "concurrency", "disk_
 
 
 def versions() -> dict:
-  import flax
-  import grain
-  import jax
-  import jaxlib
-  import orbax.checkpoint
   return {"jax": jax.__version__, "jaxlib": jaxlib.__version__, "flax": flax.__version__,
           "orbax_checkpoint": orbax.checkpoint.__version__,
           "grain": getattr(grain, "__version__", "?"), "python": sys.version.split()[0]}
@@ -445,7 +447,6 @@ def main(argv=None) -> int:
   t_start = time.perf_counter()
   base = a.workdir or tempfile.mkdtemp(prefix="kunlun_faults_")
   os.makedirs(base, exist_ok=True)
-  from data import synthetic
   data = os.path.join(base, "data")
   if not os.path.exists(os.path.join(data, "manifest.json")):
     synthetic.generate(data, "tiny", a.num_examples, seed=0)
@@ -567,7 +568,6 @@ def main(argv=None) -> int:
       "table": table})
   if not previous:
     result["load_avg"] = os.getloadavg()
-  from kunlun.train import atomic
   atomic.write_json(a.out, result)
   print("wrote", a.out)
   if not a.workdir:

@@ -58,13 +58,14 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from pallas_kernels import (  # noqa: E402
-    api,
-    cudnn_softmax,
-    pallas_block,
-    pallas_gdpa,
-    pallas_softmax,
-    reference,
-    tuning,
+  api,
+  cudnn_softmax,
+  pallas_block,
+  pallas_gdpa,
+  pallas_softmax,
+  reference,
+  triton_gdpa,
+  tuning,
 )
 
 FULL = {
@@ -153,7 +154,6 @@ def make_fns(name, s, small, on_gpu, tuned=None):
     pt = {} if small else pallas_tiles(tuned.get("pallas", {}))
     fns["pallas"] = lambda q, k, v: pallas_gdpa.gdpa_pallas(q, k, v, interpret=interp, **kw, **pt)
     if on_gpu and _has("jax_triton"):
-      from pallas_kernels import triton_gdpa
       cfg = tuned.get("triton") or None
       fns["triton"] = lambda q, k, v: triton_gdpa.gdpa_triton(q, k, v, config=cfg, **kw)
     if on_gpu:
@@ -223,7 +223,6 @@ def autotune(name, s, q, k, v, iters):
     print(f"  autotune {name:16s} {backend}/{kern}: best {best[backend].get(kern)}", flush=True)
 
   if _has("jax_triton"):
-    from pallas_kernels import triton_gdpa
     tri = lambda cfg: (lambda q, k, v: triton_gdpa.gdpa_triton(q, k, v, config=cfg, **fwd_kw))
     pick("triton", "fwd", lambda t: tri({"fwd": t}), "fwd")
     pick("triton", "dq", lambda t: tri({**best["triton"], "dq": t}), "fwd_bwd")

@@ -39,7 +39,15 @@ import numpy as np
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, _ROOT)
 
+import flax  # noqa: E402
+import jax  # noqa: E402
+import jaxlib  # noqa: E402
+
 from bench import output  # noqa: E402
+from data import validate  # noqa: E402
+from data.public import movielens  # noqa: E402
+from data.schema import Schema  # noqa: E402
+from kunlun.train import metrics  # noqa: E402
 
 CACHE = os.path.join(_ROOT, "bench", ".cache")
 WHEEL = "recbole==1.2.1"
@@ -140,7 +148,6 @@ def train_eval(arch: str, seed: int, data_dir: str, work: str, args, env) -> dic
 
 def _features(data_dir: str, split: str, schema):
   """LR design of one split: one-hot user / movie ids, dense history statistics, labels."""
-  from data import validate
   users, items, dense, y = [], [], [], []
   for _, _, r in validate.read_split(data_dir, split, schema):
     users.append(int(r["sparse/user_id"][0]))
@@ -157,8 +164,6 @@ def logistic_regression(data_dir: str, Cs) -> dict:
   from scipy import sparse
   from sklearn.linear_model import LogisticRegression
 
-  from data.schema import Schema
-  from kunlun.train import metrics
   schema = Schema.load(data_dir)
   sets = {s: _features(data_dir, s, schema) for s in ("train", "valid", "eval")}
   nu = 1 + max(int(v[0].max()) for v in sets.values())
@@ -209,7 +214,6 @@ def table(res: dict) -> str:
 
 
 def run(args) -> dict:
-  from data.public import movielens
   t_start = time.perf_counter()
   inter = args.inter or fetch()
   work = args.workdir or tempfile.mkdtemp(prefix="real_data_")
@@ -241,9 +245,6 @@ def run(args) -> dict:
     models["logreg"] = {"seeds": {"all": lr}, "summary": {
         **{k: {"mean": lr[k], "std": 0.0} for k in ("ne", "auc", "calibration")},
         "best_epoch": "-"}}
-  import flax
-  import jax
-  import jaxlib
   res = {
       "bench": "real_data", "quick": bool(args.quick),
       "dataset": {"source": args.inter or f"{WHEEL}:{MEMBER}", "sha256": sha256(inter),
@@ -311,7 +312,6 @@ def main(argv=None):
   if args.inter:                                   # fail fast: before any jax import or training
     if not os.path.isfile(args.inter):
       ap.error(f"--inter={args.inter}: no such file")
-    from data.public import movielens
     try:
       movielens.detect(args.inter)
     except (ValueError, OSError) as e:

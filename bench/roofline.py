@@ -66,7 +66,12 @@ import re
 import sys
 from collections import defaultdict
 
+import jax
+import numpy as np
+
+import pallas_kernels
 from bench import hlo_stats
+from kunlun import attention
 
 H200 = {"peak_flops": 989e12, "bandwidth": 4.8e12, "launch_s": 4e-6}
 CPU_NOTE = ("CPU compile standing in for the GPU one: the HLO is XLA:CPU's (its fusion differs "
@@ -287,7 +292,6 @@ def scope_tower(op_name: str, towers) -> str:
 
 # ---- kernels: analytic input + output bytes ------------------------------------------------------
 def _nbytes(shape, dtype) -> float:
-  import numpy as np
   return float(math.prod(shape) * np.dtype(dtype).itemsize)
 
 
@@ -326,8 +330,6 @@ def _name_stack() -> str:
 
 @functools.cache
 def _fence_fn():
-  import jax
-
   @jax.custom_vjp
   def fence(x):
     return jax.lax.optimization_barrier(x)
@@ -360,8 +362,6 @@ def record_kernels(fence: bool = True):
   around it: those then move the kernel's interface (q, k, v in, o out; do in, dq, dk, dv
   out), the bytes they would move around the GPU kernel, and the replaced region is exactly the
   call. Values are unchanged; the XLA column is that of the fenced program."""
-  import pallas_kernels
-  from kunlun import attention
   calls = []
   orig = {"gdpa": pallas_kernels.gdpa, "softmax": attention.softmax_attention_op}
 

@@ -44,9 +44,24 @@ import time
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, _ROOT)
 
+import flax  # noqa: E402
+import flax.linen as nn  # noqa: E402
+import jax  # noqa: E402
+import jaxlib  # noqa: E402
 import numpy as np  # noqa: E402
+from scipy.optimize import curve_fit  # noqa: E402
 
 from bench import output  # noqa: E402
+from data import pipeline, synthetic  # noqa: E402
+from data.schema import Schema  # noqa: E402
+from kunlun import flops as F  # noqa: E402
+from kunlun.config import default_model, seq_lens, tower  # noqa: E402
+from kunlun.configs.common import base_config  # noqa: E402
+from kunlun.model import build_model  # noqa: E402
+from kunlun.train import optim  # noqa: E402
+from kunlun.train import step as step_lib  # noqa: E402
+from kunlun.train.metrics import EvalAccumulator  # noqa: E402
+from kunlun.train.runtime import enable_compilation_cache  # noqa: E402
 
 ARCHS = ("kunlun", "interformer", "dlrm")
 TASKS = ("click", "conversion")
@@ -91,8 +106,6 @@ def _log(msg):
 def size_config(arch: str, size: dict, preset: str, schema, *, batch_size: int, lr: float,
                 warmup: int, seed: int, emb_lr: float = 0.2):
   """The full config (``kunlun/configs/common.py`` + model) of ``arch`` at ``size``."""
-  from kunlun.config import default_model, tower
-  from kunlun.configs.common import base_config
   c = base_config()
   m = default_model()
   m.arch, m.final_hsp = arch, False
@@ -124,8 +137,6 @@ def size_config(arch: str, size: dict, preset: str, schema, *, batch_size: int, 
 def _eval_batches(data_dir, config, eval_examples: int, cache: dict):
   """Host eval batches for the config's kept lengths: a uniform subset (every K-th record) of
   the eval split with about ``eval_examples`` examples; cached per kept lengths."""
-  from data import pipeline
-  from kunlun.config import seq_lens
   lens = seq_lens(config)
   key = tuple(sorted(lens.items()))
   if key not in cache:
@@ -144,17 +155,6 @@ def train_eval(config, schema, data_dir, num_examples: int, eval_cache: dict, bu
   """Trains ``config`` on the first ``num_examples`` of the training stream (one pass) with the
   project's train step, evaluates on the eval subset. ``built`` caches (model, steps) per model
   config across seeds. Returns metrics, FLOPs and timings."""
-  import flax.linen as nn
-  import jax
-
-  from data import pipeline
-  from kunlun import flops as F
-  from kunlun.config import seq_lens
-  from kunlun.model import build_model
-  from kunlun.train import optim
-  from kunlun.train import step as step_lib
-  from kunlun.train.metrics import EvalAccumulator
-
   B = int(config.data.batch_size)
   steps = max(num_examples // B, 1)
   lens = seq_lens(config)
@@ -244,7 +244,6 @@ def fit_loglinear(C, dne) -> dict | None:
 def fit_power(C, ne) -> dict | None:
   """``NE(C) = NE_inf + A C^-alpha`` (least squares over ``NE_inf in [0, min NE)``, ``A > 0``,
   ``alpha in (0, 3]``; C in FLOPs); None with fewer than 4 points or no convergence."""
-  from scipy.optimize import curve_fit
   C, y = np.asarray(C, np.float64), np.asarray(ne, np.float64)
   if len(C) < 4:
     return None
@@ -426,9 +425,6 @@ def plot(runs: list[dict], summary: dict, bayes: dict, path: str, title: str) ->
 
 # ---- driver --------------------------------------------------------------------------------------
 def _environment() -> dict:
-  import flax
-  import jax
-  import jaxlib
   d = jax.devices()[0]
   return {"device": f"{d.platform}:{d.device_kind}", "device_count": jax.device_count(),
           "cpu_count": os.cpu_count(), "jax": jax.__version__, "jaxlib": jaxlib.__version__,
@@ -457,13 +453,10 @@ def _read_runs(path) -> list[dict]:
 
 
 def run(args) -> dict:
-  from data import synthetic
-  from data.schema import Schema
   t_start = time.perf_counter()
   env = _environment()
   work = args.workdir or tempfile.mkdtemp(prefix="kunlun_scaling_")
   os.makedirs(work, exist_ok=True)
-  from kunlun.train.runtime import enable_compilation_cache
   enable_compilation_cache(os.path.join(work, "xla_cache"))   # a resumed sweep skips compiles
   ladder = QUICK_LADDER if args.quick else LADDERS[args.ladder]
   preset = args.preset or ("dev" if args.ladder == "gpu" else "tiny")

@@ -39,9 +39,21 @@ import time
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, _ROOT)
 
+import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from bench import output  # noqa: E402
+from data import pipeline, synthetic  # noqa: E402
+from data.schema import Schema  # noqa: E402
+from kunlun.config import seq_lens as get_seq_lens  # noqa: E402
+from kunlun.configs import tiny, vm_tiny  # noqa: E402
+from kunlun.train import optim  # noqa: E402
+from kunlun.train.metrics import surface_task_metrics  # noqa: E402
+from kunlun.transfer import adapter as adapter_lib  # noqa: E402
+from kunlun.transfer import experiment as ex  # noqa: E402
+from kunlun.transfer import export  # noqa: E402
+from kunlun.transfer.join import AsOfIndex, EmbeddingLog, pair_key  # noqa: E402
+from kunlun.transfer.loopfm import build_loopfm  # noqa: E402
 
 
 def _log(msg):
@@ -49,7 +61,6 @@ def _log(msg):
 
 
 def _host_batches(data_cfg, data_dir, split, seq_lens):
-  from data import pipeline
   ds = pipeline.make_dataset(data_cfg, data_dir, split, seq_lens, train=False, shard_index=0,
                              shard_count=1)
   return list(ds)
@@ -83,19 +94,6 @@ def _cat(batches, k):
 
 
 def run(args) -> dict:
-  import jax
-
-  from data import pipeline, synthetic
-  from kunlun.config import seq_lens as get_seq_lens
-  from kunlun.configs import tiny, vm_tiny
-  from kunlun.train import optim
-  from kunlun.train.metrics import surface_task_metrics
-  from kunlun.transfer import adapter as adapter_lib
-  from kunlun.transfer import experiment as ex
-  from kunlun.transfer import export
-  from kunlun.transfer.join import AsOfIndex, EmbeddingLog, pair_key
-  from kunlun.transfer.loopfm import build_loopfm
-
   t_start = time.perf_counter()
   work = args.workdir or tempfile.mkdtemp(prefix="kunlun_transfer_")
   data_dir, fm_dir, emb_dir = (os.path.join(work, d) for d in ("data", "fm", "emb"))
@@ -107,7 +105,6 @@ def run(args) -> dict:
     schema = synthetic.generate(data_dir, "tiny", num_examples=args.num_examples, seed=args.seed,
                                 pretrain_examples=args.fm_examples)
   else:
-    from data.schema import Schema
     schema = Schema.load(data_dir)
   timings["data_s"] = time.perf_counter() - t0
   surfaces, tasks = schema.surfaces, schema.task_names

@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 from collections import defaultdict
 
+import jax
 import numpy as np
 
 from data.schema import Schema
@@ -378,7 +379,6 @@ def batch_flops(config, schema: Schema, batch) -> dict:
 def executed_flops(fn, *args, **kwargs) -> float:
   """FLOPs XLA's cost analysis reports for ``fn`` (jitted here unless it already is) compiled for
   ``args`` (what the program executes, padding, recomputation and all)."""
-  import jax
   f = fn if hasattr(fn, "lower") else jax.jit(fn)
   cost = f.lower(*args, **kwargs).compile().cost_analysis()
   if isinstance(cost, (list, tuple)):                       # older jax: one dict per program

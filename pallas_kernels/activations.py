@@ -27,6 +27,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax.experimental.pallas import triton as plgpu
 
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 _GELU_C = 0.044715
@@ -194,7 +195,6 @@ _EXACT = _kernel_table(jnp.tanh, _exact_sigmoid)
 
 
 def _fast_table():
-  from jax.experimental.pallas import triton as plgpu  # GPU lowering only
   tanh = plgpu.approx_tanh
   return _kernel_table(tanh, lambda x: 0.5 + 0.5 * tanh(0.5 * x))
 

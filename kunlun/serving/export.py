@@ -32,7 +32,20 @@ import platform
 import sys
 from collections.abc import Mapping
 
+import flax
+import jax
 import numpy as np
+from jax import export as jex
+
+from data.fake import random_batch
+from data.vocab import FIRST_ID, NULL_ID, OOV_ID
+from kunlun.config import seq_lens
+from kunlun.serving import loader, score
+from kunlun.serving.loader import ARTIFACT, FORMAT, PARAMS, SIGNATURE, nest
+from kunlun.train import atomic, checkpoint, runtime
+from kunlun.train.runtime import FatalError
+from sharding import mesh as mesh_lib
+from sharding import partition
 
 PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
 
@@ -79,15 +92,6 @@ def flatten(tree: dict, prefix: str = "") -> dict:
 
 def _restore(workdir: str, step, data_dir, trust_workdir: bool = False):
   """``(config, schema, model, step, params)`` of a train.py workdir (FatalError if unusable)."""
-  import jax
-
-  from data.fake import random_batch
-  from kunlun.config import seq_lens
-  from kunlun.serving.loader import nest
-  from kunlun.train import checkpoint, runtime
-  from sharding import mesh as mesh_lib
-  from sharding import partition
-
   if not os.path.isdir(workdir):
     runtime.fail(f"--workdir={workdir}: no such directory")
   try:
@@ -121,15 +125,6 @@ def export(workdir: str, out: str, *, candidates="dynamic", requests=1, step=Non
            log=print) -> dict:
   """Writes the artifact, parameters and signature to ``out``; returns the signature dict.
   Raises ``runtime.FatalError`` (one line) on bad input."""
-  import flax
-  import jax
-  from jax import export as jex
-
-  from kunlun.config import seq_lens
-  from kunlun.serving import score
-  from kunlun.serving.loader import ARTIFACT, FORMAT, PARAMS, SIGNATURE, nest
-  from kunlun.train import runtime
-
   try:
     n_fixed, r_fixed = parse_count("candidates", candidates), parse_count("requests", requests)
   except ValueError as e:
@@ -160,7 +155,6 @@ def export(workdir: str, out: str, *, candidates="dynamic", requests=1, step=Non
     runtime.fail(f"export failed ({type(e).__name__}: {str(e).splitlines()[0][:300]})")
   # each file atomically; signature.json (what the loader opens first) is removed before and
   # written last, so a killed export leaves an artifact the loader refuses, never a mixed one
-  from kunlun.train import atomic
   sig_path = os.path.join(out, SIGNATURE)
   try:
     if os.path.exists(sig_path):
@@ -216,7 +210,6 @@ def add_vocab(sig: dict, schema) -> None:
   ``data.vocab``) into the signature: ``sig["vocab"] = {feature: {"kind": "string" | "int",
   "values": [...], "null_id", "oov_id", "first_id"}}``, so serving maps a request's raw values
   with ``loader.vocab_ids`` exactly as ingestion did."""
-  from data.vocab import FIRST_ID, NULL_ID, OOV_ID
   sig["vocab"] = {
       f.name: {"kind": "string" if f.vocab and isinstance(f.vocab[0], str) else "int",
                "values": list(f.vocab), "null_id": NULL_ID, "oov_id": OOV_ID,
@@ -231,8 +224,6 @@ def add_vocab(sig: dict, schema) -> None:
 
 def _verify(out, schema, lens, model, params, n: int, r: int) -> float:
   """Max |logit difference| between the reloaded artifact and the in-process shared path."""
-  from data.fake import random_batch
-  from kunlun.serving import loader, score
   req = random_batch(schema, r, lens, seed=1, min_len=1)
   ads = random_batch(schema, n, lens, seed=2)
   b = score.serving_batch(req["events"], ads, np.arange(n) % r)
@@ -259,8 +250,6 @@ def main(argv=None) -> int:
   ap.add_argument("--trust_workdir", action="store_true",
                   help="load an older workdir's config.pkl (pickle: runs code from the file)")
   a = ap.parse_args(argv)
-  from kunlun.train import runtime
-  from kunlun.train.runtime import FatalError
   runtime.quiet_checkpoint_logs()
   try:
     export(a.workdir, a.out, candidates=a.candidates, requests=a.requests, step=a.step,
