@@ -3,23 +3,7 @@
 
   JAX_PLATFORMS=cpu python -m bench.embedding_update [--rows 65536,262144,1048576] [--dim 64]
       [--ids 4096] [--reps 10] [--quick] [--train_step tiny --batch_size 64]
-
-Both variants start from the same looked-up rows' gradients ``g [ids, D]`` (Zipf-distributed
-ids, so many repeat):
-
-  dense   what the dense path does: the table-shaped gradient (scatter-add of ``g``, as autodiff
-          of the gather builds it) then ``optim.rowwise_adagrad`` + ``apply_updates`` on every row
-          (reads and writes the whole table and accumulator);
-  sparse  ``sharding.embedding.sparse_adagrad_update``: dedup + segment-sum of the ids, then
-          read/modify/write of the touched rows only.
-
-Table and accumulator are donated (in-place updates where XLA can). Reported: median step time,
-the compiled temp buffer bytes, and the rows touched. One device (the row-sharded exchange is
-covered by tests; on fake CPU devices its timing is meaningless). ``--train_step CONFIG`` also
-times the whole jitted train step of a model config with both paths (small tables there: the
-sparse path's sorts can cost more than they save). Results go to
-``bench/results/embedding_update.json``.
-"""
+Notes: README.md, "What each bench script measures", ``bench/embedding_update.py``."""
 
 from __future__ import annotations
 

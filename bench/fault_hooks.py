@@ -1,26 +1,7 @@
 """Runs train.py / eval.py with injected faults (for bench/faults.py and the fault tests).
 
   KUNLUN_FAULTS='{"kill_at_step": 7}' python bench/fault_hooks.py train.py --workdir=... ...
-
-The faults live here, never in the programs: this wrapper patches library functions, then runs
-the script as ``__main__``. ``KUNLUN_FAULTS`` (JSON) keys, all optional:
-
-  kill_at_step N      SIGKILL just before training step N + 1 runs (N steps done in this run)
-  kill_after_save N   SIGKILL right after the async save of step N started (mid-write)
-  save_oserror [N..]  the checkpoint write of these steps fails with OSError EIO (async commit;
-                      a transient I/O error: training goes on. ENOSPC: disk_full_at_step)
-  nan_at_step N       the N-th batch of this run (1-based) has NaN dense features
-  batch_log PATH      appends one line per batch: "<n> <sha1 of the batch's example keys>"
-  data_error_at_step N  the batch for step N + 1 of this run raises a data error (a damaged
-                      chunk, as data.shards reports it) after N steps ran
-  kill_in_write K     SIGKILL in the middle of writing output K ("parquet": eval.py
-                      --predictions), after half the file is on disk
-  disk_full_at_step N  from the N-th batch on, every metrics.jsonl / TensorBoard write and every
-                      checkpoint write fails with ENOSPC (a disk that filled up; for machines
-                      where a small tmpfs cannot be mounted)
-
-Batch counts are per process run (a resumed run counts from 1 again).
-"""
+Notes: README.md, "What each bench script measures", ``bench/fault_hooks.py``."""
 
 from __future__ import annotations
 

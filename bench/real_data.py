@@ -2,23 +2,7 @@
 
   nice -n 10 python bench/real_data.py            # full: 3 seeds, up to 4 epochs (CPU: ~1 h)
   python bench/real_data.py --quick --inter F     # CI-sized: 1 seed, 1 epoch, on a small file
-
-1. Data, fetched at bench time: ``pip download --no-deps recbole==1.2.1`` (no install) into the
-   git-ignored ``bench/.cache/``; ``recbole/dataset_example/ml-100k/ml-100k.inter`` is read from
-   the wheel (sha256 recorded). ``--inter FILE`` uses a local file in the same format instead.
-2. ``data.public.movielens``: one example per rating, click = rating >= 4, histories and history
-   statistics from strictly earlier ratings only, time split 80 / 10 / 10 (train, valid, eval).
-3. For each model and seed: ``train.py --config=kunlun/configs/tiny.py`` (the preset fits itself
-   to the data's streams and surface) with ``config.model.arch`` = kunlun / interformer / dlrm,
-   ``config.train.epochs`` = max_epochs, validation NE after every epoch and keep-best: the epoch
-   count is chosen on the valid window (early stopping). Then ``eval.py --best --predictions``.
-4. Logistic regression (scikit-learn, an optional bench dependency): one-hot user and movie ids +
-   the same history statistics (the dataset's dense features, signed log1p, standardised), L2
-   strength chosen on the valid window; deterministic (one fit, same for every seed).
-5. NE (normalised by the eval window's own click rate), AUC and calibration on the eval window:
-   mean and std over seeds, per-seed values, best epochs and validation curves in
-   ``bench/results/real_data.json``.
-"""
+Notes: README.md, "What each bench script measures", ``bench/real_data.py``."""
 
 from __future__ import annotations
 

@@ -1,34 +1,7 @@
 """Scaling laws: NE against training FLOPs for Kunlun, InterFormer and DLRM (spec e.7, f.1, h-17).
 
   python bench/scaling.py [--quick] [--ladder cpu|gpu] [--seeds 0 1] [--out PATH]
-
-1. Synthetic data (``data.synthetic``, preset ``tiny`` for the CPU ladder, ``dev`` for the GPU
-   ladder): one training window of ``--num_examples`` (x the largest data-sweep factor) and its
-   eval window; every run reads the first ``N`` examples of the same shuffled training stream
-   once (one pass, no repeats) and is evaluated on the same eval examples.
-2. Each architecture at every size of the ladder (depth, width, kept sequence length and experts
-   grow together, spec h-17), for every seed (seed = parameter init and data order); the same
-   optimizer, schedule, batch and steps for all. Training reuses the project's step and optimizer
-   (``kunlun.train.step.make_train_step``, ``kunlun.train.optim``), evaluation its metrics
-   (``EvalAccumulator``: NE, AUC, Bayes NE from the planted probabilities).
-3. Compute per example: training FLOPs (3x forward) at the examples' actual lengths
-   (``kunlun.flops.batch_flops``, mean over the training batches), also at the padded kept
-   lengths, and XLA's compiled cost of the train step.
-4. Per architecture and task, both forms of spec e.7 are fitted on the seed-mean NE and on each
-   seed: ``NE(C) = NE_inf + A C^-alpha`` and ``dNE%(C) = a + eta log10(C)`` (``dNE% =
-   100 (NE_ref - NE) / NE_ref``, ``NE_ref`` the seed-mean NE of the smallest InterFormer, one
-   reference for every architecture so slopes compare), each with R^2. Reported: the
-   scaling-efficiency ratio (Kunlun's eta over InterFormer's, per seed: mean, spread) and the
-   FLOPs InterFormer's fits need to reach Kunlun's best NE.
-5. A data-size sweep at one model size (Kunlun, the largest ladder size by default): NE against
-   ``N``, to show whether that size is data-starved at the sweep's ``N``.
-
-Writes ``bench/results/scaling[_quick].json`` and ``.png`` (NE vs FLOPs, log x, per task, with
-the Bayes NE; the data sweep in a third panel). Every finished run is also appended to
-``<workdir>/runs.jsonl``; a rerun with the same ``--workdir`` skips runs already there, so a long
-sweep resumes where it stopped. ``--quick``: two small sizes, one seed, a few hundred examples
-(the test; its numbers are noise).
-"""
+Notes: README.md, "What each bench script measures", ``bench/scaling.py``."""
 
 from __future__ import annotations
 

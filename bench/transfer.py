@@ -1,30 +1,7 @@
 """Knowledge-transfer experiment (issue 7, spec g): FM -> VM via KD, LoopFM, both.
 
   python bench/transfer.py [--quick] [--out bench/results/transfer.json]
-
-Three consecutive time windows of synthetic ``tiny`` data, as in production where the FM's logs
-are produced by an FM trained on earlier data:
-
-  pretrain (FM training) | train (VM training, FM outputs logged) | eval (both evaluated)
-
-1. data: ``pretrain`` (``--fm_examples``), ``train`` (``--num_examples``), ``eval``;
-2. the FM (``kunlun/configs/tiny.py``: longer histories, wider) trained with train.py on
-   ``pretrain`` only, so every FM output the VMs see is out of sample;
-3. its pooled embeddings and logits exported for ``train`` and ``eval`` (``kunlun.transfer.export``,
-   int8): the FM's serving-time log;
-4. a Student Adapter fitted on the freshest quarter of ``train`` (FM logits, surface, staleness =
-   time since the FM's training window ended -> labels);
-5. four VMs (``kunlun/configs/vm_tiny.py``; same steps, seed, data order): alone, +KD, +LoopFM,
-   +both. LoopFM training marks ``--ctx_dropout`` of the context embeddings missing so the VM
-   learns its non-FM path;
-6. per surface x task NE on ``eval`` and the transfer ratio
-   ``(NE_vm_alone - NE_variant) / (NE_vm_alone - NE_fm)``;
-7. the LoopFM VMs served through a Solaris-style ``SpeculativeCache`` at several budgets
-   (``kunlun.transfer.experiment.serve_through_cache``): NE, hit rate, staleness, budget use.
-
-Results JSON in ``bench/results/``. ``--quick``: a few thousand examples and a hundred steps (the
-CI smoke test; its ratios are noise).
-"""
+Notes: README.md, "What each bench script measures", ``bench/transfer.py``."""
 
 from __future__ import annotations
 

@@ -1,26 +1,6 @@
-"""Context (sequence) parallelism: attention and GDPA with the sequence axis sharded.
-
-Sequence activations ``[B, T, H, D]`` carry the logical axes ``(batch, seq, heads, head_dim)``;
-the rules map ``seq`` to ``context`` (presets fsdp_cp, 5d). Each function runs its kernel per
-shard inside ``jax.shard_map`` (so Pallas / Triton backends work under every preset) and moves
-only what the math needs:
-
-  block_attention   blocks never straddle shards (T / shards must be a multiple of block_size):
-                    no cross-shard traffic at all.
-  swa_attention     |i - j| <= window: each shard receives ``window`` key/value rows from each
-                    neighbour (two ``ppermute`` halo exchanges), then attends locally.
-  context_parallel_softmax_attention
-                    the softmax kernels (pallas / cudnn), full or banded: the same halo exchange
-                    for the band (the kernel's ``q_offset`` / ``kv_start`` place the local
-                    queries among the haloed keys); full attention all-gathers k and v.
-  context_parallel_gdpa
-                    ``shard="q"`` (PFFN: sequence queries against per-example K/V rows):
-                    purely local. ``shard="kv"`` (HSP: seed queries over the sequence keys):
-                    local partial sums of ``out_scale * sum_j act(q.k_j) v_j`` and a ``psum``.
-
-Without an active mesh (or with ``seq`` unsharded) every function computes on the whole array.
-Lengths are global: rows at or beyond ``lengths[b]`` output zeros and such keys are ignored.
-"""
+"""Context (sequence) parallelism: attention and GDPA with the sequence axis sharded; operands
+``[B, T, H, D]`` with logical axes ``(batch, seq, heads, head_dim)``.
+Notes: docs/sharding.md, ``sharding/context.py``."""
 
 from __future__ import annotations
 

@@ -1,28 +1,7 @@
 """Export a trained run's shared serving path (``kunlun.serving.score``) as a ``jax.export``
-artifact.
-
-  python -m kunlun.serving.export --workdir=runs/tiny --out=runs/tiny_serving \
-      [--candidates=dynamic|N] [--requests=1|dynamic|R] [--step=S] [--data_dir=D] \
-      [--platforms=cpu[,cuda]] [--no_verify] [--trust_workdir]
-
-Restores the parameters of a train.py checkpoint (``--step``, default the latest) and writes to
-``--out``:
-
-  serving.jax_export   the serialized ``jax.export.Exported`` (StableHLO) of
-                       ``(params, batch) -> {"logits", "prob"}`` (``f32[N, K]``), the request-level
-                       parts computed once per request (spec d.6)
-  params.npz           the parameters, one array per ``a/b/c`` path of the params tree
-  signature.json       every input (path, dtype, shape; ``"n"`` = candidates, ``"r"`` = requests
-                       when symbolic), the outputs, the surfaces / tasks, the kept length per
-                       stream, how to build the inputs, and the source run
-
-``--candidates=dynamic`` (default) exports a symbolic candidate count ``n`` (any ``N >= 1`` per
-call, one compilation per distinct ``N`` at the caller); an integer fixes it. ``--requests``
-likewise (default 1: one user per call). ``kunlun/serving/loader.py`` runs the artifact with jax
-and numpy only. After writing, the artifact is reloaded and checked against the in-process model
-on a random batch (``--no_verify`` skips it). Bad input is a one-line
-``kunlun.serving.export: error: ...``.
-"""
+artifact: ``python -m kunlun.serving.export --workdir=W --out=O [--candidates=dynamic|N]
+[--requests=1|dynamic|R] [--step=S] [--data_dir=D] [--platforms=cpu[,cuda]] [--no_verify]
+[--trust_workdir]``. Outputs and options: docs/architecture.md, ``kunlun/serving/export.py``."""
 
 from __future__ import annotations
 

@@ -1,34 +1,7 @@
 """Export compact FM embeddings for LoopFM (spec g.3): run a trained FM over a dataset.
-
-  python -m kunlun.transfer.export --workdir FM_WORKDIR --out E [--data_dir D] [--split train,eval]
-      [--quantize int8|bf16|none] [--summaries] [--batch_size N] [--shard_batches N]
-      [--coordinator_address H:P --num_processes N --process_id I] [--mesh M] [--dcn_mesh M]
-
-Restores the FM's latest checkpoint (train.py workdir: run_info.json + checkpoints/), applies
-``method="representations"`` and writes, per real example, one record (``data.records.encode``)::
-
-    user_id, ad_id, request_ts  i64[]   join keys (time in seconds)
-    surface                     i32[]
-    pooled                      [d]     the pooled top-layer representation, quantised:
-                                        int8 -> uint8 bytes of int8 values, with ``pooled_scale``
-                                        f32[] (x ~= q * scale, per-row absmax / 127);
-                                        bf16 -> int16 bit patterns of bfloat16; none -> f32
-    sum_<tower>                 [d_e]   (--summaries) mean HSP summary token per tower, same coding
-    logits                      f32[K]  the FM's logits (for the student adapter / KD)
-
-as ArrayRecord shards ``E/<split>/emb-00000.arrayrecord`` (``--shard_batches`` batches each),
-plus ``E/manifest.json`` (record schema, quantisation, source, counts). Progress is printed;
-``E/progress.json`` lists completed shards, so an interrupted export resumes where it stopped
-(completed shards are skipped without running the model). ``load_log(E)`` reads everything
-back as a ``join.EmbeddingLog``.
-
-Multi-host (K > 1 JAX processes, ``E`` on a shared filesystem): process p reads its eval-mode
-shard of every split (rows ``p::K``), the jitted representations run on the global batch, and p
-writes only its own rows (taken from the outputs' addressable shards, never gathered) to
-``E/<split>/emb-p{p:03d}-{k:05d}.arrayrecord`` with progress in ``E/progress-p{p}.json``. On a
-restart the processes agree on the shards every one of them finished (the minimum) and skip
-those. After a barrier process 0 writes ``manifest.json`` listing every process's files.
-"""
+``python -m kunlun.transfer.export --workdir FM_WORKDIR --out E [--data_dir D] [--split ...]
+[--quantize int8|bf16|none] [--summaries] [--batch_size N] ...``.
+Output format and options: docs/architecture.md, ``kunlun/transfer/export.py``."""
 
 from __future__ import annotations
 
