@@ -1,6 +1,5 @@
 """Dense vs sparse row-wise Adagrad on one embedding table, per step (the table side of
 ``config.train.sparse_embedding_update``).
-
   JAX_PLATFORMS=cpu python -m bench.embedding_update [--rows 65536,262144,1048576] [--dim 64]
       [--ids 4096] [--reps 10] [--quick] [--train_step tiny --batch_size 64]
 Notes: README.md, "What each bench script measures", ``bench/embedding_update.py``."""
