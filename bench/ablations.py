@@ -1,31 +1,7 @@
 """Kunlun module ablations (spec f.1): NE, step-time and FLOP deltas of each switch at one size.
 
   python bench/ablations.py [--quick] [--size 3] [--seeds 0 1] [--out PATH]
-
-The base is Kunlun at ``bench/scaling.py``'s CPU ladder size ``--size`` (same data, optimizer,
-batch, examples and eval as the scaling sweep). Each variant changes one switch:
-
-  pma             HSP -> PMA pooling (c.5)
-  sumkron_rank1   SumKronLinear rank r_k -> 1: a separable token map x channel map (c.5)
-  full_attention  sliding-window -> full self-attention (c.4)
-  block_attention sliding-window -> block attention (GEM's faster variant of c.4): independent
-                  blocks of ``2 w`` tokens (w the high-value tower's window; the base's 64 does not
-                  divide the ladder's kept lengths), about the keys a window of ``w`` sees
-  no_compskip     CompSkip off: every layer runs WeightGen + PFFN + attention + HSP (c.7)
-  shared_tower    event-level personalization off: every stream's tower takes the high-value
-                  tower's width, heads, depth and summary sizes (one tower config, c.8)
-  oneseq          one time-merged stream, one tower, width chosen for equal analytic FLOPs (h-18)
-  mowe_experts    MoWE with 1 expert if the base has more, else 2 (c.6; ``mowe_1`` / ``mowe_2``
-                  in the table name the variant's count)
-  final_hsp       the extra HSP of each tower's last-layer output ([D], off in the spec)
-  kunlun_ablated  all of Kunlun's changes off at once (``kunlun/baselines/ablated.py``)
-
-Per variant and seed: eval NE per task, training step time (median, noisy on a shared machine),
-FLOPs per example (model FLOPs at actual lengths, the analytic estimate as executed and XLA's
-compiled count of the train step). Deltas against the base are paired by seed: NE delta in %
-``100 (NE_base - NE) / NE_base`` (positive = the variant is better), mean and std over seeds.
-Writes ``bench/results/ablations[_quick].json``; resumable like the scaling bench.
-"""
+Notes: README.md, "What each bench script measures", ``bench/ablations.py``."""
 
 from __future__ import annotations
 
@@ -44,6 +20,12 @@ import numpy as np  # noqa: E402
 
 from bench import output  # noqa: E402
 from bench import scaling as S  # noqa: E402
+from data import synthetic  # noqa: E402
+from data.schema import Schema  # noqa: E402
+from kunlun.config import tower  # noqa: E402
+from kunlun.flops import model_flops  # noqa: E402
+from kunlun.oneseq import equal_flops_config  # noqa: E402
+from kunlun.train.runtime import enable_compilation_cache  # noqa: E402
 
 VARIANTS = ("base", "pma", "sumkron_rank1", "full_attention", "block_attention", "no_compskip",
             "shared_tower", "oneseq", "mowe_experts", "final_hsp", "kunlun_ablated")
@@ -55,9 +37,6 @@ def _log(msg):
 
 def variant_config(name: str, base, schema):
   """``base`` (a Kunlun config) with switch ``name`` flipped (module docstring)."""
-  from kunlun.config import tower
-  from kunlun.flops import model_flops
-  from kunlun.oneseq import equal_flops_config
   c = copy.deepcopy(base)
   m = c.model
   if name == "base":
@@ -152,9 +131,6 @@ def format_table(table: dict) -> str:
 
 
 def run(args) -> dict:
-  from data import synthetic
-  from data.schema import Schema
-  from kunlun.train.runtime import enable_compilation_cache
   t_start = time.perf_counter()
   env = S._environment()
   work = args.workdir or tempfile.mkdtemp(prefix="kunlun_ablations_")

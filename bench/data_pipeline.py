@@ -22,7 +22,16 @@ import sys
 import tempfile
 import time
 
+import grain
 import ml_collections
+import numpy as np
+from absl import flags
+
+from data import records, synthetic
+from data.pipeline import make_dataset
+from data.schema import Schema
+from data.verify import BatchValidator
+from kunlun.train import atomic
 
 
 def _cfg(batch_size, threads):
@@ -33,7 +42,6 @@ def _cfg(batch_size, threads):
 
 
 def _gen(out, preset, n):
-  from data import synthetic
   t, c = time.perf_counter(), time.process_time()
   synthetic.generate(out, preset, n, seed=0)
   wall, cpu = time.perf_counter() - t, time.process_time() - c
@@ -44,10 +52,6 @@ def _gen(out, preset, n):
 
 
 def _pipe(data_dir, batch_size, batches, threads=2, workers=0):
-  import grain
-
-  from data.pipeline import make_dataset
-  from data.schema import Schema
   seq = {s.name: s.max_len for s in Schema.load(data_dir).streams}
   ds = make_dataset(_cfg(batch_size, threads), data_dir, "train", seq, train=True,
                     shard_index=0, shard_count=1)
@@ -69,11 +73,6 @@ def _pipe(data_dir, batch_size, batches, threads=2, workers=0):
 
 def _decode(data_dir, batch_size, batches):
   """Records/s per CPU-second: per-record ``RecordChecker`` + padding vs ``BatchValidator``."""
-  import numpy as np
-
-  from data import records
-  from data.schema import Schema
-  from data.verify import BatchValidator
   schema = Schema.load(data_dir)
   seq = {s.name: s.max_len for s in schema.streams}
   src = records.RecordSource(records.split_files(data_dir, "train", schema)[schema.surfaces[0]])
@@ -99,7 +98,6 @@ def _decode(data_dir, batch_size, batches):
 
 
 def main(argv=None):
-  from absl import flags
   flags.FLAGS.mark_as_parsed()                      # mp_prefetch reads an absl flag
   ap = argparse.ArgumentParser()
   ap.add_argument("--quick", action="store_true")
@@ -132,7 +130,6 @@ def main(argv=None):
   for preset, stage, th, eps, epc, note in rows:
     print(f"{preset:6s} {stage:16s} {th!s:>7s} {eps:11.0f} {epc:9.0f}  {note}")
   print(f"(cpus {result['cpus']}, load average {result['load_avg'][0]:.1f})")
-  from kunlun.train import atomic
   atomic.write_json(a.out, result)
   print("wrote", a.out)
   return result

@@ -1,48 +1,36 @@
 """Dense vs sparse row-wise Adagrad on one embedding table, per step (the table side of
 ``config.train.sparse_embedding_update``).
-
   JAX_PLATFORMS=cpu python -m bench.embedding_update [--rows 65536,262144,1048576] [--dim 64]
       [--ids 4096] [--reps 10] [--quick] [--train_step tiny --batch_size 64]
-
-Both variants start from the same looked-up rows' gradients ``g [ids, D]`` (Zipf-distributed
-ids, so many repeat):
-
-  dense   what the dense path does: the table-shaped gradient (scatter-add of ``g``, as autodiff
-          of the gather builds it) then ``optim.rowwise_adagrad`` + ``apply_updates`` on every row
-          (reads and writes the whole table and accumulator);
-  sparse  ``sharding.embedding.sparse_adagrad_update``: dedup + segment-sum of the ids, then
-          read/modify/write of the touched rows only.
-
-Table and accumulator are donated (in-place updates where XLA can). Reported: median step time,
-the compiled temp buffer bytes, and the rows touched. One device (the row-sharded exchange is
-covered by tests; on fake CPU devices its timing is meaningless). ``--train_step CONFIG`` also
-times the whole jitted train step of a model config with both paths (small tables there: the
-sparse path's sorts can cost more than they save). Results go to
-``bench/results/embedding_update.json``.
-"""
+Notes: README.md, "What each bench script measures", ``bench/embedding_update.py``."""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import platform
 import time
 
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from data.fake import random_batch, tiny_schema
+from kunlun.config import seq_lens
+from kunlun.model import build_model
+from kunlun.train import atomic, optim, step
+from kunlun.train.optim import rowwise_adagrad
+from sharding.embedding import sparse_adagrad_update
+
 
 def _zipf_ids(rng, n, rows, a=1.2):
-  import numpy as np
   return ((rng.zipf(a, n) - 1) % rows).astype(np.int32)
 
 
 def bench_one(rows: int, dim: int, n_ids: int, reps: int, lr: float = 0.05) -> dict:
-  import jax
-  import jax.numpy as jnp
-  import numpy as np
-  import optax
-
-  from kunlun.train.optim import rowwise_adagrad
-  from sharding.embedding import sparse_adagrad_update
-
   rng = np.random.default_rng(0)
   ids = jnp.asarray(_zipf_ids(rng, n_ids, rows))
   g = jnp.asarray(rng.normal(size=(n_ids, dim)).astype(np.float32))
@@ -86,17 +74,6 @@ def bench_one(rows: int, dim: int, n_ids: int, reps: int, lr: float = 0.05) -> d
 
 def bench_train_step(config: str, batch_size: int, reps: int) -> dict:
   """Step time of the whole train step, dense vs sparse embedding update (one device)."""
-  import importlib
-
-  import flax.linen as nn
-  import jax
-  import numpy as np
-
-  from data.fake import random_batch, tiny_schema
-  from kunlun.config import seq_lens
-  from kunlun.model import build_model
-  from kunlun.train import optim, step
-
   cfg, schema = importlib.import_module(f"kunlun.configs.{config}").get_config(), tiny_schema()
   model = build_model(cfg, schema)
   batch = random_batch(schema, batch_size, seq_lens(cfg), seed=1, min_len=1)
@@ -139,7 +116,6 @@ def main():
   rows = [4096, 16384] if a.quick else [int(r) for r in a.rows.split(",")]
   reps = 3 if a.quick else a.reps
 
-  import jax
   res = [bench_one(r, a.dim, a.ids, reps) for r in rows]
   hdr = (f"{'rows':>9} {'table MB':>9} {'touched':>8} {'dense ms':>9} {'sparse ms':>10} "
          f"{'speedup':>8} {'dense tmp MB':>13} {'sparse tmp MB':>14} {'max |diff|':>10}")
@@ -160,7 +136,6 @@ def main():
           "machine": platform.machine(), "load_avg": list(os.getloadavg()), "quick": a.quick,
           "dim": a.dim, "ids_per_step": a.ids, "reps": reps, "results": res,
           "train_step": step_res}
-  from kunlun.train import atomic
   atomic.write_json(a.out, meta)
   print(f"wrote {a.out}")
 

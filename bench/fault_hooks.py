@@ -1,26 +1,7 @@
 """Runs train.py / eval.py with injected faults (for bench/faults.py and the fault tests).
 
   KUNLUN_FAULTS='{"kill_at_step": 7}' python bench/fault_hooks.py train.py --workdir=... ...
-
-The faults live here, never in the programs: this wrapper patches library functions, then runs
-the script as ``__main__``. ``KUNLUN_FAULTS`` (JSON) keys, all optional:
-
-  kill_at_step N      SIGKILL just before training step N + 1 runs (N steps done in this run)
-  kill_after_save N   SIGKILL right after the async save of step N started (mid-write)
-  save_oserror [N..]  the checkpoint write of these steps fails with OSError EIO (async commit;
-                      a transient I/O error: training goes on. ENOSPC: disk_full_at_step)
-  nan_at_step N       the N-th batch of this run (1-based) has NaN dense features
-  batch_log PATH      appends one line per batch: "<n> <sha1 of the batch's example keys>"
-  data_error_at_step N  the batch for step N + 1 of this run raises a data error (a damaged
-                      chunk, as data.shards reports it) after N steps ran
-  kill_in_write K     SIGKILL in the middle of writing output K ("parquet": eval.py
-                      --predictions), after half the file is on disk
-  disk_full_at_step N  from the N-th batch on, every metrics.jsonl / TensorBoard write and every
-                      checkpoint write fails with ENOSPC (a disk that filled up; for machines
-                      where a small tmpfs cannot be mounted)
-
-Batch counts are per process run (a resumed run counts from 1 again).
-"""
+Notes: README.md, "What each bench script measures", ``bench/fault_hooks.py``."""
 
 from __future__ import annotations
 
@@ -32,13 +13,18 @@ import runpy
 import signal
 import sys
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import numpy as np  # noqa: E402
+import pyarrow.parquet as pq  # noqa: E402
+from orbax.checkpoint._src.handlers import json_checkpoint_handler as jh  # noqa: E402
+
+from data import elastic, pipeline, shards  # noqa: E402
+from kunlun.train import checkpoint, progress  # noqa: E402
+
 
 def _install(faults: dict) -> None:
-  import numpy as np
-
-  from data import pipeline
-  from kunlun.train import checkpoint
-
   calls = {"n": 0}
   orig_put = pipeline.device_put_batch
   full = lambda: (faults.get("disk_full_at_step") is not None
@@ -69,7 +55,6 @@ def _install(faults: dict) -> None:
     checkpoint.Checkpointer.save = save
 
   if faults.get("data_error_at_step") is not None:
-    from data import elastic, shards
     orig_next = elastic.BatchIterator.__next__
 
     def next_(self):
@@ -80,7 +65,6 @@ def _install(faults: dict) -> None:
     elastic.BatchIterator.__next__ = next_
 
   if faults.get("kill_in_write") == "parquet":
-    import pyarrow.parquet as pq
     orig_write = pq.write_table
 
     def write_table(table, where, *a, **k):
@@ -91,9 +75,6 @@ def _install(faults: dict) -> None:
     pq.write_table = write_table
 
   if faults.get("disk_full_at_step") is not None:
-    from orbax.checkpoint._src.handlers import json_checkpoint_handler as jh
-
-    from kunlun.train import progress
     enospc = lambda: OSError(errno.ENOSPC, "No space left on device (injected)")
 
     class _Full:
@@ -124,7 +105,6 @@ def _install(faults: dict) -> None:
     jh.JsonCheckpointHandler._save_fn = json_save
 
   if faults.get("save_oserror"):
-    from orbax.checkpoint._src.handlers import json_checkpoint_handler as jh
     bad = {int(s) for s in faults["save_oserror"]}
     orig_fn = jh.JsonCheckpointHandler._save_fn
 
@@ -137,11 +117,9 @@ def _install(faults: dict) -> None:
 
 def main() -> None:
   script, args = sys.argv[1], sys.argv[2:]
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  sys.path.insert(0, root)
   _install(json.loads(os.environ.get("KUNLUN_FAULTS", "{}")))
   sys.argv = [script, *args]
-  runpy.run_path(os.path.join(root, script), run_name="__main__")
+  runpy.run_path(os.path.join(ROOT, script), run_name="__main__")
 
 
 if __name__ == "__main__":

@@ -1,34 +1,6 @@
 """Fault injection on real train.py / eval.py runs (tiny Kunlun model, CPU): does training
 survive, and does it end exactly where an uninterrupted run ends?
-
-  nice -n 10 python bench/faults.py [--kills 20] [--steps 40] [--checkpoint_every 10] [--seed 0]
-                                    [--quick] [--out bench/results/faults.json]
-                                    [--cases concurrency,disk_full]   # merge into --out
-
-Faults (``bench/fault_hooks.py`` patches library calls; the programs are unchanged):
-  * SIGKILL at random steps and right after an async checkpoint save started (mid-write),
-    ``--kills`` times in all, several per run; each run is then finished. Final parameters, the
-    eval metrics and the batch sequence (sha1 of every batch's example keys, the surviving run's
-    for each step) must equal the uninterrupted run's bitwise, and the iterator position in the
-    final checkpoint must be steps x batch: no example repeated or skipped.
-  * a checkpoint whose param data has one flipped bit / whose param files are truncated: eval.py
-    fails in one line; train.py moves the step aside and resumes from the one before.
-  * a checkpoint write failing with an I/O error: reported, training goes on.
-  * two train.py on one workdir (a job restarted while the old one runs): the second stops at
-    once with one line naming the first (pid, host), the first ends bitwise equal to the
-    baseline with each step logged once; a trainer killed with -9 leaves a lock the next run
-    takes over with a warning (checked in every resumed kill run).
-  * a full disk: the workdir on a tmpfs that holds about 2.5 checkpoints (an injected ENOSPC
-    where mounting is not allowed): one error line, no traceback, no partial checkpoint left;
-    moved to a disk with space, the same command resumes and ends bitwise equal.
-  * a train shard with flipped bytes: a one-line error naming the file and record range; under
-    skip_invalid the records are skipped and counted, and a killed run resumes exactly.
-  * a train shard cut short: refused at start-up, naming the file.
-  * NaN features in one batch: that update is skipped and counted.
-
-Prints a table (fault, times injected, outcome, steps lost) and writes JSON (versions, config,
-per-run records) to ``bench/results/faults.json``. Exit status 1 if any check fails.
-"""
+Notes: README.md, "What each bench script measures", ``bench/faults.py``."""
 
 from __future__ import annotations
 
@@ -46,10 +18,20 @@ import sys
 import tempfile
 import time
 
-import numpy as np
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+
+import flax  # noqa: E402
+import grain  # noqa: E402
+import jax  # noqa: E402
+import jaxlib  # noqa: E402
+import numpy as np  # noqa: E402
+import orbax.checkpoint  # noqa: E402
+import orbax.checkpoint as ocp  # noqa: E402
+from absl import logging  # noqa: E402
+
+from data import synthetic  # noqa: E402
+from kunlun.train import atomic  # noqa: E402
 
 
 class Runner:
@@ -97,9 +79,6 @@ def resumed_from(p) -> int:
 
 
 def params(wd, step):
-  import jax
-  import orbax.checkpoint as ocp
-  from absl import logging
   logging.set_verbosity(logging.ERROR)
   path = os.path.join(wd, "checkpoints", str(step), "params")
   meta = ocp.PyTreeCheckpointer().metadata(path)
@@ -411,11 +390,6 @@ CASES = ("kills", "damage", "write_error", "shard", "nan", "concurrency", "disk_
 
 
 def versions() -> dict:
-  import flax
-  import grain
-  import jax
-  import jaxlib
-  import orbax.checkpoint
   return {"jax": jax.__version__, "jaxlib": jaxlib.__version__, "flax": flax.__version__,
           "orbax_checkpoint": orbax.checkpoint.__version__,
           "grain": getattr(grain, "__version__", "?"), "python": sys.version.split()[0]}
@@ -445,7 +419,6 @@ def main(argv=None) -> int:
   t_start = time.perf_counter()
   base = a.workdir or tempfile.mkdtemp(prefix="kunlun_faults_")
   os.makedirs(base, exist_ok=True)
-  from data import synthetic
   data = os.path.join(base, "data")
   if not os.path.exists(os.path.join(data, "manifest.json")):
     synthetic.generate(data, "tiny", a.num_examples, seed=0)
@@ -567,7 +540,6 @@ def main(argv=None) -> int:
       "table": table})
   if not previous:
     result["load_avg"] = os.getloadavg()
-  from kunlun.train import atomic
   atomic.write_json(a.out, result)
   print("wrote", a.out)
   if not a.workdir:

@@ -2,24 +2,7 @@
 
   stats = hlo_stats(compiled.as_text())          # counts, by opcode and by model scope
   groups = scope_group(op_name)                  # "GDPA", "PFFN", ..., "optimizer", "other"
-
-Parses the post-optimisation HLO text (``compiled.as_text()``). Counts:
-
-  hlo_instructions  every instruction of every computation (fusion bodies included): graph size;
-  top_level_ops     instructions of the entry computation and of the bodies of its control flow
-                    (while / conditional / call), i.e. what the runtime schedules;
-  fusions           top-level ``fusion`` instructions;
-  kernel_launches   top-level instructions that run device work (fusions, custom calls, dots,
-                    sorts, scatters, collectives, copies, ...); bookkeeping ops (parameter,
-                    constant, tuple, get-tuple-element, bitcast, the ``-done`` half of async
-                    pairs) are not counted. Both branches of a conditional are counted, so it is
-                    an upper bound where a step has one (the sparse embedding update's overflow
-                    fallback). On GPU each counted op is about one kernel (a profile gives the
-                    exact number); on CPU it is the number of thunks.
-
-Named scopes come from ``metadata={op_name="jit(train_step)/.../KunlunLayer_0/PFFN/GDPA/..."}``
-(``jax.named_scope`` in the model; the optimizer update runs under ``optimizer``).
-"""
+Notes: README.md, "What each bench script measures", ``bench/hlo_stats.py``."""
 
 from __future__ import annotations
 

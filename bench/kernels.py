@@ -1,38 +1,6 @@
 """Kernel check and benchmark: GDPA, block attention and sliding-window softmax attention, xla /
 pallas / triton / cuDNN.
-
-On a GPU: first checks every backend against the XLA reference at the real shapes (forward, and
-gradients at a reduced batch), then times forward and forward+backward (median of ``--iters``
-runs after two warm-ups) and prints a table of ms and TFLOP/s. Results (device, versions, shapes,
-errors, medians) go to ``bench/results/kernels_<device>_<time>.json``.
-
-  python bench/kernels.py                # GPU, real shapes, bf16
-  python bench/kernels.py --small        # CPU-friendly: tiny shapes, Pallas in interpret mode
-  python bench/kernels.py --autotune --write_tables DIR --peer DIR   # the prepared GPU run
-
-``--autotune`` first times the candidate tiles of ``pallas_kernels.tuning.CANDIDATES`` per kernel
-and shape (Triton: fwd, dq, dk/dv; Pallas: fwd) and uses the fastest; ``--write_tables DIR``
-writes ``tuning.json`` (those tiles) and ``backend_table.json`` (per shape class and mode the
-fastest backend whose check passed) for ``pallas_kernels/``. ``--peer DIR`` also times Meta's
-Triton GDPA forward (``DIR/bench_peer_gdpa.py``, a PyTorch subprocess; only when torch is
-importable) at the same shapes: column ``meta_triton``.
-
-FLOPs: GDPA / attention forward ``4 B Tq Tk H D`` (block attention: ``Tk`` = block size;
-sliding-window attention: ``Tq Tk`` = the band's (query, key) pairs ``T (2w + 1) - w (w + 1)``);
-forward+backward counted as 3.5x forward (the convention of jax_stack_notes §2.2), i.e. model
-FLOPs, not the recomputed scores. For GDPA and block attention cuDNN is softmax attention (not
-the same function): a speed yardstick only; for block attention it runs on the sequence reshaped
-to ``[B * T / 64, 64, H, D]``. Sliding-window softmax attention (cases ``swa_*``, window 64,
-ragged lengths) is the same function on every backend: xla (the banded reference), pallas
-(``pallas_softmax``) and cudnn (``cudnn_softmax``: two causal left-window calls merged by their
-log-sum-exp; bf16 only, so its gradients are checked in bf16 against the fp32 reference, with the
-bf16 tolerances). On CPU (``--small``) the cudnn column is its XLA stand-in
-(``cudnn_xla_standin``: checks the merge, times nothing of cuDNN) and pallas runs in interpret
-mode: not speed measurements.
-
-  python bench/kernels.py --attention_bytes   # CPU: HLO bytes of the banded XLA attention vs the
-                                              # kernel's analytic HBM bytes (mid preset towers)
-"""
+Notes: README.md, "What each bench script measures", ``bench/kernels.py``."""
 
 from __future__ import annotations
 
@@ -58,13 +26,14 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from pallas_kernels import (  # noqa: E402
-    api,
-    cudnn_softmax,
-    pallas_block,
-    pallas_gdpa,
-    pallas_softmax,
-    reference,
-    tuning,
+  api,
+  cudnn_softmax,
+  pallas_block,
+  pallas_gdpa,
+  pallas_softmax,
+  reference,
+  triton_gdpa,
+  tuning,
 )
 
 FULL = {
@@ -153,7 +122,6 @@ def make_fns(name, s, small, on_gpu, tuned=None):
     pt = {} if small else pallas_tiles(tuned.get("pallas", {}))
     fns["pallas"] = lambda q, k, v: pallas_gdpa.gdpa_pallas(q, k, v, interpret=interp, **kw, **pt)
     if on_gpu and _has("jax_triton"):
-      from pallas_kernels import triton_gdpa
       cfg = tuned.get("triton") or None
       fns["triton"] = lambda q, k, v: triton_gdpa.gdpa_triton(q, k, v, config=cfg, **kw)
     if on_gpu:
@@ -223,7 +191,6 @@ def autotune(name, s, q, k, v, iters):
     print(f"  autotune {name:16s} {backend}/{kern}: best {best[backend].get(kern)}", flush=True)
 
   if _has("jax_triton"):
-    from pallas_kernels import triton_gdpa
     tri = lambda cfg: (lambda q, k, v: triton_gdpa.gdpa_triton(q, k, v, config=cfg, **fwd_kw))
     pick("triton", "fwd", lambda t: tri({"fwd": t}), "fwd")
     pick("triton", "dq", lambda t: tri({**best["triton"], "dq": t}), "fwd_bwd")

@@ -2,24 +2,7 @@
 
   nice -n 10 python bench/real_data.py            # full: 3 seeds, up to 4 epochs (CPU: ~1 h)
   python bench/real_data.py --quick --inter F     # CI-sized: 1 seed, 1 epoch, on a small file
-
-1. Data, fetched at bench time: ``pip download --no-deps recbole==1.2.1`` (no install) into the
-   git-ignored ``bench/.cache/``; ``recbole/dataset_example/ml-100k/ml-100k.inter`` is read from
-   the wheel (sha256 recorded). ``--inter FILE`` uses a local file in the same format instead.
-2. ``data.ingest.public.movielens``: one example per rating, click = rating >= 4, histories
-   and history statistics from strictly earlier ratings only, time split 80 / 10 / 10 (train,
-   valid, eval).
-3. For each model and seed: ``train.py --config=kunlun/configs/tiny.py`` (the preset fits itself
-   to the data's streams and surface) with ``config.model.arch`` = kunlun / interformer / dlrm,
-   ``config.train.epochs`` = max_epochs, validation NE after every epoch and keep-best: the epoch
-   count is chosen on the valid window (early stopping). Then ``eval.py --best --predictions``.
-4. Logistic regression (scikit-learn, an optional bench dependency): one-hot user and movie ids +
-   the same history statistics (the dataset's dense features, signed log1p, standardised), L2
-   strength chosen on the valid window; deterministic (one fit, same for every seed).
-5. NE (normalised by the eval window's own click rate), AUC and calibration on the eval window:
-   mean and std over seeds, per-seed values, best epochs and validation curves in
-   ``bench/results/real_data.json``.
-"""
+Notes: README.md, "What each bench script measures", ``bench/real_data.py``."""
 
 from __future__ import annotations
 
@@ -40,7 +23,15 @@ import numpy as np
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, _ROOT)
 
+import flax  # noqa: E402
+import jax  # noqa: E402
+import jaxlib  # noqa: E402
+
 from bench import output  # noqa: E402
+from data import verify  # noqa: E402
+from data.ingest.public import movielens  # noqa: E402
+from data.schema import Schema  # noqa: E402
+from kunlun.train import metrics  # noqa: E402
 
 CACHE = os.path.join(_ROOT, "bench", ".cache")
 WHEEL = "recbole==1.2.1"
@@ -141,7 +132,6 @@ def train_eval(arch: str, seed: int, data_dir: str, work: str, args, env) -> dic
 
 def _features(data_dir: str, split: str, schema):
   """LR design of one split: one-hot user / movie ids, dense history statistics, labels."""
-  from data import verify
   users, items, dense, y = [], [], [], []
   for _, _, r in verify.read_split(data_dir, split, schema):
     users.append(int(r["sparse/user_id"][0]))
@@ -158,8 +148,6 @@ def logistic_regression(data_dir: str, Cs) -> dict:
   from scipy import sparse
   from sklearn.linear_model import LogisticRegression
 
-  from data.schema import Schema
-  from kunlun.train import metrics
   schema = Schema.load(data_dir)
   sets = {s: _features(data_dir, s, schema) for s in ("train", "valid", "eval")}
   nu = 1 + max(int(v[0].max()) for v in sets.values())
@@ -210,7 +198,6 @@ def table(res: dict) -> str:
 
 
 def run(args) -> dict:
-  from data.ingest.public import movielens
   t_start = time.perf_counter()
   inter = args.inter or fetch()
   work = args.workdir or tempfile.mkdtemp(prefix="real_data_")
@@ -242,9 +229,6 @@ def run(args) -> dict:
     models["logreg"] = {"seeds": {"all": lr}, "summary": {
         **{k: {"mean": lr[k], "std": 0.0} for k in ("ne", "auc", "calibration")},
         "best_epoch": "-"}}
-  import flax
-  import jax
-  import jaxlib
   res = {
       "bench": "real_data", "quick": bool(args.quick),
       "dataset": {"source": args.inter or f"{WHEEL}:{MEMBER}", "sha256": sha256(inter),
@@ -312,7 +296,6 @@ def main(argv=None):
   if args.inter:                                   # fail fast: before any jax import or training
     if not os.path.isfile(args.inter):
       ap.error(f"--inter={args.inter}: no such file")
-    from data.ingest.public import movielens
     try:
       movielens.detect(args.inter)
     except (ValueError, OSError) as e:

@@ -1,61 +1,5 @@
 """Memory-traffic roofline of a compiled step, from its post-optimisation HLO text.
-
-  costs = op_costs(compiled.as_text())                  # bytes and FLOPs of every launched op
-  with record_kernels() as calls: lowered = step.lower(...)   # GDPA / attention call shapes
-  table = roofline(costs, calls, towers=("click", ...))      # by named scope x tower
-  print_roofline(table)
-
-What is counted, per top-level launched op (``bench.hlo_stats``: entry computation and control-
-flow bodies, fusion bodies inside their fusion; ops in a ``while`` body times its known trip
-count; both branches of a ``conditional``, an upper bound):
-
-  bytes   operand bytes (each distinct operand once) + output bytes, from the shapes in the HLO
-          text. An op that reads a slice of an operand or updates a buffer in place counts the
-          whole buffer, so this is the traffic of the program as scheduled, an upper bound of
-          the DRAM traffic of each op (XLA's ``bytes accessed`` differs: it counts the sliced
-          part but also fusion-internal re-reads).
-  flops   derived from the HLO: ``dot`` 2 x output elements x contracted size, ``convolution``
-          2 x output elements x (kernel elements / output features), elementwise arithmetic 1 per
-          output element, ``reduce`` 1 per input element, ``scatter`` 1 per update element;
-          transcendentals (exp, log, tanh, sqrt, rsqrt, ...), converts and data movement count
-          0 (they are ``transcendentals``, as in XLA's cost analysis, whose step total is the
-          cross-check ``flops_xla``). XLA's per-instruction cost analysis is not exposed.
-
-Kernel column. Scopes that a GPU kernel replaces are counted a second time at the kernel's
-analytic input + output bytes (``kernel_bytes`` / ``kernel_launches``), beside the XLA figure:
-
-  * GDPA (``pallas_kernels/pallas_gdpa.py``), per call with ``q [Bq, Tq, Hq, D]``, ``k, v
-    [Bk, Tk, Hkv, D]``, output batch ``B``, ``o = do = [B, Tq, Hq, D]``: forward reads q, k, v and
-    writes o; backward runs a dq kernel and a dk/dv kernel, each reading q, k, v, do (the
-    residuals are q, k, v themselves), writing dq (f32 per output row when q is shared, then
-    summed: one more read of it and a write of q's size) and dk, dv (f32 per output row when k/v
-    are shared, likewise). 3 launches (+1 per shared operand's sum).
-  * Softmax sequence self-attention (``kunlun.attention``, ``kind`` "swa" / "full"; the region is
-    the ops under the ``SoftmaxAttention`` scope, the call of ``kunlun.attention.
-    softmax_attention``) as a fused flash attention, per call with ``q, k, v, o [B, T, H, D]``
-    and ``lse f32[B, H, T]``: forward reads q, k, v and writes o, lse; backward reads q, k, v,
-    o, do, lse and writes dq, dk, dv (the row sums ``rowsum(o * do)`` are computed from o and
-    do in the kernel); 1 + 2 launches. QK-norm and the rotary encoding run before the call
-    (``kunlun.fused.qk_norm_rotary``) and are counted as the XLA ops they are. On CPU the
-    attention runs as XLA; it is counted at this kernel column all the same.
-
-While recorded, the calls are fenced (``record_kernels(fence=True)``, the default): their
-operands, results and cotangents pass optimization barriers, so the ops around them move what
-they would move around the kernel (otherwise XLA fuses parts of the reference into its
-neighbours, e.g. a key gradient summed from the banded reference's windows inside the next
-op, and the region boundary no longer matches the kernel's interface).
-
-Only the bytes and launches change in the kernel column; the FLOPs are the XLA program's. The
-shapes come from tracing (``record_kernels`` wraps ``pallas_kernels.gdpa`` and
-``kunlun.attention.softmax_attention`` while the step is lowered and records each
-differentiated call's shapes and named scope, via JAX's current name stack).
-
-Roofline lower bound of a step on a target device (flags of ``bench/train_step.py``):
-``max(flops / peak, bytes / bandwidth) + launches x launch_cost`` (H200 defaults: 989e12 FLOP/s
-bf16 dense, 4.8e12 B/s, 4 us), for the XLA and the kernel column. The compiled program is a CPU
-one standing in for the GPU's: XLA:CPU and XLA:GPU fuse differently, so counts and bytes are
-indicative (a GPU HLO dump gives the exact ones).
-"""
+Notes: README.md, "What each bench script measures", ``bench/roofline.py``."""
 
 from __future__ import annotations
 
@@ -66,7 +10,12 @@ import re
 import sys
 from collections import defaultdict
 
+import jax
+import numpy as np
+
+import pallas_kernels
 from bench import hlo_stats
+from kunlun import attention
 
 H200 = {"peak_flops": 989e12, "bandwidth": 4.8e12, "launch_s": 4e-6}
 CPU_NOTE = ("CPU compile standing in for the GPU one: the HLO is XLA:CPU's (its fusion differs "
@@ -287,7 +236,6 @@ def scope_tower(op_name: str, towers) -> str:
 
 # ---- kernels: analytic input + output bytes ------------------------------------------------------
 def _nbytes(shape, dtype) -> float:
-  import numpy as np
   return float(math.prod(shape) * np.dtype(dtype).itemsize)
 
 
@@ -326,8 +274,6 @@ def _name_stack() -> str:
 
 @functools.cache
 def _fence_fn():
-  import jax
-
   @jax.custom_vjp
   def fence(x):
     return jax.lax.optimization_barrier(x)
@@ -351,7 +297,7 @@ def record_kernels(fence: bool = True):
   ``scope`` the name stack, e.g. ``jvp(Kunlun)/.../click_hsp/HSP/GDPA``). Only calls under a
   ``jvp`` (the train step's forward, whose backward autodiff derives) are kept.
 
-  Softmax attention is recorded at ``kunlun.attention.softmax_attention``, the dispatch that
+  Softmax attention is recorded at ``kunlun.attention.softmax_attention_op``, the dispatch that
   ``SeqAttention._attend`` calls for every backend (xla reference, pallas / cudnn directly or per
   shard through ``sharding.context``), with the global ``q, k, v`` shapes.
 
@@ -360,10 +306,8 @@ def record_kernels(fence: bool = True):
   around it: those then move the kernel's interface (q, k, v in, o out; do in, dq, dk, dv
   out), the bytes they would move around the GPU kernel, and the replaced region is exactly the
   call. Values are unchanged; the XLA column is that of the fenced program."""
-  import pallas_kernels
-  from kunlun import attention
   calls = []
-  orig = {"gdpa": pallas_kernels.gdpa, "softmax": attention.softmax_attention}
+  orig = {"gdpa": pallas_kernels.gdpa, "softmax": attention.softmax_attention_op}
 
   def keep(kind, cost):
     scope = _name_stack()
@@ -386,12 +330,12 @@ def record_kernels(fence: bool = True):
     return _fence(orig["softmax"](*_fence((q, k, v)), *a, **kw))
 
   pallas_kernels.gdpa = gdpa
-  attention.softmax_attention = softmax
+  attention.softmax_attention_op = softmax
   try:
     yield calls
   finally:
     pallas_kernels.gdpa = orig["gdpa"]
-    attention.softmax_attention = orig["softmax"]
+    attention.softmax_attention_op = orig["softmax"]
 
 
 # ---- the table ----------------------------------------------------------------------------------

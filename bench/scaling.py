@@ -1,34 +1,7 @@
 """Scaling laws: NE against training FLOPs for Kunlun, InterFormer and DLRM (spec e.7, f.1, h-17).
 
   python bench/scaling.py [--quick] [--ladder cpu|gpu] [--seeds 0 1] [--out PATH]
-
-1. Synthetic data (``data.synthetic``, preset ``tiny`` for the CPU ladder, ``dev`` for the GPU
-   ladder): one training window of ``--num_examples`` (x the largest data-sweep factor) and its
-   eval window; every run reads the first ``N`` examples of the same shuffled training stream
-   once (one pass, no repeats) and is evaluated on the same eval examples.
-2. Each architecture at every size of the ladder (depth, width, kept sequence length and experts
-   grow together, spec h-17), for every seed (seed = parameter init and data order); the same
-   optimizer, schedule, batch and steps for all. Training reuses the project's step and optimizer
-   (``kunlun.train.step.make_train_step``, ``kunlun.train.optim``), evaluation its metrics
-   (``EvalAccumulator``: NE, AUC, Bayes NE from the planted probabilities).
-3. Compute per example: training FLOPs (3x forward) at the examples' actual lengths
-   (``kunlun.flops.batch_flops``, mean over the training batches), also at the padded kept
-   lengths, and XLA's compiled cost of the train step.
-4. Per architecture and task, both forms of spec e.7 are fitted on the seed-mean NE and on each
-   seed: ``NE(C) = NE_inf + A C^-alpha`` and ``dNE%(C) = a + eta log10(C)`` (``dNE% =
-   100 (NE_ref - NE) / NE_ref``, ``NE_ref`` the seed-mean NE of the smallest InterFormer, one
-   reference for every architecture so slopes compare), each with R^2. Reported: the
-   scaling-efficiency ratio (Kunlun's eta over InterFormer's, per seed: mean, spread) and the
-   FLOPs InterFormer's fits need to reach Kunlun's best NE.
-5. A data-size sweep at one model size (Kunlun, the largest ladder size by default): NE against
-   ``N``, to show whether that size is data-starved at the sweep's ``N``.
-
-Writes ``bench/results/scaling[_quick].json`` and ``.png`` (NE vs FLOPs, log x, per task, with
-the Bayes NE; the data sweep in a third panel). Every finished run is also appended to
-``<workdir>/runs.jsonl``; a rerun with the same ``--workdir`` skips runs already there, so a long
-sweep resumes where it stopped. ``--quick``: two small sizes, one seed, a few hundred examples
-(the test; its numbers are noise).
-"""
+Notes: README.md, "What each bench script measures", ``bench/scaling.py``."""
 
 from __future__ import annotations
 
@@ -44,9 +17,24 @@ import time
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, _ROOT)
 
+import flax  # noqa: E402
+import flax.linen as nn  # noqa: E402
+import jax  # noqa: E402
+import jaxlib  # noqa: E402
 import numpy as np  # noqa: E402
+from scipy.optimize import curve_fit  # noqa: E402
 
 from bench import output  # noqa: E402
+from data import pipeline, synthetic  # noqa: E402
+from data.schema import Schema  # noqa: E402
+from kunlun import flops as F  # noqa: E402
+from kunlun.config import default_model, seq_lens, tower  # noqa: E402
+from kunlun.configs.common import base_config  # noqa: E402
+from kunlun.model import build_model  # noqa: E402
+from kunlun.train import optim  # noqa: E402
+from kunlun.train import step as step_lib  # noqa: E402
+from kunlun.train.metrics import EvalAccumulator  # noqa: E402
+from kunlun.train.runtime import enable_compilation_cache  # noqa: E402
 
 ARCHS = ("kunlun", "interformer", "dlrm")
 TASKS = ("click", "conversion")
@@ -91,8 +79,6 @@ def _log(msg):
 def size_config(arch: str, size: dict, preset: str, schema, *, batch_size: int, lr: float,
                 warmup: int, seed: int, emb_lr: float = 0.2):
   """The full config (``kunlun/configs/common.py`` + model) of ``arch`` at ``size``."""
-  from kunlun.config import default_model, tower
-  from kunlun.configs.common import base_config
   c = base_config()
   m = default_model()
   m.arch, m.final_hsp = arch, False
@@ -124,8 +110,6 @@ def size_config(arch: str, size: dict, preset: str, schema, *, batch_size: int, 
 def _eval_batches(data_dir, config, eval_examples: int, cache: dict):
   """Host eval batches for the config's kept lengths: a uniform subset (every K-th record) of
   the eval split with about ``eval_examples`` examples; cached per kept lengths."""
-  from data import pipeline
-  from kunlun.config import seq_lens
   lens = seq_lens(config)
   key = tuple(sorted(lens.items()))
   if key not in cache:
@@ -144,17 +128,6 @@ def train_eval(config, schema, data_dir, num_examples: int, eval_cache: dict, bu
   """Trains ``config`` on the first ``num_examples`` of the training stream (one pass) with the
   project's train step, evaluates on the eval subset. ``built`` caches (model, steps) per model
   config across seeds. Returns metrics, FLOPs and timings."""
-  import flax.linen as nn
-  import jax
-
-  from data import pipeline
-  from kunlun import flops as F
-  from kunlun.config import seq_lens
-  from kunlun.model import build_model
-  from kunlun.train import optim
-  from kunlun.train import step as step_lib
-  from kunlun.train.metrics import EvalAccumulator
-
   B = int(config.data.batch_size)
   steps = max(num_examples // B, 1)
   lens = seq_lens(config)
@@ -244,7 +217,6 @@ def fit_loglinear(C, dne) -> dict | None:
 def fit_power(C, ne) -> dict | None:
   """``NE(C) = NE_inf + A C^-alpha`` (least squares over ``NE_inf in [0, min NE)``, ``A > 0``,
   ``alpha in (0, 3]``; C in FLOPs); None with fewer than 4 points or no convergence."""
-  from scipy.optimize import curve_fit
   C, y = np.asarray(C, np.float64), np.asarray(ne, np.float64)
   if len(C) < 4:
     return None
@@ -426,9 +398,6 @@ def plot(runs: list[dict], summary: dict, bayes: dict, path: str, title: str) ->
 
 # ---- driver --------------------------------------------------------------------------------------
 def _environment() -> dict:
-  import flax
-  import jax
-  import jaxlib
   d = jax.devices()[0]
   return {"device": f"{d.platform}:{d.device_kind}", "device_count": jax.device_count(),
           "cpu_count": os.cpu_count(), "jax": jax.__version__, "jaxlib": jaxlib.__version__,
@@ -457,13 +426,10 @@ def _read_runs(path) -> list[dict]:
 
 
 def run(args) -> dict:
-  from data import synthetic
-  from data.schema import Schema
   t_start = time.perf_counter()
   env = _environment()
   work = args.workdir or tempfile.mkdtemp(prefix="kunlun_scaling_")
   os.makedirs(work, exist_ok=True)
-  from kunlun.train.runtime import enable_compilation_cache
   enable_compilation_cache(os.path.join(work, "xla_cache"))   # a resumed sweep skips compiles
   ladder = QUICK_LADDER if args.quick else LADDERS[args.ladder]
   preset = args.preset or ("dev" if args.ladder == "gpu" else "tiny")

@@ -28,18 +28,28 @@ import time
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, _ROOT)
 
+import importlib  # noqa: E402
+
+import flax  # noqa: E402
+import flax.linen as nn  # noqa: E402
+import jax  # noqa: E402
 import numpy as np  # noqa: E402
+
+from data.fake import random_batch  # noqa: E402
+from data.synthetic import PRESETS, preset_schema  # noqa: E402
+from kunlun.config import seq_lens  # noqa: E402
+from kunlun.model import build_model  # noqa: E402
+from kunlun.serving import score  # noqa: E402
+from kunlun.train import atomic  # noqa: E402
 
 
 def _load_config(name: str):
-  import importlib
   return importlib.import_module(f"kunlun.configs.{name}").get_config()
 
 
 def _timed(fns: dict, args, seconds, min_iters, max_iters) -> dict:
   """Times each function of ``fns`` call by call, alternating between them (so a change of
   machine load hits every path alike); the first call (compilation) is reported apart."""
-  import jax
   out, times = {}, {k: [] for k in fns}
   fns = dict(fns)
   for k, fn in fns.items():
@@ -66,16 +76,6 @@ def _timed(fns: dict, args, seconds, min_iters, max_iters) -> dict:
 
 
 def run(args) -> dict:
-  import flax
-  import flax.linen as nn
-  import jax
-
-  from data.fake import random_batch
-  from data.synthetic import PRESETS, preset_schema
-  from kunlun.config import seq_lens
-  from kunlun.model import build_model
-  from kunlun.serving import score
-
   config = _load_config(args.config)
   on_cpu = jax.default_backend() == "cpu"
   config.model.dtype = args.dtype or ("float32" if on_cpu else config.model.dtype)
@@ -140,7 +140,6 @@ def main():
   args.candidates = [int(x) for x in args.candidates.split(",")]
   res = run(args)
   out = args.out or os.path.join(_ROOT, "bench/results", f"serving_{res['backend']}.json")
-  from kunlun.train import atomic
   atomic.write_json(out, res)
   print(f"wrote {out}")
 

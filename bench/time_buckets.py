@@ -24,7 +24,13 @@ import time
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, _ROOT)
 
+import flax  # noqa: E402
+import jax  # noqa: E402
 import numpy as np  # noqa: E402
+
+from data import synthetic  # noqa: E402
+from data.schema import Schema  # noqa: E402
+from kunlun.train import atomic  # noqa: E402
 
 
 def _log(msg):
@@ -84,8 +90,6 @@ def main():
   if args.quick:
     args.seeds, args.steps, args.num_examples = "0,1", 60, 5000
   seeds = [int(s) for s in args.seeds.split(",")]
-  from data import synthetic
-  from data.schema import Schema
   data_dir = os.path.join(args.workdir, f"data_{args.num_examples}")
   if not os.path.exists(os.path.join(data_dir, "manifest.json")):
     synthetic.generate(data_dir, "tiny", num_examples=args.num_examples, seed=0)
@@ -94,8 +98,6 @@ def main():
   runs = {s: {v: _run_one(args, data_dir, s, v == "on") for v in ("off", "on")} for s in seeds}
   tasks = schema.task_names
   summary = summarize(runs, seeds, tasks)
-  import flax
-  import jax
   result = {
       "what": "overall eval NE, tiny preset, time_buckets off vs on (paired by seed)",
       "device": jax.devices()[0].device_kind, "backend": jax.default_backend(),
@@ -108,7 +110,6 @@ def main():
       "seconds": time.perf_counter() - t0,
       "note": "machine shared with other jobs (2 CPU cores); NE does not depend on speed",
   }
-  from kunlun.train import atomic
   atomic.write_json(args.out, result)
   print(f"{'task':<12} {'NE off':>8} {'NE on':>8} {'delta':>9} {'std':>8} {'sem':>8} helps")
   for t in tasks:

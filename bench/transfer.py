@@ -1,30 +1,7 @@
 """Knowledge-transfer experiment (issue 7, spec g): FM -> VM via KD, LoopFM, both.
 
   python bench/transfer.py [--quick] [--out bench/results/transfer.json]
-
-Three consecutive time windows of synthetic ``tiny`` data, as in production where the FM's logs
-are produced by an FM trained on earlier data:
-
-  pretrain (FM training) | train (VM training, FM outputs logged) | eval (both evaluated)
-
-1. data: ``pretrain`` (``--fm_examples``), ``train`` (``--num_examples``), ``eval``;
-2. the FM (``kunlun/configs/tiny.py``: longer histories, wider) trained with train.py on
-   ``pretrain`` only, so every FM output the VMs see is out of sample;
-3. its pooled embeddings and logits exported for ``train`` and ``eval`` (``kunlun.transfer.export``,
-   int8): the FM's serving-time log;
-4. a Student Adapter fitted on the freshest quarter of ``train`` (FM logits, surface, staleness =
-   time since the FM's training window ended -> labels);
-5. four VMs (``kunlun/configs/vm_tiny.py``; same steps, seed, data order): alone, +KD, +LoopFM,
-   +both. LoopFM training marks ``--ctx_dropout`` of the context embeddings missing so the VM
-   learns its non-FM path;
-6. per surface x task NE on ``eval`` and the transfer ratio
-   ``(NE_vm_alone - NE_variant) / (NE_vm_alone - NE_fm)``;
-7. the LoopFM VMs served through a Solaris-style ``SpeculativeCache`` at several budgets
-   (``kunlun.transfer.experiment.serve_through_cache``): NE, hit rate, staleness, budget use.
-
-Results JSON in ``bench/results/``. ``--quick``: a few thousand examples and a hundred steps (the
-CI smoke test; its ratios are noise).
-"""
+Notes: README.md, "What each bench script measures", ``bench/transfer.py``."""
 
 from __future__ import annotations
 
@@ -39,9 +16,21 @@ import time
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, _ROOT)
 
+import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from bench import output  # noqa: E402
+from data import pipeline, synthetic  # noqa: E402
+from data.schema import Schema  # noqa: E402
+from kunlun.config import seq_lens as get_seq_lens  # noqa: E402
+from kunlun.configs import tiny, vm_tiny  # noqa: E402
+from kunlun.train import optim  # noqa: E402
+from kunlun.train.metrics import surface_task_metrics  # noqa: E402
+from kunlun.transfer import adapter as adapter_lib  # noqa: E402
+from kunlun.transfer import experiment as ex  # noqa: E402
+from kunlun.transfer import export  # noqa: E402
+from kunlun.transfer.join import AsOfIndex, EmbeddingLog, pair_key  # noqa: E402
+from kunlun.transfer.loopfm import build_loopfm  # noqa: E402
 
 
 def _log(msg):
@@ -49,7 +38,6 @@ def _log(msg):
 
 
 def _host_batches(data_cfg, data_dir, split, seq_lens):
-  from data import pipeline
   ds = pipeline.make_dataset(data_cfg, data_dir, split, seq_lens, train=False, shard_index=0,
                              shard_count=1)
   return list(ds)
@@ -83,19 +71,6 @@ def _cat(batches, k):
 
 
 def run(args) -> dict:
-  import jax
-
-  from data import pipeline, synthetic
-  from kunlun.config import seq_lens as get_seq_lens
-  from kunlun.configs import tiny, vm_tiny
-  from kunlun.train import optim
-  from kunlun.train.metrics import surface_task_metrics
-  from kunlun.transfer import adapter as adapter_lib
-  from kunlun.transfer import experiment as ex
-  from kunlun.transfer import export
-  from kunlun.transfer.join import AsOfIndex, EmbeddingLog, pair_key
-  from kunlun.transfer.loopfm import build_loopfm
-
   t_start = time.perf_counter()
   work = args.workdir or tempfile.mkdtemp(prefix="kunlun_transfer_")
   data_dir, fm_dir, emb_dir = (os.path.join(work, d) for d in ("data", "fm", "emb"))
@@ -107,7 +82,6 @@ def run(args) -> dict:
     schema = synthetic.generate(data_dir, "tiny", num_examples=args.num_examples, seed=args.seed,
                                 pretrain_examples=args.fm_examples)
   else:
-    from data.schema import Schema
     schema = Schema.load(data_dir)
   timings["data_s"] = time.perf_counter() - t0
   surfaces, tasks = schema.surfaces, schema.task_names

@@ -1,30 +1,7 @@
-"""Sequence self-attention of an event tower (spec c.4, h-4, h-5, h-12).
-
-``h = RMSNorm(s)``; ``q, k, v = h W_qkv`` (``[B, T, H, d_h]``); QK-norm (RMSNorm over ``d_h`` with a
-learned per-channel scale); rotary time encoding (ROTE on half the heads, positional RoPE on the
-rest); bidirectional attention; ``s' = s + o W_o``; rows ``>= lengths`` are zero. With
-``time_buckets`` the queries get per-head additive time/position bucket embeddings (spec b.5-2,
-``kunlun.time_encoding``) after the QK-norm and before the rotary encoding.
-
-Scopes (``kind``):
-  * ``"swa"``: ``|i - j| <= window``. Softmax goes through ``pallas_kernels.softmax_attention``:
-    on "xla" a banded computation (chunks of ``c >= window`` queries see their own and both
-    neighbouring chunks; cost ``O(T * 3c)``), on "pallas" a flash-attention kernel that visits
-    only the key tiles of the band, on "cudnn" two causal left-window cuDNN calls merged by their
-    log-sum-exp; "auto" picks from the backend table (CPU: xla; GPU default: pallas).
-  * ``"block"``: independent ``block_size`` blocks via ``pallas_kernels.block_attention``
-    (``T`` is padded internally to a multiple of ``block_size``).
-  * ``"full"``: every valid key (short sequences); softmax on "auto" takes cuDNN on a GPU
-    (16-bit operands; its padding masks take the lengths), else pallas / xla.
-
-``activation="softmax"`` or a GDPA activation (name or per-head tuple), then through
-``kunlun.gdpa.gdpa`` with ``out_scale = 1/n``, ``n`` the most keys a query can see: ``T`` for
-"full", ``min(T, 2 window + 1)`` for "swa" (the kernel uses ``1/block_size`` for "block").
-``t_max`` overrides ``n`` (set it to the kept length to make outputs independent of padding).
-``score_clip`` clamps the scores of a GDPA activation to ``[-c, c]`` first (spec h-13; softmax
-scores are never clipped). ``backend="triton"`` has no softmax kernel of its own and runs the
-Pallas one (GDPA activations keep jax-triton).
-"""
+"""Sequence self-attention of an event tower (spec c.4, h-4, h-5, h-12):
+``(s [B, T, d], lengths i32[B], age f32[B, T]) -> [B, T, d]``, pre-norm and residual, with
+QK-norm, rotary time encoding and kinds "swa" / "block" / "full" (``q, k, v [B, T, H, d_h]``).
+Notes: docs/architecture.md, ``kunlun/attention.py``."""
 
 from __future__ import annotations
 
@@ -36,7 +13,7 @@ import jax.numpy as jnp
 
 import pallas_kernels
 from kunlun.fused import masked_residual, qk_norm_rotary
-from kunlun.gdpa import gdpa
+from kunlun.gdpa import gdpa_op
 from kunlun.norms import rms_norm
 from kunlun.time_encoding import BucketSpec, bucket_embedding, rotary_time
 from pallas_kernels.activations import per_head
@@ -66,7 +43,7 @@ def banded_softmax_attention(q, k, v, lengths, window: int, chunk: int | None = 
                                      kv_lengths=lengths)
 
 
-def softmax_attention(q, k, v, lengths, window: int | None, backend: str):
+def softmax_attention_op(q, k, v, lengths, window: int | None, backend: str):
   """Bidirectional softmax self-attention over valid keys (``window``: the band ``|i - j| <=
   window``; None: full). ``backend`` as ``pallas_kernels.softmax_attention`` ("auto" resolved
   here); "xla" is the banded reference, left to XLA's SPMD partitioner; kernel backends run per
@@ -78,7 +55,7 @@ def softmax_attention(q, k, v, lengths, window: int | None, backend: str):
   if backend == "xla":
     return softmax_attention_reference(q, k, v, window=window, q_lengths=lengths,
                                        kv_lengths=lengths)
-  return context.softmax_attention(q, k, v, lengths, window, backend=backend)
+  return context.context_parallel_softmax_attention(q, k, v, lengths, window, backend=backend)
 
 
 class SeqAttention(nn.Module):
@@ -164,8 +141,8 @@ class SeqAttention(nn.Module):
     window = self.window if self.kind == "swa" else None
     if self.activation != "softmax":
       n = self.t_max or (T if window is None else min(T, 2 * window + 1))
-      return gdpa(q, k, v, activation=self.activation, out_scale=1.0 / n, q_lengths=lengths,
+      return gdpa_op(q, k, v, activation=self.activation, out_scale=1.0 / n, q_lengths=lengths,
                   kv_lengths=lengths, window=window, backend=self.backend,
                   score_clip=self.score_clip)
     with jax.named_scope("SoftmaxAttention"):
-      return softmax_attention(q, k, v, lengths, window, self.backend)
+      return softmax_attention_op(q, k, v, lengths, window, self.backend)

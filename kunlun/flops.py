@@ -1,34 +1,12 @@
 """Analytic FLOPs (spec Appendix B) of every architecture, per example, and XLA's executed count.
-
-Counting rules (those of XLA's cost analysis, so the two figures are comparable): a multiply-add
-is 2 FLOPs; every elementwise arithmetic op is 1 FLOP per output element (a norm, GELU or masked
-softmax is a handful, constants below); transcendentals (exp, tanh, rsqrt), gathers, copies and
-concatenations count nothing. Work shared by the whole batch (the HSP/PMA seed queries, masks
-that depend only on positions) is left out.
-
-Three figures:
-  * **model FLOPs** (``model_flops``; ``batch_flops`` for a batch at its actual lengths): what the
-    model needs for the events an example has: every sequence term at the example's valid length
-    ``n`` (min(length, kept_len)), self-attention over its scope among valid events
-    (``|i - j| <= w`` for "swa": ``band_pairs(n, w)`` query-key pairs; ``n^2`` for "full"). MFU
-    and the scaling curves use these, so padding never counts as useful work.
-  * **executed estimate** (``executed_estimate``): the same formulas at the padded (kept) lengths
-    with self-attention as ``kunlun.attention`` runs it (dense ``T^2`` when ``T <= 3 chunk``,
-    else ``3 chunk`` keys per query of each ``chunk = max(w, 16)`` block, ``T`` padded to a
-    multiple of ``chunk``). A test holds it within 5% of XLA's compiled count on ``tiny`` and
-    ``dev`` for every architecture.
-  * **executed FLOPs** (``executed_flops``): XLA's cost analysis of a compiled function.
-
-``flop_figures`` returns all three for one batch (for MFU reports); ``FlopMeter`` accumulates the
-model FLOPs of the batches a training loop consumes. A training step counts 3x forward (backward
-~2x); recomputation is never counted.
-"""
+Counting rules and constants: docs/architecture.md, ``kunlun/flops.py``."""
 
 from __future__ import annotations
 
 import dataclasses
 from collections import defaultdict
 
+import jax
 import numpy as np
 
 from data.schema import Schema
@@ -378,7 +356,6 @@ def batch_flops(config, schema: Schema, batch) -> dict:
 def executed_flops(fn, *args, **kwargs) -> float:
   """FLOPs XLA's cost analysis reports for ``fn`` (jitted here unless it already is) compiled for
   ``args`` (what the program executes, padding, recomputation and all)."""
-  import jax
   f = fn if hasattr(fn, "lower") else jax.jit(fn)
   cost = f.lower(*args, **kwargs).compile().cost_analysis()
   if isinstance(cost, (list, tuple)):                       # older jax: one dict per program

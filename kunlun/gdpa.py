@@ -17,7 +17,7 @@ import pallas_kernels
 from sharding import context
 
 
-def gdpa(q, k, v, *, backend: str = "xla", seq: str = "q", **kw):
+def gdpa_op(q, k, v, *, backend: str = "xla", seq: str = "q", **kw):
   """``q [B|1, Tq, H, D]``, ``k, v [B, Tk, H, D]`` -> ``[B, Tq, H, D]`` in ``q.dtype``.
 
   Keyword arguments are those of ``pallas_kernels.gdpa``: ``activation`` (name or per-head tuple),
@@ -31,7 +31,7 @@ def gdpa(q, k, v, *, backend: str = "xla", seq: str = "q", **kw):
     if backend == "xla" or kw.get("interpret") or not context.is_sharded(q if seq == "q" else k):
       return pallas_kernels.gdpa(q, k, v, backend=backend, **kw)
     if kw.pop("q_index", None) is not None or kw.pop("kv_index", None) is not None:
-      raise ValueError("gdpa: q_index / kv_index with a context-sharded sequence and a kernel "
+      raise ValueError("gdpa_op: q_index / kv_index with a context-sharded sequence and a kernel "
                        "backend is not supported; use backend='xla' or an unsharded sequence")
     window = kw.pop("window", None)
     if window is not None:           # banded self-attention: halo exchange between shards
@@ -39,4 +39,4 @@ def gdpa(q, k, v, *, backend: str = "xla", seq: str = "q", **kw):
                                    activation=kw.get("activation", "fast_gelu"),
                                    out_scale=kw.get("out_scale", 1.0),
                                    score_clip=kw.get("score_clip"))
-    return context.gdpa(q, k, v, shard=seq, backend=backend, **kw)
+    return context.context_parallel_gdpa(q, k, v, shard=seq, backend=backend, **kw)

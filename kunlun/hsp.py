@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from kunlun.attention import masked_softmax_attention
-from kunlun.gdpa import gdpa
+from kunlun.gdpa import gdpa_op
 from kunlun.norms import rms_norm
 from kunlun.time_encoding import BucketSpec, add_bucket_embedding
 from pallas_kernels.activations import per_head
@@ -103,7 +103,7 @@ class HSP(nn.Module):
       k = add_bucket_embedding(self, "time_bucket_k", k, age, lengths, self.time_buckets)
       k = shard(k, ("batch", "seq", "heads", "head_dim"))
       v = shard(v, ("batch", "seq", "heads", "head_dim"))
-      o = gdpa(q[None], k, v, activation=self.activation, out_scale=1.0 / (self.t_max or T),
+      o = gdpa_op(q[None], k, v, activation=self.activation, out_scale=1.0 / (self.t_max or T),
                kv_lengths=lengths, broadcast_q=True, backend=self.backend,
                seq="kv", score_clip=self.score_clip)
       o = shard(o, ("batch", "seeds", "heads", "head_dim"))

@@ -1,28 +1,7 @@
 """One Kunlun layer with Computation Skip (spec c.7, d.1).
-
-State ``(x, seqs, summaries)``: ``x [B, N_ns, d_ns]`` non-sequence tokens; per tower ``e``
-``s_e [B, T_e, d_e]`` with ``lengths_e i32[B]`` and ``age_e f32[B, T_e]``; ``summary_e
-[B, n_sum_e, d_e]``. Interaction block first, then the transformer block, both reading the
-layer's inputs (InterFormer order, spec d.1):
-
-  (1) ``K_e, V_e = WeightGen_e(x)``                   [even layers under CompSkip]
-  (2) ``summary_e = HSP_e(s_e)``                       [even; odd layers reuse the cached summary]
-  (3) ``x' = MoWE(concat(x, Proj_e(summary_e) for all e))``   [every layer]
-  (4) ``s_e' = PFFN(s_e; K_e, V_e)`` (even) or ``SeqAttention(s_e)`` (odd), while ``l < L_e``
-      and a later HSP of the tower reads the result (``towers.py``)
-  (5) ``summary_e = HSP_final(s_e')`` in the tower's last layer, only with
-      ``config.model.final_hsp`` (off by default: not in spec d.1 / d.4)
-
-The per-tower schedule lives in ``kunlun.towers.schedule``; skipped modules are never built, so
-they are absent from the layer's parameters and jaxpr. ``remat`` (a ``kunlun.remat`` policy)
-wraps each module of the layer separately (``config.train.remat_scope = "tower"``).
-
-Shared serving path (spec d.6, ``kunlun.serving.score``): with ``request_index i32[N]``, ``x``
-has ad rows and a tower's ``seqs``/``lengths``/``ages`` or a ``summaries`` entry may be
-``rows.PerRequest`` (request rows). HSP / attention on a request-level sequence run once
-per request; the PFFN reads the request's sequence through ``q_index`` and returns ad rows, and so
-does every later module of that tower; summaries enter MoWE gathered to ad rows.
-"""
+State ``(x [B, N_ns, d_ns], seqs, summaries)``: per tower ``s_e [B, T_e, d_e]``, ``lengths_e
+i32[B]``, ``age_e f32[B, T_e]``, ``summary_e [B, n_sum_e, d_e]``; interaction block, then the
+transformer block. Notes: docs/architecture.md, ``kunlun/layer.py``."""
 
 from __future__ import annotations
 
@@ -39,7 +18,7 @@ from kunlun.towers import make_attention, make_pooling, schedule
 from kunlun.weightgen import WeightGen
 from sharding import shard, with_axes
 
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+COMPUTE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
 def summary_proj(d_ns: int, dtype, name: str):
@@ -57,7 +36,7 @@ class KunlunLayer(nn.Module):
 
   @nn.compact
   def __call__(self, x, seqs, lengths, ages, summaries, request_index=None):
-    cfg, dt, rm = self.cfg, DTYPES[self.cfg.dtype], self.remat
+    cfg, dt, rm = self.cfg, COMPUTE_DTYPES[self.cfg.dtype], self.remat
     ri, tb = request_index, cfg.time_buckets.enabled     # tb: HSP / PFFN read the ages
     seqs, summaries = dict(seqs), dict(summaries)
     # lengths / ages follow their sequence to ad rows (after an earlier layer's PFFN)

@@ -1,23 +1,7 @@
 """The Kunlun model (spec d.2) and ``build_model``, the one entry point for every architecture.
-
-``X0 = ContextEncoder(sparse, dense, surface)`` (LCE tokens + per-surface embedding);
-``s0_e = EventEmbed_e(events_e)`` per tower (OneSeq: per-stream embeddings merged by time);
-``L`` Kunlun layers with CompSkip; ``z = concat(flatten(X), flatten(summary_e))``; shared top MLP
-and per-(surface, task) heads; the example's own surface is selected.
-
-Batch layout: ``data/schema.py``. Stream arrays may be longer than the tower's kept length (extra
-padding): every length-dependent scale uses the configured kept length, so padding is inert.
-
-Serving (``kunlun.serving.score``, spec d.6): ``representations(batch, request_index=ri)`` takes the
-context features (``sparse``, ``dense``, ``surface``) with one row per candidate ad (``N``), the
-``events`` with one row per request (``R``) and ``ri i32[N]`` (each ad's request); the event
-embeddings and every module that reads only them run once per request. The outputs equal those of
-``N`` separate examples (events repeated per ad).
-
-Rematerialisation (``config.train.remat`` / ``remat_scope``, ``kunlun/remat.py``) wraps each
-Kunlun layer (or each tower module inside it) and the per-stream event embeddings; the parameter
-tree does not change. The serving path never rematerialises.
-"""
+Batch (``data/schema.py``) -> logits ``[B, K]``: context tokens, event embeddings, ``L`` Kunlun
+layers, shared top MLP and per-(surface, task) heads. Notes: docs/architecture.md,
+``kunlun/model.py``."""
 
 from __future__ import annotations
 
@@ -30,7 +14,7 @@ from kunlun import remat as remat_lib
 from kunlun.common import apply_heads, embed_context, embed_streams
 from kunlun.config import ARCHS, ModelConfig, parse
 from kunlun.inputs import EventEmbed
-from kunlun.layer import DTYPES, KunlunLayer
+from kunlun.layer import COMPUTE_DTYPES, KunlunLayer
 from kunlun.oneseq import StreamMerge
 from kunlun.serving import rows
 
@@ -69,7 +53,7 @@ class Kunlun(nn.Module):
   @nn.compact
   def representations(self, batch, train: bool = False, request_index=None):
     del train                                   # no dropout / batch statistics
-    cfg, dt = self.cfg, DTYPES[self.cfg.dtype]
+    cfg, dt = self.cfg, COMPUTE_DTYPES[self.cfg.dtype]
     with jax.named_scope("Kunlun"):
       x = embed_context(cfg, self.schema, batch, dt)
       remat = self.remat if request_index is None else "none"

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from kunlun.fused import norm_residual
-from kunlun.gdpa import gdpa
+from kunlun.gdpa import gdpa_op
 from kunlun.norms import layer_norm, rms_norm
 from kunlun.time_encoding import BucketSpec, add_bucket_embedding
 from pallas_kernels.activations import per_head
@@ -67,7 +67,7 @@ class PFFN(nn.Module):
       q = add_bucket_embedding(self, "time_bucket_q", q, age, lengths, self.time_buckets)
       q = shard(q, ("batch", "seq", "heads", "head_dim"))
       lengths = jnp.asarray(lengths, jnp.int32)
-      g = gdpa(q, k.astype(self.dtype), v.astype(self.dtype), activation=self.activation,
+      g = gdpa_op(q, k.astype(self.dtype), v.astype(self.dtype), activation=self.activation,
                out_scale=1.0, q_lengths=lengths, backend=self.backend,
                score_clip=self.score_clip, q_index=q_index)            # [B, T, H, dh]
       u, s, lengths = (take_rows(a, q_index) for a in (u, s, lengths))

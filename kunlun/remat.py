@@ -1,25 +1,5 @@
 """Rematerialisation policies (``config.train.remat``) for the Kunlun trunk.
-
-A policy names which intermediate values of a wrapped module's forward pass are kept for the
-backward pass; everything else is recomputed there (``jax.checkpoint``):
-
-  none            keep everything (no recomputation; most memory)
-  dots_no_batch   keep the outputs of matmuls without batch dimensions (the projections and
-                  MLPs: ``btd,de->bte``); recompute norms, activations and the score matrices of
-                  attention / GDPA (einsums with a batch dimension)
-  dots_saveable   keep every matmul output, scores included; recompute elementwise work
-  full            keep only the wrapped module's inputs; recompute its whole forward pass
-
-``config.train.remat_scope`` says what is wrapped: ``layer`` (each Kunlun layer; the default) or
-``tower`` (each tower's sequence modules inside a layer, i.e. PFFN, attention, HSP, and the
-interaction block's WeightGen / MoWE, separately: recomputation peaks at one module instead of a
-whole layer, at the cost of keeping every module's input). The per-stream event embeddings of
-the input stage are wrapped under both scopes unless the policy is ``none``.
-
-Parameters are unaffected (``nn.remat`` keeps the module names), so checkpoints are
-interchangeable across policies; in float32 the loss and gradients are the same up to the
-reassociation XLA may apply to recomputed values.
-"""
+Notes: docs/architecture.md, ``kunlun/remat.py``."""
 
 from __future__ import annotations
 

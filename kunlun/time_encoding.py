@@ -1,30 +1,6 @@
-"""Time encodings of events (spec b.5, h-12).
-
-* ``log_time_bucket``: log2-bucketed event->request gap, for an additive learned embedding
-  (the event MLP input, ``kunlun.inputs.EventEmbed``).
-* ``rotary_time``: rotary angles. The first ``ceil(H / 2)`` heads are temporal (ROTE, angle
-  ``omega_i * log(1 + age / t_scale)``), the others positional (ordinary RoPE on the index),
-  ``omega_i = 10000 ** (-2 i / head_dim)``. The returned ``(cos, sin)`` pair is the per-head
-  layout taken by ``pallas_kernels.block_attention(rotary=...)`` and
-  ``pallas_kernels.reference.apply_rotary`` (half-split rotation).
-
-* Per-head additive bucket embeddings (spec b.5-2, ``config.model.time_buckets``): every event
-  gets one bucket id per kind (``bucket_ids``), and a module adds ``sum_kind E_kind[id]`` (a
-  learned ``[kinds, n_buckets, H, d_h]`` table, zero-initialised: the switch starts as a no-op)
-  to the per-token operand of its GDPA / attention (``add_bucket_embedding``): the queries of
-  self-attention (after QK-norm, before the rotary encoding, so the logits stay relative) and of
-  the PFFN; in HSP the queries are the learned seeds and the events are the keys, so HSP adds it
-  to its keys. Kinds (``BUCKET_KINDS``):
-
-  - ``age``: even-width event->request buckets, ``floor(age / (horizon / n))``;
-  - ``log_age``: log2 event->request buckets (as ``log_time_bucket``);
-  - ``gap``: log2 gap to the previous (older) event; bucket 0 = no previous event;
-  - ``position``: even-width recency rank (``length - 1 - t``; 0 = most recent) over the tower's
-    kept length, so padding a batch longer changes nothing.
-
-Choice: with a single head the head is temporal (``ceil``), because time is the signal that
-index distance cannot carry.
-"""
+"""Time encodings of events (spec b.5, h-12): log-time buckets, rotary angles (ROTE / RoPE per
+head, ``(cos, sin)``) and per-head time/position bucket embeddings.
+Notes: docs/architecture.md, ``kunlun/time_encoding.py``."""
 
 from __future__ import annotations
 

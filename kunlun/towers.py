@@ -1,24 +1,5 @@
 """Event-level personalization (spec c.8, h-10): per-tower CompSkip schedule, module factories.
-
-Each event tower has its own width, heads, PFFN keys, window, kept length, HSP seeds/summary
-tokens and depth ``L_e``. In Kunlun layer ``l`` a tower runs only while ``l < L_e``; afterwards its
-last summary keeps feeding the interaction block (MoWE) of every later layer and the heads.
-
-Schedule of tower ``e`` in layer ``l`` (``schedule``):
-  * CompSkip on (spec c.7, h-9): even ``l``: WeightGen + fresh HSP summary (interaction block) and
-    GDPA-PFFN (transformer block); odd ``l``: self-attention, the previous summary is reused.
-  * CompSkip off: every active layer runs WeightGen + HSP + PFFN + attention
-    (``s' = SWA(PFFN(s))``).
-  * ``final_hsp`` off (default, spec d.1 / d.4): the summary that leaves the tower is the one of
-    its last HSP, which reads that layer's *input*. A transformer block at or after the tower's
-    last HSP layer therefore reaches nothing (neither a summary nor the heads); it is not built
-    (same function, no dead parameters or FLOPs), and neither is the WeightGen of such a PFFN. With
-    CompSkip a tower of depth ``L_e`` runs the sequence blocks of the layers before its last even
-    layer: depth 1 or 2 is embedding + HSP only, depth 3 and 4 run PFFN, SWA, then HSP.
-  * ``final_hsp`` on ([D], the behaviour before it became a switch): the tower's last layer
-    ``l = L_e - 1`` summarises its output sequence once more, so every layer's blocks run and a
-    shallow tower's "last summary" is the summary of its final sequence (one more HSP per tower).
-"""
+Notes: docs/architecture.md, ``kunlun/towers.py``."""
 
 from __future__ import annotations
 

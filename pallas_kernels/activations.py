@@ -1,25 +1,5 @@
 """Pointwise score activations shared by every GDPA / block-attention backend (spec c.1: the
-twelve of Meta's GDPA kernels).
-
-Two forms of each:
-
-- ``ACTIVATIONS[name]``: the reference definition (jax ops; ``jax.grad`` gives the derivative).
-  The XLA references use it; tests compare every kernel against it.
-- ``kernel_fn(name, with_slope, fast)``: the value and closed-form derivative written out in fp32
-  for the kernels (Pallas; ``_triton_src.py`` mirrors the same formulas in Triton). ``fast``
-  swaps ``tanh`` / ``sigmoid`` for the hardware approximations (``tanh.approx.f32``, one MUFU op,
-  max. relative error ~2^-11): used only for 16-bit inputs on a GPU, where ``act(s)`` is rounded
-  to bf16 (2^-8) before the second matmul anyway.
-
-Names: ``identity``, ``gelu`` (erf), ``gelu_tanh`` (tanh approximation, exact tanh),
-``fast_gelu`` (the same formula; kernels may use the hardware tanh), ``fast_gelu_bf16`` (tanh
-GELU of the score rounded to bf16; derivative taken at the rounded point), ``gelu_taylor`` (the
-degree-6 Taylor polynomial of GELU at 0, spec c.9: ``0.5x + 0.39894x^2 - 0.066490x^4 +
-0.0099736x^6``; close to GELU only for |x| <~ 1.5, which is why scores are clipped), ``silu``,
-``fast_silu`` (SiLU; kernels may use the fast sigmoid), ``relu``, ``relu2`` (ReLU squared),
-``leaky_relu`` (negative slope 0.01) and ``hardswish`` (``x relu6(x + 3) / 6``). Every one has
-``act(0) = 0``, which the kernels rely on: zero-filled padding contributes nothing.
-"""
+twelve of Meta's GDPA kernels). Notes: pallas_kernels/README.md, ``activations.py``."""
 
 from __future__ import annotations
 
@@ -27,6 +7,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax.experimental.pallas import triton as plgpu
 
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 _GELU_C = 0.044715
@@ -194,7 +175,6 @@ _EXACT = _kernel_table(jnp.tanh, _exact_sigmoid)
 
 
 def _fast_table():
-  from jax.experimental.pallas import triton as plgpu  # GPU lowering only
   tanh = plgpu.approx_tanh
   return _kernel_table(tanh, lambda x: 0.5 + 0.5 * tanh(0.5 * x))
 

@@ -13,6 +13,7 @@ import json
 import os
 
 import jax
+import jax.numpy as jnp
 
 from pallas_kernels import reference
 
@@ -76,7 +77,6 @@ def _has_jax_triton() -> bool:
 
 def cudnn_supports(dtype, head_dim) -> bool:
   """cuDNN flash attention's operand limits: fp16/bf16 inputs, head_dim a multiple of 8 <= 128."""
-  import jax.numpy as jnp
   return (dtype is not None and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
           and head_dim is not None and head_dim % 8 == 0 and head_dim <= 128)
 

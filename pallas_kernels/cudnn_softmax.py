@@ -1,50 +1,6 @@
 """Softmax attention through cuDNN flash attention (semantics of
-``reference.softmax_attention_reference``).
-
-Full attention (``window=None``): one ``jax.nn.dot_product_attention(implementation="cudnn")``
-call that takes the padding lengths directly (``query_seq_lengths`` / ``key_value_seq_lengths``).
-
-Banded attention (``|i - j| <= w``): cuDNN (jax 0.11.2) takes only a *left* window, and only
-with a causal mask (``local_window_size=(w, w)`` raises "cuDNN doesn't support right window").
-The band is split into two disjoint halves, each a causal left-window call:
-
-  left   keys ``[i - w, i]``: causal, window ``w + 1`` (the diagonal is here, counted once);
-  right  keys ``[i + 1, i + w]``: the same call on the sequence reversed within its valid
-         length, with the queries shifted by one: ``q'_t = q[L - 2 - t]``, ``k'_t = k[L - 1 - t]``
-         (``L = kv_lengths[b]``), causal with window ``w`` (keys ``[t - w + 1, t]``), so reversed
-         query ``t`` sees exactly the keys ``i + 1 .. i + w`` of row ``i = L - 2 - t``. Both index
-         maps are involutions of ``[0, T)`` (mod T), so the same gather maps results back.
-
-and merged by their log-sum-exp (``lse = logaddexp(lse_l, lse_r)``, ``o = e^{lse_l - lse} o_l +
-e^{lse_r - lse} o_r``). cuDNN's own VJP cannot train this: its backward drops the cotangent of the
-log-sum-exp output (``_dot_product_attention_bwd_rule`` keeps only ``grad_output[0]``; the XLA
-implementation wraps it in ``stop_gradient``), and the merge weights depend on it, so
-``jax.grad`` through two ``return_residual=True`` calls is silently wrong. Here a
-``jax.custom_vjp`` runs each half's cuDNN backward with the *merged* ``o`` and ``lse`` (the
-split-KV / ring-attention identity: ``P = exp(s - lse)`` and ``delta = sum(dO o)`` are then
-those of the whole band, so the halves' dq, dk, dv add up to the exact gradient). That backward
-calls cuDNN's backward primitive directly, and the forward takes the fp32 log-sum-exp from
-``jax._src.cudnn.fused_attention_stablehlo`` (the public API rounds it to the output dtype,
-~1% merge-weight error in bf16): both private jax APIs of 0.11.2, checked on a GPU only
-(``tests/pallas_kernels/test_pallas_gpu.py``).
-
-``interpret=True`` (CPU tests) replaces the cuDNN calls with an XLA stand-in of the same
-signature (dense masked causal left-window attention returning ``o`` and fp32 ``lse``; its
-backward takes the merged ``o`` and ``lse`` like cuDNN's), so the reversal, the merge and the
-custom VJP are tested without a GPU.
-
-Cost (why ``auto`` prefers the Pallas kernel for the band): each half is a causal call whose
-cuDNN tiles (128 x 128) cover a 65-key half band with ~25% useful pairs, and the right half
-needs three reversal gathers (q, k, v), an output gather and the merge: at w = 64 the attention
-itself is ~64 FLOP per byte of q, k, v, o, so the ~10 extra passes over ``[B, T, H, D]`` cost
-about what the attention does. The alternative, one full call with a band bias, computes all
-``T x T`` scores (16x the band's at T 2048, w 64) and reads a ``T x T`` bias. Both are measured
-by ``bench/kernels.py`` on the GPU (the band bias is not implemented: it cannot win at T >= 512).
-
-Not supported here: ``kv_start`` / ``q_offset`` (the context-parallel halo path uses pallas or
-xla), and ``Tq != Tk`` with a window. ``q_index`` / ``kv_index`` gather the rows first (cuDNN
-cannot index in place).
-"""
+``reference.softmax_attention_reference``), ``q, k, v [B, T, H, D]``.
+Notes: pallas_kernels/README.md, ``cudnn_softmax.py``."""
 
 from __future__ import annotations
 

@@ -1,31 +1,5 @@
-"""GDPA in Pallas (Triton lowering on GPU; ``interpret=True`` runs the same kernels on CPU).
-
-q, k, v stay in HBM in the caller's ``[B, T, H, D]`` layout (no padding copy, no gather): each
-program computes its own row pointers from the program ids, so the request-level ``q_index`` /
-``kv_index`` (which q / k-v row an output row reads) and GQA (q head ``h`` reads k/v head
-``h // G``) are a pointer offset. Loads are masked by the lengths and fill zeros; since every
-activation has ``act(0) = 0`` and zero-filled v rows contribute nothing, the inner loops need no
-length mask at all (only the optional window adds one). That also keeps NaN/Inf stored beyond
-the lengths out of every result.
-
-Forward: grid ``(B, H_q, Tq / bq)``; a program keeps its q tile and walks the kv tiles that
-lengths and window leave visible. Backward (``jax.custom_vjp``, scores recomputed, no softmax
-state): a dq kernel on the forward grid, and a dk/dv kernel on ``(B, H_kv, Tk / bk)`` that walks
-the G q heads of its kv head and their q tiles, computing transposed score tiles (``k q^T``) so
-that ``dv += p^T do`` and ``dk += ds^T q`` need no register transposes. Scales are applied once
-to the accumulators, not per score. With ``q_index`` (``kv_index``) the kernels write per-output-
-row fp32 partial gradients that are summed into the shared rows afterwards (segment sum).
-
-Numerics: dots accumulate in fp32; ``act(s)`` and ``ds`` are rounded to the value dtype before
-their matmuls (bf16 P, as flash attention does); fp32 inputs use full-precision dots. For 16-bit
-inputs on a GPU, tanh / sigmoid in the activations use the hardware approximations
-(``activations.kernel_fn(fast=True)``).
-
-fp8 (``fp8=True``, forward only, no index / GQA): q, k, v are quantised to float8_e4m3fn with one
-scale per tensor (amax / 448); q.k runs in fp8 with f32 accumulation and the scales are folded
-into ``scale`` / ``out_scale``; P.V runs in bf16 (v upcast from fp8), since act(s) has no bounded
-range.
-"""
+"""GDPA in Pallas (Triton lowering on GPU; ``interpret=True`` runs the same kernels on CPU);
+``q, k, v [B, T, H, D]`` read in place. Notes: pallas_kernels/README.md, ``pallas_gdpa.py``."""
 
 from __future__ import annotations
 

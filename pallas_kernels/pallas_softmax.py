@@ -1,30 +1,5 @@
-"""Softmax (flash) attention in Pallas, full or banded (Triton lowering; ``interpret=True`` on CPU).
-
-The sliding-window attention of the event towers (``|i - j| <= window``) and full attention with
-ragged lengths, semantics of ``reference.softmax_attention_reference``. q, k, v stay in the
-caller's ``[B, T, H, D]`` layout; each program computes its row pointers from the program ids,
-so request-level ``q_index`` / ``kv_index`` and GQA (q head ``h`` reads k/v head ``h // G``) are
-pointer offsets, as in ``pallas_gdpa``. Loads are masked by the lengths (zero fill); a softmax
-needs the masks in the inner loop too (a zero score is not "no key"), so every score tile is
-masked by ``kv_start <= j < kv_len`` and, with a window, ``|i + q_offset - j| <= window``.
-
-Forward: grid ``(B, H_q, Tq / bq)``; a program keeps its q tile and walks only the key tiles that
-touch its band (``_key_span``: ``ceil((bq + 2 w) / bk) + 1`` tiles at most, whatever T),
-with the online softmax (running max ``m``, sum ``l``, fp32 accumulator). It writes ``o`` and
-the log-sum-exp ``lse [B, H_q, Tq]`` (fp32), the only softmax state the backward needs.
-
-Backward (``jax.custom_vjp``, scores recomputed from ``lse``): a dq kernel on the forward grid
-that also writes ``delta_i = sum_d dO_i o_i`` (fp32), then a dk/dv kernel on ``(B, H_kv, Tk /
-bk)`` that walks the G q heads of its kv head and the q tiles that touch its band, computing
-transposed tiles (``k q^T``) so that ``dv += p^T dO`` and ``dk += ds^T q`` take register operands.
-``P = exp(s - lse)`` and ``dS = P (dO v^T - delta)``: FlashAttention-2's backward. With
-``q_index`` (``kv_index``) the kernels write per-output-row fp32 partial gradients that are
-summed into the shared rows afterwards (segment sum, as GDPA).
-
-Rows at or beyond ``q_len`` and rows without a visible key output zeros (``l = 0``). fp32
-accumulation; P and dS are rounded to the value dtype before their matmuls; fp32 inputs use
-full-precision dots.
-"""
+"""Softmax (flash) attention in Pallas, full or banded (Triton lowering; ``interpret=True`` on CPU);
+``q, k, v [B, T, H, D]`` read in place. Notes: pallas_kernels/README.md, ``pallas_softmax.py``."""
 
 from __future__ import annotations
 

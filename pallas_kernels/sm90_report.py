@@ -25,6 +25,10 @@ import tempfile
 
 import jax
 import jax.numpy as jnp
+from jax._src.pallas.triton import gpu_info
+from jax._src.pallas.triton import pallas_call_registration as reg
+
+from pallas_kernels import activations, pallas_block, pallas_gdpa, pallas_softmax, tuning
 
 SHAPES = {  # bench/kernels.py shapes (batch 2: the batch does not change the kernel)
     "self": dict(Tq=2048, Tk=2048, Hq=8, Hkv=8, D=128),
@@ -72,7 +76,6 @@ def triton_kernel_stats(kernel: str, tiles, shape: dict, *, act="fast_gelu", dty
   from triton.compiler import ASTSource
 
   from pallas_kernels import _triton_src as src
-  from pallas_kernels import activations
   fn = {"fwd": src.fwd_kernel, "dq": src.dq_kernel, "dkv": src.dkv_kernel}[kernel]
   bq, bk, warps, stages = tiles
   codes = sorted({activations.CODES[a] for a in (mixed or (act,))})
@@ -98,8 +101,6 @@ def triton_kernel_stats(kernel: str, tiles, shape: dict, *, act="fast_gelu", dty
 def pallas_ttir(f, *args):
   """``[(kernel name, Triton IR text, num_warps, num_stages)]`` of the ``pallas_call``s in
   ``jax.jit(f)`` lowered for CUDA sm_90 (on any host)."""
-  from jax._src.pallas.triton import gpu_info
-  from jax._src.pallas.triton import pallas_call_registration as reg
   mods = []
   orig_lower, orig_info = reg.lowering.lower_jaxpr_to_triton_module, reg.gpu_info_lib.get_gpu_info
 
@@ -136,7 +137,6 @@ def compile_ttir(ttir: str, num_warps: int, num_stages: int) -> dict:
 
 def pallas_gdpa_stats(shape: dict, tuning_kw: dict, dtype=jnp.bfloat16, **kw) -> dict:
   """Stats of the Pallas GDPA forward, dq and dk/dv kernels at ``shape`` (batch 2)."""
-  from pallas_kernels import pallas_gdpa
   q = jax.ShapeDtypeStruct((2, shape["Tq"], shape["Hq"], shape["D"]), dtype)
   k = jax.ShapeDtypeStruct((2, shape["Tk"], shape["Hkv"], shape["D"]), dtype)
   loss = jax.grad(lambda q, k, v: jnp.sum(pallas_gdpa.gdpa_pallas(
@@ -145,7 +145,6 @@ def pallas_gdpa_stats(shape: dict, tuning_kw: dict, dtype=jnp.bfloat16, **kw) ->
 
 
 def pallas_block_stats(T=4096, H=8, D=128, block=64, activation="softmax", dtype=jnp.bfloat16):
-  from pallas_kernels import pallas_block
   x = jax.ShapeDtypeStruct((2, T, H, D), dtype)
   loss = jax.grad(lambda q, k, v: jnp.sum(pallas_block.block_attention_pallas(
       q, k, v, block_size=block, activation=activation).astype(jnp.float32)), (0, 1, 2))
@@ -154,7 +153,6 @@ def pallas_block_stats(T=4096, H=8, D=128, block=64, activation="softmax", dtype
 
 def pallas_softmax_stats(T=2048, H=8, D=128, window=64, dtype=jnp.bfloat16, **tiles):
   """Stats of the Pallas softmax-attention forward, dq and dk/dv kernels (batch 2, ragged)."""
-  from pallas_kernels import pallas_softmax
   x = jax.ShapeDtypeStruct((2, T, H, D), dtype)
   lens = jnp.array([T, 3 * T // 4], jnp.int32)
   loss = jax.grad(lambda q, k, v: jnp.sum(pallas_softmax.softmax_attention_pallas(
@@ -167,7 +165,6 @@ def pallas_softmax_stats(T=2048, H=8, D=128, window=64, dtype=jnp.bfloat16, **ti
 
 
 def report() -> dict:
-  from pallas_kernels import tuning
   out = {"triton": {}, "pallas": {}, "pallas_block": {}, "pallas_softmax": {}}
   for cls, shape in SHAPES.items():
     for kern, cands in tuning.CANDIDATES.items():

@@ -1,23 +1,5 @@
 """Logical axis vocabulary and the single activation-constraint helper.
-
-Logical names used by ``kunlun/`` (parameters and activations):
-
-  batch       examples in a batch
-  seq         event positions of a sequence
-  embed       model width of a sequence tower (d) or of the non-sequence tokens (d_ns)
-  tokens      non-sequence token axis (N_ns, and LCE input tokens)
-  heads       attention / GDPA heads
-  head_dim    per-head channels
-  kv          personalized key/value rows of the GDPA-PFFN (n_kv)
-  seeds       HSP seed / summary-token axis
-  mlp         hidden units of MLPs
-  exp         experts of the Mixture of Wukong Experts
-  table_rows  rows of an embedding table
-  table_dim   embedding width of a table
-  layers      stacked-layer axis (if layers are scanned)
-
-A dimension annotated ``None`` is never sharded.
-"""
+Notes: docs/sharding.md, ``sharding/axes.py``."""
 
 from __future__ import annotations
 

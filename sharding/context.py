@@ -1,24 +1,6 @@
-"""Context (sequence) parallelism: attention and GDPA with the sequence axis sharded.
-
-Sequence activations ``[B, T, H, D]`` carry the logical axes ``(batch, seq, heads, head_dim)``;
-the rules map ``seq`` to ``context`` (presets fsdp_cp, 5d). Each function runs its kernel per
-shard inside ``jax.shard_map`` (so Pallas / Triton backends work under every preset) and moves
-only what the math needs:
-
-  block_attention   blocks never straddle shards (T / shards must be a multiple of block_size):
-                    no cross-shard traffic at all.
-  swa_attention     |i - j| <= window: each shard receives ``window`` key/value rows from each
-                    neighbour (two ``ppermute`` halo exchanges), then attends locally.
-  softmax_attention the softmax kernels (pallas / cudnn), full or banded: the same halo exchange
-                    for the band (the kernel's ``q_offset`` / ``kv_start`` place the local
-                    queries among the haloed keys); full attention all-gathers k and v.
-  gdpa              ``shard="q"`` (PFFN: sequence queries against per-example K/V rows):
-                    purely local. ``shard="kv"`` (HSP: seed queries over the sequence keys):
-                    local partial sums of ``out_scale * sum_j act(q.k_j) v_j`` and a ``psum``.
-
-Without an active mesh (or with ``seq`` unsharded) every function computes on the whole array.
-Lengths are global: rows at or beyond ``lengths[b]`` output zeros and such keys are ignored.
-"""
+"""Context (sequence) parallelism: attention and GDPA with the sequence axis sharded; operands
+``[B, T, H, D]`` with logical axes ``(batch, seq, heads, head_dim)``.
+Notes: docs/sharding.md, ``sharding/context.py``."""
 
 from __future__ import annotations
 
@@ -161,7 +143,7 @@ def swa_attention(q, k, v, lengths, window: int, *, activation="softmax", out_sc
 
 # ---- softmax attention through a kernel backend ----------------------------------------------
 
-def softmax_attention(q, k, v, lengths, window=None, *, backend="pallas"):
+def context_parallel_softmax_attention(q, k, v, lengths, window=None, *, backend="pallas"):
   """``pallas_kernels.softmax_attention`` (self-attention: ``lengths`` for queries and keys) per
   shard, for kernel backends (XLA cannot partition a custom call).
 
@@ -182,8 +164,8 @@ def softmax_attention(q, k, v, lengths, window=None, *, backend="pallas"):
   n = math.prod(mesh.shape[a] for a in cax)
   W = window or 0
   if n > 1 and window is not None and (T % n or T // n < W):
-    raise ValueError(f"softmax_attention: {n} context shards of T={T} need T divisible by {n} "
-                     f"and T/{n} >= window={W}")
+    raise ValueError(f"context_parallel_softmax_attention: {n} context shards of T={T} need T "
+                     f"divisible by {n} and T/{n} >= window={W}")
 
   if n > 1 and window is not None and backend == "cudnn":
     call = functools.partial(call, backend="pallas")   # cuDNN takes no q_offset / kv_start
@@ -250,8 +232,9 @@ def block_attention(q, k, v, lengths, *, block_size=64, activation="softmax", ro
 
 # ---- GDPA with the sequence sharded ------------------------------------------------------------
 
-def gdpa(q, k, v, *, shard="q", activation="fast_gelu", scale=None, out_scale=1.0,
-         q_lengths=None, kv_lengths=None, broadcast_q=False, backend="xla", score_clip=None):
+def context_parallel_gdpa(q, k, v, *, shard="q", activation="fast_gelu", scale=None,
+                          out_scale=1.0, q_lengths=None, kv_lengths=None, broadcast_q=False,
+                          backend="xla", score_clip=None):
   """``pallas_kernels.gdpa`` with the sequence axis of ``q`` (``shard="q"``) or of ``k, v``
   (``shard="kv"``) split over the context shards.
 
@@ -263,7 +246,7 @@ def gdpa(q, k, v, *, shard="q", activation="fast_gelu", scale=None, out_scale=1.
   ``pallas_kernels.gdpa`` (pointwise, so it commutes with the sharding).
   """
   if shard not in ("q", "kv"):
-    raise ValueError(f"gdpa: shard={shard!r}; allowed: 'q', 'kv'")
+    raise ValueError(f"context_parallel_gdpa: shard={shard!r}; allowed: 'q', 'kv'")
   kw = dict(activation=activation, scale=scale, out_scale=out_scale, broadcast_q=broadcast_q,
             backend=backend, score_clip=score_clip)
   seq_x = q if shard == "q" else k

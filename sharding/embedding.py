@@ -1,42 +1,5 @@
 """Embedding tables: table-batched look-ups (TBE), row-sharded exchange, sparse row-wise Adagrad.
-
-Table batching (the FBGEMM / TorchRec TBE idea). ``lookup_tables(tables, ids)`` splits the tables
-into groups (``plan_groups``: equal width, dtype and row sharding; a table of more than
-``SMALL_TABLE_ROWS`` rows stays alone, so no large table is ever copied) and serves each group
-with one gather from the concatenation of its tables (``group_ids``: table ``i``'s row ``r`` is
-row ``offset_i + r`` of the group) and, in the backward pass, one segment-sum: the ids are sorted
-once (stable) and the row gradients summed per distinct id by a sorted scatter-add
-(``indices_are_sorted``: XLA:GPU accumulates each run of equal ids in registers instead of one
-atomic per repeat, which matters for tables of a few rows looked up by every event). The gradient
-of each table is its slice of the group's. Parameters stay one array per table (checkpoints are
-unchanged); the concatenation happens inside the step. In float32 the per-row sums add the same
-terms in the same order as the unbatched scatter (the sort is stable).
-
-Row sharding. Tables are ``[V, D]`` with rows sharded over every mesh axis the rules give
-``table_rows`` (``rules.py``: all five), so device ``s`` (the linear index over those axes) owns
-rows ``[s R, (s + 1) R)``, ``R = V / n``. A group of sharded tables is served as one virtual
-table whose shard on device ``s`` is the concatenation of the members' local shards (``R_0 + R_1
-+ ...`` rows, no communication). Under an active mesh and rules, the look-up runs inside
-``jax.shard_map`` (jax_stack_notes §10.3):
-
-  1. the flattened ids are split evenly over all n devices; each device deduplicates its ids
-     (a stable sort with a fixed size) and buckets them by owner;
-  2. ``all_to_all`` of fixed-capacity buckets ``[n, C]`` sends every id to its owner;
-  3. the owner gathers the rows from its shard; 4. a second ``all_to_all`` returns ``[n, C, D]``;
-  5. each device expands the rows back to its ids (the backward is a sorted segment-sum).
-
-When any device has more than ``C`` distinct ids for one owner, every device takes the fallback
-path instead (a ``lax.cond`` on a psum'd flag): all-gather of the ids, masked local gather and a
-reduce-scatter of the rows (correct for any ids, more traffic). Neither path moves a table-sized
-array. One exchange serves the whole group.
-
-With no mesh, no rules, or rows that are not sharded, a group is a plain gather.
-
-``sparse_adagrad_update`` / ``sparse_adagrad_update_group`` apply row-wise Adagrad to the rows
-looked up in a step only (the same exchange routes (id, gradient) pairs to their owners); other
-rows stay bitwise unchanged. The train step uses them when ``config.train.sparse_embedding_update``
-is on (``kunlun/train/step.py``).
-"""
+Notes: docs/sharding.md, ``sharding/embedding.py``."""
 
 from __future__ import annotations
 

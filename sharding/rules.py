@@ -1,42 +1,5 @@
 """Logical-to-mesh axis rule presets, kept as data.
-
-A rule set is an ordered tuple of ``(logical_name, mesh_axes)`` pairs with flax's
-``logical_to_mesh_axes`` semantics: rules are one global priority list; a rule applies to a
-dimension only if none of its mesh axes is already used by another dimension of the same array;
-later entries for the same logical name are fallbacks. ``mesh_axes`` is ``None`` (replicated), one
-axis name, or a tuple of axis names.
-
-Every preset works on every mesh (axes of size 1 cost nothing). Axes that a preset does not use for
-parameters or sequences carry the batch, so no device ever duplicates another's work. In every
-preset embedding-table rows are sharded over ALL devices (``table_rows`` -> all five axes): a table
-is never replicated, so no table-sized gradient all-reduce can appear (jax_stack_notes §10).
-
-Presets (mesh axes: data, fsdp, tensor, context, expert):
-
-  dp       pure data parallelism: batch over every axis; dense parameters replicated.
-  fsdp     ZeRO-3: batch over every axis; dense parameters sharded over ``fsdp`` on their
-           ``embed`` dimension (``data`` then gives HSDP replicas); experts stay whole per device.
-  fsdp_tp  fsdp + tensor parallelism: ``heads`` and ``mlp`` on ``tensor`` (parameters and
-           activations); batch over data, fsdp, context, expert.
-  fsdp_cp  fsdp + context parallelism: ``seq`` on ``context``; parameters sharded over
-           fsdp x context (the context group would otherwise hold replicas); batch over data,
-           fsdp, tensor, expert.
-  fsdp_ep  fsdp + expert parallelism: the stacked ``exp`` axis of MoWE on ``expert``; other
-           parameters sharded over fsdp x expert; batch over data, fsdp, context, tensor, expert.
-  5d       all five: batch over data, fsdp, expert; seq on context; heads/mlp on tensor; exp on
-           expert; parameters' embed over fsdp x context x expert where free (fallback fsdp).
-
-Parameters without an ``embed`` dimension (e.g. ``(None, mlp)`` MLP kernels whose input is a
-flattened token block, ``(tokens, None)`` mixing weights) would stay replicated under plain
-``embed -> fsdp`` rules, so ``mlp`` and ``tokens`` fall back to the ZeRO axes (behind ``tensor``
-for ``mlp``) when a parameter has no ``embed`` dimension. Every fallback holds ``fsdp``, which the
-batch always claims first, so fallbacks never shard activations.
-
-Rule order (shared by all presets): ``exp`` first (so stacked expert weights and per-expert
-activations take ``expert`` before anything else), then ``batch`` (activations keep their batch
-sharding before ``embed`` can claim fsdp), then ``seq``, ``heads``/``mlp``, then ``embed``
-(with fallbacks), then tables.
-"""
+Notes: docs/sharding.md, ``sharding/rules.py``."""
 
 from __future__ import annotations
 

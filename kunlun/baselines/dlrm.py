@@ -16,7 +16,7 @@ from kunlun.common import apply_heads, embed_context
 from kunlun.config import ModelConfig
 from kunlun.heads import MLP
 from kunlun.inputs import EventEmbed
-from kunlun.layer import DTYPES
+from kunlun.layer import COMPUTE_DTYPES
 from sharding import shard
 
 
@@ -31,7 +31,7 @@ class DLRM(nn.Module):
   @nn.compact
   def representations(self, batch, train: bool = False):
     del train
-    cfg, dt = self.cfg, DTYPES[self.cfg.dtype]
+    cfg, dt = self.cfg, COMPUTE_DTYPES[self.cfg.dtype]
     with jax.named_scope("DLRM"):
       x = embed_context(cfg, self.schema, batch, dt)
       pooled = {}

@@ -1,35 +1,6 @@
 """InterFormer (arXiv 2411.09852; spec A.1, h-17), the baseline Kunlun is measured against.
-
-Layer ``l`` reads ``X^l [B, N_ns, d_ns]`` and, per stream ``e``, ``S_e^l [B, n_cls + T_e, d_e]``
-(CLS tokens first, then the events oldest first; rows ``>= n_cls + length_e`` are padding). Its
-three arches all read the layer's inputs:
-
-  Cross Arch        ``X_sum = Gate(LCE(X^l))``                                 ``[B, n_cls, d_ns]``
-                    ``S_sum_e = Gate([S_e[:n_cls] || PMA(S_e) || recent(S_e)])``
-                                                     ``[B, n_cls + n_sum_e + n_recent, d_e]``
-                    ``Gate(Z) = sigmoid(Z W + b) * Z``
-  Interaction Arch  ``X^{l+1} = DHEN([X^l || Proj_e(S_sum_e) for all e])`` (DOT + DCN, then an
-                    MLP; ``dhen.py``), ``N_ns`` tokens out
-  Sequence Arch     ``S_e^{l+1} = MHA_e(PFFN_e(X_sum, S_e^l))``:
-                    PFFN ``RMSNorm(S) W_e(X_sum)`` with ``W_e(X_sum) = reshape(MLP(flatten(X_sum)),
-                    [d_e, d_e])``, one generated ``d x d`` projection per example (the MLP's
-                    output bias starts at the identity); no residual (InterFormer's PFFN has
-                    none, spec c.2). MHA: pre-norm multi-head softmax self-attention over every
-                    valid token (CLS included) with positional RoPE, ``S + Attn(RMSNorm(S)) W_o``.
-
-Input: ``S_e^0 = [Proj_cls_e(X_sum^0) || EventEmbed_e(events_e)]`` with
-``X_sum^0 = Gate(LCE(X^0))`` (the first X_sum prepended as CLS tokens; its own Cross Arch
-parameters). Output: a final Cross Arch on the last layer's ``X^L, S_e^L``; the heads read
-``[X_sum^L || S_sum_e^L for all e]`` (``kunlun.common.apply_heads``).
-
-Choices where the public record is silent [D]: the streams here are not time-aligned, so instead
-of InterFormer's MaskNet merge each stream keeps its own sequence arch (width, heads, kept length
-and PMA queries ``n_sum`` from ``config.model.towers``; every stream runs all ``num_layers``,
-CompSkip and event-level depth do not apply); ``Gate`` is a token-wise one-layer MLP; the PFFN
-generator's hidden width is ``d_ns``; the DHEN stack takes ``mowe.{layers_per_expert, rank,
-mlp_hidden}``. Sizes: ``interformer.{n_cls, n_recent}`` (defaults 4 and 2, as in a public
-re-implementation).
-"""
+Layer ``l``: ``X^l [B, N_ns, d_ns]`` and per stream ``S_e^l [B, n_cls + T_e, d_e]`` (CLS tokens
+first). Notes: docs/architecture.md, ``kunlun/baselines/interformer.py``."""
 
 from __future__ import annotations
 
@@ -46,7 +17,7 @@ from kunlun.common import apply_heads, embed_context, embed_streams
 from kunlun.config import ModelConfig
 from kunlun.hsp import PMA
 from kunlun.inputs import LCE
-from kunlun.layer import DTYPES
+from kunlun.layer import COMPUTE_DTYPES
 from kunlun.norms import rms_norm
 from kunlun.time_encoding import rope_frequencies
 from pallas_kernels.reference import apply_rotary
@@ -190,7 +161,7 @@ class InterFormerLayer(nn.Module):
 
   @nn.compact
   def __call__(self, x, seqs, lengths):
-    cfg, dt = self.cfg, DTYPES[self.cfg.dtype]
+    cfg, dt = self.cfg, COMPUTE_DTYPES[self.cfg.dtype]
     n_cls = cfg.interformer.n_cls
     with jax.named_scope(f"InterFormerLayer_{self.index}"):
       x_sum = CrossX(n_cls, dt, name="x_cross")(x)
@@ -223,7 +194,7 @@ class InterFormer(nn.Module):
   @nn.compact
   def representations(self, batch, train: bool = False):
     del train
-    cfg, dt = self.cfg, DTYPES[self.cfg.dtype]
+    cfg, dt = self.cfg, COMPUTE_DTYPES[self.cfg.dtype]
     with jax.named_scope("InterFormer"):
       x = embed_context(cfg, self.schema, batch, dt)
       ev, lengths, _ = embed_streams(cfg.towers, self.schema, batch, dt, cfg.num_time_buckets)

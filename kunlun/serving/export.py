@@ -1,28 +1,7 @@
 """Export a trained run's shared serving path (``kunlun.serving.score``) as a ``jax.export``
-artifact.
-
-  python -m kunlun.serving.export --workdir=runs/tiny --out=runs/tiny_serving \
-      [--candidates=dynamic|N] [--requests=1|dynamic|R] [--step=S] [--data_dir=D] \
-      [--platforms=cpu[,cuda]] [--no_verify] [--trust_workdir]
-
-Restores the parameters of a train.py checkpoint (``--step``, default the latest) and writes to
-``--out``:
-
-  serving.jax_export   the serialized ``jax.export.Exported`` (StableHLO) of
-                       ``(params, batch) -> {"logits", "prob"}`` (``f32[N, K]``), the request-level
-                       parts computed once per request (spec d.6)
-  params.npz           the parameters, one array per ``a/b/c`` path of the params tree
-  signature.json       every input (path, dtype, shape; ``"n"`` = candidates, ``"r"`` = requests
-                       when symbolic), the outputs, the surfaces / tasks, the kept length per
-                       stream, how to build the inputs, and the source run
-
-``--candidates=dynamic`` (default) exports a symbolic candidate count ``n`` (any ``N >= 1`` per
-call, one compilation per distinct ``N`` at the caller); an integer fixes it. ``--requests``
-likewise (default 1: one user per call). ``kunlun/serving/loader.py`` runs the artifact with jax
-and numpy only. After writing, the artifact is reloaded and checked against the in-process model
-on a random batch (``--no_verify`` skips it). Bad input is a one-line
-``kunlun.serving.export: error: ...``.
-"""
+artifact: ``python -m kunlun.serving.export --workdir=W --out=O [--candidates=dynamic|N]
+[--requests=1|dynamic|R] [--step=S] [--data_dir=D] [--platforms=cpu[,cuda]] [--no_verify]
+[--trust_workdir]``. Outputs and options: docs/architecture.md, ``kunlun/serving/export.py``."""
 
 from __future__ import annotations
 
@@ -32,7 +11,20 @@ import platform
 import sys
 from collections.abc import Mapping
 
+import flax
+import jax
 import numpy as np
+from jax import export as jex
+
+from data.fake import random_batch
+from data.schema import FIRST_ID, NULL_ID, OOV_ID
+from kunlun.config import seq_lens
+from kunlun.serving import loader, score
+from kunlun.serving.loader import ARTIFACT, FORMAT, PARAMS, SIGNATURE, nest
+from kunlun.train import atomic, checkpoint, runtime
+from kunlun.train.runtime import FatalError
+from sharding import mesh as mesh_lib
+from sharding import partition
 
 PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
 
@@ -79,15 +71,6 @@ def flatten(tree: dict, prefix: str = "") -> dict:
 
 def _restore(workdir: str, step, data_dir, trust_workdir: bool = False):
   """``(config, schema, model, step, params)`` of a train.py workdir (FatalError if unusable)."""
-  import jax
-
-  from data.fake import random_batch
-  from kunlun.config import seq_lens
-  from kunlun.serving.loader import nest
-  from kunlun.train import checkpoint, runtime
-  from sharding import mesh as mesh_lib
-  from sharding import partition
-
   if not os.path.isdir(workdir):
     runtime.fail(f"--workdir={workdir}: no such directory")
   try:
@@ -103,7 +86,7 @@ def _restore(workdir: str, step, data_dir, trust_workdir: bool = False):
   if not data_dir:
     runtime.fail("no --data_dir given and none recorded in the workdir (data_dir.txt)")
   schema = runtime.load_schema(data_dir)
-  model = runtime.fit_and_build_model(config, schema)
+  model = runtime.build_model(config, schema)
   mesh = mesh_lib.make_mesh(devices=jax.devices()[:1])
   example = random_batch(schema, 1, seq_lens(config))
   abstract = partition.abstract_params(model, jax.random.key(0), example, mesh,
@@ -121,15 +104,6 @@ def export(workdir: str, out: str, *, candidates="dynamic", requests=1, step=Non
            log=print) -> dict:
   """Writes the artifact, parameters and signature to ``out``; returns the signature dict.
   Raises ``runtime.FatalError`` (one line) on bad input."""
-  import flax
-  import jax
-  from jax import export as jex
-
-  from kunlun.config import seq_lens
-  from kunlun.serving import score
-  from kunlun.serving.loader import ARTIFACT, FORMAT, PARAMS, SIGNATURE, nest
-  from kunlun.train import runtime
-
   try:
     n_fixed, r_fixed = parse_count("candidates", candidates), parse_count("requests", requests)
   except ValueError as e:
@@ -160,7 +134,6 @@ def export(workdir: str, out: str, *, candidates="dynamic", requests=1, step=Non
     runtime.fail(f"export failed ({type(e).__name__}: {str(e).splitlines()[0][:300]})")
   # each file atomically; signature.json (what the loader opens first) is removed before and
   # written last, so a killed export leaves an artifact the loader refuses, never a mixed one
-  from kunlun.train import atomic
   sig_path = os.path.join(out, SIGNATURE)
   try:
     if os.path.exists(sig_path):
@@ -216,7 +189,6 @@ def add_vocab(sig: dict, schema) -> None:
   ``data.ingest.vocab``) into the signature: ``sig["vocab"] = {feature: {"kind": "string" | "int",
   "values": [...], "null_id", "oov_id", "first_id"}}``, so serving maps a request's raw values
   with ``loader.vocab_ids`` exactly as ingestion did."""
-  from data.schema import FIRST_ID, NULL_ID, OOV_ID
   sig["vocab"] = {
       f.name: {"kind": "string" if f.vocab and isinstance(f.vocab[0], str) else "int",
                "values": list(f.vocab), "null_id": NULL_ID, "oov_id": OOV_ID,
@@ -231,8 +203,6 @@ def add_vocab(sig: dict, schema) -> None:
 
 def _verify(out, schema, lens, model, params, n: int, r: int) -> float:
   """Max |logit difference| between the reloaded artifact and the in-process shared path."""
-  from data.fake import random_batch
-  from kunlun.serving import loader, score
   req = random_batch(schema, r, lens, seed=1, min_len=1)
   ads = random_batch(schema, n, lens, seed=2)
   b = score.serving_batch(req["events"], ads, np.arange(n) % r)
@@ -259,8 +229,6 @@ def main(argv=None) -> int:
   ap.add_argument("--trust_workdir", action="store_true",
                   help="load an older workdir's config.pkl (pickle: runs code from the file)")
   a = ap.parse_args(argv)
-  from kunlun.train import runtime
-  from kunlun.train.runtime import FatalError
   runtime.quiet_checkpoint_logs()
   try:
     export(a.workdir, a.out, candidates=a.candidates, requests=a.requests, step=a.step,

@@ -1,40 +1,6 @@
 """Request-level serving (spec d.6): score one user's request against N candidate ads, computing
-the request's work once and broadcasting it to the ads.
-
-What is request-level in Kunlun (worked out from spec c.2-c.5, c.7, d.1 and this code)
------------------------------------------------------------------------------------------
-The candidate ad enters the model only through the context features (spec h-20): the ad's sparse
-ids and dense values are tokens of ``X0``, and the LCE mixes user, ad and context tokens, so
-``X`` is ad-specific from the start, and so are everything computed from it: WeightGen's K/V
-(c.2), MoWE (c.6) and the heads. The event streams belong to the user, so per tower:
-
-* request-level (once per request): the event embeddings ``s0_e`` (b.4; OneSeq's merge too), the
-  time encodings, the layer-0 HSP / PMA summary (K/V projections, seed attention, SumKronLinear:
-  it reads only ``s0_e``; spec d.6's "HSP seed attention"), that summary's projection to
-  ``d_ns`` (until a later HSP replaces it), and the layer-0 PFFN's query side
-  ``u = LN(s0_e)`` (+ its time-bucket embeddings);
-* ad-level: the PFFN output. ``s1_e = RMSNorm(GDPA(u, K_ad, V_ad) + u) + s0_e`` mixes in the
-  ad's K/V, so from there on the sequence is ad-specific (spec d.6's caveat), and with it every
-  later SWA / block attention, every later HSP (including the tower's final one) and the
-  summaries they produce.
-* SWA before any ad-conditioned PFFN: none. Layer 0 is a "global" layer under CompSkip (h-9:
-  WeightGen + PFFN + HSP; SWA from layer 1) and without CompSkip its SWA runs after its PFFN
-  (``s' = SWA(PFFN(s))``), so every tower's first PFFN precedes its first SWA. The layer code
-  still runs any module whose inputs are all request-level once per request
-  (``kunlun.serving.rows``), so a schedule with attention first would share it automatically.
-
-So the shared path saves the event embeddings and one HSP per tower per candidate, about 1/4 of
-the forward FLOPs of the ``dev`` preset (``flops_split``); the rest of the sequence work is
-ad-conditioned and stays per candidate. Context features are taken per ad row (user features
-repeated): the schema does not mark which features are the user's, and the LCE mixes them.
-
-Batch layout (``serving_batch``): ``sparse {name: i32[N, L]}``, ``dense f32[N, F]``,
-``surface i32[N]`` per candidate; ``events {stream: {... [R, T], length i32[R]}}`` per request;
-``request_index i32[N]`` (each candidate's request, in ``[0, R)``). ``make_scorer`` returns
-``{"logits", "prob"}`` (``f32[N, K]``, per task on the ad row's surface) from the shared path, or
-from ``N`` separate examples (``shared=False``: the naive path, ``expand``). The parameters are
-those of training (same tree); no model copy is made.
-"""
+the request's work once and broadcasting it to the ads (``request_index i32[N]``).
+What is request-level and why: docs/architecture.md, ``kunlun/serving/score.py``."""
 
 from __future__ import annotations
 

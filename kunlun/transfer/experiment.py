@@ -16,6 +16,7 @@ import optax
 from kunlun.train.metrics import EvalAccumulator
 from kunlun.train.step import label_mask
 from kunlun.transfer.adapter import distill_loss, soft_targets
+from kunlun.transfer.cache import SpeculativeCache
 from kunlun.transfer.join import AsOfIndex, EmbeddingLog, pair_key
 
 FM_KEYS = ("fm_ctx", "fm_ctx_present", "fm_events", "fm_events_present")
@@ -136,7 +137,6 @@ def serve_through_cache(user_id, ad_id, request_ts, emb, *, budget_frac: float,
   Args: ``user_id, ad_id, request_ts [N]``; ``emb f32[N, d]`` the FM embedding of each request.
   Returns ``(emb f32[N, d], present bool[N], age f32[N], stats)`` aligned with the inputs.
   """
-  from kunlun.transfer.cache import SpeculativeCache
   rng = np.random.default_rng(seed)
   user_id, ad_id = np.asarray(user_id, np.int64), np.asarray(ad_id, np.int64)
   t = np.asarray(request_ts, np.int64)

@@ -1,46 +1,27 @@
 """Export compact FM embeddings for LoopFM (spec g.3): run a trained FM over a dataset.
-
-  python -m kunlun.transfer.export --workdir FM_WORKDIR --out E [--data_dir D] [--split train,eval]
-      [--quantize int8|bf16|none] [--summaries] [--batch_size N] [--shard_batches N]
-      [--coordinator_address H:P --num_processes N --process_id I] [--mesh M] [--dcn_mesh M]
-
-Restores the FM's latest checkpoint (train.py workdir: run_info.json + checkpoints/), applies
-``method="representations"`` and writes, per real example, one record (``data.records.encode``)::
-
-    user_id, ad_id, request_ts  i64[]   join keys (time in seconds)
-    surface                     i32[]
-    pooled                      [d]     the pooled top-layer representation, quantised:
-                                        int8 -> uint8 bytes of int8 values, with ``pooled_scale``
-                                        f32[] (x ~= q * scale, per-row absmax / 127);
-                                        bf16 -> int16 bit patterns of bfloat16; none -> f32
-    sum_<tower>                 [d_e]   (--summaries) mean HSP summary token per tower, same coding
-    logits                      f32[K]  the FM's logits (for the student adapter / KD)
-
-as ArrayRecord shards ``E/<split>/emb-00000.arrayrecord`` (``--shard_batches`` batches each),
-plus ``E/manifest.json`` (record schema, quantisation, source, counts). Progress is printed;
-``E/progress.json`` lists completed shards, so an interrupted export resumes where it stopped
-(completed shards are skipped without running the model). ``load_log(E)`` reads everything
-back as a ``join.EmbeddingLog``.
-
-Multi-host (K > 1 JAX processes, ``E`` on a shared filesystem): process p reads its eval-mode
-shard of every split (rows ``p::K``), the jitted representations run on the global batch, and p
-writes only its own rows (taken from the outputs' addressable shards, never gathered) to
-``E/<split>/emb-p{p:03d}-{k:05d}.arrayrecord`` with progress in ``E/progress-p{p}.json``. On a
-restart the processes agree on the shards every one of them finished (the minimum) and skip
-those. After a barrier process 0 writes ``manifest.json`` listing every process's files.
-"""
+``python -m kunlun.transfer.export --workdir FM_WORKDIR --out E [--data_dir D] [--split ...]
+[--quantize int8|bf16|none] [--summaries] [--batch_size N] ...``.
+Output format and options: docs/architecture.md, ``kunlun/transfer/export.py``."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
 import time
 
+import jax
+import ml_dtypes
 import numpy as np
+from jax.experimental import multihost_utils
 
-from data import records
+from data import pipeline, records
+from kunlun import config as model_config
+from kunlun.train import atomic, checkpoint, runtime
+from kunlun.train.runtime import FatalError, maybe_initialize_distributed
 from kunlun.transfer.join import EmbeddingLog
+from sharding import partition
 
 FORMAT = "kunlun-fm-embeddings-v1"
 QUANT = ("int8", "bf16", "none")
@@ -56,7 +37,6 @@ def quantize(x, mode: str) -> dict[str, np.ndarray]:
     q = np.clip(np.rint(x / scale[:, None]), -127, 127).astype(np.int8)
     return {"q": q.view(np.uint8), "scale": scale}
   if mode == "bf16":
-    import ml_dtypes
     return {"q": x.astype(ml_dtypes.bfloat16).view(np.int16)}
   if mode == "none":
     return {"q": x}
@@ -69,7 +49,6 @@ def dequantize(q, mode: str, scale=None) -> np.ndarray:
   if mode == "int8":
     return q.view(np.int8).astype(np.float32) * np.asarray(scale, np.float32)[..., None]
   if mode == "bf16":
-    import ml_dtypes
     return q.view(ml_dtypes.bfloat16).astype(np.float32)
   if mode == "none":
     return q.astype(np.float32)
@@ -169,7 +148,6 @@ class _Progress:
     self._write()
 
   def _write(self):
-    from kunlun.train import atomic
     atomic.write_json(self.path, self.state, indent=None)
 
 
@@ -214,7 +192,6 @@ def local_rows(arr) -> tuple[np.ndarray, list[tuple[int, int]]]:
 def _local_reps(reps: dict, put: dict, batch: dict) -> dict:
   """This process's rows of the global outputs ``reps``; asserts they are the rows of the local
   ``batch`` that ``device_put_batch`` placed (same global ranges, same keys in the same order)."""
-  import jax
   ids, ranges = local_rows(put["user_id"])
   if not (np.array_equal(ids, batch["user_id"]) and
           np.array_equal(local_rows(put["request_ts"])[0], batch["request_ts"])):
@@ -232,10 +209,8 @@ def _local_reps(reps: dict, put: dict, batch: dict) -> dict:
 
 def _agreed_done(counts: list[int]) -> list[int]:
   """Per split, the number of leading shards that every process has completed."""
-  import jax
   if jax.process_count() == 1:
     return counts
-  from jax.experimental import multihost_utils
   g = multihost_utils.process_allgather(np.asarray(counts, np.int32))
   return [int(v) for v in np.asarray(g).reshape(jax.process_count(), -1).min(0)]
 
@@ -248,13 +223,7 @@ def export(workdir: str, out_dir: str, *, data_dir: str | None = None, splits=("
 
   Under several JAX processes every process calls this (same arguments, ``out_dir`` shared);
   each writes its own rows, process 0 the manifest (returned by every process)."""
-  import jax
   from array_record.python import array_record_module as arm
-
-  from data import pipeline
-  from kunlun import config as model_config
-  from kunlun.train import checkpoint, runtime
-  from sharding import partition
 
   if quantize_mode not in QUANT:
     raise ValueError(f"--quantize={quantize_mode!r}; allowed: {QUANT}")
@@ -350,7 +319,6 @@ def export(workdir: str, out_dir: str, *, data_dir: str | None = None, splits=("
   if used_step is None:                       # everything was done before: the recorded step
     used_step = _recorded_step(out_dir)
   if nproc > 1:
-    from jax.experimental import multihost_utils
     multihost_utils.sync_global_devices("kunlun_export_shards_written")
   manifest_splits = {}
   for split in splits:
@@ -373,12 +341,10 @@ def export(workdir: str, out_dir: str, *, data_dir: str | None = None, splits=("
       "tasks": list(schema.task_names), "surfaces": list(schema.surfaces),
   }
   if pid == 0:
-    from kunlun.train import atomic
     atomic.write_json(os.path.join(out_dir, "manifest.json"), manifest)   # written last
     log(f"[export] wrote {out_dir}/manifest.json: "
         f"{ {s: v['count'] for s, v in manifest_splits.items()} }")
   if nproc > 1:
-    from jax.experimental import multihost_utils
     multihost_utils.sync_global_devices("kunlun_export_manifest_written")
   return manifest
 
@@ -397,7 +363,6 @@ def _recorded_step(out_dir: str):
 
 
 def main(argv=None):
-  import argparse
   ap = argparse.ArgumentParser(prog="python -m kunlun.transfer.export", description=__doc__,
                                formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--workdir", required=True, help="train.py workdir of the FM")
@@ -417,8 +382,6 @@ def main(argv=None):
   ap.add_argument("--trust_workdir", action="store_true",
                   help="load an older workdir's config.pkl (pickle: runs code from the file)")
   a = ap.parse_args(argv)
-  from kunlun.train import runtime
-  from kunlun.train.runtime import FatalError, maybe_initialize_distributed
   runtime.quiet_checkpoint_logs()
   try:
     maybe_initialize_distributed(a.coordinator_address, a.num_processes, a.process_id)

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 
 from data.schema import Schema
 from kunlun.config import parse
-from kunlun.layer import DTYPES
+from kunlun.layer import COMPUTE_DTYPES
 from kunlun.model import Kunlun
 from kunlun.transfer.settings import parse_transfer
 from sharding import shard, with_axes
@@ -64,7 +64,7 @@ class LoopFMKunlun(Kunlun):
   use_events: bool = True
 
   def extra_inputs(self, batch, x_bnd, seqs, lengths):
-    cfg, dt = self.cfg, DTYPES[self.cfg.dtype]
+    cfg, dt = self.cfg, COMPUTE_DTYPES[self.cfg.dtype]
     if self.use_events and cfg.seq_mode != "towers":
       raise ValueError("LoopFM per-event inputs need config.model.seq_mode = 'towers', got "
                        f"{cfg.seq_mode!r}")

@@ -1,4 +1,4 @@
-"""kunlun.gdpa.gdpa against a dense numpy loop."""
+"""kunlun.gdpa.gdpa_op against a dense numpy loop."""
 
 import math
 
@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kunlun.gdpa import gdpa
+from kunlun.gdpa import gdpa_op
 
 _ERF = np.vectorize(math.erf)
 NP_ACTS = {
@@ -46,7 +46,7 @@ def test_gdpa_matches_loop(act):
   q, k, v = (rng.normal(size=s).astype(np.float32) for s in [(B, Tq, H, D), (B, Tk, H, D),
                                                                (B, Tk, H, D)])
   ql, kl = np.array([7, 4]), np.array([5, 9])
-  out = gdpa(jnp.array(q), jnp.array(k), jnp.array(v), activation=act, out_scale=0.3,
+  out = gdpa_op(jnp.array(q), jnp.array(k), jnp.array(v), activation=act, out_scale=0.3,
              q_lengths=ql, kv_lengths=kl, window=2)
   acts = (act,) * H if isinstance(act, str) else act
   ref = np_gdpa(q, k, v, acts, D ** -0.5, 0.3, ql, kl, 2)
@@ -59,7 +59,7 @@ def test_gdpa_broadcast_q_and_scale():
   q = rng.normal(size=(1, Tq, H, D)).astype(np.float32)
   k, v = (rng.normal(size=(B, Tk, H, D)).astype(np.float32) for _ in range(2))
   kl = np.array([6, 0, 3])
-  out = gdpa(jnp.array(q), jnp.array(k), jnp.array(v), activation="fast_gelu", scale=0.7,
+  out = gdpa_op(jnp.array(q), jnp.array(k), jnp.array(v), activation="fast_gelu", scale=0.7,
              kv_lengths=kl, broadcast_q=True)
   ref = np_gdpa(q, k, v, ("fast_gelu",) * H, 0.7, 1.0, [Tq] * B, kl, None)
   np.testing.assert_allclose(np.asarray(out), ref, rtol=1e-4, atol=1e-5)
@@ -74,18 +74,18 @@ def test_gdpa_score_clip():
   q, k, v = (rng.normal(size=(B, T, H, D)).astype(np.float32) for _ in range(3))
   kw = dict(activation=("relu2", "gelu"), scale=1.0, q_lengths=np.array([6, 3]),
             kv_lengths=np.array([4, 6]))
-  out = np.asarray(gdpa(jnp.array(q), jnp.array(k), jnp.array(v), score_clip=1.0, **kw))
+  out = np.asarray(gdpa_op(jnp.array(q), jnp.array(k), jnp.array(v), score_clip=1.0, **kw))
   ref = np_gdpa(q, k, v, kw["activation"], 1.0, 1.0, kw["q_lengths"], kw["kv_lengths"], None,
                 score_clip=1.0)
   np.testing.assert_allclose(out, ref, rtol=1e-4, atol=1e-5)
-  assert np.abs(out - np.asarray(gdpa(jnp.array(q), jnp.array(k), jnp.array(v), **kw))).max() > 0.1
+  assert np.abs(out - np.asarray(gdpa_op(jnp.array(q), jnp.array(k), jnp.array(v), **kw))).max() > 0.1
 
 
 def test_gdpa_named_scope_and_errors():
   q = jnp.ones((1, 3, 2, 4))
-  text = jax.jit(lambda q: gdpa(q, q, q)).lower(q).as_text(debug_info=True)
+  text = jax.jit(lambda q: gdpa_op(q, q, q)).lower(q).as_text(debug_info=True)
   assert "GDPA" in text
   with pytest.raises(ValueError, match="unknown activation"):
-    gdpa(q, q, q, activation="softmaxx")
+    gdpa_op(q, q, q, activation="softmaxx")
   with pytest.raises(ValueError, match="backend"):
-    gdpa(q, q, q, backend="cuda")
+    gdpa_op(q, q, q, backend="cuda")

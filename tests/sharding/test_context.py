@@ -116,7 +116,7 @@ def test_gdpa_query_sharded_is_local():
   _, _, q, _, _ = setup()
   kv = RNG.normal(size=(2, B, 6, H, D)).astype(np.float32)
   want = kref.gdpa_reference(Q, kv[0], kv[1], activation="fast_gelu", q_lengths=LENGTHS)
-  out, ops = _run(lambda q: CP.gdpa(q, kv[0], kv[1], shard="q", q_lengths=LENGTHS), q)
+  out, ops = _run(lambda q: CP.context_parallel_gdpa(q, kv[0], kv[1], shard="q", q_lengths=LENGTHS), q)
   np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=1e-5, atol=1e-6)
   assert not ops, ops
 
@@ -127,7 +127,7 @@ def test_gdpa_key_sharded_psum():
   seeds = RNG.normal(size=(1, 3, H, D)).astype(np.float32)
   want = kref.gdpa_reference(seeds, K, V, activation="silu", out_scale=1 / T, kv_lengths=LENGTHS,
                              broadcast_q=True)
-  out, ops = _run(lambda k, v: CP.gdpa(seeds, k, v, shard="kv", activation="silu",
+  out, ops = _run(lambda k, v: CP.context_parallel_gdpa(seeds, k, v, shard="kv", activation="silu",
                                        out_scale=1 / T, kv_lengths=LENGTHS, broadcast_q=True),
                   k, v)
   np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=1e-5, atol=1e-6)
@@ -146,5 +146,5 @@ def test_score_clip_passes_through_sharded_paths():
   seeds = RNG.normal(size=(1, 3, H, D)).astype(np.float32)
   kw = dict(activation=("silu", "gelu"), out_scale=1 / T, kv_lengths=LENGTHS, broadcast_q=True,
             score_clip=0.5)
-  out, _ = _run(lambda k, v: CP.gdpa(seeds, k, v, shard="kv", **kw), k, v)
+  out, _ = _run(lambda k, v: CP.context_parallel_gdpa(seeds, k, v, shard="kv", **kw), k, v)
   np.testing.assert_allclose(np.asarray(out), gdpa_loop(seeds, K, V, **kw), rtol=1e-5, atol=1e-6)
