@@ -20,7 +20,7 @@ import os
 
 from absl import app, flags
 
-from kunlun.train import flags as runtime_flags
+from kunlun.utils import flags as runtime_flags
 
 runtime_flags.define_config("eval.py", None, "Config file (default: the one train.py saved "
                             "in --workdir); --config.a.b=value overrides need --config.")
@@ -58,7 +58,7 @@ def write_predictions(path: str, arrays: dict, surfaces, tasks) -> None:
                                   mask=np.asarray(arrays["label_mask"][:, k]) == 0)
   for k, t in enumerate(tasks):
     cols[f"prob.{t}"] = pa.array(np.asarray(arrays["prob"][:, k], np.float32))
-  from kunlun.train import atomic
+  from kunlun.utils import atomic
   with atomic.target(path) as tmp:          # a killed write leaves no partial file at ``path``
     pq.write_table(pa.table(cols), tmp)
 
@@ -86,7 +86,7 @@ def calibration_plots(arrays: dict, surfaces, tasks, plots_dir: str, bins: int =
   import matplotlib.pyplot as plt
   import numpy as np
 
-  from kunlun.train import atomic
+  from kunlun.utils import atomic
   os.makedirs(plots_dir, exist_ok=True)
   paths = []
   for k, task in enumerate(tasks):
@@ -123,8 +123,9 @@ def evaluate(argv):
   from jax.experimental import multihost_utils
 
   from data import pipeline
-  from kunlun.train import atomic, checkpoint, loop, metrics, settings
+  from kunlun.train import checkpoint, loop, metrics, settings
   from kunlun.train import step as step_lib
+  from kunlun.utils import atomic
   from sharding import partition
 
   workdir = os.path.abspath(FLAGS.workdir)

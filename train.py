@@ -8,7 +8,7 @@
 
 SIGTERM / SIGINT finish the current step, save a checkpoint and exit 0. Settings are checked
 before any data is read (kunlun/train/settings.py); the workdir is locked against a second
-train.py (kunlun/train/lock.py); a full disk stops the run with the newest good checkpoint kept.
+train.py (kunlun/utils/lock.py); a full disk stops the run with the newest good checkpoint kept.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import sys
 
 from absl import app, flags
 
-from kunlun.train import flags as runtime_flags
+from kunlun.utils import flags as runtime_flags
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 runtime_flags.define_config("train.py", os.path.join(_HERE, "kunlun/configs/tiny.py"),

@@ -155,10 +155,10 @@ def per_execution_summary(hlo_text: str) -> tuple[dict, dict]:
   other branch and is not taken in a normal step) and ``while`` bodies once. Returns
   ``(summary {op: {count, bytes, wire_bytes}}, info)``: ``info`` has ``conditionals``,
   ``fallback_wire_bytes`` (the traffic of the skipped branches) and ``wire_bytes_by_scope``
-  ({named-scope group: {op: wire bytes}}, ``bench.hlo_stats.scope_group``)."""
+  ({named-scope group: {op: wire bytes}}, ``bench.profiling.hlo_stats.scope_group``)."""
   import re
 
-  from bench.hlo_stats import scope_group
+  from bench.profiling.hlo_stats import scope_group
   from sharding.checks import collectives
   blocks, entry = _blocks(hlo_text)
   info = {"conditionals": 0, "fallback_wire_bytes": 0.0}
@@ -206,7 +206,7 @@ def bench(config_name: str, presets, batch_size: int, layers: int | None,
 
   from bench.train_step import build_step, clip_layers, load_config, synthetic_batch
   from data.synthetic import PRESETS, preset_schema
-  from kunlun.config import seq_lens
+  from kunlun.configs.types import seq_lens
   from sharding import checks, partition
   from sharding import mesh as M
   from sharding import rules as R
@@ -284,7 +284,7 @@ def main(argv=None):
   suffix = f"_L{a.layers}" if a.layers is not None else ""
   path = a.out or os.path.join(os.path.dirname(__file__), "results",
                                f"collectives_{a.config}{suffix}.json")
-  from kunlun.train import atomic
+  from kunlun.utils import atomic
   atomic.write_json(path, res)
   print("wrote", path)
 

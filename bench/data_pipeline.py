@@ -31,7 +31,7 @@ from data import records, synthetic
 from data.pipeline import make_dataset
 from data.schema import Schema
 from data.verify import BatchValidator
-from kunlun.train import atomic
+from kunlun.utils import atomic
 
 
 def _cfg(batch_size, threads):

@@ -19,10 +19,12 @@ import numpy as np
 import optax
 
 from data.fake import random_batch, tiny_schema
-from kunlun.config import seq_lens
-from kunlun.model import build_model
-from kunlun.train import atomic, optim, step
+from kunlun.configs.types import seq_lens
+from kunlun.models.build import build_model
+from kunlun.train import optim, step
 from kunlun.train.optim import rowwise_adagrad
+from kunlun.train.sparse_update import make_sparse_update
+from kunlun.utils import atomic
 from sharding.embedding import sparse_adagrad_update
 
 
@@ -83,7 +85,7 @@ def bench_train_step(config: str, batch_size: int, reps: int) -> dict:
   out = {"config": config, "batch_size": batch_size, "schema": "tiny",
          "table_rows": sum(int(x.shape[0]) for k, x in jax.tree_util.tree_leaves_with_path(params)
                            if "embedding" in jax.tree_util.keystr(k))}
-  for name, su in (("dense", None), ("sparse", optim.make_sparse_update(cfg.train, 1000))):
+  for name, su in (("dense", None), ("sparse", make_sparse_update(cfg.train, 1000))):
     f = step.make_train_step(model, tx, sparse_update=su)
     p, o = jax.tree.map(np.asarray, params), tx.init(params)
     t0 = time.perf_counter()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 
-from kunlun.train import atomic
+from kunlun.utils import atomic
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 

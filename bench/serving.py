@@ -37,10 +37,10 @@ import numpy as np  # noqa: E402
 
 from data.fake import random_batch  # noqa: E402
 from data.synthetic import PRESETS, preset_schema  # noqa: E402
-from kunlun.config import seq_lens  # noqa: E402
-from kunlun.model import build_model  # noqa: E402
+from kunlun.configs.types import seq_lens  # noqa: E402
+from kunlun.models.build import build_model  # noqa: E402
 from kunlun.serving import score  # noqa: E402
-from kunlun.train import atomic  # noqa: E402
+from kunlun.utils import atomic  # noqa: E402
 
 
 def _load_config(name: str):

@@ -15,9 +15,9 @@ preset's, see ``--lengths``) and reports:
   step_ms             median of per-step times (each step blocked), and ``pipelined_ms``: N steps
                       dispatched back to back / N (what a loop with lagged metrics sees)
   examples_per_s      global batch / pipelined step time
-  mfu_analytic        ``kunlun.flops`` train FLOPs at the padded kept lengths (issue 11's yardstick)
+  mfu_analytic        ``kunlun.models.flops`` train FLOPs at the padded kept lengths (issue 11)
                       / (step time x devices x peak bf16); ``mfu_actual_lengths``: model FLOPs at
-                      the batch's actual lengths (``kunlun.flops.batch_flops``, what train.py logs)
+                      the batch's actual lengths (``kunlun.models.flops.batch_flops``, as train.py)
   mfu_xla             XLA's compiled cost analysis (per device, after partitioning; counts remat
                       recomputation, and custom calls (Pallas / Triton kernels) as 0 unless they
                       carry a cost estimate) / (step time x peak)
@@ -29,10 +29,11 @@ preset's, see ``--lengths``) and reports:
                       fused softmax attention; analytic kernel bytes), FLOP/byte, launches and the
                       lower bound max(FLOPs / peak, bytes / bandwidth) + launches x launch cost
                       (``--peak_flops``, ``--bandwidth``, ``--launch_us``; H200 defaults);
-                      bench/roofline.py says what is counted. On CPU the compiled program is a
+                      bench/profiling/roofline.py says what is counted. On CPU the compiled
+                      program is a
                       stand-in for the GPU's (the table says so)
   param_casts         parameter leaves the model casts to a 16-bit compute dtype and at how many
-                      sites (bench/param_casts.py; one site each = cast once per step)
+                      sites (bench/profiling/param_casts.py; one site each = cast once per step)
   profile             (--profile) device time per named-scope group (GDPA, PFFN, HSP, attention,
                       MoWE, embeddings, optimizer, ...) and the top ops, from a short trace
 
@@ -144,8 +145,8 @@ def _cost(compiled) -> dict:
 
 
 def _actual_length_flops(config, schema, batch) -> float:
-  """Model train FLOPs of the batch at its actual lengths (``kunlun.flops.batch_flops``)."""
-  from kunlun.flops import batch_flops
+  """Model train FLOPs of the batch at its actual lengths (``kunlun.models.flops.batch_flops``)."""
+  from kunlun.models.flops import batch_flops
   return float(batch_flops(config, schema, batch)["train_step"])
 
 
@@ -171,7 +172,7 @@ def build_step(cfg, mesh, rules, batch_np, abstract: bool):
   import jax
 
   from data.synthetic import PRESETS, preset_schema
-  from kunlun.model import build_model
+  from kunlun.models.build import build_model
   from kunlun.train import step as step_lib
 
   model = build_model(cfg, preset_schema(PRESETS[cfg.data.preset]))
@@ -189,10 +190,10 @@ def run(args) -> dict:
   import jax
   import jax.numpy as jnp
 
-  from bench import hlo_stats, param_casts, roofline
+  from bench.profiling import hlo_stats, param_casts, roofline
   from data.synthetic import PRESETS, preset_schema
-  from kunlun import config as model_config
-  from kunlun.flops import model_flops
+  from kunlun.configs import types as model_config
+  from kunlun.models.flops import model_flops
   from kunlun.train import progress
   from sharding import checks, partition
   from sharding import mesh as mesh_lib
@@ -324,7 +325,7 @@ def _profile(compiled, p, o, batch, rng, steps, op_names) -> dict:
   import jax
   import jax.numpy as jnp
 
-  from bench import hlo_stats
+  from bench.profiling import hlo_stats
   d = tempfile.mkdtemp(prefix="train_step_trace_")
   jax.profiler.start_trace(d)
   for i in range(steps):
@@ -446,7 +447,7 @@ def main(argv=None):
   with open(path, "w") as f:
     json.dump(res, f, indent=1, default=_json_default)
   print_table([res])
-  from bench.roofline import print_roofline
+  from bench.profiling.roofline import print_roofline
   print_roofline(res["roofline"])
   print("wrote", path, flush=True)
   return res

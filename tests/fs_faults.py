@@ -3,7 +3,7 @@
 As root, permission bits do not stop writes, so a read-only directory is a read-only bind mount
 and a small disk a size-limited tmpfs (``mount`` works for root in this container); otherwise a
 read-only directory is ``chmod -R a-w`` and no small disk exists (``small_fs`` returns None and
-callers use an injected ENOSPC instead, bench/fault_hooks.py). Every helper returns a cleanup.
+callers use an injected ENOSPC instead, bench/faults/hooks.py). Every helper returns a cleanup.
 """
 
 import os

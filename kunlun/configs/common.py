@@ -3,7 +3,7 @@
 
 Preset files call ``base_config()`` and then fill ``config.model`` and override what differs.
 Presets describe sizes: on a dataset whose streams / surfaces have other names than the synthetic
-ones, towers, heads and surface weights follow the data's schema (kunlun/schema_fit.py).
+ones, towers, heads and surface weights follow the data's schema (kunlun/configs/fit.py).
 """
 
 import ml_collections

@@ -4,8 +4,8 @@ Streams of the synthetic ``dev`` data preset: ``click`` and ``conversion`` (high
 ``impression`` (low value, longer, shallower).
 """
 
-from kunlun.config import default_model, tower
 from kunlun.configs.common import base_config
+from kunlun.configs.types import default_model, tower
 
 
 def get_config():

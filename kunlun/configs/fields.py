@@ -2,8 +2,8 @@
 doc, kind, range/choices)`` (paths ``train.lr``, ``model.mowe.rank``; ``*`` = any tower name).
 
 Derived from it: ``base_config()`` / ``default_model()`` / ``transfer_config()`` defaults, the
-``kunlun.config`` dataclass defaults, ``check_value`` (the types and ranges checked by
-``kunlun.train.settings``, ``kunlun.config.parse``, ``kunlun.configs.transfer``) and
+``kunlun.configs.types`` dataclass defaults, ``check_value`` (the types and ranges checked by
+``kunlun.train.settings``, ``kunlun.configs.types.parse``, ``kunlun.configs.transfer``) and
 ``train.py --show_config``. No jax here.
 """
 
@@ -125,11 +125,16 @@ def _weights_ok(v) -> bool:
                                    for k, w in items)
 
 
-# registry name -> (module, attribute): modules that import jax, so imported only when asked
+REMAT_POLICIES = ("none", "dots_no_batch", "dots_saveable", "full")   # kunlun/nn/remat.py
+REMAT_SCOPES = ("layer", "tower")
+BUCKET_KINDS = ("age", "log_age", "gap", "position")   # kunlun/nn/time_encoding.py
+DAY = 86_400.0                                          # seconds
+
+# registry name -> names, or (module, attribute) of a lower layer that imports jax, imported
+# only when asked
 _REGISTRIES = {"rules": ("sharding.rules", "PRESETS"), "presets": ("data.synthetic", "PRESETS"),
-               "remat": ("kunlun.remat", "POLICIES"), "remat_scope": ("kunlun.remat", "SCOPES"),
-               "gdpa": ("pallas_kernels.activations", "NAMES"),
-               "bucket_kinds": ("kunlun.time_encoding", "BUCKET_KINDS")}
+               "remat": REMAT_POLICIES, "remat_scope": REMAT_SCOPES,
+               "gdpa": ("pallas_kernels.activations", "NAMES"), "bucket_kinds": BUCKET_KINDS}
 
 
 def choices(spec) -> tuple:
@@ -138,8 +143,10 @@ def choices(spec) -> tuple:
     return tuple(spec)
   if spec == "attention":
     return ("softmax",) + choices("gdpa")
-  module, name = _REGISTRIES[spec]
-  return tuple(getattr(importlib.import_module(module), name))
+  entry = _REGISTRIES[spec]
+  if isinstance(entry[0], str) and len(entry) == 2 and "." in entry[0]:
+    return tuple(getattr(importlib.import_module(entry[0]), entry[1]))
+  return tuple(entry)
 
 
 I, N, B, S, C = "int", "number", "bool", "str", "choice"
@@ -206,7 +213,7 @@ FIELDS: dict[str, Field] = {
                             "numbers"),
     "train.remat": F("none", "recompute in the backward pass (memory for compute)", C,
                      choices="remat"),
-    "train.remat_scope": F("layer", "what the remat policy wraps (kunlun/remat.py)", C,
+    "train.remat_scope": F("layer", "what the remat policy wraps (kunlun/nn/remat.py)", C,
                            choices="remat_scope"),
     "train.microbatches": F(1, "gradient accumulation: the batch in this many strided parts",
                             I, 1),
@@ -225,7 +232,7 @@ FIELDS: dict[str, Field] = {
                            choices=JOIN_KEYS),
     "transfer.max_age": F(-1.0, "seconds; joined embeddings older than this are missing (-1 = "
                           "no limit)", N, -1),
-    # ---- model (relations and the data schema: kunlun.config.parse)
+    # ---- model (relations and the data schema: kunlun.configs.types.parse)
     "model.arch": F("kunlun", "model family (model.py, baselines/)", C, choices=ARCHS),
     "model.dtype": F("float32", "compute dtype (params stay float32)", C, choices=DTYPES),
     "model.backend": F("xla", "GDPA / block-attention kernels", C, choices=BACKENDS),
@@ -271,7 +278,7 @@ FIELDS: dict[str, Field] = {
     **{f"model.towers.*.{k}": F(REQUIRED, f"tower: {d}", I, lo)
        for k, (d, lo, _) in _TOWER.items()},
     "model.tower_templates": F("", "towers whose sizes serve streams 0, 1, ... of other data ('' "
-                               "= name order; kunlun/schema_fit.py)", S),
+                               "= name order; kunlun/configs/fit.py)", S),
     **{f"model.oneseq.{k}": F(one, f"merged OneSeq tower: {d}", I, lo)
        for k, (d, lo, one) in _TOWER.items()},
     "model.heads.kind": F("towers", "task heads (spec d.3)", C, choices=HEAD_KINDS),

@@ -7,8 +7,8 @@ streams (click, conversion, impression; kept lengths within its max lengths); a 
 dataset with more streams (spec: 4-10 towers) adds one ``towers.<stream>`` entry per stream.
 """
 
-from kunlun.config import default_model, tower
 from kunlun.configs.common import base_config
+from kunlun.configs.types import default_model, tower
 
 HIGH = dict(width=512, heads=4, n_kv=128, window=100, n_seed=128, n_sum=32, depth=12)
 LOW = dict(width=256, heads=2, n_kv=128, window=100, n_seed=32, n_sum=8, depth=6)

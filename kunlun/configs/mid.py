@@ -7,8 +7,8 @@ n_kv 64, w 64, SumKronLinear rank 4, MoWE 2 experts x 2 Wukong layers with rank 
 Local batch 1024.
 """
 
-from kunlun.config import default_model, tower
 from kunlun.configs.common import base_config
+from kunlun.configs.types import default_model, tower
 
 HIGH = dict(width=256, heads=4, n_kv=64, window=64, n_seed=64, n_sum=16, depth=8)
 LOW = dict(width=128, heads=2, n_kv=64, window=64, n_seed=32, n_sum=8, depth=4)

@@ -2,11 +2,11 @@
 
 Tower names match the synthetic ``tiny`` data preset (streams click & impression, surfaces
 feed/stories/reels, tasks click/conversion); on any other dataset the towers serve as size
-templates and heads / surface weights follow its schema (kunlun/schema_fit.py).
+templates and heads / surface weights follow its schema (kunlun/configs/fit.py).
 """
 
-from kunlun.config import default_model, tower
 from kunlun.configs.common import base_config
+from kunlun.configs.types import default_model, tower
 
 
 def get_config():

@@ -3,9 +3,9 @@
 Roughly 1/4 of ``dev``'s width, 2 layers, 64-event histories; ``config.transfer`` as in vm_tiny.
 """
 
-from kunlun.config import default_model, tower
 from kunlun.configs.common import base_config
 from kunlun.configs.transfer import transfer_config
+from kunlun.configs.types import default_model, tower
 
 
 def get_config():

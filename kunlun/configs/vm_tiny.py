@@ -5,9 +5,9 @@ evaluated by the same train.py / eval.py; ``config.transfer`` holds the knowledg
 used by ``kunlun.transfer`` (KD weight, LoopFM on/off); plain training ignores it.
 """
 
-from kunlun.config import default_model, tower
 from kunlun.configs.common import base_config
 from kunlun.configs.transfer import transfer_config
+from kunlun.configs.types import default_model, tower
 
 
 def get_config():

@@ -18,11 +18,12 @@ from jax import export as jex
 
 from data.fake import random_batch
 from data.schema import FIRST_ID, NULL_ID, OOV_ID
-from kunlun.config import seq_lens
+from kunlun.configs.types import seq_lens
 from kunlun.serving import loader, score
 from kunlun.serving.loader import ARTIFACT, FORMAT, PARAMS, SIGNATURE, nest
-from kunlun.train import atomic, checkpoint, runtime
+from kunlun.train import checkpoint, runtime
 from kunlun.train.runtime import FatalError
+from kunlun.utils import atomic
 from sharding import mesh as mesh_lib
 from sharding import partition
 
@@ -86,7 +87,7 @@ def _restore(workdir: str, step, data_dir, trust_workdir: bool = False):
   if not data_dir:
     runtime.fail("no --data_dir given and none recorded in the workdir (data_dir.txt)")
   schema = runtime.load_schema(data_dir)
-  model = runtime.build_model(config, schema)
+  model = runtime.fit_and_build_model(config, schema)
   mesh = mesh_lib.make_mesh(devices=jax.devices()[:1])
   example = random_batch(schema, 1, seq_lens(config))
   abstract = partition.abstract_params(model, jax.random.key(0), example, mesh,

@@ -9,7 +9,7 @@
 {field: [R, T], length i32[R]}}``, ``request_index i32[N]``; extra keys are ignored. Inputs are
 checked against the signature (missing arrays, shapes, the candidate / request counts, the
 ``request_index`` range) and a mismatch is a ``ValueError`` with one line naming it. This module
-imports nothing of the model code (no flax, no ``kunlun.model``, no ``data``).
+imports nothing of the model code (no flax, no ``kunlun.models.kunlun``, no ``data``).
 
 Categorical features with an exact vocabulary (``signature.json`` ``vocab``, from the dataset's
 schema) take their ids from it, as ingestion mapped them::

@@ -9,11 +9,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from data.schema import Schema
-from kunlun import flops
-from kunlun.baselines.ablated import ablated_config
-from kunlun.config import ModelConfig, parse
-from kunlun.model import Kunlun
-from kunlun.towers import schedule
+from kunlun.configs.types import ModelConfig, parse
+from kunlun.models import flops
+from kunlun.models.ablated import ablated_config
+from kunlun.models.kunlun import Kunlun
+from kunlun.nn.towers import schedule
 
 AD_KEYS = ("sparse", "dense", "surface")
 
@@ -134,7 +134,7 @@ def sharing_plan(cfg: ModelConfig) -> dict[str, list[str]]:
 
 
 def flops_split(config, schema: Schema) -> dict[str, float]:
-  """Analytic forward FLOPs per candidate (``kunlun.flops``): ``{"total", "request", "ad"}``;
+  """Analytic forward FLOPs per candidate (``kunlun.models.flops``): ``{"total", "request", "ad"}``;
   ``request`` is what the shared path computes once per request (event embeddings and the
   request-level HSP / attention of ``sharing_plan``), ``ad = total - request``. Speed-up bound
   at ``N`` candidates per request: ``total / (ad + request / N)``."""

@@ -25,7 +25,7 @@ Damage (issue 15):
   verified.
 * Errors are one line (no TensorStore spec dumps).
 
-The optimizer state is stored in its per-leaf layout (``kunlun.train.optim.to_per_leaf``; the
+The optimizer state is stored in its per-leaf layout (``kunlun.train.opt_layout.to_per_leaf``; the
 flat AdamW buffers are mesh-dependent) and converted back on restore, so a checkpoint restores
 onto another mesh, and those written before the flat optimizer restore as they are.
 
@@ -59,7 +59,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from data import elastic
-from kunlun.train import optim
+from kunlun.train import opt_layout
 from kunlun.train.runtime import FatalError
 
 ITEMS = ("params", "opt_state", "meta", "data_iter")
@@ -291,7 +291,7 @@ class Checkpointer:
       if self._committed(step):
         return
       self.move_aside(step, "uncommitted")
-    opt_state = optim.to_per_leaf(opt_state, params)     # the mesh-independent stored layout
+    opt_state = opt_layout.to_per_leaf(opt_state, params)     # the mesh-independent stored layout
     meta = {"step": int(step), "rng": np.asarray(jax.random.key_data(rng)).tolist(),
             "digest": {"params": tree_digest(params), "opt_state": tree_digest(opt_state)}}
     if isinstance(data_iter, elastic.BatchIterator):
@@ -375,8 +375,8 @@ class Checkpointer:
     grain iterator) is moved to the saved position in place. Content is checked against the
     saved checksums; the step returned is the one saved in meta."""
     step = self._check_step(step, ITEMS)
-    flat = optim.is_flat(abstract_opt_state)          # stored per leaf (optim.to_per_leaf)
-    stored = optim.per_leaf_abstract(abstract_params) if flat else abstract_opt_state
+    flat = opt_layout.is_flat(abstract_opt_state)   # stored per leaf (opt_layout.to_per_leaf)
+    stored = opt_layout.per_leaf_abstract(abstract_params) if flat else abstract_opt_state
     r = self._restore(step, params=ocp.args.StandardRestore(abstract_params),
                       opt_state=ocp.args.StandardRestore(stored),
                       meta=ocp.args.JsonRestore(),
@@ -384,7 +384,7 @@ class Checkpointer:
     extra = {"data_iter": data_iter} if isinstance(data_iter, elastic.BatchIterator) else {}
     self._verify(step, r.meta, params=r.params, opt_state=r.opt_state, **extra)
     rng = jax.random.wrap_key_data(np.asarray(r.meta["rng"], np.uint32))
-    opt_state = (optim.from_per_leaf(r.opt_state, abstract_params, abstract_opt_state) if flat
+    opt_state = (opt_layout.from_per_leaf(r.opt_state, abstract_params, abstract_opt_state) if flat
                  else r.opt_state)
     return self._saved_step(step, r.meta), r.params, opt_state, rng
 

@@ -16,11 +16,12 @@ import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
 from data import pipeline, records
-from kunlun import config as model_config
-from kunlun.schema_fit import fit_surface_weights
-from kunlun.train import atomic, checkpoint, metrics
+from kunlun.configs import types as model_config
+from kunlun.configs.fit import fit_surface_weights
+from kunlun.train import checkpoint, metrics
 from kunlun.train import step as step_lib
 from kunlun.train.runtime import check_data_files, fail
+from kunlun.utils import atomic
 
 HOST_KEYS = ("labels", "label_mask", "surface", "true_prob", "example_mask")
 

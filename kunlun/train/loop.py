@@ -14,8 +14,8 @@ import jax
 
 from data import pipeline
 from data.shards import DataError
-from kunlun import config as model_config
-from kunlun.flops import FlopMeter
+from kunlun.configs import types as model_config
+from kunlun.models.flops import FlopMeter
 from kunlun.train import checkpoint, evaluation, progress, runtime
 from kunlun.train import step as step_lib
 from kunlun.train.metrics import RunningNE

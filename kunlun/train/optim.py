@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from kunlun.train import flat
 
@@ -99,7 +100,7 @@ class Prepared(NamedTuple):
   emb_sq: jax.Array
 
 
-def _f32_sq(x):
+def f32_sq(x):
   x = x.astype(jnp.float32)
   return jnp.sum(x * x)
 
@@ -178,8 +179,8 @@ class Optimizer:
     layout, labels = self.layout(grads if params is None else params)
     g = jax.tree.leaves(grads)
     bufs = layout.pack(g)
-    emb = [_f32_sq(x) for x, lab in zip(g, labels, strict=True) if lab == "emb"]
-    return Prepared(bufs, _sum([_f32_sq(b) for b in bufs]), _sum(emb))
+    emb = [f32_sq(x) for x, lab in zip(g, labels, strict=True) if lab == "emb"]
+    return Prepared(bufs, sum_or_zero([f32_sq(b) for b in bufs]), sum_or_zero(emb))
 
   def updates(self, prepared: Prepared, grads, state, params):
     """``(updates, new_state)``: the optax updates (``params + updates`` is the step)."""
@@ -188,7 +189,7 @@ class Optimizer:
     g = jax.tree.leaves(grads)
     d_state = state.inner_states["dense"].inner_state
     acc_tree = state.inner_states["emb"].inner_state.acc
-    acc = jax.tree.leaves(acc_tree, is_leaf=_is_masked)
+    acc = jax.tree.leaves(acc_tree, is_leaf=is_masked)
     upd, new_d = self.adamw(layout, prepared.dense, prepared.dense_sq, d_state, p)
     new_acc = list(acc)
     for i, lab in enumerate(labels):
@@ -197,7 +198,7 @@ class Optimizer:
     new_state = optax.PartitionState({
         "dense": optax.MaskedState(new_d),
         "emb": optax.MaskedState(RowwiseAdagradState(
-            jax.tree.unflatten(jax.tree.structure(acc_tree, is_leaf=_is_masked), new_acc)))})
+            jax.tree.unflatten(jax.tree.structure(acc_tree, is_leaf=is_masked), new_acc)))})
     return treedef.unflatten([upd[i] for i in range(len(p))]), new_state
 
   def adamw(self, layout, g_bufs, dense_sq, state: FlatAdamWState, p_leaves):
@@ -233,11 +234,11 @@ def _build(shapes, labels, shardings):
                             for sd, lab in zip(shapes, labels, strict=True)], shardings)
 
 
-def _sum(xs):
+def sum_or_zero(xs):
   return sum(xs[1:], xs[0]) if xs else jnp.zeros((), jnp.float32)
 
 
-def _is_masked(x):
+def is_masked(x):
   return isinstance(x, optax.MaskedNode)
 
 
@@ -256,230 +257,6 @@ def make_optimizer(train_cfg, total_steps: int, param_shardings=None) -> Optimiz
   return Optimizer(train_cfg, total_steps, param_shardings)
 
 
-# ---- the per-leaf layout: checkpoints (and the optimizer of before) ----------------------------
-def legacy_optimizer(train_cfg, total_steps: int) -> optax.GradientTransformation:
-  """The per-leaf optax optimizer the flat one replaced (``optax.partition`` of
-  ``chain(clip_by_global_norm, adamw)`` and ``rowwise_adagrad``): the same updates, and its state
-  layout is the one checkpoints store (``to_per_leaf``)."""
-  dense = optax.chain(
-      optax.clip_by_global_norm(train_cfg.clip_norm),
-      optax.adamw(lr_schedule(train_cfg, total_steps), b1=train_cfg.b1, b2=train_cfg.b2,
-                  eps=1e-8, weight_decay=train_cfg.weight_decay,
-                  mask=lambda p: jax.tree.map(lambda x: x.ndim >= 2, p)))
-  return optax.partition({"dense": dense, "emb": rowwise_adagrad(train_cfg.emb_lr)},
-                         param_labels)
-
-
-_SHAPE_CFG = {"lr": 1.0, "warmup_steps": 0, "schedule": "constant", "weight_decay": 0.0,
-              "b1": 0.9, "b2": 0.999, "clip_norm": 1.0, "emb_lr": 1.0}
-
-
-def is_flat(state) -> bool:
-  """Whether an optimizer state is ``make_optimizer``'s (flat AdamW buffers)."""
-  try:
-    return isinstance(state.inner_states["dense"].inner_state, FlatAdamWState)
-  except (AttributeError, KeyError, TypeError):
-    return False
-
-
-def per_leaf_abstract(abstract_params):
-  """``ShapeDtypeStruct``s of the per-leaf (``legacy_optimizer``) state of ``abstract_params``,
-  with the shardings ``opt_state_shardings`` gives per-leaf state (when the params have
-  ``NamedSharding``s): the layout checkpoints store, independent of the mesh."""
-  import ml_collections
-  tx = legacy_optimizer(ml_collections.ConfigDict(_SHAPE_CFG), 1)
-  state = jax.eval_shape(tx.init, abstract_params)
-  shardings = [getattr(x, "sharding", None) for x in jax.tree.leaves(abstract_params)]
-  mesh = next((s.mesh for s in shardings if isinstance(s, NamedSharding)), None)
-  if mesh is None:
-    return state
-  shard = _match_param_shardings(state, abstract_params,
-                                 jax.tree.map(lambda x: x.sharding, abstract_params), mesh)
-  return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state,
-                      shard)
-
-
-def _layout_of(params):
-  """The flat layout of ``params`` for their own shardings (as ``Optimizer.bind`` gets them)."""
-  shardings = jax.tree.map(lambda x: getattr(x, "sharding", None), params)
-  import ml_collections
-  opt = Optimizer(ml_collections.ConfigDict(_SHAPE_CFG), 1, shardings)
-  return opt.layout(params)[0]
-
-
-def _shardings_of(abstract):
-  leaves = jax.tree.leaves(abstract)
-  if all(isinstance(getattr(x, "sharding", None), NamedSharding) for x in leaves):
-    return jax.tree.map(lambda x: x.sharding, abstract)
-  return None
-
-
-def to_per_leaf(state, params):
-  """A flat state as the per-leaf ``legacy_optimizer`` state (what checkpoints store); any other
-  state unchanged. ``params``: the parameters (their shardings define the flat layout)."""
-  if not is_flat(state):
-    return state
-  layout = _layout_of(params)
-  target = per_leaf_abstract(jax.tree.map(
-      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)),
-      params))
-  treedef = jax.tree.structure(target)
-
-  def convert(state):
-    d = state.inner_states["dense"].inner_state
-    n = layout.num_leaves
-    mu, nu = [optax.MaskedNode()] * n, [optax.MaskedNode()] * n
-    for grp, bm, bn in zip(layout.groups, d.mu, d.nu, strict=True):
-      for m in grp.members:
-        mu[m.index], nu[m.index] = layout.unpack(bm, m), layout.unpack(bn, m)
-    p_def = jax.tree.structure(params)
-    adam = optax.ScaleByAdamState(d.count, p_def.unflatten(mu), p_def.unflatten(nu))
-    inner = (optax.EmptyState(), (adam, optax.MaskedState(optax.EmptyState()),
-                                  optax.ScaleByScheduleState(d.count)))
-    out = optax.PartitionState({"dense": optax.MaskedState(inner),
-                                "emb": state.inner_states["emb"]})
-    return jax.tree.unflatten(treedef, jax.tree.leaves(out))
-
-  return jax.jit(convert, out_shardings=_shardings_of(target))(state)
-
-
-def from_per_leaf(state, params, abstract_state=None):
-  """A per-leaf ``legacy_optimizer`` state (a checkpoint's, also one written before the flat
-  layout) in ``make_optimizer``'s flat layout for ``params`` (arrays or ShapeDtypeStructs with
-  shardings); ``abstract_state``: the flat target (its shardings are kept). Same moments, count
-  and accumulators: the next update is unchanged."""
-  layout = _layout_of(params)
-
-  def convert(state):
-    adam = state.inner_states["dense"].inner_state[1][0]
-    mu = jax.tree.leaves(adam.mu, is_leaf=_is_masked)
-    nu = jax.tree.leaves(adam.nu, is_leaf=_is_masked)
-    dense = FlatAdamWState(jnp.asarray(adam.count, jnp.int32), layout.pack(mu), layout.pack(nu))
-    return optax.PartitionState({"dense": optax.MaskedState(dense),
-                                 "emb": state.inner_states["emb"]})
-
-  out_sh = _shardings_of(abstract_state) if abstract_state is not None else None
-  return jax.jit(convert, out_shardings=out_sh)(state)
-
-
-def make_sparse_update(train_cfg, total_steps: int, param_shardings=None):
-  """The update of ``make_optimizer`` for a step that has row gradients of its embedding tables.
-
-  Returns ``update(params, opt_state, grads, rows, ok, prepared=None) -> (params, opt_state,
-  table_sq_norm)``:
-    grads: ``{keystr(path): gradient}`` for every parameter that is not a looked-up table;
-    rows:  ``{group: (gids i32[...], row_grads f32[..., D])}`` for each table group a
-           ``kunlun.inputs`` look-up read; ``group`` is the member tables' keystrs joined by
-           ``kunlun.inputs.GROUP_SEP`` ("+"), ``gids`` the ``sharding.embedding.group_ids`` ids
-           into the members' concatenation, ``row_grads`` the gradient w.r.t. the looked-up rows;
-    ok:    ``bool[]``; False keeps every parameter and state leaf;
-    prepared: ``update.prepare(params, grads)`` (the packed dense gradients and their squared
-           norms, computed once per step; ``dense_sq`` = the dense leaves', ``emb_sq`` = the
-           gradients of "emb" leaves that are not looked up); computed here when None.
-  ``update.bind(param_shardings)`` groups the dense leaves as ``Optimizer.bind`` does (the train
-  step binds the shardings it is given).
-  ``opt_state`` is ``make_optimizer(...).init(params)``'s layout, unchanged, so checkpoints and the
-  dense path are interchangeable. Dense leaves get AdamW exactly as in ``make_optimizer``; each
-  looked-up group gets ``sharding.embedding.sparse_adagrad_update_group`` (only rows in the ids
-  are read or written; repeated ids summed first, as the dense gradient sums them), except a small
-  group (rows <= ids in the step, rows not sharded), whose row gradients are scatter-added into
-  table-shaped gradients for the dense row-wise Adagrad (cheaper than the sparse path's sorts at
-  that size; same result). An "emb" leaf that is not looked up (read some other way) gets the
-  dense row-wise Adagrad from its autodiff gradient. The dense-style updates run inside one
-  ``lax.cond(ok, ...)`` (no select over the state); the sparse groups are switched off by ``ok``.
-  ``table_sq_norm``: sum over tables of the squared norm of their (dense-equivalent) gradient.
-  """
-  from kunlun.inputs import GROUP_SEP
-  from sharding.embedding import group_dense_grads, row_axes, sparse_adagrad_update_group
-  opt, lr = Optimizer(train_cfg, total_steps, param_shardings), train_cfg.emb_lr
-  is_mn = _is_masked
-
-  def prepare(params, grads) -> Prepared:
-    keys = [jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_leaves_with_path(params)]
-    layout, labels = opt.layout(params)
-    g = [grads.get(k) for k in keys]
-    emb = [_f32_sq(x) for x, lab in zip(g, labels, strict=True) if lab == "emb" and x is not None]
-    bufs = layout.pack(g)
-    return Prepared(bufs, _sum([_f32_sq(b) for b in bufs]), _sum(emb))
-
-  def update(params, opt_state, grads, rows, ok, prepared=None):
-    rows = {gk: (tuple(gk.split(GROUP_SEP)),) + tuple(v) for gk, v in rows.items()}
-    leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
-    keys = [jax.tree_util.keystr(k) for k, _ in leaves]
-    index = {k: i for i, k in enumerate(keys)}
-    p = [v for _, v in leaves]
-    layout, labels = opt.layout(params)
-    member = {m: gk for gk, (members, _, _) in rows.items() for m in members}
-    missing = [k for k in keys if k not in member and k not in grads]
-    unknown = sorted(set(member) - set(keys))
-    if missing or unknown:
-      raise ValueError(f"sparse update: no gradient for {missing}; tables not in params "
-                       f"{unknown} (params must be unboxed: nn.meta.unbox)")
-    prep = prepare(params, grads) if prepared is None else prepared
-    small, sparse = [], []
-    for gk, (members, gids, _) in rows.items():
-      V = sum(p[index[m]].shape[0] for m in members)
-      sharded = bool(row_axes(p[index[members[0]]].shape[0]))
-      (sparse if V > jnp.size(gids) or sharded else small).append(gk)
-    d_state = opt_state.inner_states["dense"].inner_state
-    acc_def = jax.tree.structure(opt_state.inner_states["emb"].inner_state.acc, is_leaf=is_mn)
-    acc = jax.tree.leaves(opt_state.inner_states["emb"].inner_state.acc, is_leaf=is_mn)
-    g = [grads.get(k) for k in keys]
-    in_sparse = {index[m] for gk in sparse for m in rows[gk][0]}
-    mine = [i for i in range(len(keys)) if i not in in_sparse]       # updated inside the cond
-
-    def dense_step(state):
-      """AdamW, small groups and unlooked-up tables; returns the new (params, acc) of ``mine``,
-      the new AdamW state and the small groups' squared gradient norm."""
-      p_mine, acc_mine, d_st, bufs = state
-      cur_p, cur_acc = dict(zip(mine, p_mine, strict=True)), dict(zip(mine, acc_mine, strict=True))
-      cur = [cur_p.get(i, p[i]) for i in range(len(keys))]
-      d_upd, new_d = opt.adamw(layout, bufs, prep.dense_sq, d_st, cur)
-      sq = jnp.zeros((), jnp.float32)
-      g_tab = {}
-      for gk in small:
-        members, gids, g_rows = rows[gk]
-        idx = [index[m] for m in members]
-        parts = group_dense_grads(gids, g_rows, [p[i].shape[0] for i in idx])
-        for i, gt in zip(idx, parts, strict=True):
-          g_tab[i] = gt.astype(p[i].dtype)
-          sq = sq + jnp.sum(jnp.square(gt.astype(jnp.float32)))
-      for i in mine:
-        if labels[i] == "dense":
-          cur_p[i] = optax.apply_updates(cur_p[i], d_upd[i])
-        else:
-          u, cur_acc[i] = rowwise_adagrad_leaf(g_tab.get(i, g[i]), cur_acc[i], lr)
-          cur_p[i] = optax.apply_updates(cur_p[i], u)
-      return [cur_p[i] for i in mine], [cur_acc[i] for i in mine], new_d, sq
-
-    def skip(state):
-      p_mine, acc_mine, d_st, _ = state
-      return p_mine, acc_mine, d_st, jnp.zeros((), jnp.float32)
-
-    p_mine, acc_mine, new_d, sq = jax.lax.cond(
-        ok, dense_step, skip, ([p[i] for i in mine], [acc[i] for i in mine], d_state,
-                               prep.dense))
-    new_p, new_acc = list(p), list(acc)
-    for i, v, a in zip(mine, p_mine, acc_mine, strict=True):
-      new_p[i], new_acc[i] = v, a
-    for gk in sparse:
-      members, gids, g_rows = rows[gk]
-      idx = [index[m] for m in members]
-      tabs, accs, s = sparse_adagrad_update_group(
-          [p[i] for i in idx], [acc[i] for i in idx], gids, g_rows, lr, enabled=ok,
-          with_sq_norm=True)
-      for i, t, a in zip(idx, tabs, accs, strict=True):
-        new_p[i], new_acc[i] = t, a
-      sq = sq + s
-    new_state = type(opt_state)({
-        "dense": optax.MaskedState(new_d),
-        "emb": optax.MaskedState(RowwiseAdagradState(jax.tree.unflatten(acc_def, new_acc)))})
-    return treedef.unflatten(new_p), new_state, sq
-
-  update.prepare, update.bind = prepare, opt.bind
-  return update
-
-
 def opt_state_shardings(tx, params_abstract, param_shardings, mesh):
   """Shardings for ``tx.init(params)``. For an ``Optimizer`` (which this binds to
   ``param_shardings``): the flat AdamW buffers get their layout group's sharding (the shards of
@@ -488,11 +265,10 @@ def opt_state_shardings(tx, params_abstract, param_shardings, mesh):
   Adagrad accumulator (shape ``param.shape[:-1]``) gets the parameter's spec without its last
   entry; the rest is replicated.
   """
-  from jax.sharding import PartitionSpec as P
   if isinstance(tx, Optimizer):
     tx.bind(param_shardings)
   state_abstract = jax.eval_shape(tx.init, params_abstract)
-  out = _match_param_shardings(state_abstract, params_abstract, param_shardings, mesh)
+  out = match_param_shardings(state_abstract, params_abstract, param_shardings, mesh)
   if isinstance(tx, Optimizer):
     layout, _ = tx.layout(params_abstract)
     rep = NamedSharding(mesh, P())
@@ -502,9 +278,8 @@ def opt_state_shardings(tx, params_abstract, param_shardings, mesh):
   return out
 
 
-def _match_param_shardings(state_abstract, params_abstract, param_shardings, mesh):
+def match_param_shardings(state_abstract, params_abstract, param_shardings, mesh):
   """``opt_state_shardings``' rule for per-leaf state (matched to parameters by key path)."""
-  from jax.sharding import PartitionSpec as P
   p_leaves = {jax.tree_util.keystr(k): (v, s) for (k, v), s in zip(
       jax.tree_util.tree_leaves_with_path(params_abstract), jax.tree.leaves(param_shardings),
       strict=False)}

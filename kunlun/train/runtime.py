@@ -103,7 +103,7 @@ def check_settings(config, steps_flag=None, where: str = "") -> None:
 def check_output(path: str, what: str) -> None:
   """An output file can be written at ``path`` (a one-line FatalError naming the flag otherwise:
   a directory there, read-only, full, no permission); run before the work that fills it."""
-  from kunlun.train.atomic import check_writable
+  from kunlun.utils.atomic import check_writable
   why = check_writable(path, what) if jax.process_index() == 0 else None
   if why:
     fail(why)
@@ -111,8 +111,8 @@ def check_output(path: str, what: str) -> None:
 
 def prepare_workdir(workdir: str):
   """train.py's workdir: a directory (created), writable, and locked for this run (process 0;
-  ``kunlun.train.lock``). Returns the held lock; problems are one-line FatalErrors."""
-  from kunlun.train import lock
+  ``kunlun.utils.lock``). Returns the held lock; problems are one-line FatalErrors."""
+  from kunlun.utils import lock
   if os.path.exists(workdir) and not os.path.isdir(workdir):
     fail(f"--workdir={workdir}: exists and is not a directory")
   if jax.process_index() == 0:
@@ -236,10 +236,10 @@ def check_data_files(data_dir: str, split: str) -> None:
 
 
 def fit_and_build_model(config, schema):
-  """Fits ``config.model.towers`` to the schema's streams (kunlun/schema_fit.py, in place) and
+  """Fits ``config.model.towers`` to the schema's streams (kunlun/configs/fit.py, in place) and
   builds the model; a config / schema mismatch is a FatalError."""
   from kunlun.configs.transfer import parse_transfer
-  from kunlun.model import build_model as _build
+  from kunlun.models.build import build_model as _build
   try:
     tr = parse_transfer(config)
   except ValueError as e:
@@ -247,8 +247,8 @@ def fit_and_build_model(config, schema):
   if tr.uses_fm:
     fail(f"config.transfer turns on FM inputs ({tr}); train.py/eval.py train and evaluate the "
          "plain model only and would silently ignore them. Set kd_lambda=0 and loopfm_*=False, "
-         "or run the transfer path (kunlun.transfer.experiment, bench/transfer.py).")
-  from kunlun.schema_fit import fit_towers
+         "or run the transfer path (kunlun.transfer.experiment, bench/experiments/transfer.py).")
+  from kunlun.configs.fit import fit_towers
   try:
     for note in fit_towers(config, schema):     # towers follow the schema's streams (in place)
       if jax.process_index() == 0:
@@ -303,7 +303,7 @@ def save_run_info(workdir: str, config, data_dir: str) -> None:
   """
   if jax.process_index() != 0:
     return
-  from kunlun.config import with_defaults
+  from kunlun.configs.types import with_defaults
   config = config.copy_and_resolve_references()
   if "model" in config:
     config.model = with_defaults(config.model)
@@ -311,7 +311,7 @@ def save_run_info(workdir: str, config, data_dir: str) -> None:
     plain = config_to_plain(config)
   except TypeError as e:
     fail(str(e))
-  from kunlun.train import atomic
+  from kunlun.utils import atomic
   path = os.path.join(workdir, RUN_INFO)
   try:
     atomic.write_json(path, {"format": RUN_INFO_FORMAT, "data_dir": os.path.abspath(data_dir),
@@ -360,9 +360,10 @@ def load_run_info(workdir: str, trust_pickle: bool = False):
 
 def _upgraded(config):
   """Model fields added since the run was stored get the value that run was trained with
-  (``kunlun.config.upgrade_stored``: e.g. ``final_hsp`` on for runs stored before the switch)."""
+  (``kunlun.configs.types.upgrade_stored``: e.g. ``final_hsp`` on for runs stored before the
+  switch)."""
   if "model" in config:
-    from kunlun.config import upgrade_stored
+    from kunlun.configs.types import upgrade_stored
     with config.unlocked():
       config.model = upgrade_stored(config.model)
   return config

@@ -2,7 +2,7 @@
 ``kunlun.configs.fields.FIELDS`` (default, type, range, description of each field).
 
 ``check(config)``: types and ranges of every field (model fields without the data schema, which
-``kunlun.config.parse`` adds) plus the cross-field relations below; a violation is a one-line
+``kunlun.configs.types.parse`` adds) plus the cross-field relations below; a violation is a one-line
 ``SettingsError``. ``describe(config)``: one ``path = value  description [allowed]`` line per field.
 """
 

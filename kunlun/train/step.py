@@ -10,8 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from kunlun.losses import masked_bce
+from kunlun.nn.losses import masked_bce
 from kunlun.train import optim
+from kunlun.train.sparse_update import make_sparse_update
 from sharding import partition
 
 
@@ -48,7 +49,7 @@ def build(config, model, example, mesh, rules, rng, *, task_weights=(), abstract
   instead of arrays (compile without initialising)."""
   schedule_steps = int(config.train.get("schedule_steps", 0)) or int(config.train.steps)
   tx = optim.make_optimizer(config.train, schedule_steps)
-  sparse_update = (optim.make_sparse_update(config.train, schedule_steps)
+  sparse_update = (make_sparse_update(config.train, schedule_steps)
                    if config.train.get("sparse_embedding_update", False) else None)
   if abstract:
     params = partition.abstract_params(model, rng, example, mesh, rules)
@@ -77,7 +78,7 @@ def make_train_step(model, tx, task_weights=None, *, sparse_update=None, param_s
 
   ``stats``: loss f32[], per_task f32[K], grad_norm f32[], ok bool[], and per-task sums
   ``loss_sum``, ``pos_sum``, ``count`` f32[K]. Params and optimizer state are donated.
-  ``sparse_update``: ``optim.make_sparse_update(...)`` (``config.train.sparse_embedding_update``)
+  ``sparse_update``: ``make_sparse_update(...)`` (``config.train.sparse_embedding_update``)
   switches to the sparse embedding step (``_sparse_train_step``); ``tx`` then only defines the
   optimizer-state layout (``tx.init``). ``param_shardings``: the gradients are constrained to
   them (under FSDP each device reduces only its own shard of every gradient).
@@ -212,18 +213,19 @@ def _sparse_train_step(model, sparse_update, task_weights, params, opt_state, ba
   """The train step with sparse embedding-table updates (``constrain``: maps the dense gradients
   ``{keystr: grad}`` to their parameters' shardings).
 
-  Tables read through ``kunlun.inputs`` look-ups are not differentiated: the model is applied with
-  each table group's ids recorded (``LOOKUP_IDS``) and a zero tap added to the group's looked-up
-  rows (``ROW_TAPS``), and the gradient is taken w.r.t. the other parameters and the taps, i.e.
+  Tables read through ``kunlun.nn.inputs`` look-ups are not differentiated: the model is applied
+  with each table group's ids recorded (``LOOKUP_IDS``) and a zero tap added to the group's
+  looked-up rows (``ROW_TAPS``), and the gradient is taken w.r.t. the other parameters and the
+  taps, i.e.
   w.r.t. the gathered rows ``[M, D]`` (no table-sized gradient exists). ``sparse_update`` then
   applies AdamW to the dense leaves and the row-wise Adagrad to the looked-up rows only.
   ``grad_norm`` is the dense path's norm (the per-row summed table gradients count once per row);
   on a skipped step it is computed from the unsummed row gradients instead (it is then non-finite
   or the loss is). A looked-up table must be read only through those look-ups: any other read of
-  it would get no gradient here (the tiny-model equivalence test in tests/train/test_step.py
+  it would get no gradient here (the tiny-model equivalence test in tests/kunlun/train/test_step.py
   checks the real input stage).
   """
-  from kunlun.inputs import GROUP_SEP, LOOKUP_IDS, ROW_TAPS
+  from kunlun.nn.inputs import GROUP_SEP, LOOKUP_IDS, ROW_TAPS
   mask = label_mask(batch)
   rngs = {"dropout": jax.random.fold_in(rng, step)}
   apply = lambda variables, mutable: model.apply(variables, batch, train=True, rngs=rngs,

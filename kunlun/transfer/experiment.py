@@ -1,8 +1,8 @@
-"""Training/eval helpers of the transfer experiment (used by ``bench/transfer.py``).
+"""Training/eval helpers of the transfer experiment (used by ``bench/experiments/transfer.py``).
 
 A VM step supports KD (student-adapter soft targets, weight ``lam``) and LoopFM inputs; the
 plain VM is the same code with ``lam = 0`` and LoopFM off (``test_loopfm`` checks that the LoopFM
-wrapper with both inputs off is exactly ``kunlun.model.Kunlun``).
+wrapper with both inputs off is exactly ``kunlun.models.kunlun.Kunlun``).
 """
 
 from __future__ import annotations

@@ -17,10 +17,11 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from data import pipeline, records
-from kunlun import config as model_config
-from kunlun.train import atomic, checkpoint, runtime
+from kunlun.configs import types as model_config
+from kunlun.train import checkpoint, runtime
 from kunlun.train.runtime import FatalError, maybe_initialize_distributed
 from kunlun.transfer.join import EmbeddingLog
+from kunlun.utils import atomic
 from sharding import partition
 
 FORMAT = "kunlun-fm-embeddings-v1"

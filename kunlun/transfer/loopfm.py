@@ -1,6 +1,6 @@
 """LoopFM (spec g.3): a vertical model (VM) that reads logged FM embeddings as input features.
 
-``LoopFMKunlun`` is the Kunlun VM (a subclass of ``kunlun.model.Kunlun`` filling its
+``LoopFMKunlun`` is the Kunlun VM (a subclass of ``kunlun.models.kunlun.Kunlun`` filling its
 ``extra_inputs`` hook; with both inputs off it is the plain VM) plus two optional inputs:
 
   (a) context: ``fm_ctx f32[B, d_fm]`` with ``fm_ctx_present bool[B]`` -> one extra token appended
@@ -24,10 +24,10 @@ import jax
 import jax.numpy as jnp
 
 from data.schema import Schema
-from kunlun.config import parse
-from kunlun.layer import COMPUTE_DTYPES
-from kunlun.model import Kunlun
-from kunlun.transfer.settings import parse_transfer
+from kunlun.configs.transfer import parse_transfer
+from kunlun.configs.types import parse
+from kunlun.models.kunlun import Kunlun
+from kunlun.nn.layer import COMPUTE_DTYPES
 from sharding import shard, with_axes
 
 F32 = jnp.float32
@@ -100,7 +100,7 @@ def _require(batch, keys):
 
 def build_loopfm(config, schema: Schema, *, use_ctx=None, use_events=None) -> LoopFMKunlun:
   """Builds the LoopFM VM; flags default to ``config.transfer.loopfm_ctx / loopfm_events``
-  (validated by ``kunlun.transfer.settings.parse_transfer``)."""
+  (validated by ``kunlun.configs.transfer.parse_transfer``)."""
   cfg = parse(config, schema)
   if cfg.arch != "kunlun":
     raise ValueError(f"LoopFM wraps config.model.arch = 'kunlun', got {cfg.arch!r}")

@@ -1,6 +1,6 @@
 """Bad invocations of every command line program fail fast with one error line, never a
 traceback: train.py, eval.py, ``python -m data.synthetic``, ``data.ingest``, ``data.verify``,
-the FM export, ``kunlun.serving.export`` and ``bench/real_data.py``. Every case is a subprocess
+the FM export, ``kunlun.serving.export`` and ``bench/experiments/real_data.py``. Every case is a subprocess
 that stops before any compilation (most before importing jax); two run at a time. Bad settings
 (issue 20) stop before any data is read: train.py is given a real dataset and would train (and
 time out here) if a check were lost; so are a workdir held by another train.py, output paths
@@ -20,7 +20,7 @@ from tests import fs_faults
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 HOLD = ("import sys, time\n"
-        "from kunlun.train.lock import WorkdirLock\n"
+        "from kunlun.utils.lock import WorkdirLock\n"
         "WorkdirLock(sys.argv[1]).acquire()\n"
         "print('held', flush=True)\n"
         "time.sleep(3600)\n")
@@ -226,13 +226,13 @@ CASES = [
                                   "--data_dir={data}"], "incomplete or corrupt"),
     # {inter} (rows that do not parse) stops the bench early should a flag check ever be lost:
     # without --inter it would download MovieLens and train
-    ("bench/real_data.py", ["--inter={inter}", "--archs=kunlun,gbdt"], "unknown ['gbdt']"),
-    ("bench/real_data.py", ["--inter={inter}", "--seeds=a,b"], "--seeds=a,b"),
-    ("bench/real_data.py", ["--inter={inter}", "--Cs=0,1"], "--Cs=0,1"),
-    ("bench/real_data.py", ["--inter={inter}", "--max_epochs=-1"], "--max_epochs=-1"),
-    ("bench/real_data.py", ["--inter={missing}"], "--inter={missing}: no such file"),
-    ("bench/real_data.py", ["--inter={log}"], "not a known MovieLens format"),
-    ("bench/real_data.py", ["--inter={inter}", "--archs=lr"], "{inter}: line 2"),
+    ("bench/experiments/real_data.py", ["--inter={inter}", "--archs=kunlun,gbdt"], "unknown ['gbdt']"),
+    ("bench/experiments/real_data.py", ["--inter={inter}", "--seeds=a,b"], "--seeds=a,b"),
+    ("bench/experiments/real_data.py", ["--inter={inter}", "--Cs=0,1"], "--Cs=0,1"),
+    ("bench/experiments/real_data.py", ["--inter={inter}", "--max_epochs=-1"], "--max_epochs=-1"),
+    ("bench/experiments/real_data.py", ["--inter={missing}"], "--inter={missing}: no such file"),
+    ("bench/experiments/real_data.py", ["--inter={log}"], "not a known MovieLens format"),
+    ("bench/experiments/real_data.py", ["--inter={inter}", "--archs=lr"], "{inter}: line 2"),
     ("-m data.ingest", ["--input={dupcol}", "--out={out}", "--yes",
                         "--rename=request_ts=ts,user_id=user,ad_id=item,label.click=clicked"],
      "column name(s) ['user'] appear more than once"),

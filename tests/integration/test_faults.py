@@ -1,7 +1,7 @@
 """Fault injection on train.py / eval.py (issue 15), kept short: 6 steps of the DLRM baseline on
 tiny data (the checkpoint and data machinery is the same for every architecture, and DLRM
-compiles in a third of Kunlun's time), checkpoints every 2, one shared uninterrupted baseline. Faults come from ``bench/fault_hooks.py`` (patched library
-calls, nothing in the programs); ``bench/faults.py`` runs the long version (20+ random kills).
+compiles in a third of Kunlun's time), checkpoints every 2, one shared uninterrupted baseline. Faults come from ``bench/faults/hooks.py`` (patched library
+calls, nothing in the programs); ``bench/faults/run.py`` runs the long version (20+ random kills).
 
 * a damaged latest checkpoint: eval.py (default step and --step) fails in one line; train.py
   warns, moves it aside, resumes from the step before and ends bitwise equal to the baseline;
@@ -25,7 +25,7 @@ import sys
 import numpy as np
 import pytest
 
-from bench.faults import committed, flip_shard_bytes, iter_state, params
+from bench.faults.run import committed, flip_shard_bytes, iter_state, params
 from tests import fs_faults, subproc
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -38,7 +38,7 @@ def run(script, args, env, faults=None, check=True):
   e = dict(env)
   if faults:
     e["KUNLUN_FAULTS"] = json.dumps(faults)
-  cmd = [sys.executable, os.path.join(ROOT, "bench", "fault_hooks.py"), script, *args]
+  cmd = [sys.executable, os.path.join(ROOT, "bench", "faults", "hooks.py"), script, *args]
   p = subproc.run(cmd, cwd=ROOT, env=e)        # generous limit; shows the child's last output
   if check and p.returncode != 0:
     raise AssertionError(f"{script} {args} failed ({p.returncode}):\n{p.stdout[-2000:]}\n"

@@ -13,9 +13,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kunlun.attention import SeqAttention
-from kunlun.hsp import HSP
-from kunlun.pffn import PFFN
+from kunlun.nn.attention import SeqAttention
+from kunlun.nn.hsp import HSP
+from kunlun.nn.pffn import PFFN
 from sharding import mesh as M
 from sharding import partition
 from sharding import rules as R

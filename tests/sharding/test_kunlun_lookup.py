@@ -1,4 +1,4 @@
-"""The tiny Kunlun model with its tables row-sharded: ``kunlun.inputs.lookup`` takes the sharded
+"""The tiny Kunlun model with its tables row-sharded: ``kunlun.nn.inputs.lookup`` takes the sharded
 all-to-all exchange (forward unchanged), and the sparse embedding update
 (``config.train.sparse_embedding_update``) trains exactly like the dense row-wise Adagrad."""
 
@@ -14,9 +14,9 @@ from sharding import rules as R
 
 
 def _tiny(B=16, n=1, layers=None):
-  from kunlun.config import seq_lens
   from kunlun.configs import tiny
-  from kunlun.model import build_model
+  from kunlun.configs.types import seq_lens
+  from kunlun.models.build import build_model
   cfg, schema = tiny.get_config(), tiny_schema()
   if layers:      # every table is in the input stage; fewer layers only shorten the compile
     cfg.model.num_layers = layers
@@ -50,8 +50,9 @@ def test_kunlun_sparse_embedding_update_equals_dense():
   """2 train steps of the tiny model: sparse and dense embedding updates agree on every parameter
   and optimizer-state leaf (so every table is read only through the look-ups); rows no batch
   reads stay bitwise unchanged. On a data=2 x fsdp=4 mesh (the 1-device case is covered on the
-  input stage in tests/train/test_step.py)."""
+  input stage in tests/kunlun/train/test_step.py)."""
   from kunlun.train import checkpoint, optim, step
+  from kunlun.train.sparse_update import make_sparse_update
   cfg, model, batches = _tiny(n=2, layers=1)
   cfg.train.warmup_steps = 0
   tx = optim.make_optimizer(cfg.train, 10)
@@ -62,7 +63,7 @@ def test_kunlun_sparse_embedding_update_equals_dense():
     o_sh = optim.opt_state_shardings(tx, checkpoint.abstract_like(p), p_sh, mesh)
     o, b_sh = jax.jit(tx.init, out_shardings=o_sh)(p), partition.batch_sharding(mesh, rules)
     p0 = jax.tree.map(np.asarray, p)
-    f = step.make_train_step(model, tx, sparse_update=optim.make_sparse_update(cfg.train, 10)
+    f = step.make_train_step(model, tx, sparse_update=make_sparse_update(cfg.train, 10)
                              if sparse else None, param_shardings=p_sh, opt_shardings=o_sh,
                              batch_sharding=b_sh)
     with partition.activate(mesh, rules):

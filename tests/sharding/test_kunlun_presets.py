@@ -19,10 +19,10 @@ TX = optax.sgd(0.1)
 
 @functools.cache
 def setup():
-  from kunlun.config import seq_lens
   from kunlun.configs import tiny
-  from kunlun.losses import masked_bce
-  from kunlun.model import build_model
+  from kunlun.configs.types import seq_lens
+  from kunlun.models.build import build_model
+  from kunlun.nn.losses import masked_bce
   cfg, schema = tiny.get_config(), tiny_schema()
   model = build_model(cfg, schema)
   batch = random_batch(schema, 16, seq_lens(cfg), seed=0, min_len=1)

@@ -12,9 +12,9 @@ import orbax.checkpoint as ocp
 import pytest
 
 from data.fake import random_batch, tiny_schema
-from kunlun.config import seq_lens
 from kunlun.configs import tiny
-from kunlun.model import build_model
+from kunlun.configs.types import seq_lens
+from kunlun.models.build import build_model
 from kunlun.serving import export, loader, score
 from kunlun.train import checkpoint, runtime
 

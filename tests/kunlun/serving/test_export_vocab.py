@@ -17,9 +17,9 @@ from data.fake import random_batch
 from data.ingest import vocab
 from data.ingest.infer import Spec
 from data.schema import Schema
-from kunlun.config import seq_lens
 from kunlun.configs import tiny
-from kunlun.model import build_model
+from kunlun.configs.types import seq_lens
+from kunlun.models.build import build_model
 from kunlun.serving import export, loader
 from kunlun.train import checkpoint, runtime
 from tests.data.ingest.logs import decoded

@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 
 from data.fake import random_batch, tiny_schema
-from kunlun.config import seq_lens
 from kunlun.configs import tiny
-from kunlun.flops import event_embed_flops, model_flops, pooling_flops
-from kunlun.model import build_model
+from kunlun.configs.types import seq_lens
+from kunlun.models.build import build_model
+from kunlun.models.flops import event_embed_flops, model_flops, pooling_flops
 from kunlun.serving import score
 
 R, N = 2, 5

@@ -1,0 +1,437 @@
+"""Memory-traffic roofline of a compiled step, from its post-optimisation HLO text.
+Notes: README.md, "What each bench script measures", ``bench/profiling/roofline.py``."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+import re
+import sys
+from collections import defaultdict
+
+import jax
+import numpy as np
+
+import pallas_kernels
+from bench.profiling import hlo_stats
+from kunlun.nn import attention
+
+H200 = {"peak_flops": 989e12, "bandwidth": 4.8e12, "launch_s": 4e-6}
+CPU_NOTE = ("CPU compile standing in for the GPU one: the HLO is XLA:CPU's (its fusion differs "
+            "from XLA:GPU's); bytes, FLOPs and launches are those of this program")
+
+_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
+                "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
+                "s4": 0.5, "u4": 0.5, "s2": 0.25, "u2": 0.25, "token": 0}
+_ARRAY_RE = re.compile(r"\b([a-z]+[0-9]*[a-z0-9]*)\[([<=0-9,]*)\]")
+_OPERAND_RE = re.compile(r"%([\w.\-]+)")
+_ELEMENTWISE = {"add", "subtract", "multiply", "divide", "maximum", "minimum", "remainder", "abs",
+                "negate", "compare", "select", "and", "or", "xor", "not", "clamp", "floor",
+                "ceil", "round-nearest-afz", "round-nearest-even", "sign", "is-finite",
+                "shift-left", "shift-right-logical", "shift-right-arithmetic", "popcnt"}
+_TRANSCENDENTAL = {"exponential", "exponential-minus-one", "log", "log-plus-one", "tanh",
+                   "logistic", "sine", "cosine", "tan", "sqrt", "rsqrt", "cbrt", "power",
+                   "atan2", "erf"}
+
+
+def arrays(shape: str) -> list[tuple[str, tuple[int, ...]]]:
+  """``[(dtype, dims)]`` of an HLO shape text (an array or a tuple; layouts ignored)."""
+  out = []
+  for dt, dims in _ARRAY_RE.findall(shape):
+    if dt in _DTYPE_BYTES or dt.startswith("f8"):
+      out.append((dt, tuple(int(d.lstrip("<=")) for d in dims.split(",") if d)))
+  return out
+
+
+def shape_bytes(shape: str) -> float:
+  """Bytes of an HLO shape text (tuple elements summed)."""
+  return float(sum(math.prod(d) * _DTYPE_BYTES.get(t, 1) for t, d in arrays(shape)))
+
+
+def _elems(shape: str) -> int:
+  return sum(math.prod(d) for _, d in arrays(shape))
+
+
+def operands(rest: str) -> list[str]:
+  """Operand names of an instruction (``rest`` starts at ``opcode(``), in order."""
+  i, depth = rest.index("("), 0
+  for j in range(i, len(rest)):
+    depth += rest[j] == "("
+    depth -= rest[j] == ")"
+    if depth == 0:
+      return _OPERAND_RE.findall(rest[i:j])
+  return _OPERAND_RE.findall(rest[i:])
+
+
+def _dims_attr(rest: str, key: str) -> list[int]:
+  m = re.search(key + r"=\{([0-9,]*)\}", rest)
+  return [int(x) for x in m.group(1).split(",") if x] if m else []
+
+
+class _Flops:
+  """FLOPs and transcendentals of instructions and computations (see module doc)."""
+
+  def __init__(self, comps):
+    self.comps = comps
+    self.shapes = {ins[0]: ins[3] for body in comps.values() for ins in body}
+    self.memo = {}
+
+  def dims(self, name):
+    a = arrays(self.shapes.get(name, ""))
+    return a[0][1] if a else ()
+
+  def computation(self, c):
+    if c not in self.memo:
+      self.memo[c] = (0.0, 0.0)
+      f = t = 0.0
+      for ins in self.comps.get(c, ()):
+        a, b = self.instruction(ins)
+        f, t = f + a, t + b
+      self.memo[c] = (f, t)
+    return self.memo[c]
+
+  def instruction(self, ins):
+    name, op, rest, shape = ins[:4]
+    if op in ("fusion", "call"):
+      parts = [self.computation(c) for c in hlo_stats._called(rest)]
+      return sum(p[0] for p in parts), sum(p[1] for p in parts)
+    if op in _ELEMENTWISE:
+      return float(_elems(shape)), 0.0
+    if op in _TRANSCENDENTAL:
+      return 0.0, float(_elems(shape))
+    ops = operands(rest)
+    if op == "dot":
+      lhs = self.dims(ops[0]) if ops else ()
+      k = math.prod(lhs[i] for i in _dims_attr(rest, "lhs_contracting_dims") if i < len(lhs))
+      return 2.0 * _elems(shape) * k, 0.0
+    if op == "convolution" and len(ops) >= 2:
+      rhs = self.dims(ops[1])
+      m = re.search(r"dim_labels=\w+_(\w+)->", rest)
+      o = m.group(1).find("o") if m else -1
+      per_out = math.prod(rhs) / rhs[o] if rhs and 0 <= o < len(rhs) else 1
+      return 2.0 * _elems(shape) * per_out, 0.0
+    if op == "reduce" and ops:
+      n_in = max(len(ops) // 2, 1)
+      return float(sum(math.prod(self.dims(x)) for x in ops[:n_in])), 0.0
+    if op == "reduce-window":
+      m = re.search(r"window=\{size=([0-9x]+)", rest)
+      win = math.prod(int(x) for x in m.group(1).split("x")) if m else 1
+      return float(_elems(shape) * win), 0.0
+    if op == "scatter" and ops:
+      return float(math.prod(self.dims(ops[-1]))), 0.0
+    return 0.0, 0.0
+
+
+_PARTIAL_READ = ("slice", "dynamic-slice", "gather")
+_VIEW = ("bitcast", "reshape")
+
+
+def _param_reads(comps, roots, comp: str, shapes) -> tuple[dict, float | None]:
+  """For a fused computation: ``({parameter number: bytes read}, in-place output bytes)``.
+
+  A parameter whose every use (through bitcasts / reshapes) is the sliced operand of a
+  ``slice`` / ``dynamic-slice`` / ``gather`` reads the bytes those produce; a parameter that is
+  the buffer a root ``dynamic-update-slice`` updates in place reads nothing, and the output then
+  writes only the update (returned second; None otherwise). Other parameters read everything."""
+  body = comps.get(comp, [])
+  users = defaultdict(list)
+  for ins in body:
+    for i, x in enumerate(operands(ins[2])):
+      users[x].append((ins, i))
+  params = {ins[0]: int(re.match(r"parameter\((\d+)\)", ins[2]).group(1))
+            for ins in body if ins[1] == "parameter"}
+
+  def partial(name, depth=0):
+    """Bytes read through ``name``'s uses, or None when some use reads all of it."""
+    total = 0.0
+    for ins, pos in users.get(name, []):
+      if ins[1] in _VIEW and depth < 8:
+        sub = partial(ins[0], depth + 1)
+        if sub is None:
+          return None
+        total += sub
+      elif ins[1] in _PARTIAL_READ and pos == 0:
+        total += shape_bytes(ins[3])
+      else:
+        return None
+    return total
+
+  reads = {}
+  for name, k in params.items():
+    r = partial(name)
+    if r is not None:
+      reads[k] = min(r, shape_bytes(shapes.get(name, "")))
+  root = next((ins for ins in body if ins[0] == roots.get(comp)), None)
+  inplace = None
+  if root is not None and root[1] == "dynamic-update-slice":
+    ops = operands(root[2])
+    if ops and ops[0] in params:
+      reads[params[ops[0]]] = 0.0
+      inplace = shape_bytes(shapes.get(ops[1], "")) if len(ops) > 1 else None
+  return reads, inplace
+
+
+def op_costs(text: str) -> list[dict]:
+  """Every top-level launched op of an HLO module: ``{name, opcode, op_name, times, bytes_in,
+  bytes_out, flops, transcendentals}`` (per execution; ``times`` executions per step)."""
+  comps, entry = hlo_stats.parse_hlo(text)
+  roots = _roots(text)
+  names = hlo_stats.resolve_op_names(comps, entry)
+  fl = _Flops(comps)
+  out = []
+  for ins in hlo_stats.top_level(comps, entry):
+    name, op, rest, shape, times = ins
+    if not hlo_stats.is_launch(op):
+      continue
+    ops = list(dict.fromkeys(operands(rest)))
+    nbytes = {x: shape_bytes(fl.shapes.get(x, "")) for x in ops}
+    b_out = shape_bytes(shape)
+    if op == "fusion":
+      called = hlo_stats._called(rest)
+      reads, inplace = (_param_reads(comps, roots, called[0], fl.shapes) if called
+                        else ({}, None))
+      all_ops = operands(rest)
+      for k, r in reads.items():
+        if k < len(all_ops):
+          nbytes[all_ops[k]] = min(nbytes[all_ops[k]], r)
+      b_out = b_out if inplace is None else inplace
+    elif op in _PARTIAL_READ and ops:
+      nbytes[ops[0]] = min(nbytes[ops[0]], b_out)
+    elif op == "dynamic-update-slice" and len(ops) > 1:
+      nbytes[ops[0]], b_out = 0.0, nbytes[ops[1]]
+    f, t = fl.instruction(ins)
+    out.append({"name": name, "opcode": op, "op_name": names.get(name, ""), "times": times,
+                "bytes_in": sum(nbytes.values()), "bytes_out": b_out, "flops": f,
+                "transcendentals": t})
+  return out
+
+
+def _roots(text: str) -> dict:
+  """{computation: the name of its ROOT instruction}."""
+  out, cur = {}, None
+  for line in text.splitlines():
+    m = hlo_stats._COMP_RE.match(line)
+    if m and "=" not in line.split("(")[0]:
+      cur = m.group(2)
+      continue
+    s = line.strip()
+    if cur and s.startswith("ROOT "):
+      out[cur] = s[5:].split("=", 1)[0].strip().lstrip("%")
+  return out
+
+
+def scope_tower(op_name: str, towers) -> str:
+  """The tower of a named-scope path: the first path component that is ``<tower>``,
+  ``<tower>_<module>`` (``click_hsp``, ``click_attention._attend``) or ``embed_<tower>``; ""
+  for shared modules (MoWE, heads, context, optimizer)."""
+  names = sorted(towers, key=len, reverse=True)
+  for comp in op_name.split("/"):
+    c = comp.split(".")[0]
+    for t in names:
+      if c == t or c.startswith(t + "_") or c == "embed_" + t:
+        return t
+  return ""
+
+
+# ---- kernels: analytic input + output bytes ------------------------------------------------------
+def _nbytes(shape, dtype) -> float:
+  return float(math.prod(shape) * np.dtype(dtype).itemsize)
+
+
+def gdpa_kernel(q, k, v, out_batch: int, q_shared: bool, kv_shared: bool) -> dict:
+  """Bytes and launches of the GDPA kernel's forward + backward (module doc); ``q, k, v`` have
+  ``.shape`` and ``.dtype``."""
+  Tq, Hq, D = q.shape[1:]
+  o = _nbytes((out_batch, Tq, Hq, D), q.dtype)
+  qkv = _nbytes(q.shape, q.dtype) + _nbytes(k.shape, k.dtype) + _nbytes(v.shape, v.dtype)
+  fwd = qkv + o
+  dq = _nbytes((out_batch, Tq, Hq, D), "float32" if q_shared else q.dtype)
+  dkv = 2 * _nbytes((out_batch,) + tuple(k.shape[1:]), "float32" if kv_shared else k.dtype)
+  bwd = 2 * (qkv + o) + dq + dkv
+  bwd += (dq + _nbytes(q.shape, q.dtype)) if q_shared else 0.0
+  bwd += (dkv + 2 * _nbytes(k.shape, k.dtype)) if kv_shared else 0.0
+  return {"bytes": fwd + bwd, "launches": 3 + int(q_shared) + int(kv_shared)}
+
+
+def flash_attention_kernel(q, k, v) -> dict:
+  """Bytes and launches of a fused softmax attention's forward + backward (module doc)."""
+  B, T, H, _ = q.shape
+  qkv = _nbytes(q.shape, q.dtype) + _nbytes(k.shape, k.dtype) + _nbytes(v.shape, v.dtype)
+  o, lse = _nbytes(q.shape, q.dtype), _nbytes((B, H, T), "float32")
+  fwd = qkv + o + lse
+  bwd = qkv + 2 * o + lse + qkv                 # reads q, k, v, o, do, lse; writes dq, dk, dv
+  return {"bytes": fwd + bwd, "launches": 3}
+
+
+def _name_stack() -> str:
+  try:
+    from jax._src import source_info_util
+    return str(source_info_util.current_name_stack())
+  except Exception:  # noqa: BLE001 - private API; without it the calls get no scope
+    return ""
+
+
+@functools.cache
+def _fence_fn():
+  @jax.custom_vjp
+  def fence(x):
+    return jax.lax.optimization_barrier(x)
+
+  fence.defvjp(lambda x: (jax.lax.optimization_barrier(x), None),
+               lambda _, g: (jax.lax.optimization_barrier(g),))
+  return fence
+
+
+def _fence(x):
+  """Identity whose value and cotangent pass an optimization barrier: XLA fuses nothing across
+  it, so the ops around a fenced kernel call read and write exactly the kernel's operands, as
+  they would around the GPU kernel (a custom call)."""
+  return _fence_fn()(x)
+
+
+@contextlib.contextmanager
+def record_kernels(fence: bool = True):
+  """Records, while active, the differentiated GDPA and softmax-attention calls a trace makes:
+  yields a list of ``{kind, scope, bytes, launches}`` (kind "gdpa" or "attention";
+  ``scope`` the name stack, e.g. ``jvp(Kunlun)/.../click_hsp/HSP/GDPA``). Only calls under a
+  ``jvp`` (the train step's forward, whose backward autodiff derives) are kept.
+
+  Softmax attention is recorded at ``kunlun.nn.attention.softmax_attention_op``, the dispatch that
+  ``SeqAttention._attend`` calls for every backend (xla reference, pallas / cudnn directly or per
+  shard through ``sharding.context``), with the global ``q, k, v`` shapes.
+
+  ``fence``: the recorded calls' operands and results (and their cotangents) pass optimization
+  barriers (``_fence``), so that XLA fuses none of the reference computation into the ops
+  around it: those then move the kernel's interface (q, k, v in, o out; do in, dq, dk, dv
+  out), the bytes they would move around the GPU kernel, and the replaced region is exactly the
+  call. Values are unchanged; the XLA column is that of the fenced program."""
+  calls = []
+  orig = {"gdpa": pallas_kernels.gdpa, "softmax": attention.softmax_attention_op}
+
+  def keep(kind, cost):
+    scope = _name_stack()
+    if "jvp(" in scope:
+      calls.append({"kind": kind, "scope": scope, **cost})
+
+  def gdpa(q, k, v, **kw):
+    qi, ki = kw.get("q_index"), kw.get("kv_index")
+    out_b = (qi.shape[0] if qi is not None else ki.shape[0] if ki is not None else k.shape[0])
+    keep("gdpa", gdpa_kernel(q, k, v, out_b, bool(kw.get("broadcast_q")) or qi is not None,
+                             ki is not None))
+    if not fence:
+      return orig["gdpa"](q, k, v, **kw)
+    return _fence(orig["gdpa"](*_fence((q, k, v)), **kw))
+
+  def softmax(q, k, v, *a, **kw):
+    keep("attention", flash_attention_kernel(q, k, v))
+    if not fence:
+      return orig["softmax"](q, k, v, *a, **kw)
+    return _fence(orig["softmax"](*_fence((q, k, v)), *a, **kw))
+
+  pallas_kernels.gdpa = gdpa
+  attention.softmax_attention_op = softmax
+  try:
+    yield calls
+  finally:
+    pallas_kernels.gdpa = orig["gdpa"]
+    attention.softmax_attention_op = orig["softmax"]
+
+
+# ---- the table ----------------------------------------------------------------------------------
+def _replaced(group: str, op_name: str) -> bool:
+  """Whether an op lies in a region the kernel column replaces."""
+  return group == "GDPA" or (group == "attention" and "/SoftmaxAttention" in op_name)
+
+
+def roofline(costs: list[dict], calls: list[dict] | None, towers=(), *, examples: int = 1,
+             peak_flops: float = H200["peak_flops"], bandwidth: float = H200["bandwidth"],
+             launch_s: float = H200["launch_s"], repeat: int = 1) -> dict:
+  """Rows by (scope group, tower) with XLA and kernel columns, totals and roofline bounds.
+
+  ``costs``: ``op_costs``; ``calls``: ``record_kernels`` (None: no kernel column, it equals the
+  XLA one); ``examples``: the global batch (bytes per example); ``repeat``: how often the traced
+  calls run per step (microbatches)."""
+  rows = defaultdict(lambda: defaultdict(float))
+  for c in costs:
+    g = hlo_stats.scope_group(c["op_name"])
+    r = rows[(g, scope_tower(c["op_name"], towers))]
+    n, b = c["times"], (c["bytes_in"] + c["bytes_out"]) * c["times"]
+    r["launches"] += n
+    r["bytes"] += b
+    r["flops"] += c["flops"] * n
+    r["transcendentals"] += c["transcendentals"] * n
+    if calls is not None and _replaced(g, c["op_name"]):
+      r["replaced_bytes"] += b
+      r["replaced_launches"] += n
+  for k in calls or ():
+    g = "GDPA" if k["kind"] == "gdpa" else "attention"
+    r = rows[(g, scope_tower(k["scope"], towers))]
+    r["kernel_calls"] += repeat
+    r["analytic_bytes"] += k["bytes"] * repeat
+    r["analytic_launches"] += k["launches"] * repeat
+  out_rows = []
+  for (g, t), r in rows.items():
+    kb = r["bytes"] - r["replaced_bytes"] + r["analytic_bytes"]
+    kl = r["launches"] - r["replaced_launches"] + r["analytic_launches"]
+    out_rows.append({"group": g, "tower": t, "launches": int(r["launches"]), "bytes": r["bytes"],
+                     "kernel_bytes": kb, "kernel_launches": int(kl), "flops": r["flops"],
+                     "transcendentals": r["transcendentals"],
+                     "kernel_calls": int(r["kernel_calls"]), "replaced_bytes": r["replaced_bytes"],
+                     "analytic_bytes": r["analytic_bytes"]})
+  out_rows.sort(key=lambda r: -r["bytes"])
+  tot = lambda key: sum(r[key] for r in out_rows)
+  flops, launches = tot("flops"), tot("launches")
+
+  def bound(nbytes, nlaunch):
+    compute, memory = flops / peak_flops, nbytes / bandwidth
+    return {"compute_s": compute, "memory_s": memory, "launch_s": nlaunch * launch_s,
+            "bound_s": max(compute, memory) + nlaunch * launch_s}
+
+  col = lambda nbytes, nlaunch: {
+      "bytes": nbytes, "bytes_per_example": nbytes / max(examples, 1), "launches": int(nlaunch),
+      "flop_per_byte": flops / nbytes if nbytes else None, **bound(nbytes, nlaunch)}
+  groups = defaultdict(lambda: defaultdict(float))
+  for r in out_rows:
+    for key in ("launches", "bytes", "kernel_bytes", "kernel_launches", "flops"):
+      groups[r["group"]][key] += r[key]
+  return {"note": CPU_NOTE, "kernel_column": calls is not None,
+          "device": {"peak_flops": peak_flops, "bandwidth": bandwidth, "launch_s": launch_s},
+          "examples": examples, "flops": flops, "transcendentals": tot("transcendentals"),
+          "xla": col(tot("bytes"), launches),
+          "kernel": col(tot("kernel_bytes"), tot("kernel_launches")),
+          "groups": {g: {k: (int(v) if "launch" in k else v) for k, v in d.items()}
+                     for g, d in sorted(groups.items(), key=lambda kv: -kv[1]["bytes"])},
+          "rows": out_rows}
+
+
+def print_roofline(rl: dict, stream=None, top: int = 40) -> None:
+  """The rows (largest XLA bytes first), the groups and the totals / bounds."""
+  s = stream or sys.stdout
+  tx = rl["xla"]["bytes"] or 1.0
+  unit, scale = ("GB", 1e9) if tx >= 1e10 else ("MB", 1e6)
+  gb = lambda b: b / scale
+  print(f"roofline ({rl['note']})", file=s)
+  print(f"{'scope':<24} {'launch':>6} {'k.launch':>8} {'XLA ' + unit:>8} {'kernel ' + unit:>9} "
+        f"{'share':>6} {'GFLOP':>9} {'F/B xla':>7} {'F/B krn':>7}", file=s)
+  for r in rl["rows"][:top]:
+    name = r["group"] + (f"/{r['tower']}" if r["tower"] else "")
+    fb = lambda b, r=r: f"{r['flops'] / b:.1f}" if b else "-"
+    print(f"{name:<24} {r['launches']:>6} {r['kernel_launches']:>8} {gb(r['bytes']):>8.2f} "
+          f"{gb(r['kernel_bytes']):>9.2f} {r['bytes'] / tx:>6.1%} {r['flops'] / 1e9:>9.1f} "
+          f"{fb(r['bytes']):>7} {fb(r['kernel_bytes']):>7}", file=s)
+  if len(rl["rows"]) > top:
+    print(f"... {len(rl['rows']) - top} more rows in the JSON", file=s)
+  print("by group: " + ", ".join(
+      f"{g} {gb(v['bytes']):.1f} {unit} ({v['bytes'] / tx:.0%}) / {int(v['launches'])} launches"
+      for g, v in rl["groups"].items()), file=s)
+  d = rl["device"]
+  for col in ("xla", "kernel"):
+    c = rl[col]
+    print(f"{col:>6}: {gb(c['bytes']):.1f} {unit}/step, "
+          f"{c['bytes_per_example'] / 1e6:.1f} MB/example, "
+          f"{rl['flops'] / 1e12:.2f} TFLOP, {c['flop_per_byte'] or 0:.1f} FLOP/byte, "
+          f"{c['launches']} launches; bound {1e3 * c['bound_s']:.2f} ms = max(compute "
+          f"{1e3 * c['compute_s']:.2f}, memory {1e3 * c['memory_s']:.2f}) + launches "
+          f"{1e3 * c['launch_s']:.2f} (peak {d['peak_flops']:.3g} FLOP/s, {d['bandwidth']:.3g} "
+          f"B/s, {1e6 * d['launch_s']:.1f} us/launch)", file=s)

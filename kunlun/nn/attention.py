@@ -1,0 +1,149 @@
+"""Sequence self-attention of an event tower (spec c.4, h-4, h-5, h-12):
+``(s [B, T, d], lengths i32[B], age f32[B, T]) -> [B, T, d]``, pre-norm and residual, with
+QK-norm, rotary time encoding and kinds "swa" / "block" / "full" (``q, k, v [B, T, H, d_h]``).
+Notes: docs/architecture.md, ``kunlun/nn/attention.py``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+import pallas_kernels
+from kunlun.configs.types import BucketSpec
+from kunlun.nn.fused import masked_residual, qk_norm_rotary
+from kunlun.nn.gdpa import gdpa_op
+from kunlun.nn.norms import rms_norm
+from kunlun.nn.time_encoding import bucket_embedding, rotary_time
+from pallas_kernels.activations import per_head
+from pallas_kernels.reference import (  # noqa: F401  (re-exported: apply_rotary, masked_...)
+  apply_rotary,
+  band_chunk,
+  masked_softmax_attention,
+  softmax_attention_reference,
+)
+from sharding import context, shard, with_axes
+
+F32 = jnp.float32
+KINDS = ("swa", "block", "full")
+_ACT_AXES = ("batch", "seq", "heads", "head_dim")
+
+
+def banded_softmax_attention(q, k, v, lengths, window: int, chunk: int | None = None):
+  """Softmax attention restricted to ``|i - j| <= window`` and valid keys, in ``O(T * 3c)``
+  (``pallas_kernels.reference.softmax_attention_reference``; ``chunk`` is its ``band_chunk``).
+
+  ``q, k, v [B, T, H, D]``, ``lengths i32[B]``.
+  """
+  if chunk is not None and chunk != band_chunk(window):
+    raise ValueError(f"chunk {chunk}: the banded path uses band_chunk(window) = "
+                     f"{band_chunk(window)}")
+  return softmax_attention_reference(q, k, v, window=window, q_lengths=lengths,
+                                     kv_lengths=lengths)
+
+
+def softmax_attention_op(q, k, v, lengths, window: int | None, backend: str):
+  """Bidirectional softmax self-attention over valid keys (``window``: the band ``|i - j| <=
+  window``; None: full). ``backend`` as ``pallas_kernels.softmax_attention`` ("auto" resolved
+  here); "xla" is the banded reference, left to XLA's SPMD partitioner; kernel backends run per
+  shard through ``sharding.context`` when the mesh splits the operands."""
+  if backend == "auto":
+    backend = pallas_kernels.api.select_backend("softmax_attention", q.shape[1], k.shape[1],
+                                                window=window, dtype=q.dtype,
+                                                head_dim=q.shape[-1])
+  if backend == "xla":
+    return softmax_attention_reference(q, k, v, window=window, q_lengths=lengths,
+                                       kv_lengths=lengths)
+  return context.context_parallel_softmax_attention(q, k, v, lengths, window, backend=backend)
+
+
+class SeqAttention(nn.Module):
+  """``(s [B, T, d], lengths i32[B], age f32[B, T]) -> [B, T, d]`` (pre-norm, residual)."""
+  heads: int
+  kind: str = "swa"
+  window: int = 64
+  block_size: int = 64
+  activation: Any = "softmax"
+  qk_norm: bool = True
+  rotary: bool = True
+  backend: str = "xla"
+  t_scale: float = 60.0
+  t_max: int | None = None
+  dtype: Any = F32
+  score_clip: float | None = None   # GDPA activations: clamp scores to [-c, c]; softmax: unused
+  time_buckets: BucketSpec | None = None   # per-head query bucket embeddings (b.5-2); None: off
+
+  def _check(self, d):
+    if self.kind not in KINDS:
+      raise ValueError(f"SeqAttention.kind={self.kind!r}; allowed: {KINDS}")
+    if d % self.heads:
+      raise ValueError(f"SeqAttention: heads={self.heads} does not divide width d={d}")
+    if self.rotary and (d // self.heads) % 2:
+      raise ValueError(f"SeqAttention: rotary needs an even head_dim, got {d // self.heads}")
+    if self.kind == "swa" and self.window < 0:
+      raise ValueError(f"SeqAttention.window must be >= 0, got {self.window}")
+    if self.kind == "block" and self.block_size < 1:
+      raise ValueError(f"SeqAttention.block_size must be >= 1, got {self.block_size}")
+    if self.activation != "softmax":
+      try:
+        per_head(self.activation, self.heads)
+      except ValueError as e:
+        raise ValueError(f"SeqAttention.activation: {e} (or 'softmax')") from None
+
+  @nn.compact
+  def __call__(self, s, lengths, age):
+    B, T, d = s.shape
+    self._check(d)
+    H, dh = self.heads, d // self.heads
+    lengths = jnp.asarray(lengths, jnp.int32)
+    with jax.named_scope("SeqAttention"):
+      h = rms_norm(s, dtype=self.dtype)
+      w_qkv = self.param("qkv", with_axes(nn.initializers.lecun_normal(0, (1, 2, 3)),
+                                          ("embed", None, "heads", "head_dim")), (d, 3, H, dh), F32)
+      w = w_qkv.astype(self.dtype)        # q, k, v as three projections: separate buffers
+      q, k, v = (shard(jnp.einsum("btd,dhc->bthc", h, w[:, i]), _ACT_AXES) for i in range(3))
+      sc = lambda n: (self.param(n, with_axes(nn.initializers.ones, ("head_dim",)), (dh,), F32)
+                      if self.qk_norm else None)
+      emb = bucket_embedding(self, "time_bucket_q", q, age, lengths, self.time_buckets)
+      rot, rot_age = None, age if self.rotary else None
+      if self.rotary and self.kind == "block":         # the block kernel rotates in-kernel
+        rot, rot_age = rotary_time(age, H, dh, self.t_scale), None
+      q = qk_norm_rotary(q, sc("q_scale"), rot_age, dtype=self.dtype, t_scale=self.t_scale,
+                         emb=emb)
+      k = qk_norm_rotary(k, sc("k_scale"), rot_age, dtype=self.dtype, t_scale=self.t_scale)
+      o = self._attend(q, k, v, lengths, rot, T)
+      o = shard(o, _ACT_AXES)
+      w_o = self.param("out", with_axes(nn.initializers.lecun_normal((0, 1), 2),
+                                        ("heads", "head_dim", "embed")), (H, dh, d), F32)
+      out = jnp.einsum("bthc,hcd->btd", o.astype(self.dtype), w_o.astype(self.dtype))
+      return shard(masked_residual(s, out, lengths), ("batch", "seq", "embed"))
+
+  def _attend(self, q, k, v, lengths, rot, T):
+    """The attention proper (q, k already rotated unless ``kind="block"``, whose kernel rotates
+    with ``rot``)."""
+    if self.kind == "block":
+      bs = self.block_size
+      pad = -T % bs
+      if pad:
+        padt = lambda x: jnp.pad(x, ((0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 2))
+        q, k, v = padt(q), padt(k), padt(v)
+        rot = None if rot is None else (padt(rot[0]), padt(rot[1]))
+      if self.backend == "xla":
+        o = pallas_kernels.block_attention(q, k, v, block_size=bs, activation=self.activation,
+                                           lengths=lengths, rotary=rot, backend=self.backend,
+                                           score_clip=self.score_clip)
+      else:                            # kernel per shard; blocks never straddle context shards
+        o = context.block_attention(q, k, v, lengths, block_size=bs, activation=self.activation,
+                                    rotary=rot, backend=self.backend,
+                                    score_clip=self.score_clip)
+      return o[:, :T]
+    window = self.window if self.kind == "swa" else None
+    if self.activation != "softmax":
+      n = self.t_max or (T if window is None else min(T, 2 * window + 1))
+      return gdpa_op(q, k, v, activation=self.activation, out_scale=1.0 / n, q_lengths=lengths,
+                  kv_lengths=lengths, window=window, backend=self.backend,
+                  score_clip=self.score_clip)
+    with jax.named_scope("SoftmaxAttention"):
+      return softmax_attention_op(q, k, v, lengths, window, self.backend)

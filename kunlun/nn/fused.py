@@ -1,0 +1,165 @@
+"""Elementwise blocks of the sequence modules with hand-written VJPs (issue 19: bytes per step).
+
+Each is one forward pass that keeps nothing full-size for the backward but its inputs; the
+backward recomputes the cheap intermediates. Autodiff instead keeps (and XLA writes) full-size
+float32 intermediates and broadcast masks.
+
+  norm_residual(g, u, s, lengths)      the PFFN's ``where(t < lengths, RMSNorm(g + u) + s, 0)``
+  rotary(x, age)                       the rotary encoding, angles recomputed from ``age``
+                                       (never stored); the backward is the inverse rotation
+  qk_norm_rotary(x, scale, age, ...)   QK-norm, bucket embedding and rotary in two passes
+  masked_residual(s, y, lengths)       ``where(t < lengths, s + y, 0)`` in float32, cast to
+                                       ``s.dtype``, for a ``y`` that is zero at the padding
+                                       rows; the backward is one masked copy of the cotangent
+
+Values and gradients are those of the plain formulas (``tests/kunlun/nn/test_fused.py`` compares
+them with autodiff of the plain formulas).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from kunlun.nn.norms import EPS, scaled_rms_norm
+from kunlun.nn.time_encoding import rotary_angles
+
+F32 = jnp.float32
+
+
+def _mask(lengths, T):
+  """``f32[B, T, 1]``: 1 at rows ``t < lengths[b]``, else 0. The modules zero their padding rows
+  by multiplying with it (XLA:CPU fuses a multiply with the row norms, not a select); the
+  padding rows of the sequence activations are finite (zero) by construction."""
+  valid = jnp.arange(T)[None, :] < jnp.asarray(lengths, jnp.int32)[:, None]
+  return valid.astype(F32)[..., None]
+
+
+# ---- masked residual ----------------------------------------------------------------------
+
+@jax.custom_vjp
+def masked_residual(s, y, lengths):
+  """``s [B, T, d] + y [B, T, d]`` in float32, rows ``t >= lengths[b]`` zero, in ``s.dtype``.
+
+  ``y`` must be a function that is zero at those rows whatever its cotangent there (a projection
+  of an attention output, whose padding rows are zero): its cotangent is passed unmasked (the
+  padding rows reach nothing), which spares a masked copy; ``s`` gets the masked one."""
+  return _masked_residual(s, y, lengths)
+
+
+def _masked_residual(s, y, lengths):
+  out = s.astype(F32) + y.astype(F32)
+  return (out * _mask(lengths, s.shape[1])).astype(s.dtype)
+
+
+def _mr_fwd(s, y, lengths):
+  return _masked_residual(s, y, lengths), (lengths, jnp.zeros((0,), s.dtype),
+                                           jnp.zeros((0,), y.dtype))
+
+
+def _mr_bwd(res, g):
+  lengths, s0, y0 = res
+  gm = (g.astype(F32) * _mask(lengths, g.shape[1])).astype(s0.dtype)
+  return gm, g.astype(y0.dtype), None
+
+
+masked_residual.defvjp(_mr_fwd, _mr_bwd)
+
+
+# ---- the PFFN's tail: RMSNorm(g + u) + s, masked ------------------------------------------
+
+@jax.custom_vjp
+def norm_residual(g, u, s, lengths):
+  """``where(t < lengths, rms_norm(g + u) + s, 0)`` in float32, in ``s.dtype`` (``g, u, s [B, T,
+  d]``). The backward recomputes ``g + u`` and its statistics; ``g`` and ``u`` get the same
+  cotangent."""
+  return _norm_residual(g, u, s, lengths)
+
+
+def _norm_residual(g, u, s, lengths):
+  t = g.astype(F32) + u.astype(F32)
+  y = t * _rsqrt_ms(t) + s.astype(F32)
+  return (y * _mask(lengths, s.shape[1])).astype(s.dtype)
+
+
+def _rsqrt_ms(t):
+  return jax.lax.rsqrt(jnp.mean(jnp.square(t), axis=-1, keepdims=True) + EPS)
+
+
+def _nr_fwd(g, u, s, lengths):
+  return _norm_residual(g, u, s, lengths), (g, u, lengths, jnp.zeros((0,), s.dtype))
+
+
+def _nr_bwd(res, dy):
+  g, u, lengths, s0 = res
+  gm = (dy.astype(F32) * _mask(lengths, dy.shape[1])).astype(s0.dtype)
+  # dt in one pass over its own (barrier-separated) inputs: no CSE with the forward, no float32
+  # copy of the masked cotangent shared with gm
+  g, u, lengths, dy = jax.lax.optimization_barrier((g, u, lengths, dy))
+  t = g.astype(F32) + u.astype(F32)
+  r = _rsqrt_ms(t)
+  z = t * r
+  d = dy.astype(F32) * _mask(lengths, dy.shape[1])
+  dt = r * (d - z * jnp.mean(d * z, axis=-1, keepdims=True))
+  return dt.astype(g.dtype), dt.astype(u.dtype), gm, None
+
+
+norm_residual.defvjp(_nr_fwd, _nr_bwd)
+
+
+# ---- rotary ---------------------------------------------------------------------------------
+
+def rotary(x, age, t_scale: float = 60.0):
+  """``pallas_kernels.reference.apply_rotary(x, rotary_time(age, H, D, t_scale))``: ``x [B, T, H,
+  D]`` rotated in float32 by the angles of ``age f32[B, T]``, in ``x.dtype``. The angles are
+  recomputed in the backward, never stored (the float32 ``cos`` / ``sin`` tables are each half
+  the size of ``x`` in float32). ``age`` gets no gradient (it is data)."""
+  return _rotary(x, age, float(t_scale))
+
+
+def _angles(x, age, t_scale):
+  ang = rotary_angles(age, x.shape[2], x.shape[3], t_scale)                   # [B, T, H, D/2]
+  return jnp.cos(ang), jnp.sin(ang)
+
+
+def _rotate(x, cos, sin, sign=1.0):
+  x1, x2 = jnp.split(x.astype(F32), 2, axis=-1)
+  s = sin if sign > 0 else -sin
+  return jnp.concatenate([x1 * cos - x2 * s, x2 * cos + x1 * s], axis=-1)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _rotary(x, age, t_scale):
+  return _rotate(x, *_angles(x, age, t_scale)).astype(x.dtype)
+
+
+def _rotary_fwd(x, age, t_scale):
+  return _rotary(x, age, t_scale), (age, jnp.zeros((0,), x.dtype))
+
+
+def _rotary_bwd(t_scale, res, g):
+  age, x0 = res
+  return (_rotate(g, *_angles(g, age, t_scale), sign=-1.0).astype(x0.dtype),   # R^T g
+          jnp.zeros_like(age))
+
+
+_rotary.defvjp(_rotary_fwd, _rotary_bwd)
+
+
+# ---- QK-norm + rotary ---------------------------------------------------------------------
+
+def qk_norm_rotary(x, scale, age, *, dtype, t_scale: float = 60.0, emb=None):
+  """The attention's query / key preparation: ``scaled_rms_norm(x, scale)`` (None: skipped),
+  ``+ emb`` (None: nothing), each rounded to ``dtype`` as before, then ``rotary(., age)`` (``age``
+  None: no rotation). The normalised values pass an optimization barrier before the rotation, so
+  that the norm is one pass writing ``dtype`` (XLA otherwise splits it where its norm fusion ends,
+  writing the normalised values in float32) and the rotation another."""
+  if scale is not None:
+    x = scaled_rms_norm(x, scale, dtype=dtype)
+  if emb is not None:
+    x = (x.astype(F32) + emb).astype(dtype)
+  if age is None:
+    return x
+  return rotary(jax.lax.optimization_barrier(x), age, t_scale)

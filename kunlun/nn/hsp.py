@@ -1,0 +1,150 @@
+"""Hierarchical Seed Pooling (spec c.5, h-6, h-7) and PMA (the ablation).
+
+HSP: learnable seeds ``E [n_seed, d]`` (shared by the batch, GDPA ``broadcast_q``) attend to the
+sequence, ``Hs = E + GDPA(RMSNorm(E) W_q, RMSNorm(s) W_k, RMSNorm(s) W_v; act, 1/T_max) W_o``, then
+``SumKronLinear`` compresses ``RMSNorm(Hs)`` to ``n_sum`` summary tokens. With ``time_buckets``
+the keys (the per-event side; the queries are the seeds) get per-head additive time/position
+bucket embeddings (spec b.5-2, ``kunlun.nn.time_encoding``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from kunlun.configs.types import BucketSpec
+from kunlun.nn.attention import masked_softmax_attention
+from kunlun.nn.gdpa import gdpa_op
+from kunlun.nn.norms import rms_norm
+from kunlun.nn.time_encoding import add_bucket_embedding
+from pallas_kernels.activations import per_head
+from sharding import shard, with_axes
+
+F32 = jnp.float32
+
+
+def _to_heads(mod, name, x, heads, dtype):
+  """``x [..., d] @ W [d, heads, d // heads]`` with ``W`` the parameter ``name``."""
+  d = x.shape[-1]
+  init = with_axes(nn.initializers.lecun_normal(0, (1, 2)), ("embed", "heads", "head_dim"))
+  w = mod.param(name, init, (d, heads, d // heads), F32)
+  return jnp.einsum("...d,dhc->...hc", x.astype(dtype), w.astype(dtype))
+
+
+def _from_heads(mod, name, o, out_dim, dtype):
+  """``o [..., H, dh] @ W [H, dh, out_dim]``."""
+  init = with_axes(nn.initializers.lecun_normal((0, 1), 2), ("heads", "head_dim", "embed"))
+  w = mod.param(name, init, o.shape[-2:] + (out_dim,), F32)
+  return jnp.einsum("...hc,hcd->...d", o.astype(dtype), w.astype(dtype))
+
+
+class SumKronLinear(nn.Module):
+  """``Y = sum_i Z_i^T H W_i``: ``h [B, n_in, d]`` -> ``[B, n_out, out_dim or d]``.
+
+  ``Z [rank, n_in, n_out] ~ N(0, 1/n_in)``, ``W [rank, d, d'] ~ N(0, 1/(d rank))`` (spec h-7).
+  Equals ``vec(Y) = (sum_i Z_i^T kron W_i^T) vec(H)`` with row-major ``vec``.
+  """
+  n_out: int
+  rank: int
+  out_dim: int | None = None
+  dtype: Any = F32
+
+  @nn.compact
+  def __call__(self, h):
+    if self.rank < 1 or self.n_out < 1:
+      raise ValueError(f"SumKronLinear: rank={self.rank} and n_out={self.n_out} must be >= 1")
+    with jax.named_scope("SumKronLinear"):
+      n_in, d = h.shape[-2:]
+      do = self.out_dim or d
+      z = self.param("Z", with_axes(nn.initializers.normal(n_in ** -0.5), (None, None, "seeds")),
+                     (self.rank, n_in, self.n_out), F32)
+      w = self.param("W", with_axes(nn.initializers.normal((d * self.rank) ** -0.5),
+                                    (None, "embed", None)), (self.rank, d, do), F32)
+      dt = self.dtype
+      t = jnp.einsum("rnm,bnd->brmd", z.astype(dt), h.astype(dt))
+      t = shard(t, ("batch", None, "seeds", "embed"))
+      y = jnp.einsum("brmd,rde->bme", t, w.astype(dt))
+      return shard(y, ("batch", "seeds", "embed"))
+
+
+class HSP(nn.Module):
+  """``(s [B, T, d], lengths i32[B], age f32[B, T] | None) -> [B, n_sum, out_dim or d]``
+  (``age`` is needed with ``time_buckets`` only).
+
+  ``out_scale = 1 / t_max`` (default ``t_max = T``, the padded/kept length, spec h-1).
+  """
+  n_seed: int
+  n_sum: int
+  heads: int
+  rank: int = 4
+  out_dim: int | None = None
+  activation: Any = "fast_gelu"
+  backend: str = "xla"
+  t_max: int | None = None
+  dtype: Any = F32
+  score_clip: float | None = None   # clamp GDPA scores to [-c, c] (spec h-13); None/0: off
+  time_buckets: BucketSpec | None = None   # per-head key bucket embeddings (b.5-2); None: off
+
+  @nn.compact
+  def __call__(self, s, lengths, age=None):
+    B, T, d = s.shape
+    if d % self.heads:
+      raise ValueError(f"HSP: heads={self.heads} does not divide width d={d}")
+    per_head(self.activation, self.heads)
+    H, dt = self.heads, self.dtype
+    with jax.named_scope("HSP"):
+      e = self.param("seeds", with_axes(nn.initializers.normal(0.02), ("seeds", "embed")),
+                     (self.n_seed, d), F32)
+      q = _to_heads(self, "query", rms_norm(e), H, dt)
+      hs = rms_norm(s, dtype=dt)
+      k, v = _to_heads(self, "key", hs, H, dt), _to_heads(self, "value", hs, H, dt)
+      k = add_bucket_embedding(self, "time_bucket_k", k, age, lengths, self.time_buckets)
+      k = shard(k, ("batch", "seq", "heads", "head_dim"))
+      v = shard(v, ("batch", "seq", "heads", "head_dim"))
+      o = gdpa_op(q[None], k, v, activation=self.activation, out_scale=1.0 / (self.t_max or T),
+               kv_lengths=lengths, broadcast_q=True, backend=self.backend,
+               seq="kv", score_clip=self.score_clip)
+      o = shard(o, ("batch", "seeds", "heads", "head_dim"))
+      h = e + _from_heads(self, "out", o, d, dt).astype(F32)
+      h = shard(h, ("batch", "seeds", "embed"))
+      return SumKronLinear(self.n_sum, self.rank, self.out_dim, dt, name="kron")(rms_norm(h))
+
+
+class PMA(nn.Module):
+  """Pooling by multi-head attention (InterFormer's PMA; HSP ablation).
+
+  ``n_sum`` learnable queries softmax-attend to the valid events: ``Y = E + MHA(E, s)``, then
+  a linear map to ``out_dim`` when given. ``(s [B, T, d], lengths) -> [B, n_sum, out_dim or d]``;
+  an empty sequence gives ``Y = E``-based output. ``time_buckets``: key bucket embeddings as HSP.
+  """
+  n_sum: int
+  heads: int
+  out_dim: int | None = None
+  dtype: Any = F32
+  time_buckets: BucketSpec | None = None
+
+  @nn.compact
+  def __call__(self, s, lengths, age=None):
+    B, T, d = s.shape
+    if d % self.heads:
+      raise ValueError(f"PMA: heads={self.heads} does not divide width d={d}")
+    H, dt = self.heads, self.dtype
+    with jax.named_scope("PMA"):
+      e = self.param("queries", with_axes(nn.initializers.normal(0.02), ("seeds", "embed")),
+                     (self.n_sum, d), F32)
+      q = _to_heads(self, "query", rms_norm(e), H, dt)
+      hs = rms_norm(s, dtype=dt)
+      k, v = _to_heads(self, "key", hs, H, dt), _to_heads(self, "value", hs, H, dt)
+      k = add_bucket_embedding(self, "time_bucket_k", k, age, lengths, self.time_buckets)
+      valid = jnp.arange(T)[None, :] < jnp.asarray(lengths, jnp.int32)[:, None]    # [B, T]
+      mask = jnp.broadcast_to(valid[:, None, :], (B, self.n_sum, T))
+      o = masked_softmax_attention(jnp.broadcast_to(q[None], (B,) + q.shape), k, v, mask)
+      h = e + _from_heads(self, "out", o, d, dt).astype(F32)
+      if self.out_dim:
+        w = self.param("final", with_axes(nn.initializers.lecun_normal(), ("embed", None)),
+                       (d, self.out_dim), F32)
+        h = jnp.einsum("bnd,de->bne", rms_norm(h).astype(dt), w.astype(dt))
+      return shard(h, ("batch", "seeds", "embed"))

@@ -1,0 +1,140 @@
+"""Normalisations computed in float32 (spec c.3, c.9, h-13): affine-free LayerNorm / RMSNorm and
+the RMSNorm with a given per-channel scale (the attention's QK-norm).
+
+Pure functions: they have no parameters (``scaled_rms_norm`` takes its scale as an argument),
+take any dtype and return float32, so callers decide when to cast back to the compute dtype.
+
+All have a hand-written VJP (``jax.custom_vjp``): the forward keeps only its input for the
+backward, which recomputes the per-row statistics (autodiff would keep full-size float32
+intermediates, e.g. the broadcast ``rsqrt``; keeping even the ``[..., 1]`` statistics makes them
+a second output of the forward, which then no longer compiles to one pass on XLA:CPU), and the
+backward is row reductions and one elementwise pass. Values are those of the plain formulas; the
+gradients are the same functions with the row sums reassociated (``tests/kunlun/nn/test_norms.py``
+compares them with autodiff).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+EPS = 1e-6
+F32 = jnp.float32
+
+
+def layer_norm(x, eps: float = EPS, dtype=F32):
+  """LayerNorm over the last axis without scale or bias, computed in float32. ``[..., d] ->
+  dtype[..., d]`` (the cast is inside the VJP: the backward receives its cotangent in ``dtype``,
+  not a float32 copy of it)."""
+  return _layer_norm(x, float(eps), jnp.dtype(dtype))
+
+
+def rms_norm(x, eps: float = EPS, dtype=F32):
+  """RMSNorm over the last axis without scale, computed in float32. ``[..., d] ->
+  dtype[..., d]`` (cast inside the VJP, as ``layer_norm``)."""
+  return _rms_norm(x, float(eps), jnp.dtype(dtype))
+
+
+def scaled_rms_norm(x, scale, eps: float = EPS, dtype=F32):
+  """``rms_norm(x) * scale`` (``scale f32[d]``, a learned per-channel gain) computed in float32
+  and returned in ``dtype`` (the cast is inside the VJP, so the backward receives the cotangent
+  in ``dtype``)."""
+  return _scaled_rms_norm(x, scale, float(eps), jnp.dtype(dtype))
+
+
+def _ln_stats(x, eps):
+  x = x.astype(F32)
+  mu = jnp.mean(x, axis=-1, keepdims=True)
+  var = jnp.mean(jnp.square(x - mu), axis=-1, keepdims=True)
+  return x, mu, jax.lax.rsqrt(var + eps)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _layer_norm(x, eps, dtype):
+  x, mu, r = _ln_stats(x, eps)
+  return ((x - mu) * r).astype(dtype)
+
+
+def _fenced(x, tag: int):
+  """``x`` behind an optimization barrier tagged per norm kind: XLA then shares no float32 copy
+  of ``x`` between two different norms of the same ``x`` (HSP's RMSNorm and the PFFN's
+  LayerNorm of one sequence), which it would write out. The tag keeps the barrier distinct from
+  the backward's (which also holds the cotangent), so CSE cannot merge them either."""
+  return jax.lax.optimization_barrier((x, jnp.int32(tag)))[0]
+
+
+def _layer_norm_fwd(x, eps, dtype):
+  return _layer_norm(_fenced(x, 1), eps, dtype), x
+
+
+def _layer_norm_bwd(eps, dtype, x, dy):
+  """``dx = r (dy - mean(dy) - y mean(dy y))`` with ``y = (x - mu) r``."""
+  x, dy = jax.lax.optimization_barrier((x, dy))   # no CSE with the forward's intermediates
+  _, mu, r = _ln_stats(x, eps)
+  dy = dy.astype(F32)
+  y = (x.astype(F32) - mu) * r
+  m1 = jnp.mean(dy, axis=-1, keepdims=True)
+  m2 = jnp.mean(dy * y, axis=-1, keepdims=True)
+  return ((r * (dy - m1 - y * m2)).astype(x.dtype),)
+
+
+_layer_norm.defvjp(_layer_norm_fwd, _layer_norm_bwd)
+
+
+def _rms_stats(x, eps):
+  x = x.astype(F32)
+  return x, jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + eps)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _rms_norm(x, eps, dtype):
+  x, r = _rms_stats(x, eps)
+  return (x * r).astype(dtype)
+
+
+def _rms_norm_fwd(x, eps, dtype):
+  return _rms_norm(_fenced(x, 2), eps, dtype), x
+
+
+def _rms_norm_bwd(eps, dtype, x, dy):
+  """``dx = r (dy - y mean(dy y))`` with ``y = x r``."""
+  x, dy = jax.lax.optimization_barrier((x, dy))
+  _, r = _rms_stats(x, eps)
+  dy = dy.astype(F32)
+  y = x.astype(F32) * r
+  m = jnp.mean(dy * y, axis=-1, keepdims=True)
+  return ((r * (dy - y * m)).astype(x.dtype),)
+
+
+_rms_norm.defvjp(_rms_norm_fwd, _rms_norm_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _scaled_rms_norm(x, scale, eps, dtype):
+  x, r = _rms_stats(x, eps)
+  return (x * r * scale).astype(dtype)
+
+
+def _scaled_rms_norm_fwd(x, scale, eps, dtype):
+  return _scaled_rms_norm(_fenced(x, 3), scale, eps, dtype), (x, scale)
+
+
+def _scaled_rms_norm_bwd(eps, dtype, res, dz):
+  """``dscale = sum_rows(dz y)``, ``dx = rms_norm's backward of dy = dz scale``. The scale's
+  column sums read their own (barrier-separated) copy of the inputs and recompute the row
+  statistics: XLA writes a shared float32 ``dz`` or ``y`` otherwise."""
+  x1, dz1 = jax.lax.optimization_barrier((res[0], dz))
+  del dtype
+  dscale = jnp.sum(dz1.astype(F32) * (x1.astype(F32) * _rms_stats(x1, eps)[1]),
+                   axis=tuple(range(dz.ndim - 1)))
+  x, scale, dz = jax.lax.optimization_barrier(res + (dz,))   # no CSE with the forward
+  _, r = _rms_stats(x, eps)
+  y = x.astype(F32) * r
+  dy = dz.astype(F32) * scale
+  m = jnp.mean(dy * y, axis=-1, keepdims=True)
+  return (r * (dy - y * m)).astype(x.dtype), dscale.astype(scale.dtype)
+
+
+_scaled_rms_norm.defvjp(_scaled_rms_norm_fwd, _scaled_rms_norm_bwd)

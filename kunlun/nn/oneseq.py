@@ -1,0 +1,94 @@
+"""OneSeq (spec h-18): merge all event streams into one time-ordered sequence, one tower.
+
+Each stream is embedded by its own ``EventEmbed`` (their fields differ) to the merged tower's
+width; a learned stream-type embedding is added to every valid event; the streams are merged by
+event age (oldest first, as in the per-stream layout), valid events packed at the front, and the
+most recent ``kept_len`` events are kept. ``equal_flops_config`` picks the merged tower's width so
+that the model's FLOPs match the per-stream-tower model (the "equal FLOPs" switch), from a FLOP
+formula it is given (``kunlun.models.flops``), so the model's import chain holds no FLOP counter.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from sharding import shard, with_axes
+
+
+def merge_streams(s_list, lengths_list, age_list, kept_len: int):
+  """Merges jagged streams by time.
+
+  Args:
+    s_list: per stream ``[B, T_e, d]`` (same d); padded rows arbitrary.
+    lengths_list: per stream ``i32[B]`` valid counts (valid events are ``[0, length)``).
+    age_list: per stream ``f32[B, T_e]`` request time - event time (seconds; larger = older).
+    kept_len: merged length T.
+  Returns:
+    ``(s [B, T, d], lengths i32[B], age f32[B, T], source i32[B, T])``: valid events ordered
+    oldest first (ties keep stream order, then position), the most recent ``kept_len`` of them;
+    ``source`` is the stream index of each merged event (0 on padding); padded rows are zero.
+  """
+  B = s_list[0].shape[0]
+  s = jnp.concatenate(s_list, axis=1)
+  age = jnp.concatenate([a.astype(jnp.float32) for a in age_list], axis=1)
+  valid = jnp.concatenate([jnp.arange(a.shape[1])[None, :] < l[:, None]
+                           for a, l in zip(age_list, lengths_list, strict=True)], axis=1)
+  src = jnp.concatenate([jnp.full((B, a.shape[1]), i, jnp.int32)
+                         for i, a in enumerate(age_list)], axis=1)
+  total = s.shape[1]
+  key = jnp.where(valid, -age, jnp.inf)               # oldest (largest age) first; padding last
+  order = jnp.argsort(key, axis=1, stable=True)        # [B, total]
+  n = jnp.sum(valid, axis=1).astype(jnp.int32)
+  new_len = jnp.minimum(n, kept_len)
+  start = jnp.maximum(n - kept_len, 0)
+  pos = jnp.minimum(start[:, None] + jnp.arange(kept_len)[None, :], total - 1)
+  sel = jnp.take_along_axis(order, pos, axis=1)        # [B, kept_len]
+  keep = jnp.arange(kept_len)[None, :] < new_len[:, None]
+  s_out = jnp.take_along_axis(s, sel[:, :, None], axis=1) * keep[:, :, None].astype(s.dtype)
+  age_out = jnp.where(keep, jnp.take_along_axis(age, sel, axis=1), 0.0)
+  src_out = jnp.where(keep, jnp.take_along_axis(src, sel, axis=1), 0)
+  return s_out, new_len, age_out, src_out
+
+
+class StreamMerge(nn.Module):
+  """Adds a stream-type embedding and merges: ``(s_list, lengths_list, age_list) -> merged``."""
+  num_streams: int
+  kept_len: int
+
+  @nn.compact
+  def __call__(self, s_list, lengths_list, age_list):
+    with jax.named_scope("OneSeq"):
+      d = s_list[0].shape[-1]
+      table = self.param("stream_type_embedding",
+                         with_axes(nn.initializers.normal(0.02), (None, "embed")),
+                         (self.num_streams, d))
+      s_list = [s + table[i].astype(s.dtype) for i, s in enumerate(s_list)]
+      s, lengths, age, src = merge_streams(s_list, lengths_list, age_list, self.kept_len)
+      return shard(s, ("batch", "seq", "embed")), lengths, age, src
+
+
+def equal_flops_config(config, forward_flops, widths=None):
+  """Copy of ``config`` switched to OneSeq whose forward FLOPs best match the per-stream-tower
+  model's: searches the merged tower's width over multiples of its head count (keeping
+  ``oneseq.kept_len``, heads, depth and the other knobs). ``forward_flops(config) -> float`` is the
+  count to match, e.g. ``lambda c: kunlun.models.flops.model_flops(c, schema)["forward"]``. Returns
+  ``(config, ratio)`` with ``ratio = oneseq_flops / towers_flops``."""
+  base = copy.deepcopy(config)
+  base.model.seq_mode = "towers"
+  target = forward_flops(base)
+  heads = int(config.model.oneseq.heads)
+  step = 2 * heads
+  widths = widths or range(step, 8 * max(t.width for t in base.model.towers.values()) + 1, step)
+  best = None
+  for w in widths:
+    c = copy.deepcopy(config)
+    c.model.seq_mode = "oneseq"
+    c.model.oneseq.width = int(w)
+    f = forward_flops(c)
+    if best is None or abs(f - target) < abs(best[1] - target):
+      best = (c, f)
+  return best[0], best[1] / target

@@ -1,0 +1,93 @@
+"""GDPA-enhanced personalized FFN block (spec c.3).
+
+``u = LN(s)``; ``g = GDPA(Q=u, K, V; act, scale=1/sqrt(d_h), out_scale=1)``;
+``s' = RMSNorm(g + u) + s``. Norms are affine-free, span all heads and run in float32; ``u`` is
+kept in the compute dtype (it is the GDPA query; with bfloat16 the residual ``g + u`` adds the
+rounded ``u``), and the tail is one pass with a hand-written VJP (``kunlun.nn.fused``). Rows at or
+beyond ``lengths`` are zero in the output (and so receive no gradient). ``norm_affine=True``
+adds learned per-channel scales (LN and RMSNorm) and a bias (LN), the ablation of Meta's
+affine-free default. ``time_buckets`` adds per-head time/position bucket embeddings to the GDPA
+query (spec b.5-2; ``u`` in the residual is unchanged).
+
+Request-level sharing (serving, spec d.6, ``kunlun.serving.score``): with ``q_index i32[N]`` the
+sequence side (``s``, ``lengths``, ``age``: ``R`` request rows) is normalised once per request
+and output row ``b`` combines request ``q_index[b]``'s sequence with ad ``b``'s K/V (``N`` rows),
+which equals the PFFN of ``N`` separate examples.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from kunlun.configs.types import BucketSpec
+from kunlun.nn.fused import norm_residual
+from kunlun.nn.gdpa import gdpa_op
+from kunlun.nn.norms import layer_norm, rms_norm
+from kunlun.nn.time_encoding import add_bucket_embedding
+from pallas_kernels.activations import per_head
+from sharding import shard, with_axes
+
+
+def take_rows(x, index):
+  """``x[index]`` along the leading (batch) axis; ``x`` itself when ``index`` is None."""
+  return x if index is None else jnp.take(x, index, axis=0)
+
+
+class PFFN(nn.Module):
+  """``(s [B,T,d], lengths i32[B], k, v [B, n_kv, heads, d//heads], age f32[B, T] | None,
+  q_index i32[B] | None) -> [B, T, d]``; with ``q_index``, ``s, lengths, age`` have request rows
+  (any count) and ``k, v`` and the output one row per ``q_index`` entry."""
+  heads: int
+  activation: Any = "fast_gelu"
+  backend: str = "xla"
+  dtype: Any = jnp.float32
+  norm_affine: bool = False
+  score_clip: float | None = None   # clamp GDPA scores to [-c, c] (spec h-13); None/0: off
+  time_buckets: BucketSpec | None = None   # per-head query bucket embeddings (b.5-2); None: off
+
+  @nn.compact
+  def __call__(self, s, lengths, k, v, age=None, q_index=None):
+    _, T, d = s.shape
+    B = s.shape[0] if q_index is None else q_index.shape[0]
+    if d % self.heads:
+      raise ValueError(f"PFFN: heads={self.heads} does not divide width d={d}")
+    per_head(self.activation, self.heads)                   # validates names / tuple length
+    dh = d // self.heads
+    if k.shape[0] != B or k.shape[2:] != (self.heads, dh) or v.shape != k.shape:
+      raise ValueError(f"PFFN: k{k.shape}/v{v.shape} must be [B={B}, n_kv, {self.heads}, {dh}]")
+    with jax.named_scope("PFFN"):
+      # u in the compute dtype (float32 with the affine norms): it is both GDPA's query and the
+      # residual of the RMSNorm below (kunlun.nn.fused.norm_residual)
+      u = (self._affine("ln", layer_norm(s), bias=True) if self.norm_affine
+           else layer_norm(s, dtype=self.dtype))             # [B or R, T, d]
+      q = u.astype(self.dtype).reshape(u.shape[0], T, self.heads, dh)
+      q = add_bucket_embedding(self, "time_bucket_q", q, age, lengths, self.time_buckets)
+      q = shard(q, ("batch", "seq", "heads", "head_dim"))
+      lengths = jnp.asarray(lengths, jnp.int32)
+      g = gdpa_op(q, k.astype(self.dtype), v.astype(self.dtype), activation=self.activation,
+               out_scale=1.0, q_lengths=lengths, backend=self.backend,
+               score_clip=self.score_clip, q_index=q_index)            # [B, T, H, dh]
+      u, s, lengths = (take_rows(a, q_index) for a in (u, s, lengths))
+      g = g.reshape(B, T, d)
+      if not self.norm_affine:
+        return shard(norm_residual(g, u, s, lengths), ("batch", "seq", "embed"))
+      y = self._affine("rms", rms_norm(g.astype(jnp.float32) + u), bias=False)
+      y = y + s.astype(jnp.float32)
+      valid = jnp.arange(T)[None, :] < lengths[:, None]
+      y = jnp.where(valid[..., None], y, 0.0).astype(s.dtype)
+      return shard(y, ("batch", "seq", "embed"))
+
+  def _affine(self, name, x, bias):
+    if not self.norm_affine:
+      return x
+    d = x.shape[-1]
+    x = x * self.param(f"{name}_scale", with_axes(nn.initializers.ones, ("embed",)), (d,),
+                       jnp.float32)
+    if bias:
+      x = x + self.param(f"{name}_bias", with_axes(nn.initializers.zeros, ("embed",)), (d,),
+                         jnp.float32)
+    return x

@@ -1,0 +1,125 @@
+"""Time encodings of events (spec b.5, h-12): log-time buckets, rotary angles (ROTE / RoPE per
+head, ``(cos, sin)``) and per-head time/position bucket embeddings.
+Notes: docs/architecture.md, ``kunlun/nn/time_encoding.py``."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax.numpy as jnp
+
+from kunlun.configs.fields import BUCKET_KINDS
+from kunlun.configs.types import BucketSpec
+from sharding import with_axes
+
+ROPE_BASE = 10000.0
+
+
+def log_time_bucket(age, num_buckets: int):
+  """``age f32[B, T]`` (seconds, >= 0) -> ``i32[B, T]`` = clip(floor(log2(max(age, 1))), 0, n-1)."""
+  if num_buckets < 1:
+    raise ValueError(f"num_buckets must be >= 1, got {num_buckets}")
+  a = jnp.maximum(jnp.asarray(age, jnp.float32), 1.0)
+  b = jnp.floor(jnp.log2(a)).astype(jnp.int32)
+  return jnp.clip(b, 0, num_buckets - 1)
+
+
+def rope_frequencies(head_dim: int):
+  """``f32[head_dim // 2]`` with ``omega_i = base ** (-2 i / head_dim)``."""
+  if head_dim % 2:
+    raise ValueError(f"rotary encodings need an even head_dim, got {head_dim}")
+  return ROPE_BASE ** (-jnp.arange(head_dim // 2, dtype=jnp.float32) * 2.0 / head_dim)
+
+
+def rotary_angles(age, heads: int, head_dim: int, t_scale: float = 60.0):
+  """The angles of ``rotary_time``: ``f32[B, T, heads, head_dim // 2]`` (same arguments)."""
+  if heads < 1:
+    raise ValueError(f"heads must be >= 1, got {heads}")
+  omega = rope_frequencies(head_dim)                                    # [D/2]
+  age = jnp.asarray(age, jnp.float32)
+  B, T = age.shape
+  tau_bt = jnp.log1p(jnp.maximum(age, 0.0) / t_scale)
+  pos_bt = jnp.broadcast_to(jnp.arange(T, dtype=jnp.float32)[None], (B, T))
+  n_time = (heads + 1) // 2
+  is_time_h = jnp.arange(heads) < n_time                                # [H]
+  x_bth = jnp.where(is_time_h[None, None, :], tau_bt[..., None], pos_bt[..., None])
+  return x_bth[..., None] * omega                                       # [B, T, H, D/2]
+
+
+def rotary_time(age, heads: int, head_dim: int, t_scale: float = 60.0):
+  """Per-head rotary ``(cos, sin)``, each ``f32[B, T, heads, head_dim // 2]``.
+
+  Args:
+    age: ``f32[B, T]`` request time - event time in seconds.
+    heads: number of heads; heads ``[0, ceil(heads/2))`` use time, the rest use positions.
+    head_dim: per-head width (even).
+    t_scale: seconds; the temporal "position" is ``log(1 + age / t_scale)``.
+  """
+  ang = rotary_angles(age, heads, head_dim, t_scale)
+  return jnp.cos(ang), jnp.sin(ang)
+
+
+
+
+def even_age_bucket(age, num_buckets: int, horizon: float):
+  """``age f32[B, T]`` (seconds) -> ``i32[B, T]`` = clip(floor(age * n / horizon), 0, n - 1)."""
+  a = jnp.maximum(jnp.asarray(age, jnp.float32), 0.0)
+  return jnp.clip(jnp.floor(a * (num_buckets / horizon)).astype(jnp.int32), 0, num_buckets - 1)
+
+
+def gap_bucket(age, num_buckets: int):
+  """Log2 gap to the previous (older) event: ``age f32[B, T]`` (oldest first) -> ``i32[B, T]``.
+
+  Bucket 0: the first event (no previous one); else ``1 + clip(floor(log2(max(gap, 1))), 0,
+  n - 2)`` with ``gap_t = age_{t-1} - age_t`` (clamped at 0)."""
+  if num_buckets < 2:
+    raise ValueError(f"gap buckets need num_buckets >= 2, got {num_buckets}")
+  a = jnp.asarray(age, jnp.float32)
+  gap = jnp.maximum(a[:, :-1] - a[:, 1:], 0.0)
+  b = 1 + jnp.clip(jnp.floor(jnp.log2(jnp.maximum(gap, 1.0))).astype(jnp.int32), 0,
+                   num_buckets - 2)
+  return jnp.concatenate([jnp.zeros_like(b[:, :1]), b], axis=1)
+
+
+def position_bucket(lengths, T: int, num_buckets: int, kept_len: int):
+  """Recency rank ``r = length - 1 - t`` -> ``i32[B, T]`` = clip(floor(r * n / kept_len), 0, n-1)
+  (padding slots: bucket 0; their rows are masked downstream)."""
+  r = jnp.asarray(lengths, jnp.int32)[:, None] - 1 - jnp.arange(T)[None, :]
+  b = (jnp.maximum(r, 0) * num_buckets) // kept_len
+  return jnp.clip(b, 0, num_buckets - 1).astype(jnp.int32)
+
+
+def bucket_ids(age, lengths, spec: BucketSpec):
+  """``age f32[B, T]``, ``lengths i32[B]`` -> ``i32[B, T, len(spec.kinds)]``."""
+  n, T = spec.num_buckets, age.shape[1]
+  make = {"age": lambda: even_age_bucket(age, n, spec.age_horizon),
+          "log_age": lambda: log_time_bucket(age, n),
+          "gap": lambda: gap_bucket(age, n),
+          "position": lambda: position_bucket(lengths, T, n, spec.kept_len)}
+  bad = [k for k in spec.kinds if k not in make]
+  if bad:
+    raise ValueError(f"unknown time-bucket kind(s) {bad}; allowed: {BUCKET_KINDS}")
+  return jnp.stack([make[k]() for k in spec.kinds], axis=-1)
+
+
+def bucket_embedding(mod: nn.Module, name: str, x_bthc, age, lengths, spec: BucketSpec | None):
+  """``sum_k E[k, id_k]`` (``f32[B, T, H, d_h]``, the shape of ``x``) with ``E`` the parameter
+  ``name`` of ``mod`` (``f32[kinds, n_buckets, H, d_h]``, zeros at init); None when ``spec`` is
+  None."""
+  if spec is None:
+    return None
+  if age is None or lengths is None:
+    raise ValueError(f"{type(mod).__name__}: time buckets need the events' age and lengths")
+  _, T, H, dh = x_bthc.shape
+  table = mod.param(name, with_axes(nn.initializers.zeros, (None, None, "heads", "head_dim")),
+                    (len(spec.kinds), spec.num_buckets, H, dh), jnp.float32)
+  ids = bucket_ids(jnp.asarray(age, jnp.float32)[:, :T], lengths, spec)        # [B, T, K]
+  return sum(table[k][ids[..., k]] for k in range(len(spec.kinds)))          # [B, T, H, dh]
+
+
+def add_bucket_embedding(mod: nn.Module, name: str, x_bthc, age, lengths, spec: BucketSpec | None):
+  """``x [B, T, H, d_h] + sum_k E[k, id_k]`` (``bucket_embedding``), in ``x.dtype``; ``x``
+  unchanged when ``spec`` is None."""
+  emb = bucket_embedding(mod, name, x_bthc, age, lengths, spec)
+  if emb is None:
+    return x_bthc
+  return (x_bthc.astype(jnp.float32) + emb).astype(x_bthc.dtype)

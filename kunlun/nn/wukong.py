@@ -1,0 +1,148 @@
+"""Wukong interaction layers (spec c.6, appendix A.2).
+
+``FMB(X) = reshape(MLP(LN(flatten(X (X^T Y)))), [n_fm, d])`` with ``Y [N, rank]`` (the optimized
+factorization machine: ``(X X^T) Y`` computed as ``X (X^T Y)``, ``O(N d r)``);
+``LCB(X) = W^T X`` with ``W [N, n_lcb]``; ``X' = LN(concat(FMB, LCB) + Proj(X))`` where ``Proj``
+is the identity when ``N = n_fm + n_lcb`` and a learned token-axis map otherwise. LayerNorms keep
+their affine parameters (Wukong's design) and run in float32.
+
+``WukongStack(cross_layer=True)`` adds GEM's cross-layer attention connections (spec h-19): with
+``X_0`` the stack input and ``X_l`` the output of layer ``l - 1``, layer ``l >= 1`` reads
+``X_l + sum_{j=0..l} a_{l,j} X~_j`` instead of ``X_l``, where ``a_l = softmax(c_l)`` over a learned
+per-layer logit vector ``c_l [l + 1]``, ``X~_j = X_j`` for ``j >= 1`` and ``X~_0 = P^T X_0`` with
+a learned token map ``P [N, n_out]`` when ``N != n_out`` (else ``X~_0 = X_0``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from kunlun.nn.activations import gelu
+from kunlun.nn.norms import layer_norm
+from sharding import shard, with_axes
+
+F32 = jnp.float32
+_TOK = ("batch", "tokens", "embed")
+
+
+class _LayerNorm(nn.Module):
+  """LayerNorm over the last axis in float32 with a learned scale and bias."""
+
+  @nn.compact
+  def __call__(self, x):
+    d = x.shape[-1]
+    y = layer_norm(x, 1e-6)
+    scale = self.param("scale", with_axes(nn.initializers.ones, (None,)), (d,), F32)
+    bias = self.param("bias", with_axes(nn.initializers.zeros, (None,)), (d,), F32)
+    return y * scale + bias
+
+
+class WukongLayer(nn.Module):
+  """``x [B, N, d]`` -> ``[B, n_fm + n_lcb, d]``."""
+  n_fm: int
+  n_lcb: int
+  rank: int
+  mlp_hidden: int
+  dtype: Any = F32
+
+  @nn.compact
+  def __call__(self, x):
+    if self.n_fm < 1 or self.n_lcb < 0 or self.rank < 1 or self.mlp_hidden < 1:
+      raise ValueError(f"WukongLayer: need n_fm>=1, n_lcb>=0, rank>=1, mlp_hidden>=1; got "
+                       f"{self.n_fm}, {self.n_lcb}, {self.rank}, {self.mlp_hidden}")
+    B, N, d = x.shape
+    dt = self.dtype
+    n_out = self.n_fm + self.n_lcb
+    with jax.named_scope("WukongLayer"):
+      xc = x.astype(dt)
+      y = self.param("fm_y", with_axes(nn.initializers.normal(N ** -0.5), ("tokens", None)),
+                     (N, self.rank), F32)
+      xty = jnp.einsum("bnd,nr->bdr", xc, y.astype(dt))                 # X^T Y   [B, d, r]
+      fm = jnp.einsum("bnd,bdr->bnr", xc, xty).reshape(B, N * self.rank)  # X (X^T Y)
+      h = _LayerNorm(name="fm_norm")(fm).astype(dt)
+      h = nn.Dense(self.mlp_hidden, dtype=dt, param_dtype=F32, name="fm_mlp_in",
+                   kernel_init=with_axes(nn.initializers.lecun_normal(), (None, "mlp")),
+                   bias_init=with_axes(nn.initializers.zeros, ("mlp",)))(h)
+      h = shard(gelu(h), ("batch", "mlp"))
+      h = nn.Dense(self.n_fm * d, dtype=dt, param_dtype=F32, name="fm_mlp_out",
+                   kernel_init=with_axes(nn.initializers.lecun_normal(), ("mlp", None)),
+                   bias_init=with_axes(nn.initializers.zeros, (None,)))(h)
+      parts = [h.reshape(B, self.n_fm, d)]
+      if self.n_lcb:
+        w = self.param("lcb", with_axes(nn.initializers.normal(N ** -0.5), ("tokens", None)),
+                       (N, self.n_lcb), F32)
+        parts.append(jnp.einsum("bnd,nl->bld", xc, w.astype(dt)))
+      out = jnp.concatenate(parts, axis=1).astype(F32)
+      if N == n_out:
+        res = x.astype(F32)
+      else:
+        p = self.param("res_proj", with_axes(nn.initializers.normal(N ** -0.5), ("tokens", None)),
+                       (N, n_out), F32)
+        res = jnp.einsum("bnd,nm->bmd", xc, p.astype(dt)).astype(F32)
+      out = _LayerNorm(name="out_norm")(out + res).astype(dt)
+      return shard(out, _TOK)
+
+
+def split_tokens(n_out: int, fm_fraction: float = 0.5) -> tuple[int, int]:
+  """``(n_fm, n_lcb)`` with ``n_fm = max(1, round(fm_fraction * n_out))``."""
+  if n_out < 1:
+    raise ValueError(f"Wukong n_out must be >= 1, got {n_out}")
+  n_fm = min(n_out, max(1, round(fm_fraction * n_out)))
+  return n_fm, n_out - n_fm
+
+
+class WukongStack(nn.Module):
+  """``num_layers`` Wukong layers each emitting ``n_out`` tokens: ``[B, N, d] -> [B, n_out, d]``.
+
+  ``cross_layer``: dense softmax-weighted connections to all earlier outputs (module docstring).
+  The logits ``cross_logits_{l} [l + 1]`` start at zero, i.e. the combination starts as a plain
+  average of ``X~_0 .. X_l`` on top of the standard input ``X_l``. Zero is the symmetric choice:
+  every earlier output gets the same non-zero weight and gradient from step 0, whereas starting
+  at the standard path would need a one-hot softmax (very negative logits elsewhere), where the
+  softmax is saturated and the other connections get almost no gradient. All inputs of a layer
+  end in LayerNorms (``fm_norm``, ``out_norm``), so the larger input scale is harmless. With one
+  layer, or ``cross_layer=False``, the stack is exactly the plain one (no extra parameters).
+  """
+  num_layers: int
+  n_out: int
+  rank: int
+  mlp_hidden: int
+  fm_fraction: float = 0.5
+  dtype: Any = F32
+  cross_layer: bool = False
+
+  @nn.compact
+  def __call__(self, x):
+    if self.num_layers < 1:
+      raise ValueError(f"WukongStack.num_layers must be >= 1, got {self.num_layers}")
+    n_fm, n_lcb = split_tokens(self.n_out, self.fm_fraction)
+    dense = self.cross_layer and self.num_layers > 1
+    outs = [self._x0_tokens(x)] if dense else []                       # X~_0 .. X_l
+    for i in range(self.num_layers):
+      if dense and i > 0:
+        x = self._combine(i, x, outs)
+      x = WukongLayer(n_fm, n_lcb, self.rank, self.mlp_hidden, self.dtype, name=f"layer_{i}")(x)
+      if dense:
+        outs.append(x)
+    return x
+
+  def _x0_tokens(self, x):
+    """``X~_0``: the stack input on ``n_out`` tokens, ``[B, n_out, d]`` in ``dtype``."""
+    N, dt = x.shape[1], self.dtype
+    if N == self.n_out:
+      return x.astype(dt)
+    p = self.param("cross_proj", with_axes(nn.initializers.normal(N ** -0.5), ("tokens", None)),
+                   (N, self.n_out), F32)
+    return shard(jnp.einsum("bnd,nm->bmd", x.astype(dt), p.astype(dt)), _TOK)
+
+  def _combine(self, i, x, outs):
+    """Input of layer ``i``: ``X_i + sum_j softmax(c_i)_j X~_j`` over ``len(outs) = i + 1``."""
+    c = self.param(f"cross_logits_{i}", with_axes(nn.initializers.zeros, (None,)), (i + 1,), F32)
+    with jax.named_scope("WukongCrossLayer"):
+      a = jax.nn.softmax(c.astype(F32)).astype(self.dtype)
+      mix = jnp.einsum("j,jbnd->bnd", a, jnp.stack(outs), preferred_element_type=F32)
+      return shard((x.astype(F32) + mix).astype(self.dtype), _TOK)

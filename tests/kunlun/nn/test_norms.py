@@ -1,0 +1,86 @@
+"""kunlun.nn.norms: values and gradients (hand-written VJPs) against numpy and against autodiff of
+the plain formulas, in float32 and from bfloat16 inputs."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kunlun.nn import norms
+
+
+def _plain_ln(x, eps=1e-6):
+  x = x.astype(jnp.float32)
+  mu = jnp.mean(x, -1, keepdims=True)
+  return (x - mu) * jax.lax.rsqrt(jnp.mean(jnp.square(x - mu), -1, keepdims=True) + eps)
+
+
+def _plain_rms(x, eps=1e-6):
+  x = x.astype(jnp.float32)
+  return x * jax.lax.rsqrt(jnp.mean(jnp.square(x), -1, keepdims=True) + eps)
+
+
+@pytest.mark.parametrize("name", ["layer_norm", "rms_norm"])
+def test_values_and_gradients(name):
+  """Values equal the plain formula bitwise-close and numpy (f64); gradients of a weighted sum
+  equal autodiff of the plain formula (row sums reassociated: rtol 1e-5)."""
+  fn, plain = getattr(norms, name), {"layer_norm": _plain_ln, "rms_norm": _plain_rms}[name]
+  rng = np.random.default_rng(0)
+  x = jnp.asarray(rng.normal(size=(3, 5, 16)) * 2 + 0.5, jnp.float32)
+  w = jnp.asarray(rng.normal(size=(3, 5, 16)), jnp.float32)
+  xn = np.asarray(x, np.float64)
+  if name == "layer_norm":
+    xc = xn - xn.mean(-1, keepdims=True)
+    want = xc / np.sqrt((xc ** 2).mean(-1, keepdims=True) + 1e-6)
+  else:
+    want = xn / np.sqrt((xn ** 2).mean(-1, keepdims=True) + 1e-6)
+  np.testing.assert_allclose(np.asarray(fn(x)), want, rtol=1e-5, atol=1e-6)
+  np.testing.assert_array_equal(np.asarray(fn(x)), np.asarray(plain(x)))
+  g = jax.grad(lambda x: jnp.sum(jnp.sin(fn(x)) * w))(x)
+  g_ref = jax.grad(lambda x: jnp.sum(jnp.sin(plain(x)) * w))(x)
+  np.testing.assert_allclose(np.asarray(g), np.asarray(g_ref), rtol=1e-5, atol=1e-6)
+  # bfloat16 input: float32 output, bfloat16 gradient (as autodiff through the cast)
+  xb = x.astype(jnp.bfloat16)
+  assert fn(xb).dtype == jnp.float32
+  gb = jax.grad(lambda x: jnp.sum(fn(x) * w))(xb)
+  gb_ref = jax.grad(lambda x: jnp.sum(plain(x) * w))(xb)
+  assert gb.dtype == jnp.bfloat16
+  np.testing.assert_allclose(np.asarray(gb, np.float32), np.asarray(gb_ref, np.float32),
+                             rtol=2e-2, atol=2e-2)
+  # under vmap and jit (the MoWE experts)
+  gv = jax.jit(jax.vmap(jax.grad(lambda x, w: jnp.sum(fn(x) * w))))(x, w)
+  gv_ref = jax.vmap(jax.grad(lambda x, w: jnp.sum(plain(x) * w)))(x, w)
+  np.testing.assert_allclose(np.asarray(gv), np.asarray(gv_ref), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["layer_norm", "rms_norm", "scaled_rms_norm"])
+def test_output_dtype_inside_the_vjp(name):
+  """``dtype=bfloat16``: the float32 value rounded once; gradients (also the scale's) equal
+  autodiff of the plain formula followed by the cast."""
+  rng = np.random.default_rng(1)
+  x = jnp.asarray(rng.normal(size=(4, 6, 16)), jnp.bfloat16)
+  w = jnp.asarray(rng.normal(size=(4, 6, 16)), jnp.float32)
+  sc = jnp.asarray(1 + 0.3 * rng.normal(size=16), jnp.float32)
+  plain = {"layer_norm": lambda x, sc: _plain_ln(x), "rms_norm": lambda x, sc: _plain_rms(x),
+           "scaled_rms_norm": lambda x, sc: _plain_rms(x) * sc}[name]
+  fn = getattr(norms, name)
+  got = ((lambda x, sc, dt: fn(x, sc, dtype=dt)) if name == "scaled_rms_norm"
+         else (lambda x, sc, dt: fn(x, dtype=dt)))
+  np.testing.assert_array_equal(np.asarray(got(x, sc, jnp.float32)), np.asarray(plain(x, sc)))
+  yb = got(x, sc, jnp.bfloat16)
+  assert yb.dtype == jnp.bfloat16
+  np.testing.assert_array_equal(np.asarray(yb, np.float32),
+                                np.asarray(plain(x, sc).astype(jnp.bfloat16), np.float32))
+  loss = lambda f: (lambda x, sc: jnp.sum(f(x, sc).astype(jnp.float32) * w))
+  g = jax.grad(loss(lambda x, sc: got(x, sc, jnp.bfloat16)), argnums=(0, 1))(x, sc)
+  g_ref = jax.grad(loss(lambda x, sc: plain(x, sc).astype(jnp.bfloat16)), argnums=(0, 1))(x, sc)
+  assert g[0].dtype == jnp.bfloat16
+  np.testing.assert_allclose(np.asarray(g[0], np.float32), np.asarray(g_ref[0], np.float32),
+                             rtol=2e-2, atol=2e-2)
+  np.testing.assert_allclose(np.asarray(g[1]), np.asarray(g_ref[1]), rtol=1e-4, atol=1e-4)
+  # float32: the scale's gradient and dx as autodiff (row sums reassociated: rtol 1e-5)
+  xf = x.astype(jnp.float32)
+  g = jax.grad(loss(lambda x, sc: got(x, sc, jnp.float32)), argnums=(0, 1))(xf, sc)
+  g_ref = jax.grad(loss(plain), argnums=(0, 1))(xf, sc)
+  for a, b in zip(g, g_ref, strict=True):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)

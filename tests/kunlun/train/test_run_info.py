@@ -1,0 +1,110 @@
+"""train.py's run info: JSON with every model default filled in (no pickle); an older workdir's
+config.pkl is unpickled only behind --trust_workdir."""
+
+import json
+import os
+import pickle
+
+import ml_collections
+import pytest
+
+from kunlun.configs import tiny
+from kunlun.configs import types as model_config
+from kunlun.train import runtime
+
+
+def _leaves(x, path=""):
+  """(path, type, value) of every leaf of a ConfigDict / dict, an independent walk."""
+  if isinstance(x, (dict, ml_collections.ConfigDict)):
+    out = []
+    for k in sorted(x.keys()):
+      out += _leaves(x[k], f"{path}.{k}")
+    return out
+  return [(path, type(x), x)]
+
+
+def test_saved_config_has_every_model_field(tmp_path):
+  c = tiny.get_config()
+  with c.model.unlocked():
+    del c.model["score_clip"]                 # as in a config written before that field existed
+    del c.model.mowe["cross_layer"]
+  runtime.save_run_info(str(tmp_path), c, str(tmp_path))
+  saved, data_dir = runtime.load_run_info(str(tmp_path))
+  want = model_config.default_model()
+  assert set(saved.model.keys()) == set(want.keys())
+  assert saved.model.score_clip == want.score_clip
+  assert saved.model.mowe.cross_layer == want.mowe.cross_layer
+  assert saved.model.d_ns == c.model.d_ns and data_dir == str(tmp_path)
+  assert "score_clip" not in c.model                      # the caller's config is not changed
+  assert sorted(os.listdir(tmp_path)) == ["run_info.json"]   # no config.pkl any more
+
+
+def test_run_info_round_trips_types_exactly(tmp_path):
+  c = tiny.get_config()
+  c.train.task_weights = (1.0, 0.5)
+  c.data.extra = [1, (2, 3), {"a": None}]
+  runtime.save_run_info(str(tmp_path), c, "/data")
+  saved, _ = runtime.load_run_info(str(tmp_path))
+  want = c.copy_and_resolve_references()
+  with want.unlocked():
+    want.model = model_config.with_defaults(want.model)
+  got_leaves, want_leaves = _leaves(saved), _leaves(want)
+  assert [p for p, *_ in got_leaves] == [p for p, *_ in want_leaves]
+  for (p, tg, vg), (_, tw, vw) in zip(got_leaves, want_leaves, strict=True):
+    assert tg is tw and vg == vw, p
+  assert isinstance(saved.model.heads.top_mlp, tuple) and saved.train.task_weights == (1.0, 0.5)
+  info = json.load(open(tmp_path / "run_info.json"))            # plain, readable JSON
+  assert info["data_dir"] == "/data" and info["config"]["data"]["batch_size"] == 64
+
+
+def test_unstorable_config_field_is_a_clear_error(tmp_path):
+  c = tiny.get_config()
+  c.train.fn = ml_collections.ConfigDict().__class__             # a class object
+  with pytest.raises(runtime.FatalError, match=r"config\.train\.fn = .* cannot be stored"):
+    runtime.save_run_info(str(tmp_path), c, "/data")
+
+
+class _Payload:
+  """A pickle that runs code when loaded (makes a directory)."""
+
+  def __init__(self, marker):
+    self.marker = marker
+
+  def __reduce__(self):
+    return (os.mkdir, (self.marker,))
+
+
+def test_old_config_pkl_needs_trust_workdir(tmp_path, capsys):
+  old = tmp_path / "old"
+  old.mkdir()
+  marker = str(tmp_path / "code_ran")
+  (old / "config.pkl").write_bytes(pickle.dumps(_Payload(marker)))
+  (old / "data_dir.txt").write_text("/data/old")
+  with pytest.raises(runtime.FatalError, match="config.pkl .* --trust_workdir"):
+    runtime.load_run_info(str(old))
+  assert not os.path.exists(marker)                     # nothing from the workdir ran
+  cfg = tiny.get_config()                               # --config given: data_dir, no unpickling
+  assert runtime.run_config(str(old), cfg) == (cfg, "/data/old")
+  assert not os.path.exists(marker)
+  # an honest older workdir loads with the flag, with a warning
+  (old / "config.pkl").write_bytes(pickle.dumps(cfg))
+  loaded, data_dir = runtime.load_run_info(str(old), trust_pickle=True)
+  assert loaded.model.d_ns == cfg.model.d_ns and data_dir == "/data/old"
+  assert "warning: --trust_workdir: unpickling" in capsys.readouterr().err
+  with pytest.raises(runtime.FatalError, match="no run_info.json"):
+    runtime.load_run_info(str(tmp_path / "empty"))
+
+
+def test_run_stored_before_final_hsp_keeps_it_on(tmp_path):
+  """A run stored before ``final_hsp`` existed was trained with the final HSP: loading its run
+  info turns it on (its checkpoint has those parameters); a new run stores the field (off)."""
+  c = tiny.get_config()
+  with c.unlocked():
+    c.model.final_hsp = False
+  runtime.save_run_info(str(tmp_path), c, str(tmp_path))
+  assert runtime.load_run_info(str(tmp_path))[0].model.final_hsp is False
+  path = tmp_path / "run_info.json"
+  info = json.loads(path.read_text())
+  del info["config"]["model"]["final_hsp"]
+  path.write_text(json.dumps(info))
+  assert runtime.load_run_info(str(tmp_path))[0].model.final_hsp is True
