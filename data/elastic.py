@@ -24,11 +24,7 @@ also carries the skipped-record counts of the batches it produced (``invalid``),
 ``mp_prefetch`` workers can add them up from its state (``data.pipeline.invalid_counts``).
 ``CheckpointSave`` / ``CheckpointRestore`` (orbax args) restore a state written under another
 process count: a process without its own file reads process 0's (or any other process's).
-
-Why not ``grain.experimental.ElasticIterator`` (grain 0.2.18): it shards and batches one
-``MapDataset`` by a global next index, which is the idea used here, but it cannot express
-per-surface streams mixed by weights that may change on resume, and it forbids dropping records
-(``filter``), which ``skip_invalid`` needs; here invalid records become masked rows instead.
+(Why not grain's own elastic iterator: data/README.md, "Pipeline".)
 """
 
 from __future__ import annotations
