@@ -72,11 +72,11 @@ def _config_file() -> str:
 
 def train(argv):
   del argv
-  from kunlun.train import runtime
   config = FLAGS.config
-  if FLAGS.show_config:
+  if FLAGS.show_config:              # jax-free: the config table and the presets import no jax
     show_config(config)
     return
+  from kunlun.train import runtime
   if not FLAGS.workdir:
     runtime.fail("--workdir is required (checkpoints, metrics and generated data go there)")
   runtime.check_settings(config, steps_flag=FLAGS.steps)   # before any data, jax or compile
