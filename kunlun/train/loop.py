@@ -9,6 +9,7 @@ import dataclasses
 import itertools
 import os
 import signal
+import sys
 
 import jax
 
@@ -24,15 +25,24 @@ from sharding import partition
 
 
 class StopFlag:
-  """Set by SIGTERM / SIGINT; the loop saves and exits after the current step."""
+  """Set by SIGTERM / SIGINT; the loop saves and exits after the current step. A second signal
+  exits at once and says, in one line on stderr, that it does not save (``describe()``: the
+  step left unsaved and the latest checkpoint)."""
 
-  def __init__(self):
+  def __init__(self, describe=None):
     self.signum = None
+    self.describe = describe
     for s in (signal.SIGTERM, signal.SIGINT):
       signal.signal(s, self._handle)
 
   def _handle(self, signum, _):
-    if self.signum is not None:       # second signal: give up immediately
+    if self.signum is not None:       # second signal: give up immediately, and say so
+      try:
+        what = self.describe() if self.describe else "the current step"
+      except Exception:  # noqa: BLE001  (a listing that fails must not stop the exit)
+        what = "the current step"
+      sys.stderr.write(f"received signal {signum} again: exiting now without saving {what}\n")
+      sys.stderr.flush()
       signal.signal(signum, signal.SIG_DFL)
       os.kill(os.getpid(), signum)
     self.signum = signum
@@ -264,7 +274,8 @@ def train(run: Run, profile: tuple[int, int] | None = None, profile_dir: str | N
       run.config, run.data_dir, run.schema, run.model, run.plan,
       run.train_step.batch_sharding, run.workdir, prog if is_main else None)
   acct = StepAccounting(run, prog, evaluator)
-  stop = StopFlag()
+  stop = StopFlag(describe=lambda: f"step {run.step} (latest checkpoint: step "
+                                   f"{run.ckpt.latest_step()})")
   profiling = False
   with partition.activate(run.mesh, run.rules):
     while run.step < total:
@@ -298,7 +309,8 @@ def train(run: Run, profile: tuple[int, int] | None = None, profile_dir: str | N
       if acct.disk_full():
         _stop_disk_full(run, acct)
       if stop.signum is not None:
-        print(f"received signal {stop.signum}: saving step {run.step} and exiting", flush=True)
+        print(f"received signal {stop.signum}: saving step {run.step} and exiting (signal again "
+              "to exit at once without saving)", flush=True)
         break
   if profiling:
     jax.profiler.stop_trace()
