@@ -87,10 +87,12 @@ def open_mesh(config, mesh_flag: str, dcn_flag: str | None, batch_sizes: dict,
 
 def setup(config, workdir: str, *, mesh: str, dcn_mesh: str | None = None,
           data_dir: str | None = None, steps_flag: int | None = None,
-          strict_restore: bool = False, compilation_cache: str | None = None) -> Run:
+          strict_restore: bool = False, compilation_cache: str | None = None,
+          allow_config_change: bool = False) -> Run:
   """Everything before the first step: mesh, data (generated into the workdir if no
-  ``data_dir``), run plan (epochs, validation), model, run info, data iterator, train step and
-  the state restored from the latest good checkpoint (or freshly initialised)."""
+  ``data_dir``), run plan (epochs, validation), model, data iterator, train step, the state
+  restored from the latest good checkpoint (or freshly initialised), then the run info. A resume
+  is compared with the recorded run first (``runtime.check_resume``), before anything is written."""
   bs = config.data.batch_size
   mesh_, rules = open_mesh(config, mesh, dcn_mesh, {
       "config.data.batch_size": bs, "config.data.batch_size / config.train.microbatches":
@@ -104,7 +106,11 @@ def setup(config, workdir: str, *, mesh: str, dcn_mesh: str | None = None,
   runtime.check_data_files(data_dir, config.data.train_split)
   plan = evaluation.plan(config, schema, data_dir, steps_flag)   # surfaces, epochs, validation
   model = runtime.fit_and_build_model(config, schema)
-  runtime.save_run_info(workdir, config, data_dir)
+  ckpt = checkpoint.Checkpointer(os.path.join(workdir, "checkpoints"),
+                                 keep=config.train.keep_checkpoints)
+  fingerprint = plan.train_records
+  if ckpt.all_steps():
+    runtime.check_resume(workdir, config, schema, fingerprint, allow_config_change)
 
   ds = pipeline.make_dataset(config.data, data_dir, config.data.train_split,
                              model_config.seq_lens(config), train=True,
@@ -114,8 +120,6 @@ def setup(config, workdir: str, *, mesh: str, dcn_mesh: str | None = None,
   init_rng, train_rng = jax.random.split(jax.random.key(config.seed))
   ts, params, opt_state = step_lib.build(config, model, example, mesh_, rules, init_rng,
                                          task_weights=task_w)
-  ckpt = checkpoint.Checkpointer(os.path.join(workdir, "checkpoints"),
-                                 keep=config.train.keep_checkpoints)
   start = 0
   restored = ckpt.restore_latest(checkpoint.abstract_like(params),   # falls back past bad steps
                                  checkpoint.abstract_like(opt_state), data_iter,
@@ -123,6 +127,7 @@ def setup(config, workdir: str, *, mesh: str, dcn_mesh: str | None = None,
   if restored is not None:
     start, params, opt_state, train_rng = restored
     print(f"resumed from step {start} ({ckpt.directory})", flush=True)
+  runtime.save_run_info(workdir, config, data_dir, schema, fingerprint)   # after the restore
   return Run(config, workdir, data_dir, schema, plan, mesh_, rules, model, data_iter, ts, ckpt,
              params, opt_state, train_rng, start, start)
 

@@ -294,9 +294,16 @@ def config_from_plain(x):
   return ml_collections.ConfigDict(dec(x))
 
 
-def save_run_info(workdir: str, config, data_dir: str) -> None:
-  """``run_info.json``: the exact config (``config_to_plain``) and the data directory; eval.py,
-  the export and later resumes read it (no pickle: loading a workdir runs no code from it).
+def schema_names(schema) -> dict:
+  """What the heads and surface embeddings are bound to: surfaces and tasks by name, in order."""
+  return {"surfaces": list(schema.surfaces), "tasks": list(schema.task_names)}
+
+
+def save_run_info(workdir: str, config, data_dir: str, schema=None, data=None) -> None:
+  """``run_info.json``: the exact config (``config_to_plain``), the data directory, the schema's
+  surface / task names (``schema_names``: heads are matched by name) and the train data's
+  fingerprint (``data``: records per surface); eval.py, the export and later resumes read it
+  (no pickle: loading a workdir runs no code from it).
 
   ``config.model`` is stored with every default filled in, so a later change of a default
   (e.g. ``score_clip``) cannot change how an existing checkpoint is evaluated or exported.
@@ -314,10 +321,69 @@ def save_run_info(workdir: str, config, data_dir: str) -> None:
   from kunlun.utils import atomic
   path = os.path.join(workdir, RUN_INFO)
   try:
-    atomic.write_json(path, {"format": RUN_INFO_FORMAT, "data_dir": os.path.abspath(data_dir),
-                             "config": plain})
+    info = {"format": RUN_INFO_FORMAT, "data_dir": os.path.abspath(data_dir), "config": plain}
+    if schema is not None:
+      info["schema"] = schema_names(schema)
+    if data is not None:
+      info["data"] = data
+    atomic.write_json(path, info)
   except OSError as e:
     fail(f"--workdir={workdir}: cannot write {RUN_INFO} ({e.strerror or e})")
+
+
+def saved_run_info(workdir: str) -> dict | None:
+  """The raw ``run_info.json`` of ``workdir`` (None: none, or unreadable)."""
+  try:
+    with open(os.path.join(workdir, RUN_INFO)) as f:
+      info = json.load(f)
+  except (OSError, ValueError):
+    return None
+  return info if isinstance(info, dict) else None
+
+
+def _diff(a, b, path: str) -> list[str]:
+  if isinstance(a, dict) and isinstance(b, dict):
+    return [d for k in sorted(set(a) | set(b), key=str)
+            for d in _diff(a.get(k), b.get(k), f"{path}.{k}")]
+  return [] if a == b else [f"{path}: {a!r} -> {b!r}"]
+
+
+def check_schema_names(info: dict | None, schema, what: str) -> None:
+  """FatalError when ``schema``'s surfaces / tasks differ (names or order) from those the run
+  recorded (its heads and surface embeddings are indexed in that order)."""
+  saved = (info or {}).get("schema")
+  if saved and saved != schema_names(schema):
+    fail(f"{what}: the data's schema has surfaces {list(schema.surfaces)}, tasks "
+         f"{list(schema.task_names)}; the run was trained with surfaces {saved['surfaces']}, "
+         f"tasks {saved['tasks']} (heads are matched by name and order: use that dataset)")
+
+
+def check_resume(workdir: str, config, schema, data: dict | None, allow_config_change: bool,
+                 log=print) -> None:
+  """Before a resume writes anything: a changed model config or schema is a FatalError unless
+  ``allow_config_change``; changed train data (records per surface) is stated in one line."""
+  info = saved_run_info(workdir)
+  if info is None:
+    return
+  from kunlun.configs.types import with_defaults
+  old = (info.get("config") or {}).get("model")
+  new = config_to_plain(with_defaults(config.model.copy_and_resolve_references()),
+                        "config.model") if "model" in config else None
+  diffs = _diff(old, new, "config.model") if old is not None and new is not None else []
+  if diffs and not allow_config_change:
+    more = f" (+{len(diffs) - 3} more)" if len(diffs) > 3 else ""
+    fail(f"--workdir={workdir}: resuming with a changed model ({'; '.join(diffs[:3])}{more}); "
+         "the checkpoint was trained with the recorded one: use a new --workdir, or pass "
+         "--allow_config_change")
+  if diffs:
+    log(f"note: --allow_config_change: resuming with a changed model ({'; '.join(diffs)})",
+        flush=True)
+  if not allow_config_change:
+    check_schema_names(info, schema, f"--workdir={workdir}: resume")
+  if data is not None and info.get("data") is not None and info["data"] != data:
+    log(f"note: the train data changed since this workdir's last run ({info['data']} -> {data} "
+        "records per surface): the data iterator continues from its saved position in the new "
+        "data", flush=True)
 
 
 def load_run_info(workdir: str, trust_pickle: bool = False):

@@ -108,3 +108,41 @@ def test_run_stored_before_final_hsp_keeps_it_on(tmp_path):
   del info["config"]["model"]["final_hsp"]
   path.write_text(json.dumps(info))
   assert runtime.load_run_info(str(tmp_path))[0].model.final_hsp is True
+
+
+def _schema_in(tmp_path, surfaces):
+  import dataclasses
+
+  from data.fake import tiny_schema
+  return dataclasses.replace(tiny_schema(), surfaces=tuple(surfaces))
+
+
+def test_resume_checks_model_schema_and_data_against_the_recorded_run(tmp_path):
+  """runtime.check_resume: model change refused (unless allowed), surfaces in another order
+  refused (heads are indexed by surface), changed train data stated in one line."""
+  wd = str(tmp_path)
+  c = tiny.get_config()
+  schema = _schema_in(tmp_path, ("feed", "stories", "reels"))
+  runtime.save_run_info(wd, c, wd, schema, {"feed": 10, "stories": 5, "reels": 5})
+  info = json.load(open(tmp_path / "run_info.json"))
+  assert info["schema"] == {"surfaces": ["feed", "stories", "reels"],
+                            "tasks": list(schema.task_names)}
+  lines = []
+  log = lambda *a, **k: lines.append(" ".join(map(str, a)))
+  runtime.check_resume(wd, tiny.get_config(), schema, info["data"], False, log)
+  assert lines == []                                       # same run: nothing to say
+  changed = tiny.get_config()
+  changed.model.score_clip = 0.0
+  with pytest.raises(runtime.FatalError, match=r"config.model.score_clip: .* -> 0.0") as e:
+    runtime.check_resume(wd, changed, schema, info["data"], False, log)
+  assert "\n" not in str(e.value) and "--allow_config_change" in str(e.value)
+  runtime.check_resume(wd, changed, schema, info["data"], True, log)    # allowed: stated
+  assert len(lines) == 1 and "score_clip" in lines[0]
+  swapped = _schema_in(tmp_path, ("feed", "reels", "stories"))
+  with pytest.raises(runtime.FatalError, match="surfaces") as e:
+    runtime.check_resume(wd, tiny.get_config(), swapped, info["data"], False, log)
+  assert "\n" not in str(e.value)
+  lines.clear()
+  runtime.check_resume(wd, tiny.get_config(), schema, {"feed": 12, "stories": 5, "reels": 5},
+                       False, log)
+  assert len(lines) == 1 and "train data changed" in lines[0] and "\n" not in lines[0]
