@@ -101,7 +101,8 @@ def _restore(workdir: str, step, data_dir, trust_workdir: bool = False):
   data_dir = data_dir or saved
   if not data_dir:
     runtime.fail("no --data_dir given and none recorded in the workdir (data_dir.txt)")
-  schema = runtime.load_schema(data_dir)
+  schema, _ = runtime.schema_as_trained(runtime.saved_run_info(workdir),  # names and order
+                                        runtime.load_schema(data_dir), f"--data_dir={data_dir}")
   model = runtime.fit_and_build_model(config, schema)
   mesh = mesh_lib.make_mesh(devices=jax.devices()[:1])
   example = random_batch(schema, 1, seq_lens(config))

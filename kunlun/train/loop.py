@@ -160,7 +160,8 @@ def eval_setup(workdir: str, ckpt: checkpoint.Checkpointer, *, config=None,
     runtime.fail("no --data_dir given and none recorded in the workdir")
   bs = batch_size or config.data.get("eval_batch_size", 0) or config.data.batch_size
   mesh_, rules = open_mesh(config, mesh, dcn_mesh, {"eval batch size": bs}, compilation_cache)
-  schema = runtime.load_schema(data_dir)
+  schema, remap = runtime.schema_as_trained(runtime.saved_run_info(workdir),
+                                            runtime.load_schema(data_dir), f"--workdir={workdir}")
   runtime.check_data_files(data_dir, split)
   model = runtime.fit_and_build_model(config, schema)
   data_cfg = config.data.copy_and_resolve_references()
@@ -171,7 +172,7 @@ def eval_setup(workdir: str, ckpt: checkpoint.Checkpointer, *, config=None,
                                shard_count=jax.process_count())
   except (ValueError, FileNotFoundError) as e:
     runtime.fail(f"--split={split} in {data_dir}: {e}")
-  it = iter(ds)
+  it = iter(ds) if remap is None else map(remap, ds)      # surfaces / tasks matched by name
   first = next(it, None)
   if first is None:
     runtime.fail(f"split {split!r} in {data_dir} is empty")

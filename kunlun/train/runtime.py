@@ -4,11 +4,13 @@ outputs), multi-host init, compilation cache, mesh, data directory and its integ
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
 
 import jax
+import numpy as np
 
 CLUSTER_ENV = ("SLURM_JOB_ID", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "JAX_COORDINATOR_ADDRESS",
                "TPU_WORKER_HOSTNAMES")
@@ -358,6 +360,44 @@ def check_schema_names(info: dict | None, schema, what: str) -> None:
          f"tasks {saved['tasks']} (heads are matched by name and order: use that dataset)")
 
 
+def schema_as_trained(info: dict | None, schema, what: str):
+  """``(schema, remap)``: the data's ``schema`` with its surfaces and tasks in the order the
+  run recorded (heads and surface embeddings are indexed in that order), and
+  ``remap(batch) -> batch`` that re-indexes a batch of the data to it (None: same order).
+  Different names are a FatalError; a run that recorded no names takes the data's order."""
+  saved = (info or {}).get("schema")
+  if not saved or saved == schema_names(schema):
+    return schema, None
+  if sorted(saved["surfaces"]) != sorted(schema.surfaces) or sorted(saved["tasks"]) != sorted(
+      schema.task_names):
+    check_schema_names(info, schema, what)
+  import dataclasses
+  tasks = {t.name: t for t in schema.tasks}
+  trained = dataclasses.replace(schema, surfaces=tuple(saved["surfaces"]),
+                                tasks=tuple(tasks[n] for n in saved["tasks"]))
+  return trained, functools.partial(remap_batch, surface_to=np.array(
+      [saved["surfaces"].index(x) for x in schema.surfaces], np.int32), task_from=np.array(
+      [list(schema.task_names).index(n) for n in saved["tasks"]], np.int64))
+
+
+def remap_batch(batch: dict, surface_to, task_from) -> dict:
+  """A host batch re-indexed: surface ``i`` -> ``surface_to[i]`` (candidate rows and the valid
+  events of each stream; padding stays 0), per-task columns ``[:, task_from]``."""
+  out = dict(batch)
+  out["surface"] = surface_to[np.asarray(batch["surface"])]
+  out["events"] = {}
+  for name, ev in batch["events"].items():
+    ev = dict(ev)
+    x = np.asarray(ev["surface"])
+    valid = np.arange(x.shape[1])[None, :] < np.asarray(ev["length"])[:, None]
+    ev["surface"] = np.where(valid, surface_to[x], x).astype(x.dtype)
+    out["events"][name] = ev
+  for k in ("labels", "label_mask", "true_prob"):
+    if k in batch:
+      out[k] = np.asarray(batch[k])[:, task_from]
+  return out
+
+
 def check_resume(workdir: str, config, schema, data: dict | None, allow_config_change: bool,
                  log=print) -> None:
   """Before a resume writes anything: a changed model config or schema is a FatalError unless
@@ -379,7 +419,7 @@ def check_resume(workdir: str, config, schema, data: dict | None, allow_config_c
     log(f"note: --allow_config_change: resuming with a changed model ({'; '.join(diffs)})",
         flush=True)
   if not allow_config_change:
-    check_schema_names(info, schema, f"--workdir={workdir}: resume")
+    check_schema_names(info, schema, f"--workdir={workdir}: resume")   # no re-indexing in train
   if data is not None and info.get("data") is not None and info["data"] != data:
     log(f"note: the train data changed since this workdir's last run ({info['data']} -> {data} "
         "records per surface): the data iterator continues from its saved position in the new "

@@ -182,3 +182,23 @@ def test_loader_refuses_params_not_from_the_export(run, tmp_path):
   with pytest.raises(ValueError, match="params.npz") as e:
     loader.load(str(fake))
   assert "\n" not in str(e.value)
+
+
+def test_export_refuses_a_data_dir_with_other_surfaces(run, tmp_path, capsys):
+  """The workdir records the schema's names: --data_dir with other surfaces is one error line."""
+  import dataclasses
+  import shutil
+  schema, config, _, _, workdir, _, _ = run
+  wd = str(tmp_path / "wd")
+  shutil.copytree(workdir, wd)
+  with open(os.path.join(wd, "run_info.json")) as f:
+    data_dir = json.load(f)["data_dir"]
+  runtime.save_run_info(wd, config, data_dir, schema)
+  other = str(tmp_path / "other")
+  os.makedirs(other)
+  dataclasses.replace(schema, surfaces=schema.surfaces[:-1] + ("shorts",)).save(other)
+  capsys.readouterr()
+  assert export.main([f"--workdir={wd}", f"--out={tmp_path}/o", f"--data_dir={other}",
+                      "--no_verify"]) == 2
+  lines = capsys.readouterr().err.strip().splitlines()
+  assert "shorts" in lines[-1] and "surfaces" in lines[-1], lines
