@@ -28,7 +28,8 @@ def fail(msg: str):
 def run_main(prog: str, fn, *args):
   """Runs ``fn(*args)``; a ``FatalError`` or a data error naming a file (``data.shards.DataError``:
   damaged shard, invalid record) exits with status 2 and one line ``<prog>: error: <msg>`` on
-  stderr."""
+  stderr; so does a runtime error of a multi-process run (a lost peer, ``lost_peer_message``),
+  at once, without the atexit shutdown."""
   from data.shards import DataError
   quiet_checkpoint_logs()
   try:
@@ -39,6 +40,21 @@ def run_main(prog: str, fn, *args):
       msg += " (config.data.skip_invalid=True skips and counts such records)"
     print(f"{prog}: error: {msg}", file=sys.stderr, flush=True)
     sys.exit(2)
+  except jax.errors.JaxRuntimeError as e:
+    if jax.process_count() < 2:
+      raise                                      # one process: a bug, keep its traceback
+    print(f"{prog}: error: {lost_peer_message(e)}", file=sys.stderr, flush=True)
+    # skip atexit: jax.distributed's shutdown would wait on the dead peer and dump a C++ stack
+    os._exit(2)
+
+
+def lost_peer_message(e: BaseException) -> str:
+  """One line for a collective / coordination failure of a multi-process run (usually another
+  process died): this process, the first line of the runtime's message, what to do."""
+  first = next((x.strip() for x in str(e).splitlines() if x.strip()), type(e).__name__)
+  return (f"process {jax.process_index()} of {jax.process_count()}: a collective failed, most "
+          f"likely another process died or lost its connection ({first[:300]}); check the other "
+          "processes' logs, then restart all of them (training resumes from the last checkpoint)")
 
 
 def quiet_checkpoint_logs() -> None:
