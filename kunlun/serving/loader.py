@@ -55,11 +55,9 @@ def _get(batch, path: str):
 
 
 def file_sha256(path: str) -> str:
-  h = hashlib.sha256()
+  """Hex sha256 of a file (binds ``params.npz`` to ``signature.json``)."""
   with open(path, "rb") as f:
-    for chunk in iter(lambda: f.read(1 << 20), b""):
-      h.update(chunk)
-  return h.hexdigest()
+    return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def _check_values(path: str, x: np.ndarray, rng) -> None:

@@ -422,9 +422,11 @@ def check_resume(workdir: str, config, schema, data: dict | None, allow_config_c
   if info is None:
     return
   from kunlun.configs.types import with_defaults
-  old = (info.get("config") or {}).get("model")
-  new = config_to_plain(with_defaults(config.model.copy_and_resolve_references()),
-                        "config.model") if "model" in config else None
+  plain = lambda c: config_to_plain(with_defaults(c.model.copy_and_resolve_references()),
+                                    "config.model") if "model" in c else None
+  saved = info.get("config")
+  old = plain(_upgraded(config_from_plain(saved))) if isinstance(saved, dict) else None
+  new = plain(config)
   diffs = _diff(old, new, "config.model") if old is not None and new is not None else []
   if diffs and not allow_config_change:
     more = f" (+{len(diffs) - 3} more)" if len(diffs) > 3 else ""
