@@ -91,7 +91,8 @@ def train(argv):
     from kunlun.train import loop
     run = loop.setup(config, workdir, mesh=FLAGS.mesh, dcn_mesh=FLAGS.dcn_mesh,
                      data_dir=FLAGS.data_dir, steps_flag=FLAGS.steps,
-                     strict_restore=FLAGS.strict_restore, compilation_cache=FLAGS.compilation_cache)
+                     strict_restore=FLAGS.strict_restore, compilation_cache=FLAGS.compilation_cache,
+                     allow_config_change=FLAGS.allow_config_change)
     loop.train(run, profile, FLAGS.profile_dir)
   finally:
     lock.release()

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import re
 from typing import Any
@@ -222,7 +223,7 @@ def surface_weights(value, surfaces, counts: dict[str, int] | None = None) -> di
   ``value``: a mapping, a string ``"feed=0.5,reels=0.2"``, or ``"auto"`` / ``""`` (each surface in
   proportion to its record count, ``counts``). Surfaces not named get weight 0; names that are not
   schema surfaces are ignored when their weight is 0 and a ValueError otherwise (likely a typo or
-  another dataset's surfaces). Weights must be >= 0 with a positive sum.
+  another dataset's surfaces). Weights must be finite and >= 0 with a positive sum.
   """
   if value is None or (isinstance(value, str) and value.strip().lower() in ("", "auto")):
     if counts is None:
@@ -252,8 +253,12 @@ def surface_weights(value, surfaces, counts: dict[str, int] | None = None) -> di
   if unknown:
     raise ValueError(f"data.surface_weights: unknown surface(s) {unknown} with a non-zero weight; "
                      f"schema has {tuple(surfaces)} (set them to 0, or use 'auto')")
+  bad = sorted(k for k, v in w.items() if not math.isfinite(v))
+  if bad:
+    raise ValueError(f"data.surface_weights: weight(s) of {bad} are not finite numbers "
+                     f"(got {w}); give finite weights >= 0")
   out = {s: w.get(s, 0.0) for s in surfaces}
-  if any(x < 0 or x != x for x in out.values()) or sum(out.values()) <= 0:
+  if any(x < 0 for x in out.values()) or sum(out.values()) <= 0:
     raise ValueError(f"data.surface_weights must be >= 0 with a positive sum over the schema's "
                      f"surfaces {tuple(surfaces)}, got {w}")
   return out

@@ -58,6 +58,21 @@ def input_spec(schema, seq_lens: dict, n, r) -> dict:
   return spec
 
 
+def input_ranges(schema, seq_lens: dict) -> dict:
+  """Allowed values per input path: ``[lo, hi)`` (``None``: unbounded), as ``data.schema``'s
+  batch layout states them; float inputs must also be finite."""
+  S = len(schema.surfaces)
+  rng = {f"sparse/{f.name}": [-1, f.vocab_size] for f in schema.sparse}
+  rng["dense"], rng["surface"], rng["request_index"] = [None, None], [0, S], [0, None]
+  for st in schema.streams:
+    p = f"events/{st.name}/"
+    rng.update({p + "item": [0, st.item_vocab], p + "action": [0, st.action_vocab],
+                p + "surface": [0, S], p + "age": [0, None],
+                p + "length": [0, seq_lens[st.name] + 1]})
+    rng.update({p + e.name: [0, e.vocab_size] for e in st.extra_fields})
+  return rng
+
+
 def flatten(tree: dict, prefix: str = "") -> dict:
   """``{"a": {"b": x}}`` -> ``{"a/b": x}`` (inverse of ``loader.nest``)."""
   out = {}
@@ -86,7 +101,8 @@ def _restore(workdir: str, step, data_dir, trust_workdir: bool = False):
   data_dir = data_dir or saved
   if not data_dir:
     runtime.fail("no --data_dir given and none recorded in the workdir (data_dir.txt)")
-  schema = runtime.load_schema(data_dir)
+  schema, _ = runtime.schema_as_trained(runtime.saved_run_info(workdir),  # names and order
+                                        runtime.load_schema(data_dir), f"--data_dir={data_dir}")
   model = runtime.fit_and_build_model(config, schema)
   mesh = mesh_lib.make_mesh(devices=jax.devices()[:1])
   example = random_batch(schema, 1, seq_lens(config))
@@ -142,6 +158,7 @@ def export(workdir: str, out: str, *, candidates="dynamic", requests=1, step=Non
     atomic.write_bytes(os.path.join(out, ARTIFACT), exp.serialize())
     with atomic.target(os.path.join(out, PARAMS)) as tmp, open(tmp, "wb") as f:
       np.savez(f, **flatten(params))
+    params_sha256 = loader.file_sha256(os.path.join(out, PARAMS))
   except OSError as e:
     runtime.fail(f"--out={out}: cannot write the export ({e.strerror or e})")
   name = lambda x: x if isinstance(x, int) else str(x)
@@ -149,6 +166,8 @@ def export(workdir: str, out: str, *, candidates="dynamic", requests=1, step=Non
   sig = {
       "format": FORMAT,
       "inputs": {p: {"dtype": d, "shape": [name(x) for x in s]} for p, (s, d) in spec.items()},
+      "ranges": input_ranges(schema, lens),
+      "params_sha256": params_sha256,
       "outputs": {k: {"dtype": "float32", "shape": [name(n), K]} for k in ("logits", "prob")},
       "candidates": "n" if n_fixed is None else n_fixed,
       "requests": "r" if r_fixed is None else r_fixed,
@@ -157,6 +176,8 @@ def export(workdir: str, out: str, *, candidates="dynamic", requests=1, step=Non
       "usage": {
           "rows": "sparse/dense/surface/request_index: one row per candidate ad (n); events: one "
                   "row per request (r); request_index[i] = the request of ad i, in [0, r)",
+          "ranges": "each input's allowed values [lo, hi) (null: unbounded); floats finite",
+          "params_sha256": "sha256 of params.npz; the loader refuses params that differ",
           "sparse": "ids in [0, vocab); -1 = empty slot; hashed features: "
                     "data.pipeline.hash_ids(raw, vocab) = ((raw * 0x9E3779B97F4A7C15 mod 2^64) "
                     ">> 29) mod vocab",

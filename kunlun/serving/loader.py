@@ -7,8 +7,10 @@
 ``batch`` is a nested dict of arrays in the layout of ``signature.json`` (its ``usage`` section):
 ``sparse {name: i32[N, L]}``, ``dense f32[N, F]``, ``surface i32[N]``, ``events {stream:
 {field: [R, T], length i32[R]}}``, ``request_index i32[N]``; extra keys are ignored. Inputs are
-checked against the signature (missing arrays, shapes, the candidate / request counts, the
-``request_index`` range) and a mismatch is a ``ValueError`` with one line naming it. This module
+checked against the signature (missing arrays, shapes, dtypes, the candidate / request counts,
+each input's value range: ids, surfaces, lengths <= ``kept_len``, ``request_index``; finite
+floats) and a mismatch is a ``ValueError`` with one line naming it. ``params.npz`` must match the
+signature's ``params_sha256`` (params from elsewhere are refused). This module
 imports nothing of the model code (no flax, no ``kunlun.models.kunlun``, no ``data``).
 
 Categorical features with an exact vocabulary (``signature.json`` ``vocab``, from the dataset's
@@ -52,6 +54,27 @@ def _get(batch, path: str):
   return x
 
 
+def file_sha256(path: str) -> str:
+  """Hex sha256 of a file (binds ``params.npz`` to ``signature.json``)."""
+  with open(path, "rb") as f:
+    return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _check_values(path: str, x: np.ndarray, rng) -> None:
+  """One-line ValueError when ``x`` holds a value outside ``rng`` = [lo, hi) or a non-finite
+  float (checked before any cast, so an int64 id that would wrap to int32 is caught)."""
+  if x.dtype.kind == "f" and not np.isfinite(x).all():
+    raise ValueError(f"serving input {path!r}: {int((~np.isfinite(x)).sum())} non-finite "
+                     "value(s) (NaN / inf)")
+  lo, hi = rng if rng is not None else (None, None)
+  if x.size == 0 or (lo is None and hi is None):
+    return
+  mn, mx = x.min(), x.max()
+  if (lo is not None and mn < lo) or (hi is not None and mx >= hi):
+    want = f"[{'-inf' if lo is None else lo}, {'inf' if hi is None else hi})"
+    raise ValueError(f"serving input {path!r}: values must lie in {want}, got [{mn}, {mx}]")
+
+
 def _string_key(s: str) -> int:
   """A string's 63-bit key (``data.ingest.coerce.hash_strings``: blake2b, 8-byte digest, >> 1)."""
   return int.from_bytes(hashlib.blake2b(s.encode(), digest_size=8).digest(), "little") >> 1
@@ -88,6 +111,13 @@ class ServingArtifact:
       raise ValueError(f"{directory}: format {self.signature.get('format')!r}, want {FORMAT!r}")
     with open(os.path.join(directory, ARTIFACT), "rb") as f:
       self.exported = jex.deserialize(bytearray(f.read()))
+    want = self.signature.get("params_sha256")
+    if not want:
+      raise ValueError(f"{directory}: {SIGNATURE} has no params_sha256 (an older export: "
+                       "export again)")
+    if file_sha256(os.path.join(directory, PARAMS)) != want:
+      raise ValueError(f"{directory}: {PARAMS} does not match {SIGNATURE} (sha256 differs): "
+                       "not the parameters this artifact was exported with")
     with np.load(os.path.join(directory, PARAMS)) as z:
       flat = {k: z[k] for k in z.files}
     p_avals = self.exported.in_avals[:len(flat)]
@@ -126,6 +156,9 @@ class ServingArtifact:
       kind = np.dtype(s["dtype"]).kind
       if kind == "i" and x.dtype.kind not in "iu":
         raise ValueError(f"serving input {path!r}: integer ids expected, got {x.dtype}")
+      if kind == "f" and x.dtype.kind not in "iuf":
+        raise ValueError(f"serving input {path!r}: numbers expected, got {x.dtype}")
+      _check_values(path, x, self.signature.get("ranges", {}).get(path))
       flat[path] = x.astype(s["dtype"])
     for name, size in dims.items():
       if size < 1:

@@ -33,6 +33,7 @@ class Plan:
   every: int                 # validation period in steps (0: no validation)
   split: str | None          # validation split
   weights: dict              # resolved surface weights
+  train_records: dict | None = None   # train records per surface (the data's fingerprint)
 
 
 def plan(config, schema, data_dir: str, steps_flag: int | None, say=print) -> Plan:
@@ -83,7 +84,7 @@ def plan(config, schema, data_dir: str, steps_flag: int | None, say=print) -> Pl
   bt = config.train.get("best_task", "") or ""
   if bt and bt not in schema.task_names:
     fail(f"config.train.best_task={bt!r}: not a task of the data {schema.task_names}")
-  return Plan(total, spe, every, vsplit if every else None, weights)
+  return Plan(total, spe, every, vsplit if every else None, weights, counts)
 
 
 def collect(predict, params, batches, batch_sharding, keys=()) -> dict[str, np.ndarray]:

@@ -9,6 +9,7 @@ import dataclasses
 import itertools
 import os
 import signal
+import sys
 
 import jax
 
@@ -24,15 +25,24 @@ from sharding import partition
 
 
 class StopFlag:
-  """Set by SIGTERM / SIGINT; the loop saves and exits after the current step."""
+  """Set by SIGTERM / SIGINT; the loop saves and exits after the current step. A second signal
+  exits at once and says, in one line on stderr, that it does not save (``describe()``: the
+  step left unsaved and the latest checkpoint)."""
 
-  def __init__(self):
+  def __init__(self, describe=None):
     self.signum = None
+    self.describe = describe
     for s in (signal.SIGTERM, signal.SIGINT):
       signal.signal(s, self._handle)
 
   def _handle(self, signum, _):
-    if self.signum is not None:       # second signal: give up immediately
+    if self.signum is not None:       # second signal: give up immediately, and say so
+      try:
+        what = self.describe() if self.describe else "the current step"
+      except Exception:  # noqa: BLE001  (a listing that fails must not stop the exit)
+        what = "the current step"
+      sys.stderr.write(f"received signal {signum} again: exiting now without saving {what}\n")
+      sys.stderr.flush()
       signal.signal(signum, signal.SIG_DFL)
       os.kill(os.getpid(), signum)
     self.signum = signum
@@ -77,10 +87,12 @@ def open_mesh(config, mesh_flag: str, dcn_flag: str | None, batch_sizes: dict,
 
 def setup(config, workdir: str, *, mesh: str, dcn_mesh: str | None = None,
           data_dir: str | None = None, steps_flag: int | None = None,
-          strict_restore: bool = False, compilation_cache: str | None = None) -> Run:
+          strict_restore: bool = False, compilation_cache: str | None = None,
+          allow_config_change: bool = False) -> Run:
   """Everything before the first step: mesh, data (generated into the workdir if no
-  ``data_dir``), run plan (epochs, validation), model, run info, data iterator, train step and
-  the state restored from the latest good checkpoint (or freshly initialised)."""
+  ``data_dir``), run plan (epochs, validation), model, data iterator, train step, the state
+  restored from the latest good checkpoint (or freshly initialised), then the run info. A resume
+  is compared with the recorded run first (``runtime.check_resume``), before anything is written."""
   bs = config.data.batch_size
   mesh_, rules = open_mesh(config, mesh, dcn_mesh, {
       "config.data.batch_size": bs, "config.data.batch_size / config.train.microbatches":
@@ -94,7 +106,11 @@ def setup(config, workdir: str, *, mesh: str, dcn_mesh: str | None = None,
   runtime.check_data_files(data_dir, config.data.train_split)
   plan = evaluation.plan(config, schema, data_dir, steps_flag)   # surfaces, epochs, validation
   model = runtime.fit_and_build_model(config, schema)
-  runtime.save_run_info(workdir, config, data_dir)
+  ckpt = checkpoint.Checkpointer(os.path.join(workdir, "checkpoints"),
+                                 keep=config.train.keep_checkpoints)
+  fingerprint = plan.train_records
+  if ckpt.all_steps():
+    runtime.check_resume(workdir, config, schema, fingerprint, allow_config_change)
 
   ds = pipeline.make_dataset(config.data, data_dir, config.data.train_split,
                              model_config.seq_lens(config), train=True,
@@ -104,8 +120,6 @@ def setup(config, workdir: str, *, mesh: str, dcn_mesh: str | None = None,
   init_rng, train_rng = jax.random.split(jax.random.key(config.seed))
   ts, params, opt_state = step_lib.build(config, model, example, mesh_, rules, init_rng,
                                          task_weights=task_w)
-  ckpt = checkpoint.Checkpointer(os.path.join(workdir, "checkpoints"),
-                                 keep=config.train.keep_checkpoints)
   start = 0
   restored = ckpt.restore_latest(checkpoint.abstract_like(params),   # falls back past bad steps
                                  checkpoint.abstract_like(opt_state), data_iter,
@@ -113,6 +127,7 @@ def setup(config, workdir: str, *, mesh: str, dcn_mesh: str | None = None,
   if restored is not None:
     start, params, opt_state, train_rng = restored
     print(f"resumed from step {start} ({ckpt.directory})", flush=True)
+  runtime.save_run_info(workdir, config, data_dir, schema, fingerprint)   # after the restore
   return Run(config, workdir, data_dir, schema, plan, mesh_, rules, model, data_iter, ts, ckpt,
              params, opt_state, train_rng, start, start)
 
@@ -145,7 +160,8 @@ def eval_setup(workdir: str, ckpt: checkpoint.Checkpointer, *, config=None,
     runtime.fail("no --data_dir given and none recorded in the workdir")
   bs = batch_size or config.data.get("eval_batch_size", 0) or config.data.batch_size
   mesh_, rules = open_mesh(config, mesh, dcn_mesh, {"eval batch size": bs}, compilation_cache)
-  schema = runtime.load_schema(data_dir)
+  schema, remap = runtime.schema_as_trained(runtime.saved_run_info(workdir),
+                                            runtime.load_schema(data_dir), f"--workdir={workdir}")
   runtime.check_data_files(data_dir, split)
   model = runtime.fit_and_build_model(config, schema)
   data_cfg = config.data.copy_and_resolve_references()
@@ -156,7 +172,7 @@ def eval_setup(workdir: str, ckpt: checkpoint.Checkpointer, *, config=None,
                                shard_count=jax.process_count())
   except (ValueError, FileNotFoundError) as e:
     runtime.fail(f"--split={split} in {data_dir}: {e}")
-  it = iter(ds)
+  it = iter(ds) if remap is None else map(remap, ds)      # surfaces / tasks matched by name
   first = next(it, None)
   if first is None:
     runtime.fail(f"split {split!r} in {data_dir} is empty")
@@ -264,7 +280,8 @@ def train(run: Run, profile: tuple[int, int] | None = None, profile_dir: str | N
       run.config, run.data_dir, run.schema, run.model, run.plan,
       run.train_step.batch_sharding, run.workdir, prog if is_main else None)
   acct = StepAccounting(run, prog, evaluator)
-  stop = StopFlag()
+  stop = StopFlag(describe=lambda: f"step {run.step} (latest checkpoint: step "
+                                   f"{run.ckpt.latest_step()})")
   profiling = False
   with partition.activate(run.mesh, run.rules):
     while run.step < total:
@@ -298,7 +315,8 @@ def train(run: Run, profile: tuple[int, int] | None = None, profile_dir: str | N
       if acct.disk_full():
         _stop_disk_full(run, acct)
       if stop.signum is not None:
-        print(f"received signal {stop.signum}: saving step {run.step} and exiting", flush=True)
+        print(f"received signal {stop.signum}: saving step {run.step} and exiting (signal again "
+              "to exit at once without saving)", flush=True)
         break
   if profiling:
     jax.profiler.stop_trace()

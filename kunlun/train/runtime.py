@@ -4,11 +4,13 @@ outputs), multi-host init, compilation cache, mesh, data directory and its integ
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
 
 import jax
+import numpy as np
 
 CLUSTER_ENV = ("SLURM_JOB_ID", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "JAX_COORDINATOR_ADDRESS",
                "TPU_WORKER_HOSTNAMES")
@@ -26,7 +28,8 @@ def fail(msg: str):
 def run_main(prog: str, fn, *args):
   """Runs ``fn(*args)``; a ``FatalError`` or a data error naming a file (``data.shards.DataError``:
   damaged shard, invalid record) exits with status 2 and one line ``<prog>: error: <msg>`` on
-  stderr."""
+  stderr; so does a runtime error of a multi-process run (a lost peer, ``lost_peer_message``),
+  at once, without the atexit shutdown."""
   from data.shards import DataError
   quiet_checkpoint_logs()
   try:
@@ -37,6 +40,21 @@ def run_main(prog: str, fn, *args):
       msg += " (config.data.skip_invalid=True skips and counts such records)"
     print(f"{prog}: error: {msg}", file=sys.stderr, flush=True)
     sys.exit(2)
+  except jax.errors.JaxRuntimeError as e:
+    if jax.process_count() < 2:
+      raise                                      # one process: a bug, keep its traceback
+    print(f"{prog}: error: {lost_peer_message(e)}", file=sys.stderr, flush=True)
+    # skip atexit: jax.distributed's shutdown would wait on the dead peer and dump a C++ stack
+    os._exit(2)
+
+
+def lost_peer_message(e: BaseException) -> str:
+  """One line for a collective / coordination failure of a multi-process run (usually another
+  process died): this process, the first line of the runtime's message, what to do."""
+  first = next((x.strip() for x in str(e).splitlines() if x.strip()), type(e).__name__)
+  return (f"process {jax.process_index()} of {jax.process_count()}: a collective failed, most "
+          f"likely another process died or lost its connection ({first[:300]}); check the other "
+          "processes' logs, then restart all of them (training resumes from the last checkpoint)")
 
 
 def quiet_checkpoint_logs() -> None:
@@ -294,9 +312,16 @@ def config_from_plain(x):
   return ml_collections.ConfigDict(dec(x))
 
 
-def save_run_info(workdir: str, config, data_dir: str) -> None:
-  """``run_info.json``: the exact config (``config_to_plain``) and the data directory; eval.py,
-  the export and later resumes read it (no pickle: loading a workdir runs no code from it).
+def schema_names(schema) -> dict:
+  """What the heads and surface embeddings are bound to: surfaces and tasks by name, in order."""
+  return {"surfaces": list(schema.surfaces), "tasks": list(schema.task_names)}
+
+
+def save_run_info(workdir: str, config, data_dir: str, schema=None, data=None) -> None:
+  """``run_info.json``: the exact config (``config_to_plain``), the data directory, the schema's
+  surface / task names (``schema_names``: heads are matched by name) and the train data's
+  fingerprint (``data``: records per surface); eval.py, the export and later resumes read it
+  (no pickle: loading a workdir runs no code from it).
 
   ``config.model`` is stored with every default filled in, so a later change of a default
   (e.g. ``score_clip``) cannot change how an existing checkpoint is evaluated or exported.
@@ -314,10 +339,109 @@ def save_run_info(workdir: str, config, data_dir: str) -> None:
   from kunlun.utils import atomic
   path = os.path.join(workdir, RUN_INFO)
   try:
-    atomic.write_json(path, {"format": RUN_INFO_FORMAT, "data_dir": os.path.abspath(data_dir),
-                             "config": plain})
+    info = {"format": RUN_INFO_FORMAT, "data_dir": os.path.abspath(data_dir), "config": plain}
+    if schema is not None:
+      info["schema"] = schema_names(schema)
+    if data is not None:
+      info["data"] = data
+    atomic.write_json(path, info)
   except OSError as e:
     fail(f"--workdir={workdir}: cannot write {RUN_INFO} ({e.strerror or e})")
+
+
+def saved_run_info(workdir: str) -> dict | None:
+  """The raw ``run_info.json`` of ``workdir`` (None: none, or unreadable)."""
+  try:
+    with open(os.path.join(workdir, RUN_INFO)) as f:
+      info = json.load(f)
+  except (OSError, ValueError):
+    return None
+  return info if isinstance(info, dict) else None
+
+
+def _diff(a, b, path: str) -> list[str]:
+  if isinstance(a, dict) and isinstance(b, dict):
+    return [d for k in sorted(set(a) | set(b), key=str)
+            for d in _diff(a.get(k), b.get(k), f"{path}.{k}")]
+  return [] if a == b else [f"{path}: {a!r} -> {b!r}"]
+
+
+def check_schema_names(info: dict | None, schema, what: str) -> None:
+  """FatalError when ``schema``'s surfaces / tasks differ (names or order) from those the run
+  recorded (its heads and surface embeddings are indexed in that order)."""
+  saved = (info or {}).get("schema")
+  if saved and saved != schema_names(schema):
+    fail(f"{what}: the data's schema has surfaces {list(schema.surfaces)}, tasks "
+         f"{list(schema.task_names)}; the run was trained with surfaces {saved['surfaces']}, "
+         f"tasks {saved['tasks']} (heads are matched by name and order: use that dataset)")
+
+
+def schema_as_trained(info: dict | None, schema, what: str):
+  """``(schema, remap)``: the data's ``schema`` with its surfaces and tasks in the order the
+  run recorded (heads and surface embeddings are indexed in that order), and
+  ``remap(batch) -> batch`` that re-indexes a batch of the data to it (None: same order).
+  Different names are a FatalError; a run that recorded no names takes the data's order."""
+  saved = (info or {}).get("schema")
+  if not saved or saved == schema_names(schema):
+    return schema, None
+  if sorted(saved["surfaces"]) != sorted(schema.surfaces) or sorted(saved["tasks"]) != sorted(
+      schema.task_names):
+    check_schema_names(info, schema, what)
+  import dataclasses
+  tasks = {t.name: t for t in schema.tasks}
+  trained = dataclasses.replace(schema, surfaces=tuple(saved["surfaces"]),
+                                tasks=tuple(tasks[n] for n in saved["tasks"]))
+  return trained, functools.partial(remap_batch, surface_to=np.array(
+      [saved["surfaces"].index(x) for x in schema.surfaces], np.int32), task_from=np.array(
+      [list(schema.task_names).index(n) for n in saved["tasks"]], np.int64))
+
+
+def remap_batch(batch: dict, surface_to, task_from) -> dict:
+  """A host batch re-indexed: surface ``i`` -> ``surface_to[i]`` (candidate rows and the valid
+  events of each stream; padding stays 0), per-task columns ``[:, task_from]``."""
+  out = dict(batch)
+  out["surface"] = surface_to[np.asarray(batch["surface"])]
+  out["events"] = {}
+  for name, ev in batch["events"].items():
+    ev = dict(ev)
+    x = np.asarray(ev["surface"])
+    valid = np.arange(x.shape[1])[None, :] < np.asarray(ev["length"])[:, None]
+    ev["surface"] = np.where(valid, surface_to[x], x).astype(x.dtype)
+    out["events"][name] = ev
+  for k in ("labels", "label_mask", "true_prob"):
+    if k in batch:
+      out[k] = np.asarray(batch[k])[:, task_from]
+  return out
+
+
+def check_resume(workdir: str, config, schema, data: dict | None, allow_config_change: bool,
+                 log=print) -> None:
+  """Before a resume writes anything: a changed model config or schema is a FatalError unless
+  ``allow_config_change``; changed train data (records per surface) is stated in one line."""
+  info = saved_run_info(workdir)
+  if info is None:
+    return
+  from kunlun.configs.types import with_defaults
+  plain = lambda c: config_to_plain(with_defaults(c.model.copy_and_resolve_references()),
+                                    "config.model") if "model" in c else None
+  saved = info.get("config")
+  old = plain(_upgraded(config_from_plain(saved))) if isinstance(saved, dict) else None
+  new = plain(config)
+  diffs = _diff(old, new, "config.model") if old is not None and new is not None else []
+  if diffs and not allow_config_change:
+    more = f" (+{len(diffs) - 3} more)" if len(diffs) > 3 else ""
+    fail(f"--workdir={workdir}: resuming with a changed model ({'; '.join(diffs[:3])}{more}); "
+         "the checkpoint was trained with the recorded one: use a new --workdir, or pass "
+         "--allow_config_change")
+  if diffs:
+    log(f"note: --allow_config_change: resuming with a changed model ({'; '.join(diffs)})",
+        flush=True)
+  if not allow_config_change:
+    check_schema_names(info, schema, f"--workdir={workdir}: resume")   # no re-indexing in train
+  if data is not None and info.get("data") is not None and info["data"] != data:
+    log(f"note: the train data changed since this workdir's last run ({info['data']} -> {data} "
+        "records per surface): the data iterator continues from its saved position in the new "
+        "data", flush=True)
 
 
 def load_run_info(workdir: str, trust_pickle: bool = False):

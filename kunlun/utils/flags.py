@@ -26,6 +26,9 @@ def define(train: bool = False) -> None:
     flags.DEFINE_bool("strict_restore", False,
                       "Stop if the latest checkpoint does not restore, instead of moving it "
                       "aside and resuming from the newest step that does.")
+    flags.DEFINE_bool("allow_config_change", False,
+                      "Resume even though the model config or the data's surfaces / tasks "
+                      "differ from those recorded in the workdir's run_info.json.")
 
 
 def define_config(prog: str, default: str | None, help_: str) -> None:

@@ -31,3 +31,12 @@ def test_check_seq_lens():
     check_seq_lens(s, {"click": 65})
   with pytest.raises(ValueError, match="impression"):
     check_seq_lens(s, {"impression": 0})
+
+
+@pytest.mark.parametrize("value", ["feed=inf,stories=1", "feed=nan,stories=1",
+                                   {"feed": float("inf"), "stories": 1.0}, "feed=-inf,stories=1"])
+def test_surface_weights_refuse_non_finite(value):
+  from data.schema import surface_weights
+  with pytest.raises(ValueError, match="finite") as e:
+    surface_weights(value, ("feed", "stories"))
+  assert "\n" not in str(e.value)

@@ -347,3 +347,24 @@ def test_read_only_and_full_outputs_fail_before_work(fs_paths):
     cases.append(("eval.py", ["--workdir={ck}", "--out={full}/m.json"],
                   "--out={full}/m.json: cannot write in {full} (No space left on device)"))
   _check_table(cases, fs_paths)
+
+
+def test_resume_with_a_changed_model_is_refused_before_writing(paths, tmp_path):
+  """A resume whose model flags differ from the recorded run stops in one line (issue 29, 11)
+  and leaves run_info.json as it was (issue 29, 7: it was rewritten before the refusal, so
+  eval.py then built the new model and called the intact checkpoint corrupt)."""
+  env = _env()
+  for i, flag in enumerate(["--config.model.attention.kind=full", "--config.model.score_clip=0"]):
+    wd = str(tmp_path / f"wd{i}")
+    shutil.copytree(paths["ck"], wd)
+    before = open(os.path.join(wd, "run_info.json"), "rb").read()
+    p = subprocess.run([sys.executable, "train.py", f"--workdir={wd}",
+                        f"--data_dir={paths['data']}", flag], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=600)
+    out = p.stdout + p.stderr
+    errors = [x for x in out.splitlines() if "error:" in x.lower()]
+    assert p.returncode == 2 and "Traceback" not in out and len(errors) == 1, out[-3000:]
+    assert "resuming with a changed model" in errors[0], errors
+    assert flag.split(".")[-1].split("=")[0] in errors[0], errors
+    assert "--allow_config_change" in errors[0]
+    assert open(os.path.join(wd, "run_info.json"), "rb").read() == before

@@ -73,6 +73,10 @@ CASES = {   # name -> (kwargs, operand shapes); lengths ragged, one example full
     "band_halo_offset": (dict(window=4, q_offset=4, kv_start=np.array([4, 0]),
                               q_lengths=np.array([20, 9]), kv_lengths=np.array([28, 17])),
                          dict(tq=20, tk=28)),
+    # a tile multiple plus one: a q tile's last row reaches exactly the first key of the tile
+    # after the band's last full one (the last key tile must be visited)
+    "band_w17_tile_plus_one": (dict(window=17, q_lengths=np.array([53, 40]),
+                                    kv_lengths=np.array([53, 40])), {}),
 }
 
 
@@ -214,3 +218,13 @@ def test_dispatch_and_errors():
     _pallas(q, k, v, kv_start=np.array([0, 1, 2]))
   assert api.shape_class("softmax_attention", 512, 512, window=64) == "swa"
   assert api.shape_class("softmax_attention", 512, 512) == "full"
+
+
+@pytest.mark.parametrize("window", [1, 5, 17])
+def test_cudnn_lse_merge_full_length_key_value_gradients(window):
+  """Every example at the full sequence length (kv_len == T: the reversed right half's index
+  maps wrap round the whole sequence, no padding row absorbs them): output, dq and the key /
+  value gradients of the merged halves and their custom VJP against the numpy oracle."""
+  q, k, v = _qkv(seed=9, tq=40)
+  kw = dict(window=window, q_lengths=np.array([40, 40]), kv_lengths=np.array([40, 40]))
+  _check(_cudnn, kw, q, k, v)

@@ -125,3 +125,80 @@ def test_loader_imports_only_jax_and_numpy():
     elif isinstance(node, ast.ImportFrom):
       mods.add((node.module or "").split(".")[0])
   assert mods <= {"__future__", "hashlib", "json", "os", "jax", "numpy"}, mods
+
+
+def test_loader_checks_ranges_lengths_and_finiteness(run):
+  """Each hostile input is refused in one line naming the input (before: scored, or 0.5)."""
+  schema, config, _, _, _, out, _ = run
+  art = loader.load(out)
+  b = _batch(schema, config, 3)
+  f = schema.sparse[0]
+  st = schema.streams[0]
+  T = seq_lens(config)[st.name]
+
+  def err(batch):
+    with pytest.raises(ValueError) as e:
+      art(batch)
+    assert "\n" not in str(e.value)
+    return str(e.value)
+
+  def with_sparse(x):
+    return dict(b, sparse=dict(b["sparse"], **{f.name: x}))
+
+  def with_event(field, x):
+    ev = {s: dict(v) for s, v in b["events"].items()}
+    ev[st.name][field] = x
+    return dict(b, events=ev)
+
+  ids = np.asarray(b["sparse"][f.name]).astype(np.int64)
+  assert f"sparse/{f.name}" in err(with_sparse(np.full_like(ids, f.vocab_size)))
+  assert f"sparse/{f.name}" in err(with_sparse(np.full_like(ids, -2)))
+  wrapped = np.full_like(ids, 2**32 + 1)                     # wraps to 1 (a valid id) as int32
+  assert f"sparse/{f.name}" in err(with_sparse(wrapped))
+  item = np.asarray(b["events"][st.name]["item"])
+  assert f"events/{st.name}/item" in err(with_event("item", np.full_like(item, st.item_vocab)))
+  length = np.asarray(b["events"][st.name]["length"])
+  assert f"events/{st.name}/length" in err(with_event("length", np.full_like(length, T + 1)))
+  assert f"events/{st.name}/length" in err(with_event("length", np.full_like(length, -1)))
+  dense = np.array(b["dense"], np.float32)
+  dense[1, 0] = np.nan
+  assert "dense" in err(dict(b, dense=dense))
+  for s in (len(schema.surfaces), 7, -1):
+    assert "surface" in err(dict(b, surface=np.full(3, s, np.int32)))
+  assert "request_index" in err(dict(b, request_index=np.array([0, -1, 0])))
+  assert art(b)["prob"].shape == (3, len(schema.tasks))          # the valid batch still scores
+
+
+def test_loader_refuses_params_not_from_the_export(run, tmp_path):
+  """params.npz is bound to signature.json by a checksum: zeros of the right shapes refused."""
+  import shutil
+  _, _, _, _, _, out, sig = run
+  assert "params_sha256" in sig
+  fake = tmp_path / "fake"
+  shutil.copytree(out, fake)
+  with np.load(fake / "params.npz") as z:
+    zeros = {k: np.zeros_like(z[k]) for k in z.files}
+  np.savez(fake / "params.npz", **zeros)
+  with pytest.raises(ValueError, match="params.npz") as e:
+    loader.load(str(fake))
+  assert "\n" not in str(e.value)
+
+
+def test_export_refuses_a_data_dir_with_other_surfaces(run, tmp_path, capsys):
+  """The workdir records the schema's names: --data_dir with other surfaces is one error line."""
+  import dataclasses
+  import shutil
+  schema, config, _, _, workdir, _, _ = run
+  wd = str(tmp_path / "wd")
+  shutil.copytree(workdir, wd)
+  with open(os.path.join(wd, "run_info.json")) as f:
+    data_dir = json.load(f)["data_dir"]
+  runtime.save_run_info(wd, config, data_dir, schema)
+  other = str(tmp_path / "other")
+  os.makedirs(other)
+  dataclasses.replace(schema, surfaces=schema.surfaces[:-1] + ("shorts",)).save(other)
+  capsys.readouterr()
+  assert export.main([f"--workdir={wd}", f"--out={tmp_path}/o", f"--data_dir={other}",
+                      "--no_verify"]) == 2
+  lines = capsys.readouterr().err.strip().splitlines()
+  assert "shorts" in lines[-1] and "surfaces" in lines[-1], lines

@@ -108,3 +108,79 @@ def test_run_stored_before_final_hsp_keeps_it_on(tmp_path):
   del info["config"]["model"]["final_hsp"]
   path.write_text(json.dumps(info))
   assert runtime.load_run_info(str(tmp_path))[0].model.final_hsp is True
+
+
+def _schema_in(tmp_path, surfaces):
+  import dataclasses
+
+  from data.fake import tiny_schema
+  return dataclasses.replace(tiny_schema(), surfaces=tuple(surfaces))
+
+
+def test_resume_checks_model_schema_and_data_against_the_recorded_run(tmp_path):
+  """runtime.check_resume: model change refused (unless allowed), surfaces in another order
+  refused (heads are indexed by surface), changed train data stated in one line."""
+  wd = str(tmp_path)
+  c = tiny.get_config()
+  schema = _schema_in(tmp_path, ("feed", "stories", "reels"))
+  runtime.save_run_info(wd, c, wd, schema, {"feed": 10, "stories": 5, "reels": 5})
+  info = json.load(open(tmp_path / "run_info.json"))
+  assert info["schema"] == {"surfaces": ["feed", "stories", "reels"],
+                            "tasks": list(schema.task_names)}
+  lines = []
+  log = lambda *a, **k: lines.append(" ".join(map(str, a)))
+  runtime.check_resume(wd, tiny.get_config(), schema, info["data"], False, log)
+  assert lines == []                                       # same run: nothing to say
+  changed = tiny.get_config()
+  changed.model.score_clip = 0.0
+  with pytest.raises(runtime.FatalError, match=r"config.model.score_clip: .* -> 0.0") as e:
+    runtime.check_resume(wd, changed, schema, info["data"], False, log)
+  assert "\n" not in str(e.value) and "--allow_config_change" in str(e.value)
+  runtime.check_resume(wd, changed, schema, info["data"], True, log)    # allowed: stated
+  assert len(lines) == 1 and "score_clip" in lines[0]
+  swapped = _schema_in(tmp_path, ("feed", "reels", "stories"))
+  with pytest.raises(runtime.FatalError, match="surfaces") as e:
+    runtime.check_resume(wd, tiny.get_config(), swapped, info["data"], False, log)
+  assert "\n" not in str(e.value)
+  lines.clear()
+  runtime.check_resume(wd, tiny.get_config(), schema, {"feed": 12, "stories": 5, "reels": 5},
+                       False, log)
+  assert len(lines) == 1 and "train data changed" in lines[0] and "\n" not in lines[0]
+
+
+def test_eval_and_export_match_surfaces_and_tasks_by_name(tmp_path):
+  """The data lists the run's surfaces and tasks in another order: the schema comes back in the
+  trained order and each batch is re-indexed so every row keeps its surface and task names
+  (checked by name against the original batch); other names are refused in one line."""
+  import dataclasses
+
+  import numpy as np
+
+  from data.fake import random_batch, tiny_schema
+  trained = tiny_schema()
+  tasks = trained.tasks[::-1] if len(trained.tasks) > 1 else trained.tasks
+  data = dataclasses.replace(trained, surfaces=trained.surfaces[::-1], tasks=tasks)
+  runtime.save_run_info(str(tmp_path), tiny.get_config(), str(tmp_path), trained)
+  info = runtime.saved_run_info(str(tmp_path))
+  got, remap = runtime.schema_as_trained(info, data, "eval")
+  assert got.surfaces == trained.surfaces and got.task_names == trained.task_names
+  b = random_batch(data, 16, {s.name: s.max_len for s in data.streams}, seed=3, min_len=1)
+  r = remap(b)
+  names = lambda sch, idx: [sch.surfaces[i] for i in np.asarray(idx).ravel()]
+  assert names(got, r["surface"]) == names(data, b["surface"])
+  for st in data.streams:
+    ev, ev2 = b["events"][st.name], r["events"][st.name]
+    for i in range(16):
+      n = int(ev["length"][i])
+      assert names(got, ev2["surface"][i, :n]) == names(data, ev["surface"][i, :n])
+      assert (np.asarray(ev2["surface"][i, n:]) == np.asarray(ev["surface"][i, n:])).all()
+  for k, name in enumerate(got.task_names):
+    j = list(data.task_names).index(name)
+    np.testing.assert_array_equal(r["labels"][:, k], np.asarray(b["labels"])[:, j])
+    np.testing.assert_array_equal(r["label_mask"][:, k], np.asarray(b["label_mask"])[:, j])
+  same, none = runtime.schema_as_trained(info, trained, "eval")
+  assert same is trained and none is None
+  other = dataclasses.replace(trained, surfaces=("feed", "stories", "shorts"))
+  with pytest.raises(runtime.FatalError, match="shorts") as e:
+    runtime.schema_as_trained(info, other, "--data_dir=x")
+  assert "\n" not in str(e.value)

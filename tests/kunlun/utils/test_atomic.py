@@ -66,3 +66,16 @@ def test_check_writable_names_the_reason(tmp_path):
     assert why.startswith(f"--out={ro}/m.json: cannot write in {ro} (")
   finally:
     cleanup()
+
+
+def test_target_fsyncs_the_file_before_the_rename(tmp_path, monkeypatch):
+  """The data must reach the disk before the rename publishes it (else a crash can leave an
+  empty file at the target): the file's fsync comes before os.replace, the directory's after."""
+  calls = []
+  real_fsync, real_replace = os.fsync, os.replace
+  monkeypatch.setattr(atomic.os, "fsync", lambda fd: (calls.append("fsync"), real_fsync(fd))[1])
+  monkeypatch.setattr(atomic.os, "replace",
+                      lambda a, b: (calls.append("replace"), real_replace(a, b))[1])
+  atomic.write_json(str(tmp_path / "m.json"), {"step": 1})
+  assert "replace" in calls and calls.index("fsync") < calls.index("replace"), calls
+  assert json.load(open(tmp_path / "m.json")) == {"step": 1}

@@ -1,0 +1,43 @@
+"""runtime.run_main in a multi-process run: a collective that fails because another process died
+(a Gloo / coordination error with a C++ traceback in its text) ends this process in ONE line
+naming the lost peer, exit status 2, without running the atexit shutdown that would wait for the
+dead peer and dump a C++ stack."""
+
+import jax
+import pytest
+
+from kunlun.train import runtime
+
+GLOO = ("INTERNAL: Gloo AllReduce failed: [../third_party/gloo/gloo/transport/tcp/pair.cc:534] "
+        "Connection closed by peer [127.0.0.1]:42311\n"
+        "*** Begin stack trace ***\n\t_PyObject_MakeTpCall\n\tPyEval_EvalCode\n"
+        "*** End stack trace ***")
+
+
+def test_lost_peer_in_a_collective_is_one_line(monkeypatch, capsys):
+  exits = []
+
+  def fake_exit(code):
+    exits.append(code)
+    raise SystemExit(code)
+  monkeypatch.setattr(runtime.os, "_exit", fake_exit)
+  monkeypatch.setattr(jax, "process_count", lambda: 2)
+  monkeypatch.setattr(jax, "process_index", lambda: 1)
+
+  def step():
+    raise jax.errors.JaxRuntimeError(GLOO)
+  with pytest.raises(SystemExit):
+    runtime.run_main("train.py", step)
+  assert exits == [2]
+  err = capsys.readouterr().err.strip().splitlines()
+  assert len(err) == 1, err
+  assert err[0].startswith("train.py: error: process 1 of 2:") and "peer" in err[0], err
+  assert "Connection closed by peer" in err[0] and "stack trace" not in err[0]
+
+
+def test_single_process_runtime_errors_keep_their_traceback(monkeypatch):
+  """One process: a runtime error is a bug to report with its traceback, not mapped."""
+  def step():
+    raise jax.errors.JaxRuntimeError("INTERNAL: something")
+  with pytest.raises(jax.errors.JaxRuntimeError):
+    runtime.run_main("train.py", step)
