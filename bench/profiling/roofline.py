@@ -17,9 +17,17 @@ import pallas_kernels
 from bench.profiling import hlo_stats
 from kunlun.nn import attention
 
-H200 = {"peak_flops": 989e12, "bandwidth": 4.8e12, "launch_s": 4e-6}
+# launch_s: one kernel in a CUDA graph (XLA runs the step's kernels as graphs), ~1 us.
+H200 = {"peak_flops": 989e12, "bandwidth": 4.8e12, "launch_s": 1e-6}
 CPU_NOTE = ("CPU compile standing in for the GPU one: the HLO is XLA:CPU's (its fusion differs "
             "from XLA:GPU's); bytes, FLOPs and launches are those of this program")
+
+
+
+def gpu_note(target: str) -> str:
+  return (f"XLA:GPU program for {target} compiled deviceless (no autotuning: GEMMs stay Triton "
+          "GEMMs with default tiles; sorts fall back to multi-kernel sorts)")
+
 
 _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
                 "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
@@ -346,7 +354,7 @@ def _replaced(group: str, op_name: str) -> bool:
 
 def roofline(costs: list[dict], calls: list[dict] | None, towers=(), *, examples: int = 1,
              peak_flops: float = H200["peak_flops"], bandwidth: float = H200["bandwidth"],
-             launch_s: float = H200["launch_s"], repeat: int = 1) -> dict:
+             launch_s: float = H200["launch_s"], repeat: int = 1, note: str = CPU_NOTE) -> dict:
   """Rows by (scope group, tower) with XLA and kernel columns, totals and roofline bounds.
 
   ``costs``: ``op_costs``; ``calls``: ``record_kernels`` (None: no kernel column, it equals the
@@ -395,7 +403,7 @@ def roofline(costs: list[dict], calls: list[dict] | None, towers=(), *, examples
   for r in out_rows:
     for key in ("launches", "bytes", "kernel_bytes", "kernel_launches", "flops"):
       groups[r["group"]][key] += r[key]
-  return {"note": CPU_NOTE, "kernel_column": calls is not None,
+  return {"note": note, "kernel_column": calls is not None,
           "device": {"peak_flops": peak_flops, "bandwidth": bandwidth, "launch_s": launch_s},
           "examples": examples, "flops": flops, "transcendentals": tot("transcendentals"),
           "xla": col(tot("bytes"), launches),
