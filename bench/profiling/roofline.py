@@ -133,15 +133,18 @@ class _Flops:
 
 _PARTIAL_READ = ("slice", "dynamic-slice", "gather")
 _VIEW = ("bitcast", "reshape")
+_SAME_SIZE = _ELEMENTWISE | _TRANSCENDENTAL | {"convert", "copy"}
 
 
 def _param_reads(comps, roots, comp: str, shapes) -> tuple[dict, float | None]:
   """For a fused computation: ``({parameter number: bytes read}, in-place output bytes)``.
 
-  A parameter whose every use (through bitcasts / reshapes) is the sliced operand of a
-  ``slice`` / ``dynamic-slice`` / ``gather`` reads the bytes those produce; a parameter that is
-  the buffer a root ``dynamic-update-slice`` updates in place reads nothing, and the output then
-  writes only the update (returned second; None otherwise). Other parameters read everything."""
+  Bytes are counted slice by slice: a parameter whose every use (through bitcasts / reshapes
+  and same-size elementwise chains, e.g. the AdamW update of a flat buffer) ends as the sliced
+  operand of a ``slice`` / ``dynamic-slice`` / ``gather`` reads the elements those produce
+  (at the parameter's bytes per element); a parameter that is the buffer a root
+  ``dynamic-update-slice`` updates in place reads nothing, and the output then writes only the
+  update (returned second; None otherwise). Other parameters read everything."""
   body = comps.get(comp, [])
   users = defaultdict(list)
   for ins in body:
@@ -149,18 +152,22 @@ def _param_reads(comps, roots, comp: str, shapes) -> tuple[dict, float | None]:
       users[x].append((ins, i))
   params = {ins[0]: int(re.match(r"parameter\((\d+)\)", ins[2]).group(1))
             for ins in body if ins[1] == "parameter"}
+  root_name = roots.get(comp)
 
   def partial(name, depth=0):
-    """Bytes read through ``name``'s uses, or None when some use reads all of it."""
-    total = 0.0
+    """Elements of ``name`` read through its uses, or None when some use reads all of it."""
+    if name == root_name:
+      return None
+    total, n = 0.0, _elems(shapes.get(name, ""))
     for ins, pos in users.get(name, []):
-      if ins[1] in _VIEW and depth < 8:
+      chain = ins[1] in _VIEW or (ins[1] in _SAME_SIZE and _elems(ins[3]) == n)
+      if chain and depth < 16:
         sub = partial(ins[0], depth + 1)
         if sub is None:
           return None
         total += sub
       elif ins[1] in _PARTIAL_READ and pos == 0:
-        total += shape_bytes(ins[3])
+        total += _elems(ins[3])
       else:
         return None
     return total
@@ -169,8 +176,9 @@ def _param_reads(comps, roots, comp: str, shapes) -> tuple[dict, float | None]:
   for name, k in params.items():
     r = partial(name)
     if r is not None:
-      reads[k] = min(r, shape_bytes(shapes.get(name, "")))
-  root = next((ins for ins in body if ins[0] == roots.get(comp)), None)
+      full, n = shape_bytes(shapes.get(name, "")), _elems(shapes.get(name, ""))
+      reads[k] = min(r * full / n, full) if n else 0.0
+  root = next((ins for ins in body if ins[0] == root_name), None)
   inplace = None
   if root is not None and root[1] == "dynamic-update-slice":
     ops = operands(root[2])
