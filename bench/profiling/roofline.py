@@ -85,6 +85,16 @@ class _Flops:
     self.shapes = {ins[0]: ins[3] for body in comps.values() for ins in body}
     self.memo = {}
 
+  def has_dot(self, ins) -> bool:
+    """Whether an instruction is or fuses a matmul (dot / convolution / cuBLAS call): a GEMM
+    kernel."""
+    name, op, rest = ins[:3]
+    if op in ("dot", "convolution") or (op == "custom-call" and "gemm" in rest.lower()):
+      return True
+    if op in ("fusion", "call"):
+      return any(self.has_dot(i) for c in hlo_stats._called(rest) for i in self.comps.get(c, ()))
+    return False
+
   def dims(self, name):
     a = arrays(self.shapes.get(name, ""))
     return a[0][1] if a else ()
@@ -131,6 +141,7 @@ class _Flops:
     return 0.0, 0.0
 
 
+_PALLAS_TARGET = 'custom_call_target="__gpu$xla.gpu.triton"'
 _PARTIAL_READ = ("slice", "dynamic-slice", "gather")
 _VIEW = ("bitcast", "reshape")
 _SAME_SIZE = _ELEMENTWISE | _TRANSCENDENTAL | {"convert", "copy"}
@@ -219,7 +230,8 @@ def op_costs(text: str) -> list[dict]:
     f, t = fl.instruction(ins)
     out.append({"name": name, "opcode": op, "op_name": names.get(name, ""), "times": times,
                 "bytes_in": sum(nbytes.values()), "bytes_out": b_out, "flops": f,
-                "transcendentals": t})
+                "transcendentals": t, "gemm": fl.has_dot(ins),
+                "pallas": op == "custom-call" and _PALLAS_TARGET in rest})
   return out
 
 
@@ -267,7 +279,14 @@ def gdpa_kernel(q, k, v, out_batch: int, q_shared: bool, kv_shared: bool) -> dic
   bwd = 2 * (qkv + o) + dq + dkv
   bwd += (dq + _nbytes(q.shape, q.dtype)) if q_shared else 0.0
   bwd += (dkv + 2 * _nbytes(k.shape, k.dtype)) if kv_shared else 0.0
-  return {"bytes": fwd + bwd, "launches": 3 + int(q_shared) + int(kv_shared)}
+  return {"bytes": fwd + bwd, "launches": 3 + int(q_shared) + int(kv_shared),
+          "flops": attention_flops(out_batch, Tq, k.shape[1], Hq, D)}
+
+
+def attention_flops(batch, tq, tk, heads, d) -> float:
+  """FLOPs of a fused attention kernel's forward + backward over the full tq x tk scores:
+  forward q k^T and p v (2 matmuls), backward the recomputed scores, dv, dp, dq, dk (5)."""
+  return 7 * 2.0 * batch * heads * tq * tk * d
 
 
 def flash_attention_kernel(q, k, v) -> dict:
@@ -277,7 +296,8 @@ def flash_attention_kernel(q, k, v) -> dict:
   o, lse = _nbytes(q.shape, q.dtype), _nbytes((B, H, T), "float32")
   fwd = qkv + o + lse
   bwd = qkv + 2 * o + lse + qkv                 # reads q, k, v, o, do, lse; writes dq, dk, dv
-  return {"bytes": fwd + bwd, "launches": 3}
+  return {"bytes": fwd + bwd, "launches": 3,
+          "flops": attention_flops(B, T, k.shape[1], H, q.shape[-1])}
 
 
 def _name_stack() -> str:
@@ -377,6 +397,11 @@ def roofline(costs: list[dict], calls: list[dict] | None, towers=(), *, examples
     r["bytes"] += b
     r["flops"] += c["flops"] * n
     r["transcendentals"] += c["transcendentals"] * n
+    r["pallas_launches"] += n * bool(c.get("pallas"))
+    if c.get("gemm"):
+      r["gemm_launches"] += n
+      r["gemm_bytes"] += b
+      r["gemm_flops"] += c["flops"] * n
     if calls is not None and _replaced(g, c["op_name"]):
       r["replaced_bytes"] += b
       r["replaced_launches"] += n
@@ -386,6 +411,9 @@ def roofline(costs: list[dict], calls: list[dict] | None, towers=(), *, examples
     r["kernel_calls"] += repeat
     r["analytic_bytes"] += k["bytes"] * repeat
     r["analytic_launches"] += k["launches"] * repeat
+    if r["pallas_launches"]:   # Pallas custom calls carry no FLOPs in the HLO: their formula's
+      r["flops"] += k.get("flops", 0.0) * repeat
+      r["pallas_flops"] += k.get("flops", 0.0) * repeat
   out_rows = []
   for (g, t), r in rows.items():
     kb = r["bytes"] - r["replaced_bytes"] + r["analytic_bytes"]
@@ -394,7 +422,10 @@ def roofline(costs: list[dict], calls: list[dict] | None, towers=(), *, examples
                      "kernel_bytes": kb, "kernel_launches": int(kl), "flops": r["flops"],
                      "transcendentals": r["transcendentals"],
                      "kernel_calls": int(r["kernel_calls"]), "replaced_bytes": r["replaced_bytes"],
-                     "analytic_bytes": r["analytic_bytes"]})
+                     "analytic_bytes": r["analytic_bytes"],
+                     "pallas_launches": int(r["pallas_launches"]),
+                     "pallas_flops": r["pallas_flops"], "gemm_launches": int(r["gemm_launches"]),
+                     "gemm_bytes": r["gemm_bytes"], "gemm_flops": r["gemm_flops"]})
   out_rows.sort(key=lambda r: -r["bytes"])
   tot = lambda key: sum(r[key] for r in out_rows)
   flops, launches = tot("flops"), tot("launches")
@@ -414,6 +445,12 @@ def roofline(costs: list[dict], calls: list[dict] | None, towers=(), *, examples
   return {"note": note, "kernel_column": calls is not None,
           "device": {"peak_flops": peak_flops, "bandwidth": bandwidth, "launch_s": launch_s},
           "examples": examples, "flops": flops, "transcendentals": tot("transcendentals"),
+          "gemm": {"launches": int(tot("gemm_launches")), "bytes": tot("gemm_bytes"),
+                   "flops": tot("gemm_flops"),
+                   "launch_share": tot("gemm_launches") / launches if launches else None,
+                   "byte_share": tot("gemm_bytes") / tot("bytes") if tot("bytes") else None,
+                   "flop_share": tot("gemm_flops") / flops if flops else None},
+          "pallas": {"launches": int(tot("pallas_launches")), "flops": tot("pallas_flops")},
           "xla": col(tot("bytes"), launches),
           "kernel": col(tot("kernel_bytes"), tot("kernel_launches")),
           "groups": {g: {k: (int(v) if "launch" in k else v) for k, v in d.items()}
@@ -441,6 +478,14 @@ def print_roofline(rl: dict, stream=None, top: int = 40) -> None:
   print("by group: " + ", ".join(
       f"{g} {gb(v['bytes']):.1f} {unit} ({v['bytes'] / tx:.0%}) / {int(v['launches'])} launches"
       for g, v in rl["groups"].items()), file=s)
+  g, pk = rl.get("gemm"), rl.get("pallas")
+  if g and g["launches"]:
+    print(f"GEMM kernels: {g['launches']} launches ({g['launch_share']:.0%}), "
+          f"{gb(g['bytes']):.1f} {unit} ({g['byte_share']:.0%}), {g['flops'] / 1e12:.2f} TFLOP "
+          f"({g['flop_share'] or 0:.0%})", file=s)
+  if pk and pk["launches"]:
+    print(f"Pallas custom calls: {pk['launches']} launches, {pk['flops'] / 1e12:.2f} TFLOP "
+          "(from the kernels' formulas)", file=s)
   d = rl["device"]
   for col in ("xla", "kernel"):
     c = rl[col]
