@@ -12,7 +12,6 @@ import glob
 import importlib.util
 import os
 import re
-import subprocess
 
 import jax
 from jax.experimental import topologies
@@ -129,21 +128,9 @@ def thunk_kernels(dump_dir: str) -> dict:
 _PTXAS_FN = re.compile(r"Compiling entry function '([^']+)'")
 
 
-def ptxas_report(dump_dir: str, module: str = "", arch: str = "sm_90a") -> list[dict]:
-  """Per kernel function of the newest dumped ``*.ptx`` whose name contains ``module``:
-  ``{kernel, regs, spill_st, spill_ld, stack, smem}`` from ``ptxas -v`` (the toolkit's ptxas)."""
-  files = sorted((f for f in glob.glob(os.path.join(dump_dir, "*.ptx"))
-                  if module in os.path.basename(f)), key=os.path.getmtime)
-  d = cuda_data_dir()
-  if not files or d is None:
-    return []
-  out = subprocess.run([os.path.join(d, "bin", "ptxas"), f"-arch={arch}", "-v", files[-1],
-                        "-o", os.devnull], capture_output=True, text=True, check=False).stderr
-  return parse_ptxas(out)
-
-
 def parse_ptxas(text: str) -> list[dict]:
-  """``ptxas -v`` output -> one dict per entry function."""
+  """``ptxas -v`` output (XLA's log with ``ptxas_env``) -> one dict per entry function:
+  ``{kernel, regs, spill_st, spill_ld, stack, smem (static), spills}``."""
   rows, cur = [], None
   num = lambda pat, s: int(m.group(1)) if (m := re.search(pat, s)) else 0
   for line in text.splitlines():
@@ -165,3 +152,33 @@ def parse_ptxas(text: str) -> list[dict]:
   for r in rows:
     r["spills"] = r["spill_st"] + r["spill_ld"] > 0
   return rows
+
+
+_PALLAS_NAME = re.compile(r'name = \\?"([\w.]+)\\?", num_stages = (\d+) : i32, num_warps = (\d+)')
+
+
+def pallas_kernel_names(hlo: str) -> list[str]:
+  """Names of the Pallas (Triton) kernels in a compiled GPU module's HLO text."""
+  return list(dict.fromkeys(m.group(1) for m in _PALLAS_NAME.finditer(hlo)))
+
+
+def thunk_launches(dump_dir: str) -> dict:
+  """``{kernel name: {"grid", "threads", "smem"}}`` over every ``*thunk_sequence.txt`` of
+  ``dump_dir`` (the launch dimensions and dynamic shared memory XLA gives each kernel)."""
+  out = {}
+  pat = re.compile(r"\] (\S+) grid: \[([\d, ]+)\] threads: \[([\d, ]+)\]\s+shared_memory: (\d+)")
+  for path in glob.glob(os.path.join(dump_dir, "*thunk_sequence.txt")):
+    with open(path) as f:
+      for line in f:
+        m = pat.search(line)
+        if m:
+          out[m.group(1)] = {"grid": [int(x) for x in m.group(2).split(",")],
+                             "threads": [int(x) for x in m.group(3).split(",")],
+                             "smem": int(m.group(4))}
+  return out
+
+
+def ptxas_env() -> dict:
+  """Environment for a child process whose XLA logs every ptxas ``-v`` report to stderr."""
+  return {**os.environ, "JAX_PLATFORMS": "cpu", "TF_CPP_MIN_LOG_LEVEL": "0",
+          "TF_CPP_VMODULE": "subprocess_compilation=2"}
