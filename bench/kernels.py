@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import glob
 import importlib.util
 import json
 import math
@@ -551,7 +552,7 @@ def compile_target(target, cases, dump_dir, out_path):
   ptxas lines that follow on stderr can be attributed."""
   gpu_target.set_flags(dump_dir)
   mesh = gpu_target.gpu_mesh(target)
-  rows = {}
+  rows, seen = {}, set()
   for name in cases:
     s = TARGET_CASES[name]
     fns = make_fns(name, s, False, True)
@@ -573,6 +574,9 @@ def compile_target(target, cases, dump_dir, out_path):
           "peak_bytes": mem.argument_size_in_bytes + mem.output_size_in_bytes
           + mem.temp_size_in_bytes - mem.alias_size_in_bytes,
           "pallas_kernels": gpu_target.pallas_kernel_names(hlo)}
+      new = sorted(set(glob.glob(os.path.join(dump_dir, "*thunk_sequence.txt"))) - seen)
+      seen.update(new)
+      rows[f"{name}/{be}"]["thunk_file"] = os.path.basename(new[-1]) if new else None
   with open(out_path, "w") as f:
     json.dump(rows, f)
 
@@ -594,7 +598,8 @@ def run_target(target, cases=None, out_dir=None):
     if p.returncode:
       raise SystemExit(f"deviceless compile failed: {p.stderr.strip().splitlines()[-1]}")
     rows = json.load(open(out))
-    launches = gpu_target.thunk_launches(d)
+    launches = {key: gpu_target.thunk_launches(os.path.join(d, r.pop("thunk_file")))
+                if r.get("thunk_file") else {} for key, r in rows.items()}
   ptxas, cur = {}, None
   for chunk in re.split(r"^=== (\S+ \S+)$", p.stderr, flags=re.M)[1:]:
     if cur is None:
@@ -606,7 +611,7 @@ def run_target(target, cases=None, out_dir=None):
   for key, r in rows.items():
     for kname in r["pallas_kernels"]:
       st = dict(ptxas.get(key, {}).get(kname, {"kernel": kname}))
-      st.update(case=key, **{k: v for k, v in launches.get(kname, {}).items()})
+      st.update(case=key, **launches[key].get(kname, {}))
       kernels.append(st)
   shapes = {c: TARGET_CASES[c] for c in cases}
   res = {"bench": "kernels/sm90", "target": target, "target_file": os.path.relpath(

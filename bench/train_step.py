@@ -4,6 +4,9 @@
   python -m bench.train_step --config mid --batch 4096 --set train.remat=full --compile_only
   python -m bench.train_step --small                                            # CPU smoke run
   python -m bench.train_step --table bench/results/train_step_*.json            # compare runs
+  python -m bench.train_step --config mid --backend pallas --batch 256 --target h200   # GPU
+      program compiled here without a GPU (bash scripts/setup.sh --gpu-compile installs the
+      compiler; bench/profiling/gpu_target.py): kernels, bytes, FLOPs, peak memory, roofline
 
 Builds the model, optimizer and train step with ``kunlun.train.step.build``, as train.py does
 (parameter / optimizer-state / batch shardings on the mesh, donated state), feeds a synthetic
@@ -37,7 +40,10 @@ preset's, see ``--lengths``) and reports:
   profile             (--profile) device time per named-scope group (GDPA, PFFN, HSP, attention,
                       MoWE, embeddings, optimizer, ...) and the top ops, from a short trace
 
-``--compile_only`` stops after compilation (memory and structure without running: how the CPU
+``--target h200`` / ``h100`` compiles the step deviceless for that GPU (XLA:GPU's scheduled
+program, its memory analysis, Pallas kernels through Triton and ptxas; no autotuning) and
+reports the same tables for it; ``--dump_dir`` adds the thunk sequence's kernel count as a
+cross-check (deviceless sorts fall back to multi-kernel sorts). ``--compile_only`` stops after compilation (memory and structure without running: how the CPU
 shows the memory of a GPU-sized batch). JSON goes to ``bench/results/train_step_<name>.json``;
 a table is printed. Timings on a shared CPU are noisy: compare counts and bytes there.
 """

@@ -162,19 +162,18 @@ def pallas_kernel_names(hlo: str) -> list[str]:
   return list(dict.fromkeys(m.group(1) for m in _PALLAS_NAME.finditer(hlo)))
 
 
-def thunk_launches(dump_dir: str) -> dict:
-  """``{kernel name: {"grid", "threads", "smem"}}`` over every ``*thunk_sequence.txt`` of
-  ``dump_dir`` (the launch dimensions and dynamic shared memory XLA gives each kernel)."""
+def thunk_launches(path: str) -> dict:
+  """``{kernel name: {"grid", "threads", "smem"}}`` of one ``*thunk_sequence.txt`` (the launch
+  dimensions and dynamic shared memory XLA gives each kernel of that module)."""
   out = {}
   pat = re.compile(r"\] (\S+) grid: \[([\d, ]+)\] threads: \[([\d, ]+)\]\s+shared_memory: (\d+)")
-  for path in glob.glob(os.path.join(dump_dir, "*thunk_sequence.txt")):
-    with open(path) as f:
-      for line in f:
-        m = pat.search(line)
-        if m:
-          out[m.group(1)] = {"grid": [int(x) for x in m.group(2).split(",")],
-                             "threads": [int(x) for x in m.group(3).split(",")],
-                             "smem": int(m.group(4))}
+  with open(path) as f:
+    for line in f:
+      m = pat.search(line)
+      if m:
+        out[m.group(1)] = {"grid": [int(x) for x in m.group(2).split(",")],
+                           "threads": [int(x) for x in m.group(3).split(",")],
+                           "smem": int(m.group(4))}
   return out
 
 
