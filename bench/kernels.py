@@ -27,6 +27,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from bench.profiling import gpu_target, roofline  # noqa: E402
+from kunlun.models.flops import band_pairs  # noqa: E402
 from pallas_kernels import (  # noqa: E402
   api,
   cudnn_softmax,
@@ -97,12 +98,6 @@ def check_targets(results):
       ok, goal = tflops >= target, f">= {target} TFLOP/s"
     out[f"{name}/{mode}"] = {"best": impl, "tflops": tflops, "target": goal, "met": ok}
   return out
-
-
-def band_pairs(T, w):
-  """(query, key) pairs with ``|i - j| <= w`` in a length-``T`` sequence."""
-  w = min(w, T - 1)
-  return T * (2 * w + 1) - w * (w + 1)
 
 
 def fwd_flops(s):

@@ -15,6 +15,7 @@ import numpy as np
 
 import pallas_kernels
 from bench.profiling import hlo_stats
+from kunlun.models.flops import band_pairs
 from kunlun.nn import attention
 
 # launch_s: one kernel in a CUDA graph (XLA runs the step's kernels as graphs), ~1 us.
@@ -283,13 +284,15 @@ def gdpa_kernel(q, k, v, out_batch: int, q_shared: bool, kv_shared: bool) -> dic
           "flops": attention_flops(out_batch, Tq, k.shape[1], Hq, D)}
 
 
-def attention_flops(batch, tq, tk, heads, d) -> float:
-  """FLOPs of a fused attention kernel's forward + backward over the full tq x tk scores:
-  forward q k^T and p v (2 matmuls), backward the recomputed scores, dv, dp, dq, dk (5)."""
-  return 7 * 2.0 * batch * heads * tq * tk * d
+def attention_flops(batch, tq, tk, heads, d, window=None) -> float:
+  """FLOPs of a fused attention kernel's forward + backward over its (query, key) pairs (all
+  tq x tk, or the ``|i - j| <= window`` band): forward q k^T and p v (2 matmuls), backward the
+  recomputed scores, dv, dp, dq, dk (5)."""
+  pairs = tq * tk if window is None else float(band_pairs(tq, window))
+  return 7 * 2.0 * batch * heads * pairs * d
 
 
-def flash_attention_kernel(q, k, v) -> dict:
+def flash_attention_kernel(q, k, v, window=None) -> dict:
   """Bytes and launches of a fused softmax attention's forward + backward (module doc)."""
   B, T, H, _ = q.shape
   qkv = _nbytes(q.shape, q.dtype) + _nbytes(k.shape, k.dtype) + _nbytes(v.shape, v.dtype)
@@ -297,7 +300,7 @@ def flash_attention_kernel(q, k, v) -> dict:
   fwd = qkv + o + lse
   bwd = qkv + 2 * o + lse + qkv                 # reads q, k, v, o, do, lse; writes dq, dk, dv
   return {"bytes": fwd + bwd, "launches": 3,
-          "flops": attention_flops(B, T, k.shape[1], H, q.shape[-1])}
+          "flops": attention_flops(B, T, k.shape[1], H, q.shape[-1], window)}
 
 
 def _name_stack() -> str:
@@ -360,7 +363,8 @@ def record_kernels(fence: bool = True):
     return _fence(orig["gdpa"](*_fence((q, k, v)), **kw))
 
   def softmax(q, k, v, *a, **kw):
-    keep("attention", flash_attention_kernel(q, k, v))
+    window = a[1] if len(a) > 1 else kw.get("window")
+    keep("attention", {**flash_attention_kernel(q, k, v, window), "window": window})
     if not fence:
       return orig["softmax"](q, k, v, *a, **kw)
     return _fence(orig["softmax"](*_fence((q, k, v)), *a, **kw))

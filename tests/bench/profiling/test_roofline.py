@@ -80,3 +80,14 @@ def test_a_chain_that_is_also_an_output_reads_everything():
   c = _costs()["two"]
   assert c["bytes_in"] == 4000
   assert c["bytes_out"] == 400 + 4000
+
+
+def test_attention_kernel_flops_count_the_band():
+  """7 matmuls (2 forward, 5 backward) of 2 FLOPs per (query, key) pair and head dim; pairs
+  counted by brute force over |i - j| <= w."""
+  import numpy as np
+  B, T, H, D, w = 2, 37, 3, 8, 5
+  i = np.arange(T)
+  pairs = int((abs(i[:, None] - i[None, :]) <= w).sum())
+  assert roofline.attention_flops(B, T, T, H, D, window=w) == 14 * B * H * D * pairs
+  assert roofline.attention_flops(B, T, T, H, D) == 14 * B * H * D * T * T
