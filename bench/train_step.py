@@ -167,6 +167,12 @@ def versions() -> dict:
     out["jax_triton"] = jax_triton.__version__
   except Exception:  # noqa: BLE001 - optional, GPU only
     pass
+  from importlib import metadata
+  for pkg in ("jax-cuda12-plugin", "jax-cuda12-pjrt", "nvidia-cuda-nvcc-cu12"):
+    try:   # the deviceless GPU compiler (--target), when installed
+      out[pkg] = metadata.version(pkg)
+    except metadata.PackageNotFoundError:
+      pass
   return out
 
 
@@ -282,7 +288,8 @@ def run(args) -> dict:
                 cost["bytes_accessed"]},
       "memory": mem, "hlo": hlo, "roofline": rl, "param_casts": casts,
       "kernel_calls": kernel_calls, "overrides": list(args.set),
-      "target": {"name": args.target, "file": gpu_target.target_file(args.target)
+      "target": {"name": args.target, "file": os.path.relpath(
+                     gpu_target.target_file(args.target), os.path.dirname(_HERE))
                  if gpu else None, "deviceless": gpu},
   }
   if gpu and args.dump_dir:
