@@ -280,8 +280,7 @@ def gdpa_kernel(q, k, v, out_batch: int, q_shared: bool, kv_shared: bool) -> dic
   bwd = 2 * (qkv + o) + dq + dkv
   bwd += (dq + _nbytes(q.shape, q.dtype)) if q_shared else 0.0
   bwd += (dkv + 2 * _nbytes(k.shape, k.dtype)) if kv_shared else 0.0
-  return {"bytes": fwd + bwd, "launches": 3 + int(q_shared) + int(kv_shared),
-          "flops": attention_flops(out_batch, Tq, k.shape[1], Hq, D)}
+  return {"bytes": fwd + bwd, "launches": 3 + int(q_shared) + int(kv_shared)}
 
 
 def attention_flops(batch, tq, tk, heads, d, window=None) -> float:
@@ -292,15 +291,14 @@ def attention_flops(batch, tq, tk, heads, d, window=None) -> float:
   return 7 * 2.0 * batch * heads * pairs * d
 
 
-def flash_attention_kernel(q, k, v, window=None) -> dict:
+def flash_attention_kernel(q, k, v) -> dict:
   """Bytes and launches of a fused softmax attention's forward + backward (module doc)."""
   B, T, H, _ = q.shape
   qkv = _nbytes(q.shape, q.dtype) + _nbytes(k.shape, k.dtype) + _nbytes(v.shape, v.dtype)
   o, lse = _nbytes(q.shape, q.dtype), _nbytes((B, H, T), "float32")
   fwd = qkv + o + lse
   bwd = qkv + 2 * o + lse + qkv                 # reads q, k, v, o, do, lse; writes dq, dk, dv
-  return {"bytes": fwd + bwd, "launches": 3,
-          "flops": attention_flops(B, T, k.shape[1], H, q.shape[-1], window)}
+  return {"bytes": fwd + bwd, "launches": 3}
 
 
 def _name_stack() -> str:
@@ -332,7 +330,7 @@ def _fence(x):
 @contextlib.contextmanager
 def record_kernels(fence: bool = True):
   """Records, while active, the differentiated GDPA and softmax-attention calls a trace makes:
-  yields a list of ``{kind, scope, bytes, launches}`` (kind "gdpa" or "attention";
+  yields a list of ``{kind, scope, bytes, launches, flops}`` (kind "gdpa" or "attention";
   ``scope`` the name stack, e.g. ``jvp(Kunlun)/.../click_hsp/HSP/GDPA``). Only calls under a
   ``jvp`` (the train step's forward, whose backward autodiff derives) are kept.
 
@@ -356,15 +354,18 @@ def record_kernels(fence: bool = True):
   def gdpa(q, k, v, **kw):
     qi, ki = kw.get("q_index"), kw.get("kv_index")
     out_b = (qi.shape[0] if qi is not None else ki.shape[0] if ki is not None else k.shape[0])
-    keep("gdpa", gdpa_kernel(q, k, v, out_b, bool(kw.get("broadcast_q")) or qi is not None,
-                             ki is not None))
+    keep("gdpa", {**gdpa_kernel(q, k, v, out_b, bool(kw.get("broadcast_q")) or qi is not None,
+                                ki is not None),
+                  "flops": attention_flops(out_b, q.shape[1], k.shape[1], q.shape[2], q.shape[3])})
     if not fence:
       return orig["gdpa"](q, k, v, **kw)
     return _fence(orig["gdpa"](*_fence((q, k, v)), **kw))
 
   def softmax(q, k, v, *a, **kw):
     window = a[1] if len(a) > 1 else kw.get("window")
-    keep("attention", {**flash_attention_kernel(q, k, v, window), "window": window})
+    keep("attention", {**flash_attention_kernel(q, k, v), "window": window,
+                       "flops": attention_flops(q.shape[0], q.shape[1], k.shape[1], q.shape[2],
+                                                q.shape[3], window)})
     if not fence:
       return orig["softmax"](q, k, v, *a, **kw)
     return _fence(orig["softmax"](*_fence((q, k, v)), *a, **kw))
