@@ -619,7 +619,8 @@ def run_target(target, cases=None, out_dir=None):
   print(f"{'case/backend':<28} {'launches':>8} {'GB':>7} {'peak GiB':>8}")
   for key, r in rows.items():
     print(f"{key:<28} {r['launches']:>8} {r['bytes'] / 1e9:>7.2f} {r['peak_bytes'] / 2**30:>8.2f}")
-  print(f"{'Pallas kernel (sm_90)':<34} {'regs':>5} {'spill st/ld':>11} {'smem KiB':>8} {'grid':>14}")
+  print(f"{'Pallas kernel (sm_90)':<34} {'regs':>5} {'spill st/ld':>11} {'smem KiB':>8} "
+        f"{'grid':>14}")
   for k in kernels:
     flag = "  SPILL" if k.get("spills") else ""
     print(f"{k['case'] + ':' + k['kernel']:<34} {k.get('regs', '-'):>5} "

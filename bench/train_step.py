@@ -43,7 +43,8 @@ preset's, see ``--lengths``) and reports:
 ``--target h200`` / ``h100`` compiles the step deviceless for that GPU (XLA:GPU's scheduled
 program, its memory analysis, Pallas kernels through Triton and ptxas; no autotuning) and
 reports the same tables for it; ``--dump_dir`` adds the thunk sequence's kernel count as a
-cross-check (deviceless sorts fall back to multi-kernel sorts). ``--compile_only`` stops after compilation (memory and structure without running: how the CPU
+cross-check (deviceless sorts fall back to multi-kernel sorts).
+``--compile_only`` stops after compilation (memory and structure without running: how the CPU
 shows the memory of a GPU-sized batch). JSON goes to ``bench/results/train_step_<name>.json``;
 a table is printed. Timings on a shared CPU are noisy: compare counts and bytes there.
 """
@@ -448,7 +449,8 @@ def main(argv=None):
   ap.add_argument("--table", nargs="*", default=None, help="print a table of result JSONs")
   ap.add_argument("--target", default="cpu",
                   help="compile for: cpu (this host, the stand-in) or h200 / h100 / a "
-                       "GpuTargetConfig .txtpb (deviceless XLA:GPU compile, implies --compile_only)")
+                       "GpuTargetConfig .txtpb (deviceless XLA:GPU compile; implies "
+                       "--compile_only)")
   ap.add_argument("--dump_dir", default=None,
                   help="GPU target: --xla_dump_to folder (thunk-sequence kernel cross-check)")
   ap.add_argument("--peak_flops", type=float, default=None,
