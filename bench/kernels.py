@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import glob
 import importlib.util
 import json
 import math
@@ -25,6 +26,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from bench.profiling import gpu_target, roofline  # noqa: E402
+from kunlun.models.flops import band_pairs  # noqa: E402
 from pallas_kernels import (  # noqa: E402
   api,
   cudnn_softmax,
@@ -50,6 +53,11 @@ SMALL = {
     "block_attention": dict(kind="block", B=2, Tq=64, Tk=64, H=2, D=16, block=16),
     "swa": dict(kind="swa", B=2, Tq=53, Tk=53, H=2, D=16, window=5),
 }
+# --target h200 / h100: the Pallas kernels and XLA's reference compiled deviceless for sm_90 at
+# the benchmark shapes, with the full (unwindowed) softmax attention beside the banded one.
+TARGET_CASES = {**{k: FULL[k] for k in ("self_attention", "cross_attention", "block_attention",
+                                        "swa_2048")},
+                "softmax_full": dict(kind="swa", B=16, Tq=2048, Tk=2048, H=8, D=128, window=None)}
 CLASS = {"self_attention": "self", "cross_attention": "cross", "block_attention": "block",
          "swa_512": "swa", "swa_2048": "swa", "swa": "swa"}
 KIND = {"gdpa": "gdpa", "block": "block_attention", "swa": "softmax_attention"}
@@ -90,12 +98,6 @@ def check_targets(results):
       ok, goal = tflops >= target, f">= {target} TFLOP/s"
     out[f"{name}/{mode}"] = {"best": impl, "tflops": tflops, "target": goal, "met": ok}
   return out
-
-
-def band_pairs(T, w):
-  """(query, key) pairs with ``|i - j| <= w`` in a length-``T`` sequence."""
-  w = min(w, T - 1)
-  return T * (2 * w + 1) - w * (w + 1)
 
 
 def fwd_flops(s):
@@ -537,6 +539,103 @@ def run_attention_bytes(out_dir=None, dtype="bfloat16"):
   return res, path
 
 
+def compile_target(target, cases, dump_dir, out_path):
+  """Child of ``run_target``: compiles the forward + backward of the xla and pallas backends of
+  ``cases`` for ``target`` (deviceless) and writes per case x backend the launches, bytes and
+  FLOPs of the GPU program (bench/profiling/roofline.py ``op_costs``), its peak memory and the
+  Pallas kernels' names to ``out_path``; prints ``=== case backend`` before each compile so the
+  ptxas lines that follow on stderr can be attributed."""
+  gpu_target.set_flags(dump_dir)
+  mesh = gpu_target.gpu_mesh(target)
+  rows, seen = {}, set()
+  for name in cases:
+    s = TARGET_CASES[name]
+    fns = make_fns(name, s, False, True)
+    args = [jax.ShapeDtypeStruct((s["B"], t, s["H"], s["D"]), jnp.bfloat16)
+            for t in (s["Tq"], s["Tk"], s["Tk"])]
+    for be in ("xla", "pallas"):
+      print(f"=== {name} {be}", file=sys.stderr, flush=True)
+      f = fns[be]   # value and gradient: the forward kernel stays in the program
+      c = gpu_target.compile_for(jax.value_and_grad(
+          lambda q, k, v, f=f: jnp.sum(f(q, k, v).astype(jnp.float32)), argnums=(0, 1, 2)),
+          args, mesh)
+      hlo = c.as_text()
+      costs = roofline.op_costs(hlo)
+      mem = c.memory_analysis()
+      rows[f"{name}/{be}"] = {
+          "launches": sum(x["times"] for x in costs),
+          "bytes": sum((x["bytes_in"] + x["bytes_out"]) * x["times"] for x in costs),
+          "hlo_flops": sum(x["flops"] * x["times"] for x in costs),
+          "peak_bytes": mem.argument_size_in_bytes + mem.output_size_in_bytes
+          + mem.temp_size_in_bytes - mem.alias_size_in_bytes,
+          "pallas_kernels": gpu_target.pallas_kernel_names(hlo)}
+      new = sorted(set(glob.glob(os.path.join(dump_dir, "*thunk_sequence.txt"))) - seen)
+      seen.update(new)
+      rows[f"{name}/{be}"]["thunk_file"] = os.path.basename(new[-1]) if new else None
+  with open(out_path, "w") as f:
+    json.dump(rows, f)
+
+
+def run_target(target, cases=None, out_dir=None):
+  """Deviceless sm_90 report of the kernels: per case x backend the GPU program's launches,
+  bytes, peak memory; per Pallas kernel registers, spills (flagged) and shared memory from
+  ptxas (XLA's own ptxas run, logged by a child process) and the launch (thunk sequence)."""
+  msg = gpu_target.missing()
+  if msg:
+    raise SystemExit(msg)
+  cases = cases or list(TARGET_CASES)
+  with tempfile.TemporaryDirectory() as d:
+    out = os.path.join(d, "rows.json")
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    p = subprocess.run([sys.executable, "-m", "bench.kernels", "--target", target,
+                        "--_compile_child", d, "--cases", ",".join(cases)], cwd=repo,
+                       env=gpu_target.ptxas_env(), capture_output=True, text=True)
+    if p.returncode:
+      raise SystemExit(f"deviceless compile failed: {p.stderr.strip().splitlines()[-1]}")
+    rows = json.load(open(out))
+    launches = {key: gpu_target.thunk_launches(os.path.join(d, r.pop("thunk_file")))
+                if r.get("thunk_file") else {} for key, r in rows.items()}
+  ptxas, cur = {}, None
+  for chunk in re.split(r"^=== (\S+ \S+)$", p.stderr, flags=re.M)[1:]:
+    if cur is None:
+      cur = chunk
+      continue
+    ptxas[cur.replace(" ", "/")] = {k["kernel"]: k for k in gpu_target.parse_ptxas(chunk)}
+    cur = None
+  kernels = []
+  for key, r in rows.items():
+    for kname in r["pallas_kernels"]:
+      st = dict(ptxas.get(key, {}).get(kname, {"kernel": kname}))
+      st.update(case=key, **launches[key].get(kname, {}))
+      kernels.append(st)
+  shapes = {c: TARGET_CASES[c] for c in cases}
+  res = {"bench": "kernels/sm90", "target": target, "target_file": os.path.relpath(
+             gpu_target.target_file(target), os.path.dirname(os.path.dirname(__file__))),
+         "deviceless": True, "dtype": "bfloat16", "mode": "fwd+bwd",
+         "versions": {"jax": jax.__version__, "jaxlib": jax.lib.__version__,
+                      "python": platform.python_version()},
+         "shapes": shapes, "programs": rows, "pallas_kernels": kernels,
+         "spills": [k["kernel"] + " (" + k["case"] + ")" for k in kernels if k.get("spills")]}
+  print(f"{'case/backend':<28} {'launches':>8} {'GB':>7} {'peak GiB':>8}")
+  for key, r in rows.items():
+    print(f"{key:<28} {r['launches']:>8} {r['bytes'] / 1e9:>7.2f} {r['peak_bytes'] / 2**30:>8.2f}")
+  print(f"{'Pallas kernel (sm_90)':<34} {'regs':>5} {'spill st/ld':>11} {'smem KiB':>8} "
+        f"{'grid':>14}")
+  for k in kernels:
+    flag = "  SPILL" if k.get("spills") else ""
+    print(f"{k['case'] + ':' + k['kernel']:<34} {k.get('regs', '-'):>5} "
+          f"{str(k.get('spill_st', '-')) + '/' + str(k.get('spill_ld', '-')):>11} "
+          f"{k.get('smem', 0) / 1024:>8.1f} {str(k.get('grid', '-')):>14}{flag}")
+  print("spills: " + (", ".join(res["spills"]) or "none"))
+  out_dir = out_dir or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+  os.makedirs(out_dir, exist_ok=True)
+  path = os.path.join(out_dir, f"kernels_sm90_{target}.json")
+  with open(path, "w") as f:
+    json.dump(res, f, indent=1)
+  print("wrote", path)
+  return res
+
+
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--small", action="store_true", help="tiny shapes; Pallas in interpret mode")
@@ -554,7 +653,22 @@ def main(argv=None):
   p.add_argument("--attention_bytes", action="store_true",
                  help="CPU: HLO bytes of the banded XLA attention vs the kernel's analytic bytes "
                       "(mid preset towers, batch 256) instead of the kernel benchmark")
+  p.add_argument("--target", default=None,
+                 help="h200 / h100: compile the kernels deviceless for sm_90 and report the GPU "
+                      "program and ptxas registers / spills / shared memory (no GPU needed)")
+  p.add_argument("--_compile_child", default=None, help=argparse.SUPPRESS)
   a = p.parse_args(argv)
+  if a.target and a.target != "cpu":
+    cases = a.cases.split(",") if a.cases else None
+    for c in cases or ():
+      if c not in TARGET_CASES:
+        p.error(f"unknown case {c!r}; allowed with --target: {', '.join(TARGET_CASES)}")
+    if a._compile_child:
+      compile_target(a.target, cases or list(TARGET_CASES), a._compile_child,
+                     os.path.join(a._compile_child, "rows.json"))
+    else:
+      run_target(a.target, cases, a.out_dir)
+    return
   if a.attention_bytes:
     run_attention_bytes(a.out_dir, a.dtype or "bfloat16")
     return

@@ -4,6 +4,9 @@
   python -m bench.train_step --config mid --batch 4096 --set train.remat=full --compile_only
   python -m bench.train_step --small                                            # CPU smoke run
   python -m bench.train_step --table bench/results/train_step_*.json            # compare runs
+  python -m bench.train_step --config mid --backend pallas --batch 256 --target h200   # GPU
+      program compiled here without a GPU (bash scripts/setup.sh --gpu-compile installs the
+      compiler; bench/profiling/gpu_target.py): kernels, bytes, FLOPs, peak memory, roofline
 
 Builds the model, optimizer and train step with ``kunlun.train.step.build``, as train.py does
 (parameter / optimizer-state / batch shardings on the mesh, donated state), feeds a synthetic
@@ -37,6 +40,10 @@ preset's, see ``--lengths``) and reports:
   profile             (--profile) device time per named-scope group (GDPA, PFFN, HSP, attention,
                       MoWE, embeddings, optimizer, ...) and the top ops, from a short trace
 
+``--target h200`` / ``h100`` compiles the step deviceless for that GPU (XLA:GPU's scheduled
+program, its memory analysis, Pallas kernels through Triton and ptxas; no autotuning) and
+reports the same tables for it; ``--dump_dir`` adds the thunk sequence's kernel count as a
+cross-check (deviceless sorts fall back to multi-kernel sorts).
 ``--compile_only`` stops after compilation (memory and structure without running: how the CPU
 shows the memory of a GPU-sized batch). JSON goes to ``bench/results/train_step_<name>.json``;
 a table is printed. Timings on a shared CPU are noisy: compare counts and bytes there.
@@ -161,6 +168,12 @@ def versions() -> dict:
     out["jax_triton"] = jax_triton.__version__
   except Exception:  # noqa: BLE001 - optional, GPU only
     pass
+  from importlib import metadata
+  for pkg in ("jax-cuda12-plugin", "jax-cuda12-pjrt", "nvidia-cuda-nvcc-cu12"):
+    try:   # the deviceless GPU compiler (--target), when installed
+      out[pkg] = metadata.version(pkg)
+    except metadata.PackageNotFoundError:
+      pass
   return out
 
 
@@ -190,7 +203,7 @@ def run(args) -> dict:
   import jax
   import jax.numpy as jnp
 
-  from bench.profiling import hlo_stats, param_casts, roofline
+  from bench.profiling import gpu_target, hlo_stats, param_casts, roofline
   from data.synthetic import PRESETS, preset_schema
   from kunlun.configs import types as model_config
   from kunlun.models.flops import model_flops
@@ -210,7 +223,12 @@ def run(args) -> dict:
     cfg.sharding.rules = args.rules
   B = int(cfg.data.batch_size)
   schema = preset_schema(PRESETS[cfg.data.preset])
-  devices = jax.devices()[:args.devices] if args.devices else None
+  gpu = args.target != "cpu"
+  if gpu:   # deviceless XLA:GPU compile of the target (bench/profiling/gpu_target.py)
+    devices = gpu_target.gpu_devices(args.target, args.devices or 1)
+    args.compile_only = True
+  else:
+    devices = jax.devices()[:args.devices] if args.devices else None
   mesh = mesh_lib.make_mesh(mesh_lib.parse_mesh_flag(args.mesh), devices=devices)
   rules = rules_lib.get_rules(cfg.sharding.rules)
   n_dev = mesh.devices.size
@@ -229,7 +247,7 @@ def run(args) -> dict:
     lowered = train_step.lower(params, opt_state, batch, rng, step0)
     compiled = lowered.compile()
     compile_s, compile_cpu_s = time.perf_counter() - t0, time.process_time() - c0
-  device = jax.devices()[0]
+  device = mesh.devices.flat[0]
   flops_analytic = model_flops(cfg, schema)["train_step"] * B
   flops_actual = _actual_length_flops(cfg, schema, batch_np)
   cost = _cost(compiled)
@@ -244,7 +262,8 @@ def run(args) -> dict:
   rl = roofline.roofline(roofline.op_costs(text), kernel_calls, towers, examples=B,
                          peak_flops=args.peak_flops, bandwidth=args.bandwidth,
                          launch_s=args.launch_us * 1e-6,
-                         repeat=int(cfg.train.get("microbatches", 1)))
+                         repeat=int(cfg.train.get("microbatches", 1)),
+                         note=roofline.gpu_note(args.target) if gpu else roofline.CPU_NOTE)
   rl["flops_xla_cost_analysis"] = cost["flops"]
   with partition.activate(mesh, rules):
     casts = param_casts.summary(
@@ -269,8 +288,13 @@ def run(args) -> dict:
                 "xla_per_device": cost["flops"], "xla_bytes_accessed_per_device":
                 cost["bytes_accessed"]},
       "memory": mem, "hlo": hlo, "roofline": rl, "param_casts": casts,
-      "overrides": list(args.set),
+      "kernel_calls": kernel_calls, "overrides": list(args.set),
+      "target": {"name": args.target, "file": os.path.relpath(
+                     gpu_target.target_file(args.target), os.path.dirname(_HERE))
+                 if gpu else None, "deviceless": gpu},
   }
+  if gpu and args.dump_dir:
+    res["thunks"] = gpu_target.thunk_kernels(args.dump_dir)
   if args.dump_hlo:
     with open(args.dump_hlo, "w") as f:
       f.write(text)
@@ -423,13 +447,30 @@ def main(argv=None):
   ap.add_argument("--out_dir", default=RESULTS)
   ap.add_argument("--dump_hlo", default=None, help="write the compiled HLO text here")
   ap.add_argument("--table", nargs="*", default=None, help="print a table of result JSONs")
-  ap.add_argument("--peak_flops", type=float, default=989e12,
-                  help="roofline target: peak FLOP/s (default H200 bf16 dense)")
-  ap.add_argument("--bandwidth", type=float, default=4.8e12,
-                  help="roofline target: memory bandwidth, B/s (default H200)")
-  ap.add_argument("--launch_us", type=float, default=4.0,
-                  help="roofline target: cost of one kernel launch, us")
+  ap.add_argument("--target", default="cpu",
+                  help="compile for: cpu (this host, the stand-in) or h200 / h100 / a "
+                       "GpuTargetConfig .txtpb (deviceless XLA:GPU compile; implies "
+                       "--compile_only)")
+  ap.add_argument("--dump_dir", default=None,
+                  help="GPU target: --xla_dump_to folder (thunk-sequence kernel cross-check)")
+  ap.add_argument("--peak_flops", type=float, default=None,
+                  help="roofline target: peak FLOP/s (default the target's bf16 dense; H200)")
+  ap.add_argument("--bandwidth", type=float, default=None,
+                  help="roofline target: memory bandwidth, B/s (default the target's; H200)")
+  ap.add_argument("--launch_us", type=float, default=roofline_defaults()["launch_s"] * 1e6,
+                  help="roofline target: cost of one kernel launch, us (default: a CUDA-graph "
+                       "launch)")
   args = ap.parse_args(argv)
+  dev = roofline_defaults(args.target)
+  args.peak_flops = args.peak_flops or dev["peak_flops"]
+  args.bandwidth = args.bandwidth or dev["bandwidth"]
+  if args.target != "cpu":
+    from bench.profiling import gpu_target
+    msg = gpu_target.missing()
+    if msg:
+      raise SystemExit(msg)
+    gpu_target.target_file(args.target)
+    gpu_target.set_flags(args.dump_dir)
   if args.table is not None:
     files = [f for pat in args.table for f in sorted(glob.glob(pat))]
     print_table([json.load(open(f)) for f in files])
@@ -451,6 +492,12 @@ def main(argv=None):
   print_roofline(res["roofline"])
   print("wrote", path, flush=True)
   return res
+
+
+def roofline_defaults(target: str = "h200") -> dict:
+  """Peak FLOP/s, bandwidth and launch cost of a roofline target (the CPU stand-in's: H200)."""
+  from bench.profiling import gpu_target, roofline
+  return {**roofline.H200, **gpu_target.DEVICE.get(target, {})}
 
 
 def _json_default(x):

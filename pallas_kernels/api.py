@@ -99,10 +99,10 @@ def select_backend(kind: str, tq: int, tk: int, *, mode: str = "fwd_bwd", device
   jax_stack_notes 2.2), else pallas. A table entry naming cudnn for operands cuDNN cannot
   take is ignored.
   """
-  platform = platform or jax.default_backend()
+  platform = platform or compile_platform()
   if platform != "gpu":
     return "xla"
-  device_kind = device_kind or jax.devices()[0].device_kind
+  device_kind = device_kind or _compile_device_kind()
   table = load_table() if table is None else table
   entry = (table.get("devices", {}).get(device_kind, {}).get(kind, {})
            .get(shape_class(kind, tq, tk, window), {}).get(mode))
@@ -128,9 +128,22 @@ def _resolve(table: dict, backend: str, kind: str, tq: int, tk: int):
   return backend, getattr(importlib.import_module(mod), fn)
 
 
+def compile_platform() -> str:
+  """The platform being compiled for: that of the devices of the mesh set by ``jax.set_mesh``
+  (a deviceless GPU target on a CPU host: "gpu"), else ``jax.default_backend()``."""
+  dev = jax.sharding.get_abstract_mesh().abstract_device
+  return dev.platform if dev is not None else jax.default_backend()
+
+
+def _compile_device_kind() -> str:
+  dev = jax.sharding.get_abstract_mesh().abstract_device
+  return dev.device_kind if dev is not None else jax.devices()[0].device_kind
+
+
 def _interpret(backend: str, interpret: bool) -> bool:
-  """Pallas kernels have no CPU lowering: on a CPU-only run they execute in interpret mode."""
-  return interpret or (backend == "pallas" and jax.default_backend() == "cpu")
+  """Pallas kernels have no CPU lowering: compiled for a CPU they execute in interpret mode;
+  compiled for a GPU (also a deviceless target on a CPU host) they lower to Triton."""
+  return interpret or (backend == "pallas" and compile_platform() == "cpu")
 
 
 def gdpa(q, k, v, *, activation="fast_gelu", scale=None, out_scale=1.0, q_lengths=None,

@@ -10,6 +10,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.api import compile_platform
 from pallas_kernels.reference import check_q_offset, resolve_rows
 
 _F32 = jnp.float32
@@ -203,7 +204,7 @@ def softmax_attention_cudnn(q, k, v, *, window=None, scale=None, q_lengths=None,
   if kv_start is not None or check_q_offset(q_offset):
     raise ValueError("softmax_attention backend 'cudnn' takes no kv_start / q_offset (the "
                      "context-parallel halo path); use 'pallas' or 'xla'")
-  if not interpret and jax.default_backend() != "gpu":
+  if not interpret and compile_platform() != "gpu":
     raise ValueError("softmax_attention backend 'cudnn' needs a GPU (interpret=True runs its "
                      "XLA stand-in)")
   r = resolve_rows(q, k, v, q_index=q_index, kv_index=kv_index, q_lengths=q_lengths,

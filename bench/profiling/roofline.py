@@ -15,11 +15,20 @@ import numpy as np
 
 import pallas_kernels
 from bench.profiling import hlo_stats
+from kunlun.models.flops import band_pairs
 from kunlun.nn import attention
 
-H200 = {"peak_flops": 989e12, "bandwidth": 4.8e12, "launch_s": 4e-6}
+# launch_s: one kernel in a CUDA graph (XLA runs the step's kernels as graphs), ~1 us.
+H200 = {"peak_flops": 989e12, "bandwidth": 4.8e12, "launch_s": 1e-6}
 CPU_NOTE = ("CPU compile standing in for the GPU one: the HLO is XLA:CPU's (its fusion differs "
             "from XLA:GPU's); bytes, FLOPs and launches are those of this program")
+
+
+
+def gpu_note(target: str) -> str:
+  return (f"XLA:GPU program for {target} compiled deviceless (no autotuning: GEMMs stay Triton "
+          "GEMMs with default tiles; sorts fall back to multi-kernel sorts)")
+
 
 _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
                 "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
@@ -77,6 +86,16 @@ class _Flops:
     self.shapes = {ins[0]: ins[3] for body in comps.values() for ins in body}
     self.memo = {}
 
+  def has_dot(self, ins) -> bool:
+    """Whether an instruction is or fuses a matmul (dot / convolution / cuBLAS call): a GEMM
+    kernel."""
+    name, op, rest = ins[:3]
+    if op in ("dot", "convolution") or (op == "custom-call" and "gemm" in rest.lower()):
+      return True
+    if op in ("fusion", "call"):
+      return any(self.has_dot(i) for c in hlo_stats._called(rest) for i in self.comps.get(c, ()))
+    return False
+
   def dims(self, name):
     a = arrays(self.shapes.get(name, ""))
     return a[0][1] if a else ()
@@ -123,17 +142,21 @@ class _Flops:
     return 0.0, 0.0
 
 
+_PALLAS_TARGET = 'custom_call_target="__gpu$xla.gpu.triton"'
 _PARTIAL_READ = ("slice", "dynamic-slice", "gather")
 _VIEW = ("bitcast", "reshape")
+_SAME_SIZE = _ELEMENTWISE | _TRANSCENDENTAL | {"convert", "copy"}
 
 
 def _param_reads(comps, roots, comp: str, shapes) -> tuple[dict, float | None]:
   """For a fused computation: ``({parameter number: bytes read}, in-place output bytes)``.
 
-  A parameter whose every use (through bitcasts / reshapes) is the sliced operand of a
-  ``slice`` / ``dynamic-slice`` / ``gather`` reads the bytes those produce; a parameter that is
-  the buffer a root ``dynamic-update-slice`` updates in place reads nothing, and the output then
-  writes only the update (returned second; None otherwise). Other parameters read everything."""
+  Bytes are counted slice by slice: a parameter whose every use (through bitcasts / reshapes
+  and same-size elementwise chains, e.g. the AdamW update of a flat buffer) ends as the sliced
+  operand of a ``slice`` / ``dynamic-slice`` / ``gather`` reads the elements those produce
+  (at the parameter's bytes per element); a parameter that is the buffer a root
+  ``dynamic-update-slice`` updates in place reads nothing, and the output then writes only the
+  update (returned second; None otherwise). Other parameters read everything."""
   body = comps.get(comp, [])
   users = defaultdict(list)
   for ins in body:
@@ -141,18 +164,22 @@ def _param_reads(comps, roots, comp: str, shapes) -> tuple[dict, float | None]:
       users[x].append((ins, i))
   params = {ins[0]: int(re.match(r"parameter\((\d+)\)", ins[2]).group(1))
             for ins in body if ins[1] == "parameter"}
+  root_name = roots.get(comp)
 
   def partial(name, depth=0):
-    """Bytes read through ``name``'s uses, or None when some use reads all of it."""
-    total = 0.0
+    """Elements of ``name`` read through its uses, or None when some use reads all of it."""
+    if name == root_name:
+      return None
+    total, n = 0.0, _elems(shapes.get(name, ""))
     for ins, pos in users.get(name, []):
-      if ins[1] in _VIEW and depth < 8:
+      chain = ins[1] in _VIEW or (ins[1] in _SAME_SIZE and _elems(ins[3]) == n)
+      if chain and depth < 16:
         sub = partial(ins[0], depth + 1)
         if sub is None:
           return None
         total += sub
       elif ins[1] in _PARTIAL_READ and pos == 0:
-        total += shape_bytes(ins[3])
+        total += _elems(ins[3])
       else:
         return None
     return total
@@ -161,8 +188,9 @@ def _param_reads(comps, roots, comp: str, shapes) -> tuple[dict, float | None]:
   for name, k in params.items():
     r = partial(name)
     if r is not None:
-      reads[k] = min(r, shape_bytes(shapes.get(name, "")))
-  root = next((ins for ins in body if ins[0] == roots.get(comp)), None)
+      full, n = shape_bytes(shapes.get(name, "")), _elems(shapes.get(name, ""))
+      reads[k] = min(r * full / n, full) if n else 0.0
+  root = next((ins for ins in body if ins[0] == root_name), None)
   inplace = None
   if root is not None and root[1] == "dynamic-update-slice":
     ops = operands(root[2])
@@ -203,7 +231,8 @@ def op_costs(text: str) -> list[dict]:
     f, t = fl.instruction(ins)
     out.append({"name": name, "opcode": op, "op_name": names.get(name, ""), "times": times,
                 "bytes_in": sum(nbytes.values()), "bytes_out": b_out, "flops": f,
-                "transcendentals": t})
+                "transcendentals": t, "gemm": fl.has_dot(ins),
+                "pallas": op == "custom-call" and _PALLAS_TARGET in rest})
   return out
 
 
@@ -254,6 +283,14 @@ def gdpa_kernel(q, k, v, out_batch: int, q_shared: bool, kv_shared: bool) -> dic
   return {"bytes": fwd + bwd, "launches": 3 + int(q_shared) + int(kv_shared)}
 
 
+def attention_flops(batch, tq, tk, heads, d, window=None) -> float:
+  """FLOPs of a fused attention kernel's forward + backward over its (query, key) pairs (all
+  tq x tk, or the ``|i - j| <= window`` band): forward q k^T and p v (2 matmuls), backward the
+  recomputed scores, dv, dp, dq, dk (5)."""
+  pairs = tq * tk if window is None else float(band_pairs(tq, window))
+  return 7 * 2.0 * batch * heads * pairs * d
+
+
 def flash_attention_kernel(q, k, v) -> dict:
   """Bytes and launches of a fused softmax attention's forward + backward (module doc)."""
   B, T, H, _ = q.shape
@@ -293,7 +330,7 @@ def _fence(x):
 @contextlib.contextmanager
 def record_kernels(fence: bool = True):
   """Records, while active, the differentiated GDPA and softmax-attention calls a trace makes:
-  yields a list of ``{kind, scope, bytes, launches}`` (kind "gdpa" or "attention";
+  yields a list of ``{kind, scope, bytes, launches, flops}`` (kind "gdpa" or "attention";
   ``scope`` the name stack, e.g. ``jvp(Kunlun)/.../click_hsp/HSP/GDPA``). Only calls under a
   ``jvp`` (the train step's forward, whose backward autodiff derives) are kept.
 
@@ -317,14 +354,18 @@ def record_kernels(fence: bool = True):
   def gdpa(q, k, v, **kw):
     qi, ki = kw.get("q_index"), kw.get("kv_index")
     out_b = (qi.shape[0] if qi is not None else ki.shape[0] if ki is not None else k.shape[0])
-    keep("gdpa", gdpa_kernel(q, k, v, out_b, bool(kw.get("broadcast_q")) or qi is not None,
-                             ki is not None))
+    keep("gdpa", {**gdpa_kernel(q, k, v, out_b, bool(kw.get("broadcast_q")) or qi is not None,
+                                ki is not None),
+                  "flops": attention_flops(out_b, q.shape[1], k.shape[1], q.shape[2], q.shape[3])})
     if not fence:
       return orig["gdpa"](q, k, v, **kw)
     return _fence(orig["gdpa"](*_fence((q, k, v)), **kw))
 
   def softmax(q, k, v, *a, **kw):
-    keep("attention", flash_attention_kernel(q, k, v))
+    window = a[1] if len(a) > 1 else kw.get("window")
+    keep("attention", {**flash_attention_kernel(q, k, v), "window": window,
+                       "flops": attention_flops(q.shape[0], q.shape[1], k.shape[1], q.shape[2],
+                                                q.shape[3], window)})
     if not fence:
       return orig["softmax"](q, k, v, *a, **kw)
     return _fence(orig["softmax"](*_fence((q, k, v)), *a, **kw))
@@ -346,7 +387,7 @@ def _replaced(group: str, op_name: str) -> bool:
 
 def roofline(costs: list[dict], calls: list[dict] | None, towers=(), *, examples: int = 1,
              peak_flops: float = H200["peak_flops"], bandwidth: float = H200["bandwidth"],
-             launch_s: float = H200["launch_s"], repeat: int = 1) -> dict:
+             launch_s: float = H200["launch_s"], repeat: int = 1, note: str = CPU_NOTE) -> dict:
   """Rows by (scope group, tower) with XLA and kernel columns, totals and roofline bounds.
 
   ``costs``: ``op_costs``; ``calls``: ``record_kernels`` (None: no kernel column, it equals the
@@ -361,6 +402,11 @@ def roofline(costs: list[dict], calls: list[dict] | None, towers=(), *, examples
     r["bytes"] += b
     r["flops"] += c["flops"] * n
     r["transcendentals"] += c["transcendentals"] * n
+    r["pallas_launches"] += n * bool(c.get("pallas"))
+    if c.get("gemm"):
+      r["gemm_launches"] += n
+      r["gemm_bytes"] += b
+      r["gemm_flops"] += c["flops"] * n
     if calls is not None and _replaced(g, c["op_name"]):
       r["replaced_bytes"] += b
       r["replaced_launches"] += n
@@ -370,6 +416,9 @@ def roofline(costs: list[dict], calls: list[dict] | None, towers=(), *, examples
     r["kernel_calls"] += repeat
     r["analytic_bytes"] += k["bytes"] * repeat
     r["analytic_launches"] += k["launches"] * repeat
+    if r["pallas_launches"]:   # Pallas custom calls carry no FLOPs in the HLO: their formula's
+      r["flops"] += k.get("flops", 0.0) * repeat
+      r["pallas_flops"] += k.get("flops", 0.0) * repeat
   out_rows = []
   for (g, t), r in rows.items():
     kb = r["bytes"] - r["replaced_bytes"] + r["analytic_bytes"]
@@ -378,7 +427,10 @@ def roofline(costs: list[dict], calls: list[dict] | None, towers=(), *, examples
                      "kernel_bytes": kb, "kernel_launches": int(kl), "flops": r["flops"],
                      "transcendentals": r["transcendentals"],
                      "kernel_calls": int(r["kernel_calls"]), "replaced_bytes": r["replaced_bytes"],
-                     "analytic_bytes": r["analytic_bytes"]})
+                     "analytic_bytes": r["analytic_bytes"],
+                     "pallas_launches": int(r["pallas_launches"]),
+                     "pallas_flops": r["pallas_flops"], "gemm_launches": int(r["gemm_launches"]),
+                     "gemm_bytes": r["gemm_bytes"], "gemm_flops": r["gemm_flops"]})
   out_rows.sort(key=lambda r: -r["bytes"])
   tot = lambda key: sum(r[key] for r in out_rows)
   flops, launches = tot("flops"), tot("launches")
@@ -395,9 +447,15 @@ def roofline(costs: list[dict], calls: list[dict] | None, towers=(), *, examples
   for r in out_rows:
     for key in ("launches", "bytes", "kernel_bytes", "kernel_launches", "flops"):
       groups[r["group"]][key] += r[key]
-  return {"note": CPU_NOTE, "kernel_column": calls is not None,
+  return {"note": note, "kernel_column": calls is not None,
           "device": {"peak_flops": peak_flops, "bandwidth": bandwidth, "launch_s": launch_s},
           "examples": examples, "flops": flops, "transcendentals": tot("transcendentals"),
+          "gemm": {"launches": int(tot("gemm_launches")), "bytes": tot("gemm_bytes"),
+                   "flops": tot("gemm_flops"),
+                   "launch_share": tot("gemm_launches") / launches if launches else None,
+                   "byte_share": tot("gemm_bytes") / tot("bytes") if tot("bytes") else None,
+                   "flop_share": tot("gemm_flops") / flops if flops else None},
+          "pallas": {"launches": int(tot("pallas_launches")), "flops": tot("pallas_flops")},
           "xla": col(tot("bytes"), launches),
           "kernel": col(tot("kernel_bytes"), tot("kernel_launches")),
           "groups": {g: {k: (int(v) if "launch" in k else v) for k, v in d.items()}
@@ -425,6 +483,14 @@ def print_roofline(rl: dict, stream=None, top: int = 40) -> None:
   print("by group: " + ", ".join(
       f"{g} {gb(v['bytes']):.1f} {unit} ({v['bytes'] / tx:.0%}) / {int(v['launches'])} launches"
       for g, v in rl["groups"].items()), file=s)
+  g, pk = rl.get("gemm"), rl.get("pallas")
+  if g and g["launches"]:
+    print(f"GEMM kernels: {g['launches']} launches ({g['launch_share']:.0%}), "
+          f"{gb(g['bytes']):.1f} {unit} ({g['byte_share']:.0%}), {g['flops'] / 1e12:.2f} TFLOP "
+          f"({g['flop_share'] or 0:.0%})", file=s)
+  if pk and pk["launches"]:
+    print(f"Pallas custom calls: {pk['launches']} launches, {pk['flops'] / 1e12:.2f} TFLOP "
+          "(from the kernels' formulas)", file=s)
   d = rl["device"]
   for col in ("xla", "kernel"):
     c = rl[col]

@@ -1,0 +1,83 @@
+"""The deviceless H200 compile of the tiny train step (bench/train_step.py --target h200) and its
+report; runs where ``scripts/setup.sh --gpu-compile`` installed the XLA:GPU compiler."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from bench.profiling import gpu_target
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(
+    __file__)))))
+
+
+def test_missing_names_the_install_command():
+  msg = gpu_target.missing()
+  assert msg is None or gpu_target.INSTALL in msg
+
+
+@pytest.mark.skipif(gpu_target.missing() is not None, reason=str(gpu_target.missing()))
+def test_tiny_train_step_compiles_for_h200_with_pallas_kernels(tmp_path):
+  dump = tmp_path / "dump"
+  p = subprocess.run(
+      [sys.executable, "-m", "bench.train_step", "--small", "--layers", "1", "--target", "h200",
+       "--backend", "pallas", "--dump_dir", str(dump), "--out_dir", str(tmp_path)],
+      cwd=ROOT, env={**os.environ, "JAX_PLATFORMS": "cpu"}, capture_output=True, text=True)
+  assert p.returncode == 0, p.stderr[-2000:]
+  (path,) = tmp_path.glob("train_step_tiny_pallas_b16_L1_small.json")
+  r = json.load(open(path))
+  assert r["platform"] == "gpu" and r["device_kind"] == "NVIDIA H200"
+  assert r["target"]["deviceless"] and r["target"]["file"].endswith("h200_sxm.txtpb")
+  assert "XLA:GPU" in r["roofline"]["note"]
+  launches = r["hlo"]["kernel_launches"]
+  assert launches > 0 and r["roofline"]["xla"]["bytes"] > 0
+  assert r["memory"]["peak_estimate"] > 0
+  # the --xla_dump_to thunk sequence launches as many kernels as the scheduled HLO, up to the
+  # copies / control flow the two count differently
+  thunks = r["thunks"]
+  assert thunks["kernel_thunks"] > 0
+  assert abs(thunks["kernel_thunks"] - launches) <= 0.1 * launches
+  # Pallas kernels are Triton custom calls in the GPU program, counted with their FLOPs
+  assert r["roofline"]["pallas"]["launches"] > 0 and r["roofline"]["pallas"]["flops"] > 0
+  assert any(c["kind"] == "gdpa" for c in r["kernel_calls"])
+  assert r["roofline"]["gemm"]["launches"] > 0
+
+
+def test_train_step_without_the_compiler_says_what_is_missing(monkeypatch, capsys):
+  from bench import train_step
+  monkeypatch.setattr(gpu_target, "missing", lambda: "deviceless GPU compile needs X: install")
+  with pytest.raises(SystemExit) as e:
+    train_step.main(["--small", "--target", "h200"])
+  assert "deviceless GPU compile needs X" in str(e.value)
+
+
+def test_unknown_target_is_one_line():
+  with pytest.raises(SystemExit) as e:
+    gpu_target.target_file("h300")
+  assert "--target 'h300'" in str(e.value)
+
+
+@pytest.mark.skipif(gpu_target.missing() is not None, reason=str(gpu_target.missing()))
+def test_pallas_compiles_real_kernels_for_a_gpu_mesh_on_a_cpu_host():
+  """Under ``jax.set_mesh`` of the H200 target's devices the Pallas switch sees a GPU (no
+  interpret mode) and ``auto`` selects for the H200; without the mesh this CPU host interprets."""
+  import jax
+  import jax.numpy as jnp
+
+  from pallas_kernels import api
+  seen = {}
+
+  def f(x):
+    seen["platform"], seen["interpret"] = api.compile_platform(), api._interpret("pallas", False)
+    seen["auto"] = api.select_backend("block_attention", 64, 64)
+    return x
+
+  x = jax.ShapeDtypeStruct((4,), jnp.float32)
+  with jax.set_mesh(gpu_target.gpu_mesh("h200")):
+    jax.jit(f).trace(x)
+  assert seen == {"platform": "gpu", "interpret": False, "auto": "pallas"}
+  jax.jit(f).trace(x)
+  assert seen == {"platform": "cpu", "interpret": True, "auto": "xla"}
