@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Sets up .venv (with the deviceless GPU compiler) and .venv-beam if needed, then runs the whole test suite on CPU (8 fake
-# devices per process).
+# Sets up .venv (with the deviceless GPU compiler) and .venv-beam if needed, then runs the whole
+# test suite on CPU (8 fake devices per process).
 # Two pytest-xdist workers by default (test files stay whole on one worker, so module fixtures
-# run once); KUNLUN_TEST_WORKERS=0 runs serially. Extra arguments go to pytest.
+# run once); KUNLUN_TEST_WORKERS=0 runs serially. Extra arguments go to pytest. The 25 slowest
+# tests are listed at the end.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh --gpu-compile   # + the deviceless XLA:GPU compiler (tests/bench/profiling/test_gpu_target.py)
@@ -10,6 +11,6 @@ bash scripts/setup.sh --beam      # .venv-beam: tests/data/ingest/test_ingest_be
 export JAX_PLATFORMS="${JAX_PLATFORMS:-cpu}"
 workers="${KUNLUN_TEST_WORKERS:-2}"
 if [ "$workers" = "0" ]; then
-  exec .venv/bin/python -m pytest -q "$@"
+  exec .venv/bin/python -m pytest -q --durations=25 "$@"
 fi
-exec .venv/bin/python -m pytest -q -n "$workers" --dist loadfile "$@"
+exec .venv/bin/python -m pytest -q --durations=25 -n "$workers" --dist loadfile "$@"

@@ -28,7 +28,7 @@ def _tiny(B=16, n=1, layers=None):
 
 @pytest.mark.slow
 def test_kunlun_forward_with_sharded_lookup():
-  _, model, (batch,) = _tiny()
+  _, model, (batch,) = _tiny(layers=1)
   params = nn.meta.unbox(jax.jit(lambda k: model.init(k, batch, train=False))(jax.random.key(0))["params"])
   fwd = lambda p, b: model.apply({"params": p}, b, train=False)
   want = np.asarray(jax.jit(fwd)(params, batch))
