@@ -115,7 +115,7 @@ def calibration_plots(arrays: dict, surfaces, tasks, plots_dir: str, bins: int =
 
 def evaluate(argv):
   del argv
-  from kunlun.train import runtime
+  from kunlun.train import runtime, startup
   runtime.maybe_initialize_distributed(FLAGS.coordinator_address, FLAGS.num_processes,
                                        FLAGS.process_id)
   import jax
@@ -134,21 +134,21 @@ def evaluate(argv):
                         "an integer >= 1 (leave it out for config.data.eval_batch_size)")
     settings.check_flag("step", FLAGS.step, 0)
   except settings.SettingsError as e:
-    runtime.fail(str(e))
+    startup.fail(str(e))
   if FLAGS.best and FLAGS.step is not None:
-    runtime.fail("give --step or --best, not both")
+    startup.fail("give --step or --best, not both")
   if FLAGS.best and not os.path.isdir(os.path.join(workdir, "best")):
-    runtime.fail(f"--best: no keep-best params in {workdir}/best (train with "
+    startup.fail(f"--best: no keep-best params in {workdir}/best (train with "
                  "--config.train.keep_best=True on data with a validation split)")
   try:
     ckpt = checkpoint.Checkpointer(os.path.join(workdir, "best" if FLAGS.best else "checkpoints"),
                                    read_only=True)
     if not ckpt.all_steps():
-      runtime.fail(f"--workdir={workdir}: no checkpoints in {ckpt.directory}")
+      startup.fail(f"--workdir={workdir}: no checkpoints in {ckpt.directory}")
   except checkpoint.CheckpointError as e:
-    runtime.fail(f"--workdir={workdir}: {e}")
+    startup.fail(f"--workdir={workdir}: {e}")
   if FLAGS.step is not None and FLAGS.step not in ckpt.all_steps():
-    runtime.fail(f"--step={FLAGS.step}: no such checkpoint; available {ckpt.all_steps()}")
+    startup.fail(f"--step={FLAGS.step}: no such checkpoint; available {ckpt.all_steps()}")
   out = os.path.abspath(FLAGS.out or os.path.join(workdir, "metrics.json"))
   runtime.check_output(out, "--out" if FLAGS.out else "--out (default)")   # before evaluating
   if FLAGS.predictions:
@@ -199,7 +199,7 @@ def evaluate(argv):
           print(f"wrote {p}")
       atomic.write_json(out, result)
     except OSError as e:
-      runtime.fail(f"cannot write {e.filename or out} ({e.strerror or e}); nothing partial was "
+      startup.fail(f"cannot write {e.filename or out} ({e.strerror or e}); nothing partial was "
                    "left at the output paths")
     print(f"wrote {out}")
   ckpt.close()
@@ -207,7 +207,7 @@ def evaluate(argv):
 
 
 def main(argv):
-  from kunlun.train.runtime import run_main
+  from kunlun.train.startup import run_main
   run_main("eval.py", evaluate, argv)
 
 

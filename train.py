@@ -41,7 +41,7 @@ FLAGS = flags.FLAGS
 
 
 def parse_profile_steps(spec: str | None):
-  from kunlun.train.runtime import fail
+  from kunlun.train.startup import fail
   if not spec:
     return None
   try:
@@ -73,13 +73,14 @@ def _config_file() -> str:
 def train(argv):
   del argv
   config = FLAGS.config
-  if FLAGS.show_config:              # jax-free: the config table and the presets import no jax
+  if FLAGS.show_config:              # before the runtime: the table and the presets load no jax
     show_config(config)
     return
-  from kunlun.train import runtime
+  from kunlun.train import startup
   if not FLAGS.workdir:
-    runtime.fail("--workdir is required (checkpoints, metrics and generated data go there)")
-  runtime.check_settings(config, steps_flag=FLAGS.steps)   # before any data, jax or compile
+    startup.fail("--workdir is required (checkpoints, metrics and generated data go there)")
+  startup.check_settings(config, steps_flag=FLAGS.steps)   # before any data, jax or compile
+  from kunlun.train import runtime
   if FLAGS.steps is not None:
     config.train.steps = FLAGS.steps
   profile = parse_profile_steps(FLAGS.profile_steps)
@@ -99,7 +100,7 @@ def train(argv):
 
 
 def main(argv):
-  from kunlun.train.runtime import run_main
+  from kunlun.train.startup import run_main
   run_main("train.py", train, argv)
 
 

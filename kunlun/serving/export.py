@@ -21,8 +21,8 @@ from data.schema import FIRST_ID, NULL_ID, OOV_ID
 from kunlun.configs.types import seq_lens
 from kunlun.serving import loader, score
 from kunlun.serving.loader import ARTIFACT, FORMAT, PARAMS, SIGNATURE, nest
-from kunlun.train import checkpoint, runtime
-from kunlun.train.runtime import FatalError
+from kunlun.train import checkpoint, runtime, startup
+from kunlun.train.startup import FatalError
 from kunlun.utils import atomic
 from sharding import mesh as mesh_lib
 from sharding import partition
@@ -88,19 +88,19 @@ def flatten(tree: dict, prefix: str = "") -> dict:
 def _restore(workdir: str, step, data_dir, trust_workdir: bool = False):
   """``(config, schema, model, step, params)`` of a train.py workdir (FatalError if unusable)."""
   if not os.path.isdir(workdir):
-    runtime.fail(f"--workdir={workdir}: no such directory")
+    startup.fail(f"--workdir={workdir}: no such directory")
   try:
     ckpt = checkpoint.Checkpointer(os.path.join(workdir, "checkpoints"), read_only=True)
     if not ckpt.all_steps():
-      runtime.fail(f"--workdir={workdir}: no checkpoints in {ckpt.directory}")
+      startup.fail(f"--workdir={workdir}: no checkpoints in {ckpt.directory}")
   except checkpoint.CheckpointError as e:
-    runtime.fail(f"--workdir={workdir}: {e}")
+    startup.fail(f"--workdir={workdir}: {e}")
   if step is not None and step not in ckpt.all_steps():
-    runtime.fail(f"--step={step}: no such checkpoint; available {ckpt.all_steps()}")
+    startup.fail(f"--step={step}: no such checkpoint; available {ckpt.all_steps()}")
   config, saved = runtime.load_run_info(workdir, trust_workdir)
   data_dir = data_dir or saved
   if not data_dir:
-    runtime.fail("no --data_dir given and none recorded in the workdir (data_dir.txt)")
+    startup.fail("no --data_dir given and none recorded in the workdir (data_dir.txt)")
   schema, _ = runtime.schema_as_trained(runtime.saved_run_info(workdir),  # names and order
                                         runtime.load_schema(data_dir), f"--data_dir={data_dir}")
   model = runtime.fit_and_build_model(config, schema)
@@ -111,7 +111,7 @@ def _restore(workdir: str, step, data_dir, trust_workdir: bool = False):
   try:
     used, params = ckpt.restore_params(abstract, step)
   except checkpoint.CheckpointError as e:
-    runtime.fail(str(e))
+    startup.fail(str(e))
   params = nest(flatten(jax.tree.map(np.asarray, params)))     # plain nested dicts
   return config, schema, model, used, params
 
@@ -120,17 +120,17 @@ def export(workdir: str, out: str, *, candidates="dynamic", requests=1, step=Non
            data_dir=None, platforms=("cpu",), verify: bool = True, trust_workdir: bool = False,
            log=print) -> dict:
   """Writes the artifact, parameters and signature to ``out``; returns the signature dict.
-  Raises ``runtime.FatalError`` (one line) on bad input."""
+  Raises ``startup.FatalError`` (one line) on bad input."""
   try:
     n_fixed, r_fixed = parse_count("candidates", candidates), parse_count("requests", requests)
   except ValueError as e:
-    runtime.fail(str(e))
+    startup.fail(str(e))
   bad = [p for p in platforms if p not in PLATFORMS]
   if bad or not platforms:
-    runtime.fail(f"--platforms={','.join(platforms)}: allowed {PLATFORMS}")
+    startup.fail(f"--platforms={','.join(platforms)}: allowed {PLATFORMS}")
   workdir = os.path.abspath(workdir)
   if os.path.exists(out) and not os.path.isdir(out):
-    runtime.fail(f"--out={out}: exists and is not a directory")
+    startup.fail(f"--out={out}: exists and is not a directory")
   config, schema, model, used_step, params = _restore(workdir, step, data_dir, trust_workdir)
   runtime.check_output(os.path.join(out, SIGNATURE), "--out")       # before tracing the model
   lens = seq_lens(config)
@@ -148,7 +148,7 @@ def export(workdir: str, out: str, *, candidates="dynamic", requests=1, step=Non
   try:
     exp = jex.export(jax.jit(scorer), platforms=tuple(platforms))(param_struct, batch_struct)
   except Exception as e:  # tracing / lowering failures: name the cause in one line
-    runtime.fail(f"export failed ({type(e).__name__}: {str(e).splitlines()[0][:300]})")
+    startup.fail(f"export failed ({type(e).__name__}: {str(e).splitlines()[0][:300]})")
   # each file atomically; signature.json (what the loader opens first) is removed before and
   # written last, so a killed export leaves an artifact the loader refuses, never a mixed one
   sig_path = os.path.join(out, SIGNATURE)
@@ -160,7 +160,7 @@ def export(workdir: str, out: str, *, candidates="dynamic", requests=1, step=Non
       np.savez(f, **flatten(params))
     params_sha256 = loader.file_sha256(os.path.join(out, PARAMS))
   except OSError as e:
-    runtime.fail(f"--out={out}: cannot write the export ({e.strerror or e})")
+    startup.fail(f"--out={out}: cannot write the export ({e.strerror or e})")
   name = lambda x: x if isinstance(x, int) else str(x)
   K = len(schema.tasks)
   sig = {
@@ -196,7 +196,7 @@ def export(workdir: str, out: str, *, candidates="dynamic", requests=1, step=Non
   try:
     atomic.write_json(sig_path, sig)
   except OSError as e:
-    runtime.fail(f"--out={out}: cannot write {SIGNATURE} ({e.strerror or e})")
+    startup.fail(f"--out={out}: cannot write {SIGNATURE} ({e.strerror or e})")
   log(f"wrote {out}/{{{ARTIFACT},{PARAMS},{SIGNATURE}}}")
   here = jax.default_backend()
   if verify and ({"gpu": "cuda"}.get(here, here) in platforms or here in platforms):
@@ -251,7 +251,7 @@ def main(argv=None) -> int:
   ap.add_argument("--trust_workdir", action="store_true",
                   help="load an older workdir's config.pkl (pickle: runs code from the file)")
   a = ap.parse_args(argv)
-  runtime.quiet_checkpoint_logs()
+  startup.quiet_checkpoint_logs()
   try:
     export(a.workdir, a.out, candidates=a.candidates, requests=a.requests, step=a.step,
            data_dir=a.data_dir, platforms=tuple(p.strip() for p in a.platforms.split(",")),

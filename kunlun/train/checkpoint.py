@@ -60,7 +60,7 @@ import orbax.checkpoint as ocp
 
 from data import elastic
 from kunlun.train import opt_layout
-from kunlun.train.runtime import FatalError
+from kunlun.train.startup import FatalError
 
 ITEMS = ("params", "opt_state", "meta", "data_iter")
 COMMIT_MARKER = "commit_success.txt"

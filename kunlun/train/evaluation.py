@@ -20,7 +20,8 @@ from kunlun.configs import types as model_config
 from kunlun.configs.fit import fit_surface_weights
 from kunlun.train import checkpoint, metrics
 from kunlun.train import step as step_lib
-from kunlun.train.runtime import check_data_files, fail
+from kunlun.train.runtime import check_data_files
+from kunlun.train.startup import fail
 from kunlun.utils import atomic
 
 HOST_KEYS = ("labels", "label_mask", "surface", "true_prob", "example_mask")

@@ -17,7 +17,7 @@ from data import pipeline
 from data.shards import DataError
 from kunlun.configs import types as model_config
 from kunlun.models.flops import FlopMeter
-from kunlun.train import checkpoint, evaluation, progress, runtime
+from kunlun.train import checkpoint, evaluation, progress, runtime, startup
 from kunlun.train import step as step_lib
 from kunlun.train.metrics import RunningNE
 from sharding import mesh as mesh_lib
@@ -101,7 +101,7 @@ def setup(config, workdir: str, *, mesh: str, dcn_mesh: str | None = None,
   schema = runtime.load_schema(data_dir)
   task_w = tuple(config.train.get("task_weights", ()) or ())
   if task_w and len(task_w) != len(schema.tasks):
-    runtime.fail(f"config.train.task_weights={task_w} needs one weight per task "
+    startup.fail(f"config.train.task_weights={task_w} needs one weight per task "
                  f"{schema.task_names}")
   runtime.check_data_files(data_dir, config.data.train_split)
   plan = evaluation.plan(config, schema, data_dir, steps_flag)   # surfaces, epochs, validation
@@ -157,7 +157,7 @@ def eval_setup(workdir: str, ckpt: checkpoint.Checkpointer, *, config=None,
   config, saved_data_dir = runtime.run_config(workdir, config, trust_workdir)
   data_dir = data_dir or saved_data_dir
   if not data_dir:
-    runtime.fail("no --data_dir given and none recorded in the workdir")
+    startup.fail("no --data_dir given and none recorded in the workdir")
   bs = batch_size or config.data.get("eval_batch_size", 0) or config.data.batch_size
   mesh_, rules = open_mesh(config, mesh, dcn_mesh, {"eval batch size": bs}, compilation_cache)
   schema, remap = runtime.schema_as_trained(runtime.saved_run_info(workdir),
@@ -171,16 +171,16 @@ def eval_setup(workdir: str, ckpt: checkpoint.Checkpointer, *, config=None,
                                train=False, shard_index=jax.process_index(),
                                shard_count=jax.process_count())
   except (ValueError, FileNotFoundError) as e:
-    runtime.fail(f"--split={split} in {data_dir}: {e}")
+    startup.fail(f"--split={split} in {data_dir}: {e}")
   it = iter(ds) if remap is None else map(remap, ds)      # surfaces / tasks matched by name
   first = next(it, None)
   if first is None:
-    runtime.fail(f"split {split!r} in {data_dir} is empty")
+    startup.fail(f"split {split!r} in {data_dir} is empty")
   abstract = partition.abstract_params(model, jax.random.key(0), first, mesh_, rules)
   try:
     step, params = ckpt.restore_params(abstract, step)
   except checkpoint.CheckpointError as e:
-    runtime.fail(str(e))
+    startup.fail(str(e))
   return EvalRun(config, data_dir, schema, mesh_, rules, model, step, params,
                  itertools.chain([first], it), partition.batch_sharding(mesh_, rules))
 
@@ -242,7 +242,7 @@ class StepAccounting:
             flush=True)
       if self.bad_in_row > c.max_bad_steps:
         self.run.ckpt.close()
-        runtime.fail(f"{self.bad_in_row} consecutive non-finite steps (> config.train."
+        startup.fail(f"{self.bad_in_row} consecutive non-finite steps (> config.train."
                      f"max_bad_steps={c.max_bad_steps}) at step {at}; stopping without a "
                      "checkpoint")
       return False
@@ -357,7 +357,7 @@ def _stop_disk_full(run: Run, acct: StepAccounting):
     ckpt.remove_tmp_dirs()
     good = ckpt.latest_step()
   _close(run, acct)
-  runtime.fail(f"disk full ({err}): stopped at step {run.step}; the newest good checkpoint is "
+  startup.fail(f"disk full ({err}): stopped at step {run.step}; the newest good checkpoint is "
                f"{'step ' + str(good) if good is not None else 'none'} in {ckpt.directory}; "
                "free some space and run the same command again to resume")
 

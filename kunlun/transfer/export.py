@@ -18,8 +18,9 @@ from jax.experimental import multihost_utils
 
 from data import pipeline, records
 from kunlun.configs import types as model_config
-from kunlun.train import checkpoint, runtime
-from kunlun.train.runtime import FatalError, maybe_initialize_distributed
+from kunlun.train import checkpoint, runtime, startup
+from kunlun.train.runtime import maybe_initialize_distributed
+from kunlun.train.startup import FatalError
 from kunlun.transfer.join import EmbeddingLog
 from kunlun.utils import atomic
 from sharding import partition
@@ -383,7 +384,7 @@ def main(argv=None):
   ap.add_argument("--trust_workdir", action="store_true",
                   help="load an older workdir's config.pkl (pickle: runs code from the file)")
   a = ap.parse_args(argv)
-  runtime.quiet_checkpoint_logs()
+  startup.quiet_checkpoint_logs()
   try:
     maybe_initialize_distributed(a.coordinator_address, a.num_processes, a.process_id)
     export(a.workdir, a.out, data_dir=a.data_dir, splits=tuple(a.split.split(",")),

@@ -11,7 +11,7 @@ import pytest
 from data import records
 from data.schema import Schema
 from kunlun.configs import tiny
-from kunlun.train import evaluation, runtime
+from kunlun.train import evaluation, startup
 from tests.kunlun.configs.test_fit import ml_dir  # noqa: F401  (module fixture: a valid split)
 
 
@@ -50,7 +50,7 @@ def test_epochs_to_steps_and_validation_period(ml_dir):  # noqa: F811
     (dict(best_task="like"), None, "config.train.best_task='like': not a task of the data"),
 ])
 def test_plan_errors(ml_dir, train, steps_flag, msg):  # noqa: F811
-  with pytest.raises(runtime.FatalError, match=msg.replace("(", r"\(").replace(")", r"\)")):
+  with pytest.raises(startup.FatalError, match=msg.replace("(", r"\(").replace(")", r"\)")):
     evaluation.plan(_cfg(**train), Schema.load(ml_dir), ml_dir, steps_flag, say=print)
 
 
@@ -64,10 +64,10 @@ def test_no_valid_split(ml_dir, tmp_path):  # noqa: F811
   json.dump(m, open(os.path.join(d, "manifest.json"), "w"))
   schema = Schema.load(d)
   assert evaluation.plan(_cfg(), schema, d, None, say=print).every == 0   # synthetic-like data
-  with pytest.raises(runtime.FatalError, match="keep_best needs validation, but the data has no "
+  with pytest.raises(startup.FatalError, match="keep_best needs validation, but the data has no "
                      "split 'valid'"):
     evaluation.plan(_cfg(keep_best=True), schema, d, None, say=print)
-  with pytest.raises(runtime.FatalError, match="validate_every=5: the data has no split 'valid'"):
+  with pytest.raises(startup.FatalError, match="validate_every=5: the data has no split 'valid'"):
     evaluation.plan(_cfg(validate_every=5), schema, d, None, say=print)
 
 

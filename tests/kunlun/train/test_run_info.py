@@ -10,7 +10,7 @@ import pytest
 
 from kunlun.configs import tiny
 from kunlun.configs import types as model_config
-from kunlun.train import runtime
+from kunlun.train import runtime, startup
 
 
 def _leaves(x, path=""):
@@ -60,7 +60,7 @@ def test_run_info_round_trips_types_exactly(tmp_path):
 def test_unstorable_config_field_is_a_clear_error(tmp_path):
   c = tiny.get_config()
   c.train.fn = ml_collections.ConfigDict().__class__             # a class object
-  with pytest.raises(runtime.FatalError, match=r"config\.train\.fn = .* cannot be stored"):
+  with pytest.raises(startup.FatalError, match=r"config\.train\.fn = .* cannot be stored"):
     runtime.save_run_info(str(tmp_path), c, "/data")
 
 
@@ -80,7 +80,7 @@ def test_old_config_pkl_needs_trust_workdir(tmp_path, capsys):
   marker = str(tmp_path / "code_ran")
   (old / "config.pkl").write_bytes(pickle.dumps(_Payload(marker)))
   (old / "data_dir.txt").write_text("/data/old")
-  with pytest.raises(runtime.FatalError, match="config.pkl .* --trust_workdir"):
+  with pytest.raises(startup.FatalError, match="config.pkl .* --trust_workdir"):
     runtime.load_run_info(str(old))
   assert not os.path.exists(marker)                     # nothing from the workdir ran
   cfg = tiny.get_config()                               # --config given: data_dir, no unpickling
@@ -91,7 +91,7 @@ def test_old_config_pkl_needs_trust_workdir(tmp_path, capsys):
   loaded, data_dir = runtime.load_run_info(str(old), trust_pickle=True)
   assert loaded.model.d_ns == cfg.model.d_ns and data_dir == "/data/old"
   assert "warning: --trust_workdir: unpickling" in capsys.readouterr().err
-  with pytest.raises(runtime.FatalError, match="no run_info.json"):
+  with pytest.raises(startup.FatalError, match="no run_info.json"):
     runtime.load_run_info(str(tmp_path / "empty"))
 
 
@@ -133,13 +133,13 @@ def test_resume_checks_model_schema_and_data_against_the_recorded_run(tmp_path):
   assert lines == []                                       # same run: nothing to say
   changed = tiny.get_config()
   changed.model.score_clip = 0.0
-  with pytest.raises(runtime.FatalError, match=r"config.model.score_clip: .* -> 0.0") as e:
+  with pytest.raises(startup.FatalError, match=r"config.model.score_clip: .* -> 0.0") as e:
     runtime.check_resume(wd, changed, schema, info["data"], False, log)
   assert "\n" not in str(e.value) and "--allow_config_change" in str(e.value)
   runtime.check_resume(wd, changed, schema, info["data"], True, log)    # allowed: stated
   assert len(lines) == 1 and "score_clip" in lines[0]
   swapped = _schema_in(tmp_path, ("feed", "reels", "stories"))
-  with pytest.raises(runtime.FatalError, match="surfaces") as e:
+  with pytest.raises(startup.FatalError, match="surfaces") as e:
     runtime.check_resume(wd, tiny.get_config(), swapped, info["data"], False, log)
   assert "\n" not in str(e.value)
   lines.clear()
@@ -181,6 +181,6 @@ def test_eval_and_export_match_surfaces_and_tasks_by_name(tmp_path):
   same, none = runtime.schema_as_trained(info, trained, "eval")
   assert same is trained and none is None
   other = dataclasses.replace(trained, surfaces=("feed", "stories", "shorts"))
-  with pytest.raises(runtime.FatalError, match="shorts") as e:
+  with pytest.raises(startup.FatalError, match="shorts") as e:
     runtime.schema_as_trained(info, other, "--data_dir=x")
   assert "\n" not in str(e.value)

@@ -1,4 +1,4 @@
-"""runtime.run_main in a multi-process run: a collective that fails because another process died
+"""startup.run_main in a multi-process run: a collective that fails because another process died
 (a Gloo / coordination error with a C++ traceback in its text) ends this process in ONE line
 naming the lost peer, exit status 2, without running the atexit shutdown that would wait for the
 dead peer and dump a C++ stack."""
@@ -6,7 +6,7 @@ dead peer and dump a C++ stack."""
 import jax
 import pytest
 
-from kunlun.train import runtime
+from kunlun.train import runtime, startup
 
 GLOO = ("INTERNAL: Gloo AllReduce failed: [../third_party/gloo/gloo/transport/tcp/pair.cc:534] "
         "Connection closed by peer [127.0.0.1]:42311\n"
@@ -27,7 +27,7 @@ def test_lost_peer_in_a_collective_is_one_line(monkeypatch, capsys):
   def step():
     raise jax.errors.JaxRuntimeError(GLOO)
   with pytest.raises(SystemExit):
-    runtime.run_main("train.py", step)
+    startup.run_main("train.py", step)
   assert exits == [2]
   err = capsys.readouterr().err.strip().splitlines()
   assert len(err) == 1, err
@@ -40,4 +40,4 @@ def test_single_process_runtime_errors_keep_their_traceback(monkeypatch):
   def step():
     raise jax.errors.JaxRuntimeError("INTERNAL: something")
   with pytest.raises(jax.errors.JaxRuntimeError):
-    runtime.run_main("train.py", step)
+    startup.run_main("train.py", step)

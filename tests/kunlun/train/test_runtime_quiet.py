@@ -1,4 +1,4 @@
-"""runtime.quiet_checkpoint_logs drops asyncio's "never retrieved" report of a task that failed
+"""startup.quiet_checkpoint_logs drops asyncio's "never retrieved" report of a task that failed
 inside orbax (leftover reads of a failed restore, logged at garbage collection, with a traceback)
 and keeps every other asyncio report."""
 
@@ -6,7 +6,7 @@ import asyncio
 import gc
 import logging
 
-from kunlun.train import runtime
+from kunlun.train import startup
 
 # code whose frames carry an orbax file name, as the real failing read does
 _ORBAX = compile("async def read():\n  raise ValueError('OUT_OF_RANGE: byte range')\n",
@@ -68,8 +68,8 @@ def test_orbax_task_noise_is_dropped_and_other_reports_kept():
     assert any("never retrieved" in m and "Traceback" in m for m in cap.messages)
     _unretrieved_future(SPEC)
     assert any("Future exception was never retrieved" in m and SPEC in m for m in cap.messages)
-    runtime.quiet_checkpoint_logs()
-    runtime.quiet_checkpoint_logs()              # idempotent: one filter
+    startup.quiet_checkpoint_logs()
+    startup.quiet_checkpoint_logs()              # idempotent: one filter
     assert sum(getattr(f, "_kunlun_quiet", False) for f in log.filters) == 1
     cap.messages.clear()
     _unretrieved_failure(_ORBAX)

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from kunlun.configs import tiny
-from kunlun.train import runtime, settings
+from kunlun.train import runtime, settings, startup
 
 PRESETS = ("tiny", "demo", "dev", "mid", "large", "vm_tiny", "vm_dev")
 
@@ -138,7 +138,7 @@ def test_loaded_run_info_gets_the_same_checks(tmp_path, config, want):
   else:
     info["config"] = config
   path.write_text(json.dumps(info))
-  with pytest.raises(runtime.FatalError) as e:
+  with pytest.raises(startup.FatalError) as e:
     runtime.load_run_info(str(tmp_path))
   msg = str(e.value)
   assert msg.startswith(str(path)) and want in msg and "\n" not in msg, msg

@@ -1,0 +1,114 @@
+"""The jax-free start-up of train.py and eval.py: one-line fatal errors (``FatalError``,
+``run_main``), quiet orbax / asyncio logs, the settings check. Importing it loads no jax, so
+``--help``, ``--show_config`` and bad flags answer before jax starts."""
+
+from __future__ import annotations
+
+import logging as std_logging
+import os
+import sys
+import traceback
+
+from absl import logging
+
+from data.shards import DataError
+from kunlun.train import settings
+
+
+class FatalError(Exception):
+  """A user-facing error (bad flag, missing data, unusable checkpoint), printed without a
+  traceback."""
+
+
+def fail(msg: str):
+  raise FatalError(msg)
+
+
+def run_main(prog: str, fn, *args):
+  """Runs ``fn(*args)``; a ``FatalError`` or a data error naming a file (``data.shards.DataError``:
+  damaged shard, invalid record) exits with status 2 and one line ``<prog>: error: <msg>`` on
+  stderr; so does a runtime error of a multi-process run (a lost peer, ``lost_peer_message``),
+  at once, without the atexit shutdown."""
+  quiet_checkpoint_logs()
+  try:
+    return fn(*args)
+  except (FatalError, DataError) as e:
+    msg = " ".join(str(e).split("\n"))
+    if hasattr(e, "kind"):                       # an invalid record or a damaged chunk
+      msg += " (config.data.skip_invalid=True skips and counts such records)"
+    print(f"{prog}: error: {msg}", file=sys.stderr, flush=True)
+    sys.exit(2)
+  except Exception as e:
+    jax = sys.modules.get("jax")            # loaded by then if the error can be jax's
+    if jax is None or not isinstance(e, jax.errors.JaxRuntimeError) or jax.process_count() < 2:
+      raise                                      # one process: a bug, keep its traceback
+    print(f"{prog}: error: {lost_peer_message(e)}", file=sys.stderr, flush=True)
+    # skip atexit: jax.distributed's shutdown would wait on the dead peer and dump a C++ stack
+    os._exit(2)
+
+
+def lost_peer_message(e: BaseException) -> str:
+  import jax
+  """One line for a collective / coordination failure of a multi-process run (usually another
+  process died): this process, the first line of the runtime's message, what to do."""
+  first = next((x.strip() for x in str(e).splitlines() if x.strip()), type(e).__name__)
+  return (f"process {jax.process_index()} of {jax.process_count()}: a collective failed, most "
+          f"likely another process died or lost its connection ({first[:300]}); check the other "
+          "processes' logs, then restart all of them (training resumes from the last checkpoint)")
+
+
+def quiet_checkpoint_logs() -> None:
+  """Silences orbax's routine logs and its tracebacks of failed saves / restores (which
+  kunlun.train.checkpoint reports itself, in one line), and the closed-loop noise below."""
+  logging.set_verbosity(logging.ERROR)   # orbax logs every save (INFO) and read-only use (WARNING)
+  handler = logging.get_absl_handler()
+  if not getattr(handler, "_kunlun_quiet", False):
+    handler.addFilter(lambda r: "/orbax/" not in r.pathname or r.levelno >= 50)   # 50: CRITICAL
+    handler._kunlun_quiet = True
+  aio = std_logging.getLogger("asyncio")
+  if not any(getattr(f, "_kunlun_quiet", False) for f in aio.filters):
+    aio.addFilter(_OrbaxTaskNoise())
+  quiet_closed_loop_errors()
+
+
+class _OrbaxTaskNoise:
+  """Drops asyncio's "Task / Future exception was never retrieved" report (with the exception,
+  and a traceback for tasks) for a task that failed inside orbax or a future that TensorStore
+  failed: a failed restore's leftover reads, logged whenever they are garbage-collected. The
+  restore itself raised, and kunlun.train.checkpoint reports it in one line. Everything else
+  asyncio logs passes."""
+  _kunlun_quiet = True
+
+  def filter(self, record) -> bool:
+    if not record.exc_info or "never retrieved" not in str(record.msg):
+      return True
+    _, exc, tb = record.exc_info
+    from_orbax = tb is not None and any("/orbax/" in f.filename
+                                        for f in traceback.extract_tb(tb))
+    return not (from_orbax or "tensorstore_spec" in str(exc))
+
+
+def quiet_closed_loop_errors() -> None:
+  """Drops the ``RuntimeError('Event loop is closed')`` that TensorStore reports as unraisable
+  when reads of a failed orbax restore complete after orbax closed its event loop (noise: the
+  restore already raised); every other unraisable exception still goes to the previous hook."""
+  prev = sys.unraisablehook
+  if getattr(prev, "_kunlun_quiet", False):
+    return
+
+  def hook(u):
+    if isinstance(u.exc_value, RuntimeError) and str(u.exc_value) == "Event loop is closed":
+      return
+    prev(u)
+  hook._kunlun_quiet = True
+  sys.unraisablehook = hook
+
+
+def check_settings(config, steps_flag=None, where: str = "") -> None:
+  """``kunlun.train.settings.check`` (and ``--steps``) as a one-line FatalError; ``where``
+  prefixes the message (e.g. the run_info.json a config was loaded from)."""
+  try:
+    settings.check_flag("steps", steps_flag, 0, "an integer >= 0 (training steps)")
+    settings.check(config)
+  except settings.SettingsError as e:
+    fail(f"{where}: {e}" if where else str(e))
