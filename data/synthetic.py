@@ -23,7 +23,7 @@ declared interests, ad category/id, bid, hour) carry only part of the signal.
 Requests are time-ordered; ``eval`` is the time window right after ``train``. Generation is
 vectorised per chunk and streamed to ArrayRecord shards (``data.records.DatasetWriter``).
 
-CLI: ``python -m data.synthetic --out DIR --preset tiny|dev|mid [--num_examples N] [--seed S]
+CLI: ``python -m data.synthetic --out DIR --preset tiny|dev|mid|prod [--num_examples N] [--seed S]
 [--pretrain_examples M]``.
 """
 
