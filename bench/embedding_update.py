@@ -1,15 +1,19 @@
 """Dense vs sparse row-wise Adagrad on one embedding table, per step (the table side of
-``config.train.sparse_embedding_update``).
+``config.train.sparse_embedding_update``), and the optimizer's bytes of one compiled train step
+with every table at 10^5 / 10^7 rows (``--step_bytes``: compiled, not run).
   JAX_PLATFORMS=cpu python -m bench.embedding_update [--rows 65536,262144,1048576] [--dim 64]
       [--ids 4096] [--reps 10] [--quick] [--train_step tiny --batch_size 64]
+  JAX_PLATFORMS=cpu python -m bench.embedding_update --step_bytes 100000,10000000 [--batch_size 64]
 Notes: README.md, "What each bench script measures", ``bench/embedding_update.py``."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import os
 import platform
+import re
 import time
 
 import flax.linen as nn
@@ -18,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from bench.profiling import hlo_stats, roofline
 from data.fake import random_batch, tiny_schema
 from kunlun.configs.types import seq_lens
 from kunlun.models.build import build_model
@@ -25,6 +30,9 @@ from kunlun.train import optim, step
 from kunlun.train.optim import rowwise_adagrad
 from kunlun.train.sparse_update import make_sparse_update
 from kunlun.utils import atomic
+from sharding import mesh as mesh_lib
+from sharding import partition
+from sharding import rules as rules_lib
 from sharding.embedding import sparse_adagrad_update
 
 
@@ -102,6 +110,75 @@ def bench_train_step(config: str, batch_size: int, reps: int) -> dict:
   return out
 
 
+def _schema_with_rows(rows: int):
+  """``tiny_schema`` with every table (sparse features, event items) at ``rows`` rows."""
+  s = tiny_schema()
+  return dataclasses.replace(
+      s, sparse=tuple(dataclasses.replace(f, vocab_size=rows) for f in s.sparse),
+      streams=tuple(dataclasses.replace(st, item_vocab=rows) for st in s.streams))
+
+
+def inplace_scatter_bytes(text: str) -> dict[str, float]:
+  """``{top-level fusion: bytes}`` of an HLO module's scatter fusions (ROOT a scatter of the
+  fusion's parameters: the donated table or accumulator updated in place), charged as XLA's cost
+  analysis charges a scatter: indices + 3 x updates (rows read, rows written, updates read), not
+  the whole operand that ``roofline.op_costs`` charges."""
+  params, roots, cur = {}, set(), None
+  for line in text.splitlines():
+    m = re.match(r"^%?([\w.\-]+) \((.*)\) -> .*\{$", line)
+    if m:
+      cur = m.group(1)
+      params[cur] = re.findall(r"[\w.\-]+: (\w+\[[\d,]*\])", m.group(2))
+    elif cur and line.strip().startswith("ROOT ") and " scatter(%param_" in line:
+      roots.add(cur)
+  out = {}
+  for line in text.splitlines():
+    m = re.match(r"^\s*(?:ROOT )?%?([\w.\-]+) = .* fusion\(.*calls=%?([\w.\-]+)", line)
+    if m and m.group(2) in roots:
+      shapes = params[m.group(2)]
+      n = (len(shapes) - 1) // 2                     # operands, indices, updates
+      out[m.group(1)] = (roofline.shape_bytes(shapes[n])
+                         + 3 * sum(map(roofline.shape_bytes, shapes[n + 1:])))
+  return out
+
+
+def step_bytes(config: str, rows: int, sparse: bool, batch_size: int) -> dict:
+  """Bytes of one train step of ``config`` with every table at ``rows`` rows, compiled (not run)
+  on one device: the ``optimizer`` scope's and the whole step's by ``bench.profiling.roofline``'s
+  accounting (the ops' read + written bytes), XLA's cost analysis of the whole step, and the
+  compiled temp bytes. ``optimizer_mb``: in-place scatters charged their rows
+  (``inplace_scatter_bytes``); ``optimizer_roofline_mb``: as ``roofline.op_costs`` charges them."""
+  cfg = importlib.import_module(f"kunlun.configs.{config}").get_config()
+  cfg.train.sparse_embedding_update = sparse
+  schema = _schema_with_rows(rows)
+  model = build_model(cfg, schema)
+  batch = random_batch(schema, batch_size, seq_lens(cfg), seed=1, min_len=1)
+  mesh = mesh_lib.make_mesh({"data": 1}, devices=jax.devices()[:1])
+  rules = rules_lib.get_rules(cfg.sharding.rules)
+  ts, params, opt_state = step.build(cfg, model, batch, mesh, rules, jax.random.key(0),
+                                     abstract=True)
+  with partition.activate(mesh, rules):
+    compiled = ts.fn.lower(params, opt_state, batch, jax.random.key(1),
+                           jnp.asarray(0, jnp.int32)).compile()
+  text = compiled.as_text()
+  costs, scatters = roofline.op_costs(text), inplace_scatter_bytes(text)
+  nbytes = lambda c: (c["bytes_in"] + c["bytes_out"]) * c["times"]
+  rows_only = lambda c: scatters[c["name"]] * c["times"] if c["name"] in scatters else nbytes(c)
+  opt = [c for c in costs if hlo_stats.scope_group(c["op_name"]) == "optimizer"]
+  cost = compiled.cost_analysis()
+  cost = (cost[0] if isinstance(cost, (list, tuple)) else cost) or {}
+  mem = compiled.memory_analysis()
+  tables = [x for k, x in jax.tree_util.tree_leaves_with_path(params)
+            if "embedding" in jax.tree_util.keystr(k)]
+  return {"rows": rows, "update": "sparse" if sparse else "dense", "tables": len(tables),
+          "table_mb": sum(x.size * x.dtype.itemsize for x in tables) / 2 ** 20,
+          "optimizer_mb": sum(map(rows_only, opt)) / 2 ** 20,
+          "optimizer_roofline_mb": sum(map(nbytes, opt)) / 2 ** 20, "optimizer_ops": len(opt),
+          "step_mb": sum(map(nbytes, costs)) / 2 ** 20,
+          "xla_bytes_accessed_mb": float(cost.get("bytes accessed", 0.0)) / 2 ** 20,
+          "temp_mb": mem.temp_size_in_bytes / 2 ** 20 if mem is not None else None}
+
+
 def main():
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--rows", default="65536,262144,1048576")
@@ -112,9 +189,19 @@ def main():
   ap.add_argument("--train_step", default=None, metavar="CONFIG",
                   help="also time the whole train step of this config (e.g. tiny; tiny schema)")
   ap.add_argument("--batch_size", type=int, default=64, help="batch for --train_step")
-  ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results",
-                                                "embedding_update.json"))
+  ap.add_argument("--step_bytes", default=None, metavar="ROWS,ROWS",
+                  help="only: the optimizer's bytes of one compiled --config train step with "
+                       "every table at these rows, dense vs sparse update")
+  ap.add_argument("--config", default="tiny", help="config of --step_bytes (tiny schema)")
+  ap.add_argument("--out", default=None,
+                  help="JSON (default bench/results/embedding_update[_step_bytes].json)")
   a = ap.parse_args()
+  results_dir = os.path.join(os.path.dirname(__file__), "results")
+  if a.step_bytes:
+    run_step_bytes(a, [int(r) for r in a.step_bytes.split(",")],
+                   a.out or os.path.join(results_dir, "embedding_update_step_bytes.json"))
+    return
+  a.out = a.out or os.path.join(results_dir, "embedding_update.json")
   rows = [4096, 16384] if a.quick else [int(r) for r in a.rows.split(",")]
   reps = 3 if a.quick else a.reps
 
@@ -140,6 +227,31 @@ def main():
           "train_step": step_res}
   atomic.write_json(a.out, meta)
   print(f"wrote {a.out}")
+
+
+def run_step_bytes(a, rows: list[int], out: str) -> None:
+  """``--step_bytes``: the table of ``step_bytes`` over rows x (dense, sparse) and its JSON."""
+  res = [step_bytes(a.config, r, sparse, a.batch_size) for r in rows for sparse in (False, True)]
+  print(f"{a.config}, batch {a.batch_size}, one device ({jax.devices()[0].platform}), compiled "
+        "step; MB = 2^20 bytes; optimizer: read + written by its ops (in-place scatters: their "
+        "rows; 'roofline': the whole table, as bench/profiling/roofline charges them)")
+  print(f"{'rows':>9} {'update':>6} {'tables MB':>10} {'optimizer MB':>13} {'roofline MB':>12} "
+        f"{'step MB':>9} {'XLA bytes MB':>13} {'temp MB':>8}")
+  for r in res:
+    print(f"{r['rows']:>9} {r['update']:>6} {r['table_mb']:>10.1f} {r['optimizer_mb']:>13.1f} "
+          f"{r['optimizer_roofline_mb']:>12.1f} {r['step_mb']:>9.1f} "
+          f"{r['xla_bytes_accessed_mb']:>13.1f} {r['temp_mb'] or 0:>8.1f}")
+  ratio = {}
+  for upd in ("dense", "sparse"):
+    mb = [r["optimizer_mb"] for r in res if r["update"] == upd]
+    ratio[upd] = mb[-1] / mb[0]
+    print(f"{upd}: optimizer bytes at {rows[-1]} rows / at {rows[0]} rows = {ratio[upd]:.3f}")
+  atomic.write_json(out, {
+      "device": jax.devices()[0].platform, "target": "cpu (XLA:CPU compile)",
+      "versions": {"jax": jax.__version__, "python": platform.python_version()},
+      "config": a.config, "schema": "tiny, every table at rows", "batch_size": a.batch_size,
+      "optimizer_bytes_ratio_largest_to_smallest": ratio, "results": res})
+  print(f"wrote {out}")
 
 
 if __name__ == "__main__":

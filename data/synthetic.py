@@ -23,7 +23,7 @@ declared interests, ad category/id, bid, hour) carry only part of the signal.
 Requests are time-ordered; ``eval`` is the time window right after ``train``. Generation is
 vectorised per chunk and streamed to ArrayRecord shards (``data.records.DatasetWriter``).
 
-CLI: ``python -m data.synthetic --out DIR --preset tiny|dev|mid [--num_examples N] [--seed S]
+CLI: ``python -m data.synthetic --out DIR --preset tiny|dev|mid|prod [--num_examples N] [--seed S]
 [--pretrain_examples M]``.
 """
 
@@ -102,6 +102,12 @@ PRESETS = {
         StreamSpec("conversion", 128, 12, 4, (0.7, 0.2), DAY, 1.5, True)),
         n_items=50_000, n_categories=100, n_users=1_000_000, n_segments=500, n_topics=200,
         topics_max_len=8, ad_hash_vocab=200_000, chunk=1024),
+    "prod": Preset("prod", 50_000, (                 # production-shaped: ~half-filled streams
+        StreamSpec("click", 1024, 512, 3, (0.55, 0.25), 6 * 3600, 1.0, True),
+        StreamSpec("impression", 2048, 1024, 2, (0.3, 0.15), 1800, 0.5, False),
+        StreamSpec("conversion", 256, 128, 4, (0.7, 0.2), DAY, 1.5, True)),
+        n_items=100_000, n_categories=100, n_users=1_000_000, n_segments=500, n_topics=200,
+        topics_max_len=8, ad_hash_vocab=1_000_000, chunk=512),
 }
 
 

@@ -202,8 +202,8 @@ FIELDS: dict[str, Field] = {
     "train.b2": F(0.999, "AdamW second-moment decay", N, 0, 1, open_hi=True),
     "train.clip_norm": F(1.0, "global gradient-norm clip", N, 0),
     "train.emb_lr": F(0.05, "row-wise Adagrad learning rate (embedding tables)", N, 0),
-    "train.sparse_embedding_update": F(False, "Adagrad reads / writes only the looked-up "
-                                       "embedding rows", B),
+    "train.sparse_embedding_update": F(True, "Adagrad reads / writes only the looked-up "
+                                       "embedding rows (False: the dense table update)", B),
     "train.checkpoint_every": F(100, "steps between checkpoints (and at the end)", I, 1),
     "train.keep_checkpoints": F(3, "checkpoints kept (older ones deleted)", I, 1),
     "train.log_every": F(10, "steps between log lines / metrics.jsonl records", I, 1),

@@ -75,9 +75,6 @@ def check(config) -> None:
   if batch % mb:
     raise SettingsError(f"config.train.microbatches = {mb}: allowed a divisor of "
                         f"config.data.batch_size = {batch}")
-  if mb > 1 and got["train.sparse_embedding_update"]:
-    raise SettingsError("config.train.microbatches > 1 needs the dense embedding update "
-                        "(config.train.sparse_embedding_update = False)")
   if transfer is not None:
     parse_transfer(config)
 

@@ -10,6 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from kunlun.configs.fields import default
+from kunlun.nn.inputs import GROUP_SEP, LOOKUP_IDS, ROW_TAPS
 from kunlun.nn.losses import masked_bce
 from kunlun.train import optim
 from kunlun.train.sparse_update import make_sparse_update
@@ -49,8 +51,8 @@ def build(config, model, example, mesh, rules, rng, *, task_weights=(), abstract
   instead of arrays (compile without initialising)."""
   schedule_steps = int(config.train.get("schedule_steps", 0)) or int(config.train.steps)
   tx = optim.make_optimizer(config.train, schedule_steps)
-  sparse_update = (make_sparse_update(config.train, schedule_steps)
-                   if config.train.get("sparse_embedding_update", False) else None)
+  sparse = config.train.get("sparse_embedding_update", default("train.sparse_embedding_update"))
+  sparse_update = make_sparse_update(config.train, schedule_steps) if sparse else None
   if abstract:
     params = partition.abstract_params(model, rng, example, mesh, rules)
     p_shard = jax.tree.map(lambda x: x.sharding, params)
@@ -86,7 +88,8 @@ def make_train_step(model, tx, task_weights=None, *, sparse_update=None, param_s
   microbatches (every device keeps an equal share of each), their gradients are accumulated
   in a ``lax.scan`` and one optimizer update follows: the same loss and update as the whole batch
   (per-task means over the whole batch; sums reassociated), with the activation memory of one
-  microbatch. Dense embedding update only.
+  microbatch. With the sparse update the looked-up rows' ids and gradients of every microbatch
+  are kept (``[k, ...]``, the size of the whole batch's) and applied in one sparse update.
 
   Mixed precision is the model's business (``config.model.dtype`` = "bfloat16" computes in bf16;
   parameters, optimizer state, norms and the loss stay float32). A step whose loss or gradient
@@ -99,9 +102,6 @@ def make_train_step(model, tx, task_weights=None, *, sparse_update=None, param_s
   """
   if microbatches < 1:
     raise ValueError(f"config.train.microbatches = {microbatches} must be >= 1")
-  if microbatches > 1 and sparse_update is not None:
-    raise ValueError("config.train.microbatches > 1 needs the dense embedding update "
-                     "(config.train.sparse_embedding_update = False)")
   constrain = sparse_constrain = lambda g: g
   if param_shardings is not None:
     for opt in (tx, sparse_update):              # the flat optimizer groups leaves by sharding
@@ -116,7 +116,7 @@ def make_train_step(model, tx, task_weights=None, *, sparse_update=None, param_s
   def train_step(params, opt_state, batch, rng, step):
     if sparse_update is not None:
       return _sparse_train_step(model, sparse_update, task_weights, params, opt_state, batch,
-                                rng, step, sparse_constrain)
+                                rng, step, sparse_constrain, microbatches)
     mask = label_mask(batch)
     rngs = {"dropout": jax.random.fold_in(rng, step)}
     if microbatches == 1:
@@ -172,15 +172,28 @@ def split_microbatches(batch, k: int):
   return jax.tree.map(split, batch)
 
 
+def _microbatch_share(mask, task_weights):
+  """``(share, w f32[K], count_total f32[K])`` for a batch's ``mask [B, K]``: ``share(logits,
+  labels, m) -> (loss, per-task sums)`` of one microbatch, its loss being its share of the whole
+  batch's masked mean (``sum_b bce m / max(count_total, 1)`` per task, weighted)."""
+  count_total = jnp.sum(mask, 0)
+  w = (jnp.ones((mask.shape[1],), jnp.float32) if task_weights is None
+       else jnp.asarray(task_weights, jnp.float32))
+
+  def share(logits, labels, m):
+    with jax.named_scope("loss"):
+      s = _per_task_sums(logits, labels, m)
+      return jnp.sum(w * s[0] / jnp.maximum(count_total, 1.0)), s
+  return share, w, count_total
+
+
 def _accumulated_grads(model, params, batch, mask, rngs, task_weights, k, constrain):
   """Loss, per-task loss, summed gradients and per-task sums of the whole batch from ``k``
   microbatches (``lax.scan``). Each microbatch's loss is its share of the whole batch's masked
   mean (``sum_b bce m / max(count_total, 1)`` per task), so the microbatch losses and gradients
   add up to the whole batch's."""
-  count_total = jnp.sum(mask, 0)
+  share, w, count_total = _microbatch_share(mask, task_weights)
   K = mask.shape[1]
-  w = jnp.ones((K,), jnp.float32) if task_weights is None else jnp.asarray(task_weights,
-                                                                           jnp.float32)
   mbs = split_microbatches({"batch": batch, "mask": mask}, k)
 
   def body(carry, xs):
@@ -190,10 +203,7 @@ def _accumulated_grads(model, params, batch, mask, rngs, task_weights, k, constr
     def loss_fn(p):
       logits = model.apply({"params": p}, mb, train=True,
                            rngs={n: jax.random.fold_in(r, j) for n, r in rngs.items()})
-      with jax.named_scope("loss"):
-        s = _per_task_sums(logits, mb["labels"], m)
-        loss = jnp.sum(w * s[0] / jnp.maximum(count_total, 1.0))
-      return loss, s
+      return share(logits, mb["labels"], m)
 
     (_, s), g = jax.value_and_grad(loss_fn, has_aux=True)(params)
     g_acc = constrain(jax.tree.map(jnp.add, g_acc, g))
@@ -209,29 +219,35 @@ def _accumulated_grads(model, params, batch, mask, rngs, task_weights, k, constr
 
 
 def _sparse_train_step(model, sparse_update, task_weights, params, opt_state, batch, rng, step,
-                       constrain=lambda g: g):
+                       constrain=lambda g: g, microbatches: int = 1):
   """The train step with sparse embedding-table updates (``constrain``: maps the dense gradients
   ``{keystr: grad}`` to their parameters' shardings).
 
   Tables read through ``kunlun.nn.inputs`` look-ups are not differentiated: the model is applied
   with each table group's ids recorded (``LOOKUP_IDS``) and a zero tap added to the group's
   looked-up rows (``ROW_TAPS``), and the gradient is taken w.r.t. the other parameters and the
-  taps, i.e.
-  w.r.t. the gathered rows ``[M, D]`` (no table-sized gradient exists). ``sparse_update`` then
-  applies AdamW to the dense leaves and the row-wise Adagrad to the looked-up rows only.
+  taps, i.e. w.r.t. the gathered rows ``[M, D]`` (no table-sized gradient exists).
+  ``sparse_update`` then applies AdamW to the dense leaves and the row-wise Adagrad to the
+  looked-up rows only. ``microbatches = k > 1``: a ``lax.scan`` over the strided microbatches
+  (``split_microbatches``) sums the dense gradients and stacks each microbatch's ids and row
+  gradients (``[k, M_mb]``, ``[k, M_mb, D]``); the stacks go to one sparse update, which sums
+  repeated ids across microbatches as the dense gradient sums them.
   ``grad_norm`` is the dense path's norm (the per-row summed table gradients count once per row);
   on a skipped step it is computed from the unsummed row gradients instead (it is then non-finite
   or the loss is). A looked-up table must be read only through those look-ups: any other read of
   it would get no gradient here (the tiny-model equivalence test in tests/kunlun/train/test_step.py
   checks the real input stage).
   """
-  from kunlun.nn.inputs import GROUP_SEP, LOOKUP_IDS, ROW_TAPS
   mask = label_mask(batch)
   rngs = {"dropout": jax.random.fold_in(rng, step)}
-  apply = lambda variables, mutable: model.apply(variables, batch, train=True, rngs=rngs,
-                                                 mutable=mutable)
+  n_mb = microbatches
+  mbs = split_microbatches({"batch": batch, "mask": mask}, n_mb) if n_mb > 1 else None
+  apply = lambda variables, mutable, b, r: model.apply(variables, b, train=True, rngs=r,
+                                                       mutable=mutable)
   # which table groups are looked up and the shapes of their rows (tracing only, no computation)
-  taps = jax.eval_shape(lambda p: apply({"params": p}, [LOOKUP_IDS, ROW_TAPS])[1], params)
+  first = batch if n_mb == 1 else jax.tree.map(lambda x: x[0], mbs["batch"])
+  taps = jax.eval_shape(lambda p: apply({"params": p}, [LOOKUP_IDS, ROW_TAPS], first, rngs)[1],
+                        params)
   taps = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), taps.get(ROW_TAPS, {}))
   groups = {}                       # group keystr -> member tables' keystrs
   for path, _ in jax.tree_util.tree_leaves_with_path(taps):
@@ -243,17 +259,46 @@ def _sparse_train_step(model, sparse_update, task_weights, params, opt_state, ba
   keys = [jax.tree_util.keystr(k) for k, _ in flat]
   diff = {k: v for k, (_, v) in zip(keys, flat, strict=False) if k not in tables}
 
-  def loss_fn(diff, taps):
-    p = treedef.unflatten([diff[k] if k in diff else v
-                           for k, (_, v) in zip(keys, flat, strict=False)])
-    logits, state = apply({"params": p, ROW_TAPS: taps}, [LOOKUP_IDS])
-    with jax.named_scope("loss"):
-      loss, per_task = masked_bce(logits, batch["labels"], mask, task_weights)
-    return loss, (per_task, logits, state.get(LOOKUP_IDS, {}))
+  def grads_of(loss_of, b, r):
+    """``((loss, aux), dense grads, ids, row grads)`` of batch ``b`` (``loss_of(logits)``)."""
+    def loss_fn(diff, taps):
+      p = treedef.unflatten([diff[k] if k in diff else v
+                             for k, (_, v) in zip(keys, flat, strict=False)])
+      logits, state = apply({"params": p, ROW_TAPS: taps}, [LOOKUP_IDS], b, r)
+      loss, aux = loss_of(logits)
+      return loss, (aux, logits, state.get(LOOKUP_IDS, {}))
 
-  (loss, (per_task, logits, ids)), (grads, g_taps) = jax.value_and_grad(
-      loss_fn, argnums=(0, 1), has_aux=True)(diff, taps)
-  grads = constrain(grads)
+    (loss, (aux, logits, ids)), (grads, g_taps) = jax.value_and_grad(
+        loss_fn, argnums=(0, 1), has_aux=True)(diff, taps)
+    return (loss, aux, logits), constrain(grads), ids, g_taps
+
+  if n_mb == 1:
+    def whole(logits):
+      with jax.named_scope("loss"):
+        return masked_bce(logits, batch["labels"], mask, task_weights)
+    (loss, per_task, logits), grads, ids, g_taps = grads_of(whole, batch, rngs)
+    with jax.named_scope("loss"):
+      sums = _per_task_sums(logits, batch["labels"], mask)
+  else:
+    share, w, count_total = _microbatch_share(mask, task_weights)
+
+    def body(carry, xs):
+      g_acc, sums = carry
+      mb, m, j = xs["batch"], xs["mask"], xs["j"]
+      (_, s, _), g, ids, g_taps = grads_of(lambda lg: share(lg, mb["labels"], m), mb,
+                                           {n: jax.random.fold_in(r, j) for n, r in rngs.items()})
+      g_acc = constrain(jax.tree.map(jnp.add, g_acc, g))
+      return (g_acc, tuple(a + b for a, b in zip(sums, s, strict=True))), (ids, g_taps)
+
+    zeros = constrain(jax.tree.map(jnp.zeros_like, diff))
+    sums0 = tuple(jnp.zeros((mask.shape[1],), jnp.float32) for _ in range(3))
+    (grads, sums), (ids, g_taps) = jax.lax.scan(
+        body, (zeros, sums0), {"batch": mbs["batch"], "mask": mbs["mask"], "j": jnp.arange(n_mb)})
+    # [k, M_mb, ...] -> [M_mb, k, ...]: a device's block of a microbatch's rows stays its own
+    ids, g_taps = jax.tree.map(lambda x: jnp.moveaxis(x, 0, 1), (ids, g_taps))
+    per_task = sums[0] / jnp.maximum(count_total, 1.0)
+    loss = jnp.sum(w * per_task)
+  loss_sum, pos_sum, count = sums
   key_of = lambda tree: {jax.tree_util.keystr(k): v
                          for k, v in jax.tree_util.tree_leaves_with_path(tree)}
   ids, g_taps = key_of(ids), key_of(g_taps)
@@ -269,8 +314,6 @@ def _sparse_train_step(model, sparse_update, task_weights, params, opt_state, ba
     new_params, new_opt, table_sq = sparse_update(params, opt_state, grads, rows, ok, **extra)
     raw_sq = optax.tree.norm(g_taps, squared=True)
     grad_norm = jnp.sqrt(dense_sq + jnp.where(ok, table_sq, raw_sq))
-  with jax.named_scope("loss"):
-    loss_sum, pos_sum, count = _per_task_sums(logits, batch["labels"], mask)
   stats = {"loss": loss, "per_task": per_task, "grad_norm": grad_norm, "ok": ok,
            "loss_sum": loss_sum, "pos_sum": pos_sum, "count": count}
   return new_params, new_opt, stats

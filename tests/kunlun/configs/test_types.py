@@ -8,7 +8,7 @@ import pytest
 
 from data.fake import random_batch, tiny_schema
 from data.synthetic import PRESETS, preset_schema
-from kunlun.configs import dev, large, mid, tiny
+from kunlun.configs import dev, large, mid, prod, tiny
 from kunlun.configs import types as C
 from kunlun.models.build import build_model
 from kunlun.models.flops import model_flops
@@ -209,3 +209,22 @@ def test_flops_with_per_head_activations():
                if l < t.depth and l % 2 == 0)
   per_score = (GDPA_ACT["relu"] + GDPA_ACT["silu"]) / 2 - GDPA_ACT["fast_gelu"]
   assert abs(got["per_module"]["pffn"] - base["per_module"]["pffn"] - per_score * scores) < 1e-6
+
+
+def test_prod_preset_parses_and_builds():
+  """The production-shaped preset: towers d 512 / H 4 / d_h 128 with n_kv 256 over ~1-2k events,
+  batch 1024; it parses against its synthetic schema and its model initialises abstractly (tiny
+  batch, eval_shape: no arrays), with the dense-parameter count its memory estimate uses."""
+  c = prod.get_config()
+  S = preset_schema(PRESETS["prod"])
+  m = C.parse(c, S)
+  assert c.data.batch_size == 1024 and c.train.sparse_embedding_update
+  click = m.tower("click")
+  assert (click.width, click.heads, click.width // click.heads, click.n_kv) == (512, 4, 128, 256)
+  assert C.seq_lens(c) == {"click": 1024, "impression": 1024, "conversion": 256}
+  model = build_model(c, S)
+  b = random_batch(S, 2, C.seq_lens(c), seed=0, min_len=1)
+  v = jax.eval_shape(lambda k: model.init(k, b, train=False), jax.random.key(0))
+  leaves = jax.tree_util.tree_leaves_with_path(nn.meta.unbox(v["params"]))
+  dense = sum(x.size for k, x in leaves if "embedding" not in jax.tree_util.keystr(k))
+  assert 200e6 < dense < 230e6                       # the estimate's "214M dense params"
