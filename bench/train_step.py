@@ -377,8 +377,8 @@ def default_name(args, cfg) -> str:
       parts.append(cfg.train.remat_scope)
   if int(cfg.train.get("microbatches", 1)) > 1:
     parts.append(f"mb{cfg.train.microbatches}")
-  if cfg.train.get("sparse_embedding_update", False):
-    parts.append("sparse")
+  if not cfg.train.sparse_embedding_update:             # the sparse table update is the default
+    parts.append("dense-tables")
   if args.tag:
     parts.append(args.tag)
   return "_".join(parts)
