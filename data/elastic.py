@@ -38,7 +38,9 @@ import sys
 
 import grain
 import numpy as np
+import orbax.checkpoint as ocp
 from absl import logging
+from grain._src.core import sharding
 
 from data.hashing import mix64
 
@@ -335,7 +337,6 @@ class ElasticCheckpointHandler(grain.checkpoint.CheckpointHandler):
 
   def restore(self, directory, item=None, args=None):
     item = item or args.item
-    from grain._src.core import sharding
     i, n = sharding.get_process_index_and_count()
     own = directory / f"process_{i}-of-{n}.json"
     if own.exists():
@@ -349,7 +350,6 @@ class ElasticCheckpointHandler(grain.checkpoint.CheckpointHandler):
 
 
 try:
-  import orbax.checkpoint as ocp
 
   @ocp.args.register_with_handler(ElasticCheckpointHandler, for_save=True)
   @dataclasses.dataclass

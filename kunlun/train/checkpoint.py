@@ -57,6 +57,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
 
 from data import elastic
 from kunlun.train import opt_layout
@@ -177,7 +178,6 @@ def _all_processes(ok: bool) -> bool:
   """``ok`` on every process (a restore is collective: all processes take the same branch)."""
   if jax.process_count() == 1:
     return ok
-  from jax.experimental import multihost_utils
   return bool(np.all(multihost_utils.process_allgather(np.int32(ok))))
 
 

@@ -18,6 +18,9 @@ import sys
 import time
 
 import jax
+from tensorboardX.event_file_writer import EventsWriter
+from tensorboardX.proto import event_pb2
+from tensorboardX.summary import scalar
 
 # Dense bf16 peak FLOP/s per device, by a substring of ``device.device_kind``.
 PEAK_BF16_FLOPS = (
@@ -93,13 +96,10 @@ class _TensorBoard:
   """Scalars to ``<logdir>/events.out.tfevents.*``, written and flushed in the calling thread."""
 
   def __init__(self, logdir: str):
-    from tensorboardX.event_file_writer import EventsWriter
     os.makedirs(logdir, exist_ok=True)
     self._w = EventsWriter(os.path.join(logdir, "events"))
 
   def scalars(self, step: int, values: dict) -> None:
-    from tensorboardX.proto import event_pb2
-    from tensorboardX.summary import scalar
     now = time.time()
     for tag, x in values.items():
       self._w.write_event(event_pb2.Event(wall_time=now, step=int(step), summary=scalar(tag, x)))
