@@ -5,8 +5,9 @@
   python -m bench.train_step --small                                            # CPU smoke run
   python -m bench.train_step --table bench/results/train_step_*.json            # compare runs
   python -m bench.train_step --config mid --backend pallas --batch 256 --target h200   # GPU
-      program compiled here without a GPU (bash scripts/setup.sh --gpu-compile installs the
-      compiler; bench/profiling/gpu_target.py): kernels, bytes, FLOPs, peak memory, roofline
+      program compiled here without a GPU (run with .venv-gpu/bin/python, which
+      bash scripts/setup.sh --gpu-compile makes; bench/profiling/gpu_target.py): kernels, bytes,
+      FLOPs, peak memory, roofline
 
 Builds the model, optimizer and train step with ``kunlun.train.step.build``, as train.py does
 (parameter / optimizer-state / batch shardings on the mesh, donated state), feeds a synthetic

@@ -4,15 +4,16 @@
 # --beam: also (or only, with VENV=.venv-beam) a second venv .venv-beam with the `beam` extra:
 # apache-beam caps numpy / pyarrow / protobuf below the main stack, so it gets its own
 # (`python -m data.ingest --runner beam` and tests/data/ingest/test_ingest_beam.py use it).
-# --gpu-compile: also the deviceless XLA:GPU compiler into .venv (bench --target h200/h100 on a
-# CPU-only host, bench/profiling/gpu_target.py): jax-cuda12-pjrt and jax-cuda12-plugin at
-# jaxlib's version plus nvidia-cuda-nvcc-cu12 (ptxas, libdevice), all --no-deps (no CUDA
-# runtime wheels; ~240 MB download, ~10 s on a warm cache).
+# --gpu-compile: a third venv .venv-gpu, the project plus the deviceless XLA:GPU compiler
+# (bench --target h200/h100 on a CPU-only host, bench/profiling/gpu_target.py): jax-cuda12-pjrt
+# and jax-cuda12-plugin at jaxlib's version plus nvidia-cuda-nvcc-cu12 (ptxas, libdevice), all
+# --no-deps (no CUDA runtime wheels; ~240 MB download). Its own venv: with the CUDA plugin
+# installed, every `import jax` logs "Could not find cuda drivers" lines on a CPU-only host.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ "${1:-}" = "--gpu-compile" ]; then
-  bash "$0"
-  VENV="${VENV:-.venv}"
+  VENV="${VENV:-.venv-gpu}"
+  VENV="$VENV" bash "$0"
   ver="$("$VENV/bin/python" -c 'import jaxlib; print(jaxlib.__version__)')"
   if ! "$VENV/bin/python" -c 'import importlib.util as u, sys; sys.exit(0 if u.find_spec("jax_plugins.xla_cuda12") and u.find_spec("nvidia.cuda_nvcc") else 1)' 2>/dev/null; then
     echo "[setup] installing the deviceless GPU compiler (jax-cuda12 $ver, nvcc) into $VENV"

@@ -6,7 +6,7 @@
 # tests are listed at the end.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh --gpu-compile   # + the deviceless XLA:GPU compiler (tests/bench/profiling/test_gpu_target.py)
+bash scripts/setup.sh --gpu-compile   # .venv-gpu: tests/bench/profiling/test_gpu_target.py compiles there
 bash scripts/setup.sh --beam      # .venv-beam: tests/data/ingest/test_ingest_beam.py runs there
 export JAX_PLATFORMS="${JAX_PLATFORMS:-cpu}"
 workers="${KUNLUN_TEST_WORKERS:-2}"

@@ -19,7 +19,7 @@ from jax.experimental import topologies
 TARGET_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "targets")
 TARGETS = {"h200": os.path.join(TARGET_DIR, "h200_sxm.txtpb"),
            "h100": os.path.join(TARGET_DIR, "h100_sxm.txtpb")}
-INSTALL = "bash scripts/setup.sh --gpu-compile"
+INSTALL = "bash scripts/setup.sh --gpu-compile, then run with .venv-gpu/bin/python"
 # Roofline numbers of each target: bf16 dense peak, HBM bandwidth (the target file's).
 DEVICE = {"h200": {"peak_flops": 989e12, "bandwidth": 4.917e12},
           "h100": {"peak_flops": 989e12, "bandwidth": 3.352e12}}
