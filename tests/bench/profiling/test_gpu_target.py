@@ -62,24 +62,35 @@ def test_unknown_target_is_one_line():
   assert "--target 'h300'" in str(e.value)
 
 
-@pytest.mark.skipif(gpu_target.missing() is not None, reason=str(gpu_target.missing()))
+_SWITCH = """
+import json
+import jax
+import jax.numpy as jnp
+from bench.profiling import gpu_target
+from pallas_kernels import api
+seen = []
+
+def f(x):
+  seen.append({"platform": api.compile_platform(), "interpret": api._interpret("pallas", False),
+               "auto": api.select_backend("block_attention", 64, 64)})
+  return x
+
+x = jax.ShapeDtypeStruct((4,), jnp.float32)
+with jax.set_mesh(gpu_target.gpu_mesh("h200")):
+  jax.jit(f).trace(x)
+jax.jit(f).trace(x)
+print(json.dumps(seen))
+"""
+
+
+@pytest.mark.skipif(not os.path.exists(GPU_PY),
+                    reason=f"no {GPU_PY}: {gpu_target.INSTALL} makes it")
 def test_pallas_compiles_real_kernels_for_a_gpu_mesh_on_a_cpu_host():
   """Under ``jax.set_mesh`` of the H200 target's devices the Pallas switch sees a GPU (no
   interpret mode) and ``auto`` selects for the H200; without the mesh this CPU host interprets."""
-  import jax
-  import jax.numpy as jnp
-
-  from pallas_kernels import api
-  seen = {}
-
-  def f(x):
-    seen["platform"], seen["interpret"] = api.compile_platform(), api._interpret("pallas", False)
-    seen["auto"] = api.select_backend("block_attention", 64, 64)
-    return x
-
-  x = jax.ShapeDtypeStruct((4,), jnp.float32)
-  with jax.set_mesh(gpu_target.gpu_mesh("h200")):
-    jax.jit(f).trace(x)
-  assert seen == {"platform": "gpu", "interpret": False, "auto": "pallas"}
-  jax.jit(f).trace(x)
-  assert seen == {"platform": "cpu", "interpret": True, "auto": "xla"}
+  p = subprocess.run([GPU_PY, "-c", _SWITCH], cwd=ROOT, capture_output=True, text=True,
+                     env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  assert p.returncode == 0, p.stderr[-2000:]
+  under_mesh, plain = json.loads(p.stdout.strip().splitlines()[-1])
+  assert under_mesh == {"platform": "gpu", "interpret": False, "auto": "pallas"}
+  assert plain == {"platform": "cpu", "interpret": True, "auto": "xla"}
