@@ -130,11 +130,11 @@ REMAT_SCOPES = ("layer", "tower")
 BUCKET_KINDS = ("age", "log_age", "gap", "position")   # kunlun/nn/time_encoding.py
 DAY = 86_400.0                                          # seconds
 
-# registry name -> names, or (module, attribute) of a lower layer that imports jax, imported
-# only when asked
-_REGISTRIES = {"rules": ("sharding.rules", "PRESETS"), "presets": ("data.synthetic", "PRESETS"),
-               "remat": REMAT_POLICIES, "remat_scope": REMAT_SCOPES,
-               "gdpa": ("pallas_kernels.activations", "NAMES"), "bucket_kinds": BUCKET_KINDS}
+# registry name -> its names; or -> (module, attribute) of a lower layer that imports jax,
+# imported only when asked
+_NAMES = {"remat": REMAT_POLICIES, "remat_scope": REMAT_SCOPES, "bucket_kinds": BUCKET_KINDS}
+_LAZY = {"rules": ("sharding.rules", "PRESETS"), "presets": ("data.synthetic", "PRESETS"),
+         "gdpa": ("pallas_kernels.activations", "NAMES")}
 
 
 def choices(spec) -> tuple:
@@ -143,10 +143,10 @@ def choices(spec) -> tuple:
     return tuple(spec)
   if spec == "attention":
     return ("softmax",) + choices("gdpa")
-  entry = _REGISTRIES[spec]
-  if isinstance(entry[0], str) and len(entry) == 2 and "." in entry[0]:
-    return tuple(getattr(importlib.import_module(entry[0]), entry[1]))
-  return tuple(entry)
+  if spec in _NAMES:
+    return _NAMES[spec]
+  module, name = _LAZY[spec]
+  return tuple(getattr(importlib.import_module(module), name))
 
 
 I, N, B, S, C = "int", "number", "bool", "str", "choice"

@@ -5,7 +5,7 @@ A parameter is an embedding table when its path contains "embedding" (the model'
 The row-wise Adagrad keeps one accumulator per table row (the mean of the squared gradient over
 the row). ``make_optimizer`` writes it as a dense update: rows that a step does not touch have a
 zero gradient, so their accumulator and value do not change, but every row is read and written
-each step. ``make_sparse_update`` (``config.train.sparse_embedding_update``) is the same update,
+each step. ``kunlun.train.sparse_update.make_sparse_update`` (the default) is the same update,
 and the same optimizer-state layout, driven by the looked-up rows' gradients: it reads and writes
 only the touched rows of each table.
 
@@ -13,16 +13,17 @@ AdamW runs on flat buffers (``Optimizer``, ``kunlun.train.flat``): the dense lea
 by dtype and sharding, the moments are stored as one buffer per group (``FlatAdamWState``), the
 clipping / moment / bias-correction arithmetic is a few fusions per group, and each leaf is read
 and written once, by its fused ``p + update``. The updates equal those of
-``optax.chain(clip_by_global_norm, adamw(mask=ndim >= 2))`` leaf by leaf (``legacy_optimizer``);
+``optax.chain(clip_by_global_norm, adamw(mask=ndim >= 2))`` leaf by leaf
+(``kunlun.train.opt_layout.legacy_optimizer``);
 only the global norm's sum is reassociated. The gradients' squared norms (dense and "emb") are
 computed once per step (``Optimizer.prepare``): the clipping and the step's ``grad_norm`` share
 them.
 
 State layout: ``optax.PartitionState({"dense": MaskedState(FlatAdamWState), "emb":
 MaskedState(RowwiseAdagradState)})``. The flat buffers depend on the mesh, so checkpoints store
-the per-leaf state of ``legacy_optimizer`` instead (``to_per_leaf`` / ``from_per_leaf``, called
-by ``kunlun.train.checkpoint``): checkpoints restore onto another mesh, and those written before
-the flat layout restore unchanged.
+the per-leaf state of ``legacy_optimizer`` instead (``kunlun.train.opt_layout``'s
+``to_per_leaf`` / ``from_per_leaf``, called by ``kunlun.train.checkpoint``): checkpoints restore
+onto another mesh, and those written before the flat layout restore unchanged.
 """
 
 from __future__ import annotations
