@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# Sets up .venv (with the deviceless GPU compiler) and .venv-beam if needed, then runs the whole
+# Sets up .venv, .venv-gpu (the deviceless GPU compiler) and .venv-beam if needed, then runs the whole
 # test suite on CPU (8 fake devices per process).
 # Two pytest-xdist workers by default (test files stay whole on one worker, so module fixtures
 # run once); KUNLUN_TEST_WORKERS=0 runs serially. Extra arguments go to pytest. The 25 slowest
 # tests are listed at the end.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+bash scripts/setup.sh                 # .venv: the project and its pinned stack
 bash scripts/setup.sh --gpu-compile   # .venv-gpu: tests/bench/profiling/test_gpu_target.py compiles there
 bash scripts/setup.sh --beam      # .venv-beam: tests/data/ingest/test_ingest_beam.py runs there
 export JAX_PLATFORMS="${JAX_PLATFORMS:-cpu}"
