@@ -20,8 +20,9 @@ Eval (``EvalPlan``): local row j of process k is global record ``k + j * K``; fi
 
 ``BatchIterDataset`` supports ``mp_prefetch``: worker w of W produces the steps ``w, w + W, ...``
 (it follows the cheap mixing plan of every step and loads only its own). The per-iterator state
-also carries the skipped-record counts of the batches it produced (``invalid``), so the parent of
-``mp_prefetch`` workers can add them up from its state (``data.pipeline.invalid_counts``).
+also carries the skipped-record counts of the batches it produced (``invalid``) and the events
+dropped over a jagged capacity (``dropped``), so the parent of ``mp_prefetch`` workers can add
+them up from its state (``data.pipeline.invalid_counts`` / ``dropped_events``).
 ``CheckpointSave`` / ``CheckpointRestore`` (orbax args) restore a state written under another
 process count: a process without its own file reads process 0's (or any other process's).
 (Why not grain's own elastic iterator: data/README.md, "Pipeline".)
@@ -175,8 +176,9 @@ class EvalPlan:
 # ---- dataset / iterator -------------------------------------------------------------------------
 
 class BatchIterDataset(grain.IterDataset):
-  """``plan`` decides the rows of every step, ``load(rows) -> (batch, invalid_counts)`` builds
-  the batch. Threads: ``num_threads`` loaders, up to ``prefetch`` batches in flight."""
+  """``plan`` decides the rows of every step, ``load(rows) -> (batch, invalid_counts[,
+  dropped_counts])`` builds the batch. Threads: ``num_threads`` loaders, up to ``prefetch``
+  batches in flight."""
 
   def __init__(self, plan, load, *, num_threads: int = 2, prefetch: int = 4,
                shard_index: int = 0, shard_count: int = 1):
@@ -200,7 +202,8 @@ class BatchIterDataset(grain.IterDataset):
 
 class BatchIterator(grain.DatasetIterator):
   """State: the plan's state at the next step to produce (global: same in every process), the
-  skipped-record counts of the batches produced so far and the shard it was written by."""
+  skipped-record and dropped-event counts of the batches produced so far and the shard it was
+  written by."""
 
   def __init__(self, ds: BatchIterDataset):
     super().__init__()
@@ -208,6 +211,7 @@ class BatchIterator(grain.DatasetIterator):
     self._pool = None
     self._inflight = collections.deque()          # (future, plan state after that step)
     self._invalid: dict[str, int] = {}
+    self._dropped: dict[str, int] = {}
     st = ds.plan.initial_state()
     for _ in range(ds.offset):
       st = ds.plan.step(st, rows=False)[1]
@@ -246,9 +250,10 @@ class BatchIterator(grain.DatasetIterator):
     if not self._inflight:
       raise StopIteration
     fut, nxt = self._inflight.popleft()
-    batch, invalid = fut.result()
-    for k, v in invalid.items():
-      self._invalid[k] = self._invalid.get(k, 0) + int(v)
+    batch, invalid, *dropped = fut.result()
+    for counts, new in ((self._invalid, invalid), (self._dropped, dropped[0] if dropped else {})):
+      for k, v in new.items():
+        counts[k] = counts.get(k, 0) + int(v)
     self._next = nxt
     return batch
 
@@ -256,7 +261,8 @@ class BatchIterator(grain.DatasetIterator):
   def get_state(self) -> dict:
     k, K = self.ds.shard
     return {"plan": copy.deepcopy(self._next), "invalid": dict(self._invalid),
-            "shard_index": k, "shard_count": K, "exhausted": int(self._next is None)}
+            "dropped": dict(self._dropped), "shard_index": k, "shard_count": K,
+            "exhausted": int(self._next is None)}
 
   def set_state(self, state: dict) -> None:
     want = sorted(self.ds.plan.initial_state())
@@ -273,6 +279,7 @@ class BatchIterator(grain.DatasetIterator):
       logging.info("data iterator: elastic restore from shard %s/%s to %d/%d (skip counts "
                    "restart at 0)", state.get("shard_index"), state.get("shard_count"), k, K)
     self._invalid = dict(state.get("invalid", {})) if same_shard else {}
+    self._dropped = dict(state.get("dropped", {})) if same_shard else {}
     plan_state = None if state.get("exhausted") else copy.deepcopy(state["plan"])
     self._next = self._sched = plan_state
 
@@ -320,11 +327,12 @@ def global_state(state) -> dict:
   live = [s for s in its if s["plan"] is not None and not s.get("exhausted")]
   key = lambda s: s["plan"].get("position", s["plan"].get("step", 0))
   out = dict(min(live, key=key)) if live else dict(its[0], plan=None, exhausted=1)
-  invalid: dict[str, int] = {}
-  for s in its:
-    for k, v in s["invalid"].items():
-      invalid[k] = invalid.get(k, 0) + int(v)
-  out["invalid"] = invalid
+  for key in ("invalid", "dropped"):          # states written before "dropped" existed: {}
+    total: dict[str, int] = {}
+    for s in its:
+      for k, v in s.get(key, {}).items():
+        total[k] = total.get(k, 0) + int(v)
+    out[key] = total
   return copy.deepcopy(out)
 
 

@@ -16,7 +16,8 @@ counted; so are records in a damaged chunk (kind ``bytes``, ``data.shards``), wh
 raise a ``DamagedChunkError`` naming the file and the chunk's record range. Iterators support
 ``get_state``/``set_state``, ``grain.checkpoint.CheckpointSave/Restore`` and (for a changed
 process count) ``data.elastic.CheckpointSave/Restore``; ``mp_prefetch`` works
-(``invalid_counts(iterator)`` adds up the workers' skip counts).
+(``invalid_counts(iterator)`` adds up the workers' skip counts). Opt-in ``jagged_capacity``
+packs streams (``data.jagged``); ``dropped_events(iterator)`` counts the events over capacity.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from data import elastic, records
+from data import elastic, jagged, records
 from data.hashing import hash_ids
 from data.schema import Schema, check_seq_lens, surface_weights
 from data.verify import BatchValidator, InvalidCounter
@@ -45,15 +46,37 @@ def balance_order(total_len: np.ndarray, groups: int) -> np.ndarray:
   return np.concatenate(buckets)
 
 
-class Collate:
-  """``BatchValidator`` columns of B rows + ``example_mask`` f32[B] -> batch (``data.schema``)."""
+def check_jagged_capacity(seq_lens: dict[str, int], capacity) -> dict[str, int]:
+  """``{stream: N}`` for the streams to pack (``data.jagged``); N a positive multiple of 64."""
+  out = {}
+  for s, n in dict(capacity or {}).items():
+    if s not in seq_lens:
+      raise ValueError(f"jagged_capacity: unknown event stream {s!r}; streams are "
+                       f"{sorted(seq_lens)}")
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n <= 0 or n % 64:
+      raise ValueError(f"jagged_capacity[{s!r}] = {n!r} must be a positive multiple of 64")
+    out[s] = int(n)
+  return out
 
-  def __init__(self, schema: Schema, seq_lens: dict[str, int], balance_groups: int = 0):
+
+class Collate:
+  """``BatchValidator`` columns of B rows + ``example_mask`` f32[B] -> batch (``data.schema``).
+
+  ``jagged_capacity`` {stream: N}: those streams in the packed layout at capacity N
+  (``data.jagged``); ``collate`` also returns the events dropped per stream."""
+
+  def __init__(self, schema: Schema, seq_lens: dict[str, int], balance_groups: int = 0,
+               jagged_capacity: dict[str, int] | None = None):
     self.schema, self.seq_lens = schema, seq_lens
     self.balance_groups = balance_groups
+    self.jagged = check_jagged_capacity(seq_lens, jagged_capacity)
     self.cols = {s.name: records.event_columns(s) for s in schema.streams}
 
   def __call__(self, c: dict, mask: np.ndarray) -> dict:
+    return self.collate(c, mask)[0]
+
+  def collate(self, c: dict, mask: np.ndarray) -> tuple[dict, dict[str, int]]:
+    """(batch, {jagged stream: events dropped over its capacity})."""
     if self.balance_groups:
       tot = sum(c[f"length/{s}"] for s in self.seq_lens).astype(np.int64)
       order = balance_order(tot, self.balance_groups)
@@ -66,28 +89,35 @@ class Collate:
       ids = c[f"sparse/{f.name}"]
       out["sparse"][f.name] = (np.where(ids >= 0, hash_ids(np.maximum(ids, 0), f.vocab_size), -1)
                                .astype(np.int32) if f.hashed else ids.astype(np.int32))
-    out["events"] = {}
-    req = c["request_ts"].astype(np.int64)[:, None]
+    out["events"], dropped = {}, {}
+    req = c["request_ts"].astype(np.int64)
     for s, T in self.seq_lens.items():
       buf, length = c[f"events/{s}"], c[f"length/{s}"]
-      valid = np.arange(T)[None, :] < length[:, None]
-      ev = {n: np.ascontiguousarray(buf[:, :, i]) for i, n in enumerate(self.cols[s]) if n != "ts"}
-      ev["age"] = np.where(valid, req - buf[:, :, 3], 0).astype(np.float32)
-      ev["length"] = length
-      out["events"][s] = ev
-    return out
+      ev = {n: np.ascontiguousarray(buf[..., i]) for i, n in enumerate(self.cols[s])}
+      if s in self.jagged:
+        ev, offsets, seg, pos, dropped[s] = jagged.pack_events(ev, length, self.jagged[s])
+        valid, row = seg < len(length), np.minimum(seg, len(length) - 1)
+        extra = {"length": np.diff(offsets), "offsets": offsets, "seg": seg, "pos": pos}
+      else:
+        valid, row = np.arange(T)[None, :] < length[:, None], np.arange(len(length))[:, None]
+        extra = {"length": length}
+      ev["age"] = np.where(valid, req[row] - ev.pop("ts"), 0).astype(np.float32)
+      out["events"][s] = {**ev, **extra}
+    return out, dropped
 
 
 class Loader:
-  """``elastic.Rows`` -> ``(batch, {kind: skipped})``: batched reads, vectorised decode and
-  validation, collation. Rows with source -1 and skipped invalid records are padding."""
+  """``elastic.Rows`` -> ``(batch, {kind: skipped}, {stream: events dropped})``: batched reads,
+  vectorised decode and validation, collation. Rows with source -1 and skipped invalid records
+  are padding; events over a jagged capacity are dropped (``Collate``) and counted."""
 
   def __init__(self, schema: Schema, seq_lens: dict[str, int], sources, source_surface,
-               collate: Collate, counter: InvalidCounter | None):
+               collate: Collate, counter: InvalidCounter | None,
+               dropped_counter: jagged.DroppedCounter | None = None):
     self.sources = sources                     # [RecordSource]
     self.source_surface = source_surface       # per source: i64[n_files] surface of each file
     self.validator = BatchValidator(schema, seq_lens)
-    self.collate, self.counter = collate, counter
+    self.collate, self.counter, self.dropped_counter = collate, counter, dropped_counter
 
   def __call__(self, rows: elastic.Rows):
     B = len(rows.source)
@@ -123,7 +153,11 @@ class Loader:
       for k, v in cols.items():
         full[k][keep] = v[ok]
       cols = full
-    return self.collate(cols, mask), skipped
+    batch, dropped = self.collate.collate(cols, mask)
+    dropped = {s: n for s, n in dropped.items() if n}
+    if self.dropped_counter is not None:
+      self.dropped_counter.add(dropped)
+    return batch, skipped, dropped
 
 
 def invalid_counter(ds) -> InvalidCounter | None:
@@ -139,12 +173,25 @@ def invalid_counts(iterator) -> dict[str, int]:
   return elastic.global_state(iterator.get_state())["invalid"]
 
 
+def dropped_counter(ds) -> jagged.DroppedCounter | None:
+  """The ``DroppedCounter`` of a dataset built with ``jagged_capacity`` (events dropped over the
+  capacity in this process; under ``mp_prefetch`` use ``dropped_events(iterator)``)."""
+  return getattr(ds, "dropped_counter", None)
+
+
+def dropped_events(iterator) -> dict[str, int]:
+  """{stream: events dropped over its jagged capacity} over the batches ``iterator`` has
+  produced so far, from its state like ``invalid_counts``."""
+  return elastic.global_state(iterator.get_state())["dropped"]
+
+
 def _get(cfg, name, default):
   return cfg.get(name, default) if hasattr(cfg, "get") else getattr(cfg, name, default)
 
 
 def make_dataset(data_cfg, data_dir: str, split: str, seq_lens: dict[str, int], *, train: bool,
-                 shard_index: int | None = None, shard_count: int | None = None):
+                 shard_index: int | None = None, shard_count: int | None = None,
+                 jagged_capacity: dict[str, int] | None = None):
   """grain ``IterDataset`` of numpy batches (``data.schema`` layout plus ``example_mask``).
 
   data_cfg fields: batch_size (global), surface_weights (mapping, "a=1,b=0.5" or "auto": in
@@ -155,6 +202,10 @@ def make_dataset(data_cfg, data_dir: str, split: str, seq_lens: dict[str, int], 
   ``ds.invalid_counter`` counts them in this process (``None`` unless skip_invalid). Eval:
   ``num_eval_batches`` batches per process. Train iterators restore from a state written under
   any process count or global batch size (``data.elastic``).
+
+  ``jagged_capacity`` {stream: N} (default None: every stream padded): those streams come in the
+  packed layout (``data.schema``) at N tokens per process batch; events dropped over N are
+  counted by ``ds.dropped_counter`` and ``dropped_events(iterator)``.
   """
   schema = Schema.load(data_dir)
   seq_lens = check_seq_lens(schema, dict(seq_lens))
@@ -172,7 +223,8 @@ def make_dataset(data_cfg, data_dir: str, split: str, seq_lens: dict[str, int], 
   groups = 0
   if _get(data_cfg, "length_balance", False):
     groups = int(_get(data_cfg, "length_balance_groups", 0) or jax.local_device_count())
-  collate = Collate(schema, seq_lens, groups)
+  collate = Collate(schema, seq_lens, groups, jagged_capacity)
+  drops = jagged.DroppedCounter() if collate.jagged else None
 
   if train:
     counts = {s: sum(c for _, c in files.get(s, [])) for s in schema.surfaces}
@@ -195,11 +247,11 @@ def make_dataset(data_cfg, data_dir: str, split: str, seq_lens: dict[str, int], 
       fsurf += [si] * len(files.get(surface, []))
     sources, surf = [records.RecordSource(flist)], [np.array(fsurf, np.int64)]
     plan = elastic.EvalPlan(len(sources[0]), B, shard_index, shard_count)
-  load = Loader(schema, seq_lens, sources, surf, collate, counter)
+  load = Loader(schema, seq_lens, sources, surf, collate, counter, drops)
   ds = elastic.BatchIterDataset(plan, load, num_threads=int(_get(data_cfg, "num_threads", 2)),
                                 prefetch=int(_get(data_cfg, "prefetch", 4)),
                                 shard_index=shard_index, shard_count=shard_count)
-  ds.invalid_counter = counter
+  ds.invalid_counter, ds.dropped_counter = counter, drops
   return ds
 
 
@@ -218,4 +270,5 @@ def num_eval_batches(data_dir: str, split: str, batch_size: int, shard_count: in
 
 
 __all__ = ["make_dataset", "device_put_batch", "invalid_counter", "invalid_counts", "hash_ids",
-           "balance_order", "num_eval_batches", "Collate", "Loader"]
+           "balance_order", "num_eval_batches", "Collate", "Loader", "check_jagged_capacity",
+           "dropped_counter", "dropped_events"]

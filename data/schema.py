@@ -29,6 +29,24 @@ array has a leading batch dimension B and a static shape::
     example_mask f32[B]                    1 = real example, 0 = padding (last eval batch)
 
 ``T`` for a stream is the model's kept length for that stream (<= ``EventStream.max_len``).
+
+Packed ("jagged") streams (opt-in ``jagged_capacity={stream: N}`` of ``data.pipeline``; issue #28;
+``data.jagged``): such a stream's ``events[stream]`` is instead, at a static capacity N tokens
+(a multiple of 64) per process-local batch::
+
+        item, action, surface, <field>   i32[N]   example 0's kept events (its padded row's
+        age                              f32[N]   order), then example 1's, ..., then 0 / 0.0
+        offsets    i32[B+1]   example b owns tokens [offsets[b], offsets[b+1]); offsets[0] = 0,
+                              offsets[B] = real tokens <= N; empty history: equal offsets
+        seg        i32[N]     example of each token; B for padding tokens
+        pos        i32[N]     position within its example, 0..length-1 (its padded-row index);
+                              0 for padding
+        length     i32[B]     offsets[1:] - offsets[:-1], after any drop
+
+A batch with more than N events keeps the most recent ones: the oldest events of the longest
+histories are dropped (positions restart at 0, as if the padded row had been truncated) and
+counted (``data.pipeline.dropped_events``). ``offsets`` and the token fields do not have the
+leading batch dimension B.
 """
 
 from __future__ import annotations

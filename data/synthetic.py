@@ -153,6 +153,13 @@ def _sigmoid(z):
   return 1.0 / (1.0 + np.exp(-z))
 
 
+def stream_lengths(s: StreamSpec, n: int, rng: np.random.Generator) -> np.ndarray:
+  """i64[n] history lengths of stream ``s``: floor of a lognormal (median ``s.median_len``,
+  sigma 1), 3% empty, at most ``s.max_len`` (the generator's draw; ``bench.jagged_capacity``)."""
+  L = np.floor(rng.lognormal(np.log(s.median_len), 1.0, n)).astype(np.int64)
+  return np.where(rng.uniform(size=n) < 0.03, 0, np.minimum(L, s.max_len))
+
+
 def _chunk(p: Preset, w: World, seed: int, split_id: int, c: int, n: int, t_start: float,
            dt: float):
   """Generates ``n`` examples (vectorised). Returns (fixed columns, ragged columns, surface)."""
@@ -171,8 +178,7 @@ def _chunk(p: Preset, w: World, seed: int, split_id: int, c: int, n: int, t_star
   ui0, ui1 = ui[:, 0].copy(), ui[:, 1].copy()
   cum_share = np.cumsum(SHARES)[:-1].astype(np.float32)
   for s in p.streams:
-    L = np.floor(rng.lognormal(np.log(s.median_len), 1.0, n)).astype(np.int64)
-    L = np.where(rng.uniform(size=n) < 0.03, 0, np.minimum(L, s.max_len))
+    L = stream_lengths(s, n, rng)
     off = np.concatenate([[0], np.cumsum(L)])
     E = int(off[-1])
     ex = np.repeat(np.arange(n, dtype=np.int32), L)

@@ -1,0 +1,191 @@
+"""The packed ("jagged") layout of one event tower (issue #28), numpy only.
+
+Padded ``{field: [B, T, ...]}`` + ``lengths[B]`` -> packed ``{field: [N, ...]}`` at a static
+capacity N: the examples' real events back to back, then padding; ``offsets i32[B+1]``,
+``seg i32[N]`` (example of each token, B for padding), ``pos i32[N]`` (index in its example).
+A batch over N drops the oldest events of the longest histories (``fit_lengths``), counted.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+
+import numpy as np
+
+
+def _check_lengths(lengths, max_len: int | None = None) -> np.ndarray:
+  L = np.asarray(lengths)
+  if L.ndim != 1 or not np.issubdtype(L.dtype, np.integer):
+    raise ValueError(f"lengths must be a 1-d integer array, got {L.dtype}{list(L.shape)}")
+  L = L.astype(np.int64)
+  if len(L) and (L.min() < 0 or (max_len is not None and L.max() > max_len)):
+    raise ValueError(f"lengths must be in [0, {max_len if max_len is not None else 'inf'}], "
+                     f"got min {L.min()} max {L.max()}")
+  return L
+
+
+def _check_capacity(capacity) -> int:
+  if isinstance(capacity, bool) or not isinstance(capacity, (int, np.integer)) or capacity < 0:
+    raise ValueError(f"jagged capacity must be an int >= 0, got {capacity!r}")
+  return int(capacity)
+
+
+def fit_lengths(lengths, capacity: int) -> np.ndarray:
+  """i64[B] events kept per example so that their sum is <= ``capacity``.
+
+  Fits: all of them. Else the largest cap c with sum(min(len, c)) <= capacity, keep min(len, c),
+  then one more event each to the ``capacity - sum`` longest histories still above c (ties: the
+  lower example index), so the buffer is exactly full. Which events: the most recent ones.
+  """
+  L = _check_lengths(lengths)
+  N = _check_capacity(capacity)
+  if L.sum() <= N:
+    return L
+  srt = np.sort(L)
+  c = np.arange(int(srt[-1]) + 1)
+  below = np.searchsorted(srt, c, side="left")             # examples with len < c
+  prefix = np.concatenate([[0], np.cumsum(srt)])
+  total = prefix[below] + c * (len(L) - below)             # sum(min(len, c)), non-decreasing
+  cap = int(np.searchsorted(total, N, side="right")) - 1   # largest c with total <= N
+  keep = np.minimum(L, cap)
+  room = N - int(total[cap])                                # < #(len > cap)
+  longer = np.flatnonzero(L > cap)
+  extra = longer[np.argsort(-L[longer], kind="stable")[:room]]
+  keep[extra] += 1
+  return keep
+
+
+def pack_events(events: dict, lengths, capacity: int):
+  """One tower, padded -> packed.
+
+  ``events``: {field: [B, T, ...]} (valid events in ``[0, length)`` of each row, oldest first);
+  ``lengths``: [B]. Returns ``(packed {field: [N, ...]}, offsets i32[B+1], seg i32[N],
+  pos i32[N], dropped)``; padding tokens are 0. An overflowing example keeps its most recent
+  events, re-indexed from 0 (as if its padded row had been truncated); ``dropped`` counts the rest.
+  """
+  if not events:
+    raise ValueError("pack_events: no event fields")
+  shapes = {k: np.shape(v) for k, v in events.items()}
+  B, T = next(iter(shapes.values()))[:2]
+  bad = {k: s for k, s in shapes.items() if len(s) < 2 or s[:2] != (B, T)}
+  if bad:
+    raise ValueError(f"pack_events: event fields must share the leading [B, T] = [{B}, {T}], "
+                     f"got {bad}")
+  L = _check_lengths(lengths, T)
+  if len(L) != B:
+    raise ValueError(f"pack_events: {len(L)} lengths for a batch of {B}")
+  N = _check_capacity(capacity)
+  keep = fit_lengths(L, N)
+  offsets = np.concatenate([[0], np.cumsum(keep)]).astype(np.int32)
+  n = int(offsets[-1])
+  seg = np.full(N, B, np.int32)
+  seg[:n] = np.repeat(np.arange(B, dtype=np.int32), keep)
+  pos = np.zeros(N, np.int32)
+  pos[:n] = np.arange(n) - offsets[seg[:n]]
+  col = pos[:n] + (L - keep)[seg[:n]]                      # source column in the padded row
+  packed = {}
+  for k, v in events.items():
+    v = np.asarray(v)
+    out = np.zeros((N,) + v.shape[2:], v.dtype)
+    out[:n] = v[seg[:n], col]
+    packed[k] = out
+  return packed, offsets, seg, pos, int(L.sum() - keep.sum())
+
+
+def unpack_events(packed: dict, offsets, max_len: int):
+  """Packed -> padded: ``({field: [B, max_len, ...]}, lengths i32[B])`` (0 padding)."""
+  offsets = np.asarray(offsets, np.int64)
+  lengths = np.diff(offsets)
+  B = len(lengths)
+  if B and lengths.max() > max_len:
+    raise ValueError(f"unpack_events: an example has {lengths.max()} events > max_len {max_len}")
+  n = int(offsets[-1])
+  seg = np.repeat(np.arange(B), lengths)
+  pos = np.arange(n) - offsets[seg]
+  out = {}
+  for k, v in packed.items():
+    v = np.asarray(v)
+    o = np.zeros((B, max_len) + v.shape[1:], v.dtype)
+    o[seg, pos] = v[:n]
+    out[k] = o
+  return out, lengths.astype(np.int32)
+
+
+def batch_sum_survival(lengths_sample, batch_size: int) -> np.ndarray:
+  """f64[batch_size * max_len + 1]: P(sum of a batch > n) for n = 0, 1, ...
+
+  Exact for a batch of ``batch_size`` lengths drawn with replacement from the sample: the
+  sample's length pmf convolved ``batch_size`` times (its FFT raised to that power).
+  """
+  L = _check_lengths(lengths_sample)
+  if not len(L):
+    raise ValueError("capacity: the length sample is empty")
+  if batch_size <= 0:
+    raise ValueError(f"capacity: batch_size must be > 0, got {batch_size}")
+  pmf = np.bincount(L) / len(L)
+  size = batch_size * (len(pmf) - 1) + 1                   # support of the batch sum
+  nfft = 1 << (size - 1).bit_length()
+  dist = np.fft.irfft(np.fft.rfft(pmf, nfft) ** batch_size, nfft)[:size]
+  dist = np.clip(dist, 0.0, None)
+  tail = np.cumsum(dist[::-1])[::-1]                       # P(sum >= n)
+  return np.clip(np.append(tail[1:], 0.0), 0.0, 1.0)       # P(sum > n)
+
+
+def capacity_for(lengths_sample, batch_size: int, quantile: float = 0.999,
+                 multiple: int = 64) -> int:
+  """The smallest multiple of ``multiple`` at which a batch of ``batch_size`` examples
+  overflows with probability <= 1 - ``quantile``, batches drawn with replacement from
+  ``lengths_sample`` (exact: ``batch_sum_survival``); at most batch_size * max(sample)."""
+  if not 0.0 < quantile <= 1.0:
+    raise ValueError(f"capacity: quantile must be in (0, 1], got {quantile}")
+  if multiple <= 0:
+    raise ValueError(f"capacity: multiple must be > 0, got {multiple}")
+  surv = batch_sum_survival(lengths_sample, batch_size)
+  top = len(surv) - 1                                      # batch_size * max_len: never overflows
+  n = int(np.argmax(surv <= 1.0 - quantile + 1e-12))       # smallest n meeting the quantile
+  return min(-(-n // multiple) * multiple, top)
+
+
+class DroppedCounter:
+  """Thread-safe count of events dropped per stream by the jagged capacity; the first
+  ``log_first`` overflowing batches are printed to stderr."""
+
+  def __init__(self, log_first: int = 10):
+    self._lock = threading.Lock()
+    self.counts: dict[str, int] = {}
+    self.batches = 0                                        # batches that overflowed
+    self.log_first = log_first
+
+  def __getstate__(self):   # picklable for mp_prefetch workers (each keeps its own count)
+    return {"counts": dict(self.counts), "batches": self.batches, "log_first": self.log_first}
+
+  def __setstate__(self, d):
+    self.__dict__.update(d)
+    self._lock = threading.Lock()
+
+  def add(self, dropped: dict[str, int]) -> None:
+    dropped = {s: int(v) for s, v in dropped.items() if v}
+    if not dropped:
+      return
+    with self._lock:
+      for s, v in dropped.items():
+        self.counts[s] = self.counts.get(s, 0) + v
+      self.batches += 1
+      n = self.batches
+    if n <= self.log_first:
+      print(f"warning: batch over the jagged capacity ({n} so far"
+            f"{', no more of these messages' if n == self.log_first else ''}): dropped the "
+            f"oldest events of the longest histories {dropped}", file=sys.stderr, flush=True)
+
+  @property
+  def total(self) -> int:
+    return sum(self.counts.values())
+
+  def report(self) -> str:
+    return (f"dropped {self.total} events over the jagged capacity in {self.batches} batches: "
+            f"{dict(sorted(self.counts.items()))}")
+
+
+__all__ = ["fit_lengths", "pack_events", "unpack_events", "batch_sum_survival", "capacity_for",
+           "DroppedCounter"]
