@@ -128,7 +128,7 @@ def _zero_padding(x, jagged: Jagged):
   return jnp.where(valid, x, jnp.zeros_like(x))
 
 
-def _check_tokens(jagged: Jagged, *xs):
+def check_tokens(jagged: Jagged, *xs):
   for x in xs:
     if x.ndim != 3 or x.shape[0] != jagged.capacity:
       raise ValueError(f"jagged tokens must be [N={jagged.capacity}, H, D], got {x.shape}")
@@ -136,7 +136,7 @@ def _check_tokens(jagged: Jagged, *xs):
     raise ValueError(f"jagged q/k/v must have equal shapes, got {[x.shape for x in xs]}")
 
 
-def _check_example_kv(k, v, jagged: Jagged, q):
+def check_example_kv(k, v, jagged: Jagged, q):
   if k.ndim != 4 or k.shape != v.shape or k.shape[0] != jagged.batch or k.shape[2:] != q.shape[1:]:
     raise ValueError(f"k {k.shape} / v {v.shape} must be [B={jagged.batch}, n_kv, "
                      f"{q.shape[1]}, {q.shape[2]}]")
@@ -205,8 +205,8 @@ def jagged_gdpa_cross(q, k, v, jagged: Jagged, *, activation="fast_gelu", scale=
   ``lax.ragged_dot`` lowers off TPU to a dense one-hot over all B groups (B x the FLOPs); the
   work list does tile x n_kv matmuls over ``N + B * tile`` rows at most.
   """
-  _check_tokens(jagged, q)
-  _check_example_kv(k, v, jagged, q)
+  check_tokens(jagged, q)
+  check_example_kv(k, v, jagged, q)
   N, H, D = q.shape
   acts = per_head(activation, H)
   scale = D ** -0.5 if scale is None else scale
@@ -229,7 +229,7 @@ def jagged_gdpa_pool(q, k, v, jagged: Jagged, *, activation="fast_gelu", scale=N
   ``q [S, H, D]`` (shared), ``k, v [N, H, D]`` -> ``[B, S, H, D]`` in q's dtype; an empty
   history gives 0. Same (tile, example) work list as ``jagged_gdpa_cross``.
   """
-  _check_tokens(jagged, k, v)
+  check_tokens(jagged, k, v)
   if q.ndim != 3 or q.shape[1:] != k.shape[1:]:
     raise ValueError(f"jagged_gdpa_pool: q must be [S, {k.shape[1]}, {k.shape[2]}], got {q.shape}")
   B = jagged.batch
@@ -288,7 +288,7 @@ def jagged_block_attention(q, k, v, jagged: Jagged, *, block_size=64, activation
   sqrt(D))) / block_size``. ``q, k, v [N, H, D]`` -> ``[N, H, D]``; padding tokens give 0.
   Rotary: rotate q and k before the call. Cost ``O(N * 3 max(block_size, 16))``.
   """
-  _check_tokens(jagged, q, k, v)
+  check_tokens(jagged, q, k, v)
   if block_size < 1:
     raise ValueError(f"block_size must be >= 1, got {block_size}")
   H, D = q.shape[1:]
@@ -312,7 +312,7 @@ def jagged_softmax_attention(q, k, v, jagged: Jagged, *, window=None, scale=None
   ``O(N * 3 max(window, 16))``; without, one masked ``[N, N]`` (the Pallas kernel visits only
   the key tiles of the examples a query tile overlaps).
   """
-  _check_tokens(jagged, q, k, v)
+  check_tokens(jagged, q, k, v)
   if window is not None and window < 0:
     raise ValueError(f"window must be >= 0, got {window}")
   if window is None:
