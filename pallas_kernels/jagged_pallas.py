@@ -266,6 +266,17 @@ def key_ranges(jag, tile: int, window):
   return klo.astype(jnp.int32), khi.astype(jnp.int32)
 
 
+def _flash_step(carry, s, keep, v, prec):
+  """Online softmax: ``(acc, running max m, running sum l)`` after one key tile's scores ``s``
+  (pairs outside ``keep`` excluded). The same update as ``pallas_softmax``'s forward."""
+  acc, m, l = carry
+  m_new = jnp.maximum(m, jnp.max(jnp.where(keep, s, _NEG), axis=1))
+  p = jnp.where(keep, jnp.exp(s - m_new[:, None]), 0.0)
+  alpha = jnp.exp(m - m_new)
+  return (acc * alpha[:, None] + plgpu.dot(p.astype(v.dtype), v, precision=prec), m_new,
+          l * alpha + jnp.sum(p, axis=1))
+
+
 def _softmax_kernel(klo_ref, khi_ref, seg_ref, q_ref, k_ref, v_ref, o_ref, *, cfg: _Cfg, B):
   i, h = pl.program_id(0), pl.program_id(1)
   bq, bk = cfg.tile, cfg.kv_tile
@@ -276,7 +287,6 @@ def _softmax_kernel(klo_ref, khi_ref, seg_ref, q_ref, k_ref, v_ref, o_ref, *, cf
   prec = _prec(q.dtype)
 
   def tile(j, carry):            # online softmax over the key tiles in [klo, khi)
-    acc, m, l = carry
     cols = j * bk + jnp.arange(bk)
     inside = (cols >= klo) & (cols < khi)
     seg_k = jnp.where(inside, _vec(seg_ref, j * bk, bk, B), -1)
@@ -284,12 +294,8 @@ def _softmax_kernel(klo_ref, khi_ref, seg_ref, q_ref, k_ref, v_ref, o_ref, *, cf
     if cfg.window is not None:
       keep &= jnp.abs(rows[:, None] - cols[None, :]) <= cfg.window
     k, v = (_rows(r, j * bk, bk, h, inside) for r in (k_ref, v_ref))
-    s = jnp.where(keep, plgpu.dot(q, k, trans_b=True, precision=prec) * cfg.scale, _NEG)
-    m_new = jnp.maximum(m, jnp.max(s, axis=1))
-    alpha = jnp.exp(m - m_new)
-    p = jnp.where(keep, jnp.exp(s - m_new[:, None]), 0.0)
-    acc = acc * alpha[:, None] + plgpu.dot(p.astype(v.dtype), v, precision=prec)
-    return acc, m_new, l * alpha + jnp.sum(p, axis=1)
+    return _flash_step(carry, plgpu.dot(q, k, trans_b=True, precision=prec) * cfg.scale, keep,
+                       v, prec)
 
   init = (jnp.zeros((bq, q_ref.shape[-1]), _F32), jnp.full((bq,), _NEG, _F32),
           jnp.zeros((bq,), _F32))
