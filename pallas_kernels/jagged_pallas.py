@@ -2,7 +2,8 @@
 
 Semantics and shapes of the XLA twins in ``jagged.py`` (tokens ``[N, H, D]``, ``Jagged``).
 Every grid cell with no real token only stores zeros; a query tile visits only the examples /
-key rows it overlaps. Backward: jax autodiff of the XLA twin (``custom_vjp``), for now.
+key rows it overlaps. Backward: a kernel for block attention; for the others, for now, jax
+autodiff of the XLA twin (``custom_vjp``).
 """
 
 from __future__ import annotations
@@ -70,19 +71,25 @@ def _vec(ref, start, n, fill):
                     other=fill)
 
 
-def _act(s, cfg: _Cfg, head):
+def _act(s, cfg: _Cfg, head, with_slope=False):
+  """The head's activation of the clipped scores (and its slope, zero where clipped)."""
   c = cfg.score_clip
-  s = s if c is None else jnp.minimum(jnp.maximum(s, -c), c)
-  return activations.in_kernel(s, cfg.acts, head, fast=cfg.fast)
+  sc = s if c is None else jnp.minimum(jnp.maximum(s, -c), c)
+  out = activations.in_kernel(sc, cfg.acts, head, with_slope=with_slope, fast=cfg.fast)
+  if not with_slope or c is None:
+    return out
+  return out[0], jnp.where(jnp.abs(s) <= c, out[1], 0.0)
 
 
 def _call(kernel, cfg: _Cfg, scalars, ops, out_shape, grid, name):
   """``pallas_call`` with per-program scalars (blocked on grid axis 0) and whole operands."""
   spec = pl.BlockSpec((1,), lambda i, h: (i,))
+  whole = pl.no_block_spec
   return _poison.pallas_call(
       functools.partial(kernel, cfg=cfg), (*scalars, *ops), out_shape=out_shape, grid=grid,
-      in_specs=[spec] * len(scalars) + [pl.no_block_spec] * len(ops),
-      out_specs=pl.no_block_spec, interpret=cfg.interpret, name=name)
+      in_specs=[spec] * len(scalars) + [whole] * len(ops),
+      out_specs=(whole,) * len(out_shape) if isinstance(out_shape, tuple) else whole,
+      interpret=cfg.interpret, name=name)
 
 
 def _with_twin_grad(kernel, twin, *args):
@@ -207,22 +214,49 @@ def block_table(jag, block_size: int):
   return tuple(x.astype(jnp.int32) for x in (start, n_store, n_valid))
 
 
-def _block_kernel(start_ref, nst_ref, nva_ref, q_ref, k_ref, v_ref, o_ref, *, cfg: _Cfg):
-  h, bs = pl.program_id(1), cfg.tile
-  start, r = start_ref[0], jnp.arange(cfg.tile)
-  valid = r < nva_ref[0]
-  q, k, v = (_rows(x, start, bs, h, valid) for x in (q_ref, k_ref, v_ref))
-  prec = _prec(q.dtype)
-  s = plgpu.dot(q, k, trans_b=True, precision=prec) * cfg.scale
-  keep = valid[:, None] & valid[None, :]
+def _block_probs(q, k, valid, cfg: _Cfg, h, with_slope=False):
+  """Scores and attention weights of one block (rows / keys outside ``valid`` zero-filled):
+  ``(s, p)`` or, with ``with_slope``, ``(s, p, act'(s) / block)`` (None for softmax)."""
+  s = plgpu.dot(q, k, trans_b=True, precision=_prec(q.dtype)) * cfg.scale
   if cfg.acts is None:
-    s = jnp.where(keep, s, _NEG)
-    e = jnp.where(keep, jnp.exp(s - jnp.max(s, axis=-1, keepdims=True)), 0.0)
+    keep = valid[:, None] & valid[None, :]
+    e = jnp.where(keep, jnp.exp(jnp.where(keep, s, _NEG) - jnp.max(
+        jnp.where(keep, s, _NEG), axis=-1, keepdims=True)), 0.0)
     den = jnp.sum(e, axis=-1, keepdims=True)
     p = e / jnp.where(den > 0, den, 1.0)
-  else:                          # invalid rows / keys are zero-filled: act(0) = 0
-    p = _act(s, cfg, h) * (1.0 / bs)
-  _store(o_ref, start, h, plgpu.dot(p.astype(v.dtype), v, precision=prec), r < nst_ref[0])
+    return (s, p, None) if with_slope else (s, p)
+  if not with_slope:             # zero-filled rows / keys: act(0) = 0
+    return s, _act(s, cfg, h) * (1.0 / cfg.tile)
+  p, slope = _act(s, cfg, h, with_slope=True)
+  return s, p * (1.0 / cfg.tile), slope * (1.0 / cfg.tile)
+
+
+def _block_kernel(start_ref, nst_ref, nva_ref, q_ref, k_ref, v_ref, o_ref, *, cfg: _Cfg):
+  h, bs = pl.program_id(1), cfg.tile
+  start, r = start_ref[0], jnp.arange(bs)
+  valid = r < nva_ref[0]
+  q, k, v = (_rows(x, start, bs, h, valid) for x in (q_ref, k_ref, v_ref))
+  _, p = _block_probs(q, k, valid, cfg, h)
+  _store(o_ref, start, h, plgpu.dot(p.astype(v.dtype), v, precision=_prec(v.dtype)),
+         r < nst_ref[0])
+
+
+def _block_bwd_kernel(start_ref, nst_ref, nva_ref, q_ref, k_ref, v_ref, do_ref, dq_ref, dk_ref,
+                      dv_ref, *, cfg: _Cfg):
+  """dq, dk, dv of one block from recomputed scores (a block is self-contained)."""
+  h, bs = pl.program_id(1), cfg.tile
+  start, r = start_ref[0], jnp.arange(bs)
+  valid = r < nva_ref[0]
+  q, k, v, do = (_rows(x, start, bs, h, valid) for x in (q_ref, k_ref, v_ref, do_ref))
+  prec = _prec(q.dtype)
+  _, p, slope = _block_probs(q, k, valid, cfg, h, with_slope=True)
+  dp = plgpu.dot(do, v, trans_b=True, precision=prec)   # zero outside the valid square
+  ds = p * (dp - jnp.sum(p * dp, axis=-1, keepdims=True)) if slope is None else dp * slope
+  ds = (ds * cfg.scale).astype(q.dtype)
+  out = r < nst_ref[0]
+  _store(dv_ref, start, h, plgpu.dot(p.astype(do.dtype), do, trans_a=True, precision=prec), out)
+  _store(dq_ref, start, h, plgpu.dot(ds, k, precision=prec), out)
+  _store(dk_ref, start, h, plgpu.dot(ds, q, trans_a=True, precision=prec), out)
 
 
 def _block_fwd(cfg: _Cfg, q, k, v, jag):
@@ -231,11 +265,30 @@ def _block_fwd(cfg: _Cfg, q, k, v, jag):
                (table[0].shape[0], q.shape[1]), "jagged_block_attention")
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _block_attention(cfg: _Cfg, q, k, v, jag):
+  return _block_fwd(cfg, q, k, v, jag)
+
+
+def _block_attention_bwd(cfg: _Cfg, res, do):
+  q, k, v, jag = res
+  table = block_table(jag, cfg.tile)
+  grads = _call(_block_bwd_kernel, cfg, table, (q, k, v, do.astype(q.dtype)),
+                (jax.ShapeDtypeStruct(q.shape, q.dtype),) * 3, (table[0].shape[0], q.shape[1]),
+                "jagged_block_attention_bwd")
+  return (*grads, jax.tree.map(lambda _: None, jag))
+
+
+_block_attention.defvjp(lambda cfg, q, k, v, jag: (_block_fwd(cfg, q, k, v, jag), (q, k, v, jag)),
+                        _block_attention_bwd)
+
+
 def jagged_block_attention_pallas(q, k, v, jag, *, block_size=64, activation="softmax",
                                   score_clip=None, interpret=False):
   """Pallas ``jagged.jagged_block_attention``: grid (``block_table`` slots, heads); a program
   is one block of one example (its tokens are contiguous in the buffer), so no pair of tokens
-  from different blocks or examples is ever scored."""
+  from different blocks or examples is ever scored. The backward is a kernel on the same grid
+  (scores recomputed; dq, dk, dv of the block)."""
   jagged.check_tokens(jag, q, k, v)
   H, D = q.shape[1:]
   if block_size < 1 or (not interpret and (block_size < 16 or block_size & (block_size - 1))):
@@ -244,9 +297,7 @@ def jagged_block_attention_pallas(q, k, v, jag, *, block_size=64, activation="so
   acts = None if activation == "softmax" else activations.per_head(activation, H)
   cfg = _Cfg(acts, D ** -0.5, 1.0, int(block_size), int(block_size), bool(interpret),
              None if acts is None else score_clip_value(score_clip), fast=_fast(q, interpret))
-  kw = dict(block_size=block_size, activation=activation, score_clip=score_clip)
-  twin = lambda q, k, v, jag: jagged.jagged_block_attention(q, k, v, jag, **kw)
-  return _with_twin_grad(functools.partial(_block_fwd, cfg), twin, q, k, v, jag)
+  return _block_attention(cfg, q, k, v, jag)
 
 
 # ----------------------------------------------------------------------------- softmax
