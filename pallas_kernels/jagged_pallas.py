@@ -99,41 +99,141 @@ def _with_twin_grad(kernel, twin, *args):
   return f(*args)
 
 
-# ----------------------------------------------------------------------------- GDPA cross
+# ----------------------------------------------------------------------------- GDPA cross / pool
+#
+# Two loops serve the four GDPA kernels: a token tile walks the examples it overlaps (cross
+# forward and dq, pool dk/dv) and an example walks its token tiles (pool forward and dq, cross
+# dk/dv). Zero-filled rows need no mask: act(0) = 0 and a zero v (or do) row adds nothing.
+
+
+def _ex_rows(ref, b, n, h, count):
+  """Rows ``[0, n)`` of ``ref[b, :, h, :]`` (an example's keys, seeds' gradients), zero at and
+  past ``count``."""
+  valid = jnp.broadcast_to((jnp.arange(n) < count)[:, None], (n, ref.shape[-1]))
+  return plgpu.load(ref.at[b, pl.ds(0, n), h, :], mask=valid, other=0.0)
+
+
+def _ex_store(ref, b, h, x, count):
+  n, d = x.shape
+  plgpu.store(ref.at[b, pl.ds(0, n), h, :], x.astype(ref.dtype),
+              mask=jnp.broadcast_to((jnp.arange(n) < count)[:, None], (n, d)))
+
+
+def _scores(a, b, cfg: _Cfg, h, with_slope=False):
+  """``act(clip(scale a b^T))`` (and its slope) of two row tiles."""
+  s = plgpu.dot(a, b, trans_b=True, precision=_prec(a.dtype)) * cfg.scale
+  return _act(s, cfg, h, with_slope)
+
+
+def _dot(a, b, **kw):
+  return plgpu.dot(a.astype(b.dtype), b, precision=_prec(b.dtype), **kw)
+
+
+def _tile_loop(lo_ref, hi_ref, seg_ref, n_ex, cfg: _Cfg, body, init):
+  """Runs ``body(b, on_b bool[tile], carry)`` over the examples this token tile overlaps."""
+  seg = _vec(seg_ref, pl.program_id(0) * cfg.tile, cfg.tile, n_ex)
+  return lax.fori_loop(lo_ref[0], hi_ref[0] + 1, lambda b, c: body(b, seg == b, c), init)
+
+
+def _example_loop(start_ref, end_ref, cfg: _Cfg, body, init):
+  """Runs ``body(start, rows bool[kv_tile], carry)`` over this example's token tiles."""
+  start, end, bk = start_ref[0], end_ref[0], cfg.kv_tile
+
+  def step(j, c):
+    s = start + j * bk
+    return body(s, s + jnp.arange(bk) < end, c)
+
+  return lax.fori_loop(0, lax.div(end - start + bk - 1, bk), step, init)
+
+
+def _own_rows(seg_ref, cfg: _Cfg, n_ex):
+  """(first row, bool[tile] real-token rows) of this token tile."""
+  i = pl.program_id(0)
+  return i * cfg.tile, _vec(seg_ref, i * cfg.tile, cfg.tile, n_ex) < n_ex
 
 
 def _cross_kernel(lo_ref, hi_ref, seg_ref, kvl_ref, q_ref, k_ref, v_ref, o_ref, *, cfg: _Cfg):
-  i, h = pl.program_id(0), pl.program_id(1)
-  B, bq, bk = kvl_ref.shape[0], cfg.tile, cfg.kv_tile
-  seg = _vec(seg_ref, i * bq, bq, B)
-  q = _rows(q_ref, i * bq, bq, h, seg < B)
-  prec = _prec(q.dtype)
+  h, B = pl.program_id(1), kvl_ref.shape[0]
+  r0, real = _own_rows(seg_ref, cfg, B)
+  q = _rows(q_ref, r0, cfg.tile, h, real)
 
-  def example(b, acc):           # keys past kv_lengths[b] load as 0: act(0) = 0, v = 0
-    keys = jnp.arange(bk) < kvl_ref[b]
-    k = plgpu.load(k_ref.at[b, pl.ds(0, bk), h, :], mask=keys[:, None], other=0.0)
-    v = plgpu.load(v_ref.at[b, pl.ds(0, bk), h, :], mask=keys[:, None], other=0.0)
-    p = _act(plgpu.dot(q, k, trans_b=True, precision=prec) * cfg.scale, cfg, h)
-    p = jnp.where((seg == b)[:, None], p, 0.0)
-    return acc + plgpu.dot(p.astype(v.dtype), v, precision=prec)
+  def example(b, on_b, acc):
+    k, v = (_ex_rows(x, b, cfg.kv_tile, h, kvl_ref[b]) for x in (k_ref, v_ref))
+    return acc + _dot(jnp.where(on_b[:, None], _scores(q, k, cfg, h), 0.0), v)
 
-  acc = lax.fori_loop(lo_ref[0], hi_ref[0] + 1, example,
-                      jnp.zeros((bq, q_ref.shape[-1]), _F32))
-  _store(o_ref, i * bq, h, acc * cfg.out_scale, i * bq + jnp.arange(bq) < q_ref.shape[0])
+  acc = _tile_loop(lo_ref, hi_ref, seg_ref, B, cfg, example, jnp.zeros(q.shape, _F32))
+  _store(o_ref, r0, h, acc * cfg.out_scale, r0 + jnp.arange(cfg.tile) < q_ref.shape[0])
+
+
+def _cross_dq_kernel(lo_ref, hi_ref, seg_ref, kvl_ref, q_ref, k_ref, v_ref, do_ref, dq_ref, *,
+                     cfg: _Cfg):
+  h, B = pl.program_id(1), kvl_ref.shape[0]
+  r0, real = _own_rows(seg_ref, cfg, B)
+  q, do = (_rows(x, r0, cfg.tile, h, real) for x in (q_ref, do_ref))
+
+  def example(b, on_b, dq):
+    k, v = (_ex_rows(x, b, cfg.kv_tile, h, kvl_ref[b]) for x in (k_ref, v_ref))
+    _, slope = _scores(q, k, cfg, h, with_slope=True)
+    ds = jnp.where(on_b[:, None], _dot(do, v, trans_b=True) * slope, 0.0)
+    return dq + _dot(ds, k)
+
+  dq = _tile_loop(lo_ref, hi_ref, seg_ref, B, cfg, example, jnp.zeros(q.shape, _F32))
+  _store(dq_ref, r0, h, dq * (cfg.scale * cfg.out_scale),
+         r0 + jnp.arange(cfg.tile) < q_ref.shape[0])
+
+
+def _cross_dkv_kernel(start_ref, end_ref, kvl_ref, q_ref, k_ref, v_ref, do_ref, dk_ref, dv_ref, *,
+                      cfg: _Cfg):
+  b, h = pl.program_id(0), pl.program_id(1)
+  k, v = (_ex_rows(x, b, cfg.tile, h, kvl_ref[0]) for x in (k_ref, v_ref))
+
+  def tile(start, rows, carry):
+    dk, dv = carry
+    q, do = (_rows(x, start, cfg.kv_tile, h, rows) for x in (q_ref, do_ref))
+    p_t, slope_t = _scores(k, q, cfg, h, with_slope=True)                # [n_kv, tile]
+    return dk + _dot(_dot(v, do, trans_b=True) * slope_t, q), dv + _dot(p_t, do)
+
+  zeros = jnp.zeros(k.shape, _F32)
+  dk, dv = _example_loop(start_ref, end_ref, cfg, tile, (zeros, zeros))
+  _ex_store(dk_ref, b, h, dk * (cfg.scale * cfg.out_scale), k_ref.shape[1])
+  _ex_store(dv_ref, b, h, dv * cfg.out_scale, k_ref.shape[1])
 
 
 def _cross_fwd(cfg: _Cfg, q, k, v, jag, kvl):
-  N, H, _ = q.shape
   lo, hi = jagged.tile_examples(jag, cfg.tile)
   return _call(_cross_kernel, cfg, (lo, hi), (jag.seg, kvl, q, k, v),
-               jax.ShapeDtypeStruct(q.shape, q.dtype), (lo.shape[0], H), "jagged_gdpa_cross")
+               jax.ShapeDtypeStruct(q.shape, q.dtype), (lo.shape[0], q.shape[1]),
+               "jagged_gdpa_cross")
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _gdpa_cross(cfg: _Cfg, q, k, v, jag, kvl):
+  return _cross_fwd(cfg, q, k, v, jag, kvl)
+
+
+def _gdpa_cross_bwd(cfg: _Cfg, res, do):
+  q, k, v, jag, kvl = res
+  do = do.astype(q.dtype)
+  lo, hi = jagged.tile_examples(jag, cfg.tile)
+  H = q.shape[1]
+  dq = _call(_cross_dq_kernel, cfg, (lo, hi), (jag.seg, kvl, q, k, v, do),
+             jax.ShapeDtypeStruct(q.shape, q.dtype), (lo.shape[0], H), "jagged_gdpa_cross_dq")
+  per_ex = cfg._replace(tile=cfg.kv_tile, kv_tile=cfg.tile)    # kv rows x token tiles
+  dk, dv = _call(_cross_dkv_kernel, per_ex, (jag.offsets[:-1], jag.offsets[1:], kvl),
+                 (q, k, v, do), (jax.ShapeDtypeStruct(k.shape, k.dtype),) * 2,
+                 (jag.batch, H), "jagged_gdpa_cross_dkv")
+  return dq, dk, dv, jax.tree.map(lambda _: None, jag), None
+
+
+_gdpa_cross.defvjp(lambda cfg, *a: (_cross_fwd(cfg, *a), a), _gdpa_cross_bwd)
 
 
 def jagged_gdpa_cross_pallas(q, k, v, jag, *, activation="fast_gelu", scale=None,
                              out_scale=1.0, kv_lengths=None, score_clip=None, interpret=False,
                              block_q=64):
   """Pallas ``jagged.jagged_gdpa_cross``: grid (token tiles of ``block_q``, heads); a tile loops
-  over the examples it overlaps, reading each one's ``n_kv`` keys once."""
+  over the examples it overlaps, reading each one's ``n_kv`` keys once. Backward: dq on the
+  same grid; dk, dv on (examples, heads), each walking its example's token tiles."""
   jagged.check_example_kv(k, v, jag, q)
   N, H, D = q.shape
   kvl = jnp.full((jag.batch,), k.shape[1], jnp.int32) if kv_lengths is None else jnp.clip(
@@ -141,54 +241,101 @@ def jagged_gdpa_cross_pallas(q, k, v, jag, *, activation="fast_gelu", scale=None
   cfg = _Cfg(activations.per_head(activation, H), D ** -0.5 if scale is None else float(scale),
              float(out_scale), int(block_q), _pow2(k.shape[1]), bool(interpret),
              score_clip_value(score_clip), fast=_fast(q, interpret))
-  kw = dict(activation=activation, scale=scale, out_scale=out_scale, score_clip=score_clip)
-  twin = lambda q, k, v, jag, kvl: jagged.jagged_gdpa_cross(q, k, v, jag, kv_lengths=kvl, **kw)
-  return _with_twin_grad(functools.partial(_cross_fwd, cfg), twin, q, k, v, jag, kvl)
-
-
-# ----------------------------------------------------------------------------- GDPA pool
+  return _gdpa_cross(cfg, q, k, v, jag, kvl)
 
 
 def _pool_kernel(start_ref, end_ref, q_ref, k_ref, v_ref, o_ref, *, cfg: _Cfg):
-  b, h = pl.program_id(0), pl.program_id(1)
-  S, bk = q_ref.shape[0], cfg.kv_tile
-  sq = _pow2(S)
+  b, h, S = pl.program_id(0), pl.program_id(1), q_ref.shape[0]
+  q = _rows(q_ref, 0, cfg.tile, h, jnp.arange(cfg.tile) < S)
+
+  def tile(start, rows, acc):
+    k, v = (_rows(x, start, cfg.kv_tile, h, rows) for x in (k_ref, v_ref))
+    return acc + _dot(_scores(q, k, cfg, h), v)
+
+  acc = _example_loop(start_ref, end_ref, cfg, tile, jnp.zeros(q.shape, _F32))
+  _ex_store(o_ref, b, h, acc * cfg.out_scale, S)
+
+
+def _pool_dq_kernel(start_ref, end_ref, q_ref, k_ref, v_ref, do_ref, dq_ref, *, cfg: _Cfg):
+  """Each example's partial seed gradient ``[B, S, H, D]`` (summed over examples after)."""
+  b, h, S = pl.program_id(0), pl.program_id(1), q_ref.shape[0]
+  q = _rows(q_ref, 0, cfg.tile, h, jnp.arange(cfg.tile) < S)
+  do = _ex_rows(do_ref, b, cfg.tile, h, S)
+
+  def tile(start, rows, dq):
+    k, v = (_rows(x, start, cfg.kv_tile, h, rows) for x in (k_ref, v_ref))
+    _, slope = _scores(q, k, cfg, h, with_slope=True)
+    return dq + _dot(_dot(do, v, trans_b=True) * slope, k)
+
+  dq = _example_loop(start_ref, end_ref, cfg, tile, jnp.zeros(q.shape, _F32))
+  _ex_store(dq_ref, b, h, dq * (cfg.scale * cfg.out_scale), S)
+
+
+def _pool_dkv_kernel(lo_ref, hi_ref, seg_ref, q_ref, k_ref, v_ref, do_ref, dk_ref, dv_ref, *,
+                     cfg: _Cfg):
+  h, B, S = pl.program_id(1), do_ref.shape[0], q_ref.shape[0]
+  r0, real = _own_rows(seg_ref, cfg, B)
+  k, v = (_rows(x, r0, cfg.tile, h, real) for x in (k_ref, v_ref))
+  sq = cfg.kv_tile
   q = _rows(q_ref, 0, sq, h, jnp.arange(sq) < S)
-  start, end = start_ref[0], end_ref[0]
-  prec = _prec(q.dtype)
 
-  def tile(j, acc):              # rows past the example's end load as 0: act(0) = 0, v = 0
-    rows = start + j * bk + jnp.arange(bk) < end
-    k, v = (_rows(r, start + j * bk, bk, h, rows) for r in (k_ref, v_ref))
-    p = _act(plgpu.dot(q, k, trans_b=True, precision=prec) * cfg.scale, cfg, h)
-    return acc + plgpu.dot(p.astype(v.dtype), v, precision=prec)
+  def example(b, on_b, carry):
+    dk, dv = carry
+    do = _ex_rows(do_ref, b, sq, h, S)
+    p_t, slope_t = _scores(k, q, cfg, h, with_slope=True)                # [tile, S]
+    p_t = jnp.where(on_b[:, None], p_t, 0.0)
+    ds_t = jnp.where(on_b[:, None], _dot(v, do, trans_b=True) * slope_t, 0.0)
+    return dk + _dot(ds_t, q), dv + _dot(p_t, do)
 
-  acc = lax.fori_loop(0, lax.div(end - start + bk - 1, bk), tile,
-                      jnp.zeros((sq, q_ref.shape[-1]), _F32))
-  d = q_ref.shape[-1]
-  plgpu.store(o_ref.at[b, pl.ds(0, sq), h, :], (acc * cfg.out_scale).astype(o_ref.dtype),
-              mask=jnp.broadcast_to((jnp.arange(sq) < S)[:, None], (sq, d)))
+  zeros = jnp.zeros(k.shape, _F32)
+  dk, dv = _tile_loop(lo_ref, hi_ref, seg_ref, B, cfg, example, (zeros, zeros))
+  out = r0 + jnp.arange(cfg.tile) < k_ref.shape[0]
+  _store(dk_ref, r0, h, dk * (cfg.scale * cfg.out_scale), out)
+  _store(dv_ref, r0, h, dv * cfg.out_scale, out)
 
 
 def _pool_fwd(cfg: _Cfg, q, k, v, jag):
   S, H, D = q.shape
-  B = jag.batch
   return _call(_pool_kernel, cfg, (jag.offsets[:-1], jag.offsets[1:]), (q, k, v),
-               jax.ShapeDtypeStruct((B, S, H, D), q.dtype), (B, H), "jagged_gdpa_pool")
+               jax.ShapeDtypeStruct((jag.batch, S, H, D), q.dtype), (jag.batch, H),
+               "jagged_gdpa_pool")
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _gdpa_pool(cfg: _Cfg, q, k, v, jag):
+  return _pool_fwd(cfg, q, k, v, jag)
+
+
+def _gdpa_pool_bwd(cfg: _Cfg, res, do):
+  q, k, v, jag = res
+  do = do.astype(q.dtype)
+  S, H, D = q.shape
+  dq = _call(_pool_dq_kernel, cfg, (jag.offsets[:-1], jag.offsets[1:]), (q, k, v, do),
+             jax.ShapeDtypeStruct((jag.batch, S, H, D), _F32), (jag.batch, H),
+             "jagged_gdpa_pool_dq")
+  lo, hi = jagged.tile_examples(jag, cfg.kv_tile)
+  per_tile = cfg._replace(tile=cfg.kv_tile, kv_tile=cfg.tile)  # token tiles x seeds
+  dk, dv = _call(_pool_dkv_kernel, per_tile, (lo, hi), (jag.seg, q, k, v, do),
+                 (jax.ShapeDtypeStruct(k.shape, k.dtype),) * 2, (lo.shape[0], H),
+                 "jagged_gdpa_pool_dkv")
+  return jnp.sum(dq, axis=0).astype(q.dtype), dk, dv, jax.tree.map(lambda _: None, jag)
+
+
+_gdpa_pool.defvjp(lambda cfg, *a: (_pool_fwd(cfg, *a), a), _gdpa_pool_bwd)
 
 
 def jagged_gdpa_pool_pallas(q, k, v, jag, *, activation="fast_gelu", scale=None, out_scale=1.0,
                             score_clip=None, interpret=False, block_k=64):
   """Pallas ``jagged.jagged_gdpa_pool``: grid (examples, heads); a program keeps the seeds and
-  walks its example's tokens ``[offsets[b], offsets[b+1])`` in tiles of ``block_k``."""
+  walks its example's tokens ``[offsets[b], offsets[b+1])`` in tiles of ``block_k``. Backward:
+  per-example seed gradients on the same grid (summed after); dk, dv on (token tiles, heads),
+  each tile walking the examples it overlaps."""
   jagged.check_tokens(jag, k, v)
   S, H, D = q.shape
   cfg = _Cfg(activations.per_head(activation, H), D ** -0.5 if scale is None else float(scale),
              float(out_scale), _pow2(S), int(block_k), bool(interpret),
              score_clip_value(score_clip), fast=_fast(q, interpret))
-  kw = dict(activation=activation, scale=scale, out_scale=out_scale, score_clip=score_clip)
-  twin = lambda q, k, v, jag: jagged.jagged_gdpa_pool(q, k, v, jag, **kw)
-  return _with_twin_grad(functools.partial(_pool_fwd, cfg), twin, q, k, v, jag)
+  return _gdpa_pool(cfg, q, k, v, jag)
 
 
 # ----------------------------------------------------------------------------- block attention

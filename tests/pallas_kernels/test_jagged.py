@@ -270,23 +270,24 @@ PALLAS = {
 
 @pytest.mark.parametrize("name", list(PALLAS))
 def test_pallas_against_the_xla_twin(name):
-  """Poisoned outputs: an element the kernel does not write stays NaN. One compile serves every
-  lengths case (the descriptor is traced); the gradient is the twin's (custom_vjp)."""
-  kk, vv, sd = _example_kv()
-  def run(q, k, v, jag):            # the output and the gradient of sum(sin(out))
-    out, vjp = jax.vjp(lambda q, k, v: PALLAS[name](q, k, v, jag, kk, vv, sd), q, k, v)
-    return out, vjp(jnp.cos(out))
+  """Outputs and the gradients of sum(sin(out)) with respect to every operand. Poisoned outputs:
+  an element a kernel (forward or backward) does not write stays NaN. One compile serves every
+  lengths case (the descriptor is traced)."""
+  def vjp_of(fn):
+    def run(jag, *ops):
+      out, vjp = jax.vjp(lambda *ops: fn(*ops[:3], jag, *ops[3:]), *ops)
+      return out, vjp(jnp.cos(out))
+    return jax.jit(run)
 
-  def twin(q, k, v, jag):
-    out, vjp = jax.vjp(lambda q, k, v: OPS[name][0](q, k, v, jag, kk, vv, sd), q, k, v)
-    return out, vjp(jnp.cos(out))
-
-  twin = jax.jit(twin)
+  twin = vjp_of(OPS[name][0])
   with _poison.poison_outputs():
-    run = jax.jit(run)
+    run = vjp_of(PALLAS[name])
     for case in LENGTHS:
       (q, k, v), jag, _ = _packed(case)
-      (out, grads), (want, want_grads) = run(q, k, v, jag), twin(q, k, v, jag)
+      ops = (q, k, v, *_example_kv())
+      (out, grads), (want, want_grads) = run(jag, *ops), twin(jag, *ops)
       np.testing.assert_allclose(out, want, atol=2e-6, rtol=1e-5, err_msg=case)
-      for g, r in zip(grads, want_grads, strict=True):
-        np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-6, err_msg=case)
+      for what, g, r in zip(["q", "k", "v", "k_ex", "v_ex", "seeds"], grads, want_grads,
+                            strict=True):
+        # another summation order: dseeds sums over every token of the batch
+        np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5, err_msg=f"{case} d{what}")
