@@ -2,8 +2,8 @@
 
 Semantics and shapes of the XLA twins in ``jagged.py`` (tokens ``[N, H, D]``, ``Jagged``).
 Every grid cell with no real token only stores zeros; a query tile visits only the examples /
-key rows it overlaps. Backward: a kernel for block attention; for the others, for now, jax
-autodiff of the XLA twin (``custom_vjp``).
+key rows it overlaps. Backward: kernels for GDPA and block attention; for softmax attention,
+for now, jax autodiff of the XLA twin (``custom_vjp``).
 """
 
 from __future__ import annotations
