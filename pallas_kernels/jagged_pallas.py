@@ -92,13 +92,6 @@ def _call(kernel, cfg: _Cfg, scalars, ops, out_shape, grid, name):
       interpret=cfg.interpret, name=name)
 
 
-def _with_twin_grad(kernel, twin, *args):
-  """``kernel(*args)``, differentiated as ``twin`` (the XLA twin) is."""
-  f = jax.custom_vjp(kernel)
-  f.defvjp(lambda *a: (kernel(*a), a), lambda a, g: jax.vjp(twin, *a)[1](g))
-  return f(*args)
-
-
 # ----------------------------------------------------------------------------- GDPA cross / pool
 #
 # Two loops serve the four GDPA kernels: a token tile walks the examples it overlaps (cross
@@ -451,8 +444,9 @@ def jagged_block_attention_pallas(q, k, v, jag, *, block_size=64, activation="so
 
 
 def key_ranges(jag, tile: int, window):
-  """``(klo, khi) i32[ceil(N / tile)]``: the buffer rows a query tile's keys lie in (its
-  examples' tokens, within ``window`` of its rows); ``khi <= klo`` past ``offsets[B]``."""
+  """``(lo, hi) i32[ceil(N / tile)]``: the buffer rows a tile's partners lie in (its examples'
+  tokens, within ``window`` of its rows); ``hi <= lo`` past ``offsets[B]``. The pairs are
+  symmetric: for a query tile these are its keys, for a key tile the queries that see it."""
   lo, hi = jagged.tile_examples(jag, tile)
   B = jag.batch
   klo = jag.offsets[jnp.minimum(lo, B)]
@@ -475,52 +469,150 @@ def _flash_step(carry, s, keep, v, prec):
           l * alpha + jnp.sum(p, axis=1))
 
 
-def _softmax_kernel(klo_ref, khi_ref, seg_ref, q_ref, k_ref, v_ref, o_ref, *, cfg: _Cfg, B):
-  i, h = pl.program_id(0), pl.program_id(1)
-  bq, bk = cfg.tile, cfg.kv_tile
-  rows = i * bq + jnp.arange(bq)
-  seg_q = _vec(seg_ref, i * bq, bq, B)
-  q = _rows(q_ref, i * bq, bq, h, seg_q < B)
-  klo, khi = klo_ref[0], khi_ref[0]
-  prec = _prec(q.dtype)
+def _own(seg_ref, cfg: _Cfg, B):
+  """(first row, row indices, example of each row or B) of this program's tile."""
+  r0 = pl.program_id(0) * cfg.tile
+  return r0, r0 + jnp.arange(cfg.tile), _vec(seg_ref, r0, cfg.tile, B)
 
-  def tile(j, carry):            # online softmax over the key tiles in [klo, khi)
-    cols = j * bk + jnp.arange(bk)
-    inside = (cols >= klo) & (cols < khi)
-    seg_k = jnp.where(inside, _vec(seg_ref, j * bk, bk, B), -1)
-    keep = seg_q[:, None] == seg_k[None, :]
+
+def _partners(lo_ref, hi_ref, seg_ref, rows, seg, cfg: _Cfg, body, init):
+  """Runs ``body(start, inside bool[kv_tile], keep bool[tile, kv_tile], carry)`` over the
+  ``kv_tile`` tiles of partner rows in ``[lo, hi)``: same example, within the window."""
+  lo, hi, n = lo_ref[0], hi_ref[0], cfg.kv_tile
+
+  def step(j, carry):
+    cols = j * n + jnp.arange(n)
+    inside = (cols >= lo) & (cols < hi)
+    keep = seg[:, None] == jnp.where(inside, _vec(seg_ref, j * n, n, -1), -1)[None, :]
     if cfg.window is not None:
       keep &= jnp.abs(rows[:, None] - cols[None, :]) <= cfg.window
-    k, v = (_rows(r, j * bk, bk, h, inside) for r in (k_ref, v_ref))
+    return body(j * n, inside, keep, carry)
+
+  return lax.fori_loop(lax.div(lo, n), jnp.where(hi > lo, lax.div(hi + n - 1, n), lax.div(lo, n)),
+                       step, init)
+
+
+def _row_stat(ref, h, start, n):
+  """``ref[h, start:start + n]`` of an f32 ``[H, N]`` row statistic (0 past N)."""
+  return plgpu.load(ref.at[h, pl.ds(start, n)], mask=start + jnp.arange(n) < ref.shape[1],
+                    other=0.0)
+
+
+def _softmax_kernel(klo_ref, khi_ref, seg_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *,
+                    cfg: _Cfg, B):
+  h = pl.program_id(1)
+  r0, rows, seg = _own(seg_ref, cfg, B)
+  q = _rows(q_ref, r0, cfg.tile, h, seg < B)
+  prec = _prec(q.dtype)
+
+  def tile(start, inside, keep, carry):
+    k, v = (_rows(r, start, cfg.kv_tile, h, inside) for r in (k_ref, v_ref))
     return _flash_step(carry, plgpu.dot(q, k, trans_b=True, precision=prec) * cfg.scale, keep,
                        v, prec)
 
-  init = (jnp.zeros((bq, q_ref.shape[-1]), _F32), jnp.full((bq,), _NEG, _F32),
-          jnp.zeros((bq,), _F32))
-  acc, _, l = lax.fori_loop(lax.div(klo, bk), jnp.where(khi > klo, lax.div(khi + bk - 1, bk),
-                                                        lax.div(klo, bk)), tile, init)
-  o = jnp.where((l > 0)[:, None], acc / jnp.where(l > 0, l, 1.0)[:, None], 0.0)
-  _store(o_ref, i * bq, h, o, rows < q_ref.shape[0])
+  init = (jnp.zeros(q.shape, _F32), jnp.full((cfg.tile,), _NEG, _F32),
+          jnp.zeros((cfg.tile,), _F32))
+  acc, m, l = _partners(klo_ref, khi_ref, seg_ref, rows, seg, cfg, tile, init)
+  seen = l > 0
+  _store(o_ref, r0, h, jnp.where(seen[:, None], acc / jnp.where(seen, l, 1.0)[:, None], 0.0),
+         rows < q_ref.shape[0])
+  plgpu.store(lse_ref.at[h, pl.ds(r0, cfg.tile)],
+              jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), 0.0),
+              mask=rows < lse_ref.shape[1])
+
+
+def _softmax_dq_kernel(klo_ref, khi_ref, seg_ref, q_ref, k_ref, v_ref, do_ref, lse_ref,
+                       delta_ref, dq_ref, *, cfg: _Cfg, B):
+  h = pl.program_id(1)
+  r0, rows, seg = _own(seg_ref, cfg, B)
+  q, do = (_rows(x, r0, cfg.tile, h, seg < B) for x in (q_ref, do_ref))
+  lse, delta = (_row_stat(x, h, r0, cfg.tile) for x in (lse_ref, delta_ref))
+
+  def tile(start, inside, keep, dq):   # dS = P (dO V^T - delta), P = exp(s - lse)
+    k, v = (_rows(r, start, cfg.kv_tile, h, inside) for r in (k_ref, v_ref))
+    s = plgpu.dot(q, k, trans_b=True, precision=_prec(q.dtype)) * cfg.scale
+    p = jnp.where(keep, jnp.exp(s - lse[:, None]), 0.0)
+    return dq + _dot(p * (_dot(do, v, trans_b=True) - delta[:, None]), k)
+
+  dq = _partners(klo_ref, khi_ref, seg_ref, rows, seg, cfg, tile, jnp.zeros(q.shape, _F32))
+  _store(dq_ref, r0, h, dq * cfg.scale, rows < q_ref.shape[0])
+
+
+def _softmax_dkv_kernel(qlo_ref, qhi_ref, seg_ref, q_ref, k_ref, v_ref, do_ref, lse_ref,
+                        delta_ref, dk_ref, dv_ref, *, cfg: _Cfg, B):
+  """A key tile walks the query tiles that see it (transposed score tiles ``k q^T``)."""
+  h = pl.program_id(1)
+  r0, rows, seg = _own(seg_ref, cfg, B)
+  k, v = (_rows(x, r0, cfg.tile, h, seg < B) for x in (k_ref, v_ref))
+
+  def tile(start, inside, keep_t, carry):
+    dk, dv = carry
+    q, do = (_rows(x, start, cfg.kv_tile, h, inside) for x in (q_ref, do_ref))
+    lse, delta = (_row_stat(x, h, start, cfg.kv_tile) for x in (lse_ref, delta_ref))
+    s_t = plgpu.dot(k, q, trans_b=True, precision=_prec(k.dtype)) * cfg.scale
+    p_t = jnp.where(keep_t, jnp.exp(s_t - lse[None, :]), 0.0)
+    ds_t = p_t * (_dot(v, do, trans_b=True) - delta[None, :])
+    return dk + _dot(ds_t, q), dv + _dot(p_t, do)
+
+  zeros = jnp.zeros(k.shape, _F32)
+  dk, dv = _partners(qlo_ref, qhi_ref, seg_ref, rows, seg, cfg, tile, (zeros, zeros))
+  out = rows < k_ref.shape[0]
+  _store(dk_ref, r0, h, dk * cfg.scale, out)
+  _store(dv_ref, r0, h, dv, out)
 
 
 def _softmax_fwd(cfg: _Cfg, q, k, v, jag):
+  """``(o [N, H, D], lse f32[H, N])``."""
   klo, khi = key_ranges(jag, cfg.tile, cfg.window)
+  N, H, _ = q.shape
   return _call(functools.partial(_softmax_kernel, B=jag.batch), cfg, (klo, khi),
-               (jag.seg, q, k, v), jax.ShapeDtypeStruct(q.shape, q.dtype),
-               (klo.shape[0], q.shape[1]), "jagged_softmax_attention")
+               (jag.seg, q, k, v), (jax.ShapeDtypeStruct(q.shape, q.dtype),
+                                    jax.ShapeDtypeStruct((H, N), _F32)),
+               (klo.shape[0], H), "jagged_softmax_attention")
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _softmax_attention(cfg: _Cfg, q, k, v, jag):
+  return _softmax_fwd(cfg, q, k, v, jag)[0]
+
+
+def _softmax_attention_fwd(cfg: _Cfg, q, k, v, jag):
+  o, lse = _softmax_fwd(cfg, q, k, v, jag)
+  return o, (q, k, v, jag, o, lse)
+
+
+def _softmax_attention_bwd(cfg: _Cfg, res, do):
+  q, k, v, jag, o, lse = res
+  do = do.astype(q.dtype)
+  delta = jnp.sum(do.astype(_F32) * o.astype(_F32), axis=-1).T           # [H, N]
+  N, H, _ = q.shape
+  klo, khi = key_ranges(jag, cfg.tile, cfg.window)
+  dq = _call(functools.partial(_softmax_dq_kernel, B=jag.batch), cfg, (klo, khi),
+             (jag.seg, q, k, v, do, lse, delta), jax.ShapeDtypeStruct(q.shape, q.dtype),
+             (klo.shape[0], H), "jagged_softmax_attention_dq")
+  per_key = cfg._replace(tile=cfg.kv_tile, kv_tile=cfg.tile)
+  qlo, qhi = key_ranges(jag, per_key.tile, cfg.window)
+  dk, dv = _call(functools.partial(_softmax_dkv_kernel, B=jag.batch), per_key, (qlo, qhi),
+                 (jag.seg, q, k, v, do, lse, delta),
+                 (jax.ShapeDtypeStruct(k.shape, k.dtype),) * 2, (qlo.shape[0], H),
+                 "jagged_softmax_attention_dkv")
+  return dq, dk, dv, jax.tree.map(lambda _: None, jag)
+
+
+_softmax_attention.defvjp(_softmax_attention_fwd, _softmax_attention_bwd)
 
 
 def jagged_softmax_attention_pallas(q, k, v, jag, *, window=None, scale=None, interpret=False,
                                     block_q=64, block_k=64):
   """Pallas ``jagged.jagged_softmax_attention`` (flash attention): grid (query tiles of
   ``block_q``, heads); a tile walks only the ``block_k`` key tiles of ``key_ranges`` (its
-  examples, within the band): ``O(N * (block_q + 2 window))`` with a window."""
+  examples, within the band): ``O(N * (block_q + 2 window))`` with a window. Backward
+  (FlashAttention-2, from the stored log-sum-exp): dq on the same grid, dk / dv on key tiles
+  walking the query tiles that see them."""
   jagged.check_tokens(jag, q, k, v)
   if window is not None and window < 0:
     raise ValueError(f"window must be >= 0, got {window}")
   D = q.shape[-1]
   cfg = _Cfg(None, D ** -0.5 if scale is None else float(scale), 1.0, int(block_q),
              int(block_k), bool(interpret), window=None if window is None else int(window))
-  twin = lambda q, k, v, jag: jagged.jagged_softmax_attention(q, k, v, jag, window=window,
-                                                              scale=scale)
-  return _with_twin_grad(functools.partial(_softmax_fwd, cfg), twin, q, k, v, jag)
+  return _softmax_attention(cfg, q, k, v, jag)
