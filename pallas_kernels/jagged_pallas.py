@@ -2,8 +2,7 @@
 
 Semantics and shapes of the XLA twins in ``jagged.py`` (tokens ``[N, H, D]``, ``Jagged``).
 Every grid cell with no real token only stores zeros; a query tile visits only the examples /
-key rows it overlaps. Backward: kernels for GDPA and block attention; for softmax attention,
-for now, jax autodiff of the XLA twin (``custom_vjp``).
+key rows it overlaps. Every op has Pallas backward kernels (``custom_vjp``).
 """
 
 from __future__ import annotations
