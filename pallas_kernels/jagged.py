@@ -1,9 +1,8 @@
-"""Kernels' XLA twins on the packed ("jagged") event layout of issue #28, and its descriptor.
+"""The packed ("jagged") event layout of issue #28: descriptor, pack / unpack, XLA twins.
 
-One tower of B examples packed into a static capacity of N tokens: token fields ``[N, H, D]``,
-``Jagged(offsets i32[B+1], seg i32[N], pos i32[N])`` (layout: pallas_kernels/README.md). Ops:
-``pack`` / ``unpack`` ([B, T, ...] <-> [N, ...]), ``jagged_gdpa_cross`` (PFFN), ``jagged_gdpa_pool``
-(HSP), ``jagged_block_attention``, ``jagged_softmax_attention`` (banded or full).
+Tokens ``[N, H, D]`` of B examples at a static capacity N with ``Jagged(offsets i32[B+1], seg
+i32[N], pos i32[N])`` (pallas_kernels/README.md); ops ``jagged_gdpa_cross`` (PFFN),
+``jagged_gdpa_pool`` (HSP), ``jagged_block_attention``, ``jagged_softmax_attention``.
 """
 
 from __future__ import annotations
