@@ -68,7 +68,7 @@ def test_pack_unpack_against_a_loop(case):
   kept = _kept_oracle(lens, N)
   assert int(dropped) == sum(lens) - sum(kept)
   rows, seg, pos, offsets = [], [], [], [0]
-  for b, (n, m) in enumerate(zip(lens, kept)):
+  for b, (n, m) in enumerate(zip(lens, kept, strict=True)):
     rows += [np.asarray(x[b, t]) for t in range(n - m, n)]     # the m most recent events
     seg += [b] * m
     pos += list(range(m))
