@@ -14,7 +14,12 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels.activations import apply_per_head, per_head
-from pallas_kernels.reference import band_chunk, clip_scores, masked_softmax_attention
+from pallas_kernels.reference import (
+    band_chunk,
+    block_attention_reference,
+    clip_scores,
+    masked_softmax_attention,
+)
 
 _F32 = jnp.float32
 TILE = 64      # token tile of the XLA twins' (tile, example) work list (pallas tiles: own)
@@ -251,11 +256,11 @@ def jagged_gdpa_pool(q, k, v, jagged: Jagged, *, activation="fast_gelu", scale=N
 # ----------------------------------------------------------------------------- self-attention
 
 
-def _banded(q, k, v, jagged: Jagged, window: int, probs, block_size=None):
+def _banded(q, k, v, jagged: Jagged, window: int, probs):
   """Self-attention over token pairs of one example with ``|i - j| <= window`` (inside an example
-  positions and buffer indices differ by the same amount) and, with ``block_size``, in the same
-  block; ``O(N * 3c)``: chunks of ``c = band_chunk(window)`` queries against the ``3c`` buffer
-  rows around them. ``probs(q [nb, c, H, D], k, v [nb, 3c, H, D], keep [nb, c, 3c])``."""
+  positions and buffer indices differ by the same amount), ``O(N * 3c)``: chunks of ``c =
+  band_chunk(window)`` queries against the ``3c`` buffer rows around them.
+  ``probs(q [nb, c, H, D], k, v [nb, 3c, H, D], keep [nb, c, 3c])``."""
   N, H, D = q.shape
   B, c = jagged.batch, band_chunk(window)
   nb = -(-N // c)
@@ -274,12 +279,29 @@ def _banded(q, k, v, jagged: Jagged, window: int, probs, block_size=None):
   sq, sk = rows(jagged.seg, B, 0, nb * c - N), three(jagged.seg, B)
   keep = ((sq[:, :, None] == sk[:, None, :]) & (sq[:, :, None] < B)
           & (jnp.abs(qi[:, :, None] - kj[:, None, :]) <= window))
-  if block_size is not None:
-    blk = jagged.pos // block_size
-    keep &= rows(blk, -1, 0, nb * c - N)[:, :, None] == three(blk, -1)[:, None, :]
   qb = rows(_zero_padding(q, jagged), 0, 0, nb * c - N)
   kb, vb = (three(_zero_padding(x, jagged), 0) for x in (k, v))
   return probs(qb, kb, vb, keep).reshape(nb * c, H, D)[:N]
+
+
+def block_table(jagged: Jagged, block_size: int):
+  """The blocks' work list: ``(start, n_store, n_valid) i32[ceil(N / bs) + B]`` slots. Each
+  real block of each example (``start = offsets[b] + m * bs``, ``n_valid`` tokens), then
+  zero-writing blocks over the padding tail (``n_valid = 0``), then empty slots (``n_store =
+  0``)."""
+  B, N, bs = jagged.batch, jagged.capacity, block_size
+  nblk = -(-jagged.lengths // bs)
+  cum = jnp.cumsum(nblk)
+  real = cum[-1]
+  slot = jnp.arange(-(-N // bs) + B, dtype=jnp.int32)
+  b = jnp.minimum(jnp.searchsorted(cum, slot, side="right"), B - 1)
+  m = slot - (cum[b] - nblk[b])
+  pad_start = jagged.total + (slot - real) * bs
+  is_real = slot < real
+  start = jnp.where(is_real, jagged.offsets[b] + m * bs, jnp.minimum(pad_start, N))
+  n_valid = jnp.where(is_real, jnp.minimum(jagged.lengths[b] - m * bs, bs), 0)
+  n_store = jnp.where(is_real, n_valid, jnp.clip(N - pad_start, 0, bs))
+  return tuple(x.astype(jnp.int32) for x in (start, n_store, n_valid))
 
 
 def jagged_block_attention(q, k, v, jagged: Jagged, *, block_size=64, activation="softmax",
@@ -288,23 +310,21 @@ def jagged_block_attention(q, k, v, jagged: Jagged, *, block_size=64, activation
   belong to one example and ``pos_i // block_size == pos_j // block_size`` (the padded
   kernel's blocks). Softmax with scale ``1/sqrt(D)``, or a GDPA activation ``act(clip(q.k /
   sqrt(D))) / block_size``. ``q, k, v [N, H, D]`` -> ``[N, H, D]``; padding tokens give 0.
-  Rotary: rotate q and k before the call. Cost ``O(N * 3 max(block_size, 16))``.
+  Rotary: rotate q and k before the call. The blocks of ``block_table`` are gathered into
+  ``[N / bs + B, bs, H, D]`` and run through ``block_attention_reference`` (one block each).
   """
   check_tokens(jagged, q, k, v)
   if block_size < 1:
     raise ValueError(f"block_size must be >= 1, got {block_size}")
-  H, D = q.shape[1:]
-  acts = None if activation == "softmax" else per_head(activation, H)
-
-  def probs(qb, kb, vb, keep):
-    if acts is None:
-      return masked_softmax_attention(qb, kb, vb, keep, D ** -0.5)
-    s = jnp.einsum("nqhd,nkhd->nhqk", qb.astype(_F32), kb.astype(_F32)) * D ** -0.5
-    p = jnp.where(keep[:, None], apply_per_head(clip_scores(s, score_clip), acts, head_axis=1),
-                  0.0) / block_size
-    return jnp.einsum("nhqk,nkhd->nqhd", p, vb.astype(_F32)).astype(q.dtype)
-
-  return _banded(q, k, v, jagged, block_size - 1, probs, block_size)
+  N, bs = jagged.capacity, block_size
+  start, _, n_valid = block_table(jagged, bs)
+  rows = jnp.clip(start[:, None] + jnp.arange(bs)[None, :], 0, N - 1)
+  o = block_attention_reference(q[rows], k[rows], v[rows], block_size=bs, activation=activation,
+                                lengths=n_valid, score_clip=score_clip)   # [slots, bs, H, D]
+  nblk = -(-jagged.lengths // bs)
+  first = jnp.concatenate([jnp.cumsum(nblk) - nblk, jnp.zeros((1,), nblk.dtype)])
+  slot = first[jagged.seg] + jagged.pos // bs                # each token's block slot
+  return _zero_padding(o[jnp.clip(slot, 0, o.shape[0] - 1), jagged.pos % bs], jagged)
 
 
 def jagged_softmax_attention(q, k, v, jagged: Jagged, *, window=None, scale=None):

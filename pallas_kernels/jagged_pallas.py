@@ -333,26 +333,6 @@ def jagged_gdpa_pool_pallas(q, k, v, jag, *, activation="fast_gelu", scale=None,
 # ----------------------------------------------------------------------------- block attention
 
 
-def block_table(jag, block_size: int):
-  """Work list of the block kernel: ``(start, n_store, n_valid) i32[ceil(N / bs) + B]``. Each
-  real block of each example (``start = offsets[b] + m * bs``, ``n_valid`` tokens), then
-  zero-writing blocks over the padding tail (``n_valid = 0``), then empty slots (``n_store =
-  0``)."""
-  B, N, bs = jag.batch, jag.capacity, block_size
-  nblk = -(-jag.lengths // bs)
-  cum = jnp.cumsum(nblk)
-  real = cum[-1]
-  slot = jnp.arange(-(-N // bs) + B, dtype=jnp.int32)
-  b = jnp.minimum(jnp.searchsorted(cum, slot, side="right"), B - 1)
-  m = slot - (cum[b] - nblk[b])
-  pad_start = jag.total + (slot - real) * bs
-  is_real = slot < real
-  start = jnp.where(is_real, jag.offsets[b] + m * bs, jnp.minimum(pad_start, N))
-  n_valid = jnp.where(is_real, jnp.minimum(jag.lengths[b] - m * bs, bs), 0)
-  n_store = jnp.where(is_real, n_valid, jnp.clip(N - pad_start, 0, bs))
-  return tuple(x.astype(jnp.int32) for x in (start, n_store, n_valid))
-
-
 def _block_probs(q, k, valid, cfg: _Cfg, h, with_slope=False):
   """Scores and attention weights of one block (rows / keys outside ``valid`` zero-filled):
   ``(s, p)`` or, with ``with_slope``, ``(s, p, act'(s) / block)`` (None for softmax)."""
@@ -399,7 +379,7 @@ def _block_bwd_kernel(start_ref, nst_ref, nva_ref, q_ref, k_ref, v_ref, do_ref, 
 
 
 def _block_fwd(cfg: _Cfg, q, k, v, jag):
-  table = block_table(jag, cfg.tile)
+  table = jagged.block_table(jag, cfg.tile)
   return _call(_block_kernel, cfg, table, (q, k, v), jax.ShapeDtypeStruct(q.shape, q.dtype),
                (table[0].shape[0], q.shape[1]), "jagged_block_attention")
 
@@ -411,7 +391,7 @@ def _block_attention(cfg: _Cfg, q, k, v, jag):
 
 def _block_attention_bwd(cfg: _Cfg, res, do):
   q, k, v, jag = res
-  table = block_table(jag, cfg.tile)
+  table = jagged.block_table(jag, cfg.tile)
   grads = _call(_block_bwd_kernel, cfg, table, (q, k, v, do.astype(q.dtype)),
                 (jax.ShapeDtypeStruct(q.shape, q.dtype),) * 3, (table[0].shape[0], q.shape[1]),
                 "jagged_block_attention_bwd")
@@ -424,7 +404,7 @@ _block_attention.defvjp(lambda cfg, q, k, v, jag: (_block_fwd(cfg, q, k, v, jag)
 
 def jagged_block_attention_pallas(q, k, v, jag, *, block_size=64, activation="softmax",
                                   score_clip=None, interpret=False):
-  """Pallas ``jagged.jagged_block_attention``: grid (``block_table`` slots, heads); a program
+  """Pallas ``jagged.jagged_block_attention``: grid (``jagged.block_table`` slots, heads); a program
   is one block of one example (its tokens are contiguous in the buffer), so no pair of tokens
   from different blocks or examples is ever scored. The backward is a kernel on the same grid
   (scores recomputed; dq, dk, dv of the block)."""
