@@ -1,0 +1,597 @@
+"""Pallas kernels on the packed ("jagged") layout (Triton on GPU, ``interpret=True`` on CPU).
+
+Semantics and shapes of the XLA twins in ``jagged.py`` (tokens ``[N, H, D]``, ``Jagged``).
+Every grid cell with no real token only stores zeros; a query tile visits only the examples /
+key rows it overlaps. Every op has Pallas backward kernels (``custom_vjp``).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels import _poison, activations, jagged
+from pallas_kernels.reference import score_clip_value
+
+_F32 = jnp.float32
+_NEG = -1e30
+
+
+class _Cfg(NamedTuple):
+  """Static kernel configuration."""
+  acts: tuple[str, ...] | None   # None: softmax
+  scale: float
+  out_scale: float
+  tile: int                      # query rows per program (block attention: the block size)
+  kv_tile: int                   # key rows per inner step
+  interpret: bool
+  score_clip: float | None = None
+  window: int | None = None
+  fast: bool = False
+
+
+def _prec(dtype):
+  return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
+
+
+def _pow2(n: int) -> int:
+  """Smallest power of two >= max(n, 16) (the GPU dot minimum)."""
+  return max(16, 1 << (int(n) - 1).bit_length())
+
+
+def _fast(x, interpret):
+  """Hardware tanh / sigmoid: 16-bit inputs on a GPU."""
+  return not interpret and jnp.dtype(x.dtype) in (jnp.bfloat16, jnp.float16)
+
+
+def _rows(ref, start, n, head, valid):
+  """``ref[start:start + n, head, :]`` of a ``[N, H, D]`` ref; rows where ``valid`` is False
+  read as zeros (also those past N)."""
+  d = ref.shape[-1]
+  return plgpu.load(ref.at[pl.ds(start, n), head, :],
+                    mask=jnp.broadcast_to(valid[:, None], (n, d)), other=0.0)
+
+
+def _store(ref, start, head, x, valid):
+  n, d = x.shape
+  plgpu.store(ref.at[pl.ds(start, n), head, :], x.astype(ref.dtype),
+              mask=jnp.broadcast_to(valid[:, None], (n, d)))
+
+
+def _vec(ref, start, n, fill):
+  """``ref[start:start + n]`` of an ``i32[N]`` ref, ``fill`` past its end."""
+  return plgpu.load(ref.at[pl.ds(start, n)], mask=start + jnp.arange(n) < ref.shape[0],
+                    other=fill)
+
+
+def _act(s, cfg: _Cfg, head, with_slope=False):
+  """The head's activation of the clipped scores (and its slope, zero where clipped)."""
+  c = cfg.score_clip
+  sc = s if c is None else jnp.minimum(jnp.maximum(s, -c), c)
+  out = activations.in_kernel(sc, cfg.acts, head, with_slope=with_slope, fast=cfg.fast)
+  if not with_slope or c is None:
+    return out
+  return out[0], jnp.where(jnp.abs(s) <= c, out[1], 0.0)
+
+
+def _call(kernel, cfg: _Cfg, scalars, ops, out_shape, grid, name):
+  """``pallas_call`` with per-program scalars (blocked on grid axis 0) and whole operands."""
+  spec = pl.BlockSpec((1,), lambda i, h: (i,))
+  whole = pl.no_block_spec
+  return _poison.pallas_call(
+      functools.partial(kernel, cfg=cfg), (*scalars, *ops), out_shape=out_shape, grid=grid,
+      in_specs=[spec] * len(scalars) + [whole] * len(ops),
+      out_specs=(whole,) * len(out_shape) if isinstance(out_shape, tuple) else whole,
+      interpret=cfg.interpret, name=name)
+
+
+# ----------------------------------------------------------------------------- GDPA cross / pool
+#
+# Two loops serve the four GDPA kernels: a token tile walks the examples it overlaps (cross
+# forward and dq, pool dk/dv) and an example walks its token tiles (pool forward and dq, cross
+# dk/dv). Zero-filled rows need no mask: act(0) = 0 and a zero v (or do) row adds nothing.
+
+
+def _ex_rows(ref, b, n, h, count):
+  """Rows ``[0, n)`` of ``ref[b, :, h, :]`` (an example's keys, seeds' gradients), zero at and
+  past ``count``."""
+  valid = jnp.broadcast_to((jnp.arange(n) < count)[:, None], (n, ref.shape[-1]))
+  return plgpu.load(ref.at[b, pl.ds(0, n), h, :], mask=valid, other=0.0)
+
+
+def _ex_store(ref, b, h, x, count):
+  n, d = x.shape
+  plgpu.store(ref.at[b, pl.ds(0, n), h, :], x.astype(ref.dtype),
+              mask=jnp.broadcast_to((jnp.arange(n) < count)[:, None], (n, d)))
+
+
+def _scores(a, b, cfg: _Cfg, h, with_slope=False):
+  """``act(clip(scale a b^T))`` (and its slope) of two row tiles."""
+  s = plgpu.dot(a, b, trans_b=True, precision=_prec(a.dtype)) * cfg.scale
+  return _act(s, cfg, h, with_slope)
+
+
+def _dot(a, b, **kw):
+  return plgpu.dot(a.astype(b.dtype), b, precision=_prec(b.dtype), **kw)
+
+
+def _tile_loop(lo_ref, hi_ref, seg_ref, n_ex, cfg: _Cfg, body, init):
+  """Runs ``body(b, on_b bool[tile], carry)`` over the examples this token tile overlaps."""
+  seg = _vec(seg_ref, pl.program_id(0) * cfg.tile, cfg.tile, n_ex)
+  return lax.fori_loop(lo_ref[0], hi_ref[0] + 1, lambda b, c: body(b, seg == b, c), init)
+
+
+def _example_loop(start_ref, end_ref, cfg: _Cfg, body, init):
+  """Runs ``body(start, rows bool[kv_tile], carry)`` over this example's token tiles."""
+  start, end, bk = start_ref[0], end_ref[0], cfg.kv_tile
+
+  def step(j, c):
+    s = start + j * bk
+    return body(s, s + jnp.arange(bk) < end, c)
+
+  return lax.fori_loop(0, lax.div(end - start + bk - 1, bk), step, init)
+
+
+def _own_rows(seg_ref, cfg: _Cfg, n_ex):
+  """(first row, bool[tile] real-token rows) of this token tile."""
+  i = pl.program_id(0)
+  return i * cfg.tile, _vec(seg_ref, i * cfg.tile, cfg.tile, n_ex) < n_ex
+
+
+def _cross_kernel(lo_ref, hi_ref, seg_ref, kvl_ref, q_ref, k_ref, v_ref, o_ref, *, cfg: _Cfg):
+  h, B = pl.program_id(1), kvl_ref.shape[0]
+  r0, real = _own_rows(seg_ref, cfg, B)
+  q = _rows(q_ref, r0, cfg.tile, h, real)
+
+  def example(b, on_b, acc):
+    k, v = (_ex_rows(x, b, cfg.kv_tile, h, kvl_ref[b]) for x in (k_ref, v_ref))
+    return acc + _dot(jnp.where(on_b[:, None], _scores(q, k, cfg, h), 0.0), v)
+
+  acc = _tile_loop(lo_ref, hi_ref, seg_ref, B, cfg, example, jnp.zeros(q.shape, _F32))
+  _store(o_ref, r0, h, acc * cfg.out_scale, r0 + jnp.arange(cfg.tile) < q_ref.shape[0])
+
+
+def _cross_dq_kernel(lo_ref, hi_ref, seg_ref, kvl_ref, q_ref, k_ref, v_ref, do_ref, dq_ref, *,
+                     cfg: _Cfg):
+  h, B = pl.program_id(1), kvl_ref.shape[0]
+  r0, real = _own_rows(seg_ref, cfg, B)
+  q, do = (_rows(x, r0, cfg.tile, h, real) for x in (q_ref, do_ref))
+
+  def example(b, on_b, dq):
+    k, v = (_ex_rows(x, b, cfg.kv_tile, h, kvl_ref[b]) for x in (k_ref, v_ref))
+    _, slope = _scores(q, k, cfg, h, with_slope=True)
+    ds = jnp.where(on_b[:, None], _dot(do, v, trans_b=True) * slope, 0.0)
+    return dq + _dot(ds, k)
+
+  dq = _tile_loop(lo_ref, hi_ref, seg_ref, B, cfg, example, jnp.zeros(q.shape, _F32))
+  _store(dq_ref, r0, h, dq * (cfg.scale * cfg.out_scale),
+         r0 + jnp.arange(cfg.tile) < q_ref.shape[0])
+
+
+def _cross_dkv_kernel(start_ref, end_ref, kvl_ref, q_ref, k_ref, v_ref, do_ref, dk_ref, dv_ref, *,
+                      cfg: _Cfg):
+  b, h = pl.program_id(0), pl.program_id(1)
+  k, v = (_ex_rows(x, b, cfg.tile, h, kvl_ref[0]) for x in (k_ref, v_ref))
+
+  def tile(start, rows, carry):
+    dk, dv = carry
+    q, do = (_rows(x, start, cfg.kv_tile, h, rows) for x in (q_ref, do_ref))
+    p_t, slope_t = _scores(k, q, cfg, h, with_slope=True)                # [n_kv, tile]
+    return dk + _dot(_dot(v, do, trans_b=True) * slope_t, q), dv + _dot(p_t, do)
+
+  zeros = jnp.zeros(k.shape, _F32)
+  dk, dv = _example_loop(start_ref, end_ref, cfg, tile, (zeros, zeros))
+  _ex_store(dk_ref, b, h, dk * (cfg.scale * cfg.out_scale), k_ref.shape[1])
+  _ex_store(dv_ref, b, h, dv * cfg.out_scale, k_ref.shape[1])
+
+
+def _cross_fwd(cfg: _Cfg, q, k, v, jag, kvl):
+  lo, hi = jagged.tile_examples(jag, cfg.tile)
+  return _call(_cross_kernel, cfg, (lo, hi), (jag.seg, kvl, q, k, v),
+               jax.ShapeDtypeStruct(q.shape, q.dtype), (lo.shape[0], q.shape[1]),
+               "jagged_gdpa_cross")
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _gdpa_cross(cfg: _Cfg, q, k, v, jag, kvl):
+  return _cross_fwd(cfg, q, k, v, jag, kvl)
+
+
+def _gdpa_cross_bwd(cfg: _Cfg, res, do):
+  q, k, v, jag, kvl = res
+  do = do.astype(q.dtype)
+  lo, hi = jagged.tile_examples(jag, cfg.tile)
+  H = q.shape[1]
+  dq = _call(_cross_dq_kernel, cfg, (lo, hi), (jag.seg, kvl, q, k, v, do),
+             jax.ShapeDtypeStruct(q.shape, q.dtype), (lo.shape[0], H), "jagged_gdpa_cross_dq")
+  per_ex = cfg._replace(tile=cfg.kv_tile, kv_tile=cfg.tile)    # kv rows x token tiles
+  dk, dv = _call(_cross_dkv_kernel, per_ex, (jag.offsets[:-1], jag.offsets[1:], kvl),
+                 (q, k, v, do), (jax.ShapeDtypeStruct(k.shape, k.dtype),) * 2,
+                 (jag.batch, H), "jagged_gdpa_cross_dkv")
+  return dq, dk, dv, jax.tree.map(lambda _: None, jag), None
+
+
+_gdpa_cross.defvjp(lambda cfg, *a: (_cross_fwd(cfg, *a), a), _gdpa_cross_bwd)
+
+
+def jagged_gdpa_cross_pallas(q, k, v, jag, *, activation="fast_gelu", scale=None,
+                             out_scale=1.0, kv_lengths=None, score_clip=None, interpret=False,
+                             block_q=64):
+  """Pallas ``jagged.jagged_gdpa_cross``: grid (token tiles of ``block_q``, heads); a tile loops
+  over the examples it overlaps, reading each one's ``n_kv`` keys once. Backward: dq on the
+  same grid; dk, dv on (examples, heads), each walking its example's token tiles."""
+  jagged.check_example_kv(k, v, jag, q)
+  N, H, D = q.shape
+  kvl = jnp.full((jag.batch,), k.shape[1], jnp.int32) if kv_lengths is None else jnp.clip(
+      jnp.asarray(kv_lengths, jnp.int32), 0, k.shape[1])
+  cfg = _Cfg(activations.per_head(activation, H), D ** -0.5 if scale is None else float(scale),
+             float(out_scale), int(block_q), _pow2(k.shape[1]), bool(interpret),
+             score_clip_value(score_clip), fast=_fast(q, interpret))
+  return _gdpa_cross(cfg, q, k, v, jag, kvl)
+
+
+def _pool_kernel(start_ref, end_ref, q_ref, k_ref, v_ref, o_ref, *, cfg: _Cfg):
+  b, h, S = pl.program_id(0), pl.program_id(1), q_ref.shape[0]
+  q = _rows(q_ref, 0, cfg.tile, h, jnp.arange(cfg.tile) < S)
+
+  def tile(start, rows, acc):
+    k, v = (_rows(x, start, cfg.kv_tile, h, rows) for x in (k_ref, v_ref))
+    return acc + _dot(_scores(q, k, cfg, h), v)
+
+  acc = _example_loop(start_ref, end_ref, cfg, tile, jnp.zeros(q.shape, _F32))
+  _ex_store(o_ref, b, h, acc * cfg.out_scale, S)
+
+
+def _pool_dq_kernel(start_ref, end_ref, q_ref, k_ref, v_ref, do_ref, dq_ref, *, cfg: _Cfg):
+  """Each example's partial seed gradient ``[B, S, H, D]`` (summed over examples after)."""
+  b, h, S = pl.program_id(0), pl.program_id(1), q_ref.shape[0]
+  q = _rows(q_ref, 0, cfg.tile, h, jnp.arange(cfg.tile) < S)
+  do = _ex_rows(do_ref, b, cfg.tile, h, S)
+
+  def tile(start, rows, dq):
+    k, v = (_rows(x, start, cfg.kv_tile, h, rows) for x in (k_ref, v_ref))
+    _, slope = _scores(q, k, cfg, h, with_slope=True)
+    return dq + _dot(_dot(do, v, trans_b=True) * slope, k)
+
+  dq = _example_loop(start_ref, end_ref, cfg, tile, jnp.zeros(q.shape, _F32))
+  _ex_store(dq_ref, b, h, dq * (cfg.scale * cfg.out_scale), S)
+
+
+def _pool_dkv_kernel(lo_ref, hi_ref, seg_ref, q_ref, k_ref, v_ref, do_ref, dk_ref, dv_ref, *,
+                     cfg: _Cfg):
+  h, B, S = pl.program_id(1), do_ref.shape[0], q_ref.shape[0]
+  r0, real = _own_rows(seg_ref, cfg, B)
+  k, v = (_rows(x, r0, cfg.tile, h, real) for x in (k_ref, v_ref))
+  sq = cfg.kv_tile
+  q = _rows(q_ref, 0, sq, h, jnp.arange(sq) < S)
+
+  def example(b, on_b, carry):
+    dk, dv = carry
+    do = _ex_rows(do_ref, b, sq, h, S)
+    p_t, slope_t = _scores(k, q, cfg, h, with_slope=True)                # [tile, S]
+    p_t = jnp.where(on_b[:, None], p_t, 0.0)
+    ds_t = jnp.where(on_b[:, None], _dot(v, do, trans_b=True) * slope_t, 0.0)
+    return dk + _dot(ds_t, q), dv + _dot(p_t, do)
+
+  zeros = jnp.zeros(k.shape, _F32)
+  dk, dv = _tile_loop(lo_ref, hi_ref, seg_ref, B, cfg, example, (zeros, zeros))
+  out = r0 + jnp.arange(cfg.tile) < k_ref.shape[0]
+  _store(dk_ref, r0, h, dk * (cfg.scale * cfg.out_scale), out)
+  _store(dv_ref, r0, h, dv * cfg.out_scale, out)
+
+
+def _pool_fwd(cfg: _Cfg, q, k, v, jag):
+  S, H, D = q.shape
+  return _call(_pool_kernel, cfg, (jag.offsets[:-1], jag.offsets[1:]), (q, k, v),
+               jax.ShapeDtypeStruct((jag.batch, S, H, D), q.dtype), (jag.batch, H),
+               "jagged_gdpa_pool")
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _gdpa_pool(cfg: _Cfg, q, k, v, jag):
+  return _pool_fwd(cfg, q, k, v, jag)
+
+
+def _gdpa_pool_bwd(cfg: _Cfg, res, do):
+  q, k, v, jag = res
+  do = do.astype(q.dtype)
+  S, H, D = q.shape
+  dq = _call(_pool_dq_kernel, cfg, (jag.offsets[:-1], jag.offsets[1:]), (q, k, v, do),
+             jax.ShapeDtypeStruct((jag.batch, S, H, D), _F32), (jag.batch, H),
+             "jagged_gdpa_pool_dq")
+  lo, hi = jagged.tile_examples(jag, cfg.kv_tile)
+  per_tile = cfg._replace(tile=cfg.kv_tile, kv_tile=cfg.tile)  # token tiles x seeds
+  dk, dv = _call(_pool_dkv_kernel, per_tile, (lo, hi), (jag.seg, q, k, v, do),
+                 (jax.ShapeDtypeStruct(k.shape, k.dtype),) * 2, (lo.shape[0], H),
+                 "jagged_gdpa_pool_dkv")
+  return jnp.sum(dq, axis=0).astype(q.dtype), dk, dv, jax.tree.map(lambda _: None, jag)
+
+
+_gdpa_pool.defvjp(lambda cfg, *a: (_pool_fwd(cfg, *a), a), _gdpa_pool_bwd)
+
+
+def jagged_gdpa_pool_pallas(q, k, v, jag, *, activation="fast_gelu", scale=None, out_scale=1.0,
+                            score_clip=None, interpret=False, block_k=64):
+  """Pallas ``jagged.jagged_gdpa_pool``: grid (examples, heads); a program keeps the seeds and
+  walks its example's tokens ``[offsets[b], offsets[b+1])`` in tiles of ``block_k``. Backward:
+  per-example seed gradients on the same grid (summed after); dk, dv on (token tiles, heads),
+  each tile walking the examples it overlaps."""
+  jagged.check_tokens(jag, k, v)
+  S, H, D = q.shape
+  cfg = _Cfg(activations.per_head(activation, H), D ** -0.5 if scale is None else float(scale),
+             float(out_scale), _pow2(S), int(block_k), bool(interpret),
+             score_clip_value(score_clip), fast=_fast(q, interpret))
+  return _gdpa_pool(cfg, q, k, v, jag)
+
+
+# ----------------------------------------------------------------------------- block attention
+
+
+def _block_probs(q, k, valid, cfg: _Cfg, h, with_slope=False):
+  """Scores and attention weights of one block (rows / keys outside ``valid`` zero-filled):
+  ``(s, p)`` or, with ``with_slope``, ``(s, p, act'(s) / block)`` (None for softmax)."""
+  s = plgpu.dot(q, k, trans_b=True, precision=_prec(q.dtype)) * cfg.scale
+  if cfg.acts is None:
+    keep = valid[:, None] & valid[None, :]
+    e = jnp.where(keep, jnp.exp(jnp.where(keep, s, _NEG) - jnp.max(
+        jnp.where(keep, s, _NEG), axis=-1, keepdims=True)), 0.0)
+    den = jnp.sum(e, axis=-1, keepdims=True)
+    p = e / jnp.where(den > 0, den, 1.0)
+    return (s, p, None) if with_slope else (s, p)
+  if not with_slope:             # zero-filled rows / keys: act(0) = 0
+    return s, _act(s, cfg, h) * (1.0 / cfg.tile)
+  p, slope = _act(s, cfg, h, with_slope=True)
+  return s, p * (1.0 / cfg.tile), slope * (1.0 / cfg.tile)
+
+
+def _block_kernel(start_ref, nst_ref, nva_ref, q_ref, k_ref, v_ref, o_ref, *, cfg: _Cfg):
+  h, bs = pl.program_id(1), cfg.tile
+  start, r = start_ref[0], jnp.arange(bs)
+  valid = r < nva_ref[0]
+  q, k, v = (_rows(x, start, bs, h, valid) for x in (q_ref, k_ref, v_ref))
+  _, p = _block_probs(q, k, valid, cfg, h)
+  _store(o_ref, start, h, plgpu.dot(p.astype(v.dtype), v, precision=_prec(v.dtype)),
+         r < nst_ref[0])
+
+
+def _block_bwd_kernel(start_ref, nst_ref, nva_ref, q_ref, k_ref, v_ref, do_ref, dq_ref, dk_ref,
+                      dv_ref, *, cfg: _Cfg):
+  """dq, dk, dv of one block from recomputed scores (a block is self-contained)."""
+  h, bs = pl.program_id(1), cfg.tile
+  start, r = start_ref[0], jnp.arange(bs)
+  valid = r < nva_ref[0]
+  q, k, v, do = (_rows(x, start, bs, h, valid) for x in (q_ref, k_ref, v_ref, do_ref))
+  prec = _prec(q.dtype)
+  _, p, slope = _block_probs(q, k, valid, cfg, h, with_slope=True)
+  dp = plgpu.dot(do, v, trans_b=True, precision=prec)   # zero outside the valid square
+  ds = p * (dp - jnp.sum(p * dp, axis=-1, keepdims=True)) if slope is None else dp * slope
+  ds = (ds * cfg.scale).astype(q.dtype)
+  out = r < nst_ref[0]
+  _store(dv_ref, start, h, plgpu.dot(p.astype(do.dtype), do, trans_a=True, precision=prec), out)
+  _store(dq_ref, start, h, plgpu.dot(ds, k, precision=prec), out)
+  _store(dk_ref, start, h, plgpu.dot(ds, q, trans_a=True, precision=prec), out)
+
+
+def _block_fwd(cfg: _Cfg, q, k, v, jag):
+  table = jagged.block_table(jag, cfg.tile)
+  return _call(_block_kernel, cfg, table, (q, k, v), jax.ShapeDtypeStruct(q.shape, q.dtype),
+               (table[0].shape[0], q.shape[1]), "jagged_block_attention")
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _block_attention(cfg: _Cfg, q, k, v, jag):
+  return _block_fwd(cfg, q, k, v, jag)
+
+
+def _block_attention_bwd(cfg: _Cfg, res, do):
+  q, k, v, jag = res
+  table = jagged.block_table(jag, cfg.tile)
+  grads = _call(_block_bwd_kernel, cfg, table, (q, k, v, do.astype(q.dtype)),
+                (jax.ShapeDtypeStruct(q.shape, q.dtype),) * 3, (table[0].shape[0], q.shape[1]),
+                "jagged_block_attention_bwd")
+  return (*grads, jax.tree.map(lambda _: None, jag))
+
+
+_block_attention.defvjp(lambda cfg, q, k, v, jag: (_block_fwd(cfg, q, k, v, jag), (q, k, v, jag)),
+                        _block_attention_bwd)
+
+
+def jagged_block_attention_pallas(q, k, v, jag, *, block_size=64, activation="softmax",
+                                  score_clip=None, interpret=False):
+  """Pallas ``jagged.jagged_block_attention``: grid (``jagged.block_table`` slots, heads); a program
+  is one block of one example (its tokens are contiguous in the buffer), so no pair of tokens
+  from different blocks or examples is ever scored. The backward is a kernel on the same grid
+  (scores recomputed; dq, dk, dv of the block)."""
+  jagged.check_tokens(jag, q, k, v)
+  H, D = q.shape[1:]
+  if block_size < 1 or (not interpret and (block_size < 16 or block_size & (block_size - 1))):
+    raise ValueError(f"block_size must be a power of two >= 16 on a GPU (any size >= 1 in "
+                     f"interpret mode), got {block_size}")
+  acts = None if activation == "softmax" else activations.per_head(activation, H)
+  cfg = _Cfg(acts, D ** -0.5, 1.0, int(block_size), int(block_size), bool(interpret),
+             None if acts is None else score_clip_value(score_clip), fast=_fast(q, interpret))
+  return _block_attention(cfg, q, k, v, jag)
+
+
+# ----------------------------------------------------------------------------- softmax
+
+
+def key_ranges(jag, tile: int, window):
+  """``(lo, hi) i32[ceil(N / tile)]``: the buffer rows a tile's partners lie in (its examples'
+  tokens, within ``window`` of its rows); ``hi <= lo`` past ``offsets[B]``. The pairs are
+  symmetric: for a query tile these are its keys, for a key tile the queries that see it."""
+  lo, hi = jagged.tile_examples(jag, tile)
+  B = jag.batch
+  klo = jag.offsets[jnp.minimum(lo, B)]
+  khi = jnp.where(hi >= lo, jag.offsets[jnp.clip(hi + 1, 0, B)], klo)
+  if window is not None:
+    starts = jnp.arange(lo.shape[0], dtype=jnp.int32) * tile
+    klo = jnp.maximum(klo, starts - window)
+    khi = jnp.minimum(khi, jnp.minimum(starts + tile, jag.total) + window)
+  return klo.astype(jnp.int32), khi.astype(jnp.int32)
+
+
+def _flash_step(carry, s, keep, v, prec):
+  """Online softmax: ``(acc, running max m, running sum l)`` after one key tile's scores ``s``
+  (pairs outside ``keep`` excluded). The same update as ``pallas_softmax``'s forward."""
+  acc, m, l = carry
+  m_new = jnp.maximum(m, jnp.max(jnp.where(keep, s, _NEG), axis=1))
+  p = jnp.where(keep, jnp.exp(s - m_new[:, None]), 0.0)
+  alpha = jnp.exp(m - m_new)
+  return (acc * alpha[:, None] + plgpu.dot(p.astype(v.dtype), v, precision=prec), m_new,
+          l * alpha + jnp.sum(p, axis=1))
+
+
+def _own(seg_ref, cfg: _Cfg, B):
+  """(first row, row indices, example of each row or B) of this program's tile."""
+  r0 = pl.program_id(0) * cfg.tile
+  return r0, r0 + jnp.arange(cfg.tile), _vec(seg_ref, r0, cfg.tile, B)
+
+
+def _partners(lo_ref, hi_ref, seg_ref, rows, seg, cfg: _Cfg, body, init):
+  """Runs ``body(start, inside bool[kv_tile], keep bool[tile, kv_tile], carry)`` over the
+  ``kv_tile`` tiles of partner rows in ``[lo, hi)``: same example, within the window."""
+  lo, hi, n = lo_ref[0], hi_ref[0], cfg.kv_tile
+
+  def step(j, carry):
+    cols = j * n + jnp.arange(n)
+    inside = (cols >= lo) & (cols < hi)
+    keep = seg[:, None] == jnp.where(inside, _vec(seg_ref, j * n, n, -1), -1)[None, :]
+    if cfg.window is not None:
+      keep &= jnp.abs(rows[:, None] - cols[None, :]) <= cfg.window
+    return body(j * n, inside, keep, carry)
+
+  return lax.fori_loop(lax.div(lo, n), jnp.where(hi > lo, lax.div(hi + n - 1, n), lax.div(lo, n)),
+                       step, init)
+
+
+def _row_stat(ref, h, start, n):
+  """``ref[h, start:start + n]`` of an f32 ``[H, N]`` row statistic (0 past N)."""
+  return plgpu.load(ref.at[h, pl.ds(start, n)], mask=start + jnp.arange(n) < ref.shape[1],
+                    other=0.0)
+
+
+def _softmax_kernel(klo_ref, khi_ref, seg_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *,
+                    cfg: _Cfg, B):
+  h = pl.program_id(1)
+  r0, rows, seg = _own(seg_ref, cfg, B)
+  q = _rows(q_ref, r0, cfg.tile, h, seg < B)
+  prec = _prec(q.dtype)
+
+  def tile(start, inside, keep, carry):
+    k, v = (_rows(r, start, cfg.kv_tile, h, inside) for r in (k_ref, v_ref))
+    return _flash_step(carry, plgpu.dot(q, k, trans_b=True, precision=prec) * cfg.scale, keep,
+                       v, prec)
+
+  init = (jnp.zeros(q.shape, _F32), jnp.full((cfg.tile,), _NEG, _F32),
+          jnp.zeros((cfg.tile,), _F32))
+  acc, m, l = _partners(klo_ref, khi_ref, seg_ref, rows, seg, cfg, tile, init)
+  seen = l > 0
+  _store(o_ref, r0, h, jnp.where(seen[:, None], acc / jnp.where(seen, l, 1.0)[:, None], 0.0),
+         rows < q_ref.shape[0])
+  plgpu.store(lse_ref.at[h, pl.ds(r0, cfg.tile)],
+              jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), 0.0),
+              mask=rows < lse_ref.shape[1])
+
+
+def _softmax_dq_kernel(klo_ref, khi_ref, seg_ref, q_ref, k_ref, v_ref, do_ref, lse_ref,
+                       delta_ref, dq_ref, *, cfg: _Cfg, B):
+  h = pl.program_id(1)
+  r0, rows, seg = _own(seg_ref, cfg, B)
+  q, do = (_rows(x, r0, cfg.tile, h, seg < B) for x in (q_ref, do_ref))
+  lse, delta = (_row_stat(x, h, r0, cfg.tile) for x in (lse_ref, delta_ref))
+
+  def tile(start, inside, keep, dq):   # dS = P (dO V^T - delta), P = exp(s - lse)
+    k, v = (_rows(r, start, cfg.kv_tile, h, inside) for r in (k_ref, v_ref))
+    s = plgpu.dot(q, k, trans_b=True, precision=_prec(q.dtype)) * cfg.scale
+    p = jnp.where(keep, jnp.exp(s - lse[:, None]), 0.0)
+    return dq + _dot(p * (_dot(do, v, trans_b=True) - delta[:, None]), k)
+
+  dq = _partners(klo_ref, khi_ref, seg_ref, rows, seg, cfg, tile, jnp.zeros(q.shape, _F32))
+  _store(dq_ref, r0, h, dq * cfg.scale, rows < q_ref.shape[0])
+
+
+def _softmax_dkv_kernel(qlo_ref, qhi_ref, seg_ref, q_ref, k_ref, v_ref, do_ref, lse_ref,
+                        delta_ref, dk_ref, dv_ref, *, cfg: _Cfg, B):
+  """A key tile walks the query tiles that see it (transposed score tiles ``k q^T``)."""
+  h = pl.program_id(1)
+  r0, rows, seg = _own(seg_ref, cfg, B)
+  k, v = (_rows(x, r0, cfg.tile, h, seg < B) for x in (k_ref, v_ref))
+
+  def tile(start, inside, keep_t, carry):
+    dk, dv = carry
+    q, do = (_rows(x, start, cfg.kv_tile, h, inside) for x in (q_ref, do_ref))
+    lse, delta = (_row_stat(x, h, start, cfg.kv_tile) for x in (lse_ref, delta_ref))
+    s_t = plgpu.dot(k, q, trans_b=True, precision=_prec(k.dtype)) * cfg.scale
+    p_t = jnp.where(keep_t, jnp.exp(s_t - lse[None, :]), 0.0)
+    ds_t = p_t * (_dot(v, do, trans_b=True) - delta[None, :])
+    return dk + _dot(ds_t, q), dv + _dot(p_t, do)
+
+  zeros = jnp.zeros(k.shape, _F32)
+  dk, dv = _partners(qlo_ref, qhi_ref, seg_ref, rows, seg, cfg, tile, (zeros, zeros))
+  out = rows < k_ref.shape[0]
+  _store(dk_ref, r0, h, dk * cfg.scale, out)
+  _store(dv_ref, r0, h, dv, out)
+
+
+def _softmax_fwd(cfg: _Cfg, q, k, v, jag):
+  """``(o [N, H, D], lse f32[H, N])``."""
+  klo, khi = key_ranges(jag, cfg.tile, cfg.window)
+  N, H, _ = q.shape
+  return _call(functools.partial(_softmax_kernel, B=jag.batch), cfg, (klo, khi),
+               (jag.seg, q, k, v), (jax.ShapeDtypeStruct(q.shape, q.dtype),
+                                    jax.ShapeDtypeStruct((H, N), _F32)),
+               (klo.shape[0], H), "jagged_softmax_attention")
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _softmax_attention(cfg: _Cfg, q, k, v, jag):
+  return _softmax_fwd(cfg, q, k, v, jag)[0]
+
+
+def _softmax_attention_fwd(cfg: _Cfg, q, k, v, jag):
+  o, lse = _softmax_fwd(cfg, q, k, v, jag)
+  return o, (q, k, v, jag, o, lse)
+
+
+def _softmax_attention_bwd(cfg: _Cfg, res, do):
+  q, k, v, jag, o, lse = res
+  do = do.astype(q.dtype)
+  delta = jnp.sum(do.astype(_F32) * o.astype(_F32), axis=-1).T           # [H, N]
+  N, H, _ = q.shape
+  klo, khi = key_ranges(jag, cfg.tile, cfg.window)
+  dq = _call(functools.partial(_softmax_dq_kernel, B=jag.batch), cfg, (klo, khi),
+             (jag.seg, q, k, v, do, lse, delta), jax.ShapeDtypeStruct(q.shape, q.dtype),
+             (klo.shape[0], H), "jagged_softmax_attention_dq")
+  per_key = cfg._replace(tile=cfg.kv_tile, kv_tile=cfg.tile)
+  qlo, qhi = key_ranges(jag, per_key.tile, cfg.window)
+  dk, dv = _call(functools.partial(_softmax_dkv_kernel, B=jag.batch), per_key, (qlo, qhi),
+                 (jag.seg, q, k, v, do, lse, delta),
+                 (jax.ShapeDtypeStruct(k.shape, k.dtype),) * 2, (qlo.shape[0], H),
+                 "jagged_softmax_attention_dkv")
+  return dq, dk, dv, jax.tree.map(lambda _: None, jag)
+
+
+_softmax_attention.defvjp(_softmax_attention_fwd, _softmax_attention_bwd)
+
+
+def jagged_softmax_attention_pallas(q, k, v, jag, *, window=None, scale=None, interpret=False,
+                                    block_q=64, block_k=64):
+  """Pallas ``jagged.jagged_softmax_attention`` (flash attention): grid (query tiles of
+  ``block_q``, heads); a tile walks only the ``block_k`` key tiles of ``key_ranges`` (its
+  examples, within the band): ``O(N * (block_q + 2 window))`` with a window. Backward
+  (FlashAttention-2, from the stored log-sum-exp): dq on the same grid, dk / dv on key tiles
+  walking the query tiles that see them."""
+  jagged.check_tokens(jag, q, k, v)
+  if window is not None and window < 0:
+    raise ValueError(f"window must be >= 0, got {window}")
+  D = q.shape[-1]
+  cfg = _Cfg(None, D ** -0.5 if scale is None else float(scale), 1.0, int(block_q),
+             int(block_k), bool(interpret), window=None if window is None else int(window))
+  return _softmax_attention(cfg, q, k, v, jag)

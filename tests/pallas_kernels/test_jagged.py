@@ -1,0 +1,293 @@
+"""The packed (jagged) layout: pack / unpack and every op against the padded reference on unpacked
+inputs and a float64 numpy loop over examples; gradients of the XLA twins against the padded
+reference's; the Pallas kernels (interpret mode, poisoned outputs) against the XLA twins."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import _poison, jagged, jagged_pallas, reference
+from tests.pallas_kernels.np_ref import NP_ACTS, block_loop, softmax_loop
+
+B, T, H, D, N, NKV, S = 4, 64, 2, 8, 64, 5, 3
+TILE = 16                          # XLA work-list and Pallas tiles (lengths / windows: +1)
+LENGTHS = {
+    "ragged": [17, 0, 33, 5],      # tile multiples plus one, an empty history
+    "full": [0, 64, 0, 0],         # one example fills the whole capacity
+    "overflow": [40, 30, 0, 20],   # 90 > 64: keeps 22, 22, 0, 20 (26 dropped)
+    "empty": [0, 0, 0, 0],
+}
+KV_LENGTHS = np.array([5, 2, 0, 4])
+
+
+@functools.cache
+def _padded(seed=0):
+  ks = jax.random.split(jax.random.key(seed), 3)
+  return tuple(jax.random.normal(k, (B, T, H, D), jnp.float32) for k in ks)
+
+
+@functools.cache
+def _packed(case, seed=0):
+  """(tokens q, k, v [N, H, D], Jagged, dropped) of a lengths case."""
+  pack = jax.jit(jagged.pack, static_argnums=2)
+  outs = [pack(x, np.array(LENGTHS[case]), N) for x in _padded(seed)]
+  return tuple(o[0] for o in outs), outs[0][1], outs[0][2]
+
+
+@functools.cache
+def _example_kv(seed=3):
+  ks = jax.random.split(jax.random.key(seed), 3)
+  return (jax.random.normal(ks[0], (B, NKV, H, D)), jax.random.normal(ks[1], (B, NKV, H, D)),
+          jax.random.normal(ks[2], (S, H, D)))
+
+
+# ----------------------------------------------------------------------------- pack / unpack
+
+
+def _kept_oracle(lengths, capacity):
+  """Plain Python: the largest cap c with sum(min(len, c)) <= N, leftover room one event each
+  to the longest clipped histories (ties: lower index)."""
+  c = max(lengths)
+  while sum(min(n, c) for n in lengths) > capacity:
+    c -= 1
+  kept = [min(n, c) for n in lengths]
+  for b in sorted(range(len(lengths)), key=lambda b: (-lengths[b], b)):
+    if lengths[b] > c and sum(kept) < capacity:
+      kept[b] += 1
+  return kept
+
+
+@pytest.mark.parametrize("case", list(LENGTHS))
+def test_pack_unpack_against_a_loop(case):
+  x = _padded()[0]
+  lens = LENGTHS[case]
+  tok, jag, dropped = jax.jit(jagged.pack, static_argnums=2)(x, np.array(lens), N)
+  kept = _kept_oracle(lens, N)
+  assert int(dropped) == sum(lens) - sum(kept)
+  rows, seg, pos, offsets = [], [], [], [0]
+  for b, (n, m) in enumerate(zip(lens, kept, strict=True)):
+    rows += [np.asarray(x[b, t]) for t in range(n - m, n)]     # the m most recent events
+    seg += [b] * m
+    pos += list(range(m))
+    offsets.append(offsets[-1] + m)
+  pad = N - len(rows)
+  want = np.stack(rows + [np.zeros((H, D), np.float32)] * pad)
+  np.testing.assert_array_equal(tok, want)
+  np.testing.assert_array_equal(jag.offsets, offsets)
+  np.testing.assert_array_equal(jag.seg, seg + [B] * pad)
+  np.testing.assert_array_equal(jag.pos, pos + [0] * pad)
+  np.testing.assert_array_equal(jag.lengths, kept)
+  back = np.asarray(jagged.unpack(tok, jag, T))
+  for b, m in enumerate(kept):
+    np.testing.assert_array_equal(back[b, :m], want[offsets[b]:offsets[b + 1]])
+    assert not back[b, m:].any()
+
+
+def test_overflow_case_drops_what_the_rule_says():
+  _, jag, dropped = _packed("overflow")
+  assert jag.lengths.tolist() == [22, 22, 0, 20] and int(dropped) == 26
+
+
+def test_leftover_room_goes_to_the_longest():
+  lens = [10, 9, 3, 10]             # capacity 27: cap 8 fills 8+8+3+8 = 27; 25 -> 2 left over
+  kept, dropped = jagged.kept_lengths(np.array(lens), 25, 10)
+  assert kept.tolist() == _kept_oracle(lens, 25) == [8, 7, 3, 7] and int(dropped) == 7
+
+
+def test_bad_input_errors_are_one_line():
+  (q, k, v), jag, _ = _packed("ragged")
+  for fn in (lambda: jagged.pack(_padded()[0], np.array([1, 2]), N),
+             lambda: jagged.jagged_softmax_attention(q, k, v[:10], jag),
+             lambda: jagged.jagged_gdpa_cross(q, k[None], v[None], jag),
+             lambda: jagged.jagged_gdpa_pool(q[:3, :1], k, v, jag),
+             lambda: jagged_pallas.jagged_block_attention_pallas(q, k, v, jag, block_size=24)):
+    with pytest.raises(ValueError) as e:
+      fn()
+    assert "\n" not in str(e.value)
+
+
+# ----------------------------------------------------------------------------- numpy oracles
+
+
+def _np_cross(q, k, v, offsets, kv_lengths, activation, scale, score_clip):
+  q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
+  out = np.zeros_like(q)
+  for b in range(B):
+    kl = int(kv_lengths[b])
+    for n in range(offsets[b], offsets[b + 1]):
+      for h in range(H):
+        s = np.clip(k[b, :kl, h] @ q[n, h] * scale, -score_clip, score_clip)
+        out[n, h] = NP_ACTS[activation](s) @ v[b, :kl, h]
+  return out
+
+
+def _np_pool(q, k, v, offsets, activation, scale):
+  q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
+  out = np.zeros((B,) + q.shape)
+  for b in range(B):
+    for h in range(H):
+      kb, vb = k[offsets[b]:offsets[b + 1], h], v[offsets[b]:offsets[b + 1], h]
+      if len(kb):                   # an empty history pools to 0
+        out[b, :, h] = NP_ACTS[activation](q[:, h] @ kb.T * scale) @ vb
+  return out
+
+
+def _per_example(fn, q, k, v, offsets):
+  """Runs a padded numpy loop on each example's tokens alone (``[1, len, H, D]``)."""
+  out = np.zeros(q.shape)
+  for b in range(B):
+    lo, hi = offsets[b], offsets[b + 1]
+    if hi > lo:
+      out[lo:hi] = fn(*(np.asarray(a)[None, lo:hi] for a in (q, k, v)))[0]
+  return out
+
+
+# ----------------------------------------------------------------------------- ops
+
+
+OPS = {
+    # name: (jagged fn (q, k, v, jag, kk, vv, seeds), padded fn on unpacked inputs, numpy)
+    "cross": (
+        lambda q, k, v, jag, kk, vv, sd: jagged.jagged_gdpa_cross(
+            q, kk, vv, jag, activation="silu", kv_lengths=KV_LENGTHS, score_clip=1.5,
+            tile=TILE),
+        lambda q, k, v, lens, kk, vv, sd: reference.gdpa_reference(
+            q, kk, vv, activation="silu", q_lengths=lens, kv_lengths=KV_LENGTHS,
+            score_clip=1.5),
+        lambda q, k, v, off, kk, vv, sd: _np_cross(q, kk, vv, off, KV_LENGTHS, "silu",
+                                                   D ** -0.5, 1.5)),
+    "pool": (
+        lambda q, k, v, jag, kk, vv, sd: jagged.jagged_gdpa_pool(
+            sd, k, v, jag, activation="gelu", out_scale=0.5, tile=TILE),
+        lambda q, k, v, lens, kk, vv, sd: reference.gdpa_reference(
+            sd[None], k, v, activation="gelu", out_scale=0.5, kv_lengths=lens,
+            broadcast_q=True),
+        lambda q, k, v, off, kk, vv, sd: 0.5 * _np_pool(sd, k, v, off, "gelu", D ** -0.5)),
+    "block_softmax": (
+        lambda q, k, v, jag, *_: jagged.jagged_block_attention(q, k, v, jag, block_size=TILE),
+        lambda q, k, v, lens, *_: reference.block_attention_reference(
+            q, k, v, block_size=TILE, lengths=lens),
+        lambda q, k, v, off, *_: _per_example(lambda *a: block_loop(*a, TILE), q, k, v, off)),
+    "block_gdpa": (
+        lambda q, k, v, jag, *_: jagged.jagged_block_attention(
+            q, k, v, jag, block_size=TILE, activation=("fast_gelu", "relu2"), score_clip=2.0),
+        lambda q, k, v, lens, *_: reference.block_attention_reference(
+            q, k, v, block_size=TILE, activation=("fast_gelu", "relu2"), lengths=lens,
+            score_clip=2.0),
+        lambda q, k, v, off, *_: _per_example(
+            lambda *a: block_loop(*a, TILE, ("fast_gelu", "relu2"), score_clip=2.0), q, k, v,
+            off)),
+    "softmax_full": (
+        lambda q, k, v, jag, *_: jagged.jagged_softmax_attention(q, k, v, jag),
+        lambda q, k, v, lens, *_: reference.softmax_attention_reference(
+            q, k, v, q_lengths=lens, kv_lengths=lens),
+        lambda q, k, v, off, *_: _per_example(softmax_loop, q, k, v, off)),
+    "softmax_w17": (
+        lambda q, k, v, jag, *_: jagged.jagged_softmax_attention(q, k, v, jag, window=17,
+                                                                 scale=0.3),
+        lambda q, k, v, lens, *_: reference.softmax_attention_reference(
+            q, k, v, window=17, scale=0.3, q_lengths=lens, kv_lengths=lens),
+        lambda q, k, v, off, *_: _per_example(
+            lambda *a: softmax_loop(*a, window=17, scale=0.3), q, k, v, off)),
+    "softmax_w3": (
+        lambda q, k, v, jag, *_: jagged.jagged_softmax_attention(q, k, v, jag, window=3),
+        lambda q, k, v, lens, *_: reference.softmax_attention_reference(
+            q, k, v, window=3, q_lengths=lens, kv_lengths=lens),
+        lambda q, k, v, off, *_: _per_example(lambda *a: softmax_loop(*a, window=3), q, k, v,
+                                              off)),
+}
+
+
+@functools.cache
+def _jitted(name):
+  """The op's jagged and padded functions, compiled once for every lengths case."""
+  return jax.jit(OPS[name][0]), jax.jit(OPS[name][1])
+
+
+def _to_padded_output(name, out, jag):
+  return out if name == "pool" else jagged.unpack(out, jag, T)
+
+
+@pytest.mark.parametrize("case", ["ragged", "full", "overflow", "empty"])
+@pytest.mark.parametrize("name", list(OPS))
+def test_op_against_padded_reference_and_numpy(name, case):
+  (fn, padded), oracle = _jitted(name), OPS[name][2]
+  (q, k, v), jag, _ = _packed(case)
+  kk, vv, sd = _example_kv()
+  out = fn(q, k, v, jag, kk, vv, sd)
+  qp, kp, vp = (jagged.unpack(x, jag, T) for x in (q, k, v))
+  want = padded(qp, kp, vp, jag.lengths, kk, vv, sd)
+  np.testing.assert_allclose(_to_padded_output(name, out, jag), want, atol=2e-6, rtol=1e-5)
+  offsets = np.asarray(jag.offsets)
+  np.testing.assert_allclose(out, oracle(q, k, v, offsets, kk, vv, sd), atol=2e-6, rtol=1e-5)
+  if name != "pool":
+    assert not np.asarray(out)[offsets[-1]:].any()       # padding tokens give 0
+
+
+@pytest.mark.parametrize("name", list(OPS))
+def test_gradients_match_the_padded_reference(name):
+  fn, padded, _ = OPS[name]
+  (q, k, v), jag, _ = _packed("ragged", seed=1)
+  kk, vv, sd = _example_kv(seed=4)
+  out_shape = jax.eval_shape(fn, q, k, v, jag, kk, vv, sd).shape
+  w = jax.random.normal(jax.random.key(9), out_shape)
+  w = jnp.where(jag.valid[:, None, None], w, 0.0) if name != "pool" else w
+  wp = _to_padded_output(name, w, jag)
+  args = (q, k, v, kk, vv, sd)
+  g_jag = jax.jit(jax.grad(lambda q, k, v, kk, vv, sd: jnp.sum(fn(q, k, v, jag, kk, vv, sd) * w),
+                   argnums=tuple(range(6))))(*args)
+  unpack = lambda x: jagged.unpack(x, jag, T)
+  g_pad = jax.jit(jax.grad(lambda q, k, v, kk, vv, sd: jnp.sum(
+      padded(unpack(q), unpack(k), unpack(v), jag.lengths, kk, vv, sd) * wp),
+      argnums=tuple(range(6))))(*args)
+  for what, g, r in zip(["q", "k", "v", "k_ex", "v_ex", "seeds"], g_jag, g_pad, strict=True):
+    np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-6, err_msg=f"d{what}")
+
+
+# ----------------------------------------------------------------------------- Pallas
+
+
+PALLAS = {   # unequal tiles where a backward swaps the roles of the two tiles
+    "cross": (lambda q, k, v, jag, kk, vv, sd: jagged_pallas.jagged_gdpa_cross_pallas(
+        q, kk, vv, jag, activation="silu", kv_lengths=KV_LENGTHS, score_clip=1.5,
+        interpret=True, block_q=TILE)),
+    "pool": (lambda q, k, v, jag, kk, vv, sd: jagged_pallas.jagged_gdpa_pool_pallas(
+        sd, k, v, jag, activation="gelu", out_scale=0.5, interpret=True, block_k=2 * TILE)),
+    "block_softmax": (lambda q, k, v, jag, *_: jagged_pallas.jagged_block_attention_pallas(
+        q, k, v, jag, block_size=TILE, interpret=True)),
+    "block_gdpa": (lambda q, k, v, jag, *_: jagged_pallas.jagged_block_attention_pallas(
+        q, k, v, jag, block_size=TILE, activation=("fast_gelu", "relu2"), score_clip=2.0,
+        interpret=True)),
+    "softmax_full": (lambda q, k, v, jag, *_: jagged_pallas.jagged_softmax_attention_pallas(
+        q, k, v, jag, interpret=True, block_q=2 * TILE, block_k=TILE)),
+    "softmax_w17": (lambda q, k, v, jag, *_: jagged_pallas.jagged_softmax_attention_pallas(
+        q, k, v, jag, window=17, scale=0.3, interpret=True, block_q=TILE, block_k=2 * TILE)),
+}
+
+
+@pytest.mark.parametrize("name", list(PALLAS))
+def test_pallas_against_the_xla_twin(name):
+  """Outputs and the gradients of sum(sin(out)) with respect to every operand. Poisoned outputs:
+  an element a kernel (forward or backward) does not write stays NaN. One compile serves every
+  lengths case (the descriptor is traced)."""
+  def vjp_of(fn):
+    def run(jag, *ops):
+      out, vjp = jax.vjp(lambda *ops: fn(*ops[:3], jag, *ops[3:]), *ops)
+      return out, vjp(jnp.cos(out))
+    return jax.jit(run)
+
+  twin = vjp_of(OPS[name][0])
+  with _poison.poison_outputs():
+    run = vjp_of(PALLAS[name])
+    for case in LENGTHS:
+      (q, k, v), jag, _ = _packed(case)
+      ops = (q, k, v, *_example_kv())
+      (out, grads), (want, want_grads) = run(jag, *ops), twin(jag, *ops)
+      np.testing.assert_allclose(out, want, atol=2e-6, rtol=1e-5, err_msg=case)
+      for what, g, r in zip(["q", "k", "v", "k_ex", "v_ex", "seeds"], grads, want_grads,
+                            strict=True):
+        # another summation order: dseeds sums over every token of the batch
+        np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5, err_msg=f"{case} d{what}")
