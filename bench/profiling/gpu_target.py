@@ -39,10 +39,18 @@ def cuda_data_dir() -> str | None:
   return None
 
 
+def _has_module(name: str) -> bool:
+  """Whether ``name`` is importable (False, not an error, when a parent package is absent)."""
+  try:
+    return importlib.util.find_spec(name) is not None
+  except ModuleNotFoundError:
+    return False
+
+
 def missing() -> str | None:
   """One line naming what deviceless GPU compilation lacks here, or None when all is present."""
   need = []
-  if importlib.util.find_spec("jax_plugins.xla_cuda12") is None:
+  if not _has_module("jax_plugins.xla_cuda12"):
     need.append(f"jax-cuda12-pjrt / jax-cuda12-plugin =={jax.__version__}")
   if cuda_data_dir() is None:
     need.append("ptxas + libdevice (nvidia-cuda-nvcc-cu12)")

@@ -2,6 +2,7 @@
 report, compiled by the venv ``scripts/setup.sh --gpu-compile`` makes (.venv-gpu, or
 ``KUNLUN_GPU_PYTHON``): the CUDA plugin stays out of the main venv."""
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -18,6 +19,20 @@ GPU_PY = os.environ.get("KUNLUN_GPU_PYTHON", os.path.join(ROOT, ".venv-gpu", "bi
 def test_missing_names_the_install_command():
   msg = gpu_target.missing()
   assert msg is None or gpu_target.INSTALL in msg
+
+
+def test_missing_without_any_jax_plugin_package(monkeypatch):
+  """A venv with no ``jax_plugins`` package at all (the project's own .venv: the compiler lives
+  in .venv-gpu): find_spec of the sub-module raises there; missing() names the packages."""
+  real = importlib.util.find_spec
+
+  def find_spec(name, *a, **k):
+    if name.split(".")[0] == "jax_plugins":
+      raise ModuleNotFoundError(f"No module named {name.split('.')[0]!r}")
+    return real(name, *a, **k)
+  monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+  msg = gpu_target.missing()
+  assert msg is not None and "jax-cuda12-pjrt" in msg and gpu_target.INSTALL in msg
 
 
 @pytest.mark.skipif(not os.path.exists(GPU_PY),
