@@ -238,7 +238,6 @@ class Checkpointer:
         dst, n = f"{src}.{why}-{time.strftime('%Y%m%d-%H%M%S')}-{n}", n + 1
       os.rename(src, dst)
     if jax.process_count() > 1:
-      from jax.experimental import multihost_utils
       multihost_utils.sync_global_devices(f"checkpoint_move_{step}")
     self.mngr.reload()
     return dst
@@ -267,7 +266,6 @@ class Checkpointer:
       self.warn(f"removed {len(gone)} partial checkpoint(s) left by failed saves: "
                 f"{', '.join(gone)}")
     if jax.process_count() > 1:
-      from jax.experimental import multihost_utils
       multihost_utils.sync_global_devices("checkpoint_remove_tmp")
     return gone
 
@@ -478,3 +476,8 @@ class Checkpointer:
     except Exception as e:  # noqa: BLE001 -- reported in one line, never a traceback
       if not (self.disk_full or self._last_failed is not None):
         self.warn(f"closing the checkpoints in {self.directory}: {short_error(e)}")
+    if self.disk_full or self._last_failed is not None:
+      # a save that failed while starting (no pending save to wait for) may still have had
+      # orbax's background thread create its partial step after the caller's clean-up; nothing
+      # writes any more once the manager is closed
+      self.remove_tmp_dirs()
