@@ -148,16 +148,35 @@ _VIEW = ("bitcast", "reshape")
 _SAME_SIZE = _ELEMENTWISE | _TRANSCENDENTAL | {"convert", "copy"}
 
 
+def _inplace_update(ins, shapes) -> tuple[list[str], list[float], list[float]]:
+  """``(updated operands, bytes read of each, bytes written to each)`` of a ``scatter`` or
+  ``dynamic-update-slice`` that updates its operand buffers in place: a scatter reads and writes
+  (read-modify-write) the elements its updates touch, at the operand's bytes per element; a
+  dynamic-update-slice writes its update and reads nothing of the operand."""
+  ops = operands(ins[2])
+  if ins[1] == "dynamic-update-slice":
+    return ops[:1], [0.0], [shape_bytes(shapes.get(ops[1], ""))] if len(ops) > 1 else [0.0]
+  n = (len(ops) - 1) // 2                        # operands..., indices, updates...
+  touched = []
+  for x, u in zip(ops[:n], ops[n + 1:]):
+    full, elems = shape_bytes(shapes.get(x, "")), _elems(shapes.get(x, ""))
+    touched.append(_elems(shapes.get(u, "")) * full / elems if elems else 0.0)
+  return ops[:n], touched, touched
+
+
 def _param_reads(comps, roots, comp: str, shapes) -> tuple[dict, float | None]:
-  """For a fused computation: ``({parameter number: bytes read}, in-place output bytes)``.
+  """For a fused computation: ``({parameter number: bytes read}, output bytes or None)``.
 
   Bytes are counted slice by slice: a parameter whose every use (through bitcasts / reshapes
   and same-size elementwise chains, e.g. the AdamW update of a flat buffer) ends as the sliced
   operand of a ``slice`` / ``dynamic-slice`` / ``gather`` reads the elements those produce
-  (at the parameter's bytes per element); a parameter that is the buffer a root
-  ``dynamic-update-slice`` updates in place reads nothing, and the output then writes only the
-  update (returned second; None otherwise). Other parameters read everything."""
+  (at the parameter's bytes per element). A ``scatter`` / ``dynamic-update-slice`` that is the
+  root (or an element of a root tuple) and updates a parameter updates that buffer in place (a
+  donated table, its optimizer state): the parameter is charged what ``_inplace_update`` reads
+  and the output what it writes (returned second, the whole output's bytes; None when the
+  fusion updates nothing in place). Other parameters read everything."""
   body = comps.get(comp, [])
+  by_name = {ins[0]: ins for ins in body}
   users = defaultdict(list)
   for ins in body:
     for i, x in enumerate(operands(ins[2])):
@@ -165,6 +184,24 @@ def _param_reads(comps, roots, comp: str, shapes) -> tuple[dict, float | None]:
   params = {ins[0]: int(re.match(r"parameter\((\d+)\)", ins[2]).group(1))
             for ins in body if ins[1] == "parameter"}
   root_name = roots.get(comp)
+  root = by_name.get(root_name)
+  outs = ([by_name.get(x) for x in operands(root[2])] if root is not None and root[1] == "tuple"
+          else [root])
+  skip, rmw, out_bytes, inplace = set(), defaultdict(float), 0.0, False
+  for o in outs:
+    if o is None:
+      continue
+    if o[1] not in ("scatter", "dynamic-update-slice"):
+      out_bytes += shape_bytes(o[3])
+      continue
+    updated, read, written = _inplace_update(o, shapes)
+    for pos, (x, r, w) in enumerate(zip(updated, read, written)):
+      if x in params:
+        skip.add((o[0], pos))
+        rmw[x] += r
+        out_bytes, inplace = out_bytes + w, True
+      else:                                      # not a parameter: a new buffer, all written
+        out_bytes += shape_bytes(shapes.get(x, ""))
 
   def partial(name, depth=0):
     """Elements of ``name`` read through its uses, or None when some use reads all of it."""
@@ -173,6 +210,8 @@ def _param_reads(comps, roots, comp: str, shapes) -> tuple[dict, float | None]:
     total, n = 0.0, _elems(shapes.get(name, ""))
     for ins, pos in users.get(name, []):
       chain = ins[1] in _VIEW or (ins[1] in _SAME_SIZE and _elems(ins[3]) == n)
+      if (ins[0], pos) in skip:                  # the buffer updated in place: in ``rmw``
+        continue
       if chain and depth < 16:
         sub = partial(ins[0], depth + 1)
         if sub is None:
@@ -187,17 +226,12 @@ def _param_reads(comps, roots, comp: str, shapes) -> tuple[dict, float | None]:
   reads = {}
   for name, k in params.items():
     r = partial(name)
+    full, n = shape_bytes(shapes.get(name, "")), _elems(shapes.get(name, ""))
     if r is not None:
-      full, n = shape_bytes(shapes.get(name, "")), _elems(shapes.get(name, ""))
       reads[k] = min(r * full / n, full) if n else 0.0
-  root = next((ins for ins in body if ins[0] == root_name), None)
-  inplace = None
-  if root is not None and root[1] == "dynamic-update-slice":
-    ops = operands(root[2])
-    if ops and ops[0] in params:
-      reads[params[ops[0]]] = 0.0
-      inplace = shape_bytes(shapes.get(ops[1], "")) if len(ops) > 1 else None
-  return reads, inplace
+    if name in rmw:
+      reads[k] = min(reads.get(k, full) + rmw[name], full)
+  return reads, (out_bytes if inplace else None)
 
 
 def op_costs(text: str) -> list[dict]:
@@ -226,8 +260,11 @@ def op_costs(text: str) -> list[dict]:
       b_out = b_out if inplace is None else inplace
     elif op in _PARTIAL_READ and ops:
       nbytes[ops[0]] = min(nbytes[ops[0]], b_out)
-    elif op == "dynamic-update-slice" and len(ops) > 1:
-      nbytes[ops[0]], b_out = 0.0, nbytes[ops[1]]
+    elif op in ("scatter", "dynamic-update-slice") and len(ops) > 1:
+      updated, read, written = _inplace_update(ins, fl.shapes)
+      for x, r in zip(updated, read):
+        nbytes[x] = r
+      b_out = sum(written)
     f, t = fl.instruction(ins)
     out.append({"name": name, "opcode": op, "op_name": names.get(name, ""), "times": times,
                 "bytes_in": sum(nbytes.values()), "bytes_out": b_out, "flops": f,

@@ -94,3 +94,36 @@ def test_pallas_compiles_real_kernels_for_a_gpu_mesh_on_a_cpu_host():
   under_mesh, plain = json.loads(p.stdout.strip().splitlines()[-1])
   assert under_mesh == {"platform": "gpu", "interpret": False, "auto": "pallas"}
   assert plain == {"platform": "cpu", "interpret": True, "auto": "xla"}
+
+
+_SCATTER = """
+import json
+import jax
+import jax.numpy as jnp
+from bench.profiling import gpu_target, roofline
+R, D, N = 10000, 8, 16
+
+def f(table, acc, ids, g):
+  return table.at[ids].add(-0.1 * g), acc.at[ids].add(jnp.sum(g * g, -1))
+
+gpu_target.set_flags()
+args = (jnp.zeros((R, D)), jnp.zeros((R,)), jnp.zeros((N,), jnp.int32), jnp.zeros((N, D)))
+c = gpu_target.compile_for(jax.jit(f, donate_argnums=(0, 1)), args, gpu_target.gpu_mesh("h200"))
+print(json.dumps([x for x in roofline.op_costs(c.as_text()) if "scatter" in x["op_name"]]))
+"""
+
+
+@pytest.mark.skipif(not os.path.exists(GPU_PY),
+                    reason=f"no {GPU_PY}: {gpu_target.INSTALL} makes it")
+def test_h200_scatter_into_a_donated_table_is_charged_its_rows():
+  """XLA:GPU fuses each scatter-add with its updates' computation (scaling g; g * g summed per
+  row): each fusion reads the indices and all of g, and reads + writes the rows it touches; the
+  10^4-row tables do not appear."""
+  p = subprocess.run([GPU_PY, "-c", _SCATTER], cwd=ROOT, capture_output=True, text=True,
+                     env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  assert p.returncode == 0, p.stderr[-2000:]
+  sc = json.loads(p.stdout.strip().splitlines()[-1])
+  N, D = 16, 8
+  ids, g = N * 4, N * D * 4
+  assert sorted((c["bytes_in"], c["bytes_out"]) for c in sc) == sorted(
+      [(ids + g + N * D * 4, N * D * 4), (ids + g + N * 4, N * 4)])
