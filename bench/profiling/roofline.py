@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import math
 import re
 import sys
@@ -328,6 +329,13 @@ def attention_flops(batch, tq, tk, heads, d, window=None) -> float:
   return 7 * 2.0 * batch * heads * pairs * d
 
 
+def block_attention_flops(batch, t, heads, d, block) -> float:
+  """FLOPs of the block attention kernel's forward + backward: ``attention_flops`` over the
+  (query, key) pairs of the ``ceil(t / block)`` blocks of ``block`` x ``block`` (the kernel
+  computes every pair of a block, padding and invalid rows included)."""
+  return attention_flops(batch, -(-t // block) * block, block, heads, d)
+
+
 def flash_attention_kernel(q, k, v) -> dict:
   """Bytes and launches of a fused softmax attention's forward + backward (module doc)."""
   B, T, H, _ = q.shape
@@ -366,8 +374,9 @@ def _fence(x):
 
 @contextlib.contextmanager
 def record_kernels(fence: bool = True):
-  """Records, while active, the differentiated GDPA and softmax-attention calls a trace makes:
-  yields a list of ``{kind, scope, bytes, launches, flops}`` (kind "gdpa" or "attention";
+  """Records, while active, the differentiated GDPA, softmax- and block-attention calls a trace
+  makes: yields a list of ``{kind, scope, bytes, launches, flops}`` (kind "gdpa", "attention"
+  or "block";
   ``scope`` the name stack, e.g. ``jvp(Kunlun)/.../click_hsp/HSP/GDPA``). Only calls under a
   ``jvp`` (the train step's forward, whose backward autodiff derives) are kept.
 
@@ -381,7 +390,8 @@ def record_kernels(fence: bool = True):
   out), the bytes they would move around the GPU kernel, and the replaced region is exactly the
   call. Values are unchanged; the XLA column is that of the fenced program."""
   calls = []
-  orig = {"gdpa": pallas_kernels.gdpa, "softmax": attention.softmax_attention_op}
+  orig = {"gdpa": pallas_kernels.gdpa, "softmax": attention.softmax_attention_op,
+          "block": pallas_kernels.block_attention}
 
   def keep(kind, cost):
     scope = _name_stack()
@@ -407,13 +417,23 @@ def record_kernels(fence: bool = True):
       return orig["softmax"](q, k, v, *a, **kw)
     return _fence(orig["softmax"](*_fence((q, k, v)), *a, **kw))
 
+  def block(q, k, v, **kw):
+    bs = kw["block_size"] if "block_size" in kw else (
+        inspect.signature(orig["block"]).parameters["block_size"].default)
+    keep("block", {"bytes": 0.0, "launches": 0, "block_size": bs,
+                   "flops": block_attention_flops(q.shape[0], q.shape[1], q.shape[2],
+                                                  q.shape[3], bs)})
+    return orig["block"](q, k, v, **kw)
+
   pallas_kernels.gdpa = gdpa
   attention.softmax_attention_op = softmax
+  pallas_kernels.block_attention = block
   try:
     yield calls
   finally:
     pallas_kernels.gdpa = orig["gdpa"]
     attention.softmax_attention_op = orig["softmax"]
+    pallas_kernels.block_attention = orig["block"]
 
 
 # ---- the table ----------------------------------------------------------------------------------

@@ -187,3 +187,26 @@ def test_a_compiled_scatter_add_into_a_donated_table_is_charged_its_rows():
   expect = (N * 4 + 3 * table_rows) + (N * 4 + 3 * acc_rows)
   assert sum(c["bytes_in"] + c["bytes_out"] for c in sc) == expect
 
+
+def test_block_attention_calls_are_recorded_with_their_formula():
+  """A differentiated block attention call (T 40 in blocks of 16: 3 blocks, the last padded) is
+  recorded with 7 matmuls of 2 FLOPs per (query, key) pair and head dim, pairs counted by brute
+  force over the padded blocks; its forward's 2 matmuls are the XLA twin's analytic score count
+  (``kunlun.models.flops.attention_scope`` as executed: 4 x pairs x H * D per example)."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  import pallas_kernels
+  from kunlun.models import flops
+  B, T, H, D, bs = 2, 40, 3, 8, 16
+  q = jnp.ones((B, T, H, D), jnp.float32)
+  with roofline.record_kernels(fence=False) as calls:
+    jax.grad(lambda q: pallas_kernels.block_attention(q, q, q, block_size=bs,
+                                                      backend="xla").sum())(q)
+  (c,) = [x for x in calls if x["kind"] == "block"]
+  i = np.arange(48)
+  pairs = int((i[:, None] // bs == i[None, :] // bs).sum())
+  assert c["flops"] == 14 * B * H * D * pairs
+  rows, keys = flops.attention_scope(T, "block", 0, bs, executed=True)
+  assert c["flops"] == 3.5 * B * 4 * rows * keys * (H * D)
