@@ -354,6 +354,24 @@ def _name_stack() -> str:
     return ""
 
 
+def _under_autodiff() -> bool:
+  """Whether the current trace differentiates: a JVP / linearize trace is the current trace or
+  a parent of it (under ``jax.checkpoint`` the remat'd function is traced in a jaxpr trace whose
+  parent is the linearize trace, and its name stack carries no ``jvp(``)."""
+  try:
+    from jax._src import core
+    t = core.trace_ctx.trace
+  except Exception:  # noqa: BLE001 - private API; without it the name stack decides
+    return False
+  for _ in range(64):
+    if t is None:
+      return False
+    if type(t).__name__ in ("JVPTrace", "LinearizeTrace"):
+      return True
+    t = getattr(t, "parent_trace", None)
+  return False
+
+
 @functools.cache
 def _fence_fn():
   @jax.custom_vjp
@@ -378,7 +396,8 @@ def record_kernels(fence: bool = True):
   makes: yields a list of ``{kind, scope, bytes, launches, flops}`` (kind "gdpa", "attention"
   or "block";
   ``scope`` the name stack, e.g. ``jvp(Kunlun)/.../click_hsp/HSP/GDPA``). Only calls under a
-  ``jvp`` (the train step's forward, whose backward autodiff derives) are kept.
+  ``jvp`` (the train step's forward, whose backward autodiff derives; ``_under_autodiff`` finds
+  it under remat, whose name stack starts at the remat'd module) are kept.
 
   Softmax attention is recorded at ``kunlun.nn.attention.softmax_attention_op``, the dispatch that
   ``SeqAttention._attend`` calls for every backend (xla reference, pallas / cudnn directly or per
@@ -395,7 +414,7 @@ def record_kernels(fence: bool = True):
 
   def keep(kind, cost):
     scope = _name_stack()
-    if "jvp(" in scope:
+    if "jvp(" in scope or _under_autodiff():
       calls.append({"kind": kind, "scope": scope, **cost})
 
   def gdpa(q, k, v, **kw):

@@ -210,3 +210,19 @@ def test_block_attention_calls_are_recorded_with_their_formula():
   assert c["flops"] == 14 * B * H * D * pairs
   rows, keys = flops.attention_scope(T, "block", 0, bs, executed=True)
   assert c["flops"] == 3.5 * B * 4 * rows * keys * (H * D)
+
+
+def test_calls_under_remat_are_recorded_once_and_shape_traces_not():
+  """A GDPA call in a remat'd function under ``jax.grad`` is recorded (its name stack has no
+  ``jvp(``); the same call traced by ``jax.eval_shape`` (no autodiff) is not."""
+  import jax
+  import jax.numpy as jnp
+
+  import pallas_kernels
+  q = jnp.ones((2, 8, 2, 4), jnp.float32)
+  f = lambda q: pallas_kernels.gdpa(q, q, q, activation="silu", backend="xla").sum()
+  with roofline.record_kernels(fence=False) as calls:
+    jax.eval_shape(f, q)
+    jax.grad(jax.checkpoint(f))(q)
+  assert [c["kind"] for c in calls] == ["gdpa"]
+  assert calls[0]["flops"] == roofline.attention_flops(2, 8, 8, 2, 4)
