@@ -26,9 +26,11 @@ CPU_NOTE = ("CPU compile standing in for the GPU one: the HLO is XLA:CPU's (its 
 
 
 
-def gpu_note(target: str) -> str:
-  return (f"XLA:GPU program for {target} compiled deviceless (no autotuning: GEMMs stay Triton "
-          "GEMMs with default tiles; sorts fall back to multi-kernel sorts)")
+def gpu_note(target: str, autotune: str | None = None) -> str:
+  tuning = (f"the device's autotune results loaded from {autotune}" if autotune else
+            "no autotuning: GEMMs stay Triton GEMMs with default tiles")
+  return (f"XLA:GPU program for {target} compiled deviceless ({tuning}; sorts fall back to "
+          "multi-kernel sorts)")
 
 
 _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
@@ -152,16 +154,17 @@ _SAME_SIZE = _ELEMENTWISE | _TRANSCENDENTAL | {"convert", "copy"}
 def _inplace_update(ins, shapes) -> tuple[list[str], list[float], list[float]]:
   """``(updated operands, bytes read of each, bytes written to each)`` of a ``scatter`` or
   ``dynamic-update-slice`` that updates its operand buffers in place: a scatter reads and writes
-  (read-modify-write) the elements its updates touch, at the operand's bytes per element; a
-  dynamic-update-slice writes its update and reads nothing of the operand."""
+  (read-modify-write) the elements its updates touch, at the operand's bytes per element, at
+  most the whole operand (more updates than rows: repeated rows); a dynamic-update-slice writes
+  its update and reads nothing of the operand."""
   ops = operands(ins[2])
   if ins[1] == "dynamic-update-slice":
     return ops[:1], [0.0], [shape_bytes(shapes.get(ops[1], ""))] if len(ops) > 1 else [0.0]
   n = (len(ops) - 1) // 2                        # operands..., indices, updates...
   touched = []
-  for x, u in zip(ops[:n], ops[n + 1:]):
+  for x, u in zip(ops[:n], ops[n + 1:], strict=False):
     full, elems = shape_bytes(shapes.get(x, "")), _elems(shapes.get(x, ""))
-    touched.append(_elems(shapes.get(u, "")) * full / elems if elems else 0.0)
+    touched.append(min(_elems(shapes.get(u, "")) * full / elems, full) if elems else 0.0)
   return ops[:n], touched, touched
 
 
@@ -196,7 +199,7 @@ def _param_reads(comps, roots, comp: str, shapes) -> tuple[dict, float | None]:
       out_bytes += shape_bytes(o[3])
       continue
     updated, read, written = _inplace_update(o, shapes)
-    for pos, (x, r, w) in enumerate(zip(updated, read, written)):
+    for pos, (x, r, w) in enumerate(zip(updated, read, written, strict=True)):
       if x in params:
         skip.add((o[0], pos))
         rmw[x] += r
@@ -263,7 +266,7 @@ def op_costs(text: str) -> list[dict]:
       nbytes[ops[0]] = min(nbytes[ops[0]], b_out)
     elif op in ("scatter", "dynamic-update-slice") and len(ops) > 1:
       updated, read, written = _inplace_update(ins, fl.shapes)
-      for x, r in zip(updated, read):
+      for x, r in zip(updated, read, strict=True):
         nbytes[x] = r
       b_out = sum(written)
     f, t = fl.instruction(ins)

@@ -226,3 +226,16 @@ def test_calls_under_remat_are_recorded_once_and_shape_traces_not():
     jax.grad(jax.checkpoint(f))(q)
   assert [c["kind"] for c in calls] == ["gdpa"]
   assert calls[0]["flops"] == roofline.attention_flops(2, 8, 8, 2, 4)
+
+
+def test_a_scatter_with_more_updates_than_rows_is_charged_the_table_at_most():
+  """4096 updates of 8 f32 into a [1000, 8] zero-initialised gradient buffer (a parameter of
+  the fusion): the updates and indices are read whole (131072 + 16384 B); the rows read and
+  written are at most the 32 kB buffer each."""
+  hlo = SCATTER_HLO.replace("u: f32[16,8], i: s32[16]", "u: f32[4096,8], i: s32[4096]")
+  for a, b in (("s32[16]", "s32[4096]"), ("s32[16,1]", "s32[4096,1]"),
+               ("f32[16,8]", "f32[4096,8]"), ("f32[16,1,8]", "f32[4096,1,8]")):
+    hlo = hlo.replace(a, b)
+  c = {x["name"]: x for x in roofline.op_costs(hlo)}["one"]
+  assert c["bytes_in"] == 16384 + 131072 + 32000
+  assert c["bytes_out"] == 32000
