@@ -395,12 +395,16 @@ def _fence(x):
 
 @contextlib.contextmanager
 def record_kernels(fence: bool = True):
-  """Records, while active, the differentiated GDPA, softmax- and block-attention calls a trace
-  makes: yields a list of ``{kind, scope, bytes, launches, flops}`` (kind "gdpa", "attention"
-  or "block";
-  ``scope`` the name stack, e.g. ``jvp(Kunlun)/.../click_hsp/HSP/GDPA``). Only calls under a
-  ``jvp`` (the train step's forward, whose backward autodiff derives; ``_under_autodiff`` finds
-  it under remat, whose name stack starts at the remat'd module) are kept.
+  """Records, while active, the GDPA, softmax- and block-attention calls of the train step's
+  forward: yields a list, filled when the context exits, of ``{kind, scope, bytes, launches,
+  flops}`` (kind "gdpa", "attention" or "block"; ``scope`` the name stack, e.g.
+  ``Kunlun/.../click_hsp/HSP/GDPA``, or from the remat'd module on under remat).
+
+  The step may trace its forward more than once: under autodiff (``jvp(`` in the name stack,
+  or ``_under_autodiff`` under remat) and, for the sparse table update, in an ``eval_shape``.
+  Under remat the second trace of a layer can reuse the first's cached jaxpr and make no calls
+  at all, so each call site (kind and scope, ``jvp(...)`` unwrapped) is kept as often as the
+  trace that made it most often, differentiated calls first.
 
   Softmax attention is recorded at ``kunlun.nn.attention.softmax_attention_op``, the dispatch that
   ``SeqAttention._attend`` calls for every backend (xla reference, pallas / cudnn directly or per
@@ -415,10 +419,13 @@ def record_kernels(fence: bool = True):
   orig = {"gdpa": pallas_kernels.gdpa, "softmax": attention.softmax_attention_op,
           "block": pallas_kernels.block_attention}
 
+  seen = []
+
   def keep(kind, cost):
     scope = _name_stack()
-    if "jvp(" in scope or _under_autodiff():
-      calls.append({"kind": kind, "scope": scope, **cost})
+    diff = "jvp(" in scope or _under_autodiff()
+    seen.append((diff, {"kind": kind, "scope": re.sub(r"jvp\(([^)]*)\)", r"\1", scope),
+                        **cost}))
 
   def gdpa(q, k, v, **kw):
     qi, ki = kw.get("q_index"), kw.get("kv_index")
@@ -456,6 +463,16 @@ def record_kernels(fence: bool = True):
     pallas_kernels.gdpa = orig["gdpa"]
     attention.softmax_attention_op = orig["softmax"]
     pallas_kernels.block_attention = orig["block"]
+    calls += _call_sites(seen)
+
+
+def _call_sites(seen: list) -> list[dict]:
+  """``record_kernels``' calls from ``[(differentiated, call)]``: per (kind, scope), the
+  differentiated calls, then as many more undifferentiated ones as that trace made more."""
+  sites = defaultdict(lambda: ([], []))
+  for diff, c in seen:
+    sites[(c["kind"], c["scope"])][0 if diff else 1].append(c)
+  return [c for d, nd in sites.values() for c in d + nd[len(d):]]
 
 
 # ---- the table ----------------------------------------------------------------------------------

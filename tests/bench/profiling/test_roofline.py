@@ -212,9 +212,9 @@ def test_block_attention_calls_are_recorded_with_their_formula():
   assert c["flops"] == 3.5 * B * 4 * rows * keys * (H * D)
 
 
-def test_calls_under_remat_are_recorded_once_and_shape_traces_not():
-  """A GDPA call in a remat'd function under ``jax.grad`` is recorded (its name stack has no
-  ``jvp(``); the same call traced by ``jax.eval_shape`` (no autodiff) is not."""
+def test_a_call_traced_twice_is_recorded_once():
+  """A GDPA call traced by ``jax.eval_shape`` and then in a remat'd function under
+  ``jax.grad`` (whose name stack has no ``jvp(``) is one call site: recorded once."""
   import jax
   import jax.numpy as jnp
 
@@ -239,3 +239,27 @@ def test_a_scatter_with_more_updates_than_rows_is_charged_the_table_at_most():
   c = {x["name"]: x for x in roofline.op_costs(hlo)}["one"]
   assert c["bytes_in"] == 16384 + 131072 + 32000
   assert c["bytes_out"] == 32000
+
+
+def test_a_remat_trace_reused_from_the_cache_is_still_recorded():
+  """``eval_shape`` of a checkpointed function, then its gradient: the gradient's trace reuses
+  the cached jaxpr and calls nothing, the call is recorded once (from the first trace); two
+  call sites under different scopes are two calls."""
+  import jax
+  import jax.numpy as jnp
+
+  import pallas_kernels
+  q = jnp.ones((2, 8, 2, 4), jnp.float32)
+
+  def f(q):
+    with jax.named_scope("one"):
+      a = pallas_kernels.gdpa(q, q, q, activation="silu", backend="xla")
+    with jax.named_scope("two"):
+      b = pallas_kernels.gdpa(q, q, q, activation="silu", backend="xla")
+    return (a + b).sum()
+
+  g = jax.checkpoint(f)
+  with roofline.record_kernels(fence=False) as calls:
+    jax.eval_shape(g, q)
+    jax.jit(jax.grad(g)).lower(q)
+  assert sorted(c["scope"] for c in calls) == ["one", "two"]
