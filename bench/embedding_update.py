@@ -13,7 +13,6 @@ import dataclasses
 import importlib
 import os
 import platform
-import re
 import time
 
 import flax.linen as nn
@@ -118,36 +117,12 @@ def _schema_with_rows(rows: int):
       streams=tuple(dataclasses.replace(st, item_vocab=rows) for st in s.streams))
 
 
-def inplace_scatter_bytes(text: str) -> dict[str, float]:
-  """``{top-level fusion: bytes}`` of an HLO module's scatter fusions (ROOT a scatter of the
-  fusion's parameters: the donated table or accumulator updated in place), charged as XLA's cost
-  analysis charges a scatter: indices + 3 x updates (rows read, rows written, updates read), not
-  the whole operand that ``roofline.op_costs`` charges."""
-  params, roots, cur = {}, set(), None
-  for line in text.splitlines():
-    m = re.match(r"^%?([\w.\-]+) \((.*)\) -> .*\{$", line)
-    if m:
-      cur = m.group(1)
-      params[cur] = re.findall(r"[\w.\-]+: (\w+\[[\d,]*\])", m.group(2))
-    elif cur and line.strip().startswith("ROOT ") and " scatter(%param_" in line:
-      roots.add(cur)
-  out = {}
-  for line in text.splitlines():
-    m = re.match(r"^\s*(?:ROOT )?%?([\w.\-]+) = .* fusion\(.*calls=%?([\w.\-]+)", line)
-    if m and m.group(2) in roots:
-      shapes = params[m.group(2)]
-      n = (len(shapes) - 1) // 2                     # operands, indices, updates
-      out[m.group(1)] = (roofline.shape_bytes(shapes[n])
-                         + 3 * sum(map(roofline.shape_bytes, shapes[n + 1:])))
-  return out
-
-
 def step_bytes(config: str, rows: int, sparse: bool, batch_size: int) -> dict:
   """Bytes of one train step of ``config`` with every table at ``rows`` rows, compiled (not run)
   on one device: the ``optimizer`` scope's and the whole step's by ``bench.profiling.roofline``'s
-  accounting (the ops' read + written bytes), XLA's cost analysis of the whole step, and the
-  compiled temp bytes. ``optimizer_mb``: in-place scatters charged their rows
-  (``inplace_scatter_bytes``); ``optimizer_roofline_mb``: as ``roofline.op_costs`` charges them."""
+  accounting (the ops' read + written bytes; an in-place scatter into a donated table or its
+  state charged the rows it touches), XLA's cost analysis of the whole step, and the compiled
+  temp bytes."""
   cfg = importlib.import_module(f"kunlun.configs.{config}").get_config()
   cfg.train.sparse_embedding_update = sparse
   schema = _schema_with_rows(rows)
@@ -161,9 +136,8 @@ def step_bytes(config: str, rows: int, sparse: bool, batch_size: int) -> dict:
     compiled = ts.fn.lower(params, opt_state, batch, jax.random.key(1),
                            jnp.asarray(0, jnp.int32)).compile()
   text = compiled.as_text()
-  costs, scatters = roofline.op_costs(text), inplace_scatter_bytes(text)
+  costs = roofline.op_costs(text)
   nbytes = lambda c: (c["bytes_in"] + c["bytes_out"]) * c["times"]
-  rows_only = lambda c: scatters[c["name"]] * c["times"] if c["name"] in scatters else nbytes(c)
   opt = [c for c in costs if hlo_stats.scope_group(c["op_name"]) == "optimizer"]
   cost = compiled.cost_analysis()
   cost = (cost[0] if isinstance(cost, (list, tuple)) else cost) or {}
@@ -172,8 +146,7 @@ def step_bytes(config: str, rows: int, sparse: bool, batch_size: int) -> dict:
             if "embedding" in jax.tree_util.keystr(k)]
   return {"rows": rows, "update": "sparse" if sparse else "dense", "tables": len(tables),
           "table_mb": sum(x.size * x.dtype.itemsize for x in tables) / 2 ** 20,
-          "optimizer_mb": sum(map(rows_only, opt)) / 2 ** 20,
-          "optimizer_roofline_mb": sum(map(nbytes, opt)) / 2 ** 20, "optimizer_ops": len(opt),
+          "optimizer_mb": sum(map(nbytes, opt)) / 2 ** 20, "optimizer_ops": len(opt),
           "step_mb": sum(map(nbytes, costs)) / 2 ** 20,
           "xla_bytes_accessed_mb": float(cost.get("bytes accessed", 0.0)) / 2 ** 20,
           "temp_mb": mem.temp_size_in_bytes / 2 ** 20 if mem is not None else None}
@@ -233,13 +206,13 @@ def run_step_bytes(a, rows: list[int], out: str) -> None:
   """``--step_bytes``: the table of ``step_bytes`` over rows x (dense, sparse) and its JSON."""
   res = [step_bytes(a.config, r, sparse, a.batch_size) for r in rows for sparse in (False, True)]
   print(f"{a.config}, batch {a.batch_size}, one device ({jax.devices()[0].platform}), compiled "
-        "step; MB = 2^20 bytes; optimizer: read + written by its ops (in-place scatters: their "
-        "rows; 'roofline': the whole table, as bench/profiling/roofline charges them)")
-  print(f"{'rows':>9} {'update':>6} {'tables MB':>10} {'optimizer MB':>13} {'roofline MB':>12} "
+        "step; MB = 2^20 bytes; optimizer: read + written by its ops (bench/profiling/roofline; "
+        "in-place scatters: their rows)")
+  print(f"{'rows':>9} {'update':>6} {'tables MB':>10} {'optimizer MB':>13} "
         f"{'step MB':>9} {'XLA bytes MB':>13} {'temp MB':>8}")
   for r in res:
     print(f"{r['rows']:>9} {r['update']:>6} {r['table_mb']:>10.1f} {r['optimizer_mb']:>13.1f} "
-          f"{r['optimizer_roofline_mb']:>12.1f} {r['step_mb']:>9.1f} "
+          f"{r['step_mb']:>9.1f} "
           f"{r['xla_bytes_accessed_mb']:>13.1f} {r['temp_mb'] or 0:>8.1f}")
   ratio = {}
   for upd in ("dense", "sparse"):

@@ -545,7 +545,7 @@ def compile_target(target, cases, dump_dir, out_path):
   FLOPs of the GPU program (bench/profiling/roofline.py ``op_costs``), its peak memory and the
   Pallas kernels' names to ``out_path``; prints ``=== case backend`` before each compile so the
   ptxas lines that follow on stderr can be attributed."""
-  gpu_target.set_flags(dump_dir)
+  gpu_target.set_flags(dump_dir, target)
   mesh = gpu_target.gpu_mesh(target)
   rows, seen = {}, set()
   for name in cases:
@@ -609,9 +609,11 @@ def run_target(target, cases=None, out_dir=None):
       st.update(case=key, **launches[key].get(kname, {}))
       kernels.append(st)
   shapes = {c: TARGET_CASES[c] for c in cases}
-  res = {"bench": "kernels/sm90", "target": target, "target_file": os.path.relpath(
-             gpu_target.target_file(target), os.path.dirname(os.path.dirname(__file__))),
-         "deviceless": True, "dtype": "bfloat16", "mode": "fwd+bwd",
+  info = gpu_target.target_info(target)
+  res = {"bench": "kernels/sm90", "target": target, "target_file": info["file"],
+         "device_topology": info["device_topology"],
+         "autotune_results": info["autotune_results"], "deviceless": True, "dtype": "bfloat16",
+         "mode": "fwd+bwd",
          "versions": {"jax": jax.__version__, "jaxlib": jax.lib.__version__,
                       "python": platform.python_version()},
          "shapes": shapes, "programs": rows, "pallas_kernels": kernels,

@@ -227,9 +227,11 @@ def run(args) -> dict:
   gpu = args.target != "cpu"
   if gpu:   # deviceless XLA:GPU compile of the target (bench/profiling/gpu_target.py)
     devices = gpu_target.gpu_devices(args.target, args.devices or 1)
+    target = gpu_target.target_info(args.target, args.devices or 1)
     args.compile_only = True
   else:
     devices = jax.devices()[:args.devices] if args.devices else None
+    target = {"name": args.target, "file": None, "deviceless": False}
   mesh = mesh_lib.make_mesh(mesh_lib.parse_mesh_flag(args.mesh), devices=devices)
   rules = rules_lib.get_rules(cfg.sharding.rules)
   n_dev = mesh.devices.size
@@ -264,7 +266,8 @@ def run(args) -> dict:
                          peak_flops=args.peak_flops, bandwidth=args.bandwidth,
                          launch_s=args.launch_us * 1e-6,
                          repeat=int(cfg.train.get("microbatches", 1)),
-                         note=roofline.gpu_note(args.target) if gpu else roofline.CPU_NOTE)
+                         note=roofline.gpu_note(args.target, target["autotune_results"])
+                         if gpu else roofline.CPU_NOTE)
   rl["flops_xla_cost_analysis"] = cost["flops"]
   with partition.activate(mesh, rules):
     casts = param_casts.summary(
@@ -290,9 +293,7 @@ def run(args) -> dict:
                 cost["bytes_accessed"]},
       "memory": mem, "hlo": hlo, "roofline": rl, "param_casts": casts,
       "kernel_calls": kernel_calls, "overrides": list(args.set),
-      "target": {"name": args.target, "file": os.path.relpath(
-                     gpu_target.target_file(args.target), os.path.dirname(_HERE))
-                 if gpu else None, "deviceless": gpu},
+      "target": target,
   }
   if gpu and args.dump_dir:
     res["thunks"] = gpu_target.thunk_kernels(args.dump_dir)
@@ -471,7 +472,7 @@ def main(argv=None):
     if msg:
       raise SystemExit(msg)
     gpu_target.target_file(args.target)
-    gpu_target.set_flags(args.dump_dir)
+    gpu_target.set_flags(args.dump_dir, args.target)
   if args.table is not None:
     files = [f for pat in args.table for f in sorted(glob.glob(pat))]
     print_table([json.load(open(f)) for f in files])

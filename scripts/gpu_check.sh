@@ -16,7 +16,12 @@
 #      meta_triton (~230 s),
 #   3. writes tuning.json and backend_table.json for pallas_kernels/ (softmax_attention "swa"
 #      entries included; "full" keeps its documented default, cudnn, until a case measures it).
-# Train-step part (~240 s): scripts/gpu_train_step.sh (mid, three backends, remat, profile).
+# Train-step part (~240 s): scripts/gpu_train_step.sh (mid, three backends, remat, profile),
+#   each run dumping XLA's autotune results (--xla_gpu_dump_autotune_results_to, one file per
+#   process), merged into bench/profiling/targets/<name>_device.autotune.pbtxt.
+# Both parts first save the device's own topology (its GpuTargetConfig) as
+# bench/profiling/targets/<name>_device.topology.pb (<name>: h200, h100). Deviceless compiles
+# (bench/profiling/gpu_target.py) use both files when present; commit them.
 # Before the run, here (CPU): `bash scripts/fetch_gpu_wheels.sh` (wheels into .whl/, the peer
 # kernel into .peer/, both git-ignored).
 # Afterwards copy $OUT/tables/{tuning,backend_table}.json into pallas_kernels/ and the
@@ -36,8 +41,20 @@ nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,memory.total --format=c
     2>&1 | tee "$OUT/gpu.txt"
 python3 -c "import jax, triton; print(jax.__version__, triton.__version__, jax.devices())" \
     2>&1 | tee -a "$OUT/gpu.txt"
+TARGETS=bench/profiling/targets
+python3 -m bench.profiling.gpu_target --save_device "$TARGETS" 2>&1 | tee -a "$OUT/gpu.txt"
+NAME=$(python3 -c "import jax; from bench.profiling.gpu_target import device_name as n
+print(n(jax.devices()[0].device_kind))")
+train_step() {   # the train-step part, its autotune results merged for deviceless compiles
+  bash scripts/gpu_train_step.sh
+  python3 -m bench.profiling.gpu_target --merge_autotune "$TARGETS/${NAME}_device.autotune.pbtxt" \
+      "$AUTOTUNE_DIR"/*.pbtxt 2>&1 | tee -a "$OUT/gpu.txt"
+}
+AUTOTUNE_DIR=$(mktemp -d)
+export AUTOTUNE_DIR
 if [[ $PART == train_step ]]; then
-  exec bash scripts/gpu_train_step.sh
+  train_step
+  exit 0
 fi
 timeout 90 python3 -m pytest -q -m gpu -p no:cacheprovider tests/pallas_kernels \
     2>&1 | tee "$OUT/gpu_tests.log"
@@ -45,5 +62,5 @@ PEER=()
 [ -f .peer/bench_peer_gdpa.py ] && PEER=(--peer "$PWD/.peer")
 timeout 380 python3 bench/kernels.py --autotune --iters 10 --out_dir "$OUT" \
     --write_tables "$OUT/tables" "${PEER[@]}" 2>&1 | tee "$OUT/kernels.log"
-[[ $PART == all ]] && bash scripts/gpu_train_step.sh
+[[ $PART == all ]] && train_step
 exit 0

@@ -9,7 +9,9 @@
 #   4.   batch 4096 with remat (train.remat=full: one Kunlun layer at a time) and
 #        train.microbatches=2 (what the CPU compiled-memory analysis shows to fit), triton.
 # Every run is capped (timeout) so one failure cannot eat the budget; about 200 s in all on the
-# H200 (the mid step compiled and ran 16 steps in ~35 s there). Writes ONE merged JSON,
+# H200 (the mid step compiled and ran 16 steps in ~35 s there). With $AUTOTUNE_DIR set, each
+# run dumps XLA's autotune results there (scripts/gpu_check.sh merges them for deviceless
+# compiles). Writes ONE merged JSON,
 # $OUT/train_step_gpu.json (copy it to bench/results/ and commit it), and a log.
 set -o pipefail
 OUT=${OUT:-bench/results}
@@ -23,11 +25,15 @@ fi
 export PYTHONUNBUFFERED=1 JAX_PLATFORMS=cuda XLA_PYTHON_CLIENT_MEM_FRACTION=0.95
 : > "$LOG"
 
+RUN=0
 bench() {   # bench <seconds> <bench args...>
-  local limit=$1
+  local limit=$1 flags=${XLA_FLAGS:-}
   shift
+  RUN=$((RUN + 1))     # $AUTOTUNE_DIR (scripts/gpu_check.sh): one autotune dump per process
+  [[ -n ${AUTOTUNE_DIR:-} ]] &&
+    flags+=" --xla_gpu_dump_autotune_results_to=$AUTOTUNE_DIR/run$RUN.pbtxt"
   echo "== bench/train_step.py $*" | tee -a "$LOG"
-  timeout "$limit" python3 -m bench.train_step --config mid --mesh data=1,fsdp=1 \
+  XLA_FLAGS=$flags timeout "$limit" python3 -m bench.train_step --config mid --mesh data=1,fsdp=1 \
       --steps 10 --warmup 2 --out_dir "$TMP" "$@" 2>&1 | tail -n 25 | tee -a "$LOG"
   echo "== exit ${PIPESTATUS[0]}" | tee -a "$LOG"
 }

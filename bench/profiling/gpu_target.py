@@ -3,17 +3,23 @@
 ``gpu_mesh("h200")`` is a mesh of compile-only CUDA devices described by a GpuTargetConfig text
 proto (``targets/*.txtpb``); lowering under ``jax.set_mesh`` of it gives the scheduled GPU HLO,
 its memory analysis and real Triton (Pallas) kernels through ptxas. Needs the optional packages
-``scripts/setup.sh --gpu-compile`` installs (``missing()`` says which are absent).
+``scripts/setup.sh --gpu-compile`` installs (``missing()`` says which are absent). Files a real
+GPU saved (``python -m bench.profiling.gpu_target --save_device``, in ``scripts/gpu_check.sh``)
+take precedence: ``<name>_device.topology.pb`` (its topology, with its own GpuTargetConfig) and
+``<name>_device.autotune.pbtxt`` (its autotune results, loaded into every deviceless compile).
 """
 
 from __future__ import annotations
 
+import argparse
 import glob
 import importlib.util
 import os
 import re
+import sys
 
 import jax
+import jaxlib.xla_client as xla_client
 from jax.experimental import topologies
 
 TARGET_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "targets")
@@ -59,36 +65,123 @@ def missing() -> str | None:
   return f"deviceless GPU compile needs {' and '.join(need)}: install with `{INSTALL}`"
 
 
-def set_flags(dump_dir: str | None = None) -> None:
+_DEVICE_FILES = {"topology": "topology.pb", "autotune": "autotune.pbtxt"}
+
+
+def device_file(target: str, what: str) -> str | None:
+  """The file a real GPU of ``target`` (a name in TARGETS) saved here, ``what`` "topology" or
+  "autotune", or None when there is none."""
+  if target not in TARGETS:
+    return None
+  path = os.path.join(TARGET_DIR, f"{target}_device.{_DEVICE_FILES[what]}")
+  return path if os.path.exists(path) else None
+
+
+
+def set_flags(dump_dir: str | None = None, target: str | None = None) -> None:
   """XLA flags for the deviceless compile (call before the first compile of the process):
-  ptxas / libdevice from ``cuda_data_dir()``, and ``--xla_dump_to`` when given."""
+  ptxas / libdevice from ``cuda_data_dir()``, ``--xla_dump_to`` when given, and the device's
+  autotune results (``--xla_gpu_load_autotune_results_from``) when ``target`` has them."""
   flags = os.environ.get("XLA_FLAGS", "")
   d = cuda_data_dir()
   if d and "xla_gpu_cuda_data_dir" not in flags:
     flags += f" --xla_gpu_cuda_data_dir={d}"
   if dump_dir and "xla_dump_to" not in flags:
     flags += f" --xla_dump_to={dump_dir}"
+  tuned = device_file(target, "autotune") if target else None
+  if tuned and "xla_gpu_load_autotune_results_from" not in flags:
+    flags += f" --xla_gpu_load_autotune_results_from={tuned}"
   os.environ["XLA_FLAGS"] = flags.strip()
 
 
-def target_file(target: str) -> str:
+def target_file(target: str, n_devices: int = 1) -> str:
+  """The file describing ``target``: the device's own topology when a real GPU saved one (one
+  device only: it holds the saving machine's GPUs), else the GpuTargetConfig text proto."""
   if target in TARGETS:
-    return TARGETS[target]
+    saved = device_file(target, "topology")
+    return saved if saved and n_devices == 1 else TARGETS[target]
   if os.path.exists(target):
     return target
   raise SystemExit(f"--target {target!r}: expected h200, h100, cpu or a GpuTargetConfig .txtpb")
 
 
+def target_info(target: str, n_devices: int = 1) -> dict:
+  """What a report says of the target: its name, the file it was compiled for, whether that is
+  the device's own topology, and the autotune results ``set_flags`` loads (None: no autotuning)."""
+  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  rel = lambda p: os.path.relpath(p, root) if p else None
+  f = target_file(target, n_devices)
+  m = re.search(r"--xla_gpu_load_autotune_results_from=(\S+)", os.environ.get("XLA_FLAGS", ""))
+  return {"name": target, "file": rel(f), "deviceless": True,
+          "device_topology": f.endswith(_DEVICE_FILES["topology"]),
+          "autotune_results": rel(m.group(1) if m else device_file(target, "autotune"))}
+
+
 def gpu_devices(target: str, n_devices: int = 1) -> list:
-  """``n_devices`` compile-only CUDA devices of ``target`` (a name in TARGETS or a file)."""
+  """``n_devices`` compile-only CUDA devices of ``target`` (a name in TARGETS or a file; a saved
+  ``*_device.topology.pb`` is deserialized as it is)."""
   msg = missing()
   if msg:
     raise SystemExit(msg)
-  with open(target_file(target)) as f:
+  path = target_file(target, n_devices)
+  if path.endswith(".pb"):
+    jax.devices()                     # registers the CUDA plugin (loaded, not yet initialized)
+    if not xla_client.pjrt_plugin_initialized("cuda"):
+      xla_client.initialize_pjrt_plugin("cuda")
+    with open(path, "rb") as f:
+      return list(topologies.TopologyDescription.deserialize(f.read()).devices)
+  with open(path) as f:
     cfg = f.read()
   topo = topologies.get_topology_desc("deviceless", platform="cuda", target_config=cfg,
                                       topology=f"1x1x{n_devices}")
   return list(topo.devices)
+
+
+def device_name(device_kind: str) -> str:
+  """The target name of a device kind: "NVIDIA H200" -> "h200", "NVIDIA H100 80GB HBM3" ->
+  "h100"."""
+  m = re.search(r"\b([a-z]\d{2,3})\b", device_kind.lower())
+  if not m:
+    raise SystemExit(f"device kind {device_kind!r}: no target name in it (e.g. H200)")
+  return m.group(1)
+
+
+def save_device(out_dir: str) -> str:
+  """On a real GPU: writes the first device's topology (its GpuTargetConfig included) to
+  ``out_dir/<name>_device.topology.pb``; returns the path."""
+  dev = jax.devices()[0]
+  if dev.platform != "gpu":
+    raise SystemExit(f"--save_device needs a GPU; this process has {dev.platform}")
+  name = f"{device_name(dev.device_kind)}_device.{_DEVICE_FILES['topology']}"
+  path = os.path.join(out_dir, name)
+  with open(path, "wb") as f:
+    f.write(topologies.TopologyDescription([dev]).serialize())
+  return path
+
+
+def merge_autotune(paths: list[str], out: str) -> int:
+  """Merges autotune-result text protos (one per process: XLA rewrites its dump file at every
+  compile) into ``out``: the first file's top-level scalar fields (e.g. ``version``), then every
+  distinct top-level message block of all files. Returns the number of blocks."""
+  head, blocks = [], []
+  for i, p in enumerate(paths):
+    depth, cur = 0, []
+    with open(p) as f:
+      for line in f:
+        if depth == 0 and not cur and "{" not in line:
+          if i == 0 and line.strip():
+            head.append(line)
+          continue
+        cur.append(line)
+        depth += line.count("{") - line.count("}")
+        if depth == 0:
+          block = "".join(cur)
+          if block not in blocks:
+            blocks.append(block)
+          cur = []
+  with open(out, "w") as f:
+    f.write("".join(head) + "".join(blocks))
+  return len(blocks)
 
 
 def gpu_mesh(target: str, axes=("d",), n_devices: int = 1) -> jax.sharding.Mesh:
@@ -189,3 +282,25 @@ def ptxas_env() -> dict:
   """Environment for a child process whose XLA logs every ptxas ``-v`` report to stderr."""
   return {**os.environ, "JAX_PLATFORMS": "cpu", "TF_CPP_MIN_LOG_LEVEL": "0",
           "TF_CPP_VMODULE": "subprocess_compilation=2"}
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser(description="device files for deviceless compiles (run on a GPU)")
+  ap.add_argument("--save_device", metavar="DIR", help="write <name>_device.topology.pb here")
+  ap.add_argument("--merge_autotune", nargs="+", metavar="FILE",
+                  help="OUT IN...: merge autotune-result dumps into OUT")
+  a = ap.parse_args(argv)
+  if a.save_device:
+    print("wrote", save_device(a.save_device))
+  if a.merge_autotune:
+    if len(a.merge_autotune) < 2:
+      raise SystemExit("--merge_autotune OUT IN...: no input files")
+    out, ins = a.merge_autotune[0], [p for p in a.merge_autotune[1:] if os.path.exists(p)]
+    if not ins:
+      print(f"no autotune dumps to merge into {out}", file=sys.stderr)
+      return
+    print(f"wrote {out}: {merge_autotune(ins, out)} results from {len(ins)} files")
+
+
+if __name__ == "__main__":
+  main()

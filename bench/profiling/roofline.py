@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import math
 import re
 import sys
@@ -25,9 +26,11 @@ CPU_NOTE = ("CPU compile standing in for the GPU one: the HLO is XLA:CPU's (its 
 
 
 
-def gpu_note(target: str) -> str:
-  return (f"XLA:GPU program for {target} compiled deviceless (no autotuning: GEMMs stay Triton "
-          "GEMMs with default tiles; sorts fall back to multi-kernel sorts)")
+def gpu_note(target: str, autotune: str | None = None) -> str:
+  tuning = (f"the device's autotune results loaded from {autotune}" if autotune else
+            "no autotuning: GEMMs stay Triton GEMMs with default tiles")
+  return (f"XLA:GPU program for {target} compiled deviceless ({tuning}; sorts fall back to "
+          "multi-kernel sorts)")
 
 
 _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
@@ -148,16 +151,36 @@ _VIEW = ("bitcast", "reshape")
 _SAME_SIZE = _ELEMENTWISE | _TRANSCENDENTAL | {"convert", "copy"}
 
 
+def _inplace_update(ins, shapes) -> tuple[list[str], list[float], list[float]]:
+  """``(updated operands, bytes read of each, bytes written to each)`` of a ``scatter`` or
+  ``dynamic-update-slice`` that updates its operand buffers in place: a scatter reads and writes
+  (read-modify-write) the elements its updates touch, at the operand's bytes per element, at
+  most the whole operand (more updates than rows: repeated rows); a dynamic-update-slice writes
+  its update and reads nothing of the operand."""
+  ops = operands(ins[2])
+  if ins[1] == "dynamic-update-slice":
+    return ops[:1], [0.0], [shape_bytes(shapes.get(ops[1], ""))] if len(ops) > 1 else [0.0]
+  n = (len(ops) - 1) // 2                        # operands..., indices, updates...
+  touched = []
+  for x, u in zip(ops[:n], ops[n + 1:], strict=False):
+    full, elems = shape_bytes(shapes.get(x, "")), _elems(shapes.get(x, ""))
+    touched.append(min(_elems(shapes.get(u, "")) * full / elems, full) if elems else 0.0)
+  return ops[:n], touched, touched
+
+
 def _param_reads(comps, roots, comp: str, shapes) -> tuple[dict, float | None]:
-  """For a fused computation: ``({parameter number: bytes read}, in-place output bytes)``.
+  """For a fused computation: ``({parameter number: bytes read}, output bytes or None)``.
 
   Bytes are counted slice by slice: a parameter whose every use (through bitcasts / reshapes
   and same-size elementwise chains, e.g. the AdamW update of a flat buffer) ends as the sliced
   operand of a ``slice`` / ``dynamic-slice`` / ``gather`` reads the elements those produce
-  (at the parameter's bytes per element); a parameter that is the buffer a root
-  ``dynamic-update-slice`` updates in place reads nothing, and the output then writes only the
-  update (returned second; None otherwise). Other parameters read everything."""
+  (at the parameter's bytes per element). A ``scatter`` / ``dynamic-update-slice`` that is the
+  root (or an element of a root tuple) and updates a parameter updates that buffer in place (a
+  donated table, its optimizer state): the parameter is charged what ``_inplace_update`` reads
+  and the output what it writes (returned second, the whole output's bytes; None when the
+  fusion updates nothing in place). Other parameters read everything."""
   body = comps.get(comp, [])
+  by_name = {ins[0]: ins for ins in body}
   users = defaultdict(list)
   for ins in body:
     for i, x in enumerate(operands(ins[2])):
@@ -165,6 +188,24 @@ def _param_reads(comps, roots, comp: str, shapes) -> tuple[dict, float | None]:
   params = {ins[0]: int(re.match(r"parameter\((\d+)\)", ins[2]).group(1))
             for ins in body if ins[1] == "parameter"}
   root_name = roots.get(comp)
+  root = by_name.get(root_name)
+  outs = ([by_name.get(x) for x in operands(root[2])] if root is not None and root[1] == "tuple"
+          else [root])
+  skip, rmw, out_bytes, inplace = set(), defaultdict(float), 0.0, False
+  for o in outs:
+    if o is None:
+      continue
+    if o[1] not in ("scatter", "dynamic-update-slice"):
+      out_bytes += shape_bytes(o[3])
+      continue
+    updated, read, written = _inplace_update(o, shapes)
+    for pos, (x, r, w) in enumerate(zip(updated, read, written, strict=True)):
+      if x in params:
+        skip.add((o[0], pos))
+        rmw[x] += r
+        out_bytes, inplace = out_bytes + w, True
+      else:                                      # not a parameter: a new buffer, all written
+        out_bytes += shape_bytes(shapes.get(x, ""))
 
   def partial(name, depth=0):
     """Elements of ``name`` read through its uses, or None when some use reads all of it."""
@@ -173,6 +214,8 @@ def _param_reads(comps, roots, comp: str, shapes) -> tuple[dict, float | None]:
     total, n = 0.0, _elems(shapes.get(name, ""))
     for ins, pos in users.get(name, []):
       chain = ins[1] in _VIEW or (ins[1] in _SAME_SIZE and _elems(ins[3]) == n)
+      if (ins[0], pos) in skip:                  # the buffer updated in place: in ``rmw``
+        continue
       if chain and depth < 16:
         sub = partial(ins[0], depth + 1)
         if sub is None:
@@ -187,17 +230,12 @@ def _param_reads(comps, roots, comp: str, shapes) -> tuple[dict, float | None]:
   reads = {}
   for name, k in params.items():
     r = partial(name)
+    full, n = shape_bytes(shapes.get(name, "")), _elems(shapes.get(name, ""))
     if r is not None:
-      full, n = shape_bytes(shapes.get(name, "")), _elems(shapes.get(name, ""))
       reads[k] = min(r * full / n, full) if n else 0.0
-  root = next((ins for ins in body if ins[0] == root_name), None)
-  inplace = None
-  if root is not None and root[1] == "dynamic-update-slice":
-    ops = operands(root[2])
-    if ops and ops[0] in params:
-      reads[params[ops[0]]] = 0.0
-      inplace = shape_bytes(shapes.get(ops[1], "")) if len(ops) > 1 else None
-  return reads, inplace
+    if name in rmw:
+      reads[k] = min(reads.get(k, full) + rmw[name], full)
+  return reads, (out_bytes if inplace else None)
 
 
 def op_costs(text: str) -> list[dict]:
@@ -226,8 +264,11 @@ def op_costs(text: str) -> list[dict]:
       b_out = b_out if inplace is None else inplace
     elif op in _PARTIAL_READ and ops:
       nbytes[ops[0]] = min(nbytes[ops[0]], b_out)
-    elif op == "dynamic-update-slice" and len(ops) > 1:
-      nbytes[ops[0]], b_out = 0.0, nbytes[ops[1]]
+    elif op in ("scatter", "dynamic-update-slice") and len(ops) > 1:
+      updated, read, written = _inplace_update(ins, fl.shapes)
+      for x, r in zip(updated, read, strict=True):
+        nbytes[x] = r
+      b_out = sum(written)
     f, t = fl.instruction(ins)
     out.append({"name": name, "opcode": op, "op_name": names.get(name, ""), "times": times,
                 "bytes_in": sum(nbytes.values()), "bytes_out": b_out, "flops": f,
@@ -291,6 +332,13 @@ def attention_flops(batch, tq, tk, heads, d, window=None) -> float:
   return 7 * 2.0 * batch * heads * pairs * d
 
 
+def block_attention_flops(batch, t, heads, d, block) -> float:
+  """FLOPs of the block attention kernel's forward + backward: ``attention_flops`` over the
+  (query, key) pairs of the ``ceil(t / block)`` blocks of ``block`` x ``block`` (the kernel
+  computes every pair of a block, padding and invalid rows included)."""
+  return attention_flops(batch, -(-t // block) * block, block, heads, d)
+
+
 def flash_attention_kernel(q, k, v) -> dict:
   """Bytes and launches of a fused softmax attention's forward + backward (module doc)."""
   B, T, H, _ = q.shape
@@ -307,6 +355,24 @@ def _name_stack() -> str:
     return str(source_info_util.current_name_stack())
   except Exception:  # noqa: BLE001 - private API; without it the calls get no scope
     return ""
+
+
+def _under_autodiff() -> bool:
+  """Whether the current trace differentiates: a JVP / linearize trace is the current trace or
+  a parent of it (under ``jax.checkpoint`` the remat'd function is traced in a jaxpr trace whose
+  parent is the linearize trace, and its name stack carries no ``jvp(``)."""
+  try:
+    from jax._src import core
+    t = core.trace_ctx.trace
+  except Exception:  # noqa: BLE001 - private API; without it the name stack decides
+    return False
+  for _ in range(64):
+    if t is None:
+      return False
+    if type(t).__name__ in ("JVPTrace", "LinearizeTrace"):
+      return True
+    t = getattr(t, "parent_trace", None)
+  return False
 
 
 @functools.cache
@@ -329,10 +395,16 @@ def _fence(x):
 
 @contextlib.contextmanager
 def record_kernels(fence: bool = True):
-  """Records, while active, the differentiated GDPA and softmax-attention calls a trace makes:
-  yields a list of ``{kind, scope, bytes, launches, flops}`` (kind "gdpa" or "attention";
-  ``scope`` the name stack, e.g. ``jvp(Kunlun)/.../click_hsp/HSP/GDPA``). Only calls under a
-  ``jvp`` (the train step's forward, whose backward autodiff derives) are kept.
+  """Records, while active, the GDPA, softmax- and block-attention calls of the train step's
+  forward: yields a list, filled when the context exits, of ``{kind, scope, bytes, launches,
+  flops}`` (kind "gdpa", "attention" or "block"; ``scope`` the name stack, e.g.
+  ``Kunlun/.../click_hsp/HSP/GDPA``, or from the remat'd module on under remat).
+
+  The step may trace its forward more than once: under autodiff (``jvp(`` in the name stack,
+  or ``_under_autodiff`` under remat) and, for the sparse table update, in an ``eval_shape``.
+  Under remat the second trace of a layer can reuse the first's cached jaxpr and make no calls
+  at all, so each call site (kind and scope, ``jvp(...)`` unwrapped) is kept as often as the
+  trace that made it most often, differentiated calls first.
 
   Softmax attention is recorded at ``kunlun.nn.attention.softmax_attention_op``, the dispatch that
   ``SeqAttention._attend`` calls for every backend (xla reference, pallas / cudnn directly or per
@@ -344,12 +416,16 @@ def record_kernels(fence: bool = True):
   out), the bytes they would move around the GPU kernel, and the replaced region is exactly the
   call. Values are unchanged; the XLA column is that of the fenced program."""
   calls = []
-  orig = {"gdpa": pallas_kernels.gdpa, "softmax": attention.softmax_attention_op}
+  orig = {"gdpa": pallas_kernels.gdpa, "softmax": attention.softmax_attention_op,
+          "block": pallas_kernels.block_attention}
+
+  seen = []
 
   def keep(kind, cost):
     scope = _name_stack()
-    if "jvp(" in scope:
-      calls.append({"kind": kind, "scope": scope, **cost})
+    diff = "jvp(" in scope or _under_autodiff()
+    seen.append((diff, {"kind": kind, "scope": re.sub(r"jvp\(([^)]*)\)", r"\1", scope),
+                        **cost}))
 
   def gdpa(q, k, v, **kw):
     qi, ki = kw.get("q_index"), kw.get("kv_index")
@@ -370,13 +446,33 @@ def record_kernels(fence: bool = True):
       return orig["softmax"](q, k, v, *a, **kw)
     return _fence(orig["softmax"](*_fence((q, k, v)), *a, **kw))
 
+  def block(q, k, v, **kw):
+    bs = kw["block_size"] if "block_size" in kw else (
+        inspect.signature(orig["block"]).parameters["block_size"].default)
+    keep("block", {"bytes": 0.0, "launches": 0, "block_size": bs,
+                   "flops": block_attention_flops(q.shape[0], q.shape[1], q.shape[2],
+                                                  q.shape[3], bs)})
+    return orig["block"](q, k, v, **kw)
+
   pallas_kernels.gdpa = gdpa
   attention.softmax_attention_op = softmax
+  pallas_kernels.block_attention = block
   try:
     yield calls
   finally:
     pallas_kernels.gdpa = orig["gdpa"]
     attention.softmax_attention_op = orig["softmax"]
+    pallas_kernels.block_attention = orig["block"]
+    calls += _call_sites(seen)
+
+
+def _call_sites(seen: list) -> list[dict]:
+  """``record_kernels``' calls from ``[(differentiated, call)]``: per (kind, scope), the
+  differentiated calls, then as many more undifferentiated ones as that trace made more."""
+  sites = defaultdict(lambda: ([], []))
+  for diff, c in seen:
+    sites[(c["kind"], c["scope"])][0 if diff else 1].append(c)
+  return [c for d, nd in sites.values() for c in d + nd[len(d):]]
 
 
 # ---- the table ----------------------------------------------------------------------------------

@@ -109,3 +109,127 @@ def test_pallas_compiles_real_kernels_for_a_gpu_mesh_on_a_cpu_host():
   under_mesh, plain = json.loads(p.stdout.strip().splitlines()[-1])
   assert under_mesh == {"platform": "gpu", "interpret": False, "auto": "pallas"}
   assert plain == {"platform": "cpu", "interpret": True, "auto": "xla"}
+
+
+_SCATTER = """
+import json
+import jax
+import jax.numpy as jnp
+from bench.profiling import gpu_target, roofline
+R, D, N = 10000, 8, 16
+
+def f(table, acc, ids, g):
+  return table.at[ids].add(-0.1 * g), acc.at[ids].add(jnp.sum(g * g, -1))
+
+gpu_target.set_flags()
+args = (jnp.zeros((R, D)), jnp.zeros((R,)), jnp.zeros((N,), jnp.int32), jnp.zeros((N, D)))
+c = gpu_target.compile_for(jax.jit(f, donate_argnums=(0, 1)), args, gpu_target.gpu_mesh("h200"))
+print(json.dumps([x for x in roofline.op_costs(c.as_text()) if "scatter" in x["op_name"]]))
+"""
+
+
+@pytest.mark.skipif(not os.path.exists(GPU_PY),
+                    reason=f"no {GPU_PY}: {gpu_target.INSTALL} makes it")
+def test_h200_scatter_into_a_donated_table_is_charged_its_rows():
+  """XLA:GPU fuses each scatter-add with its updates' computation (scaling g; g * g summed per
+  row): each fusion reads the indices and all of g, and reads + writes the rows it touches; the
+  10^4-row tables do not appear."""
+  p = subprocess.run([GPU_PY, "-c", _SCATTER], cwd=ROOT, capture_output=True, text=True,
+                     env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  assert p.returncode == 0, p.stderr[-2000:]
+  sc = json.loads(p.stdout.strip().splitlines()[-1])
+  N, D = 16, 8
+  ids, g = N * 4, N * D * 4
+  assert sorted((c["bytes_in"], c["bytes_out"]) for c in sc) == sorted(
+      [(ids + g + N * D * 4, N * D * 4), (ids + g + N * 4, N * 4)])
+
+
+def _device_files(tmp_path, monkeypatch, autotune="version: 3\n"):
+  """A targets folder holding the H200's text proto and a hand-written device autotune file."""
+  import shutil
+  shutil.copy(gpu_target.TARGETS["h200"], tmp_path / "h200_sxm.txtpb")
+  (tmp_path / "h200_device.autotune.pbtxt").write_text(autotune)
+  monkeypatch.setattr(gpu_target, "TARGET_DIR", str(tmp_path))
+  monkeypatch.setitem(gpu_target.TARGETS, "h200", str(tmp_path / "h200_sxm.txtpb"))
+  return tmp_path / "h200_device.autotune.pbtxt"
+
+
+def test_device_autotune_results_are_passed_to_xla_and_reported(tmp_path, monkeypatch):
+  tuned = _device_files(tmp_path, monkeypatch)
+  monkeypatch.setenv("XLA_FLAGS", "")
+  gpu_target.set_flags(None, "h200")
+  assert f"--xla_gpu_load_autotune_results_from={tuned}" in os.environ["XLA_FLAGS"].split()
+  info = gpu_target.target_info("h200")
+  assert info["autotune_results"].endswith("h200_device.autotune.pbtxt")
+  assert info["file"].endswith("h200_sxm.txtpb") and not info["device_topology"]
+  monkeypatch.setenv("XLA_FLAGS", "")
+  gpu_target.set_flags(None, "h100")          # no h100 device files: nothing loaded
+  assert "autotune" not in os.environ["XLA_FLAGS"]
+  assert gpu_target.target_info("h100")["autotune_results"] is None
+
+
+def test_a_saved_device_topology_is_the_target_file_for_one_device(tmp_path, monkeypatch):
+  _device_files(tmp_path, monkeypatch)
+  (tmp_path / "h200_device.topology.pb").write_bytes(b"")
+  assert gpu_target.target_file("h200").endswith("h200_device.topology.pb")
+  assert gpu_target.target_info("h200")["device_topology"]
+  assert gpu_target.target_file("h200", n_devices=8).endswith("h200_sxm.txtpb")
+
+
+def test_merge_autotune_keeps_one_header_and_every_distinct_result(tmp_path):
+  a, b, out = tmp_path / "a.pbtxt", tmp_path / "b.pbtxt", tmp_path / "out.pbtxt"
+  r1 = 'results {\n  device: "d"\n  hlo: "x {y}"\n  result {\n    gemm { algorithm: 1 }\n  }\n}\n'
+  r2 = r1.replace("algorithm: 1", "algorithm: 2")
+  a.write_text("version: 3\n" + r1)
+  b.write_text("version: 3\n" + r1 + r2)
+  assert gpu_target.merge_autotune([str(a), str(b)], str(out)) == 2
+  assert out.read_text() == "version: 3\n" + r1 + r2
+
+
+def test_device_names_and_save_device_off_a_gpu():
+  assert gpu_target.device_name("NVIDIA H200") == "h200"
+  assert gpu_target.device_name("NVIDIA H100 80GB HBM3") == "h100"
+  with pytest.raises(SystemExit) as e:
+    gpu_target.save_device("/tmp")
+  assert "needs a GPU" in str(e.value)
+
+
+_LOAD = """
+import json, sys
+import jax
+import jax.numpy as jnp
+from bench.profiling import gpu_target
+gpu_target.TARGET_DIR = sys.argv[1]
+gpu_target.TARGETS["h200"] = sys.argv[2]
+# what --save_device writes on a real H200, made here from the compile-only device
+saved = jax.experimental.topologies.TopologyDescription(gpu_target.gpu_devices("h200")).serialize()
+with open(sys.argv[1] + "/h200_device.topology.pb", "wb") as f:
+  f.write(saved)
+gpu_target.set_flags(None, "h200")
+mesh = jax.sharding.Mesh(gpu_target.gpu_devices("h200"), ("d",))
+c = gpu_target.compile_for(lambda x: (x @ x).sum(), (jnp.ones((256, 256)),), mesh)
+print(json.dumps({**gpu_target.target_info("h200"), "kind": mesh.devices.flat[0].device_kind}))
+"""
+
+
+@pytest.mark.skipif(not os.path.exists(GPU_PY),
+                    reason=f"no {GPU_PY}: {gpu_target.INSTALL} makes it")
+def test_h200_compile_loads_the_device_files(tmp_path, monkeypatch):
+  """A deviceless compile from a saved device topology with a hand-written autotune file
+  (the legacy text format, no results): XLA logs that it loaded the file; a missing file named
+  in the flag fails the compile (so the flag is read)."""
+  import jax.experimental.topologies  # noqa: F401 - the child's import, checked here first
+  tuned = _device_files(tmp_path, monkeypatch)
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "TF_CPP_MIN_LOG_LEVEL": "0", "XLA_FLAGS": ""}
+  p = subprocess.run([GPU_PY, "-c", _LOAD, str(tmp_path), str(tmp_path / "h200_sxm.txtpb")],
+                     cwd=ROOT, capture_output=True, text=True, env=env)
+  assert p.returncode == 0, p.stderr[-2000:]
+  info = json.loads(p.stdout.strip().splitlines()[-1])
+  assert info["device_topology"] and info["kind"] == "NVIDIA H200"
+  assert info["autotune_results"].endswith("h200_device.autotune.pbtxt")
+  assert f"Autotune results loaded from file: {tuned}" in p.stderr
+  tuned.unlink()
+  env["XLA_FLAGS"] = f"--xla_gpu_load_autotune_results_from={tuned}"
+  p = subprocess.run([GPU_PY, "-c", _LOAD, str(tmp_path), str(tmp_path / "h200_sxm.txtpb")],
+                     cwd=ROOT, capture_output=True, text=True, env=env)
+  assert p.returncode != 0 and "Autotune results file does not exist" in p.stderr

@@ -91,3 +91,175 @@ def test_attention_kernel_flops_count_the_band():
   pairs = int((abs(i[:, None] - i[None, :]) <= w).sum())
   assert roofline.attention_flops(B, T, T, H, D, window=w) == 14 * B * H * D * pairs
   assert roofline.attention_flops(B, T, T, H, D) == 14 * B * H * D * T * T
+
+
+SCATTER_HLO = """HloModule scatters
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %r = f32[] add(%a, %b)
+}
+
+%fused_scatter (t: f32[1000,8], u: f32[16,8], i: s32[16]) -> f32[1000,8] {
+  %t = f32[1000,8]{1,0} parameter(0)
+  %i = s32[16]{0} parameter(2)
+  %ib = s32[16,1]{1,0} bitcast(%i)
+  %u = f32[16,8]{1,0} parameter(1)
+  %c = f32[] constant(-0.1)
+  %cb = f32[16,8]{1,0} broadcast(%c), dimensions={}
+  %m = f32[16,8]{1,0} multiply(%u, %cb)
+  %mb = f32[16,1,8]{2,1,0} bitcast(%m)
+  ROOT %s = f32[1000,8]{1,0} scatter(%t, %ib, %mb), update_window_dims={1,2}, inserted_window_dims={}, scatter_dims_to_operand_dims={0}, index_vector_dim=1, to_apply=%add
+}
+
+%fused_pair (t2: f32[1000,8], a2: bf16[1000], i2: s32[16,1], u2: f32[16,1,8], v2: bf16[16,1]) -> (f32[1000,8], bf16[1000]) {
+  %t2 = f32[1000,8]{1,0} parameter(0)
+  %a2 = bf16[1000]{0} parameter(1)
+  %i2 = s32[16,1]{1,0} parameter(2)
+  %u2 = f32[16,1,8]{2,1,0} parameter(3)
+  %v2 = bf16[16,1]{1,0} parameter(4)
+  %s2 = f32[1000,8]{1,0} scatter(%t2, %i2, %u2), update_window_dims={1,2}, inserted_window_dims={}, scatter_dims_to_operand_dims={0}, index_vector_dim=1, to_apply=%add
+  %d2 = bf16[1000]{0} dynamic-update-slice(%a2, %v2b, %z)
+  %v2b = bf16[16]{0} bitcast(%v2)
+  %z = s32[] constant(0)
+  ROOT %t = (f32[1000,8]{1,0}, bf16[1000]{0}) tuple(%s2, %d2)
+}
+
+ENTRY %main (t: f32[1000,8], a: bf16[1000], i: s32[16], u: f32[16,8], ib: s32[16,1], ub: f32[16,1,8], v: bf16[16,1]) -> f32[1000,8] {
+  %t = f32[1000,8]{1,0} parameter(0)
+  %a = bf16[1000]{0} parameter(1)
+  %i = s32[16]{0} parameter(2)
+  %u = f32[16,8]{1,0} parameter(3)
+  %ib = s32[16,1]{1,0} parameter(4)
+  %ub = f32[16,1,8]{2,1,0} parameter(5)
+  %v = bf16[16,1]{1,0} parameter(6)
+  %one = f32[1000,8]{1,0} fusion(%t, %u, %i), kind=kInput, calls=%fused_scatter
+  %pair = (f32[1000,8]{1,0}, bf16[1000]{0}) fusion(%one, %a, %ib, %ub, %v), kind=kInput, calls=%fused_pair
+  %bare = f32[1000,8]{1,0} scatter(%t, %ib, %ub), update_window_dims={1,2}, inserted_window_dims={}, scatter_dims_to_operand_dims={0}, index_vector_dim=1, to_apply=%add
+  ROOT %o = f32[1000,8]{1,0} get-tuple-element(%pair), index=0
+}
+"""
+
+
+def test_inplace_scatter_is_charged_its_rows_not_the_table():
+  """A scatter into a parameter of its fusion (the donated table, updated in place) reads the
+  indices (16 x 4 B) and updates (16 x 8 x 4 B) and reads + writes the 16 x 8 f32 elements it
+  touches (2 x 512 B), not the 32 kB table; a top-level scatter alike."""
+  c = {x["name"]: x for x in roofline.op_costs(SCATTER_HLO)}
+  assert c["one"]["bytes_in"] == 64 + 512 + 512
+  assert c["one"]["bytes_out"] == 512
+  assert c["bare"]["bytes_in"] == 64 + 512 + 512
+  assert c["bare"]["bytes_out"] == 512
+
+
+def test_inplace_updates_in_a_tuple_root_are_charged_what_they_touch():
+  """A multi-output fusion: a scatter (as above) and a dynamic-update-slice of 16 bf16 into a
+  bf16[1000] accumulator; the accumulator is not read, the update slice is written (32 B)."""
+  c = {x["name"]: x for x in roofline.op_costs(SCATTER_HLO)}["pair"]
+  assert c["bytes_in"] == (64 + 512 + 512) + 32
+  assert c["bytes_out"] == 512 + 32
+
+
+def _jit_text(fn, *shapes, donate=(0,)):
+  import jax
+  return jax.jit(fn, donate_argnums=donate).lower(*shapes).compile().as_text()
+
+
+def test_a_compiled_scatter_add_into_a_donated_table_is_charged_its_rows():
+  """XLA:CPU's program of ``table.at[ids].add(-0.1 * g)`` and ``acc.at[ids].add(sum(g^2))``:
+  the scatters together charge indices + updates + 2 x the touched rows (by hand below); the
+  tables (10^4 rows) do not appear."""
+  import jax
+  import jax.numpy as jnp
+  R, D, N = 10000, 8, 16
+
+  def f(table, acc, ids, g):
+    return table.at[ids].add(-0.1 * g), acc.at[ids].add(jnp.sum(g * g, -1))
+
+  text = _jit_text(f, jax.ShapeDtypeStruct((R, D), jnp.float32),
+                   jax.ShapeDtypeStruct((R,), jnp.float32), jax.ShapeDtypeStruct((N,), jnp.int32),
+                   jax.ShapeDtypeStruct((N, D), jnp.float32), donate=(0, 1))
+  sc = [c for c in roofline.op_costs(text) if "scatter" in c["op_name"]]
+  assert len(sc) == 2
+  table_rows, acc_rows = N * D * 4, N * 4
+  # each scatter: indices (as s32[16, 1]) + updates + its rows read and written
+  expect = (N * 4 + 3 * table_rows) + (N * 4 + 3 * acc_rows)
+  assert sum(c["bytes_in"] + c["bytes_out"] for c in sc) == expect
+
+
+def test_block_attention_calls_are_recorded_with_their_formula():
+  """A differentiated block attention call (T 40 in blocks of 16: 3 blocks, the last padded) is
+  recorded with 7 matmuls of 2 FLOPs per (query, key) pair and head dim, pairs counted by brute
+  force over the padded blocks; its forward's 2 matmuls are the XLA twin's analytic score count
+  (``kunlun.models.flops.attention_scope`` as executed: 4 x pairs x H * D per example)."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  import pallas_kernels
+  from kunlun.models import flops
+  B, T, H, D, bs = 2, 40, 3, 8, 16
+  q = jnp.ones((B, T, H, D), jnp.float32)
+  with roofline.record_kernels(fence=False) as calls:
+    jax.grad(lambda q: pallas_kernels.block_attention(q, q, q, block_size=bs,
+                                                      backend="xla").sum())(q)
+  (c,) = [x for x in calls if x["kind"] == "block"]
+  i = np.arange(48)
+  pairs = int((i[:, None] // bs == i[None, :] // bs).sum())
+  assert c["flops"] == 14 * B * H * D * pairs
+  rows, keys = flops.attention_scope(T, "block", 0, bs, executed=True)
+  assert c["flops"] == 3.5 * B * 4 * rows * keys * (H * D)
+
+
+def test_a_call_traced_twice_is_recorded_once():
+  """A GDPA call traced by ``jax.eval_shape`` and then in a remat'd function under
+  ``jax.grad`` (whose name stack has no ``jvp(``) is one call site: recorded once."""
+  import jax
+  import jax.numpy as jnp
+
+  import pallas_kernels
+  q = jnp.ones((2, 8, 2, 4), jnp.float32)
+  f = lambda q: pallas_kernels.gdpa(q, q, q, activation="silu", backend="xla").sum()
+  with roofline.record_kernels(fence=False) as calls:
+    jax.eval_shape(f, q)
+    jax.grad(jax.checkpoint(f))(q)
+  assert [c["kind"] for c in calls] == ["gdpa"]
+  assert calls[0]["flops"] == roofline.attention_flops(2, 8, 8, 2, 4)
+
+
+def test_a_scatter_with_more_updates_than_rows_is_charged_the_table_at_most():
+  """4096 updates of 8 f32 into a [1000, 8] zero-initialised gradient buffer (a parameter of
+  the fusion): the updates and indices are read whole (131072 + 16384 B); the rows read and
+  written are at most the 32 kB buffer each."""
+  hlo = SCATTER_HLO.replace("u: f32[16,8], i: s32[16]", "u: f32[4096,8], i: s32[4096]")
+  for a, b in (("s32[16]", "s32[4096]"), ("s32[16,1]", "s32[4096,1]"),
+               ("f32[16,8]", "f32[4096,8]"), ("f32[16,1,8]", "f32[4096,1,8]")):
+    hlo = hlo.replace(a, b)
+  c = {x["name"]: x for x in roofline.op_costs(hlo)}["one"]
+  assert c["bytes_in"] == 16384 + 131072 + 32000
+  assert c["bytes_out"] == 32000
+
+
+def test_a_remat_trace_reused_from_the_cache_is_still_recorded():
+  """``eval_shape`` of a checkpointed function, then its gradient: the gradient's trace reuses
+  the cached jaxpr and calls nothing, the call is recorded once (from the first trace); two
+  call sites under different scopes are two calls."""
+  import jax
+  import jax.numpy as jnp
+
+  import pallas_kernels
+  q = jnp.ones((2, 8, 2, 4), jnp.float32)
+
+  def f(q):
+    with jax.named_scope("one"):
+      a = pallas_kernels.gdpa(q, q, q, activation="silu", backend="xla")
+    with jax.named_scope("two"):
+      b = pallas_kernels.gdpa(q, q, q, activation="silu", backend="xla")
+    return (a + b).sum()
+
+  g = jax.checkpoint(f)
+  with roofline.record_kernels(fence=False) as calls:
+    jax.eval_shape(g, q)
+    jax.jit(jax.grad(g)).lower(q)
+  assert sorted(c["scope"] for c in calls) == ["one", "two"]
