@@ -1,8 +1,8 @@
 """The Kunlun model (spec d.2).
 
 Batch (``data/schema.py``) -> logits ``[B, K]``: context tokens, event embeddings, ``L`` Kunlun
-layers, shared top MLP and per-(surface, task) heads. Notes: docs/architecture.md,
-``kunlun/models/kunlun.py``."""
+layers, shared top MLP and per-(surface, task) heads; packed streams (``data.jagged_capacity``)
+run as packed towers (``kunlun.nn.packed``). Notes: docs/architecture.md."""
 
 from __future__ import annotations
 

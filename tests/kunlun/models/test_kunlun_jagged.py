@@ -83,3 +83,53 @@ def test_parameter_tree_identical():
   q = nn.meta.unbox(jax.jit(model.init)(KEY, packed_batch(batch), False))["params"]
   assert jax.tree.structure(p) == jax.tree.structure(q)
   jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), p, q)
+
+
+def _first_line_error(fn, *words):
+  with pytest.raises(ValueError) as e:
+    fn()
+  msg = str(e.value)
+  assert "\n" not in msg and all(w in msg for w in words), msg
+
+
+def test_unsupported_combinations_are_one_line_errors():
+  model, batch = make()
+  jb = packed_batch(batch)
+  params = nn.meta.unbox(jax.eval_shape(model.init, KEY, batch, False))["params"]
+  apply = lambda m, b, **kw: jax.eval_shape(
+      lambda p: m.apply({"params": p}, b, method="representations", **kw), params)
+  _first_line_error(lambda: apply(model, jb, request_index=jnp.zeros((B,), jnp.int32)),
+                    "request_index")
+
+  class Extra(type(model)):
+    def extra_inputs(self, batch, x, seqs, lengths):
+      return x, seqs
+  _first_line_error(lambda: apply(Extra(model.cfg, model.schema), jb), "extra_inputs")
+  for field, value, words in [("seq_mode", "oneseq", ("oneseq",)), ("pooling", "pma", ("pma",)),
+                              ("backend", "triton", ("triton",))]:
+    cfg, schema = tiny.get_config(), tiny_schema()
+    cfg.model[field] = value
+    m = build_model(cfg, schema)
+    _first_line_error(lambda: jax.eval_shape(m.init, KEY, jb, False), *words)
+  cfg = tiny.get_config()
+  cfg.model.attention.activation = "fast_gelu"          # swa with a GDPA activation: no jagged op
+  m = build_model(cfg, tiny_schema())
+  _first_line_error(lambda: jax.eval_shape(m.init, KEY, jb, False), "swa", "fast_gelu")
+
+
+def test_packed_bucket_ids_equal_the_padded_rows():
+  """Each packed token's time / position bucket ids are those of its padded-row slot (numpy
+  unpacking of the padded ids as the reference)."""
+  from kunlun.configs.types import BucketSpec
+  from kunlun.nn.time_encoding import bucket_ids
+  from pallas_kernels.jagged import Jagged
+  rng = np.random.default_rng(1)
+  T, lengths = 20, np.array([5, 0, 20, 1, 13], np.int32)
+  age = np.sort(rng.uniform(0, 1e6, (5, T)), axis=1)[:, ::-1].astype(np.float32)
+  spec = BucketSpec(("age", "log_age", "gap", "position"), 8, 5e5, T)
+  ref = np.asarray(bucket_ids(jnp.asarray(age), jnp.asarray(lengths), spec))    # [B, T, K]
+  toks, offsets, seg, pos, _ = pack_events({"age": age}, lengths, 64)
+  got = np.asarray(bucket_ids(jnp.asarray(toks["age"]), None, spec,
+                              Jagged(jnp.asarray(offsets), jnp.asarray(seg), jnp.asarray(pos))))
+  n = offsets[-1]
+  np.testing.assert_array_equal(got[:n], ref[seg[:n], pos[:n]])
