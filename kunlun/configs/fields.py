@@ -70,6 +70,8 @@ class Field:
       return "'auto', 'surface=weight,...' or a mapping {surface: weight >= 0}"
     if self.kind == "numbers":
       return "a tuple of numbers >= 0 (empty: all 1.0)"
+    if self.kind == "capacity":
+      return "'' (off), 'auto' or 'stream=N,...' (N a positive multiple of 64)"
     return {"bool": "True or False", "str": "a string"}[self.kind]
 
   def problem(self, v) -> bool:
@@ -96,6 +98,12 @@ class Field:
       return not _weights_ok(v)
     if self.kind == "numbers":
       return not isinstance(v, (tuple, list)) or not all(_finite(x) and x >= 0 for x in v)
+    if self.kind == "capacity":
+      try:
+        parse_capacity(v)
+      except ValueError:
+        return True
+      return False
     if isinstance(v, bool) or not isinstance(v, int if self.kind == "int" else (int, float)):
       return True
     if not _finite(v):
@@ -103,6 +111,24 @@ class Field:
     if self.lo is not None and (v <= self.lo if self.open_lo else v < self.lo):
       return True
     return self.hi is not None and (v >= self.hi if self.open_hi else v > self.hi)
+
+
+def parse_capacity(v):
+  """``data.jagged_capacity``: "" -> None (every stream padded), "auto" -> "auto" (from a length
+  sample, ``kunlun.train.runtime.jagged_capacity``), "click=4096,..." -> {stream: N}."""
+  if not isinstance(v, str):
+    raise ValueError(f"data.jagged_capacity = {v!r}: not a string")
+  v = v.strip()
+  if v in ("", "auto"):
+    return v or None
+  out = {}
+  for item in v.split(","):
+    name, eq, n = item.partition("=")
+    if not eq or not name.strip() or not n.strip().isdigit() or int(n) <= 0 or int(n) % 64:
+      raise ValueError(f"data.jagged_capacity item {item!r}: allowed 'stream=N' with N a "
+                       "positive multiple of 64")
+    out[name.strip()] = int(n)
+  return out
 
 
 def _int_problem(x, lo) -> bool:
@@ -183,6 +209,10 @@ FIELDS: dict[str, Field] = {
     "data.train_split": F("train", "split train.py reads (e.g. 'pretrain': an earlier window)", S),
     "data.eval_batch_size": F(0, "eval.py global batch size (0: data.batch_size)", I, 0,
                               MAX_BATCH),
+    "data.jagged_capacity": F("", "packed (jagged) event towers at a static token capacity "
+                              "per process batch (issue #28; Kunlun towers mode): '' off, 'auto' "
+                              "(from a length sample, P(overflow) <= 0.001) or 'stream=N,...'",
+                              "capacity"),
     "data.valid_split": F("valid", "held-out split for periodic validation ('' or absent in the "
                           "data: none)", S),
     # ---- train

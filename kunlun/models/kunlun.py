@@ -1,8 +1,8 @@
 """The Kunlun model (spec d.2).
 
 Batch (``data/schema.py``) -> logits ``[B, K]``: context tokens, event embeddings, ``L`` Kunlun
-layers, shared top MLP and per-(surface, task) heads. Notes: docs/architecture.md,
-``kunlun/models/kunlun.py``."""
+layers, shared top MLP and per-(surface, task) heads; packed streams (``data.jagged_capacity``)
+run as packed towers (``kunlun.nn.packed``). Notes: docs/architecture.md."""
 
 from __future__ import annotations
 
@@ -13,11 +13,12 @@ import jax.numpy as jnp
 from data.schema import Schema
 from kunlun.configs.types import ModelConfig
 from kunlun.nn import remat as remat_lib
-from kunlun.nn import rows
+from kunlun.nn import packed, rows
 from kunlun.nn.inputs import EventEmbed
 from kunlun.nn.layer import COMPUTE_DTYPES, KunlunLayer
 from kunlun.nn.oneseq import StreamMerge
-from kunlun.nn.stages import apply_heads, embed_context, embed_streams
+from kunlun.nn.stages import apply_heads, embed_context, embed_streams, is_packed_stream
+from sharding import context
 
 __all__ = ["Kunlun", "embed_sequences", "embed_context", "apply_heads"]
 
@@ -28,6 +29,9 @@ def embed_sequences(cfg: ModelConfig, schema: Schema, batch, dtype, remat: str =
   ev = batch["events"]
   Embed = remat_lib.wrap(EventEmbed, remat)
   if cfg.seq_mode == "oneseq":
+    if any(is_packed_stream(ev[n]) for n in schema.stream_names):
+      raise ValueError("model.seq_mode = 'oneseq' does not support packed (jagged) streams "
+                       "(data.jagged_capacity)")
     t = cfg.oneseq
     s_list = [Embed(st, len(schema.surfaces), t.width, cfg.num_time_buckets, dtype,
                     name=f"embed_{st.name}")(ev[st.name]) for st in schema.streams]
@@ -35,7 +39,8 @@ def embed_sequences(cfg: ModelConfig, schema: Schema, batch, dtype, remat: str =
         s_list, [jnp.asarray(ev[n]["length"], jnp.int32) for n in schema.stream_names],
         [jnp.asarray(ev[n]["age"], jnp.float32) for n in schema.stream_names])
     return {t.name: s}, {t.name: lengths}, {t.name: age}
-  return embed_streams(cfg.towers, schema, batch, dtype, cfg.num_time_buckets, embed=Embed)
+  return embed_streams(cfg.towers, schema, batch, dtype, cfg.num_time_buckets, embed=Embed,
+                       packed_ok=True)
 
 
 class Kunlun(nn.Module):
@@ -59,6 +64,8 @@ class Kunlun(nn.Module):
       x = embed_context(cfg, self.schema, batch, dt)
       remat = self.remat if request_index is None else "none"
       seqs, lengths, ages = embed_sequences(cfg, self.schema, batch, dt, remat)
+      if any(packed.is_packed(v) for v in seqs.values()):
+        self._check_packed(x.shape[0], request_index)
       if request_index is None:
         x, seqs = self.extra_inputs(batch, x, seqs, lengths)
       else:                                     # shared serving path: sequences per request
@@ -78,6 +85,20 @@ class Kunlun(nn.Module):
       if request_index is not None:
         summaries = {n: rows.to_ads(v, ri) for n, v in summaries.items()}
       return apply_heads(cfg, x, summaries, batch["surface"], dt)
+
+  def _check_packed(self, batch_size, request_index):
+    """Packed (jagged) towers: the combinations they do not support yet, as one-line errors."""
+    if request_index is not None:
+      raise ValueError("packed (jagged) towers are not supported on the shared serving path "
+                       "(request_index)")
+    if type(self).extra_inputs is not Kunlun.extra_inputs:
+      raise ValueError(f"{type(self).__name__} adds model inputs (extra_inputs, e.g. LoopFM); "
+                       "packed (jagged) towers support the plain Kunlun model only")
+    t = self.cfg.seq_towers[0]
+    if context.is_sharded(jax.ShapeDtypeStruct((batch_size, t.kept_len, t.heads, t.head_dim),
+                                               jnp.float32)):
+      raise ValueError("packed (jagged) towers need an unsharded batch and sequence: the packed "
+                       "buffer is per process today (no data / context parallelism over devices)")
 
   def extra_inputs(self, batch, x_bnd, seqs, lengths):
     """Hook for subclasses that add model inputs before the trunk (e.g. LoopFM's FM features,

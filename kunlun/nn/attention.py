@@ -13,6 +13,7 @@ import jax.numpy as jnp
 
 import pallas_kernels
 from kunlun.configs.types import BucketSpec
+from kunlun.nn import packed
 from kunlun.nn.fused import masked_residual, qk_norm_rotary
 from kunlun.nn.gdpa import gdpa_op
 from kunlun.nn.norms import rms_norm
@@ -94,18 +95,24 @@ class SeqAttention(nn.Module):
 
   @nn.compact
   def __call__(self, s, lengths, age):
-    B, T, d = s.shape
+    """``s``: ``[B, T, d]`` or a packed tower (``kunlun.nn.packed.Packed``, ``age f32[N]``)."""
+    jag = s.jag if packed.is_packed(s) else None
+    x = s if jag is None else s.value
+    d = x.shape[-1]
     self._check(d)
     H, dh = self.heads, d // self.heads
-    lengths = jnp.asarray(lengths, jnp.int32)
     with jax.named_scope("SeqAttention"):
-      h = rms_norm(s, dtype=self.dtype)
+      h = rms_norm(x, dtype=self.dtype)
       w_qkv = self.param("qkv", with_axes(nn.initializers.lecun_normal(0, (1, 2, 3)),
                                           ("embed", None, "heads", "head_dim")), (d, 3, H, dh), F32)
       w = w_qkv.astype(self.dtype)        # q, k, v as three projections: separate buffers
-      q, k, v = (shard(jnp.einsum("btd,dhc->bthc", h, w[:, i]), _ACT_AXES) for i in range(3))
       sc = lambda n: (self.param(n, with_axes(nn.initializers.ones, ("head_dim",)), (dh,), F32)
                       if self.qk_norm else None)
+      if jag is not None:
+        return packed.Packed(self._packed(x, h, jag, age, w, sc), jag)
+      B, T, _ = s.shape
+      lengths = jnp.asarray(lengths, jnp.int32)
+      q, k, v = (shard(jnp.einsum("btd,dhc->bthc", h, w[:, i]), _ACT_AXES) for i in range(3))
       emb = bucket_embedding(self, "time_bucket_q", q, age, lengths, self.time_buckets)
       rot, rot_age = None, age if self.rotary else None
       if self.rotary and self.kind == "block":         # the block kernel rotates in-kernel
@@ -115,10 +122,38 @@ class SeqAttention(nn.Module):
       k = qk_norm_rotary(k, sc("k_scale"), rot_age, dtype=self.dtype, t_scale=self.t_scale)
       o = self._attend(q, k, v, lengths, rot, T)
       o = shard(o, _ACT_AXES)
-      w_o = self.param("out", with_axes(nn.initializers.lecun_normal((0, 1), 2),
-                                        ("heads", "head_dim", "embed")), (H, dh, d), F32)
-      out = jnp.einsum("bthc,hcd->btd", o.astype(self.dtype), w_o.astype(self.dtype))
+      out = jnp.einsum("bthc,hcd->btd", o.astype(self.dtype), self._w_out(H, dh, d))
       return shard(masked_residual(s, out, lengths), ("batch", "seq", "embed"))
+
+  def _w_out(self, H, dh, d):
+    w_o = self.param("out", with_axes(nn.initializers.lecun_normal((0, 1), 2),
+                                      ("heads", "head_dim", "embed")), (H, dh, d), F32)
+    return w_o.astype(self.dtype)
+
+  def _packed(self, x, h, jag, age, w, sc):
+    """A packed tower: ``x [N, d]``, ``h = rms_norm(x)``, ``age f32[N]`` -> ``[N, d]``; the
+    rotation (by ``age`` and the tokens' ``pos``) happens before the jagged op for every kind."""
+    d = x.shape[-1]
+    H, dh = self.heads, d // self.heads
+    if self.kind != "block" and self.activation != "softmax":
+      raise ValueError(f"attention.kind = {self.kind!r} with activation {self.activation!r} has "
+                       "no jagged op (packed towers: softmax, or kind 'block')")
+    q, k, v = (jnp.einsum("nd,dhc->nhc", h, w[:, i]) for i in range(3))
+    emb = bucket_embedding(self, "time_bucket_q", q, age, None, self.time_buckets, jag)
+    q = qk_norm_rotary(q, sc("q_scale"), None, dtype=self.dtype, emb=emb)
+    k = qk_norm_rotary(k, sc("k_scale"), None, dtype=self.dtype)
+    if self.rotary:
+      cos, sin = rotary_time(jnp.asarray(age, F32)[None], H, dh, self.t_scale, jag.pos[None])
+      q, k = (apply_rotary(a[None], (cos, sin))[0].astype(a.dtype) for a in (q, k))
+    if self.kind == "block":
+      o = packed.block_attention(q, k, v, jag, backend=self.backend, block_size=self.block_size,
+                                 activation=self.activation, score_clip=self.score_clip)
+    else:
+      o = packed.softmax_attention(q, k, v, jag, backend=self.backend,
+                                   window=self.window if self.kind == "swa" else None)
+    out = jnp.einsum("nhc,hcd->nd", o.astype(self.dtype), self._w_out(H, dh, d))
+    xs, total = packed.as_rows(x, jag)
+    return masked_residual(xs, out[None], total)[0]
 
   def _attend(self, q, k, v, lengths, rot, T):
     """The attention proper (q, k already rotated unless ``kind="block"``, whose kernel rotates

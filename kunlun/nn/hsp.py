@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from kunlun.configs.types import BucketSpec
+from kunlun.nn import packed
 from kunlun.nn.attention import masked_softmax_attention
 from kunlun.nn.gdpa import gdpa_op
 from kunlun.nn.norms import rms_norm
@@ -90,7 +91,13 @@ class HSP(nn.Module):
 
   @nn.compact
   def __call__(self, s, lengths, age=None):
-    B, T, d = s.shape
+    """``s``: ``[B, T, d]`` or a packed tower (``kunlun.nn.packed.Packed``, ``age f32[N]``)."""
+    jag = s.jag if packed.is_packed(s) else None
+    if jag is not None:
+      s = s.value
+      if self.t_max is None:
+        raise ValueError("HSP: a packed tower needs t_max (the tower's kept length)")
+    d = s.shape[-1]
     if d % self.heads:
       raise ValueError(f"HSP: heads={self.heads} does not divide width d={d}")
     per_head(self.activation, self.heads)
@@ -101,12 +108,16 @@ class HSP(nn.Module):
       q = _to_heads(self, "query", rms_norm(e), H, dt)
       hs = rms_norm(s, dtype=dt)
       k, v = _to_heads(self, "key", hs, H, dt), _to_heads(self, "value", hs, H, dt)
-      k = add_bucket_embedding(self, "time_bucket_k", k, age, lengths, self.time_buckets)
-      k = shard(k, ("batch", "seq", "heads", "head_dim"))
-      v = shard(v, ("batch", "seq", "heads", "head_dim"))
-      o = gdpa_op(q[None], k, v, activation=self.activation, out_scale=1.0 / (self.t_max or T),
-               kv_lengths=lengths, broadcast_q=True, backend=self.backend,
-               seq="kv", score_clip=self.score_clip)
+      k = add_bucket_embedding(self, "time_bucket_k", k, age, lengths, self.time_buckets, jag)
+      gdpa = dict(activation=self.activation, out_scale=1.0 / (self.t_max or s.shape[1]),
+                  score_clip=self.score_clip)
+      if jag is not None:
+        o = packed.gdpa_pool(q, k, v, jag, backend=self.backend, **gdpa)      # [B, S, H, dh]
+      else:
+        k = shard(k, ("batch", "seq", "heads", "head_dim"))
+        v = shard(v, ("batch", "seq", "heads", "head_dim"))
+        o = gdpa_op(q[None], k, v, kv_lengths=lengths, broadcast_q=True, backend=self.backend,
+                    seq="kv", **gdpa)
       o = shard(o, ("batch", "seeds", "heads", "head_dim"))
       h = e + _from_heads(self, "out", o, d, dt).astype(F32)
       h = shard(h, ("batch", "seeds", "embed"))
@@ -128,6 +139,8 @@ class PMA(nn.Module):
 
   @nn.compact
   def __call__(self, s, lengths, age=None):
+    if packed.is_packed(s):
+      raise ValueError("model.pooling = 'pma' is not supported with packed (jagged) towers")
     B, T, d = s.shape
     if d % self.heads:
       raise ValueError(f"PMA: heads={self.heads} does not divide width d={d}")

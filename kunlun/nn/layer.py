@@ -1,7 +1,8 @@
 """One Kunlun layer with Computation Skip (spec c.7, d.1).
 State ``(x [B, N_ns, d_ns], seqs, summaries)``: per tower ``s_e [B, T_e, d_e]``, ``lengths_e
 i32[B]``, ``age_e f32[B, T_e]``, ``summary_e [B, n_sum_e, d_e]``; interaction block, then the
-transformer block. Notes: docs/architecture.md, ``kunlun/nn/layer.py``."""
+transformer block. A packed tower (``data.jagged_capacity``) is ``kunlun.nn.packed.Packed`` tokens
+``[N, d_e]`` with ``age_e f32[N]``. Notes: docs/architecture.md, ``kunlun/nn/layer.py``."""
 
 from __future__ import annotations
 

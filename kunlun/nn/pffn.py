@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from kunlun.configs.types import BucketSpec
+from kunlun.nn import packed
 from kunlun.nn.fused import norm_residual
 from kunlun.nn.gdpa import gdpa_op
 from kunlun.nn.norms import layer_norm, rms_norm
@@ -51,19 +52,18 @@ class PFFN(nn.Module):
 
   @nn.compact
   def __call__(self, s, lengths, k, v, age=None, q_index=None):
+    if packed.is_packed(s):
+      if q_index is not None:
+        raise ValueError("PFFN: packed (jagged) towers with q_index (the shared serving path) "
+                         "are not supported")
+      return self._packed(s, k, v, age)
     _, T, d = s.shape
     B = s.shape[0] if q_index is None else q_index.shape[0]
-    if d % self.heads:
-      raise ValueError(f"PFFN: heads={self.heads} does not divide width d={d}")
-    per_head(self.activation, self.heads)                   # validates names / tuple length
-    dh = d // self.heads
-    if k.shape[0] != B or k.shape[2:] != (self.heads, dh) or v.shape != k.shape:
-      raise ValueError(f"PFFN: k{k.shape}/v{v.shape} must be [B={B}, n_kv, {self.heads}, {dh}]")
+    dh = self._check(d, k, v, B)
     with jax.named_scope("PFFN"):
       # u in the compute dtype (float32 with the affine norms): it is both GDPA's query and the
       # residual of the RMSNorm below (kunlun.nn.fused.norm_residual)
-      u = (self._affine("ln", layer_norm(s), bias=True) if self.norm_affine
-           else layer_norm(s, dtype=self.dtype))             # [B or R, T, d]
+      u = self._norm(s)                                      # [B or R, T, d]
       q = u.astype(self.dtype).reshape(u.shape[0], T, self.heads, dh)
       q = add_bucket_embedding(self, "time_bucket_q", q, age, lengths, self.time_buckets)
       q = shard(q, ("batch", "seq", "heads", "head_dim"))
@@ -72,14 +72,44 @@ class PFFN(nn.Module):
                out_scale=1.0, q_lengths=lengths, backend=self.backend,
                score_clip=self.score_clip, q_index=q_index)            # [B, T, H, dh]
       u, s, lengths = (take_rows(a, q_index) for a in (u, s, lengths))
-      g = g.reshape(B, T, d)
-      if not self.norm_affine:
-        return shard(norm_residual(g, u, s, lengths), ("batch", "seq", "embed"))
-      y = self._affine("rms", rms_norm(g.astype(jnp.float32) + u), bias=False)
-      y = y + s.astype(jnp.float32)
-      valid = jnp.arange(T)[None, :] < lengths[:, None]
-      y = jnp.where(valid[..., None], y, 0.0).astype(s.dtype)
-      return shard(y, ("batch", "seq", "embed"))
+      return shard(self._tail(g.reshape(B, T, d), u, s, lengths), ("batch", "seq", "embed"))
+
+  def _packed(self, s, k, v, age):
+    """A packed tower (``kunlun.nn.packed``): ``s.value [N, d]``, ``age f32[N]``."""
+    x, jag = s.value, s.jag
+    N, d = x.shape
+    dh = self._check(d, k, v, jag.batch)
+    with jax.named_scope("PFFN"):
+      u = self._norm(x)
+      q = u.astype(self.dtype).reshape(N, self.heads, dh)
+      q = add_bucket_embedding(self, "time_bucket_q", q, age, None, self.time_buckets, jag)
+      g = packed.gdpa_cross(q, k.astype(self.dtype), v.astype(self.dtype), jag,
+                            backend=self.backend, activation=self.activation, out_scale=1.0,
+                            score_clip=self.score_clip)                # [N, H, dh]
+      (g, _), (u, _), (x, total) = (packed.as_rows(a, jag) for a in (g.reshape(N, d), u, x))
+      return packed.Packed(self._tail(g, u, x, total)[0], jag)
+
+  def _check(self, d, k, v, B):
+    if d % self.heads:
+      raise ValueError(f"PFFN: heads={self.heads} does not divide width d={d}")
+    per_head(self.activation, self.heads)                   # validates names / tuple length
+    dh = d // self.heads
+    if k.shape[0] != B or k.shape[2:] != (self.heads, dh) or v.shape != k.shape:
+      raise ValueError(f"PFFN: k{k.shape}/v{v.shape} must be [B={B}, n_kv, {self.heads}, {dh}]")
+    return dh
+
+  def _norm(self, s):
+    return (self._affine("ln", layer_norm(s), bias=True) if self.norm_affine
+            else layer_norm(s, dtype=self.dtype))
+
+  def _tail(self, g, u, s, lengths):
+    """``RMSNorm(g + u) + s`` with rows at or past ``lengths`` zero (``[B, T, d]``)."""
+    if not self.norm_affine:
+      return norm_residual(g, u, s, lengths)
+    y = self._affine("rms", rms_norm(g.astype(jnp.float32) + u), bias=False)
+    y = y + s.astype(jnp.float32)
+    valid = jnp.arange(s.shape[1])[None, :] < lengths[:, None]
+    return jnp.where(valid[..., None], y, 0.0).astype(s.dtype)
 
   def _affine(self, name, x, bias):
     if not self.norm_affine:

@@ -17,8 +17,10 @@ import jax.numpy as jnp
 
 from data.schema import Schema
 from kunlun.configs.types import ModelConfig
+from kunlun.nn import packed
 from kunlun.nn.heads import Heads
 from kunlun.nn.inputs import ContextEncoder, EventEmbed
+from pallas_kernels.jagged import Jagged
 from sharding import shard
 
 
@@ -29,19 +31,36 @@ def embed_context(cfg: ModelConfig, schema: Schema, batch, dtype):
       batch["sparse"], jnp.asarray(batch["dense"]), jnp.asarray(batch["surface"]))
 
 
+def is_packed_stream(events) -> bool:
+  """Whether one stream's batch fields are in the packed layout (``data/schema.py``)."""
+  return "offsets" in events
+
+
 def embed_streams(towers, schema: Schema, batch, dtype, num_time_buckets: int,
-                  embed=EventEmbed):
+                  embed=EventEmbed, packed_ok: bool = False):
   """One ``embed`` (``EventEmbed`` or a rematerialised wrap of it) per tower (module
   ``embed_<stream>``, at the tower's width):
-  ``(seqs {name: [B, T, d]}, lengths {name: i32[B]}, ages {name: f32[B, T]})``."""
+  ``(seqs {name: [B, T, d]}, lengths {name: i32[B]}, ages {name: f32[B, T]})``. A packed stream
+  (``packed_ok``) gives ``seqs[name] = Packed([N, d], Jagged)`` and ``ages[name] f32[N]``."""
   ev = batch["events"]
   seqs, lengths, ages = {}, {}, {}
   for t in towers:
-    st = schema.stream(t.name)
-    seqs[t.name] = embed(st, len(schema.surfaces), t.width, num_time_buckets, dtype,
-                         name=f"embed_{t.name}")(ev[t.name])
-    lengths[t.name] = jnp.asarray(ev[t.name]["length"], jnp.int32)
-    ages[t.name] = jnp.asarray(ev[t.name]["age"], jnp.float32)
+    st, e = schema.stream(t.name), ev[t.name]
+    mod = embed(st, len(schema.surfaces), t.width, num_time_buckets, dtype,
+                name=f"embed_{t.name}")
+    lengths[t.name] = jnp.asarray(e["length"], jnp.int32)
+    ages[t.name] = jnp.asarray(e["age"], jnp.float32)
+    if not is_packed_stream(e):
+      seqs[t.name] = mod(e)
+      continue
+    if not packed_ok:
+      raise ValueError(f"event stream {t.name!r} is packed (data.jagged_capacity): only the "
+                       "Kunlun model (towers mode) runs packed towers")
+    jag = Jagged(*(jnp.asarray(e[k], jnp.int32) for k in ("offsets", "seg", "pos")))
+    rows = {k: jnp.asarray(v)[None] for k, v in e.items()      # one padded row of N tokens
+            if k not in ("offsets", "seg", "pos", "length")}
+    rows["length"] = jag.total[None]
+    seqs[t.name] = packed.Packed(mod(rows)[0], jag)
   return seqs, lengths, ages
 
 

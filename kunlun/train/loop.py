@@ -112,9 +112,12 @@ def setup(config, workdir: str, *, mesh: str, dcn_mesh: str | None = None,
   if ckpt.all_steps():
     runtime.check_resume(workdir, config, schema, fingerprint, allow_config_change)
 
+  capacity = runtime.jagged_capacity(config.data, data_dir, config.data.train_split,
+                                     model_config.seq_lens(config), jax.process_count())
   ds = pipeline.make_dataset(config.data, data_dir, config.data.train_split,
                              model_config.seq_lens(config), train=True,
-                             shard_index=jax.process_index(), shard_count=jax.process_count())
+                             shard_index=jax.process_index(), shard_count=jax.process_count(),
+                             jagged_capacity=capacity)
   example = next(iter(ds))           # shapes only; the training iterator starts fresh below
   data_iter = iter(ds)
   init_rng, train_rng = jax.random.split(jax.random.key(config.seed))
@@ -167,9 +170,11 @@ def eval_setup(workdir: str, ckpt: checkpoint.Checkpointer, *, config=None,
   data_cfg = config.data.copy_and_resolve_references()
   data_cfg.batch_size = bs
   try:
+    capacity = runtime.jagged_capacity(data_cfg, data_dir, split, model_config.seq_lens(config),
+                                       jax.process_count())
     ds = pipeline.make_dataset(data_cfg, data_dir, split, model_config.seq_lens(config),
                                train=False, shard_index=jax.process_index(),
-                               shard_count=jax.process_count())
+                               shard_count=jax.process_count(), jagged_capacity=capacity)
   except (ValueError, FileNotFoundError) as e:
     startup.fail(f"--split={split} in {data_dir}: {e}")
   it = iter(ds) if remap is None else map(remap, ds)      # surfaces / tasks matched by name
@@ -258,6 +263,7 @@ class StepAccounting:
           "grad_norm": float(stats["grad_norm"]), "step_time_ms": 1e3 * dt,
           "examples_per_s": self.run.config.data.batch_size / dt, "bad_steps": self.bad_total,
           "skipped_records": pipeline.invalid_counts(self.run.data_iter),
+          "dropped_events": pipeline.dropped_events(self.run.data_iter),
           "mfu": progress.mfu(self.flops.per_step(), dt, self.run.mesh.devices.size,
                               self.peak)})
       self.running.reset()

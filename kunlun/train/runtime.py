@@ -5,6 +5,7 @@ outputs), multi-host init, compilation cache, mesh, data directory and its integ
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import os
 import sys
@@ -12,6 +13,8 @@ import sys
 import jax
 import numpy as np
 
+from data import jagged, pipeline
+from kunlun.configs.fields import parse_capacity
 from kunlun.train.startup import FatalError, check_settings, fail
 
 CLUSTER_ENV = ("SLURM_JOB_ID", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "JAX_COORDINATOR_ADDRESS",
@@ -178,6 +181,39 @@ def fit_and_build_model(config, schema):
 
 RUN_INFO = "run_info.json"
 RUN_INFO_FORMAT = "kunlun-run-info-v1"
+
+
+AUTO_CAPACITY_SAMPLE = 4096          # examples whose kept lengths set data.jagged_capacity=auto
+
+
+def jagged_capacity(data_cfg, data_dir: str, split: str, seq_lens: dict[str, int],
+                    shard_count: int) -> dict[str, int] | None:
+  """``data_cfg.jagged_capacity`` resolved for ``pipeline.make_dataset``: None (padded) or
+  {stream: N}. "auto": every stream, N = ``data.jagged.capacity_for`` (P(overflow) <= 0.001) of
+  the per-process batch over the kept lengths of up to AUTO_CAPACITY_SAMPLE examples of
+  ``split``, rounded up to a multiple of 64. Problems are FatalErrors."""
+  try:
+    value = parse_capacity(data_cfg.get("jagged_capacity", ""))
+  except ValueError as e:
+    fail(str(e))
+  if value != "auto":
+    return value
+  B = int(data_cfg.batch_size) // shard_count
+  ds = pipeline.make_dataset(data_cfg, data_dir, split, seq_lens, train=False, shard_index=0,
+                             shard_count=1)
+  lens = {s: [] for s in seq_lens}
+  n = 0
+  for batch in itertools.islice(iter(ds), -(-AUTO_CAPACITY_SAMPLE // int(data_cfg.batch_size))):
+    real = np.asarray(batch["example_mask"]) > 0
+    for s in lens:
+      lens[s].append(np.asarray(batch["events"][s]["length"])[real])
+    n += int(real.sum())
+  if not n:
+    fail(f"data.jagged_capacity=auto: split {split!r} in {data_dir} has no examples")
+  out = {s: -(-jagged.capacity_for(np.concatenate(v), B) // 64) * 64 for s, v in lens.items()}
+  print(f"data.jagged_capacity=auto: {','.join(f'{s}={c}' for s, c in out.items())} tokens per "
+        f"process batch of {B} (from {n} examples)", flush=True)
+  return out
 
 
 def config_to_plain(x, path: str = "config"):

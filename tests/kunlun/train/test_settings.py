@@ -142,3 +142,18 @@ def test_loaded_run_info_gets_the_same_checks(tmp_path, config, want):
     runtime.load_run_info(str(tmp_path))
   msg = str(e.value)
   assert msg.startswith(str(path)) and want in msg and "\n" not in msg, msg
+
+
+@pytest.mark.parametrize("value,ok", [("", True), ("auto", True), ("click=128,impression=64", True),
+                                      ("click=100", False), ("click", False), ("click=0", False),
+                                      ("=64", False)])
+def test_jagged_capacity_values(value, ok):
+  c = tiny.get_config()
+  c.data.jagged_capacity = value
+  if ok:
+    settings.check(c)
+    return
+  with pytest.raises(settings.SettingsError) as e:
+    settings.check(c)
+  msg = str(e.value)
+  assert "\n" not in msg and msg.startswith("config.data.jagged_capacity = ") and "64" in msg
