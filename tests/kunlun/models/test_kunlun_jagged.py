@@ -1,5 +1,7 @@
 """The Kunlun model on packed (jagged) towers equals the padded model: logits, loss, gradients."""
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -9,9 +11,11 @@ import pytest
 from data.fake import random_batch, tiny_schema
 from data.jagged import pack_events
 from kunlun.configs import tiny
-from kunlun.configs.types import seq_lens
+from kunlun.configs.types import BucketSpec, seq_lens
 from kunlun.models.build import build_model
 from kunlun.nn.losses import masked_bce
+from kunlun.nn.time_encoding import bucket_ids
+from pallas_kernels.jagged import Jagged
 
 B = 12
 KEY = jax.random.key(0, impl="unsafe_rbg")
@@ -52,12 +56,11 @@ def loss_and_grad(model, params, batch):
   return jax.jit(jax.value_and_grad(f, has_aux=True))(params)
 
 
-@pytest.mark.parametrize("kind,time_buckets,activation", [
-    ("swa", False, "softmax"), ("swa", True, "softmax"), ("block", True, "softmax"),
-    ("full", False, "softmax"), ("block", False, "fast_gelu")])
-def test_packed_equals_padded(kind, time_buckets, activation):
+@functools.cache
+def padded_case(kind, time_buckets, activation="softmax"):
+  """(model, batch, params, padded ((loss, logits), grads)), computed once per config for the
+  tests below (the padded model is the reference)."""
   model, batch = make(kind, time_buckets, activation)
-  jb = packed_batch(batch)
   params = nn.meta.unbox(jax.jit(model.init)(KEY, batch, False))["params"]
   if time_buckets:          # the bucket tables are zero at init: make them matter
     leaves, tree = jax.tree_util.tree_flatten_with_path(params)
@@ -65,8 +68,16 @@ def test_packed_equals_padded(kind, time_buckets, activation):
     params = jax.tree_util.tree_unflatten(tree, [
         v + 0.3 * rng.standard_normal(v.shape).astype(np.float32)
         if "time_bucket" in jax.tree_util.keystr(k) else v for k, v in leaves])
-  (loss_p, logits_p), grads_p = loss_and_grad(model, params, batch)
-  (loss_j, logits_j), grads_j = loss_and_grad(model, params, jb)
+  return model, batch, params, loss_and_grad(model, params, batch)
+
+
+@pytest.mark.parametrize("kind,time_buckets,activation", [
+    ("swa", False, "softmax"), ("swa", True, "softmax"), ("block", True, "softmax"),
+    ("full", False, "softmax"), ("block", False, "fast_gelu")])
+def test_packed_equals_padded(kind, time_buckets, activation):
+  model, batch, params, ((loss_p, logits_p), grads_p) = padded_case(kind, time_buckets,
+                                                                    activation)
+  (loss_j, logits_j), grads_j = loss_and_grad(model, params, packed_batch(batch))
   np.testing.assert_allclose(np.asarray(logits_j), np.asarray(logits_p), rtol=1e-5, atol=1e-6)
   np.testing.assert_allclose(float(loss_j), float(loss_p), rtol=1e-5)
   flat_p = dict(jax.tree_util.tree_flatten_with_path(grads_p)[0])
@@ -120,9 +131,6 @@ def test_unsupported_combinations_are_one_line_errors():
 def test_packed_bucket_ids_equal_the_padded_rows():
   """Each packed token's time / position bucket ids are those of its padded-row slot (numpy
   unpacking of the padded ids as the reference)."""
-  from kunlun.configs.types import BucketSpec
-  from kunlun.nn.time_encoding import bucket_ids
-  from pallas_kernels.jagged import Jagged
   rng = np.random.default_rng(1)
   T, lengths = 20, np.array([5, 0, 20, 1, 13], np.int32)
   age = np.sort(rng.uniform(0, 1e6, (5, T)), axis=1)[:, ::-1].astype(np.float32)
@@ -141,14 +149,12 @@ def test_pallas_backend_equals_padded_xla(kind):
   """backend="pallas" (``jagged_pallas``, interpret mode on CPU) against the padded XLA model:
   logits and loss at 1e-5; gradients at 1e-4 relative (the flash kernels' online softmax sums in
   another order: measured max 2e-5 on one element of the attention's qkv gradient)."""
-  model, batch = make(kind, True)
+  model, batch, params, ((loss_p, logits_p), grads_p) = padded_case(kind, True)
   cfg = tiny.get_config()
   cfg.model.attention.kind = kind
   cfg.model.time_buckets.enabled = True
   cfg.model.backend = "pallas"
   pallas_model = build_model(cfg, tiny_schema())
-  params = nn.meta.unbox(jax.jit(model.init)(KEY, batch, False))["params"]
-  (loss_p, logits_p), grads_p = loss_and_grad(model, params, batch)
   (loss_j, logits_j), grads_j = loss_and_grad(pallas_model, params, packed_batch(batch))
   np.testing.assert_allclose(np.asarray(logits_j), np.asarray(logits_p), rtol=1e-5, atol=1e-6)
   np.testing.assert_allclose(float(loss_j), float(loss_p), rtol=1e-5)
