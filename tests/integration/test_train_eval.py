@@ -123,7 +123,17 @@ def test_checkpoint_evaluates_identically_on_another_mesh(env, trained, eval_1de
 
 @pytest.mark.slow
 def test_sigterm_and_resume_reproduce_params_bitwise(env, trained):
+  # starts from a copy of the uninterrupted run's step-100 checkpoint (its first 100 steps are
+  # not trained a second time): resumes there, is stopped by SIGTERM past step 130, resumes again
   wd = str(env["base"] / "w2")
+  shutil.copytree(trained, wd, ignore=shutil.ignore_patterns("tb", "train.lock"))
+  for step in (200, 300):
+    shutil.rmtree(os.path.join(wd, "checkpoints", str(step)))
+  with open(os.path.join(wd, "metrics.jsonl")) as f:
+    rows = [r for r in f if json.loads(r).get("step", 0) <= 100]
+  with open(os.path.join(wd, "metrics.jsonl"), "w") as f:
+    f.writelines(rows)
+  assert sorted(os.listdir(os.path.join(wd, "checkpoints"))) == ["100"]
   cmd = [sys.executable, os.path.join(ROOT, "train.py"), f"--workdir={wd}",
          f"--data_dir={env['data']}", f"--steps={STEPS}", *TRAIN_ARGS]
   proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(1, env["cache"]), stdout=subprocess.PIPE,
@@ -144,7 +154,7 @@ def test_sigterm_and_resume_reproduce_params_bitwise(env, trained):
     raise AssertionError(f"train.py did not stop after SIGTERM:\n{out[-3000:]}\n"
                          f"{err[-3000:]}") from None
   assert proc.returncode == 0, err[-3000:]
-  assert "received signal" in out
+  assert "resumed from step 100" in out and "received signal" in out
   steps = sorted(int(d) for d in os.listdir(os.path.join(wd, "checkpoints")) if d.isdigit())
   interrupted_at = steps[-1]
   assert 130 <= interrupted_at < STEPS and interrupted_at % 100, steps

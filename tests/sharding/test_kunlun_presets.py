@@ -24,6 +24,11 @@ def setup():
   from kunlun.models.build import build_model
   from kunlun.nn.losses import masked_bce
   cfg, schema = tiny.get_config(), tiny_schema()
+  # one layer: the claim is the presets' sharding of each kind of parameter and table (all in
+  # layer 0 and the input stage), not depth; a second layer only doubled the compiles
+  cfg.model.num_layers = 1
+  for t in cfg.model.towers.values():
+    t.depth = 1
   model = build_model(cfg, schema)
   batch = random_batch(schema, 16, seq_lens(cfg), seed=0, min_len=1)
 
