@@ -31,11 +31,20 @@ DEVICE = {"h200": {"peak_flops": 989e12, "bandwidth": 4.917e12},
           "h100": {"peak_flops": 989e12, "bandwidth": 3.352e12}}
 
 
+def _find_spec(name: str):
+  """``importlib.util.find_spec(name)``, or None (not an error) when a parent package of
+  ``name`` is absent (a venv without ``nvidia`` / ``jax_plugins`` at all, such as CI's)."""
+  try:
+    return importlib.util.find_spec(name)
+  except ModuleNotFoundError:
+    return None
+
+
 def cuda_data_dir() -> str | None:
   """The folder holding ``bin/ptxas`` and ``nvvm/libdevice`` (the nvidia-cuda-nvcc-cu12 wheel, or
   ``$CUDA_HOME``), or None."""
   cands = [os.environ.get("CUDA_HOME", "")]
-  spec = importlib.util.find_spec("nvidia.cuda_nvcc")
+  spec = _find_spec("nvidia.cuda_nvcc")
   if spec is not None and spec.submodule_search_locations:
     cands += list(spec.submodule_search_locations)
   for c in cands:
@@ -45,18 +54,10 @@ def cuda_data_dir() -> str | None:
   return None
 
 
-def _has_module(name: str) -> bool:
-  """Whether ``name`` is importable (False, not an error, when a parent package is absent)."""
-  try:
-    return importlib.util.find_spec(name) is not None
-  except ModuleNotFoundError:
-    return False
-
-
 def missing() -> str | None:
   """One line naming what deviceless GPU compilation lacks here, or None when all is present."""
   need = []
-  if not _has_module("jax_plugins.xla_cuda12"):
+  if _find_spec("jax_plugins.xla_cuda12") is None:
     need.append(f"jax-cuda12-pjrt / jax-cuda12-plugin =={jax.__version__}")
   if cuda_data_dir() is None:
     need.append("ptxas + libdevice (nvidia-cuda-nvcc-cu12)")

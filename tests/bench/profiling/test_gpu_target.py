@@ -22,17 +22,18 @@ def test_missing_names_the_install_command():
 
 
 def test_missing_without_any_jax_plugin_package(monkeypatch):
-  """A venv with no ``jax_plugins`` package at all (the project's own .venv: the compiler lives
-  in .venv-gpu): find_spec of the sub-module raises there; missing() names the packages."""
+  """A venv with no ``jax_plugins`` and no ``nvidia`` package at all (CI's .venv: the compiler
+  lives in .venv-gpu): find_spec of a sub-module raises there; missing() names the packages."""
   real = importlib.util.find_spec
 
   def find_spec(name, *a, **k):
-    if name.split(".")[0] == "jax_plugins":
+    if name.split(".")[0] in ("jax_plugins", "nvidia"):
       raise ModuleNotFoundError(f"No module named {name.split('.')[0]!r}")
     return real(name, *a, **k)
   monkeypatch.setattr(importlib.util, "find_spec", find_spec)
   msg = gpu_target.missing()
-  assert msg is not None and "jax-cuda12-pjrt" in msg and gpu_target.INSTALL in msg
+  assert msg is not None and "jax-cuda12-pjrt" in msg and "nvidia-cuda-nvcc-cu12" in msg
+  assert gpu_target.INSTALL in msg
 
 
 @pytest.mark.skipif(not os.path.exists(GPU_PY),
