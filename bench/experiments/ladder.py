@@ -424,7 +424,6 @@ def train_one(spec: dict, plan: dict, schema, data_dir: str, eval_cache: dict, b
 
 def run(args) -> dict | None:
   out_dir = os.path.abspath(args.out_dir)
-  os.makedirs(os.path.join(out_dir, "runs"), exist_ok=True)
   plan = _frozen_plan(args, out_dir)
   finished = read_runs(out_dir)
   if finished and not (args.resume or args.dry_run):
@@ -436,6 +435,10 @@ def run(args) -> dict | None:
   print(plan_table(plan, costs, runs, est, finished), flush=True)
   if args.dry_run:
     return None
+  try:
+    os.makedirs(os.path.join(out_dir, "runs"), exist_ok=True)
+  except OSError as e:
+    fail(f"--out_dir={out_dir}: cannot create it ({e.strerror or e})")
   lock = WorkdirLock(out_dir, program="bench/experiments/ladder.py")
   try:
     lock.acquire()
