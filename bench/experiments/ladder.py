@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import glob
 import json
-import math
 import os
 import sys
 import time
@@ -139,6 +138,10 @@ def plan_table(plan: dict, costs: dict, runs: list[dict], est: list, finished: l
                 + " ".join(f"{c['ms_per_example']:>8.3f} ({c['source'][:4]:>4})" if c else
                            f"{'?':>17}" for c in cs)
                 + f" {(sum(h) / 3600 if None not in h else float('nan')):>6.2f}")
+  rows.append("ms/ex: median training time per example; (scal) = bench/results/scaling.json "
+              "(200k-example runs of the same sizes at batch 128, a loaded 2-core machine), "
+              "(here) = this ladder's finished runs; a run adds eval + held-out eval and, first "
+              "per (arch, size, LR), its compile")
   known = [e for e in est if e is not None]
   left = [e for r, e in zip(runs, est, strict=True) if e is not None
           and not is_done(r, finished)]
@@ -373,8 +376,8 @@ def make_plan(args) -> dict:
   """The ladder's settings and examples per size (``examples_rule``) from the arguments."""
   ladder = list(S.LADDERS["cpu"][:QUICK["sizes"]] if args.quick else S.LADDERS[args.ladder])
   schema = synthetic.preset_schema(synthetic.PRESETS[args.preset])
-  kf = [F.model_flops(S.size_config("kunlun", knobs, args.preset, schema, batch_size=args.batch_size,
-                                    lr=1e-3, warmup=1, seed=0), schema)["train_step"]
+  kf = [F.model_flops(S.size_config("kunlun", knobs, args.preset, schema, lr=1e-3, warmup=1,
+                                    batch_size=args.batch_size, seed=0), schema)["train_step"]
         for knobs in ladder]
   return {"ladder": ladder, "preset": args.preset, "seeds": args.seeds, "lrs": args.lrs,
           "batch_size": args.batch_size, "n0": args.n0, "cap": args.cap,
@@ -500,7 +503,8 @@ def main(argv=None):
                                formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--quick", action="store_true",
                   help=f"2 sizes, 2 seeds, a few hundred examples ({QUICK})")
-  ap.add_argument("--dry_run", action="store_true", help="print the plan and its budget, run nothing")
+  ap.add_argument("--dry_run", action="store_true",
+                  help="print the plan and its budget, run nothing")
   ap.add_argument("--resume", action="store_true", help="continue: skip the finished runs")
   ap.add_argument("--ladder", default="cpu", choices=sorted(S.LADDERS))
   ap.add_argument("--preset", default="tiny", help="synthetic preset")
@@ -522,15 +526,16 @@ def main(argv=None):
                   help="train only these architectures' runs this time (the rest stay planned)")
   ap.add_argument("--data_seed", type=int, default=0)
   ap.add_argument("--bootstrap", type=int, default=300, help="bootstrap draws over seeds")
-  ap.add_argument("--log_every", type=int, default=0)
+  ap.add_argument("--log_every", type=int, default=1000, help="steps between loss lines (0: none)")
   ap.add_argument("--workdir", default=None,
                   help="generated data and the XLA cache (default /tmp/kunlun_ladder[_quick])")
-  ap.add_argument("--out_dir", default=None, help=f"per-run JSONs, plan, summary (default {OUT_DIR})")
+  ap.add_argument("--out_dir", default=None,
+                  help=f"per-run JSONs, plan, summary (default {OUT_DIR})")
   args = ap.parse_args(argv)
   if args.quick:
     args.seeds, args.n0, args.cap = QUICK["seeds"], QUICK["n0"], QUICK["cap"]
     args.batch_size, args.eval_examples = QUICK["batch_size"], QUICK["eval_examples"]
-    args.holdout_examples = QUICK["holdout_examples"]
+    args.holdout_examples, args.log_every = QUICK["holdout_examples"], 0
   if args.preset not in synthetic.PRESETS:
     fail(f"--preset {args.preset!r}: choose from {sorted(synthetic.PRESETS)}")
   if min(args.n0, args.cap, args.batch_size, args.eval_examples, args.holdout_examples) <= 0:

@@ -31,8 +31,7 @@ from kunlun.configs.common import base_config  # noqa: E402
 from kunlun.configs.types import default_model, seq_lens, tower  # noqa: E402
 from kunlun.models import flops as F  # noqa: E402
 from kunlun.models.build import build_model  # noqa: E402
-from kunlun.train import optim  # noqa: E402
-from kunlun.train import runtime  # noqa: E402
+from kunlun.train import optim, runtime  # noqa: E402
 from kunlun.train import step as step_lib  # noqa: E402
 from kunlun.train.metrics import EvalAccumulator  # noqa: E402
 
@@ -458,7 +457,7 @@ def run(args) -> dict:
   env = _environment()
   work = args.workdir or tempfile.mkdtemp(prefix="kunlun_scaling_")
   os.makedirs(work, exist_ok=True)
-  runtime.enable_compilation_cache(os.path.join(work, "xla_cache"))   # a resumed sweep skips compiles
+  runtime.enable_compilation_cache(os.path.join(work, "xla_cache"))   # resumed: no compiles
   ladder = QUICK_LADDER if args.quick else LADDERS[args.ladder]
   preset = args.preset or ("dev" if args.ladder == "gpu" else "tiny")
   n_max = int(args.num_examples * max(args.data_sizes or [1.0]))
