@@ -220,7 +220,7 @@ def test_ladder_quick_resume(tmp_path):
   cmd = [sys.executable, LADDER, "--quick", "--archs", "dlrm", "--bootstrap", "20",
          "--out_dir", str(out), "--workdir", str(work)]
   r = subproc.run(cmd, check=True, env=ENV, cwd=ROOT)
-  assert "estimated total" in r.stdout
+  assert "estimated total" in r.stdout and r.stdout.count("] run ") == 6
   plan = json.loads((out / "plan.json").read_text())
   f = np.asarray(plan["kunlun_flops"])
   assert plan["examples"] == [(int(x) // 64) * 64 for x in np.minimum(256 * np.sqrt(f / f[0]), 512)]
@@ -246,7 +246,7 @@ def test_ladder_quick_resume(tmp_path):
   # a run killed while writing leaves at most its hidden temporary file: not a finished run
   (out / "runs" / f".{files[0]}.tmp-999").write_text('{"arch": "dl')
   r = subproc.run(cmd + ["--resume"], check=True, env=ENV, cwd=ROOT)
-  assert " run " not in r.stdout and "generating" not in r.stdout           # nothing trained
+  assert "] run " not in r.stdout and "generating" not in r.stdout          # nothing trained
   assert {p.name: p.stat().st_mtime_ns for p in (out / "runs").glob("*.json")} == mtimes
   r = subproc.run(cmd, check=False, env=ENV, cwd=ROOT)
   assert r.returncode != 0 and "pass --resume" in r.stderr and r.stderr.strip().count("\n") == 0
