@@ -210,7 +210,7 @@ def _interval(xs) -> dict:
   xs = np.asarray(xs, np.float64)
   if not len(xs):
     return {"lo": None, "median": None, "hi": None, "n": 0}
-  lo, med, hi = np.percentile(xs, [2.5, 50, 97.5])
+  lo, med, hi = np.percentile(xs, [2.5, 50, 97.5], method="inverted_cdf")   # inf stays inf
   return {"lo": float(lo), "median": float(med), "hi": float(hi), "n": int(len(xs))}
 
 
@@ -310,6 +310,13 @@ def summarize(finished: list[dict], plan: dict, bootstrap: int) -> dict:
       pts.setdefault(r["arch"], {}).setdefault(r["size"], []).append(
           (r["examples"] * r["train_flops_per_example"], r["ne"][t]))
     out["tasks"][t] = fit_ladder(pts, bootstrap)
+    k = out["tasks"][t]["fits"].get("kunlun")
+    if out["bayes_gap"] and out["bayes_gap"]["overall"][t] and k and k["power"]:
+      # the fit's asymptote (unlimited compute along this ladder's data-and-model rule) vs Bayes
+      b = out["bayes_gap"]["overall"][t]["bayes_ne"]
+      out["bayes_gap"]["overall"][t]["kunlun_fit_ne_inf"] = {
+          "ne_inf": k["power"]["ne_inf"], "ci": k["ne_inf_ci"],
+          "ratio_to_bayes": k["power"]["ne_inf"] / b}
   return out
 
 
@@ -335,8 +342,9 @@ def plot(finished: list[dict], plan: dict, summary: dict, path: str, title: str)
                   capsize=2, label=f"{arch} (seed mean, 95% CI)")
       if f["power"]:
         xs = np.geomspace(min(f["compute"]) / 1.5, max(f["compute"]) * 3, 100)
-        ax.plot(xs, S.power_ne(f["power"], xs), "-", color=S.COLORS[arch], lw=1,
-                label=f"  fit: NE_inf {f['power']['ne_inf']:.3f}, alpha {f['power']['alpha']:.2f}")
+        p = f["power"]
+        ax.plot(xs, S.power_ne(p, xs), "-", color=S.COLORS[arch], lw=1,
+                label=f"{arch} fit: NE_inf {p['ne_inf']:.3f}, alpha {p['alpha']:.2f}")
     b = [r["bayes_ne"][t] for r in runs]
     if b:
       ax.axhline(float(np.mean(b)), color="k", ls="--", lw=1, label=f"Bayes NE {np.mean(b):.3f}")

@@ -191,6 +191,37 @@ def test_ladder_bayes_gap_of_largest_kunlun():
   assert g["overall"]["click"]["gap"] == pytest.approx(0.12)
 
 
+def test_ladder_summary_report_and_plot(tmp_path):
+  """Finished runs on known laws (InterFormer needs 2x Kunlun's compute, DLRM 6x; LR 5e-3 worse on
+  held-out and eval alike): the summary keeps the chosen LR's runs, recovers the multiples, puts
+  the Kunlun fit's asymptote beside the Bayes NE, and the report and plot come out."""
+  rng = np.random.default_rng(0)
+  plan = {"lrs": [5e-3, 2e-3], "seeds": [0, 1, 2], "examples": [1000, 2000, 4000, 8000, 16000]}
+  fin = []
+  for arch, f0, m in (("kunlun", 1.0, 1.0), ("interformer", 3.0, 2.0), ("dlrm", 0.5, 6.0)):
+    for k, n in enumerate(plan["examples"]):
+      f = 1e3 * 4 ** k * f0
+      for lr, seed in ((5e-3, 0), (2e-3, 0), (2e-3, 1), (2e-3, 2)):
+        ne = float(_law(n * f, m)) + rng.normal(0, 0.002) + (0.05 if lr == 5e-3 else 0.0)
+        fin.append({"arch": arch, "size": k, "seed": seed, "lr": lr, "examples": n,
+                    "role": "lr_trial" if seed == 0 else "seed", "train_flops_per_example": f,
+                    "ne": {"click": ne, "conversion": ne}, "holdout": {"ne": {"click": ne}},
+                    "bayes_ne": {"click": 0.45, "conversion": 0.45},
+                    "ne_per_surface": {"feed": {"click": ne, "conversion": ne}},
+                    "bayes_ne_per_surface": {"feed": {"click": 0.45, "conversion": 0.45}}})
+  s = L.summarize(fin, plan, 30)
+  assert {c["lr"] for c in s["lr_choice"].values()} == {2e-3} and len(s["runs_used"]) == 45
+  for arch, m in (("interformer", 2.0), ("dlrm", 6.0)):
+    for r in s["tasks"]["click"]["compute_multiple_to_match_kunlun"][arch]:
+      assert r["multiple"] == pytest.approx(m, rel=0.25)
+  fit = s["bayes_gap"]["overall"]["click"]["kunlun_fit_ne_inf"]
+  assert fit["ne_inf"] == pytest.approx(0.5, abs=0.02)
+  assert fit["ratio_to_bayes"] == pytest.approx(fit["ne_inf"] / 0.45)
+  assert "compute to match Kunlun" in L.report(s)
+  L.plot(fin, plan, s, str(tmp_path / "p.png"), "t")
+  assert (tmp_path / "p.png").stat().st_size > 1000
+
+
 def test_ladder_dry_run_plan(tmp_path):
   """The full plan: 5 sizes over >= 30x Kunlun FLOPs per example, 3 seeds, a budget in hours;
   nothing is written. An out_dir that cannot be created is a one-line error."""
