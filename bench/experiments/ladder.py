@@ -122,7 +122,8 @@ def estimate(plan: dict, costs: dict, runs: list[dict]) -> list[float | None]:
 
 
 def plan_table(plan: dict, costs: dict, runs: list[dict], est: list, finished: list) -> str:
-  gen_s = 1.4 * max(plan["examples"]) / 27_000     # train + eval (0.4x) at ~27k examples/s
+  n = max(plan["examples"])                # train + eval + held-out at ~25k examples/s
+  gen_s = (n * (1 + synthetic.PRESETS[plan["preset"]].eval_frac) + plan["holdout_examples"]) / 25e3
   rows = [f"examples per run: n_k = {plan['n0']} sqrt(F_k / F_0), cap {plan['cap']} (F_k: Kunlun "
           f"padded training FLOPs per example); one pass; seeds {plan['seeds']}; LRs tried "
           f"{plan['lrs']} at seed {plan['seeds'][0]}, chosen on {plan['holdout_examples']} "
