@@ -31,10 +31,9 @@ from kunlun.configs.common import base_config  # noqa: E402
 from kunlun.configs.types import default_model, seq_lens, tower  # noqa: E402
 from kunlun.models import flops as F  # noqa: E402
 from kunlun.models.build import build_model  # noqa: E402
-from kunlun.train import optim  # noqa: E402
+from kunlun.train import optim, runtime  # noqa: E402
 from kunlun.train import step as step_lib  # noqa: E402
 from kunlun.train.metrics import EvalAccumulator  # noqa: E402
-from kunlun.train.runtime import enable_compilation_cache  # noqa: E402
 
 ARCHS = ("kunlun", "interformer", "dlrm")
 TASKS = ("click", "conversion")
@@ -77,8 +76,9 @@ def _log(msg):
 
 
 def size_config(arch: str, size: dict, preset: str, schema, *, batch_size: int, lr: float,
-                warmup: int, seed: int, emb_lr: float = 0.2):
-  """The full config (``kunlun/configs/common.py`` + model) of ``arch`` at ``size``."""
+                warmup: int, seed: int, emb_lr: float = 0.2, jagged_capacity: str = ""):
+  """The full config (``kunlun/configs/common.py`` + model) of ``arch`` at ``size``
+  (``jagged_capacity``: ``data.jagged_capacity``, "" = padded towers)."""
   c = base_config()
   m = default_model()
   m.arch, m.final_hsp = arch, False
@@ -102,53 +102,76 @@ def size_config(arch: str, size: dict, preset: str, schema, *, batch_size: int, 
   c.data.batch_size = batch_size
   c.data.shuffle_seed = seed
   c.data.num_threads = 1
+  c.data.jagged_capacity = jagged_capacity
   c.train.lr, c.train.emb_lr, c.train.warmup_steps = lr, emb_lr, warmup
   c.train.schedule = "cosine"
   return c
 
 
-def _eval_batches(data_dir, config, eval_examples: int, cache: dict):
-  """Host eval batches for the config's kept lengths: a uniform subset (every K-th record) of
-  the eval split with about ``eval_examples`` examples; cached per kept lengths."""
+SPLIT_COUNT = {"train": "num_train", "eval": "num_eval", "pretrain": "num_pretrain"}
+
+
+def _eval_batches(data_dir, config, eval_examples: int, cache: dict, split: str = "eval"):
+  """Host eval batches (padded layout) for the config's kept lengths: a uniform subset (every
+  K-th record) of ``split`` with about ``eval_examples`` examples; cached per split and lengths."""
   lens = seq_lens(config)
-  key = tuple(sorted(lens.items()))
+  key = (split, tuple(sorted(lens.items())))
   if key not in cache:
     with open(os.path.join(data_dir, "synthetic.json")) as f:
-      n_eval = json.load(f)["num_eval"]
-    K = max(1, n_eval // eval_examples)
+      n_split = json.load(f)[SPLIT_COUNT[split]]
+    K = max(1, n_split // eval_examples)
     dc = config.data.copy_and_resolve_references()
     dc.batch_size = 256 * K
-    cache[key] = list(pipeline.make_dataset(dc, data_dir, "eval", lens, train=False,
+    cache[key] = list(pipeline.make_dataset(dc, data_dir, split, lens, train=False,
                                             shard_index=0, shard_count=K))
   return cache[key]
 
 
+def _evaluate(predict, params, batches, schema) -> dict:
+  """Overall and per-surface NE / AUC / Bayes NE of ``predict`` on host ``batches``."""
+  acc = EvalAccumulator(schema.surfaces, schema.task_names)
+  for eb in batches:
+    acc.add(np.asarray(predict(params, eb)), eb)
+  per, overall = acc.result()
+  return {"ne": {k: overall[k]["ne"] for k in TASKS}, "auc": {k: overall[k]["auc"] for k in TASKS},
+          "bayes_ne": {k: overall[k]["bayes_ne"] for k in TASKS}, "examples": acc.examples,
+          "ne_per_surface": {s: {k: per[s][k]["ne"] for k in TASKS} for s in per},
+          "bayes_ne_per_surface": {s: {k: per[s][k]["bayes_ne"] for k in TASKS} for s in per}}
+
+
 def train_eval(config, schema, data_dir, num_examples: int, eval_cache: dict, built=None,
-               log_every: int = 0) -> dict:
+               log_every: int = 0, holdout_split: str | None = None,
+               holdout_examples: int = 0) -> dict:
   """Trains ``config`` on the first ``num_examples`` of the training stream (one pass) with the
-  project's train step, evaluates on the eval subset. ``built`` caches (model, steps) per model
-  config across seeds. Returns metrics, FLOPs and timings."""
+  project's train step (packed towers when ``config.data.jagged_capacity`` is set), evaluates on
+  the eval subset and, with ``holdout_split``, on that split too (``"holdout"`` in the result).
+  ``built`` caches the model, its init / predict (per model config) and train steps (per train
+  config) across seeds and LRs. Returns metrics, FLOPs and timings."""
   B = int(config.data.batch_size)
   steps = max(num_examples // B, 1)
   lens = seq_lens(config)
+  capacity = runtime.jagged_capacity(config.data, data_dir, "train", lens, 1)
   ds = pipeline.make_dataset(config.data, data_dir, "train", lens, train=True, shard_index=0,
-                             shard_count=1)
+                             shard_count=1, jagged_capacity=capacity)
   it = iter(ds)
   first = next(it)
-  key = json.dumps([config.model.to_dict(), config.train.to_dict(), steps], sort_keys=True,
-                   default=str)
+  mkey = json.dumps(config.model.to_dict(), sort_keys=True, default=str)
+  tkey = json.dumps([config.train.to_dict(), steps, capacity], sort_keys=True, default=str)
   built = {} if built is None else built
   t0 = time.perf_counter()
-  if key not in built:
+  if built.get("model_key") != mkey:                     # one model's executables at a time
     model = build_model(config, schema)
+    built.clear()
+    built.update(model_key=mkey, model=model, init=jax.jit(model.init),
+                 predict=step_lib.make_predict_step(model), train={})
+  model = built["model"]
+  if tkey not in built["train"]:
     tx = optim.make_optimizer(config.train, steps)
-    built.clear()                                        # one model's executables at a time
-    built[key] = {"model": model, "tx": tx, "train": step_lib.make_train_step(model, tx),
-                  "predict": step_lib.make_predict_step(model)}
-  b = built[key]
-  model, tx = b["model"], b["tx"]
+    built["train"] = {tkey: {"tx": tx, "train": step_lib.make_train_step(model, tx)}}
+  b = built["train"][tkey]
+  tx = b["tx"]
   init_key = jax.random.key(config.seed, impl="unsafe_rbg")          # cheaper init to compile
-  params = nn.meta.unbox(jax.jit(model.init)(init_key, first, False))["params"]
+  params = nn.meta.unbox(built["init"](init_key, first, False))["params"]
   opt = tx.init(params)
   rng = jax.random.key(config.seed + 1)
   if "compiled" not in b:
@@ -172,17 +195,21 @@ def train_eval(config, schema, data_dir, num_examples: int, eval_cache: dict, bu
       batch = next(it)
   train_s = time.perf_counter() - t_train
   flops_actual = meter.per_step() / B                     # per example, training step
-  acc = EvalAccumulator(schema.surfaces, schema.task_names)
   t = time.perf_counter()
-  for eb in _eval_batches(data_dir, config, EVAL_EXAMPLES, eval_cache):
-    acc.add(np.asarray(b["predict"](params, eb)), eb)
-  _, overall = acc.result()
+  ev = _evaluate(built["predict"], params,
+                 _eval_batches(data_dir, config, EVAL_EXAMPLES, eval_cache), schema)
+  extra = {}
+  if holdout_split:
+    extra["holdout"] = _evaluate(built["predict"], params, _eval_batches(
+        data_dir, config, holdout_examples, eval_cache, holdout_split), schema)
+    extra["holdout"]["split"] = holdout_split
   eval_s = time.perf_counter() - t
   model_fl = F.model_flops(config, schema)
   return {
-      "ne": {k: overall[k]["ne"] for k in TASKS}, "auc": {k: overall[k]["auc"] for k in TASKS},
-      "bayes_ne": {k: overall[k]["bayes_ne"] for k in TASKS},
-      "eval_examples": acc.examples,
+      "ne": ev["ne"], "auc": ev["auc"], "bayes_ne": ev["bayes_ne"],
+      "ne_per_surface": ev["ne_per_surface"], "bayes_ne_per_surface": ev["bayes_ne_per_surface"],
+      "eval_examples": ev["examples"], **extra,
+      "jagged_capacity": capacity,
       "train_flops_per_example": flops_actual,
       "train_flops_per_example_padded": model_fl["train_step"],
       "executed_flops_per_example": b["executed"],
@@ -430,7 +457,7 @@ def run(args) -> dict:
   env = _environment()
   work = args.workdir or tempfile.mkdtemp(prefix="kunlun_scaling_")
   os.makedirs(work, exist_ok=True)
-  enable_compilation_cache(os.path.join(work, "xla_cache"))   # a resumed sweep skips compiles
+  runtime.enable_compilation_cache(os.path.join(work, "xla_cache"))   # resumed: no compiles
   ladder = QUICK_LADDER if args.quick else LADDERS[args.ladder]
   preset = args.preset or ("dev" if args.ladder == "gpu" else "tiny")
   n_max = int(args.num_examples * max(args.data_sizes or [1.0]))
