@@ -508,7 +508,7 @@ def print_layout_pairs(results, stream) -> None:
   ``JAGGED_TARGETS``."""
   key = lambda r: (r.get("config"), r.get("backend"), r.get("global_batch"),
                    (r.get("target") or {}).get("name"), r.get("num_layers"))
-  by = {(key(r), r.get("layout")): r.get("useful") for r in results if r.get("useful")}
+  by = {(key(r), r.get("layout")): r for r in results if r.get("useful")}
   rows = [(k, by[(k, "padded")], by[(k, "packed")]) for k, lay in by if lay == "padded"
           and (k, "packed") in by]
   if not rows:
@@ -516,7 +516,8 @@ def print_layout_pairs(results, stream) -> None:
   t = JAGGED_TARGETS
   print("\npadded -> packed (targets: issue #28)", file=stream)
   ok = lambda c: "met" if c else "MISSED"
-  for (config, backend, B, target, _), p, q in rows:
+  for (config, backend, B, target, _), rp, rq in rows:
+    p, q = rp["useful"], rq["useful"]
     share, ratio = q["useful_share"], p["bytes_per_real_event"] / q["bytes_per_real_event"]
     mfu_t = t["useful_mfu_bound"].get(B)
     mfu = q["useful_mfu_bound"]
@@ -527,6 +528,12 @@ def print_layout_pairs(results, stream) -> None:
           f"{ok(ratio >= t['bytes_per_event_ratio'])}); useful-MFU bound "
           f"{p['useful_mfu_bound']:.1%} -> {mfu:.1%}"
           + (f" (>= {mfu_t:.0%}: {ok(mfu >= mfu_t)})" if mfu_t else ""), file=stream)
+    gp, gq = rp["roofline"]["groups"], rq["roofline"]["groups"]
+    for what, k, unit in (("GB", "bytes", 1e9), ("TFLOP", "flops", 1e12)):
+      top = sorted(gq, key=lambda g: -gq[g][k])[:8]
+      print(f"  {what} by scope group, padded -> packed: " + ", ".join(
+          f"{g} {gp.get(g, {}).get(k, 0) / unit:.2f} -> {gq[g][k] / unit:.2f}" for g in top),
+          file=stream)
 
 
 def main(argv=None):
