@@ -4,6 +4,7 @@
   python -m bench.train_step --config mid --batch 4096 --set train.remat=full --compile_only
   python -m bench.train_step --small                                            # CPU smoke run
   python -m bench.train_step --table bench/results/train_step_*.json            # compare runs
+  python -m bench.train_step --config mid --batch 256 --target h200 --jagged    # packed towers
   python -m bench.train_step --config mid --backend pallas --batch 256 --target h200   # GPU
       program compiled here without a GPU (run with .venv-gpu/bin/python, which
       bash scripts/setup.sh --gpu-compile makes; bench/profiling/gpu_target.py): kernels, bytes,
@@ -38,6 +39,10 @@ preset's, see ``--lengths``) and reports:
                       stand-in for the GPU's (the table says so)
   param_casts         parameter leaves the model casts to a 16-bit compute dtype and at how many
                       sites (bench/profiling/param_casts.py; one site each = cast once per step)
+  useful              padded vs packed like for like (``--jagged``: the batch packed by
+                      ``data.pipeline.pack_batch`` at train.py's capacity rule or stream=N,...):
+                      tokens, real events, useful (actual-length) / compiled FLOPs, roofline bytes
+                      per real event, useful-MFU bound; ``--table`` pairs them (issue #28 targets)
   profile             (--profile) device time per named-scope group (GDPA, PFFN, HSP, attention,
                       MoWE, embeddings, optimizer, ...) and the top ops, from a short trace
 
