@@ -4,6 +4,7 @@
   python -m bench.train_step --config mid --batch 4096 --set train.remat=full --compile_only
   python -m bench.train_step --small                                            # CPU smoke run
   python -m bench.train_step --table bench/results/train_step_*.json            # compare runs
+  python -m bench.train_step --config mid --batch 256 --target h200 --jagged    # packed towers
   python -m bench.train_step --config mid --backend pallas --batch 256 --target h200   # GPU
       program compiled here without a GPU (run with .venv-gpu/bin/python, which
       bash scripts/setup.sh --gpu-compile makes; bench/profiling/gpu_target.py): kernels, bytes,
@@ -38,6 +39,10 @@ preset's, see ``--lengths``) and reports:
                       stand-in for the GPU's (the table says so)
   param_casts         parameter leaves the model casts to a 16-bit compute dtype and at how many
                       sites (bench/profiling/param_casts.py; one site each = cast once per step)
+  useful              padded vs packed like for like (``--jagged``: the batch packed by
+                      ``data.pipeline.pack_batch`` at train.py's capacity rule or stream=N,...):
+                      tokens, real events, useful (actual-length) / compiled FLOPs, roofline bytes
+                      per real event, useful-MFU bound; ``--table`` pairs them (issue #28 targets)
   profile             (--profile) device time per named-scope group (GDPA, PFFN, HSP, attention,
                       MoWE, embeddings, optimizer, ...) and the top ops, from a short trace
 
@@ -105,32 +110,62 @@ def clip_layers(cfg, layers: int) -> None:
 
 
 def synthetic_batch(schema, batch_size: int, seq_lens: dict, lengths: str, seed: int = 0):
-  """``data.fake.random_batch`` with stream lengths ``full`` (= kept length), ``uniform``
-  (1..T) or ``preset`` (lognormal around the synthetic data preset's median, as
-  ``data.synthetic`` draws them, truncated to the kept length)."""
+  """``data.fake.random_batch`` with stream lengths ``draw_lengths(..., seed + 1)``."""
   import numpy as np
 
   from data.fake import random_batch
   b = random_batch(schema, batch_size, seq_lens, seed=seed, min_len=1)
   if lengths == "uniform":
     return b
-  rng = np.random.default_rng(seed + 1)
-  medians = _preset_medians(schema)
-  for s in schema.streams:
-    ev = b["events"][s.name]
-    T = ev["item"].shape[1]
-    if lengths == "full":
-      L = np.full(batch_size, T)
-    else:
-      med = medians.get(s.name, T / 4)
-      L = np.clip(np.floor(rng.lognormal(np.log(med), 1.0, batch_size)), 1, T)
-    L = L.astype(np.int32)
-    valid = np.arange(T)[None, :] < L[:, None]
+  for s, L in draw_lengths(schema, seq_lens, batch_size, lengths, seed + 1).items():
+    ev = b["events"][s]
+    valid = np.arange(ev["item"].shape[1])[None, :] < L[:, None]
     for k in ev:
       if k != "length":
         ev[k] = np.where(valid, ev[k], 0).astype(ev[k].dtype)
     ev["length"] = L
   return b
+
+
+def draw_lengths(schema, seq_lens: dict, n: int, lengths: str, seed: int) -> dict:
+  """{stream: i32[n]} lengths ``full`` (= kept length T), ``uniform`` (1..T) or ``preset``
+  (lognormal around the synthetic data preset's median, as ``data.synthetic`` draws them,
+  truncated to 1..T)."""
+  import numpy as np
+  rng = np.random.default_rng(seed)
+  medians = _preset_medians(schema)
+  out = {}
+  for s in schema.streams:
+    T = seq_lens.get(s.name, s.max_len)
+    if lengths == "full":
+      L = np.full(n, T)
+    elif lengths == "uniform":
+      L = rng.integers(1, T + 1, n)
+    else:
+      med = medians.get(s.name, T / 4)
+      L = np.clip(np.floor(rng.lognormal(np.log(med), 1.0, n)), 1, T)
+    out[s.name] = L.astype(np.int32)
+  return out
+
+
+def jagged_capacity(spec: str | None, schema, seq_lens: dict, batch_size: int, lengths: str,
+                    seed: int) -> dict[str, int] | None:
+  """``--jagged``: None (padded), or {stream: N} from ``stream=N,...`` or ``auto`` (train.py's
+  rule, ``kunlun.train.runtime.capacity_from_lengths``, on ``AUTO_CAPACITY_SAMPLE`` lengths
+  drawn like the batch's with another seed)."""
+  from data.pipeline import check_jagged_capacity
+  from kunlun.configs.fields import parse_capacity
+  from kunlun.train import runtime
+  if spec is None:
+    return None
+  try:
+    value = parse_capacity(spec)
+    if value == "auto":
+      sample = draw_lengths(schema, seq_lens, runtime.AUTO_CAPACITY_SAMPLE, lengths, seed + 7)
+      value = runtime.capacity_from_lengths(sample, batch_size)
+    return check_jagged_capacity(seq_lens, value) if value else None
+  except ValueError as e:
+    raise SystemExit(f"--jagged {spec}: {e}") from None
 
 
 def _preset_medians(schema) -> dict:
@@ -178,6 +213,26 @@ def versions() -> dict:
   return out
 
 
+def useful_figures(batch, seq_lens: dict, capacity, dropped: dict, flops_useful: float,
+                   rl: dict) -> dict:
+  """Padded vs packed like for like: tokens per stream (B x T padded, N packed), real (kept)
+  events, events dropped over the capacity, useful FLOPs (model FLOPs at the actual lengths)
+  over compiled FLOPs (the roofline's: HLO + Pallas kernel formulas), roofline bytes per real
+  event, and the useful-MFU bound: useful FLOPs / (roofline bound x peak), XLA column."""
+  import numpy as np
+  B = len(batch["surface"])
+  real = {s: int(np.sum(batch["events"][s]["length"])) for s in seq_lens}
+  tokens = {s: (capacity or {}).get(s, B * T) for s, T in seq_lens.items()}
+  n_real, x = sum(real.values()), rl["xla"]
+  return {"tokens": tokens, "real_events": real, "dropped_events": dict(dropped),
+          "fill": sum(real.values()) / max(sum(tokens.values()), 1),
+          "flops_useful": flops_useful, "flops_compiled": rl["flops"],
+          "useful_share": flops_useful / rl["flops"] if rl["flops"] else None,
+          "bytes": x["bytes"], "bytes_per_real_event": x["bytes"] / max(n_real, 1),
+          "bound_s": x["bound_s"],
+          "useful_mfu_bound": flops_useful / (x["bound_s"] * rl["device"]["peak_flops"])}
+
+
 def build_step(cfg, mesh, rules, batch_np, abstract: bool):
   """The real train step of ``cfg`` on ``mesh`` / ``rules`` as train.py builds it
   (``kunlun.train.step.build``), and its arguments: ``(jitted_step, model, params, opt_state,
@@ -205,6 +260,7 @@ def run(args) -> dict:
   import jax.numpy as jnp
 
   from bench.profiling import gpu_target, hlo_stats, param_casts, roofline
+  from data import pipeline
   from data.synthetic import PRESETS, preset_schema
   from kunlun.configs import types as model_config
   from kunlun.models.flops import model_flops
@@ -237,7 +293,13 @@ def run(args) -> dict:
   n_dev = mesh.devices.size
   if B % partition.batch_shard_count(mesh, rules):
     raise SystemExit(f"--batch {B} is not a multiple of the mesh's batch shards")
-  batch_np = synthetic_batch(schema, B, model_config.seq_lens(cfg), args.lengths, seed=args.seed)
+  seq_lens = model_config.seq_lens(cfg)
+  batch_np = synthetic_batch(schema, B, seq_lens, args.lengths, seed=args.seed)
+  capacity = jagged_capacity(args.jagged, schema, seq_lens, B, args.lengths, args.seed)
+  dropped = {}
+  if capacity:     # packed as the input pipeline packs it; the model takes the packed path
+    batch_np, dropped = pipeline.pack_batch(batch_np, capacity)
+    cfg.data.jagged_capacity = ",".join(f"{s}={n}" for s, n in capacity.items())
   t0 = time.perf_counter()
   train_step, model, params, opt_state, batch = build_step(cfg, mesh, rules, batch_np,
                                                            args.compile_only)
@@ -276,6 +338,8 @@ def run(args) -> dict:
   rl["bytes_xla_cost_analysis"] = cost["bytes_accessed"]
   res = {
       "name": args.name or default_name(args, cfg),
+      "layout": "packed" if capacity else "padded",
+      "useful": useful_figures(batch_np, seq_lens, capacity, dropped, flops_actual, rl),
       "config": args.config, "backend": cfg.model.backend, "dtype": cfg.model.dtype,
       "remat": cfg.train.get("remat", "none"),
       "remat_scope": cfg.train.get("remat_scope", "layer"),
@@ -381,6 +445,8 @@ def default_name(args, cfg) -> str:
     parts.append(f"mb{cfg.train.microbatches}")
   if not cfg.train.sparse_embedding_update:             # the sparse table update is the default
     parts.append("dense-tables")
+  if args.jagged is not None:
+    parts.append("packed")
   if args.tag:
     parts.append(args.tag)
   return "_".join(parts)
@@ -391,7 +457,15 @@ COLUMNS = (("name", "{}", 34), ("compile_s", "{:.1f}", 8), ("step_ms", "{:.1f}",
            ("mfu_actual_lengths", "{:.1%}", 18), ("mfu_xla", "{:.1%}", 7),
            ("peak_GiB", "{:.2f}", 9), ("MiB/ex", "{:.2f}", 7), ("fusions", "{}", 7),
            ("launches", "{}", 8), ("hlo_ops", "{}", 7), ("GB/step", "{:.1f}", 7),
-           ("krn_GB", "{:.1f}", 7), ("krn_F/B", "{:.1f}", 7))
+           ("krn_GB", "{:.1f}", 7), ("krn_F/B", "{:.1f}", 7), ("layout", "{}", 6),
+           ("tokens", "{}", 7), ("real_ev", "{}", 7), ("fill", "{:.2f}", 5),
+           ("useful_TF", "{:.3f}", 9), ("compiled_TF", "{:.3f}", 11), ("useful", "{:.2f}", 6),
+           ("MB/event", "{:.3f}", 8), ("bound_ms", "{:.2f}", 8), ("useful_MFU_bound", "{:.1%}", 16))
+
+# Issue #28's targets for packed towers (mid, H200 program): packed useful share, padded / packed
+# bytes per real event, and the packed useful-MFU bound by global batch.
+JAGGED_TARGETS = {"useful_share": 0.85, "bytes_per_event_ratio": 2.5,
+                  "useful_mfu_bound": {256: 0.08, 1024: 0.12}}
 
 
 def _row(r: dict) -> dict:
@@ -399,7 +473,16 @@ def _row(r: dict) -> dict:
   live = m.get("live_peak_bytes")
   rl = r.get("roofline") or {}
   gb = lambda col: rl[col]["bytes"] / 1e9 if col in rl else None
-  return {**r, "peak_GiB": (live or m.get("peak_estimate", 0)) / 2**30,
+  u = r.get("useful") or {}
+  tf = lambda k: u[k] / 1e12 if k in u else None
+  useful = {"tokens": sum(u["tokens"].values()) if u else None,
+            "real_ev": sum(u["real_events"].values()) if u else None, "fill": u.get("fill"),
+            "useful_TF": tf("flops_useful"), "compiled_TF": tf("flops_compiled"),
+            "useful": u.get("useful_share"),
+            "MB/event": u["bytes_per_real_event"] / 1e6 if u else None,
+            "bound_ms": u["bound_s"] * 1e3 if u else None,
+            "useful_MFU_bound": u.get("useful_mfu_bound")}
+  return {**r, **useful, "peak_GiB": (live or m.get("peak_estimate", 0)) / 2**30,
           "GB/step": gb("xla"), "krn_GB": gb("kernel"),
           "krn_F/B": rl.get("kernel", {}).get("flop_per_byte"),
           "MiB/ex": m.get("peak_per_example", 0) / 2**20, "fusions": h.get("fusions"),
@@ -418,10 +501,44 @@ def print_table(results, stream=None) -> None:
       s = "-" if v is None else fmt.format(v)
       cells.append(f"{s:<{w}}" if i == 0 else f"{s:>{w}}")
     print(" ".join(cells), file=stream)
+  print_layout_pairs(results, stream)
   for r in results:
     if "profile" in r and "by_group_ms" in r["profile"]:
       g = ", ".join(f"{k} {v:.2f}" for k, v in r["profile"]["by_group_ms"].items())
       print(f"{r['name']}: device ms/step by scope: {g}", file=stream)
+
+
+def print_layout_pairs(results, stream) -> None:
+  """Padded vs packed runs of the same config / backend / batch / target: the ratios against
+  ``JAGGED_TARGETS``."""
+  key = lambda r: (r.get("config"), r.get("backend"), r.get("global_batch"),
+                   (r.get("target") or {}).get("name"), r.get("num_layers"))
+  by = {(key(r), r.get("layout")): r for r in results if r.get("useful")}
+  rows = [(k, by[(k, "padded")], by[(k, "packed")]) for k, lay in by if lay == "padded"
+          and (k, "packed") in by]
+  if not rows:
+    return
+  t = JAGGED_TARGETS
+  print("\npadded -> packed (targets: issue #28)", file=stream)
+  ok = lambda c: "met" if c else "MISSED"
+  for (config, backend, B, target, _), rp, rq in rows:
+    p, q = rp["useful"], rq["useful"]
+    share, ratio = q["useful_share"], p["bytes_per_real_event"] / q["bytes_per_real_event"]
+    mfu_t = t["useful_mfu_bound"].get(B)
+    mfu = q["useful_mfu_bound"]
+    print(f"{config} {backend} b{B} {target}: useful share {p['useful_share']:.2f} -> {share:.2f}"
+          f" (>= {t['useful_share']}: {ok(share >= t['useful_share'])}); bytes per real event "
+          f"{p['bytes_per_real_event'] / 1e6:.3f} -> {q['bytes_per_real_event'] / 1e6:.3f} MB, "
+          f"{ratio:.2f}x lower (>= {t['bytes_per_event_ratio']}x: "
+          f"{ok(ratio >= t['bytes_per_event_ratio'])}); useful-MFU bound "
+          f"{p['useful_mfu_bound']:.1%} -> {mfu:.1%}"
+          + (f" (>= {mfu_t:.0%}: {ok(mfu >= mfu_t)})" if mfu_t else ""), file=stream)
+    gp, gq = rp["roofline"]["groups"], rq["roofline"]["groups"]
+    for what, k, unit in (("GB", "bytes", 1e9), ("TFLOP", "flops", 1e12)):
+      top = sorted(gq, key=lambda g: -gq[g][k])[:8]
+      print(f"  {what} by scope group, padded -> packed: " + ", ".join(
+          f"{g} {gp.get(g, {}).get(k, 0) / unit:.2f} -> {gq[g][k] / unit:.2f}" for g in top),
+          file=stream)
 
 
 def main(argv=None):
@@ -436,6 +553,9 @@ def main(argv=None):
   ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                   help="config override, e.g. train.remat=full (repeatable)")
   ap.add_argument("--lengths", default="preset", choices=("preset", "uniform", "full"))
+  ap.add_argument("--jagged", nargs="?", const="auto", default=None, metavar="CAPACITY",
+                  help="packed (jagged) event towers (data.jagged_capacity): auto (default: "
+                       "train.py's rule on the lengths' distribution) or stream=N,...")
   ap.add_argument("--steps", type=int, default=16)
   ap.add_argument("--warmup", type=int, default=2)
   ap.add_argument("--seed", type=int, default=0)

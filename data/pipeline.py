@@ -95,15 +95,33 @@ class Collate:
       buf, length = c[f"events/{s}"], c[f"length/{s}"]
       ev = {n: np.ascontiguousarray(buf[..., i]) for i, n in enumerate(self.cols[s])}
       if s in self.jagged:
-        ev, offsets, seg, pos, dropped[s] = jagged.pack_events(ev, length, self.jagged[s])
+        ev, dropped[s] = pack_stream(ev, length, self.jagged[s])
+        seg = ev["seg"]
         valid, row = seg < len(length), np.minimum(seg, len(length) - 1)
-        extra = {"length": np.diff(offsets), "offsets": offsets, "seg": seg, "pos": pos}
       else:
         valid, row = np.arange(T)[None, :] < length[:, None], np.arange(len(length))[:, None]
-        extra = {"length": length}
+        ev["length"] = length
       ev["age"] = np.where(valid, req[row] - ev.pop("ts"), 0).astype(np.float32)
-      out["events"][s] = {**ev, **extra}
+      out["events"][s] = ev
     return out, dropped
+
+
+def pack_stream(events: dict, length, capacity: int) -> tuple[dict, int]:
+  """One stream's padded ``{field: [B, T]}`` + ``length[B]`` -> its packed batch entry
+  (``data.schema``: the fields at [N], ``offsets``, ``seg``, ``pos``, kept ``length``) and the
+  events dropped over ``capacity`` (``data.jagged.pack_events``)."""
+  toks, offsets, seg, pos, dropped = jagged.pack_events(events, length, capacity)
+  return {**toks, "length": np.diff(offsets), "offsets": offsets, "seg": seg, "pos": pos}, dropped
+
+
+def pack_batch(batch: dict, capacity: dict[str, int]) -> tuple[dict, dict[str, int]]:
+  """A padded model batch (``data.schema``; e.g. ``data.fake.random_batch``) with the streams of
+  ``capacity`` {stream: N} packed as ``Collate`` packs them; also {stream: events dropped}."""
+  events, dropped = dict(batch["events"]), {}
+  for s, n in capacity.items():
+    ev = {k: v for k, v in events[s].items() if k != "length"}
+    events[s], dropped[s] = pack_stream(ev, events[s]["length"], n)
+  return {**batch, "events": events}, dropped
 
 
 class Loader:
@@ -271,4 +289,5 @@ def num_eval_batches(data_dir: str, split: str, batch_size: int, shard_count: in
 
 __all__ = ["make_dataset", "device_put_batch", "invalid_counter", "invalid_counts", "hash_ids",
            "balance_order", "num_eval_batches", "Collate", "Loader", "check_jagged_capacity",
+           "pack_stream", "pack_batch",
            "dropped_counter", "dropped_events"]

@@ -17,7 +17,7 @@ import numpy as np
 import pallas_kernels
 from bench.profiling import hlo_stats
 from kunlun.models.flops import band_pairs
-from kunlun.nn import attention
+from kunlun.nn import attention, packed
 
 # launch_s: one kernel in a CUDA graph (XLA runs the step's kernels as graphs), ~1 us.
 H200 = {"peak_flops": 989e12, "bandwidth": 4.8e12, "launch_s": 1e-6}
@@ -339,6 +339,44 @@ def block_attention_flops(batch, t, heads, d, block) -> float:
   return attention_flops(batch, -(-t // block) * block, block, heads, d)
 
 
+def jagged_kernel(q, k, v, o) -> dict:
+  """Bytes and launches of a packed (jagged) kernel's forward + backward (``jagged_pallas``): the
+  forward reads q, k, v and writes o; the backward reads them and do, writes dq, dk, dv (the
+  offsets / seg / pos vectors are negligible). ``o``: the output's ``.shape`` / ``.dtype``."""
+  qkv = sum(_nbytes(x.shape, x.dtype) for x in (q, k, v))
+  out = _nbytes(o.shape, o.dtype)
+  return {"bytes": (qkv + out) + (qkv + 2 * out + qkv), "launches": 3}
+
+
+def jagged_calls(kind: str, q, k, v, jag, kw) -> tuple[str, dict]:
+  """``(recorded kind, {bytes, launches, flops})`` of one packed op of ``kunlun.nn.packed``
+  (``q, k, v`` shapes as that op takes them; ``jag.capacity`` N, ``jag.batch`` B). FLOPs as the
+  Pallas kernels visit the static buffer: every one of the N tokens scores its own example's
+  ``n_kv`` keys (``gdpa_cross``), the S seeds score every token (``gdpa_pool``), a token its
+  ``block_size`` block or its band (``|i - j| <= window``, the buffer as one row); full softmax
+  attention: N x N / B pairs (examples of equal length; the kernel visits only the key tiles of
+  the examples a query tile overlaps)."""
+  S = jax.ShapeDtypeStruct
+  N, B = q.shape[0] if kind != "gdpa_pool" else k.shape[0], jag.batch
+  H, D = q.shape[-2:]
+  if kind == "gdpa_cross":
+    return "gdpa", {**jagged_kernel(q, k, v, q), "flops": attention_flops(1, N, k.shape[1], H, D)}
+  if kind == "gdpa_pool":
+    o = S((B,) + tuple(q.shape), q.dtype)
+    return "gdpa", {**jagged_kernel(q, k, v, o), "flops": attention_flops(1, q.shape[0], N, H, D)}
+  if kind == "block_attention":
+    bs = kw.get("block_size", 64)
+    return "block", {"bytes": 0.0, "launches": 0, "block_size": bs,
+                     "flops": block_attention_flops(1, N, H, D, bs)}
+  window = kw.get("window")
+  lse = S((H, N), "float32")
+  io = jagged_kernel(q, k, v, q)
+  io["bytes"] += 3 * _nbytes(lse.shape, lse.dtype)          # lse: written, read twice (bwd)
+  flops = (attention_flops(1, N, N, H, D, window) if window is not None
+           else attention_flops(1, N, N / max(B, 1), H, D))
+  return "attention", {**io, "window": window, "flops": flops}
+
+
 def flash_attention_kernel(q, k, v) -> dict:
   """Bytes and launches of a fused softmax attention's forward + backward (module doc)."""
   B, T, H, _ = q.shape
@@ -396,7 +434,7 @@ def _fence(x):
 @contextlib.contextmanager
 def record_kernels(fence: bool = True):
   """Records, while active, the GDPA, softmax- and block-attention calls of the train step's
-  forward: yields a list, filled when the context exits, of ``{kind, scope, bytes, launches,
+  forward, padded or packed (``kunlun.nn.packed``'s ops, ``jagged_calls``): yields a list, filled when the context exits, of ``{kind, scope, bytes, launches,
   flops}`` (kind "gdpa", "attention" or "block"; ``scope`` the name stack, e.g.
   ``Kunlun/.../click_hsp/HSP/GDPA``, or from the remat'd module on under remat).
 
@@ -454,16 +492,37 @@ def record_kernels(fence: bool = True):
                                                   q.shape[3], bs)})
     return orig["block"](q, k, v, **kw)
 
+  def jagged_op(name):
+    fn = getattr(packed, name)
+
+    def call(q, k, v, jag, **kw):
+      kind, cost = jagged_calls(name, q, k, v, jag, kw)
+      # softmax attention in the scope the kernel column replaces, as SeqAttention._attend's
+      with jax.named_scope("SoftmaxAttention") if kind == "attention" else contextlib.nullcontext():
+        keep(kind, cost)
+        if not fence or kind == "block":
+          return fn(q, k, v, jag, **kw)
+        return _fence(fn(*_fence((q, k, v)), jag, **kw))
+    return call
+
   pallas_kernels.gdpa = gdpa
   attention.softmax_attention_op = softmax
   pallas_kernels.block_attention = block
+  jagged_orig = {n: getattr(packed, n) for n in JAGGED_OPS}
+  for n in JAGGED_OPS:
+    setattr(packed, n, jagged_op(n))
   try:
     yield calls
   finally:
     pallas_kernels.gdpa = orig["gdpa"]
     attention.softmax_attention_op = orig["softmax"]
     pallas_kernels.block_attention = orig["block"]
+    for n, f in jagged_orig.items():
+      setattr(packed, n, f)
     calls += _call_sites(seen)
+
+
+JAGGED_OPS = ("gdpa_cross", "gdpa_pool", "block_attention", "softmax_attention")
 
 
 def _call_sites(seen: list) -> list[dict]:

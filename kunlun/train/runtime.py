@@ -210,9 +210,17 @@ def jagged_capacity(data_cfg, data_dir: str, split: str, seq_lens: dict[str, int
     n += int(real.sum())
   if not n:
     fail(f"data.jagged_capacity=auto: split {split!r} in {data_dir} has no examples")
-  out = {s: -(-jagged.capacity_for(np.concatenate(v), B) // 64) * 64 for s, v in lens.items()}
+  return capacity_from_lengths({s: np.concatenate(v) for s, v in lens.items()}, B)
+
+
+def capacity_from_lengths(lens: dict, batch_size: int) -> dict[str, int]:
+  """``data.jagged_capacity=auto`` from a sample of kept lengths ``{stream: i[n]}``: per stream
+  ``data.jagged.capacity_for`` (P(overflow) <= 0.001) of a batch of ``batch_size``, rounded up to
+  a multiple of 64; printed."""
+  out = {s: -(-jagged.capacity_for(v, batch_size) // 64) * 64 for s, v in lens.items()}
+  n = len(next(iter(lens.values()), ()))
   print(f"data.jagged_capacity=auto: {','.join(f'{s}={c}' for s, c in out.items())} tokens per "
-        f"process batch of {B} (from {n} examples)", flush=True)
+        f"process batch of {batch_size} (from {n} examples)", flush=True)
   return out
 
 

@@ -337,3 +337,58 @@ def test_roofline_counts_sliced_operands_and_in_place_updates():
   costs = {c["name"]: c for c in roofline.op_costs(SLICE_HLO)}
   assert (costs["f"]["bytes_in"], costs["f"]["bytes_out"]) == (40 + 40, 40)
   assert (costs["u"]["bytes_in"], costs["u"]["bytes_out"]) == (40 + 4, 40)
+
+
+def test_packed_and_padded_runs_report_the_same_layout_fields(tmp_path, capsys):
+  """``--jagged``: the synthetic batch packed at given capacities (below the batch's events: the
+  oldest events of the longest histories dropped, the buffers exactly full) takes the packed
+  path; padded and packed JSONs carry the same fields, checked against the batch's lengths
+  (``data.jagged.fit_lengths``, independent of the bench), and the table prints the pair."""
+  import numpy as np
+
+  from bench.profiling import roofline
+  from data import jagged
+  from data.synthetic import PRESETS, preset_schema
+  from kunlun.configs import types as model_config
+  from kunlun.models.flops import batch_flops
+
+  cap = {"click": 256, "impression": 320}
+  base = ["--small", "--layers", "1", "--compile_only", "--out_dir", str(tmp_path)]
+  packed = train_step.main(base + ["--jagged", ",".join(f"{s}={n}" for s, n in cap.items())])
+  padded = train_step.main(base)
+  assert packed["name"] == "tiny_xla_b16_L1_packed_small" and packed["layout"] == "packed"
+  assert padded["name"] == "tiny_xla_b16_L1_small" and padded["layout"] == "padded"
+  saved = json.loads((tmp_path / "train_step_tiny_xla_b16_L1_packed_small.json").read_text())
+  cfg = train_step.load_config("tiny", [])
+  train_step.clip_layers(cfg, 1)
+  schema, T = preset_schema(PRESETS[cfg.data.preset]), model_config.seq_lens(cfg)
+  batch = train_step.synthetic_batch(schema, 16, T, "preset")
+  lengths = {s: batch["events"][s]["length"] for s in T}
+  kept = {s: jagged.fit_lengths(lengths[s], cap[s]) for s in T}
+  u, p = saved["useful"], padded["useful"]
+  assert u["tokens"] == cap and p["tokens"] == {s: 16 * n for s, n in T.items()}
+  assert u["real_events"] == {s: int(k.sum()) for s, k in kept.items()} == cap   # exactly full
+  assert u["dropped_events"] == {s: int(lengths[s].sum() - cap[s]) for s in T}
+  assert all(v > 0 for v in u["dropped_events"].values()) and p["dropped_events"] == {}
+  assert p["real_events"] == {s: int(lengths[s].sum()) for s in T}
+  for s in T:
+    batch["events"][s]["length"] = kept[s]
+  assert u["flops_useful"] == saved["flops"]["analytic_actual_lengths"] == batch_flops(
+      cfg, schema, batch)["train_step"]
+  for r in (u, p):
+    rl = (saved if r is u else padded)["roofline"]
+    n = sum(r["real_events"].values())
+    assert r["flops_compiled"] == rl["flops"] and r["useful_share"] == r["flops_useful"] / rl["flops"]
+    assert r["bytes_per_real_event"] == rl["xla"]["bytes"] / n and r["bound_s"] == rl["xla"]["bound_s"]
+    assert r["useful_mfu_bound"] == r["flops_useful"] / (r["bound_s"] * rl["device"]["peak_flops"])
+  # the packed path ran: jagged GDPA calls over the N-token buffers, none of the padded op
+  pffn = [c for c in saved["kernel_calls"] if c["kind"] == "gdpa" and "/PFFN" in c["scope"]]
+  assert len(pffn) == 2
+  for c in pffn:
+    t = cfg.model.towers[roofline.scope_tower(c["scope"], list(T))]
+    assert c["flops"] == roofline.attention_flops(1, cap[roofline.scope_tower(c["scope"], list(T))],
+                                                  t.n_kv, t.heads, t.width // t.heads)
+  capsys.readouterr()
+  train_step.main(["--table", str(tmp_path / "*.json")])
+  out = capsys.readouterr().out
+  assert "padded -> packed" in out and "tiny xla b16 cpu: useful share" in out
