@@ -148,39 +148,33 @@ def _per_example(fn, q, k, v, offsets):
 # ----------------------------------------------------------------------------- ops
 
 
+def _cross_op(tile):
+  """(jagged, padded, numpy) PFFN GDPA at work-list ``tile`` (None: ``work_tile``)."""
+  return (
+      lambda q, k, v, jag, kk, vv, sd: jagged.jagged_gdpa_cross(
+          q, kk, vv, jag, activation="silu", kv_lengths=KV_LENGTHS, score_clip=1.5, tile=tile),
+      lambda q, k, v, lens, kk, vv, sd: reference.gdpa_reference(
+          q, kk, vv, activation="silu", q_lengths=lens, kv_lengths=KV_LENGTHS, score_clip=1.5),
+      lambda q, k, v, off, kk, vv, sd: _np_cross(q, kk, vv, off, KV_LENGTHS, "silu", D ** -0.5,
+                                                 1.5))
+
+
+def _pool_op(tile):
+  """(jagged, padded, numpy) HSP GDPA at work-list ``tile`` (None: ``work_tile``)."""
+  return (
+      lambda q, k, v, jag, kk, vv, sd: jagged.jagged_gdpa_pool(
+          sd, k, v, jag, activation="gelu", out_scale=0.5, tile=tile),
+      lambda q, k, v, lens, kk, vv, sd: reference.gdpa_reference(
+          sd[None], k, v, activation="gelu", out_scale=0.5, kv_lengths=lens, broadcast_q=True),
+      lambda q, k, v, off, kk, vv, sd: 0.5 * _np_pool(sd, k, v, off, "gelu", D ** -0.5))
+
+
 OPS = {
     # name: (jagged fn (q, k, v, jag, kk, vv, seeds), padded fn on unpacked inputs, numpy)
-    "cross": (
-        lambda q, k, v, jag, kk, vv, sd: jagged.jagged_gdpa_cross(
-            q, kk, vv, jag, activation="silu", kv_lengths=KV_LENGTHS, score_clip=1.5,
-            tile=TILE),
-        lambda q, k, v, lens, kk, vv, sd: reference.gdpa_reference(
-            q, kk, vv, activation="silu", q_lengths=lens, kv_lengths=KV_LENGTHS,
-            score_clip=1.5),
-        lambda q, k, v, off, kk, vv, sd: _np_cross(q, kk, vv, off, KV_LENGTHS, "silu",
-                                                   D ** -0.5, 1.5)),
-    "pool": (
-        lambda q, k, v, jag, kk, vv, sd: jagged.jagged_gdpa_pool(
-            sd, k, v, jag, activation="gelu", out_scale=0.5, tile=TILE),
-        lambda q, k, v, lens, kk, vv, sd: reference.gdpa_reference(
-            sd[None], k, v, activation="gelu", out_scale=0.5, kv_lengths=lens,
-            broadcast_q=True),
-        lambda q, k, v, off, kk, vv, sd: 0.5 * _np_pool(sd, k, v, off, "gelu", D ** -0.5)),
-    "cross_auto_tile": (   # tile None: work_tile (8 here: 64 tokens over 4 examples)
-        lambda q, k, v, jag, kk, vv, sd: jagged.jagged_gdpa_cross(
-            q, kk, vv, jag, activation="silu", kv_lengths=KV_LENGTHS, score_clip=1.5),
-        lambda q, k, v, lens, kk, vv, sd: reference.gdpa_reference(
-            q, kk, vv, activation="silu", q_lengths=lens, kv_lengths=KV_LENGTHS,
-            score_clip=1.5),
-        lambda q, k, v, off, kk, vv, sd: _np_cross(q, kk, vv, off, KV_LENGTHS, "silu",
-                                                   D ** -0.5, 1.5)),
-    "pool_auto_tile": (
-        lambda q, k, v, jag, kk, vv, sd: jagged.jagged_gdpa_pool(
-            sd, k, v, jag, activation="gelu", out_scale=0.5),
-        lambda q, k, v, lens, kk, vv, sd: reference.gdpa_reference(
-            sd[None], k, v, activation="gelu", out_scale=0.5, kv_lengths=lens,
-            broadcast_q=True),
-        lambda q, k, v, off, kk, vv, sd: 0.5 * _np_pool(sd, k, v, off, "gelu", D ** -0.5)),
+    "cross": _cross_op(TILE),
+    "pool": _pool_op(TILE),
+    "cross_auto_tile": _cross_op(None),    # tile None: work_tile (8: 64 tokens, 4 examples)
+    "pool_auto_tile": _pool_op(None),
     "block_softmax": (
         lambda q, k, v, jag, *_: jagged.jagged_block_attention(q, k, v, jag, block_size=TILE),
         lambda q, k, v, lens, *_: reference.block_attention_reference(
