@@ -15,14 +15,14 @@ from jax import lax
 
 from pallas_kernels.activations import apply_per_head, per_head
 from pallas_kernels.reference import (
-    band_chunk,
     block_attention_reference,
     clip_scores,
     masked_softmax_attention,
 )
 
 _F32 = jnp.float32
-TILE = 64      # token tile of the XLA twins' (tile, example) work list (pallas tiles: own)
+TILE_RANGE = (8, 64)   # token tiles of the XLA twins' (tile, example) work list (pallas: own)
+BAND_MIN = 8           # least query chunk of the banded twin (the padded reference's: 16)
 
 
 @jax.tree_util.register_dataclass
@@ -162,7 +162,17 @@ def tile_examples(jagged: Jagged, tile: int):
   return lo, jnp.where(starts < jagged.total, jagged.seg[last], lo - 1)
 
 
-def tile_pairs(jagged: Jagged, tile: int = TILE):
+def work_tile(jagged: Jagged) -> int:
+  """The work list's token tile: half the mean capacity per example, as a power of 2 in
+  ``TILE_RANGE``. A pair computes a whole tile, so the list covers about ``N + B * tile`` rows:
+  tile 64 on tiny (22 tokens per example) computed 3.9x the real tokens; a tile below 8 makes the
+  per-pair gathers dominate (CPU fwd+bwd, scripts/jagged_speed.py)."""
+  half = max(jagged.capacity // (2 * max(jagged.batch, 1)), 1)
+  lo, hi = TILE_RANGE
+  return min(hi, max(lo, 1 << (half.bit_length() - 1)))
+
+
+def tile_pairs(jagged: Jagged, tile: int):
   """The (token tile, example) pairs that hold real tokens: ``(tile i32[P], example i32[P])``
   with ``P = ceil(N / tile) + B`` slots (consecutive tiles share at most one example, so the
   pairs never exceed it); unused slots point at example ``B`` (matches no token)."""
@@ -183,10 +193,12 @@ def _tiles(x, tile):
 
 
 def _pair_rows(jagged: Jagged, tile):
-  """(tile index, example index, ``bool[P, tile]`` token-of-that-example) of every pair."""
+  """(tile, tile index, example index, ``bool[P, tile]`` token-of-that-example) of every pair;
+  ``tile`` None: ``work_tile``."""
+  tile = work_tile(jagged) if tile is None else int(tile)
   t, b = tile_pairs(jagged, tile)
   seg = jnp.pad(jagged.seg, (0, -jagged.capacity % tile), constant_values=jagged.batch)
-  return t, b, seg.reshape(-1, tile)[t] == b[:, None]
+  return tile, t, b, seg.reshape(-1, tile)[t] == b[:, None]
 
 
 def _kv_keep(kv_lengths, b, n_kv):
@@ -201,7 +213,7 @@ def _kv_keep(kv_lengths, b, n_kv):
 
 
 def jagged_gdpa_cross(q, k, v, jagged: Jagged, *, activation="fast_gelu", scale=None,
-                      out_scale=1.0, kv_lengths=None, score_clip=None, tile=TILE):
+                      out_scale=1.0, kv_lengths=None, score_clip=None, tile=None):
   """PFFN's GDPA: each token's query attends to its own example's keys, ``o_n = out_scale *
   sum_j act(clip(scale q_n.k[seg_n, j])) v[seg_n, j]``.
 
@@ -216,7 +228,7 @@ def jagged_gdpa_cross(q, k, v, jagged: Jagged, *, activation="fast_gelu", scale=
   N, H, D = q.shape
   acts = per_head(activation, H)
   scale = D ** -0.5 if scale is None else scale
-  t, b, rows = _pair_rows(jagged, tile)
+  tile, t, b, rows = _pair_rows(jagged, tile)
   bk = jnp.minimum(b, jagged.batch - 1)
   qt = _tiles(_zero_padding(q, jagged), tile)[t].astype(_F32)            # [P, tile, H, D]
   s = jnp.einsum("pqhd,pkhd->phqk", qt, k[bk].astype(_F32)) * scale
@@ -228,7 +240,7 @@ def jagged_gdpa_cross(q, k, v, jagged: Jagged, *, activation="fast_gelu", scale=
 
 
 def jagged_gdpa_pool(q, k, v, jagged: Jagged, *, activation="fast_gelu", scale=None,
-                     out_scale=1.0, score_clip=None, tile=TILE):
+                     out_scale=1.0, score_clip=None, tile=None):
   """HSP's GDPA: shared seeds attend to each example's tokens, ``o[b, s] = out_scale * sum_{n in
   b} act(clip(scale q_s.k_n)) v_n``.
 
@@ -243,7 +255,7 @@ def jagged_gdpa_pool(q, k, v, jagged: Jagged, *, activation="fast_gelu", scale=N
   N, H, D = k.shape
   acts = per_head(activation, H)
   scale = D ** -0.5 if scale is None else scale
-  t, b, rows = _pair_rows(jagged, tile)
+  tile, t, b, rows = _pair_rows(jagged, tile)
   kt, vt = (_tiles(_zero_padding(x, jagged), tile)[t].astype(_F32) for x in (k, v))
   s = jnp.einsum("shd,pkhd->phsk", q.astype(_F32), kt) * scale           # [P, H, S, tile]
   p = jnp.where(rows[:, None, None, :],
@@ -259,10 +271,11 @@ def jagged_gdpa_pool(q, k, v, jagged: Jagged, *, activation="fast_gelu", scale=N
 def _banded(q, k, v, jagged: Jagged, window: int, probs):
   """Self-attention over token pairs of one example with ``|i - j| <= window`` (inside an example
   positions and buffer indices differ by the same amount), ``O(N * 3c)``: chunks of ``c =
-  band_chunk(window)`` queries against the ``3c`` buffer rows around them.
+  max(window, BAND_MIN)`` queries against the ``3c`` buffer rows around them (window 8: 24 keys
+  a query, where the padded reference's 16-row chunks take 48).
   ``probs(q [nb, c, H, D], k, v [nb, 3c, H, D], keep [nb, c, 3c])``."""
   N, H, D = q.shape
-  B, c = jagged.batch, band_chunk(window)
+  B, c = jagged.batch, max(int(window), BAND_MIN)
   nb = -(-N // c)
 
   def rows(x, fill, lo, hi):      # x padded to [lo + N + hi] and cut into chunks of c
@@ -331,7 +344,7 @@ def jagged_softmax_attention(q, k, v, jagged: Jagged, *, window=None, scale=None
   """Softmax self-attention within each example (``softmax_attention_reference`` per example):
   keys of the same example with ``|pos_i - pos_j| <= window`` (None: all of them).
   ``q, k, v [N, H, D]`` -> ``[N, H, D]``; padding tokens give 0. With a window the cost is
-  ``O(N * 3 max(window, 16))``; without, one masked ``[N, N]`` (the Pallas kernel visits only
+  ``O(N * 3 max(window, BAND_MIN))``; without, one masked ``[N, N]`` (the Pallas kernel visits only
   the key tiles of the examples a query tile overlaps).
   """
   check_tokens(jagged, q, k, v)

@@ -148,24 +148,33 @@ def _per_example(fn, q, k, v, offsets):
 # ----------------------------------------------------------------------------- ops
 
 
+def _cross_op(tile):
+  """(jagged, padded, numpy) PFFN GDPA at work-list ``tile`` (None: ``work_tile``)."""
+  return (
+      lambda q, k, v, jag, kk, vv, sd: jagged.jagged_gdpa_cross(
+          q, kk, vv, jag, activation="silu", kv_lengths=KV_LENGTHS, score_clip=1.5, tile=tile),
+      lambda q, k, v, lens, kk, vv, sd: reference.gdpa_reference(
+          q, kk, vv, activation="silu", q_lengths=lens, kv_lengths=KV_LENGTHS, score_clip=1.5),
+      lambda q, k, v, off, kk, vv, sd: _np_cross(q, kk, vv, off, KV_LENGTHS, "silu", D ** -0.5,
+                                                 1.5))
+
+
+def _pool_op(tile):
+  """(jagged, padded, numpy) HSP GDPA at work-list ``tile`` (None: ``work_tile``)."""
+  return (
+      lambda q, k, v, jag, kk, vv, sd: jagged.jagged_gdpa_pool(
+          sd, k, v, jag, activation="gelu", out_scale=0.5, tile=tile),
+      lambda q, k, v, lens, kk, vv, sd: reference.gdpa_reference(
+          sd[None], k, v, activation="gelu", out_scale=0.5, kv_lengths=lens, broadcast_q=True),
+      lambda q, k, v, off, kk, vv, sd: 0.5 * _np_pool(sd, k, v, off, "gelu", D ** -0.5))
+
+
 OPS = {
     # name: (jagged fn (q, k, v, jag, kk, vv, seeds), padded fn on unpacked inputs, numpy)
-    "cross": (
-        lambda q, k, v, jag, kk, vv, sd: jagged.jagged_gdpa_cross(
-            q, kk, vv, jag, activation="silu", kv_lengths=KV_LENGTHS, score_clip=1.5,
-            tile=TILE),
-        lambda q, k, v, lens, kk, vv, sd: reference.gdpa_reference(
-            q, kk, vv, activation="silu", q_lengths=lens, kv_lengths=KV_LENGTHS,
-            score_clip=1.5),
-        lambda q, k, v, off, kk, vv, sd: _np_cross(q, kk, vv, off, KV_LENGTHS, "silu",
-                                                   D ** -0.5, 1.5)),
-    "pool": (
-        lambda q, k, v, jag, kk, vv, sd: jagged.jagged_gdpa_pool(
-            sd, k, v, jag, activation="gelu", out_scale=0.5, tile=TILE),
-        lambda q, k, v, lens, kk, vv, sd: reference.gdpa_reference(
-            sd[None], k, v, activation="gelu", out_scale=0.5, kv_lengths=lens,
-            broadcast_q=True),
-        lambda q, k, v, off, kk, vv, sd: 0.5 * _np_pool(sd, k, v, off, "gelu", D ** -0.5)),
+    "cross": _cross_op(TILE),
+    "pool": _pool_op(TILE),
+    "cross_auto_tile": _cross_op(None),    # tile None: work_tile (8: 64 tokens, 4 examples)
+    "pool_auto_tile": _pool_op(None),
     "block_softmax": (
         lambda q, k, v, jag, *_: jagged.jagged_block_attention(q, k, v, jag, block_size=TILE),
         lambda q, k, v, lens, *_: reference.block_attention_reference(
@@ -198,6 +207,12 @@ OPS = {
             q, k, v, window=3, q_lengths=lens, kv_lengths=lens),
         lambda q, k, v, off, *_: _per_example(lambda *a: softmax_loop(*a, window=3), q, k, v,
                                               off)),
+    "softmax_w8": (        # window = BAND_MIN: chunks of 8 queries against 24 keys
+        lambda q, k, v, jag, *_: jagged.jagged_softmax_attention(q, k, v, jag, window=8),
+        lambda q, k, v, lens, *_: reference.softmax_attention_reference(
+            q, k, v, window=8, q_lengths=lens, kv_lengths=lens),
+        lambda q, k, v, off, *_: _per_example(lambda *a: softmax_loop(*a, window=8), q, k, v,
+                                              off)),
 }
 
 
@@ -208,7 +223,7 @@ def _jitted(name):
 
 
 def _to_padded_output(name, out, jag):
-  return out if name == "pool" else jagged.unpack(out, jag, T)
+  return out if name.startswith("pool") else jagged.unpack(out, jag, T)
 
 
 @pytest.mark.parametrize("case", ["ragged", "full", "overflow", "empty"])
@@ -223,8 +238,18 @@ def test_op_against_padded_reference_and_numpy(name, case):
   np.testing.assert_allclose(_to_padded_output(name, out, jag), want, atol=2e-6, rtol=1e-5)
   offsets = np.asarray(jag.offsets)
   np.testing.assert_allclose(out, oracle(q, k, v, offsets, kk, vv, sd), atol=2e-6, rtol=1e-5)
-  if name != "pool":
+  if not name.startswith("pool"):
     assert not np.asarray(out)[offsets[-1]:].any()       # padding tokens give 0
+
+
+@pytest.mark.parametrize("capacity, batch, tile", [
+    (1408, 64, 8),      # tiny click: 22 tokens an example -> 11 -> 8
+    (7168, 64, 32),     # dev click: 112 -> 56 -> 32
+    (19520, 64, 64),    # dev impression: 305 -> 152, capped at 64
+    (64, 4, 8), (64, 8, 8), (10, 4, 8)])   # below the floor
+def test_work_tile_is_a_power_of_two_near_half_the_mean_capacity(capacity, batch, tile):
+  jag = jagged.from_lengths(np.zeros(batch, np.int32), capacity)
+  assert jagged.work_tile(jag) == tile
 
 
 @pytest.mark.parametrize("name", list(OPS))
@@ -234,7 +259,7 @@ def test_gradients_match_the_padded_reference(name):
   kk, vv, sd = _example_kv(seed=4)
   out_shape = jax.eval_shape(fn, q, k, v, jag, kk, vv, sd).shape
   w = jax.random.normal(jax.random.key(9), out_shape)
-  w = jnp.where(jag.valid[:, None, None], w, 0.0) if name != "pool" else w
+  w = jnp.where(jag.valid[:, None, None], w, 0.0) if not name.startswith("pool") else w
   wp = _to_padded_output(name, w, jag)
   args = (q, k, v, kk, vv, sd)
   g_jag = jax.jit(jax.grad(lambda q, k, v, kk, vv, sd: jnp.sum(fn(q, k, v, jag, kk, vv, sd) * w),
