@@ -159,6 +159,7 @@ def run(args) -> dict:
   models = {lf: build_loopfm(vm_cfg, schema, use_ctx=lf, use_events=lf) for lf in (False, True)}
   steps = {lf: None for lf in models}
   predicts = {lf: ex.make_predict(m) for lf, m in models.items()}
+  inits = {lf: ex.make_init(m) for lf, m in models.items()}
   results, train_losses, vm_params = {}, {}, {}
   for name, (lam, lf) in variants.items():
     t0 = time.perf_counter()
@@ -170,7 +171,7 @@ def run(args) -> dict:
     drop_rng = np.random.default_rng(args.seed)
     fm_train = ((lambda b, r=drop_rng: feats.loopfm(b, streams, args.ctx_dropout, r))
                 if lf else None)
-    params = ex.init_params(model, {**first, **(fm_train(first) if lf else {})}, args.seed)
+    params = inits[lf]({**first, **(fm_train(first) if lf else {})}, args.seed)
     tx = optim.make_optimizer(vm_cfg.train, args.vm_steps)
     opt = tx.init(params)
     if steps[lf] is None:

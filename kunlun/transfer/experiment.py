@@ -104,9 +104,11 @@ def make_vm_step(model, tx):
   return step
 
 
-def init_params(model, batch, seed=0):
+def make_init(model):
+  """``init(batch, seed=0) -> params``, jitted once per model (every variant sharing the model
+  reuses the compiled init)."""
   init = jax.jit(lambda r, b: nn.meta.unbox(model.init(r, b)["params"]))
-  return init(jax.random.key(seed), batch)
+  return lambda batch, seed=0: init(jax.random.key(seed), batch)
 
 
 def make_predict(model):

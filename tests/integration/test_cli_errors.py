@@ -267,6 +267,7 @@ def _env():
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT, XLA_FLAGS="",
              KUNLUN_COMPILATION_CACHE="")
   env.pop("JAX_NUM_CPU_DEVICES", None)
+  env.pop("JAX_COMPILATION_CACHE_DIR", None)    # the suite's cache (tests/conftest.py): "" is off
   return env
 
 

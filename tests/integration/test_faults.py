@@ -76,7 +76,8 @@ def env(tmp_path_factory):
   synthetic.generate(data, "tiny", num_examples=2000, seed=0)
   e = dict(os.environ)
   e.update(JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="1", PYTHONPATH=ROOT,
-           XLA_FLAGS="--xla_force_host_platform_device_count=1",
+           XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} "        # the suite's (tests/conftest.py)
+                     "--xla_force_host_platform_device_count=1",
            KUNLUN_COMPILATION_CACHE=str(base / "xla_cache"))
   return {"base": base, "data": data, "env": e}
 

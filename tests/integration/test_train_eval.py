@@ -31,7 +31,8 @@ NE_MARGIN = 0.05     # eval click NE must be below 1 - NE_MARGIN on every surfac
 def _env(devices, cache):
   env = dict(os.environ)
   env.update(JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES=str(devices),
-             XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+             XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} "        # the suite's (tests/conftest.py)
+                       f"--xla_force_host_platform_device_count={devices}",
              KUNLUN_COMPILATION_CACHE=cache, PYTHONPATH=ROOT)
   return env
 
