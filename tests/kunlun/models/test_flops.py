@@ -1,6 +1,7 @@
 """Analytic FLOPs against XLA's compiled cost analysis, and model FLOPs at actual lengths."""
 
 import dataclasses
+import types
 
 import jax
 import jax.numpy as jnp
@@ -22,7 +23,7 @@ from kunlun.nn.mowe import MoWE
 from kunlun.nn.pffn import PFFN
 from kunlun.nn.towers import schedule
 from kunlun.nn.weightgen import WeightGen
-from pallas_kernels.jagged import TILE
+from pallas_kernels.jagged import work_tile
 
 KEY = jax.random.key(0, impl="unsafe_rbg")
 PRESET_CFG = {"tiny": (tiny, tiny_schema), "dev": (dev, lambda: preset_schema(PRESETS["dev"]))}
@@ -189,7 +190,7 @@ def test_packed_forward_count_is_actual_lengths_plus_the_xla_twins_work_lists():
   """XLA's count of the packed (jagged) forward (xla backend, every buffer exactly full: all N
   tokens are real events) = the model count at the actual lengths (``batch_flops``) + the work
   the XLA twins (pallas_kernels/jagged.py) do beyond the real events: GDPA cross / pool score a
-  static work list of ``ceil(N / TILE) + B`` token tiles of TILE instead of N tokens, and banded
+  static work list of ``ceil(N / tile) + B`` token tiles (``work_tile``) instead of N tokens, and banded
   attention scores the buffer as one row in chunks (``attention_flops(N, executed=True)``)
   instead of each example's band. Within 5%: the tolerance of the analytic formulas against
   XLA's count on padded programs (``test_executed_estimate_within_5pct_of_compiled``). The
@@ -212,7 +213,8 @@ def test_packed_forward_count_is_actual_lengths_plus_the_xla_twins_work_lists():
   for layer in range(cfg.num_layers):
     for t in cfg.seq_towers:
       p, N, H, d = schedule(t, layer, cfg.comp_skip, cfg.final_hsp), cap[t.name], t.heads, t.width
-      rows = (-(-N // TILE) + B) * TILE - N         # work-list rows past the real tokens
+      tile = work_tile(types.SimpleNamespace(capacity=N, batch=B))   # the twins' token tile
+      rows = (-(-N // tile) + B) * tile - N         # work-list rows past the real tokens
       if p.pffn:                                    # q.k, p.v, score activation, key mask
         act = F.GDPA_SCORE + F._act_cost(cfg.pffn_activation)
         extra += rows * (4 * t.n_kv * d + act * t.n_kv * H + t.n_kv)
