@@ -13,9 +13,10 @@ def free_port() -> int:
 
 
 def worker_env() -> dict:
-  """The current environment without JAX/XLA settings (the workers set their own), on CPU, with
-  the repository importable."""
-  env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_"))}
+  """The current environment without JAX settings (the workers set their own), on CPU, with the
+  repository importable. ``XLA_FLAGS`` is kept: the suite's XLA:CPU -O0 (tests/conftest.py)
+  halves the workers' compile time too."""
+  env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_")}
   env.update(JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
   return env
 
