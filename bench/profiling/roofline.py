@@ -431,11 +431,16 @@ def _fence(x):
   return _fence_fn()(x)
 
 
+# kunlun.nn.packed's ops that record_kernels wraps
+JAGGED_OPS = ("gdpa_cross", "gdpa_pool", "block_attention", "softmax_attention")
+
+
 @contextlib.contextmanager
 def record_kernels(fence: bool = True):
   """Records, while active, the GDPA, softmax- and block-attention calls of the train step's
-  forward, padded or packed (``kunlun.nn.packed``'s ops, ``jagged_calls``): yields a list, filled when the context exits, of ``{kind, scope, bytes, launches,
-  flops}`` (kind "gdpa", "attention" or "block"; ``scope`` the name stack, e.g.
+  forward, padded or packed (``kunlun.nn.packed``'s ops, ``jagged_calls``): yields a list,
+  filled when the context exits, of ``{kind, scope, bytes, launches, flops}`` (kind "gdpa",
+  "attention" or "block"; ``scope`` the name stack, e.g.
   ``Kunlun/.../click_hsp/HSP/GDPA``, or from the remat'd module on under remat).
 
   The step may trace its forward more than once: under autodiff (``jvp(`` in the name stack,
@@ -520,9 +525,6 @@ def record_kernels(fence: bool = True):
     for n, f in jagged_orig.items():
       setattr(packed, n, f)
     calls += _call_sites(seen)
-
-
-JAGGED_OPS = ("gdpa_cross", "gdpa_pool", "block_attention", "softmax_attention")
 
 
 def _call_sites(seen: list) -> list[dict]:

@@ -4,7 +4,11 @@ counters and the scope grouping; bench/collectives.py's HLO accounting on a hand
 import json
 
 from bench import collectives, train_step
-from bench.profiling import hlo_stats
+from bench.profiling import hlo_stats, roofline
+from data import jagged
+from data.synthetic import PRESETS, preset_schema
+from kunlun.configs import types as model_config
+from kunlun.models.flops import batch_flops
 
 
 def test_small_run_writes_json_with_counts_memory_and_scopes(tmp_path, capsys):
@@ -92,8 +96,6 @@ def test_hlo_counters_scopes_and_collective_accounting():
 
 
 # ---- roofline: bytes and FLOPs per launched op, kernel column ------------------------------
-
-from bench.profiling import roofline  # noqa: E402
 
 _OPT = 'metadata={op_name="jit(f)/optimizer/mul"}'
 _GDPA = 'metadata={op_name="jit(f)/jvp(Kunlun)/layer_0/click_hsp/HSP/GDPA/dot_general"}'
@@ -344,14 +346,6 @@ def test_packed_and_padded_runs_report_the_same_layout_fields(tmp_path, capsys):
   oldest events of the longest histories dropped, the buffers exactly full) takes the packed
   path; padded and packed JSONs carry the same fields, checked against the batch's lengths
   (``data.jagged.fit_lengths``, independent of the bench), and the table prints the pair."""
-  import numpy as np
-
-  from bench.profiling import roofline
-  from data import jagged
-  from data.synthetic import PRESETS, preset_schema
-  from kunlun.configs import types as model_config
-  from kunlun.models.flops import batch_flops
-
   cap = {"click": 256, "impression": 320}
   base = ["--small", "--layers", "1", "--compile_only", "--out_dir", str(tmp_path)]
   packed = train_step.main(base + ["--jagged", ",".join(f"{s}={n}" for s, n in cap.items())])
