@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging as std_logging
 import os
+import re
 import sys
 import traceback
 
@@ -74,9 +75,9 @@ def quiet_checkpoint_logs() -> None:
 class _OrbaxTaskNoise:
   """Drops asyncio's "Task / Future exception was never retrieved" report (with the exception,
   and a traceback for tasks) for a task that failed inside orbax or a future that TensorStore
-  failed: a failed restore's leftover reads, logged whenever they are garbage-collected. The
-  restore itself raised, and kunlun.train.checkpoint reports it in one line. Everything else
-  asyncio logs passes."""
+  failed: a failed restore's leftover reads, or a failed save's writes (a full disk), logged
+  whenever they are garbage-collected. The restore or save itself failed, and
+  kunlun.train.checkpoint reports it in one line. Everything else asyncio logs passes."""
   _kunlun_quiet = True
 
   def filter(self, record) -> bool:
@@ -85,7 +86,17 @@ class _OrbaxTaskNoise:
     _, exc, tb = record.exc_info
     from_orbax = tb is not None and any("/orbax/" in f.filename
                                         for f in traceback.extract_tb(tb))
-    return not (from_orbax or "tensorstore_spec" in str(exc))
+    return not (from_orbax or _tensorstore_io_status(str(exc)))
+
+
+_STATUS = re.compile(r"^[A-Z_]+: ")              # an absl status, as TensorStore words its errors
+_TENSORSTORE_MARKS = ("tensorstore_spec", "OCDBT database", "[os_error_code=")
+
+
+def _tensorstore_io_status(message: str) -> bool:
+  """Whether an exception's message is a TensorStore I/O status (its spec, its OCDBT store or
+  the OS error it carries)."""
+  return bool(_STATUS.match(message)) and any(m in message for m in _TENSORSTORE_MARKS)
 
 
 def quiet_closed_loop_errors() -> None:

@@ -1,6 +1,7 @@
 """startup.quiet_checkpoint_logs drops asyncio's "never retrieved" report of a task that failed
 inside orbax (leftover reads of a failed restore, logged at garbage collection, with a traceback)
-and keeps every other asyncio report."""
+or a TensorStore future that failed (a read, or a save's write on a full disk) and keeps every
+other asyncio report."""
 
 import asyncio
 import gc
@@ -13,6 +14,10 @@ _ORBAX = compile("async def read():\n  raise ValueError('OUT_OF_RANGE: byte rang
                  "/site-packages/orbax/checkpoint/_src/serialization/serialization.py", "exec")
 SPEC = ("OUT_OF_RANGE: Error reading byte range of local file [tensorstore_spec='{\"driver\": "
         "\"zarr\"}']")
+# a failed TensorStore write of a save (the disk filled): no traceback, no spec in the status
+WRITE = ("RESOURCE_EXHAUSTED: Error writing \"opt_state.mu.kernel/0.0\" in OCDBT database at local "
+         "file \"/wd/checkpoints/5.orbax-checkpoint-tmp/ocdbt.process_0/\": Failed to write 65040 "
+         "bytes to file 10: No space left on device [os_error_code='28']")
 _OTHER = compile("async def read():\n  raise ValueError('something else')\n",
                  "/site-packages/somelib/io.py", "exec")
 
@@ -74,11 +79,14 @@ def test_orbax_task_noise_is_dropped_and_other_reports_kept():
     cap.messages.clear()
     _unretrieved_failure(_ORBAX)
     _unretrieved_future(SPEC)
+    _unretrieved_future(WRITE)
     assert not cap.messages
     _unretrieved_failure(_OTHER)                 # not orbax: still reported
     assert any("never retrieved" in m and "something else" in m for m in cap.messages)
     _unretrieved_future("a plain failure")
     assert any("never retrieved" in m and "a plain failure" in m for m in cap.messages)
+    _unretrieved_future("RESOURCE_EXHAUSTED: a status from elsewhere")   # not TensorStore's I/O
+    assert any("a status from elsewhere" in m for m in cap.messages)
   finally:
     log.removeHandler(cap)
     for f in installed:
