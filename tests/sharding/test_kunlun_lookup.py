@@ -2,6 +2,8 @@
 all-to-all exchange (forward unchanged), and the sparse embedding update
 (``config.train.sparse_embedding_update``) trains exactly like the dense row-wise Adagrad."""
 
+import functools
+
 import flax.linen as nn
 import jax
 import numpy as np
@@ -13,23 +15,28 @@ from sharding import mesh as M
 from sharding import rules as R
 
 
-def _tiny(B=16, n=1, layers=None):
+@functools.cache
+def _tiny():
+  """The 1-layer tiny model (every table is in the input stage; fewer layers only shorten the
+  compile), two batches and one compiled 1-device init of its parameters (numpy), shared by
+  both tests."""
   from kunlun.configs import tiny
   from kunlun.configs.types import seq_lens
   from kunlun.models.build import build_model
   cfg, schema = tiny.get_config(), tiny_schema()
-  if layers:      # every table is in the input stage; fewer layers only shorten the compile
-    cfg.model.num_layers = layers
-    for t in cfg.model.towers.values():
-      t.depth = min(t.depth, layers)
-  return cfg, build_model(cfg, schema), [random_batch(schema, B, seq_lens(cfg), seed=1 + i, min_len=1)
-                                         for i in range(n)]
+  cfg.model.num_layers = 1
+  for t in cfg.model.towers.values():
+    t.depth = min(t.depth, 1)
+  cfg.train.warmup_steps = 0
+  model = build_model(cfg, schema)
+  batches = [random_batch(schema, 16, seq_lens(cfg), seed=1 + i, min_len=1) for i in range(2)]
+  params = jax.jit(lambda k: model.init(k, batches[0], train=False))(jax.random.key(0))
+  return cfg, model, batches, jax.tree.map(np.asarray, nn.meta.unbox(params["params"]))
 
 
 @pytest.mark.slow
 def test_kunlun_forward_with_sharded_lookup():
-  _, model, (batch,) = _tiny(layers=1)
-  params = nn.meta.unbox(jax.jit(lambda k: model.init(k, batch, train=False))(jax.random.key(0))["params"])
+  _, model, (batch, _), params = _tiny()
   fwd = lambda p, b: model.apply({"params": p}, b, train=False)
   want = np.asarray(jax.jit(fwd)(params, batch))
 
@@ -53,16 +60,16 @@ def test_kunlun_sparse_embedding_update_equals_dense():
   input stage in tests/kunlun/train/test_step.py)."""
   from kunlun.train import checkpoint, optim, step
   from kunlun.train.sparse_update import make_sparse_update
-  cfg, model, batches = _tiny(n=2, layers=1)
-  cfg.train.warmup_steps = 0
+  cfg, model, batches, p0 = _tiny()
   tx = optim.make_optimizer(cfg.train, 10)
   mesh, rules = M.make_mesh({"data": 2, "fsdp": 4}), R.get_rules("fsdp")
-  # one sharded init of the params and optimizer state (compiled once), copied into both runs:
-  # the train step donates its inputs
-  p, p_sh = partition.init_sharded(model, jax.random.key(0), batches[0], mesh, rules)
+  # the shared init's params and one sharded init of the optimizer state, copied into both
+  # runs: the train step donates its inputs
+  p_sh = partition.param_shardings(model, jax.random.key(0), batches[0], mesh, rules)
+  p = jax.device_put(p0, p_sh)
   o_sh = optim.opt_state_shardings(tx, checkpoint.abstract_like(p), p_sh, mesh)
   o, b_sh = jax.jit(tx.init, out_shardings=o_sh)(p), partition.batch_sharding(mesh, rules)
-  p0, o0 = jax.tree.map(np.asarray, p), jax.tree.map(np.asarray, o)
+  o0 = jax.tree.map(np.asarray, o)
   out = {}
   for sparse in (False, True):
     p, o = jax.device_put(p0, p_sh), jax.device_put(o0, o_sh)

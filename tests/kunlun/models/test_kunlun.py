@@ -19,10 +19,6 @@ B = 16
 KEY = lambda s=0: jax.random.key(s, impl="unsafe_rbg")   # cheap to compile on CPU
 
 
-def init(model, batch, seed=0):
-  return nn.meta.unbox(jax.jit(model.init)(KEY(seed), batch, False))["params"]
-
-
 def init_with_rep(model, batch, seed=0):
   """Parameters and the ``representations`` output from one compiled init (saves a compile)."""
   rep, v = jax.jit(lambda k, b: model.init_with_output(k, b, method="representations"))(
@@ -137,11 +133,11 @@ def planted_batches(schema, lens, n=4, batch_size=64):
 
 
 @pytest.mark.slow
-def test_training_reduces_loss():
-  cfg, schema = tiny.get_config(), tiny_schema()
-  model = build_model(cfg, schema)
+def test_training_reduces_loss(setup):
+  """40 Adam steps (the loss is down to ~6% of its start; with the heads fed zeros it stays
+  at ~99%) from the shared init (same key: the parameters do not depend on the batch)."""
+  cfg, schema, model, _, params, _, _ = setup
   batches = planted_batches(schema, seq_lens(cfg))
-  params = init(model, batches[0])
   tx = optax.adam(3e-3)
   opt = tx.init(params)
 
@@ -152,7 +148,7 @@ def test_training_reduces_loss():
     return optax.apply_updates(params, upd), opt, loss
 
   losses = []
-  for i in range(200):
+  for i in range(40):
     params, opt, loss = step(params, opt, batches[i % len(batches)])
     losses.append(float(loss))
   start, end = np.mean(losses[:4]), np.mean(losses[-8:])

@@ -30,8 +30,8 @@ def test_adapter_learns_known_miscalibration(surface_dependent):
   rng = np.random.default_rng(0)
   z, s, age, y, teacher = _toy(rng, 20000, surface_dependent)
   mask = np.ones_like(y)
-  module, params = adapter.fit_adapter(teacher, s, age, y, mask, num_surfaces=3, steps=400,
-                                       lr=2e-2, batch_size=None, seed=0)
+  module, params = adapter.fit_adapter(teacher, s, age, y, mask, num_surfaces=3, steps=200,
+                                       lr=4e-2, batch_size=None, seed=0)
   zt, st, at, _, tt = _toy(np.random.default_rng(1), 5000, surface_dependent)
   p_true = _sigmoid(zt)
   err_before = np.abs(_sigmoid(tt) - p_true).mean()
