@@ -42,3 +42,123 @@ def run(cmd, *, timeout: float = LONG_TIMEOUT, check: bool = False, **kw):
     raise AssertionError(f"{' '.join(map(str, cmd))} failed ({p.returncode}):\n"
                          f"{p.stdout[-3000:]}\n{p.stderr[-5000:]}")
   return p
+
+
+def run_programs(cmds, *, env: dict, preload=(), parallel: int = 2, timeout: float = 300,
+                 cwd: str = ROOT) -> list:
+  """Runs each command line ``cmds[i]`` (what follows ``python``: a script path or ``-m module``,
+  then its arguments) as ``subprocess.run([sys.executable, *cmd], cwd=cwd, env=env,
+  capture_output=True, text=True)`` would, but forked from one interpreter (``python -m
+  tests.subproc``) that imported the modules ``preload`` once: the program's own file runs as
+  ``__main__`` with its argv, its stdout / stderr go to their own files and its exit status is
+  the interpreter's (``sys.exit`` code, 1 and the traceback for an uncaught exception, ``-signal``
+  when killed). Saves the 2-3 s of CPU that each interpreter spends importing jax. ``parallel``
+  children run at a time; one running past ``timeout`` seconds is killed (returncode
+  ``"timeout"``). Returns a ``subprocess.CompletedProcess`` per command, in order."""
+  import json
+  import subprocess
+  import sys
+  job = {"cmds": [list(map(str, c)) for c in cmds], "preload": list(preload),
+         "parallel": parallel, "timeout": timeout}
+  p = run([sys.executable, "-m", "tests.subproc"], input=json.dumps(job), cwd=cwd,
+          env=dict(env, PYTHONPATH=ROOT), check=True)
+  out = json.loads(p.stdout.splitlines()[-1])
+  return [subprocess.CompletedProcess([sys.executable, *c], r["returncode"], r["stdout"],
+                                      r["stderr"]) for c, r in zip(cmds, out, strict=True)]
+
+
+def _exit_status(e: SystemExit) -> int:
+  """The exit status the interpreter gives an uncaught ``SystemExit`` (printing a non-integer
+  code to stderr, as it does)."""
+  import sys
+  if e.code is None:
+    return 0
+  if isinstance(e.code, int):
+    return e.code & 0xff
+  print(e.code, file=sys.stderr)
+  return 1
+
+
+def _child(cmd, out_path: str, err_path: str) -> None:
+  """In a forked child: fds 0/1/2 to /dev/null and the two files, run ``cmd`` as ``__main__``,
+  exit as the interpreter would."""
+  import atexit
+  import runpy
+  import sys
+  import threading
+  for fd, path, mode in ((0, os.devnull, os.O_RDONLY), (1, out_path, os.O_WRONLY | os.O_CREAT),
+                         (2, err_path, os.O_WRONLY | os.O_CREAT)):
+    f = os.open(path, mode, 0o644)
+    os.dup2(f, fd)
+    os.close(f)
+  code = 0
+  try:
+    if cmd[0] == "-m":
+      sys.argv = ["-m", *cmd[2:]]
+      runpy.run_module(cmd[1], run_name="__main__", alter_sys=True)
+    else:
+      sys.argv = list(cmd)
+      runpy.run_path(cmd[0], run_name="__main__")
+  except SystemExit as e:
+    code = _exit_status(e)
+  except BaseException:          # noqa: BLE001  (what the interpreter does with it)
+    sys.excepthook(*sys.exc_info())
+    code = 1
+  try:
+    threading._shutdown()                 # the interpreter's exit: join non-daemon threads,
+    atexit._run_exitfuncs()               # then the atexit handlers
+  finally:
+    for s in (sys.stdout, sys.stderr):
+      try:
+        s.flush()
+      except Exception:  # noqa: BLE001, S110
+        pass
+    os._exit(code)
+
+
+def _serve() -> None:
+  """``python -m tests.subproc``: the other side of ``run_programs`` (a job as JSON on stdin,
+  the results as one JSON line on stdout)."""
+  import importlib
+  import json
+  import sys
+  import tempfile
+  import time
+  import warnings
+  job = json.load(sys.stdin)
+  for m in job["preload"]:
+    importlib.import_module(m)
+  # numpy's and pyarrow's thread pools are running: they handle fork (at-fork handlers)
+  warnings.filterwarnings("ignore", "This process .* is multi-threaded", DeprecationWarning)
+  cmds, tmp = job["cmds"], tempfile.mkdtemp(prefix="run-programs-")
+  todo, running, results = list(range(len(cmds))), {}, [None] * len(cmds)
+  while todo or running:
+    while todo and len(running) < job["parallel"]:
+      i = todo.pop(0)
+      paths = [os.path.join(tmp, f"{i}.{k}") for k in ("out", "err")]
+      sys.stdout.flush()
+      sys.stderr.flush()
+      pid = os.fork()
+      if pid == 0:
+        _child(cmds[i], *paths)
+      running[pid] = (i, time.monotonic(), paths)
+    pid, status = os.waitpid(-1, os.WNOHANG)
+    if pid == 0:
+      for pid, (i, t0, _) in running.items():
+        if time.monotonic() - t0 > job["timeout"]:
+          os.kill(pid, 9)
+          results[i] = "timeout"
+      time.sleep(0.01)
+      continue
+    i, _, paths = running.pop(pid)
+    out, err = (open(p, errors="replace").read() for p in paths)
+    rc = results[i] or os.waitstatus_to_exitcode(status)
+    results[i] = {"returncode": rc, "stdout": out, "stderr": err}
+    for p in paths:
+      os.remove(p)
+  os.rmdir(tmp)
+  print(json.dumps(results))
+
+
+if __name__ == "__main__":
+  _serve()
