@@ -19,8 +19,7 @@ from tests import fs_faults, subproc
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # imported once by the interpreter the cases are forked from (tests/subproc.run_programs)
-PRELOAD = ("numpy", "jax", "flax.linen", "optax", "orbax.checkpoint", "grain", "pyarrow",
-           "kunlun.train.loop", "kunlun.serving.score")
+PRELOAD = (*subproc.TRAIN_MODULES, "kunlun.serving.score")
 HOLD = ("import sys, time\n"
         "from kunlun.utils.lock import WorkdirLock\n"
         "WorkdirLock(sys.argv[1]).acquire()\n"
