@@ -1,4 +1,6 @@
-"""Helpers for tests that start JAX worker processes (gloo on CPU)."""
+"""Helpers for tests that start JAX worker processes (gloo on CPU) or run the command-line
+programs: ``run`` (one subprocess) and ``Programs`` (many, forked from one interpreter that
+imported jax once; ``python -m tests.subproc`` is that interpreter)."""
 
 import atexit
 import importlib
@@ -82,7 +84,8 @@ class Programs:
       return json.loads(line)
     except (OSError, ValueError):
       self._err.seek(0)
-      raise AssertionError(f"python -m tests.subproc failed:\n{self._err.read()[-5000:]}") from None
+      raise AssertionError(f"python -m tests.subproc failed:\n"
+                           f"{self._err.read()[-5000:]}") from None
 
   def run(self, cmds, *, env: dict | None = None, parallel: int = 2,
           timeout: float = LONG_TIMEOUT) -> list:
@@ -170,6 +173,11 @@ def _child(cmd, out_path: str, err_path: str) -> None:
     os._exit(code)
 
 
+def _read(path: str) -> str:
+  with open(path, errors="replace") as f:
+    return f.read()
+
+
 def _serve() -> None:
   """``python -m tests.subproc``: the other side of ``Programs``: JSON lines on stdin (first the
   modules to import, then one job per line), one JSON line answering each on stdout."""
@@ -206,7 +214,7 @@ def _serve() -> None:
         time.sleep(0.01)
         continue
       i, _, paths = running.pop(pid)
-      out, err = (open(p, errors="replace").read() for p in paths)
+      out, err = (_read(p) for p in paths)
       rc = results[i] or os.waitstatus_to_exitcode(status)
       results[i] = {"returncode": rc, "stdout": out, "stderr": err}
       for p in paths:
