@@ -118,13 +118,6 @@ class Programs:
     self.close()
 
 
-def run_programs(cmds, *, env: dict, preload=(), parallel: int = 2, timeout: float = 300,
-                 cwd: str = ROOT) -> list:
-  """``Programs(env, preload, cwd).run(cmds, ...)`` with one interpreter for these commands."""
-  with Programs(env, preload, cwd) as progs:
-    return progs.run(cmds, parallel=parallel, timeout=timeout)
-
-
 def _exit_status(e: SystemExit) -> int:
   """The exit status the interpreter gives an uncaught ``SystemExit`` (printing a non-integer
   code to stderr, as it does)."""

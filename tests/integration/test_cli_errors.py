@@ -18,7 +18,7 @@ import pytest
 from tests import fs_faults, subproc
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-# imported once by the interpreter the cases are forked from (tests/subproc.run_programs)
+# imported once by the interpreter the cases are forked from (tests/subproc.Programs)
 PRELOAD = (*subproc.TRAIN_MODULES, "kunlun.serving.score")
 HOLD = ("import sys, time\n"
         "from kunlun.utils.lock import WorkdirLock\n"
@@ -266,10 +266,15 @@ def _env():
   return env
 
 
-def _check_table(cases, paths):
-  # one interpreter imports jax & co. once; each case is the real program forked from it
-  results = subproc.run_programs([_cmd(c, paths, i) for i, c in enumerate(cases)], env=_env(),
-                                 preload=PRELOAD, timeout=300)
+@pytest.fixture(scope="module")
+def progs():
+  """One interpreter that imported jax & co. once; each case is the real program forked from it."""
+  with subproc.Programs(_env(), PRELOAD) as p:
+    yield p
+
+
+def _check_table(cases, paths, progs):
+  results = progs.run([_cmd(c, paths, i) for i, c in enumerate(cases)], timeout=300)
   failures = []
   for i, ((prog, args, want), p) in enumerate(zip(cases, results, strict=True)):
     out = p.stdout + p.stderr
@@ -283,8 +288,8 @@ def _check_table(cases, paths):
   assert not failures, "\n\n".join(failures)
 
 
-def test_bad_invocations_give_one_error_line(paths):
-  _check_table(CASES, paths)
+def test_bad_invocations_give_one_error_line(paths, progs):
+  _check_table(CASES, paths, progs)
 
 
 def test_show_config_lists_every_field_with_overrides(paths):
@@ -327,7 +332,7 @@ def fs_paths(paths, tmp_path_factory):
       c()
 
 
-def test_read_only_and_full_outputs_fail_before_work(fs_paths):
+def test_read_only_and_full_outputs_fail_before_work(fs_paths, progs):
   """A read-only workdir (train.py before writing anything; eval.py's default --out before it
   evaluates) and a full --out are one line naming the path and the OS reason."""
   cases = [
@@ -342,10 +347,10 @@ def test_read_only_and_full_outputs_fail_before_work(fs_paths):
   if fs_paths["full"]:
     cases.append(("eval.py", ["--workdir={ck}", "--out={full}/m.json"],
                   "--out={full}/m.json: cannot write in {full} (No space left on device)"))
-  _check_table(cases, fs_paths)
+  _check_table(cases, fs_paths, progs)
 
 
-def test_resume_with_a_changed_model_is_refused_before_writing(paths, tmp_path):
+def test_resume_with_a_changed_model_is_refused_before_writing(paths, progs, tmp_path):
   """A resume whose model flags differ from the recorded run stops in one line (issue 29, 11)
   and leaves run_info.json as it was (issue 29, 7: it was rewritten before the refusal, so
   eval.py then built the new model and called the intact checkpoint corrupt)."""
@@ -355,9 +360,8 @@ def test_resume_with_a_changed_model_is_refused_before_writing(paths, tmp_path):
   for wd in wds:
     shutil.copytree(paths["ck"], wd)
     before.append(open(os.path.join(wd, "run_info.json"), "rb").read())
-  runs = subproc.run_programs([["train.py", f"--workdir={wd}", f"--data_dir={paths['data']}", flag]
-                               for wd, flag in zip(wds, flags, strict=True)],
-                              env=_env(), preload=PRELOAD, timeout=600)
+  runs = progs.run([["train.py", f"--workdir={wd}", f"--data_dir={paths['data']}", flag]
+                    for wd, flag in zip(wds, flags, strict=True)], timeout=600)
   for wd, flag, old, p in zip(wds, flags, before, runs, strict=True):
     out = p.stdout + p.stderr
     errors = [x for x in out.splitlines() if "error:" in x.lower()]
