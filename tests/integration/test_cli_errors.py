@@ -6,7 +6,6 @@ that stops before any compilation (most before importing jax); two run at a time
 time out here) if a check were lost; so are a workdir held by another train.py, output paths
 that are directories, read-only or full, and a run_info.json with a bad config."""
 
-import concurrent.futures
 import json
 import os
 import pickle
@@ -16,9 +15,11 @@ import sys
 
 import pytest
 
-from tests import fs_faults
+from tests import fs_faults, subproc
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# imported once by the interpreter the cases are forked from (tests/subproc.Programs)
+PRELOAD = (*subproc.TRAIN_MODULES, "kunlun.serving.score")
 HOLD = ("import sys, time\n"
         "from kunlun.utils.lock import WorkdirLock\n"
         "WorkdirLock(sys.argv[1]).acquire()\n"
@@ -251,16 +252,10 @@ CASES = [
 ]
 
 
-def _run(case, paths, env, i=0):
+def _cmd(case, paths, i=0):
   prog, args, _ = case
   paths = dict(paths, wd=f"{paths['wd']}{i}")          # cases run in parallel: own workdirs
-  args = [a.format(**paths) for a in args]
-  cmd = [sys.executable, *(prog.split() if prog.startswith("-m") else [prog]), *args]
-  try:
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-  except subprocess.TimeoutExpired as e:     # e.g. a case that no longer fails and trains
-    out = (e.stdout or b"").decode(errors="replace") + (e.stderr or b"").decode(errors="replace")
-    return subprocess.CompletedProcess(cmd, "timeout", out, "")
+  return [*(prog.split() if prog.startswith("-m") else [prog]), *(a.format(**paths) for a in args)]
 
 
 def _env():
@@ -271,10 +266,15 @@ def _env():
   return env
 
 
-def _check_table(cases, paths):
-  env = _env()
-  with concurrent.futures.ThreadPoolExecutor(2) as pool:
-    results = list(pool.map(lambda ic: _run(ic[1], paths, env, ic[0]), enumerate(cases)))
+@pytest.fixture(scope="module")
+def progs():
+  """One interpreter that imported jax & co. once; each case is the real program forked from it."""
+  with subproc.Programs(_env(), PRELOAD) as p:
+    yield p
+
+
+def _check_table(cases, paths, progs):
+  results = progs.run([_cmd(c, paths, i) for i, c in enumerate(cases)], timeout=300)
   failures = []
   for i, ((prog, args, want), p) in enumerate(zip(cases, results, strict=True)):
     out = p.stdout + p.stderr
@@ -288,8 +288,8 @@ def _check_table(cases, paths):
   assert not failures, "\n\n".join(failures)
 
 
-def test_bad_invocations_give_one_error_line(paths):
-  _check_table(CASES, paths)
+def test_bad_invocations_give_one_error_line(paths, progs):
+  _check_table(CASES, paths, progs)
 
 
 def test_show_config_lists_every_field_with_overrides(paths):
@@ -332,7 +332,7 @@ def fs_paths(paths, tmp_path_factory):
       c()
 
 
-def test_read_only_and_full_outputs_fail_before_work(fs_paths):
+def test_read_only_and_full_outputs_fail_before_work(fs_paths, progs):
   """A read-only workdir (train.py before writing anything; eval.py's default --out before it
   evaluates) and a full --out are one line naming the path and the OS reason."""
   cases = [
@@ -347,25 +347,26 @@ def test_read_only_and_full_outputs_fail_before_work(fs_paths):
   if fs_paths["full"]:
     cases.append(("eval.py", ["--workdir={ck}", "--out={full}/m.json"],
                   "--out={full}/m.json: cannot write in {full} (No space left on device)"))
-  _check_table(cases, fs_paths)
+  _check_table(cases, fs_paths, progs)
 
 
-def test_resume_with_a_changed_model_is_refused_before_writing(paths, tmp_path):
+def test_resume_with_a_changed_model_is_refused_before_writing(paths, progs, tmp_path):
   """A resume whose model flags differ from the recorded run stops in one line (issue 29, 11)
   and leaves run_info.json as it was (issue 29, 7: it was rewritten before the refusal, so
   eval.py then built the new model and called the intact checkpoint corrupt)."""
-  env = _env()
-  for i, flag in enumerate(["--config.model.attention.kind=full", "--config.model.score_clip=0"]):
-    wd = str(tmp_path / f"wd{i}")
+  flags = ["--config.model.attention.kind=full", "--config.model.score_clip=0"]
+  wds = [str(tmp_path / f"wd{i}") for i in range(len(flags))]
+  before = []
+  for wd in wds:
     shutil.copytree(paths["ck"], wd)
-    before = open(os.path.join(wd, "run_info.json"), "rb").read()
-    p = subprocess.run([sys.executable, "train.py", f"--workdir={wd}",
-                        f"--data_dir={paths['data']}", flag], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=600)
+    before.append(open(os.path.join(wd, "run_info.json"), "rb").read())
+  runs = progs.run([["train.py", f"--workdir={wd}", f"--data_dir={paths['data']}", flag]
+                    for wd, flag in zip(wds, flags, strict=True)], timeout=600)
+  for wd, flag, old, p in zip(wds, flags, before, runs, strict=True):
     out = p.stdout + p.stderr
     errors = [x for x in out.splitlines() if "error:" in x.lower()]
     assert p.returncode == 2 and "Traceback" not in out and len(errors) == 1, out[-3000:]
     assert "resuming with a changed model" in errors[0], errors
     assert flag.split(".")[-1].split("=")[0] in errors[0], errors
     assert "--allow_config_change" in errors[0]
-    assert open(os.path.join(wd, "run_info.json"), "rb").read() == before
+    assert open(os.path.join(wd, "run_info.json"), "rb").read() == old

@@ -20,7 +20,6 @@ calls, nothing in the programs); ``bench/faults/run.py`` runs the long version (
 import json
 import os
 import shutil
-import sys
 
 import numpy as np
 import pytest
@@ -34,16 +33,13 @@ ARGS = [f"--steps={STEPS}", "--config.train.checkpoint_every=2", "--config.train
         "--config.data.num_threads=1", "--config.model.arch=dlrm"]
 
 
-def run(script, args, env, faults=None, check=True):
-  e = dict(env)
-  if faults:
-    e["KUNLUN_FAULTS"] = json.dumps(faults)
-  cmd = [sys.executable, os.path.join(ROOT, "bench", "faults", "hooks.py"), script, *args]
-  p = subproc.run(cmd, cwd=ROOT, env=e)        # generous limit; shows the child's last output
-  if check and p.returncode != 0:
-    raise AssertionError(f"{script} {args} failed ({p.returncode}):\n{p.stdout[-2000:]}\n"
-                         f"{p.stderr[-3000:]}")
-  return p
+def run(script, args, progs, faults=None, check=True):
+  """``python bench/faults/hooks.py script args`` with ``faults``, forked from the module's one
+  interpreter (tests/subproc.Programs: jax & co. imported once); generous limit, the child's
+  last output shown on failure."""
+  extra = {"KUNLUN_FAULTS": json.dumps(faults)} if faults else {}
+  return progs.run1([os.path.join(ROOT, "bench", "faults", "hooks.py"), script, *args],
+                    env=extra, check=check)
 
 
 def no_noise(p):
@@ -79,13 +75,14 @@ def env(tmp_path_factory):
            XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} "        # the suite's (tests/conftest.py)
                      "--xla_force_host_platform_device_count=1",
            KUNLUN_COMPILATION_CACHE=str(base / "xla_cache"))
-  return {"base": base, "data": data, "env": e}
+  with subproc.Programs(e, subproc.TRAIN_MODULES) as progs:
+    yield {"base": base, "data": data, "progs": progs}
 
 
 @pytest.fixture(scope="module")
 def baseline(env):
   wd = str(env["base"] / "baseline")
-  run("train.py", [f"--workdir={wd}", f"--data_dir={env['data']}", *ARGS], env["env"])
+  run("train.py", [f"--workdir={wd}", f"--data_dir={env['data']}", *ARGS], env["progs"])
   return wd
 
 
@@ -98,10 +95,10 @@ def test_damaged_checkpoint_eval_errors_and_train_falls_back(env, baseline):
         with open(os.path.join(root, f), "r+b") as fh:
           fh.truncate(10)
   for extra in ([], [f"--step={STEPS}"]):
-    err = one_line_error(run("eval.py", [f"--workdir={wd}", *extra], env["env"], check=False),
+    err = one_line_error(run("eval.py", [f"--workdir={wd}", *extra], env["progs"], check=False),
                          "eval.py")
     assert f"checkpoints/{STEPS} could not be restored" in err and "older steps: [2, 4]" in err
-  p = run("train.py", [f"--workdir={wd}", f"--data_dir={env['data']}", *ARGS], env["env"])
+  p = run("train.py", [f"--workdir={wd}", f"--data_dir={env['data']}", *ARGS], env["progs"])
   no_noise(p)
   assert "resumed from step 4" in p.stdout
   assert f"checkpoints/{STEPS} could not be restored" in p.stderr and "moved it to" in p.stderr
@@ -113,11 +110,11 @@ def test_damaged_checkpoint_eval_errors_and_train_falls_back(env, baseline):
 def test_sigkill_during_async_save_resumes_bitwise(env, baseline):
   wd = str(env["base"] / "killed")
   args = [f"--workdir={wd}", f"--data_dir={env['data']}", *ARGS]
-  p = run("train.py", args, env["env"], faults={"kill_after_save": 4}, check=False)
+  p = run("train.py", args, env["progs"], faults={"kill_after_save": 4}, check=False)
   assert p.returncode == -9
   assert 4 not in [int(d) for d in os.listdir(os.path.join(wd, "checkpoints")) if d.isdigit()
                    and os.path.exists(os.path.join(wd, "checkpoints", d, "commit_success.txt"))]
-  p = run("train.py", args, env["env"])
+  p = run("train.py", args, env["progs"])
   no_noise(p)
   assert "resumed from step 2" in p.stdout
   assert_same_params(baseline, wd)
@@ -132,7 +129,7 @@ def test_damaged_shard_skipped_counted_and_resumed_exactly(env):
   # the manifest's size still matches (flipped bytes): start-up passes, the damage is met later
   wd = str(env["base"] / "skip")
   args = [f"--data_dir={data}", *ARGS, "--config.data.skip_invalid=True"]
-  p = run("train.py", [f"--workdir={wd}", *args], env["env"])
+  p = run("train.py", [f"--workdir={wd}", *args], env["progs"])
   no_noise(p)
   assert "warning: skipping invalid record (1 so far" in p.stderr and "damaged chunk" in p.stderr
   logged = [json.loads(x) for x in open(os.path.join(wd, "metrics.jsonl"))]
@@ -144,13 +141,13 @@ def test_damaged_shard_skipped_counted_and_resumed_exactly(env):
   shutil.copytree(wd, wd2, ignore=shutil.ignore_patterns("tb", "metrics.jsonl"))
   for s in (4, 6):
     shutil.rmtree(os.path.join(wd2, "checkpoints", str(s)))
-  p = run("train.py", [f"--workdir={wd2}", *args], env["env"])
+  p = run("train.py", [f"--workdir={wd2}", *args], env["progs"])
   assert "resumed from step 2" in p.stdout
   assert_same_params(wd, wd2)
   assert iter_state(wd2, STEPS)["invalid"] == skipped
   # without skip_invalid: a one-line error naming the file and the damaged record range
   err = one_line_error(run("train.py", [f"--workdir={env['base'] / 'noskip'}",
-                                        f"--data_dir={data}", *ARGS], env["env"], check=False),
+                                        f"--data_dir={data}", *ARGS], env["progs"], check=False),
                        "train.py")
   assert f"{path}: record" in err and "damaged chunk" in err and "skip_invalid" in err
 
@@ -160,12 +157,12 @@ def test_data_error_mid_run_saves_first_and_resumes_exactly(env, baseline):
   error, and the rerun resumes from it and ends bitwise equal to the uninterrupted run."""
   wd = str(env["base"] / "data_error")
   args = [f"--workdir={wd}", f"--data_dir={env['data']}", *ARGS]
-  p = run("train.py", args, env["env"], faults={"data_error_at_step": 3}, check=False)
+  p = run("train.py", args, env["progs"], faults={"data_error_at_step": 3}, check=False)
   err = one_line_error(p, "train.py")
   assert "damaged chunk" in err and "skip_invalid" in err
   assert "saved checkpoint 3 before stopping" in p.stdout
   assert committed(wd) == [2, 3]
-  p = run("train.py", args, env["env"])
+  p = run("train.py", args, env["progs"])
   assert "resumed from step 3" in p.stdout
   assert_same_params(baseline, wd)
 
@@ -180,7 +177,7 @@ def test_sigkill_while_writing_predictions_leaves_no_partial_output(env, baselin
   pq.write_table(pa.table({"previous": [1, 2, 3]}), preds)
   before = open(preds, "rb").read()
   p = run("eval.py", [f"--workdir={baseline}", f"--out={out}", f"--predictions={preds}"],
-          env["env"], faults={"kill_in_write": "parquet"}, check=False)
+          env["progs"], faults={"kill_in_write": "parquet"}, check=False)
   assert p.returncode == -9, p.stderr[-2000:]
   assert open(preds, "rb").read() == before
   assert pq.read_table(preds).column("previous").to_pylist() == [1, 2, 3]
@@ -200,7 +197,7 @@ def test_full_disk_stops_in_one_line_keeping_the_newest_checkpoint(env, tmp_path
     p = run("train.py", [f"--workdir={wd}", f"--data_dir={env['data']}", "--steps=30",
                          "--config.train.checkpoint_every=1", "--config.train.keep_checkpoints=50",
                          "--config.train.log_every=1", "--config.data.num_threads=1",
-                         "--config.model.arch=dlrm"], env["env"], faults=faults, check=False)
+                         "--config.model.arch=dlrm"], env["progs"], faults=faults, check=False)
     err = one_line_error(p, "train.py")
     assert "disk full" in err and "No space left on device" in err, err
     left = os.listdir(os.path.join(wd, "checkpoints"))

@@ -37,11 +37,12 @@ def _env(devices, cache):
   return env
 
 
-def _run(script, args, cache, devices=1, check=True):
-  """The child's last output is shown on failure or if it runs past the (generous) limit: XLA
-  compiles slowly on a loaded machine, which must not fail a test."""
-  return subproc.run([sys.executable, os.path.join(ROOT, script), *args], cwd=ROOT,
-                     env=_env(devices, cache), check=check)
+def _run(script, args, env, devices=1, check=True):
+  """``python script args`` on ``devices`` CPU devices, forked from the module's interpreter for
+  that count (tests/subproc.Programs: jax & co. imported once). The child's last output is shown
+  on failure or if it runs past the (generous) limit: XLA compiles slowly on a loaded machine,
+  which must not fail a test."""
+  return env["programs"](devices).run1([os.path.join(ROOT, script), *args], check=check)
 
 
 def _losses(workdir):
@@ -69,7 +70,15 @@ def env(tmp_path_factory):
   base = tmp_path_factory.mktemp("e2e")
   data_dir = str(base / "data")
   synthetic.generate(data_dir, "tiny", seed=0)
-  return {"base": base, "data": data_dir, "cache": str(base / "xla_cache")}
+  cache, servers = str(base / "xla_cache"), {}
+
+  def programs(devices):            # started on first use, one per device count
+    if devices not in servers:
+      servers[devices] = subproc.Programs(_env(devices, cache), subproc.TRAIN_MODULES)
+    return servers[devices]
+  yield {"base": base, "data": data_dir, "cache": cache, "programs": programs}
+  for s in servers.values():
+    s.close()
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +86,7 @@ def trained(env):
   """300 tiny steps on one CPU device; returns the workdir."""
   wd = str(env["base"] / "w1")
   p = _run("train.py", [f"--workdir={wd}", f"--data_dir={env['data']}", f"--steps={STEPS}",
-                        *TRAIN_ARGS], env["cache"])
+                        *TRAIN_ARGS], env)
   assert "step 300/300" in p.stdout
   return wd
 
@@ -86,7 +95,7 @@ def trained(env):
 def eval_1dev(env, trained):
   out = str(env["base"] / "eval_1dev.json")
   p = _run("eval.py", [f"--workdir={trained}", f"--out={out}",
-                       f"--plots_dir={env['base'] / 'plots'}"], env["cache"])
+                       f"--plots_dir={env['base'] / 'plots'}"], env)
   return p, json.load(open(out))
 
 
@@ -110,7 +119,7 @@ def test_tiny_beats_base_rate_on_every_surface(eval_1dev, env):
 def test_checkpoint_evaluates_identically_on_another_mesh(env, trained, eval_1dev):
   out = str(env["base"] / "eval_8dev.json")
   _run("eval.py", [f"--workdir={trained}", f"--out={out}", "--mesh=data=2,fsdp=4"],
-       env["cache"], devices=8)
+       env, devices=8)
   a, b = eval_1dev[1], json.load(open(out))
   assert a["examples"] == b["examples"]
   for s in a["metrics"]:
@@ -124,17 +133,17 @@ def test_checkpoint_evaluates_identically_on_another_mesh(env, trained, eval_1de
 
 @pytest.mark.slow
 def test_sigterm_and_resume_reproduce_params_bitwise(env, trained):
-  # starts from a copy of the uninterrupted run's step-100 checkpoint (its first 100 steps are
-  # not trained a second time): resumes there, is stopped by SIGTERM past step 130, resumes again
+  # starts from a copy of the uninterrupted run's step-200 checkpoint (its first 200 steps are
+  # not trained a second time): resumes there, is stopped by SIGTERM past step 230, resumes again
   wd = str(env["base"] / "w2")
   shutil.copytree(trained, wd, ignore=shutil.ignore_patterns("tb", "train.lock"))
-  for step in (200, 300):
+  for step in (100, 300):
     shutil.rmtree(os.path.join(wd, "checkpoints", str(step)))
   with open(os.path.join(wd, "metrics.jsonl")) as f:
-    rows = [r for r in f if json.loads(r).get("step", 0) <= 100]
+    rows = [r for r in f if json.loads(r).get("step", 0) <= 200]
   with open(os.path.join(wd, "metrics.jsonl"), "w") as f:
     f.writelines(rows)
-  assert sorted(os.listdir(os.path.join(wd, "checkpoints"))) == ["100"]
+  assert sorted(os.listdir(os.path.join(wd, "checkpoints"))) == ["200"]
   cmd = [sys.executable, os.path.join(ROOT, "train.py"), f"--workdir={wd}",
          f"--data_dir={env['data']}", f"--steps={STEPS}", *TRAIN_ARGS]
   proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(1, env["cache"]), stdout=subprocess.PIPE,
@@ -142,7 +151,7 @@ def test_sigterm_and_resume_reproduce_params_bitwise(env, trained):
   jsonl = os.path.join(wd, "metrics.jsonl")
   deadline = time.time() + subproc.LONG_TIMEOUT
   while time.time() < deadline and proc.poll() is None:
-    if os.path.exists(jsonl) and len(open(jsonl).read().splitlines()) >= 130:
+    if os.path.exists(jsonl) and len(open(jsonl).read().splitlines()) >= 230:
       break
     time.sleep(0.05)
   assert proc.poll() is None, "training finished before it could be interrupted"
@@ -155,11 +164,11 @@ def test_sigterm_and_resume_reproduce_params_bitwise(env, trained):
     raise AssertionError(f"train.py did not stop after SIGTERM:\n{out[-3000:]}\n"
                          f"{err[-3000:]}") from None
   assert proc.returncode == 0, err[-3000:]
-  assert "resumed from step 100" in out and "received signal" in out
+  assert "resumed from step 200" in out and "received signal" in out
   steps = sorted(int(d) for d in os.listdir(os.path.join(wd, "checkpoints")) if d.isdigit())
   interrupted_at = steps[-1]
-  assert 130 <= interrupted_at < STEPS and interrupted_at % 100, steps
-  p = _run("train.py", cmd[2:], env["cache"])
+  assert 230 <= interrupted_at < STEPS and interrupted_at % 100, steps
+  p = _run("train.py", cmd[2:], env)
   assert f"resumed from step {interrupted_at}" in p.stdout
   a, b = _params(trained, STEPS), _params(wd, STEPS)
   leaves_a, leaves_b = jax_leaves(a), jax_leaves(b)
@@ -183,7 +192,7 @@ def mesh8(env):
   wd = str(env["base"] / "w8")
   p = _run("train.py", [f"--workdir={wd}", f"--data_dir={env['data']}", "--steps=20",
                         f"--config.train.schedule_steps={STEPS}", "--mesh=data=2,fsdp=4",
-                        "--profile_steps=3:5", *TRAIN_ARGS], env["cache"], devices=8)
+                        "--profile_steps=3:5", *TRAIN_ARGS], env, devices=8)
   assert "data=2 fsdp=4" in p.stdout
   return wd
 
@@ -211,18 +220,33 @@ def test_profile_trace_has_named_scopes(mesh8):
     assert scope in data, scope
 
 
-def test_bad_mesh_flags_fail_fast(env, tmp_path):
-  p = _run("train.py", [f"--workdir={tmp_path}", "--mesh=data=3,fsdp=1"], env["cache"], check=False)
+@pytest.fixture(scope="module")
+def fail_fast(env):
+  """The bad-flag runs of train.py / eval.py, each in an empty workdir of its own, two at a time:
+  {name: (workdir, run)}."""
+  flags = {"mesh3": ("train.py", "--mesh=data=3,fsdp=1"),
+           "pipeline": ("train.py", "--mesh=pipeline=2"),
+           "profile": ("train.py", "--profile_steps=5"), "eval": ("eval.py",)}
+  wds = {k: str(env["base"] / "fail_fast" / k) for k in flags}
+  for wd in wds.values():
+    os.makedirs(wd)
+  runs = env["programs"](1).run([[f[0], f"--workdir={wds[k]}", *f[1:]]
+                                 for k, f in flags.items()])
+  return {k: (wds[k], p) for k, p in zip(flags, runs, strict=True)}
+
+
+def test_bad_mesh_flags_fail_fast(fail_fast):
+  p = fail_fast["mesh3"][1]
   assert p.returncode == 2 and "--mesh=data=3,fsdp=1" in p.stderr and "3" in p.stderr
   assert "devices" in p.stderr
-  p = _run("train.py", [f"--workdir={tmp_path}", "--mesh=pipeline=2"], env["cache"], check=False)
+  p = fail_fast["pipeline"][1]
   assert p.returncode == 2 and "unknown mesh axis 'pipeline'" in p.stderr
-  p = _run("train.py", [f"--workdir={tmp_path}", "--profile_steps=5"], env["cache"], check=False)
+  p = fail_fast["profile"][1]
   assert p.returncode == 2 and "--profile_steps=5" in p.stderr
 
 
-def test_eval_without_checkpoints_fails_fast(env, tmp_path):
-  p = _run("eval.py", [f"--workdir={tmp_path}"], env["cache"], check=False)
+def test_eval_without_checkpoints_fails_fast(fail_fast):
+  tmp_path, p = fail_fast["eval"]
   assert p.returncode == 2 and "no checkpoint" in p.stderr and str(tmp_path) in p.stderr
 
 
@@ -233,7 +257,7 @@ def test_eval_on_corrupt_checkpoint_fails_with_a_clear_message(env, trained, tmp
   for root, _, files in os.walk(wd / "checkpoints" / str(STEPS) / "params"):
     for f in files:
       open(os.path.join(root, f), "wb").write(b"\x00corrupt")
-  p = _run("eval.py", [f"--workdir={wd}"], env["cache"], check=False)
+  p = _run("eval.py", [f"--workdir={wd}"], env, check=False)
   assert p.returncode == 2 and "corrupt" in p.stderr and str(STEPS) in p.stderr
 
 
@@ -245,7 +269,7 @@ def test_non_finite_steps_are_skipped_then_stop_without_checkpoint(env, tmp_path
   p = _run("train.py", [f"--workdir={wd}", f"--data_dir={env['data']}", "--steps=40",
                         "--config.train.lr=1e30", "--config.train.warmup_steps=1",
                         "--config.train.clip_norm=1e30", "--config.train.max_bad_steps=2"],
-           env["cache"], check=False)
+           env, check=False)
   assert p.returncode == 2, p.stderr[-2000:]
   assert "3 consecutive non-finite steps" in p.stderr and "max_bad_steps=2" in p.stderr
   assert p.stdout.count("update skipped") == 3

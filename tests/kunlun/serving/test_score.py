@@ -133,14 +133,14 @@ def test_naive_path_and_models_that_cannot_share():
   cfg, schema, model, batch, params = _setup(True, False)
   naive = score.make_scorer(model, shared=False)(params, batch)["logits"]
   shared = score.make_scorer(model)(params, batch)["logits"]
-  want = model.apply({"params": params}, score.expand(batch))
+  want = jax.jit(model.apply)({"params": params}, score.expand(batch))   # 4x less CPU than eager
   np.testing.assert_allclose(np.asarray(naive), np.asarray(want), rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(np.asarray(shared), np.asarray(want), rtol=1e-5, atol=1e-5)
   fm = loopfm.build_loopfm(cfg, schema, use_ctx=False, use_events=False)
   assert score.supports_sharing(model) and not score.supports_sharing(fm)
   got = score.make_scorer(fm)(params, batch)                   # same parameter tree as Kunlun
   np.testing.assert_allclose(np.asarray(got["logits"]),
-                             np.asarray(fm.apply({"params": params}, score.expand(batch))),
+                             np.asarray(jax.jit(fm.apply)({"params": params}, score.expand(batch))),
                              rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(np.asarray(got["prob"]), 1 / (1 + np.exp(-np.asarray(want))),
                              rtol=1e-5, atol=1e-6)

@@ -5,17 +5,15 @@ adds up; an interrupted process makes both recompute from the first shard not al
 
 import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
 from kunlun.transfer import export
+from tests import subproc
 from tests.kunlun.transfer.test_export import fm_workdir  # noqa: F401  (module fixture)
 from tests.subproc import free_port, worker_env
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 WORKER = """
 import os, sys
 os.environ["JAX_PLATFORMS"] = "cpu"
@@ -29,25 +27,23 @@ SPLITS = "eval,train"
 ARGS = ["--split", SPLITS, "--summaries", "--shard_batches", "1", "--mesh", "data=-1"]
 
 
-def _run_two(workdir, out):
-  """The CLI in two processes; returns their outputs."""
+def _run_two(progs, workdir, out):
+  """The CLI in two processes, forked together from ``progs`` (jax imported once); returns
+  their outputs."""
   port = free_port()
-  procs = [subprocess.Popen([sys.executable, "-c", WORKER, "--workdir", workdir, "--out", out,
-                             *ARGS, "--coordinator_address", f"127.0.0.1:{port}",
-                             "--num_processes", "2", "--process_id", str(i)],
-                            cwd=ROOT, env=worker_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True) for i in range(2)]
-  outs = []
-  for p in procs:
-    try:
-      outs.append(p.communicate(timeout=400)[0])
-    except subprocess.TimeoutExpired:
-      for q in procs:
-        q.kill()
-      raise
-  for p, o in zip(procs, outs, strict=True):
-    assert p.returncode == 0, o[-3000:]
-  return outs
+  runs = progs.run([["-c", WORKER, "--workdir", workdir, "--out", out, *ARGS,
+                     "--coordinator_address", f"127.0.0.1:{port}", "--num_processes", "2",
+                     "--process_id", str(i)] for i in range(2)], parallel=2, timeout=400)
+  for p in runs:
+    assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
+  return [p.stdout + p.stderr for p in runs]
+
+
+@pytest.fixture(scope="module")
+def progs():
+  """The interpreter the workers are forked from: jax and the export imported once."""
+  with subproc.Programs(worker_env(), ("jax", "kunlun.transfer.export")) as p:
+    yield p
 
 
 def _by_key(r: dict) -> dict:
@@ -58,12 +54,12 @@ def _by_key(r: dict) -> dict:
 
 
 @pytest.mark.slow
-def test_two_process_export_equals_single_process(fm_workdir, tmp_path):  # noqa: F811
+def test_two_process_export_equals_single_process(fm_workdir, progs, tmp_path):  # noqa: F811
   workdir = fm_workdir[0]
   ref_dir, out = str(tmp_path / "one"), str(tmp_path / "two")
   export.export(workdir, ref_dir, splits=tuple(SPLITS.split(",")), summaries=True,
                 shard_batches=1, mesh_flag="data=-1", log=lambda *_: None)
-  outs = _run_two(workdir, out)
+  outs = _run_two(progs, workdir, out)
   m = export.load_manifest(out)
   ref_m = export.load_manifest(ref_dir)
   assert m["process_count"] == 2 and m["step"] == ref_m["step"] == 7
@@ -114,7 +110,7 @@ def test_two_process_export_equals_single_process(fm_workdir, tmp_path):  # noqa
   json.dump(prog, open(p1, "w"))
   for e in lost:
     os.remove(os.path.join(out, e["file"]))
-  outs = _run_two(workdir, out)
+  outs = _run_two(progs, workdir, out)
   recomputed = [line for o in outs for line in o.splitlines() if "[export] process" in line]
   assert len(recomputed) == 2 and all("eval: shard 2/" in line for line in recomputed), outs
   after = export.read_records(out, None)
