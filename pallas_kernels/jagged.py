@@ -8,6 +8,7 @@ i32[N], pos i32[N])`` (pallas_kernels/README.md); ops ``jagged_gdpa_cross`` (PFF
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -223,6 +224,47 @@ def _kv_keep(kv_lengths, b, n_kv):
 # ----------------------------------------------------------------------------- GDPA
 
 
+_SCORES = {"hpqd": "hpqk", "hqd": "hpkq"}   # shared seeds: XLA scores all keys at once, keys first
+
+
+def _pair_scores(q, k, qs, scale, score_clip, acts):
+  """``z = clip(scale q.k)`` per pair in float32 (``[P, H, Tq, Tk]``) and ``act(z)``'s VJP."""
+  ss = _SCORES[qs]
+  z = jnp.einsum(f"{qs},hpkd->{ss}", q, k, preferred_element_type=_F32) * scale
+  return jax.vjp(lambda z: apply_per_head(clip_scores(z, score_clip), acts, head_axis=0), z)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _pair_gdpa(q, k, v, qs, scale, score_clip, acts):
+  """GDPA of each work-list pair, ``o[:, p] = act(clip(scale q.k[:, p])) v[:, p]`` in float32,
+  head-major (the matmuls' batch dimensions lead: no transposes of the pairs' tensors): ``q`` is
+  ``[H, P, Tq, D]`` (``qs`` "hpqd") or shared ``[H, Tq, D]`` ("hqd"), ``k, v [H, P, Tk, D]``.
+  The backward recomputes the scores (flash-attention style): its score-sized tensors are the
+  f32 scores and dp, then p and ds rounded to the operands' dtype for the three matmuls."""
+  p, _ = _pair_scores(q, k, qs, scale, score_clip, acts)
+  return jnp.einsum(f"{_SCORES[qs]},hpkd->hpqd", p.astype(v.dtype), v, preferred_element_type=_F32)
+
+
+def _pair_gdpa_fwd(q, k, v, qs, scale, score_clip, acts):
+  return _pair_gdpa(q, k, v, qs, scale, score_clip, acts), (q, k, v)
+
+
+def _pair_gdpa_bwd(qs, scale, score_clip, acts, res, do):
+  q, k, v = res
+  ss = _SCORES[qs]
+  p, act_vjp = _pair_scores(q, k, qs, scale, score_clip, acts)
+  do = do.astype(v.dtype)
+  dp = jnp.einsum(f"hpqd,hpkd->{ss}", do, v, preferred_element_type=_F32)
+  ds = (act_vjp(dp)[0] * scale).astype(k.dtype)
+  dq = jnp.einsum(f"{ss},hpkd->{qs}", ds, k, preferred_element_type=_F32)
+  dk = jnp.einsum(f"{ss},{qs}->hpkd", ds, q.astype(k.dtype), preferred_element_type=_F32)
+  dv = jnp.einsum(f"{ss},hpqd->hpkd", p.astype(v.dtype), do, preferred_element_type=_F32)
+  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+
+_pair_gdpa.defvjp(_pair_gdpa_fwd, _pair_gdpa_bwd)
+
+
 def jagged_gdpa_cross(q, k, v, jagged: Jagged, *, activation="fast_gelu", scale=None,
                       out_scale=1.0, kv_lengths=None, score_clip=None, tile=None):
   """PFFN's GDPA: each token's query attends to its own example's keys, ``o_n = out_scale *
@@ -245,13 +287,13 @@ def jagged_gdpa_cross(q, k, v, jagged: Jagged, *, activation="fast_gelu", scale=
   tile = work_tile(jagged) if tile is None else int(tile)
   t, b = tile_pairs(jagged, tile)
   bk = jnp.minimum(b, jagged.batch - 1)
-  keep = _kv_keep(kv_lengths, b, k.shape[1])[:, :, None, None]
-  vk = jnp.where(keep, v[bk], jnp.zeros((), v.dtype))                      # [P, n_kv, H, D]
-  s = jnp.einsum("pqhd,pkhd->phqk", _tiles(q, tile)[t], k[bk], preferred_element_type=_F32)
-  p = apply_per_head(clip_scores(s * scale, score_clip), acts, head_axis=1)
-  o = jnp.einsum("phqk,pkhd->pqhd", p.astype(v.dtype), vk, preferred_element_type=_F32)
-  o = (o * out_scale).astype(q.dtype).reshape((-1,) + q.shape[1:])          # [P * tile, H, D]
-  return _zero_padding(o[_token_rows(jagged, tile)], jagged)
+  keep = _kv_keep(kv_lengths, b, k.shape[1])[None, :, :, None]
+  heads = lambda x: jnp.moveaxis(x, -2, 0)                                 # [..., H, D] -> [H, ...]
+  vk = jnp.where(keep, heads(v)[:, bk], jnp.zeros((), v.dtype))            # [H, P, n_kv, D]
+  qt = jnp.moveaxis(_tiles(q, tile), 2, 0)[:, t]                           # [H, P, tile, D]
+  o = _pair_gdpa(qt, heads(k)[:, bk], vk, "hpqd", scale, score_clip, acts)
+  o = (o * out_scale).astype(q.dtype).reshape(H, -1, D)[:, _token_rows(jagged, tile)]
+  return _zero_padding(jnp.moveaxis(o, 0, 1), jagged)
 
 
 def jagged_gdpa_pool(q, k, v, jagged: Jagged, *, activation="fast_gelu", scale=None,
@@ -272,12 +314,11 @@ def jagged_gdpa_pool(q, k, v, jagged: Jagged, *, activation="fast_gelu", scale=N
   acts = per_head(activation, H)
   scale = D ** -0.5 if scale is None else scale
   tile, t, b, rows = _pair_rows(jagged, tile)
-  vt = jnp.where(rows[:, :, None, None], _tiles(v, tile)[t], jnp.zeros((), v.dtype))
-  s = jnp.einsum("shd,pkhd->phsk", q, _tiles(k, tile)[t].astype(q.dtype),
-                 preferred_element_type=_F32)                              # [P, H, S, tile]
-  p = apply_per_head(clip_scores(s * scale, score_clip), acts, head_axis=1)
-  o = jnp.einsum("phsk,pkhd->pshd", p.astype(v.dtype), vt, preferred_element_type=_F32)
-  o = jax.ops.segment_sum(o, b, B + 1, indices_are_sorted=True)[:B]
+  tiles = lambda x: jnp.moveaxis(_tiles(x, tile), 2, 0)[:, t]             # [H, P, tile, D]
+  vt = jnp.where(rows[None, :, :, None], tiles(v), jnp.zeros((), v.dtype))
+  o = _pair_gdpa(jnp.moveaxis(q, 1, 0), tiles(k), vt, "hqd", scale, score_clip, acts)
+  o = jnp.zeros((H, B + 1) + o.shape[2:], o.dtype).at[:, b].add(o, indices_are_sorted=True)
+  o = jnp.moveaxis(o[:, :B], 0, 2)                                          # [B, S, H, D]
   return (o * out_scale).astype(q.dtype)
 
 
