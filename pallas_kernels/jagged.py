@@ -325,71 +325,33 @@ def jagged_gdpa_pool(q, k, v, jagged: Jagged, *, activation="fast_gelu", scale=N
 # ----------------------------------------------------------------------------- self-attention
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _band_softmax(q, k, v, keep, scale):
-  """Masked softmax attention ``q [H, nb, c, D]`` against ``k, v [H, nb, w, D]`` with ``keep
-  bool[nb, c, w]``, ``[H, nb, c, D]`` in float32 (a row without a valid key gives 0). Flash-
-  attention style: the backward recomputes the probabilities from the saved log-sum-exp, so
-  the score-sized tensors are the f32 scores and dp, then p and ds in the operands' dtype."""
-  return _band_softmax_fwd(q, k, v, keep, scale)[0]
-
-
-def _band_scores(q, k, keep, scale):
-  s = jnp.einsum("hnqd,hnkd->hnqk", q, k, preferred_element_type=_F32)
-  return jnp.where(keep, s * scale, -jnp.inf)
-
-
-def _band_softmax_fwd(q, k, v, keep, scale):
-  s = _band_scores(q, k, keep, scale)
-  mx = jnp.max(s, axis=-1, keepdims=True)
-  mx = jnp.where(jnp.isfinite(mx), mx, 0.0)
-  e = jnp.exp(s - mx)
-  den = jnp.sum(e, axis=-1, keepdims=True)
-  p = e / jnp.where(den > 0, den, 1.0)
-  o = jnp.einsum("hnqk,hnkd->hnqd", p.astype(v.dtype), v, preferred_element_type=_F32)
-  lse = jnp.where(den > 0, mx + jnp.log(jnp.where(den > 0, den, 1.0)), jnp.inf)
-  return o, (q, k, v, keep, o, lse)
-
-
-def _band_softmax_bwd(scale, res, do):
-  q, k, v, keep, o, lse = res
-  p = jnp.exp(_band_scores(q, k, keep, scale) - lse)                      # 0 at masked keys
-  dov = do.astype(v.dtype)
-  dp = jnp.einsum("hnqd,hnkd->hnqk", dov, v, preferred_element_type=_F32)
-  ds = (p * (dp - jnp.sum(do * o, axis=-1, keepdims=True)) * scale).astype(k.dtype)
-  dq = jnp.einsum("hnqk,hnkd->hnqd", ds, k, preferred_element_type=_F32)
-  dk = jnp.einsum("hnqk,hnqd->hnkd", ds, q.astype(k.dtype), preferred_element_type=_F32)
-  dv = jnp.einsum("hnqk,hnqd->hnkd", p.astype(v.dtype), dov, preferred_element_type=_F32)
-  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
-
-
-_band_softmax.defvjp(_band_softmax_fwd, _band_softmax_bwd)
-
-
-def _banded_softmax(q, k, v, jagged: Jagged, window: int, scale):
-  """Softmax self-attention over token pairs of one example with ``|i - j| <= window`` (inside an
-  example positions and buffer indices differ by the same amount), ``O(N * 3c)``: chunks of ``c
-  = max(window, BAND_MIN)`` queries against the previous, own and next key chunk of the buffer
-  (window 8: 24 keys a query, where the padded reference's 16-row chunks take 48), head-major,
-  the three score blocks under one softmax (no concatenated copies of the keys and values)."""
+def _banded(q, k, v, jagged: Jagged, window: int, probs):
+  """Self-attention over token pairs of one example with ``|i - j| <= window`` (inside an example
+  positions and buffer indices differ by the same amount), ``O(N * 3c)``: chunks of ``c =
+  max(window, BAND_MIN)`` queries against the ``3c`` buffer rows around them (window 8: 24 keys
+  a query, where the padded reference's 16-row chunks take 48).
+  ``probs(q [nb, c, H, D], k, v [nb, 3c, H, D], keep [nb, c, 3c])``."""
   N, H, D = q.shape
   B, c = jagged.batch, max(int(window), BAND_MIN)
   nb = -(-N // c)
-  scale = D ** -0.5 if scale is None else scale
 
-  def chunks(x, fill=0):          # [N, ...] -> [nb + 2 chunks of c] (one before, one after)
-    pad = ((c, (nb + 1) * c - N),) + ((0, 0),) * (x.ndim - 1)
-    return jnp.pad(x, pad, constant_values=fill).reshape((-1, c) + x.shape[1:])
+  def rows(x, fill, lo, hi):      # x padded to [lo + N + hi] and cut into chunks of c
+    x = jnp.concatenate([jnp.full((lo,) + x.shape[1:], fill, x.dtype), x,
+                         jnp.full((hi,) + x.shape[1:], fill, x.dtype)])
+    return x.reshape((-1, c) + x.shape[1:])
 
-  three = lambda x: jnp.concatenate([x[:, :-2], x[:, 1:-1], x[:, 2:]], axis=2)   # chunks n-1..n+1
-  heads = lambda x: jnp.moveaxis(chunks(_zero_padding(x, jagged)), 2, 0)   # [H, nb + 2, c, D]
-  sq, sk = chunks(jagged.seg, B)[1:-1], three(chunks(jagged.seg, B)[None])[0]
+  def three(x, fill):             # buffer rows [(n - 1) c, (n + 2) c) of chunk n: [nb, 3c, ...]
+    x = rows(x, fill, c, (nb + 1) * c - N)
+    return jnp.concatenate([x[:-2], x[1:-1], x[2:]], axis=1)
+
   qi = jnp.arange(nb * c).reshape(nb, c)
   kj = (jnp.arange(nb)[:, None] - 1) * c + jnp.arange(3 * c)[None, :]
+  sq, sk = rows(jagged.seg, B, 0, nb * c - N), three(jagged.seg, B)
   keep = ((sq[:, :, None] == sk[:, None, :]) & (sq[:, :, None] < B)
           & (jnp.abs(qi[:, :, None] - kj[:, None, :]) <= window))
-  o = _band_softmax(heads(q)[:, 1:-1], three(heads(k)), three(heads(v)), keep, scale)
-  return jnp.moveaxis(o.astype(q.dtype), 0, 2).reshape(nb * c, H, D)[:N]
+  qb = rows(_zero_padding(q, jagged), 0, 0, nb * c - N)
+  kb, vb = (three(_zero_padding(x, jagged), 0) for x in (k, v))
+  return probs(qb, kb, vb, keep).reshape(nb * c, H, D)[:N]
 
 
 def block_table(jagged: Jagged, block_size: int):
@@ -450,4 +412,5 @@ def jagged_softmax_attention(q, k, v, jagged: Jagged, *, window=None, scale=None
     mask = (seg[:, None] == seg[None, :]) & jagged.valid[:, None]
     q, k, v = (_zero_padding(x, jagged) for x in (q, k, v))
     return masked_softmax_attention(q, k, v, mask, scale)
-  return _banded_softmax(q, k, v, jagged, int(window), scale)
+  probs = lambda qb, kb, vb, keep: masked_softmax_attention(qb, kb, vb, keep, scale)
+  return _banded(q, k, v, jagged, int(window), probs)
