@@ -273,11 +273,11 @@ def test_gradients_match_the_padded_reference(name):
 
 
 @pytest.mark.parametrize("name", ["cross", "pool", "softmax_w17", "softmax_w3", "softmax_w8"])
-def test_hand_written_backwards_on_every_lengths_case(name):
-  """The twins' custom VJPs (the GDPA pair core, the banded softmax) against autodiff of the
-  dense masked padded reference on every lengths case: tile multiples + 1 with an empty history,
-  one example filling the capacity, overflow, every history empty. The descriptor is traced
-  (one compile per op)."""
+def test_gradients_on_every_lengths_case(name):
+  """The twins' gradients (the GDPA pair core's custom VJP, autodiff of the banded softmax)
+  against autodiff of the dense masked padded reference on every lengths case: tile multiples +
+  1 with an empty history, one example filling the capacity, overflow, every history empty. The
+  descriptor is traced (one compile per op)."""
   fn, padded, _ = OPS[name]
   kk, vv, sd = _example_kv(seed=4)
   pool = name.startswith("pool")
