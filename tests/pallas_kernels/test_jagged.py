@@ -272,6 +272,50 @@ def test_gradients_match_the_padded_reference(name):
     np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-6, err_msg=f"d{what}")
 
 
+@pytest.mark.parametrize("name", ["cross", "pool", "softmax_w17", "softmax_w3", "softmax_w8"])
+def test_gradients_on_every_lengths_case(name):
+  """The twins' gradients (the GDPA pair core's custom VJP, autodiff of the banded softmax)
+  against autodiff of the dense masked padded reference on every lengths case: tile multiples +
+  1 with an empty history, one example filling the capacity, overflow, every history empty. The
+  descriptor is traced (one compile per op)."""
+  fn, padded, _ = OPS[name]
+  kk, vv, sd = _example_kv(seed=4)
+  pool = name.startswith("pool")
+
+  def grads(jag, w, *args):
+    unpack = lambda x: jagged.unpack(x, jag, T)
+    w = w if pool else jnp.where(jag.valid[:, None, None], w, 0.0)
+    wp = w if pool else unpack(w)
+    g_jag = jax.grad(lambda *a: jnp.sum(fn(*a[:3], jag, *a[3:]) * w), argnums=range(6))(*args)
+    g_pad = jax.grad(lambda q, k, v, *a: jnp.sum(
+        padded(unpack(q), unpack(k), unpack(v), jag.lengths, *a) * wp), argnums=range(6))(*args)
+    return g_jag, g_pad
+
+  grads = jax.jit(grads)
+  for case in LENGTHS:
+    (q, k, v), jag, _ = _packed(case, seed=2)
+    w = jax.random.normal(jax.random.key(7), jax.eval_shape(fn, q, k, v, jag, kk, vv, sd).shape)
+    g_jag, g_pad = grads(jag, w, q, k, v, kk, vv, sd)
+    for what, g, r in zip(["q", "k", "v", "k_ex", "v_ex", "seeds"], g_jag, g_pad, strict=True):
+      np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-6, err_msg=f"{case} d{what}")
+
+
+@pytest.mark.parametrize("name", ["cross", "pool", "softmax_w17"])
+def test_bfloat16_operands_against_numpy(name):
+  """bfloat16 operands (the mixed-precision path: the twins' matmuls take them as they are,
+  accumulate in float32, round p to bfloat16 before p.v) against the float64 loop on the same
+  rounded inputs, within bfloat16's resolution."""
+  fn, _, oracle = OPS[name]
+  (q, k, v), jag, _ = _packed("ragged")
+  bf = lambda x: x.astype(jnp.bfloat16)
+  args = [bf(x) for x in (q, k, v, *_example_kv())]
+  out = jax.jit(fn)(*args[:3], jag, *args[3:])
+  assert out.dtype == jnp.bfloat16
+  want = oracle(*(np.asarray(x, np.float64) for x in args[:3]), np.asarray(jag.offsets),
+                *(np.asarray(x, np.float64) for x in args[3:]))
+  np.testing.assert_allclose(np.asarray(out, np.float64), want, rtol=2e-2, atol=2e-2)
+
+
 # ----------------------------------------------------------------------------- Pallas
 
 
