@@ -279,9 +279,9 @@ def main(argv=None):
   q = args.quick
   args.num_examples = args.num_examples or (2000 if q else 20000)
   args.fm_examples = args.fm_examples or (4000 if q else 80000)
-  args.fm_steps = args.fm_steps or (100 if q else 2500)
-  args.vm_steps = args.vm_steps or (100 if q else 1000)
-  args.adapter_steps = args.adapter_steps or (100 if q else 300)
+  args.fm_steps = args.fm_steps or (10 if q else 2500)       # quick: every stage runs, briefly
+  args.vm_steps = args.vm_steps or (10 if q else 1000)
+  args.adapter_steps = args.adapter_steps or (20 if q else 300)
   out = run(args)
   path = output.result_path("transfer", q, args.out)
   output.write_json(path, out)

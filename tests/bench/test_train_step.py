@@ -1,7 +1,12 @@
 """bench/train_step.py --small runs the real train step on CPU and writes a complete JSON; the HLO
 counters and the scope grouping; bench/collectives.py's HLO accounting on a hand-written module."""
 
+import contextlib
+import io
 import json
+import shutil
+
+import pytest
 
 from bench import collectives, train_step
 from bench.profiling import hlo_stats, roofline
@@ -11,10 +16,21 @@ from kunlun.configs import types as model_config
 from kunlun.models.flops import batch_flops
 
 
-def test_small_run_writes_json_with_counts_memory_and_scopes(tmp_path, capsys):
-  res = train_step.main(["--small", "--layers", "1", "--profile", "--profile_steps", "1",
-                         "--steps", "2", "--out_dir", str(tmp_path)])
-  (path,) = tmp_path.glob("train_step_tiny_xla_b16_L1_small.json")
+@pytest.fixture(scope="module")
+def small_run(tmp_path_factory):
+  """One ``--small --layers 1`` run (padded; 2 timed steps, 1 profiled) shared by the tests
+  below: its result, its JSON and what it printed."""
+  out_dir = tmp_path_factory.mktemp("small_run")
+  printed = io.StringIO()
+  with contextlib.redirect_stdout(printed):
+    res = train_step.main(["--small", "--layers", "1", "--profile", "--profile_steps", "1",
+                           "--steps", "2", "--out_dir", str(out_dir)])
+  (path,) = out_dir.glob("train_step_tiny_xla_b16_L1_small.json")
+  return res, path, printed.getvalue()
+
+
+def test_small_run_writes_json_with_counts_memory_and_scopes(small_run):
+  res, path, out = small_run
   saved = json.loads(path.read_text())
   assert saved["name"] == res["name"] and saved["versions"]["jax"] and saved["platform"] == "cpu"
   assert saved["last_step_ok"] and saved["step_ms"] > 0 and saved["examples_per_s"] > 0
@@ -36,7 +52,6 @@ def test_small_run_writes_json_with_counts_memory_and_scopes(tmp_path, capsys):
   prof = saved["profile"]
   assert prof["launches_per_step"] > 100 and prof["device_ms_per_step"] > 0
   assert {"GDPA", "optimizer", "embeddings"} <= set(prof["by_group_ms"])
-  out = capsys.readouterr().out
   assert "tiny_xla_b16_L1_small" in out and "device ms/step by scope" in out
   assert "CPU compile standing in for the GPU" in out
 
@@ -341,15 +356,17 @@ def test_roofline_counts_sliced_operands_and_in_place_updates():
   assert (costs["u"]["bytes_in"], costs["u"]["bytes_out"]) == (40 + 4, 40)
 
 
-def test_packed_and_padded_runs_report_the_same_layout_fields(tmp_path, capsys):
+def test_packed_and_padded_runs_report_the_same_layout_fields(tmp_path, capsys, small_run):
   """``--jagged``: the synthetic batch packed at given capacities (below the batch's events: the
   oldest events of the longest histories dropped, the buffers exactly full) takes the packed
   path; padded and packed JSONs carry the same fields, checked against the batch's lengths
-  (``data.jagged.fit_lengths``, independent of the bench), and the table prints the pair."""
+  (``data.jagged.fit_lengths``, independent of the bench), and the table prints the pair. The
+  padded run is ``small_run``'s (the same program; its layout fields come before the steps)."""
   cap = {"click": 256, "impression": 320}
   base = ["--small", "--layers", "1", "--compile_only", "--out_dir", str(tmp_path)]
   packed = train_step.main(base + ["--jagged", ",".join(f"{s}={n}" for s, n in cap.items())])
-  padded = train_step.main(base)
+  padded, padded_path, _ = small_run
+  shutil.copy(padded_path, tmp_path)
   assert packed["name"] == "tiny_xla_b16_L1_packed_small" and packed["layout"] == "packed"
   assert padded["name"] == "tiny_xla_b16_L1_small" and padded["layout"] == "padded"
   saved = json.loads((tmp_path / "train_step_tiny_xla_b16_L1_packed_small.json").read_text())

@@ -2,12 +2,14 @@
 to end; bench/experiments/ladder.py: the examples rule, bootstrap fits and compute multiples against
 known answers, held-out LR choice, the Bayes gap, and a --quick ladder with --resume."""
 
+import contextlib
 import itertools
 import json
 import math
 import os
 import sys
 
+import jax
 import numpy as np
 import pytest
 
@@ -222,35 +224,46 @@ def test_ladder_summary_report_and_plot(tmp_path):
   assert (tmp_path / "p.png").stat().st_size > 1000
 
 
-def test_ladder_dry_run_plan(tmp_path):
+def _cli_error(capfd, argv) -> str:
+  """``ladder.main(argv)`` in this interpreter, expected to exit with an error: what the command
+  line would print on stderr (anything written to it, then the SystemExit message)."""
+  capfd.readouterr()
+  with _process_state_kept(), pytest.raises(SystemExit) as e:
+    L.main(argv)
+  assert isinstance(e.value.code, str), e.value.code          # a message: exit status 1
+  return capfd.readouterr().err + e.value.code + "\n"
+
+
+def test_ladder_dry_run_plan(tmp_path, capfd):
   """The full plan: 5 sizes over >= 30x Kunlun FLOPs per example, 3 seeds, a budget in hours;
-  nothing is written. An out_dir that cannot be created is a one-line error."""
-  r = subproc.run([sys.executable, LADDER, "--dry_run", "--out_dir", str(tmp_path / "o")],
-                  check=True, env=ENV, cwd=ROOT)
+  nothing is written. An out_dir that cannot be created is a one-line error. (Both in this
+  interpreter: ``test_ladder_quick_resume`` starts the script as a command.)"""
+  L.main(["--dry_run", "--out_dir", str(tmp_path / "o")])
+  stdout = capfd.readouterr().out
   assert not (tmp_path / "o").exists()
-  assert "seeds [0, 1, 2]" in r.stdout
-  span = float(r.stdout.split("FLOPs per example span ")[1].split("x")[0])
-  hours = float(r.stdout.split("estimated total ")[1].split(" h")[0])
+  assert "seeds [0, 1, 2]" in stdout
+  span = float(stdout.split("FLOPs per example span ")[1].split("x")[0])
+  hours = float(stdout.split("estimated total ")[1].split(" h")[0])
   assert span >= 30 and 0 < hours < 24
-  rows = [line.split() for line in r.stdout.splitlines() if line[:4].strip().isdigit()]
+  rows = [line.split() for line in stdout.splitlines() if line[:4].strip().isdigit()]
   assert [int(x[0]) for x in rows] == list(range(5))
   ex = [int(x[2]) for x in rows]
   assert ex == sorted(ex) and ex[-1] >= 5 * ex[0]
   (tmp_path / "f").write_text("")
-  r = subproc.run([sys.executable, LADDER, "--quick", "--out_dir", str(tmp_path / "f" / "o")],
-                  check=False, env=ENV, cwd=ROOT)
-  assert r.returncode != 0 and r.stderr.strip().count("\n") == 0 and "cannot create" in r.stderr
+  stderr = _cli_error(capfd, ["--quick", "--out_dir", str(tmp_path / "f" / "o")])
+  assert stderr.strip().count("\n") == 0 and "cannot create" in stderr
 
 
-def test_ladder_quick_resume(tmp_path):
+def test_ladder_quick_resume(tmp_path, capfd):
   """--quick (2 sizes, 2 seeds, a few hundred examples; DLRM only, the cheapest to compile):
   one JSON per run, the LR of seed 1 chosen on the held-out split, a second invocation with
   --resume trains nothing (a killed writer's temporary file is no finished run), and without
-  --resume a used out_dir is refused in one line."""
+  --resume a used out_dir is refused in one line. The first invocation is the command; the
+  other two run in this interpreter (nothing to compile: an interpreter's start-up saved each)."""
   out, work = tmp_path / "out", tmp_path / "work"
-  cmd = [sys.executable, LADDER, "--quick", "--archs", "dlrm", "--bootstrap", "20",
-         "--out_dir", str(out), "--workdir", str(work)]
-  r = subproc.run(cmd, check=True, env=ENV, cwd=ROOT)
+  argv = ["--quick", "--archs", "dlrm", "--bootstrap", "20", "--out_dir", str(out),
+          "--workdir", str(work)]
+  r = subproc.run([sys.executable, LADDER, *argv], check=True, env=ENV, cwd=ROOT)
   assert "estimated total" in r.stdout and r.stdout.count("] run ") == 6
   plan = json.loads((out / "plan.json").read_text())
   f = np.asarray(plan["kunlun_flops"])
@@ -276,11 +289,30 @@ def test_ladder_quick_resume(tmp_path):
   mtimes = {p.name: p.stat().st_mtime_ns for p in (out / "runs").glob("*.json")}
   # a run killed while writing leaves at most its hidden temporary file: not a finished run
   (out / "runs" / f".{files[0]}.tmp-999").write_text('{"arch": "dl')
-  r = subproc.run(cmd + ["--resume"], check=True, env=ENV, cwd=ROOT)
-  assert "] run " not in r.stdout and "generating" not in r.stdout          # nothing trained
+  capfd.readouterr()
+  with _process_state_kept():
+    L.main(argv + ["--resume"])
+  stdout = capfd.readouterr().out
+  assert "] run " not in stdout and "generating" not in stdout          # nothing trained
   assert {p.name: p.stat().st_mtime_ns for p in (out / "runs").glob("*.json")} == mtimes
-  r = subproc.run(cmd, check=False, env=ENV, cwd=ROOT)
-  assert r.returncode != 0 and "pass --resume" in r.stderr and r.stderr.strip().count("\n") == 0
+  stderr = _cli_error(capfd, argv)
+  assert "pass --resume" in stderr and stderr.strip().count("\n") == 0
+
+
+@contextlib.contextmanager
+def _process_state_kept():
+  """A ladder run in this interpreter points JAX's persistent compilation cache at its workdir
+  and sets ``scaling.EVAL_EXAMPLES``: both are put back afterwards (the next tests on this
+  worker keep the suite's cache)."""
+  keys = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")
+  saved = {k: getattr(jax.config, k) for k in keys}
+  eval_examples = S.EVAL_EXAMPLES
+  try:
+    yield
+  finally:
+    for k, v in saved.items():
+      jax.config.update(k, v)
+    S.EVAL_EXAMPLES = eval_examples
 
 
 def runs_lr(runs, size):

@@ -78,12 +78,16 @@ def test_unknown_target_is_one_line():
   assert "--target 'h300'" in str(e.value)
 
 
-_SWITCH = """
+# One GPU-venv interpreter for the two checks below (the Pallas switch under a GPU mesh; the
+# scatter's bytes): each prints one JSON line. The XLA flags are set before the first backend
+# starts (the switch only traces; the scatter compiles for the H200).
+_SWITCH_AND_SCATTER = """
 import json
 import jax
 import jax.numpy as jnp
-from bench.profiling import gpu_target
+from bench.profiling import gpu_target, roofline
 from pallas_kernels import api
+gpu_target.set_flags()
 seen = []
 
 def f(x):
@@ -96,49 +100,45 @@ with jax.set_mesh(gpu_target.gpu_mesh("h200")):
   jax.jit(f).trace(x)
 jax.jit(f).trace(x)
 print(json.dumps(seen))
-"""
 
-
-@pytest.mark.skipif(not os.path.exists(GPU_PY),
-                    reason=f"no {GPU_PY}: {gpu_target.INSTALL} makes it")
-def test_pallas_compiles_real_kernels_for_a_gpu_mesh_on_a_cpu_host():
-  """Under ``jax.set_mesh`` of the H200 target's devices the Pallas switch sees a GPU (no
-  interpret mode) and ``auto`` selects for the H200; without the mesh this CPU host interprets."""
-  p = subprocess.run([GPU_PY, "-c", _SWITCH], cwd=ROOT, capture_output=True, text=True,
-                     env={**os.environ, "JAX_PLATFORMS": "cpu"})
-  assert p.returncode == 0, p.stderr[-2000:]
-  under_mesh, plain = json.loads(p.stdout.strip().splitlines()[-1])
-  assert under_mesh == {"platform": "gpu", "interpret": False, "auto": "pallas"}
-  assert plain == {"platform": "cpu", "interpret": True, "auto": "xla"}
-
-
-_SCATTER = """
-import json
-import jax
-import jax.numpy as jnp
-from bench.profiling import gpu_target, roofline
 R, D, N = 10000, 8, 16
 
-def f(table, acc, ids, g):
-  return table.at[ids].add(-0.1 * g), acc.at[ids].add(jnp.sum(g * g, -1))
+def g(table, acc, ids, u):
+  return table.at[ids].add(-0.1 * u), acc.at[ids].add(jnp.sum(u * u, -1))
 
-gpu_target.set_flags()
 args = (jnp.zeros((R, D)), jnp.zeros((R,)), jnp.zeros((N,), jnp.int32), jnp.zeros((N, D)))
-c = gpu_target.compile_for(jax.jit(f, donate_argnums=(0, 1)), args, gpu_target.gpu_mesh("h200"))
+c = gpu_target.compile_for(jax.jit(g, donate_argnums=(0, 1)), args, gpu_target.gpu_mesh("h200"))
 print(json.dumps([x for x in roofline.op_costs(c.as_text()) if "scatter" in x["op_name"]]))
 """
 
 
+@pytest.fixture(scope="module")
+def switch_and_scatter():
+  """The two JSON lines of ``_SWITCH_AND_SCATTER`` run by the GPU venv."""
+  p = subprocess.run([GPU_PY, "-c", _SWITCH_AND_SCATTER], cwd=ROOT, capture_output=True,
+                     text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  assert p.returncode == 0, p.stderr[-2000:]
+  switch, scatter = p.stdout.strip().splitlines()[-2:]
+  return json.loads(switch), json.loads(scatter)
+
+
 @pytest.mark.skipif(not os.path.exists(GPU_PY),
                     reason=f"no {GPU_PY}: {gpu_target.INSTALL} makes it")
-def test_h200_scatter_into_a_donated_table_is_charged_its_rows():
+def test_pallas_compiles_real_kernels_for_a_gpu_mesh_on_a_cpu_host(switch_and_scatter):
+  """Under ``jax.set_mesh`` of the H200 target's devices the Pallas switch sees a GPU (no
+  interpret mode) and ``auto`` selects for the H200; without the mesh this CPU host interprets."""
+  under_mesh, plain = switch_and_scatter[0]
+  assert under_mesh == {"platform": "gpu", "interpret": False, "auto": "pallas"}
+  assert plain == {"platform": "cpu", "interpret": True, "auto": "xla"}
+
+
+@pytest.mark.skipif(not os.path.exists(GPU_PY),
+                    reason=f"no {GPU_PY}: {gpu_target.INSTALL} makes it")
+def test_h200_scatter_into_a_donated_table_is_charged_its_rows(switch_and_scatter):
   """XLA:GPU fuses each scatter-add with its updates' computation (scaling g; g * g summed per
   row): each fusion reads the indices and all of g, and reads + writes the rows it touches; the
   10^4-row tables do not appear."""
-  p = subprocess.run([GPU_PY, "-c", _SCATTER], cwd=ROOT, capture_output=True, text=True,
-                     env={**os.environ, "JAX_PLATFORMS": "cpu"})
-  assert p.returncode == 0, p.stderr[-2000:]
-  sc = json.loads(p.stdout.strip().splitlines()[-1])
+  sc = switch_and_scatter[1]
   N, D = 16, 8
   ids, g = N * 4, N * D * 4
   assert sorted((c["bytes_in"], c["bytes_out"]) for c in sc) == sorted(
