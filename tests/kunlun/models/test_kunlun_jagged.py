@@ -131,7 +131,7 @@ def test_unsupported_combinations_are_one_line_errors():
     cfg, schema = tiny.get_config(), tiny_schema()
     cfg.model[field] = value
     m = build_model(cfg, schema)
-    _first_line_error(lambda: jax.eval_shape(m.init, KEY, jb, False), *words)
+    _first_line_error(lambda m=m: jax.eval_shape(m.init, KEY, jb, False), *words)
   cfg = tiny.get_config()
   cfg.model.attention.activation = "fast_gelu"          # swa with a GDPA activation: no jagged op
   m = build_model(cfg, tiny_schema())
