@@ -51,7 +51,7 @@ def run_main(prog: str, fn, *args):
 def lost_peer_message(e: BaseException) -> str:
   """One line for a collective / coordination failure of a multi-process run (usually another
   process died): this process, the first line of the runtime's message, what to do."""
-  import jax                                   # the jax-free start-up path: jax only here
+  import jax  # the jax-free start-up path: jax only here
   first = next((x.strip() for x in str(e).splitlines() if x.strip()), type(e).__name__)
   return (f"process {jax.process_index()} of {jax.process_count()}: a collective failed, most "
           f"likely another process died or lost its connection ({first[:300]}); check the other "
