@@ -142,7 +142,6 @@ def run(args) -> dict:
     _log(f"generating tiny data: {args.num_examples} train examples into {data_dir}")
     synthetic.generate(data_dir, "tiny", args.num_examples, seed=args.data_seed)
   schema = Schema.load(data_dir)
-  S.EVAL_EXAMPLES = args.eval_examples
   log_path = os.path.join(work, "runs.jsonl")
   done = {(r["variant"], r["seed"]): r for r in S._read_runs(log_path)}
   runs, eval_cache, built = [], {}, {}
@@ -157,7 +156,8 @@ def run(args) -> dict:
                          seed=seed)
     cfg = variant_config(v, base, schema)
     _log(f"run {i + 1}/{len(variants) * len(args.seeds)}: {v} seed {seed}")
-    r = S.train_eval(cfg, schema, data_dir, args.num_examples, eval_cache, built)
+    r = S.train_eval(cfg, schema, data_dir, args.num_examples, eval_cache, built,
+                     eval_examples=args.eval_examples)
     r.update(variant=v, seed=seed, load_avg=os.getloadavg()[0], experts=cfg.model.mowe.num_experts,
              model=json.loads(json.dumps(cfg.model.to_dict(), default=list)))
     runs.append(r)

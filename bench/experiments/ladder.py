@@ -431,7 +431,8 @@ def train_one(spec: dict, plan: dict, schema, data_dir: str, eval_cache: dict, b
                       seed=spec["seed"], jagged_capacity=jag)
   return S.train_eval(cfg, schema, data_dir, spec["examples"], eval_cache, built,
                       log_every=log_every, holdout_split=HOLDOUT_SPLIT,
-                      holdout_examples=plan["holdout_examples"])
+                      holdout_examples=plan["holdout_examples"],
+                      eval_examples=plan["eval_examples"])
 
 
 def run(args) -> dict | None:
@@ -458,7 +459,6 @@ def run(args) -> dict | None:
     fail(str(e))
   try:
     atomic.write_json(os.path.join(out_dir, "plan.json"), plan)
-    S.EVAL_EXAMPLES = plan["eval_examples"]
     work = os.path.abspath(args.workdir)
     os.makedirs(work, exist_ok=True)
     S.runtime.enable_compilation_cache(os.path.join(work, "xla_cache"))

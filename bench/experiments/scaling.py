@@ -141,7 +141,7 @@ def _evaluate(predict, params, batches, schema) -> dict:
 
 def train_eval(config, schema, data_dir, num_examples: int, eval_cache: dict, built=None,
                log_every: int = 0, holdout_split: str | None = None,
-               holdout_examples: int = 0) -> dict:
+               holdout_examples: int = 0, eval_examples: int | None = None) -> dict:
   """Trains ``config`` on the first ``num_examples`` of the training stream (one pass) with the
   project's train step (packed towers when ``config.data.jagged_capacity`` is set), evaluates on
   the eval subset and, with ``holdout_split``, on that split too (``"holdout"`` in the result).
@@ -197,7 +197,8 @@ def train_eval(config, schema, data_dir, num_examples: int, eval_cache: dict, bu
   flops_actual = meter.per_step() / B                     # per example, training step
   t = time.perf_counter()
   ev = _evaluate(built["predict"], params,
-                 _eval_batches(data_dir, config, EVAL_EXAMPLES, eval_cache), schema)
+                 _eval_batches(data_dir, config, eval_examples or EVAL_EXAMPLES, eval_cache),
+                 schema)
   extra = {}
   if holdout_split:
     extra["holdout"] = _evaluate(built["predict"], params, _eval_batches(
@@ -468,8 +469,6 @@ def run(args) -> dict:
   schema = Schema.load(data_dir)
   with open(os.path.join(data_dir, "synthetic.json")) as f:
     syn = json.load(f)
-  global EVAL_EXAMPLES
-  EVAL_EXAMPLES = args.eval_examples
 
   # sizes in increasing cost; the seeds of one model back to back (one compilation)
   top = len(ladder) - 1
@@ -498,7 +497,8 @@ def run(args) -> dict:
                       emb_lr=args.emb_lr, warmup=max(int(0.05 * n / args.batch_size), 1),
                       seed=seed)
     _log(f"run {i + 1}/{len(plan)}: {kind} {arch} size {k} seed {seed} examples {n} lr {lr}")
-    r = train_eval(cfg, schema, data_dir, n, eval_cache, built, log_every=args.log_every)
+    r = train_eval(cfg, schema, data_dir, n, eval_cache, built, log_every=args.log_every,
+                   eval_examples=args.eval_examples)
     r.update(kind=kind, arch=arch, size=k, seed=seed, num_examples=n, lr=lr,
              size_knobs=ladder[k], load_avg=os.getloadavg()[0])
     runs.append(r)

@@ -301,18 +301,15 @@ def test_ladder_quick_resume(tmp_path, capfd):
 
 @contextlib.contextmanager
 def _process_state_kept():
-  """A ladder run in this interpreter points JAX's persistent compilation cache at its workdir
-  and sets ``scaling.EVAL_EXAMPLES``: both are put back afterwards (the next tests on this
-  worker keep the suite's cache)."""
+  """A ladder run in this interpreter points JAX's persistent compilation cache at its workdir:
+  put back afterwards (the next tests on this worker keep the suite's cache)."""
   keys = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")
   saved = {k: getattr(jax.config, k) for k in keys}
-  eval_examples = S.EVAL_EXAMPLES
   try:
     yield
   finally:
     for k, v in saved.items():
       jax.config.update(k, v)
-    S.EVAL_EXAMPLES = eval_examples
 
 
 def runs_lr(runs, size):
