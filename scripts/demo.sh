@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
-# Demo: set up .venv, generate synthetic ads data (100k train + 20k eval examples, seconds), train
+# Demo: set up .venv, generate synthetic ads data (400k train + 80k eval examples, seconds), train
 # the tiny Kunlun model on CPU for one pass over it (kunlun/configs/demo.py), evaluate the
 # checkpoint on the next time window and print NE / AUC / calibration per surface x task.
 # Runs in a few minutes on 2 CPU cores. Output goes to ${DEMO_DIR:-/tmp/kunlun_demo}.
-# DEMO_EXAMPLES: train examples (default 100000); DEMO_EPOCHS: passes (default 1);
+# DEMO_EXAMPLES: train examples (default 400000); DEMO_EPOCHS: passes (default 1);
 # DEMO_STEPS: a step count instead of epochs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export JAX_PLATFORMS="${JAX_PLATFORMS:-cpu}"
 DIR="${DEMO_DIR:-/tmp/kunlun_demo}"
-EXAMPLES="${DEMO_EXAMPLES:-100000}"
+EXAMPLES="${DEMO_EXAMPLES:-400000}"
 PY=.venv/bin/python
 if [ -n "${DEMO_STEPS:-}" ]; then
   LENGTH=(--steps="$DEMO_STEPS" --config.train.epochs=0); WHAT="$DEMO_STEPS steps"
