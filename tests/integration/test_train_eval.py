@@ -22,9 +22,8 @@ from tests import subproc
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STEPS = 300
-CKPT_EVERY = 50      # the SIGTERM test resumes from STEPS - CKPT_EVERY: 50 steps to retrain, not 100
 # KUNLUN_E2E_EXTRA: extra train.py flags, e.g. "--config.model.arch=dlrm" to run a baseline
-TRAIN_ARGS = ["--config.train.log_every=1", f"--config.train.checkpoint_every={CKPT_EVERY}",
+TRAIN_ARGS = ["--config.train.log_every=1", "--config.train.checkpoint_every=100",
               *os.environ.get("KUNLUN_E2E_EXTRA", "").split()]
 NE_MARGIN = 0.05     # eval click NE must be below 1 - NE_MARGIN on every surface
 
@@ -134,19 +133,17 @@ def test_checkpoint_evaluates_identically_on_another_mesh(env, trained, eval_1de
 
 @pytest.mark.slow
 def test_sigterm_and_resume_reproduce_params_bitwise(env, trained):
-  # starts from a copy of the uninterrupted run's step-250 checkpoint (its first 250 steps are
-  # not trained a second time): resumes there, is stopped by SIGTERM past step 265, resumes again
-  resume = STEPS - CKPT_EVERY
+  # starts from a copy of the uninterrupted run's step-200 checkpoint (its first 200 steps are
+  # not trained a second time): resumes there, is stopped by SIGTERM past step 230, resumes again
   wd = str(env["base"] / "w2")
   shutil.copytree(trained, wd, ignore=shutil.ignore_patterns("tb", "train.lock"))
-  for d in os.listdir(os.path.join(wd, "checkpoints")):
-    if d.isdigit() and int(d) != resume:
-      shutil.rmtree(os.path.join(wd, "checkpoints", d))
+  for step in (100, 300):
+    shutil.rmtree(os.path.join(wd, "checkpoints", str(step)))
   with open(os.path.join(wd, "metrics.jsonl")) as f:
-    rows = [r for r in f if json.loads(r).get("step", 0) <= resume]
+    rows = [r for r in f if json.loads(r).get("step", 0) <= 200]
   with open(os.path.join(wd, "metrics.jsonl"), "w") as f:
     f.writelines(rows)
-  assert sorted(os.listdir(os.path.join(wd, "checkpoints"))) == [str(resume)]
+  assert sorted(os.listdir(os.path.join(wd, "checkpoints"))) == ["200"]
   cmd = [sys.executable, os.path.join(ROOT, "train.py"), f"--workdir={wd}",
          f"--data_dir={env['data']}", f"--steps={STEPS}", *TRAIN_ARGS]
   proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(1, env["cache"]), stdout=subprocess.PIPE,
@@ -154,7 +151,7 @@ def test_sigterm_and_resume_reproduce_params_bitwise(env, trained):
   jsonl = os.path.join(wd, "metrics.jsonl")
   deadline = time.time() + subproc.LONG_TIMEOUT
   while time.time() < deadline and proc.poll() is None:
-    if os.path.exists(jsonl) and len(open(jsonl).read().splitlines()) >= resume + 15:
+    if os.path.exists(jsonl) and len(open(jsonl).read().splitlines()) >= 230:
       break
     time.sleep(0.05)
   assert proc.poll() is None, "training finished before it could be interrupted"
@@ -167,10 +164,10 @@ def test_sigterm_and_resume_reproduce_params_bitwise(env, trained):
     raise AssertionError(f"train.py did not stop after SIGTERM:\n{out[-3000:]}\n"
                          f"{err[-3000:]}") from None
   assert proc.returncode == 0, err[-3000:]
-  assert f"resumed from step {resume}" in out and "received signal" in out
+  assert "resumed from step 200" in out and "received signal" in out
   steps = sorted(int(d) for d in os.listdir(os.path.join(wd, "checkpoints")) if d.isdigit())
   interrupted_at = steps[-1]
-  assert resume + 15 <= interrupted_at < STEPS and interrupted_at % CKPT_EVERY, steps
+  assert 230 <= interrupted_at < STEPS and interrupted_at % 100, steps
   p = _run("train.py", cmd[2:], env)
   assert f"resumed from step {interrupted_at}" in p.stdout
   a, b = _params(trained, STEPS), _params(wd, STEPS)
