@@ -41,8 +41,13 @@ def _run_two(progs, workdir, out):
 
 @pytest.fixture(scope="module")
 def progs():
-  """The interpreter the workers are forked from: jax and the export imported once."""
-  with subproc.Programs(worker_env(), ("jax", "kunlun.transfer.export")) as p:
+  """The interpreter the workers are forked from: jax and the export imported once. The workers
+  share the run's persistent compilation cache (tests/conftest.py): the second two-process export
+  loads the first one's programs instead of compiling them again."""
+  cache = {k: os.environ[k] for k in ("JAX_COMPILATION_CACHE_DIR",
+                                      "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS")
+           if k in os.environ}
+  with subproc.Programs(dict(worker_env(), **cache), ("jax", "kunlun.transfer.export")) as p:
     yield p
 
 
