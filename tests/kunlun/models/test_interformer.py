@@ -112,13 +112,18 @@ def model_setup():
   c.model.arch = "interformer"
   model = build_model(c, schema)
   batch = random_batch(schema, 4, seq_lens(c), seed=2, min_len=1)
-  rep, v = jax.jit(lambda k, b: model.init_with_output(k, b, method="representations"))(KEY,
-                                                                                         batch)
-  return c, model, batch, nn.meta.unbox(v)["params"], rep
+  params = nn.meta.unbox(jax.jit(model.init)(KEY, batch))["params"]   # no forward: XLA drops it
+
+  def loss(p, b):          # ``__call__`` is the representations' logits
+    rep = model.apply({"params": p}, b, True, method="representations")
+    return masked_bce(rep["logits"], b["labels"], b["label_mask"])[0], rep
+  grad_fn = jax.jit(jax.value_and_grad(loss, has_aux=True))   # one program for both tests below
+  (_, rep), _ = grad_fn(params, batch)
+  return c, model, batch, params, rep, grad_fn
 
 
 def test_model_structure_and_padding_is_inert(model_setup):
-  c, model, batch, params, rep = model_setup
+  c, model, batch, params, rep, grad_fn = model_setup
   assert isinstance(model, InterFormer)
   m = model.cfg
   n_s = {t.name: m.interformer.n_cls + t.n_sum + m.interformer.n_recent for t in m.towers}
@@ -134,18 +139,14 @@ def test_model_structure_and_padding_is_inert(model_setup):
     pad = np.arange(ev["item"].shape[1])[None, :] >= L[:, None]
     ev["item"] = np.where(pad, 7, ev["item"])
     ev["age"] = np.where(pad, 1e5, ev["age"])
-  apply = jax.jit(lambda p, b: model.apply({"params": p}, b))
-  np.testing.assert_allclose(np.asarray(apply(params, b2)), np.asarray(rep["logits"]),
+  (_, rep2), _ = grad_fn(params, b2)
+  np.testing.assert_allclose(np.asarray(rep2["logits"]), np.asarray(rep["logits"]),
                              rtol=1e-5, atol=1e-6)
 
 
 def test_model_gradients_reach_every_parameter(model_setup):
-  _, model, batch, params, _ = model_setup
-
-  def loss(p):
-    return masked_bce(model.apply({"params": p}, batch, True), batch["labels"],
-                      batch["label_mask"])[0]
-  g = jax.jit(jax.grad(loss))(params)
+  _, model, batch, params, _, grad_fn = model_setup
+  _, g = grad_fn(params, batch)
   for path, x in jax.tree_util.tree_flatten_with_path(g)[0]:
     x, name = np.asarray(x), jax.tree_util.keystr(path)
     assert np.isfinite(x).all(), name

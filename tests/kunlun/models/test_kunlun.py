@@ -15,22 +15,8 @@ from kunlun.configs.types import seq_lens
 from kunlun.models.build import build_model
 from kunlun.nn.losses import masked_bce
 
-B = 16
+B = 64             # the training test's batch size: its steps reuse the shared gradient program
 KEY = lambda s=0: jax.random.key(s, impl="unsafe_rbg")   # cheap to compile on CPU
-
-
-def init_with_rep(model, batch, seed=0):
-  """Parameters and the ``representations`` output from one compiled init (saves a compile)."""
-  rep, v = jax.jit(lambda k, b: model.init_with_output(k, b, method="representations"))(
-      KEY(seed), batch)
-  return nn.meta.unbox(v)["params"], rep
-
-
-def loss_fn(model):
-  def f(params, batch):
-    logits = model.apply({"params": params}, batch, True)
-    return masked_bce(logits, batch["labels"], batch["label_mask"])[0]
-  return f
 
 
 @pytest.fixture(scope="module")
@@ -38,12 +24,14 @@ def setup():
   cfg, schema = tiny.get_config(), tiny_schema()
   model = build_model(cfg, schema)
   batch = random_batch(schema, B, seq_lens(cfg), seed=3, min_len=1)
-  params, rep0 = init_with_rep(model, batch)
+  params = nn.meta.unbox(jax.jit(model.init)(KEY(), batch))["params"]  # XLA drops the forward
 
-  def loss_aux(p, b):
+  def loss_aux(p, b):      # aux: __call__'s logits and the representations (one forward in XLA)
     logits = model.apply({"params": p}, b, True)
-    return masked_bce(logits, b["labels"], b["label_mask"])[0], logits
+    rep = model.apply({"params": p}, b, True, method="representations")
+    return masked_bce(logits, b["labels"], b["label_mask"])[0], (logits, rep)
   grad_fn = jax.jit(jax.value_and_grad(loss_aux, has_aux=True))
+  (_, (_, rep0)), _ = grad_fn(params, batch)
   return cfg, schema, model, batch, params, rep0, grad_fn
 
 
@@ -53,7 +41,7 @@ def test_representations(setup):
   assert rep["pooled"].shape == (B, cfg.model.heads.top_mlp[-1])
   assert rep["summaries"]["click"].shape == (B, 2, 32)
   assert rep["summaries"]["impression"].shape == (B, 1, 16)
-  (_, logits), _ = grad_fn(params, batch)                  # __call__ returns the same logits
+  (_, (logits, _)), _ = grad_fn(params, batch)              # __call__ returns the same logits
   np.testing.assert_allclose(np.asarray(logits), np.asarray(rep["logits"]), rtol=1e-5, atol=1e-5)
 
 
@@ -90,9 +78,9 @@ def _pad_events(batch, extra, garbage_seed=None):
 def test_padding_invariance(setup):
   _, _, model, batch, params, rep, grad_fn = setup
   ref = np.asarray(rep["logits"])
-  (_, ref2), g_ref = grad_fn(params, batch)
+  (_, (ref2, _)), g_ref = grad_fn(params, batch)
   garbage = _pad_events(batch, 0, garbage_seed=1)           # same shape, junk in padded slots
-  (_, out), g = grad_fn(params, garbage)
+  (_, (out, _)), g = grad_fn(params, garbage)
   np.testing.assert_allclose(np.asarray(out), np.asarray(ref2), rtol=1e-5, atol=1e-5)
   # padded slots leak into no gradient either
   for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g_ref), strict=True):
@@ -136,20 +124,20 @@ def planted_batches(schema, lens, n=4, batch_size=64):
 def test_training_reduces_loss(setup):
   """40 Adam steps (the loss is down to ~6% of its start; with the heads fed zeros it stays
   at ~99%) from the shared init (same key: the parameters do not depend on the batch)."""
-  cfg, schema, model, _, params, _, _ = setup
-  batches = planted_batches(schema, seq_lens(cfg))
+  cfg, schema, model, _, params, _, grad_fn = setup
+  batches = planted_batches(schema, seq_lens(cfg), batch_size=B)
   tx = optax.adam(3e-3)
   opt = tx.init(params)
 
   @jax.jit
-  def step(params, opt, batch):
-    loss, g = jax.value_and_grad(loss_fn(model))(params, batch)
+  def update(params, opt, g):
     upd, opt = tx.update(g, opt, params)
-    return optax.apply_updates(params, upd), opt, loss
+    return optax.apply_updates(params, upd), opt
 
   losses = []
-  for i in range(40):
-    params, opt, loss = step(params, opt, batches[i % len(batches)])
+  for i in range(40):            # the step's gradient: the shared compiled program of ``setup``
+    (loss, _), g = grad_fn(params, batches[i % len(batches)])
+    params, opt = update(params, opt, g)
     losses.append(float(loss))
   start, end = np.mean(losses[:4]), np.mean(losses[-8:])
   assert np.isfinite(losses).all()

@@ -100,7 +100,7 @@ def test_packed_equals_padded(kind, time_buckets, activation):
 def test_parameter_tree_identical():
   """Old (padded) checkpoints load unchanged: same names, shapes and init values."""
   model, batch = make("swa", True)
-  p = nn.meta.unbox(jax.jit(model.init)(KEY, batch, False))["params"]
+  p = init_params(True)                       # the padded model's init, shared with padded_case
   q = nn.meta.unbox(jax.jit(model.init)(KEY, packed_batch(batch), False))["params"]
   assert jax.tree.structure(p) == jax.tree.structure(q)
   jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), p, q)

@@ -51,14 +51,20 @@ def test_schedule_table_spec_default():
 
 
 def _init(cfg, schema):
-  """``(model, batch, params, representations, intermediates)`` in one compile: parameters,
-  representations and every module's output."""
+  """``(model, batch, params, representations, intermediates, grads)``: the parameters from a
+  compiled init (no forward: XLA drops it), then the representations, every module's output and
+  the loss gradient from one compiled forward + backward (``__call__`` is the representations'
+  logits)."""
   model = build_model(cfg, schema)
   batch = random_batch(schema, 8, seq_lens(cfg), seed=5, min_len=1)
-  rep, v = jax.jit(lambda k, b: model.init_with_output(
-      k, b, method="representations", capture_intermediates=True))(
-          jax.random.key(0, impl="unsafe_rbg"), batch)
-  return model, batch, nn.meta.unbox(v)["params"], rep, v["intermediates"]
+  params = nn.meta.unbox(jax.jit(model.init)(jax.random.key(0, impl="unsafe_rbg"), batch))
+
+  def loss(p):
+    rep, v = model.apply({"params": p}, batch, True, method="representations",
+                         capture_intermediates=True, mutable=["intermediates"])
+    return masked_bce(rep["logits"], batch["labels"], batch["label_mask"])[0], (rep, v)
+  (_, (rep, v)), g = jax.jit(jax.value_and_grad(loss, has_aux=True))(params["params"])
+  return model, batch, params["params"], rep, v["intermediates"], g
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +77,7 @@ def spec_default():
 
 
 def test_spec_default_summaries_and_gradients(spec_default):
-  model, batch, params, rep, inter = spec_default
+  model, batch, params, rep, inter, g = spec_default
   assert sorted(k for k in params["layer_2"] if k.startswith("click")) == ["click_hsp",
                                                                             "click_proj"]
   assert sorted(k for k in params["layer_0"] if k.startswith("impression")) == [
@@ -81,11 +87,6 @@ def test_spec_default_summaries_and_gradients(spec_default):
   for tower, layer in (("click", 2), ("impression", 0)):
     want = np.asarray(inter[f"layer_{layer}"][f"{tower}_hsp"]["__call__"][0])
     np.testing.assert_allclose(np.asarray(rep["summaries"][tower]), want, rtol=1e-6)
-
-  def loss(p):
-    logits = model.apply({"params": p}, batch, True)
-    return masked_bce(logits, batch["labels"], batch["label_mask"])[0]
-  g = jax.jit(jax.grad(loss))(params)
   for path, x in jax.tree_util.tree_flatten_with_path(g)[0]:   # no dead (untrained) parameter
     if "surface" in jax.tree_util.keystr(path):                  # event surface ids may miss rows
       continue
@@ -103,7 +104,7 @@ def setup():
 
 
 def test_shallow_tower_keeps_feeding_last_summary(setup):
-  model, batch, params, rep, inter = setup
+  model, batch, params, rep, inter, _ = setup
   # layer 1 holds nothing of the depth-1 impression tower except its summary projection
   imp = sorted(k for k in params["layer_1"] if k.startswith("impression"))
   assert imp == ["impression_proj"], imp
@@ -120,12 +121,7 @@ def test_shallow_tower_keeps_feeding_last_summary(setup):
 
 
 def test_gradients_reach_every_tower(setup):
-  model, batch, params, _, _ = setup
-
-  def loss(p):
-    logits = model.apply({"params": p}, batch, True)
-    return masked_bce(logits, batch["labels"], batch["label_mask"])[0]
-  g = jax.jit(jax.grad(loss))(params)
+  model, batch, params, _, _, g = setup
   for tower in ("click", "impression"):
     leaves = jax.tree.leaves(g[f"embed_{tower}"])
     for l in ("layer_0", "layer_1"):
