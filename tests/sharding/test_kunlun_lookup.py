@@ -4,34 +4,27 @@ all-to-all exchange (forward unchanged), and the sparse embedding update
 
 import functools
 
-import flax.linen as nn
 import jax
 import numpy as np
 import pytest
 
-from data.fake import random_batch, tiny_schema
+from data.fake import random_batch
 from sharding import checks, partition
 from sharding import mesh as M
 from sharding import rules as R
+from tests.sharding import tiny_kunlun
 
 
 @functools.cache
 def _tiny():
-  """The 1-layer tiny model (every table is in the input stage; fewer layers only shorten the
-  compile), two batches and one compiled 1-device init of its parameters (numpy), shared by
-  both tests."""
-  from kunlun.configs import tiny
+  """The small tiny model (one layer, one event stream: every table is in the input stage; more
+  layers or streams only lengthen the compile), two batches and host params, shared by both
+  tests."""
   from kunlun.configs.types import seq_lens
-  from kunlun.models.build import build_model
-  cfg, schema = tiny.get_config(), tiny_schema()
-  cfg.model.num_layers = 1
-  for t in cfg.model.towers.values():
-    t.depth = min(t.depth, 1)
+  cfg, schema, model = tiny_kunlun.small()
   cfg.train.warmup_steps = 0
-  model = build_model(cfg, schema)
   batches = [random_batch(schema, 16, seq_lens(cfg), seed=1 + i, min_len=1) for i in range(2)]
-  params = jax.jit(lambda k: model.init(k, batches[0], train=False))(jax.random.key(0))
-  return cfg, model, batches, jax.tree.map(np.asarray, nn.meta.unbox(params["params"]))
+  return cfg, model, batches, tiny_kunlun.host_params(model, batches[0])
 
 
 @pytest.mark.slow

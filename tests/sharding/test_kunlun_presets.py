@@ -3,33 +3,28 @@ compile on 8 devices takes a while on CPU)."""
 
 import functools
 
-import flax.linen as nn
 import jax
 import numpy as np
 import optax
 import pytest
 
-from data.fake import random_batch, tiny_schema
+from data.fake import random_batch
 from sharding import checks, partition
 from sharding import mesh as M
 from sharding import rules as R
+from tests.sharding import tiny_kunlun
 
 TX = optax.sgd(0.1)
 
 
 @functools.cache
 def setup():
-  from kunlun.configs import tiny
+  """The small tiny model (one layer, one event stream: the claim is the presets' sharding of
+  each kind of parameter and table, all in layer 0 and the input stage, not depth or the number
+  of streams), a batch, host params and the single-device step's outputs."""
   from kunlun.configs.types import seq_lens
-  from kunlun.models.build import build_model
   from kunlun.nn.losses import masked_bce
-  cfg, schema = tiny.get_config(), tiny_schema()
-  # one layer: the claim is the presets' sharding of each kind of parameter and table (all in
-  # layer 0 and the input stage), not depth; a second layer only doubled the compiles
-  cfg.model.num_layers = 1
-  for t in cfg.model.towers.values():
-    t.depth = 1
-  model = build_model(cfg, schema)
+  cfg, schema, model = tiny_kunlun.small()
   batch = random_batch(schema, 16, seq_lens(cfg), seed=0, min_len=1)
 
   def step(params, opt, batch):
@@ -40,8 +35,7 @@ def setup():
     u, opt = TX.update(g, opt, params)
     return optax.apply_updates(params, u), opt, loss, logits
 
-  params = nn.meta.unbox(jax.jit(lambda k: model.init(k, batch, train=False))(jax.random.key(0))["params"])
-  params = jax.tree.map(np.asarray, params)
+  params = tiny_kunlun.host_params(model, batch)
   ref = jax.tree.map(np.asarray, jax.jit(step)(params, TX.init(params), batch))
   return model, batch, step, params, ref
 

@@ -63,16 +63,21 @@ def _nbytes(tree):
   return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
 
 
+def _init_state(rng, batch):
+  params = nn.meta.unbox(MODEL.init(rng, batch)["params"])
+  return params, TX.init(params)
+
+
 @functools.cache
 def reference():
-  """Single-device init and train step (no mesh, no rules)."""
+  """Single-device init and train step (no mesh, no rules): the batch, the initial params, the
+  step's outputs, its memory analysis and the initial optimizer state (host copies)."""
   batch = toy_batch(B=16, vocab=VOCAB)
-  dev = jax.devices()[0]
-  params = jax.device_put(nn.meta.unbox(MODEL.init(jax.random.key(0), batch)["params"]), dev)
-  opt = TX.init(params)
+  params, opt = jax.jit(lambda k: _init_state(k, batch))(jax.random.key(0))    # on device 0
   compiled = jax.jit(step).lower(params, opt, batch).compile()
   out = jax.tree.map(np.asarray, compiled(params, opt, batch))
-  return batch, jax.tree.map(np.asarray, params), out, checks.memory_per_device(compiled)
+  params, opt = jax.tree.map(np.asarray, (params, opt))
+  return batch, params, out, checks.memory_per_device(compiled), opt
 
 
 def _flat(tree):
@@ -82,7 +87,7 @@ def _flat(tree):
 @pytest.mark.parametrize("preset", list(CASES))
 def test_preset_matches_single_device(preset):
   flag, want_specs, factor, want_ops = CASES[preset]
-  batch, ref_params, (ref_new, _, ref_loss, ref_logits), ref_mem = reference()
+  batch, ref_params, (ref_new, _, ref_loss, ref_logits), ref_mem, ref_opt = reference()
   mesh, rules = M.make_mesh(M.parse_mesh_flag(flag)), R.get_rules(preset)
 
   params, shardings = partition.init_sharded(MODEL, jax.random.key(0), batch, mesh, rules)
@@ -96,7 +101,7 @@ def test_preset_matches_single_device(preset):
   assert _flat(shardings).keys() == _flat(params).keys()
 
   with partition.activate(mesh, rules):
-    opt = jax.jit(TX.init, out_shardings=partition.state_shardings(TX.init, params))(params)
+    opt = jax.device_put(ref_opt, partition.state_shardings(TX.init, params))
     b = jax.device_put(batch, partition.batch_sharding(mesh, rules))
     compiled = jax.jit(step).lower(params, opt, b).compile()
     new, _, loss, logits = compiled(params, opt, b)
@@ -132,10 +137,11 @@ def test_replicated_table_is_detected():
   """Control: a table replicated over ``data`` all-reduces a table-shard-sized gradient."""
   rules = tuple(("table_rows", "fsdp") if r[0] == "table_rows" else r for r in R.get_rules("fsdp"))
   mesh = M.make_mesh({"data": 2, "fsdp": 4})
-  batch = toy_batch(B=16, vocab=VOCAB)
-  params, _ = partition.init_sharded(MODEL, jax.random.key(0), batch, mesh, rules)
+  batch, host_params, *_, host_opt = reference()
+  params = jax.device_put(host_params, partition.param_shardings(MODEL, jax.random.key(0), batch,
+                                                                 mesh, rules))
   with partition.activate(mesh, rules):
-    opt = jax.jit(TX.init, out_shardings=partition.state_shardings(TX.init, params))(params)
+    opt = jax.device_put(host_opt, partition.state_shardings(TX.init, params))
     b = jax.device_put(batch, partition.batch_sharding(mesh, rules))
     hlo = jax.jit(step).lower(params, opt, b).compile().as_text()
   shard = (VOCAB // 4, DIM)

@@ -1,5 +1,7 @@
 """Train step: finite updates apply, non-finite loss/grad skips the update bitwise."""
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -29,13 +31,24 @@ def _batch(seed=0, B=16):
           "example_mask": np.r_[np.ones(B - 3), np.zeros(3)].astype(np.float32)}
 
 
-def _setup():
+@functools.cache
+def _toy_state():
+  """The toy model, its optimizer and one compiled init of its params and optimizer state
+  (numpy), shared by the tests."""
   cfg = ml_collections.ConfigDict(dict(lr=1e-2, warmup_steps=0, schedule="constant", weight_decay=0.0,
                                        b1=0.9, b2=0.999, clip_norm=1.0, emb_lr=0.05))
-  model = _Toy()
-  params = model.init(jax.random.key(0), _batch())["params"]
-  tx = optim.make_optimizer(cfg, 10)
-  return model, tx, params, tx.init(params)
+  model, tx = _Toy(), optim.make_optimizer(cfg, 10)
+
+  def init(k):
+    p = model.init(k, _batch())["params"]
+    return p, tx.init(p)
+  return model, tx, jax.tree.map(np.asarray, jax.jit(init)(jax.random.key(0)))
+
+
+def _setup():
+  """``(model, tx, params, opt_state)``: fresh device copies (the train step donates them)."""
+  model, tx, state = _toy_state()
+  return model, tx, *jax.device_put(state)
 
 
 def test_finite_step_updates_and_sums_match_numpy():
@@ -89,7 +102,6 @@ def test_microbatches_match_the_whole_batch():
 # ---- sparse embedding update (config.train.sparse_embedding_update) ------------------------
 
 import contextlib  # noqa: E402
-import functools  # noqa: E402
 
 import grain  # noqa: E402
 import pytest  # noqa: E402
@@ -138,6 +150,15 @@ def _sparse_batches(n=2, B=16):
 
 
 @functools.cache
+def _host_params(events):
+  """One compiled 1-device init of the test model's params (numpy), shared by every variant:
+  each mesh gets them through ``jax.device_put`` (sharded init == unsharded init is
+  tests/sharding/test_presets.py's claim)."""
+  init = jax.jit(lambda k: _Inputs(events).init(k, _sparse_batches()[0])["params"])
+  return jax.tree.map(np.asarray, nn.meta.unbox(init(jax.random.key(0))))
+
+
+@functools.cache
 def _step_setup(sparse, mesh_shape=None, rules_name=None, events=False, microbatches=1):
   """``(step_fn, init_state_fn, put, (mesh, rules) or None)`` for the test model; cached so that
   tests share one compiled step per variant."""
@@ -146,11 +167,12 @@ def _step_setup(sparse, mesh_shape=None, rules_name=None, events=False, microbat
   su = make_sparse_update(_cfg(), 10) if sparse else None
   ctx, kw = None, {}
   if mesh_shape is None:
-    p = nn.meta.unbox(model.init(jax.random.key(0), batch)["params"])
-    o, put = tx.init(p), lambda b: b
+    p = jax.device_put(_host_params(events))
+    o, put = jax.jit(tx.init)(p), lambda b: b
   else:
     ctx = mesh, rules = M.make_mesh(dict(mesh_shape)), R.get_rules(rules_name)
-    p, p_sh = partition.init_sharded(model, jax.random.key(0), batch, mesh, rules)
+    p_sh = partition.param_shardings(model, jax.random.key(0), batch, mesh, rules)
+    p = jax.device_put(_host_params(events), p_sh)
     o_sh = optim.opt_state_shardings(tx, checkpoint.abstract_like(p), p_sh, mesh)
     o, b_sh = jax.jit(tx.init, out_shardings=o_sh)(p), partition.batch_sharding(mesh, rules)
     kw = dict(param_shardings=p_sh, opt_shardings=o_sh, batch_sharding=b_sh)
@@ -324,14 +346,14 @@ def test_step_equals_plain_optax_and_numpy_with_a_few_optimizer_launches():
   cfg = ml_collections.ConfigDict(dict(lr=1e-2, warmup_steps=0, schedule="constant",
                                        weight_decay=0.1, b1=0.9, b2=0.999, clip_norm=0.5,
                                        emb_lr=0.05))
-  model = _Toy()
-  b = _batch()
-  params = model.init(jax.random.key(0), b)["params"]
+  model, b = _Toy(), _batch()
+  p0 = _toy_state()[2][0]                  # the shared init of _Toy (key 0, _batch())
+  params = jax.device_put(p0)
   tx = optim.make_optimizer(cfg, 10)
   train_step = step.make_train_step(model, tx)
-  p0 = jax.tree.map(np.asarray, params)
-  compiled = train_step.lower(params, tx.init(params), b, jax.random.key(1), 0).compile()
-  new_p, _, s = compiled(params, tx.init(params), b, jax.random.key(1), 0)
+  opt = jax.jit(tx.init)(params)
+  compiled = train_step.lower(params, opt, b, jax.random.key(1), 0).compile()
+  new_p, _, s = compiled(params, opt, b, jax.random.key(1), 0)
 
   m = jnp.asarray(b["label_mask"] * b["example_mask"][:, None])
 
@@ -340,7 +362,7 @@ def test_step_equals_plain_optax_and_numpy_with_a_few_optimizer_launches():
     return jnp.sum(jnp.sum(bce * m, 0) / jnp.sum(m, 0))
 
   p_ref = jax.tree.map(jnp.asarray, p0)
-  loss, g = jax.value_and_grad(loss_fn)(p_ref)
+  loss, g = jax.jit(jax.value_and_grad(loss_fn))(p_ref)
   np.testing.assert_allclose(float(s["loss"]), float(loss), rtol=1e-6)
   g_np = jax.tree.map(lambda x: np.asarray(x, np.float64), g)
   np.testing.assert_allclose(float(s["grad_norm"]),
@@ -349,8 +371,8 @@ def test_step_equals_plain_optax_and_numpy_with_a_few_optimizer_launches():
                          optax.adamw(1e-2, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.1,
                                      mask=lambda p: jax.tree.map(lambda x: x.ndim >= 2, p)))
   dense = {"Dense_0": p_ref["Dense_0"]}
-  u, _ = dense_tx.update({"Dense_0": g["Dense_0"]}, dense_tx.init(dense), dense)
-  want = optax.apply_updates(dense, u)
+  want = jax.jit(lambda g, p: optax.apply_updates(p, dense_tx.update(g, dense_tx.init(p), p)[0]))(
+      {"Dense_0": g["Dense_0"]}, dense)
   for a, c in zip(jax.tree.leaves(new_p["Dense_0"]), jax.tree.leaves(want["Dense_0"]),
                   strict=True):
     np.testing.assert_allclose(np.asarray(a), np.asarray(c), rtol=2e-6, atol=1e-8)
@@ -361,10 +383,10 @@ def test_step_equals_plain_optax_and_numpy_with_a_few_optimizer_launches():
   # a deeper model (15 leaves): about 16 scalar / flat launches, then one per leaf (the per-leaf
   # optax chain: 84)
   deep = _Deep()
-  pd = deep.init(jax.random.key(0), b)["params"]
+  pd = jax.eval_shape(lambda k: deep.init(k, b)["params"], jax.random.key(0))
   txd = optim.make_optimizer(cfg, 10)
-  text = step.make_train_step(deep, txd).lower(pd, txd.init(pd), b, jax.random.key(1),
-                                               0).compile().as_text()
+  text = step.make_train_step(deep, txd).lower(pd, jax.eval_shape(txd.init, pd), b,
+                                               jax.random.key(1), 0).compile().as_text()
   launches = hlo_stats.hlo_stats(text)["launches_by_group"]["optimizer"]
   assert launches <= len(jax.tree.leaves(pd)) + 20, launches
 
