@@ -12,6 +12,9 @@ import jax
 import numpy as np
 
 from data.fake import tiny_schema
+from kunlun.configs import tiny
+from kunlun.configs.fit import fit_towers
+from kunlun.models.build import build_model
 
 
 def small():
@@ -19,9 +22,6 @@ def small():
   every kind of event table, an extra field's included): every kind of parameter and table (all
   in layer 0 and the input stage) at about a third of the compile time of two layers and two
   streams (a second stream's tower repeats the first's kinds)."""
-  from kunlun.configs import tiny
-  from kunlun.configs.fit import fit_towers
-  from kunlun.models.build import build_model
   cfg, schema = tiny.get_config(), tiny_schema()
   schema = dataclasses.replace(schema, streams=schema.streams[:1])
   fit_towers(cfg, schema)
