@@ -126,7 +126,7 @@ def test_unsupported_combinations_are_one_line_errors():
     def extra_inputs(self, batch, x, seqs, lengths):
       return x, seqs
   _first_line_error(lambda: apply(Extra(model.cfg, model.schema), jb), "extra_inputs")
-  for field, value, words in [("seq_mode", "oneseq", ("oneseq",)), ("pooling", "pma", ("pma",)),
+  for field, value, words in [("seq_mode", "oneseq", ("oneseq",)),
                               ("backend", "triton", ("triton",))]:
     cfg, schema = tiny.get_config(), tiny_schema()
     cfg.model[field] = value

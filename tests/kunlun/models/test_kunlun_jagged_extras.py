@@ -1,0 +1,87 @@
+"""Packed (jagged) towers with PMA pooling, LoopFM inputs and OneSeq equal the padded model on the
+same batch (ragged lengths, empty histories) and parameters; PMA's jagged softmax pool against a
+float64 numpy loop and the padded reference's gradients."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from data.fake import tiny_schema
+from data.jagged import pack_events
+from kunlun.configs import tiny
+from kunlun.models.build import build_model
+from pallas_kernels import jagged, reference
+from pallas_kernels.jagged import Jagged
+from tests.kunlun.models.test_kunlun_jagged import make, packed_batch
+from tests.kunlun.transfer.test_loopfm import _random_params
+
+LENS = np.array([5, 0, 17, 1, 9])            # one empty history; 32 tokens at capacity 40
+T, H, D, S = 17, 2, 4, 3
+
+
+def _np_softmax_pool(q, k, v, offsets):
+  q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
+  out = np.zeros((len(offsets) - 1,) + q.shape)
+  for b in range(len(offsets) - 1):
+    for h in range(H):
+      kb, vb = k[offsets[b]:offsets[b + 1], h], v[offsets[b]:offsets[b + 1], h]
+      if len(kb):                             # an empty history pools to 0
+        z = q[:, h] @ kb.T * D ** -0.5
+        p = np.exp(z - z.max(-1, keepdims=True))
+        out[b, :, h] = (p / p.sum(-1, keepdims=True)) @ vb
+  return out
+
+
+def test_jagged_softmax_pool_against_numpy_and_padded_gradients():
+  """Values against numpy; gradients (q and the tokens' k, v) against the padded masked softmax
+  attention's at the same slots."""
+  rng = np.random.default_rng(0)
+  q = 3 * rng.standard_normal((S, H, D)).astype(np.float32)   # scores of a few units
+  k, v = rng.standard_normal((2, len(LENS), T, H, D)).astype(np.float32)
+  g = rng.standard_normal((len(LENS), S, H, D)).astype(np.float32)
+  toks, offsets, seg, pos, _ = pack_events({"k": k, "v": v}, LENS, 40)
+  jag = Jagged(*(jnp.asarray(a) for a in (offsets, seg, pos)))
+  mask = np.broadcast_to((np.arange(T)[None, :] < LENS[:, None])[:, None], (len(LENS), S, T))
+
+  def run(q, kt, vt, k, v):
+    packed = lambda q, k, v: jnp.sum(jagged.jagged_softmax_pool(q, k, v, jag, tile=8) * g)
+    padded = lambda q, k, v: jnp.sum(reference.masked_softmax_attention(
+        jnp.broadcast_to(q, (len(LENS),) + q.shape), k, v, mask) * g)
+    return (jagged.jagged_softmax_pool(q, kt, vt, jag, tile=8),
+            jax.grad(packed, (0, 1, 2))(q, kt, vt), jax.grad(padded, (0, 1, 2))(q, k, v))
+
+  out, (gq, gk, gv), (rq, rk, rv) = jax.jit(run)(q, toks["k"], toks["v"], k, v)
+  np.testing.assert_allclose(out, _np_softmax_pool(q, toks["k"], toks["v"], offsets), rtol=1e-5,
+                             atol=1e-6)
+  assert not np.asarray(out[1]).any()                       # the empty history
+  n = offsets[-1]
+  np.testing.assert_allclose(gq, rq, rtol=1e-5, atol=1e-6)
+  for got, ref in ((gk, rk), (gv, rv)):
+    np.testing.assert_allclose(np.asarray(got)[:n], np.asarray(ref)[seg[:n], pos[:n]], rtol=1e-5,
+                               atol=1e-6)
+    assert not np.asarray(got)[n:].any()
+  with pytest.raises(ValueError, match=r"^jagged_softmax_pool: q must be \[S, 2, 4\], got"):
+    jagged.jagged_softmax_pool(q[:, :1], toks["k"], toks["v"], jag)
+
+
+def _model(**fields):
+  """The tiny Kunlun with ``config.model`` fields set (time buckets on: the packed PMA / merged
+  tower read the tokens' ages)."""
+  cfg = tiny.get_config()
+  cfg.model.time_buckets.enabled = True
+  cfg.model.update(fields)
+  return build_model(cfg, tiny_schema())
+
+
+def _assert_packed_equals_padded(model, batch, jb, seed=0):
+  """Logits of the packed batch ``jb`` equal the padded ``batch``'s (random parameters)."""
+  params = _random_params(model, batch, seed)
+  apply = jax.jit(model.apply)
+  np.testing.assert_allclose(apply({"params": params}, jb), apply({"params": params}, batch),
+                             rtol=1e-5, atol=1e-5)
+
+
+def test_pma_packed_equals_padded():
+  _, batch = make()
+  _assert_packed_equals_padded(_model(pooling="pma"), batch, packed_batch(batch))
