@@ -6,14 +6,16 @@ run as packed towers (``kunlun.nn.packed``). Notes: docs/architecture.md."""
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
 from data.schema import Schema
 from kunlun.configs.types import ModelConfig
-from kunlun.nn import remat as remat_lib
 from kunlun.nn import packed, rows
+from kunlun.nn import remat as remat_lib
 from kunlun.nn.inputs import EventEmbed
 from kunlun.nn.layer import COMPUTE_DTYPES, KunlunLayer
 from kunlun.nn.oneseq import StreamMerge
@@ -52,6 +54,7 @@ class Kunlun(nn.Module):
   schema: Schema
   remat: str = "none"
   remat_scope: str = "layer"
+  packed_extra_inputs: ClassVar[bool] = False   # a subclass's extra_inputs takes packed towers
 
   def __call__(self, batch, train: bool = False):
     return self.representations(batch, train)["logits"]
@@ -91,9 +94,9 @@ class Kunlun(nn.Module):
     if request_index is not None:
       raise ValueError("packed (jagged) towers are not supported on the shared serving path "
                        "(request_index)")
-    if type(self).extra_inputs is not Kunlun.extra_inputs:
-      raise ValueError(f"{type(self).__name__} adds model inputs (extra_inputs, e.g. LoopFM); "
-                       "packed (jagged) towers support the plain Kunlun model only")
+    if type(self).extra_inputs is not Kunlun.extra_inputs and not self.packed_extra_inputs:
+      raise ValueError(f"{type(self).__name__} adds model inputs (extra_inputs) that do not take "
+                       "packed (jagged) towers (packed_extra_inputs)")
     t = self.cfg.seq_towers[0]
     if context.is_sharded(jax.ShapeDtypeStruct((batch_size, t.kept_len, t.heads, t.head_dim),
                                                jnp.float32)):
@@ -103,7 +106,8 @@ class Kunlun(nn.Module):
   def extra_inputs(self, batch, x_bnd, seqs, lengths):
     """Hook for subclasses that add model inputs before the trunk (e.g. LoopFM's FM features,
     ``kunlun.transfer.loopfm``): may append context tokens to ``x_bnd [B, N, d_ns]`` and change
-    the event embeddings ``seqs {stream: [B, T, d_e]}``. Identity here."""
+    the event embeddings ``seqs {stream: [B, T, d_e]}``, or ``Packed([N, d_e])`` for a packed
+    stream where the subclass sets ``packed_extra_inputs``. Identity here."""
     del batch, lengths
     return x_bnd, seqs
 

@@ -10,11 +10,12 @@ import pytest
 from data.fake import tiny_schema
 from data.jagged import pack_events
 from kunlun.configs import tiny
-from kunlun.models.build import build_model
+from kunlun.transfer import loopfm
+from kunlun.transfer.join import EmbeddingLog, event_times
 from pallas_kernels import jagged, reference
 from pallas_kernels.jagged import Jagged
 from tests.kunlun.models.test_kunlun_jagged import make, packed_batch
-from tests.kunlun.transfer.test_loopfm import _random_params
+from tests.kunlun.transfer.test_loopfm import D_FM, _random_params
 
 LENS = np.array([5, 0, 17, 1, 9])            # one empty history; 32 tokens at capacity 40
 T, H, D, S = 17, 2, 4, 3
@@ -65,13 +66,13 @@ def test_jagged_softmax_pool_against_numpy_and_padded_gradients():
     jagged.jagged_softmax_pool(q[:, :1], toks["k"], toks["v"], jag)
 
 
-def _model(**fields):
-  """The tiny Kunlun with ``config.model`` fields set (time buckets on: the packed PMA / merged
-  tower read the tokens' ages)."""
+def _config(**fields):
+  """The tiny config with ``config.model`` fields set (time buckets on: the packed poolings and
+  the merged tower read the tokens' ages)."""
   cfg = tiny.get_config()
   cfg.model.time_buckets.enabled = True
   cfg.model.update(fields)
-  return build_model(cfg, tiny_schema())
+  return cfg
 
 
 def _assert_packed_equals_padded(model, batch, jb, seed=0):
@@ -82,6 +83,49 @@ def _assert_packed_equals_padded(model, batch, jb, seed=0):
                              rtol=1e-5, atol=1e-5)
 
 
-def test_pma_packed_equals_padded():
+def test_pma_and_loopfm_packed_equals_padded():
+  """PMA pooling and LoopFM's inputs (context token; per-event FM rows packed like their stream's
+  tokens, as ``pack_events`` packs them with the events) on packed towers: the padded model's
+  logits (one program pair for both: the suite's time budget); a padded ``[B, T, d_fm]`` for a
+  packed stream is a one-line error."""
   _, batch = make()
-  _assert_packed_equals_padded(_model(pooling="pma"), batch, packed_batch(batch))
+  rng = np.random.default_rng(2)
+  B = len(batch["surface"])
+  batch["fm_ctx"] = rng.normal(size=(B, D_FM)).astype(np.float32)
+  batch["fm_ctx_present"] = rng.uniform(size=B) < 0.7
+  batch["fm_events"], batch["fm_events_present"] = {}, {}
+  for s, ev in batch["events"].items():
+    batch["fm_events"][s] = rng.normal(size=ev["item"].shape + (D_FM,)).astype(np.float32)
+    batch["fm_events_present"][s] = rng.uniform(size=ev["item"].shape) < 0.6
+  jb = packed_batch(batch)
+  jb["fm_events"], jb["fm_events_present"] = {}, {}
+  for s, ev in batch["events"].items():
+    rows = {"fm": batch["fm_events"][s], "present": batch["fm_events_present"][s]}
+    toks = pack_events(rows, ev["length"], jb["events"][s]["seg"].shape[0])[0]
+    jb["fm_events"][s], jb["fm_events_present"][s] = toks["fm"], toks["present"]
+  model = loopfm.build_loopfm(_config(pooling="pma"), tiny_schema(), use_ctx=True,
+                              use_events=True)
+  _assert_packed_equals_padded(model, batch, jb)
+  bad = dict(jb, fm_events=dict(jb["fm_events"], click=batch["fm_events"]["click"]))
+  with pytest.raises(ValueError, match=r"^LoopFM: stream 'click' is packed .*got \(12, 32, 6\)"):
+    jax.eval_shape(lambda b: model.init(jax.random.key(0), b), bad)
+
+
+def test_join_on_a_packed_stream_equals_packing_the_padded_join():
+  """``EmbeddingLog.join_events`` on a packed stream gives the padded join's rows packed like the
+  tokens (``pack_events``); padding tokens are missing."""
+  _, batch = make()
+  ev = batch["events"]["click"]
+  rng = np.random.default_rng(3)
+  b, t = np.nonzero(np.arange(ev["item"].shape[1])[None] < ev["length"][:, None])
+  ts = event_times(batch["request_ts"], ev["age"])[b, t] + rng.integers(-5, 3, len(b))  # some later
+  log = EmbeddingLog(batch["user_id"][b], ev["item"][b, t], ts,
+                     rng.normal(size=(len(b), D_FM)).astype(np.float32))
+  emb, present, age = log.join_events(batch, "click")
+  jb = packed_batch(batch)
+  got = log.join_events(jb, "click")
+  want = pack_events({"emb": emb, "present": present, "age": age}, ev["length"],
+                     jb["events"]["click"]["seg"].shape[0])[0]
+  assert 0 < present.sum() < len(b)
+  for g, k in zip(got, ("emb", "present", "age"), strict=True):
+    np.testing.assert_array_equal(g, want[k], err_msg=k)
