@@ -9,12 +9,13 @@ import pytest
 
 from data.fake import tiny_schema
 from data.jagged import pack_events
-from kunlun.configs import tiny
+from kunlun.configs import vm_tiny
+from kunlun.models.build import build_model
 from kunlun.transfer import loopfm
 from kunlun.transfer.join import EmbeddingLog, event_times
 from pallas_kernels import jagged, reference
 from pallas_kernels.jagged import Jagged
-from tests.kunlun.models.test_kunlun_jagged import make, packed_batch
+from tests.kunlun.models.test_kunlun_jagged import loss_and_grad, make, packed_batch
 from tests.kunlun.transfer.test_loopfm import D_FM, _random_params
 
 LENS = np.array([5, 0, 17, 1, 9])            # one empty history; 32 tokens at capacity 40
@@ -67,10 +68,12 @@ def test_jagged_softmax_pool_against_numpy_and_padded_gradients():
 
 
 def _config(**fields):
-  """The tiny config with ``config.model`` fields set (time buckets on: the packed poolings and
-  the merged tower read the tokens' ages)."""
-  cfg = tiny.get_config()
+  """The vm_tiny config (one layer: the cheapest programs) with ``config.model`` fields set; time
+  buckets on (the packed poolings and the merged tower read the tokens' ages); OneSeq keeps 12 of
+  the streams' 16 slots (the merge truncates)."""
+  cfg = vm_tiny.get_config()
   cfg.model.time_buckets.enabled = True
+  cfg.model.oneseq.kept_len = 12
   cfg.model.update(fields)
   return cfg
 
@@ -88,7 +91,7 @@ def test_pma_and_loopfm_packed_equals_padded():
   tokens, as ``pack_events`` packs them with the events) on packed towers: the padded model's
   logits (one program pair for both: the suite's time budget); a padded ``[B, T, d_fm]`` for a
   packed stream is a one-line error."""
-  _, batch = make()
+  _, batch = make(preset=vm_tiny)
   rng = np.random.default_rng(2)
   B = len(batch["surface"])
   batch["fm_ctx"] = rng.normal(size=(B, D_FM)).astype(np.float32)
@@ -107,14 +110,33 @@ def test_pma_and_loopfm_packed_equals_padded():
                               use_events=True)
   _assert_packed_equals_padded(model, batch, jb)
   bad = dict(jb, fm_events=dict(jb["fm_events"], click=batch["fm_events"]["click"]))
-  with pytest.raises(ValueError, match=r"^LoopFM: stream 'click' is packed .*got \(12, 32, 6\)"):
+  with pytest.raises(ValueError, match=r"^LoopFM: stream 'click' is packed .*got \(12, 8, 6\)"):
     jax.eval_shape(lambda b: model.init(jax.random.key(0), b), bad)
+
+
+def test_oneseq_packed_equals_padded():
+  """OneSeq with packed streams (merged in-graph, packed again at ``merged_capacity``): the padded
+  model's logits, loss and gradients. Gradients: rtol 1e-5 plus 1e-5 of each leaf's largest
+  entry (random parameters: summation order alone moved the towers-mode packed model's
+  gradients by up to 4.7e-6 of a leaf's largest entry, the tiny config)."""
+  _, batch = make(preset=vm_tiny)
+  model = build_model(_config(seq_mode="oneseq"), tiny_schema())
+  params = _random_params(model, batch, 1)
+  (loss_p, logits_p), grads_p = loss_and_grad(model, params, batch)
+  (loss_j, logits_j), grads_j = loss_and_grad(model, params, packed_batch(batch))
+  np.testing.assert_allclose(logits_j, logits_p, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(loss_j, loss_p, rtol=1e-5)
+  flat_p = dict(jax.tree_util.tree_flatten_with_path(grads_p)[0])
+  for k, g in jax.tree_util.tree_flatten_with_path(grads_j)[0]:
+    ref = np.asarray(flat_p[k])
+    np.testing.assert_allclose(g, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max(),
+                               err_msg=jax.tree_util.keystr(k))
 
 
 def test_join_on_a_packed_stream_equals_packing_the_padded_join():
   """``EmbeddingLog.join_events`` on a packed stream gives the padded join's rows packed like the
   tokens (``pack_events``); padding tokens are missing."""
-  _, batch = make()
+  _, batch = make(preset=vm_tiny)
   ev = batch["events"]["click"]
   rng = np.random.default_rng(3)
   b, t = np.nonzero(np.arange(ev["item"].shape[1])[None] < ev["length"][:, None])
