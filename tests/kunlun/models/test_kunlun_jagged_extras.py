@@ -11,11 +11,14 @@ from data.fake import tiny_schema
 from data.jagged import pack_events
 from kunlun.configs import vm_tiny
 from kunlun.models.build import build_model
+from kunlun.nn import oneseq
+from kunlun.nn.packed import Packed
 from kunlun.transfer import loopfm
 from kunlun.transfer.join import EmbeddingLog, event_times
 from pallas_kernels import jagged, reference
 from pallas_kernels.jagged import Jagged
 from tests.kunlun.models.test_kunlun_jagged import loss_and_grad, make, packed_batch
+from tests.kunlun.nn.test_oneseq import reference_merge
 from tests.kunlun.transfer.test_loopfm import D_FM, _random_params
 
 LENS = np.array([5, 0, 17, 1, 9])            # one empty history; 32 tokens at capacity 40
@@ -151,3 +154,35 @@ def test_join_on_a_packed_stream_equals_packing_the_padded_join():
   assert 0 < present.sum() < len(b)
   for g, k in zip(got, ("emb", "present", "age"), strict=True):
     np.testing.assert_array_equal(g, want[k], err_msg=k)
+
+
+def test_oneseq_merge_of_a_packed_and_a_padded_stream():
+  """``as_rows`` -> ``merge_streams`` -> ``pack_merged`` (a packed stream beside a padded one, as
+  ``data.jagged_capacity`` may pack some streams only) against the python merge of
+  ``tests/kunlun/nn/test_oneseq.py``; ``merged_capacity`` is min(tokens, B kept_len) rounded up."""
+  rng = np.random.default_rng(4)
+  Ts, kept = (6, 4), 5
+  lengths = [np.array([3, 0, 6, 1, 2], np.int32), np.array([4, 0, 1, 0, 3], np.int32)]
+  ages = [np.where(np.arange(T)[None] < n[:, None],
+                   np.sort(rng.integers(0, 30, (5, T)).astype(np.float32))[:, ::-1], 0.0)
+          for T, n in zip(Ts, lengths, strict=True)]
+  s = [np.stack([np.full((5, T), e, np.float32), np.tile(np.arange(T, dtype=np.float32), (5, 1))],
+                -1) for e, T in enumerate(Ts)]                    # payload: (stream, position)
+  toks, offsets, seg, pos, _ = pack_events({"s": s[0], "age": ages[0]}, lengths[0], 64)
+  first = Packed(jnp.asarray(toks["s"]), Jagged(*(jnp.asarray(a) for a in (offsets, seg, pos))))
+  assert oneseq.merged_capacity([first, s[1]], 5, kept, multiple=1) == 5 * kept
+  assert oneseq.merged_capacity([first, s[1]], 5, 100, multiple=1) == 64 + 5 * Ts[1]
+  assert oneseq.merged_capacity([first, s[1]], 5, kept) == 64
+
+  @jax.jit
+  def merged(first, age0, second, age1):
+    rows = [oneseq.as_rows(first, age0, Ts[0]), oneseq.as_rows(second, age1, None)]
+    m = oneseq.merge_streams([r[0] for r in rows], lengths, [r[1] for r in rows], kept)
+    tower, n, age = oneseq.pack_merged(*m[:3], 64)
+    return jagged.unpack(tower.value, tower.jag, kept), n, jagged.unpack(age, tower.jag, kept)
+
+  got, n, age = (np.asarray(x) for x in merged(first, toks["age"], s[1], ages[1]))
+  for b, ref in enumerate(reference_merge(ages, lengths, kept)):
+    assert n[b] == len(ref) and [tuple(map(int, x)) for x in got[b, :n[b]]] == ref
+    np.testing.assert_array_equal(age[b, :n[b]], [ages[e][b, t] for e, t in ref])
+    assert not got[b, n[b]:].any() and not age[b, n[b]:].any()
