@@ -40,7 +40,7 @@ def embed_sequences(cfg: ModelConfig, schema: Schema, batch, dtype, remat: str =
                                       schema, batch, dtype, cfg.num_time_buckets, embed=Embed,
                                       packed_ok=True)
   kept = {x.name: x.kept_len for x in cfg.towers}
-  padded = [oneseq.as_rows(seqs[n], ages[n], kept.get(n)) for n in names]
+  padded = [oneseq.stream_rows(seqs[n], ages[n], kept.get(n)) for n in names]
   s, length, age, _ = oneseq.StreamMerge(len(names), t.kept_len, name="oneseq_merge")(
       [p[0] for p in padded], [lengths[n] for n in names], [p[1] for p in padded])
   if any(packed.is_packed(v) for v in seqs.values()):

@@ -4,7 +4,9 @@ HSP: learnable seeds ``E [n_seed, d]`` (shared by the batch, GDPA ``broadcast_q`
 sequence, ``Hs = E + GDPA(RMSNorm(E) W_q, RMSNorm(s) W_k, RMSNorm(s) W_v; act, 1/T_max) W_o``, then
 ``SumKronLinear`` compresses ``RMSNorm(Hs)`` to ``n_sum`` summary tokens. With ``time_buckets``
 the keys (the per-event side; the queries are the seeds) get per-head additive time/position
-bucket embeddings (spec b.5-2, ``kunlun.nn.time_encoding``).
+bucket embeddings (spec b.5-2, ``kunlun.nn.time_encoding``). Both also pool a packed tower
+(``kunlun.nn.packed.Packed`` tokens ``[N, d]``) per example: HSP through ``jagged_gdpa_pool``, PMA
+through ``jagged_softmax_pool``.
 """
 
 from __future__ import annotations

@@ -6,9 +6,9 @@ event age (oldest first, as in the per-stream layout), valid events packed at th
 most recent ``kept_len`` events are kept. Packed (jagged) streams: each stream's packed
 embeddings ``[N_e, d]`` are unpacked to rows for the merge (a sort and gathers, no matmul FLOPs)
 and the merged sequence is packed again at ``merged_capacity`` (``kunlun.models.kunlun``), so the
-tower runs packed. ``equal_flops_config`` picks the merged tower's width so
-that the model's FLOPs match the per-stream-tower model (the "equal FLOPs" switch), from a FLOP
-formula it is given (``kunlun.models.flops``), so the model's import chain holds no FLOP counter.
+tower runs packed. ``equal_flops_config`` picks the merged tower's width so that the model's FLOPs
+match the per-stream-tower model (the "equal FLOPs" switch), from a FLOP formula it is given
+(``kunlun.models.flops``), so the model's import chain holds no FLOP counter.
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ class StreamMerge(nn.Module):
       return shard(s, ("batch", "seq", "embed")), lengths, age, src
 
 
-def as_rows(s, age, max_len: int | None):
+def stream_rows(s, age, max_len: int | None):
   """One stream for ``merge_streams``: a packed stream (``s = Packed([N, d])``, ``age f32[N]``)
   unpacked to ``([B, T, d], f32[B, T])`` with ``T = min(max_len, N)`` (``max_len``: its kept
   length, the longest row the pipeline packs; None: N); a padded stream as it is."""

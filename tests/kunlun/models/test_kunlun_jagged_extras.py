@@ -14,6 +14,7 @@ from kunlun.models.build import build_model
 from kunlun.nn import oneseq
 from kunlun.nn.packed import Packed
 from kunlun.transfer import loopfm
+from kunlun.transfer.experiment import FMFeatures
 from kunlun.transfer.join import EmbeddingLog, event_times
 from pallas_kernels import jagged, reference
 from pallas_kernels.jagged import Jagged
@@ -138,7 +139,8 @@ def test_oneseq_packed_equals_padded():
 
 def test_join_on_a_packed_stream_equals_packing_the_padded_join():
   """``EmbeddingLog.join_events`` on a packed stream gives the padded join's rows packed like the
-  tokens (``pack_events``); padding tokens are missing."""
+  tokens (``pack_events``); padding tokens are missing; ``FMFeatures``' present rate is the same
+  on both layouts."""
   _, batch = make(preset=vm_tiny)
   ev = batch["events"]["click"]
   rng = np.random.default_rng(3)
@@ -154,10 +156,14 @@ def test_join_on_a_packed_stream_equals_packing_the_padded_join():
   assert 0 < present.sum() < len(b)
   for g, k in zip(got, ("emb", "present", "age"), strict=True):
     np.testing.assert_array_equal(g, want[k], err_msg=k)
+  for b in (batch, jb):                      # the transfer experiment's join statistics
+    features = FMFeatures(log, None, join_key="user_item")
+    features.loopfm(b, ["click"])
+    assert features.present_rates()["events"] == present.sum() / ev["length"].sum()
 
 
 def test_oneseq_merge_of_a_packed_and_a_padded_stream():
-  """``as_rows`` -> ``merge_streams`` -> ``pack_merged`` (a packed stream beside a padded one, as
+  """``stream_rows`` -> ``merge_streams`` -> ``pack_merged`` (a packed stream beside a padded one, as
   ``data.jagged_capacity`` may pack some streams only) against the python merge of
   ``tests/kunlun/nn/test_oneseq.py``; ``merged_capacity`` is min(tokens, B kept_len) rounded up."""
   rng = np.random.default_rng(4)
@@ -176,7 +182,7 @@ def test_oneseq_merge_of_a_packed_and_a_padded_stream():
 
   @jax.jit
   def merged(first, age0, second, age1):
-    rows = [oneseq.as_rows(first, age0, Ts[0]), oneseq.as_rows(second, age1, None)]
+    rows = [oneseq.stream_rows(first, age0, Ts[0]), oneseq.stream_rows(second, age1, None)]
     m = oneseq.merge_streams([r[0] for r in rows], lengths, [r[1] for r in rows], kept)
     tower, n, age = oneseq.pack_merged(*m[:3], 64)
     return jagged.unpack(tower.value, tower.jag, kept), n, jagged.unpack(age, tower.jag, kept)
