@@ -2,7 +2,8 @@
 
 Tokens ``[N, H, D]`` of B examples at a static capacity N with ``Jagged(offsets i32[B+1], seg
 i32[N], pos i32[N])`` (pallas_kernels/README.md); ops ``jagged_gdpa_cross`` (PFFN),
-``jagged_gdpa_pool`` (HSP), ``jagged_block_attention``, ``jagged_softmax_attention``.
+``jagged_gdpa_pool`` (HSP), ``jagged_block_attention``, ``jagged_softmax_attention``;
+``jagged_softmax_pool`` (PMA; XLA only).
 """
 
 from __future__ import annotations
@@ -320,6 +321,38 @@ def jagged_gdpa_pool(q, k, v, jagged: Jagged, *, activation="fast_gelu", scale=N
   o = jnp.zeros((H, B + 1) + o.shape[2:], o.dtype).at[:, b].add(o, indices_are_sorted=True)
   o = jnp.moveaxis(o[:, :B], 0, 2)                                          # [B, S, H, D]
   return (o * out_scale).astype(q.dtype)
+
+
+def jagged_softmax_pool(q, k, v, jagged: Jagged, *, scale=None, tile=None):
+  """PMA's pooling: shared queries softmax-attend to each example's tokens, ``o[b, s] =
+  sum_{n in b} softmax_n(scale q_s.k_n) v_n`` (scores and softmax in float32).
+
+  ``q [S, H, D]`` (shared), ``k, v [N, H, D]`` -> ``[B, S, H, D]`` in q's dtype; an empty
+  history gives 0 (as ``masked_softmax_attention``'s rows without a key). Exact per example:
+  the work list of ``jagged_gdpa_pool`` scores each (tile, example) pair, the example's max is a
+  max over its pairs, and the exponentials' sums and ``e @ v`` are added per example.
+  """
+  check_tokens(jagged, k, v)
+  if q.ndim != 3 or q.shape[1:] != k.shape[1:]:
+    raise ValueError(f"jagged_softmax_pool: q must be [S, {k.shape[1]}, {k.shape[2]}], got "
+                     f"{q.shape}")
+  B, (H, D) = jagged.batch, k.shape[1:]
+  scale = D ** -0.5 if scale is None else scale
+  tile, t, b, rows = _pair_rows(jagged, tile)
+  tiles = lambda x: jnp.moveaxis(_tiles(x, tile), 2, 0)[:, t]             # [H, P, tile, D]
+  z = jnp.einsum("hqd,hpkd->hpqk", jnp.moveaxis(q, 1, 0), tiles(k),
+                 preferred_element_type=_F32) * scale                      # [H, P, S, tile]
+  keep = rows[None, :, None, :]
+  per_example = lambda x, fill: jnp.full((H, B + 1) + x.shape[2:], fill, x.dtype)
+  mx = jnp.max(jnp.where(keep, z, -jnp.inf), axis=-1)                       # [H, P, S]
+  mx = per_example(mx, -jnp.inf).at[:, b].max(mx, indices_are_sorted=True)
+  mx = lax.stop_gradient(jnp.where(jnp.isfinite(mx), mx, 0.0))             # softmax: shift-free
+  e = jnp.where(keep, jnp.exp(jnp.where(keep, z - mx[:, b, :, None], 0.0)), 0.0)
+  den = per_example(mx, 0.0).at[:, b].add(jnp.sum(e, axis=-1), indices_are_sorted=True)
+  o = jnp.einsum("hpqk,hpkd->hpqd", e.astype(v.dtype), tiles(v), preferred_element_type=_F32)
+  o = per_example(o, 0.0).at[:, b].add(o, indices_are_sorted=True)[:, :B]  # [H, B, S, D]
+  o = o / jnp.where(den > 0, den, 1.0)[:, :B, :, None]
+  return jnp.moveaxis(o, 0, 2).astype(q.dtype)
 
 
 # ----------------------------------------------------------------------------- self-attention

@@ -6,41 +6,47 @@ run as packed towers (``kunlun.nn.packed``). Notes: docs/architecture.md."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+from typing import ClassVar
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
 from data.schema import Schema
 from kunlun.configs.types import ModelConfig
+from kunlun.nn import oneseq, packed, rows
 from kunlun.nn import remat as remat_lib
-from kunlun.nn import packed, rows
 from kunlun.nn.inputs import EventEmbed
 from kunlun.nn.layer import COMPUTE_DTYPES, KunlunLayer
-from kunlun.nn.oneseq import StreamMerge
-from kunlun.nn.stages import apply_heads, embed_context, embed_streams, is_packed_stream
+from kunlun.nn.stages import apply_heads, embed_context, embed_streams
 from sharding import context
 
 __all__ = ["Kunlun", "embed_sequences", "embed_context", "apply_heads"]
 
 
 def embed_sequences(cfg: ModelConfig, schema: Schema, batch, dtype, remat: str = "none"):
-  """Per tower: ``(seqs {name: [B, T, d]}, lengths {name: i32[B]}, ages {name: f32[B, T]})``.
-  ``remat``: a ``kunlun.nn.remat`` policy applied to each stream's EventEmbed."""
-  ev = batch["events"]
+  """Per tower: ``(seqs {name: [B, T, d]}, lengths {name: i32[B]}, ages {name: f32[B, T]})``
+  (a packed tower: ``Packed([N, d])``, ``f32[N]``). OneSeq: the streams embedded at the merged
+  width and merged (``kunlun.nn.oneseq``); with a packed stream the merged tower is packed at
+  ``oneseq.merged_capacity``. ``remat``: a ``kunlun.nn.remat`` policy applied to each stream's
+  EventEmbed."""
   Embed = remat_lib.wrap(EventEmbed, remat)
-  if cfg.seq_mode == "oneseq":
-    if any(is_packed_stream(ev[n]) for n in schema.stream_names):
-      raise ValueError("model.seq_mode = 'oneseq' does not support packed (jagged) streams "
-                       "(data.jagged_capacity)")
-    t = cfg.oneseq
-    s_list = [Embed(st, len(schema.surfaces), t.width, cfg.num_time_buckets, dtype,
-                    name=f"embed_{st.name}")(ev[st.name]) for st in schema.streams]
-    s, lengths, age, _ = StreamMerge(len(schema.streams), t.kept_len, name="oneseq_merge")(
-        s_list, [jnp.asarray(ev[n]["length"], jnp.int32) for n in schema.stream_names],
-        [jnp.asarray(ev[n]["age"], jnp.float32) for n in schema.stream_names])
-    return {t.name: s}, {t.name: lengths}, {t.name: age}
-  return embed_streams(cfg.towers, schema, batch, dtype, cfg.num_time_buckets, embed=Embed,
-                       packed_ok=True)
+  if cfg.seq_mode != "oneseq":
+    return embed_streams(cfg.towers, schema, batch, dtype, cfg.num_time_buckets, embed=Embed,
+                         packed_ok=True)
+  t, names = cfg.oneseq, schema.stream_names
+  seqs, lengths, ages = embed_streams([SimpleNamespace(name=n, width=t.width) for n in names],
+                                      schema, batch, dtype, cfg.num_time_buckets, embed=Embed,
+                                      packed_ok=True)
+  kept = {x.name: x.kept_len for x in cfg.towers}
+  padded = [oneseq.stream_rows(seqs[n], ages[n], kept.get(n)) for n in names]
+  s, length, age, _ = oneseq.StreamMerge(len(names), t.kept_len, name="oneseq_merge")(
+      [p[0] for p in padded], [lengths[n] for n in names], [p[1] for p in padded])
+  if any(packed.is_packed(v) for v in seqs.values()):
+    s, length, age = oneseq.pack_merged(
+        s, length, age, oneseq.merged_capacity(seqs.values(), length.shape[0], t.kept_len))
+  return {t.name: s}, {t.name: length}, {t.name: age}
 
 
 class Kunlun(nn.Module):
@@ -52,6 +58,7 @@ class Kunlun(nn.Module):
   schema: Schema
   remat: str = "none"
   remat_scope: str = "layer"
+  packed_extra_inputs: ClassVar[bool] = False   # a subclass's extra_inputs takes packed towers
 
   def __call__(self, batch, train: bool = False):
     return self.representations(batch, train)["logits"]
@@ -91,9 +98,9 @@ class Kunlun(nn.Module):
     if request_index is not None:
       raise ValueError("packed (jagged) towers are not supported on the shared serving path "
                        "(request_index)")
-    if type(self).extra_inputs is not Kunlun.extra_inputs:
-      raise ValueError(f"{type(self).__name__} adds model inputs (extra_inputs, e.g. LoopFM); "
-                       "packed (jagged) towers support the plain Kunlun model only")
+    if type(self).extra_inputs is not Kunlun.extra_inputs and not self.packed_extra_inputs:
+      raise ValueError(f"{type(self).__name__} adds model inputs (extra_inputs) that do not take "
+                       "packed (jagged) towers (packed_extra_inputs)")
     t = self.cfg.seq_towers[0]
     if context.is_sharded(jax.ShapeDtypeStruct((batch_size, t.kept_len, t.heads, t.head_dim),
                                                jnp.float32)):
@@ -103,7 +110,8 @@ class Kunlun(nn.Module):
   def extra_inputs(self, batch, x_bnd, seqs, lengths):
     """Hook for subclasses that add model inputs before the trunk (e.g. LoopFM's FM features,
     ``kunlun.transfer.loopfm``): may append context tokens to ``x_bnd [B, N, d_ns]`` and change
-    the event embeddings ``seqs {stream: [B, T, d_e]}``. Identity here."""
+    the event embeddings ``seqs {stream: [B, T, d_e]}``, or ``Packed([N, d_e])`` for a packed
+    stream where the subclass sets ``packed_extra_inputs``. Identity here."""
     del batch, lengths
     return x_bnd, seqs
 

@@ -4,7 +4,9 @@ HSP: learnable seeds ``E [n_seed, d]`` (shared by the batch, GDPA ``broadcast_q`
 sequence, ``Hs = E + GDPA(RMSNorm(E) W_q, RMSNorm(s) W_k, RMSNorm(s) W_v; act, 1/T_max) W_o``, then
 ``SumKronLinear`` compresses ``RMSNorm(Hs)`` to ``n_sum`` summary tokens. With ``time_buckets``
 the keys (the per-event side; the queries are the seeds) get per-head additive time/position
-bucket embeddings (spec b.5-2, ``kunlun.nn.time_encoding``).
+bucket embeddings (spec b.5-2, ``kunlun.nn.time_encoding``). Both also pool a packed tower
+(``kunlun.nn.packed.Packed`` tokens ``[N, d]``) per example: HSP through ``jagged_gdpa_pool``, PMA
+through ``jagged_softmax_pool``.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from kunlun.nn.attention import masked_softmax_attention
 from kunlun.nn.gdpa import gdpa_op
 from kunlun.nn.norms import rms_norm
 from kunlun.nn.time_encoding import add_bucket_embedding
+from pallas_kernels import jagged
 from pallas_kernels.activations import per_head
 from sharding import shard, with_axes
 
@@ -128,8 +131,9 @@ class PMA(nn.Module):
   """Pooling by multi-head attention (InterFormer's PMA; HSP ablation).
 
   ``n_sum`` learnable queries softmax-attend to the valid events: ``Y = E + MHA(E, s)``, then
-  a linear map to ``out_dim`` when given. ``(s [B, T, d], lengths) -> [B, n_sum, out_dim or d]``;
-  an empty sequence gives ``Y = E``-based output. ``time_buckets``: key bucket embeddings as HSP.
+  a linear map to ``out_dim`` when given. ``(s [B, T, d], lengths) -> [B, n_sum, out_dim or d]``
+  (or a packed tower, ``__call__``); an empty sequence gives ``Y = E``-based output.
+  ``time_buckets``: key bucket embeddings as HSP.
   """
   n_sum: int
   heads: int
@@ -139,9 +143,12 @@ class PMA(nn.Module):
 
   @nn.compact
   def __call__(self, s, lengths, age=None):
-    if packed.is_packed(s):
-      raise ValueError("model.pooling = 'pma' is not supported with packed (jagged) towers")
-    B, T, d = s.shape
+    """``s``: ``[B, T, d]`` or a packed tower (``kunlun.nn.packed.Packed``, ``age f32[N]``):
+    each example's softmax runs over its own tokens (``jagged_softmax_pool``)."""
+    jag = s.jag if packed.is_packed(s) else None
+    if jag is not None:
+      s = s.value
+    d = s.shape[-1]
     if d % self.heads:
       raise ValueError(f"PMA: heads={self.heads} does not divide width d={d}")
     H, dt = self.heads, self.dtype
@@ -151,10 +158,14 @@ class PMA(nn.Module):
       q = _to_heads(self, "query", rms_norm(e), H, dt)
       hs = rms_norm(s, dtype=dt)
       k, v = _to_heads(self, "key", hs, H, dt), _to_heads(self, "value", hs, H, dt)
-      k = add_bucket_embedding(self, "time_bucket_k", k, age, lengths, self.time_buckets)
-      valid = jnp.arange(T)[None, :] < jnp.asarray(lengths, jnp.int32)[:, None]    # [B, T]
-      mask = jnp.broadcast_to(valid[:, None, :], (B, self.n_sum, T))
-      o = masked_softmax_attention(jnp.broadcast_to(q[None], (B,) + q.shape), k, v, mask)
+      k = add_bucket_embedding(self, "time_bucket_k", k, age, lengths, self.time_buckets, jag)
+      if jag is not None:
+        o = jagged.jagged_softmax_pool(q, k, v, jag)                          # [B, S, H, dh]
+      else:
+        B, T = s.shape[:2]
+        valid = jnp.arange(T)[None, :] < jnp.asarray(lengths, jnp.int32)[:, None]  # [B, T]
+        mask = jnp.broadcast_to(valid[:, None, :], (B, self.n_sum, T))
+        o = masked_softmax_attention(jnp.broadcast_to(q[None], (B,) + q.shape), k, v, mask)
       h = e + _from_heads(self, "out", o, d, dt).astype(F32)
       if self.out_dim:
         w = self.param("final", with_axes(nn.initializers.lecun_normal(), ("embed", None)),

@@ -3,9 +3,12 @@
 Each stream is embedded by its own ``EventEmbed`` (their fields differ) to the merged tower's
 width; a learned stream-type embedding is added to every valid event; the streams are merged by
 event age (oldest first, as in the per-stream layout), valid events packed at the front, and the
-most recent ``kept_len`` events are kept. ``equal_flops_config`` picks the merged tower's width so
-that the model's FLOPs match the per-stream-tower model (the "equal FLOPs" switch), from a FLOP
-formula it is given (``kunlun.models.flops``), so the model's import chain holds no FLOP counter.
+most recent ``kept_len`` events are kept. Packed (jagged) streams: each stream's packed
+embeddings ``[N_e, d]`` are unpacked to rows for the merge (a sort and gathers, no matmul FLOPs)
+and the merged sequence is packed again at ``merged_capacity`` (``kunlun.models.kunlun``), so the
+tower runs packed. ``equal_flops_config`` picks the merged tower's width so that the model's FLOPs
+match the per-stream-tower model (the "equal FLOPs" switch), from a FLOP formula it is given
+(``kunlun.models.flops``), so the model's import chain holds no FLOP counter.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from kunlun.nn import packed
+from pallas_kernels import jagged
 from sharding import shard, with_axes
 
 
@@ -69,6 +74,34 @@ class StreamMerge(nn.Module):
       s_list = [s + table[i].astype(s.dtype) for i, s in enumerate(s_list)]
       s, lengths, age, src = merge_streams(s_list, lengths_list, age_list, self.kept_len)
       return shard(s, ("batch", "seq", "embed")), lengths, age, src
+
+
+def stream_rows(s, age, max_len: int | None):
+  """One stream for ``merge_streams``: a packed stream (``s = Packed([N, d])``, ``age f32[N]``)
+  unpacked to ``([B, T, d], f32[B, T])`` with ``T = min(max_len, N)`` (``max_len``: its kept
+  length, the longest row the pipeline packs; None: N); a padded stream as it is."""
+  if not packed.is_packed(s):
+    return s, age
+  T = s.jag.capacity if max_len is None else min(int(max_len), s.jag.capacity)
+  return jagged.unpack(s.value, s.jag, T), jagged.unpack(age, s.jag, T)
+
+
+def merged_capacity(seqs, batch: int, kept_len: int, multiple: int = 64) -> int:
+  """Token capacity of the packed merged tower: ``min(sum of the streams' tokens, B kept_len)``
+  (a packed stream's capacity N, a padded one's ``B T``), rounded up to ``multiple``. Each
+  example keeps ``min(sum of its streams' lengths, kept_len)`` merged events, so no batch overflows
+  it: the packed tower holds exactly the padded merge's events."""
+  tokens = sum(s.jag.capacity if packed.is_packed(s) else batch * s.shape[1] for s in seqs)
+  return -(-min(tokens, batch * int(kept_len)) // multiple) * multiple
+
+
+def pack_merged(s, lengths, age, capacity: int):
+  """The merged tower ``(s [B, T, d], lengths i32[B], age f32[B, T])`` as a packed tower
+  ``(Packed([capacity, d]), lengths i32[B], age f32[capacity])``; ``capacity`` must hold every
+  merged event (``merged_capacity``): then each token's ``pos`` is its merged-row column."""
+  tok, jag, _ = jagged.pack(s, lengths, capacity)
+  row = jnp.minimum(jag.seg, jag.batch - 1)
+  return packed.Packed(tok, jag), jag.lengths, jnp.where(jag.valid, age[row, jag.pos], 0.0)
 
 
 def equal_flops_config(config, forward_flops, widths=None):

@@ -72,11 +72,9 @@ class FMFeatures:
     out = self.log.join_batch(batch, streams, key=self.join_key, max_age=self.max_age)
     self.present["ctx"][0] += int(out["fm_ctx_present"].sum())
     self.present["ctx"][1] += out["fm_ctx_present"].size
-    for s in streams:
-      valid = np.arange(out["fm_events_present"][s].shape[1])[None] < \
-          np.asarray(batch["events"][s]["length"])[:, None]
+    for s in streams:                # real events: the lengths' sum (padded or packed stream)
       self.present["events"][0] += int(out["fm_events_present"][s].sum())
-      self.present["events"][1] += int(valid.sum())
+      self.present["events"][1] += int(np.sum(batch["events"][s]["length"]))
     if ctx_dropout > 0:         # after the join statistics: those describe the log itself
       keep = rng.uniform(size=out["fm_ctx_present"].shape) >= ctx_dropout
       out["fm_ctx_present"] = out["fm_ctx_present"] & keep

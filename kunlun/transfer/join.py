@@ -129,15 +129,25 @@ class EmbeddingLog:
     key: "user_item" joins on (user_id, event item) -- the embedding logged when the user met that
     item; "user" joins the user's most recent embedding (any ad) as of the event time.
     Returns ``(emb f32[B, T, d], present bool[B, T], age f32[B, T])``; padded slots are missing.
+    A packed stream (``data/schema.py``: tokens ``[N]`` with ``seg``) gives ``[N, d]``, ``[N]``,
+    ``[N]`` rows aligned with its tokens; padding tokens are missing.
     """
     if stream not in batch["events"]:
       raise KeyError(f"join_events: stream {stream!r} not in batch (has {list(batch['events'])})")
     ev = batch["events"][stream]
     item = np.asarray(ev["item"])
-    B, T = item.shape
-    t = event_times(batch["request_ts"], ev["age"])
-    valid = np.arange(T)[None, :] < np.asarray(ev["length"])[:, None]
-    user = np.broadcast_to(np.asarray(batch["user_id"], np.int64)[:, None], (B, T))
+    user_id = np.asarray(batch["user_id"], np.int64)
+    if "seg" in ev:                            # packed: each token's example is seg (B: padding)
+      seg = np.asarray(ev["seg"])
+      valid = seg < len(user_id)
+      row = np.minimum(seg, len(user_id) - 1)
+      t = event_times(np.asarray(batch["request_ts"])[row], np.asarray(ev["age"])[:, None])[:, 0]
+      user = user_id[row]
+    else:
+      B, T = item.shape
+      t = event_times(batch["request_ts"], ev["age"])
+      valid = np.arange(T)[None, :] < np.asarray(ev["length"])[:, None]
+      user = np.broadcast_to(user_id[:, None], (B, T))
     if key == "user_item":
       emb, present, age = self.pair.lookup(pair_key(user, item), t, max_age=max_age, fill=fill)
     elif key == "user":
@@ -149,7 +159,8 @@ class EmbeddingLog:
 
   def join_batch(self, batch, streams=None, *, key="user_item", max_age=None):
     """Adds the LoopFM inputs to a copy of ``batch``: ``fm_ctx [B,d]``, ``fm_ctx_present [B]``,
-    ``fm_ctx_age [B]``, ``fm_events {stream: [B,T,d]}``, ``fm_events_present {stream: [B,T]}``."""
+    ``fm_ctx_age [B]``, ``fm_events {stream: [B,T,d]}``, ``fm_events_present {stream: [B,T]}``
+    (a packed stream: ``[N, d]`` / ``[N]``, ``join_events``)."""
     out = dict(batch)
     out["fm_ctx"], out["fm_ctx_present"], out["fm_ctx_age"] = self.join_current(
         batch, max_age=max_age)

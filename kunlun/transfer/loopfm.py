@@ -9,7 +9,10 @@
   (b) history: ``fm_events {stream: f32[B, T, d_fm]}`` with
       ``fm_events_present {stream: bool[B, T]}`` -> ``FMAdapter`` output added to each event
       embedding of that stream's tower (a linear adapter in the event encoder); padded events
-      stay zero.
+      stay zero. A packed stream (``data.jagged_capacity``, ``kunlun.nn.packed``) takes its FM
+      rows packed like its tokens: ``fm_events[stream] f32[N, d_fm]``, ``fm_events_present[stream]
+      bool[N]`` (``EmbeddingLog.join_batch`` on the packed batch gives them), added to each real
+      token; padding tokens stay zero.
 
 Missing embeddings are masked: where ``present`` is False the FM value is never read (it may be
 anything, NaN included) and a learned per-input "missing" vector is used instead. The inputs come
@@ -27,6 +30,7 @@ from data.schema import Schema
 from kunlun.configs.transfer import parse_transfer
 from kunlun.configs.types import parse
 from kunlun.models.kunlun import Kunlun
+from kunlun.nn import packed
 from kunlun.nn.layer import COMPUTE_DTYPES
 from sharding import shard, with_axes
 
@@ -62,6 +66,7 @@ class LoopFMKunlun(Kunlun):
   every tower's stream)."""
   use_ctx: bool = True
   use_events: bool = True
+  packed_extra_inputs = True      # extra_inputs takes packed towers (kunlun.nn.packed.Packed)
 
   def extra_inputs(self, batch, x_bnd, seqs, lengths):
     cfg, dt = self.cfg, COMPUTE_DTYPES[self.cfg.dtype]
@@ -81,14 +86,28 @@ class LoopFMKunlun(Kunlun):
           if t.name not in batch["fm_events"]:
             raise ValueError(f"LoopFM: batch['fm_events'] lacks stream {t.name!r} "
                              f"(has {sorted(batch['fm_events'])})")
-          s = seqs[t.name]
-          T = s.shape[1]
-          valid = jnp.arange(T)[None, :] < lengths[t.name][:, None]
-          a = FMAdapter(t.width, dt, name=f"loopfm_{t.name}")(
-              batch["fm_events"][t.name][:, :T], batch["fm_events_present"][t.name][:, :T])
-          seqs[t.name] = shard(s + jnp.where(valid[..., None], a, 0).astype(s.dtype),
-                               ("batch", "seq", "embed"))
+          s, fm, present = (seqs[t.name], batch["fm_events"][t.name],
+                            batch["fm_events_present"][t.name])
+          if packed.is_packed(s):
+            _check_packed_rows(t.name, s.jag.capacity, fm, present)
+            value, valid = s.value, s.jag.valid
+          else:
+            T = s.shape[1]
+            value, valid, fm, present = (s, jnp.arange(T)[None, :] < lengths[t.name][:, None],
+                                         fm[:, :T], present[:, :T])
+          a = FMAdapter(t.width, dt, name=f"loopfm_{t.name}")(fm, present)
+          value = value + jnp.where(valid[..., None], a, 0).astype(value.dtype)
+          seqs[t.name] = (packed.Packed(value, s.jag) if packed.is_packed(s)
+                          else shard(value, ("batch", "seq", "embed")))
     return x_bnd, seqs
+
+
+def _check_packed_rows(stream, capacity, fm, present):
+  """A packed stream's FM rows are packed like its tokens (module docstring)."""
+  if jnp.ndim(fm) != 2 or jnp.shape(fm)[0] != capacity or jnp.shape(present) != (capacity,):
+    raise ValueError(f"LoopFM: stream {stream!r} is packed (N = {capacity} tokens): "
+                     f"fm_events / fm_events_present must be packed like its tokens, [N, d_fm] / "
+                     f"[N], got {jnp.shape(fm)} / {jnp.shape(present)}")
 
 
 def _require(batch, keys):

@@ -35,8 +35,8 @@ def packed_batch(batch, capacity=None):
   return out
 
 
-def make(kind="swa", time_buckets=False, activation="softmax"):
-  cfg, schema = tiny.get_config(), tiny_schema()
+def make(kind="swa", time_buckets=False, activation="softmax", preset=tiny):
+  cfg, schema = preset.get_config(), tiny_schema()
   cfg.model.attention.kind = kind
   cfg.model.attention.activation = activation
   cfg.model.time_buckets.enabled = time_buckets
@@ -126,8 +126,7 @@ def test_unsupported_combinations_are_one_line_errors():
     def extra_inputs(self, batch, x, seqs, lengths):
       return x, seqs
   _first_line_error(lambda: apply(Extra(model.cfg, model.schema), jb), "extra_inputs")
-  for field, value, words in [("seq_mode", "oneseq", ("oneseq",)), ("pooling", "pma", ("pma",)),
-                              ("backend", "triton", ("triton",))]:
+  for field, value, words in [("backend", "triton", ("triton",))]:
     cfg, schema = tiny.get_config(), tiny_schema()
     cfg.model[field] = value
     m = build_model(cfg, schema)
