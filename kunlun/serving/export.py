@@ -230,12 +230,13 @@ def export(workdir: str, out: str, *, candidates="dynamic", requests=1, jagged_c
           "events": "per stream the most recent kept_len events, oldest first, valid ones in "
                     "[0, length); age = request time - event time in seconds; padding 0",
           "outputs": "logits / sigmoid probabilities per task on the ad row's surface",
-      "jagged_capacity": "streams listed there come packed: the r requests' events back to "
-                         "back, fields [C] (then 0 padding), offsets[r + 1] (request j owns "
-                         "tokens [offsets[j], offsets[j+1])), seg[C] (each token's request; r "
-                         "for padding), pos[C] (index in its request; 0 for padding), length[r] "
-                         "= diff(offsets); kunlun.serving.score.pack_requests builds it; more "
-                         "events than C are refused",
+          "jagged_capacity": "streams listed there come packed: the r requests' events back "
+                             "to back, fields [C] (then 0 padding), offsets[r + 1] (request j "
+                             "owns tokens [offsets[j], offsets[j+1])), seg[C] (each token's "
+                             "request; r for padding), pos[C] (index in its request; 0 for "
+                             "padding), length[r] = diff(offsets); "
+                             "kunlun.serving.score.pack_requests builds it; more events than C "
+                             "are refused",
       },
       "source": {"workdir": workdir, "step": int(used_step), "arch": config.model.arch,
                  "comp_skip": bool(config.model.comp_skip)},
