@@ -80,8 +80,8 @@ class Kunlun(nn.Module):
           raise ValueError(f"{type(self).__name__} adds model inputs (extra_inputs); the shared "
                            "serving path supports the plain Kunlun model only")
         ri = jnp.asarray(request_index, jnp.int32)
-        seqs, lengths, ages = ({n: rows.PerRequest(v) for n, v in d.items()}
-                               for d in (seqs, lengths, ages))
+        seqs, lengths, ages = rows.requests(seqs, lengths, ages,
+                                            {t.name: t.kept_len for t in cfg.seq_towers})
       summaries = {}
       per_layer = self.remat_scope == "layer"
       Layer = remat_lib.wrap(KunlunLayer, remat if per_layer else "none")
@@ -95,9 +95,7 @@ class Kunlun(nn.Module):
 
   def _check_packed(self, batch_size, request_index):
     """Packed (jagged) towers: the combinations they do not support yet, as one-line errors."""
-    if request_index is not None:
-      raise ValueError("packed (jagged) towers are not supported on the shared serving path "
-                       "(request_index)")
+    del request_index                            # the shared serving path packs per request
     if type(self).extra_inputs is not Kunlun.extra_inputs and not self.packed_extra_inputs:
       raise ValueError(f"{type(self).__name__} adds model inputs (extra_inputs) that do not take "
                        "packed (jagged) towers (packed_extra_inputs)")

@@ -75,6 +75,7 @@ class KunlunLayer(nn.Module):
                                 score_clip=cfg.score_clip or None,
                                 time_buckets=cfg.time_buckets.spec(t), name=f"{t.name}_pffn")
           if rows.is_shared(s):          # request-level sequence, ad-level K/V -> ad rows
+            s, age = rows.padded(s, t.kept_len), rows.padded(age)   # packed: [R, T] rows
             s = pffn(s.value, n_len.value, k, v, age.value if tb else None, q_index=ri)
             n_len, age = rows.to_ads(n_len, ri), rows.to_ads(age, ri)
           else:

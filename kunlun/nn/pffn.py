@@ -12,7 +12,8 @@ query (spec b.5-2; ``u`` in the residual is unchanged).
 Request-level sharing (serving, spec d.6, ``kunlun.serving.score``): with ``q_index i32[N]`` the
 sequence side (``s``, ``lengths``, ``age``: ``R`` request rows) is normalised once per request
 and output row ``b`` combines request ``q_index[b]``'s sequence with ad ``b``'s K/V (``N`` rows),
-which equals the PFFN of ``N`` separate examples.
+which equals the PFFN of ``N`` separate examples. Packed request histories reach it as padded
+request rows (``kunlun.nn.rows.padded``).
 """
 
 from __future__ import annotations
@@ -54,8 +55,8 @@ class PFFN(nn.Module):
   def __call__(self, s, lengths, k, v, age=None, q_index=None):
     if packed.is_packed(s):
       if q_index is not None:
-        raise ValueError("PFFN: packed (jagged) towers with q_index (the shared serving path) "
-                         "are not supported")
+        raise ValueError("PFFN: with q_index the request rows must be padded [R, T, d] "
+                         "(kunlun.nn.rows.padded lays packed request tokens out so)")
       return self._packed(s, k, v, age)
     _, T, d = s.shape
     B = s.shape[0] if q_index is None else q_index.shape[0]

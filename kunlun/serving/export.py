@@ -1,7 +1,10 @@
 """Export a trained run's shared serving path (``kunlun.serving.score``) as a ``jax.export``
 artifact: ``python -m kunlun.serving.export --workdir=W --out=O [--candidates=dynamic|N]
-[--requests=1|dynamic|R] [--step=S] [--data_dir=D] [--platforms=cpu[,cuda]] [--no_verify]
-[--trust_workdir]``. Outputs and options: docs/architecture.md, ``kunlun/serving/export.py``."""
+[--requests=1|dynamic|R] [--jagged_capacity=C|stream=C,...] [--step=S] [--data_dir=D]
+[--platforms=cpu[,cuda]] [--no_verify] [--trust_workdir]``. Outputs and options:
+docs/architecture.md, ``kunlun/serving/export.py``. ``--jagged_capacity``: those streams' request
+events come packed at a static capacity of C tokens per call (``score.pack_requests``; recorded
+in the signature as ``jagged_capacity``; more events than C are refused, never dropped)."""
 
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ from jax import export as jex
 
 from data.fake import random_batch
 from data.schema import FIRST_ID, NULL_ID, OOV_ID
+from kunlun.configs.fields import parse_capacity
 from kunlun.configs.types import seq_lens
 from kunlun.serving import loader, score
 from kunlun.serving.loader import ARTIFACT, FORMAT, PARAMS, SIGNATURE, nest
@@ -43,16 +47,43 @@ def parse_count(flag: str, value) -> int | None:
   return n
 
 
-def input_spec(schema, seq_lens: dict, n, r) -> dict:
-  """The serving batch as ``{path: (shape, dtype)}`` with ``n`` / ``r`` ints or dim names."""
+def parse_jagged_capacity(value, streams=None) -> dict[str, int]:
+  """``--jagged_capacity``: "" / None -> {} (padded), "C" -> every stream of ``streams`` at C
+  (``{"*": C}`` when None), "click=C,..." -> those streams; C a positive multiple of 64; a
+  stream not in ``streams`` (when given): ValueError."""
+  v = "" if value is None else str(value).strip()
+  if v.isdigit():
+    v = ",".join(f"{s}={v}" for s in (streams or ["*"]))
+  try:
+    caps = parse_capacity(v) if v != "auto" else "auto"
+  except ValueError as e:
+    raise ValueError(f"--jagged_capacity={value!r}: {e}") from None
+  if caps == "auto":
+    raise ValueError(f"--jagged_capacity={value!r}: give C or stream=C (a request batch has no "
+                     "length sample to size it from)")
+  unknown = sorted(set(caps or {}) - set(streams or caps or {}))
+  if unknown:
+    raise ValueError(f"--jagged_capacity={value!r}: unknown stream(s) {unknown}; streams are "
+                     f"{list(streams)}")
+  return caps or {}
+
+
+def input_spec(schema, seq_lens: dict, n, r, capacity: dict | None = None) -> dict:
+  """The serving batch as ``{path: (shape, dtype)}`` with ``n`` / ``r`` ints or dim names;
+  the streams of ``capacity`` {stream: C} packed (token fields ``[C]``, ``offsets [r + 1]``)."""
   spec = {f"sparse/{f.name}": ((n, f.max_len), "int32") for f in schema.sparse}
   spec["dense"] = ((n, len(schema.dense)), "float32")
   spec["surface"] = ((n,), "int32")
   for st in schema.streams:
-    T = seq_lens[st.name]
+    C = (capacity or {}).get(st.name)
+    rows = (r, seq_lens[st.name]) if C is None else (C,)
     for f in ("item", "action", "surface") + tuple(e.name for e in st.extra_fields):
-      spec[f"events/{st.name}/{f}"] = ((r, T), "int32")
-    spec[f"events/{st.name}/age"] = ((r, T), "float32")
+      spec[f"events/{st.name}/{f}"] = (rows, "int32")
+    spec[f"events/{st.name}/age"] = (rows, "float32")
+    if C is not None:
+      spec[f"events/{st.name}/offsets"] = ((r + 1,), "int32")
+      spec[f"events/{st.name}/seg"] = ((C,), "int32")
+      spec[f"events/{st.name}/pos"] = ((C,), "int32")
     spec[f"events/{st.name}/length"] = ((r,), "int32")
   spec["request_index"] = ((n,), "int32")
   return spec
@@ -70,6 +101,7 @@ def input_ranges(schema, seq_lens: dict) -> dict:
                 p + "surface": [0, S], p + "age": [0, None],
                 p + "length": [0, seq_lens[st.name] + 1]})
     rng.update({p + e.name: [0, e.vocab_size] for e in st.extra_fields})
+    rng.update({p + "offsets": [0, None], p + "seg": [0, None], p + "pos": [0, None]})
   return rng
 
 
@@ -116,9 +148,9 @@ def _restore(workdir: str, step, data_dir, trust_workdir: bool = False):
   return config, schema, model, used, params
 
 
-def export(workdir: str, out: str, *, candidates="dynamic", requests=1, step=None,
-           data_dir=None, platforms=("cpu",), verify: bool = True, trust_workdir: bool = False,
-           log=print) -> dict:
+def export(workdir: str, out: str, *, candidates="dynamic", requests=1, jagged_capacity=None,
+           step=None, data_dir=None, platforms=("cpu",), verify: bool = True,
+           trust_workdir: bool = False, log=print) -> dict:
   """Writes the artifact, parameters and signature to ``out``; returns the signature dict.
   Raises ``startup.FatalError`` (one line) on bad input."""
   try:
@@ -128,23 +160,35 @@ def export(workdir: str, out: str, *, candidates="dynamic", requests=1, step=Non
   bad = [p for p in platforms if p not in PLATFORMS]
   if bad or not platforms:
     startup.fail(f"--platforms={','.join(platforms)}: allowed {PLATFORMS}")
+  try:
+    packs = bool(parse_jagged_capacity(jagged_capacity))        # its form, before the model
+  except ValueError as e:
+    startup.fail(str(e))
+  if packs and r_fixed is None:     # the jagged kernels size their work list by the batch
+    startup.fail(f"--jagged_capacity={jagged_capacity} needs a fixed --requests=R (packed "
+                 "towers have a static request count), got --requests=dynamic")
   workdir = os.path.abspath(workdir)
   if os.path.exists(out) and not os.path.isdir(out):
     startup.fail(f"--out={out}: exists and is not a directory")
   config, schema, model, used_step, params = _restore(workdir, step, data_dir, trust_workdir)
+  try:
+    caps = parse_jagged_capacity(jagged_capacity, schema.stream_names)
+  except ValueError as e:
+    startup.fail(str(e))
   runtime.check_output(os.path.join(out, SIGNATURE), "--out")       # before tracing the model
   lens = seq_lens(config)
   dims = ", ".join(d for d, f in (("n", n_fixed), ("r", r_fixed)) if f is None)
   sym = dict(zip([d.strip() for d in dims.split(",")], jex.symbolic_shape(dims), strict=True)
              ) if dims else {}
   n, r = sym.get("n", n_fixed), sym.get("r", r_fixed)
-  spec = input_spec(schema, lens, n, r)
+  spec = input_spec(schema, lens, n, r, caps)
   batch_struct = nest({p: jax.ShapeDtypeStruct(s, d) for p, (s, d) in spec.items()})
   param_struct = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params)
   scorer = score.make_scorer(model, jit=False)
   log(f"exporting {config.model.arch} (step {used_step}) for {','.join(platforms)}: "
       f"candidates={'n (symbolic)' if n_fixed is None else n_fixed}, "
-      f"requests={'r (symbolic)' if r_fixed is None else r_fixed}")
+      f"requests={'r (symbolic)' if r_fixed is None else r_fixed}"
+      + (f", packed {caps}" if caps else ""))
   try:
     exp = jex.export(jax.jit(scorer), platforms=tuple(platforms))(param_struct, batch_struct)
   except Exception as e:  # tracing / lowering failures: name the cause in one line
@@ -172,7 +216,7 @@ def export(workdir: str, out: str, *, candidates="dynamic", requests=1, step=Non
       "candidates": "n" if n_fixed is None else n_fixed,
       "requests": "r" if r_fixed is None else r_fixed,
       "tasks": list(schema.task_names), "surfaces": list(schema.surfaces),
-      "kept_len": lens, "platforms": list(platforms),
+      "kept_len": lens, "jagged_capacity": caps, "platforms": list(platforms),
       "usage": {
           "rows": "sparse/dense/surface/request_index: one row per candidate ad (n); events: one "
                   "row per request (r); request_index[i] = the request of ad i, in [0, r)",
@@ -186,6 +230,13 @@ def export(workdir: str, out: str, *, candidates="dynamic", requests=1, step=Non
           "events": "per stream the most recent kept_len events, oldest first, valid ones in "
                     "[0, length); age = request time - event time in seconds; padding 0",
           "outputs": "logits / sigmoid probabilities per task on the ad row's surface",
+          "jagged_capacity": "streams listed there come packed: the r requests' events back "
+                             "to back, fields [C] (then 0 padding), offsets[r + 1] (request j "
+                             "owns tokens [offsets[j], offsets[j+1])), seg[C] (each token's "
+                             "request; r for padding), pos[C] (index in its request; 0 for "
+                             "padding), length[r] = diff(offsets); "
+                             "kunlun.serving.score.pack_requests builds it; more events than C "
+                             "are refused",
       },
       "source": {"workdir": workdir, "step": int(used_step), "arch": config.model.arch,
                  "comp_skip": bool(config.model.comp_skip)},
@@ -200,7 +251,7 @@ def export(workdir: str, out: str, *, candidates="dynamic", requests=1, step=Non
   log(f"wrote {out}/{{{ARTIFACT},{PARAMS},{SIGNATURE}}}")
   here = jax.default_backend()
   if verify and ({"gpu": "cuda"}.get(here, here) in platforms or here in platforms):
-    err = _verify(out, schema, lens, model, params, n_fixed or 3, r_fixed or 1)
+    err = _verify(out, schema, lens, model, params, n_fixed or 3, r_fixed or 1, caps)
     sig["verify_max_abs_diff"] = err
     log(f"verified: artifact vs in-process model, max |logit diff| = {err:.2e}")
   return sig
@@ -223,11 +274,13 @@ def add_vocab(sig: dict, schema) -> None:
       ">> 1) as data.ingest compared them")
 
 
-def _verify(out, schema, lens, model, params, n: int, r: int) -> float:
+def _verify(out, schema, lens, model, params, n: int, r: int, caps: dict) -> float:
   """Max |logit difference| between the reloaded artifact and the in-process shared path."""
   req = random_batch(schema, r, lens, seed=1, min_len=1)
+  for s, c in caps.items():                  # within the capacity: at most c // r events each
+    req["events"][s]["length"] = np.minimum(req["events"][s]["length"], c // r)
   ads = random_batch(schema, n, lens, seed=2)
-  b = score.serving_batch(req["events"], ads, np.arange(n) % r)
+  b = score.serving_batch(score.pack_requests(req["events"], caps), ads, np.arange(n) % r)
   got = loader.load(out)(b)["logits"]
   want = np.asarray(score.make_scorer(model)(params, b)["logits"])
   err = float(np.max(np.abs(got - want)))
@@ -243,6 +296,8 @@ def main(argv=None) -> int:
   ap.add_argument("--out", required=True, help="output directory")
   ap.add_argument("--candidates", default="dynamic", help="'dynamic' or a fixed count")
   ap.add_argument("--requests", default="1", help="requests per call: a count or 'dynamic'")
+  ap.add_argument("--jagged_capacity", default="", help="pack request events: C (every "
+                  "stream) or stream=C,... (C a multiple of 64 tokens per call); default padded")
   ap.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
   ap.add_argument("--data_dir", default=None, help="dataset dir with schema.json (default: the "
                   "run's)")
@@ -253,7 +308,8 @@ def main(argv=None) -> int:
   a = ap.parse_args(argv)
   startup.quiet_checkpoint_logs()
   try:
-    export(a.workdir, a.out, candidates=a.candidates, requests=a.requests, step=a.step,
+    export(a.workdir, a.out, candidates=a.candidates, requests=a.requests,
+           jagged_capacity=a.jagged_capacity, step=a.step,
            data_dir=a.data_dir, platforms=tuple(p.strip() for p in a.platforms.split(",")),
            verify=not a.no_verify, trust_workdir=a.trust_workdir)
   except (FatalError, OSError) as e:

@@ -6,12 +6,14 @@
 
 ``batch`` is a nested dict of arrays in the layout of ``signature.json`` (its ``usage`` section):
 ``sparse {name: i32[N, L]}``, ``dense f32[N, F]``, ``surface i32[N]``, ``events {stream:
-{field: [R, T], length i32[R]}}``, ``request_index i32[N]``; extra keys are ignored. Inputs are
-checked against the signature (missing arrays, shapes, dtypes, the candidate / request counts,
-each input's value range: ids, surfaces, lengths <= ``kept_len``, ``request_index``; finite
-floats) and a mismatch is a ``ValueError`` with one line naming it. ``params.npz`` must match the
-signature's ``params_sha256`` (params from elsewhere are refused). This module
-imports nothing of the model code (no flax, no ``kunlun.models.kunlun``, no ``data``).
+{field: [R, T], length i32[R]}}``, ``request_index i32[N]``; the streams in the signature's
+``jagged_capacity`` come packed (the R requests' events back to back: ``{field: [C], offsets
+i32[R+1], seg i32[C], pos i32[C], length i32[R]}``, checked by ``check_packed``); extra keys are
+ignored. Inputs are checked against the signature (missing arrays, shapes, dtypes, the
+candidate / request counts, each input's value range: ids, surfaces, lengths <= ``kept_len``,
+``request_index``; finite floats) and a mismatch is a ``ValueError`` with one line naming it.
+``params.npz`` must match the signature's ``params_sha256`` (params from elsewhere are refused).
+This module imports nothing of the model code (no flax, no ``kunlun.models.kunlun``, no ``data``).
 
 Categorical features with an exact vocabulary (``signature.json`` ``vocab``, from the dataset's
 schema) take their ids from it, as ingestion mapped them::
@@ -98,6 +100,48 @@ def vocab_ids(entry: dict, values) -> np.ndarray:
   return np.array([entry["null_id"] if v is None else next(got) for v in vals], np.int64)
 
 
+def check_packed(stream: str, ev: dict, kept_len: int | None = None) -> None:
+  """One packed stream of a serving batch (the R requests' events back to back, layout of
+  ``data/schema.py``): token fields ``[C]``, ``offsets i32[R+1]``, ``seg``/``pos i32[C]``,
+  ``length i32[R]``. ValueError with one line on a bad descriptor: a capacity C not a multiple of
+  64, offsets not starting at 0, not monotone or past C, seg/pos that do not follow the offsets,
+  length != diff(offsets), a request over ``kept_len`` events."""
+  p = f"events[{stream!r}]"
+  missing = [k for k in ("offsets", "seg", "pos", "length") if k not in ev]
+  if missing:
+    raise ValueError(f"{p}: packed stream lacks {missing}")
+  off, seg, pos, length = (np.asarray(ev[k]) for k in ("offsets", "seg", "pos", "length"))
+  if any(a.ndim != 1 or a.dtype.kind not in "iu" for a in (off, seg, pos, length)):
+    raise ValueError(f"{p}: offsets, seg, pos and length must be 1-d integer arrays")
+  R, C = length.shape[0], seg.shape[0]
+  if C % 64 or C < 64:
+    raise ValueError(f"{p}: capacity {C} (tokens) must be a positive multiple of 64")
+  bad = {k: np.shape(a) for k, a in ev.items() if k not in ("offsets", "length")
+         and np.shape(a) != (C,)}
+  if bad:
+    raise ValueError(f"{p}: token fields, seg and pos must all be [{C}], got {bad}")
+  if off.shape[0] != R + 1:
+    raise ValueError(f"{p}: offsets has {off.shape[0]} entries, want R + 1 = {R + 1}")
+  d = np.diff(off.astype(np.int64))
+  if off[0] != 0 or (d < 0).any() or off[-1] > C:
+    raise ValueError(f"{p}: offsets must start at 0, be monotone and end <= capacity {C}, got "
+                     f"{off.tolist() if R <= 8 else f'[{off[0]}, ..., {off[-1]}]'}")
+  if (length != d).any():
+    raise ValueError(f"{p}: length != offsets[1:] - offsets[:-1] at request "
+                     f"{int(np.flatnonzero(length != d)[0])}")
+  n = int(off[-1])
+  want_seg = np.full(C, R, np.int64)
+  want_seg[:n] = np.repeat(np.arange(R), d)
+  want_pos = np.zeros(C, np.int64)
+  want_pos[:n] = np.arange(n) - off[want_seg[:n]]
+  if (seg != want_seg).any() or (pos != want_pos).any():
+    raise ValueError(f"{p}: seg / pos do not match offsets (seg: each token's request, R = {R} "
+                     "for padding; pos: its index in the request, 0 for padding)")
+  if kept_len is not None and R and d.max() > kept_len:
+    raise ValueError(f"{p}: request {int(np.argmax(d))} has {int(d.max())} events, more than "
+                     f"the kept length {kept_len}")
+
+
 class ServingArtifact:
   """A loaded artifact: ``__call__(batch) -> {"logits", "prob"}`` (numpy)."""
 
@@ -164,7 +208,12 @@ class ServingArtifact:
       if size < 1:
         raise ValueError(f"serving inputs: dimension {name!r} must be >= 1, got {size}")
     ri = flat["request_index"]
-    r = next(np.shape(v)[0] for p, v in flat.items() if p.startswith("events/"))
+    r = next(np.shape(v)[0] for p, v in flat.items()
+             if p.startswith("events/") and p.endswith("/length"))
+    for stream in self.signature.get("jagged_capacity", {}):
+      p = f"events/{stream}/"
+      check_packed(stream, {k[len(p):]: v for k, v in flat.items() if k.startswith(p)},
+                   self.signature["kept_len"][stream])
     if ri.size and (ri.min() < 0 or ri.max() >= r):
       raise ValueError(f"request_index must lie in [0, {r}) (the request rows), got "
                        f"[{ri.min()}, {ri.max()}]")

@@ -119,8 +119,6 @@ def test_unsupported_combinations_are_one_line_errors():
   params = nn.meta.unbox(jax.eval_shape(model.init, KEY, batch, False))["params"]
   apply = lambda m, b, **kw: jax.eval_shape(
       lambda p: m.apply({"params": p}, b, method="representations", **kw), params)
-  _first_line_error(lambda: apply(model, jb, request_index=jnp.zeros((B,), jnp.int32)),
-                    "request_index")
 
   class Extra(type(model)):
     def extra_inputs(self, batch, x, seqs, lengths):

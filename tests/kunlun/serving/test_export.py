@@ -42,19 +42,25 @@ def run(tmp_path_factory):
   return schema, config, model, params, workdir, out, sig
 
 
+@pytest.fixture(scope="module")
+def padded_art(run):
+  """The padded artifact, loaded once (its compiled programs are reused across tests)."""
+  return loader.load(run[5])
+
+
 def _batch(schema, config, n, r=1, seed=0):
   req = random_batch(schema, r, seq_lens(config), seed=seed + 1, min_len=1)
   ads = random_batch(schema, n, seq_lens(config), seed=seed + 2)
   return score.serving_batch(req["events"], ads, np.arange(n) % r)
 
 
-def test_artifact_round_trip(run):
+def test_artifact_round_trip(run, padded_art):
   schema, config, model, params, _, out, sig = run
   assert sig["candidates"] == "n" and sig["requests"] == 1 and sig["source"]["step"] == 5
   on_disk = json.load(open(os.path.join(out, "signature.json")))
   assert on_disk["inputs"]["sparse/user_interests"] == {"dtype": "int32", "shape": ["n", 4]}
   assert on_disk["inputs"]["events/click/age"] == {"dtype": "float32", "shape": [1, 32]}
-  art = loader.load(out)
+  art = padded_art
   b = _batch(schema, config, 6)
   got = art(b)
   # independent: the normal model on 6 separate examples (events repeated per ad)
@@ -202,3 +208,52 @@ def test_export_refuses_a_data_dir_with_other_surfaces(run, tmp_path, capsys):
                       "--no_verify"]) == 2
   lines = capsys.readouterr().err.strip().splitlines()
   assert "shorts" in lines[-1] and "surfaces" in lines[-1], lines
+
+
+def test_packed_artifact(run, padded_art, tmp_path, capsys):
+  """``--jagged_capacity``: the artifact takes packed request events (capacity recorded in the
+  signature) and scores ragged requests, one with no click history, as the padded artifact
+  scores each request alone; bad descriptors and a dynamic request count are one-line errors."""
+  schema, config, _, _, workdir, _, _ = run
+  out = str(tmp_path / "packed")
+  sig = export.export(workdir, out, requests=2, jagged_capacity="click=64", verify=False,
+                      log=lambda *_: None)
+  on_disk = json.load(open(os.path.join(out, "signature.json")))
+  assert on_disk["jagged_capacity"] == sig["jagged_capacity"] == {"click": 64}
+  assert on_disk["inputs"]["events/click/item"]["shape"] == [64]
+  assert on_disk["inputs"]["events/click/offsets"]["shape"] == [3]
+  assert on_disk["inputs"]["events/impression/item"]["shape"] == [2, 32]      # padded
+  req = random_batch(schema, 2, seq_lens(config), seed=5, min_len=1)
+  for v in req["events"]["click"].values():     # request 0: no click history
+    v[0] = 0
+  ads = random_batch(schema, 2, seq_lens(config), seed=6)
+  ads = jax.tree.map(lambda a: np.concatenate([a, a]), ads)     # the same ads for both requests
+  ri = np.array([0, 0, 1, 1], np.int32)
+  b = score.serving_batch(score.pack_requests(req["events"], {"click": 64}), ads, ri)
+  art = loader.load(out)
+  got = art(b)["logits"]
+  for r in (0, 1):          # reference: the padded artifact (requests=1), one request at a time
+    one = {s: {f: a[r:r + 1] for f, a in ev.items()} for s, ev in req["events"].items()}
+    want = padded_art(score.serving_batch(one, jax.tree.map(lambda a: a[:2], ads)))["logits"]
+    np.testing.assert_allclose(got[2 * r:2 * r + 2], want, rtol=1e-5, atol=1e-5)
+  assert np.abs(got[0] - got[2]).max() > 1e-3                  # the request matters
+
+  def err(click, *words):
+    with pytest.raises(ValueError) as e:
+      art(dict(b, events=dict(b["events"], click=dict(b["events"]["click"], **click))))
+    msg = str(e.value)
+    assert "\n" not in msg and all(w in msg for w in words), msg
+  pk = b["events"]["click"]
+  n = int(pk["offsets"][-1])
+  err({"offsets": np.array([0, n, 0], np.int32)}, "offsets", "monotone")
+  err({"seg": np.zeros(64, np.int32)}, "seg / pos")
+  err({"length": np.array([1, n - 1], np.int32)}, "length")
+  err({"item": pk["item"][:32]}, "events/click/item", "[64]")
+  capsys.readouterr()
+  for args, msg in ((["--requests=dynamic", "--jagged_capacity=64"], "fixed --requests"),
+                    (["--jagged_capacity=click=100"], "multiple of 64")):
+    assert export.main([f"--workdir={workdir}", f"--out={tmp_path}/o"] + args) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines[-1].startswith("kunlun.serving.export: error: ") and msg in lines[-1], lines
+  with pytest.raises(ValueError, match="unknown stream"):
+    export.parse_jagged_capacity("views=64", schema.stream_names)

@@ -25,6 +25,9 @@ def _setup(comp_skip, time_buckets):
   schema = tiny_schema()
   model = build_model(cfg, schema)
   req = random_batch(schema, R, seq_lens(cfg), seed=1, min_len=1)
+  for ev in req["events"].values():   # request 0: an empty history (ragged with request 1)
+    for v in ev.values():
+      v[0] = 0
   ads = random_batch(schema, N, seq_lens(cfg), seed=2)
   batch = score.serving_batch(req["events"], ads, RI)
   shapes = nn.meta.unbox(jax.eval_shape(model.init, jax.random.key(0),
@@ -34,20 +37,28 @@ def _setup(comp_skip, time_buckets):
   return cfg, schema, model, batch, params
 
 
-@pytest.mark.parametrize("comp_skip,time_buckets", [(True, False), (False, True)])
-def test_shared_path_equals_separate_examples(comp_skip, time_buckets):
+@pytest.mark.parametrize("comp_skip,time_buckets,packed", [(True, False, False),
+                                                          (False, True, True)])
+def test_shared_path_equals_separate_examples(comp_skip, time_buckets, packed):
+  """The shared path scores N ads as N separate examples do; with ``packed`` the requests'
+  events (request 0 empty, request 1 ragged) also go packed (``pack_requests``) and score the
+  same as padded."""
   cfg, schema, model, batch, params = _setup(comp_skip, time_buckets)
   shared = score.make_scorer(model, jit=False)
 
   def naive(p, b):                   # N separate examples (events repeated) through __call__
     return model.apply({"params": p}, b)
 
-  f = jax.jit(lambda p, b, e: (shared(p, b)["logits"], naive(p, e)))
-  got, want = f(params, batch, score.expand(batch))
-  got, want = np.asarray(got), np.asarray(want)
+  f = jax.jit(lambda p, b, e, pev: (shared(p, b)["logits"], naive(p, e))   # one program
+              + ((shared(p, dict(b, events=pev))["logits"],) if packed else ()))
+  pev = score.pack_requests(batch["events"], 64) if packed else None
+  got, want, *got_packed = (np.asarray(x) for x in f(params, batch, score.expand(batch), pev))
   assert got.shape == (N, 2) and np.abs(want).max() > 0.1
   assert np.abs(want[1] - want[0]).max() > 1e-3        # the ads differ
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+  for g in got_packed:
+    np.testing.assert_allclose(g, want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(g, got, rtol=1e-5, atol=1e-5)
   # two ads of the same request with the same context score the same; request matters
   i, j = 2, 3                       # both of request 1; ad 0 moves from request 1 to 0
   b2 = jax.tree.map(lambda x: x, batch)
@@ -59,10 +70,11 @@ def test_shared_path_equals_separate_examples(comp_skip, time_buckets):
     v[j] = v[i]
   b2["request_index"] = RI.copy()
   b2["request_index"][0] = 1 - RI[0]
-  got2, _ = f(params, b2, score.expand(b2))
-  got2 = np.asarray(got2)
+  got2, _, *got2_packed = (np.asarray(x) for x in f(params, b2, score.expand(b2), pev))
   np.testing.assert_allclose(got2[j], got2[i], rtol=1e-5, atol=1e-6)
   assert np.abs(got2[0] - got[0]).max() > 1e-4          # ad 0 moved to the other request
+  for g in got2_packed:
+    np.testing.assert_allclose(g, got2, rtol=1e-5, atol=1e-5)
 
   # the sharing plan is what runs: request-level module outputs have R rows, the others N
   def captured(p, b):
@@ -82,6 +94,15 @@ def test_shared_path_equals_separate_examples(comp_skip, time_buckets):
   assert {p: rows(p) for p in plan["ad"]} == {p: N for p in plan["ad"]}
   assert "layer_0/click_hsp" in plan["request"] and "embed_click" in plan["request"]
   assert not any("attention" in p for p in plan["request"])   # every SWA follows a PFFN
+  if packed:      # the request-level modules ran on the packed tokens: [1, C, d] and R rows
+    inter = jax.eval_shape(captured, params, dict(batch, events=pev))
+    assert rows("embed_click") == 1 and inter["embed_click"]["__call__"][0].shape[1] == 64
+    assert {p: rows(p) for p in plan["request"] if "embed" not in p} == {
+        p: R for p in plan["request"] if "embed" not in p}
+    assert {p: rows(p) for p in plan["ad"]} == {p: N for p in plan["ad"]}
+    # expand() of the packed batch is the padded one (the naive form, unpacked)
+    jax.tree.map(np.testing.assert_array_equal, score.expand(dict(batch, events=pev),
+                                                             seq_lens(cfg)), score.expand(batch))
 
 
 def test_flops_split_and_batch_checks():
@@ -144,3 +165,53 @@ def test_naive_path_and_models_that_cannot_share():
                              rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(np.asarray(got["prob"]), 1 / (1 + np.exp(-np.asarray(want))),
                              rtol=1e-5, atol=1e-6)
+
+
+def _ragged_requests(schema, cfg, lengths):
+  """Request events with the given per-request lengths in every stream (0: an empty history)."""
+  req = random_batch(schema, len(lengths), seq_lens(cfg), seed=3, min_len=max(lengths))
+  for ev in req["events"].values():
+    T = ev["item"].shape[1]
+    ev["length"] = np.asarray(lengths, np.int32)
+    valid = np.arange(T)[None, :] < ev["length"][:, None]
+    for k, v in ev.items():
+      if k != "length":
+        v[~valid] = 0
+  return req
+
+
+def test_packed_request_batch_errors():
+  """Bad packed request batches are one-line ValueErrors naming the problem."""
+  cfg, schema = tiny.get_config(), tiny_schema()
+  lens = seq_lens(cfg)
+  req = _ragged_requests(schema, cfg, [5, 0, 20])
+  ads = random_batch(schema, N, lens, seed=2)
+  ri = np.array([0, 1, 2, 1, 0], np.int32)
+  good = score.serving_batch(score.pack_requests(req["events"], 64), ads, ri)
+  score.check_batch(schema, good, lens)
+
+  def err(events, *words, kept=lens):
+    with pytest.raises(ValueError) as e:
+      score.check_batch(schema, dict(good, events=dict(good["events"], click=events)), kept)
+    msg = str(e.value)
+    assert "\n" not in msg and all(w in msg for w in words), msg
+  ev = good["events"]["click"]
+  assert ev["offsets"].tolist() == [0, 5, 5, 25]
+  err(dict(ev, offsets=np.array([0, 5, 3, 25], np.int32)), "offsets", "monotone")
+  err(dict(ev, offsets=np.array([1, 5, 5, 25], np.int32)), "offsets", "start at 0")
+  err(dict(ev, offsets=np.array([0, 5, 25], np.int32)), "offsets has 3 entries", "R + 1 = 4")
+  err(dict(ev, length=np.array([5, 0, 19], np.int32)), "length", "request 2")
+  seg = ev["seg"].copy()
+  seg[4] = 1                                   # the last token of request 0 given to request 1
+  err(dict(ev, seg=seg), "seg / pos")
+  pos = ev["pos"].copy()
+  pos[6] = 0
+  err(dict(ev, pos=pos), "seg / pos")
+  short = {k: (v if k in ("offsets", "length") else v[:48]) for k, v in ev.items()}
+  err(short, "capacity 48", "multiple of 64")
+  err(dict(ev, item=ev["item"][:32]), "token fields", "[64]")
+  err(ev, "request 2 has 20 events", "kept length 16", kept={"click": 16})
+  with pytest.raises(ValueError, match=r"65 events, over the packed capacity 64"):
+    score.pack_requests(_ragged_requests(schema, cfg, [32, 32, 1])["events"], 64)
+  with pytest.raises(ValueError, match="multiple of 64"):
+    score.pack_requests(req["events"], {"click": 100})

@@ -66,13 +66,20 @@ def _direct(config, model, params, data_dir, split):
   return {k: np.concatenate(v) for k, v in out.items()}
 
 
-def test_export_matches_direct_and_resumes(fm_workdir, tmp_path):
+@pytest.fixture(scope="module")
+def direct_eval(fm_workdir):
+  """The padded FM's representations of the eval split, computed once."""
+  _, data_dir, config, model, params = fm_workdir
+  return _direct(config, model, params, data_dir, "eval")
+
+
+def test_export_matches_direct_and_resumes(fm_workdir, direct_eval, tmp_path):
   workdir, data_dir, config, model, params = fm_workdir
   out = str(tmp_path / "emb")
   logs = []
   m = export.export(workdir, out, splits=("eval",), quantize_mode="int8", shard_batches=1,
                     mesh_flag="data=1,fsdp=-1", log=logs.append)
-  want = _direct(config, model, params, data_dir, "eval")
+  want = direct_eval
   n = len(want["user_id"])
   assert m["splits"]["eval"]["count"] == n == 32 and m["step"] == 7
   got = export.read_records(out, ["eval"])
@@ -103,6 +110,39 @@ def test_export_matches_direct_and_resumes(fm_workdir, tmp_path):
   with pytest.raises(ValueError, match="shard_batches"):   # resuming with another layout
     export.export(workdir, out, splits=("eval",), shard_batches=2, mesh_flag="data=1,fsdp=-1",
                   log=logs2.append)
+
+
+def test_export_runs_packed_towers_when_the_fm_packs(fm_workdir, direct_eval, tmp_path,
+                                                     monkeypatch):
+  """An FM trained with data.jagged_capacity exports with packed towers (on a one-device mesh)
+  and writes the padded FM's representations; over several devices it runs padded, said in
+  one log line."""
+  import shutil
+
+  from sharding import mesh as mesh_lib
+  workdir, data_dir, config, _, _ = fm_workdir
+  packed_cfg = config.copy_and_resolve_references()
+  packed_cfg.data.jagged_capacity = "click=128,impression=128"     # 16 examples x 8 events
+  wd = str(tmp_path / "fm_packed")
+  runtime.save_run_info(wd, packed_cfg, data_dir)
+  shutil.copytree(os.path.join(workdir, "checkpoints"), os.path.join(wd, "checkpoints"))
+  one = mesh_lib.make_mesh(devices=jax.devices()[:1])
+  monkeypatch.setattr(runtime, "build_mesh", lambda *_: one)
+  put, packed = pipeline.device_put_batch, []
+  monkeypatch.setattr(pipeline, "device_put_batch", lambda b, sh: (
+      packed.append(all("offsets" in ev for ev in b["events"].values())), put(b, sh))[1])
+  logs = []
+  out = str(tmp_path / "emb")
+  export.export(wd, out, splits=("eval",), quantize_mode="none", log=logs.append)
+  assert any("packed towers at {'click': 128, 'impression': 128}" in line for line in logs), logs
+  assert packed and all(packed)                  # every batch the FM ran was packed
+  got, want = export.read_records(out, ["eval"]), direct_eval
+  np.testing.assert_array_equal(got["user_id"], want["user_id"])
+  np.testing.assert_allclose(got["logits"], want["logits"], rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(got["emb"], want["pooled"], rtol=1e-5, atol=1e-5)
+  many = mesh_lib.make_mesh({"data": -1})
+  assert not export._packs(packed_cfg.data, many, logs.append)
+  assert "padded towers" in logs[-1] and "mesh has 8" in logs[-1]
 
 
 def test_local_rows_dedups_replicas_in_row_order():
