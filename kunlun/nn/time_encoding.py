@@ -112,7 +112,7 @@ def bucket_ids(age, lengths, spec: BucketSpec, jag=None):
   else:                                       # the previous token is the older event of a run
     prev = jnp.concatenate([age[:1], age[:-1]])
     gap = lambda: jnp.where(jag.pos == 0, 0, _gap_ids(prev - age, n))
-    rank = jnp.concatenate([jag.lengths, jnp.zeros((1,), jnp.int32)])[jag.seg] - 1 - jag.pos
+    rank = jnp.concatenate([jag.lengths, jnp.zeros((1,), jnp.int32)])[jag.example] - 1 - jag.pos
     position = lambda: _rank_ids(rank, n, spec.kept_len)
   make = {"age": lambda: even_age_bucket(age, n, spec.age_horizon),
           "log_age": lambda: log_time_bucket(age, n),
