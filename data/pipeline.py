@@ -47,8 +47,8 @@ def balance_order(total_len: np.ndarray, groups: int) -> np.ndarray:
 
 
 def check_jagged_capacity(seq_lens: dict[str, int], capacity, shards: int = 1) -> dict[str, int]:
-  """``{stream: N}`` for the streams to pack (``data.jagged``); N a positive multiple of 64 per
-  each of the ``shards`` blocks."""
+  """``{stream: N}`` for the streams to pack (``data.jagged``); N a positive multiple of 64 in each
+  of the ``shards`` blocks (of ``64 * shards``)."""
   out = {}
   for s, n in dict(capacity or {}).items():
     if s not in seq_lens:

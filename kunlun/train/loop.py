@@ -115,6 +115,10 @@ def setup(config, workdir: str, *, mesh: str, dcn_mesh: str | None = None,
   blocks = runtime.local_batch_shards(partition.batch_sharding(mesh_, rules))
   capacity = runtime.jagged_capacity(config.data, data_dir, config.data.train_split,
                                      model_config.seq_lens(config), jax.process_count(), blocks)
+  if capacity and int(config.train.get("microbatches", 1)) > 1:
+    startup.fail("data.jagged_capacity (packed towers) does not support "
+                 "config.train.microbatches > 1: the packed blocks do not split into strided "
+                 "microbatches")
   ds = pipeline.make_dataset(config.data, data_dir, config.data.train_split,
                              model_config.seq_lens(config), train=True,
                              shard_index=jax.process_index(), shard_count=jax.process_count(),
