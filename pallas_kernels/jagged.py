@@ -78,13 +78,20 @@ class Jagged:
     """``bool[N]``: real (not padding) tokens."""
     return self.seg < self.block_batch
 
-  @property
-  def example(self) -> jax.Array:
-    """``i32[N]``: each token's example in the whole batch (``B`` for padding)."""
-    if self.shards == 1:
-      return self.seg
-    block = jnp.arange(self.capacity, dtype=jnp.int32) // (self.capacity // self.shards)
-    return jnp.where(self.valid, self.seg + block * self.block_batch, self.batch)
+  def per_token(self, x):
+    """``x [B, ...]`` (per example) -> ``[N, ...]``: each token's example's row (0 for padding),
+    gathered within each block."""
+    S = self.shards
+    xb = x.reshape((S, self.block_batch) + x.shape[1:])
+    xb = jnp.concatenate([xb, jnp.zeros((S, 1) + x.shape[1:], x.dtype)], axis=1)
+    seg = self.seg.reshape((S, -1) + (1,) * (x.ndim - 1))
+    return jnp.take_along_axis(xb, seg, axis=1).reshape((self.capacity,) + x.shape[1:])
+
+  def shifted(self, x):
+    """``x [N, ...]`` moved one token later within each block (``out[n] = x[n - 1]``, a block's
+    first token keeps its own): each token's predecessor, never across blocks."""
+    xb = x.reshape((self.shards, -1) + x.shape[1:])
+    return jnp.concatenate([xb[:, :1], xb[:, :-1]], axis=1).reshape(x.shape)
 
   def blocks(self) -> "Jagged":
     """The S blocks as one descriptor with leaves ``[S, ...]`` (``shards`` 1): ``jax.vmap``

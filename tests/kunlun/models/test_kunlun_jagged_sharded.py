@@ -12,6 +12,7 @@ from data.fake import random_batch
 from data.jagged import pack_blocks
 from data.pipeline import pack_batch
 from kunlun.configs.types import seq_lens
+from kunlun.models.build import build_model
 from kunlun.nn import packed as packed_ops
 from kunlun.nn.losses import masked_bce
 from pallas_kernels import jagged
@@ -30,7 +31,11 @@ def _loss_and_grad(model):
 
 
 def _case():
-  cfg, schema, model = tiny_kunlun.small()
+  """The small tiny Kunlun with time / position buckets (each token's example and position in
+  its block matter), 8 examples, empty histories in two blocks, host params."""
+  cfg, schema, _ = tiny_kunlun.small()
+  cfg.model.time_buckets.enabled = True
+  model = build_model(cfg, schema)
   batch = random_batch(schema, B, seq_lens(cfg), seed=3)
   for ev in batch["events"].values():             # empty histories, in two different blocks
     ev["length"][[1, 6]] = 0
