@@ -31,9 +31,11 @@ def _loss_and_grad(model):
 
 
 def _case():
-  """The small tiny Kunlun with time / position buckets (each token's example and position in
-  its block matter), 8 examples, empty histories in two blocks, host params."""
+  """The small tiny Kunlun (swa attention) with Computation Skip off (its one layer then runs
+  attention as well as PFFN and HSP) and time / position buckets (each token's example and
+  position in its block matter); 8 examples, empty histories in two blocks; host params."""
   cfg, schema, _ = tiny_kunlun.small()
+  cfg.model.comp_skip = False
   cfg.model.time_buckets.enabled = True
   model = build_model(cfg, schema)
   batch = random_batch(schema, B, seq_lens(cfg), seed=3)
