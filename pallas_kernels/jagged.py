@@ -185,10 +185,14 @@ def _zero_padding(x, jagged: Jagged):
   return jnp.where(valid, x, jnp.zeros_like(x))
 
 
-def check_tokens(jagged: Jagged, *xs):
+def _check_one_block(jagged: Jagged):
   if jagged.shards != 1:
     raise ValueError(f"the jagged kernels take one block; got {jagged.shards} shards (vmap over "
                      "Jagged.blocks(), as kunlun.nn.packed does)")
+
+
+def check_tokens(jagged: Jagged, *xs):
+  _check_one_block(jagged)
   for x in xs:
     if x.ndim != 3 or x.shape[0] != jagged.capacity:
       raise ValueError(f"jagged tokens must be [N={jagged.capacity}, H, D], got {x.shape}")
@@ -197,6 +201,7 @@ def check_tokens(jagged: Jagged, *xs):
 
 
 def check_example_kv(k, v, jagged: Jagged, q):
+  _check_one_block(jagged)
   if k.ndim != 4 or k.shape != v.shape or k.shape[0] != jagged.batch or k.shape[2:] != q.shape[1:]:
     raise ValueError(f"k {k.shape} / v {v.shape} must be [B={jagged.batch}, n_kv, "
                      f"{q.shape[1]}, {q.shape[2]}]")

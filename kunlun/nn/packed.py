@@ -57,19 +57,19 @@ def shard_tokens(x):
 
 
 def _per_block(kernel, jag: jagged.Jagged, args, blocked, pallas: bool):
-  """``kernel(*args, jag)`` with ``jag.shards`` S > 1 blocks: every ``blocked`` argument (tokens
+  """``kernel(jag, *args)`` with ``jag.shards`` S > 1 blocks: every ``blocked`` argument (tokens
   ``[N, ...]`` or examples ``[B, ...]``) cut into ``[S, ., ...]``, the kernel vmapped over the
   blocks (Pallas: per device, ``sharding.packed.per_shard``); the output (leading ``[S, .]``)
   flattened back."""
   if jag.shards == 1:
-    return kernel(*args, jag)
+    return kernel(jag, *args)
   S = jag.shards
   cut = lambda x: shard(x.reshape((S, -1) + x.shape[1:]), ("batch",) + (None,) * x.ndim)
   args = [cut(a) if b else a for a, b in zip(args, blocked, strict=True)]
-  fn = jax.vmap(kernel, in_axes=tuple(0 if b else None for b in blocked) + (0,))
+  fn = jax.vmap(kernel, in_axes=(0,) + tuple(0 if b else None for b in blocked))
   if pallas:
-    fn = per_shard(fn, tuple(blocked) + (True,))
-  y = fn(*args, jag.blocks())
+    fn = per_shard(fn, (True,) + tuple(blocked))
+  y = fn(jag.blocks(), *args)
   return shard_tokens(y.reshape((-1,) + y.shape[2:]))
 
 
@@ -86,47 +86,39 @@ def _interpret() -> bool:
   return compile_platform() != "gpu"
 
 
-def gdpa_cross(q, k, v, jag, *, backend: str, **kw):
-  """PFFN's GDPA: ``q [N, H, D]`` reads its example's ``k, v [B, n_kv, H, D]`` -> ``[N, H, D]``."""
+def gdpa_cross(q, k, v, jag, *, backend: str, kv_lengths=None, **kw):
+  """PFFN's GDPA: ``q [N, H, D]`` reads its example's ``k, v [B, n_kv, H, D]`` (keys below
+  ``kv_lengths i32[B]``; None: all) -> ``[N, H, D]``."""
   pallas = _use_pallas(backend)
-  if pallas:
-    op = lambda q, k, v, j: jagged_pallas.jagged_gdpa_cross_pallas(q, k, v, j,
-                                                                   interpret=_interpret(), **kw)
-  else:
-    op = lambda q, k, v, j: jagged.jagged_gdpa_cross(q, k, v, j, **kw)
+  fn = jagged_pallas.jagged_gdpa_cross_pallas if pallas else jagged.jagged_gdpa_cross
+  kw = dict(kw, interpret=_interpret()) if pallas else kw
+  op = lambda j, q, k, v, *kvl: fn(q, k, v, j, kv_lengths=kvl[0] if kvl else None, **kw)
+  args = (q, k, v) + (() if kv_lengths is None else (kv_lengths,))
   with jax.named_scope("GDPA"):
-    return _per_block(op, jag, (q, k, v), (True, True, True), pallas)
+    return _per_block(op, jag, args, (True,) * len(args), pallas)
 
 
 def gdpa_pool(q, k, v, jag, *, backend: str, **kw):
   """HSP's GDPA: seeds ``q [S, H, D]`` pool ``k, v [N, H, D]`` per example -> ``[B, S, H, D]``."""
   pallas = _use_pallas(backend)
-  if pallas:
-    op = lambda q, k, v, j: jagged_pallas.jagged_gdpa_pool_pallas(q, k, v, j,
-                                                                  interpret=_interpret(), **kw)
-  else:
-    op = lambda q, k, v, j: jagged.jagged_gdpa_pool(q, k, v, j, **kw)
+  fn = jagged_pallas.jagged_gdpa_pool_pallas if pallas else jagged.jagged_gdpa_pool
+  kw = dict(kw, interpret=_interpret()) if pallas else kw
   with jax.named_scope("GDPA"):
-    return _per_block(op, jag, (q, k, v), (False, True, True), pallas)
+    return _per_block(lambda j, q, k, v: fn(q, k, v, j, **kw), jag, (q, k, v),
+                      (False, True, True), pallas)
 
 
 def block_attention(q, k, v, jag, *, backend: str, **kw):
   """Attention within each example's blocks, ``q, k, v [N, H, D]`` (already rotated)."""
   pallas = _use_pallas(backend)
-  if pallas:
-    op = lambda q, k, v, j: jagged_pallas.jagged_block_attention_pallas(
-        q, k, v, j, interpret=_interpret(), **kw)
-  else:
-    op = lambda q, k, v, j: jagged.jagged_block_attention(q, k, v, j, **kw)
-  return _per_block(op, jag, (q, k, v), (True, True, True), pallas)
+  fn = jagged_pallas.jagged_block_attention_pallas if pallas else jagged.jagged_block_attention
+  kw = dict(kw, interpret=_interpret()) if pallas else kw
+  return _per_block(lambda j, q, k, v: fn(q, k, v, j, **kw), jag, (q, k, v), (True,) * 3, pallas)
 
 
 def softmax_attention(q, k, v, jag, *, backend: str, window=None):
   """Softmax self-attention within each example (``window``: the band; None: full)."""
   pallas = _use_pallas(backend)
-  if pallas:
-    op = lambda q, k, v, j: jagged_pallas.jagged_softmax_attention_pallas(
-        q, k, v, j, window=window, interpret=_interpret())
-  else:
-    op = lambda q, k, v, j: jagged.jagged_softmax_attention(q, k, v, j, window=window)
-  return _per_block(op, jag, (q, k, v), (True, True, True), pallas)
+  fn = jagged_pallas.jagged_softmax_attention_pallas if pallas else jagged.jagged_softmax_attention
+  kw = dict(window=window, interpret=_interpret()) if pallas else dict(window=window)
+  return _per_block(lambda j, q, k, v: fn(q, k, v, j, **kw), jag, (q, k, v), (True,) * 3, pallas)
