@@ -101,8 +101,9 @@ def check_shards(shards, batch: int = 0, capacity: int = 0) -> int:
   if isinstance(shards, bool) or not isinstance(shards, (int, np.integer)) or shards < 1:
     raise ValueError(f"jagged shards must be an int >= 1, got {shards!r}")
   if batch % shards or capacity % shards:
-    raise ValueError(f"jagged shards: a batch of {batch} examples at capacity {capacity} does not "
-                     f"split into {shards} blocks (both must be multiples of {shards})")
+    what = f"a batch of {batch} examples" + (f" at capacity {capacity}" if capacity else "")
+    raise ValueError(f"jagged shards: {what} does not split into {shards} blocks (multiples of "
+                     f"{shards} needed)")
   return int(shards)
 
 
