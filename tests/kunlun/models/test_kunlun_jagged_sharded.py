@@ -1,6 +1,7 @@
 """Packed (jagged) towers on a data-parallel mesh: a batch packed per batch shard (S blocks) trains
 like the padded batch on one device, with no all-gather of the token buffers."""
 
+import functools
 import re
 
 import jax
@@ -30,6 +31,7 @@ def _loss_and_grad(model):
   return jax.value_and_grad(f)
 
 
+@functools.cache
 def _case():
   """The small tiny Kunlun (swa attention) with Computation Skip off (its one layer then runs
   attention as well as PFFN and HSP) and time / position buckets (each token's example and
