@@ -149,10 +149,10 @@ def draw_lengths(schema, seq_lens: dict, n: int, lengths: str, seed: int) -> dic
 
 
 def jagged_capacity(spec: str | None, schema, seq_lens: dict, batch_size: int, lengths: str,
-                    seed: int) -> dict[str, int] | None:
+                    seed: int, shards: int = 1) -> dict[str, int] | None:
   """``--jagged``: None (padded), or {stream: N} from ``stream=N,...`` or ``auto`` (train.py's
   rule, ``kunlun.train.runtime.capacity_from_lengths``, on ``AUTO_CAPACITY_SAMPLE`` lengths
-  drawn like the batch's with another seed)."""
+  drawn like the batch's with another seed), packed in ``shards`` blocks (the batch shards)."""
   from data.pipeline import check_jagged_capacity
   from kunlun.configs.fields import parse_capacity
   from kunlun.train import runtime
@@ -162,8 +162,8 @@ def jagged_capacity(spec: str | None, schema, seq_lens: dict, batch_size: int, l
     value = parse_capacity(spec)
     if value == "auto":
       sample = draw_lengths(schema, seq_lens, runtime.AUTO_CAPACITY_SAMPLE, lengths, seed + 7)
-      value = runtime.capacity_from_lengths(sample, batch_size)
-    return check_jagged_capacity(seq_lens, value) if value else None
+      value = runtime.capacity_from_lengths(sample, batch_size, shards)
+    return check_jagged_capacity(seq_lens, value, shards) if value else None
   except ValueError as e:
     raise SystemExit(f"--jagged {spec}: {e}") from None
 
@@ -295,10 +295,11 @@ def run(args) -> dict:
     raise SystemExit(f"--batch {B} is not a multiple of the mesh's batch shards")
   seq_lens = model_config.seq_lens(cfg)
   batch_np = synthetic_batch(schema, B, seq_lens, args.lengths, seed=args.seed)
-  capacity = jagged_capacity(args.jagged, schema, seq_lens, B, args.lengths, args.seed)
+  shards = partition.batch_shard_count(mesh, rules)      # one process: all its batch shards
+  capacity = jagged_capacity(args.jagged, schema, seq_lens, B, args.lengths, args.seed, shards)
   dropped = {}
   if capacity:     # packed as the input pipeline packs it; the model takes the packed path
-    batch_np, dropped = pipeline.pack_batch(batch_np, capacity)
+    batch_np, dropped = pipeline.pack_batch(batch_np, capacity, shards)
     cfg.data.jagged_capacity = ",".join(f"{s}={n}" for s, n in capacity.items())
   t0 = time.perf_counter()
   train_step, model, params, opt_state, batch = build_step(cfg, mesh, rules, batch_np,

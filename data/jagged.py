@@ -4,6 +4,8 @@ Padded ``{field: [B, T, ...]}`` + ``lengths[B]`` -> packed ``{field: [N, ...]}``
 capacity N: the examples' real events back to back, then padding; ``offsets i32[B+1]``,
 ``seg i32[N]`` (example of each token, B for padding), ``pos i32[N]`` (index in its example).
 A batch over N drops the oldest events of the longest histories (``fit_lengths``), counted.
+Sharded (``pack_blocks``, S batch shards): S consecutive blocks, each such a buffer of N / S
+tokens for its B / S examples; ``offsets i32[S (B/S + 1)]``, ``seg`` local to the block.
 """
 
 from __future__ import annotations
@@ -91,6 +93,44 @@ def pack_events(events: dict, lengths, capacity: int):
     out[:n] = v[seg[:n], col]
     packed[k] = out
   return packed, offsets, seg, pos, int(L.sum() - keep.sum())
+
+
+def check_shards(shards, batch: int = 0, capacity: int = 0) -> int:
+  """``shards`` as an int S >= 1 dividing ``batch`` and ``capacity`` (else a one-line
+  ValueError)."""
+  if isinstance(shards, bool) or not isinstance(shards, (int, np.integer)) or shards < 1:
+    raise ValueError(f"jagged shards must be an int >= 1, got {shards!r}")
+  if batch % shards or capacity % shards:
+    what = f"a batch of {batch} examples" + (f" at capacity {capacity}" if capacity else "")
+    raise ValueError(f"jagged shards: {what} does not split into {shards} blocks (multiples of "
+                     f"{shards} needed)")
+  return int(shards)
+
+
+def pack_blocks(events: dict, lengths, capacity: int, shards: int = 1):
+  """``pack_events`` per batch shard: examples ``[s Bs, (s + 1) Bs)`` (``Bs = B / S``) packed at
+  ``capacity / S`` tokens into block s. Returns ``(packed {field: [N, ...]}, offsets
+  i32[S (Bs+1)], seg i32[N], pos i32[N], dropped)``, offsets and seg local to their block (seg
+  ``Bs`` for padding); S = 1 is ``pack_events``."""
+  B = len(np.asarray(lengths))
+  S = check_shards(shards, B, _check_capacity(capacity))
+  if S == 1:
+    return pack_events(events, lengths, capacity)
+  Bs, Ns = B // S, capacity // S
+  parts = [pack_events({k: np.asarray(v)[s * Bs:(s + 1) * Bs] for k, v in events.items()},
+                       np.asarray(lengths)[s * Bs:(s + 1) * Bs], Ns) for s in range(S)]
+  packed = {k: np.concatenate([p[0][k] for p in parts]) for k in events}
+  return (packed, *(np.concatenate([p[i] for p in parts]) for i in (1, 2, 3)),
+          sum(p[4] for p in parts))
+
+
+def block_examples(seg, batch: int, shards: int = 1) -> np.ndarray:
+  """``i64[N]``: each token's example in the whole batch (``batch`` for padding) from the
+  block-local ``seg`` of ``pack_blocks``."""
+  seg = np.asarray(seg, np.int64)
+  Bs, Ns = batch // shards, len(seg) // shards
+  block = np.arange(len(seg)) // Ns
+  return np.where(seg < Bs, seg + block * Bs, batch)
 
 
 def unpack_events(packed: dict, offsets, max_len: int):
@@ -187,5 +227,6 @@ class DroppedCounter:
             f"{dict(sorted(self.counts.items()))}")
 
 
-__all__ = ["fit_lengths", "pack_events", "unpack_events", "batch_sum_survival", "capacity_for",
+__all__ = ["fit_lengths", "pack_events", "pack_blocks", "block_examples", "check_shards",
+           "unpack_events", "batch_sum_survival", "capacity_for",
            "DroppedCounter"]

@@ -46,15 +46,17 @@ def balance_order(total_len: np.ndarray, groups: int) -> np.ndarray:
   return np.concatenate(buckets)
 
 
-def check_jagged_capacity(seq_lens: dict[str, int], capacity) -> dict[str, int]:
-  """``{stream: N}`` for the streams to pack (``data.jagged``); N a positive multiple of 64."""
+def check_jagged_capacity(seq_lens: dict[str, int], capacity, shards: int = 1) -> dict[str, int]:
+  """``{stream: N}`` for the streams to pack (``data.jagged``); N a positive multiple of 64 in each
+  of the ``shards`` blocks (of ``64 * shards``)."""
   out = {}
   for s, n in dict(capacity or {}).items():
     if s not in seq_lens:
       raise ValueError(f"jagged_capacity: unknown event stream {s!r}; streams are "
                        f"{sorted(seq_lens)}")
-    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n <= 0 or n % 64:
-      raise ValueError(f"jagged_capacity[{s!r}] = {n!r} must be a positive multiple of 64")
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n <= 0 or n % (64 * shards):
+      per = "" if shards == 1 else f" x {shards} batch shards (64 tokens a block)"
+      raise ValueError(f"jagged_capacity[{s!r}] = {n!r} must be a positive multiple of 64{per}")
     out[s] = int(n)
   return out
 
@@ -63,13 +65,15 @@ class Collate:
   """``BatchValidator`` columns of B rows + ``example_mask`` f32[B] -> batch (``data.schema``).
 
   ``jagged_capacity`` {stream: N}: those streams in the packed layout at capacity N
-  (``data.jagged``); ``collate`` also returns the events dropped per stream."""
+  (``data.jagged``), in ``jagged_shards`` blocks (one per batch shard of this process, N / S
+  tokens each); ``collate`` also returns the events dropped per stream."""
 
   def __init__(self, schema: Schema, seq_lens: dict[str, int], balance_groups: int = 0,
-               jagged_capacity: dict[str, int] | None = None):
+               jagged_capacity: dict[str, int] | None = None, jagged_shards: int = 1):
     self.schema, self.seq_lens = schema, seq_lens
     self.balance_groups = balance_groups
-    self.jagged = check_jagged_capacity(seq_lens, jagged_capacity)
+    self.shards = jagged.check_shards(jagged_shards)
+    self.jagged = check_jagged_capacity(seq_lens, jagged_capacity, self.shards)
     self.cols = {s.name: records.event_columns(s) for s in schema.streams}
 
   def __call__(self, c: dict, mask: np.ndarray) -> dict:
@@ -95,9 +99,9 @@ class Collate:
       buf, length = c[f"events/{s}"], c[f"length/{s}"]
       ev = {n: np.ascontiguousarray(buf[..., i]) for i, n in enumerate(self.cols[s])}
       if s in self.jagged:
-        ev, dropped[s] = pack_stream(ev, length, self.jagged[s])
-        seg = ev["seg"]
-        valid, row = seg < len(length), np.minimum(seg, len(length) - 1)
+        ev, dropped[s] = pack_stream(ev, length, self.jagged[s], self.shards)
+        example = jagged.block_examples(ev["seg"], len(length), self.shards)
+        valid, row = example < len(length), np.minimum(example, len(length) - 1)
       else:
         valid, row = np.arange(T)[None, :] < length[:, None], np.arange(len(length))[:, None]
         ev["length"] = length
@@ -106,21 +110,25 @@ class Collate:
     return out, dropped
 
 
-def pack_stream(events: dict, length, capacity: int) -> tuple[dict, int]:
+def pack_stream(events: dict, length, capacity: int, shards: int = 1) -> tuple[dict, int]:
   """One stream's padded ``{field: [B, T]}`` + ``length[B]`` -> its packed batch entry
-  (``data.schema``: the fields at [N], ``offsets``, ``seg``, ``pos``, kept ``length``) and the
-  events dropped over ``capacity`` (``data.jagged.pack_events``)."""
-  toks, offsets, seg, pos, dropped = jagged.pack_events(events, length, capacity)
-  return {**toks, "length": np.diff(offsets), "offsets": offsets, "seg": seg, "pos": pos}, dropped
+  (``data.schema``: the fields at [N], ``offsets``, ``seg``, ``pos``, kept ``length``) in
+  ``shards`` blocks and the events dropped over ``capacity`` (``data.jagged.pack_blocks``)."""
+  toks, offsets, seg, pos, dropped = jagged.pack_blocks(events, length, capacity, shards)
+  o = offsets.reshape(shards, -1)
+  return {**toks, "length": (o[:, 1:] - o[:, :-1]).reshape(-1), "offsets": offsets, "seg": seg,
+          "pos": pos}, dropped
 
 
-def pack_batch(batch: dict, capacity: dict[str, int]) -> tuple[dict, dict[str, int]]:
+def pack_batch(batch: dict, capacity: dict[str, int], shards: int = 1
+               ) -> tuple[dict, dict[str, int]]:
   """A padded model batch (``data.schema``; e.g. ``data.fake.random_batch``) with the streams of
-  ``capacity`` {stream: N} packed as ``Collate`` packs them; also {stream: events dropped}."""
+  ``capacity`` {stream: N} packed as ``Collate`` packs them (``shards`` blocks); also {stream:
+  events dropped}."""
   events, dropped = dict(batch["events"]), {}
   for s, n in capacity.items():
     ev = {k: v for k, v in events[s].items() if k != "length"}
-    events[s], dropped[s] = pack_stream(ev, events[s]["length"], n)
+    events[s], dropped[s] = pack_stream(ev, events[s]["length"], n, shards)
   return {**batch, "events": events}, dropped
 
 
@@ -209,7 +217,7 @@ def _get(cfg, name, default):
 
 def make_dataset(data_cfg, data_dir: str, split: str, seq_lens: dict[str, int], *, train: bool,
                  shard_index: int | None = None, shard_count: int | None = None,
-                 jagged_capacity: dict[str, int] | None = None):
+                 jagged_capacity: dict[str, int] | None = None, jagged_shards: int = 1):
   """grain ``IterDataset`` of numpy batches (``data.schema`` layout plus ``example_mask``).
 
   data_cfg fields: batch_size (global), surface_weights (mapping, "a=1,b=0.5" or "auto": in
@@ -222,8 +230,9 @@ def make_dataset(data_cfg, data_dir: str, split: str, seq_lens: dict[str, int], 
   any process count or global batch size (``data.elastic``).
 
   ``jagged_capacity`` {stream: N} (default None: every stream padded): those streams come in the
-  packed layout (``data.schema``) at N tokens per process batch; events dropped over N are
-  counted by ``ds.dropped_counter`` and ``dropped_events(iterator)``.
+  packed layout (``data.schema``) at N tokens per process batch, in ``jagged_shards`` blocks of
+  N / S tokens (one per batch shard of this process's devices); events dropped over a block's
+  capacity are counted by ``ds.dropped_counter`` and ``dropped_events(iterator)``.
   """
   schema = Schema.load(data_dir)
   seq_lens = check_seq_lens(schema, dict(seq_lens))
@@ -241,7 +250,9 @@ def make_dataset(data_cfg, data_dir: str, split: str, seq_lens: dict[str, int], 
   groups = 0
   if _get(data_cfg, "length_balance", False):
     groups = int(_get(data_cfg, "length_balance_groups", 0) or jax.local_device_count())
-  collate = Collate(schema, seq_lens, groups, jagged_capacity)
+  if jagged_capacity:
+    jagged.check_shards(jagged_shards, B)
+  collate = Collate(schema, seq_lens, groups, jagged_capacity, jagged_shards)
   drops = jagged.DroppedCounter() if collate.jagged else None
 
   if train:

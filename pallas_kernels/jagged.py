@@ -35,32 +35,82 @@ class Jagged:
   ``offsets i32[B+1]``: example b owns tokens ``[offsets[b], offsets[b+1])``; ``seg i32[N]``:
   the example of each token (``B`` for padding); ``pos i32[N]``: its position in the example's
   padded row (0 for padding).
+
+  ``shards`` S > 1 (static): the buffer is S consecutive blocks, block s a complete buffer of
+  ``Ns = N / S`` tokens for examples ``[s Bs, (s + 1) Bs)`` (``Bs = B / S``): ``offsets
+  i32[S (Bs+1)]`` and ``seg`` are local to their block (``Bs`` for padding). The kernels here
+  take one block (S = 1); ``blocks()`` gives the descriptor to ``jax.vmap`` over.
   """
   offsets: jax.Array
   seg: jax.Array
   pos: jax.Array
+  shards: int = dataclasses.field(default=1, metadata=dict(static=True))
 
   @property
   def batch(self) -> int:
-    return self.offsets.shape[0] - 1
+    """All examples, ``B = S Bs``."""
+    return self.offsets.shape[0] - self.shards
 
   @property
   def capacity(self) -> int:
     return self.seg.shape[0]
 
   @property
+  def block_batch(self) -> int:
+    return self.batch // self.shards
+
+  @property
   def lengths(self) -> jax.Array:
-    return self.offsets[1:] - self.offsets[:-1]
+    o = self.offsets.reshape(self.shards, -1)
+    return (o[:, 1:] - o[:, :-1]).reshape(-1)
 
   @property
   def total(self) -> jax.Array:
-    """Number of real tokens, ``offsets[B]``."""
-    return self.offsets[-1]
+    """Number of real tokens, ``offsets[B]`` (summed over the blocks)."""
+    return self.offsets[-1] if self.shards == 1 else jnp.sum(self.totals)
+
+  @property
+  def totals(self) -> jax.Array:
+    """``i32[S]``: real tokens of each block (they lead it: ``[s Ns, s Ns + totals[s])``)."""
+    return self.offsets.reshape(self.shards, -1)[:, -1]
 
   @property
   def valid(self) -> jax.Array:
     """``bool[N]``: real (not padding) tokens."""
-    return self.seg < self.batch
+    return self.seg < self.block_batch
+
+  def per_token(self, x):
+    """``x [B, ...]`` (per example) -> ``[N, ...]``: each token's example's row (0 for padding),
+    gathered within each block."""
+    S = self.shards
+    xb = x.reshape((S, self.block_batch) + x.shape[1:])
+    xb = jnp.concatenate([xb, jnp.zeros((S, 1) + x.shape[1:], x.dtype)], axis=1)
+    seg = self.seg.reshape((S, -1) + (1,) * (x.ndim - 1))
+    return jnp.take_along_axis(xb, seg, axis=1).reshape((self.capacity,) + x.shape[1:])
+
+  def shifted(self, x):
+    """``x [N, ...]`` moved one token later within each block (``out[n] = x[n - 1]``, a block's
+    first token keeps its own): each token's predecessor, never across blocks."""
+    xb = x.reshape((self.shards, -1) + x.shape[1:])
+    return jnp.concatenate([xb[:, :1], xb[:, :-1]], axis=1).reshape(x.shape)
+
+  def blocks(self) -> "Jagged":
+    """The S blocks as one descriptor with leaves ``[S, ...]`` (``shards`` 1): ``jax.vmap``
+    the kernels over it."""
+    S = self.shards
+    return Jagged(self.offsets.reshape(S, -1), self.seg.reshape(S, -1), self.pos.reshape(S, -1))
+
+
+def sharded(offsets, seg, pos, batch: int) -> Jagged:
+  """The descriptor of a packed batch of ``batch`` examples (``data/schema.py``), its shard count
+  read off the shapes: ``S = len(offsets) - batch``; a one-line ValueError unless S >= 1 divides
+  the batch and the capacity."""
+  S, N = offsets.shape[0] - batch, seg.shape[0]
+  if S < 1 or batch % S or N % S or pos.shape != seg.shape:
+    raise ValueError(f"packed (jagged) layout: offsets [{offsets.shape[0]}], seg [{N}], pos "
+                     f"{list(pos.shape)} for {batch} examples: expected S >= 1 blocks with "
+                     f"offsets [B + S] = [S (B/S + 1)], S dividing B={batch} and N={N}")
+  return Jagged(offsets, seg, pos, S)
 
 
 def from_lengths(lengths, capacity: int) -> Jagged:
@@ -136,7 +186,14 @@ def _zero_padding(x, jagged: Jagged):
   return jnp.where(valid, x, jnp.zeros_like(x))
 
 
+def _check_one_block(jagged: Jagged):
+  if jagged.shards != 1:
+    raise ValueError(f"the jagged kernels take one block; got {jagged.shards} shards (vmap over "
+                     "Jagged.blocks(), as kunlun.nn.packed does)")
+
+
 def check_tokens(jagged: Jagged, *xs):
+  _check_one_block(jagged)
   for x in xs:
     if x.ndim != 3 or x.shape[0] != jagged.capacity:
       raise ValueError(f"jagged tokens must be [N={jagged.capacity}, H, D], got {x.shape}")
@@ -145,6 +202,7 @@ def check_tokens(jagged: Jagged, *xs):
 
 
 def check_example_kv(k, v, jagged: Jagged, q):
+  _check_one_block(jagged)
   if k.ndim != 4 or k.shape != v.shape or k.shape[0] != jagged.batch or k.shape[2:] != q.shape[1:]:
     raise ValueError(f"k {k.shape} / v {v.shape} must be [B={jagged.batch}, n_kv, "
                      f"{q.shape[1]}, {q.shape[2]}]")

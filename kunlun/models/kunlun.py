@@ -20,7 +20,7 @@ from kunlun.nn import remat as remat_lib
 from kunlun.nn.inputs import EventEmbed
 from kunlun.nn.layer import COMPUTE_DTYPES, KunlunLayer
 from kunlun.nn.stages import apply_heads, embed_context, embed_streams
-from sharding import context
+from sharding.packed import split_count
 
 __all__ = ["Kunlun", "embed_sequences", "embed_context", "apply_heads"]
 
@@ -71,8 +71,9 @@ class Kunlun(nn.Module):
       x = embed_context(cfg, self.schema, batch, dt)
       remat = self.remat if request_index is None else "none"
       seqs, lengths, ages = embed_sequences(cfg, self.schema, batch, dt, remat)
-      if any(packed.is_packed(v) for v in seqs.values()):
-        self._check_packed(x.shape[0], request_index)
+      shards = {v.jag.shards for v in seqs.values() if packed.is_packed(v)}
+      if shards:
+        self._check_packed(shards, request_index)
       if request_index is None:
         x, seqs = self.extra_inputs(batch, x, seqs, lengths)
       else:                                     # shared serving path: sequences per request
@@ -93,17 +94,22 @@ class Kunlun(nn.Module):
         summaries = {n: rows.to_ads(v, ri) for n, v in summaries.items()}
       return apply_heads(cfg, x, summaries, batch["surface"], dt)
 
-  def _check_packed(self, batch_size, request_index):
-    """Packed (jagged) towers: the combinations they do not support yet, as one-line errors."""
+  def _check_packed(self, shards, request_index):
+    """Packed (jagged) towers: the combinations they do not support yet, as one-line errors.
+    ``shards``: the packed streams' block counts S (``pallas_kernels.jagged.Jagged.shards``)."""
     del request_index                            # the shared serving path packs per request
     if type(self).extra_inputs is not Kunlun.extra_inputs and not self.packed_extra_inputs:
       raise ValueError(f"{type(self).__name__} adds model inputs (extra_inputs) that do not take "
                        "packed (jagged) towers (packed_extra_inputs)")
-    t = self.cfg.seq_towers[0]
-    if context.is_sharded(jax.ShapeDtypeStruct((batch_size, t.kept_len, t.heads, t.head_dim),
-                                               jnp.float32)):
-      raise ValueError("packed (jagged) towers need an unsharded batch and sequence: the packed "
-                       "buffer is per process today (no data / context parallelism over devices)")
+    n_seq, n_batch = split_count("seq"), split_count("batch")
+    if n_seq > 1:
+      raise ValueError(f"packed (jagged) towers do not support context parallelism: the rules "
+                       f"split the sequence axis over {n_seq} devices, and a packed tower has no "
+                       "sequence axis (use a preset without 'seq' sharding, e.g. dp or fsdp)")
+    if any(S % n_batch for S in shards):
+      raise ValueError(f"packed (jagged) towers: the batch is split over {n_batch} devices but "
+                       f"packed in {sorted(shards)} blocks; pack a multiple of {n_batch} blocks "
+                       "(data.pipeline jagged_shards, the batch shards of the mesh)")
 
   def extra_inputs(self, batch, x_bnd, seqs, lengths):
     """Hook for subclasses that add model inputs before the trunk (e.g. LoopFM's FM features,

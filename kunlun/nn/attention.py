@@ -152,8 +152,7 @@ class SeqAttention(nn.Module):
       o = packed.softmax_attention(q, k, v, jag, backend=self.backend,
                                    window=self.window if self.kind == "swa" else None)
     out = jnp.einsum("nhc,hcd->nd", o.astype(self.dtype), self._w_out(H, dh, d))
-    xs, total = packed.as_rows(x, jag)
-    return masked_residual(xs, out[None], total)[0]
+    return packed.rowwise(masked_residual, jag, x, out)
 
   def _attend(self, q, k, v, lengths, rot, T):
     """The attention proper (q, k already rotated unless ``kind="block"``, whose kernel rotates

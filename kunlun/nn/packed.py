@@ -3,6 +3,10 @@
 A packed tower's tokens ``[N, d]`` (B examples back to back, ``pallas_kernels.jagged.Jagged``)
 run every sequence module per token; the cross-token ops go through the jagged kernels here
 (``backend``: "xla" the XLA twins, "pallas" ``jagged_pallas``, "auto" Pallas on a GPU else XLA).
+A batch packed in S blocks (``Jagged.shards``, one or more per batch shard of the mesh): the
+cross-token ops reshape to ``[S, Ns, ...]`` and ``jax.vmap`` the kernels over the blocks, the
+blocks constrained to the logical ``batch`` axis (Pallas: per device, ``sharding.packed``); the
+per-token ops run on the flat ``[N, d]`` rows, ``as_rows`` / ``rowwise`` mask each block's tail.
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ from flax import struct
 
 from pallas_kernels import jagged, jagged_pallas
 from pallas_kernels.api import compile_platform
+from sharding import shard
+from sharding.packed import per_shard
 
 F32 = jnp.float32
 
@@ -33,10 +39,38 @@ def is_packed(v) -> bool:
 
 
 def as_rows(x, jag: jagged.Jagged):
-  """``(x [N, ...] as [1, N, ...], lengths i32[1] = real tokens)``: the packed buffer as one
-  padded row, for the per-token ops that mask rows at or past a length (real tokens are
-  ``[0, offsets[B])``)."""
-  return x[None], jag.total[None]
+  """``(x [N, ...] as [S, Ns, ...], lengths i32[S] = each block's real tokens)``: the packed
+  buffer as S padded rows (one per block), for the per-token ops that mask rows at or past a
+  length (a block's real tokens lead it)."""
+  return x.reshape((jag.shards, -1) + x.shape[1:]), jag.totals
+
+
+def rowwise(fn, jag: jagged.Jagged, *xs):
+  """``fn(*rows, lengths)`` on ``as_rows`` of each ``x [N, ...]`` -> back to ``[N, ...]``."""
+  y = fn(*(as_rows(x, jag)[0] for x in xs), jag.totals)
+  return shard_tokens(y.reshape((-1,) + y.shape[2:]))
+
+
+def shard_tokens(x):
+  """``x [N or B, ...]`` (tokens or examples of the blocks) constrained to the logical batch."""
+  return shard(x, ("batch",) + (None,) * (x.ndim - 1))
+
+
+def _per_block(kernel, jag: jagged.Jagged, args, blocked, pallas: bool):
+  """``kernel(jag, *args)`` with ``jag.shards`` S > 1 blocks: every ``blocked`` argument (tokens
+  ``[N, ...]`` or examples ``[B, ...]``) cut into ``[S, ., ...]``, the kernel vmapped over the
+  blocks (Pallas: per device, ``sharding.packed.per_shard``); the output (leading ``[S, .]``)
+  flattened back."""
+  if jag.shards == 1:
+    return kernel(jag, *args)
+  S = jag.shards
+  cut = lambda x: shard(x.reshape((S, -1) + x.shape[1:]), ("batch",) + (None,) * x.ndim)
+  args = [cut(a) if b else a for a, b in zip(args, blocked, strict=True)]
+  fn = jax.vmap(kernel, in_axes=(0,) + tuple(0 if b else None for b in blocked))
+  if pallas:
+    fn = per_shard(fn, (True,) + tuple(blocked))
+  y = fn(jag.blocks(), *args)
+  return shard_tokens(y.reshape((-1,) + y.shape[2:]))
 
 
 def _use_pallas(backend: str) -> bool:
@@ -52,32 +86,39 @@ def _interpret() -> bool:
   return compile_platform() != "gpu"
 
 
-def gdpa_cross(q, k, v, jag, *, backend: str, **kw):
-  """PFFN's GDPA: ``q [N, H, D]`` reads its example's ``k, v [B, n_kv, H, D]`` -> ``[N, H, D]``."""
+def gdpa_cross(q, k, v, jag, *, backend: str, kv_lengths=None, **kw):
+  """PFFN's GDPA: ``q [N, H, D]`` reads its example's ``k, v [B, n_kv, H, D]`` (keys below
+  ``kv_lengths i32[B]``; None: all) -> ``[N, H, D]``."""
+  pallas = _use_pallas(backend)
+  fn = jagged_pallas.jagged_gdpa_cross_pallas if pallas else jagged.jagged_gdpa_cross
+  kw = dict(kw, interpret=_interpret()) if pallas else kw
+  op = lambda j, q, k, v, *kvl: fn(q, k, v, j, kv_lengths=kvl[0] if kvl else None, **kw)
+  args = (q, k, v) + (() if kv_lengths is None else (kv_lengths,))
   with jax.named_scope("GDPA"):
-    if _use_pallas(backend):
-      return jagged_pallas.jagged_gdpa_cross_pallas(q, k, v, jag, interpret=_interpret(), **kw)
-    return jagged.jagged_gdpa_cross(q, k, v, jag, **kw)
+    return _per_block(op, jag, args, (True,) * len(args), pallas)
 
 
 def gdpa_pool(q, k, v, jag, *, backend: str, **kw):
   """HSP's GDPA: seeds ``q [S, H, D]`` pool ``k, v [N, H, D]`` per example -> ``[B, S, H, D]``."""
+  pallas = _use_pallas(backend)
+  fn = jagged_pallas.jagged_gdpa_pool_pallas if pallas else jagged.jagged_gdpa_pool
+  kw = dict(kw, interpret=_interpret()) if pallas else kw
   with jax.named_scope("GDPA"):
-    if _use_pallas(backend):
-      return jagged_pallas.jagged_gdpa_pool_pallas(q, k, v, jag, interpret=_interpret(), **kw)
-    return jagged.jagged_gdpa_pool(q, k, v, jag, **kw)
+    return _per_block(lambda j, q, k, v: fn(q, k, v, j, **kw), jag, (q, k, v),
+                      (False, True, True), pallas)
 
 
 def block_attention(q, k, v, jag, *, backend: str, **kw):
   """Attention within each example's blocks, ``q, k, v [N, H, D]`` (already rotated)."""
-  if _use_pallas(backend):
-    return jagged_pallas.jagged_block_attention_pallas(q, k, v, jag, interpret=_interpret(), **kw)
-  return jagged.jagged_block_attention(q, k, v, jag, **kw)
+  pallas = _use_pallas(backend)
+  fn = jagged_pallas.jagged_block_attention_pallas if pallas else jagged.jagged_block_attention
+  kw = dict(kw, interpret=_interpret()) if pallas else kw
+  return _per_block(lambda j, q, k, v: fn(q, k, v, j, **kw), jag, (q, k, v), (True,) * 3, pallas)
 
 
 def softmax_attention(q, k, v, jag, *, backend: str, window=None):
   """Softmax self-attention within each example (``window``: the band; None: full)."""
-  if _use_pallas(backend):
-    return jagged_pallas.jagged_softmax_attention_pallas(q, k, v, jag, window=window,
-                                                         interpret=_interpret())
-  return jagged.jagged_softmax_attention(q, k, v, jag, window=window)
+  pallas = _use_pallas(backend)
+  fn = jagged_pallas.jagged_softmax_attention_pallas if pallas else jagged.jagged_softmax_attention
+  kw = dict(window=window, interpret=_interpret()) if pallas else dict(window=window)
+  return _per_block(lambda j, q, k, v: fn(q, k, v, j, **kw), jag, (q, k, v), (True,) * 3, pallas)

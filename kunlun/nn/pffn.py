@@ -87,8 +87,7 @@ class PFFN(nn.Module):
       g = packed.gdpa_cross(q, k.astype(self.dtype), v.astype(self.dtype), jag,
                             backend=self.backend, activation=self.activation, out_scale=1.0,
                             score_clip=self.score_clip)                # [N, H, dh]
-      (g, _), (u, _), (x, total) = (packed.as_rows(a, jag) for a in (g.reshape(N, d), u, x))
-      return packed.Packed(self._tail(g, u, x, total)[0], jag)
+      return packed.Packed(packed.rowwise(self._tail, jag, g.reshape(N, d), u, x), jag)
 
   def _check(self, d, k, v, B):
     if d % self.heads:

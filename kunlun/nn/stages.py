@@ -20,7 +20,7 @@ from kunlun.configs.types import ModelConfig
 from kunlun.nn import packed
 from kunlun.nn.heads import Heads
 from kunlun.nn.inputs import ContextEncoder, EventEmbed
-from pallas_kernels.jagged import Jagged
+from pallas_kernels.jagged import sharded
 from sharding import shard
 
 
@@ -41,7 +41,8 @@ def embed_streams(towers, schema: Schema, batch, dtype, num_time_buckets: int,
   """One ``embed`` (``EventEmbed`` or a rematerialised wrap of it) per tower (module
   ``embed_<stream>``, at the tower's width):
   ``(seqs {name: [B, T, d]}, lengths {name: i32[B]}, ages {name: f32[B, T]})``. A packed stream
-  (``packed_ok``) gives ``seqs[name] = Packed([N, d], Jagged)`` and ``ages[name] f32[N]``."""
+  (``packed_ok``) gives ``seqs[name] = Packed([N, d], Jagged)`` and ``ages[name] f32[N]``
+  (its shard count S = ``len(offsets) - B``, ``pallas_kernels.jagged.sharded``)."""
   ev = batch["events"]
   seqs, lengths, ages = {}, {}, {}
   for t in towers:
@@ -56,11 +57,13 @@ def embed_streams(towers, schema: Schema, batch, dtype, num_time_buckets: int,
     if not packed_ok:
       raise ValueError(f"event stream {t.name!r} is packed (data.jagged_capacity): only the "
                        "Kunlun model (towers mode) runs packed towers")
-    jag = Jagged(*(jnp.asarray(e[k], jnp.int32) for k in ("offsets", "seg", "pos")))
-    rows = {k: jnp.asarray(v)[None] for k, v in e.items()      # one padded row of N tokens
+    jag = sharded(*(jnp.asarray(e[k], jnp.int32) for k in ("offsets", "seg", "pos")),
+                  lengths[t.name].shape[0])
+    rows = {k: packed.as_rows(jnp.asarray(v), jag)[0] for k, v in e.items()   # a row per block
             if k not in ("offsets", "seg", "pos", "length")}
-    rows["length"] = jag.total[None]
-    seqs[t.name] = packed.Packed(mod(rows)[0], jag)
+    rows["length"] = jag.totals
+    y = mod(rows)                                                    # [S, Ns, d]
+    seqs[t.name] = packed.Packed(packed.shard_tokens(y.reshape(-1, y.shape[-1])), jag)
   return seqs, lengths, ages
 
 

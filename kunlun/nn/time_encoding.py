@@ -110,9 +110,9 @@ def bucket_ids(age, lengths, spec: BucketSpec, jag=None):
     gap = lambda: gap_bucket(age, n)
     position = lambda: position_bucket(lengths, T, n, spec.kept_len)
   else:                                       # the previous token is the older event of a run
-    prev = jnp.concatenate([age[:1], age[:-1]])
+    prev = jag.shifted(age)
     gap = lambda: jnp.where(jag.pos == 0, 0, _gap_ids(prev - age, n))
-    rank = jnp.concatenate([jag.lengths, jnp.zeros((1,), jnp.int32)])[jag.seg] - 1 - jag.pos
+    rank = jag.per_token(jag.lengths) - 1 - jag.pos
     position = lambda: _rank_ids(rank, n, spec.kept_len)
   make = {"age": lambda: even_age_bucket(age, n, spec.age_horizon),
           "log_age": lambda: log_time_bucket(age, n),

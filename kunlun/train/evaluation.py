@@ -20,7 +20,7 @@ from kunlun.configs import types as model_config
 from kunlun.configs.fit import fit_surface_weights
 from kunlun.train import checkpoint, metrics
 from kunlun.train import step as step_lib
-from kunlun.train.runtime import check_data_files, jagged_capacity
+from kunlun.train.runtime import check_data_files, jagged_capacity, local_batch_shards
 from kunlun.train.startup import fail
 from kunlun.utils import atomic
 
@@ -127,8 +127,9 @@ class ValidSplitEvaluator:
     self.data_cfg.batch_size = int(config.data.batch_size)      # the train batch: valid on the mesh
     self.data_dir, self.b_shard = data_dir, batch_sharding
     self.seq_lens = model_config.seq_lens(config)
+    self.blocks = local_batch_shards(batch_sharding)
     self.capacity = jagged_capacity(self.data_cfg, data_dir, run_plan.split, self.seq_lens,
-                                    jax.process_count())
+                                    jax.process_count(), self.blocks)
     self.best_task = config.train.get("best_task", "") or ""
     self.keep = bool(config.train.get("keep_best", False))
     self.best = None
@@ -147,7 +148,8 @@ class ValidSplitEvaluator:
     """Overall (per task) NE and AUC on the validation split."""
     ds = pipeline.make_dataset(self.data_cfg, self.data_dir, self.plan.split, self.seq_lens,
                                train=False, shard_index=jax.process_index(),
-                               shard_count=jax.process_count(), jagged_capacity=self.capacity)
+                               shard_count=jax.process_count(), jagged_capacity=self.capacity,
+                               jagged_shards=self.blocks)
     a = collect(self.predict, params, iter(ds), self.b_shard)
     _, overall = metrics.surface_task_metrics(
         a["prob"], a["labels"], a["label_mask"], a["surface"], self.schema.surfaces,

@@ -112,12 +112,17 @@ def setup(config, workdir: str, *, mesh: str, dcn_mesh: str | None = None,
   if ckpt.all_steps():
     runtime.check_resume(workdir, config, schema, fingerprint, allow_config_change)
 
+  blocks = runtime.local_batch_shards(partition.batch_sharding(mesh_, rules))
   capacity = runtime.jagged_capacity(config.data, data_dir, config.data.train_split,
-                                     model_config.seq_lens(config), jax.process_count())
+                                     model_config.seq_lens(config), jax.process_count(), blocks)
+  if capacity and int(config.train.get("microbatches", 1)) > 1:
+    startup.fail("data.jagged_capacity (packed towers) does not support "
+                 "config.train.microbatches > 1: the packed blocks do not split into strided "
+                 "microbatches")
   ds = pipeline.make_dataset(config.data, data_dir, config.data.train_split,
                              model_config.seq_lens(config), train=True,
                              shard_index=jax.process_index(), shard_count=jax.process_count(),
-                             jagged_capacity=capacity)
+                             jagged_capacity=capacity, jagged_shards=blocks)
   example = next(iter(ds))           # shapes only; the training iterator starts fresh below
   data_iter = iter(ds)
   init_rng, train_rng = jax.random.split(jax.random.key(config.seed))
@@ -169,12 +174,14 @@ def eval_setup(workdir: str, ckpt: checkpoint.Checkpointer, *, config=None,
   model = runtime.fit_and_build_model(config, schema)
   data_cfg = config.data.copy_and_resolve_references()
   data_cfg.batch_size = bs
+  blocks = runtime.local_batch_shards(partition.batch_sharding(mesh_, rules))
   try:
     capacity = runtime.jagged_capacity(data_cfg, data_dir, split, model_config.seq_lens(config),
-                                       jax.process_count())
+                                       jax.process_count(), blocks)
     ds = pipeline.make_dataset(data_cfg, data_dir, split, model_config.seq_lens(config),
                                train=False, shard_index=jax.process_index(),
-                               shard_count=jax.process_count(), jagged_capacity=capacity)
+                               shard_count=jax.process_count(), jagged_capacity=capacity,
+                               jagged_shards=blocks)
   except (ValueError, FileNotFoundError) as e:
     startup.fail(f"--split={split} in {data_dir}: {e}")
   it = iter(ds) if remap is None else map(remap, ds)      # surfaces / tasks matched by name

@@ -186,19 +186,38 @@ RUN_INFO_FORMAT = "kunlun-run-info-v1"
 AUTO_CAPACITY_SAMPLE = 4096          # examples whose kept lengths set data.jagged_capacity=auto
 
 
+def local_batch_shards(batch_sharding) -> int:
+  """Batch shards held by this process's devices under ``batch_sharding`` (a NamedSharding of the
+  leading axis): the packed (jagged) blocks this process packs."""
+  n = batch_sharding.mesh.size                     # a multiple of the batch shard count
+  starts = {idx[0].indices(n)[0]
+            for idx in batch_sharding.addressable_devices_indices_map((n,)).values()}
+  return len(starts)
+
+
 def jagged_capacity(data_cfg, data_dir: str, split: str, seq_lens: dict[str, int],
-                    shard_count: int) -> dict[str, int] | None:
+                    shard_count: int, batch_shards: int = 1) -> dict[str, int] | None:
   """``data_cfg.jagged_capacity`` resolved for ``pipeline.make_dataset``: None (padded) or
-  {stream: N}. "auto": every stream, N = ``data.jagged.capacity_for`` (P(overflow) <= 0.001) of
-  the per-process batch over the kept lengths of up to AUTO_CAPACITY_SAMPLE examples of
-  ``split``, rounded up to a multiple of 64. Problems are FatalErrors."""
+  {stream: N} per process batch, packed in ``batch_shards`` blocks (``local_batch_shards``) of
+  N / batch_shards tokens. "auto": every stream, N / batch_shards = ``data.jagged.capacity_for``
+  (P(overflow) <= 0.001) of a block's batch over the kept lengths of up to AUTO_CAPACITY_SAMPLE
+  examples of ``split``, rounded up to a multiple of 64. Problems are FatalErrors."""
   try:
     value = parse_capacity(data_cfg.get("jagged_capacity", ""))
   except ValueError as e:
     fail(str(e))
-  if value != "auto":
-    return value
   B = int(data_cfg.batch_size) // shard_count
+  if value:
+    try:
+      jagged.check_shards(batch_shards, B)
+    except ValueError as e:
+      fail(f"data.jagged_capacity with {batch_shards} batch shards per process: {e}")
+  if value != "auto":
+    bad = {s: n for s, n in (value or {}).items() if n % (64 * batch_shards)}
+    if bad:
+      fail(f"data.jagged_capacity {bad}: N must be a multiple of 64 x the {batch_shards} batch "
+           "shards of a process (64 tokens a block)")
+    return value
   ds = pipeline.make_dataset(data_cfg, data_dir, split, seq_lens, train=False, shard_index=0,
                              shard_count=1)
   lens = {s: [] for s in seq_lens}
@@ -210,17 +229,19 @@ def jagged_capacity(data_cfg, data_dir: str, split: str, seq_lens: dict[str, int
     n += int(real.sum())
   if not n:
     fail(f"data.jagged_capacity=auto: split {split!r} in {data_dir} has no examples")
-  return capacity_from_lengths({s: np.concatenate(v) for s, v in lens.items()}, B)
+  return capacity_from_lengths({s: np.concatenate(v) for s, v in lens.items()}, B, batch_shards)
 
 
-def capacity_from_lengths(lens: dict, batch_size: int) -> dict[str, int]:
+def capacity_from_lengths(lens: dict, batch_size: int, shards: int = 1) -> dict[str, int]:
   """``data.jagged_capacity=auto`` from a sample of kept lengths ``{stream: i[n]}``: per stream
-  ``data.jagged.capacity_for`` (P(overflow) <= 0.001) of a batch of ``batch_size``, rounded up to
-  a multiple of 64; printed."""
-  out = {s: -(-jagged.capacity_for(v, batch_size) // 64) * 64 for s, v in lens.items()}
+  ``shards`` x ``data.jagged.capacity_for`` (P(overflow) <= 0.001) of a block's batch
+  ``batch_size / shards``, rounded up to a multiple of 64 (at least 64); printed."""
+  Bs = batch_size // shards
+  out = {s: shards * max(64, -(-jagged.capacity_for(v, Bs) // 64) * 64) for s, v in lens.items()}
   n = len(next(iter(lens.values()), ()))
+  per = "" if shards == 1 else f" ({shards} blocks of {Bs} examples)"
   print(f"data.jagged_capacity=auto: {','.join(f'{s}={c}' for s, c in out.items())} tokens per "
-        f"process batch of {batch_size} (from {n} examples)", flush=True)
+        f"process batch of {batch_size}{per} (from {n} examples)", flush=True)
   return out
 
 

@@ -43,6 +43,15 @@ def oracle_pack(events, lengths, N):
           sum(int(x) for x in lengths) - sum(keep))
 
 
+def oracle_blocks(events, lengths, N, S):
+  """``oracle_pack`` of each batch shard's examples into its N / S tokens, concatenated."""
+  Bs = len(lengths) // S
+  parts = [oracle_pack({k: v[s * Bs:(s + 1) * Bs] for k, v in events.items()},
+                       lengths[s * Bs:(s + 1) * Bs], N // S) for s in range(S)]
+  return ({k: np.concatenate([p[0][k] for p in parts]) for k in events},
+          *(np.concatenate([p[i] for p in parts]) for i in (1, 2, 3)), sum(p[4] for p in parts))
+
+
 def _events(rng, lengths, T):
   B = len(lengths)
   valid = np.arange(T)[None, :] < np.asarray(lengths)[:, None]
@@ -99,6 +108,28 @@ def test_drop_keeps_most_recent_and_counts_exactly():
   assert packed["t"][6:9].tolist() == [0, 1, 2]
   assert packed["t"][9:16].tolist() == [5, 6, 7, 8, 9, 10, 11]
   assert pos[:16].tolist() == list(range(6)) + list(range(3)) + list(range(7))
+
+
+def test_pack_blocks_against_a_loop_over_shards():
+  """Three batch shards of two examples: one block empty, one overflowing, one ragged."""
+  lengths, T, S = np.array([0, 0, 64, 33, 3, 17], np.int64), 64, 3
+  ev = _events(np.random.default_rng(7), lengths, T)
+  got = jagged.pack_blocks(ev, lengths, S * 64, S)
+  want = oracle_blocks(ev, lengths, S * 64, S)
+  for k in ev:
+    np.testing.assert_array_equal(got[0][k], want[0][k])
+  for g, w in zip(got[1:4], want[1:4], strict=True):
+    assert g.dtype == np.int32
+    np.testing.assert_array_equal(g, w)
+  assert got[4] == want[4] == 33
+  ex = jagged.block_examples(got[2], len(lengths), S)
+  loop = [s * 2 + int(g) if g < 2 else len(lengths)
+          for s in range(S) for g in got[2][s * 64:(s + 1) * 64]]
+  assert ex.tolist() == loop
+  with pytest.raises(ValueError, match="does not split into 4 blocks"):
+    jagged.pack_blocks(ev, lengths, 4 * 64, 4)
+  with pytest.raises(ValueError, match="shards must be an int >= 1"):
+    jagged.pack_blocks(ev, lengths, 64, 0)
 
 
 def test_fit_lengths_random_against_oracle():
@@ -164,10 +195,11 @@ def _cfg():   # prefetch 0: the in-process counter sees exactly the batches prod
       num_threads=2, prefetch=0, skip_invalid=False, length_balance=False))
 
 
-@pytest.mark.parametrize("cap", [{"click": 256, "impression": 512}, {"click": 128}])
-def test_collate_packed_batch_equals_packing_padded_batch(tiny_dir, cap):
+@pytest.mark.parametrize("cap,shards", [({"click": 256, "impression": 512}, 1), ({"click": 128}, 1),
+                                         ({"click": 128}, 2)])
+def test_collate_packed_batch_equals_packing_padded_batch(tiny_dir, cap, shards):
   mk = lambda c: make_dataset(_cfg(), tiny_dir, "train", SEQ, train=True, shard_index=0,
-                              shard_count=1, jagged_capacity=c)
+                              shard_count=1, jagged_capacity=c, jagged_shards=shards)
   ds = mk(cap)
   padded_it, packed_it = iter(mk(None)), iter(ds)
   want_drop = {}
@@ -181,7 +213,7 @@ def test_collate_packed_batch_equals_packing_padded_batch(tiny_dir, cap):
         np.testing.assert_equal(got["events"][s], ev)
         continue
       fields = {k: v for k, v in ev.items() if k != "length"}
-      want, offsets, seg, pos, dropped = oracle_pack(fields, ev["length"], cap[s])
+      want, offsets, seg, pos, dropped = oracle_blocks(fields, ev["length"], cap[s], shards)
       g = got["events"][s]
       assert sorted(g) == sorted(list(fields) + ["length", "offsets", "seg", "pos"])
       for k in fields:
@@ -190,7 +222,7 @@ def test_collate_packed_batch_equals_packing_padded_batch(tiny_dir, cap):
       np.testing.assert_array_equal(g["offsets"], offsets)
       np.testing.assert_array_equal(g["seg"], seg)
       np.testing.assert_array_equal(g["pos"], pos)
-      np.testing.assert_array_equal(g["length"], np.diff(offsets))
+      np.testing.assert_array_equal(g["length"], np.diff(offsets.reshape(shards, -1)).ravel())
       assert g["length"].dtype == np.int32
       if dropped:
         want_drop[s] = want_drop.get(s, 0) + dropped
@@ -199,7 +231,7 @@ def test_collate_packed_batch_equals_packing_padded_batch(tiny_dir, cap):
   restored = iter(mk(cap))                               # the counts travel with the state
   restored.set_state(packed_it.get_state())
   assert dropped_events(restored) == want_drop
-  if cap == {"click": 128}:
+  if cap == {"click": 128} or shards > 1:
     assert want_drop["click"] > 0                        # the tight capacity did overflow
 
 
@@ -209,3 +241,5 @@ def test_collate_capacity_errors(tiny_dir):
     Collate(schema, SEQ, jagged_capacity={"video": 64})
   with pytest.raises(ValueError, match="positive multiple of 64"):
     Collate(schema, SEQ, jagged_capacity={"click": 100})
+  with pytest.raises(ValueError, match=r"multiple of 64 x 2 batch shards"):
+    Collate(schema, SEQ, jagged_capacity={"click": 192}, jagged_shards=2)

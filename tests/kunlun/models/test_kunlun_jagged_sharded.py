@@ -1,0 +1,141 @@
+"""Packed (jagged) towers on a data-parallel mesh: a batch packed per batch shard (S blocks) trains
+like the padded batch on one device, with no all-gather of the token buffers."""
+
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from data.fake import random_batch
+from data.jagged import pack_blocks
+from data.pipeline import pack_batch
+from kunlun.configs.types import seq_lens
+from kunlun.models.build import build_model
+from kunlun.nn import packed as packed_ops
+from kunlun.nn.losses import masked_bce
+from pallas_kernels import jagged
+from sharding import mesh as M
+from sharding import partition
+from sharding import rules as R
+from tests.sharding import tiny_kunlun
+
+B, S, NS = 8, 4, 192          # 4 blocks of 2 examples, 192 tokens each (token dims stand out)
+
+
+def _loss_and_grad(model):
+  def f(p, b):
+    return masked_bce(model.apply({"params": p}, b, True), b["labels"], b["label_mask"])[0]
+  return jax.value_and_grad(f)
+
+
+@functools.cache
+def _case():
+  """The small tiny Kunlun (swa attention) with Computation Skip off (its one layer then runs
+  attention as well as PFFN and HSP) and time / position buckets (each token's example and
+  position in its block matter); 8 examples, empty histories in two blocks; host params."""
+  cfg, schema, _ = tiny_kunlun.small()
+  cfg.model.comp_skip = False
+  cfg.model.time_buckets.enabled = True
+  model = build_model(cfg, schema)
+  batch = random_batch(schema, B, seq_lens(cfg), seed=3)
+  for ev in batch["events"].values():             # empty histories, in two different blocks
+    ev["length"][[1, 6]] = 0
+    for k, v in ev.items():
+      if k != "length":
+        v[[1, 6]] = 0
+  return model, batch, tiny_kunlun.host_params(model, batch)
+
+
+def _token_gathers(hlo: str):
+  """op_names of the all-gathers whose result holds the tokens of more than one block."""
+  out = []
+  for line in hlo.splitlines():
+    m = re.search(r"= \(?\w+\[([\d,]*)\][^=]*? all-gather(?:-start)?\(", line)
+    if not m:
+      continue
+    dims = [int(d) for d in m.group(1).split(",") if d]
+    pairs = zip(dims, dims[1:], strict=False)
+    if any(d in (k * NS for k in range(2, S + 1)) for d in dims) or any(
+        a > 1 and b == NS for a, b in pairs):
+      name = re.search(r'op_name="([^"]*)"', line)
+      out.append(name.group(1) if name else line.strip()[:200])
+  return out
+
+
+def test_sharded_packed_step_equals_padded_single_device():
+  model, batch, params = _case()
+  loss_ref, g_ref = jax.jit(_loss_and_grad(model))(params, batch)
+  packed, dropped = pack_batch(batch, {s: S * NS for s in batch["events"]}, S)
+  assert not any(dropped.values())
+  mesh = M.make_mesh({"data": 2, "fsdp": 2}, devices=jax.devices()[:4])
+  rules = R.get_rules("fsdp")
+  shardings = partition.param_shardings(model, jax.random.key(0), packed, mesh, rules)
+  with partition.activate(mesh, rules):
+    p = jax.device_put(params, shardings)
+    b = jax.device_put(packed, partition.batch_sharding(mesh, rules))
+    compiled = jax.jit(_loss_and_grad(model)).lower(p, b).compile()
+    loss, grads = compiled(p, b)
+  np.testing.assert_allclose(float(loss), float(loss_ref), rtol=1e-5)
+  # float32; the sharded sums (batch-mean gradient, table rows) add in another order: measured
+  # max |diff| / max |ref| 4.5e-6 over the leaves
+  for (k, g), r in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(g_ref),
+                       strict=True):
+    r = np.asarray(r)
+    np.testing.assert_allclose(np.asarray(g), r, rtol=1e-5, atol=1e-5 * np.abs(r).max(),
+                               err_msg=jax.tree_util.keystr(k))
+  # the jagged ops run per block: the only token-sized all-gathers are the row-sharded tables'
+  # overflow fallback (sharding.embedding, a lax.cond branch the padded model has as well)
+  gathers = _token_gathers(compiled.as_text())
+  assert all("EventEmbed/shard_map/cond" in g for g in gathers), gathers
+
+
+def _one_line_error(fn, *words):
+  with pytest.raises(ValueError) as e:
+    fn()
+  msg = str(e.value)
+  assert "\n" not in msg and all(w in msg for w in words), msg
+
+
+def test_bad_shard_counts_are_one_line_errors():
+  model, batch, params = _case()
+  apply = lambda b: jax.eval_shape(lambda p: model.apply({"params": p}, b), params)
+  packed, _ = pack_batch(batch, {s: 2 * 64 for s in batch["events"]}, 2)
+  bad = dict(packed, events={s: dict(ev, offsets=np.zeros(B + 3, np.int32))  # 3 blocks: 8 % 3
+                             for s, ev in packed["events"].items()})
+  _one_line_error(lambda: apply(bad), "offsets [11]", "S dividing B=8")
+  mesh = M.make_mesh({"data": 4}, devices=jax.devices()[:4])
+  with partition.activate(mesh, R.get_rules("dp")):   # 2 blocks on a 4-way batch
+    _one_line_error(lambda: apply(packed), "split over 4 devices", "[2] blocks")
+  mesh = M.make_mesh({"data": 2, "context": 2}, devices=jax.devices()[:4])
+  with partition.activate(mesh, R.get_rules("fsdp_cp")):
+    _one_line_error(lambda: apply(packed), "context parallelism", "over 2 devices")
+
+
+def test_jagged_kernels_take_one_block():
+  jag = jagged.Jagged(jnp.zeros(6, jnp.int32), jnp.zeros(128, jnp.int32),
+                      jnp.zeros(128, jnp.int32), 2)
+  q = jnp.zeros((128, 2, 8))
+  _one_line_error(lambda: jagged.jagged_softmax_attention(q, q, q, jag), "2 shards")
+
+
+def test_pallas_blocks_per_device_equal_the_xla_twin():
+  """backend "pallas" (interpret mode) on 4 blocks over a 2-way batch: ``shard_map`` per device,
+  its 2 local blocks vmapped; values and gradients equal the XLA twin's."""
+  lengths = np.array([5, 0, 20, 9, 31, 1, 0, 12])
+  _, off, seg, pos, _ = pack_blocks({"x": np.zeros((B, 32))}, lengths, S * 64, S)
+  jag = jagged.sharded(*(jnp.asarray(a) for a in (off, seg, pos)), B)
+  q, k, v = jnp.asarray(np.random.default_rng(0).standard_normal((3, S * 64, 2, 8)), jnp.float32)
+
+  def loss(backend):
+    return lambda q, k, v: jnp.sum(packed_ops.block_attention(q, k, v, jag, backend=backend,
+                                                              block_size=8) ** 2)
+
+  ref = jax.jit(jax.value_and_grad(loss("xla"), argnums=(0, 1, 2)))(q, k, v)
+  with partition.activate(M.make_mesh({"data": 2}, devices=jax.devices()[:2]), R.get_rules("dp")):
+    assert "shard_map" in str(jax.make_jaxpr(loss("pallas"))(q, k, v))
+    got = jax.jit(jax.value_and_grad(loss("pallas"), argnums=(0, 1, 2)))(q, k, v)
+  for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(ref), strict=True):
+    np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-5, atol=1e-5)

@@ -1,0 +1,41 @@
+"""Packed (jagged) blocks per process on a mesh: how many, and the capacity plumbing's checks."""
+
+import jax
+import ml_collections
+import numpy as np
+import pytest
+
+from data import jagged
+from kunlun.train import runtime
+from kunlun.train.startup import FatalError
+from sharding import mesh as M
+from sharding import partition
+from sharding import rules as R
+
+
+@pytest.mark.parametrize("sizes,preset,blocks", [
+    ({"fsdp": 8}, "fsdp", 8), ({"data": 2, "fsdp": 2}, "dp", 4),
+    ({"fsdp": 2, "tensor": 2}, "fsdp_tp", 2),      # heads over tensor: 2 batch shards
+    ({"fsdp": 2, "context": 2}, "fsdp_cp", 2), ({"tensor": 4}, "fsdp_tp", 1)])
+def test_local_batch_shards(sizes, preset, blocks):
+  n = int(np.prod(list(sizes.values())))
+  mesh = M.make_mesh(sizes, devices=jax.devices()[:n])
+  assert runtime.local_batch_shards(partition.batch_sharding(mesh, R.get_rules(preset))) == blocks
+
+
+def test_auto_capacity_is_per_block(capsys):
+  lens = {"click": np.random.default_rng(0).integers(0, 40, 500)}
+  got = runtime.capacity_from_lengths(lens, 64, 4)["click"]
+  per_block = -(-jagged.capacity_for(lens["click"], 16) // 64) * 64
+  assert got == 4 * per_block and per_block % 64 == 0
+  assert "per process batch of 64 (4 blocks of 16 examples)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("batch_size,value,shards,words", [
+    (64, "click=192", 2, "multiple of 64 x the 2 batch shards"),
+    (66, "click=256", 4, "does not split into 4 blocks")])
+def test_capacity_shard_errors(batch_size, value, shards, words):
+  cfg = ml_collections.ConfigDict(dict(batch_size=batch_size, jagged_capacity=value))
+  with pytest.raises(FatalError, match=words) as e:
+    runtime.jagged_capacity(cfg, "unused", "train", {"click": 8}, 1, shards)
+  assert "\n" not in str(e.value)
