@@ -43,9 +43,11 @@ def embed_sequences(cfg: ModelConfig, schema: Schema, batch, dtype, remat: str =
   padded = [oneseq.stream_rows(seqs[n], ages[n], kept.get(n)) for n in names]
   s, length, age, _ = oneseq.StreamMerge(len(names), t.kept_len, name="oneseq_merge")(
       [p[0] for p in padded], [lengths[n] for n in names], [p[1] for p in padded])
-  if any(packed.is_packed(v) for v in seqs.values()):
-    s, length, age = oneseq.pack_merged(
-        s, length, age, oneseq.merged_capacity(seqs.values(), length.shape[0], t.kept_len))
+  shards = {v.jag.shards for v in seqs.values() if packed.is_packed(v)}
+  if shards:
+    S = max(shards)                             # the pipeline packs every stream in S blocks
+    cap = oneseq.merged_capacity(seqs.values(), length.shape[0], t.kept_len, shards=S)
+    s, length, age = oneseq.pack_merged(s, length, age, cap, shards=S)
   return {t.name: s}, {t.name: length}, {t.name: age}
 
 

@@ -23,7 +23,6 @@ from kunlun.nn.attention import masked_softmax_attention
 from kunlun.nn.gdpa import gdpa_op
 from kunlun.nn.norms import rms_norm
 from kunlun.nn.time_encoding import add_bucket_embedding
-from pallas_kernels import jagged
 from pallas_kernels.activations import per_head
 from sharding import shard, with_axes
 
@@ -160,7 +159,7 @@ class PMA(nn.Module):
       k, v = _to_heads(self, "key", hs, H, dt), _to_heads(self, "value", hs, H, dt)
       k = add_bucket_embedding(self, "time_bucket_k", k, age, lengths, self.time_buckets, jag)
       if jag is not None:
-        o = jagged.jagged_softmax_pool(q, k, v, jag)                          # [B, S, H, dh]
+        o = packed.softmax_pool(q, k, v, jag)                                 # [B, S, H, dh]
       else:
         B, T = s.shape[:2]
         valid = jnp.arange(T)[None, :] < jnp.asarray(lengths, jnp.int32)[:, None]  # [B, T]

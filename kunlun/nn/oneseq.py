@@ -77,31 +77,52 @@ class StreamMerge(nn.Module):
 
 
 def stream_rows(s, age, max_len: int | None):
-  """One stream for ``merge_streams``: a packed stream (``s = Packed([N, d])``, ``age f32[N]``)
-  unpacked to ``([B, T, d], f32[B, T])`` with ``T = min(max_len, N)`` (``max_len``: its kept
-  length, the longest row the pipeline packs; None: N); a padded stream as it is."""
+  """One stream for ``merge_streams``: a packed stream (``s = Packed([N, d])``, ``age f32[N]``,
+  one or more blocks) unpacked to ``([B, T, d], f32[B, T])`` with ``T = min(max_len, N / S)``
+  (``max_len``: its kept length, the longest row the pipeline packs; None: a block's N / S); a
+  padded stream as it is."""
   if not packed.is_packed(s):
     return s, age
-  T = s.jag.capacity if max_len is None else min(int(max_len), s.jag.capacity)
-  return jagged.unpack(s.value, s.jag, T), jagged.unpack(age, s.jag, T)
+  jag = s.jag
+  Ns = jag.capacity // jag.shards
+  T = Ns if max_len is None else min(int(max_len), Ns)
+  if jag.shards == 1:
+    return jagged.unpack(s.value, jag, T), jagged.unpack(age, jag, T)
+  cut = lambda x: x.reshape((jag.shards, Ns) + x.shape[1:])
+  rows = jax.vmap(lambda x, j: jagged.unpack(x, j, T))
+  flat = lambda y: y.reshape((jag.batch,) + y.shape[2:])
+  return flat(rows(cut(s.value), jag.blocks())), flat(rows(cut(age), jag.blocks()))
 
 
-def merged_capacity(seqs, batch: int, kept_len: int, multiple: int = 64) -> int:
-  """Token capacity of the packed merged tower: ``min(sum of the streams' tokens, B kept_len)``
-  (a packed stream's capacity N, a padded one's ``B T``), rounded up to ``multiple``. Each
-  example keeps ``min(sum of its streams' lengths, kept_len)`` merged events, so no batch overflows
-  it: the packed tower holds exactly the padded merge's events."""
+def merged_capacity(seqs, batch: int, kept_len: int, multiple: int = 64, shards: int = 1) -> int:
+  """Token capacity of the packed merged tower: per block of ``batch / shards`` examples
+  ``min(the streams' tokens in a block, batch / shards x kept_len)`` (a packed stream's N / S, a
+  padded one's ``B T / S``), rounded up to ``multiple``, times ``shards``. Each example keeps
+  ``min(sum of its streams' lengths, kept_len)`` merged events, so no block overflows it: the
+  packed tower holds exactly the padded merge's events."""
   tokens = sum(s.jag.capacity if packed.is_packed(s) else batch * s.shape[1] for s in seqs)
-  return -(-min(tokens, batch * int(kept_len)) // multiple) * multiple
+  per = min(tokens // shards, batch // shards * int(kept_len))
+  return -(-per // multiple) * multiple * shards
 
 
-def pack_merged(s, lengths, age, capacity: int):
+def pack_merged(s, lengths, age, capacity: int, shards: int = 1):
   """The merged tower ``(s [B, T, d], lengths i32[B], age f32[B, T])`` as a packed tower
-  ``(Packed([capacity, d]), lengths i32[B], age f32[capacity])``; ``capacity`` must hold every
-  merged event (``merged_capacity``): then each token's ``pos`` is its merged-row column."""
-  tok, jag, _ = jagged.pack(s, lengths, capacity)
-  row = jnp.minimum(jag.seg, jag.batch - 1)
-  return packed.Packed(tok, jag), jag.lengths, jnp.where(jag.valid, age[row, jag.pos], 0.0)
+  ``(Packed([capacity, d]), lengths i32[B], age f32[capacity])`` in ``shards`` blocks (each the
+  ``capacity / shards`` tokens of ``B / shards`` examples); ``capacity`` must hold every merged
+  event (``merged_capacity``): then each token's ``pos`` is its merged-row column."""
+  def one(s, lengths, age):
+    tok, jag, _ = jagged.pack(s, lengths, capacity // shards)
+    row = jnp.minimum(jag.seg, jag.batch - 1)
+    return tok, jag, jnp.where(jag.valid, age[row, jag.pos], 0.0)
+
+  if shards == 1:
+    tok, jag, a = one(s, lengths, age)
+    return packed.Packed(tok, jag), jag.lengths, a
+  cut = lambda x: x.reshape((shards, -1) + x.shape[1:])
+  tok, jb, a = jax.vmap(one)(cut(s), cut(lengths), cut(age))
+  jag = jagged.Jagged(jb.offsets.reshape(-1), jb.seg.reshape(-1), jb.pos.reshape(-1), shards)
+  flat = lambda x: x.reshape((-1,) + x.shape[2:])
+  return packed.Packed(flat(tok), jag), jag.lengths, flat(a)
 
 
 def equal_flops_config(config, forward_flops, widths=None):

@@ -108,6 +108,13 @@ def gdpa_pool(q, k, v, jag, *, backend: str, **kw):
                       (False, True, True), pallas)
 
 
+def softmax_pool(q, k, v, jag):
+  """PMA's pooling: seeds ``q [S, H, D]`` softmax-pool ``k, v [N, H, D]`` per example ->
+  ``[B, S, H, D]`` (``jagged.jagged_softmax_pool``; XLA on every backend)."""
+  return _per_block(lambda j, q, k, v: jagged.jagged_softmax_pool(q, k, v, j), jag, (q, k, v),
+                    (False, True, True), False)
+
+
 def block_attention(q, k, v, jag, *, backend: str, **kw):
   """Attention within each example's blocks, ``q, k, v [N, H, D]`` (already rotated)."""
   pallas = _use_pallas(backend)

@@ -129,18 +129,20 @@ class EmbeddingLog:
     key: "user_item" joins on (user_id, event item) -- the embedding logged when the user met that
     item; "user" joins the user's most recent embedding (any ad) as of the event time.
     Returns ``(emb f32[B, T, d], present bool[B, T], age f32[B, T])``; padded slots are missing.
-    A packed stream (``data/schema.py``: tokens ``[N]`` with ``seg``) gives ``[N, d]``, ``[N]``,
-    ``[N]`` rows aligned with its tokens; padding tokens are missing.
+    A packed stream (``data/schema.py``: tokens ``[N]`` with ``seg``, one or more blocks) gives
+    ``[N, d]``, ``[N]``, ``[N]`` rows aligned with its tokens; padding tokens are missing.
     """
     if stream not in batch["events"]:
       raise KeyError(f"join_events: stream {stream!r} not in batch (has {list(batch['events'])})")
     ev = batch["events"][stream]
     item = np.asarray(ev["item"])
     user_id = np.asarray(batch["user_id"], np.int64)
-    if "seg" in ev:                            # packed: each token's example is seg (B: padding)
-      seg = np.asarray(ev["seg"])
-      valid = seg < len(user_id)
-      row = np.minimum(seg, len(user_id) - 1)
+    if "seg" in ev:           # packed in S blocks: a token's example is block * B/S + seg
+      seg, B = np.asarray(ev["seg"]), len(user_id)
+      S = len(ev["offsets"]) - B
+      Bs, Ns = B // S, len(seg) // S
+      valid = seg < Bs                         # Bs: a block's padding
+      row = np.arange(len(seg)) // Ns * Bs + np.minimum(seg, Bs - 1)
       t = event_times(np.asarray(batch["request_ts"])[row], np.asarray(ev["age"])[:, None])[:, 0]
       user = user_id[row]
     else:

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from data.fake import random_batch, tiny_schema
-from data.jagged import pack_events
+from data.jagged import pack_blocks, pack_events
 from kunlun.configs import tiny
 from kunlun.configs.types import BucketSpec, seq_lens
 from kunlun.models.build import build_model
@@ -21,17 +21,20 @@ B = 12
 KEY = jax.random.key(0, impl="unsafe_rbg")
 
 
-def packed_batch(batch, capacity=None):
-  """``batch`` with every stream packed by ``data.jagged`` (capacity: the next multiple of 64)."""
+def packed_batch(batch, capacity=None, shards=1):
+  """``batch`` with every stream packed by ``data.jagged`` in ``shards`` blocks (capacity: per
+  block the next multiple of 64 of its examples' tokens, the largest block's, times ``shards``)."""
   out = dict(batch, events={})
   for name, ev in batch["events"].items():
     length = np.asarray(ev["length"])
-    cap = capacity or max(64, -(-int(length.sum()) // 64) * 64)
+    block = int(length.reshape(shards, -1).sum(1).max())
+    cap = capacity or shards * max(64, -(-block // 64) * 64)
     fields = {k: v for k, v in ev.items() if k != "length"}
-    toks, offsets, seg, pos, dropped = pack_events(fields, length, cap)
+    toks, offsets, seg, pos, dropped = pack_blocks(fields, length, cap, shards)
     assert dropped == 0
+    o = offsets.reshape(shards, -1)
     out["events"][name] = dict(toks, offsets=offsets, seg=seg, pos=pos,
-                               length=np.diff(offsets).astype(np.int32))
+                               length=(o[:, 1:] - o[:, :-1]).reshape(-1).astype(np.int32))
   return out
 
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from data.fake import tiny_schema
-from data.jagged import pack_events
+from data.jagged import pack_blocks, pack_events
 from kunlun.configs import vm_tiny
 from kunlun.models.build import build_model
 from kunlun.nn import oneseq
@@ -93,8 +93,8 @@ def _assert_packed_equals_padded(model, batch, jb, seed=0):
 def test_pma_and_loopfm_packed_equals_padded():
   """PMA pooling and LoopFM's inputs (context token; per-event FM rows packed like their stream's
   tokens, as ``pack_events`` packs them with the events) on packed towers: the padded model's
-  logits (one program pair for both: the suite's time budget); a padded ``[B, T, d_fm]`` for a
-  packed stream is a one-line error."""
+  logits (one program pair for both: the suite's time budget), the batch packed in two blocks;
+  a padded ``[B, T, d_fm]`` for a packed stream is a one-line error."""
   _, batch = make(preset=vm_tiny)
   rng = np.random.default_rng(2)
   B = len(batch["surface"])
@@ -104,11 +104,11 @@ def test_pma_and_loopfm_packed_equals_padded():
   for s, ev in batch["events"].items():
     batch["fm_events"][s] = rng.normal(size=ev["item"].shape + (D_FM,)).astype(np.float32)
     batch["fm_events_present"][s] = rng.uniform(size=ev["item"].shape) < 0.6
-  jb = packed_batch(batch)
+  jb = packed_batch(batch, shards=2)           # two blocks (a batch split over two devices)
   jb["fm_events"], jb["fm_events_present"] = {}, {}
   for s, ev in batch["events"].items():
     rows = {"fm": batch["fm_events"][s], "present": batch["fm_events_present"][s]}
-    toks = pack_events(rows, ev["length"], jb["events"][s]["seg"].shape[0])[0]
+    toks = pack_blocks(rows, ev["length"], jb["events"][s]["seg"].shape[0], 2)[0]
     jb["fm_events"][s], jb["fm_events_present"][s] = toks["fm"], toks["present"]
   model = loopfm.build_loopfm(_config(pooling="pma"), tiny_schema(), use_ctx=True,
                               use_events=True)
@@ -119,15 +119,16 @@ def test_pma_and_loopfm_packed_equals_padded():
 
 
 def test_oneseq_packed_equals_padded():
-  """OneSeq with packed streams (merged in-graph, packed again at ``merged_capacity``): the padded
-  model's logits, loss and gradients. Gradients: rtol 1e-5 plus 1e-5 of each leaf's largest
+  """OneSeq with packed streams in two blocks (merged in-graph, packed again at
+  ``merged_capacity`` in two blocks; one block: ``test_oneseq_merge_of_a_packed_and_a_padded_stream``):
+  the padded model's logits, loss and gradients. Gradients: rtol 1e-5 plus 1e-5 of each leaf's largest
   entry (random parameters: summation order alone moved the towers-mode packed model's
   gradients by up to 4.7e-6 of a leaf's largest entry, the tiny config)."""
   _, batch = make(preset=vm_tiny)
   model = build_model(_config(seq_mode="oneseq"), tiny_schema())
   params = _random_params(model, batch, 1)
   (loss_p, logits_p), grads_p = loss_and_grad(model, params, batch)
-  (loss_j, logits_j), grads_j = loss_and_grad(model, params, packed_batch(batch))
+  (loss_j, logits_j), grads_j = loss_and_grad(model, params, packed_batch(batch, shards=2))
   np.testing.assert_allclose(logits_j, logits_p, rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(loss_j, loss_p, rtol=1e-5)
   flat_p = dict(jax.tree_util.tree_flatten_with_path(grads_p)[0])
@@ -138,7 +139,7 @@ def test_oneseq_packed_equals_padded():
 
 
 def test_join_on_a_packed_stream_equals_packing_the_padded_join():
-  """``EmbeddingLog.join_events`` on a packed stream gives the padded join's rows packed like the
+  """``EmbeddingLog.join_events`` on a packed stream (two blocks) gives the padded join's rows packed like the
   tokens (``pack_events``); padding tokens are missing; ``FMFeatures``' present rate is the same
   on both layouts."""
   _, batch = make(preset=vm_tiny)
@@ -149,10 +150,10 @@ def test_join_on_a_packed_stream_equals_packing_the_padded_join():
   log = EmbeddingLog(batch["user_id"][b], ev["item"][b, t], ts,
                      rng.normal(size=(len(b), D_FM)).astype(np.float32))
   emb, present, age = log.join_events(batch, "click")
-  jb = packed_batch(batch)
+  jb = packed_batch(batch, shards=2)
   got = log.join_events(jb, "click")
-  want = pack_events({"emb": emb, "present": present, "age": age}, ev["length"],
-                     jb["events"]["click"]["seg"].shape[0])[0]
+  want = pack_blocks({"emb": emb, "present": present, "age": age}, ev["length"],
+                     jb["events"]["click"]["seg"].shape[0], 2)[0]
   assert 0 < present.sum() < len(b)
   for g, k in zip(got, ("emb", "present", "age"), strict=True):
     np.testing.assert_array_equal(g, want[k], err_msg=k)
