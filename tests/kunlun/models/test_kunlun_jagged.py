@@ -109,7 +109,7 @@ def test_parameter_tree_identical():
   jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), p, q)
 
 
-def _first_line_error(fn, *words):
+def one_line_error(fn, *words):
   with pytest.raises(ValueError) as e:
     fn()
   msg = str(e.value)
@@ -126,16 +126,16 @@ def test_unsupported_combinations_are_one_line_errors():
   class Extra(type(model)):
     def extra_inputs(self, batch, x, seqs, lengths):
       return x, seqs
-  _first_line_error(lambda: apply(Extra(model.cfg, model.schema), jb), "extra_inputs")
+  one_line_error(lambda: apply(Extra(model.cfg, model.schema), jb), "extra_inputs")
   for field, value, words in [("backend", "triton", ("triton",))]:
     cfg, schema = tiny.get_config(), tiny_schema()
     cfg.model[field] = value
     m = build_model(cfg, schema)
-    _first_line_error(lambda m=m: jax.eval_shape(m.init, KEY, jb, False), *words)
+    one_line_error(lambda m=m: jax.eval_shape(m.init, KEY, jb, False), *words)
   cfg = tiny.get_config()
   cfg.model.attention.activation = "fast_gelu"          # swa with a GDPA activation: no jagged op
   m = build_model(cfg, tiny_schema())
-  _first_line_error(lambda: jax.eval_shape(m.init, KEY, jb, False), "swa", "fast_gelu")
+  one_line_error(lambda: jax.eval_shape(m.init, KEY, jb, False), "swa", "fast_gelu")
 
 
 def test_packed_bucket_ids_equal_the_padded_rows():

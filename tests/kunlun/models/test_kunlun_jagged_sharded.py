@@ -7,7 +7,6 @@ import re
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 
 from data.fake import random_batch
 from data.jagged import pack_blocks
@@ -20,6 +19,7 @@ from pallas_kernels import jagged
 from sharding import mesh as M
 from sharding import partition
 from sharding import rules as R
+from tests.kunlun.models.test_kunlun_jagged import one_line_error
 from tests.sharding import tiny_kunlun
 
 B, S, NS = 8, 4, 192          # 4 blocks of 2 examples, 192 tokens each (token dims stand out)
@@ -92,33 +92,26 @@ def test_sharded_packed_step_equals_padded_single_device():
   assert all("EventEmbed/shard_map/cond" in g for g in gathers), gathers
 
 
-def _one_line_error(fn, *words):
-  with pytest.raises(ValueError) as e:
-    fn()
-  msg = str(e.value)
-  assert "\n" not in msg and all(w in msg for w in words), msg
-
-
 def test_bad_shard_counts_are_one_line_errors():
   model, batch, params = _case()
   apply = lambda b: jax.eval_shape(lambda p: model.apply({"params": p}, b), params)
   packed, _ = pack_batch(batch, {s: 2 * 64 for s in batch["events"]}, 2)
   bad = dict(packed, events={s: dict(ev, offsets=np.zeros(B + 3, np.int32))  # 3 blocks: 8 % 3
                              for s, ev in packed["events"].items()})
-  _one_line_error(lambda: apply(bad), "offsets [11]", "S dividing B=8")
+  one_line_error(lambda: apply(bad), "offsets [11]", "S dividing B=8")
   mesh = M.make_mesh({"data": 4}, devices=jax.devices()[:4])
   with partition.activate(mesh, R.get_rules("dp")):   # 2 blocks on a 4-way batch
-    _one_line_error(lambda: apply(packed), "split over 4 devices", "[2] blocks")
+    one_line_error(lambda: apply(packed), "split over 4 devices", "[2] blocks")
   mesh = M.make_mesh({"data": 2, "context": 2}, devices=jax.devices()[:4])
   with partition.activate(mesh, R.get_rules("fsdp_cp")):
-    _one_line_error(lambda: apply(packed), "context parallelism", "over 2 devices")
+    one_line_error(lambda: apply(packed), "context parallelism", "over 2 devices")
 
 
 def test_jagged_kernels_take_one_block():
   jag = jagged.Jagged(jnp.zeros(6, jnp.int32), jnp.zeros(128, jnp.int32),
                       jnp.zeros(128, jnp.int32), 2)
   q = jnp.zeros((128, 2, 8))
-  _one_line_error(lambda: jagged.jagged_softmax_attention(q, q, q, jag), "2 shards")
+  one_line_error(lambda: jagged.jagged_softmax_attention(q, q, q, jag), "2 shards")
 
 
 def test_pallas_blocks_per_device_equal_the_xla_twin():
