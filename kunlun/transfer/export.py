@@ -272,14 +272,14 @@ def export(workdir: str, out_dir: str, *, data_dir: str | None = None, splits=("
   agreed = _agreed_done([len(prog.done(s)) for s in splits])
   prog.set_layout(layout)
   params, used_step = None, None
-  packs = _packs(data_cfg, mesh, log)
+  blocks = runtime.local_batch_shards(b_shard)   # packed towers: one block per batch shard
   for split, n_done in zip(splits, agreed, strict=True):
-    capacity = (runtime.jagged_capacity(data_cfg, data_dir, split, seq_lens, nproc) if packs
-                else None)
+    capacity = runtime.jagged_capacity(data_cfg, data_dir, split, seq_lens, nproc, blocks)
     if capacity:
-      log(f"[export] {split}: packed towers at {capacity} tokens per batch")
+      log(f"[export] {split}: packed towers at {capacity} tokens per batch ({blocks} blocks)")
     ds = pipeline.make_dataset(data_cfg, data_dir, split, seq_lens, train=False,
-                               shard_index=pid, shard_count=nproc, jagged_capacity=capacity)
+                               shard_index=pid, shard_count=nproc, jagged_capacity=capacity,
+                               jagged_shards=blocks)
     n_batches = pipeline.num_eval_batches(data_dir, split, data_cfg.batch_size, nproc)
     n_shards = -(-n_batches // shard_batches)
     os.makedirs(os.path.join(out_dir, split), exist_ok=True)
@@ -357,20 +357,6 @@ def export(workdir: str, out_dir: str, *, data_dir: str | None = None, splits=("
   if nproc > 1:
     multihost_utils.sync_global_devices("kunlun_export_manifest_written")
   return manifest
-
-
-def _packs(data_cfg, mesh, log) -> bool:
-  """Whether the FM runs its towers packed: the run's ``data.jagged_capacity`` is set and the
-  batch sits on one device (the packed buffer is per process, ``Kunlun._check_packed``); with
-  more devices the towers run padded, which gives the same representations (the packed model
-  equals the padded one, tests/kunlun/models/test_kunlun_jagged.py) and drops no event."""
-  if not data_cfg.get("jagged_capacity", ""):
-    return False
-  if mesh.devices.size > 1:
-    log(f"[export] data.jagged_capacity={data_cfg.jagged_capacity}: padded towers, since packed "
-        f"ones need the batch on one device and the mesh has {mesh.devices.size}")
-    return False
-  return True
 
 
 def _fsync(path: str) -> None:

@@ -114,35 +114,33 @@ def test_export_matches_direct_and_resumes(fm_workdir, direct_eval, tmp_path):
 
 def test_export_runs_packed_towers_when_the_fm_packs(fm_workdir, direct_eval, tmp_path,
                                                      monkeypatch):
-  """An FM trained with data.jagged_capacity exports with packed towers (on a one-device mesh)
-  and writes the padded FM's representations; over several devices it runs padded, said in
-  one log line."""
+  """An FM trained with data.jagged_capacity exports with packed towers, on a two-device data
+  mesh one block per device, and writes the padded FM's representations."""
   import shutil
 
   from sharding import mesh as mesh_lib
   workdir, data_dir, config, _, _ = fm_workdir
   packed_cfg = config.copy_and_resolve_references()
-  packed_cfg.data.jagged_capacity = "click=128,impression=128"     # 16 examples x 8 events
+  packed_cfg.data.jagged_capacity = "click=128,impression=128"     # 2 blocks of 8 x 8 events
   wd = str(tmp_path / "fm_packed")
   runtime.save_run_info(wd, packed_cfg, data_dir)
   shutil.copytree(os.path.join(workdir, "checkpoints"), os.path.join(wd, "checkpoints"))
-  one = mesh_lib.make_mesh(devices=jax.devices()[:1])
-  monkeypatch.setattr(runtime, "build_mesh", lambda *_: one)
+  two = mesh_lib.make_mesh({"data": 2}, devices=jax.devices()[:2])
+  monkeypatch.setattr(runtime, "build_mesh", lambda *_: two)
   put, packed = pipeline.device_put_batch, []
   monkeypatch.setattr(pipeline, "device_put_batch", lambda b, sh: (
-      packed.append(all("offsets" in ev for ev in b["events"].values())), put(b, sh))[1])
+      packed.append(all(len(ev["offsets"]) == len(b["surface"]) + 2
+                        for ev in b["events"].values())), put(b, sh))[1])
   logs = []
   out = str(tmp_path / "emb")
   export.export(wd, out, splits=("eval",), quantize_mode="none", log=logs.append)
-  assert any("packed towers at {'click': 128, 'impression': 128}" in line for line in logs), logs
-  assert packed and all(packed)                  # every batch the FM ran was packed
+  assert any("packed towers at {'click': 128, 'impression': 128} tokens per batch (2 blocks)"
+             in line for line in logs), logs
+  assert packed and all(packed)                  # every batch the FM ran was packed in 2 blocks
   got, want = export.read_records(out, ["eval"]), direct_eval
   np.testing.assert_array_equal(got["user_id"], want["user_id"])
   np.testing.assert_allclose(got["logits"], want["logits"], rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(got["emb"], want["pooled"], rtol=1e-5, atol=1e-5)
-  many = mesh_lib.make_mesh({"data": -1})
-  assert not export._packs(packed_cfg.data, many, logs.append)
-  assert "padded towers" in logs[-1] and "mesh has 8" in logs[-1]
 
 
 def test_local_rows_dedups_replicas_in_row_order():
