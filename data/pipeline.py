@@ -231,8 +231,8 @@ def make_dataset(data_cfg, data_dir: str, split: str, seq_lens: dict[str, int], 
 
   ``jagged_capacity`` {stream: N} (default None: every stream padded): those streams come in the
   packed layout (``data.schema``) at N tokens per process batch, in ``jagged_shards`` blocks of
-  N / S tokens (one per batch x context shard of this process's devices); events dropped over a block's
-  capacity are counted by ``ds.dropped_counter`` and ``dropped_events(iterator)``.
+  N / S tokens (one per batch x context shard of this process's devices); events dropped over a
+  block's capacity are counted by ``ds.dropped_counter`` and ``dropped_events(iterator)``.
   """
   schema = Schema.load(data_dir)
   seq_lens = check_seq_lens(schema, dict(seq_lens))
