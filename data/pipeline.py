@@ -65,8 +65,8 @@ class Collate:
   """``BatchValidator`` columns of B rows + ``example_mask`` f32[B] -> batch (``data.schema``).
 
   ``jagged_capacity`` {stream: N}: those streams in the packed layout at capacity N
-  (``data.jagged``), in ``jagged_shards`` blocks (one per batch shard of this process, N / S
-  tokens each); ``collate`` also returns the events dropped per stream."""
+  (``data.jagged``), in ``jagged_shards`` blocks (one per batch x context shard of this process,
+  N / S tokens each); ``collate`` also returns the events dropped per stream."""
 
   def __init__(self, schema: Schema, seq_lens: dict[str, int], balance_groups: int = 0,
                jagged_capacity: dict[str, int] | None = None, jagged_shards: int = 1):
@@ -231,8 +231,8 @@ def make_dataset(data_cfg, data_dir: str, split: str, seq_lens: dict[str, int], 
 
   ``jagged_capacity`` {stream: N} (default None: every stream padded): those streams come in the
   packed layout (``data.schema``) at N tokens per process batch, in ``jagged_shards`` blocks of
-  N / S tokens (one per batch shard of this process's devices); events dropped over a block's
-  capacity are counted by ``ds.dropped_counter`` and ``dropped_events(iterator)``.
+  N / S tokens (one per batch x context shard of this process's devices); events dropped over a
+  block's capacity are counted by ``ds.dropped_counter`` and ``dropped_events(iterator)``.
   """
   schema = Schema.load(data_dir)
   seq_lens = check_seq_lens(schema, dict(seq_lens))

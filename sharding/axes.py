@@ -7,8 +7,8 @@ import flax.linen as nn
 
 MESH_AXES = ("data", "fsdp", "tensor", "context", "expert")
 
-LOGICAL_AXES = ("batch", "seq", "embed", "tokens", "heads", "head_dim", "kv", "seeds", "mlp",
-                "exp", "table_rows", "table_dim", "layers")
+LOGICAL_AXES = ("batch", "seq", "blocks", "embed", "tokens", "heads", "head_dim", "kv", "seeds",
+                "mlp", "exp", "table_rows", "table_dim", "layers")
 
 
 def shard(x, logical_axes):

@@ -30,6 +30,12 @@ def _preset(batch, batch_fallback=None, seq=None, tp=None, exp=None, zero=()):
   rules = [("exp", exp), ("batch", batch)]
   if batch_fallback:
     rules.append(("batch", batch_fallback))
+  # a packed tower's blocks (kunlun.nn.packed): the batch axes, then the sequence axes, so that
+  # context parallelism splits a batch shard's blocks by example (block s on batch shard
+  # s // n_seq, context shard s % n_seq)
+  seq_axes = (seq,) if isinstance(seq, str) else tuple(seq or ())
+  for axes in (batch, batch_fallback) if batch_fallback else (batch,):
+    rules.append(("blocks", tuple(axes) + seq_axes))
   rules += [("seq", seq), ("heads", tp)]
   rules += _fallbacks("embed", zero) if zero else [("embed", None)]
   for _, sub in _fallbacks("mlp", zero) if zero else ():

@@ -103,15 +103,20 @@ class Kunlun(nn.Module):
     if type(self).extra_inputs is not Kunlun.extra_inputs and not self.packed_extra_inputs:
       raise ValueError(f"{type(self).__name__} adds model inputs (extra_inputs) that do not take "
                        "packed (jagged) towers (packed_extra_inputs)")
-    n_seq, n_batch = split_count("seq"), split_count("batch")
-    if n_seq > 1:
-      raise ValueError(f"packed (jagged) towers do not support context parallelism: the rules "
-                       f"split the sequence axis over {n_seq} devices, and a packed tower has no "
-                       "sequence axis (use a preset without 'seq' sharding, e.g. dp or fsdp)")
-    if any(S % n_batch for S in shards):
-      raise ValueError(f"packed (jagged) towers: the batch is split over {n_batch} devices but "
-                       f"packed in {sorted(shards)} blocks; pack a multiple of {n_batch} blocks "
-                       "(data.pipeline jagged_shards, the batch shards of the mesh)")
+    n_seq, n_blocks = split_count("seq"), split_count("blocks")
+    if n_seq > 1 and n_blocks % (split_count("batch") * n_seq):
+      raise ValueError(f"packed (jagged) towers: the rules split the sequence axis over {n_seq} "
+                       f"devices but not the packed blocks ('blocks' over {n_blocks}); map "
+                       "'blocks' to the batch's mesh axes then the sequence's (sharding.rules)")
+    if n_seq > 1 and self.cfg.seq_mode == "oneseq":
+      raise ValueError("packed (jagged) towers under context parallelism do not support OneSeq "
+                       "(model.seq_mode=oneseq): its merge runs on padded rows split over the "
+                       "sequence axis")
+    if any(S % n_blocks for S in shards):
+      raise ValueError(f"packed (jagged) towers: the blocks are split over {n_blocks} devices "
+                       f"(batch x context shards) but packed in {sorted(shards)} blocks; pack a "
+                       f"multiple of {n_blocks} blocks (data.pipeline jagged_shards: "
+                       "kunlun.train.runtime.local_blocks)")
 
   def extra_inputs(self, batch, x_bnd, seqs, lengths):
     """Hook for subclasses that add model inputs before the trunk (e.g. LoopFM's FM features,

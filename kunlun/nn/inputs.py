@@ -9,7 +9,7 @@ a mesh.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import flax.linen as nn
 import jax
@@ -183,13 +183,16 @@ class EventEmbed(nn.Module):
   MLP (hidden ``dim``) maps the concat back to ``dim`` (``2 T d (concat + d)`` FLOPs).
   ``events`` holds ``item, action, surface, age, length`` and the stream's extra fields
   (``[B, T]`` each, ``length i32[B]``); returns ``[B, T, dim]`` with rows ``>= length`` set to
-  zero.
+  zero, on the logical ``axes`` (a packed tower's ``[S, Ns, dim]`` blocks: ``PACKED_AXES``).
   """
   stream: EventStream
   num_surfaces: int
   dim: int
   num_time_buckets: int = 32
   dtype: Any = F32
+  axes: tuple = ("batch", "seq", "embed")
+
+  PACKED_AXES: ClassVar[tuple] = ("blocks", None, "embed")
 
   @nn.compact
   def __call__(self, events: dict[str, Any]):
@@ -222,7 +225,7 @@ class EventEmbed(nn.Module):
       y = _dense(self.dim, (None, "embed"), self.dtype, True, "mlp_out")(h)
       valid_bt = jnp.arange(T)[None, :] < jnp.asarray(events["length"], jnp.int32)[:, None]
       y = jnp.where(valid_bt[..., None], y, 0).astype(self.dtype)
-      return shard(y, ("batch", "seq", "embed"))
+      return shard(y, self.axes)
 
 
 class ContextEncoder(nn.Module):

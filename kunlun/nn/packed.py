@@ -3,10 +3,14 @@
 A packed tower's tokens ``[N, d]`` (B examples back to back, ``pallas_kernels.jagged.Jagged``)
 run every sequence module per token; the cross-token ops go through the jagged kernels here
 (``backend``: "xla" the XLA twins, "pallas" ``jagged_pallas``, "auto" Pallas on a GPU else XLA).
-A batch packed in S blocks (``Jagged.shards``, one or more per batch shard of the mesh): the
-cross-token ops reshape to ``[S, Ns, ...]`` and ``jax.vmap`` the kernels over the blocks, the
-blocks constrained to the logical ``batch`` axis (Pallas: per device, ``sharding.packed``); the
-per-token ops run on the flat ``[N, d]`` rows, ``as_rows`` / ``rowwise`` mask each block's tail.
+A batch packed in S blocks (``Jagged.shards``, one or more per batch shard of the mesh, and per
+context shard under context parallelism): the cross-token ops reshape to ``[S, Ns, ...]`` and
+``jax.vmap`` the kernels over the blocks, the blocks constrained to the logical ``blocks`` axis
+(the batch's mesh axes, then the sequence's; Pallas: per device, ``sharding.packed``), so each
+device computes whole examples; the per-token ops run on the flat ``[N, d]`` rows, ``as_rows`` /
+``rowwise`` mask each block's tail. Per-example outputs ``[B, ...]`` (HSP / PMA summaries) leave
+on the ``blocks`` axis; their callers constrain them to ``batch`` (under context parallelism an
+all-gather of the summaries over the context devices).
 """
 
 from __future__ import annotations
@@ -52,24 +56,25 @@ def rowwise(fn, jag: jagged.Jagged, *xs):
 
 
 def shard_tokens(x):
-  """``x [N or B, ...]`` (tokens or examples of the blocks) constrained to the logical batch."""
-  return shard(x, ("batch",) + (None,) * (x.ndim - 1))
+  """``x [N or B, ...]`` (tokens or examples of the blocks) constrained to the logical blocks."""
+  return shard(x, ("blocks",) + (None,) * (x.ndim - 1))
 
 
 def _per_block(kernel, jag: jagged.Jagged, args, blocked, pallas: bool):
   """``kernel(jag, *args)`` with ``jag.shards`` S > 1 blocks: every ``blocked`` argument (tokens
-  ``[N, ...]`` or examples ``[B, ...]``) cut into ``[S, ., ...]``, the kernel vmapped over the
-  blocks (Pallas: per device, ``sharding.packed.per_shard``); the output (leading ``[S, .]``)
-  flattened back."""
+  ``[N, ...]`` or examples ``[B, ...]``) cut into ``[S, ., ...]`` on the logical ``blocks`` (as
+  is the descriptor), the kernel vmapped over the blocks (Pallas: per device,
+  ``sharding.packed.per_shard``); the output (leading ``[S, .]``) flattened back, on ``blocks``."""
   if jag.shards == 1:
     return kernel(jag, *args)
   S = jag.shards
-  cut = lambda x: shard(x.reshape((S, -1) + x.shape[1:]), ("batch",) + (None,) * x.ndim)
+  cut = lambda x: shard(x.reshape((S, -1) + x.shape[1:]), ("blocks",) + (None,) * x.ndim)
   args = [cut(a) if b else a for a, b in zip(args, blocked, strict=True)]
   fn = jax.vmap(kernel, in_axes=(0,) + tuple(0 if b else None for b in blocked))
   if pallas:
     fn = per_shard(fn, (True,) + tuple(blocked))
-  y = fn(jag.blocks(), *args)
+  jb = jag.blocks()
+  y = fn(jagged.Jagged(*(shard(a, ("blocks", None)) for a in (jb.offsets, jb.seg, jb.pos))), *args)
   return shard_tokens(y.reshape((-1,) + y.shape[2:]))
 
 

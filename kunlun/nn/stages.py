@@ -47,7 +47,8 @@ def embed_streams(towers, schema: Schema, batch, dtype, num_time_buckets: int,
   seqs, lengths, ages = {}, {}, {}
   for t in towers:
     st, e = schema.stream(t.name), ev[t.name]
-    mod = embed(st, len(schema.surfaces), t.width, num_time_buckets, dtype,
+    axes = EventEmbed.PACKED_AXES if is_packed_stream(e) else EventEmbed.axes
+    mod = embed(st, len(schema.surfaces), t.width, num_time_buckets, dtype, axes,
                 name=f"embed_{t.name}")
     lengths[t.name] = jnp.asarray(e["length"], jnp.int32)
     ages[t.name] = jnp.asarray(e["age"], jnp.float32)

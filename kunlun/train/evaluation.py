@@ -20,7 +20,7 @@ from kunlun.configs import types as model_config
 from kunlun.configs.fit import fit_surface_weights
 from kunlun.train import checkpoint, metrics
 from kunlun.train import step as step_lib
-from kunlun.train.runtime import check_data_files, jagged_capacity, local_batch_shards
+from kunlun.train.runtime import check_data_files, get_rules, jagged_capacity, local_blocks
 from kunlun.train.startup import fail
 from kunlun.utils import atomic
 
@@ -127,7 +127,7 @@ class ValidSplitEvaluator:
     self.data_cfg.batch_size = int(config.data.batch_size)      # the train batch: valid on the mesh
     self.data_dir, self.b_shard = data_dir, batch_sharding
     self.seq_lens = model_config.seq_lens(config)
-    self.blocks = local_batch_shards(batch_sharding)
+    self.blocks = local_blocks(batch_sharding.mesh, get_rules(config.sharding.rules))
     self.capacity = jagged_capacity(self.data_cfg, data_dir, run_plan.split, self.seq_lens,
                                     jax.process_count(), self.blocks)
     self.best_task = config.train.get("best_task", "") or ""

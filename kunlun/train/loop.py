@@ -112,7 +112,7 @@ def setup(config, workdir: str, *, mesh: str, dcn_mesh: str | None = None,
   if ckpt.all_steps():
     runtime.check_resume(workdir, config, schema, fingerprint, allow_config_change)
 
-  blocks = runtime.local_batch_shards(partition.batch_sharding(mesh_, rules))
+  blocks = runtime.local_blocks(mesh_, rules)
   capacity = runtime.jagged_capacity(config.data, data_dir, config.data.train_split,
                                      model_config.seq_lens(config), jax.process_count(), blocks)
   if capacity and int(config.train.get("microbatches", 1)) > 1:
@@ -174,7 +174,7 @@ def eval_setup(workdir: str, ckpt: checkpoint.Checkpointer, *, config=None,
   model = runtime.fit_and_build_model(config, schema)
   data_cfg = config.data.copy_and_resolve_references()
   data_cfg.batch_size = bs
-  blocks = runtime.local_batch_shards(partition.batch_sharding(mesh_, rules))
+  blocks = runtime.local_blocks(mesh_, rules)
   try:
     capacity = runtime.jagged_capacity(data_cfg, data_dir, split, model_config.seq_lens(config),
                                        jax.process_count(), blocks)

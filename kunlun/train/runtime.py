@@ -16,6 +16,8 @@ import numpy as np
 from data import jagged, pipeline
 from kunlun.configs.fields import parse_capacity
 from kunlun.train.startup import FatalError, check_settings, fail
+from sharding import partition
+from sharding.packed import blocks_per_batch_shard
 
 CLUSTER_ENV = ("SLURM_JOB_ID", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "JAX_COORDINATOR_ADDRESS",
                "TPU_WORKER_HOSTNAMES")
@@ -195,13 +197,26 @@ def local_batch_shards(batch_sharding) -> int:
   return len(starts)
 
 
+def local_blocks(mesh, rules) -> int:
+  """Packed (jagged) blocks this process packs: its devices' batch shards x the blocks each batch
+  shard is cut into (its context shards under context parallelism,
+  ``sharding.packed.blocks_per_batch_shard``), so that every device holds whole blocks."""
+  try:
+    per = blocks_per_batch_shard(mesh, rules)
+  except ValueError as e:
+    fail(f"config.sharding.rules: {e}")
+  return local_batch_shards(partition.batch_sharding(mesh, rules)) * per
+
+
 def jagged_capacity(data_cfg, data_dir: str, split: str, seq_lens: dict[str, int],
-                    shard_count: int, batch_shards: int = 1) -> dict[str, int] | None:
+                    shard_count: int, blocks: int = 1) -> dict[str, int] | None:
   """``data_cfg.jagged_capacity`` resolved for ``pipeline.make_dataset``: None (padded) or
-  {stream: N} per process batch, packed in ``batch_shards`` blocks (``local_batch_shards``) of
-  N / batch_shards tokens. "auto": every stream, N / batch_shards = ``data.jagged.capacity_for``
-  (P(overflow) <= 0.001) of a block's batch over the kept lengths of up to AUTO_CAPACITY_SAMPLE
-  examples of ``split``, rounded up to a multiple of 64. Problems are FatalErrors."""
+  {stream: N} per process batch, packed in ``blocks`` blocks (``local_blocks``) of N / blocks
+  tokens. "auto": every stream, N / blocks = ``data.jagged.capacity_for`` (P(overflow) <= 0.001)
+  of a block's batch over the kept lengths of up to AUTO_CAPACITY_SAMPLE examples of ``split``,
+  rounded up to a multiple of 64. A block holds whole examples, so a history longer than a
+  block's capacity keeps only its most recent events (counted drops, ``data.jagged``): the limit
+  of packing per block, tighter with more blocks per batch. Problems are FatalErrors."""
   try:
     value = parse_capacity(data_cfg.get("jagged_capacity", ""))
   except ValueError as e:
@@ -209,14 +224,15 @@ def jagged_capacity(data_cfg, data_dir: str, split: str, seq_lens: dict[str, int
   B = int(data_cfg.batch_size) // shard_count
   if value:
     try:
-      jagged.check_shards(batch_shards, B)
+      jagged.check_shards(blocks, B)
     except ValueError as e:
-      fail(f"data.jagged_capacity with {batch_shards} batch shards per process: {e}")
+      fail(f"data.jagged_capacity with {blocks} packed blocks per process (its batch x context "
+           f"shards): {e}")
   if value != "auto":
-    bad = {s: n for s, n in (value or {}).items() if n % (64 * batch_shards)}
+    bad = {s: n for s, n in (value or {}).items() if n % (64 * blocks)}
     if bad:
-      fail(f"data.jagged_capacity {bad}: N must be a multiple of 64 x the {batch_shards} batch "
-           "shards of a process (64 tokens a block)")
+      fail(f"data.jagged_capacity {bad}: N must be a multiple of 64 x the {blocks} blocks of a "
+           "process (its batch x context shards; 64 tokens a block)")
     return value
   ds = pipeline.make_dataset(data_cfg, data_dir, split, seq_lens, train=False, shard_index=0,
                              shard_count=1)
@@ -229,7 +245,7 @@ def jagged_capacity(data_cfg, data_dir: str, split: str, seq_lens: dict[str, int
     n += int(real.sum())
   if not n:
     fail(f"data.jagged_capacity=auto: split {split!r} in {data_dir} has no examples")
-  return capacity_from_lengths({s: np.concatenate(v) for s, v in lens.items()}, B, batch_shards)
+  return capacity_from_lengths({s: np.concatenate(v) for s, v in lens.items()}, B, blocks)
 
 
 def capacity_from_lengths(lens: dict, batch_size: int, shards: int = 1) -> dict[str, int]:

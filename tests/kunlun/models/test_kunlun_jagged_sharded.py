@@ -1,12 +1,16 @@
-"""Packed (jagged) towers on a data-parallel mesh: a batch packed per batch shard (S blocks) trains
-like the padded batch on one device, with no all-gather of the token buffers."""
+"""Packed (jagged) towers on a sharded mesh: a batch packed per batch shard (data / fsdp) or per
+batch x context shard (context parallelism), S blocks, trains like the padded batch on one device,
+with no all-gather of the token buffers; under context parallelism only the per-example rows cross
+the context devices."""
 
 import functools
+import math
 import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from data.fake import random_batch
 from data.jagged import pack_blocks
@@ -49,6 +53,13 @@ def _case():
   return model, batch, tiny_kunlun.host_params(model, batch)
 
 
+@functools.cache
+def _reference():
+  """The padded batch's loss and gradients on one device (host arrays)."""
+  model, batch, params = _case()
+  return jax.tree.map(np.asarray, jax.jit(_loss_and_grad(model))(params, batch))
+
+
 def _token_gathers(hlo: str):
   """op_names of the all-gathers whose result holds the tokens of more than one block."""
   out = []
@@ -65,13 +76,16 @@ def _token_gathers(hlo: str):
   return out
 
 
-def test_sharded_packed_step_equals_padded_single_device():
+def _sharded_step(sizes, preset):
+  """The packed batch in S blocks, its loss and gradients on a ``sizes`` mesh under ``preset``
+  checked against the padded single-device step's; returns the compiled program's text and its
+  mesh."""
   model, batch, params = _case()
-  loss_ref, g_ref = jax.jit(_loss_and_grad(model))(params, batch)
+  loss_ref, g_ref = _reference()
   packed, dropped = pack_batch(batch, {s: S * NS for s in batch["events"]}, S)
   assert not any(dropped.values())
-  mesh = M.make_mesh({"data": 2, "fsdp": 2}, devices=jax.devices()[:4])
-  rules = R.get_rules("fsdp")
+  mesh = M.make_mesh(sizes, devices=jax.devices()[:4])
+  rules = R.get_rules(preset)
   shardings = partition.param_shardings(model, jax.random.key(0), packed, mesh, rules)
   with partition.activate(mesh, rules):
     p = jax.device_put(params, shardings)
@@ -86,9 +100,14 @@ def test_sharded_packed_step_equals_padded_single_device():
     r = np.asarray(r)
     np.testing.assert_allclose(np.asarray(g), r, rtol=1e-5, atol=1e-5 * np.abs(r).max(),
                                err_msg=jax.tree_util.keystr(k))
+  return compiled.as_text(), mesh
+
+
+def test_sharded_packed_step_equals_padded_single_device():
+  hlo, _ = _sharded_step({"data": 2, "fsdp": 2}, "fsdp")
   # the jagged ops run per block: the only token-sized all-gathers are the row-sharded tables'
   # overflow fallback (sharding.embedding, a lax.cond branch the padded model has as well)
-  gathers = _token_gathers(compiled.as_text())
+  gathers = _token_gathers(hlo)
   assert all("EventEmbed/shard_map/cond" in g for g in gathers), gathers
 
 
@@ -103,8 +122,21 @@ def test_bad_shard_counts_are_one_line_errors():
   with partition.activate(mesh, R.get_rules("dp")):   # 2 blocks on a 4-way batch
     one_line_error(lambda: apply(packed), "split over 4 devices", "[2] blocks")
   mesh = M.make_mesh({"data": 2, "context": 2}, devices=jax.devices()[:4])
-  with partition.activate(mesh, R.get_rules("fsdp_cp")):
-    one_line_error(lambda: apply(packed), "context parallelism", "over 2 devices")
+  cp = R.get_rules("fsdp_cp")
+  with partition.activate(mesh, cp):                  # 2 blocks on 2 batch x 2 context shards
+    one_line_error(lambda: apply(packed), "split over 4 devices", "(batch x context shards)",
+                   "[2] blocks")
+  no_blocks = tuple(r for r in cp if r[0] != "blocks") + (("blocks", ("data", "fsdp")),)
+  packed4, _ = pack_batch(batch, {s: 4 * 64 for s in batch["events"]}, 4)
+  with partition.activate(mesh, no_blocks):
+    one_line_error(lambda: apply(packed4), "sequence axis over 2 devices", "not the packed blocks")
+  cfg, schema, _ = tiny_kunlun.small()
+  cfg.model.update(seq_mode="oneseq")
+  cfg.model.oneseq.update(depth=1, kept_len=16)
+  oneseq = build_model(cfg, schema)
+  with partition.activate(mesh, cp):
+    one_line_error(lambda: jax.eval_shape(lambda: oneseq.init(jax.random.key(0), packed4)),
+                   "context parallelism do not support OneSeq")
 
 
 def test_jagged_kernels_take_one_block():
@@ -114,9 +146,11 @@ def test_jagged_kernels_take_one_block():
   one_line_error(lambda: jagged.jagged_softmax_attention(q, q, q, jag), "2 shards")
 
 
-def test_pallas_blocks_per_device_equal_the_xla_twin():
-  """backend "pallas" (interpret mode) on 4 blocks over a 2-way batch: ``shard_map`` per device,
-  its 2 local blocks vmapped; values and gradients equal the XLA twin's."""
+@pytest.mark.parametrize("sizes,preset", [({"data": 2}, "dp"), ({"fsdp": 2, "context": 2}, "fsdp_cp")])
+def test_pallas_blocks_per_device_equal_the_xla_twin(sizes, preset):
+  """backend "pallas" (interpret mode) on 4 blocks over a 2-way batch (``shard_map`` per device,
+  its 2 local blocks vmapped) or over 2 batch x 2 context shards (one block a device); values
+  and gradients equal the XLA twin's."""
   lengths = np.array([5, 0, 20, 9, 31, 1, 0, 12])
   _, off, seg, pos, _ = pack_blocks({"x": np.zeros((B, 32))}, lengths, S * 64, S)
   jag = jagged.sharded(*(jnp.asarray(a) for a in (off, seg, pos)), B)
@@ -127,8 +161,76 @@ def test_pallas_blocks_per_device_equal_the_xla_twin():
                                                               block_size=8) ** 2)
 
   ref = jax.jit(jax.value_and_grad(loss("xla"), argnums=(0, 1, 2)))(q, k, v)
-  with partition.activate(M.make_mesh({"data": 2}, devices=jax.devices()[:2]), R.get_rules("dp")):
+  mesh = M.make_mesh(sizes, devices=jax.devices()[:math.prod(sizes.values())])
+  with partition.activate(mesh, R.get_rules(preset)):
     assert "shard_map" in str(jax.make_jaxpr(loss("pallas"))(q, k, v))
     got = jax.jit(jax.value_and_grad(loss("pallas"), argnums=(0, 1, 2)))(q, k, v)
   for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(ref), strict=True):
     np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-5, atol=1e-5)
+
+
+def _replica_groups(line: str):
+  """The device groups of one collective of the compiled text (logical ids: positions in the
+  mesh's device array), from its explicit, iota or mesh-axes replica groups or its permute
+  pairs; None when it names none."""
+  m = re.search(r"replica_groups=\{(\{[\d,{} ]*\})\}", line)
+  if m:
+    return [[int(x) for x in g.split(",") if x] for g in re.findall(r"\{([\d,]*)\}", m.group(1))]
+  m = re.search(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", line)
+  if m:
+    a = np.arange(math.prod(int(x) for x in m.group(2).split(","))).reshape(
+        [int(x) for x in m.group(2).split(",")])
+    if m.group(3):
+      a = a.transpose([int(x) for x in m.group(3).split(",")])
+    return a.reshape(-1, int(m.group(1).split(",")[-1])).tolist()
+  m = re.search(r"replica_groups=mesh\[([^\]]*)\] \{([^}]*)\}", line)
+  if m:
+    names = re.findall(r"'(\w+)'=(\d+)", m.group(1))
+    keep = [i for i, (n, _) in enumerate(names) if f"'{n}'" in m.group(2)]
+    a = np.arange(math.prod(int(k) for _, k in names)).reshape([int(k) for _, k in names])
+    a = a.transpose([i for i in range(len(names)) if i not in keep] + keep)
+    return a.reshape(-1, math.prod(int(names[i][1]) for i in keep)).tolist()
+  m = re.search(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}", line)
+  return [[int(x) for x in p.split(",")] for p in re.findall(r"\{(\d+,\d+)\}", m.group(1))] if m else None
+
+
+def _context_collectives(hlo: str, mesh):
+  """``(kind, result shape text, op_name)`` of every collective whose groups join devices of
+  different ``context`` coordinates."""
+  ctx = np.indices(mesh.devices.shape)[mesh.axis_names.index("context")].reshape(-1)
+  out = []
+  for line in hlo.splitlines():
+    m = re.search(r"= (\(?[^=]*?\)?) (all-gather|all-reduce|reduce-scatter|all-to-all|"
+                  r"collective-permute)(?:-start)?\(", line)
+    if not m:
+      continue
+    groups = _replica_groups(line)
+    assert groups is not None, line[:200]
+    if any(len({ctx[i] for i in g}) > 1 for g in groups):
+      name = re.search(r'op_name="([^"]*)"', line)
+      out.append((m.group(2), m.group(1), name.group(1) if name else ""))
+  return out
+
+
+def test_context_parallel_packed_step_equals_padded_single_device():
+  """fsdp_cp on 2 fsdp x 2 context devices: 4 blocks, one per device (its 2 examples' whole
+  histories), so the jagged ops need no token of another device."""
+  hlo, mesh = _sharded_step({"fsdp": 2, "context": 2}, "fsdp_cp")
+  coll = _context_collectives(hlo, mesh)
+  # no token buffer crosses the context devices, except in the row-sharded tables' shard_map
+  # (sharding.embedding: its overflow fallback, and the dense table gradient of this test's
+  # loss, which sums the looked-up rows' gradients per batch shard as for the padded model;
+  # the padded model has both as well)
+  token = [c for c in coll if "EventEmbed/shard_map" not in c[2] and any(
+      int(d) % NS == 0 for d in re.findall(r"\[([\d,]+)\]", c[1])[0].split(",") if d)]
+  assert not token, token
+  # the jagged ops' only collectives over context: the HSP summaries' all-gathers to the batch
+  # axes (forward, 2 HSPs) and PFFN's generated keys / values' gradients back to them (backward,
+  # k and v): per-example rows, B / 2 = 4 examples of a batch shard
+  jagged_ops = [c for c in coll if "GDPA" in c[2]]
+  assert sorted((k, n.split("KunlunLayer_0/")[-1].split("/")[0]) for k, _, n in jagged_ops) == [
+      ("all-gather", "click_final_hsp"), ("all-gather", "click_hsp"),
+      ("all-gather", "click_pffn"), ("all-gather", "click_pffn")], jagged_ops
+  for _, shape, _ in jagged_ops:
+    dims = [int(d) for d in re.search(r"\[([\d,]+)\]", shape).group(1).split(",")]
+    assert dims[0] == B // 2 or dims[0] * dims[1] == B // 2, shape

@@ -1,4 +1,5 @@
-"""Packed (jagged) blocks per process on a mesh: how many, and the capacity plumbing's checks."""
+"""Packed (jagged) blocks per process on a mesh (batch x context shards): how many, and the
+capacity plumbing's checks."""
 
 import jax
 import ml_collections
@@ -9,18 +10,19 @@ from data import jagged
 from kunlun.train import runtime
 from kunlun.train.startup import FatalError
 from sharding import mesh as M
-from sharding import partition
 from sharding import rules as R
 
 
 @pytest.mark.parametrize("sizes,preset,blocks", [
     ({"fsdp": 8}, "fsdp", 8), ({"data": 2, "fsdp": 2}, "dp", 4),
     ({"fsdp": 2, "tensor": 2}, "fsdp_tp", 2),      # heads over tensor: 2 batch shards
-    ({"fsdp": 2, "context": 2}, "fsdp_cp", 2), ({"tensor": 4}, "fsdp_tp", 1)])
-def test_local_batch_shards(sizes, preset, blocks):
+    ({"tensor": 4}, "fsdp_tp", 1),
+    ({"fsdp": 2, "context": 2}, "fsdp_cp", 4),     # 2 batch shards x 2 context shards
+    ({"data": 2, "context": 2, "tensor": 2}, "5d", 4)])
+def test_local_blocks(sizes, preset, blocks):
   n = int(np.prod(list(sizes.values())))
   mesh = M.make_mesh(sizes, devices=jax.devices()[:n])
-  assert runtime.local_batch_shards(partition.batch_sharding(mesh, R.get_rules(preset))) == blocks
+  assert runtime.local_blocks(mesh, R.get_rules(preset)) == blocks
 
 
 def test_auto_capacity_is_per_block(capsys):
@@ -32,7 +34,7 @@ def test_auto_capacity_is_per_block(capsys):
 
 
 @pytest.mark.parametrize("batch_size,value,shards,words", [
-    (64, "click=192", 2, "multiple of 64 x the 2 batch shards"),
+    (64, "click=192", 2, "multiple of 64 x the 2 blocks"),
     (66, "click=256", 4, "does not split into 4 blocks")])
 def test_capacity_shard_errors(batch_size, value, shards, words):
   cfg = ml_collections.ConfigDict(dict(batch_size=batch_size, jagged_capacity=value))
