@@ -152,7 +152,7 @@ def jagged_capacity(spec: str | None, schema, seq_lens: dict, batch_size: int, l
                     seed: int, shards: int = 1) -> dict[str, int] | None:
   """``--jagged``: None (padded), or {stream: N} from ``stream=N,...`` or ``auto`` (train.py's
   rule, ``kunlun.train.runtime.capacity_from_lengths``, on ``AUTO_CAPACITY_SAMPLE`` lengths
-  drawn like the batch's with another seed), packed in ``shards`` blocks (the batch shards)."""
+  drawn like the batch's with another seed), in ``shards`` blocks (batch x context shards)."""
   from data.pipeline import check_jagged_capacity
   from kunlun.configs.fields import parse_capacity
   from kunlun.train import runtime
@@ -267,6 +267,7 @@ def run(args) -> dict:
   from kunlun.train import progress
   from sharding import checks, partition
   from sharding import mesh as mesh_lib
+  from sharding import packed as packed_sharding
   from sharding import rules as rules_lib
 
   cfg = load_config(args.config, args.set)
@@ -295,7 +296,8 @@ def run(args) -> dict:
     raise SystemExit(f"--batch {B} is not a multiple of the mesh's batch shards")
   seq_lens = model_config.seq_lens(cfg)
   batch_np = synthetic_batch(schema, B, seq_lens, args.lengths, seed=args.seed)
-  shards = partition.batch_shard_count(mesh, rules)      # one process: all its batch shards
+  shards = partition.batch_shard_count(mesh, rules) * packed_sharding.blocks_per_batch_shard(
+      mesh, rules)                    # one process: a block per batch (x context) shard
   capacity = jagged_capacity(args.jagged, schema, seq_lens, B, args.lengths, args.seed, shards)
   dropped = {}
   if capacity:     # packed as the input pipeline packs it; the model takes the packed path

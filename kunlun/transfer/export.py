@@ -272,7 +272,7 @@ def export(workdir: str, out_dir: str, *, data_dir: str | None = None, splits=("
   agreed = _agreed_done([len(prog.done(s)) for s in splits])
   prog.set_layout(layout)
   params, used_step = None, None
-  blocks = runtime.local_batch_shards(b_shard)   # packed towers: one block per batch shard
+  blocks = runtime.local_blocks(mesh, rules)   # packed: a block per batch (x context) shard
   for split, n_done in zip(splits, agreed, strict=True):
     capacity = runtime.jagged_capacity(data_cfg, data_dir, split, seq_lens, nproc, blocks)
     if capacity:
