@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from data.jagged import block_examples
+
 _ID_BITS = 31  # ids are non-negative int32; (user << 31) | ad is an exact int64 key
 
 
@@ -137,12 +139,10 @@ class EmbeddingLog:
     ev = batch["events"][stream]
     item = np.asarray(ev["item"])
     user_id = np.asarray(batch["user_id"], np.int64)
-    if "seg" in ev:           # packed in S blocks: a token's example is block * B/S + seg
-      seg, B = np.asarray(ev["seg"]), len(user_id)
-      S = len(ev["offsets"]) - B
-      Bs, Ns = B // S, len(seg) // S
-      valid = seg < Bs                         # Bs: a block's padding
-      row = np.arange(len(seg)) // Ns * Bs + np.minimum(seg, Bs - 1)
+    if "seg" in ev:                            # packed, in S blocks (B: padding)
+      B = len(user_id)
+      example = block_examples(ev["seg"], B, len(ev["offsets"]) - B)
+      valid, row = example < B, np.minimum(example, B - 1)
       t = event_times(np.asarray(batch["request_ts"])[row], np.asarray(ev["age"])[:, None])[:, 0]
       user = user_id[row]
     else:
