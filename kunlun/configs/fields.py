@@ -245,8 +245,8 @@ FIELDS: dict[str, Field] = {
                      choices="remat"),
     "train.remat_scope": F("layer", "what the remat policy wraps (kunlun/nn/remat.py)", C,
                            choices="remat_scope"),
-    "train.microbatches": F(1, "gradient accumulation: the batch in this many strided parts",
-                            I, 1),
+    "train.microbatches": F(1, "gradient accumulation: the batch in this many parts "
+                            "(strided; packed: by block)", I, 1),
     "train.metrics_lag": F(1, "step statistics fetched this many steps late (0: every step)",
                            I, 0, 1000),
     # ---- sharding

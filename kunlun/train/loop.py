@@ -112,13 +112,10 @@ def setup(config, workdir: str, *, mesh: str, dcn_mesh: str | None = None,
   if ckpt.all_steps():
     runtime.check_resume(workdir, config, schema, fingerprint, allow_config_change)
 
-  blocks = runtime.local_blocks(mesh_, rules)
+  # packed towers: a block per batch x context shard and microbatch (step.split_microbatches)
+  blocks = runtime.local_blocks(mesh_, rules) * int(config.train.get("microbatches", 1))
   capacity = runtime.jagged_capacity(config.data, data_dir, config.data.train_split,
                                      model_config.seq_lens(config), jax.process_count(), blocks)
-  if capacity and int(config.train.get("microbatches", 1)) > 1:
-    startup.fail("data.jagged_capacity (packed towers) does not support "
-                 "config.train.microbatches > 1: the packed blocks do not split into strided "
-                 "microbatches")
   ds = pipeline.make_dataset(config.data, data_dir, config.data.train_split,
                              model_config.seq_lens(config), train=True,
                              shard_index=jax.process_index(), shard_count=jax.process_count(),

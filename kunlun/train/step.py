@@ -84,12 +84,13 @@ def make_train_step(model, tx, task_weights=None, *, sparse_update=None, param_s
   switches to the sparse embedding step (``_sparse_train_step``); ``tx`` then only defines the
   optimizer-state layout (``tx.init``). ``param_shardings``: the gradients are constrained to
   them (under FSDP each device reduces only its own shard of every gradient).
-  ``microbatches`` (``config.train.microbatches``): the batch is split into that many strided
-  microbatches (every device keeps an equal share of each), their gradients are accumulated
-  in a ``lax.scan`` and one optimizer update follows: the same loss and update as the whole batch
-  (per-task means over the whole batch; sums reassociated), with the activation memory of one
-  microbatch. With the sparse update the looked-up rows' ids and gradients of every microbatch
-  are kept (``[k, ...]``, the size of the whole batch's) and applied in one sparse update.
+  ``microbatches`` (``config.train.microbatches``): the batch is split into that many
+  microbatches (``split_microbatches``; every device keeps an equal share of each), their
+  gradients are accumulated in a ``lax.scan`` and one optimizer update follows: the same loss
+  and update as the whole batch (per-task means over the whole batch; sums reassociated), with
+  the activation memory of one microbatch. With the sparse update the looked-up rows' ids and
+  gradients of every microbatch are kept (``[k, ...]``, the size of the whole batch's) and
+  applied in one sparse update.
 
   Mixed precision is the model's business (``config.model.dtype`` = "bfloat16" computes in bf16;
   parameters, optimizer state, norms and the loss stay float32). A step whose loss or gradient
@@ -161,15 +162,35 @@ def make_train_step(model, tx, task_weights=None, *, sparse_update=None, param_s
   return jax.jit(train_step, donate_argnums=(0, 1), **kw)
 
 
-def split_microbatches(batch, k: int):
-  """``[B, ...]`` leaves -> ``[k, B / k, ...]``: microbatch ``j`` holds rows ``j, j + k, ...``, so
-  a device holding a contiguous block of the batch holds an equal share of every microbatch."""
+def packed_blocks(batch) -> int:
+  """The block count S of a batch's packed (jagged) streams (``len(offsets) - B``,
+  ``data/schema.py``); 0 for a padded batch."""
+  for ev in batch.get("events", {}).values():
+    if "offsets" in ev:
+      return int(np.shape(ev["offsets"])[0] - np.shape(batch["surface"])[0])
+  return 0
+
+
+def split_microbatches(tree, k: int, blocks: int = 0):
+  """``[X, ...]`` leaves -> ``[k, X / k, ...]``. Padded (``blocks`` 0): microbatch ``j`` holds rows
+  ``j, j + k, ...``, so a device holding a contiguous block of the batch holds an equal share of
+  every microbatch. Packed in ``blocks`` = S k blocks (``packed_blocks``; the pipeline packs k
+  blocks per batch x context shard): every leaf (rows, tokens, offsets) is S k equal parts, one a
+  block, and microbatch ``j`` holds part ``j`` of each run of k, i.e. block ``j`` of every
+  device's k: a packed batch in S blocks, its rows those blocks' examples."""
+  if blocks and blocks % k:
+    raise ValueError(f"a batch packed in {blocks} blocks does not split into {k} microbatches "
+                     "(the pipeline packs microbatches x the batch x context shards' blocks)")
+
   def split(x):
     x = jnp.asarray(x)
-    if x.shape[0] % k:
+    if x.shape[0] % max(blocks, k):
       raise ValueError(f"batch of {x.shape[0]} rows does not split into {k} microbatches")
+    if blocks:
+      parts = x.reshape((blocks // k, k, x.shape[0] // blocks) + x.shape[1:])
+      return jnp.swapaxes(parts, 0, 1).reshape((k, x.shape[0] // k) + x.shape[1:])
     return jnp.swapaxes(x.reshape((x.shape[0] // k, k) + x.shape[1:]), 0, 1)
-  return jax.tree.map(split, batch)
+  return jax.tree.map(split, tree)
 
 
 def _microbatch_share(mask, task_weights):
@@ -194,7 +215,7 @@ def _accumulated_grads(model, params, batch, mask, rngs, task_weights, k, constr
   add up to the whole batch's."""
   share, w, count_total = _microbatch_share(mask, task_weights)
   K = mask.shape[1]
-  mbs = split_microbatches({"batch": batch, "mask": mask}, k)
+  mbs = split_microbatches({"batch": batch, "mask": mask}, k, packed_blocks(batch))
 
   def body(carry, xs):
     g_acc, sums = carry
@@ -228,7 +249,7 @@ def _sparse_train_step(model, sparse_update, task_weights, params, opt_state, ba
   looked-up rows (``ROW_TAPS``), and the gradient is taken w.r.t. the other parameters and the
   taps, i.e. w.r.t. the gathered rows ``[M, D]`` (no table-sized gradient exists).
   ``sparse_update`` then applies AdamW to the dense leaves and the row-wise Adagrad to the
-  looked-up rows only. ``microbatches = k > 1``: a ``lax.scan`` over the strided microbatches
+  looked-up rows only. ``microbatches = k > 1``: a ``lax.scan`` over the microbatches
   (``split_microbatches``) sums the dense gradients and stacks each microbatch's ids and row
   gradients (``[k, M_mb]``, ``[k, M_mb, D]``); the stacks go to one sparse update, which sums
   repeated ids across microbatches as the dense gradient sums them.
@@ -241,7 +262,8 @@ def _sparse_train_step(model, sparse_update, task_weights, params, opt_state, ba
   mask = label_mask(batch)
   rngs = {"dropout": jax.random.fold_in(rng, step)}
   n_mb = microbatches
-  mbs = split_microbatches({"batch": batch, "mask": mask}, n_mb) if n_mb > 1 else None
+  mbs = (split_microbatches({"batch": batch, "mask": mask}, n_mb, packed_blocks(batch))
+         if n_mb > 1 else None)
   apply = lambda variables, mutable, b, r: model.apply(variables, b, train=True, rngs=r,
                                                        mutable=mutable)
   # which table groups are looked up and the shapes of their rows (tracing only, no computation)

@@ -1,4 +1,5 @@
-"""train.py / eval.py with ``--config.data.jagged_capacity=auto``: packed towers end to end."""
+"""train.py / eval.py with ``--config.data.jagged_capacity=auto``: packed towers end to end
+(training with 2 microbatches: a block per microbatch)."""
 
 import json
 import os
@@ -21,7 +22,7 @@ def test_train_and_eval_packed_tiny(tmp_path):
   # both programs forked from one interpreter that imported jax & co. once (tests/subproc)
   with subproc.Programs(env, subproc.TRAIN_MODULES) as progs:
     p = progs.run1([os.path.join(ROOT, "train.py"), f"--workdir={wd}", f"--data_dir={data}",
-                    "--steps=4", "--config.data.jagged_capacity=auto",
+                    "--steps=4", "--config.data.jagged_capacity=auto", "--config.train.microbatches=2",
                     "--config.train.log_every=2", "--config.train.checkpoint_every=4",
                     "--config.train.validate_every=-1"], check=True)
     assert "data.jagged_capacity=auto: click=" in p.stdout, p.stdout[-2000:]
