@@ -474,7 +474,8 @@ def run(args) -> dict | None:
         if c is None:
           continue                          # its LR trials did not finish (another worker's share)
         spec["lr"], spec["lr_choice"] = c["lr"], c
-      if is_done(spec, finished) or (args.archs and spec["arch"] not in args.archs):
+      if (is_done(spec, finished) or (args.archs and spec["arch"] not in args.archs)
+          or (args.sizes and spec["size"] not in args.sizes)):
         continue
       name = run_name(spec["arch"], spec["size"], spec["seed"], spec["lr"])
       _log(f"run {i + 1}/{len(runs)} {name}: {spec['examples']} examples ({spec['role']})")
@@ -534,6 +535,8 @@ def main(argv=None):
                   help="architectures that take packed towers with --jagged_capacity")
   ap.add_argument("--archs", nargs="*", default=None, choices=S.ARCHS,
                   help="train only these architectures' runs this time (the rest stay planned)")
+  ap.add_argument("--sizes", type=int, nargs="*", default=None,
+                  help="train only these sizes' runs this time (the rest stay planned)")
   ap.add_argument("--data_seed", type=int, default=0)
   ap.add_argument("--bootstrap", type=int, default=300, help="bootstrap draws over seeds")
   ap.add_argument("--log_every", type=int, default=1000, help="steps between loss lines (0: none)")
@@ -550,6 +553,9 @@ def main(argv=None):
     fail(f"--preset {args.preset!r}: choose from {sorted(synthetic.PRESETS)}")
   if min(args.n0, args.cap, args.batch_size, args.eval_examples, args.holdout_examples) <= 0:
     fail("--n0, --cap, --batch_size, --eval_examples and --holdout_examples must be positive")
+  if args.sizes and not set(args.sizes) <= set(range(len(S.LADDERS[args.ladder]))):
+    fail(f"--sizes {args.sizes}: the {args.ladder!r} ladder has sizes "
+         f"0..{len(S.LADDERS[args.ladder]) - 1}")
   if len(set(args.seeds)) != len(args.seeds) or len(set(args.lrs)) != len(args.lrs):
     fail("--seeds and --lrs must not repeat a value")
   args.out_dir = args.out_dir or (OUT_DIR + "_quick" if args.quick else OUT_DIR)
