@@ -149,23 +149,41 @@ def draw_lengths(schema, seq_lens: dict, n: int, lengths: str, seed: int) -> dic
 
 
 def jagged_capacity(spec: str | None, schema, seq_lens: dict, batch_size: int, lengths: str,
-                    seed: int, shards: int = 1) -> dict[str, int] | None:
+                    seed: int, shards: int = 1, buckets: int = 1) -> dict | None:
   """``--jagged``: None (padded), or {stream: N} from ``stream=N,...`` or ``auto`` (train.py's
   rule, ``kunlun.train.runtime.capacity_from_lengths``, on ``AUTO_CAPACITY_SAMPLE`` lengths
-  drawn like the batch's with another seed), in ``shards`` blocks (batch x context shards)."""
-  from data.pipeline import check_jagged_capacity
+  drawn like the batch's with another seed), in ``shards`` blocks (batch x context shards);
+  ``auto`` with ``buckets`` K > 1 (``data.jagged_buckets``): {stream: (N_0, ..., N_{K-1})}."""
+  from data.pipeline import check_jagged_buckets, check_jagged_capacity
   from kunlun.configs.fields import parse_capacity
   from kunlun.train import runtime
   if spec is None:
     return None
   try:
     value = parse_capacity(spec)
+    if buckets > 1 and value != "auto":
+      raise ValueError(f"--jagged_buckets {buckets} needs --jagged auto")
     if value == "auto":
       sample = draw_lengths(schema, seq_lens, runtime.AUTO_CAPACITY_SAMPLE, lengths, seed + 7)
-      value = runtime.capacity_from_lengths(sample, batch_size, shards)
+      value = runtime.capacity_from_lengths(sample, batch_size, shards, buckets)
+    if buckets > 1:
+      return check_jagged_buckets(seq_lens, value, shards)
     return check_jagged_capacity(seq_lens, value, shards) if value else None
   except ValueError as e:
     raise SystemExit(f"--jagged {spec}: {e}") from None
+
+
+def bucket_batch(schema, batch_size: int, seq_lens: dict, lengths: str, seed: int, buckets: dict,
+                 bucket: int, shards: int, tries: int = 10_000):
+  """``(seed, batch)``: the first ``synthetic_batch`` from ``seed`` on that the pipeline would
+  pack at ``bucket`` of ``buckets`` {stream: (N_0, ...)} (``data.jagged.pick_bucket``)."""
+  from data import jagged
+  for s in range(seed, seed + tries):
+    L = draw_lengths(schema, seq_lens, batch_size, lengths, s + 1)   # synthetic_batch's lengths
+    if jagged.pick_bucket({k: L[k] for k in buckets}, buckets, shards) == bucket:
+      return s, synthetic_batch(schema, batch_size, seq_lens, lengths, seed=s)
+  raise SystemExit(f"--jagged_bucket {bucket}: no batch of seeds {seed}..{seed + tries - 1} "
+                   "takes that bucket")
 
 
 def _preset_medians(schema) -> dict:
@@ -298,7 +316,14 @@ def run(args) -> dict:
   batch_np = synthetic_batch(schema, B, seq_lens, args.lengths, seed=args.seed)
   shards = partition.batch_shard_count(mesh, rules) * packed_sharding.blocks_per_batch_shard(
       mesh, rules)                    # one process: a block per batch (x context) shard
-  capacity = jagged_capacity(args.jagged, schema, seq_lens, B, args.lengths, args.seed, shards)
+  capacity = jagged_capacity(args.jagged, schema, seq_lens, B, args.lengths, args.seed, shards,
+                             args.jagged_buckets)
+  buckets = None
+  if capacity and args.jagged_buckets > 1:     # one bucket's program, on a batch that takes it
+    buckets = {s: list(c) for s, c in capacity.items()}
+    args.seed, batch_np = bucket_batch(schema, B, seq_lens, args.lengths, args.seed, capacity,
+                                       args.jagged_bucket, shards)
+    capacity = {s: c[args.jagged_bucket] for s, c in capacity.items()}
   dropped = {}
   if capacity:     # packed as the input pipeline packs it; the model takes the packed path
     batch_np, dropped = pipeline.pack_batch(batch_np, capacity, shards)
@@ -350,7 +375,10 @@ def run(args) -> dict:
       "sparse_embedding_update": bool(cfg.train.get("sparse_embedding_update", False)),
       "mesh": mesh_lib.describe(mesh), "rules": cfg.sharding.rules, "devices": n_dev,
       "device_kind": device.device_kind, "platform": device.platform,
-      "global_batch": B, "lengths": args.lengths, "num_layers": int(cfg.model.num_layers),
+      "global_batch": B, "lengths": args.lengths, "seed": args.seed,
+      "jagged_buckets": ({"count": args.jagged_buckets, "bucket": args.jagged_bucket,
+                          "capacities": buckets} if buckets else None),
+      "num_layers": int(cfg.model.num_layers),
       "versions": versions(),
       "params": int(sum(x.size for x in jax.tree.leaves(params))),
       "init_s": round(init_s, 2), "compile_s": round(compile_s, 2),
@@ -449,7 +477,8 @@ def default_name(args, cfg) -> str:
   if not cfg.train.sparse_embedding_update:             # the sparse table update is the default
     parts.append("dense-tables")
   if args.jagged is not None:
-    parts.append("packed")
+    parts.append("packed" if args.jagged_buckets == 1 else
+                 f"packed-k{args.jagged_buckets}b{args.jagged_bucket}")
   if args.tag:
     parts.append(args.tag)
   return "_".join(parts)
@@ -559,6 +588,11 @@ def main(argv=None):
   ap.add_argument("--jagged", nargs="?", const="auto", default=None, metavar="CAPACITY",
                   help="packed (jagged) event towers (data.jagged_capacity): auto (default: "
                        "train.py's rule on the lengths' distribution) or stream=N,...")
+  ap.add_argument("--jagged_buckets", type=int, default=1, choices=(1, 2, 3, 4),
+                  help="with --jagged auto: data.jagged_buckets (K static capacities); the step "
+                       "is built for --jagged_bucket's, on the first batch from --seed on that "
+                       "takes it (bench/jagged_buckets.py combines the K programs)")
+  ap.add_argument("--jagged_bucket", type=int, default=0, help="which of the K buckets (0..K-1)")
   ap.add_argument("--steps", type=int, default=16)
   ap.add_argument("--warmup", type=int, default=2)
   ap.add_argument("--seed", type=int, default=0)

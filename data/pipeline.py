@@ -61,19 +61,37 @@ def check_jagged_capacity(seq_lens: dict[str, int], capacity, shards: int = 1) -
   return out
 
 
+def check_jagged_buckets(seq_lens: dict[str, int], capacity, shards: int = 1
+                         ) -> dict[str, tuple[int, ...]]:
+  """``{stream: (N_0, ..., N_{K-1})}``: ``capacity`` {stream: N or ascending capacities, the same
+  count K for every stream} (``data.jagged.capacity_buckets``), each as ``check_jagged_capacity``
+  checks N."""
+  caps = {s: tuple(n) if isinstance(n, (tuple, list)) else (n,)
+          for s, n in dict(capacity or {}).items()}
+  out = {s: tuple(check_jagged_capacity(seq_lens, {s: n}, shards)[s] for n in v)
+         for s, v in caps.items()}
+  if len({len(v) for v in out.values()}) > 1 or any(not v or list(v) != sorted(v)
+                                                     for v in out.values()):
+    raise ValueError(f"jagged_capacity {out}: every stream needs the same number of ascending "
+                     "bucket capacities")
+  return out
+
+
 class Collate:
   """``BatchValidator`` columns of B rows + ``example_mask`` f32[B] -> batch (``data.schema``).
 
-  ``jagged_capacity`` {stream: N}: those streams in the packed layout at capacity N
-  (``data.jagged``), in ``jagged_shards`` blocks (one per batch x context shard of this process,
-  N / S tokens each); ``collate`` also returns the events dropped per stream."""
+  ``jagged_capacity`` {stream: N, or K ascending bucket capacities}: those streams in the packed
+  layout (``data.jagged``) at N, or at the smallest bucket into which every stream's batch fits
+  (``data.jagged.pick_bucket``; one bucket index for all streams, so a batch's shapes are one of
+  K), in ``jagged_shards`` blocks (one per batch x context shard of this process, N / S tokens
+  each); ``collate`` also returns the events dropped per stream."""
 
   def __init__(self, schema: Schema, seq_lens: dict[str, int], balance_groups: int = 0,
-               jagged_capacity: dict[str, int] | None = None, jagged_shards: int = 1):
+               jagged_capacity: dict | None = None, jagged_shards: int = 1):
     self.schema, self.seq_lens = schema, seq_lens
     self.balance_groups = balance_groups
     self.shards = jagged.check_shards(jagged_shards)
-    self.jagged = check_jagged_capacity(seq_lens, jagged_capacity, self.shards)
+    self.jagged = check_jagged_buckets(seq_lens, jagged_capacity, self.shards)
     self.cols = {s.name: records.event_columns(s) for s in schema.streams}
 
   def __call__(self, c: dict, mask: np.ndarray) -> dict:
@@ -95,11 +113,13 @@ class Collate:
                                .astype(np.int32) if f.hashed else ids.astype(np.int32))
     out["events"], dropped = {}, {}
     req = c["request_ts"].astype(np.int64)
+    bucket = jagged.pick_bucket({s: c[f"length/{s}"] for s in self.jagged}, self.jagged,
+                                self.shards)
     for s, T in self.seq_lens.items():
       buf, length = c[f"events/{s}"], c[f"length/{s}"]
       ev = {n: np.ascontiguousarray(buf[..., i]) for i, n in enumerate(self.cols[s])}
       if s in self.jagged:
-        ev, dropped[s] = pack_stream(ev, length, self.jagged[s], self.shards)
+        ev, dropped[s] = pack_stream(ev, length, self.jagged[s][bucket], self.shards)
         example = jagged.block_examples(ev["seg"], len(length), self.shards)
         valid, row = example < len(length), np.minimum(example, len(length) - 1)
       else:
@@ -217,7 +237,7 @@ def _get(cfg, name, default):
 
 def make_dataset(data_cfg, data_dir: str, split: str, seq_lens: dict[str, int], *, train: bool,
                  shard_index: int | None = None, shard_count: int | None = None,
-                 jagged_capacity: dict[str, int] | None = None, jagged_shards: int = 1):
+                 jagged_capacity: dict | None = None, jagged_shards: int = 1):
   """grain ``IterDataset`` of numpy batches (``data.schema`` layout plus ``example_mask``).
 
   data_cfg fields: batch_size (global), surface_weights (mapping, "a=1,b=0.5" or "auto": in
@@ -230,7 +250,8 @@ def make_dataset(data_cfg, data_dir: str, split: str, seq_lens: dict[str, int], 
   any process count or global batch size (``data.elastic``).
 
   ``jagged_capacity`` {stream: N} (default None: every stream padded): those streams come in the
-  packed layout (``data.schema``) at N tokens per process batch, in ``jagged_shards`` blocks of
+  packed layout (``data.schema``) at N tokens per process batch (or K ascending bucket capacities
+  per stream: each batch at the smallest that fits, ``Collate``), in ``jagged_shards`` blocks of
   N / S tokens (one per batch x context shard of this process's devices); events dropped over a
   block's capacity are counted by ``ds.dropped_counter`` and ``dropped_events(iterator)``.
   """
@@ -300,5 +321,6 @@ def num_eval_batches(data_dir: str, split: str, batch_size: int, shard_count: in
 
 __all__ = ["make_dataset", "device_put_batch", "invalid_counter", "invalid_counts", "hash_ids",
            "balance_order", "num_eval_batches", "Collate", "Loader", "check_jagged_capacity",
+           "check_jagged_buckets",
            "pack_stream", "pack_batch",
            "dropped_counter", "dropped_events"]

@@ -213,6 +213,9 @@ FIELDS: dict[str, Field] = {
                               "per process batch (issue #28; Kunlun towers mode): '' off, 'auto' "
                               "(from a length sample, P(overflow) <= 0.001) or 'stream=N,...'",
                               "capacity"),
+    "data.jagged_buckets": F(1, "with jagged_capacity=auto: that many static capacities "
+                             "(1-4), each batch packed at the smallest that fits (one process; "
+                             "a compiled step each)", I, 1, 4),
     "data.valid_split": F("valid", "held-out split for periodic validation ('' or absent in the "
                           "data: none)", S),
     # ---- train

@@ -222,12 +222,20 @@ def jagged_capacity(data_cfg, data_dir: str, split: str, seq_lens: dict[str, int
   except ValueError as e:
     fail(str(e))
   B = int(data_cfg.batch_size) // shard_count
+  buckets = int(data_cfg.get("jagged_buckets", 1))
   if value:
     try:
       jagged.check_shards(blocks, B)
     except ValueError as e:
       fail(f"data.jagged_capacity with {blocks} packed blocks per process (its batch x context "
            f"shards): {e}")
+  if buckets != 1 and value:
+    if value != "auto":
+      fail(f"data.jagged_buckets = {buckets} needs data.jagged_capacity=auto (it sets the "
+           "buckets' capacities)")
+    if shard_count > 1:
+      fail(f"data.jagged_buckets = {buckets} runs on one process only: every process would pick "
+           "its own bucket, and all must run the same program")
   if value != "auto":
     bad = {s: n for s, n in (value or {}).items() if n % (64 * blocks)}
     if bad:
@@ -245,20 +253,27 @@ def jagged_capacity(data_cfg, data_dir: str, split: str, seq_lens: dict[str, int
     n += int(real.sum())
   if not n:
     fail(f"data.jagged_capacity=auto: split {split!r} in {data_dir} has no examples")
-  return capacity_from_lengths({s: np.concatenate(v) for s, v in lens.items()}, B, blocks)
+  return capacity_from_lengths({s: np.concatenate(v) for s, v in lens.items()}, B, blocks,
+                               buckets)
 
 
-def capacity_from_lengths(lens: dict, batch_size: int, shards: int = 1) -> dict[str, int]:
+def capacity_from_lengths(lens: dict, batch_size: int, shards: int = 1, buckets: int = 1
+                          ) -> dict:
   """``data.jagged_capacity=auto`` from a sample of kept lengths ``{stream: i[n]}``: per stream
   ``shards`` x ``data.jagged.capacity_for`` (P(overflow) <= 0.001) of a block's batch
-  ``batch_size / shards``, rounded up to a multiple of 64 (at least 64); printed."""
+  ``batch_size / shards``, rounded up to a multiple of 64 (at least 64); printed. ``buckets`` K >
+  1 (``data.jagged_buckets``): per stream a tuple of K such capacities
+  (``data.jagged.capacity_buckets``), the last the one above."""
   Bs = batch_size // shards
-  out = {s: shards * max(64, -(-jagged.capacity_for(v, Bs) // 64) * 64) for s, v in lens.items()}
+  out = {s: tuple(shards * max(64, -(-n // 64) * 64)
+                  for n in jagged.capacity_buckets(v, Bs, buckets)) for s, v in lens.items()}
   n = len(next(iter(lens.values()), ()))
   per = "" if shards == 1 else f" ({shards} blocks of {Bs} examples)"
-  print(f"data.jagged_capacity=auto: {','.join(f'{s}={c}' for s, c in out.items())} tokens per "
-        f"process batch of {batch_size}{per} (from {n} examples)", flush=True)
-  return out
+  what = "" if buckets == 1 else f" in {buckets} buckets (a batch takes the smallest that fits)"
+  caps = ",".join(f"{s}=" + "/".join(map(str, c)) for s, c in out.items())
+  print(f"data.jagged_capacity=auto: {caps} tokens per process batch of {batch_size}{per}{what} "
+        f"(from {n} examples)", flush=True)
+  return {s: c[0] for s, c in out.items()} if buckets == 1 else out
 
 
 def config_to_plain(x, path: str = "config"):

@@ -179,6 +179,28 @@ def test_capacity_against_simulation():
   assert np.abs(surv[grid] - sim).max() < 0.01
 
 
+def test_capacity_buckets_against_simulation():
+  """Each bucket holds its quantile of random batches (brute force, within noise); the last is
+  the overflow bound; a batch takes the smallest bucket every stream's every block fits."""
+  rng = np.random.default_rng(2)
+  sample, B = _sample(rng, 20_000), 64
+  sums = sample[rng.integers(0, len(sample), (40_000, B))].sum(1)
+  for K, qs in jagged.BUCKET_QUANTILES.items():
+    caps = jagged.capacity_buckets(sample, B, K)
+    assert list(caps) == sorted(caps) and caps[-1] == jagged.capacity_for(sample, B)
+    for n, q in zip(caps, qs, strict=True):
+      assert np.mean(sums <= n) >= q - 4 * np.sqrt(q * (1 - q) / len(sums)), (K, n, q)
+      assert np.mean(sums <= n - 64) < q + 4 * np.sqrt(q * (1 - q) / len(sums)), (K, n, q)
+  with pytest.raises(ValueError, match="one of"):
+    jagged.capacity_buckets(sample, B, 5)
+  buckets = {"a": (128, 256, 384), "b": (64, 64, 128)}       # 2 blocks: 64, 128, 192 / 32, 32, 64
+  pick = lambda a, b: jagged.pick_bucket({"a": np.array(a), "b": np.array(b)}, buckets, 2)
+  assert pick([30, 34, 64, 0], [0, 32, 32, 0]) == 0
+  assert pick([30, 35, 64, 0], [0, 32, 32, 0]) == 1          # a's first block holds 65 > 64
+  assert pick([0, 0, 0, 0], [33, 0, 0, 0]) == 2              # b's first block: 33 > 32
+  assert pick([500, 0, 0, 0], [0, 0, 0, 0]) == 2             # fits none: the largest (drops)
+
+
 def test_capacity_never_above_batch_times_max_len():
   sample = np.array([37, 37, 0, 5], np.int64)
   assert jagged.capacity_for(sample, 3, quantile=1.0) == 3 * 37
@@ -195,16 +217,32 @@ def _cfg():   # prefetch 0: the in-process counter sees exactly the batches prod
       num_threads=2, prefetch=0, skip_invalid=False, length_balance=False))
 
 
+def _bucket_of(pad, cap, shards):
+  """Independently of data.jagged: ({stream: N}, index) of the smallest bucket (one index for
+  every stream) at which each stream's every block fits, else the largest; an int is one bucket."""
+  caps = {s: c if isinstance(c, tuple) else (c,) for s, c in cap.items()}
+  Bs = len(pad["surface"]) // shards
+  block_max = {s: max(int(pad["events"][s]["length"][b * Bs:(b + 1) * Bs].sum())
+                      for b in range(shards)) for s in caps}
+  K = len(next(iter(caps.values())))
+  i = next((i for i in range(K) if all(block_max[s] <= caps[s][i] // shards for s in caps)), K - 1)
+  return {s: c[i] for s, c in caps.items()}, i
+
+
 @pytest.mark.parametrize("cap,shards", [({"click": 256, "impression": 512}, 1), ({"click": 128}, 1),
-                                         ({"click": 128}, 2)])
+                                         ({"click": 128}, 2),
+                                         ({"click": (256, 256, 320), "impression": (448, 512, 576)},
+                                          1)])
 def test_collate_packed_batch_equals_packing_padded_batch(tiny_dir, cap, shards):
   mk = lambda c: make_dataset(_cfg(), tiny_dir, "train", SEQ, train=True, shard_index=0,
                               shard_count=1, jagged_capacity=c, jagged_shards=shards)
   ds = mk(cap)
   padded_it, packed_it = iter(mk(None)), iter(ds)
-  want_drop = {}
+  want_drop, used = {}, set()
   for _ in range(4):
     pad, got = next(padded_it), next(packed_it)
+    n_of, bucket = _bucket_of(pad, cap, shards)
+    used.add(bucket)
     for k in pad:
       if k != "events":
         np.testing.assert_equal(got[k], pad[k])
@@ -213,7 +251,7 @@ def test_collate_packed_batch_equals_packing_padded_batch(tiny_dir, cap, shards)
         np.testing.assert_equal(got["events"][s], ev)
         continue
       fields = {k: v for k, v in ev.items() if k != "length"}
-      want, offsets, seg, pos, dropped = oracle_blocks(fields, ev["length"], cap[s], shards)
+      want, offsets, seg, pos, dropped = oracle_blocks(fields, ev["length"], n_of[s], shards)
       g = got["events"][s]
       assert sorted(g) == sorted(list(fields) + ["length", "offsets", "seg", "pos"])
       for k in fields:
@@ -231,8 +269,10 @@ def test_collate_packed_batch_equals_packing_padded_batch(tiny_dir, cap, shards)
   restored = iter(mk(cap))                               # the counts travel with the state
   restored.set_state(packed_it.get_state())
   assert dropped_events(restored) == want_drop
-  if cap == {"click": 128} or shards > 1:
+  if cap == {"click": 128}:
     assert want_drop["click"] > 0                        # the tight capacity did overflow
+  if isinstance(cap["click"], tuple):
+    assert len(used) > 1, used                           # the batches took different buckets
 
 
 def test_collate_capacity_errors(tiny_dir):

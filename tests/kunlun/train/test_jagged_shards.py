@@ -33,6 +33,22 @@ def test_auto_capacity_is_per_block(capsys):
   assert "per process batch of 64 (4 blocks of 16 examples)" in capsys.readouterr().out
 
 
+def test_auto_capacity_buckets(capsys):
+  lens = {"click": np.random.default_rng(0).integers(0, 40, 500)}
+  got = runtime.capacity_from_lengths(lens, 64, 2, buckets=3)["click"]
+  want = [2 * -(-jagged.capacity_for(lens["click"], 32, q) // 64) * 64
+          for q in jagged.BUCKET_QUANTILES[3]]
+  assert list(got) == want and want[0] < want[-1]
+  assert "in 3 buckets" in capsys.readouterr().out
+  for cfg, count, words in [(dict(jagged_capacity="click=256", jagged_buckets=2), 1,
+                             "needs data.jagged_capacity=auto"),
+                            (dict(jagged_capacity="auto", jagged_buckets=2), 2, "one process")]:
+    c = ml_collections.ConfigDict(dict(batch_size=64, **cfg))
+    with pytest.raises(FatalError, match=words) as e:
+      runtime.jagged_capacity(c, "unused", "train", {"click": 8}, count, 1)
+    assert "\n" not in str(e.value)
+
+
 @pytest.mark.parametrize("batch_size,value,shards,words", [
     (64, "click=192", 2, "multiple of 64 x the 2 blocks"),
     (66, "click=256", 4, "does not split into 4 blocks")])

@@ -1,0 +1,173 @@
+"""Packed towers in K capacity buckets (``data.jagged_buckets``) on the H200 program (issue #28).
+
+A run with K buckets executes one of K compiled programs per batch: the smallest bucket its
+lengths fit (``data.jagged.pick_bucket``). This combines the K programs' ``bench/train_step``
+JSONs (``--jagged auto --jagged_buckets K --jagged_bucket i``; the largest bucket is the plain
+``--jagged auto`` program, whose capacities it must equal) with the padded program's, over
+``--batches`` batches of lengths drawn as bench/train_step draws them (fresh seeds): each batch's
+useful FLOPs (``kunlun.models.flops.batch_flops``, actual lengths) and real events, against the
+compiled FLOPs, roofline bytes and bound of the program it takes. Figures are sums over the
+batches (what a run of them pays): useful share = sum useful / sum compiled, bytes per real
+event, useful-MFU bound = sum useful / (sum bound x peak); K = 1 (the largest bucket for every
+batch) and padded side by side, with issue #28's targets.
+
+  python -m bench.jagged_buckets --padded P.json --buckets B0.json ... B{K-1}.json [--out J]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import numpy as np
+
+from bench.output import RESULTS, result_path, write_json
+from bench.train_step import JAGGED_TARGETS, draw_lengths, load_config
+from data import jagged
+from data.synthetic import PRESETS, preset_schema
+from kunlun.configs import types as model_config
+from kunlun.models.flops import batch_flops
+
+
+def _load(path: str) -> dict:
+  try:
+    with open(path) as f:
+      return json.load(f)
+  except (OSError, ValueError) as e:
+    raise SystemExit(f"jagged_buckets: cannot read {path}: {e}") from None
+
+
+def _program(r: dict) -> dict:
+  u, rl = r["useful"], r["roofline"]
+  return {"name": r["name"], "tokens": u["tokens"], "flops": u["flops_compiled"],
+          "bytes": u["bytes"], "bound_s": u["bound_s"], "peak_flops": rl["device"]["peak_flops"],
+          "launches": rl["xla"].get("launches")}
+
+
+def check_runs(padded: dict, runs: list[dict]) -> dict:
+  """{stream: (N_0, ..., N_{K-1})} from the bucket runs, each checked against its program's
+  tokens, all of one config / backend / batch / target as the padded run."""
+  caps = next((r["jagged_buckets"]["capacities"] for r in runs if r.get("jagged_buckets")), None)
+  if caps is None:
+    raise SystemExit("jagged_buckets: no --buckets JSON records its buckets (run bench/train_step "
+                     "with --jagged_buckets K --jagged_bucket i)")
+  K = len(next(iter(caps.values())))
+  if len(runs) != K:
+    raise SystemExit(f"jagged_buckets: {K} buckets need {K} --buckets JSONs, got {len(runs)}")
+  key = lambda r: (r["config"], r["backend"], r["global_batch"], r["target"]["name"],
+                   r["lengths"])
+  for i, r in enumerate(runs):
+    if key(r) != key(padded) or r.get("layout") != "packed":
+      raise SystemExit(f"jagged_buckets: {r['name']} is not a packed run of {key(padded)}")
+    want = {s: c[i] for s, c in caps.items()}
+    got = {s: r["useful"]["tokens"][s] for s in caps}
+    if got != want:
+      raise SystemExit(f"jagged_buckets: {r['name']} has capacities {got}, bucket {i} is {want}")
+  return {s: tuple(c) for s, c in caps.items()}
+
+
+def combine(padded: dict, runs: list[dict], batches: int, seed: int) -> dict:
+  caps = check_runs(padded, runs)
+  cfg = load_config(padded["config"], padded.get("overrides", []))
+  cfg.model.backend, cfg.data.batch_size = padded["backend"], padded["global_batch"]
+  schema = preset_schema(PRESETS[cfg.data.preset])
+  seq_lens = model_config.seq_lens(cfg)
+  B, shards = padded["global_batch"], 1
+  progs = [_program(r) for r in runs]
+  pad = _program(padded)
+  K = len(progs)
+  pick = np.zeros(batches, np.int64)
+  useful, real, dropped = np.zeros(batches), np.zeros(batches), np.zeros(batches)
+  for b in range(batches):
+    L = draw_lengths(schema, seq_lens, B, padded["lengths"], seed + b)
+    pick[b] = jagged.pick_bucket({s: L[s] for s in caps}, caps, shards)
+    kept = {s: jagged.fit_lengths(L[s], caps[s][pick[b]]) if s in caps else L[s] for s in L}
+    dropped[b] = sum(int(L[s].sum() - kept[s].sum()) for s in L)
+    fake = {"surface": np.zeros(B, np.int32), "events": {s: {"length": v} for s, v in kept.items()}}
+    useful[b] = batch_flops(cfg, schema, fake)["train_step"]
+    real[b] = sum(float(v.sum()) for v in kept.values())
+
+  def figures(flops, nbytes, bound_s, peak):
+    return {"useful_share": useful.sum() / flops.sum(),
+            "bytes_per_real_event": nbytes.sum() / real.sum(),
+            "useful_mfu_bound": useful.sum() / (bound_s.sum() * peak),
+            "bound_ms_mean": 1e3 * bound_s.mean()}
+
+  col = lambda k: np.array([p[k] for p in progs])[pick]
+  top = lambda k: np.full(batches, progs[-1][k])
+  flat = lambda k: np.full(batches, pad[k])
+  out = {
+      "bench": "jagged_buckets", "config": padded["config"], "backend": padded["backend"],
+      "global_batch": B, "target": padded["target"], "device_kind": padded.get("device_kind"),
+      "versions": padded.get("versions"), "lengths": padded["lengths"],
+      "batches": batches, "seeds": [seed, seed + batches - 1],
+      "capacities": {s: list(c) for s, c in caps.items()},
+      "bucket_quantiles": list(jagged.BUCKET_QUANTILES[K]),
+      "bucket_share": (np.bincount(pick, minlength=K) / batches).tolist(),
+      "programs": progs, "padded_program": pad,
+      "fill": {"buckets": real.sum() / sum(sum(p["tokens"][s] for s in caps) for p in
+                                            (progs[i] for i in pick)),
+               "one_bucket": real.sum() / (batches * sum(progs[-1]["tokens"][s] for s in caps))},
+      "dropped_events_per_batch": dropped.mean(),
+      "useful_tflop_per_batch": useful.mean() / 1e12,
+      "padded": figures(flat("flops"), flat("bytes"), flat("bound_s"), pad["peak_flops"]),
+      "one_bucket": figures(top("flops"), top("bytes"), top("bound_s"), pad["peak_flops"]),
+      "buckets": figures(col("flops"), col("bytes"), col("bound_s"), pad["peak_flops"]),
+  }
+  t = JAGGED_TARGETS
+  q = out["buckets"]
+  out["targets"] = {
+      "useful_share": {"target": t["useful_share"], "value": q["useful_share"],
+                       "met": bool(q["useful_share"] >= t["useful_share"])},
+      "bytes_per_event_ratio": {
+          "target": t["bytes_per_event_ratio"],
+          "value": out["padded"]["bytes_per_real_event"] / q["bytes_per_real_event"],
+          "met": bool(out["padded"]["bytes_per_real_event"] / q["bytes_per_real_event"]
+                      >= t["bytes_per_event_ratio"])},
+      "useful_mfu_bound": {"target": t["useful_mfu_bound"].get(B), "value": q["useful_mfu_bound"],
+                           "met": bool(q["useful_mfu_bound"] >= t["useful_mfu_bound"].get(B, 0))}}
+  return out
+
+
+def report(r: dict) -> str:
+  lines = [f"{r['config']} {r['backend']} b{r['global_batch']} {r['target']['name']}: "
+           f"{len(r['programs'])} buckets {r['capacities']}, batches per bucket "
+           f"{[round(x, 3) for x in r['bucket_share']]} ({r['batches']} batches)",
+           f"{'layout':<11} {'useful':>6} {'MB/event':>8} {'bound_ms':>8} {'useful_MFU_bound':>16}"]
+  for k in ("padded", "one_bucket", "buckets"):
+    f = r[k]
+    lines.append(f"{k:<11} {f['useful_share']:6.2f} {f['bytes_per_real_event'] / 1e6:8.3f} "
+                 f"{f['bound_ms_mean']:8.2f} {f['useful_mfu_bound']:16.1%}")
+  lines.append(f"fill {r['fill']['one_bucket']:.3f} -> {r['fill']['buckets']:.3f}; dropped "
+               f"{r['dropped_events_per_batch']:.2f} events per batch")
+  for k, v in r["targets"].items():
+    lines.append(f"  {k}: {v['value']:.3f} (target {v['target']}): "
+                 f"{'met' if v['met'] else 'MISSED'}")
+  return "\n".join(lines)
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__,
+                               formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("--padded", required=True, help="bench/train_step JSON of the padded program")
+  ap.add_argument("--buckets", nargs="+", required=True,
+                  help="bench/train_step JSONs of buckets 0..K-1, in order")
+  ap.add_argument("--batches", type=int, default=2000)
+  ap.add_argument("--seed", type=int, default=1000, help="first batch seed (fresh batches)")
+  ap.add_argument("--out", default=None)
+  args = ap.parse_args(argv)
+  if args.batches <= 0:
+    raise SystemExit("jagged_buckets: --batches must be positive")
+  padded = _load(args.padded)
+  r = combine(padded, [_load(p) for p in args.buckets], args.batches, args.seed)
+  print(report(r))
+  name = f"jagged_buckets_{r['config']}_{r['backend']}_b{r['global_batch']}_{r['target']['name']}"
+  path = result_path(name, False, args.out or os.path.join(RESULTS, name + ".json"))
+  write_json(path, r)
+  print(f"wrote {path}")
+  return r
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,58 @@
+"""bench/jagged_buckets.py: K bucket programs combined over drawn batches, against a plain loop."""
+
+import numpy as np
+import pytest
+
+from bench import jagged_buckets as JB
+from bench import train_step as TS
+from data.synthetic import PRESETS, preset_schema
+from kunlun.configs import types as model_config
+from kunlun.models.flops import batch_flops
+
+B = 16
+
+
+def _run(name, tokens, flops, nbytes, bound_s, bucket=None, caps=None):
+  return {"name": name, "config": "tiny", "backend": "xla", "global_batch": B,
+          "target": {"name": "h200"}, "lengths": "preset", "overrides": [],
+          "layout": "padded" if bucket is None else "packed",
+          "jagged_buckets": None if caps is None else {"count": 3, "bucket": bucket,
+                                                       "capacities": caps},
+          "useful": {"tokens": tokens, "flops_compiled": flops, "bytes": nbytes,
+                     "bound_s": bound_s},
+          "roofline": {"device": {"peak_flops": 1e15}, "xla": {"launches": 10}}}
+
+
+def test_combine_against_a_loop():
+  cfg = TS.load_config("tiny", [])
+  schema = preset_schema(PRESETS[cfg.data.preset])
+  seq = model_config.seq_lens(cfg)
+  caps = {"click": [320, 384, B * 32], "impression": [448, 448, B * 32]}   # the last: no drop
+  progs = [(1e9, 2e8, 1e-3), (1.2e9, 2.3e8, 1.1e-3), (1.5e9, 2.6e8, 1.3e-3)]
+  runs = [_run(f"b{i}", {s: c[i] for s, c in caps.items()}, *progs[i], bucket=i,
+               caps=caps if i < 2 else None) for i in range(3)]
+  padded = _run("pad", {s: B * T for s, T in seq.items()}, 4e9, 9e8, 4e-3)
+  r = JB.combine(padded, runs, batches=40, seed=7)
+  # the same batches by hand: smallest bucket with every stream's total <= its capacity
+  use, real, comp, byt, bound, picks = 0.0, 0.0, 0.0, 0.0, 0.0, []
+  for b in range(40):
+    L = TS.draw_lengths(schema, seq, B, "preset", 7 + b)
+    i = next((i for i in range(3) if all(L[s].sum() <= c[i] for s, c in caps.items())), 2)
+    picks.append(i)
+    batch = {"surface": np.zeros(B, np.int32), "events": {s: {"length": v} for s, v in L.items()}}
+    use += batch_flops(cfg, schema, batch)["train_step"]
+    real += sum(float(v.sum()) for v in L.values())
+    comp, byt, bound = comp + progs[i][0], byt + progs[i][1], bound + progs[i][2]
+  assert len(set(picks)) > 1, picks
+  np.testing.assert_allclose(r["bucket_share"], np.bincount(picks, minlength=3) / 40)
+  q = r["buckets"]
+  np.testing.assert_allclose(q["useful_share"], use / comp, rtol=1e-9)
+  np.testing.assert_allclose(q["bytes_per_real_event"], byt / real, rtol=1e-9)
+  np.testing.assert_allclose(q["useful_mfu_bound"], use / (bound * 1e15), rtol=1e-9)
+  np.testing.assert_allclose(r["one_bucket"]["useful_share"], use / (40 * progs[2][0]))
+  np.testing.assert_allclose(r["padded"]["useful_share"], use / (40 * 4e9))
+  assert r["dropped_events_per_batch"] == 0
+  bad = [dict(x) for x in runs]
+  bad[1] = dict(bad[1], useful=dict(bad[1]["useful"], tokens={"click": 999, "impression": 448}))
+  with pytest.raises(SystemExit, match="bucket 1 is"):
+    JB.combine(padded, bad, batches=2, seed=7)
