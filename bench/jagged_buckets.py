@@ -46,9 +46,13 @@ def _program(r: dict) -> dict:
 
 
 def check_runs(padded: dict, runs: list[dict]) -> dict:
-  """{stream: (N_0, ..., N_{K-1})} from the bucket runs, each checked against its program's
-  tokens, all of one config / backend / batch / target as the padded run."""
+  """{stream: (N_0, ..., N_{K-1})} from the bucket runs (K = 1: the one run's packed streams),
+  each checked against its program's tokens, all of one config / backend / batch / target as
+  the padded run."""
   caps = next((r["jagged_buckets"]["capacities"] for r in runs if r.get("jagged_buckets")), None)
+  if caps is None and len(runs) == 1:           # K = 1: the plain --jagged program
+    caps = {s: [n] for s, n in runs[0]["useful"]["tokens"].items()
+            if n != padded["useful"]["tokens"].get(s)}
   if caps is None:
     raise SystemExit("jagged_buckets: no --buckets JSON records its buckets (run bench/train_step "
                      "with --jagged_buckets K --jagged_bucket i)")
@@ -110,6 +114,7 @@ def combine(padded: dict, runs: list[dict], batches: int, seed: int) -> dict:
                                             (progs[i] for i in pick)),
                "one_bucket": real.sum() / (batches * sum(progs[-1]["tokens"][s] for s in caps))},
       "dropped_events_per_batch": dropped.mean(),
+      "batches_over_capacity": float(np.mean(dropped > 0)),
       "useful_tflop_per_batch": useful.mean() / 1e12,
       "padded": figures(flat("flops"), flat("bytes"), flat("bound_s"), pad["peak_flops"]),
       "one_bucket": figures(top("flops"), top("bytes"), top("bound_s"), pad["peak_flops"]),
@@ -140,7 +145,8 @@ def report(r: dict) -> str:
     lines.append(f"{k:<11} {f['useful_share']:6.2f} {f['bytes_per_real_event'] / 1e6:8.3f} "
                  f"{f['bound_ms_mean']:8.2f} {f['useful_mfu_bound']:16.1%}")
   lines.append(f"fill {r['fill']['one_bucket']:.3f} -> {r['fill']['buckets']:.3f}; dropped "
-               f"{r['dropped_events_per_batch']:.2f} events per batch")
+               f"{r['dropped_events_per_batch']:.2f} events per batch, "
+               f"{r['batches_over_capacity']:.2%} of the batches over capacity")
   for k, v in r["targets"].items():
     lines.append(f"  {k}: {v['value']:.3f} (target {v['target']}): "
                  f"{'met' if v['met'] else 'MISSED'}")
