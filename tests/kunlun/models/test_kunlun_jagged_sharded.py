@@ -107,14 +107,6 @@ def _sharded_step(sizes, preset):
   return compiled.as_text(), mesh
 
 
-def test_sharded_packed_step_equals_padded_single_device():
-  hlo, _ = _sharded_step({"data": 2, "fsdp": 2}, "fsdp")
-  # the jagged ops run per block: the only token-sized all-gathers are the row-sharded tables'
-  # overflow fallback (sharding.embedding, a lax.cond branch the padded model has as well)
-  gathers = _token_gathers(hlo)
-  assert all("EventEmbed/shard_map/cond" in g for g in gathers), gathers
-
-
 @pytest.mark.parametrize("sparse", [False, True])
 def test_microbatches_of_a_packed_batch_equal_the_padded_whole_batch(sparse):
   """train.microbatches = 2 on a 2-way fsdp mesh: the batch packed in 2 x 2 blocks (the pipeline
