@@ -252,6 +252,8 @@ def test_ladder_dry_run_plan(tmp_path, capfd):
   (tmp_path / "f").write_text("")
   stderr = _cli_error(capfd, ["--quick", "--out_dir", str(tmp_path / "f" / "o")])
   assert stderr.strip().count("\n") == 0 and "cannot create" in stderr
+  stderr = _cli_error(capfd, ["--dry_run", "--sizes", "4", "7", "--out_dir", str(tmp_path / "o")])
+  assert stderr.strip().count("\n") == 0 and "has sizes 0..4" in stderr
 
 
 def test_ladder_quick_resume(tmp_path, capfd):
