@@ -275,6 +275,11 @@ class StepAccounting:
     return True
 
 
+def packed_capacities(batch) -> tuple:
+  """``((stream, N), ...)`` of a host batch's packed streams (one entry per capacity bucket)."""
+  return tuple(sorted((s, len(ev["seg"])) for s, ev in batch["events"].items() if "seg" in ev))
+
+
 def train(run: Run, profile: tuple[int, int] | None = None, profile_dir: str | None = None):
   """The train loop from ``run.step`` to the plan's total: saves every ``checkpoint_every``
   steps, validates when due, stops cleanly on SIGTERM / SIGINT, a full disk or a data error."""
@@ -292,7 +297,7 @@ def train(run: Run, profile: tuple[int, int] | None = None, profile_dir: str | N
   acct = StepAccounting(run, prog, evaluator)
   stop = StopFlag(describe=lambda: f"step {run.step} (latest checkpoint: step "
                                    f"{run.ckpt.latest_step()})")
-  profiling = False
+  profiling, capacities = False, set()
   with partition.activate(run.mesh, run.rules):
     while run.step < total:
       if profile and run.step == profile[0]:
@@ -304,6 +309,12 @@ def train(run: Run, profile: tuple[int, int] | None = None, profile_dir: str | N
         except DataError as e:
           _stop_data_error(run, acct, e)
         acct.flops.add(host_batch)
+        caps = packed_capacities(host_batch)
+        if caps not in capacities:
+          if capacities and is_main:
+            print(f"packed towers: the first batch at capacities {dict(caps)} "
+                  "(data.jagged_buckets): compiling its train step", flush=True)
+          capacities.add(caps)
         batch = pipeline.device_put_batch(host_batch, run.train_step.batch_sharding)
         run.params, run.opt_state, stats = run.train_step.fn(run.params, run.opt_state, batch,
                                                              run.rng, run.step)
