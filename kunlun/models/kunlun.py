@@ -41,9 +41,10 @@ def embed_sequences(cfg: ModelConfig, schema: Schema, batch, dtype, remat: str =
                                       packed_ok=True)
   kept = {x.name: x.kept_len for x in cfg.towers}
   padded = [oneseq.stream_rows(seqs[n], ages[n], kept.get(n)) for n in names]
-  s, length, age, _ = oneseq.StreamMerge(len(names), t.kept_len, name="oneseq_merge")(
-      [p[0] for p in padded], [lengths[n] for n in names], [p[1] for p in padded])
   shards = {v.jag.shards for v in seqs.values() if packed.is_packed(v)}
+  axes = ("blocks", None, "embed") if shards else ("batch", "seq", "embed")
+  s, length, age, _ = oneseq.StreamMerge(len(names), t.kept_len, axes, name="oneseq_merge")(
+      [p[0] for p in padded], [lengths[n] for n in names], [p[1] for p in padded])
   if shards:
     S = max(shards)                             # the pipeline packs every stream in S blocks
     cap = oneseq.merged_capacity(seqs.values(), length.shape[0], t.kept_len, shards=S)
@@ -108,10 +109,6 @@ class Kunlun(nn.Module):
       raise ValueError(f"packed (jagged) towers: the rules split the sequence axis over {n_seq} "
                        f"devices but not the packed blocks ('blocks' over {n_blocks}); map "
                        "'blocks' to the batch's mesh axes then the sequence's (sharding.rules)")
-    if n_seq > 1 and self.cfg.seq_mode == "oneseq":
-      raise ValueError("packed (jagged) towers under context parallelism do not support OneSeq "
-                       "(model.seq_mode=oneseq): its merge runs on padded rows split over the "
-                       "sequence axis")
     if any(S % n_blocks for S in shards):
       raise ValueError(f"packed (jagged) towers: the blocks are split over {n_blocks} devices "
                        f"(batch x context shards) but packed in {sorted(shards)} blocks; pack a "

@@ -60,9 +60,12 @@ def merge_streams(s_list, lengths_list, age_list, kept_len: int):
 
 
 class StreamMerge(nn.Module):
-  """Adds a stream-type embedding and merges: ``(s_list, lengths_list, age_list) -> merged``."""
+  """Adds a stream-type embedding and merges: ``(s_list, lengths_list, age_list) -> merged``.
+  ``axes``: the logical axes of the merged rows ``[B, T, d]`` (packed streams: the examples on
+  ``blocks``, each device merging its own blocks' examples whole, under context parallelism too)."""
   num_streams: int
   kept_len: int
+  axes: tuple = ("batch", "seq", "embed")
 
   @nn.compact
   def __call__(self, s_list, lengths_list, age_list):
@@ -73,7 +76,7 @@ class StreamMerge(nn.Module):
                          (self.num_streams, d))
       s_list = [s + table[i].astype(s.dtype) for i, s in enumerate(s_list)]
       s, lengths, age, src = merge_streams(s_list, lengths_list, age_list, self.kept_len)
-      return shard(s, ("batch", "seq", "embed")), lengths, age, src
+      return shard(s, self.axes), lengths, age, src
 
 
 def stream_rows(s, age, max_len: int | None):
