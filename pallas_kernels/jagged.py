@@ -416,33 +416,92 @@ def jagged_softmax_pool(q, k, v, jagged: Jagged, *, scale=None, tile=None):
 # ----------------------------------------------------------------------------- self-attention
 
 
-def _banded(q, k, v, jagged: Jagged, window: int, probs):
-  """Self-attention over token pairs of one example with ``|i - j| <= window`` (inside an example
-  positions and buffer indices differ by the same amount), ``O(N * 3c)``: chunks of ``c =
-  max(window, BAND_MIN)`` queries against the ``3c`` buffer rows around them (window 8: 24 keys
-  a query, where the padded reference's 16-row chunks take 48).
-  ``probs(q [nb, c, H, D], k, v [nb, 3c, H, D], keep [nb, c, 3c])``."""
+def _three(x, c: int):
+  """``x [H, nb c, D]`` -> ``[H, nb, 3c, D]``: the rows ``[(n - 1) c, (n + 2) c)`` around chunk
+  ``n`` (zeros beyond the ends)."""
+  H, M, D = x.shape
+  z = jnp.zeros((H, c, D), x.dtype)
+  x = jnp.concatenate([z, x, z], axis=1).reshape(H, M // c + 2, c, D)
+  return jnp.concatenate([x[:, :-2], x[:, 1:-1], x[:, 2:]], axis=2)
+
+
+def _three_t(g, c: int):
+  """The transpose of ``_three``: ``[H, nb, 3c, D]`` -> ``[H, nb c, D]`` (each row's three
+  copies summed)."""
+  H, nb, _, D = g.shape
+  z = jnp.zeros((H, 1, c, D), g.dtype)
+  prev, own, nxt = g[:, :, :c], g[:, :, c:2 * c], g[:, :, 2 * c:]
+  g = own + jnp.concatenate([prev[:, 1:], z], axis=1) + jnp.concatenate([z, nxt[:, :-1]], axis=1)
+  return g.reshape(H, nb * c, D)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _band_core(q, k, v, keep, c, scale):
+  """Chunked banded softmax attention, head-major: ``q, k, v [H, nb c, D]``, ``keep bool[nb, c,
+  3c]`` (query row of chunk n, key row ``(n - 1) c + j``) -> ``[H, nb c, D]``."""
+  return _band_fwd(q, k, v, keep, c, scale)[0]
+
+
+def _band_fwd(q, k, v, keep, c, scale):
+  H, M, D = q.shape
+  s = jnp.einsum("hnqd,hnkd->hnqk", q.reshape(H, M // c, c, D), _three(k, c),
+                 preferred_element_type=_F32) * scale
+  s = jnp.where(keep, s, -jnp.inf)
+  mx = jnp.max(s, axis=-1, keepdims=True)
+  # Unnormalised probabilities in the operands' dtype, kept for the backward (the barrier stops
+  # XLA from recomputing them there out of the f32 scores); 1 / row sum applied to the outputs.
+  e = lax.optimization_barrier(jnp.exp(s - jnp.where(jnp.isfinite(mx), mx, 0.0)).astype(q.dtype))
+  den = jnp.sum(e.astype(_F32), axis=-1)
+  inv = jnp.where(den > 0, 1.0 / jnp.where(den > 0, den, 1.0), 0.0)              # [H, nb, c]
+  o = jnp.einsum("hnqk,hnkd->hnqd", e, _three(v, c), preferred_element_type=_F32)
+  o = (o * inv[..., None]).reshape(H, M, D).astype(q.dtype)
+  return o, (q, k, v, e, inv, o)
+
+
+def _band_bwd(c, scale, res, do):
+  q, k, v, e, inv, o = res
+  H, M, D = q.shape
+  do = do.reshape(H, M // c, c, D)
+  dof = do.astype(_F32)
+  delta = jnp.sum(dof * o.reshape(do.shape).astype(_F32), axis=-1)             # rowsum(p dp)
+  dp = jnp.einsum("hnqd,hnkd->hnqk", do, _three(v, c), preferred_element_type=_F32)
+  ds = (e.astype(_F32) * (dp - delta[..., None]) * (inv * scale)[..., None]).astype(q.dtype)
+  dq = jnp.einsum("hnqk,hnkd->hnqd", ds, _three(k, c), preferred_element_type=_F32)
+  # The key-side gradients leave the matmuls in the operands' dtype (f32 stays f32): each row's
+  # three copies are summed after, and f32 copies would double the band's largest tensors.
+  dk = jnp.einsum("hnqk,hnqd->hnkd", ds, q.reshape(do.shape), preferred_element_type=q.dtype)
+  dv = jnp.einsum("hnqk,hnqd->hnkd", e, (dof * inv[..., None]).astype(q.dtype),
+                  preferred_element_type=q.dtype)
+  return (dq.reshape(H, M, D).astype(q.dtype), _three_t(dk, c).astype(k.dtype),
+          _three_t(dv, c).astype(v.dtype), None)
+
+
+_band_core.defvjp(_band_fwd, _band_bwd)
+
+
+def _banded(q, k, v, jagged: Jagged, window: int, scale: float):
+  """Softmax self-attention over token pairs of one example with ``|i - j| <= window`` (inside an
+  example positions and buffer indices differ by the same amount), ``O(N * 3c)``: chunks of ``c
+  = max(window, BAND_MIN)`` queries against the ``3c`` buffer rows around them (window 8: 24
+  keys a query, where the padded reference's 16-row chunks take 48). Its own VJP (flash
+  attention's: the row sums of ``do * o``, the probabilities kept in the operands' dtype)."""
   N, H, D = q.shape
   B, c = jagged.batch, max(int(window), BAND_MIN)
   nb = -(-N // c)
-
-  def rows(x, fill, lo, hi):      # x padded to [lo + N + hi] and cut into chunks of c
-    x = jnp.concatenate([jnp.full((lo,) + x.shape[1:], fill, x.dtype), x,
-                         jnp.full((hi,) + x.shape[1:], fill, x.dtype)])
-    return x.reshape((-1, c) + x.shape[1:])
-
-  def three(x, fill):             # buffer rows [(n - 1) c, (n + 2) c) of chunk n: [nb, 3c, ...]
-    x = rows(x, fill, c, (nb + 1) * c - N)
-    return jnp.concatenate([x[:-2], x[1:-1], x[2:]], axis=1)
-
-  qi = jnp.arange(nb * c).reshape(nb, c)
+  M = nb * c
+  seg = jnp.concatenate([jagged.seg, jnp.full((M - N,), B, jagged.seg.dtype)])
+  edge = jnp.full((c,), B, seg.dtype)
+  sk = jnp.concatenate([edge, seg, edge]).reshape(nb + 2, c)
+  sk = jnp.concatenate([sk[:-2], sk[1:-1], sk[2:]], axis=1)                     # [nb, 3c]
+  sq = seg.reshape(nb, c)
+  qi = jnp.arange(M).reshape(nb, c)
   kj = (jnp.arange(nb)[:, None] - 1) * c + jnp.arange(3 * c)[None, :]
-  sq, sk = rows(jagged.seg, B, 0, nb * c - N), three(jagged.seg, B)
   keep = ((sq[:, :, None] == sk[:, None, :]) & (sq[:, :, None] < B)
           & (jnp.abs(qi[:, :, None] - kj[:, None, :]) <= window))
-  qb = rows(_zero_padding(q, jagged), 0, 0, nb * c - N)
-  kb, vb = (three(_zero_padding(x, jagged), 0) for x in (k, v))
-  return probs(qb, kb, vb, keep).reshape(nb * c, H, D)[:N]
+  heads = lambda x: jnp.pad(jnp.moveaxis(_zero_padding(x, jagged), 1, 0),
+                            ((0, 0), (0, M - N), (0, 0)))                        # [H, M, D]
+  o = _band_core(heads(q), heads(k), heads(v), keep, c, scale)
+  return jnp.moveaxis(o[:, :N], 0, 1)
 
 
 def block_table(jagged: Jagged, block_size: int):
@@ -503,5 +562,5 @@ def jagged_softmax_attention(q, k, v, jagged: Jagged, *, window=None, scale=None
     mask = (seg[:, None] == seg[None, :]) & jagged.valid[:, None]
     q, k, v = (_zero_padding(x, jagged) for x in (q, k, v))
     return masked_softmax_attention(q, k, v, mask, scale)
-  probs = lambda qb, kb, vb, keep: masked_softmax_attention(qb, kb, vb, keep, scale)
-  return _banded(q, k, v, jagged, int(window), probs)
+  scale = q.shape[-1] ** -0.5 if scale is None else scale
+  return _banded(q, k, v, jagged, int(window), scale)

@@ -316,6 +316,26 @@ def test_bfloat16_operands_against_numpy(name):
   np.testing.assert_allclose(np.asarray(out, np.float64), want, rtol=2e-2, atol=2e-2)
 
 
+
+def test_bfloat16_band_gradients_against_the_float32_reference():
+  """The banded twin's own VJP on bfloat16 operands (probabilities and the key-side gradients
+  rounded to bfloat16 before their three copies are summed) against float32 autodiff of the
+  dense masked padded reference on the same rounded inputs, within bfloat16's resolution."""
+  fn, padded, _ = OPS["softmax_w17"]
+  (q, k, v), jag, _ = _packed("ragged", seed=1)
+  q, k, v = (x.astype(jnp.bfloat16) for x in (q, k, v))
+  w = jnp.where(jag.valid[:, None, None], jax.random.normal(jax.random.key(9), q.shape), 0.0)
+  unpack = lambda x: jagged.unpack(x, jag, T)
+  g_bf = jax.jit(jax.grad(lambda q, k, v: jnp.sum(fn(q, k, v, jag).astype(jnp.float32) * w),
+                          argnums=(0, 1, 2)))(q, k, v)
+  g_ref = jax.jit(jax.grad(lambda q, k, v: jnp.sum(
+      padded(unpack(q), unpack(k), unpack(v), jag.lengths) * unpack(w)), argnums=(0, 1, 2)))(
+          *(x.astype(jnp.float32) for x in (q, k, v)))
+  for what, g, r in zip("qkv", g_bf, g_ref, strict=True):
+    assert g.dtype == jnp.bfloat16
+    g, r = np.asarray(g, np.float32), np.asarray(r)
+    np.testing.assert_allclose(g, r, atol=3e-2 * np.abs(r).max(), err_msg=f"d{what}")
+
 # ----------------------------------------------------------------------------- Pallas
 
 

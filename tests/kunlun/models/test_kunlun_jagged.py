@@ -94,9 +94,12 @@ def test_packed_equals_padded(kind, time_buckets, activation):
   np.testing.assert_allclose(np.asarray(logits_j), np.asarray(logits_p), rtol=1e-5, atol=1e-6)
   np.testing.assert_allclose(float(loss_j), float(loss_p), rtol=1e-5)
   flat_p = dict(jax.tree_util.tree_flatten_with_path(grads_p)[0])
+  # float32, 1e-5 relative (issue #28): per entry, or against the leaf's largest for entries
+  # that cancel to near zero (the banded twin's own VJP sums in another order than autodiff of
+  # the padded reference; one such entry of 512 moves by 1.1e-6 of its leaf's largest).
   for k, g in jax.tree_util.tree_flatten_with_path(grads_j)[0]:
     ref = np.asarray(flat_p[k])
-    np.testing.assert_allclose(np.asarray(g), ref, rtol=1e-5, atol=1e-6 * np.abs(ref).max(),
+    np.testing.assert_allclose(np.asarray(g), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max(),
                                err_msg=jax.tree_util.keystr(k))
 
 
