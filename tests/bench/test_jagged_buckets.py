@@ -12,7 +12,7 @@ from kunlun.models.flops import batch_flops
 B = 16
 
 
-def _run(name, tokens, flops, nbytes, bound_s, bucket=None, caps=None):
+def _run(name, tokens, flops, nbytes, bound_s, bucket=None, caps=None, rows=()):
   return {"name": name, "config": "tiny", "backend": "xla", "global_batch": B,
           "target": {"name": "h200"}, "lengths": "preset", "overrides": [],
           "layout": "padded" if bucket is None else "packed",
@@ -20,7 +20,8 @@ def _run(name, tokens, flops, nbytes, bound_s, bucket=None, caps=None):
                                                        "capacities": caps},
           "useful": {"tokens": tokens, "flops_compiled": flops, "bytes": nbytes,
                      "bound_s": bound_s},
-          "roofline": {"device": {"peak_flops": 1e15}, "xla": {"launches": 10}}}
+          "roofline": {"device": {"peak_flops": 1e15, "bandwidth": 1e12, "launch_s": 1e-6},
+                       "xla": {"launches": 10}, "rows": list(rows)}}
 
 
 def test_combine_against_a_loop():
@@ -56,3 +57,25 @@ def test_combine_against_a_loop():
   bad[1] = dict(bad[1], useful=dict(bad[1]["useful"], tokens={"click": 999, "impression": 448}))
   with pytest.raises(SystemExit, match="bucket 1 is"):
     JB.combine(padded, bad, batches=2, seed=7)
+
+
+def test_gemm_only_floor_charges_attention_and_gdpa_only_their_gemms():
+  """The floor: attention and GDPA rows' bytes replaced by their GEMM bytes, other groups kept,
+  bound = max(compute, memory) + launches; absent without roofline rows."""
+  caps = {"click": [B * 32], "impression": [B * 32]}
+  rows = [{"group": "attention", "bytes": 6e7, "gemm_bytes": 2e7},
+          {"group": "GDPA", "bytes": 3e7, "gemm_bytes": 1e7},
+          {"group": "MoWE", "bytes": 5e7, "gemm_bytes": 4e7}]
+  run = _run("b0", {s: c[0] for s, c in caps.items()}, 1e9, 2e8, 2e-4, bucket=0, caps=caps,
+             rows=rows)
+  padded = _run("pad", {"click": B * 32, "impression": B * 32}, 4e9, 9e8, 4e-3)
+  r = JB.combine(padded, [run], batches=3, seed=7)
+  floor_bytes = 2e8 - 9e7 + 3e7
+  floor_s = max(1e9 / 1e15, floor_bytes / 1e12) + 10 * 1e-6
+  real = 2e8 / r["buckets"]["bytes_per_real_event"]         # mean real events per batch
+  g = r["buckets_gemm_only"]
+  np.testing.assert_allclose(g["bytes_per_real_event"], floor_bytes / real, rtol=1e-9)
+  np.testing.assert_allclose(g["useful_mfu_bound"] / r["buckets"]["useful_mfu_bound"],
+                             2e-4 / floor_s, rtol=1e-9)
+  assert "buckets_gemm_only" not in JB.combine(padded, [dict(run, roofline=dict(
+      run["roofline"], rows=[]))], batches=3, seed=7)

@@ -274,7 +274,7 @@ def test_gradients_match_the_padded_reference(name):
 
 @pytest.mark.parametrize("name", ["cross", "pool", "softmax_w17", "softmax_w3", "softmax_w8"])
 def test_gradients_on_every_lengths_case(name):
-  """The twins' gradients (the GDPA pair core's custom VJP, autodiff of the banded softmax)
+  """The twins' gradients (the GDPA pair core's and the banded softmax's custom VJPs)
   against autodiff of the dense masked padded reference on every lengths case: tile multiples +
   1 with an empty history, one example filling the capacity, overflow, every history empty. The
   descriptor is traced (one compile per op)."""
