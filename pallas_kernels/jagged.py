@@ -416,11 +416,11 @@ def jagged_softmax_pool(q, k, v, jagged: Jagged, *, scale=None, tile=None):
 # ----------------------------------------------------------------------------- self-attention
 
 
-def _three(x, c: int):
+def _three(x, c: int, fill=0):
   """``x [H, nb c, D]`` -> ``[H, nb, 3c, D]``: the rows ``[(n - 1) c, (n + 2) c)`` around chunk
-  ``n`` (zeros beyond the ends)."""
+  ``n`` (``fill`` beyond the ends)."""
   H, M, D = x.shape
-  z = jnp.zeros((H, c, D), x.dtype)
+  z = jnp.full((H, c, D), fill, x.dtype)
   x = jnp.concatenate([z, x, z], axis=1).reshape(H, M // c + 2, c, D)
   return jnp.concatenate([x[:, :-2], x[:, 1:-1], x[:, 2:]], axis=2)
 
@@ -490,9 +490,7 @@ def _banded(q, k, v, jagged: Jagged, window: int, scale: float):
   nb = -(-N // c)
   M = nb * c
   seg = jnp.concatenate([jagged.seg, jnp.full((M - N,), B, jagged.seg.dtype)])
-  edge = jnp.full((c,), B, seg.dtype)
-  sk = jnp.concatenate([edge, seg, edge]).reshape(nb + 2, c)
-  sk = jnp.concatenate([sk[:-2], sk[1:-1], sk[2:]], axis=1)                     # [nb, 3c]
+  sk = _three(seg[None, :, None], c, fill=B)[0, :, :, 0]                        # [nb, 3c]
   sq = seg.reshape(nb, c)
   qi = jnp.arange(M).reshape(nb, c)
   kj = (jnp.arange(nb)[:, None] - 1) * c + jnp.arange(3 * c)[None, :]

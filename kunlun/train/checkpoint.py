@@ -93,16 +93,21 @@ def space_error(e: BaseException, directory: str) -> str:
   return f"{'Disk quota exceeded' if quota else 'No space left on device'} writing {where}"
 
 
-def remove_tmp_dirs(directory: str) -> list[str]:
+def remove_tmp_dirs(directory: str, settle_s: float = 5.0) -> list[str]:
   """Deletes the partial steps (``<step>.orbax-checkpoint-tmp-*``) in ``directory``; returns
-  their names. Only for a directory no save is writing to at the moment."""
-  gone = []
-  if not os.path.isdir(directory):
-    return gone
-  for name in sorted(os.listdir(directory)):
-    if TMP_MARKER in name:
+  their names. For a directory no save is writing to; a failed save's background writer that
+  still adds files is outlasted: the removal repeats, for up to ``settle_s`` seconds, until a
+  listing finds no partial step."""
+  gone: list[str] = []
+  deadline = time.monotonic() + settle_s
+  while os.path.isdir(directory):
+    left = sorted(n for n in os.listdir(directory) if TMP_MARKER in n)
+    if not left or time.monotonic() > deadline:
+      break
+    for name in left:
       shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
-      gone.append(name)
+      gone += [name] if name not in gone else []
+    time.sleep(0.02)
   return gone
 
 

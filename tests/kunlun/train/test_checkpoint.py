@@ -2,6 +2,7 @@
 params-only restore, clear errors for missing / corrupt checkpoints."""
 
 import os
+import shutil
 
 import grain
 import jax
@@ -480,3 +481,24 @@ def test_disk_full_save_is_flagged_and_partial_steps_removed(three_steps, monkey
   assert sorted(os.listdir(d)) == sorted(x for x in left if checkpoint.TMP_MARKER not in x)
   assert ck.all_steps() == [1, 2, 3, 6]
   ck.close()
+
+
+def test_remove_tmp_dirs_outlasts_a_late_writer(tmp_path, monkeypatch):
+  """A background writer still filling a failed save's partial step while it is deleted (seen on
+  a loaded machine: orbax's threads outlive the failed save) makes one removal leave it behind;
+  the removal repeats until a listing finds no partial step."""
+  d = tmp_path / "ckpt"
+  (d / "5.orbax-checkpoint-tmp" / "params").mkdir(parents=True)
+  (d / "3").mkdir()
+  real_rmtree, calls = shutil.rmtree, []
+
+  def rmtree_then_late_write(path, ignore_errors=False):
+    real_rmtree(path, ignore_errors=ignore_errors)
+    calls.append(path)
+    if len(calls) == 1:                   # the writer re-creates a file after the first pass
+      os.makedirs(os.path.join(path, "params"))
+      open(os.path.join(path, "params", "chunk"), "w").close()
+
+  monkeypatch.setattr(checkpoint.shutil, "rmtree", rmtree_then_late_write)
+  assert checkpoint.remove_tmp_dirs(str(d)) == ["5.orbax-checkpoint-tmp"]
+  assert sorted(os.listdir(d)) == ["3"]
