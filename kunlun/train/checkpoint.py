@@ -67,6 +67,7 @@ ITEMS = ("params", "opt_state", "meta", "data_iter")
 COMMIT_MARKER = "commit_success.txt"
 TMP_MARKER = ".orbax-checkpoint-tmp"          # orbax's name for a step being written
 RETRIES = 5                                   # restores of a step deleted while being read
+TMP_SETTLE_S = 5.0                            # how long remove_tmp_dirs outlasts a late writer
 
 
 def is_disk_full(e: BaseException) -> bool:
@@ -93,22 +94,22 @@ def space_error(e: BaseException, directory: str) -> str:
   return f"{'Disk quota exceeded' if quota else 'No space left on device'} writing {where}"
 
 
-def remove_tmp_dirs(directory: str, settle_s: float = 5.0) -> list[str]:
+def remove_tmp_dirs(directory: str) -> list[str]:
   """Deletes the partial steps (``<step>.orbax-checkpoint-tmp-*``) in ``directory``; returns
   their names. For a directory no save is writing to; a failed save's background writer that
-  still adds files is outlasted: the removal repeats, for up to ``settle_s`` seconds, until a
+  still adds files is outlasted: the removal repeats, for up to ``TMP_SETTLE_S``, until a
   listing finds no partial step."""
-  gone: list[str] = []
-  deadline = time.monotonic() + settle_s
-  while os.path.isdir(directory):
+  gone: dict[str, None] = {}                    # names in order, once each
+  deadline = time.monotonic() + TMP_SETTLE_S
+  while os.path.isdir(directory) and time.monotonic() <= deadline:
     left = sorted(n for n in os.listdir(directory) if TMP_MARKER in n)
-    if not left or time.monotonic() > deadline:
+    if not left:
       break
     for name in left:
       shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
-      gone += [name] if name not in gone else []
+    gone.update(dict.fromkeys(left))
     time.sleep(0.02)
-  return gone
+  return list(gone)
 
 
 class CheckpointError(FatalError):

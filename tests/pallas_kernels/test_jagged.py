@@ -316,7 +316,6 @@ def test_bfloat16_operands_against_numpy(name):
   np.testing.assert_allclose(np.asarray(out, np.float64), want, rtol=2e-2, atol=2e-2)
 
 
-
 def test_bfloat16_band_gradients_against_the_float32_reference():
   """The banded twin's own VJP on bfloat16 operands (probabilities and the key-side gradients
   rounded to bfloat16 before their three copies are summed) against float32 autodiff of the
@@ -335,6 +334,7 @@ def test_bfloat16_band_gradients_against_the_float32_reference():
     assert g.dtype == jnp.bfloat16
     g, r = np.asarray(g, np.float32), np.asarray(r)
     np.testing.assert_allclose(g, r, atol=3e-2 * np.abs(r).max(), err_msg=f"d{what}")
+
 
 # ----------------------------------------------------------------------------- Pallas
 
