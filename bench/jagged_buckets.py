@@ -17,12 +17,14 @@ batch) and padded side by side, with issue #28's targets.
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 
 import numpy as np
 
 from bench.output import RESULTS, result_path, write_json
+from bench.profiling.roofline import print_floors
 from bench.train_step import JAGGED_TARGETS, draw_lengths, load_config
 from data import jagged
 from data.synthetic import PRESETS, preset_schema
@@ -45,7 +47,10 @@ def _program(r: dict) -> dict:
   u, rl = r["useful"], r["roofline"]
   out = {"name": r["name"], "tokens": u["tokens"], "flops": u["flops_compiled"],
          "bytes": u["bytes"], "bound_s": u["bound_s"], "peak_flops": rl["device"]["peak_flops"],
-         "launches": rl["xla"].get("launches")}
+         "launches": rl["xla"].get("launches"), "device": rl["device"]}
+  if all("floor_bytes" in v for v in rl.get("groups", {}).values()) and rl.get("groups"):
+    out["groups"] = {g: {k: v[k] for k in ("bytes", "floor_bytes", "launches")}
+                     for g, v in rl["groups"].items()}
   rows = [x for x in rl.get("rows", []) if x["group"] in UNFUSED]
   if r["backend"] == "xla" and rows:
     # A floor for any XLA program of this model that materialises scores: attention and GDPA
@@ -138,6 +143,9 @@ def combine(padded: dict, runs: list[dict], batches: int, seed: int) -> dict:
     out["buckets_gemm_only"] = {
         "bytes_per_real_event": col("gemm_only_bytes").sum() / real.sum(),
         "useful_mfu_bound": useful.sum() / (col("gemm_only_bound_s").sum() * pad["peak_flops"])}
+  if all("groups" in p for p in progs):
+    out["groups"], out["floor"] = _group_floors(progs, pick, real, useful, pad["peak_flops"])
+  out["launches_per_batch"] = float(col("launches").mean())
   t = JAGGED_TARGETS
   q = out["buckets"]
   out["targets"] = {
@@ -151,6 +159,27 @@ def combine(padded: dict, runs: list[dict], batches: int, seed: int) -> dict:
       "useful_mfu_bound": {"target": t["useful_mfu_bound"].get(B), "value": q["useful_mfu_bound"],
                            "met": bool(q["useful_mfu_bound"] >= t["useful_mfu_bound"].get(B, 0))}}
   return out
+
+
+def _group_floors(progs: list[dict], pick, real, useful, peak: float) -> tuple[dict, dict]:
+  """Per scope group over the drawn batches (each the program it takes): mean bytes, compulsory
+  bytes (``roofline.group_floors``) and launches per batch, and their ratio; and the floor's
+  bytes per real event and useful-MFU bound (FLOPs and launches as compiled)."""
+  groups = sorted({g for p in progs for g in p["groups"]})
+  n = len(pick)
+  out = {}
+  for g in groups:
+    val = lambda k, g=g: sum(progs[i]["groups"].get(g, {}).get(k, 0.0) for i in pick) / n
+    b, f = val("bytes"), val("floor_bytes")
+    out[g] = {"bytes": b, "floor_bytes": f, "floor_ratio": b / f if f else None,
+              "launches": val("launches")}
+  floor_bytes = np.array([sum(v["floor_bytes"] for v in progs[i]["groups"].values())
+                          for i in pick])
+  d = progs[0]["device"]
+  bound = np.array([max(progs[i]["flops"] / d["peak_flops"], fb / d["bandwidth"])
+                    + progs[i]["launches"] * d["launch_s"] for i, fb in zip(pick, floor_bytes)])
+  return out, {"bytes_per_real_event": floor_bytes.sum() / real.sum(),
+               "useful_mfu_bound": useful.sum() / (bound.sum() * peak)}
 
 
 def report(r: dict) -> str:
@@ -168,6 +197,16 @@ def report(r: dict) -> str:
   for k, v in r["targets"].items():
     lines.append(f"  {k}: {v['value']:.3f} (target {v['target']}): "
                  f"{'met' if v['met'] else 'MISSED'}")
+  if "launches_per_batch" in r:
+    lines.append(f"launches per batch {r['launches_per_batch']:.0f}")
+  if "groups" in r:
+    buf = io.StringIO()
+    print_floors(r["groups"], buf, title="per batch")
+    lines.append(buf.getvalue().rstrip())
+    f = r["floor"]
+    lines.append(f"at the floor (every group moving only its compulsory bytes): "
+                 f"{f['bytes_per_real_event'] / 1e6:.3f} MB per real event, useful-MFU bound "
+                 f"{f['useful_mfu_bound']:.1%}")
   if "buckets_gemm_only" in r:
     g = r["buckets_gemm_only"]
     lines.append(f"floor (attention and GDPA charged only their GEMMs' bytes): "

@@ -33,7 +33,9 @@ preset's, see ``--lengths``) and reports:
                       with a second "kernel" column where a GPU kernel replaces a scope (GDPA, the
                       fused softmax attention; analytic kernel bytes), FLOP/byte, launches and the
                       lower bound max(FLOPs / peak, bytes / bandwidth) + launches x launch cost
-                      (``--peak_flops``, ``--bandwidth``, ``--launch_us``; H200 defaults);
+                      (``--peak_flops``, ``--bandwidth``, ``--launch_us``; H200 defaults),
+                      and each group's compulsory bytes beside its compiled ones (the floor:
+                      ``roofline.group_floors``: what it receives and hands on, once per pass);
                       bench/profiling/roofline.py says what is counted. On CPU the compiled
                       program is a
                       stand-in for the GPU's (the table says so)
@@ -353,12 +355,14 @@ def run(args) -> dict:
   hlo = hlo_stats.hlo_stats(text)
   op_names = hlo.pop("op_names")
   towers = list(cfg.model.towers.keys()) + ["oneseq"]
-  rl = roofline.roofline(roofline.op_costs(text), kernel_calls, towers, examples=B,
+  costs = roofline.op_costs(text)
+  rl = roofline.roofline(costs, kernel_calls, towers, examples=B,
                          peak_flops=args.peak_flops, bandwidth=args.bandwidth,
                          launch_s=args.launch_us * 1e-6,
                          repeat=int(cfg.train.get("microbatches", 1)),
                          note=roofline.gpu_note(args.target, target["autotune_results"])
                          if gpu else roofline.CPU_NOTE)
+  roofline.add_floors(rl, roofline.group_floors(text, costs))
   rl["flops_xla_cost_analysis"] = cost["flops"]
   with partition.activate(mesh, rules):
     casts = param_casts.summary(

@@ -240,7 +240,8 @@ def _param_reads(comps, roots, comp: str, shapes) -> tuple[dict, float | None]:
 
 def op_costs(text: str) -> list[dict]:
   """Every top-level launched op of an HLO module: ``{name, opcode, op_name, times, bytes_in,
-  bytes_out, flops, transcendentals}`` (per execution; ``times`` executions per step)."""
+  bytes_out, flops, transcendentals, gemm, pallas, reads}`` (per execution; ``times`` executions
+  per step; ``reads`` {operand: bytes read of it})."""
   comps, entry = hlo_stats.parse_hlo(text)
   roots = _roots(text)
   names = hlo_stats.resolve_op_names(comps, entry)
@@ -273,7 +274,113 @@ def op_costs(text: str) -> list[dict]:
     out.append({"name": name, "opcode": op, "op_name": names.get(name, ""), "times": times,
                 "bytes_in": sum(nbytes.values()), "bytes_out": b_out, "flops": f,
                 "transcendentals": t, "gemm": fl.has_dot(ins),
-                "pallas": op == "custom-call" and _PALLAS_TARGET in rest})
+                "pallas": op == "custom-call" and _PALLAS_TARGET in rest, "reads": nbytes})
+  return out
+
+
+_PASS = ("bitcast", "get-tuple-element", "tuple", "opt-barrier")   # views: no launch, no bytes
+
+
+def group_floors(text: str, costs: list[dict] | None = None) -> dict:
+  """Compulsory bytes of each scope group (``hlo_stats.scope_group``) of a compiled step:
+  ``{group: {"bytes", "read", "written", "launches"}}``.
+
+  A group must read what it receives from outside it (entry parameters: parameters, optimizer
+  state, the batch; values another group's launches produced) and write what it hands on
+  (values a launch of another group reads, or that leave the computation: the step's outputs,
+  a control-flow body's results). Each received buffer counts once per phase that reads it: the
+  forward (op names without ``transpose(``) and the backward (with it), so an activation read by
+  the forward and again by the backward (its weight gradient) counts twice, as under remat a
+  recomputed forward in the backward does; each handed-on value once, at the bytes the program
+  keeps it in (``op_costs``' partial reads and in-place updates apply). Values a group produces
+  and reads itself (its intermediates) count nothing. Views (bitcasts, tuples) are followed to
+  the launch that produced or reads the value."""
+  comps, entry = hlo_stats.parse_hlo(text)
+  roots = _roots(text)
+  costs = {c["name"]: c for c in (costs if costs is not None else op_costs(text))}
+  names = hlo_stats.resolve_op_names(comps, entry)
+  group = lambda n: hlo_stats.scope_group(names.get(n, ""))
+  bodies, stack = [], [entry] if entry else []
+  while stack:                                   # the entry and its control-flow bodies
+    c = stack.pop()
+    if c in bodies or c not in comps:
+      continue
+    bodies.append(c)
+    stack += [b for ins in comps[c] if ins[1] in ("while", "conditional", "call")
+              for b in hlo_stats._called(ins[2])]
+  read, written = defaultdict(dict), defaultdict(float)
+  launches = defaultdict(int)
+  for c in bodies:
+    table = {ins[0]: ins for ins in comps[c]}
+    users = defaultdict(list)
+    for ins in comps[c]:
+      for x in dict.fromkeys(operands(ins[2])):
+        users[x].append(ins)
+
+    def source(x, path=(), depth=0):
+      """(key, producing group) of value ``x`` (``path``: tuple indices into it)."""
+      ins = table.get(x)
+      if ins is None or depth > 64:
+        return (c, x, path), "input"
+      op, ops = ins[1], operands(ins[2])
+      if op == "bitcast" and ops:
+        return source(ops[0], path, depth + 1)
+      if op == "get-tuple-element" and ops:
+        m = re.search(r"index=(\d+)", ins[2])
+        return source(ops[0], (int(m.group(1)),) + path, depth + 1)
+      if op in ("tuple", "opt-barrier") and path and ops:
+        i = path[0] if op == "tuple" else 0
+        rest = path[1:] if op == "tuple" else path
+        if op == "opt-barrier" or i < len(ops):
+          return source(ops[i], rest, depth + 1)
+      if op in ("parameter", "constant"):
+        return (c, x, path), "input"
+      return (c, x, path), group(x)
+
+    def escapes(x, g, depth=0):
+      """Whether value ``x`` reaches a launch outside group ``g`` or leaves the computation."""
+      if x == roots.get(c) or depth > 64:
+        return True
+      for u in users.get(x, ()):
+        if u[1] in ("bitcast", "tuple", "opt-barrier"):
+          if escapes(u[0], g, depth + 1):
+            return True
+        elif u[1] == "get-tuple-element":
+          continue                               # a tuple value's elements: their own users
+        elif u[1] in ("while", "conditional", "call") or (
+            hlo_stats.is_launch(u[1]) and group(u[0]) != g):
+          return True
+      return False
+
+    for ins in comps[c]:
+      name, op = ins[0], ins[1]
+      if name not in costs:
+        continue
+      cost, g = costs[name], group(name)
+      launches[g] += cost["times"]
+      phase = "bwd" if "transpose(" in names.get(name, "") else "fwd"
+      for x, nbytes in cost["reads"].items():
+        key, src = source(x)
+        if src != g:
+          k = (phase, key)
+          read[g][k] = max(read[g].get(k, 0.0), nbytes * cost["times"])
+      elems = arrays(ins[3])
+      if ins[3].startswith("("):                 # a tuple: each element by its own users
+        for u in users.get(name, ()):
+          m = re.search(r"index=(\d+)", u[2]) if u[1] == "get-tuple-element" else None
+          if m and int(m.group(1)) < len(elems) and escapes(u[0], g):
+            dt, dims = elems[int(m.group(1))]
+            written[g] += min(math.prod(dims) * _DTYPE_BYTES.get(dt, 1),
+                              cost["bytes_out"]) * cost["times"]
+        if escapes(name, g) and name == roots.get(c):
+          written[g] += cost["bytes_out"] * cost["times"]
+      elif escapes(name, g):
+        written[g] += cost["bytes_out"] * cost["times"]
+  out = {}
+  for g in set(read) | set(written) | set(launches):
+    r = sum(read[g].values())
+    out[g] = {"bytes": r + written[g], "read": r, "written": written[g],
+              "launches": int(launches[g])}
   return out
 
 
@@ -620,6 +727,33 @@ def roofline(costs: list[dict], calls: list[dict] | None, towers=(), *, examples
           "rows": out_rows}
 
 
+def add_floors(rl: dict, floors: dict) -> dict:
+  """``rl`` (``roofline``) with each group's compulsory bytes (``group_floors``): per group
+  ``floor_bytes`` and ``floor_ratio`` (its XLA bytes / floor), and ``rl["floor"]``: the total and
+  the bound at the floor, max(FLOPs / peak, floor bytes / bandwidth) + the XLA launches."""
+  for g, v in rl["groups"].items():
+    f = floors.get(g, {}).get("bytes", 0.0)
+    v["floor_bytes"] = f
+    v["floor_ratio"] = v["bytes"] / f if f else None
+  total = sum(v.get("bytes", 0.0) for v in floors.values())
+  d = rl["device"]
+  rl["floor"] = {"bytes": total, "ratio": rl["xla"]["bytes"] / total if total else None,
+                 "bound_s": max(rl["flops"] / d["peak_flops"], total / d["bandwidth"])
+                 + rl["xla"]["launches"] * d["launch_s"]}
+  return rl
+
+
+def print_floors(groups: dict, stream=None, title: str = "by group") -> None:
+  """One line per scope group: XLA bytes, compulsory bytes (``add_floors``), their ratio and
+  launches (``groups``: ``rl["groups"]`` or combined figures of the same keys)."""
+  s = stream or sys.stdout
+  print(f"{title:<12} {'GB':>8} {'floor GB':>9} {'ratio':>6} {'launches':>8}", file=s)
+  for g, v in sorted(groups.items(), key=lambda kv: -kv[1]["bytes"]):
+    ratio = v.get("floor_ratio")
+    print(f"{g:<12} {v['bytes'] / 1e9:8.2f} {v.get('floor_bytes', 0.0) / 1e9:9.2f} "
+          f"{'-' if ratio is None else f'{ratio:.2f}x':>6} {v['launches']:>8.0f}", file=s)
+
+
 def print_roofline(rl: dict, stream=None, top: int = 40) -> None:
   """The rows (largest XLA bytes first), the groups and the totals / bounds."""
   s = stream or sys.stdout
@@ -648,6 +782,11 @@ def print_roofline(rl: dict, stream=None, top: int = 40) -> None:
   if pk and pk["launches"]:
     print(f"Pallas custom calls: {pk['launches']} launches, {pk['flops'] / 1e12:.2f} TFLOP "
           "(from the kernels' formulas)", file=s)
+  if "floor" in rl:
+    print_floors(rl["groups"], s)
+    f = rl["floor"]
+    print(f"floor: {gb(f['bytes']):.1f} {unit}/step compulsory ({f['ratio']:.2f}x under the XLA "
+          f"column), bound at it {1e3 * f['bound_s']:.2f} ms", file=s)
   d = rl["device"]
   for col in ("xla", "kernel"):
     c = rl[col]

@@ -79,3 +79,36 @@ def test_gemm_only_floor_charges_attention_and_gdpa_only_their_gemms():
                              2e-4 / floor_s, rtol=1e-9)
   assert "buckets_gemm_only" not in JB.combine(padded, [dict(run, roofline=dict(
       run["roofline"], rows=[]))], batches=3, seed=7)
+
+
+def test_group_floors_follow_the_bucket_each_batch_takes():
+  """Per scope group: the mean over the batches of the bytes, compulsory bytes and launches of
+  the program each batch takes, their ratio; the floor's bytes per real event and bound."""
+  caps = {"click": [320, B * 32], "impression": [448, B * 32]}
+  groups = [{"MoWE": {"bytes": 8e7, "floor_bytes": 1e7, "launches": 6},
+             "HSP": {"bytes": 4e7, "floor_bytes": 2e7, "launches": 4}},
+            {"MoWE": {"bytes": 9e7, "floor_bytes": 1e7, "launches": 6},
+             "HSP": {"bytes": 6e7, "floor_bytes": 3e7, "launches": 5}}]
+  runs = []
+  for i in range(2):
+    r = _run(f"b{i}", {s: c[i] for s, c in caps.items()}, 1e9 * (i + 1), 2e8, 1e-3, bucket=i,
+             caps=caps if i < 1 else None)
+    r["roofline"]["groups"] = groups[i]
+    r["roofline"]["xla"]["launches"] = 10 + i
+    runs.append(r)
+  padded = _run("pad", {"click": B * 32, "impression": B * 32}, 4e9, 9e8, 4e-3)
+  r = JB.combine(padded, runs, batches=30, seed=7)
+  share = r["bucket_share"]
+  assert 0 < share[0] < 1, share
+  mowe = r["groups"]["MoWE"]
+  np.testing.assert_allclose(mowe["bytes"], share[0] * 8e7 + share[1] * 9e7, rtol=1e-9)
+  np.testing.assert_allclose(mowe["floor_ratio"], mowe["bytes"] / 1e7, rtol=1e-9)
+  np.testing.assert_allclose(r["groups"]["HSP"]["launches"], share[0] * 4 + share[1] * 5)
+  np.testing.assert_allclose(r["launches_per_batch"], share[0] * 10 + share[1] * 11)
+  floor = share[0] * 3e7 + share[1] * 4e7                 # mean compulsory bytes per batch
+  real = 2e8 / r["buckets"]["bytes_per_real_event"]
+  np.testing.assert_allclose(r["floor"]["bytes_per_real_event"], floor / real, rtol=1e-9)
+  bound = (share[0] * (max(1e9 / 1e15, 3e7 / 1e12) + 10e-6)
+           + share[1] * (max(2e9 / 1e15, 4e7 / 1e12) + 11e-6))
+  np.testing.assert_allclose(r["floor"]["useful_mfu_bound"] / r["buckets"]["useful_mfu_bound"],
+                             r["buckets"]["bound_ms_mean"] / 1e3 / bound, rtol=1e-9)

@@ -1,0 +1,114 @@
+"""bench.profiling.roofline.group_floors: each scope group's compulsory bytes, on a hand-written
+HLO program and a small compiled one (expected bytes counted by hand in each test)."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from bench.profiling import roofline
+
+FLOOR_HLO = """HloModule floors
+
+%add2 (p0: f32[1000], p1: f32[1000]) -> f32[1000] {
+  %p0 = f32[1000]{0} parameter(0)
+  %p1 = f32[1000]{0} parameter(1)
+  ROOT %s = f32[1000]{0} add(%p0, %p1)
+}
+
+%neg (q0: f32[1000]) -> f32[1000] {
+  %q0 = f32[1000]{0} parameter(0)
+  ROOT %n = f32[1000]{0} negate(%q0)
+}
+
+%two_out (r0: f32[1000]) -> (f32[1000], bf16[1000]) {
+  %r0 = f32[1000]{0} parameter(0)
+  %e = f32[1000]{0} exponential(%r0)
+  %c = bf16[1000]{0} convert(%r0)
+  ROOT %t = (f32[1000]{0}, bf16[1000]{0}) tuple(%e, %c)
+}
+
+%cvt (u0: bf16[1000]) -> f32[1000] {
+  %u0 = bf16[1000]{0} parameter(0)
+  ROOT %c = f32[1000]{0} convert(%u0)
+}
+
+%rows (t0: f32[100000]) -> f32[100] {
+  %t0 = f32[100000]{0} parameter(0)
+  ROOT %s = f32[100]{0} slice(%t0), slice={[0:100]}
+}
+
+ENTRY %main (x: f32[1000], w: f32[1000], table: f32[100000]) -> (f32[1000], f32[1000], f32[1000], f32[100]) {
+  %x = f32[1000]{0} parameter(0)
+  %w = f32[1000]{0} parameter(1)
+  %table = f32[100000]{0} parameter(2)
+  %a = f32[1000]{0} fusion(%x, %w), kind=kLoop, calls=%add2, metadata={op_name="jit(f)/jvp(M)/MoWE/a"}
+  %b = f32[1000]{0} fusion(%a), kind=kLoop, calls=%neg, metadata={op_name="jit(f)/jvp(M)/MoWE/b"}
+  %c = f32[1000]{0} fusion(%b, %x), kind=kLoop, calls=%add2, metadata={op_name="jit(f)/jvp(M)/HSP/c"}
+  %e = (f32[1000]{0}, bf16[1000]{0}) fusion(%c), kind=kLoop, calls=%two_out, metadata={op_name="jit(f)/jvp(M)/HSP/e"}
+  %e0 = f32[1000]{0} get-tuple-element(%e), index=0
+  %e1 = bf16[1000]{0} get-tuple-element(%e), index=1
+  %h = f32[1000]{0} fusion(%e1), kind=kLoop, calls=%cvt, metadata={op_name="jit(f)/jvp(M)/HSP/h"}
+  %v = f32[10,100]{1,0} bitcast(%e0)
+  %vb = f32[1000]{0} bitcast(%v)
+  %d = f32[1000]{0} fusion(%c, %w), kind=kLoop, calls=%add2, metadata={op_name="jit(f)/transpose(jvp(M))/MoWE/d"}
+  %f = f32[1000]{0} fusion(%vb, %h), kind=kLoop, calls=%add2, metadata={op_name="jit(f)/transpose(jvp(M))/MoWE/f"}
+  %r = f32[100]{0} fusion(%table), kind=kLoop, calls=%rows, metadata={op_name="jit(f)/jvp(M)/EventEmbed/r"}
+  %k = f32[1000]{0} fusion(%x, %c), kind=kLoop, calls=%add2, metadata={op_name="jit(f)/jvp(M)/HSP/k"}
+  ROOT %out = (f32[1000]{0}, f32[1000]{0}, f32[1000]{0}, f32[100]{0}) tuple(%d, %f, %h, %r)
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def floors():
+  return roofline.group_floors(FLOOR_HLO)
+
+
+def test_a_group_reads_what_it_receives_once_per_phase(floors):
+  """MoWE's forward reads x and w (4,000 B each; a is its own); its backward reads w again
+  (another phase), c and e's first element (through two bitcasts) and h, all from HSP:
+  6 x 4,000 B. HSP reads b (MoWE's) and x once although two of its ops read x."""
+  assert floors["MoWE"]["read"] == 6 * 4000
+  assert floors["HSP"]["read"] == 2 * 4000
+
+
+def test_a_group_writes_what_it_hands_on(floors):
+  """MoWE hands b to HSP and d, f to the step's outputs; HSP hands c and h to MoWE (h also an
+  output) and e's f32 element to MoWE, but e's bf16 element only to its own h, and k to no one:
+  3 x 4,000 B each."""
+  assert floors["MoWE"]["written"] == 3 * 4000
+  assert floors["HSP"]["written"] == 3 * 4000
+  assert floors["MoWE"]["bytes"] == 9 * 4000
+  assert (floors["MoWE"]["launches"], floors["HSP"]["launches"]) == (4, 4)
+
+
+def test_a_partial_read_counts_the_rows_read(floors):
+  """The embedding slice reads 100 of the table's 100,000 f32 rows and returns them."""
+  assert floors["embeddings"] == {"bytes": 800.0, "read": 400.0, "written": 400.0,
+                                  "launches": 1}
+
+
+def test_a_compiled_program():
+  """x @ w in MoWE, then @ v in HSP (f32; a dot fuses nothing across the two): MoWE reads x and
+  w and writes y; HSP reads y and v and writes z."""
+  def f(x, w, v):
+    with jax.named_scope("MoWE"):
+      y = x @ w
+    with jax.named_scope("HSP"):
+      return y @ v
+  args = (jnp.ones((64, 32)), jnp.ones((32, 16)), jnp.ones((16, 8)))
+  text = jax.jit(f).lower(*args).compile().as_text()
+  fl = roofline.group_floors(text)
+  assert fl["MoWE"]["bytes"] == 4 * (64 * 32 + 32 * 16 + 64 * 16)
+  assert fl["HSP"]["bytes"] == 4 * (64 * 16 + 16 * 8 + 64 * 8)
+
+
+def test_add_floors_ratios():
+  """Each group's ratio is its XLA bytes over its floor; the bound at the floor is
+  max(FLOPs / peak, floor / bandwidth) + launches."""
+  rl = {"groups": {"MoWE": {"bytes": 10.0}, "HSP": {"bytes": 6.0}}, "flops": 1e3,
+        "device": {"peak_flops": 1e6, "bandwidth": 1.0, "launch_s": 0.5},
+        "xla": {"bytes": 16.0, "launches": 4}}
+  roofline.add_floors(rl, {"MoWE": {"bytes": 4.0}, "HSP": {"bytes": 3.0}})
+  assert rl["groups"]["MoWE"]["floor_ratio"] == 2.5 and rl["groups"]["HSP"]["floor_ratio"] == 2
+  assert rl["floor"] == {"bytes": 7.0, "ratio": 16 / 7, "bound_s": 7.0 + 2.0}
