@@ -203,6 +203,7 @@ def export(workdir: str, out: str, *, candidates="dynamic", requests=1, jagged_c
     with atomic.target(os.path.join(out, PARAMS)) as tmp, open(tmp, "wb") as f:
       np.savez(f, **flatten(params))
     params_sha256 = loader.file_sha256(os.path.join(out, PARAMS))
+    artifact_sha256 = loader.file_sha256(os.path.join(out, ARTIFACT))
   except OSError as e:
     startup.fail(f"--out={out}: cannot write the export ({e.strerror or e})")
   name = lambda x: x if isinstance(x, int) else str(x)
@@ -211,7 +212,7 @@ def export(workdir: str, out: str, *, candidates="dynamic", requests=1, jagged_c
       "format": FORMAT,
       "inputs": {p: {"dtype": d, "shape": [name(x) for x in s]} for p, (s, d) in spec.items()},
       "ranges": input_ranges(schema, lens),
-      "params_sha256": params_sha256,
+      "params_sha256": params_sha256, "artifact_sha256": artifact_sha256,
       "outputs": {k: {"dtype": "float32", "shape": [name(n), K]} for k in ("logits", "prob")},
       "candidates": "n" if n_fixed is None else n_fixed,
       "requests": "r" if r_fixed is None else r_fixed,
@@ -222,6 +223,10 @@ def export(workdir: str, out: str, *, candidates="dynamic", requests=1, jagged_c
                   "row per request (r); request_index[i] = the request of ad i, in [0, r)",
           "ranges": "each input's allowed values [lo, hi) (null: unbounded); floats finite",
           "params_sha256": "sha256 of params.npz; the loader refuses params that differ",
+          "artifact_sha256": "sha256 of serving.jax_export; the loader refuses another program",
+          "signature_sha256": "sha256 of this file's canonical JSON (sorted keys, separators "
+                              "',' ':', ASCII) without this key; the loader refuses an edited "
+                              "signature (loader.signature_sha256)",
           "sparse": "ids in [0, vocab); -1 = empty slot; hashed features: "
                     "data.pipeline.hash_ids(raw, vocab) = ((raw * 0x9E3779B97F4A7C15 mod 2^64) "
                     ">> 29) mod vocab",
@@ -244,6 +249,7 @@ def export(workdir: str, out: str, *, candidates="dynamic", requests=1, jagged_c
                    "python": platform.python_version()},
   }
   add_vocab(sig, schema)
+  sig["signature_sha256"] = loader.signature_sha256(sig)     # last: binds every key above
   try:
     atomic.write_json(sig_path, sig)
   except OSError as e:

@@ -11,8 +11,10 @@
 i32[R+1], seg i32[C], pos i32[C], length i32[R]}``, checked by ``check_packed``); extra keys are
 ignored. Inputs are checked against the signature (missing arrays, shapes, dtypes, the
 candidate / request counts, each input's value range: ids, surfaces, lengths <= ``kept_len``,
-``request_index``; finite floats) and a mismatch is a ``ValueError`` with one line naming it.
-``params.npz`` must match the signature's ``params_sha256`` (params from elsewhere are refused).
+``request_index``; floats finite after the cast to float32) and a mismatch is a ``ValueError``
+with one line naming it. ``signature.json`` must match its own ``signature_sha256`` (any edit,
+e.g. a lost ``ranges``, is refused), ``serving.jax_export`` and ``params.npz`` its
+``artifact_sha256`` and ``params_sha256`` (a program or params from elsewhere are refused).
 This module imports nothing of the model code (no flax, no ``kunlun.models.kunlun``, no ``data``).
 
 Categorical features with an exact vocabulary (``signature.json`` ``vocab``, from the dataset's
@@ -33,6 +35,8 @@ from jax import export as jex
 
 FORMAT = "kunlun-serving-v1"
 ARTIFACT, PARAMS, SIGNATURE = "serving.jax_export", "params.npz", "signature.json"
+REQUIRED = ("inputs", "ranges", "kept_len", "params_sha256", "artifact_sha256",
+            "signature_sha256")     # signature.json keys the loader needs
 
 
 def nest(flat: dict) -> dict:
@@ -62,12 +66,28 @@ def file_sha256(path: str) -> str:
     return hashlib.file_digest(f, "sha256").hexdigest()
 
 
-def _check_values(path: str, x: np.ndarray, rng) -> None:
-  """One-line ValueError when ``x`` holds a value outside ``rng`` = [lo, hi) or a non-finite
-  float (checked before any cast, so an int64 id that would wrap to int32 is caught)."""
-  if x.dtype.kind == "f" and not np.isfinite(x).all():
-    raise ValueError(f"serving input {path!r}: {int((~np.isfinite(x)).sum())} non-finite "
-                     "value(s) (NaN / inf)")
+def signature_sha256(sig: dict) -> str:
+  """Hex sha256 of ``sig`` without its ``signature_sha256`` key, as canonical JSON (as read back
+  from JSON, then sorted keys, no spaces, ASCII): what binds ``signature.json`` to itself."""
+  body = json.loads(json.dumps({k: v for k, v in sig.items() if k != "signature_sha256"}))
+  text = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+  return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _cast_checked(path: str, x: np.ndarray, dtype: str, rng) -> np.ndarray:
+  """``x`` cast to ``dtype``; one-line ValueError when ``x`` holds a value outside ``rng`` =
+  [lo, hi) (checked before the cast, so an int64 id that would wrap to int32 is caught) or when a
+  float is not finite after it (NaN, inf, or a float64 beyond float32's range)."""
+  _check_range(path, x, rng)
+  with np.errstate(over="ignore"):               # an overflow becomes inf: refused below
+    y = x.astype(dtype)
+  if y.dtype.kind == "f" and not np.isfinite(y).all():
+    raise ValueError(f"serving input {path!r}: {int((~np.isfinite(y)).sum())} value(s) not "
+                     f"finite as {dtype} (NaN, inf, or beyond +-{np.finfo(dtype).max:.3g})")
+  return y
+
+
+def _check_range(path: str, x: np.ndarray, rng) -> None:
   lo, hi = rng if rng is not None else (None, None)
   if x.size == 0 or (lo is None and hi is None):
     return
@@ -149,19 +169,13 @@ class ServingArtifact:
     for f in (ARTIFACT, PARAMS, SIGNATURE):
       if not os.path.exists(os.path.join(directory, f)):
         raise FileNotFoundError(f"{directory}: no {f} (not a kunlun.serving.export output)")
-    with open(os.path.join(directory, SIGNATURE)) as f:
-      self.signature = json.load(f)
-    if self.signature.get("format") != FORMAT:
-      raise ValueError(f"{directory}: format {self.signature.get('format')!r}, want {FORMAT!r}")
+    self.signature = sig = _load_signature(directory)
+    for name, key in ((ARTIFACT, "artifact_sha256"), (PARAMS, "params_sha256")):
+      if file_sha256(os.path.join(directory, name)) != sig[key]:
+        raise ValueError(f"{directory}: {name} does not match {SIGNATURE} (sha256 differs): "
+                         "not the file this artifact was exported with")
     with open(os.path.join(directory, ARTIFACT), "rb") as f:
       self.exported = jex.deserialize(bytearray(f.read()))
-    want = self.signature.get("params_sha256")
-    if not want:
-      raise ValueError(f"{directory}: {SIGNATURE} has no params_sha256 (an older export: "
-                       "export again)")
-    if file_sha256(os.path.join(directory, PARAMS)) != want:
-      raise ValueError(f"{directory}: {PARAMS} does not match {SIGNATURE} (sha256 differs): "
-                       "not the parameters this artifact was exported with")
     with np.load(os.path.join(directory, PARAMS)) as z:
       flat = {k: z[k] for k in z.files}
     p_avals = self.exported.in_avals[:len(flat)]
@@ -202,8 +216,7 @@ class ServingArtifact:
         raise ValueError(f"serving input {path!r}: integer ids expected, got {x.dtype}")
       if kind == "f" and x.dtype.kind not in "iuf":
         raise ValueError(f"serving input {path!r}: numbers expected, got {x.dtype}")
-      _check_values(path, x, self.signature.get("ranges", {}).get(path))
-      flat[path] = x.astype(s["dtype"])
+      flat[path] = _cast_checked(path, x, s["dtype"], self.signature["ranges"][path])
     for name, size in dims.items():
       if size < 1:
         raise ValueError(f"serving inputs: dimension {name!r} must be >= 1, got {size}")
@@ -222,6 +235,31 @@ class ServingArtifact:
   def __call__(self, batch) -> dict:
     out = self.exported.call(self._params, self._check(batch))
     return {k: np.asarray(v) for k, v in out.items()}
+
+
+def _load_signature(directory: str) -> dict:
+  """``signature.json`` of ``directory``: its format, the keys of ``REQUIRED``, a range for every
+  input, and its own ``signature_sha256`` (one-line ValueErrors)."""
+  path = os.path.join(directory, SIGNATURE)
+  try:
+    with open(path) as f:
+      sig = json.load(f)
+  except ValueError as e:
+    raise ValueError(f"{path}: not valid JSON ({e})") from None
+  if not isinstance(sig, dict) or sig.get("format") != FORMAT:
+    got = sig.get("format") if isinstance(sig, dict) else type(sig).__name__
+    raise ValueError(f"{directory}: format {got!r}, want {FORMAT!r}")
+  missing = [k for k in REQUIRED if k not in sig]
+  if missing:
+    raise ValueError(f"{path}: no {', '.join(missing)} (edited, or an older export: export "
+                     "again)")
+  if signature_sha256(sig) != sig["signature_sha256"]:
+    raise ValueError(f"{path}: its content does not match its signature_sha256 (the file was "
+                     "edited after the export: export again)")
+  unranged = sorted(set(sig["inputs"]) - set(sig["ranges"]))
+  if unranged:
+    raise ValueError(f"{path}: no value range for input(s) {unranged}")
+  return sig
 
 
 def load(directory: str) -> ServingArtifact:

@@ -4,6 +4,7 @@ model (N separate examples); signature; one-line errors on bad input."""
 import ast
 import json
 import os
+import shutil
 
 import flax.linen as nn
 import jax
@@ -177,7 +178,6 @@ def test_loader_checks_ranges_lengths_and_finiteness(run):
 
 def test_loader_refuses_params_not_from_the_export(run, tmp_path):
   """params.npz is bound to signature.json by a checksum: zeros of the right shapes refused."""
-  import shutil
   _, _, _, _, _, out, sig = run
   assert "params_sha256" in sig
   fake = tmp_path / "fake"
@@ -193,7 +193,6 @@ def test_loader_refuses_params_not_from_the_export(run, tmp_path):
 def test_export_refuses_a_data_dir_with_other_surfaces(run, tmp_path, capsys):
   """The workdir records the schema's names: --data_dir with other surfaces is one error line."""
   import dataclasses
-  import shutil
   schema, config, _, _, workdir, _, _ = run
   wd = str(tmp_path / "wd")
   shutil.copytree(workdir, wd)
@@ -257,3 +256,80 @@ def test_packed_artifact(run, padded_art, tmp_path, capsys):
     assert lines[-1].startswith("kunlun.serving.export: error: ") and msg in lines[-1], lines
   with pytest.raises(ValueError, match="unknown stream"):
     export.parse_jagged_capacity("views=64", schema.stream_names)
+
+
+def test_loader_casts_then_checks_finiteness(run, padded_art):
+  """float64 values that are finite but overflow float32 (1e300 -> inf) are refused in one line
+  (before: finiteness was checked before the cast, and the batch scored NaN)."""
+  schema, config, _, _, _, _, _ = run
+  b = _batch(schema, config, 3)
+  st = schema.streams[0].name
+  dense = np.array(b["dense"], np.float64)
+  dense[2, 1] = 1e300
+  age = np.array(b["events"][st]["age"], np.float64)
+  age[0, 0] = 1e300
+  for batch, name in ((dict(b, dense=dense), "'dense'"),
+                      (dict(b, events=dict(b["events"], **{st: dict(b["events"][st], age=age)})),
+                       f"'events/{st}/age'")):
+    with pytest.raises(ValueError) as e:
+      padded_art(batch)
+    msg = str(e.value)
+    assert name in msg and "float32" in msg and "\n" not in msg, msg
+  ok = np.array(b["dense"], np.float64)          # float64 that fits: cast and scored
+  assert np.isfinite(padded_art(dict(b, dense=ok))["prob"]).all()
+
+
+def test_signature_is_bound_and_needs_ranges(run, tmp_path):
+  """``signature.json`` carries its own sha256 and that of the exported program: a signature
+  that lost ``ranges`` (before: loaded, and scored surface 7 as 0.5), an edited range or a
+  swapped program is refused at load in one line."""
+  _, _, _, _, _, out, _ = run
+
+  def refused(edit, *words):
+    d = tmp_path / f"a{len(list(tmp_path.iterdir()))}"
+    shutil.copytree(out, d)
+    edit(d)
+    with pytest.raises(ValueError) as e:
+      loader.load(str(d))
+    msg = str(e.value)
+    assert "\n" not in msg and all(w in msg for w in words), msg
+
+  def edit_sig(change):
+    def edit(d):
+      sig = json.loads((d / "signature.json").read_text())
+      change(sig)
+      (d / "signature.json").write_text(json.dumps(sig))
+    return edit
+  refused(edit_sig(lambda s: s.pop("ranges")), "signature.json", "ranges")
+  refused(edit_sig(lambda s: s["ranges"].update(surface=[0, 8])), "signature.json", "sha256")
+  refused(edit_sig(lambda s: s["ranges"].pop("surface")), "signature.json")
+  refused(edit_sig(lambda s: s.pop("signature_sha256")), "signature.json", "export again")
+
+  def other_program(d):
+    data = bytearray((d / "serving.jax_export").read_bytes())
+    data[-1] ^= 1
+    (d / "serving.jax_export").write_bytes(bytes(data))
+  refused(other_program, "serving.jax_export", "sha256")
+  loader.load(out)                                  # the export itself still loads
+
+
+def test_check_packed_kept_len_boundary():
+  """A packed request of exactly ``kept_len`` events is accepted, one of ``kept_len + 1`` is
+  refused (hand-built descriptor: 2 requests of 16 and 3 events in 64 tokens)."""
+  def packed(lengths):
+    n = sum(lengths)
+    seg = np.full(64, len(lengths), np.int32)
+    pos = np.zeros(64, np.int32)
+    i = 0
+    for r, k in enumerate(lengths):
+      seg[i:i + k], pos[i:i + k] = r, np.arange(k)
+      i += k
+    return {"item": np.arange(64, dtype=np.int32) * (np.arange(64) < n),
+            "offsets": np.array([0, lengths[0], n], np.int32), "seg": seg, "pos": pos,
+            "length": np.array(lengths, np.int32)}
+  loader.check_packed("click", packed([16, 3]), 16)
+  loader.check_packed("click", packed([3, 16]), 16)
+  with pytest.raises(ValueError, match="request 0 has 17 events, more than the kept length 16"):
+    loader.check_packed("click", packed([17, 3]), 16)
+  with pytest.raises(ValueError, match="request 1 has 17 events"):
+    loader.check_packed("click", packed([3, 17]), 16)
