@@ -6,9 +6,11 @@
 
   python train.py --show_config [--config=...] [--config.a.b=value]   # every field, described
 
-SIGTERM / SIGINT finish the current step, save a checkpoint and exit 0. Settings are checked
-before any data is read (kunlun/train/settings.py); the workdir is locked against a second
-train.py (kunlun/utils/lock.py); a full disk stops the run with the newest good checkpoint kept.
+SIGTERM / SIGINT finish the current step, save a checkpoint and exit 0; during set-up (data,
+model initialisation and its compilation) Ctrl-C stops at once with one line (status 130).
+Settings are checked before any data is read (kunlun/train/settings.py); the workdir is locked
+against a second train.py (kunlun/utils/lock.py); a full disk stops the run with the newest good
+checkpoint kept.
 """
 
 from __future__ import annotations

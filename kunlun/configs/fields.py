@@ -17,6 +17,10 @@ from typing import Any
 import ml_collections
 
 MAX_BATCH = 1 << 20        # examples per global batch: larger ones do not fit in host memory
+MAX_SEED = (1 << 32) - 1   # grain's shuffle takes [0, 2**32 - 1]; jax.random.key keeps 32 bits
+MAX_STEPS = (1 << 31) - 1  # the optimizer's step count is int32
+MAX_SIZE = 1 << 16         # any model width, count or length: each becomes an allocation
+PACKED_ARCHS = ("kunlun", "kunlun_ablated")   # the architectures with packed (jagged) towers
 REQUIRED = "<required>"    # default of a field every preset must set (tower sizes)
 
 ARCHS = ("kunlun", "interformer", "dlrm", "kunlun_ablated")
@@ -52,12 +56,7 @@ class Field:
   def allowed(self) -> str:
     if self.kind in ("int", "number"):
       what = "an integer" if self.kind == "int" else "a number"
-      if self.lo is not None and self.hi is not None:
-        return (f"{what} in {'(' if self.open_lo else '['}{_num(self.lo)}, {_num(self.hi)}"
-                f"{')' if self.open_hi else ']'}")
-      if self.lo is not None:
-        return f"{what} {'>' if self.open_lo else '>='} {_num(self.lo)}"
-      return what
+      return f"{what} {range_text(self.lo, self.hi, self.open_lo, self.open_hi)}".rstrip()
     if self.kind == "choice":
       return f"one of {choices(self.choices)}"
     if self.kind == "activation":
@@ -65,7 +64,7 @@ class Field:
     if self.kind == "kinds":
       return f"distinct names from {choices(self.choices)}, comma-separated"
     if self.kind == "ints":
-      return f"a tuple of integers >= {_num(self.lo)}"
+      return f"a tuple of integers {range_text(self.lo, self.hi)}"
     if self.kind == "weights":
       return "'auto', 'surface=weight,...' or a mapping {surface: weight >= 0}"
     if self.kind == "numbers":
@@ -73,6 +72,15 @@ class Field:
     if self.kind == "capacity":
       return "'' (off), 'auto' or 'stream=N,...' (N a positive multiple of 64)"
     return {"bool": "True or False", "str": "a string"}[self.kind]
+
+  def reason(self, v) -> str:
+    """Why a ``capacity`` value is not allowed (its parser's words; "" otherwise)."""
+    if self.kind == "capacity":
+      try:
+        parse_capacity(v)
+      except ValueError as e:
+        return str(e)
+    return ""
 
   def problem(self, v) -> bool:
     """True when ``v`` is not allowed."""
@@ -93,17 +101,14 @@ class Field:
       return (not isinstance(names, (tuple, list)) or not names or len(set(names)) != len(names)
               or any(k not in choices(self.choices) for k in names))
     if self.kind == "ints":
-      return not isinstance(v, (tuple, list)) or any(_int_problem(x, self.lo) for x in v)
+      return not isinstance(v, (tuple, list)) or any(_int_problem(x, self.lo, self.hi)
+                                                     for x in v)
     if self.kind == "weights":
       return not _weights_ok(v)
     if self.kind == "numbers":
       return not isinstance(v, (tuple, list)) or not all(_finite(x) and x >= 0 for x in v)
     if self.kind == "capacity":
-      try:
-        parse_capacity(v)
-      except ValueError:
-        return True
-      return False
+      return bool(self.reason(v))
     if isinstance(v, bool) or not isinstance(v, int if self.kind == "int" else (int, float)):
       return True
     if not _finite(v):
@@ -115,7 +120,8 @@ class Field:
 
 def parse_capacity(v):
   """``data.jagged_capacity``: "" -> None (every stream padded), "auto" -> "auto" (from a length
-  sample, ``kunlun.train.runtime.jagged_capacity``), "click=4096,..." -> {stream: N}."""
+  sample, ``kunlun.train.runtime.jagged_capacity``), "click=4096,..." -> {stream: N} (a stream
+  named twice: ValueError)."""
   if not isinstance(v, str):
     raise ValueError(f"data.jagged_capacity = {v!r}: not a string")
   v = v.strip()
@@ -127,12 +133,23 @@ def parse_capacity(v):
     if not eq or not name.strip() or not n.strip().isdigit() or int(n) <= 0 or int(n) % 64:
       raise ValueError(f"data.jagged_capacity item {item!r}: allowed 'stream=N' with N a "
                        "positive multiple of 64")
+    if name.strip() in out:
+      raise ValueError(f"data.jagged_capacity: stream {name.strip()!r} given twice")
     out[name.strip()] = int(n)
   return out
 
 
-def _int_problem(x, lo) -> bool:
-  return isinstance(x, bool) or not isinstance(x, int) or x < lo
+def _int_problem(x, lo, hi=None) -> bool:
+  return isinstance(x, bool) or not isinstance(x, int) or x < lo or (hi is not None and x > hi)
+
+
+def range_text(lo, hi, open_lo: bool = False, open_hi: bool = False) -> str:
+  """``in [lo, hi]`` / ``>= lo`` (``(`` / ``)`` for open ends; "" without bounds)."""
+  if lo is not None and hi is not None:
+    return f"in {'(' if open_lo else '['}{_num(lo)}, {_num(hi)}{')' if open_hi else ']'}"
+  if lo is not None:
+    return f"{'>' if open_lo else '>='} {_num(lo)}"
+  return ""
 
 
 def _num(x) -> str:
@@ -187,19 +204,21 @@ _TOWER = {  # field: (doc, lowest value, default of the merged OneSeq tower)
 TOWER_FIELDS = tuple(_TOWER)
 
 FIELDS: dict[str, Field] = {
-    "seed": F(0, "PRNG seed of parameter init and the training RNG (dropout, ...)", I),
+    "seed": F(0, "PRNG seed of parameter init and the training RNG (dropout, ...)", I, 0,
+              MAX_SEED),
     # ---- data
     "data.preset": F("tiny", "synthetic preset generated into <workdir>/data when --data_dir is "
                      "absent", C, choices="presets"),
     "data.num_examples": F(20_000, "train examples generated for the synthetic preset", I, 1),
-    "data.synthetic_seed": F(0, "seed of the generated synthetic data", I, optional=True),
+    "data.synthetic_seed": F(0, "seed of the generated synthetic data", I, 0, MAX_SEED,
+                             optional=True),
     "data.batch_size": F(64, "global batch size (examples per training step, all processes)", I,
                          1, MAX_BATCH),
     "data.surface_weights": F("feed=0.5,stories=0.3,reels=0.2", "per-surface sampling weights: "
                               "'surface=w,...', a mapping, or 'auto' (in proportion to the train "
                               "records; weights naming none of the data's surfaces: 'auto')",
                               "weights"),
-    "data.shuffle_seed": F(0, "seed of the per-surface record shuffle", I),
+    "data.shuffle_seed": F(0, "seed of the per-surface record shuffle", I, 0, MAX_SEED),
     "data.num_threads": F(2, "record-loading threads per process", I, 1, 256),
     "data.prefetch": F(4, "batches loaded ahead of the step (0: load on demand)", I, 0, 1024),
     "data.skip_invalid": F(False, "count, report and skip invalid records instead of stopping",
@@ -219,16 +238,17 @@ FIELDS: dict[str, Field] = {
     "data.valid_split": F("valid", "held-out split for periodic validation ('' or absent in the "
                           "data: none)", S),
     # ---- train
-    "train.steps": F(300, "total training steps (--steps overrides; train.epochs replaces)", I, 0),
+    "train.steps": F(300, "total training steps (--steps overrides; train.epochs replaces)", I, 0,
+                     MAX_STEPS),
     "train.epochs": F(0.0, "> 0: passes over the train split, replacing train.steps", N, 0),
     "train.validate_every": F(0, "steps between validations; 0 = once per epoch; -1 = never", I,
                               -1),
     "train.keep_best": F(False, "keep the params of the best validation NE in <workdir>/best "
                          "(eval.py --best)", B),
     "train.best_task": F("", "task whose validation NE picks the best ('' = mean over tasks)", S),
-    "train.schedule_steps": F(0, "length of the LR schedule (0: train.steps)", I, 0),
+    "train.schedule_steps": F(0, "length of the LR schedule (0: train.steps)", I, 0, MAX_STEPS),
     "train.lr": F(2e-3, "AdamW peak learning rate (dense parameters)", N, 0),
-    "train.warmup_steps": F(50, "linear LR warm-up steps", I, 0),
+    "train.warmup_steps": F(50, "linear LR warm-up steps", I, 0, MAX_STEPS),
     "train.schedule": F("cosine", "LR schedule after warm-up", C, choices=("cosine", "constant")),
     "train.weight_decay": F(1e-5, "AdamW weight decay (matrices only)", N, 0),
     "train.b1": F(0.9, "AdamW first-moment decay", N, 0, 1, open_hi=True),
@@ -324,6 +344,9 @@ FIELDS: dict[str, Field] = {
     "model.interformer.n_cls": F(4, "InterFormer: CLS tokens (X_sum tokens)", I, 1),
     "model.interformer.n_recent": F(2, "InterFormer: recent tokens in S_sum", I, 0),
 }
+# every model integer (a width, count or length) becomes an allocation: at most MAX_SIZE
+FIELDS.update({p: dataclasses.replace(f, hi=MAX_SIZE) for p, f in FIELDS.items()
+               if p.startswith("model.") and f.kind in (I, "ints") and f.hi is None})
 SECTIONS = ("seed", "data", "train", "sharding", "transfer", "model")   # --show_config order
 
 
@@ -371,5 +394,6 @@ def check_value(path: str, value, why: str = "") -> None:
     shown = " ".join(repr(value).split())
     if len(shown) > 80:
       shown = shown[:77] + "..."
+    why = why or f.reason(value)
     raise SettingsError(f"config.{path} = {shown}: allowed {f.allowed()}"
                         + (f" ({why})" if why else ""))

@@ -116,10 +116,13 @@ def setup(config, workdir: str, *, mesh: str, dcn_mesh: str | None = None,
   blocks = runtime.local_blocks(mesh_, rules) * int(config.train.get("microbatches", 1))
   capacity = runtime.jagged_capacity(config.data, data_dir, config.data.train_split,
                                      model_config.seq_lens(config), jax.process_count(), blocks)
-  ds = pipeline.make_dataset(config.data, data_dir, config.data.train_split,
-                             model_config.seq_lens(config), train=True,
-                             shard_index=jax.process_index(), shard_count=jax.process_count(),
-                             jagged_capacity=capacity, jagged_shards=blocks)
+  try:
+    ds = pipeline.make_dataset(config.data, data_dir, config.data.train_split,
+                               model_config.seq_lens(config), train=True,
+                               shard_index=jax.process_index(), shard_count=jax.process_count(),
+                               jagged_capacity=capacity, jagged_shards=blocks)
+  except (ValueError, FileNotFoundError) as e:       # as eval_setup: one line, no traceback
+    startup.fail(f"config.data.train_split={config.data.train_split!r} in {data_dir}: {e}")
   example = next(iter(ds))           # shapes only; the training iterator starts fresh below
   data_iter = iter(ds)
   init_rng, train_rng = jax.random.split(jax.random.key(config.seed))

@@ -234,18 +234,15 @@ def jagged_capacity(data_cfg, data_dir: str, split: str, seq_lens: dict[str, int
     except ValueError as e:
       fail(f"data.jagged_capacity with {blocks} packed blocks per process (its batch x context "
            f"shards): {e}")
-  if buckets != 1 and value:
+  if buckets != 1:
     if value != "auto":
       fail(f"data.jagged_buckets = {buckets} needs data.jagged_capacity=auto (it sets the "
-           "buckets' capacities)")
+           f"buckets' capacities; data.jagged_capacity = {value or ''!r})")
     if shard_count > 1:
       fail(f"data.jagged_buckets = {buckets} runs on one process only: every process would pick "
            "its own bucket, and all must run the same program")
   if value != "auto":
-    bad = {s: n for s, n in (value or {}).items() if n % (64 * blocks)}
-    if bad:
-      fail(f"data.jagged_capacity {bad}: N must be a multiple of 64 x the {blocks} blocks of a "
-           "process (its batch x context shards; 64 tokens a block)")
+    _check_fixed_capacity(value or {}, seq_lens, B, blocks)
     return value
   ds = pipeline.make_dataset(data_cfg, data_dir, split, seq_lens, train=False, shard_index=0,
                              shard_count=1)
@@ -260,6 +257,28 @@ def jagged_capacity(data_cfg, data_dir: str, split: str, seq_lens: dict[str, int
     fail(f"data.jagged_capacity=auto: split {split!r} in {data_dir} has no examples")
   return capacity_from_lengths({s: np.concatenate(v) for s, v in lens.items()}, B, blocks,
                                buckets)
+
+
+def _check_fixed_capacity(value: dict, seq_lens: dict[str, int], B: int, blocks: int) -> None:
+  """A fixed ``data.jagged_capacity`` {stream: N}: streams of the data, N a multiple of 64 x
+  ``blocks`` and no more than a process batch of ``B`` examples can hold (each block's
+  ``B / blocks`` examples x the stream's kept length, rounded up to 64); FatalErrors."""
+  unknown = sorted(set(value) - set(seq_lens))
+  if unknown:
+    fail(f"data.jagged_capacity: unknown stream(s) {unknown}; the data's streams are "
+         f"{sorted(seq_lens)}")
+  bad = {s: n for s, n in value.items() if n % (64 * blocks)}
+  if bad:
+    fail(f"data.jagged_capacity {bad}: N must be a multiple of 64 x the {blocks} blocks of a "
+         "process (its batch x context shards; 64 tokens a block)")
+  for s, n in value.items():
+    T = int(seq_lens[s])
+    most = blocks * -(-(B // blocks) * T // 64) * 64
+    if n > most:
+      fail(f"data.jagged_capacity {s}={n}: more tokens than a process batch holds ({B} examples "
+           f"x kept_len {T} = {B * T}); at most {most}"
+           + (f" ({blocks} blocks of {B // blocks} examples, each rounded up to 64)"
+              if blocks > 1 else ""))
 
 
 def capacity_from_lengths(lens: dict, batch_size: int, shards: int = 1, buckets: int = 1

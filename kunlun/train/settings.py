@@ -75,14 +75,22 @@ def check(config) -> None:
   if batch % mb:
     raise SettingsError(f"config.train.microbatches = {mb}: allowed a divisor of "
                         f"config.data.batch_size = {batch}")
+  packed, arch = got["data.jagged_capacity"], got["model.arch"]
+  if fields.parse_capacity(packed) and arch not in fields.PACKED_ARCHS:
+    raise SettingsError(f"config.data.jagged_capacity = {packed!r}: packed towers run only with "
+                        f"config.model.arch in {fields.PACKED_ARCHS}, got {arch!r} (set "
+                        "config.data.jagged_capacity='' for padded towers)")
   if transfer is not None:
     parse_transfer(config)
 
 
-def check_flag(name: str, value, lo: int, allowed: str | None = None) -> None:
-  """An integer command-line flag given (not None) must be >= ``lo``."""
-  if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < lo):
-    raise SettingsError(f"--{name}={value}: allowed {allowed or f'an integer >= {lo}'}")
+def check_flag(name: str, value, lo: int, allowed: str | None = None, hi: int | None = None
+               ) -> None:
+  """An integer command-line flag given (not None) must lie in [``lo``, ``hi``]."""
+  if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < lo
+                            or (hi is not None and value > hi)):
+    raise SettingsError(f"--{name}={value}: allowed "
+                        f"{allowed or f'an integer {fields.range_text(lo, hi)}'}")
 
 
 # ---- --show_config ---------------------------------------------------------------------------

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging as std_logging
 import os
 import re
+import signal
 import sys
 import traceback
 
@@ -29,10 +30,13 @@ def run_main(prog: str, fn, *args):
   """Runs ``fn(*args)``; a ``FatalError`` or a data error naming a file (``data.shards.DataError``:
   damaged shard, invalid record) exits with status 2 and one line ``<prog>: error: <msg>`` on
   stderr; so does a runtime error of a multi-process run (a lost peer, ``lost_peer_message``),
-  at once, without the atexit shutdown."""
+  at once, without the atexit shutdown. Ctrl-C (``KeyboardInterrupt``: set-up, compilation,
+  eval.py) is one line and status 130 (``interrupted``)."""
   quiet_checkpoint_logs()
   try:
     return fn(*args)
+  except KeyboardInterrupt:          # Ctrl-C before the train loop's stop handler, or in eval.py
+    interrupted(prog)
   except (FatalError, DataError) as e:
     msg = " ".join(str(e).split("\n"))
     if hasattr(e, "kind"):                       # an invalid record or a damaged chunk
@@ -46,6 +50,17 @@ def run_main(prog: str, fn, *args):
     print(f"{prog}: error: {lost_peer_message(e)}", file=sys.stderr, flush=True)
     # skip atexit: jax.distributed's shutdown would wait on the dead peer and dump a C++ stack
     os._exit(2)
+
+
+def interrupted(prog: str):
+  """Ctrl-C (SIGINT) outside the train loop: one line ``<prog>: interrupted (Ctrl-C)`` on stderr and
+  status 130, at once (``os._exit``: the data loader's and orbax's threads are not waited for;
+  the ``finally`` blocks on the way here released the workdir lock, and outputs are written
+  atomically, so nothing partial is left at their paths)."""
+  signal.signal(signal.SIGINT, signal.SIG_IGN)   # a second Ctrl-C cannot cut the line short
+  sys.stdout.flush()
+  print(f"{prog}: interrupted (Ctrl-C)", file=sys.stderr, flush=True)
+  os._exit(130)
 
 
 def lost_peer_message(e: BaseException) -> str:
@@ -119,7 +134,9 @@ def check_settings(config, steps_flag=None, where: str = "") -> None:
   """``kunlun.train.settings.check`` (and ``--steps``) as a one-line FatalError; ``where``
   prefixes the message (e.g. the run_info.json a config was loaded from)."""
   try:
-    settings.check_flag("steps", steps_flag, 0, "an integer >= 0 (training steps)")
+    steps = settings.FIELDS["train.steps"]
+    settings.check_flag("steps", steps_flag, steps.lo, f"{steps.allowed()} (training steps)",
+                        steps.hi)
     settings.check(config)
   except settings.SettingsError as e:
     fail(f"{where}: {e}" if where else str(e))

@@ -41,7 +41,9 @@ def test_auto_capacity_buckets(capsys):
   assert list(got) == want and want[0] < want[-1]
   assert "in 3 buckets" in capsys.readouterr().out
   for cfg, count, words in [(dict(jagged_capacity="click=256", jagged_buckets=2), 1,
-                             "needs data.jagged_capacity=auto"),
+                             "data.jagged_buckets = 2 needs data.jagged_capacity=auto"),
+                            (dict(jagged_capacity="", jagged_buckets=3), 1,   # without packing
+                             "data.jagged_buckets = 3 needs data.jagged_capacity=auto"),
                             (dict(jagged_capacity="auto", jagged_buckets=2), 2, "one process")]:
     c = ml_collections.ConfigDict(dict(batch_size=64, **cfg))
     with pytest.raises(FatalError, match=words) as e:
@@ -57,3 +59,34 @@ def test_capacity_shard_errors(batch_size, value, shards, words):
   with pytest.raises(FatalError, match=words) as e:
     runtime.jagged_capacity(cfg, "unused", "train", {"click": 8}, 1, shards)
   assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("value,kept,shards,ok,words", [
+    ("views=64", 8, 1, False, "data.jagged_capacity: unknown stream(s) ['views']; the data's "
+                              "streams are ['click', 'impression']"),
+    # hand-written bounds: a process batch of 64 examples x 8 kept events holds 512 tokens
+    ("click=512", 8, 1, True, ""),
+    ("click=576", 8, 1, False, "data.jagged_capacity click=576: more tokens than a process batch "
+                               "holds (64 examples x kept_len 8 = 512); at most 512"),
+    ("click=576", 9, 1, True, ""),                # 576 tokens: a multiple of 64 already
+    ("click=640", 9, 1, False, "at most 576"),
+    ("click=448", 7, 1, True, ""),
+    ("click=512", 7, 1, False, "at most 448"),
+    ("click=512", 8, 2, True, ""),                # 2 blocks of 32 x 8 = 256 tokens
+    ("click=640", 8, 2, False, "at most 512"),
+    ("click=384", 5, 2, True, ""),                # 2 blocks of 32 x 5 = 160 -> 192 tokens
+    ("click=512", 5, 2, False, "at most 384"),
+    ("click=1099511627776", 8, 1, False, "at most 512")])
+def test_fixed_capacity_streams_and_upper_bound(value, kept, shards, ok, words):
+  """A fixed ``data.jagged_capacity`` names streams of the data and asks for no more tokens than
+  a process batch can hold, per block rounded up to 64 (before: an unknown stream was a
+  traceback in train.py's set-up, and 2**40 tokens an allocation)."""
+  cfg = ml_collections.ConfigDict(dict(batch_size=64, jagged_capacity=value))
+  lens = {"click": kept, "impression": 8}
+  if ok:
+    assert runtime.jagged_capacity(cfg, "unused", "train", lens, 1, shards) == {
+        "click": int(value.split("=")[1])}
+    return
+  with pytest.raises(FatalError) as e:
+    runtime.jagged_capacity(cfg, "unused", "train", lens, 1, shards)
+  assert words in str(e.value) and "\n" not in str(e.value), str(e.value)

@@ -5,6 +5,8 @@ allowed; a run_info.json with a bad config fails in one line when loaded (issue 
 import importlib
 import json
 
+import grain
+import jax
 import pytest
 
 from kunlun.configs import tiny
@@ -54,7 +56,7 @@ def _set(c, path, value):
 # (field, bad value, text the error must contain): the issue's cases first
 BAD = [
     ("train.keep_checkpoints", 0, "config.train.keep_checkpoints = 0: allowed an integer >= 1"),
-    ("train.steps", -1, "config.train.steps = -1: allowed an integer >= 0"),
+    ("train.steps", -1, "config.train.steps = -1: allowed an integer in [0, 2147483647]"),
     ("train.checkpoint_every", 0, "config.train.checkpoint_every = 0: allowed an integer >= 1"),
     ("train.log_every", 0, "config.train.log_every = 0: allowed an integer >= 1"),
     ("data.batch_size", 0, "config.data.batch_size = 0: allowed an integer in [1, 1048576]"),
@@ -80,6 +82,19 @@ BAD = [
     ("data.surface_weights", {"feed": -1.0}, "config.data.surface_weights = {'feed': -1.0}"),
     ("sharding.rules", "zero3", "config.sharding.rules = 'zero3': allowed one of ('dp', 'fsdp'"),
     ("seed", 1.5, "config.seed = 1.5: allowed an integer"),
+    # upper bounds (issue 39, 10): seeds, steps, and the model sizes that become allocations
+    ("seed", 2**70, "config.seed = 1180591620717411303424: allowed an integer in [0, "
+                    "4294967295]"),
+    ("seed", -1, "config.seed = -1: allowed an integer in [0, 4294967295]"),
+    ("data.shuffle_seed", 2**32, "config.data.shuffle_seed = 4294967296: allowed an integer in "
+                                 "[0, 4294967295]"),
+    ("train.steps", 2**31, "config.train.steps = 2147483648: allowed an integer in [0, "
+                           "2147483647]"),
+    ("model.d_ns", 10**10, "config.model.d_ns = 10000000000: allowed an integer in [1, 65536]"),
+    ("model.towers.click.width", 2**17, "config.model.towers.click.width = 131072: allowed an "
+                                        "integer in [1, 65536]"),
+    ("model.heads.top_mlp", (64, 10**9), "config.model.heads.top_mlp = (64, 1000000000): allowed "
+                                         "a tuple of integers in [1, 65536]"),
     ("train.microbatches", 3, "config.train.microbatches = 3: allowed a divisor of "
                               "config.data.batch_size = 64"),
 ]
@@ -157,3 +172,62 @@ def test_jagged_capacity_values(value, ok):
     settings.check(c)
   msg = str(e.value)
   assert "\n" not in msg and msg.startswith("config.data.jagged_capacity = ") and "64" in msg
+
+
+def test_seed_bound_is_what_grain_and_jax_take():
+  """Hand-written boundary: 2**32 - 1 is the largest seed; grain refuses 2**32 and jax's key
+  drops the high bits (key(2**32) is key(0): another seed, the same run)."""
+  c = tiny.get_config()
+  for path in ("seed", "data.shuffle_seed"):
+    _set(c, path, 2**32 - 1)
+    settings.check(c)
+  grain.MapDataset.range(4).shuffle(seed=2**32 - 1)
+  with pytest.raises(ValueError):
+    grain.MapDataset.range(4).shuffle(seed=2**32)
+  same = jax.random.key_data(jax.random.key(2**32)) == jax.random.key_data(jax.random.key(0))
+  assert bool(same.all())
+  for path in ("seed", "data.shuffle_seed", "data.synthetic_seed"):
+    c = tiny.get_config()
+    _set(c, path, 2**32)
+    with pytest.raises(settings.SettingsError, match=f"config.{path} = 4294967296"):
+      settings.check(c)
+
+
+@pytest.mark.parametrize("fields,ok,want", [
+    ({"data.jagged_capacity": "auto", "model.arch": "dlrm"}, False,
+     "config.data.jagged_capacity = 'auto': packed towers run only with config.model.arch in "
+     "('kunlun', 'kunlun_ablated'), got 'dlrm'"),
+    ({"data.jagged_capacity": "click=256", "model.arch": "interformer"}, False,
+     "got 'interformer'"),
+    ({"data.jagged_capacity": "auto", "model.arch": "kunlun_ablated"}, True, ""),
+    ({"data.jagged_capacity": "", "model.arch": "dlrm"}, True, ""),
+])
+def test_packed_towers_need_an_architecture_that_has_them(fields, ok, want):
+  """Packed towers with an architecture that has none (before: a broadcasting error, or a
+  traceback after the length sample) are refused by the settings check, before any work."""
+  c = tiny.get_config()
+  for path, value in fields.items():
+    _set(c, path, value)
+  if ok:
+    settings.check(c)
+    return
+  with pytest.raises(settings.SettingsError) as e:
+    settings.check(c)
+  msg = str(e.value)
+  assert want in msg and "\n" not in msg, msg
+
+
+def test_jagged_capacity_refuses_a_stream_given_twice():
+  c = tiny.get_config()
+  c.data.jagged_capacity = "click=64,impression=64,click=1024"
+  with pytest.raises(settings.SettingsError) as e:
+    settings.check(c)
+  msg = str(e.value)
+  assert "\n" not in msg and "'click' given twice" in msg, msg
+
+
+def test_steps_flag_upper_bound():
+  startup.check_settings(tiny.get_config(), steps_flag=2**31 - 1)
+  with pytest.raises(startup.FatalError, match=r"--steps=2147483648: allowed an integer in "
+                                               r"\[0, 2147483647\]"):
+    startup.check_settings(tiny.get_config(), steps_flag=2**31)
