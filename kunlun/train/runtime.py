@@ -14,7 +14,7 @@ import jax
 import numpy as np
 
 from data import jagged, pipeline
-from kunlun.configs.fields import parse_capacity
+from kunlun.configs.fields import MAX_BATCH, parse_capacity
 from kunlun.train.startup import FatalError, check_settings, fail
 from sharding import partition
 from sharding.packed import blocks_per_batch_shard
@@ -99,7 +99,12 @@ def get_rules(name: str):
 
 
 def check_batch_size(batch_size: int, mesh, rules, what: str) -> None:
+  """``batch_size`` at most ``MAX_BATCH`` and a multiple of the mesh's batch shards and of the
+  processes (one-line FatalError naming ``what``)."""
   from sharding.partition import batch_shard_count
+  if batch_size > MAX_BATCH:
+    fail(f"{what}={batch_size}: allowed at most {MAX_BATCH} (a larger batch does not fit in host "
+         "memory)")
   n = batch_shard_count(mesh, rules)
   procs = jax.process_count()
   if batch_size % n or batch_size % procs:

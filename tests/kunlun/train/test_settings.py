@@ -11,6 +11,7 @@ import pytest
 
 from kunlun.configs import tiny
 from kunlun.train import runtime, settings, startup
+from sharding import mesh as M
 
 PRESETS = ("tiny", "demo", "dev", "mid", "large", "vm_tiny", "vm_dev")
 
@@ -231,3 +232,15 @@ def test_steps_flag_upper_bound():
   with pytest.raises(startup.FatalError, match=r"--steps=2147483648: allowed an integer in "
                                                r"\[0, 2147483647\]"):
     startup.check_settings(tiny.get_config(), steps_flag=2**31)
+
+
+def test_batch_size_flags_upper_bound():
+  """eval.py's and the FM export's ``--batch_size`` (``runtime.check_batch_size``) are bounded
+  as ``data.batch_size`` is (before: 2**40 passed, and the padded batch was an allocation)."""
+  mesh = M.make_mesh({"fsdp": 1}, devices=jax.devices()[:1])
+  rules = runtime.get_rules("fsdp")
+  runtime.check_batch_size(2**20, mesh, rules, "--batch_size")
+  with pytest.raises(startup.FatalError) as e:
+    runtime.check_batch_size(2**40, mesh, rules, "--batch_size")
+  msg = str(e.value)
+  assert "--batch_size=1099511627776: allowed at most 1048576" in msg and "\n" not in msg, msg
