@@ -41,7 +41,7 @@ from bench.output import result_path, write_json  # noqa: E402
 RENAME = ("request_ts=time,user_id=user,ad_id=ad,surface=tab,label.click=click,label.conv=conv,"
           "dense.bid=bid,sparse.category=category")
 HISTORY = ["--history", "click=label.click,impression=all", "--history_len", "64",
-           "--history_stats", "--split", "time:0.8,0.1,0.1"]
+           "--history_stats", "--label_delay", "conv=1d", "--split", "time:0.8,0.1,0.1"]
 CHUNK = 1_000_000
 
 

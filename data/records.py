@@ -63,6 +63,8 @@ INGEST_RECORDS_PER_CHUNK = 8    # data.ingest's default: the writer's cost is pe
 # it at 8: bench/results/ingest.json), a random read of an uncompressed 8-record chunk costs no
 # more than of a 1-record one, and a damaged chunk makes its 8 records unreadable (reported as
 # their range, data.shards)
+MAX_RECORDS_PER_CHUNK = 1024   # a random read decodes its whole chunk: beyond this, one read
+# of a record holds a thousand others in memory
 EVENT_COLUMNS = ("item", "action", "surface", "ts")   # then the stream's extra fields
 
 
@@ -354,6 +356,40 @@ def load_manifest(data_dir: str, fmt: str = FORMAT,
   if m.get("format") != fmt:
     raise ValueError(f"{path}: format {m.get('format')!r}, expected {fmt!r}")
   return m
+
+
+def label_delay_note(data_dir: str) -> str:
+  """One line for train.py's start-up: the label delays the dataset's built histories and
+  statistics were made with (``ingest.json``, written by data.ingest), or why there are none."""
+  if os.path.exists(os.path.join(data_dir, "synthetic.json")):
+    return ("data: label delays: none needed (synthetic data: its event streams are drawn apart "
+            "from the labelled requests)")
+  path = os.path.join(data_dir, "ingest.json")
+  if not os.path.exists(path):
+    return f"data: label delays: unknown (no ingest.json in {data_dir}: not written by data.ingest)"
+  try:
+    with open(path) as f:
+      report = json.load(f)
+  except (OSError, ValueError) as e:
+    return f"data: label delays: unknown ({path} unreadable: {e})"
+  if "label_delays" not in report:
+    return (f"data: label delays: not recorded ({path} predates them; ingest again to record "
+            "them)")
+  delays = report["label_delays"]
+  if delays is None:
+    return ("data: label delays: none applied (no built histories: the event streams came with "
+            "the log)")
+  return "data: label delays (ingest.json): " + ", ".join(
+      f"{t} {show_duration(int(d))}" for t, d in delays.items())
+
+
+def show_duration(seconds: int) -> str:
+  """A label delay in words: ``immediate`` or the largest whole unit (``1d``, ``2h``, ``5m``,
+  ``90s``; data.ingest.infer.duration reads them back)."""
+  for unit, n in (("d", 86_400), ("h", 3600), ("m", 60), ("s", 1)):
+    if seconds and seconds % n == 0:
+      return f"{seconds // n}{unit}"
+  return "immediate"
 
 
 def split_entries(data_dir: str, split: str, schema: Schema, check: bool = True) -> dict:

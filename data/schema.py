@@ -61,16 +61,34 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import numbers
 import os
 import re
 from typing import Any
 
 NULL_ID, OOV_ID, FIRST_ID = 0, 1, 2   # exact-vocabulary ids: null, out of vocabulary, vocab[0]
 
+# Upper bounds of the schema's sizes, checked whenever a schema is made (loaded, inferred by
+# data.ingest): each becomes an allocation, so a larger number is an edit gone wrong, refused in
+# one line rather than met as an out-of-memory traceback. MAX_VOCAB_SIZE: rows of one embedding
+# table (vocab_size, item_vocab, action_vocab, an event field's vocab_size): 2**27 = 134M rows,
+# 32 GiB at dim 64 in f32 to shard over the mesh, 32x data.ingest's largest hashed table; ids
+# stay well inside int32. MAX_LEN: ids of a sparse feature and events of a stream per example
+# (a batch holds [B, max_len] of each).
+MAX_VOCAB_SIZE = 1 << 27
+MAX_LEN = 1 << 16
+
 # A name from the data (surface, task, stream, feature, event field) becomes part of file names
 # (shards, plots) and queries: a letter, digit or _ first, then letters, digits, _ . + -
 # (Unicode letters allowed), at most 100 characters; never a path.
 _SAFE_NAME = re.compile(r"\w[\w.+\-]{0,99}")
+
+
+def check_size(value, where: str, hi: int) -> int:
+  """``value`` if it is an integer in ``[1, hi]``, else a one-line ``ValueError`` naming it."""
+  if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not 1 <= value <= hi:
+    raise ValueError(f"{where} = {value!r} must be an integer in [1, {hi}]")
+  return int(value)
 
 
 def check_name(name, where: str) -> str:
@@ -147,16 +165,21 @@ class Schema:
       raise ValueError(f"schema.surfaces must be unique and non-empty, got {self.surfaces}")
     if not self.tasks:
       raise ValueError("schema.tasks must be non-empty")
+    if not self.sparse and not self.dense:
+      raise ValueError("schema: no sparse or dense feature; the model's context encoder needs "
+                       "at least one")
     for f in self.sparse:
-      if f.vocab_size <= 0 or f.max_len <= 0:
-        raise ValueError(f"schema.sparse[{f.name}]: vocab_size and max_len must be > 0")
+      check_size(f.vocab_size, f"schema.sparse[{f.name}].vocab_size", MAX_VOCAB_SIZE)
+      check_size(f.max_len, f"schema.sparse[{f.name}].max_len", MAX_LEN)
       if f.vocab is not None and (f.hashed or f.vocab_size != len(f.vocab) + 2
                                   or len(set(f.vocab)) != len(f.vocab)):
         raise ValueError(f"schema.sparse[{f.name}]: a vocab needs hashed: false, distinct values "
                          "and vocab_size = len(vocab) + 2 (null and out-of-vocabulary ids)")
     for s in self.streams:
-      if s.max_len <= 0 or s.item_vocab <= 0 or s.action_vocab <= 0:
-        raise ValueError(f"schema.streams[{s.name}]: max_len/item_vocab/action_vocab must be > 0")
+      check_size(s.max_len, f"schema.streams[{s.name}].max_len", MAX_LEN)
+      for k, v in [("item_vocab", s.item_vocab), ("action_vocab", s.action_vocab)] + [
+          (f"extra_fields[{e.name}].vocab_size", e.vocab_size) for e in s.extra_fields]:
+        check_size(v, f"schema.streams[{s.name}].{k}", MAX_VOCAB_SIZE)
 
   @property
   def task_names(self) -> tuple[str, ...]:

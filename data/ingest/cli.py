@@ -100,7 +100,8 @@ def main(argv=None) -> int:
                  help="add earlier-count / positive-rate dense features per user and ad")
   p.add_argument("--label_delay", help="task=duration,... how long after its event a label "
                  "becomes visible to later requests in built histories and --history_stats "
-                 "(e.g. click=0s,conversion=1d; default: 1d for conversion-like tasks, else 0)")
+                 "(e.g. click=immediate,cvr=1d; at most 365d). Every task of a built history "
+                 "needs one; only click (immediate) and conversion (1d) have a default")
   p.add_argument("--history_action", help="integer column used as the event action "
                  "(default: the row's labels as bits)")
   p.add_argument("--allow_overlap", action="store_true",

@@ -17,7 +17,7 @@ from data import records
 from data.ingest.beam import BeamRunner
 from data.ingest.coerce import INT32_MAX, CoerceError, Coercions
 from data.ingest.engine import ROWS_PER_BUCKET, EngineRunner
-from data.ingest.infer import Spec, propose, role, schema_from
+from data.ingest.infer import Spec, label_delays, propose, role, schema_from
 from data.ingest.layout import canonical
 from data.ingest.memory import MemoryRunner
 from data.ingest.output import check_out, clear_stale, publish, staging_dir
@@ -56,6 +56,9 @@ def run(sources: dict, out_dir: str, spec: Spec, *, split: str = "time:0.8,0.1,0
   check_memory_limit(memory_limit, "--memory_limit")
   if workers is not None:
     check_workers(workers, "--workers")
+  if records_per_chunk is not None and not 1 <= records_per_chunk <= records.MAX_RECORDS_PER_CHUNK:
+    raise ValueError(f"--records_per_chunk={records_per_chunk} must be in "
+                     f"[1, {records.MAX_RECORDS_PER_CHUNK}] (a random read decodes its chunk)")
   _check_distinct(sources)
   out_dir = os.path.realpath(out_dir)        # a link at --out stays; its target is written
   check_out(out_dir, sources, overwrite, yes, write_schema)
@@ -131,6 +134,7 @@ def _run(sources, out_dir, tmp, spec, *, split, yes, write_schema, records_per_s
       "inputs": names, "engine": engine, "spec": full.to_dict(), "cpu_s": cpu,
       "split": ({"kind": "explicit"} if explicit else
                 {"kind": kind, "values": list(vals), "t1": t1, "t2": t2}),
+      "label_delays": (label_delays(full.history, schema.task_names) if full.history else None),
       "coercions": log.lines(), "unknown_columns": sorted(scan.unknown),
       "encodings": enc,
       "counts": counts,
@@ -216,10 +220,22 @@ def _propose(scan, sources, spec, log, runner, say, warn):
       raise ValueError(f"--history builds the event streams, but the log also has {ev}")
     base, _, _ = propose(scan.stats, scan.surfaces, scan.order, spec)
     tasks = [t["name"] for t in base["tasks"]]
+    delays = label_delays(spec.history, tasks)        # refused when one is not known
+    stated = spec.history.get("label_delay") or {}
+    say("label delays: " + ", ".join(
+        f"{t} {records.show_duration(d)} ({'stated' if t in stated else 'default of the name'})"
+        for t, d in delays.items()) + " (a row's label reaches later rows' histories and "
+        "statistics this long after its event)")
+    spec = Spec(**{**spec.to_dict(), "history": {**spec.history, "label_delay": {
+        t: records.show_duration(d) for t, d in delays.items()}}})
     hs, extra = runner.history(scan, base["surfaces"], tasks, log,
                                sum(s.counted for ss in sources.values() for s in ss))
     scan.order += extra
   proposal, hashed_events, notes = propose(scan.stats, scan.surfaces, scan.order, spec, hs)
+  if not proposal["sparse"] and not proposal["dense"]:
+    raise ValueError("no sparse or dense feature: the model needs at least one context feature; "
+                     "name columns sparse.<f> / dense.<f> (--rename), or pass --ids_as_features "
+                     "(or --history_stats with --history)")
   schema = schema_from(proposal, "proposed schema" if len(spec.schema) < 5 else "--schema")
   full = Spec(**{**spec.to_dict(), "schema": proposal, "hashed_events": hashed_events})
   shown = set(log.lines())

@@ -13,7 +13,7 @@ import re
 import numpy as np
 
 from data.ingest.vocab import VOCAB_CAP
-from data.schema import Schema
+from data.schema import MAX_LEN, Schema
 
 KEYS = ("surface", "request_ts", "user_id", "ad_id")
 PREFIXES = ("dense", "sparse", "label", "true_prob")
@@ -21,38 +21,55 @@ TS_UNITS = ("s", "ms", "us")
 SECTIONS = ("sparse", "dense", "streams", "surfaces", "tasks")
 MAX_VOCAB = 1 << 22          # larger id ranges are hashed into this many rows
 HISTORY_KEYS = ("streams", "max_len", "stats", "action", "label_delay")
-# label delays of built histories and statistics (``label_delays``): a conversion-like task
-# (name starting with conv, or holding conversion / purchase) defaults to one day, others to 0
-DEFAULT_CONVERSION_DELAY = 86_400
-_DURATION = re.compile(r"(\d+)\s*([smhd]?)")
+# Label delays of built histories and statistics (``label_delays``). Known without being stated:
+# only the exact task names of the synthetic data, whose meaning is fixed (a click is known at
+# its event; a conversion a day later); every other task needs its delay stated (--label_delay
+# task=duration, or task=immediate), since a name does not say when its label arrives (a `cvr`
+# is a conversion, a `like` is immediate, a `purchase_7d` takes a week). Durations are bounded.
+KNOWN_DELAYS = {"click": 0, "conversion": 86_400}
+MAX_DELAY_DAYS = 365
+IMMEDIATE = "immediate"
+_DURATION = re.compile(r"(\d{1,12})\s*([smhd]?)")
 _UNIT_S = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86_400}
 
 
 def duration(value, where: str) -> int:
-  """Seconds of ``value``: an integer >= 0 or text such as ``0s``, ``90``, ``5m``, ``2h``,
-  ``1d``; else a one-line ValueError naming ``where``."""
+  """Seconds of ``value``: an integer >= 0 or text such as ``immediate``, ``0s``, ``90``, ``5m``,
+  ``2h``, ``1d``, at most ``MAX_DELAY_DAYS``; else a one-line ValueError naming ``where``."""
+  s = None
   if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
-    return value
-  m = _DURATION.fullmatch(value.strip()) if isinstance(value, str) else None
-  if m is None:
-    raise ValueError(f"{where}={value!r}: expected a duration such as 0s, 90, 5m, 2h or 1d")
-  return int(m.group(1)) * _UNIT_S[m.group(2)]
+    s = value
+  elif isinstance(value, str) and value.strip() == IMMEDIATE:
+    s = 0
+  elif isinstance(value, str) and (m := _DURATION.fullmatch(value.strip())):
+    s = int(m.group(1)) * _UNIT_S[m.group(2)]
+  if s is None or s > MAX_DELAY_DAYS * 86_400:
+    raise ValueError(f"{where}={value!r}: expected a duration from 0s ({IMMEDIATE}) to "
+                     f"{MAX_DELAY_DAYS}d, such as 90, 5m, 2h or 1d")
+  return s
 
 
 def label_delays(history: dict, tasks) -> dict[str, int]:
   """Per task, the seconds after its event a label becomes visible to later requests (built
   histories and ``--history_stats``): a request at ``r`` sees the label of an event at ``e``
-  when ``e + delay < r`` (0: strictly earlier). ``history["label_delay"]`` overrides the
-  defaults (``DEFAULT_CONVERSION_DELAY`` for conversion-like tasks, else 0)."""
+  when ``e + delay < r`` (0: strictly earlier). ``history["label_delay"]`` states them; a task
+  it does not name gets ``KNOWN_DELAYS``, else a one-line ValueError asking for it."""
   given = history.get("label_delay") or {}
   bad = sorted(set(given) - set(tasks))
   if bad:
     raise ValueError(f"--label_delay / history.label_delay: no task(s) {bad}; the tasks are "
                      f"{list(tasks)}")
-  conv = lambda t: t.lower().startswith("conv") or any(w in t.lower()
-                                                      for w in ("conversion", "purchase"))
-  return {t: duration(given[t], f"--label_delay {t}") if t in given else
-          (DEFAULT_CONVERSION_DELAY if conv(t) else 0) for t in tasks}
+  unknown = [t for t in tasks if t not in given and t not in KNOWN_DELAYS]
+  if unknown:
+    ask = ",".join(f"{t}=<duration>" for t in unknown)
+    raise ValueError(f"the label delay of task(s) {', '.join(map(repr, unknown))} is unknown "
+                     "(built histories and statistics would show a label before it is known): "
+                     f"state it with --label_delay {ask} (e.g. 1d, or {IMMEDIATE} for a label "
+                     "known at its event; or history.label_delay in the spec file)")
+  return {t: duration(given[t], f"--label_delay {t}") if t in given else KNOWN_DELAYS[t]
+          for t in tasks}
+
+
 VOCAB_CHOICES = ("exact", "hash")
 
 
@@ -157,8 +174,8 @@ class Spec:
       for t, v in ld.items():
         duration(v, f"--label_delay {t}")
       ml = h.get("max_len", 50)
-      if isinstance(ml, bool) or not isinstance(ml, int) or ml < 1:
-        raise ValueError(f"{where}: history.max_len={ml!r} must be an integer >= 1")
+      if isinstance(ml, bool) or not isinstance(ml, int) or not 1 <= ml <= MAX_LEN:
+        raise ValueError(f"{where}: history.max_len={ml!r} must be an integer in [1, {MAX_LEN}]")
 
   def to_dict(self) -> dict:
     return dataclasses.asdict(self)

@@ -13,7 +13,7 @@ import sys
 
 import jax
 
-from data import pipeline
+from data import pipeline, records
 from data.shards import DataError
 from kunlun.configs import types as model_config
 from kunlun.models.flops import FlopMeter
@@ -104,6 +104,7 @@ def setup(config, workdir: str, *, mesh: str, dcn_mesh: str | None = None,
     startup.fail(f"config.train.task_weights={task_w} needs one weight per task "
                  f"{schema.task_names}")
   runtime.check_data_files(data_dir, config.data.train_split)
+  print(records.label_delay_note(data_dir), flush=True)   # what the histories' labels waited
   plan = evaluation.plan(config, schema, data_dir, steps_flag)   # surfaces, epochs, validation
   model = runtime.fit_and_build_model(config, schema)
   ckpt = checkpoint.Checkpointer(os.path.join(workdir, "checkpoints"),

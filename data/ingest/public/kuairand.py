@@ -11,11 +11,13 @@ duration_ms,profile_stay_time,comment_stay_time,is_profile_enter,is_rand,tab``; 
 exposure logs have the same header). One example per impression:
 
 * surfaces: the app tab of the impression (``tab<k>``); tabs with fewer than
-  ``--min_surface_rows`` impressions are pooled into ``tab_other``;
+  ``--min_surface_rows`` impressions are pooled into ``tab_other``; a log with an empty tab
+  cell is refused (the row named);
 * tasks: ``click``, ``like``, ``follow`` (is_click, is_like, is_follow; every impression labelled);
 * streams (``--history``, from the same user's impressions **strictly earlier** in time, whole
   seconds): ``click`` = clicked videos, ``impression`` = all impressions; each event carries its
-  tab as surface and click | like << 1 | follow << 2 as action;
+  tab as surface and click | like << 1 | follow << 2 as action; label delays ``immediate``
+  (``spec``);
 * features known at request time: user and video ids, hour of day, is_rand (random exposure),
   video duration, earlier count / smoothed rates per user and per video, and, with
   ``--user_features``, the user profile columns (categorical ones as sparse features; the
@@ -62,6 +64,13 @@ def read_logs(paths) -> pa.Table:
     if missing:
       raise ValueError(f"{p}: not a KuaiRand log: columns {missing} missing (header "
                        f"{t.column_names})")
+    tab = t.column("tab")
+    if not pa.types.is_integer(tab.type) and tab.null_count < len(tab):
+      raise ValueError(f"{p}: tab: expected integer tab ids, got {tab.type} values")
+    if tab.null_count:
+      first = int(np.argmax(pc.is_null(tab).to_numpy(zero_copy_only=False)))
+      raise ValueError(f"{p}: {tab.null_count} row(s) with an empty tab cell (the first: data "
+                       f"row {first + 1}); every impression needs its tab, the surface")
     parts.append(t.select([c for c in LOG_COLUMNS if c in t.column_names]))
   return pa.concat_tables(parts, promote_options="permissive")
 
@@ -101,22 +110,28 @@ def table(logs: pa.Table, users: pa.Table | None = None, min_surface_rows: int =
   return pa.table(cols)
 
 
-def spec(max_len: int = 50):
-  return Spec(ids_as_features=True,
-              history={"streams": {"click": "label.click", "impression": "all"},
-                       "max_len": max_len, "stats": True, "action": None})
+def spec(max_len: int = 50) -> Spec:
+  """The recipe's spec, checked (``max_len`` bounded). Label delays: ``immediate`` for all
+  three tasks: a click, like or follow is part of the impression's own log line, and the user's
+  next impression comes after it (the feed shows one video at a time)."""
+  return Spec.from_dict({
+      "ids_as_features": True,
+      "history": {"streams": {"click": "label.click", "impression": "all"}, "max_len": max_len,
+                  "stats": True, "action": None,
+                  "label_delay": {t: "immediate" for t in TASKS}}}, "kuairand")
 
 
 def convert(paths, out_dir: str, *, user_features: str | None = None, max_len: int = 50,
             min_surface_rows: int = 1000, split: str = "time:0.8,0.1,0.1",
             overwrite: bool = False, out=None, err=None) -> dict:
+  s = spec(max_len)
   users = _read_csv(user_features) if user_features else None
   if users is not None and "user_id" not in users.column_names:
     raise ValueError(f"{user_features}: no user_id column")
   src = Source(table=table(read_logs(paths), users, min_surface_rows),
                       name=",".join(paths))
-  return run({None: [src]}, out_dir, spec(max_len), split=split, yes=True,
-                    overwrite=overwrite, out=out, err=err)
+  return run({None: [src]}, out_dir, s, split=split, yes=True, overwrite=overwrite, out=out,
+             err=err)
 
 
 def main(argv=None) -> int:

@@ -25,6 +25,7 @@ eval windows).
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 
@@ -32,12 +33,14 @@ import numpy as np
 import pyarrow as pa
 
 from data.ingest.cli import run_cli
+from data.ingest.coerce import INT32_MAX
 from data.ingest.driver import run
 from data.ingest.infer import Spec
 from data.ingest.sources import Source
 
 SURFACE = "movielens"
 FORMATS = ("u.data", "inter", "ratings.dat", "ratings.csv")
+ID_BOUND = 1 << 63            # user and movie ids are read into int64
 
 
 def detect(path: str) -> str:
@@ -82,15 +85,21 @@ def read(path: str, fmt: str | None = None) -> dict[str, np.ndarray]:
     if not line.strip():
       continue
     parts = line.split(sep)
+    row = i + (2 if fmt in ("inter", "ratings.csv") else 1)
     try:
       vals = [parts[c] for c in cols]
-      out["user"].append(int(vals[0]))
-      out["item"].append(int(vals[1]))
-      out["rating"].append(float(vals[2]))
-      out["ts"].append(int(float(vals[3])))
+      user, item, rating, ts = int(vals[0]), int(vals[1]), float(vals[2]), float(vals[3])
     except (IndexError, ValueError):
-      row = i + (2 if fmt in ("inter", "ratings.csv") else 1)
       raise ValueError(f"{path}: line {row}: expected {fmt} fields, got {line!r}") from None
+    if not math.isfinite(rating):
+      raise ValueError(f"{path}: line {row}: rating {vals[2]!r} is not a finite number")
+    if not 0 <= ts <= INT32_MAX:
+      raise ValueError(f"{path}: line {row}: timestamp {vals[3]!r} is not a unix time in seconds "
+                       f"(0 to {INT32_MAX})")
+    if not all(-ID_BOUND <= x < ID_BOUND for x in (user, item)):
+      raise ValueError(f"{path}: line {row}: ids beyond 64 bits in {line!r}")
+    for k, v in zip(out, (user, item, rating, int(ts)), strict=True):
+      out[k].append(v)
   return {"user": np.asarray(out["user"], np.int64), "item": np.asarray(out["item"], np.int64),
           "rating": np.asarray(out["rating"], np.float64), "ts": np.asarray(out["ts"], np.int64)}
 
@@ -102,19 +111,32 @@ def table(r: dict[str, np.ndarray], positive: float = 4.0) -> pa.Table:
                    "rating_x2": np.rint(2 * r["rating"]).astype(np.int64)})
 
 
-def spec(max_len: int = 50):
-  return Spec(surface=SURFACE, ids_as_features=True,
-              history={"streams": {"liked": "label.click", "rated": "all"}, "max_len": max_len,
-                       "stats": True, "action": "rating_x2"})
+def spec(max_len: int = 50) -> Spec:
+  """The recipe's spec, checked (``max_len`` bounded); a rating is known when it is given
+  (label delay ``immediate``)."""
+  return Spec.from_dict({
+      "surface": SURFACE, "ids_as_features": True,
+      "history": {"streams": {"liked": "label.click", "rated": "all"}, "max_len": max_len,
+                  "stats": True, "action": "rating_x2", "label_delay": {"click": "immediate"}}},
+      "movielens")
 
 
 def convert(path: str, out_dir: str, *, positive: float = 4.0, max_len: int = 50,
             split: str = "time:0.8,0.1,0.1", overwrite: bool = False, out=None, err=None) -> dict:
-  """Reads one MovieLens ratings file and writes the dataset; returns the ingest report."""
+  """Reads one MovieLens ratings file and writes the dataset; returns the ingest report.
+  ``positive`` must split the ratings: one that labels every rating alike is refused."""
+  s = spec(max_len)
+  if not math.isfinite(positive):
+    raise ValueError(f"--positive={positive}: not a finite rating")
   r = read(path)
+  n, liked = len(r["rating"]), int((r["rating"] >= positive).sum())
+  if n and liked in (0, n):
+    raise ValueError(f"--positive={positive} makes every label {int(liked > 0)}: the ratings of "
+                     f"{path} run from {r['rating'].min():g} to {r['rating'].max():g}; give a "
+                     "threshold above the lowest")
   src = Source(table=table(r, positive), name=path)
-  return run({None: [src]}, out_dir, spec(max_len), split=split, yes=True,
-                    overwrite=overwrite, out=out, err=err)
+  return run({None: [src]}, out_dir, s, split=split, yes=True, overwrite=overwrite, out=out,
+             err=err)
 
 
 def main(argv=None) -> int:

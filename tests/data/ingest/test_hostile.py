@@ -22,14 +22,14 @@ from data.schema import Schema
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__)))))
-RENAME = "request_ts=time,user_id=uid,ad_id=ad,label.click=click,surface=tab"
+RENAME = "request_ts=time,user_id=uid,ad_id=ad,label.click=click,surface=tab,dense.bid=bid"
 
 
 def _csv(path, n=20, t0=1_700_000_000, tab=None, step=60):
   rng = np.random.default_rng(0)
   tabs = tab if tab is not None else ["feed"] * n
-  rows = ["time,uid,ad,tab,click"] + [
-      f"{t0 + i * step},{i % 4},{10 + i % 3},{tabs[i]},{int(rng.random() < 0.5)}"
+  rows = ["time,uid,ad,tab,click,bid"] + [
+      f"{t0 + i * step},{i % 4},{10 + i % 3},{tabs[i]},{int(rng.random() < 0.5)},{i / 10}"
       for i in range(n)]
   path.write_text("\n".join(rows) + "\n")
   return str(path)

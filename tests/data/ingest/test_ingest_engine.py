@@ -187,7 +187,7 @@ def test_kill_leaves_no_partial_dataset(tmp_path):
   cols = ",".join(f"{r}={c}" for r, c in SPEC["columns"].items())
   args = [sys.executable, "-m", "data.ingest", "--input", p, "--out", str(out), "--rename", cols,
           "--ids_as_features", "--history", "click=label.click,impression=all", "--yes",
-          "--history_stats", "--workers", "1"]
+          "--history_stats", "--label_delay", "conv=5m", "--workers", "1"]
   root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(
       os.path.abspath(__file__)))))
   env = dict(os.environ, PYTHONPATH=root)

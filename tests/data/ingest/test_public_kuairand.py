@@ -71,3 +71,16 @@ def test_kuairand_fixture(tmp_path):
     assert g["events/impression"].tolist() == ev(earlier)
     assert g["events/click"].tolist() == ev([k for k in earlier if rows[k][5] == "1"])
     assert all(e[3] < g["request_ts"] for e in g["events/impression"].tolist())
+
+
+def test_empty_tab_cell_is_refused(tmp_path, capsys):
+  log = tmp_path / "log.csv"
+  rows = LOG.strip().splitlines()
+  rows[2] = rows[2][:rows[2].rindex(",") + 1]                  # the third impression's tab: empty
+  log.write_text(HEADER + "\n" + "\n".join(rows) + "\n")
+  code = kuairand.main(["--input", str(log), "--out", str(tmp_path / "o"), "--split", "none"])
+  err = capsys.readouterr().err
+  last = err.strip().splitlines()[-1]
+  assert code == 2 and "Traceback" not in err and not (tmp_path / "o").exists()
+  assert last.startswith("data.ingest.public.kuairand: error: ") and "tab" in last, last
+  assert "1 row" in last and "row 3" in last, last

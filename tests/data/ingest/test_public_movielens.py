@@ -107,3 +107,35 @@ def test_time_split_windows(tmp_path, capsys):
   assert movielens.main(["--input", str(tmp_path / "nope.data"), "--out", out]) == 2
   assert capsys.readouterr().err.strip().splitlines()[-1].startswith(
       "data.ingest.public.movielens: error: ")
+
+
+def _last_error(capsys):
+  err = capsys.readouterr().err
+  assert "Traceback" not in err
+  return err.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("positive,word", [("nan", "nan"), ("inf", "inf"), ("6", "every label 0"),
+                                           ("1", "every label 1")])
+def test_positive_that_labels_every_rating_alike_is_refused(tmp_path, capsys, positive, word):
+  code = movielens.main(["--input", _write(tmp_path, "u.data"), "--out", str(tmp_path / "o"),
+                         "--positive", positive])
+  last = _last_error(capsys)
+  assert code == 2 and last.startswith("data.ingest.public.movielens: error: --positive")
+  assert word in last and not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("field,line", [("inf", "1\t10\t5\tinf"), ("nan", "1\t10\tnan\t881250000"),
+                                        ("1e30", "1\t10\t5\t1e30")])
+def test_non_finite_or_huge_fields_are_one_line(tmp_path, capsys, field, line):
+  p = tmp_path / "u.data"
+  p.write_text(f"1\t11\t3\t881250000\n{line}\n")
+  code = movielens.main(["--input", str(p), "--out", str(tmp_path / "o")])
+  last = _last_error(capsys)
+  assert code == 2 and "u.data: line 2" in last and field in last, last
+
+
+def test_max_len_is_bounded_before_reading(tmp_path, capsys):
+  code = movielens.main(["--input", str(tmp_path / "absent.data"), "--out", str(tmp_path / "o"),
+                         "--max_len", "10000000000"])
+  assert code == 2 and "max_len=10000000000" in _last_error(capsys)
