@@ -260,8 +260,8 @@ CASES = [
      "invalid choice: 'spark'"),
     ("-m data.ingest", ["--input={log}", "--out={out}", "--workers=0"], "--workers=0 must be"),
     ("-m data.ingest", ["--input={log}", "--out={out}", "--yes", "--runner=beam",
-                        "--rename=request_ts=ts,user_id=user,ad_id=item,label.click=clicked"],
-     "--runner beam needs apache-beam"),
+                        "--rename=request_ts=ts,user_id=user,ad_id=item,label.click=clicked",
+                        "--ids_as_features"], "--runner beam needs apache-beam"),
 ]
 
 
