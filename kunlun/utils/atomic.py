@@ -1,6 +1,8 @@
 """Atomic file outputs: written to a temporary file beside the target, flushed to disk, then
 renamed over it (``os.replace``), so a writer killed at any point leaves the previous file or no
-file at the target path, never a partial one. No jax: benches and exports use it too.
+file at the target path, never a partial one. Only a regular file is ever replaced: a FIFO, a
+device, a symbolic link or a directory at the target is an OSError naming it (issue 39). No jax:
+benches and exports use it too.
 
   with atomic.target("out/predictions.parquet") as tmp:   # any writer that takes a path
     pq.write_table(table, tmp)
@@ -10,8 +12,11 @@ file at the target path, never a partial one. No jax: benches and exports use it
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
+
+from kunlun.utils.outputs import file_kind_problem, not_regular
 
 
 def _fsync_dir(directory: str) -> None:
@@ -33,11 +38,19 @@ def tmp_name(path: str) -> str:
   return os.path.join(d, f".{base}.tmp-{os.getpid()}")
 
 
+def _refuse_not_regular(path: str) -> None:
+  why = not_regular(path)
+  if why:
+    raise OSError(errno.EEXIST, f"is {why}, not a regular file: not replaced", path)
+
+
 @contextlib.contextmanager
 def target(path: str):
   """Yields a temporary path in ``path``'s directory; when the block ends without an exception
-  the file there is fsync'ed and renamed to ``path``, otherwise removed."""
+  the file there is fsync'ed and renamed to ``path``, otherwise removed. Something other than a
+  regular file at ``path`` is an OSError, before the block and again before the rename."""
   path = os.path.abspath(path)
+  _refuse_not_regular(path)
   os.makedirs(os.path.dirname(path), exist_ok=True)
   tmp = tmp_name(path)
   try:
@@ -47,6 +60,7 @@ def target(path: str):
       os.fsync(fd)
     finally:
       os.close(fd)
+    _refuse_not_regular(path)
     os.replace(tmp, path)
   except BaseException:
     with contextlib.suppress(OSError):
@@ -69,12 +83,14 @@ def write_json(path: str, obj, indent: int | None = 1, **kw) -> None:
 
 
 def check_writable(path: str, what: str) -> str | None:
-  """Why an output file ``path`` could not be written (None: it can): a directory at the path,
-  a parent that is not a directory, or a directory that refuses a new file (read-only, full,
-  no permission). Probes by creating and removing a temporary file; creates missing parents."""
+  """Why an output file ``path`` could not be written (None: it can): something other than a
+  regular file at the path (``outputs.not_regular``), a parent that is not a directory, or a
+  directory that refuses a new file (read-only, full, no permission). Probes by creating and
+  removing a temporary file; creates missing parents."""
   path = os.path.abspath(path)
-  if os.path.isdir(path):
-    return f"{what}={path}: is a directory (give a file path)"
+  why = file_kind_problem(what, path)
+  if why:
+    return why
   d = os.path.dirname(path)
   try:
     os.makedirs(d, exist_ok=True)

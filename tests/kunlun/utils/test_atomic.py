@@ -1,10 +1,12 @@
 """Atomic outputs (kunlun/utils/atomic.py): a writer killed or failing mid-write leaves the
-previous file (or none) at the target path, never a partial one; ``check_writable`` names why a
-path cannot take an output."""
+previous file (or none) at the target path, never a partial one, and never replaces what is
+not a regular file (issue 39: a FIFO, a device, a symbolic link, a directory); ``check_writable``
+names why a path cannot take an output."""
 
 import json
 import os
 import signal
+import stat
 import subprocess
 import sys
 
@@ -51,8 +53,8 @@ def test_check_writable_names_the_reason(tmp_path):
   (tmp_path / "d").mkdir()
   (tmp_path / "f").write_text("x")
   assert atomic.check_writable(str(tmp_path / "new" / "m.json"), "--out") is None
-  assert atomic.check_writable(str(tmp_path / "d"), "--out").endswith("is a directory (give a "
-                                                                      "file path)")
+  assert atomic.check_writable(str(tmp_path / "d"), "--out") == (
+      f"--out={tmp_path / 'd'}: is a directory; give the path of a regular file or a new one")
   assert "cannot create its directory" in atomic.check_writable(str(tmp_path / "f" / "m.json"),
                                                                 "--out")
   assert os.listdir(tmp_path / "new") == []                  # the probe leaves nothing behind
@@ -79,3 +81,43 @@ def test_target_fsyncs_the_file_before_the_rename(tmp_path, monkeypatch):
   atomic.write_json(str(tmp_path / "m.json"), {"step": 1})
   assert "replace" in calls and calls.index("fsync") < calls.index("replace"), calls
   assert json.load(open(tmp_path / "m.json")) == {"step": 1}
+
+
+def _specials(tmp_path):
+  """[(name, what is there)]: a FIFO, a symbolic link to a file, a dangling link, a directory."""
+  (tmp_path / "target.json").write_text("kept")
+  os.mkfifo(tmp_path / "fifo")
+  (tmp_path / "link").symlink_to(tmp_path / "target.json")
+  (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
+  (tmp_path / "dir").mkdir()
+  return [("fifo", "a FIFO (named pipe)"), ("link", "a symbolic link"),
+          ("dangling", "a symbolic link"), ("dir", "a directory")]
+
+
+def test_atomic_writes_never_replace_what_is_not_a_regular_file(tmp_path):
+  """A FIFO, a link (to a file or to nothing) and a directory at the target stay what they were
+  and the link's target is not written; the error names the path and what is there; no
+  temporary file is left."""
+  specials = _specials(tmp_path)
+  before = sorted(os.listdir(tmp_path))
+  for name, what in specials:
+    path = str(tmp_path / name)
+    with pytest.raises(OSError) as e:
+      atomic.write_json(path, {"step": 1})
+    assert e.value.filename == path and f"is {what}" in e.value.strerror, e.value
+  assert sorted(os.listdir(tmp_path)) == before
+  assert (tmp_path / "target.json").read_text() == "kept"
+  assert os.path.islink(tmp_path / "link") and os.path.islink(tmp_path / "dangling")
+  assert stat.S_ISFIFO(os.lstat(tmp_path / "fifo").st_mode)
+
+
+def test_check_writable_refuses_what_is_not_a_regular_file(tmp_path):
+  """Before any work: the same kinds, and a device node (``/dev/null``: only looked at), are
+  one-line reasons naming the flag, the path and what is there; a regular file is writable."""
+  for name, what in _specials(tmp_path):
+    why = atomic.check_writable(str(tmp_path / name), "--out")
+    assert why.startswith(f"--out={tmp_path / name}: is {what}"), why
+    assert "\n" not in why
+  assert atomic.check_writable("/dev/null", "--out").startswith(
+      "--out=/dev/null: is a character device")
+  assert atomic.check_writable(str(tmp_path / "target.json"), "--out") is None
