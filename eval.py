@@ -5,13 +5,15 @@
 
 Restores the params only (no optimizer state) onto the given mesh, streams the split once and
 writes JSON of the shape
-  {"step", "examples", "ne_normalisation", "metrics": {surface: {task: {ne, auc, calibration,
-   count, positive_rate, bayes_ne}}}, "overall": {task: {...}}}.
+  {"step", "best", "split", "examples", "ne_normalisation", "metrics": {surface: {task: {ne, auc,
+   calibration, count, positive_rate, bayes_ne}}}, "overall": {task: {...}}}.
 NE is normalised by each evaluated cell's own positive rate (the eval window's base rate, per
 surface x task, or per task overall). ``--predictions`` writes one Parquet row per example: the
 keys (user_id, ad_id, request_ts), surface name, ``label.<task>`` (null = not labelled) and
 ``prob.<task>``. ``--best`` evaluates the keep-best params (config.train.keep_best).
-The config and data directory recorded by train.py in --workdir are used unless given.
+The config and data directory recorded by train.py in --workdir are used unless given. The
+split the model was trained on is refused without ``--allow_train_split``; the output paths are
+checked before any work (docs/outputs.md).
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ flags.DEFINE_string("out", None, "Output JSON path (default <workdir>/metrics.js
 flags.DEFINE_string("plots_dir", None, "If set, writes calibration_<task>.png there.")
 flags.DEFINE_string("predictions", None, "If set, writes per-example predictions (Parquet) there.")
 flags.DEFINE_bool("best", False, "Evaluate <workdir>/best (config.train.keep_best) instead.")
+flags.DEFINE_bool("allow_train_split", False, "Evaluate the split the model was trained on "
+                  "(refused without it: such metrics overstate how the model does on new data).")
 runtime_flags.define()
 FLAGS = flags.FLAGS
 
@@ -61,6 +65,22 @@ def write_predictions(path: str, arrays: dict, surfaces, tasks) -> None:
   from kunlun.utils import atomic
   with atomic.target(path) as tmp:          # a killed write leaves no partial file at ``path``
     pq.write_table(pa.table(cols), tmp)
+
+
+def trained_split_note(info: dict, data_dir: str | None, split: str) -> str | None:
+  """One line when ``split`` of ``data_dir`` is the split the run recorded in ``info``
+  (``run_info.json``: its data directory and ``config.data.train_split``) trained on; None
+  otherwise, or when the run recorded neither."""
+  cfg = info.get("config")
+  data = cfg.get("data") if isinstance(cfg, dict) else None
+  trained = data.get("train_split") if isinstance(data, dict) else None
+  recorded = info.get("data_dir")
+  if split != trained or not isinstance(recorded, str) or not data_dir:
+    return None
+  if os.path.realpath(data_dir) != os.path.realpath(recorded):
+    return None
+  return (f"--split={split} is the split this model was trained on ({recorded}, recorded in "
+          "run_info.json): its metrics overstate how the model does on new data")
 
 
 def format_table(result: dict) -> str:
@@ -129,6 +149,7 @@ def evaluate(argv):
   from sharding import partition
 
   workdir = os.path.abspath(FLAGS.workdir)
+  is_main = jax.process_index() == 0
   try:
     settings.check_flag("batch_size", FLAGS.batch_size, 1,
                         "an integer >= 1 (leave it out for config.data.eval_batch_size)")
@@ -150,17 +171,27 @@ def evaluate(argv):
   if FLAGS.step is not None and FLAGS.step not in ckpt.all_steps():
     startup.fail(f"--step={FLAGS.step}: no such checkpoint; available {ckpt.all_steps()}")
   out = os.path.abspath(FLAGS.out or os.path.join(workdir, "metrics.json"))
-  runtime.check_output(out, "--out" if FLAGS.out else "--out (default)")   # before evaluating
-  if FLAGS.predictions:
-    runtime.check_output(FLAGS.predictions, "--predictions")
+  info = runtime.saved_run_info(workdir) or {}
+  data_dir = FLAGS.data_dir or info.get("data_dir")
+  runtime.check_outputs(                       # before evaluating (docs/outputs.md)
+      [("--out" if FLAGS.out else "--out (default)", out), ("--predictions", FLAGS.predictions)],
+      dirs=[("--plots_dir", FLAGS.plots_dir, ("calibration_*.png",))],
+      inputs=[("--data_dir", FLAGS.data_dir),
+              ("--config", runtime_flags.config_file())],
+      workdir=workdir)
   if FLAGS.plots_dir:
     runtime.check_output(os.path.join(FLAGS.plots_dir, "calibration.png"), "--plots_dir")
+  trained_on = trained_split_note(info, data_dir, FLAGS.split)
+  if trained_on and not FLAGS.allow_train_split:
+    startup.fail(f"{trained_on}; pass --allow_train_split to evaluate it anyway")
+  if trained_on and is_main:
+    print(f"note: {trained_on} (--allow_train_split)", flush=True)
 
   run = loop.eval_setup(workdir, ckpt, config=FLAGS.config, trust_workdir=FLAGS.trust_workdir,
                         data_dir=FLAGS.data_dir, split=FLAGS.split, batch_size=FLAGS.batch_size,
                         step=FLAGS.step, mesh=FLAGS.mesh, dcn_mesh=FLAGS.dcn_mesh,
                         compilation_cache=FLAGS.compilation_cache)
-  schema, is_main = run.schema, jax.process_index() == 0
+  schema = run.schema
   predict = step_lib.make_predict_step(run.model)
   acc = metrics.EvalAccumulator(schema.surfaces, schema.task_names)
   host_keys = ("labels", "label_mask", "surface", "true_prob", "example_mask") + (
@@ -179,7 +210,8 @@ def evaluate(argv):
         for k in KEY_COLUMNS:
           keys[k].append(np.asarray(host[k])[real])
   per_surface, overall = acc.result()
-  result = {"step": int(run.step), "best": bool(FLAGS.best), "examples": acc.examples,
+  result = {"step": int(run.step), "best": bool(FLAGS.best), "split": FLAGS.split,
+            "examples": acc.examples,
             "ne_normalisation": NE_NORMALISATION,
             "metrics": per_surface, "overall": overall}
   if is_main:

@@ -21,6 +21,7 @@ import sys
 from absl import app, flags
 
 from kunlun.utils import flags as runtime_flags
+from kunlun.utils.outputs import TRAIN_WORKDIR
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 runtime_flags.define_config("train.py", os.path.join(_HERE, "kunlun/configs/tiny.py"),
@@ -89,6 +90,12 @@ def train(argv):
   workdir = os.path.abspath(FLAGS.workdir)
   runtime.maybe_initialize_distributed(FLAGS.coordinator_address, FLAGS.num_processes,
                                        FLAGS.process_id)
+  given = {"data": FLAGS.data_dir, "profile": FLAGS.profile_dir}   # written elsewhere if given
+  runtime.check_outputs(                        # docs/outputs.md
+      dirs=[("--workdir", workdir, [n for n in TRAIN_WORKDIR if not given.get(n)]),
+            ("--profile_dir", FLAGS.profile_dir, ("plugins",))],
+      inputs=[("--data_dir", FLAGS.data_dir),
+              ("--config", runtime_flags.config_file())])
   lock = runtime.prepare_workdir(workdir)       # one writer: a second train.py stops here
   try:
     from kunlun.train import loop

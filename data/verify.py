@@ -20,6 +20,7 @@ import numpy as np
 
 from data import records, shards
 from data.schema import Schema
+from kunlun.utils import outputs
 
 KINDS = ("bytes", "missing", "dtype", "shape", "id_range", "non_finite", "timestamp", "surface",
          "label")
@@ -641,6 +642,9 @@ def main(argv=None) -> int:
     if not os.path.isdir(a.data_dir):
       raise FileNotFoundError(f"{a.data_dir}: " + (
           "not a directory" if os.path.exists(a.data_dir) else "no such directory"))
+    why = outputs.problem([("--json", a.json)], inputs=[("DIR", a.data_dir)])  # docs/outputs.md
+    if why:
+      raise ValueError(why)
     rep = verify(a.data_dir, a.deep, a.split.split(",") if a.split else None)
     if a.json:
       with open(a.json, "w") as f:

@@ -12,8 +12,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Lowest first. A module belongs to the longest prefix that names it; it may import only from
 # its own layer (without a circle) or from lower ones.
 LAYERS = [
-    "pallas_kernels", "sharding", "data", "data.ingest",
-    "kunlun", "kunlun.utils", "kunlun.configs", "kunlun.nn", "kunlun.models", "kunlun.train",
+    "kunlun.utils", "pallas_kernels", "sharding", "data", "data.ingest",
+    "kunlun", "kunlun.configs", "kunlun.nn", "kunlun.models", "kunlun.train",
     "kunlun.serving", "kunlun.transfer",
     "bench.profiling", "bench", "bench.experiments", "bench.faults",
     "train", "eval",

@@ -15,6 +15,7 @@ import sys
 from data import records
 from data.ingest.driver import run
 from data.ingest.infer import Spec
+from data.ingest.output import check_paths
 from data.ingest.sources import PROG, Source
 from data.ingest.splits import SPLITS
 
@@ -140,6 +141,7 @@ def main(argv=None) -> int:
     sources = explicit or {None: mk(args.input)}
     if not any(sources.values()):
       raise ValueError("no input files (--input or --train/--valid/--eval)")
+    check_paths(args.out, args.write_schema, sources, args.schema)     # the --schema file too
     run(sources, args.out, spec, split=args.split, yes=args.yes, write_schema=args.write_schema,
         overwrite=args.overwrite, records_per_shard=args.records_per_shard,
         records_per_chunk=args.records_per_chunk, engine=args.runner,

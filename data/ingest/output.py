@@ -1,6 +1,6 @@
-"""Output safety of an ingest: the checks on ``--out``, the staging folder beside it (stale ones
-of killed runs removed), ``write_manifest`` (shards renamed, ``manifest.json`` written last) and
-``publish`` (the finished dataset renamed into place)."""
+"""Output safety of an ingest: the checks on ``--out`` and ``--write_schema``, the staging
+folder beside it (stale ones of killed runs removed), ``write_manifest`` (shards renamed,
+``manifest.json`` written last) and ``publish`` (the finished dataset renamed into place)."""
 
 from __future__ import annotations
 
@@ -11,24 +11,28 @@ import shutil
 from array_record.python import array_record_module
 
 from data import records, shards
+from kunlun.utils import outputs
+
+
+def check_paths(out_dir: str, write_schema: str | None, sources: dict,
+                spec_file: str | None = None) -> None:
+  """``--out`` and ``--write_schema`` by the rules every program's outputs follow
+  (``kunlun.utils.outputs``): neither is an input (a log, the ``--schema`` file ``spec_file``)
+  nor lies inside one, ``--out`` contains none, ``--write_schema`` is a regular file or a new
+  path outside ``--out``; ``--out`` is a directory or a new path (a link to one is written
+  through). A one-line ValueError otherwise."""
+  inputs = [(f"--{split or 'input'}", s.path) for split, srcs in sources.items() for s in srcs]
+  why = outputs.problem([("--write_schema", write_schema)], dirs=[("--out", out_dir, ("*",))],
+                        inputs=inputs + [("--schema", spec_file)])
+  if why:
+    raise ValueError(why)
 
 
 def check_out(out_dir: str, sources: dict, overwrite: bool, yes: bool, write_schema) -> None:
-  """``--out`` may not contain or lie inside an input; an existing non-empty one is replaced
-  only with ``--overwrite`` and only when it is a dataset: its ``manifest.json`` has this
-  format and lists every file in it (``dataset_files``). ``out_dir``: resolved (no links)."""
-  real = os.path.realpath(out_dir)
-  for srcs in sources.values():
-    for s in srcs:
-      if s.path is None:
-        continue
-      p = os.path.realpath(s.path)
-      if os.path.commonpath([p, real]) in (p, real):
-        raise ValueError(f"--out={out_dir} " + ("contains" if os.path.commonpath([p, real]) == real
-                                                else "lies inside")
-                         + f" the input {s.path}: write the dataset somewhere else")
-  if os.path.exists(out_dir) and not os.path.isdir(out_dir):
-    raise ValueError(f"--out={out_dir} exists and is not a directory")
+  """``check_paths``; an existing non-empty ``--out`` is replaced only with ``--overwrite`` and
+  only when it is a dataset: its ``manifest.json`` has this format and lists every file in it
+  (``dataset_files``). ``out_dir``: resolved (no links)."""
+  check_paths(out_dir, write_schema, sources)
   if os.path.exists(out_dir) and os.listdir(out_dir) and (yes or not write_schema):
     if not overwrite:
       raise ValueError(f"--out={out_dir} exists and is not empty; pass --overwrite to replace a "

@@ -168,8 +168,8 @@ def export(workdir: str, out: str, *, candidates="dynamic", requests=1, jagged_c
     startup.fail(f"--jagged_capacity={jagged_capacity} needs a fixed --requests=R (packed "
                  "towers have a static request count), got --requests=dynamic")
   workdir = os.path.abspath(workdir)
-  if os.path.exists(out) and not os.path.isdir(out):
-    startup.fail(f"--out={out}: exists and is not a directory")
+  runtime.check_outputs(dirs=[("--out", out, (ARTIFACT, PARAMS, SIGNATURE))],   # docs/outputs.md
+                        inputs=[("--data_dir", data_dir)], workdir=workdir)
   config, schema, model, used_step, params = _restore(workdir, step, data_dir, trust_workdir)
   try:
     caps = parse_jagged_capacity(jagged_capacity, schema.stream_names)

@@ -32,6 +32,26 @@ def check_output(path: str, what: str) -> None:
     fail(why)
 
 
+def check_outputs(files=(), *, dirs=(), inputs=(), workdir: str | None = None) -> None:
+  """Before any work: the run's outputs by the rules every program follows
+  (``kunlun.utils.outputs.problem``: ``files`` ``[(flag, path)]``, ``dirs`` ``[(flag, path,
+  names)]``, ``inputs`` ``[(flag, path)]``; ``workdir``: a train.py workdir, whose own entries
+  no output is and whose recorded data directory is an input), then each file output writable
+  (``check_output``, process 0); one-line FatalErrors."""
+  from kunlun.utils import outputs
+  owned = []
+  if workdir:
+    owned = [("the train.py workdir", workdir, outputs.TRAIN_WORKDIR)]
+    recorded = (saved_run_info(workdir) or {}).get("data_dir")
+    inputs = [*inputs, ("the data directory recorded in the workdir", recorded)]
+  why = outputs.problem(files, dirs=dirs, inputs=inputs, owned=owned)
+  if why:
+    fail(why)
+  for flag, path in files:
+    if path:
+      check_output(path, flag)
+
+
 def prepare_workdir(workdir: str):
   """train.py's workdir: a directory (created), writable, and locked for this run (process 0;
   ``kunlun.utils.lock``). Returns the held lock; problems are one-line FatalErrors."""

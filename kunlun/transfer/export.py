@@ -235,8 +235,8 @@ def export(workdir: str, out_dir: str, *, data_dir: str | None = None, splits=("
                                  or batch_size < 1):
     raise ValueError(f"--batch_size={batch_size}: allowed an integer >= 1 (leave it out for the "
                      "FM's config.data.batch_size)")
-  if os.path.exists(out_dir) and not os.path.isdir(out_dir):
-    raise ValueError(f"--out={out_dir}: exists and is not a directory")
+  runtime.check_outputs(dirs=[("--out", out_dir, ("manifest.json", "progress*.json", *splits))],
+                        inputs=[("--data_dir", data_dir)], workdir=workdir)   # docs/outputs.md
   pid, nproc = jax.process_index(), jax.process_count()
   ckpt = checkpoint.Checkpointer(os.path.join(workdir, "checkpoints"), read_only=True)
   if not ckpt.all_steps():

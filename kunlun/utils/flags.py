@@ -43,6 +43,13 @@ def define_config(prog: str, default: str | None, help_: str) -> None:
     _exit(prog, f"{' '.join(bad)}: no such config field ({_one_line(e)})")
 
 
+def config_file() -> str | None:
+  """The ``--config`` file's path (its default when not given); None without one."""
+  from ml_collections import config_flags
+  f = flags.FLAGS
+  return config_flags.get_config_filename(f["config"]) if f.config is not None else None
+
+
 def _one_line(e: BaseException) -> str:
   lines = [x.strip() for x in str(e).splitlines() if x.strip()]
   return " ".join(lines) if len(lines) <= 2 else f"{lines[0]} ... {lines[-1]}"

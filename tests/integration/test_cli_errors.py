@@ -72,6 +72,7 @@ def paths(tmp_path_factory):
   (old / "config.pkl").write_bytes(pickle.dumps(tiny.get_config()))
   afile = base / "afile"
   afile.write_text("x")
+  os.mkfifo(base / "fifo")                                # an output path that is no file
   f = {}                                                  # small input files for data.ingest
   f["log"] = "ts,user,item,clicked\n100,1,5,1\n200,2,6,0\n300,1,7,1\n400,3,5,0\n"
   f["badlabel"] = "ts,user,item,clicked\n100,1,5,1\n200,2,6,maybe\n"
@@ -110,7 +111,8 @@ def paths(tmp_path_factory):
                             text=True)
   assert locker.stdout.readline().strip() == "held"
   yield {"data": data, "cut": cut, "shard": shard, "fresh": fresh, "old": str(old),
-         "file": str(afile), "wd": str(base / "wd"), "missing": str(base / "missing"),
+         "file": str(afile), "fifo": str(base / "fifo"), "wd": str(base / "wd"),
+         "missing": str(base / "missing"),
          "out": str(base / "ingest_out"), "badschema": str(badschema), "ck": ck,
          "dupcol": str(base / "dupcol.csv"), "bigid": str(base / "bigid.csv"),
          "holder": str(holder), "held": str(holder / "log.csv"),
@@ -177,6 +179,22 @@ CASES = [
      "--out={ck}/checkpoints: is a directory"),
     ("eval.py", ["--workdir={ck}", "--predictions={ck}"], "--predictions={ck}: is a directory"),
     ("eval.py", ["--workdir={ck}", "--out={file}/m.json"], "--out={file}/m.json: cannot create"),
+    # issue 39: every output path is checked before any work (docs/outputs.md)
+    ("eval.py", ["--workdir={ck}", "--out={wd}/m.json", "--predictions={wd}/m.json"],
+     "--out={wd}/m.json and --predictions={wd}/m.json are the same path"),
+    ("eval.py", ["--workdir={ck}", "--out={ck}/run_info.json"],
+     "run_info.json belongs to the train.py workdir {ck}"),
+    ("eval.py", ["--workdir={ck}", "--predictions={ck}/checkpoints/2/p.parquet"],
+     "checkpoints belongs to the train.py workdir {ck}"),
+    ("eval.py", ["--workdir={ck}", "--out={data}/metrics.json"], "lies inside the input {data}"),
+    ("eval.py", ["--workdir={ck}", "--out={fifo}"], "--out={fifo}: is a FIFO (named pipe)"),
+    ("eval.py", ["--workdir={ck}", "--split=train"],
+     "--split=train is the split this model was trained on ({data}"),
+    ("-m kunlun.serving.export", ["--workdir={ck}", "--out={ck}/best"],
+     "best belongs to the train.py workdir {ck}"),
+    ("-m kunlun.transfer.export", ["--workdir={ck}", "--out={data}"], "is the input {data}"),
+    ("train.py", ["--workdir={data}/run", "--data_dir={data}", "--steps=1"],
+     "--workdir={data}/run lies inside the input {data} (--data_dir)"),
     ("eval.py", ["--workdir={info_null}"], "unreadable run info (ValueError: config is None"),
     ("eval.py", ["--workdir={info_huge}"],
      "config.data.batch_size = 1000000000000: allowed an integer in [1, 1048576]"),
@@ -191,6 +209,9 @@ CASES = [
     ("-m data.verify", ["{data}", "--split=nope"], "unknown split(s) ['nope']"),
     ("-m data.verify", ["{data}", "--update_manifest"], "--update_manifest needs --deep"),
     ("-m data.verify", ["{data}", "--json={missing}/r.json"], "--json={missing}/r.json"),
+    ("-m data.verify", ["{data}", "--json={data}/manifest.json"],
+     "--json={data}/manifest.json lies inside the input {data} (DIR)"),
+    ("-m data.verify", ["{data}", "--json={fifo}"], "--json={fifo}: is a FIFO (named pipe)"),
     ("-m data.ingest", ["--input={log}"], "required: --out"),
     ("-m data.ingest", ["--input={log}", "--out={out}", "--bogus"], "unrecognized arguments"),
     ("-m data.ingest", ["--input={missing}/a.csv", "--out={out}"], "{missing}/a.csv: no such"),
