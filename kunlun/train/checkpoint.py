@@ -116,6 +116,30 @@ class CheckpointError(FatalError):
   """A missing, incomplete, unreadable or unwritable checkpoint (a one-line message)."""
 
 
+def check_layout(directory: str, steps: bool = True) -> None:
+  """The checkpoint directory's layout, before orbax opens it (issue 39): something that is
+  not a directory at ``directory`` (a file named ``checkpoints``: orbax's saves waited minutes
+  each and the process never exited) and, with ``steps`` (a writer: it deletes old steps), a
+  step entry that is a symbolic link (orbax cannot delete it: a committed save was reported as
+  failed and ``keep_checkpoints`` stopped being honoured) or not a directory is a one-line
+  CheckpointError; nothing is moved or deleted."""
+  if os.path.lexists(directory) and not os.path.isdir(directory):
+    raise CheckpointError(f"{directory} is not a directory: move it away (checkpoints go in a "
+                          "directory of that name)")
+  if not steps or not os.path.isdir(directory):
+    return
+  for name in sorted(os.listdir(directory)):
+    path = os.path.join(directory, name)
+    if not name.isdigit():
+      continue
+    if os.path.islink(path):
+      raise CheckpointError(f"checkpoint step {path} is a symbolic link (to "
+                            f"{os.readlink(path)}): old steps are deleted, a link cannot be; "
+                            "replace it with a copy (cp -rL) or move it away")
+    if not os.path.isdir(path):
+      raise CheckpointError(f"checkpoint step {path} is not a directory: move it away")
+
+
 def abstract_like(tree):
   """``ShapeDtypeStruct``s (with the arrays' shardings) of a tree of arrays."""
   return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
@@ -193,8 +217,9 @@ class Checkpointer:
   def __init__(self, directory: str, *, keep: int = 3, read_only: bool = False, warn=_warn):
     self.directory = os.path.abspath(directory)
     self.read_only, self.warn = read_only, warn
-    if read_only and not os.path.isdir(self.directory):
+    if read_only and not os.path.lexists(self.directory):
       raise CheckpointError(f"no checkpoint directory at {self.directory}")
+    check_layout(self.directory, steps=not read_only)
     try:
       self.mngr = ocp.CheckpointManager(
           self.directory, item_names=ITEMS,

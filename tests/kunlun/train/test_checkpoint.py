@@ -502,3 +502,66 @@ def test_remove_tmp_dirs_outlasts_a_late_writer(tmp_path, monkeypatch):
   monkeypatch.setattr(checkpoint.shutil, "rmtree", rmtree_then_late_write)
   assert checkpoint.remove_tmp_dirs(str(d)) == ["5.orbax-checkpoint-tmp"]
   assert sorted(os.listdir(d)) == ["3"]
+
+
+def test_remove_tmp_dirs_removes_and_counts_every_partial_step(tmp_path):
+  """Two partial steps beside a committed one (issue 39, 15: the count of removed steps was never
+  checked): both are removed and named, in order, once each, the warning counts two, and the
+  committed step stays."""
+  d = tmp_path / "ck"
+  partial = ["7.orbax-checkpoint-tmp-123", "8.orbax-checkpoint-tmp-9"]
+  (d / "3").mkdir(parents=True)
+  (d / "3" / checkpoint.COMMIT_MARKER).write_text("ok")
+
+  def make_partial():
+    for name in partial:
+      (d / name / "params").mkdir(parents=True)
+      (d / name / "params" / "chunk").write_bytes(b"x")
+  make_partial()
+  assert checkpoint.remove_tmp_dirs(str(d)) == partial
+  assert os.listdir(d) == ["3"]
+  warnings = []
+  ck = checkpoint.Checkpointer(str(d), warn=warnings.append)
+  make_partial()
+  assert ck.remove_tmp_dirs() == partial
+  assert warnings == [f"removed 2 partial checkpoint(s) left by failed saves: {', '.join(partial)}"]
+  assert os.listdir(d) == ["3"] and ck.all_steps() == [3]
+  ck.close()
+
+
+def test_checkpoints_that_is_a_file_is_refused_when_opened(tmp_path):
+  """A file named ``checkpoints`` in the workdir (issue 39, 6: each save waited minutes on
+  orbax and the process never exited) is a one-line error when a writer or a reader opens it;
+  the file stays."""
+  f = tmp_path / "checkpoints"
+  f.write_text("mine")
+  for kw in ({}, {"read_only": True}):
+    with pytest.raises(checkpoint.CheckpointError, match="is not a directory") as e:
+      checkpoint.Checkpointer(str(f), **kw)
+    assert str(f) in str(e.value) and "\n" not in str(e.value)
+  assert f.read_text() == "mine"
+
+
+def test_step_that_is_a_link_or_a_file_is_refused_by_a_writer(three_steps, tmp_path):
+  """A step entry that is a symbolic link (issue 39, 7: orbax cannot delete it when it keeps the
+  newest K, so a committed save was reported as failed and keep_checkpoints stopped being
+  honoured) or a plain file is a one-line error naming it when a writer opens the directory;
+  nothing is moved or deleted. A reader still reads the linked step."""
+  d = three_steps[0]
+  moved = str(tmp_path / "elsewhere" / "1")
+  os.makedirs(os.path.dirname(moved))
+  os.rename(os.path.join(d, "1"), moved)
+  os.symlink(moved, os.path.join(d, "1"))
+  before = sorted(os.listdir(d))
+  with pytest.raises(checkpoint.CheckpointError, match="is a symbolic link") as e:
+    checkpoint.Checkpointer(d, keep=2)
+  assert os.path.join(d, "1") in str(e.value) and "\n" not in str(e.value)
+  assert sorted(os.listdir(d)) == before and os.path.isdir(moved)
+  ro = checkpoint.Checkpointer(d, read_only=True)
+  assert ro.all_steps() == [1, 2, 3]
+  ro.close()
+  os.remove(os.path.join(d, "1"))
+  open(os.path.join(d, "1"), "w").close()
+  with pytest.raises(checkpoint.CheckpointError, match="is not a directory") as e:
+    checkpoint.Checkpointer(d, keep=2)
+  assert os.path.join(d, "1") in str(e.value)
