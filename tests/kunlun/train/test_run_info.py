@@ -148,6 +148,28 @@ def test_resume_checks_model_schema_and_data_against_the_recorded_run(tmp_path):
   assert len(lines) == 1 and "train data changed" in lines[0] and "\n" not in lines[0]
 
 
+def test_resume_with_the_same_surfaces_and_other_tasks_is_refused(tmp_path):
+  """Issue 39, 13: only surfaces were ever changed in the resume tests. The same surfaces with
+  the tasks in another order, or a task renamed, are refused in one line naming both task lists
+  (the heads are indexed by task); with --allow_config_change the resume goes on."""
+  import dataclasses
+  wd = str(tmp_path)
+  schema = _schema_in(tmp_path, ("feed", "stories", "reels"))
+  runtime.save_run_info(wd, tiny.get_config(), wd, schema)
+  click, conversion = schema.tasks
+  other = {"swapped": (conversion, click),
+           "renamed": (click, dataclasses.replace(conversion, name="purchase"))}
+  for tasks in other.values():
+    changed = dataclasses.replace(schema, tasks=tasks)
+    assert changed.surfaces == schema.surfaces
+    want = [t.name for t in tasks]
+    with pytest.raises(startup.FatalError) as e:
+      runtime.check_resume(wd, tiny.get_config(), changed, None, False, print)
+    msg = str(e.value)
+    assert "\n" not in msg and f"tasks {want}" in msg and "tasks ['click', 'conversion']" in msg
+    runtime.check_resume(wd, tiny.get_config(), changed, None, True, print)
+
+
 def test_eval_and_export_match_surfaces_and_tasks_by_name(tmp_path):
   """The data lists the run's surfaces and tasks in another order: the schema comes back in the
   trained order and each batch is re-indexed so every row keeps its surface and task names
