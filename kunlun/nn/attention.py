@@ -140,11 +140,13 @@ class SeqAttention(nn.Module):
                        "no jagged op (packed towers: softmax, or kind 'block')")
     q, k, v = (jnp.einsum("nd,dhc->nhc", h, w[:, i]) for i in range(3))
     emb = bucket_embedding(self, "time_bucket_q", q, age, None, self.time_buckets, jag)
-    q = qk_norm_rotary(q, sc("q_scale"), None, dtype=self.dtype, emb=emb)
-    k = qk_norm_rotary(k, sc("k_scale"), None, dtype=self.dtype)
-    if self.rotary:
-      cos, sin = rotary_time(jnp.asarray(age, F32)[None], H, dh, self.t_scale, jag.pos[None])
-      q, k = (apply_rotary(a[None], (cos, sin))[0].astype(a.dtype) for a in (q, k))
+    # as one row [1, N, H, dh]: the rotation by age and the tokens' pos, angles recomputed in
+    # the backward (kunlun.nn.fused.rotary)
+    age_r, pos_r = (jnp.asarray(age, F32)[None], jag.pos[None]) if self.rotary else (None, None)
+    prep = lambda a, name, e=None: qk_norm_rotary(
+        a[None], sc(name), age_r, dtype=self.dtype, t_scale=self.t_scale,
+        emb=None if e is None else e[None], positions=pos_r)[0]
+    q, k = prep(q, "q_scale", emb), prep(k, "k_scale")
     if self.kind == "block":
       o = packed.block_attention(q, k, v, jag, backend=self.backend, block_size=self.block_size,
                                  activation=self.activation, score_clip=self.score_clip)

@@ -5,8 +5,9 @@ backward recomputes the cheap intermediates. Autodiff instead keeps (and XLA wri
 float32 intermediates and broadcast masks.
 
   norm_residual(g, u, s, lengths)      the PFFN's ``where(t < lengths, RMSNorm(g + u) + s, 0)``
-  rotary(x, age)                       the rotary encoding, angles recomputed from ``age``
-                                       (never stored); the backward is the inverse rotation
+  rotary(x, age, positions)            the rotary encoding, angles recomputed from ``age``
+                                       (and the positional heads' ``positions``; never
+                                       stored); the backward is the inverse rotation
   qk_norm_rotary(x, scale, age, ...)   QK-norm, bucket embedding and rotary in two passes
   masked_residual(s, y, lengths)       ``where(t < lengths, s + y, 0)`` in float32, cast to
                                        ``s.dtype``, for a ``y`` that is zero at the padding
@@ -22,6 +23,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from kunlun.nn.norms import EPS, scaled_rms_norm
 from kunlun.nn.time_encoding import rotary_angles
@@ -111,16 +113,19 @@ norm_residual.defvjp(_nr_fwd, _nr_bwd)
 
 # ---- rotary ---------------------------------------------------------------------------------
 
-def rotary(x, age, t_scale: float = 60.0):
-  """``pallas_kernels.reference.apply_rotary(x, rotary_time(age, H, D, t_scale))``: ``x [B, T, H,
-  D]`` rotated in float32 by the angles of ``age f32[B, T]``, in ``x.dtype``. The angles are
-  recomputed in the backward, never stored (the float32 ``cos`` / ``sin`` tables are each half
-  the size of ``x`` in float32). ``age`` gets no gradient (it is data)."""
-  return _rotary(x, age, float(t_scale))
+def rotary(x, age, t_scale: float = 60.0, positions=None):
+  """``pallas_kernels.reference.apply_rotary(x, rotary_time(age, H, D, t_scale, positions))``:
+  ``x [B, T, H, D]`` rotated in float32 by the angles of ``age f32[B, T]`` (and ``positions
+  [B, T]`` on the positional heads; None: ``0..T-1``), in ``x.dtype``. The angles are recomputed
+  in the backward, never stored (the float32 ``cos`` / ``sin`` tables are each half the size of
+  ``x`` in float32). ``age`` and ``positions`` get no gradient (they are data)."""
+  if positions is None:
+    positions = jnp.broadcast_to(jnp.arange(x.shape[1], dtype=jnp.int32)[None], x.shape[:2])
+  return _rotary(x, age, jnp.asarray(positions, jnp.int32), float(t_scale))
 
 
-def _angles(x, age, t_scale):
-  ang = rotary_angles(age, x.shape[2], x.shape[3], t_scale)                   # [B, T, H, D/2]
+def _angles(x, age, positions, t_scale):
+  ang = rotary_angles(age, x.shape[2], x.shape[3], t_scale, positions)        # [B, T, H, D/2]
   return jnp.cos(ang), jnp.sin(ang)
 
 
@@ -130,19 +135,19 @@ def _rotate(x, cos, sin, sign=1.0):
   return jnp.concatenate([x1 * cos - x2 * s, x2 * cos + x1 * s], axis=-1)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _rotary(x, age, t_scale):
-  return _rotate(x, *_angles(x, age, t_scale)).astype(x.dtype)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _rotary(x, age, positions, t_scale):
+  return _rotate(x, *_angles(x, age, positions, t_scale)).astype(x.dtype)
 
 
-def _rotary_fwd(x, age, t_scale):
-  return _rotary(x, age, t_scale), (age, jnp.zeros((0,), x.dtype))
+def _rotary_fwd(x, age, positions, t_scale):
+  return _rotary(x, age, positions, t_scale), (age, positions, jnp.zeros((0,), x.dtype))
 
 
 def _rotary_bwd(t_scale, res, g):
-  age, x0 = res
-  return (_rotate(g, *_angles(g, age, t_scale), sign=-1.0).astype(x0.dtype),   # R^T g
-          jnp.zeros_like(age))
+  age, positions, x0 = res
+  return (_rotate(g, *_angles(g, age, positions, t_scale), sign=-1.0).astype(x0.dtype),  # R^T g
+          jnp.zeros_like(age), np.zeros(positions.shape, jax.dtypes.float0))
 
 
 _rotary.defvjp(_rotary_fwd, _rotary_bwd)
@@ -150,10 +155,10 @@ _rotary.defvjp(_rotary_fwd, _rotary_bwd)
 
 # ---- QK-norm + rotary ---------------------------------------------------------------------
 
-def qk_norm_rotary(x, scale, age, *, dtype, t_scale: float = 60.0, emb=None):
+def qk_norm_rotary(x, scale, age, *, dtype, t_scale: float = 60.0, emb=None, positions=None):
   """The attention's query / key preparation: ``scaled_rms_norm(x, scale)`` (None: skipped),
-  ``+ emb`` (None: nothing), each rounded to ``dtype`` as before, then ``rotary(., age)`` (``age``
-  None: no rotation). The normalised values pass an optimization barrier before the rotation, so
+  ``+ emb`` (None: nothing), each rounded to ``dtype`` as before, then ``rotary(., age,
+  positions)`` (``age`` None: no rotation). The normalised values pass an optimization barrier before the rotation, so
   that the norm is one pass writing ``dtype`` (XLA otherwise splits it where its norm fusion ends,
   writing the normalised values in float32) and the rotation another."""
   if scale is not None:
@@ -162,4 +167,5 @@ def qk_norm_rotary(x, scale, age, *, dtype, t_scale: float = 60.0, emb=None):
     x = (x.astype(F32) + emb).astype(dtype)
   if age is None:
     return x
-  return rotary(jax.lax.optimization_barrier(x), age, t_scale)
+  return rotary(jax.lax.optimization_barrier(x), age, t_scale, positions)
+

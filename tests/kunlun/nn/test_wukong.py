@@ -2,6 +2,7 @@
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -140,3 +141,27 @@ def test_cross_layer_off_or_single_layer_is_plain():
     assert jax.tree.structure(v) == jax.tree.structure(v_ref)
     np.testing.assert_array_equal(np.asarray(y), np.asarray(y_ref))
 
+
+
+def test_cross_layer_stack_gradient_against_numpy_differences():
+  """The stack's gradient (hand-written norm VJPs, one token-mixing matmul) against central
+  differences of the numpy float64 loop along a random parameter direction and a random input
+  direction: d/de sum(w * f(p + e v, x + e u)) at e = 0."""
+  B, N, d, n_out = 2, 5, 6, 4
+  rng = np.random.default_rng(4)
+  x = rng.normal(size=(B, N, d)).astype(np.float32)
+  m = WukongStack(2, n_out, rank=2, mlp_hidden=8, cross_layer=True)
+  p = _random_logits(_perturb(jax.jit(m.init)(jax.random.key(0), x), 1), 2)
+  w = rng.normal(size=(B, n_out, d))
+  v = jax.tree.map(lambda a: rng.normal(size=a.shape), p)
+  u = rng.normal(size=x.shape)
+  gp, gx = jax.jit(jax.grad(lambda p, x: jnp.sum(m.apply({"params": p}, x) * w),
+                            argnums=(0, 1)))(p, x)
+  slope = (sum(float(np.sum(np.asarray(a) * b)) for a, b in
+               zip(jax.tree.leaves(gp), jax.tree.leaves(v), strict=True))
+           + float(np.sum(np.asarray(gx) * u)))
+  f64 = lambda e: np.sum(w * np_cross_stack(
+      jax.tree.map(lambda a, b: np.asarray(a, np.float64) + e * b, p, v),
+      x.astype(np.float64) + e * u, 2, 2))
+  eps = 1e-4
+  np.testing.assert_allclose(slope, (f64(eps) - f64(-eps)) / (2 * eps), rtol=1e-4)
