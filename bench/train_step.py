@@ -580,7 +580,9 @@ def print_layout_pairs(results, stream) -> None:
 
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  ap.add_argument("--config", default="mid", help="kunlun.configs module (tiny, dev, mid) or file")
+  ap.add_argument("--config", default=None,
+                  help="kunlun.configs module (tiny, dev, mid, prod) or file (default: mid on a "
+                       "GPU or a --target GPU; on a CPU host without --config, the --small run)")
   ap.add_argument("--backend", default=None, help="model.backend: xla, pallas, triton, auto")
   ap.add_argument("--batch", type=int, default=None, help="global batch (default: the config's)")
   ap.add_argument("--mesh", default="data=1,fsdp=-1", help="mesh axis sizes (train.py --mesh)")
@@ -639,6 +641,9 @@ def main(argv=None):
     files = [f for pat in args.table for f in sorted(glob.glob(pat))]
     print_table([json.load(open(f)) for f in files])
     return None
+  note = default_config(args, local_platform())
+  if note:
+    print(note, file=sys.stderr)
   if args.small:
     args.config = "tiny" if args.config == "mid" else args.config
     args.batch = args.batch or 16
@@ -656,6 +661,26 @@ def main(argv=None):
   print_roofline(res["roofline"])
   print("wrote", path, flush=True)
   return res
+
+
+def local_platform() -> str:
+  import jax
+  return jax.devices()[0].platform
+
+
+def default_config(args, platform: str) -> str | None:
+  """Sets ``args.config`` when it was not given: ``mid`` for a GPU (this host's or a deviceless
+  ``--target``), and on a CPU host the ``--small`` run (``mid`` at its batch asks ~100 GB there);
+  returns the line that says so, or None."""
+  if args.config is not None:
+    return None
+  args.config = "mid"
+  if args.target != "cpu" or platform != "cpu" or args.small:
+    return None
+  args.small = True
+  return ("bench.train_step: no --config on a CPU host: the smoke run (--small: tiny, batch 16, "
+          "one device); for the benchmark sizes pass --config mid --batch N [--compile_only], or "
+          "--target h200 for the GPU program compiled here")
 
 
 def roofline_defaults(target: str = "h200") -> dict:

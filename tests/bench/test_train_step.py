@@ -1,6 +1,7 @@
 """bench/train_step.py --small runs the real train step on CPU and writes a complete JSON; the HLO
 counters and the scope grouping; bench/collectives.py's HLO accounting on a hand-written module."""
 
+import argparse
 import contextlib
 import io
 import json
@@ -403,3 +404,16 @@ def test_packed_and_padded_runs_report_the_same_layout_fields(tmp_path, capsys, 
   train_step.main(["--table", str(tmp_path / "*.json")])
   out = capsys.readouterr().out
   assert "padded -> packed" in out and "tiny xla b16 cpu: useful share" in out
+
+
+def test_no_config_on_a_cpu_host_is_the_smoke_run():
+  """Without --config a CPU host gets the --small run and a line saying what to pass for more
+  (mid at its full batch asks ~100 GB there); a GPU, a deviceless --target or an explicit
+  --config keep mid or what was given."""
+  ns = lambda **kw: argparse.Namespace(**{"config": None, "target": "cpu", "small": False, **kw})
+  a = ns()
+  assert "--config mid --batch" in train_step.default_config(a, "cpu")
+  assert a.small and a.config == "mid"                    # --small then runs tiny, batch 16
+  for a, platform in ((ns(), "gpu"), (ns(target="h200"), "cpu"), (ns(config="dev"), "cpu")):
+    assert train_step.default_config(a, platform) is None and not a.small
+    assert a.config in ("mid", "dev")
