@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import pallas_kernels
 from kunlun.configs.types import BucketSpec
 from kunlun.nn import packed
-from kunlun.nn.fused import masked_residual, qk_norm_rotary
+from kunlun.nn.fused import apart, masked_residual, qk_norm_rotary
 from kunlun.nn.gdpa import gdpa_op
 from kunlun.nn.norms import rms_norm
 from kunlun.nn.time_encoding import bucket_embedding, rotary_time
@@ -112,7 +112,8 @@ class SeqAttention(nn.Module):
         return packed.Packed(self._packed(x, h, jag, age, w, sc), jag)
       B, T, _ = s.shape
       lengths = jnp.asarray(lengths, jnp.int32)
-      q, k, v = (shard(jnp.einsum("btd,dhc->bthc", h, w[:, i]), _ACT_AXES) for i in range(3))
+      q, k, v = (shard(jnp.einsum("btd,dhc->bthc", hi, w[:, i]), _ACT_AXES)
+                 for i, hi in enumerate(apart(h, 3)))
       emb = bucket_embedding(self, "time_bucket_q", q, age, lengths, self.time_buckets)
       rot, rot_age = None, age if self.rotary else None
       if self.rotary and self.kind == "block":         # the block kernel rotates in-kernel
@@ -138,7 +139,7 @@ class SeqAttention(nn.Module):
     if self.kind != "block" and self.activation != "softmax":
       raise ValueError(f"attention.kind = {self.kind!r} with activation {self.activation!r} has "
                        "no jagged op (packed towers: softmax, or kind 'block')")
-    q, k, v = (jnp.einsum("nd,dhc->nhc", h, w[:, i]) for i in range(3))
+    q, k, v = (jnp.einsum("nd,dhc->nhc", hi, w[:, i]) for i, hi in enumerate(apart(h, 3)))
     emb = bucket_embedding(self, "time_bucket_q", q, age, None, self.time_buckets, jag)
     # as one row [1, N, H, dh]: the rotation by age and the tokens' pos, angles recomputed in
     # the backward (kunlun.nn.fused.rotary)

@@ -9,6 +9,7 @@ float32 intermediates and broadcast masks.
                                        (and the positional heads' ``positions``; never
                                        stored); the backward is the inverse rotation
   qk_norm_rotary(x, scale, age, ...)   QK-norm, bucket embedding and rotary in two passes
+  apart(h, n)                          n uses of h that XLA cannot merge (no dot merger)
   masked_residual(s, y, lengths)       ``where(t < lengths, s + y, 0)`` in float32, cast to
                                        ``s.dtype``, for a ``y`` that is zero at the padding
                                        rows; the backward is one masked copy of the cotangent
@@ -37,6 +38,15 @@ def _mask(lengths, T):
   padding rows of the sequence activations are finite (zero) by construction."""
   valid = jnp.arange(T)[None, :] < jnp.asarray(lengths, jnp.int32)[:, None]
   return valid.astype(F32)[..., None]
+
+
+def apart(h, n: int) -> list:
+  """``n`` uses of ``h`` that XLA cannot merge: each passes its own (tagged) optimization
+  barrier. Projections of one input (attention's q / k / v, HSP's k / v) read it apart so that
+  each writes its own buffer; XLA's dot merger would otherwise compute them as one ``[..., n H
+  dh]`` output and copy each out of it as a strided slice (``h``, a matmul operand, is in memory
+  either way)."""
+  return [jax.lax.optimization_barrier((h, jnp.int32(i)))[0] for i in range(n)]
 
 
 # ---- masked residual ----------------------------------------------------------------------
@@ -124,20 +134,24 @@ def rotary(x, age, t_scale: float = 60.0, positions=None):
   return _rotary(x, age, jnp.asarray(positions, jnp.int32), float(t_scale))
 
 
-def _angles(x, age, positions, t_scale):
+def _rotated(x, age, positions, t_scale, sign=1.0):
+  """``x`` rotated (``sign`` -1: the inverse rotation) by the angles of ``age`` / ``positions``,
+  in float32: ``x cos(a) + sign [-x2, x1] sin(a)`` with the angles ``a`` laid out over the whole
+  head (``[a, a]``), so every output element takes its own ``cos`` and ``sin`` and the pass is one
+  fusion that reads ``x`` and writes the result (with ``cos`` / ``sin`` of half-width tables, each
+  used by two output halves, XLA writes the float32 tables out rather than compute them twice).
+  The inputs pass an optimization barrier together: no table is shared between two rotations."""
+  x, age, positions = jax.lax.optimization_barrier((x, age, positions))
   ang = rotary_angles(age, x.shape[2], x.shape[3], t_scale, positions)        # [B, T, H, D/2]
-  return jnp.cos(ang), jnp.sin(ang)
-
-
-def _rotate(x, cos, sin, sign=1.0):
-  x1, x2 = jnp.split(x.astype(F32), 2, axis=-1)
-  s = sin if sign > 0 else -sin
-  return jnp.concatenate([x1 * cos - x2 * s, x2 * cos + x1 * s], axis=-1)
+  ang = jnp.concatenate([ang, ang], axis=-1)
+  xf = x.astype(F32)
+  x1, x2 = jnp.split(xf, 2, axis=-1)
+  return xf * jnp.cos(ang) + sign * jnp.concatenate([-x2, x1], axis=-1) * jnp.sin(ang)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _rotary(x, age, positions, t_scale):
-  return _rotate(x, *_angles(x, age, positions, t_scale)).astype(x.dtype)
+  return _rotated(x, age, positions, t_scale).astype(x.dtype)
 
 
 def _rotary_fwd(x, age, positions, t_scale):
@@ -146,7 +160,7 @@ def _rotary_fwd(x, age, positions, t_scale):
 
 def _rotary_bwd(t_scale, res, g):
   age, positions, x0 = res
-  return (_rotate(g, *_angles(g, age, positions, t_scale), sign=-1.0).astype(x0.dtype),  # R^T g
+  return (_rotated(g, age, positions, t_scale, sign=-1.0).astype(x0.dtype),           # R^T g
           jnp.zeros_like(age), np.zeros(positions.shape, jax.dtypes.float0))
 
 

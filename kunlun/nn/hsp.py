@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from kunlun.configs.types import BucketSpec
 from kunlun.nn import packed
 from kunlun.nn.attention import masked_softmax_attention
+from kunlun.nn.fused import apart
 from kunlun.nn.gdpa import gdpa_op
 from kunlun.nn.norms import rms_norm
 from kunlun.nn.time_encoding import add_bucket_embedding
@@ -108,8 +109,8 @@ class HSP(nn.Module):
       e = self.param("seeds", with_axes(nn.initializers.normal(0.02), ("seeds", "embed")),
                      (self.n_seed, d), F32)
       q = _to_heads(self, "query", rms_norm(e), H, dt)
-      hs = rms_norm(s, dtype=dt)
-      k, v = _to_heads(self, "key", hs, H, dt), _to_heads(self, "value", hs, H, dt)
+      hk, hv = apart(rms_norm(s, dtype=dt), 2)           # k and v: their own buffers
+      k, v = _to_heads(self, "key", hk, H, dt), _to_heads(self, "value", hv, H, dt)
       k = add_bucket_embedding(self, "time_bucket_k", k, age, lengths, self.time_buckets, jag)
       gdpa = dict(activation=self.activation, out_scale=1.0 / (self.t_max or s.shape[1]),
                   score_clip=self.score_clip)

@@ -122,16 +122,16 @@ def _scaled_rms_norm_fwd(x, scale, eps, dtype):
 
 
 def _scaled_rms_norm_bwd(eps, dtype, res, dz):
-  """``dscale = sum_rows(dz y)``, ``dx = rms_norm's backward of dy = dz scale``. The scale's
-  column sums read their own (barrier-separated) copy of the inputs and recompute the row
-  statistics: XLA writes a shared float32 ``dz`` or ``y`` otherwise."""
-  x1, dz1 = jax.lax.optimization_barrier((res[0], dz))
+  """``dscale = sum_rows(dz y)``, ``dx = rms_norm's backward of dy = dz scale``. The row
+  statistics ``r`` are one small pass that both read (behind a barrier): a column sum whose
+  operand holds a row reduction does not fuse, and XLA would write the float32 product ``dz y``
+  out to sum it."""
   del dtype
-  dscale = jnp.sum(dz1.astype(F32) * (x1.astype(F32) * _rms_stats(x1, eps)[1]),
-                   axis=tuple(range(dz.ndim - 1)))
   x, scale, dz = jax.lax.optimization_barrier(res + (dz,))   # no CSE with the forward
   _, r = _rms_stats(x, eps)
+  x, dz, r = jax.lax.optimization_barrier((x, dz, r))
   y = x.astype(F32) * r
+  dscale = jnp.sum(dz.astype(F32) * y, axis=tuple(range(dz.ndim - 1)))
   dy = dz.astype(F32) * scale
   m = jnp.mean(dy * y, axis=-1, keepdims=True)
   return (r * (dy - y * m)).astype(x.dtype), dscale.astype(scale.dtype)

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from kunlun.nn.activations import gelu
+from kunlun.nn.fused import apart
 from kunlun.nn.norms import rms_norm
 from sharding import shard, with_axes
 
@@ -47,9 +48,9 @@ class WeightGen(nn.Module):
       kv_init = with_axes(nn.initializers.lecun_normal(in_axis=0, out_axis=(1, 2)),
                           ("mlp", "heads", "head_dim"))
       shape = (d_ns, self.heads, dh)
-      proj = lambda name: jnp.einsum("bme,ehc->bmhc", h,
-                                     self.param(name, kv_init, shape, F32).astype(h.dtype))
-      k, v = proj("key"), proj("value")
+      proj = lambda name, h: jnp.einsum("bme,ehc->bmhc", h,
+                                        self.param(name, kv_init, shape, F32).astype(h.dtype))
+      k, v = (proj(n, hi) for n, hi in zip(("key", "value"), apart(h, 2), strict=True))
       if self.key_norm:
         k = rms_norm(k).astype(self.dtype)
       axes = ("batch", "kv", "heads", "head_dim")

@@ -33,6 +33,18 @@ def test_auto_capacity_is_per_block(capsys):
   assert "per process batch of 64 (4 blocks of 16 examples)" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("n,most,want", [
+    (0, 0, 64), (320, 10**6, 320), (4095, 10**6, 4096), (6080, 10**6, 6144),
+    (43904, 10**6, 44032), (140928, 10**6, 141312), (163008, 10**6, 163840),
+    (163008, 163000, 163008), (5000, 5000, 5056)])
+def test_aligned_capacity(n, most, want):
+  """A block's auto capacity: a multiple of 64 x the largest power of two (<= 2048) whose 64
+  multiples still fit n (so the slack stays under 1/32 of n), capped at the block's most tokens
+  rounded up to 64 (mid's H200 split-K tiles want 44032, 141312 for 43904, 140928)."""
+  got = runtime.aligned_capacity(n, most)
+  assert got == want and got - n <= max(64, n / 32)
+
+
 def test_auto_capacity_buckets(capsys):
   lens = {"click": np.random.default_rng(0).integers(0, 40, 500)}
   got = runtime.capacity_from_lengths(lens, 64, 2, buckets=3)["click"]
