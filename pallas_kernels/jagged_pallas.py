@@ -16,7 +16,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels import _poison, activations, jagged
+from pallas_kernels import _poison, activations, jagged, tuning
 from pallas_kernels.reference import score_clip_value
 
 _F32 = jnp.float32
@@ -80,15 +80,63 @@ def _act(s, cfg: _Cfg, head, with_slope=False):
   return out[0], jnp.where(jnp.abs(s) <= c, out[1], 0.0)
 
 
-def _call(kernel, cfg: _Cfg, scalars, ops, out_shape, grid, name):
-  """``pallas_call`` with per-program scalars (blocked on grid axis 0) and whole operands."""
-  spec = pl.BlockSpec((1,), lambda i, h: (i,))
+def _call(kernel, cfg: _Cfg, scalars, ops, out_shape, grid, name, stages):
+  """``pallas_call`` with per-program scalars (blocked on grid axis 0) and whole operands,
+  ``stages`` pipeline stages (``_plan``)."""
+  spec = pl.BlockSpec((1,), lambda i, *_: (i,))
   whole = pl.no_block_spec
   return _poison.pallas_call(
       functools.partial(kernel, cfg=cfg), (*scalars, *ops), out_shape=out_shape, grid=grid,
       in_specs=[spec] * len(scalars) + [whole] * len(ops),
       out_specs=(whole,) * len(out_shape) if isinstance(out_shape, tuple) else whole,
-      interpret=cfg.interpret, name=name)
+      interpret=cfg.interpret, name=name,
+      compiler_params=plgpu.CompilerParams(num_warps=tuning.JAGGED_WARPS, num_stages=stages))
+
+
+# ----------------------------------------------------------------------------- shared memory
+#
+# A kernel keeps in shared memory the [rows, D] tiles it loads once and, per pipeline stage, those
+# its loop loads every step (``tuning.smem_estimate``). ``_plan`` picks the most stages (at most
+# jax's default 3) at which it fits the GPU's shared memory, splitting a dimension loaded whole
+# (GDPA's n_kv example keys, the pool's S seeds) into the largest chunks that fit: a contracted
+# dimension becomes an inner loop over chunks (``_chunks``), an independent one a third grid axis
+# (``_chunk_grid``). One chunk (every mid shape) is the unsplit kernel.
+
+
+def _row(x) -> int:
+  """Bytes of one ``[D]`` row of ``x``."""
+  return x.shape[-1] * jnp.dtype(x.dtype).itemsize
+
+
+def _plan(name, cfg: _Cfg, need, whole=None):
+  """``(chunk rows, num_stages)`` of kernel ``name`` needing ``need(chunk) = (resident,
+  streamed)`` bytes; ``whole``: the power-of-two rows of the dimension it may split (None:
+  none). ``tuning.fit_smem`` against the GPU's limit (a CPU: the target's), one loop copy per
+  distinct activation of ``cfg``."""
+  return tuning.fit_smem(need, whole, copies=len(set(cfg.acts or ("",))), what=name)
+
+
+def _span(start, n):
+  """Row indices ``start + [0, n)`` (no add for a static 0)."""
+  return jnp.arange(n) if isinstance(start, int) and start == 0 else start + jnp.arange(n)
+
+
+def _chunks(n, size, body, carry):
+  """``body(start, carry)`` over the ``size``-row chunks of ``n`` rows (one call when one chunk
+  holds them all)."""
+  if size >= n:
+    return body(0, carry)
+  return lax.fori_loop(0, pl.cdiv(n, size), lambda j, c: body(j * size, c), carry)
+
+
+def _chunk_grid(size, n):
+  """The grid axis over ``size``-row chunks of ``n`` rows: () for one chunk."""
+  return () if size >= n else (pl.cdiv(n, size),)
+
+
+def _chunk_start(size, n):
+  """First row of this program's chunk (grid axis 2, ``_chunk_grid``)."""
+  return 0 if size >= n else pl.program_id(2) * size
 
 
 # ----------------------------------------------------------------------------- GDPA cross / pool
@@ -98,17 +146,17 @@ def _call(kernel, cfg: _Cfg, scalars, ops, out_shape, grid, name):
 # dk/dv). Zero-filled rows need no mask: act(0) = 0 and a zero v (or do) row adds nothing.
 
 
-def _ex_rows(ref, b, n, h, count):
-  """Rows ``[0, n)`` of ``ref[b, :, h, :]`` (an example's keys, seeds' gradients), zero at and
-  past ``count``."""
-  valid = jnp.broadcast_to((jnp.arange(n) < count)[:, None], (n, ref.shape[-1]))
-  return plgpu.load(ref.at[b, pl.ds(0, n), h, :], mask=valid, other=0.0)
+def _ex_rows(ref, b, n, h, count, start=0):
+  """Rows ``[start, start + n)`` of ``ref[b, :, h, :]`` (an example's keys, seeds' gradients),
+  zero at and past row ``count``."""
+  valid = jnp.broadcast_to((_span(start, n) < count)[:, None], (n, ref.shape[-1]))
+  return plgpu.load(ref.at[b, pl.ds(start, n), h, :], mask=valid, other=0.0)
 
 
-def _ex_store(ref, b, h, x, count):
+def _ex_store(ref, b, h, x, count, start=0):
   n, d = x.shape
-  plgpu.store(ref.at[b, pl.ds(0, n), h, :], x.astype(ref.dtype),
-              mask=jnp.broadcast_to((jnp.arange(n) < count)[:, None], (n, d)))
+  plgpu.store(ref.at[b, pl.ds(start, n), h, :], x.astype(ref.dtype),
+              mask=jnp.broadcast_to((_span(start, n) < count)[:, None], (n, d)))
 
 
 def _scores(a, b, cfg: _Cfg, h, with_slope=False):
@@ -150,8 +198,10 @@ def _cross_kernel(lo_ref, hi_ref, seg_ref, kvl_ref, q_ref, k_ref, v_ref, o_ref, 
   q = _rows(q_ref, r0, cfg.tile, h, real)
 
   def example(b, on_b, acc):
-    k, v = (_ex_rows(x, b, cfg.kv_tile, h, kvl_ref[b]) for x in (k_ref, v_ref))
-    return acc + _dot(jnp.where(on_b[:, None], _scores(q, k, cfg, h), 0.0), v)
+    def chunk(start, acc):                    # kv_tile keys of the example
+      k, v = (_ex_rows(x, b, cfg.kv_tile, h, kvl_ref[b], start) for x in (k_ref, v_ref))
+      return acc + _dot(jnp.where(on_b[:, None], _scores(q, k, cfg, h), 0.0), v)
+    return _chunks(k_ref.shape[1], cfg.kv_tile, chunk, acc)
 
   acc = _tile_loop(lo_ref, hi_ref, seg_ref, B, cfg, example, jnp.zeros(q.shape, _F32))
   _store(o_ref, r0, h, acc * cfg.out_scale, r0 + jnp.arange(cfg.tile) < q_ref.shape[0])
@@ -164,10 +214,12 @@ def _cross_dq_kernel(lo_ref, hi_ref, seg_ref, kvl_ref, q_ref, k_ref, v_ref, do_r
   q, do = (_rows(x, r0, cfg.tile, h, real) for x in (q_ref, do_ref))
 
   def example(b, on_b, dq):
-    k, v = (_ex_rows(x, b, cfg.kv_tile, h, kvl_ref[b]) for x in (k_ref, v_ref))
-    _, slope = _scores(q, k, cfg, h, with_slope=True)
-    ds = jnp.where(on_b[:, None], _dot(do, v, trans_b=True) * slope, 0.0)
-    return dq + _dot(ds, k)
+    def chunk(start, dq):
+      k, v = (_ex_rows(x, b, cfg.kv_tile, h, kvl_ref[b], start) for x in (k_ref, v_ref))
+      _, slope = _scores(q, k, cfg, h, with_slope=True)
+      ds = jnp.where(on_b[:, None], _dot(do, v, trans_b=True) * slope, 0.0)
+      return dq + _dot(ds, k)
+    return _chunks(k_ref.shape[1], cfg.kv_tile, chunk, dq)
 
   dq = _tile_loop(lo_ref, hi_ref, seg_ref, B, cfg, example, jnp.zeros(q.shape, _F32))
   _store(dq_ref, r0, h, dq * (cfg.scale * cfg.out_scale),
@@ -177,7 +229,8 @@ def _cross_dq_kernel(lo_ref, hi_ref, seg_ref, kvl_ref, q_ref, k_ref, v_ref, do_r
 def _cross_dkv_kernel(start_ref, end_ref, kvl_ref, q_ref, k_ref, v_ref, do_ref, dk_ref, dv_ref, *,
                       cfg: _Cfg):
   b, h = pl.program_id(0), pl.program_id(1)
-  k, v = (_ex_rows(x, b, cfg.tile, h, kvl_ref[0]) for x in (k_ref, v_ref))
+  r0 = _chunk_start(cfg.tile, k_ref.shape[1])                # this program's kv rows
+  k, v = (_ex_rows(x, b, cfg.tile, h, kvl_ref[0], r0) for x in (k_ref, v_ref))
 
   def tile(start, rows, carry):
     dk, dv = carry
@@ -187,15 +240,17 @@ def _cross_dkv_kernel(start_ref, end_ref, kvl_ref, q_ref, k_ref, v_ref, do_ref, 
 
   zeros = jnp.zeros(k.shape, _F32)
   dk, dv = _example_loop(start_ref, end_ref, cfg, tile, (zeros, zeros))
-  _ex_store(dk_ref, b, h, dk * (cfg.scale * cfg.out_scale), k_ref.shape[1])
-  _ex_store(dv_ref, b, h, dv * cfg.out_scale, k_ref.shape[1])
+  _ex_store(dk_ref, b, h, dk * (cfg.scale * cfg.out_scale), k_ref.shape[1], r0)
+  _ex_store(dv_ref, b, h, dv * cfg.out_scale, k_ref.shape[1], r0)
 
 
 def _cross_fwd(cfg: _Cfg, q, k, v, jag, kvl):
   lo, hi = jagged.tile_examples(jag, cfg.tile)
-  return _call(_cross_kernel, cfg, (lo, hi), (jag.seg, kvl, q, k, v),
+  r = _row(q)
+  ck, stages = _plan("jagged_gdpa_cross", cfg, lambda c: (cfg.tile * r, 2 * c * r), cfg.kv_tile)
+  return _call(_cross_kernel, cfg._replace(kv_tile=ck), (lo, hi), (jag.seg, kvl, q, k, v),
                jax.ShapeDtypeStruct(q.shape, q.dtype), (lo.shape[0], q.shape[1]),
-               "jagged_gdpa_cross")
+               "jagged_gdpa_cross", stages)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -207,13 +262,18 @@ def _gdpa_cross_bwd(cfg: _Cfg, res, do):
   q, k, v, jag, kvl = res
   do = do.astype(q.dtype)
   lo, hi = jagged.tile_examples(jag, cfg.tile)
-  H = q.shape[1]
-  dq = _call(_cross_dq_kernel, cfg, (lo, hi), (jag.seg, kvl, q, k, v, do),
-             jax.ShapeDtypeStruct(q.shape, q.dtype), (lo.shape[0], H), "jagged_gdpa_cross_dq")
-  per_ex = cfg._replace(tile=cfg.kv_tile, kv_tile=cfg.tile)    # kv rows x token tiles
+  H, r = q.shape[1], _row(q)
+  ck, stages = _plan("jagged_gdpa_cross_dq", cfg, lambda c: (2 * cfg.tile * r, 2 * c * r),
+                     cfg.kv_tile)
+  dq = _call(_cross_dq_kernel, cfg._replace(kv_tile=ck), (lo, hi), (jag.seg, kvl, q, k, v, do),
+             jax.ShapeDtypeStruct(q.shape, q.dtype), (lo.shape[0], H), "jagged_gdpa_cross_dq",
+             stages)
+  ck, stages = _plan("jagged_gdpa_cross_dkv", cfg, lambda c: (2 * c * r, 2 * cfg.tile * r),
+                     cfg.kv_tile)
+  per_ex = cfg._replace(tile=ck, kv_tile=cfg.tile)             # kv rows x token tiles
   dk, dv = _call(_cross_dkv_kernel, per_ex, (jag.offsets[:-1], jag.offsets[1:], kvl),
                  (q, k, v, do), (jax.ShapeDtypeStruct(k.shape, k.dtype),) * 2,
-                 (jag.batch, H), "jagged_gdpa_cross_dkv")
+                 (jag.batch, H, *_chunk_grid(ck, k.shape[1])), "jagged_gdpa_cross_dkv", stages)
   return dq, dk, dv, jax.tree.map(lambda _: None, jag), None
 
 
@@ -224,8 +284,9 @@ def jagged_gdpa_cross_pallas(q, k, v, jag, *, activation="fast_gelu", scale=None
                              out_scale=1.0, kv_lengths=None, score_clip=None, interpret=False,
                              block_q=64):
   """Pallas ``jagged.jagged_gdpa_cross``: grid (token tiles of ``block_q``, heads); a tile loops
-  over the examples it overlaps, reading each one's ``n_kv`` keys once. Backward: dq on the
-  same grid; dk, dv on (examples, heads), each walking its example's token tiles."""
+  over the examples it overlaps, reading each one's ``n_kv`` keys once (in chunks where they do
+  not fit shared memory, ``_plan``). Backward: dq on the same grid; dk, dv on (examples, heads
+  [, key chunks]), each walking its example's token tiles."""
   jagged.check_example_kv(k, v, jag, q)
   N, H, D = q.shape
   kvl = jnp.full((jag.batch,), k.shape[1], jnp.int32) if kv_lengths is None else jnp.clip(
@@ -238,21 +299,23 @@ def jagged_gdpa_cross_pallas(q, k, v, jag, *, activation="fast_gelu", scale=None
 
 def _pool_kernel(start_ref, end_ref, q_ref, k_ref, v_ref, o_ref, *, cfg: _Cfg):
   b, h, S = pl.program_id(0), pl.program_id(1), q_ref.shape[0]
-  q = _rows(q_ref, 0, cfg.tile, h, jnp.arange(cfg.tile) < S)
+  s0 = _chunk_start(cfg.tile, S)                             # this program's seeds
+  q = _rows(q_ref, s0, cfg.tile, h, _span(s0, cfg.tile) < S)
 
   def tile(start, rows, acc):
     k, v = (_rows(x, start, cfg.kv_tile, h, rows) for x in (k_ref, v_ref))
     return acc + _dot(_scores(q, k, cfg, h), v)
 
   acc = _example_loop(start_ref, end_ref, cfg, tile, jnp.zeros(q.shape, _F32))
-  _ex_store(o_ref, b, h, acc * cfg.out_scale, S)
+  _ex_store(o_ref, b, h, acc * cfg.out_scale, S, s0)
 
 
 def _pool_dq_kernel(start_ref, end_ref, q_ref, k_ref, v_ref, do_ref, dq_ref, *, cfg: _Cfg):
   """Each example's partial seed gradient ``[B, S, H, D]`` (summed over examples after)."""
   b, h, S = pl.program_id(0), pl.program_id(1), q_ref.shape[0]
-  q = _rows(q_ref, 0, cfg.tile, h, jnp.arange(cfg.tile) < S)
-  do = _ex_rows(do_ref, b, cfg.tile, h, S)
+  s0 = _chunk_start(cfg.tile, S)
+  q = _rows(q_ref, s0, cfg.tile, h, _span(s0, cfg.tile) < S)
+  do = _ex_rows(do_ref, b, cfg.tile, h, S, s0)
 
   def tile(start, rows, dq):
     k, v = (_rows(x, start, cfg.kv_tile, h, rows) for x in (k_ref, v_ref))
@@ -260,7 +323,7 @@ def _pool_dq_kernel(start_ref, end_ref, q_ref, k_ref, v_ref, do_ref, dq_ref, *, 
     return dq + _dot(_dot(do, v, trans_b=True) * slope, k)
 
   dq = _example_loop(start_ref, end_ref, cfg, tile, jnp.zeros(q.shape, _F32))
-  _ex_store(dq_ref, b, h, dq * (cfg.scale * cfg.out_scale), S)
+  _ex_store(dq_ref, b, h, dq * (cfg.scale * cfg.out_scale), S, s0)
 
 
 def _pool_dkv_kernel(lo_ref, hi_ref, seg_ref, q_ref, k_ref, v_ref, do_ref, dk_ref, dv_ref, *,
@@ -268,16 +331,24 @@ def _pool_dkv_kernel(lo_ref, hi_ref, seg_ref, q_ref, k_ref, v_ref, do_ref, dk_re
   h, B, S = pl.program_id(1), do_ref.shape[0], q_ref.shape[0]
   r0, real = _own_rows(seg_ref, cfg, B)
   k, v = (_rows(x, r0, cfg.tile, h, real) for x in (k_ref, v_ref))
-  sq = cfg.kv_tile
-  q = _rows(q_ref, 0, sq, h, jnp.arange(sq) < S)
+  sq = cfg.kv_tile                                           # seeds per step
 
-  def example(b, on_b, carry):
+  def seeds(q, do, on_b, carry):
     dk, dv = carry
-    do = _ex_rows(do_ref, b, sq, h, S)
-    p_t, slope_t = _scores(k, q, cfg, h, with_slope=True)                # [tile, S]
+    p_t, slope_t = _scores(k, q, cfg, h, with_slope=True)                # [tile, sq]
     p_t = jnp.where(on_b[:, None], p_t, 0.0)
     ds_t = jnp.where(on_b[:, None], _dot(v, do, trans_b=True) * slope_t, 0.0)
     return dk + _dot(ds_t, q), dv + _dot(p_t, do)
+
+  if sq >= S:                                                # all seeds, loaded once
+    q = _rows(q_ref, 0, sq, h, jnp.arange(sq) < S)
+    example = lambda b, on_b, c: seeds(q, _ex_rows(do_ref, b, sq, h, S), on_b, c)
+  else:
+    def example(b, on_b, carry):
+      def chunk(s0, c):
+        q = _rows(q_ref, s0, sq, h, _span(s0, sq) < S)
+        return seeds(q, _ex_rows(do_ref, b, sq, h, S, s0), on_b, c)
+      return _chunks(S, sq, chunk, carry)
 
   zeros = jnp.zeros(k.shape, _F32)
   dk, dv = _tile_loop(lo_ref, hi_ref, seg_ref, B, cfg, example, (zeros, zeros))
@@ -288,9 +359,11 @@ def _pool_dkv_kernel(lo_ref, hi_ref, seg_ref, q_ref, k_ref, v_ref, do_ref, dk_re
 
 def _pool_fwd(cfg: _Cfg, q, k, v, jag):
   S, H, D = q.shape
-  return _call(_pool_kernel, cfg, (jag.offsets[:-1], jag.offsets[1:]), (q, k, v),
-               jax.ShapeDtypeStruct((jag.batch, S, H, D), q.dtype), (jag.batch, H),
-               "jagged_gdpa_pool")
+  r = _row(q)
+  sc, stages = _plan("jagged_gdpa_pool", cfg, lambda c: (c * r, 2 * cfg.kv_tile * r), cfg.tile)
+  return _call(_pool_kernel, cfg._replace(tile=sc), (jag.offsets[:-1], jag.offsets[1:]),
+               (q, k, v), jax.ShapeDtypeStruct((jag.batch, S, H, D), q.dtype),
+               (jag.batch, H, *_chunk_grid(sc, S)), "jagged_gdpa_pool", stages)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -302,14 +375,19 @@ def _gdpa_pool_bwd(cfg: _Cfg, res, do):
   q, k, v, jag = res
   do = do.astype(q.dtype)
   S, H, D = q.shape
-  dq = _call(_pool_dq_kernel, cfg, (jag.offsets[:-1], jag.offsets[1:]), (q, k, v, do),
-             jax.ShapeDtypeStruct((jag.batch, S, H, D), _F32), (jag.batch, H),
-             "jagged_gdpa_pool_dq")
-  lo, hi = jagged.tile_examples(jag, cfg.kv_tile)
-  per_tile = cfg._replace(tile=cfg.kv_tile, kv_tile=cfg.tile)  # token tiles x seeds
+  r, t = _row(q), cfg.kv_tile
+  sc, stages = _plan("jagged_gdpa_pool_dq", cfg, lambda c: (2 * c * r, 2 * t * r), cfg.tile)
+  dq = _call(_pool_dq_kernel, cfg._replace(tile=sc), (jag.offsets[:-1], jag.offsets[1:]),
+             (q, k, v, do), jax.ShapeDtypeStruct((jag.batch, S, H, D), _F32),
+             (jag.batch, H, *_chunk_grid(sc, S)), "jagged_gdpa_pool_dq", stages)
+  lo, hi = jagged.tile_examples(jag, t)
+  # k, v tiles resident; all seeds: q too and do per example; chunks: q and do per step
+  need = lambda c: ((2 * t + c) * r, c * r) if c >= S else (2 * t * r, 2 * c * r)
+  sc, stages = _plan("jagged_gdpa_pool_dkv", cfg, need, cfg.tile)
+  per_tile = cfg._replace(tile=t, kv_tile=sc)                # token tiles x seeds
   dk, dv = _call(_pool_dkv_kernel, per_tile, (lo, hi), (jag.seg, q, k, v, do),
                  (jax.ShapeDtypeStruct(k.shape, k.dtype),) * 2, (lo.shape[0], H),
-                 "jagged_gdpa_pool_dkv")
+                 "jagged_gdpa_pool_dkv", stages)
   return jnp.sum(dq, axis=0).astype(q.dtype), dk, dv, jax.tree.map(lambda _: None, jag)
 
 
@@ -318,10 +396,11 @@ _gdpa_pool.defvjp(lambda cfg, *a: (_pool_fwd(cfg, *a), a), _gdpa_pool_bwd)
 
 def jagged_gdpa_pool_pallas(q, k, v, jag, *, activation="fast_gelu", scale=None, out_scale=1.0,
                             score_clip=None, interpret=False, block_k=64):
-  """Pallas ``jagged.jagged_gdpa_pool``: grid (examples, heads); a program keeps the seeds and
-  walks its example's tokens ``[offsets[b], offsets[b+1])`` in tiles of ``block_k``. Backward:
-  per-example seed gradients on the same grid (summed after); dk, dv on (token tiles, heads),
-  each tile walking the examples it overlaps."""
+  """Pallas ``jagged.jagged_gdpa_pool``: grid (examples, heads [, seed chunks where the seeds do
+  not fit shared memory, ``_plan``]); a program keeps its seeds and walks its example's tokens
+  ``[offsets[b], offsets[b+1])`` in tiles of ``block_k``. Backward: per-example seed gradients on
+  the same grid (summed after); dk, dv on (token tiles, heads), each tile walking the examples
+  it overlaps."""
   jagged.check_tokens(jag, k, v)
   S, H, D = q.shape
   cfg = _Cfg(activations.per_head(activation, H), D ** -0.5 if scale is None else float(scale),
@@ -380,8 +459,9 @@ def _block_bwd_kernel(start_ref, nst_ref, nva_ref, q_ref, k_ref, v_ref, do_ref, 
 
 def _block_fwd(cfg: _Cfg, q, k, v, jag):
   table = jagged.block_table(jag, cfg.tile)
+  _, stages = _plan("jagged_block_attention", cfg, lambda _: (3 * cfg.tile * _row(q), 0))
   return _call(_block_kernel, cfg, table, (q, k, v), jax.ShapeDtypeStruct(q.shape, q.dtype),
-               (table[0].shape[0], q.shape[1]), "jagged_block_attention")
+               (table[0].shape[0], q.shape[1]), "jagged_block_attention", stages)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -392,9 +472,10 @@ def _block_attention(cfg: _Cfg, q, k, v, jag):
 def _block_attention_bwd(cfg: _Cfg, res, do):
   q, k, v, jag = res
   table = jagged.block_table(jag, cfg.tile)
+  _, stages = _plan("jagged_block_attention_bwd", cfg, lambda _: (4 * cfg.tile * _row(q), 0))
   grads = _call(_block_bwd_kernel, cfg, table, (q, k, v, do.astype(q.dtype)),
                 (jax.ShapeDtypeStruct(q.shape, q.dtype),) * 3, (table[0].shape[0], q.shape[1]),
-                "jagged_block_attention_bwd")
+                "jagged_block_attention_bwd", stages)
   return (*grads, jax.tree.map(lambda _: None, jag))
 
 
@@ -544,10 +625,13 @@ def _softmax_fwd(cfg: _Cfg, q, k, v, jag):
   """``(o [N, H, D], lse f32[H, N])``."""
   klo, khi = key_ranges(jag, cfg.tile, cfg.window)
   N, H, _ = q.shape
+  r = _row(q)        # streamed: k, v rows and their segment ids
+  _, stages = _plan("jagged_softmax_attention", cfg,
+                    lambda _: (cfg.tile * r, cfg.kv_tile * (2 * r + 4)))
   return _call(functools.partial(_softmax_kernel, B=jag.batch), cfg, (klo, khi),
                (jag.seg, q, k, v), (jax.ShapeDtypeStruct(q.shape, q.dtype),
                                     jax.ShapeDtypeStruct((H, N), _F32)),
-               (klo.shape[0], H), "jagged_softmax_attention")
+               (klo.shape[0], H), "jagged_softmax_attention", stages)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -565,16 +649,22 @@ def _softmax_attention_bwd(cfg: _Cfg, res, do):
   do = do.astype(q.dtype)
   delta = jnp.sum(do.astype(_F32) * o.astype(_F32), axis=-1).T           # [H, N]
   N, H, _ = q.shape
+  r = _row(q)
   klo, khi = key_ranges(jag, cfg.tile, cfg.window)
+  _, stages = _plan("jagged_softmax_attention_dq", cfg,
+                    lambda _: (2 * cfg.tile * r, cfg.kv_tile * (2 * r + 4)))
   dq = _call(functools.partial(_softmax_dq_kernel, B=jag.batch), cfg, (klo, khi),
              (jag.seg, q, k, v, do, lse, delta), jax.ShapeDtypeStruct(q.shape, q.dtype),
-             (klo.shape[0], H), "jagged_softmax_attention_dq")
+             (klo.shape[0], H), "jagged_softmax_attention_dq", stages)
   per_key = cfg._replace(tile=cfg.kv_tile, kv_tile=cfg.tile)
   qlo, qhi = key_ranges(jag, per_key.tile, cfg.window)
+  # streamed: q, do rows, their segment ids, lse and delta
+  _, stages = _plan("jagged_softmax_attention_dkv", per_key,
+                    lambda _: (2 * per_key.tile * r, per_key.kv_tile * (2 * r + 12)))
   dk, dv = _call(functools.partial(_softmax_dkv_kernel, B=jag.batch), per_key, (qlo, qhi),
                  (jag.seg, q, k, v, do, lse, delta),
                  (jax.ShapeDtypeStruct(k.shape, k.dtype),) * 2, (qlo.shape[0], H),
-                 "jagged_softmax_attention_dkv")
+                 "jagged_softmax_attention_dkv", stages)
   return dq, dk, dv, jax.tree.map(lambda _: None, jag)
 
 

@@ -4,6 +4,8 @@
 shape class on the GPU and writes the fastest correct one here, keyed by device kind, backend
 and ``key(...)``. Kernels look their tiles up at trace time; without an entry they use
 ``DEFAULTS`` (chosen from the sm_90 compile-only register and spill report, see README).
+The packed (jagged) kernels fit their tiles and pipeline stages to the GPU's shared memory
+(``fit_smem``).
 """
 
 from __future__ import annotations
@@ -86,6 +88,59 @@ def lookup(backend: str, kernel: str, shape_key: str, dtype, *, device_kind=None
     return tuple(entry)
   d16, d32 = defaults or (DEFAULTS, DEFAULTS_F32)
   return (d32 if jnp.dtype(dtype) == jnp.float32 else d16)[kernel]
+
+
+# ----------------------------------------------------------------------------- shared memory
+# Shared memory one thread block may use (the opt-in maximum, CUDA C++ Programming Guide,
+# "Technical Specifications per Compute Capability"), bytes, by compute capability.
+SMEM_PER_BLOCK = {80: 166912, 86: 101376, 89: 101376, 90: 232448, 100: 232448, 120: 101376}
+TARGET_CC = 90     # without a GPU attached (deviceless compiles, interpret mode): H100 / H200
+# The jagged kernels' Triton settings (jax's defaults, which mid's figures were measured with).
+JAGGED_WARPS, JAGGED_STAGES = 4, 3
+
+
+def smem_limit() -> int:
+  """Shared memory per block of the attached GPU, else of ``TARGET_CC`` (an unknown GPU: the
+  smallest in ``SMEM_PER_BLOCK``)."""
+  try:
+    d = jax.devices()[0]
+  except RuntimeError:
+    d = None
+  cc = getattr(d, "compute_capability", None) if d is not None and d.platform == "gpu" else None
+  cc = TARGET_CC if cc is None else int(float(cc) * 10)
+  return SMEM_PER_BLOCK.get(cc, min(SMEM_PER_BLOCK.values()))
+
+
+def smem_estimate(resident: int, streamed: int, num_stages: int, copies: int = 1) -> int:
+  """Shared-memory bytes of a Triton kernel: the tiles it loads once (``resident``) plus
+  ``num_stages`` buffers of those its loop loads every step (``streamed``: the pipeliner keeps up
+  to num_stages in flight), each pipelined loop ``copies`` times (XLA's Triton unswitches a loop
+  over a per-head activation switch: one loop and its own buffers per distinct activation). An
+  upper bound of what XLA's Triton allocated for every jagged kernel at mid and prod shapes, 1 to
+  4 stages."""
+  return resident + num_stages * streamed * (copies if num_stages > 1 else 1)
+
+
+def fit_smem(need, whole: int | None = None, *, copies: int = 1, stages: int = JAGGED_STAGES,
+             floor: int = 64, limit: int | None = None,
+             what: str = "kernel") -> tuple[int | None, int]:
+  """``(chunk, num_stages)`` of a kernel needing ``need(chunk) = (resident, streamed)`` bytes
+  (``smem_estimate``) within ``limit`` (``smem_limit()``): the most stages (at most ``stages``)
+  at which a chunk of ``whole`` rows (a power of two: a dimension the kernel would load at once;
+  None: nothing to split) halved down to ``floor`` rows fits, and the largest such chunk; else
+  one stage and chunks down to 16 rows (the dot minimum). ValueError when none fits."""
+  limit = smem_limit() if limit is None else limit
+  halves = lambda lo: [whole >> i for i in range(whole.bit_length()) if whole >> i >= lo]
+  chunks = [None] if whole is None else halves(min(floor, whole))
+  tries = [(s, c) for s in range(stages, 0, -1) for c in chunks]
+  tries += [] if whole is None else [(1, c) for c in halves(16) if c not in chunks]
+  for s, c in tries:
+    if smem_estimate(*need(c), s, copies) <= limit:
+      return c, s
+  s, c = tries[-1]
+  raise ValueError(f"{what}: needs {smem_estimate(*need(c), s, copies)} bytes of shared memory "
+                   f"at its smallest tiles, more than the GPU's {limit} per block: use smaller "
+                   "tiles or 16-bit operands")
 
 
 def clamp_tile(block: int, n: int) -> int:
