@@ -380,3 +380,41 @@ def test_pallas_against_the_xla_twin(name):
                             strict=True):
         # another summation order: dseeds sums over every token of the batch
         np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5, err_msg=f"{case} d{what}")
+
+
+# prod's head size (d_h 128) with more keys and seeds than one kernel can hold in shared memory
+# at once: the GDPA kernels split them (tuning.fit_smem). bfloat16 (prod): the cross forward and
+# dq kernels read an example's keys in 2 chunks of 128; float32: every GDPA kernel splits them
+# into chunks of 64 rows (inner loops: cross fwd / dq, pool dk/dv; a third grid axis: cross
+# dk/dv, pool fwd / dq).
+PROD_LENGTHS, PROD_N, PROD_D, PROD_NKV, PROD_S = np.array([40, 0, 70, 9]), 128, 128, 200, 100
+PROD_TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}   # of the largest element
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_pallas_gdpa_at_prod_head_dim_against_the_xla_twin(dtype):
+  """Cross (ragged kv lengths) and pool GDPA kernels, outputs and gradients, poisoned outputs."""
+  ks = jax.random.split(jax.random.key(5), 6)
+  jag = jagged.from_lengths(PROD_LENGTHS, PROD_N)
+  tok = lambda k: jax.random.normal(k, (PROD_N, 1, PROD_D), dtype)
+  ex = lambda k: jax.random.normal(k, (B, PROD_NKV, 1, PROD_D), dtype)
+  ops = (tok(ks[0]), ex(ks[1]), ex(ks[2]), jax.random.normal(ks[3], (PROD_S, 1, PROD_D), dtype),
+         tok(ks[4]), tok(ks[5]))
+  kvl = np.array([200, 17, 0, 129])
+  cross = dict(activation="silu", kv_lengths=kvl, score_clip=4.0)
+
+  def run(gdpa_cross, gdpa_pool, **kw):
+    def f(q, kk, vv, sd, k, v):
+      return (gdpa_cross(q, kk, vv, jag, **cross, **kw).astype(jnp.float32),
+              gdpa_pool(sd, k, v, jag, activation="gelu", **kw).astype(jnp.float32))
+    outs, vjp = jax.vjp(f, *ops)
+    return outs, vjp(tuple(jnp.cos(o) for o in outs))
+
+  want = jax.jit(lambda: run(jagged.jagged_gdpa_cross, jagged.jagged_gdpa_pool))()
+  with _poison.poison_outputs():
+    got = jax.jit(lambda: run(jagged_pallas.jagged_gdpa_cross_pallas,
+                              jagged_pallas.jagged_gdpa_pool_pallas, interpret=True))()
+  names = ["cross", "pool", "dq", "dk_ex", "dv_ex", "dseeds", "dk", "dv"]
+  for what, g, r in zip(names, jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+    g, r = np.asarray(g, np.float32), np.asarray(r, np.float32)
+    np.testing.assert_allclose(g, r, atol=PROD_TOL[dtype] * np.abs(r).max(), err_msg=what)

@@ -1,0 +1,177 @@
+"""Shared memory of the packed (jagged) Pallas kernels: the rule that fits their tiles to the GPU
+(``tuning.fit_smem``), the tiles it picks at mid and prod shapes, and every kernel (forward and
+backward) compiled deviceless for the H200 at prod's shapes by the venv ``scripts/setup.sh
+--gpu-compile`` makes (``python -m tests.pallas_kernels.test_jagged_smem DUMP_DIR`` runs there).
+Before the rule, the GDPA cross forward and dq kernels asked for 278,532 and 294,916 bytes of the
+H200's 232,448 per block (an example's 256 keys and values, two pipeline buffers)."""
+
+import glob
+import json
+import os
+import re
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from bench.profiling import gpu_target
+from pallas_kernels import jagged, jagged_pallas, tuning
+from tests.bench.profiling.test_gpu_target import GPU_PY, ROOT
+
+# (heads, head dim, n_kv, seeds, window): kunlun/configs/prod.py's high-value towers (the
+# low-value one is no larger in any), mid's towers (kunlun/configs/mid.py: 64 or 32 seeds)
+SHAPES = {"prod": (4, 128, 256, 128, 128), "mid": (4, 64, 64, 64, 64),
+          "mid_s32": (4, 64, 64, 32, 64)}
+B, N = 4, 1024
+FAMILIES = ("cross", "cross_per_head", "pool", "pool_per_head", "block_softmax", "block_gdpa",
+            "softmax_band", "softmax_full")
+PER_HEAD = ("gelu", "silu", "relu2", "fast_gelu")   # XLA's Triton: one loop copy each
+
+
+def _families(shape, dtype=jnp.bfloat16):
+  """``{family: (value and gradients of one packed op, argument shapes)}`` at ``shape``."""
+  H, D, NKV, S, W = SHAPES[shape]
+  tok = jax.ShapeDtypeStruct((N, H, D), dtype)
+  ex = jax.ShapeDtypeStruct((B, NKV, H, D), dtype)
+  seeds = jax.ShapeDtypeStruct((S, H, D), dtype)
+  jp = jagged_pallas
+  ops = {
+      "cross": (lambda q, k, v, j: jp.jagged_gdpa_cross_pallas(
+          q, k, v, j, kv_lengths=jnp.full((B,), NKV - 3)), (tok, ex, ex)),
+      "cross_per_head": (lambda q, k, v, j: jp.jagged_gdpa_cross_pallas(
+          q, k, v, j, activation=PER_HEAD[:H], score_clip=8.0), (tok, ex, ex)),
+      "pool": (lambda q, k, v, j: jp.jagged_gdpa_pool_pallas(q, k, v, j), (seeds, tok, tok)),
+      "pool_per_head": (lambda q, k, v, j: jp.jagged_gdpa_pool_pallas(
+          q, k, v, j, activation=PER_HEAD[:H]), (seeds, tok, tok)),
+      "block_softmax": (lambda q, k, v, j: jp.jagged_block_attention_pallas(q, k, v, j),
+                        (tok, tok, tok)),
+      "block_gdpa": (lambda q, k, v, j: jp.jagged_block_attention_pallas(
+          q, k, v, j, activation="silu", score_clip=4.0), (tok, tok, tok)),
+      "softmax_band": (lambda q, k, v, j: jp.jagged_softmax_attention_pallas(q, k, v, j, window=W),
+                       (tok, tok, tok)),
+      "softmax_full": (lambda q, k, v, j: jp.jagged_softmax_attention_pallas(q, k, v, j),
+                       (tok, tok, tok)),
+  }
+  lens = jax.ShapeDtypeStruct((B,), jnp.int32)
+  loss = lambda fn: jax.value_and_grad(lambda lens, *o: jnp.sum(
+      fn(*o, jagged.from_lengths(lens, N)).astype(jnp.float32)), argnums=(1, 2, 3))
+  return {name: (loss(fn), (lens, *o)) for name, (fn, o) in ops.items()}
+
+
+def _plans(shape, monkeypatch):
+  """``{(family, kernel): (whole, chunk, stages, estimated bytes)}`` at ``shape``."""
+  seen, plan = {}, jagged_pallas._plan
+  for family, (fn, args) in _families(shape).items():
+    def record(name, cfg, need, whole=None, family=family):
+      chunk, stages = plan(name, cfg, need, whole)
+      est = tuning.smem_estimate(*need(chunk), stages, len(set(cfg.acts or ("",))))
+      seen[family, name] = (whole, chunk, stages, est)
+      return chunk, stages
+    monkeypatch.setattr(jagged_pallas, "_plan", record)
+    jax.make_jaxpr(fn)(*args)
+  return seen
+
+
+def test_the_limit_is_the_h200_target_files():
+  with open(gpu_target.TARGETS["h200"]) as f:
+    optin = int(re.search(r"shared_memory_per_block_optin: (\d+)", f.read()).group(1))
+  assert tuning.SMEM_PER_BLOCK[tuning.TARGET_CC] == optin == tuning.smem_limit()  # CPU: target
+
+
+def test_fit_smem_keeps_the_most_stages_then_the_largest_chunk():
+  kv = lambda c: (16 << 10, 2 * c * 256)          # a 64 x 128 bf16 tile, c keys and values
+  assert tuning.fit_smem(kv, 64) == (64, 3)        # fits: unchanged
+  assert tuning.fit_smem(kv, 256) == (128, 3)      # 400 KiB at 3 stages -> 208 KiB
+  assert tuning.fit_smem(kv, 256, floor=256) == (256, 1)
+  assert tuning.fit_smem(kv, 256, copies=4) == (256, 1)   # 4 loop copies: no 2 stages fit
+  assert tuning.fit_smem(kv, 1024, floor=1024) == (256, 1)   # below the floor at 1 stage
+  assert tuning.smem_estimate(10, 5, 3, copies=4) == 70
+  assert tuning.smem_estimate(10, 5, 1, copies=4) == 15   # one stage: nothing pipelined
+  assert tuning.fit_smem(lambda _: (100_000, 50_000), None) == (None, 2)
+  with pytest.raises(ValueError) as e:
+    tuning.fit_smem(lambda _: (300_000, 0), None, what="k")
+  assert str(e.value).startswith("k: needs 300000 bytes") and "\n" not in str(e.value)
+
+
+KERNELS = {f"jagged_{k}" for k in (
+    "gdpa_cross", "gdpa_cross_dq", "gdpa_cross_dkv", "gdpa_pool", "gdpa_pool_dq", "gdpa_pool_dkv",
+    "block_attention", "block_attention_bwd", "softmax_attention", "softmax_attention_dq",
+    "softmax_attention_dkv")}
+
+
+@pytest.mark.parametrize("shape", ["mid", "mid_s32"])
+def test_mid_keeps_its_tiles(shape, monkeypatch):
+  """Every kernel loads its whole dimension at once with jax's default 3 stages (the tiles mid's
+  figures were measured with), per-head activations too."""
+  plans = _plans(shape, monkeypatch)
+  assert {k for _, k in plans} == KERNELS
+  for key, (whole, chunk, stages, _) in plans.items():
+    assert (chunk, stages) == (whole, tuning.JAGGED_STAGES), key
+
+
+def test_prod_tiles(monkeypatch):
+  """bf16, d_h 128: the cross forward and dq read an example's 256 keys in chunks of 128 (whole:
+  400 / 416 KiB at 3 stages), the rest as at mid; with 4 per-head activations (4 loop copies,
+  each with its own pipeline buffers) the GDPA kernels run unpipelined (1 stage)."""
+  plans = _plans("prod", monkeypatch)
+  for (family, name), (whole, chunk, stages, est) in plans.items():
+    if family.endswith("per_head") and name.startswith("jagged_gdpa"):
+      want = (whole, 1)
+    else:
+      want = (128 if name in ("jagged_gdpa_cross", "jagged_gdpa_cross_dq") else whole, 3)
+    assert (chunk, stages) == want, (family, name)
+    assert est <= tuning.SMEM_PER_BLOCK[90], (family, name)
+
+
+@pytest.fixture(scope="module")
+def prod_compiled(tmp_path_factory):
+  """``{family: {"smem": {kernel: bytes}} or {"error": first line}}`` of the deviceless H200
+  compiles at prod's shapes (``main``)."""
+  if not os.path.exists(GPU_PY):
+    pytest.skip(f"no {GPU_PY}: {gpu_target.INSTALL} makes it")
+  dump = tmp_path_factory.mktemp("dump")
+  p = subprocess.run([GPU_PY, "-m", "tests.pallas_kernels.test_jagged_smem", str(dump)],
+                     cwd=ROOT, env={**os.environ, "JAX_PLATFORMS": "cpu"}, capture_output=True,
+                     text=True, timeout=600)
+  assert p.returncode == 0, p.stderr[-3000:]
+  return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_packed_kernels_compile_for_h200_at_prod_shapes(prod_compiled, family):
+  r = prod_compiled[family]
+  assert "error" not in r, r.get("error")
+  assert len(r["smem"]) == (2 if family.startswith("block") else 3), r   # fwd and bwd kernels
+
+
+def test_estimates_bound_the_compiled_shared_memory(prod_compiled, monkeypatch):
+  plans = _plans("prod", monkeypatch)
+  for family, r in prod_compiled.items():
+    for kernel, smem in r.get("smem", {}).items():
+      assert smem <= plans[family, kernel][-1], (family, kernel, smem, plans[family, kernel])
+
+
+def main(dump_dir):
+  """Compiles every family at prod's shapes for the H200 (deviceless); prints the JSON of
+  ``prod_compiled``: each kernel's shared memory from the dumped thunk sequence."""
+  gpu_target.set_flags(dump_dir, "h200")
+  mesh = gpu_target.gpu_mesh("h200")
+  out, seen = {}, set()
+  for family, (fn, args) in _families("prod").items():
+    try:
+      gpu_target.compile_for(fn, args, mesh)
+    except Exception as e:  # noqa: BLE001 - reported to the test
+      out[family] = {"error": str(e).splitlines()[0][:300]}
+      continue
+    new = set(glob.glob(os.path.join(dump_dir, "*thunk_sequence.txt"))) - seen
+    seen |= new
+    out[family] = {"smem": {k: v["smem"] for p in sorted(new)
+                            for k, v in gpu_target.thunk_launches(p).items()
+                            if k.startswith("jagged")}}
+  print(json.dumps(out))
+
+
+if __name__ == "__main__":
+  main(sys.argv[1])
