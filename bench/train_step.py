@@ -254,18 +254,26 @@ def useful_figures(batch, seq_lens: dict, capacity, dropped: dict, flops_useful:
           "useful_mfu_bound": flops_useful / (x["bound_s"] * rl["device"]["peak_flops"])}
 
 
-def build_step(cfg, mesh, rules, batch_np, abstract: bool):
+def build_step(cfg, mesh, rules, batch_np, abstract: bool, remat_budget: int | None = None):
   """The real train step of ``cfg`` on ``mesh`` / ``rules`` as train.py builds it
   (``kunlun.train.step.build``), and its arguments: ``(jitted_step, model, params, opt_state,
   batch)``. ``abstract``: ShapeDtypeStructs with shardings (compile without initialising), else
-  initialised arrays."""
+  initialised arrays. ``train.remat=auto``: the policy ``step.pick_remat`` picks for
+  ``remat_budget`` bytes per device (recorded as ``train.remat_picked`` / ``remat_peaks``)."""
   import jax
 
   from data.synthetic import PRESETS, preset_schema
   from kunlun.models.build import build_model
   from kunlun.train import step as step_lib
 
-  model = build_model(cfg, preset_schema(PRESETS[cfg.data.preset]))
+  schema = preset_schema(PRESETS[cfg.data.preset])
+  model = build_model(cfg, schema)
+  if cfg.train.get("remat", "none") == "auto":   # the least recompute that fits (train.py's)
+    name, peaks = step_lib.pick_remat(lambda r: build_model(cfg, schema, r), cfg, batch_np, mesh,
+                                      rules, jax.random.key(0), remat_budget)
+    cfg.train.remat_picked = name
+    cfg.train.remat_peaks = {k: int(v) for k, v in peaks.items()}
+    model = build_model(cfg, schema, name)
   ts, params, opt_state = step_lib.build(cfg, model, batch_np, mesh, rules, jax.random.key(0),
                                          abstract=abstract)
   if abstract:
@@ -332,8 +340,13 @@ def run(args) -> dict:
     batch_np, dropped = pipeline.pack_batch(batch_np, capacity, shards)
     cfg.data.jagged_capacity = ",".join(f"{s}={n}" for s, n in capacity.items())
   t0 = time.perf_counter()
+  budget = None
+  if cfg.train.get("remat", "none") == "auto":
+    from kunlun.train.step import device_memory
+    memory = target.get("memory") if gpu else device_memory()
+    budget = None if memory is None else int(memory * float(cfg.train.remat_memory))
   train_step, model, params, opt_state, batch = build_step(cfg, mesh, rules, batch_np,
-                                                           args.compile_only)
+                                                           args.compile_only, budget)
   init_s = time.perf_counter() - t0
   rng = jax.random.key(1)
   step0 = jnp.asarray(0, jnp.int32)
@@ -374,7 +387,9 @@ def run(args) -> dict:
       "layout": "packed" if capacity else "padded",
       "useful": useful_figures(batch_np, seq_lens, capacity, dropped, flops_actual, rl),
       "config": args.config, "backend": cfg.model.backend, "dtype": cfg.model.dtype,
-      "remat": cfg.train.get("remat", "none"),
+      "remat": cfg.train.get("remat_picked", cfg.train.get("remat", "none")),
+      "remat_auto": ({"budget": budget, "peaks": cfg.train.remat_peaks}
+                     if "remat_peaks" in cfg.train else None),
       "remat_scope": cfg.train.get("remat_scope", "layer"),
       "microbatches": int(cfg.train.get("microbatches", 1)),
       "sparse_embedding_update": bool(cfg.train.get("sparse_embedding_update", False)),

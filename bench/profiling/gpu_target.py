@@ -27,8 +27,8 @@ TARGETS = {"h200": os.path.join(TARGET_DIR, "h200_sxm.txtpb"),
            "h100": os.path.join(TARGET_DIR, "h100_sxm.txtpb")}
 INSTALL = "bash scripts/setup.sh --gpu-compile, then run with .venv-gpu/bin/python"
 # Roofline numbers of each target: bf16 dense peak, HBM bandwidth (the target file's).
-DEVICE = {"h200": {"peak_flops": 989e12, "bandwidth": 4.917e12},
-          "h100": {"peak_flops": 989e12, "bandwidth": 3.352e12}}
+DEVICE = {"h200": {"peak_flops": 989e12, "bandwidth": 4.917e12, "memory": 141e9},
+          "h100": {"peak_flops": 989e12, "bandwidth": 3.352e12, "memory": 80e9}}
 
 
 def _find_spec(name: str):
@@ -114,6 +114,7 @@ def target_info(target: str, n_devices: int = 1) -> dict:
   f = target_file(target, n_devices)
   m = re.search(r"--xla_gpu_load_autotune_results_from=(\S+)", os.environ.get("XLA_FLAGS", ""))
   return {"name": target, "file": rel(f), "deviceless": True,
+          "memory": DEVICE.get(target, {}).get("memory"),
           "device_topology": f.endswith(_DEVICE_FILES["topology"]),
           "autotune_results": rel(m.group(1) if m else device_file(target, "autotune"))}
 

@@ -169,13 +169,17 @@ def _weights_ok(v) -> bool:
 
 
 REMAT_POLICIES = ("none", "dots_no_batch", "dots_saveable", "full")   # kunlun/nn/remat.py
+# train.remat also takes "auto": the least recompute whose compiled step fits the device's memory
+# (kunlun.train.step.pick_remat tries them in this order)
+REMAT_ORDER = ("none", "dots_saveable", "dots_no_batch", "full")
+REMAT_CHOICES = REMAT_POLICIES + ("auto",)
 REMAT_SCOPES = ("layer", "tower")
 BUCKET_KINDS = ("age", "log_age", "gap", "position")   # kunlun/nn/time_encoding.py
 DAY = 86_400.0                                          # seconds
 
 # registry name -> its names; or -> (module, attribute) of a lower layer that imports jax,
 # imported only when asked
-_NAMES = {"remat": REMAT_POLICIES, "remat_scope": REMAT_SCOPES, "bucket_kinds": BUCKET_KINDS}
+_NAMES = {"remat": REMAT_CHOICES, "remat_scope": REMAT_SCOPES, "bucket_kinds": BUCKET_KINDS}
 _LAZY = {"rules": ("sharding.rules", "PRESETS"), "presets": ("data.synthetic", "PRESETS"),
          "gdpa": ("pallas_kernels.activations", "NAMES")}
 
@@ -264,8 +268,11 @@ FIELDS: dict[str, Field] = {
                              I, 0),
     "train.task_weights": F((), "per-task loss weights, one per task (empty: all 1.0)",
                             "numbers"),
-    "train.remat": F("none", "recompute in the backward pass (memory for compute)", C,
-                     choices="remat"),
+    "train.remat": F("none", "recompute in the backward pass (memory for compute); auto: the "
+                     "least recompute whose compiled step fits train.remat_memory of a device",
+                     C, choices="remat"),
+    "train.remat_memory": F(0.9, "remat=auto: the share of a device's memory the step may "
+                            "take", N, 0, 1, open_lo=True),
     "train.remat_scope": F("layer", "what the remat policy wraps (kunlun/nn/remat.py)", C,
                            choices="remat_scope"),
     "train.microbatches": F(1, "gradient accumulation: the batch in this many parts "

@@ -13,15 +13,19 @@ from kunlun.models.kunlun import Kunlun
 from kunlun.nn import remat as remat_lib
 
 
-def build_model(config, schema: Schema) -> nn.Module:
+def build_model(config, schema: Schema, remat: str | None = None) -> nn.Module:
   """Validates ``config.model`` against ``schema`` and builds ``config.model.arch``: Kunlun,
-  InterFormer, DLRM or the ablated Kunlun trunk.
+  InterFormer, DLRM or the ablated Kunlun trunk. ``remat``: the policy (default
+  ``config.train.remat``; its ``auto`` builds ``none``: the train set-up measures and picks,
+  ``kunlun.train.step.pick_remat``, and nothing else trains).
 
   Raises ValueError naming the offending field and the allowed values.
   """
   cfg = parse(config, schema)
   train = config.get("train") if "model" in config else None
-  remat = str(train.get("remat", "none")) if train is not None else "none"
+  if remat is None:
+    remat = str(train.get("remat", "none")) if train is not None else "none"
+    remat = "none" if remat == "auto" else remat
   scope = str(train.get("remat_scope", "layer")) if train is not None else "layer"
   remat_lib.check(remat, scope)
   if cfg.arch == "kunlun":

@@ -127,6 +127,8 @@ def setup(config, workdir: str, *, mesh: str, dcn_mesh: str | None = None,
   example = next(iter(ds))           # shapes only; the training iterator starts fresh below
   data_iter = iter(ds)
   init_rng, train_rng = jax.random.split(jax.random.key(config.seed))
+  if config.train.get("remat", "none") == "auto":   # the least recompute that fits a device
+    model = pick_remat(config, schema, example, mesh_, rules, init_rng, task_w)
   ts, params, opt_state = step_lib.build(config, model, example, mesh_, rules, init_rng,
                                          task_weights=task_w)
   start = 0
@@ -139,6 +141,22 @@ def setup(config, workdir: str, *, mesh: str, dcn_mesh: str | None = None,
   runtime.save_run_info(workdir, config, data_dir, schema, fingerprint)   # after the restore
   return Run(config, workdir, data_dir, schema, plan, mesh_, rules, model, data_iter, ts, ckpt,
              params, opt_state, train_rng, start, start)
+
+
+def pick_remat(config, schema, example, mesh, rules, rng, task_weights):
+  """``train.remat=auto``: the model under ``step.pick_remat``'s policy for this device's
+  memory x ``train.remat_memory`` (printed; one line if none fits)."""
+  memory = step_lib.device_memory()
+  budget = None if memory is None else int(memory * float(config.train.remat_memory))
+  try:
+    name, _ = step_lib.pick_remat(lambda r: runtime.fit_and_build_model(config, schema, r),
+                                  config, example, mesh, rules, rng, budget,
+                                  task_weights=task_weights)
+  except ValueError as e:
+    startup.fail(str(e))
+  why = "no device memory figure (CPU)" if budget is None else f"fits {budget / 2**30:.1f} GiB"
+  print(f"train.remat=auto: {name} ({why})", flush=True)
+  return runtime.fit_and_build_model(config, schema, name)
 
 
 @dataclasses.dataclass(eq=False)

@@ -183,9 +183,9 @@ def check_data_files(data_dir: str, split: str) -> None:
           flush=True)
 
 
-def fit_and_build_model(config, schema):
+def fit_and_build_model(config, schema, remat: str | None = None):
   """Fits ``config.model.towers`` to the schema's streams (kunlun/configs/fit.py, in place) and
-  builds the model; a config / schema mismatch is a FatalError."""
+  builds the model (``remat``: ``build_model``'s); a config / schema mismatch is a FatalError."""
   from kunlun.configs.transfer import parse_transfer
   from kunlun.models.build import build_model as _build
   try:
@@ -201,7 +201,7 @@ def fit_and_build_model(config, schema):
     for note in fit_towers(config, schema):     # towers follow the schema's streams (in place)
       if jax.process_index() == 0:
         print(f"config: {note}", flush=True)
-    return _build(config, schema)
+    return _build(config, schema, remat)
   except ValueError as e:
     fail(f"config does not fit the data schema: {e}")
 

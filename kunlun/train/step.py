@@ -10,12 +10,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from kunlun.configs.fields import default
+from kunlun.configs.fields import REMAT_ORDER, default
 from kunlun.nn.inputs import GROUP_SEP, LOOKUP_IDS, ROW_TAPS
 from kunlun.nn.losses import masked_bce
 from kunlun.train import optim
 from kunlun.train.sparse_update import make_sparse_update
-from sharding import partition
+from sharding import checks, partition
 
 
 def _per_task_sums(logits_bk, labels_bk, mask_bk):
@@ -72,6 +72,41 @@ def build(config, model, example, mesh, rules, rng, *, task_weights=(), abstract
                        opt_shardings=o_shard, batch_sharding=b_shard,
                        microbatches=int(config.train.get("microbatches", 1)))
   return TrainStep(fn, tx, p_shard, o_shard, b_shard), params, opt_state
+
+
+def device_memory() -> int | None:
+  """Bytes a device's allocator may hold (its ``memory_stats`` limit), None where it has no such
+  figure (the CPU)."""
+  stats = jax.devices()[0].memory_stats() or {}
+  limit = stats.get("bytes_limit")
+  return int(limit) if limit else None
+
+
+def pick_remat(make_model, config, example, mesh, rules, rng, budget: int | None, *,
+               task_weights=(), log=print) -> tuple[str, dict]:
+  """``train.remat=auto``: the first policy of ``fields.REMAT_ORDER`` (none, dots_saveable,
+  dots_no_batch, full: least recompute first) whose compiled train step's peak memory per device
+  (``sharding.checks.memory_per_device``) is at most ``budget`` bytes, and ``{policy: peak
+  bytes}`` of those compiled. ``make_model(policy)`` builds the model; ``budget`` None (no
+  memory figure, the CPU): "none" without compiling. Each candidate costs one compile (abstract
+  parameters, nothing initialised). ValueError when even "full" does not fit."""
+  if budget is None:
+    return "none", {}
+  peaks = {}
+  for name in REMAT_ORDER:
+    ts, params, opt_state = build(config, make_model(name), example, mesh, rules, rng,
+                                  task_weights=task_weights, abstract=True)
+    batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype,
+                                                        sharding=ts.batch_sharding), example)
+    compiled = ts.fn.lower(params, opt_state, batch, rng, jnp.zeros((), jnp.int32)).compile()
+    peaks[name] = checks.memory_per_device(compiled)["peak_estimate"]
+    log(f"train.remat=auto: {name} needs {peaks[name] / 2**30:.1f} GiB of the "
+        f"{budget / 2**30:.1f} GiB budget per device")
+    if peaks[name] <= budget:
+      return name, peaks
+  raise ValueError(f"train.remat=auto: no policy fits {budget / 2**30:.1f} GiB per device (full "
+                   f"remat needs {peaks['full'] / 2**30:.1f} GiB); use a smaller batch, more "
+                   "train.microbatches or more devices")
 
 
 def make_train_step(model, tx, task_weights=None, *, sparse_update=None, param_shardings=None,

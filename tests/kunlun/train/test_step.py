@@ -7,7 +7,10 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
+import pytest
 
+from kunlun.configs import fields
+from kunlun.nn import remat as remat_lib
 from kunlun.train import optim, step
 from kunlun.train.sparse_update import make_sparse_update
 
@@ -401,3 +404,59 @@ class _Deep(nn.Module):
     for _ in range(6):
       h = jax.nn.relu(nn.Dense(8)(h))
     return nn.Dense(2)(h)
+
+
+class _Block(nn.Module):
+  """A wide hidden layer between two narrow ones (test only)."""
+
+  @nn.compact
+  def __call__(self, h):
+    return jnp.tanh(nn.Dense(64)(jnp.tanh(nn.Dense(2048)(h))))
+
+
+class _Deep(nn.Module):
+  """Four blocks under a remat policy (test only): the backward keeps each block's wide hidden
+  activations unless they are recomputed."""
+  remat: str = "none"
+
+  @nn.compact
+  def __call__(self, batch, train: bool = False):
+    Block = remat_lib.wrap(_Block, self.remat)
+    h = batch["dense"]
+    for i in range(4):
+      h = Block(name=f"b{i}")(h)
+    return nn.Dense(2)(h)
+
+
+def test_pick_remat_takes_the_least_recompute_that_fits():
+  """``train.remat=auto``: the first of none, dots_saveable, dots_no_batch, full whose compiled
+  step's peak per device fits the budget; none without a memory figure; an error naming the
+  need when nothing fits. Peaks compiled here independently per policy."""
+  from kunlun.configs import tiny
+  from sharding import checks
+  from sharding import mesh as M
+  from sharding import rules as R
+  config = tiny.get_config()
+  mesh, rules = M.make_mesh({"fsdp": 1}, devices=jax.devices()[:1]), R.get_rules("fsdp")
+  example = _batch(B=1024)
+  rng = jax.random.key(0)
+
+  def peak(name):
+    ts, p, o = step.build(config, _Deep(name), example, mesh, rules, rng, abstract=True)
+    b = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=ts.batch_sharding),
+                     example)
+    return checks.memory_per_device(ts.fn.lower(p, o, b, rng, jnp.int32(0)).compile())[
+        "peak_estimate"]
+
+  peaks = {n: peak(n) for n in ("none", "full")}
+  assert peaks["full"] < peaks["none"], peaks             # the toy's recompute saves memory
+  pick = lambda budget: step.pick_remat(_Deep, config, example, mesh, rules, rng, budget,
+                                        log=lambda _: None)
+  name, tried = pick(peaks["none"])
+  assert name == "none" and tried == {"none": peaks["none"]}
+  name, tried = pick(peaks["full"])
+  assert list(tried) == list(fields.REMAT_ORDER)[:len(tried)] and tried[name] <= peaks["full"]
+  assert all(tried[n] > peaks["full"] for n in list(tried)[:-1]) and name != "none"
+  assert pick(None) == ("none", {})
+  with pytest.raises(ValueError, match="no policy fits"):
+    pick(peaks["full"] - 1)
