@@ -177,7 +177,8 @@ def _group_floors(progs: list[dict], pick, real, useful, peak: float) -> tuple[d
                           for i in pick])
   d = progs[0]["device"]
   bound = np.array([max(progs[i]["flops"] / d["peak_flops"], fb / d["bandwidth"])
-                    + progs[i]["launches"] * d["launch_s"] for i, fb in zip(pick, floor_bytes)])
+                    + progs[i]["launches"] * d["launch_s"]
+                    for i, fb in zip(pick, floor_bytes, strict=True)])
   return out, {"bytes_per_real_event": floor_bytes.sum() / real.sum(),
                "useful_mfu_bound": useful.sum() / (bound.sum() * peak)}
 

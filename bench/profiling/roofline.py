@@ -278,9 +278,6 @@ def op_costs(text: str) -> list[dict]:
   return out
 
 
-_PASS = ("bitcast", "get-tuple-element", "tuple", "opt-barrier")   # views: no launch, no bytes
-
-
 def group_floors(text: str, costs: list[dict] | None = None) -> dict:
   """Compulsory bytes of each scope group (``hlo_stats.scope_group``) of a compiled step:
   ``{group: {"bytes", "read", "written", "launches"}}``.
@@ -311,70 +308,30 @@ def group_floors(text: str, costs: list[dict] | None = None) -> dict:
   read, written = defaultdict(dict), defaultdict(float)
   launches = defaultdict(int)
   for c in bodies:
-    table = {ins[0]: ins for ins in comps[c]}
-    users = defaultdict(list)
+    flow = _Flow(comps[c], c, roots.get(c), group)
     for ins in comps[c]:
-      for x in dict.fromkeys(operands(ins[2])):
-        users[x].append(ins)
-
-    def source(x, path=(), depth=0):
-      """(key, producing group) of value ``x`` (``path``: tuple indices into it)."""
-      ins = table.get(x)
-      if ins is None or depth > 64:
-        return (c, x, path), "input"
-      op, ops = ins[1], operands(ins[2])
-      if op == "bitcast" and ops:
-        return source(ops[0], path, depth + 1)
-      if op == "get-tuple-element" and ops:
-        m = re.search(r"index=(\d+)", ins[2])
-        return source(ops[0], (int(m.group(1)),) + path, depth + 1)
-      if op in ("tuple", "opt-barrier") and path and ops:
-        i = path[0] if op == "tuple" else 0
-        rest = path[1:] if op == "tuple" else path
-        if op == "opt-barrier" or i < len(ops):
-          return source(ops[i], rest, depth + 1)
-      if op in ("parameter", "constant"):
-        return (c, x, path), "input"
-      return (c, x, path), group(x)
-
-    def escapes(x, g, depth=0):
-      """Whether value ``x`` reaches a launch outside group ``g`` or leaves the computation."""
-      if x == roots.get(c) or depth > 64:
-        return True
-      for u in users.get(x, ()):
-        if u[1] in ("bitcast", "tuple", "opt-barrier"):
-          if escapes(u[0], g, depth + 1):
-            return True
-        elif u[1] == "get-tuple-element":
-          continue                               # a tuple value's elements: their own users
-        elif u[1] in ("while", "conditional", "call") or (
-            hlo_stats.is_launch(u[1]) and group(u[0]) != g):
-          return True
-      return False
-
-    for ins in comps[c]:
-      name, op = ins[0], ins[1]
+      name = ins[0]
       if name not in costs:
         continue
       cost, g = costs[name], group(name)
       launches[g] += cost["times"]
       phase = "bwd" if "transpose(" in names.get(name, "") else "fwd"
       for x, nbytes in cost["reads"].items():
-        key, src = source(x)
+        key, src = flow.source(x)
         if src != g:
           k = (phase, key)
           read[g][k] = max(read[g].get(k, 0.0), nbytes * cost["times"])
       elems = arrays(ins[3])
       if ins[3].startswith("("):                 # a tuple: each element by its own users
-        for u in users.get(name, ()):
+        for u in flow.users.get(name, ()):
           m = re.search(r"index=(\d+)", u[2]) if u[1] == "get-tuple-element" else None
-          if m and int(m.group(1)) < len(elems) and escapes(u[0], g):
+          if m and int(m.group(1)) < len(elems) and flow.escapes(u[0], g):
             dt, dims = elems[int(m.group(1))]
             written[g] += min(math.prod(dims) * _DTYPE_BYTES.get(dt, 1),
                               cost["bytes_out"]) * cost["times"]
-        if escapes(name, g) and name == roots.get(c):
+        if flow.escapes(name, g) and name == roots.get(c):
           written[g] += cost["bytes_out"] * cost["times"]
-      elif escapes(name, g):
+      elif flow.escapes(name, g):
         written[g] += cost["bytes_out"] * cost["times"]
   out = {}
   for g in set(read) | set(written) | set(launches):
@@ -382,6 +339,56 @@ def group_floors(text: str, costs: list[dict] | None = None) -> dict:
     out[g] = {"bytes": r + written[g], "read": r, "written": written[g],
               "launches": int(launches[g])}
   return out
+
+
+class _Flow:
+  """Where the values of one top-level computation come from and go (``group_floors``):
+  ``body`` its instructions, ``comp`` its name, ``root`` its ROOT's name, ``group(name)`` an
+  instruction's scope group."""
+
+  def __init__(self, body, comp: str, root: str | None, group):
+    self.table = {ins[0]: ins for ins in body}
+    self.users = defaultdict(list)
+    for ins in body:
+      for x in dict.fromkeys(operands(ins[2])):
+        self.users[x].append(ins)
+    self.comp, self.root, self.group = comp, root, group
+
+  def source(self, x, path=(), depth=0):
+    """``(key, producing group)`` of value ``x`` (``path``: tuple indices into it); "input" for a
+    parameter or constant, views followed to the launch behind them."""
+    ins = self.table.get(x)
+    if ins is None or depth > 64:
+      return (self.comp, x, path), "input"
+    op, ops = ins[1], operands(ins[2])
+    if op == "bitcast" and ops:
+      return self.source(ops[0], path, depth + 1)
+    if op == "get-tuple-element" and ops:
+      m = re.search(r"index=(\d+)", ins[2])
+      return self.source(ops[0], (int(m.group(1)),) + path, depth + 1)
+    if op in ("tuple", "opt-barrier") and path and ops:
+      i = path[0] if op == "tuple" else 0
+      rest = path[1:] if op == "tuple" else path
+      if op == "opt-barrier" or i < len(ops):
+        return self.source(ops[i], rest, depth + 1)
+    if op in ("parameter", "constant"):
+      return (self.comp, x, path), "input"
+    return (self.comp, x, path), self.group(x)
+
+  def escapes(self, x, g, depth=0) -> bool:
+    """Whether value ``x`` reaches a launch outside group ``g`` or leaves the computation."""
+    if x == self.root or depth > 64:
+      return True
+    for u in self.users.get(x, ()):
+      if u[1] in ("bitcast", "tuple", "opt-barrier"):
+        if self.escapes(u[0], g, depth + 1):
+          return True
+      elif u[1] == "get-tuple-element":
+        continue                                 # a tuple value's elements: their own users
+      elif u[1] in ("while", "conditional", "call") or (
+          hlo_stats.is_launch(u[1]) and self.group(u[0]) != g):
+        return True
+    return False
 
 
 def _roots(text: str) -> dict:

@@ -172,9 +172,10 @@ _rotary.defvjp(_rotary_fwd, _rotary_bwd)
 def qk_norm_rotary(x, scale, age, *, dtype, t_scale: float = 60.0, emb=None, positions=None):
   """The attention's query / key preparation: ``scaled_rms_norm(x, scale)`` (None: skipped),
   ``+ emb`` (None: nothing), each rounded to ``dtype`` as before, then ``rotary(., age,
-  positions)`` (``age`` None: no rotation). The normalised values pass an optimization barrier before the rotation, so
-  that the norm is one pass writing ``dtype`` (XLA otherwise splits it where its norm fusion ends,
-  writing the normalised values in float32) and the rotation another."""
+  positions)`` (``age`` None: no rotation). The normalised values pass an optimization barrier
+  before the rotation, so that the norm is one pass writing ``dtype`` (XLA otherwise splits it
+  where its norm fusion ends, writing the normalised values in float32) and the rotation
+  another."""
   if scale is not None:
     x = scaled_rms_norm(x, scale, dtype=dtype)
   if emb is not None:

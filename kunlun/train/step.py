@@ -96,8 +96,9 @@ def pick_remat(make_model, config, example, mesh, rules, rng, budget: int | None
   for name in REMAT_ORDER:
     ts, params, opt_state = build(config, make_model(name), example, mesh, rules, rng,
                                   task_weights=task_weights, abstract=True)
-    batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype,
-                                                        sharding=ts.batch_sharding), example)
+    spec = lambda x, s=ts.batch_sharding: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype,
+                                                              sharding=s)
+    batch = jax.tree.map(spec, example)
     compiled = ts.fn.lower(params, opt_state, batch, rng, jnp.zeros((), jnp.int32)).compile()
     peaks[name] = checks.memory_per_device(compiled)["peak_estimate"]
     log(f"train.remat=auto: {name} needs {peaks[name] / 2**30:.1f} GiB of the "

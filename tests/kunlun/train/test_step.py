@@ -107,7 +107,6 @@ def test_microbatches_match_the_whole_batch():
 import contextlib  # noqa: E402
 
 import grain  # noqa: E402
-import pytest  # noqa: E402
 
 from data.fake import random_batch, tiny_schema  # noqa: E402
 from kunlun.nn.inputs import ContextEncoder, EventEmbed  # noqa: E402
