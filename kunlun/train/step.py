@@ -99,7 +99,8 @@ def pick_remat(make_model, config, example, mesh, rules, rng, budget: int | None
     spec = lambda x, s=ts.batch_sharding: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype,
                                                               sharding=s)
     batch = jax.tree.map(spec, example)
-    compiled = ts.fn.lower(params, opt_state, batch, rng, jnp.zeros((), jnp.int32)).compile()
+    with partition.activate(mesh, rules):       # as the loop traces it
+      compiled = ts.fn.lower(params, opt_state, batch, rng, jnp.zeros((), jnp.int32)).compile()
     peaks[name] = checks.memory_per_device(compiled)["peak_estimate"]
     log(f"train.remat=auto: {name} needs {peaks[name] / 2**30:.1f} GiB of the "
         f"{budget / 2**30:.1f} GiB budget per device")
