@@ -388,7 +388,7 @@ def run(args) -> dict:
       "useful": useful_figures(batch_np, seq_lens, capacity, dropped, flops_actual, rl),
       "config": args.config, "backend": cfg.model.backend, "dtype": cfg.model.dtype,
       "remat": cfg.train.get("remat_picked", cfg.train.get("remat", "none")),
-      "remat_auto": ({"budget": budget, "peaks": cfg.train.remat_peaks}
+      "remat_auto": ({"budget": budget, "peaks": dict(cfg.train.remat_peaks)}
                      if "remat_peaks" in cfg.train else None),
       "remat_scope": cfg.train.get("remat_scope", "layer"),
       "microbatches": int(cfg.train.get("microbatches", 1)),
