@@ -3,7 +3,9 @@
 High-value towers (``click``, ``conversion``): d 512 / H 4 / d_h 128 (spec d.7 ``large``), 4 layers,
 n_kv 256, HSP 128->32; low-value tower (``impression``): d 256 / H 2 / d_h 128, 2 layers, n_kv 128.
 Kept lengths 1024 / 256 / 1024 on the synthetic ``prod`` data (max 1024 / 256 / 2048, about half
-filled). Batch 1024, full remat per layer; memory estimate for one H200: ``ESTIMATE_GIB``.
+filled). Batch 1024; ``train.remat=auto`` recomputes only what does not fit the device
+(``kunlun.train.step.pick_remat``: on the H200 program packed towers need none, 31.5 GiB);
+the analytic memory with full remat per layer: ``ESTIMATE_GIB``.
 """
 
 from kunlun.configs.common import base_config
@@ -47,5 +49,5 @@ def get_config():
   c.data.num_examples = 50_000
   c.train.steps = 1_000
   c.train.warmup_steps = 100
-  c.train.remat = "full"
+  c.train.remat = "auto"
   return c

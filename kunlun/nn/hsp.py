@@ -68,9 +68,10 @@ class SumKronLinear(nn.Module):
       w = self.param("W", with_axes(nn.initializers.normal((d * self.rank) ** -0.5),
                                     (None, "embed", None)), (self.rank, d, do), F32)
       dt = self.dtype
-      t = jnp.einsum("rnm,bnd->brmd", z.astype(dt), h.astype(dt))
-      t = shard(t, ("batch", None, "seeds", "embed"))
-      y = jnp.einsum("brmd,rde->bme", t, w.astype(dt))
+      # t [B, n_out, rank, d]: the second product is then one matmul over (rank, d) per row
+      t = jnp.einsum("rnm,bnd->bmrd", z.astype(dt), h.astype(dt))
+      t = shard(t, ("batch", "seeds", None, "embed"))
+      y = jnp.einsum("bmrd,rde->bme", t, w.astype(dt))
       return shard(y, ("batch", "seeds", "embed"))
 
 
@@ -124,7 +125,8 @@ class HSP(nn.Module):
       o = shard(o, ("batch", "seeds", "heads", "head_dim"))
       h = e + _from_heads(self, "out", o, d, dt).astype(F32)
       h = shard(h, ("batch", "seeds", "embed"))
-      return SumKronLinear(self.n_sum, self.rank, self.out_dim, dt, name="kron")(rms_norm(h))
+      return SumKronLinear(self.n_sum, self.rank, self.out_dim, dt, name="kron")(
+          rms_norm(h, dtype=dt))
 
 
 class PMA(nn.Module):
