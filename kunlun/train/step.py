@@ -100,7 +100,7 @@ def pick_remat(make_model, config, example, mesh, rules, rng, budget: int | None
                                                               sharding=s)
     batch = jax.tree.map(spec, example)
     with partition.activate(mesh, rules):       # as the loop traces it
-      compiled = ts.fn.lower(params, opt_state, batch, rng, jnp.zeros((), jnp.int32)).compile()
+      compiled = ts.fn.lower(params, opt_state, batch, rng, np.int32(0)).compile()
     peaks[name] = checks.memory_per_device(compiled)["peak_estimate"]
     log(f"train.remat=auto: {name} needs {peaks[name] / 2**30:.1f} GiB of the "
         f"{budget / 2**30:.1f} GiB budget per device")
