@@ -25,7 +25,13 @@ import numpy as np
 
 from bench.output import RESULTS, result_path, write_json
 from bench.profiling.roofline import print_floors
-from bench.train_step import JAGGED_TARGETS, draw_lengths, load_config
+from bench.train_step import (
+  FLOOR_RATIO,
+  FUSED_TARGETS,
+  JAGGED_TARGETS,
+  draw_lengths,
+  load_config,
+)
 from data import jagged
 from data.synthetic import PRESETS, preset_schema
 from kunlun.configs import types as model_config
@@ -146,6 +152,7 @@ def combine(padded: dict, runs: list[dict], batches: int, seed: int) -> dict:
   if all("groups" in p for p in progs):
     out["groups"], out["floor"] = _group_floors(progs, pick, real, useful, pad["peak_flops"])
   out["launches_per_batch"] = float(col("launches").mean())
+  out["targets_fused"] = fused_targets(out)
   t = JAGGED_TARGETS
   q = out["buckets"]
   out["targets"] = {
@@ -158,6 +165,27 @@ def combine(padded: dict, runs: list[dict], batches: int, seed: int) -> dict:
                       >= t["bytes_per_event_ratio"])},
       "useful_mfu_bound": {"target": t["useful_mfu_bound"].get(B), "value": q["useful_mfu_bound"],
                            "met": bool(q["useful_mfu_bound"] >= t["useful_mfu_bound"].get(B, 0))}}
+  return out
+
+
+def fused_targets(r: dict) -> dict:
+  """Issue #38's targets (``bench.train_step.FUSED_TARGETS``) against the combined figures:
+  ``{name: {target, value, met}}``; every scope group's bytes / floor against ``FLOOR_RATIO``
+  where the programs carry floors."""
+  want = FUSED_TARGETS.get((os.path.basename(str(r["config"])).removesuffix(".py"),
+                            r["global_batch"]), {})
+  got = {"useful_mfu_bound": r["buckets"]["useful_mfu_bound"],
+         "bytes_per_real_event": r["buckets"]["bytes_per_real_event"],
+         "launches_per_batch": r.get("launches_per_batch")}
+  out = {}
+  for k, target in want.items():
+    v = got[k]
+    met = v >= target if k == "useful_mfu_bound" else v <= target
+    out[k] = {"target": target, "value": v, "met": bool(met)}
+  for g, v in (r.get("groups") or {}).items():
+    if v.get("floor_ratio") is not None:
+      out[f"floor_ratio/{g}"] = {"target": FLOOR_RATIO, "value": v["floor_ratio"],
+                                 "met": bool(v["floor_ratio"] <= FLOOR_RATIO)}
   return out
 
 
@@ -208,6 +236,11 @@ def report(r: dict) -> str:
     lines.append(f"at the floor (every group moving only its compulsory bytes): "
                  f"{f['bytes_per_real_event'] / 1e6:.3f} MB per real event, useful-MFU bound "
                  f"{f['useful_mfu_bound']:.1%}")
+  fused = r.get("targets_fused") or {}
+  if fused:
+    lines.append("issue #38 targets: " + "; ".join(
+        f"{k} {v['value']:.4g} (target {v['target']:.4g}): {'met' if v['met'] else 'MISSED'}"
+        for k, v in fused.items()))
   if "buckets_gemm_only" in r:
     g = r["buckets_gemm_only"]
     lines.append(f"floor (attention and GDPA charged only their GEMMs' bytes): "

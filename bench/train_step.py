@@ -520,6 +520,15 @@ JAGGED_TARGETS = {"useful_share": 0.85, "bytes_per_event_ratio": 2.5,
                   "useful_mfu_bound": {256: 0.08, 1024: 0.12}}
 
 
+# Issue #38's targets (fused tower layers; deviceless H200 program, 3 buckets over 2,000 batches,
+# `auto`), by (config, global batch): useful-MFU bound, bytes per real event, launches per step;
+# and every scope group within FLOOR_RATIO x its compulsory bytes (roofline.group_floors).
+FUSED_TARGETS = {("mid", 256): {"useful_mfu_bound": 0.15, "launches_per_batch": 1200},
+                 ("mid", 1024): {"useful_mfu_bound": 0.20, "bytes_per_real_event": 0.12e6},
+                 ("prod", 1024): {"useful_mfu_bound": 0.35}}
+FLOOR_RATIO = 2.5
+
+
 def _row(r: dict) -> dict:
   m, h = r.get("memory", {}), r.get("hlo", {})
   live = m.get("live_peak_bytes")

@@ -112,3 +112,16 @@ def test_group_floors_follow_the_bucket_each_batch_takes():
            + share[1] * (max(2e9 / 1e15, 4e7 / 1e12) + 11e-6))
   np.testing.assert_allclose(r["floor"]["useful_mfu_bound"] / r["buckets"]["useful_mfu_bound"],
                              r["buckets"]["bound_ms_mean"] / 1e3 / bound, rtol=1e-9)
+
+
+def test_fused_targets_by_config_and_batch():
+  """Issue #38's targets: mid b256 MFU >= 15% and <= 1,200 launches, each group <= 2.5x its
+  floor; a config without targets gets only the floor ratios."""
+  r = {"config": "mid", "global_batch": 256, "launches_per_batch": 1300.0,
+       "buckets": {"useful_mfu_bound": 0.151, "bytes_per_real_event": 2e5},
+       "groups": {"MoWE": {"floor_ratio": 2.6}, "GDPA": {"floor_ratio": 2.5}}}
+  t = JB.fused_targets(r)
+  assert t["useful_mfu_bound"]["met"] and not t["launches_per_batch"]["met"]
+  assert not t["floor_ratio/MoWE"]["met"] and t["floor_ratio/GDPA"]["met"]
+  assert "bytes_per_real_event" not in t
+  assert set(JB.fused_targets(dict(r, config="tiny"))) == {"floor_ratio/MoWE", "floor_ratio/GDPA"}
