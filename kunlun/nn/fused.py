@@ -183,4 +183,3 @@ def qk_norm_rotary(x, scale, age, *, dtype, t_scale: float = 60.0, emb=None, pos
   if age is None:
     return x
   return rotary(jax.lax.optimization_barrier(x), age, t_scale, positions)
-
