@@ -322,6 +322,8 @@ def main(argv=None) -> int:
     msg = f"{e.filename}: {e.strerror}" if isinstance(e, OSError) and e.strerror else str(e)
     print(f"kunlun.serving.export: error: {' '.join(msg.split())}", file=sys.stderr)
     return 2
+  except KeyboardInterrupt:                    # Ctrl-C: one line, status 130 (as train / eval)
+    startup.interrupted("kunlun.serving.export")
   return 0
 
 

@@ -403,6 +403,8 @@ def main(argv=None):
     msg = f"{e.filename}: {e.strerror}" if isinstance(e, OSError) and e.strerror else str(e)
     print(f"error: {' '.join(msg.split())}", file=sys.stderr)
     return 2
+  except KeyboardInterrupt:                    # Ctrl-C: one line, status 130 (as train / eval)
+    startup.interrupted("kunlun.transfer.export")
   return 0
 
 

@@ -6,7 +6,9 @@ dead peer and dump a C++ stack."""
 import jax
 import pytest
 
+from kunlun.serving import export as serving_export
 from kunlun.train import runtime, startup
+from kunlun.transfer import export as transfer_export
 
 GLOO = ("INTERNAL: Gloo AllReduce failed: [../third_party/gloo/gloo/transport/tcp/pair.cc:534] "
         "Connection closed by peer [127.0.0.1]:42311\n"
@@ -41,3 +43,22 @@ def test_single_process_runtime_errors_keep_their_traceback(monkeypatch):
     raise jax.errors.JaxRuntimeError("INTERNAL: something")
   with pytest.raises(jax.errors.JaxRuntimeError):
     startup.run_main("train.py", step)
+
+
+@pytest.mark.parametrize("module,prog", [(serving_export, "kunlun.serving.export"),
+                                         (transfer_export, "kunlun.transfer.export")])
+def test_ctrl_c_in_an_export_is_one_line(module, prog, monkeypatch, tmp_path):
+  """Ctrl-C in either export ends as train.py's and eval.py's set-up: ``startup.interrupted``
+  (one line, status 130), no traceback."""
+  def interrupted_export(*a, **k):
+    raise KeyboardInterrupt
+  said = []
+
+  def interrupted(p):
+    said.append(p)
+    raise SystemExit(130)
+  monkeypatch.setattr(module, "export", interrupted_export)
+  monkeypatch.setattr(startup, "interrupted", interrupted)
+  with pytest.raises(SystemExit) as e:
+    module.main(["--workdir", str(tmp_path), "--out", str(tmp_path / "out")])
+  assert e.value.code == 130 and said == [prog]
