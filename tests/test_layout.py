@@ -15,7 +15,7 @@ LAYERS = [
     "kunlun.utils", "pallas_kernels", "sharding", "data", "data.ingest",
     "kunlun", "kunlun.configs", "kunlun.nn", "kunlun.models", "kunlun.train",
     "kunlun.serving", "kunlun.transfer",
-    "bench.profiling", "bench", "bench.experiments", "bench.faults",
+    "bench.profiling", "bench", "bench.experiments", "bench.faults", "bench.report",
     "train", "eval",
 ]
 SKIP = {"tests", "docs", "scripts", "build", "dist"}
