@@ -135,9 +135,9 @@ def calibration_plots(arrays: dict, surfaces, tasks, plots_dir: str, bins: int =
 
 def evaluate(argv):
   del argv
-  from kunlun.train import runtime, startup
-  runtime.maybe_initialize_distributed(FLAGS.coordinator_address, FLAGS.num_processes,
-                                       FLAGS.process_id)
+  from kunlun.train import startup
+  from kunlun.train.devices import maybe_initialize_distributed
+  maybe_initialize_distributed(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
   import jax
   import numpy as np
   from jax.experimental import multihost_utils
@@ -145,6 +145,8 @@ def evaluate(argv):
   from data import pipeline
   from kunlun.train import checkpoint, loop, metrics, settings
   from kunlun.train import step as step_lib
+  from kunlun.train.run_info import saved_run_info
+  from kunlun.train.workdir import check_output, check_outputs
   from kunlun.utils import atomic
   from sharding import partition
 
@@ -171,16 +173,16 @@ def evaluate(argv):
   if FLAGS.step is not None and FLAGS.step not in ckpt.all_steps():
     startup.fail(f"--step={FLAGS.step}: no such checkpoint; available {ckpt.all_steps()}")
   out = os.path.abspath(FLAGS.out or os.path.join(workdir, "metrics.json"))
-  info = runtime.saved_run_info(workdir) or {}
+  info = saved_run_info(workdir) or {}
   data_dir = FLAGS.data_dir or info.get("data_dir")
-  runtime.check_outputs(                       # before evaluating (docs/outputs.md)
+  check_outputs(                               # before evaluating (docs/outputs.md)
       [("--out" if FLAGS.out else "--out (default)", out), ("--predictions", FLAGS.predictions)],
       dirs=[("--plots_dir", FLAGS.plots_dir, ("calibration_*.png",))],
       inputs=[("--data_dir", FLAGS.data_dir),
               ("--config", runtime_flags.config_file())],
       workdir=workdir)
   if FLAGS.plots_dir:
-    runtime.check_output(os.path.join(FLAGS.plots_dir, "calibration.png"), "--plots_dir")
+    check_output(os.path.join(FLAGS.plots_dir, "calibration.png"), "--plots_dir")
   trained_on = trained_split_note(info, data_dir, FLAGS.split)
   if trained_on and not FLAGS.allow_train_split:
     startup.fail(f"{trained_on}; pass --allow_train_split to evaluate it anyway")

@@ -83,20 +83,20 @@ def train(argv):
   if not FLAGS.workdir:
     startup.fail("--workdir is required (checkpoints, metrics and generated data go there)")
   startup.check_settings(config, steps_flag=FLAGS.steps)   # before any data, jax or compile
-  from kunlun.train import runtime
+  from kunlun.train.devices import maybe_initialize_distributed
+  from kunlun.train.workdir import check_outputs, prepare_workdir
   if FLAGS.steps is not None:
     config.train.steps = FLAGS.steps
   profile = parse_profile_steps(FLAGS.profile_steps)
   workdir = os.path.abspath(FLAGS.workdir)
-  runtime.maybe_initialize_distributed(FLAGS.coordinator_address, FLAGS.num_processes,
-                                       FLAGS.process_id)
+  maybe_initialize_distributed(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
   given = {"data": FLAGS.data_dir, "profile": FLAGS.profile_dir}   # written elsewhere if given
-  runtime.check_outputs(                        # docs/outputs.md
+  check_outputs(                                # docs/outputs.md
       dirs=[("--workdir", workdir, [n for n in TRAIN_WORKDIR if not given.get(n)]),
             ("--profile_dir", FLAGS.profile_dir, ("plugins",))],
       inputs=[("--data_dir", FLAGS.data_dir),
               ("--config", runtime_flags.config_file())])
-  lock = runtime.prepare_workdir(workdir)       # one writer: a second train.py stops here
+  lock = prepare_workdir(workdir)               # one writer: a second train.py stops here
   try:
     from kunlun.train import loop
     run = loop.setup(config, workdir, mesh=FLAGS.mesh, dcn_mesh=FLAGS.dcn_mesh,

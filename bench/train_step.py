@@ -153,12 +153,12 @@ def draw_lengths(schema, seq_lens: dict, n: int, lengths: str, seed: int) -> dic
 def jagged_capacity(spec: str | None, schema, seq_lens: dict, batch_size: int, lengths: str,
                     seed: int, shards: int = 1, buckets: int = 1) -> dict | None:
   """``--jagged``: None (padded), or {stream: N} from ``stream=N,...`` or ``auto`` (train.py's
-  rule, ``kunlun.train.runtime.capacity_from_lengths``, on ``auto_capacity_sample`` lengths
+  rule, ``kunlun.train.capacity.capacity_from_lengths``, on ``auto_capacity_sample`` lengths
   drawn like the batch's with another seed), in ``shards`` blocks (batch x context shards);
   ``auto`` with ``buckets`` K > 1 (``data.jagged_buckets``): {stream: (N_0, ..., N_{K-1})}."""
   from data.pipeline import check_jagged_buckets, check_jagged_capacity
   from kunlun.configs.fields import parse_capacity
-  from kunlun.train import runtime
+  from kunlun.train import capacity
   if spec is None:
     return None
   try:
@@ -166,9 +166,9 @@ def jagged_capacity(spec: str | None, schema, seq_lens: dict, batch_size: int, l
     if buckets > 1 and value != "auto":
       raise ValueError(f"--jagged_buckets {buckets} needs --jagged auto")
     if value == "auto":
-      sample = draw_lengths(schema, seq_lens, runtime.auto_capacity_sample(batch_size), lengths,
+      sample = draw_lengths(schema, seq_lens, capacity.auto_capacity_sample(batch_size), lengths,
                             seed + 7)
-      value = runtime.capacity_from_lengths(sample, batch_size, shards, buckets)
+      value = capacity.capacity_from_lengths(sample, batch_size, shards, buckets)
     if buckets > 1:
       return check_jagged_buckets(seq_lens, value, shards)
     return check_jagged_capacity(seq_lens, value, shards) if value else None

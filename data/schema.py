@@ -49,7 +49,7 @@ counted (``data.pipeline.dropped_events``). ``offsets`` and the token fields do 
 leading batch dimension B.
 
 On a mesh that splits the batch (``jagged_shards`` S = the batch x context shards of a process's
-devices, ``kunlun.train.runtime.local_blocks``) the buffer is S consecutive blocks, block s a
+devices, ``kunlun.train.capacity.local_blocks``) the buffer is S consecutive blocks, block s a
 complete packed buffer as above of N / S tokens (a multiple of 64) for examples ``[s B/S, (s+1)
 B/S)``: ``offsets i32[S (B/S + 1)]``, ``seg`` and ``offsets`` local to the block (``seg`` B/S for
 padding). Every array then splits evenly over the batch shards; S = 1 is the layout above. The

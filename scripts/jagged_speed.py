@@ -28,7 +28,8 @@ from kunlun.configs import dev, tiny
 from kunlun.configs.types import seq_lens
 from kunlun.models.build import build_model
 from kunlun.nn.losses import masked_bce
-from kunlun.train.runtime import jagged_capacity, load_schema
+from kunlun.train.capacity import jagged_capacity
+from kunlun.train.plan import load_schema
 from sharding import mesh as mesh_lib
 from sharding import partition
 from sharding import rules as rules_lib

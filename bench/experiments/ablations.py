@@ -25,7 +25,7 @@ from data.schema import Schema  # noqa: E402
 from kunlun.configs.types import tower  # noqa: E402
 from kunlun.models.flops import model_flops  # noqa: E402
 from kunlun.nn.oneseq import equal_flops_config  # noqa: E402
-from kunlun.train.runtime import enable_compilation_cache  # noqa: E402
+from kunlun.train.devices import enable_compilation_cache  # noqa: E402
 
 VARIANTS = ("base", "pma", "sumkron_rank1", "full_attention", "block_attention", "no_compskip",
             "shared_tower", "oneseq", "mowe_experts", "final_hsp", "kunlun_ablated")

@@ -24,7 +24,7 @@ from bench.experiments import scaling as S  # noqa: E402
 from data import synthetic  # noqa: E402
 from data.schema import Schema  # noqa: E402
 from kunlun.models import flops as F  # noqa: E402
-from kunlun.train.runtime import FatalError  # noqa: E402
+from kunlun.train.startup import FatalError  # noqa: E402
 from kunlun.utils import atomic  # noqa: E402
 from kunlun.utils.lock import LockError, WorkdirLock  # noqa: E402
 
@@ -461,7 +461,7 @@ def run(args) -> dict | None:
     atomic.write_json(os.path.join(out_dir, "plan.json"), plan)
     work = os.path.abspath(args.workdir)
     os.makedirs(work, exist_ok=True)
-    S.runtime.enable_compilation_cache(os.path.join(work, "xla_cache"))
+    S.devices.enable_compilation_cache(os.path.join(work, "xla_cache"))
     data_dir = _data_dir(work, plan)
     schema = Schema.load(data_dir)
     env = S._environment()

@@ -31,8 +31,9 @@ from kunlun.configs.common import base_config  # noqa: E402
 from kunlun.configs.types import default_model, seq_lens, tower  # noqa: E402
 from kunlun.models import flops as F  # noqa: E402
 from kunlun.models.build import build_model  # noqa: E402
-from kunlun.train import optim, runtime  # noqa: E402
+from kunlun.train import devices, optim  # noqa: E402
 from kunlun.train import step as step_lib  # noqa: E402
+from kunlun.train.capacity import jagged_capacity  # noqa: E402
 from kunlun.train.metrics import EvalAccumulator  # noqa: E402
 
 ARCHS = ("kunlun", "interformer", "dlrm")
@@ -150,7 +151,7 @@ def train_eval(config, schema, data_dir, num_examples: int, eval_cache: dict, bu
   B = int(config.data.batch_size)
   steps = max(num_examples // B, 1)
   lens = seq_lens(config)
-  capacity = runtime.jagged_capacity(config.data, data_dir, "train", lens, 1)
+  capacity = jagged_capacity(config.data, data_dir, "train", lens, 1)
   ds = pipeline.make_dataset(config.data, data_dir, "train", lens, train=True, shard_index=0,
                              shard_count=1, jagged_capacity=capacity)
   it = iter(ds)
@@ -458,7 +459,7 @@ def run(args) -> dict:
   env = _environment()
   work = args.workdir or tempfile.mkdtemp(prefix="kunlun_scaling_")
   os.makedirs(work, exist_ok=True)
-  runtime.enable_compilation_cache(os.path.join(work, "xla_cache"))   # resumed: no compiles
+  devices.enable_compilation_cache(os.path.join(work, "xla_cache"))   # resumed: no compiles
   ladder = QUICK_LADDER if args.quick else LADDERS[args.ladder]
   preset = args.preset or ("dev" if args.ladder == "gpu" else "tiny")
   n_max = int(args.num_examples * max(args.data_sizes or [1.0]))

@@ -120,7 +120,7 @@ class Field:
 
 def parse_capacity(v):
   """``data.jagged_capacity``: "" -> None (every stream padded), "auto" -> "auto" (from a length
-  sample, ``kunlun.train.runtime.jagged_capacity``), "click=4096,..." -> {stream: N} (a stream
+  sample, ``kunlun.train.capacity.jagged_capacity``), "click=4096,..." -> {stream: N} (a stream
   named twice: ValueError)."""
   if not isinstance(v, str):
     raise ValueError(f"data.jagged_capacity = {v!r}: not a string")

@@ -113,7 +113,7 @@ class Kunlun(nn.Module):
       raise ValueError(f"packed (jagged) towers: the blocks are split over {n_blocks} devices "
                        f"(batch x context shards) but packed in {sorted(shards)} blocks; pack a "
                        f"multiple of {n_blocks} blocks (data.pipeline jagged_shards: "
-                       "kunlun.train.runtime.local_blocks)")
+                       "kunlun.train.capacity.local_blocks)")
 
   def extra_inputs(self, batch, x_bnd, seqs, lengths):
     """Hook for subclasses that add model inputs before the trunk (e.g. LoopFM's FM features,

@@ -25,8 +25,12 @@ from kunlun.configs.fields import parse_capacity
 from kunlun.configs.types import seq_lens
 from kunlun.serving import loader, score
 from kunlun.serving.loader import ARTIFACT, FORMAT, PARAMS, SIGNATURE, nest
-from kunlun.train import checkpoint, runtime, startup
+from kunlun.train import checkpoint, run_info, startup
+from kunlun.train.devices import get_rules
+from kunlun.train.model import fit_and_build_model
+from kunlun.train.plan import load_schema
 from kunlun.train.startup import FatalError
+from kunlun.train.workdir import check_output, check_outputs
 from kunlun.utils import atomic
 from sharding import mesh as mesh_lib
 from sharding import partition
@@ -129,17 +133,17 @@ def _restore(workdir: str, step, data_dir, trust_workdir: bool = False):
     startup.fail(f"--workdir={workdir}: {e}")
   if step is not None and step not in ckpt.all_steps():
     startup.fail(f"--step={step}: no such checkpoint; available {ckpt.all_steps()}")
-  config, saved = runtime.load_run_info(workdir, trust_workdir)
+  config, saved = run_info.load_run_info(workdir, trust_workdir)
   data_dir = data_dir or saved
   if not data_dir:
     startup.fail("no --data_dir given and none recorded in the workdir (data_dir.txt)")
-  schema, _ = runtime.schema_as_trained(runtime.saved_run_info(workdir),  # names and order
-                                        runtime.load_schema(data_dir), f"--data_dir={data_dir}")
-  model = runtime.fit_and_build_model(config, schema)
+  schema, _ = run_info.schema_as_trained(run_info.saved_run_info(workdir),  # names and order
+                                         load_schema(data_dir), f"--data_dir={data_dir}")
+  model = fit_and_build_model(config, schema)
   mesh = mesh_lib.make_mesh(devices=jax.devices()[:1])
   example = random_batch(schema, 1, seq_lens(config))
   abstract = partition.abstract_params(model, jax.random.key(0), example, mesh,
-                                       runtime.get_rules(config.sharding.rules))
+                                       get_rules(config.sharding.rules))
   try:
     used, params = ckpt.restore_params(abstract, step)
   except checkpoint.CheckpointError as e:
@@ -168,14 +172,14 @@ def export(workdir: str, out: str, *, candidates="dynamic", requests=1, jagged_c
     startup.fail(f"--jagged_capacity={jagged_capacity} needs a fixed --requests=R (packed "
                  "towers have a static request count), got --requests=dynamic")
   workdir = os.path.abspath(workdir)
-  runtime.check_outputs(dirs=[("--out", out, (ARTIFACT, PARAMS, SIGNATURE))],   # docs/outputs.md
-                        inputs=[("--data_dir", data_dir)], workdir=workdir)
+  check_outputs(dirs=[("--out", out, (ARTIFACT, PARAMS, SIGNATURE))],   # docs/outputs.md
+                inputs=[("--data_dir", data_dir)], workdir=workdir)
   config, schema, model, used_step, params = _restore(workdir, step, data_dir, trust_workdir)
   try:
     caps = parse_jagged_capacity(jagged_capacity, schema.stream_names)
   except ValueError as e:
     startup.fail(str(e))
-  runtime.check_output(os.path.join(out, SIGNATURE), "--out")       # before tracing the model
+  check_output(os.path.join(out, SIGNATURE), "--out")       # before tracing the model
   lens = seq_lens(config)
   dims = ", ".join(d for d, f in (("n", n_fixed), ("r", r_fixed)) if f is None)
   sym = dict(zip([d.strip() for d in dims.split(",")], jex.symbolic_shape(dims), strict=True)

@@ -1,12 +1,10 @@
-"""The run plan (surface weights, epochs -> steps, validation period) and validation on the
-held-out split during training, with keep-best params in ``<workdir>/best`` (train.py; the
-config fields: README "Training length", kunlun/train/settings.py)."""
+"""Validation on the held-out split during training, every ``Plan.every`` steps
+(kunlun/train/plan.py), with keep-best params in ``<workdir>/best`` (train.py; the config
+fields: README "Training length", kunlun/train/settings.py)."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
-import math
 import os
 import sys
 
@@ -15,77 +13,16 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
-from data import pipeline, records
+from data import pipeline
 from kunlun.configs import types as model_config
-from kunlun.configs.fit import fit_surface_weights
 from kunlun.train import checkpoint, metrics
 from kunlun.train import step as step_lib
-from kunlun.train.runtime import check_data_files, get_rules, jagged_capacity, local_blocks
-from kunlun.train.startup import fail
+from kunlun.train.capacity import jagged_capacity, local_blocks
+from kunlun.train.devices import get_rules
+from kunlun.train.plan import Plan
 from kunlun.utils import atomic
 
 HOST_KEYS = ("labels", "label_mask", "surface", "true_prob", "example_mask")
-
-
-@dataclasses.dataclass
-class Plan:
-  total: int                 # training steps
-  steps_per_epoch: int
-  every: int                 # validation period in steps (0: no validation)
-  split: str | None          # validation split
-  weights: dict              # resolved surface weights
-  train_records: dict | None = None   # train records per surface (the data's fingerprint)
-
-
-def plan(config, schema, data_dir: str, steps_flag: int | None, say=print) -> Plan:
-  """Resolves surface weights, epochs -> steps (``ceil(epochs * steps_per_epoch)``, an epoch =
-  ``ceil(train records of the surfaces with weight > 0 / batch_size)`` steps) and the validation
-  period (writes the resolved ``train.steps`` / ``data.surface_weights`` into ``config``).
-  Mismatches are FatalErrors."""
-  split = config.data.get("train_split", "train")
-  try:
-    files = records.split_files(data_dir, split, schema)
-  except (ValueError, FileNotFoundError) as e:
-    fail(f"config.data.train_split={split!r}: {e}")
-  counts = {s: sum(c for _, c in files.get(s, [])) for s in schema.surfaces}
-  try:
-    weights, notes = fit_surface_weights(config, schema, counts)
-  except ValueError as e:
-    fail(str(e))
-  main = jax.process_index() == 0
-  for n in notes:
-    if main:
-      say(f"config: {n}")
-  n = sum(counts[s] for s in schema.surfaces if weights[s] > 0)
-  B = int(config.data.batch_size)
-  spe = max(1, math.ceil(n / B))
-  epochs = config.train.get("epochs", 0) or 0     # types / ranges: kunlun.train.settings
-  if epochs > 0:
-    if steps_flag is not None:
-      fail(f"--steps={steps_flag} and config.train.epochs={epochs:g} both set: give one")
-    total = max(1, math.ceil(epochs * spe))
-    config.train.steps = total
-    if main:
-      say(f"epochs {epochs:g} x {spe} steps ({n:,} train records, batch {B}) = {total} steps")
-  else:
-    total = int(config.train.steps)
-  vsplit = config.data.get("valid_split", "valid") or None
-  has = bool(vsplit) and vsplit in records.load_manifest(data_dir)["splits"]
-  ve = config.train.get("validate_every", 0)
-  if ve > 0 and not has:
-    fail(f"config.train.validate_every={ve}: the data has no split {vsplit!r} "
-         "(config.data.valid_split; data.ingest --split time:... writes 'valid')")
-  every = 0 if ve < 0 or not has else (ve or spe)
-  if config.train.get("keep_best", False) and not every:
-    fail("config.train.keep_best needs validation, but " + (
-        "config.train.validate_every=-1" if ve < 0 else
-        f"the data has no split {vsplit!r} (config.data.valid_split)"))
-  if every:
-    check_data_files(data_dir, vsplit)           # shards present and whole (one-line errors)
-  bt = config.train.get("best_task", "") or ""
-  if bt and bt not in schema.task_names:
-    fail(f"config.train.best_task={bt!r}: not a task of the data {schema.task_names}")
-  return Plan(total, spe, every, vsplit if every else None, weights, counts)
 
 
 def collect(predict, params, batches, batch_sharding, keys=()) -> dict[str, np.ndarray]:

@@ -1,7 +1,7 @@
-"""train.py's set-up and loop: ``setup`` builds one ``Run`` (data, mesh, model, train step,
-restored state, checkpointer), ``train`` runs it; ``StepAccounting`` does the per-step
+"""train.py's set-up and loop: ``setup`` builds one ``Run`` (mesh, plan, model, data pipeline,
+train step, restored state, checkpointer), ``train`` runs it; ``StepAccounting`` does the per-step
 bookkeeping (lagged statistics, skipped steps, progress lines with MFU, log / save / validation
-cadence). ``eval_setup`` is eval.py's set-up (``open_mesh`` and the model are shared)."""
+cadence). ``eval_setup`` is eval.py's set-up (the mesh, data checks and model are shared)."""
 
 from __future__ import annotations
 
@@ -13,13 +13,16 @@ import sys
 
 import jax
 
-from data import pipeline, records
+from data import pipeline
 from data.shards import DataError
 from kunlun.configs import types as model_config
 from kunlun.models.flops import FlopMeter
-from kunlun.train import checkpoint, evaluation, progress, runtime, startup
+from kunlun.train import checkpoint, devices, evaluation, progress, run_info, startup
 from kunlun.train import step as step_lib
+from kunlun.train.capacity import jagged_capacity, local_blocks
 from kunlun.train.metrics import RunningNE
+from kunlun.train.model import fit_and_build_model
+from kunlun.train.plan import Plan, check_data_files, load_schema, train_plan
 from sharding import mesh as mesh_lib
 from sharding import partition
 
@@ -55,7 +58,7 @@ class Run:
   workdir: str
   data_dir: str
   schema: object
-  plan: evaluation.Plan
+  plan: Plan
   mesh: object
   rules: object
   model: object
@@ -73,50 +76,32 @@ class Run:
     self.ckpt.save(self.step, self.params, self.opt_state, self.rng, self.data_iter, **kw)
 
 
-def open_mesh(config, mesh_flag: str, dcn_flag: str | None, batch_sizes: dict,
-              compilation_cache: str | None):
-  """Compilation cache, then the mesh and sharding rules, each ``{what: batch size}`` checked
-  against the mesh's batch shards; problems are FatalErrors."""
-  runtime.enable_compilation_cache(compilation_cache)
-  mesh = runtime.build_mesh(mesh_flag, dcn_flag)
-  rules = runtime.get_rules(config.sharding.rules)
-  for what, size in batch_sizes.items():
-    runtime.check_batch_size(size, mesh, rules, what)
-  return mesh, rules
-
-
 def setup(config, workdir: str, *, mesh: str, dcn_mesh: str | None = None,
           data_dir: str | None = None, steps_flag: int | None = None,
           strict_restore: bool = False, compilation_cache: str | None = None,
           allow_config_change: bool = False) -> Run:
-  """Everything before the first step: mesh, data (generated into the workdir if no
-  ``data_dir``), run plan (epochs, validation), model, data iterator, train step, the state
-  restored from the latest good checkpoint (or freshly initialised), then the run info. A resume
-  is compared with the recorded run first (``runtime.check_resume``), before anything is written."""
+  """Everything before the first step, in this order: the mesh (``devices.open_mesh``), the plan
+  (data generated into the workdir if no ``data_dir``, settings and data checked once:
+  ``plan.train_plan``), the model, the resume compared with the recorded run
+  (``run_info.check_resume``, before anything is written), the data iterator (packed capacities:
+  ``capacity``), the train step and optimizer, the state restored from the latest good
+  checkpoint (or freshly initialised), then the run info."""
   bs = config.data.batch_size
-  mesh_, rules = open_mesh(config, mesh, dcn_mesh, {
+  mesh_, rules = devices.open_mesh(config, mesh, dcn_mesh, {
       "config.data.batch_size": bs, "config.data.batch_size / config.train.microbatches":
       bs // int(config.train.get("microbatches", 1))}, compilation_cache)
-  data_dir = data_dir or runtime.synthetic_data_dir(workdir, config)
-  schema = runtime.load_schema(data_dir)
-  task_w = tuple(config.train.get("task_weights", ()) or ())
-  if task_w and len(task_w) != len(schema.tasks):
-    startup.fail(f"config.train.task_weights={task_w} needs one weight per task "
-                 f"{schema.task_names}")
-  runtime.check_data_files(data_dir, config.data.train_split)
-  print(records.label_delay_note(data_dir), flush=True)   # what the histories' labels waited
-  plan = evaluation.plan(config, schema, data_dir, steps_flag)   # surfaces, epochs, validation
-  model = runtime.fit_and_build_model(config, schema)
+  plan = train_plan(config, workdir, data_dir, steps_flag)   # data, surfaces, epochs, validation
+  data_dir, schema = plan.data_dir, plan.schema
+  model = fit_and_build_model(config, schema)
   ckpt = checkpoint.Checkpointer(os.path.join(workdir, "checkpoints"),
                                  keep=config.train.keep_checkpoints)
-  fingerprint = plan.train_records
   if ckpt.all_steps():
-    runtime.check_resume(workdir, config, schema, fingerprint, allow_config_change)
+    run_info.check_resume(workdir, config, schema, plan.train_records, allow_config_change)
 
   # packed towers: a block per batch x context shard and microbatch (step.split_microbatches)
-  blocks = runtime.local_blocks(mesh_, rules) * int(config.train.get("microbatches", 1))
-  capacity = runtime.jagged_capacity(config.data, data_dir, config.data.train_split,
-                                     model_config.seq_lens(config), jax.process_count(), blocks)
+  blocks = local_blocks(mesh_, rules) * int(config.train.get("microbatches", 1))
+  capacity = jagged_capacity(config.data, data_dir, config.data.train_split,
+                             model_config.seq_lens(config), jax.process_count(), blocks)
   try:
     ds = pipeline.make_dataset(config.data, data_dir, config.data.train_split,
                                model_config.seq_lens(config), train=True,
@@ -127,6 +112,7 @@ def setup(config, workdir: str, *, mesh: str, dcn_mesh: str | None = None,
   example = next(iter(ds))           # shapes only; the training iterator starts fresh below
   data_iter = iter(ds)
   init_rng, train_rng = jax.random.split(jax.random.key(config.seed))
+  task_w = plan.task_weights
   if config.train.get("remat", "none") == "auto":   # the least recompute that fits a device
     model = pick_remat(config, schema, example, mesh_, rules, init_rng, task_w)
   ts, params, opt_state = step_lib.build(config, model, example, mesh_, rules, init_rng,
@@ -138,7 +124,7 @@ def setup(config, workdir: str, *, mesh: str, dcn_mesh: str | None = None,
   if restored is not None:
     start, params, opt_state, train_rng = restored
     print(f"resumed from step {start} ({ckpt.directory})", flush=True)
-  runtime.save_run_info(workdir, config, data_dir, schema, fingerprint)   # after the restore
+  run_info.save_run_info(workdir, config, data_dir, schema, plan.train_records)  # after restore
   return Run(config, workdir, data_dir, schema, plan, mesh_, rules, model, data_iter, ts, ckpt,
              params, opt_state, train_rng, start, start)
 
@@ -149,14 +135,14 @@ def pick_remat(config, schema, example, mesh, rules, rng, task_weights):
   memory = step_lib.device_memory()
   budget = None if memory is None else int(memory * float(config.train.remat_memory))
   try:
-    name, _ = step_lib.pick_remat(lambda r: runtime.fit_and_build_model(config, schema, r),
+    name, _ = step_lib.pick_remat(lambda r: fit_and_build_model(config, schema, r),
                                   config, example, mesh, rules, rng, budget,
                                   task_weights=task_weights)
   except ValueError as e:
     startup.fail(str(e))
   why = "no device memory figure (CPU)" if budget is None else f"fits {budget / 2**30:.1f} GiB"
   print(f"train.remat=auto: {name} ({why})", flush=True)
-  return runtime.fit_and_build_model(config, schema, name)
+  return fit_and_build_model(config, schema, name)
 
 
 @dataclasses.dataclass(eq=False)
@@ -181,22 +167,23 @@ def eval_setup(workdir: str, ckpt: checkpoint.Checkpointer, *, config=None,
   """eval.py's set-up after its flag and output checks: the config and data directory (given, or
   recorded in ``workdir``), mesh, model, the batches of ``split`` and the params of checkpoint
   ``step`` of ``ckpt`` (default the latest); problems are FatalErrors."""
-  config, saved_data_dir = runtime.run_config(workdir, config, trust_workdir)
+  config, saved_data_dir = run_info.run_config(workdir, config, trust_workdir)
   data_dir = data_dir or saved_data_dir
   if not data_dir:
     startup.fail("no --data_dir given and none recorded in the workdir")
   bs = batch_size or config.data.get("eval_batch_size", 0) or config.data.batch_size
-  mesh_, rules = open_mesh(config, mesh, dcn_mesh, {"eval batch size": bs}, compilation_cache)
-  schema, remap = runtime.schema_as_trained(runtime.saved_run_info(workdir),
-                                            runtime.load_schema(data_dir), f"--workdir={workdir}")
-  runtime.check_data_files(data_dir, split)
-  model = runtime.fit_and_build_model(config, schema)
+  mesh_, rules = devices.open_mesh(config, mesh, dcn_mesh, {"eval batch size": bs},
+                                  compilation_cache)
+  schema, remap = run_info.schema_as_trained(run_info.saved_run_info(workdir),
+                                             load_schema(data_dir), f"--workdir={workdir}")
+  check_data_files(data_dir, split)
+  model = fit_and_build_model(config, schema)
   data_cfg = config.data.copy_and_resolve_references()
   data_cfg.batch_size = bs
-  blocks = runtime.local_blocks(mesh_, rules)
+  blocks = local_blocks(mesh_, rules)
   try:
-    capacity = runtime.jagged_capacity(data_cfg, data_dir, split, model_config.seq_lens(config),
-                                       jax.process_count(), blocks)
+    capacity = jagged_capacity(data_cfg, data_dir, split, model_config.seq_lens(config),
+                               jax.process_count(), blocks)
     ds = pipeline.make_dataset(data_cfg, data_dir, split, model_config.seq_lens(config),
                                train=False, shard_index=jax.process_index(),
                                shard_count=jax.process_count(), jagged_capacity=capacity,

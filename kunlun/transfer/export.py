@@ -18,9 +18,12 @@ from jax.experimental import multihost_utils
 
 from data import pipeline, records
 from kunlun.configs import types as model_config
-from kunlun.train import checkpoint, runtime, startup
-from kunlun.train.runtime import maybe_initialize_distributed
+from kunlun.train import checkpoint, devices, run_info, startup
+from kunlun.train.capacity import jagged_capacity, local_blocks
+from kunlun.train.model import fit_and_build_model
+from kunlun.train.plan import load_schema
 from kunlun.train.startup import FatalError
+from kunlun.train.workdir import check_output, check_outputs
 from kunlun.transfer.join import EmbeddingLog
 from kunlun.utils import atomic
 from sharding import partition
@@ -235,26 +238,26 @@ def export(workdir: str, out_dir: str, *, data_dir: str | None = None, splits=("
                                  or batch_size < 1):
     raise ValueError(f"--batch_size={batch_size}: allowed an integer >= 1 (leave it out for the "
                      "FM's config.data.batch_size)")
-  runtime.check_outputs(dirs=[("--out", out_dir, ("manifest.json", "progress*.json", *splits))],
-                        inputs=[("--data_dir", data_dir)], workdir=workdir)   # docs/outputs.md
+  check_outputs(dirs=[("--out", out_dir, ("manifest.json", "progress*.json", *splits))],
+                inputs=[("--data_dir", data_dir)], workdir=workdir)   # docs/outputs.md
   pid, nproc = jax.process_index(), jax.process_count()
   ckpt = checkpoint.Checkpointer(os.path.join(workdir, "checkpoints"), read_only=True)
   if not ckpt.all_steps():
     raise ValueError(f"--workdir={workdir}: no checkpoint found in {ckpt.directory}")
-  config, saved_dir = runtime.load_run_info(workdir, trust_workdir)
+  config, saved_dir = run_info.load_run_info(workdir, trust_workdir)
   data_dir = data_dir or saved_dir
   if not data_dir:
     raise ValueError("no --data_dir given and none recorded in the workdir")
-  schema = runtime.load_schema(data_dir)
-  model = runtime.fit_and_build_model(config, schema)
-  mesh = runtime.build_mesh(mesh_flag, dcn_mesh_flag)
-  rules = runtime.get_rules(config.sharding.rules)
+  schema = load_schema(data_dir)
+  model = fit_and_build_model(config, schema)
+  mesh = devices.build_mesh(mesh_flag, dcn_mesh_flag)
+  rules = devices.get_rules(config.sharding.rules)
   data_cfg = config.data.copy_and_resolve_references()
   data_cfg.batch_size = batch_size or config.data.batch_size
-  runtime.check_batch_size(data_cfg.batch_size, mesh, rules, "--batch_size")
+  devices.check_batch_size(data_cfg.batch_size, mesh, rules, "--batch_size")
   seq_lens = model_config.seq_lens(config)
   if pid == 0:
-    runtime.check_output(os.path.join(out_dir, "manifest.json"), "--out")   # before the model
+    check_output(os.path.join(out_dir, "manifest.json"), "--out")   # before the model
   os.makedirs(out_dir, exist_ok=True)
   layout = {"process_count": nproc, "batch_size": int(data_cfg.batch_size),
             "shard_batches": shard_batches, "quantize": quantize_mode, "summaries": summaries}
@@ -272,9 +275,9 @@ def export(workdir: str, out_dir: str, *, data_dir: str | None = None, splits=("
   agreed = _agreed_done([len(prog.done(s)) for s in splits])
   prog.set_layout(layout)
   params, used_step = None, None
-  blocks = runtime.local_blocks(mesh, rules)   # packed: a block per batch (x context) shard
+  blocks = local_blocks(mesh, rules)   # packed: a block per batch (x context) shard
   for split, n_done in zip(splits, agreed, strict=True):
-    capacity = runtime.jagged_capacity(data_cfg, data_dir, split, seq_lens, nproc, blocks)
+    capacity = jagged_capacity(data_cfg, data_dir, split, seq_lens, nproc, blocks)
     if capacity:
       log(f"[export] {split}: packed towers at {capacity} tokens per batch ({blocks} blocks)")
     ds = pipeline.make_dataset(data_cfg, data_dir, split, seq_lens, train=False,
@@ -394,7 +397,7 @@ def main(argv=None):
   a = ap.parse_args(argv)
   startup.quiet_checkpoint_logs()
   try:
-    maybe_initialize_distributed(a.coordinator_address, a.num_processes, a.process_id)
+    devices.maybe_initialize_distributed(a.coordinator_address, a.num_processes, a.process_id)
     export(a.workdir, a.out, data_dir=a.data_dir, splits=tuple(a.split.split(",")),
            quantize_mode=a.quantize, summaries=a.summaries, batch_size=a.batch_size,
            shard_batches=a.shard_batches, step=a.step, mesh_flag=a.mesh,

@@ -13,7 +13,7 @@ import itertools
 import os
 import stat
 
-# the entries train.py writes in its workdir (kunlun.train runtime / loop / evaluation /
+# the entries train.py writes in its workdir (kunlun.train plan / run_info / loop / evaluation /
 # progress, kunlun.utils.lock; config.pkl and data_dir.txt by older versions): another program's
 # output is none of them and lies inside none of them
 TRAIN_WORKDIR = ("run_info.json", "checkpoints", "best", "metrics.jsonl", "tb", "data", "profile",

@@ -34,8 +34,8 @@ def _checkpointed(wd, data):
   import jax.numpy as jnp
 
   from kunlun.configs import tiny
-  from kunlun.train import checkpoint, runtime
-  runtime.save_run_info(wd, tiny.get_config(), data)
+  from kunlun.train import checkpoint, run_info
+  run_info.save_run_info(wd, tiny.get_config(), data)
   ck = checkpoint.Checkpointer(os.path.join(wd, "checkpoints"))
   it = iter(grain.MapDataset.range(8).to_iter_dataset().batch(2))
   ck.save(2, {"w": jnp.ones(4)}, {"m": jnp.zeros(4)}, __import__("jax").random.key(0), it)
@@ -54,7 +54,7 @@ def _edit_run_info(src, dst, edit):
 def paths(tmp_path_factory):
   from data import synthetic
   from kunlun.configs import tiny
-  from kunlun.train import runtime
+  from kunlun.train import run_info
   base = tmp_path_factory.mktemp("cli")
   data = str(base / "data")
   synthetic.generate(data, "tiny", num_examples=200, seed=0)
@@ -65,7 +65,7 @@ def paths(tmp_path_factory):
   with open(shard, "r+b") as f:
     f.truncate(os.path.getsize(shard) // 2)
   fresh = str(base / "fresh")                             # run info, no checkpoints
-  runtime.save_run_info(fresh, tiny.get_config(), data)
+  run_info.save_run_info(fresh, tiny.get_config(), data)
   old = base / "old"                                      # an older workdir: config.pkl only
   (old / "checkpoints" / "2").mkdir(parents=True)
   (old / "checkpoints" / "2" / "commit_success.txt").write_text("ok")

@@ -6,7 +6,7 @@ import pytest
 from data.fake import tiny_schema
 from kunlun.configs import tiny, vm_tiny
 from kunlun.configs.transfer import TransferConfig, parse_transfer
-from kunlun.train import runtime, startup
+from kunlun.train import model, startup
 from kunlun.transfer.loopfm import build_loopfm
 
 
@@ -41,9 +41,9 @@ def test_train_py_refuses_fm_inputs_it_would_ignore():
   c = vm_tiny.get_config()
   c.transfer.kd_lambda = 0.5
   with pytest.raises(startup.FatalError, match="kd_lambda"):
-    runtime.fit_and_build_model(c, tiny_schema())
+    model.fit_and_build_model(c, tiny_schema())
   c = vm_tiny.get_config()
   c.transfer = ml_collections.ConfigDict({"join_key": "x"})
   with pytest.raises(startup.FatalError, match="join_key"):
-    runtime.fit_and_build_model(c, tiny_schema())
-  assert runtime.fit_and_build_model(vm_tiny.get_config(), tiny_schema()) is not None
+    model.fit_and_build_model(c, tiny_schema())
+  assert model.fit_and_build_model(vm_tiny.get_config(), tiny_schema()) is not None

@@ -17,7 +17,7 @@ from kunlun.configs import tiny
 from kunlun.configs.types import seq_lens
 from kunlun.models.build import build_model
 from kunlun.serving import export, loader, score
-from kunlun.train import checkpoint, runtime
+from kunlun.train import checkpoint, run_info
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +29,7 @@ def run(tmp_path_factory):
   os.makedirs(data_dir)
   schema.save(data_dir)
   config = tiny.get_config()
-  runtime.save_run_info(workdir, config, data_dir)
+  run_info.save_run_info(workdir, config, data_dir)
   model = build_model(config, schema)
   shapes = nn.unbox(jax.eval_shape(model.init, jax.random.key(0),
                                    random_batch(schema, 2, seq_lens(config)))["params"])
@@ -110,7 +110,7 @@ def test_fixed_count_and_cli_errors(run, tmp_path, capsys):
   capsys.readouterr()
   empty = tmp_path / "empty"
   empty.mkdir()
-  runtime.save_run_info(str(empty), config, "/nonexistent")
+  run_info.save_run_info(str(empty), config, "/nonexistent")
   for args, msg in (([f"--workdir={tmp_path}/missing"], "no such directory"),
                     ([f"--workdir={empty}"], "no checkpoint"),
                     ([f"--workdir={workdir}", "--candidates=0"], "--candidates='0' must be"),
@@ -198,7 +198,7 @@ def test_export_refuses_a_data_dir_with_other_surfaces(run, tmp_path, capsys):
   shutil.copytree(workdir, wd)
   with open(os.path.join(wd, "run_info.json")) as f:
     data_dir = json.load(f)["data_dir"]
-  runtime.save_run_info(wd, config, data_dir, schema)
+  run_info.save_run_info(wd, config, data_dir, schema)
   other = str(tmp_path / "other")
   os.makedirs(other)
   dataclasses.replace(schema, surfaces=schema.surfaces[:-1] + ("shorts",)).save(other)

@@ -21,7 +21,7 @@ from kunlun.configs import tiny
 from kunlun.configs.types import seq_lens
 from kunlun.models.build import build_model
 from kunlun.serving import export, loader
-from kunlun.train import checkpoint, runtime
+from kunlun.train import checkpoint, run_info
 from tests.data.ingest.logs import decoded
 
 AGES = ["18-24", "25-34", "<18", "ünï-名", "56+"]
@@ -50,7 +50,7 @@ def artifact(tmp_path_factory):
   schema = Schema.load(data_dir)
   config = tiny.get_config()
   workdir = str(root / "work")
-  runtime.save_run_info(workdir, config, data_dir)
+  run_info.save_run_info(workdir, config, data_dir)
   model = build_model(config, schema)
   shapes = nn.unbox(jax.eval_shape(model.init, jax.random.key(0),
                                    random_batch(schema, 2, seq_lens(config)))["params"])

@@ -12,6 +12,7 @@ from data import records
 from data.schema import Schema
 from kunlun.configs import tiny
 from kunlun.train import evaluation, startup
+from kunlun.train.plan import Plan, schedule
 from tests.kunlun.configs.test_fit import ml_dir  # noqa: F401  (module fixture: a valid split)
 
 
@@ -32,15 +33,15 @@ def test_epochs_to_steps_and_validation_period(ml_dir):  # noqa: F811
   schema = Schema.load(ml_dir)
   n = sum(_counts(ml_dir).values())
   c = _cfg(epochs=2.5)
-  p = evaluation.plan(c, schema, ml_dir, None, say=lambda *a: None)
+  p = schedule(c, schema, ml_dir, None, say=lambda *a: None)
   spe = math.ceil(n / 8)
   assert p.steps_per_epoch == spe and p.total == math.ceil(2.5 * spe) == c.train.steps
   assert p.every == spe and p.split == "valid"                   # once per epoch by default
   assert c.data.surface_weights == "auto" and p.weights == {"movielens": float(n)}
   c = _cfg(validate_every=3)
-  p = evaluation.plan(c, schema, ml_dir, 40, say=lambda *a: None)
+  p = schedule(c, schema, ml_dir, 40, say=lambda *a: None)
   assert p.total == c.train.steps == 300 and p.every == 3        # steps unchanged without epochs
-  assert evaluation.plan(_cfg(validate_every=-1), schema, ml_dir, None, say=print).every == 0
+  assert schedule(_cfg(validate_every=-1), schema, ml_dir, None, say=print).every == 0
 
 
 @pytest.mark.parametrize("train,steps_flag,msg", [
@@ -51,7 +52,7 @@ def test_epochs_to_steps_and_validation_period(ml_dir):  # noqa: F811
 ])
 def test_plan_errors(ml_dir, train, steps_flag, msg):  # noqa: F811
   with pytest.raises(startup.FatalError, match=msg.replace("(", r"\(").replace(")", r"\)")):
-    evaluation.plan(_cfg(**train), Schema.load(ml_dir), ml_dir, steps_flag, say=print)
+    schedule(_cfg(**train), Schema.load(ml_dir), ml_dir, steps_flag, say=print)
 
 
 def test_no_valid_split(ml_dir, tmp_path):  # noqa: F811
@@ -63,12 +64,12 @@ def test_no_valid_split(ml_dir, tmp_path):  # noqa: F811
   del m["splits"]["valid"]
   json.dump(m, open(os.path.join(d, "manifest.json"), "w"))
   schema = Schema.load(d)
-  assert evaluation.plan(_cfg(), schema, d, None, say=print).every == 0   # synthetic-like data
+  assert schedule(_cfg(), schema, d, None, say=print).every == 0   # synthetic-like data
   with pytest.raises(startup.FatalError, match="keep_best needs validation, but the data has no "
                      "split 'valid'"):
-    evaluation.plan(_cfg(keep_best=True), schema, d, None, say=print)
+    schedule(_cfg(keep_best=True), schema, d, None, say=print)
   with pytest.raises(startup.FatalError, match="validate_every=5: the data has no split 'valid'"):
-    evaluation.plan(_cfg(validate_every=5), schema, d, None, say=print)
+    schedule(_cfg(validate_every=5), schema, d, None, say=print)
 
 
 class _Scripted(evaluation.ValidSplitEvaluator):
@@ -91,7 +92,7 @@ class _Scripted(evaluation.ValidSplitEvaluator):
 
 
 def test_schedule_and_best(tmp_path):
-  plan = evaluation.Plan(total=10, steps_per_epoch=4, every=4, split="valid", weights={})
+  plan = Plan(total=10, steps_per_epoch=4, every=4, split="valid", weights={})
   nes = [{"click": 0.9, "like": 0.7}, {"click": 0.8, "like": 0.9}, {"click": 0.85, "like": 0.6}]
   v = _Scripted(plan, nes, keep=True, workdir=str(tmp_path))
   ran = [s for s in range(1, 11) if v(s, None)]

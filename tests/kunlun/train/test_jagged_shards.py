@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from data import jagged
-from kunlun.train import runtime
+from kunlun.train import capacity
 from kunlun.train.startup import FatalError
 from sharding import mesh as M
 from sharding import rules as R
@@ -22,12 +22,12 @@ from sharding import rules as R
 def test_local_blocks(sizes, preset, blocks):
   n = int(np.prod(list(sizes.values())))
   mesh = M.make_mesh(sizes, devices=jax.devices()[:n])
-  assert runtime.local_blocks(mesh, R.get_rules(preset)) == blocks
+  assert capacity.local_blocks(mesh, R.get_rules(preset)) == blocks
 
 
 def test_auto_capacity_is_per_block(capsys):
   lens = {"click": np.random.default_rng(0).integers(0, 40, 500)}
-  got = runtime.capacity_from_lengths(lens, 64, 4)["click"]
+  got = capacity.capacity_from_lengths(lens, 64, 4)["click"]
   per_block = -(-jagged.capacity_for(lens["click"], 16) // 64) * 64
   assert got == 4 * per_block and per_block % 64 == 0
   assert "per process batch of 64 (4 blocks of 16 examples)" in capsys.readouterr().out
@@ -41,13 +41,13 @@ def test_aligned_capacity(n, most, want):
   """A block's auto capacity: a multiple of 64 x the largest power of two (<= 2048) whose 64
   multiples still fit n (so the slack stays under 1/32 of n), capped at the block's most tokens
   rounded up to 64 (mid's H200 split-K tiles want 44032, 141312 for 43904, 140928)."""
-  got = runtime.aligned_capacity(n, most)
+  got = capacity.aligned_capacity(n, most)
   assert got == want and got - n <= max(64, n / 32)
 
 
 def test_auto_capacity_buckets(capsys):
   lens = {"click": np.random.default_rng(0).integers(0, 40, 500)}
-  got = runtime.capacity_from_lengths(lens, 64, 2, buckets=3)["click"]
+  got = capacity.capacity_from_lengths(lens, 64, 2, buckets=3)["click"]
   want = [2 * -(-jagged.capacity_for(lens["click"], 32, q) // 64) * 64
           for q in jagged.BUCKET_QUANTILES[3]]
   assert list(got) == want and want[0] < want[-1]
@@ -59,7 +59,7 @@ def test_auto_capacity_buckets(capsys):
                             (dict(jagged_capacity="auto", jagged_buckets=2), 2, "one process")]:
     c = ml_collections.ConfigDict(dict(batch_size=64, **cfg))
     with pytest.raises(FatalError, match=words) as e:
-      runtime.jagged_capacity(c, "unused", "train", {"click": 8}, count, 1)
+      capacity.jagged_capacity(c, "unused", "train", {"click": 8}, count, 1)
     assert "\n" not in str(e.value)
 
 
@@ -69,7 +69,7 @@ def test_auto_capacity_buckets(capsys):
 def test_capacity_shard_errors(batch_size, value, shards, words):
   cfg = ml_collections.ConfigDict(dict(batch_size=batch_size, jagged_capacity=value))
   with pytest.raises(FatalError, match=words) as e:
-    runtime.jagged_capacity(cfg, "unused", "train", {"click": 8}, 1, shards)
+    capacity.jagged_capacity(cfg, "unused", "train", {"click": 8}, 1, shards)
   assert "\n" not in str(e.value)
 
 
@@ -96,9 +96,9 @@ def test_fixed_capacity_streams_and_upper_bound(value, kept, shards, ok, words):
   cfg = ml_collections.ConfigDict(dict(batch_size=64, jagged_capacity=value))
   lens = {"click": kept, "impression": 8}
   if ok:
-    assert runtime.jagged_capacity(cfg, "unused", "train", lens, 1, shards) == {
+    assert capacity.jagged_capacity(cfg, "unused", "train", lens, 1, shards) == {
         "click": int(value.split("=")[1])}
     return
   with pytest.raises(FatalError) as e:
-    runtime.jagged_capacity(cfg, "unused", "train", lens, 1, shards)
+    capacity.jagged_capacity(cfg, "unused", "train", lens, 1, shards)
   assert words in str(e.value) and "\n" not in str(e.value), str(e.value)

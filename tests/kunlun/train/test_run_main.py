@@ -7,7 +7,7 @@ import jax
 import pytest
 
 from kunlun.serving import export as serving_export
-from kunlun.train import runtime, startup
+from kunlun.train import startup
 from kunlun.transfer import export as transfer_export
 
 GLOO = ("INTERNAL: Gloo AllReduce failed: [../third_party/gloo/gloo/transport/tcp/pair.cc:534] "
@@ -22,7 +22,7 @@ def test_lost_peer_in_a_collective_is_one_line(monkeypatch, capsys):
   def fake_exit(code):
     exits.append(code)
     raise SystemExit(code)
-  monkeypatch.setattr(runtime.os, "_exit", fake_exit)
+  monkeypatch.setattr(startup.os, "_exit", fake_exit)
   monkeypatch.setattr(jax, "process_count", lambda: 2)
   monkeypatch.setattr(jax, "process_index", lambda: 1)
 

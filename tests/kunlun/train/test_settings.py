@@ -10,7 +10,7 @@ import jax
 import pytest
 
 from kunlun.configs import tiny
-from kunlun.train import runtime, settings, startup
+from kunlun.train import devices, run_info, settings, startup
 from sharding import mesh as M
 
 PRESETS = ("tiny", "demo", "dev", "mid", "large", "vm_tiny", "vm_dev")
@@ -146,7 +146,7 @@ def test_loaded_run_info_gets_the_same_checks(tmp_path, config, want):
   value fails to load with one line naming the file (no AttributeError / TypeError traceback,
   no 7 TiB allocation later)."""
   c = tiny.get_config()
-  runtime.save_run_info(str(tmp_path), c, str(tmp_path))
+  run_info.save_run_info(str(tmp_path), c, str(tmp_path))
   path = tmp_path / "run_info.json"
   info = json.loads(path.read_text())
   if isinstance(config, str) and config.startswith("batch_size="):
@@ -155,7 +155,7 @@ def test_loaded_run_info_gets_the_same_checks(tmp_path, config, want):
     info["config"] = config
   path.write_text(json.dumps(info))
   with pytest.raises(startup.FatalError) as e:
-    runtime.load_run_info(str(tmp_path))
+    run_info.load_run_info(str(tmp_path))
   msg = str(e.value)
   assert msg.startswith(str(path)) and want in msg and "\n" not in msg, msg
 
@@ -235,12 +235,12 @@ def test_steps_flag_upper_bound():
 
 
 def test_batch_size_flags_upper_bound():
-  """eval.py's and the FM export's ``--batch_size`` (``runtime.check_batch_size``) are bounded
+  """eval.py's and the FM export's ``--batch_size`` (``devices.check_batch_size``) are bounded
   as ``data.batch_size`` is (before: 2**40 passed, and the padded batch was an allocation)."""
   mesh = M.make_mesh({"fsdp": 1}, devices=jax.devices()[:1])
-  rules = runtime.get_rules("fsdp")
-  runtime.check_batch_size(2**20, mesh, rules, "--batch_size")
+  rules = devices.get_rules("fsdp")
+  devices.check_batch_size(2**20, mesh, rules, "--batch_size")
   with pytest.raises(startup.FatalError) as e:
-    runtime.check_batch_size(2**40, mesh, rules, "--batch_size")
+    devices.check_batch_size(2**40, mesh, rules, "--batch_size")
   msg = str(e.value)
   assert "--batch_size=1099511627776: allowed at most 1048576" in msg and "\n" not in msg, msg

@@ -12,7 +12,7 @@ from data import pipeline, synthetic
 from kunlun.configs import vm_tiny
 from kunlun.configs.types import seq_lens
 from kunlun.models.build import build_model
-from kunlun.train import checkpoint, runtime
+from kunlun.train import checkpoint, devices, run_info
 from kunlun.transfer import export
 
 
@@ -37,7 +37,7 @@ def fm_workdir(tmp_path_factory):
   schema = synthetic.generate(data_dir, "tiny", num_examples=160, seed=0)
   config = vm_tiny.get_config()
   config.data.batch_size = 16
-  runtime.save_run_info(workdir, config, data_dir)
+  run_info.save_run_info(workdir, config, data_dir)
   model = build_model(config, schema)
   ds = pipeline.make_dataset(config.data, data_dir, "eval", seq_lens(config), train=False,
                              shard_index=0, shard_count=1)
@@ -123,10 +123,10 @@ def test_export_runs_packed_towers_when_the_fm_packs(fm_workdir, direct_eval, tm
   packed_cfg = config.copy_and_resolve_references()
   packed_cfg.data.jagged_capacity = "click=128,impression=128"     # 2 blocks of 8 x 8 events
   wd = str(tmp_path / "fm_packed")
-  runtime.save_run_info(wd, packed_cfg, data_dir)
+  run_info.save_run_info(wd, packed_cfg, data_dir)
   shutil.copytree(os.path.join(workdir, "checkpoints"), os.path.join(wd, "checkpoints"))
   two = mesh_lib.make_mesh({"data": 2}, devices=jax.devices()[:2])
-  monkeypatch.setattr(runtime, "build_mesh", lambda *_: two)
+  monkeypatch.setattr(devices, "build_mesh", lambda *_: two)
   put, packed = pipeline.device_put_batch, []
   monkeypatch.setattr(pipeline, "device_put_batch", lambda b, sh: (
       packed.append(all(len(ev["offsets"]) == len(b["surface"]) + 2
