@@ -14,7 +14,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAYERS = [
     "kunlun.utils", "pallas_kernels", "sharding", "data", "data.ingest",
     "kunlun", "kunlun.configs", "kunlun.nn", "kunlun.models", "kunlun.train",
-    "kunlun.serving", "kunlun.transfer",
+    "kunlun.serving", "kunlun.transfer", "kunlun.cli",
     "bench.profiling", "bench", "bench.experiments", "bench.faults", "bench.report",
     "train", "eval",
 ]

@@ -1,12 +1,13 @@
 """Start-up flags shared by train.py and eval.py (multi-host launch, compilation cache, workdir
-trust, checkpoint fallback) and a flag parser whose errors are one line."""
+trust, checkpoint fallback), a flag parser whose errors are one line, and ``run``: one program
+started as a script (``python train.py``) or as a console command (``kunlun-train``)."""
 
 from __future__ import annotations
 
 import os
 import sys
 
-from absl import flags
+from absl import app, flags
 
 
 def define(train: bool = False) -> None:
@@ -81,3 +82,21 @@ def parser(prog: str):
 def _exit(prog: str, msg: str):
   print(f"{prog}: error: {msg}", file=sys.stderr, flush=True)
   sys.exit(2)
+
+
+def prog() -> str:
+  """The program's name as it was started (``train.py``, ``kunlun-train``): its error lines
+  begin with it."""
+  return os.path.basename(sys.argv[0])
+
+
+def run(main, module: str) -> None:
+  """``absl.app.run(main)`` with ``parser`` for a program whose flags ``module`` defined, whether
+  a script (``python train.py``) or a console command (``kunlun-train``) started it: absl's
+  ``--help`` prints ``__main__``'s docstring and the flags of ``sys.argv[0]``, so both become
+  ``module``'s."""
+  f = flags.FLAGS
+  for flag in f.get_key_flags_for_module(module):
+    f.register_key_flag_for_module(sys.argv[0], flag)
+  sys.modules["__main__"].__doc__ = sys.modules[module].__doc__
+  app.run(main, flags_parser=parser(prog()))
