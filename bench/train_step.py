@@ -637,6 +637,8 @@ def main(argv=None):
   ap.add_argument("--out_dir", default=RESULTS)
   ap.add_argument("--dump_hlo", default=None, help="write the compiled HLO text here")
   ap.add_argument("--table", nargs="*", default=None, help="print a table of result JSONs")
+  ap.add_argument("--merge", nargs=2, default=None, metavar=("DIR", "OUT"),
+                  help="write DIR's train_step_*.json as one JSON {runs: {name: run}} to OUT")
   ap.add_argument("--target", default="cpu",
                   help="compile for: cpu (this host, the stand-in) or h200 / h100 / a "
                        "GpuTargetConfig .txtpb (deviceless XLA:GPU compile; implies "
@@ -661,6 +663,8 @@ def main(argv=None):
       raise SystemExit(msg)
     gpu_target.target_file(args.target)
     gpu_target.set_flags(args.dump_dir, args.target)
+  if args.merge:
+    return merge_runs(*args.merge)
   if args.table is not None:
     files = [f for pat in args.table for f in sorted(glob.glob(pat))]
     print_table([json.load(open(f)) for f in files])
@@ -685,6 +689,20 @@ def main(argv=None):
   print_roofline(res["roofline"])
   print("wrote", path, flush=True)
   return res
+
+
+def merge_runs(directory: str, out: str) -> dict:
+  """``directory``'s ``train_step_*.json`` as one JSON ``{"runs": {name: run}}`` at ``out`` (the
+  GPU scripts' merged result)."""
+  from bench.output import write_json
+  runs = {}
+  for f in sorted(glob.glob(os.path.join(directory, "train_step_*.json"))):
+    with open(f) as fh:
+      r = json.load(fh)
+    runs[r["name"]] = r
+  write_json(out, {"runs": runs})
+  print("wrote", out, "with", len(runs), "runs")
+  return runs
 
 
 def local_platform() -> str:

@@ -33,12 +33,4 @@ bench 100 --config mid --backend auto --batch 256 --jagged
 bench 180 --config prod --backend auto --batch 1024 --jagged --set "train.remat=$PROD_REMAT"
 bench 100 --config mid --backend auto --batch 1024
 python3 -m bench.train_step --table "$TMP"/train_step_*.json 2>&1 | tee -a "$LOG"
-python3 - "$TMP" "$OUT/train_step_gpu_packed.json" <<'PY'
-import glob, json, os, sys
-runs = {}
-for f in sorted(glob.glob(os.path.join(sys.argv[1], "train_step_*.json"))):
-  r = json.load(open(f))
-  runs[r["name"]] = r
-json.dump({"runs": runs}, open(sys.argv[2], "w"), indent=1)
-print("wrote", sys.argv[2], "with", len(runs), "runs")
-PY
+python3 -m bench.train_step --merge "$TMP" "$OUT/train_step_gpu_packed.json"

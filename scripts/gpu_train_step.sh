@@ -44,12 +44,4 @@ bench 60 --backend triton --batch 1024 --profile --profile_steps 3
 bench 70 --backend triton --batch 4096 --set train.remat=full --set train.microbatches=2
 
 python3 -m bench.train_step --table "$TMP"/train_step_*.json 2>&1 | tee -a "$LOG"
-python3 - "$TMP" "$OUT/train_step_gpu.json" <<'EOF'
-import glob, json, os, sys
-runs = {}
-for f in sorted(glob.glob(os.path.join(sys.argv[1], "train_step_*.json"))):
-  r = json.load(open(f))
-  runs[r["name"]] = r
-json.dump({"runs": runs}, open(sys.argv[2], "w"), indent=1)
-print("wrote", sys.argv[2], "with", len(runs), "runs")
-EOF
+python3 -m bench.train_step --merge "$TMP" "$OUT/train_step_gpu.json"

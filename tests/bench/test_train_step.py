@@ -417,3 +417,14 @@ def test_no_config_on_a_cpu_host_is_the_smoke_run():
   for a, platform in ((ns(), "gpu"), (ns(target="h200"), "cpu"), (ns(config="dev"), "cpu")):
     assert train_step.default_config(a, platform) is None and not a.small
     assert a.config in ("mid", "dev")
+
+
+def test_merge_runs_keys_each_run_by_its_name(tmp_path):
+  """``--merge DIR OUT``: DIR's train_step_*.json as {"runs": {name: run}}; other files left out."""
+  for name in ("a", "b"):
+    (tmp_path / f"train_step_{name}.json").write_text(json.dumps({"name": name, "step_ms": 1.0}))
+  (tmp_path / "other.json").write_text("{}")
+  out = tmp_path / "merged.json"
+  train_step.main(["--merge", str(tmp_path), str(out)])
+  assert json.loads(out.read_text()) == {"runs": {"a": {"name": "a", "step_ms": 1.0},
+                                                  "b": {"name": "b", "step_ms": 1.0}}}
