@@ -94,8 +94,7 @@ def render() -> str:
     out.append("|:---|:---|:---|:---|:---|")
     for p in ps:
       f = fields.FIELDS[p]
-      default = _default(f).replace("|", "\\|")      # a code span: only the pipe needs it
-      out.append(f"| `{p}` | {default} | {f.kind} | {_cell(f.allowed())} | {_cell(f.doc)} |")
+      out.append(f"| `{p}` | {_default(f)} | {f.kind} | {_cell(f.allowed())} | {_cell(f.doc)} |")
     out.append("")
   return "\n".join(out)
 
