@@ -1,6 +1,6 @@
 """Validation on the held-out split during training, every ``Plan.every`` steps
 (kunlun/train/plan.py), with keep-best params in ``<workdir>/best`` (train.py; the config
-fields: README "Training length", kunlun/train/settings.py)."""
+fields: docs/guides/train.md, "Training length and validation", kunlun/train/settings.py)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The demo (scripts/demo.sh, kunlun/configs/demo.py) keeps what makes it learn (issue #21 item 5):
 one pass over 5x the tiny preset's data with the tiny model. 300 tiny steps (~1 pass over 20k
-examples) ended at conversion NE ~1.01 and more passes overfit; the full run's metrics are in the
-README. A full demo run takes minutes, so this checks the settings, not the run."""
+examples) ended at conversion NE ~1.01 and more passes overfit; the full run prints its metrics
+(docs/guides/train.md). A full demo run takes minutes, so this checks the settings, not the run."""
 
 import os
 import re
