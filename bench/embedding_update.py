@@ -4,7 +4,7 @@ with every table at 10^5 / 10^7 rows (``--step_bytes``: compiled, not run).
   JAX_PLATFORMS=cpu python -m bench.embedding_update [--rows 65536,262144,1048576] [--dim 64]
       [--ids 4096] [--reps 10] [--quick] [--train_step tiny --batch_size 64]
   JAX_PLATFORMS=cpu python -m bench.embedding_update --step_bytes 100000,10000000 [--batch_size 64]
-Notes: docs/guides/benchmarks.md, "What each bench script measures", ``bench/embedding_update.py``."""
+Notes: docs/guides/benchmarks.md, ``bench/embedding_update.py``."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Kernel check and benchmark: GDPA, block attention and sliding-window softmax attention, xla /
 pallas / triton / cuDNN.
-Notes: docs/guides/benchmarks.md, "What each bench script measures", ``bench/kernels.py``."""
+Notes: docs/guides/benchmarks.md, ``bench/kernels.py``."""
 
 from __future__ import annotations
 

@@ -3,7 +3,8 @@
 ``bench/kernels.py --autotune`` times a small candidate set (``CANDIDATES``) per kernel and
 shape class on the GPU and writes the fastest correct one here, keyed by device kind, backend
 and ``key(...)``. Kernels look their tiles up at trace time; without an entry they use
-``DEFAULTS`` (chosen from the sm_90 compile-only register and spill report: docs/results/kernels.md).
+``DEFAULTS`` (chosen from the sm_90 compile-only register and spill report,
+docs/results/kernels.md).
 The packed (jagged) kernels fit their tiles and pipeline stages to the GPU's shared memory
 (``fit_smem``).
 """

@@ -1,7 +1,7 @@
 """Kunlun module ablations (spec f.1): NE, step-time and FLOP deltas of each switch at one size.
 
   python bench/experiments/ablations.py [--quick] [--size 3] [--seeds 0 1] [--out PATH]
-Notes: docs/guides/benchmarks.md, "What each bench script measures", ``bench/experiments/ablations.py``."""
+Notes: docs/guides/benchmarks.md, ``bench/experiments/ablations.py``."""
 
 from __future__ import annotations
 

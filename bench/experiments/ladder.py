@@ -530,7 +530,8 @@ def main(argv=None):
   ap.add_argument("--emb_lr", type=float, default=0.2, help="row-wise Adagrad LR (tables)")
   ap.add_argument("--jagged_capacity", default="", choices=["", "auto"],
                   help="data.jagged_capacity for --jagged_archs (\"\", the default: padded; "
-                       "on tiny data packed towers ran slower than padded on CPU: docs/results/cpu_speed.md)")
+                       "on tiny data packed towers ran slower than padded on CPU: "
+                       "docs/results/cpu_speed.md)")
   ap.add_argument("--jagged_archs", nargs="*", default=["kunlun"], choices=S.ARCHS,
                   help="architectures that take packed towers with --jagged_capacity")
   ap.add_argument("--archs", nargs="*", default=None, choices=S.ARCHS,

@@ -2,7 +2,7 @@
 
   nice -n 10 python bench/experiments/real_data.py         # full: 3 seeds, up to 4 epochs (~1 h)
   python bench/experiments/real_data.py --quick --inter F  # CI-sized: 1 seed, 1 epoch, small file
-Notes: docs/guides/benchmarks.md, "What each bench script measures", ``bench/experiments/real_data.py``."""
+Notes: docs/guides/benchmarks.md, ``bench/experiments/real_data.py``."""
 
 from __future__ import annotations
 

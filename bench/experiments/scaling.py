@@ -1,7 +1,7 @@
 """Scaling laws: NE against training FLOPs for Kunlun, InterFormer and DLRM (spec e.7, f.1, h-17).
 
   python bench/experiments/scaling.py [--quick] [--ladder cpu|gpu] [--seeds 0 1] [--out PATH]
-Notes: docs/guides/benchmarks.md, "What each bench script measures", ``bench/experiments/scaling.py``."""
+Notes: docs/guides/benchmarks.md, ``bench/experiments/scaling.py``."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Knowledge-transfer experiment (issue 7, spec g): FM -> VM via KD, LoopFM, both.
 
   python bench/experiments/transfer.py [--quick] [--out bench/results/transfer.json]
-Notes: docs/guides/benchmarks.md, "What each bench script measures", ``bench/experiments/transfer.py``."""
+Notes: docs/guides/benchmarks.md, ``bench/experiments/transfer.py``."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Runs train.py / eval.py with injected faults (for bench/faults/run.py and the fault tests).
 
   KUNLUN_FAULTS='{"kill_at_step": 7}' python bench/faults/hooks.py train.py --workdir=... ...
-Notes: docs/guides/benchmarks.md, "What each bench script measures", ``bench/faults/hooks.py``."""
+Notes: docs/guides/benchmarks.md, ``bench/faults/hooks.py``."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Fault injection on real train.py / eval.py runs (tiny Kunlun model, CPU): does training
 survive, and does it end exactly where an uninterrupted run ends?
-Notes: docs/guides/benchmarks.md, "What each bench script measures", ``bench/faults/run.py``."""
+Notes: docs/guides/benchmarks.md, ``bench/faults/run.py``."""
 
 from __future__ import annotations
 

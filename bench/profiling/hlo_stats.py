@@ -2,7 +2,7 @@
 
   stats = hlo_stats(compiled.as_text())          # counts, by opcode and by model scope
   groups = scope_group(op_name)                  # "GDPA", "PFFN", ..., "optimizer", "other"
-Notes: docs/guides/benchmarks.md, "What each bench script measures", ``bench/profiling/hlo_stats.py``."""
+Notes: docs/guides/benchmarks.md, ``bench/profiling/hlo_stats.py``."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Memory-traffic roofline of a compiled step, from its post-optimisation HLO text.
-Notes: docs/guides/benchmarks.md, "What each bench script measures", ``bench/profiling/roofline.py``."""
+Notes: docs/guides/benchmarks.md, ``bench/profiling/roofline.py``."""
 
 from __future__ import annotations
 
