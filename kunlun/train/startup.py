@@ -10,6 +10,7 @@ import re
 import signal
 import sys
 import traceback
+import types
 
 from absl import logging
 
@@ -115,19 +116,29 @@ def _tensorstore_io_status(message: str) -> bool:
 
 
 def quiet_closed_loop_errors() -> None:
-  """Drops the ``RuntimeError('Event loop is closed')`` that TensorStore reports as unraisable
-  when reads of a failed orbax restore complete after orbax closed its event loop (noise: the
-  restore already raised); every other unraisable exception still goes to the previous hook."""
+  """Drops the noise a failed orbax restore leaves (the restore already raised; its TensorStore
+  reads were abandoned): their ``RuntimeError('Event loop is closed')`` when they complete after
+  orbax closed its event loop, and, while the interpreter shuts down, the errors of those
+  suspended coroutines being finalized (``KeyError: '__import__'``: builtins already torn down).
+  Every other unraisable exception still goes to the previous hook."""
   prev = sys.unraisablehook
   if getattr(prev, "_kunlun_quiet", False):
     return
+  sys.unraisablehook = quiet_hook(prev)
 
-  def hook(u):
-    if isinstance(u.exc_value, RuntimeError) and str(u.exc_value) == "Event loop is closed":
+
+def quiet_hook(prev, finalizing=sys.is_finalizing):
+  """``quiet_closed_loop_errors``' hook in front of ``prev``. What it calls is bound now: at
+  shutdown the module's globals and builtins may be gone."""
+  def hook(u, _fin=finalizing, _coro=types.CoroutineType, _is=isinstance, _str=str,
+           _err=RuntimeError, _prev=prev):
+    if _is(u.exc_value, _err) and _str(u.exc_value) == "Event loop is closed":
       return
-    prev(u)
+    if _is(u.object, _coro) and _fin():
+      return
+    _prev(u)
   hook._kunlun_quiet = True
-  sys.unraisablehook = hook
+  return hook
 
 
 def check_settings(config, steps_flag=None, where: str = "") -> None:

@@ -3,6 +3,8 @@
 naming the lost peer, exit status 2, without running the atexit shutdown that would wait for the
 dead peer and dump a C++ stack."""
 
+import types
+
 import jax
 import pytest
 
@@ -62,3 +64,26 @@ def test_ctrl_c_in_an_export_is_one_line(module, prog, monkeypatch, tmp_path):
   with pytest.raises(SystemExit) as e:
     module.main(["--workdir", str(tmp_path), "--out", str(tmp_path / "out")])
   assert e.value.code == 130 and said == [prog]
+
+
+def test_quiet_hook_drops_only_a_failed_restores_noise():
+  """The unraisable hook drops 'Event loop is closed' and, while the interpreter shuts down, a
+  suspended coroutine's finalization error; anything else, or a coroutine's error before
+  shutdown, reaches the previous hook."""
+  seen = []
+
+  async def read():
+    return None
+
+  coro = read()
+  u = lambda exc, obj=None: types.SimpleNamespace(exc_value=exc, object=obj)
+  at_exit = startup.quiet_hook(seen.append, finalizing=lambda: True)
+  running = startup.quiet_hook(seen.append, finalizing=lambda: False)
+  at_exit(u(RuntimeError("Event loop is closed")))
+  at_exit(u(KeyError("__import__"), coro))
+  assert seen == []
+  running(u(KeyError("__import__"), coro))
+  at_exit(u(KeyError("x"), object()))
+  at_exit(u(RuntimeError("other")))
+  assert [str(x.exc_value) for x in seen] == ["'__import__'", "'x'", "other"]
+  coro.close()
