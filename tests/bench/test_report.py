@@ -1,4 +1,4 @@
-"""bench/report.py: the committed results pages match the committed JSON, and go stale (one
+"""bench/report/: the committed results pages match the committed JSON, and go stale (one
 line) when a results JSON changes without them."""
 
 import json
