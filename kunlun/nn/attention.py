@@ -18,6 +18,7 @@ from kunlun.nn.fused import apart, masked_residual, qk_norm_rotary
 from kunlun.nn.gdpa import gdpa_op
 from kunlun.nn.norms import rms_norm
 from kunlun.nn.time_encoding import bucket_embedding, rotary_time
+from pallas_kernels import norm_qkv
 from pallas_kernels.activations import per_head
 from pallas_kernels.reference import (  # noqa: F401  (re-exported: apply_rotary, masked_...)
   apply_rotary,
@@ -139,6 +140,10 @@ class SeqAttention(nn.Module):
     if self.kind != "block" and self.activation != "softmax":
       raise ValueError(f"attention.kind = {self.kind!r} with activation {self.activation!r} has "
                        "no jagged op (packed towers: softmax, or kind 'block')")
+    if self._fused_input(d, H, dh):      # norm -> q / k / v -> QK-norm -> rotary in one pass
+      q, k, v = packed.fused_qkv(x, w, sc("q_scale"), sc("k_scale"), age, jag,
+                                 t_scale=self.t_scale, dtype=self.dtype)
+      return self._packed_attend(x, q, k, v, jag)
     q, k, v = (jnp.einsum("nd,dhc->nhc", hi, w[:, i]) for i, hi in enumerate(apart(h, 3)))
     emb = bucket_embedding(self, "time_bucket_q", q, age, None, self.time_buckets, jag)
     # as one row [1, N, H, dh]: the rotation by age and the tokens' pos, angles recomputed in
@@ -148,6 +153,19 @@ class SeqAttention(nn.Module):
         a[None], sc(name), age_r, dtype=self.dtype, t_scale=self.t_scale,
         emb=None if e is None else e[None], positions=pos_r)[0]
     q, k = prep(q, "q_scale", emb), prep(k, "k_scale")
+    return self._packed_attend(x, q, k, v, jag)
+
+  def _fused_input(self, d, H, dh) -> bool:
+    """Whether the packed input side runs as ``pallas_kernels.norm_qkv``'s kernels: the Pallas
+    backend, QK-norm and rotary on, no query bucket embedding, widths the kernels take."""
+    return (packed.uses_pallas(self.backend) and self.qk_norm and self.rotary
+            and self.time_buckets is None and norm_qkv.supported(d, H, dh))
+
+  def _packed_attend(self, x, q, k, v, jag):
+    """The jagged attention of rotated ``q, k`` and ``v [N, H, D]``, projected out and added to
+    ``x [N, d]``."""
+    d = x.shape[-1]
+    H, dh = self.heads, d // self.heads
     if self.kind == "block":
       o = packed.block_attention(q, k, v, jag, backend=self.backend, block_size=self.block_size,
                                  activation=self.activation, score_clip=self.score_clip)

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from pallas_kernels import jagged, jagged_pallas
+from pallas_kernels import jagged, jagged_pallas, norm_qkv
 from pallas_kernels.api import compile_platform
 from sharding import shard
 from sharding.packed import per_shard
@@ -134,3 +134,27 @@ def softmax_attention(q, k, v, jag, *, backend: str, window=None):
   fn = jagged_pallas.jagged_softmax_attention_pallas if pallas else jagged.jagged_softmax_attention
   kw = dict(window=window, interpret=_interpret()) if pallas else dict(window=window)
   return _per_block(lambda j, q, k, v: fn(q, k, v, j, **kw), jag, (q, k, v), (True,) * 3, pallas)
+
+
+def uses_pallas(backend: str) -> bool:
+  """Whether ``backend`` runs the Pallas kernels here ("auto": on a GPU)."""
+  return _use_pallas(backend)
+
+
+def fused_qkv(x, w, q_scale, k_scale, age, jag, *, t_scale: float, dtype):
+  """The attention's input side as one Pallas pass (``pallas_kernels.norm_qkv``): ``x [N, d]``,
+  ``w [d, 3, H, D]``, ``age f32[N]`` and the tokens' ``jag.pos`` -> ``q, k, v [N, H, D]``
+  (q, k normalised and rotated). Row-wise, so per device on the blocks it holds."""
+  S = jag.shards
+  cut = lambda a: shard(a.reshape((S, -1) + a.shape[1:]), ("blocks",) + (None,) * a.ndim)
+
+  def op(x, age, pos, w, qs, ks):
+    lead = x.shape[:2]
+    outs = norm_qkv.norm_qkv_pallas(x.reshape(-1, x.shape[-1]), w, qs, ks, age.reshape(-1),
+                                    pos.reshape(-1), t_scale=t_scale, dtype=dtype,
+                                    interpret=_interpret())
+    return tuple(o.reshape(lead + o.shape[1:]) for o in outs)
+
+  fn = per_shard(op, (True, True, True, False, False, False))
+  outs = fn(cut(x), cut(jnp.asarray(age, F32)), cut(jag.pos), w, q_scale, k_scale)
+  return tuple(shard_tokens(o.reshape((-1,) + o.shape[2:])) for o in outs)

@@ -1,0 +1,321 @@
+"""The attention's input side as one pass over packed tokens (issue 38): RMSNorm -> q / k / v
+projection -> QK-norm -> rotary, a GEMM with a prologue and an epilogue.
+
+``x [N, d]``, ``w [d, 3, H, D]`` -> ``q, k, v [N, H, D]`` in ``dtype``, per token:
+``h = rms_norm(x)``, ``y_p = h w[:, p]``, ``v = y_v``; for ``p`` in q, k:
+``rotary(rms_norm_D(y_p) * scale_p)``, heads ``[0, ceil(H/2))`` rotated by
+``tau = log1p(max(age, 0) / t_scale)``, the rest by ``positions`` (``kunlun.nn.time_encoding``),
+the angles laid over the whole head (``[a, a]``). Each step is rounded to ``dtype`` where the
+model's XLA path rounds it (``kunlun.nn.attention.SeqAttention``).
+
+``norm_qkv_xla`` is the twin: the formulas, differentiated by autodiff. ``norm_qkv_pallas`` runs
+a forward kernel (reads ``x``, writes q, k, v) and a backward kernel (reads ``x`` and the three
+cotangents, recomputes the projections, writes ``dx``, ``h`` and the pre-norm cotangents
+``dy [N, 3, H, D]``); XLA computes ``dw = h^T dy`` as one GEMM. Triton on GPU,
+``interpret=True`` on CPU. Rows of zeros (a packed block's tail) map to zeros.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels import _poison, tuning
+
+F32 = jnp.float32
+EPS = 1e-6
+ROPE_BASE = 10000.0
+WARPS = 8
+# Token rows per program, by width d: the most at which ptxas (deviceless H200 compile, 8 warps)
+# spills no or few registers at mid's and prod's widths (the backward holds a [rows, d] float32
+# sum). Every program reads all of w (from L2): fewer rows, more of those reads.
+FWD_ROWS = {128: 64, 256: 64, 512: 16}
+BWD_ROWS = {128: 64, 256: 32, 512: 16}
+
+
+def angle_inputs(age, positions, head_dim: int, t_scale: float):
+  """``(tau f32[N], positions f32[N], omega f32[D/2])``: what the rotary angles are made of
+  (``angle = tau * omega`` on the time heads, ``positions * omega`` on the others)."""
+  tau = jnp.log1p(jnp.maximum(jnp.asarray(age, F32), 0.0) / t_scale)
+  omega = ROPE_BASE ** (-jnp.arange(head_dim // 2, dtype=F32) * 2.0 / head_dim)
+  return tau, jnp.asarray(positions, F32), omega
+
+
+def _round(x, dtype):
+  return x.astype(dtype).astype(F32)
+
+
+# ----------------------------------------------------------------------------------- twin
+
+def norm_qkv_xla(x, w, q_scale, k_scale, age, positions, *, t_scale: float = 60.0,
+                 eps: float = EPS, dtype=jnp.bfloat16):
+  """The twin: ``(q, k, v) [N, H, D]`` in ``dtype`` (module docstring)."""
+  _, _, H, D = w.shape
+  tau, pos, omega = angle_inputs(age, positions, D, t_scale)
+  xf = x.astype(F32)
+  h = (xf * lax.rsqrt(jnp.mean(xf * xf, -1, keepdims=True) + eps)).astype(dtype)
+  wd = w.astype(dtype)
+  proj = [jnp.einsum("nd,dhc->nhc", h, wd[:, p]) for p in range(3)]
+  n_time = (H + 1) // 2
+  a = jnp.where(jnp.arange(H)[None, :] < n_time, tau[:, None], pos[:, None])[..., None] * omega
+  a = jnp.concatenate([a, a], -1)                                       # [N, H, D]
+
+  def prep(y, s):
+    y = y.astype(F32)
+    n = (y * lax.rsqrt(jnp.mean(y * y, -1, keepdims=True) + eps) * s).astype(dtype).astype(F32)
+    n1, n2 = jnp.split(n, 2, -1)
+    return (n * jnp.cos(a) + jnp.concatenate([-n2, n1], -1) * jnp.sin(a)).astype(dtype)
+
+  return prep(proj[0], q_scale), prep(proj[1], k_scale), proj[2]
+
+
+# ----------------------------------------------------------------------------------- kernels
+
+class _Cfg(NamedTuple):
+  heads: int
+  head_dim: int
+  eps: float
+  dtype: object
+  rows: int
+  interpret: bool
+
+
+def _prec(dtype):
+  return lax.Precision.HIGHEST if jnp.dtype(dtype) == F32 else None
+
+
+def _tile(ref, r0, rows, idx=()):
+  """``ref[r0:r0 + rows, *idx]`` as ``[rows, c]`` (``idx``: indices of the other axes, the last a
+  slice), zero past the ref's rows."""
+  idx = tuple(jnp.int32(i) if isinstance(i, int) else i for i in idx)
+  c = ref.shape[-1] if not idx or isinstance(idx[-1], slice) else idx[-1].size
+  ok = jnp.broadcast_to(((r0 + jnp.arange(rows)) < ref.shape[0])[:, None], (rows, c))
+  return plgpu.load(ref.at[(pl.ds(r0, rows),) + (idx or (slice(None),))], mask=ok, other=0.0)
+
+
+def _put(ref, r0, x, idx=()):
+  """Stores ``x [rows, c]`` at rows ``r0 + [0, rows)`` of ``ref[:, *idx]`` (rows past its end
+  dropped)."""
+  rows, c = x.shape
+  ok = jnp.broadcast_to(((r0 + jnp.arange(rows)) < ref.shape[0])[:, None], (rows, c))
+  idx = tuple(jnp.int32(i) if isinstance(i, int) else i for i in idx)
+  plgpu.store(ref.at[(pl.ds(r0, rows),) + idx], x.astype(ref.dtype), mask=ok)
+
+
+def _vec(ref, r0, rows):
+  return plgpu.load(ref.at[pl.ds(r0, rows)], mask=(r0 + jnp.arange(rows)) < ref.shape[0],
+                    other=0.0)
+
+
+def _w(w_ref, p, j, half, cfg: _Cfg):
+  """``w[:, p, j, half]`` of the ``[d, 3 H D]`` weights: ``[d, D/2]``."""
+  D, hd = cfg.head_dim, cfg.head_dim // 2
+  return plgpu.load(w_ref.at[:, pl.ds((p * cfg.heads + j) * D + half * hd, hd)])
+
+
+def _norm_rows(xf, eps):
+  return lax.rsqrt(jnp.mean(xf * xf, axis=1, keepdims=True) + eps)
+
+
+def _cos_sin(tau, pos, omega, j, cfg: _Cfg):
+  """``cos, sin [rows, D/2]`` of head ``j``'s angles."""
+  t = jnp.where(j < (cfg.heads + 1) // 2, tau, pos)
+  a = t[:, None] * omega[None, :]
+  return jnp.cos(a), jnp.sin(a)
+
+
+def _dot(a, b, cfg: _Cfg, **kw):
+  """``a b`` (``trans_b``) accumulated in float32 (interpret mode: float32 operands, as XLA:CPU
+  has no 16-bit dot into float32; the products of 16-bit values are exact in float32)."""
+  if cfg.interpret:
+    a, b = a.astype(F32), b.astype(F32)
+  return plgpu.dot(a, b, precision=_prec(a.dtype), **kw)
+
+
+def _halves(h, w_ref, p, j, cfg: _Cfg):
+  """The head's projection ``h w[:, p, j]`` as two ``[rows, D/2]`` halves, rounded to dtype."""
+  return tuple(_round(_dot(h, _w(w_ref, p, j, s, cfg), cfg), cfg.dtype) for s in (0, 1))
+
+
+def _head_stats(y1, y2, cfg: _Cfg):
+  return lax.rsqrt((jnp.sum(y1 * y1, 1, keepdims=True) + jnp.sum(y2 * y2, 1, keepdims=True))
+                   / cfg.head_dim + cfg.eps)
+
+
+def _fwd_kernel(x_ref, w_ref, sc_ref, tau_ref, pos_ref, om_ref, q_ref, k_ref, v_ref, *,
+                cfg: _Cfg):
+  r0, hd = pl.program_id(0) * cfg.rows, cfg.head_dim // 2
+  xf = _tile(x_ref, r0, cfg.rows).astype(F32)
+  h = (xf * _norm_rows(xf, cfg.eps)).astype(cfg.dtype)
+  tau, pos = _vec(tau_ref, r0, cfg.rows), _vec(pos_ref, r0, cfg.rows)
+  omega = plgpu.load(om_ref.at[:])
+  lo, hi = pl.ds(0, hd), pl.ds(hd, hd)
+  for p, out in ((0, q_ref), (1, k_ref)):
+    s1, s2 = plgpu.load(sc_ref.at[jnp.int32(p), lo]), plgpu.load(sc_ref.at[jnp.int32(p), hi])
+
+    def head(j, carry, p=p, out=out, s1=s1, s2=s2):
+      y1, y2 = _halves(h, w_ref, p, j, cfg)
+      a = _head_stats(y1, y2, cfg)
+      n1, n2 = _round(y1 * a * s1[None], cfg.dtype), _round(y2 * a * s2[None], cfg.dtype)
+      c, s = _cos_sin(tau, pos, omega, j, cfg)
+      _put(out, r0, n1 * c - n2 * s, (j, lo))
+      _put(out, r0, n2 * c + n1 * s, (j, hi))
+      return carry
+
+    lax.fori_loop(0, cfg.heads, head, 0)
+
+  def v_head(j, carry):
+    y1, y2 = _halves(h, w_ref, 2, j, cfg)
+    _put(v_ref, r0, y1, (j, lo))
+    _put(v_ref, r0, y2, (j, hi))
+    return carry
+
+  lax.fori_loop(0, cfg.heads, v_head, 0)
+
+
+def _bwd_kernel(x_ref, w_ref, sc_ref, tau_ref, pos_ref, om_ref, dq_ref, dk_ref, dv_ref,
+                dx_ref, h_ref, dy_ref, ds_ref, *, cfg: _Cfg):
+  i, hd = pl.program_id(0), cfg.head_dim // 2
+  r0 = i * cfg.rows
+  xf = _tile(x_ref, r0, cfg.rows).astype(F32)
+  r = _norm_rows(xf, cfg.eps)
+  h = (xf * r).astype(cfg.dtype)
+  _put(h_ref, r0, h)
+  tau, pos = _vec(tau_ref, r0, cfg.rows), _vec(pos_ref, r0, cfg.rows)
+  omega = plgpu.load(om_ref.at[:])
+  lo, hi = pl.ds(0, hd), pl.ds(hd, hd)
+  back = lambda g, p, j, s: _dot(g.astype(cfg.dtype), _w(w_ref, p, j, s, cfg), cfg, trans_b=True)
+  dh = jnp.zeros(xf.shape, F32)
+  for p, g_ref in ((0, dq_ref), (1, dk_ref)):
+    s1, s2 = plgpu.load(sc_ref.at[jnp.int32(p), lo]), plgpu.load(sc_ref.at[jnp.int32(p), hi])
+
+    def head(j, carry, p=p, g_ref=g_ref, s1=s1, s2=s2):
+      dh, ds1, ds2 = carry
+      y1, y2 = _halves(h, w_ref, p, j, cfg)
+      a = _head_stats(y1, y2, cfg)
+      z1, z2 = y1 * a, y2 * a
+      g1 = _tile(g_ref, r0, cfg.rows, (j, lo)).astype(F32)
+      g2 = _tile(g_ref, r0, cfg.rows, (j, hi)).astype(F32)
+      c, s = _cos_sin(tau, pos, omega, j, cfg)
+      dn1, dn2 = _round(g1 * c + g2 * s, cfg.dtype), _round(g2 * c - g1 * s, cfg.dtype)
+      dz1, dz2 = dn1 * s1[None], dn2 * s2[None]
+      m = (jnp.sum(dz1 * z1, 1, keepdims=True) + jnp.sum(dz2 * z2, 1, keepdims=True)) / cfg.head_dim
+      dy1, dy2 = _round(a * (dz1 - z1 * m), cfg.dtype), _round(a * (dz2 - z2 * m), cfg.dtype)
+      _put(dy_ref, r0, dy1, (p, j, lo))
+      _put(dy_ref, r0, dy2, (p, j, hi))
+      return (dh + back(dy1, p, j, 0) + back(dy2, p, j, 1),
+              ds1 + jnp.sum(dn1 * z1, 0), ds2 + jnp.sum(dn2 * z2, 0))
+
+    zero = jnp.zeros((hd,), F32)
+    dh, ds1, ds2 = lax.fori_loop(0, cfg.heads, head, (dh, zero, zero))
+    plgpu.store(ds_ref.at[i, jnp.int32(p), lo], ds1)
+    plgpu.store(ds_ref.at[i, jnp.int32(p), hi], ds2)
+
+  def v_head(j, dh):
+    g1 = _tile(dv_ref, r0, cfg.rows, (j, lo)).astype(F32)
+    g2 = _tile(dv_ref, r0, cfg.rows, (j, hi)).astype(F32)
+    _put(dy_ref, r0, g1, (2, j, lo))
+    _put(dy_ref, r0, g2, (2, j, hi))
+    return dh + back(g1, 2, j, 0) + back(g2, 2, j, 1)
+
+  dh = _round(lax.fori_loop(0, cfg.heads, v_head, dh), cfg.dtype)
+  hn = _tile(x_ref, r0, cfg.rows).astype(F32) * r     # reloaded: not live through the loops
+  dx = r * (dh - hn * jnp.mean(dh * hn, axis=1, keepdims=True))
+  _put(dx_ref, r0, dx)
+
+
+def _rows(table, d):
+  return table.get(d, 16)
+
+
+def _params(rows_needed, warps):
+  _, stages = tuning.fit_smem(lambda _: rows_needed, None, stages=1, what="norm_qkv")
+  return plgpu.CompilerParams(num_warps=warps, num_stages=stages)
+
+
+def _check(x, w):
+  N, d = x.shape
+  _, three, H, D = w.shape
+  pow2 = lambda n: n >= 16 and n & (n - 1) == 0
+  if three != 3 or w.shape[0] != d:
+    raise ValueError(f"norm_qkv: w {w.shape} must be [d, 3, H, D] with d = {d}")
+  if not (pow2(d) and pow2(D // 2) and D % 2 == 0):
+    raise ValueError(f"norm_qkv: the kernels need d and D/2 powers of two >= 16; got d={d}, D={D}")
+  return N, d, H, D
+
+
+def _fwd(x, wf, sc, tau, pos, omega, cfg: _Cfg, shape):
+  N, d, H, D = shape
+  out = jax.ShapeDtypeStruct((N, H, D), cfg.dtype)
+  b = jnp.dtype(cfg.dtype).itemsize
+  whole = pl.no_block_spec
+  return _poison.pallas_call(
+      functools.partial(_fwd_kernel, cfg=cfg), (x, wf, sc, tau, pos, omega),
+      out_shape=(out, out, out), grid=(pl.cdiv(N, cfg.rows),), in_specs=[whole] * 6,
+      out_specs=(whole,) * 3, interpret=cfg.interpret, name="norm_qkv_fwd",
+      compiler_params=_params((cfg.rows * d * b + 2 * d * (D // 2) * b, 0), WARPS))
+
+
+def _bwd(x, wf, sc, tau, pos, omega, dq, dk, dv, cfg: _Cfg, shape):
+  N, d, H, D = shape
+  T = pl.cdiv(N, cfg.rows)
+  b = jnp.dtype(cfg.dtype).itemsize
+  outs = (jax.ShapeDtypeStruct((N, d), x.dtype), jax.ShapeDtypeStruct((N, d), cfg.dtype),
+          jax.ShapeDtypeStruct((N, 3, H, D), cfg.dtype), jax.ShapeDtypeStruct((T, 2, D), F32))
+  whole = pl.no_block_spec
+  return _poison.pallas_call(
+      functools.partial(_bwd_kernel, cfg=cfg), (x, wf, sc, tau, pos, omega, dq, dk, dv),
+      out_shape=outs, grid=(T,), in_specs=[whole] * 9, out_specs=(whole,) * 4,
+      interpret=cfg.interpret, name="norm_qkv_bwd",
+      compiler_params=_params((cfg.rows * d * b + 2 * d * (D // 2) * b, 0), WARPS))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
+def _norm_qkv(x, w, q_scale, k_scale, tau, pos, omega, eps, dtype, interpret):
+  N, d, H, D = _check(x, w)
+  cfg = _Cfg(H, D, eps, dtype, _rows(FWD_ROWS, d), interpret)
+  sc = jnp.stack([q_scale, k_scale]).astype(F32)
+  return _fwd(x, w.astype(dtype).reshape(d, 3 * H * D), sc, tau, pos, omega, cfg, (N, d, H, D))
+
+
+def _vjp_fwd(x, w, q_scale, k_scale, tau, pos, omega, eps, dtype, interpret):
+  out = _norm_qkv(x, w, q_scale, k_scale, tau, pos, omega, eps, dtype, interpret)
+  return out, (x, w, q_scale, k_scale, tau, pos, omega)
+
+
+def _vjp_bwd(eps, dtype, interpret, res, g):
+  x, w, q_scale, k_scale, tau, pos, omega = res
+  N, d, H, D = _check(x, w)
+  cfg = _Cfg(H, D, eps, dtype, _rows(BWD_ROWS, d), interpret)
+  sc = jnp.stack([q_scale, k_scale]).astype(F32)
+  wf = w.astype(dtype).reshape(d, 3 * H * D)
+  dx, h, dy, ds = _bwd(x, wf, sc, tau, pos, omega, *g, cfg, (N, d, H, D))
+  dw = jnp.einsum("nd,npjc->dpjc", h, dy)     # in dtype, as the twin's (XLA's) weight gradient
+  ds = jnp.sum(ds, 0)
+  z = jnp.zeros_like
+  return (dx, dw.astype(w.dtype), ds[0].astype(q_scale.dtype), ds[1].astype(k_scale.dtype),
+          z(tau), z(pos), z(omega))
+
+
+_norm_qkv.defvjp(_vjp_fwd, _vjp_bwd)
+
+
+def norm_qkv_pallas(x, w, q_scale, k_scale, age, positions, *, t_scale: float = 60.0,
+                    eps: float = EPS, dtype=jnp.bfloat16, interpret: bool = False):
+  """``norm_qkv_xla``'s values and gradients from the Pallas kernels (module docstring)."""
+  _check(x, w)
+  tau, pos, omega = angle_inputs(age, positions, w.shape[-1], t_scale)
+  return _norm_qkv(x, w, q_scale, k_scale, tau, pos, omega, float(eps), jnp.dtype(dtype),
+                   bool(interpret))
+
+
+def supported(d: int, heads: int, head_dim: int) -> bool:
+  """Whether the kernels take these widths (``_check``)."""
+  pow2 = lambda n: n >= 16 and n & (n - 1) == 0
+  return heads >= 1 and head_dim % 2 == 0 and pow2(d) and pow2(head_dim // 2)

@@ -1,0 +1,118 @@
+"""The fused attention input side (``pallas_kernels.norm_qkv``): the twin against a float64 numpy
+computation of the formulas, the Pallas kernels (interpret mode, NaN-poisoned outputs) against
+the twin in values and gradients (float32: 1e-5 of the largest magnitude; bfloat16: 2e-2), row
+counts that are no multiple of the kernels' tiles, and zero rows (a packed block's tail)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import _poison, norm_qkv
+from tests.pallas_kernels.np_ref import _bf16
+
+T_SCALE = 60.0
+
+
+def _inputs(N=100, d=64, H=3, D=32, seed=0, zero_tail=7):
+  rng = np.random.default_rng(seed)
+  x = rng.normal(size=(N, d)).astype(np.float32) * rng.uniform(0.2, 3.0, size=(N, 1))
+  x[N - zero_tail:] = 0.0                                  # a block's tail: zero rows
+  w = (rng.normal(size=(d, 3, H, D)) / np.sqrt(d)).astype(np.float32)
+  qs, ks = (rng.uniform(0.5, 1.5, size=(D,)).astype(np.float32) for _ in range(2))
+  age = rng.uniform(-5.0, 1e6, size=(N,)).astype(np.float32)
+  pos = rng.integers(0, 300, size=(N,)).astype(np.int32)
+  return x, w, qs, ks, age, pos
+
+
+def _numpy(x, w, qs, ks, age, pos, eps=1e-6, rnd=lambda a: a):
+  """float64 numpy of the module docstring's formulas (``rnd``: the rounding to dtype)."""
+  x, w = x.astype(np.float64), w.astype(np.float64)
+  H, D = w.shape[2], w.shape[3]
+  h = rnd(x / np.sqrt(np.mean(x * x, -1, keepdims=True) + eps))
+  tau = np.log1p(np.maximum(age.astype(np.float64), 0.0) / T_SCALE)
+  omega = 10000.0 ** (-np.arange(D // 2) * 2.0 / D)
+  outs = []
+  for p, s in ((0, qs), (1, ks), (2, None)):
+    y = rnd(np.einsum("nd,dhc->nhc", h, rnd(w[:, p])))
+    if s is None:
+      outs.append(y)
+      continue
+    n = rnd(y / np.sqrt(np.mean(y * y, -1, keepdims=True) + eps) * s)
+    o = np.empty_like(n)
+    for j in range(H):
+      t = tau if j < (H + 1) // 2 else pos.astype(np.float64)
+      a = t[:, None] * omega[None]
+      n1, n2 = n[:, j, :D // 2], n[:, j, D // 2:]
+      o[:, j] = np.concatenate([n1 * np.cos(a) - n2 * np.sin(a), n2 * np.cos(a) + n1 * np.sin(a)],
+                               -1)
+    outs.append(rnd(o))
+  return outs
+
+
+def _close(a, b, tol):
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  assert np.all(np.isfinite(a)) and np.all(np.isfinite(b))
+  err = np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30)
+  assert err <= tol, f"relative error {err:.3g} > {tol}"
+
+
+def test_twin_matches_numpy_float32():
+  args = _inputs()
+  got = norm_qkv.norm_qkv_xla(*map(jnp.asarray, args), t_scale=T_SCALE, dtype=jnp.float32)
+  for g, r in zip(got, _numpy(*args), strict=True):
+    _close(g, r, 2e-5)
+
+
+def test_twin_matches_numpy_bfloat16_rounding():
+  args = _inputs(seed=1)
+  got = norm_qkv.norm_qkv_xla(*map(jnp.asarray, args), t_scale=T_SCALE, dtype=jnp.bfloat16)
+  for g, r in zip(got, _numpy(*args, rnd=_bf16), strict=True):
+    _close(g, r, 1e-2)
+
+
+def _loss(fn, x, w, qs, ks, age, pos, dtype, cot):
+  def f(x, w, qs, ks):
+    q, k, v = fn(x, w, qs, ks, age, pos, t_scale=T_SCALE, dtype=dtype)
+    return sum(jnp.sum(o.astype(jnp.float32) * c) for o, c in zip((q, k, v), cot, strict=True))
+  return jax.value_and_grad(f, argnums=(0, 1, 2, 3))(x, w, qs, ks)
+
+
+@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 2e-2)])
+@pytest.mark.parametrize("N,H", [(100, 3), (64, 2), (33, 1)])
+def test_kernels_match_the_twin(dtype, tol, N, H):
+  x, w, qs, ks, age, pos = _inputs(N=N, H=H, seed=N + H, zero_tail=min(7, N // 4))
+  x = jnp.asarray(x, dtype)
+  rng = np.random.default_rng(5)
+  cot = [jnp.asarray(rng.normal(size=(N, H, w.shape[-1])), jnp.float32) for _ in range(3)]
+  cot[0] = cot[0].at[N - 3:].set(0.0)
+  pal = lambda *a, **k: norm_qkv.norm_qkv_pallas(*a, interpret=True, **k)
+  with _poison.poison_outputs():
+    outs = norm_qkv.norm_qkv_pallas(x, w, qs, ks, age, pos, t_scale=T_SCALE, dtype=dtype,
+                                    interpret=True)
+    (val, grads) = _loss(pal, x, w, qs, ks, age, pos, dtype, cot)
+  ref = norm_qkv.norm_qkv_xla(x, w, qs, ks, age, pos, t_scale=T_SCALE, dtype=dtype)
+  for o, r in zip(outs, ref, strict=True):
+    assert o.dtype == dtype and o.shape == r.shape
+    _close(o, r, tol)
+  (rval, rgrads) = _loss(norm_qkv.norm_qkv_xla, x, w, qs, ks, age, pos, dtype, cot)
+  _close(val, rval, tol)
+  for name, g, r in zip(("x", "w", "q_scale", "k_scale"), grads, rgrads, strict=True):
+    assert g.dtype == r.dtype and g.shape == r.shape, name
+    _close(g, r, tol)
+
+
+def test_zero_rows_stay_zero():
+  x, w, qs, ks, age, pos = _inputs(N=40, zero_tail=40)
+  outs = norm_qkv.norm_qkv_pallas(x, w, qs, ks, age, pos, dtype=jnp.float32, interpret=True)
+  for o in outs:
+    assert not np.any(np.asarray(o))
+
+
+def test_unsupported_widths_are_refused():
+  x = jnp.zeros((8, 48))
+  w = jnp.zeros((48, 3, 2, 24))
+  assert not norm_qkv.supported(48, 2, 24)
+  with pytest.raises(ValueError, match="powers of two"):
+    norm_qkv.norm_qkv_pallas(x, w, jnp.ones(24), jnp.ones(24), jnp.zeros(8), jnp.zeros(8, jnp.int32),
+                             interpret=True)
