@@ -84,6 +84,8 @@ class _Cfg(NamedTuple):
   dtype: object
   rows: int
   interpret: bool
+  proj: int = 3          # projections P
+  rot: int = 2           # the first ``rot`` of them QK-normalised and rotated
 
 
 def _prec(dtype):
@@ -148,15 +150,15 @@ def _head_stats(y1, y2, cfg: _Cfg):
                    / cfg.head_dim + cfg.eps)
 
 
-def _fwd_kernel(x_ref, w_ref, sc_ref, tau_ref, pos_ref, om_ref, q_ref, k_ref, v_ref, *,
-                cfg: _Cfg):
+def _fwd_kernel(x_ref, w_ref, sc_ref, tau_ref, pos_ref, om_ref, *out_refs, cfg: _Cfg):
   r0, hd = pl.program_id(0) * cfg.rows, cfg.head_dim // 2
   xf = _tile(x_ref, r0, cfg.rows).astype(F32)
   h = (xf * _norm_rows(xf, cfg.eps)).astype(cfg.dtype)
-  tau, pos = _vec(tau_ref, r0, cfg.rows), _vec(pos_ref, r0, cfg.rows)
-  omega = plgpu.load(om_ref.at[:])
+  if cfg.rot:
+    tau, pos = _vec(tau_ref, r0, cfg.rows), _vec(pos_ref, r0, cfg.rows)
+    omega = plgpu.load(om_ref.at[:])
   lo, hi = pl.ds(0, hd), pl.ds(hd, hd)
-  for p, out in ((0, q_ref), (1, k_ref)):
+  for p, out in enumerate(out_refs[:cfg.rot]):
     s1, s2 = plgpu.load(sc_ref.at[jnp.int32(p), lo]), plgpu.load(sc_ref.at[jnp.int32(p), hi])
 
     def head(j, carry, p=p, out=out, s1=s1, s2=s2):
@@ -170,29 +172,31 @@ def _fwd_kernel(x_ref, w_ref, sc_ref, tau_ref, pos_ref, om_ref, q_ref, k_ref, v_
 
     lax.fori_loop(0, cfg.heads, head, 0)
 
-  def v_head(j, carry):
-    y1, y2 = _halves(h, w_ref, 2, j, cfg)
-    _put(v_ref, r0, y1, (j, lo))
-    _put(v_ref, r0, y2, (j, hi))
-    return carry
+  for p in range(cfg.rot, cfg.proj):
+    def plain(j, carry, p=p):
+      y1, y2 = _halves(h, w_ref, p, j, cfg)
+      _put(out_refs[p], r0, y1, (j, lo))
+      _put(out_refs[p], r0, y2, (j, hi))
+      return carry
 
-  lax.fori_loop(0, cfg.heads, v_head, 0)
+    lax.fori_loop(0, cfg.heads, plain, 0)
 
 
-def _bwd_kernel(x_ref, w_ref, sc_ref, tau_ref, pos_ref, om_ref, dq_ref, dk_ref, dv_ref,
-                dx_ref, h_ref, dy_ref, ds_ref, *, cfg: _Cfg):
+def _bwd_kernel(x_ref, w_ref, sc_ref, tau_ref, pos_ref, om_ref, *refs, cfg: _Cfg):
+  g_refs, (dx_ref, h_ref, dy_ref, ds_ref) = refs[:cfg.proj], refs[cfg.proj:]
   i, hd = pl.program_id(0), cfg.head_dim // 2
   r0 = i * cfg.rows
   xf = _tile(x_ref, r0, cfg.rows).astype(F32)
   r = _norm_rows(xf, cfg.eps)
   h = (xf * r).astype(cfg.dtype)
   _put(h_ref, r0, h)
-  tau, pos = _vec(tau_ref, r0, cfg.rows), _vec(pos_ref, r0, cfg.rows)
-  omega = plgpu.load(om_ref.at[:])
+  if cfg.rot:
+    tau, pos = _vec(tau_ref, r0, cfg.rows), _vec(pos_ref, r0, cfg.rows)
+    omega = plgpu.load(om_ref.at[:])
   lo, hi = pl.ds(0, hd), pl.ds(hd, hd)
   back = lambda g, p, j, s: _dot(g.astype(cfg.dtype), _w(w_ref, p, j, s, cfg), cfg, trans_b=True)
   dh = jnp.zeros(xf.shape, F32)
-  for p, g_ref in ((0, dq_ref), (1, dk_ref)):
+  for p, g_ref in enumerate(g_refs[:cfg.rot]):
     s1, s2 = plgpu.load(sc_ref.at[jnp.int32(p), lo]), plgpu.load(sc_ref.at[jnp.int32(p), hi])
 
     def head(j, carry, p=p, g_ref=g_ref, s1=s1, s2=s2):
@@ -217,14 +221,16 @@ def _bwd_kernel(x_ref, w_ref, sc_ref, tau_ref, pos_ref, om_ref, dq_ref, dk_ref, 
     plgpu.store(ds_ref.at[i, jnp.int32(p), lo], ds1)
     plgpu.store(ds_ref.at[i, jnp.int32(p), hi], ds2)
 
-  def v_head(j, dh):
-    g1 = _tile(dv_ref, r0, cfg.rows, (j, lo)).astype(F32)
-    g2 = _tile(dv_ref, r0, cfg.rows, (j, hi)).astype(F32)
-    _put(dy_ref, r0, g1, (2, j, lo))
-    _put(dy_ref, r0, g2, (2, j, hi))
-    return dh + back(g1, 2, j, 0) + back(g2, 2, j, 1)
+  for p in range(cfg.rot, cfg.proj):
+    def plain(j, dh, p=p):
+      g1 = _tile(g_refs[p], r0, cfg.rows, (j, lo)).astype(F32)
+      g2 = _tile(g_refs[p], r0, cfg.rows, (j, hi)).astype(F32)
+      _put(dy_ref, r0, g1, (p, j, lo))
+      _put(dy_ref, r0, g2, (p, j, hi))
+      return dh + back(g1, p, j, 0) + back(g2, p, j, 1)
 
-  dh = _round(lax.fori_loop(0, cfg.heads, v_head, dh), cfg.dtype)
+    dh = lax.fori_loop(0, cfg.heads, plain, dh)
+  dh = _round(dh, cfg.dtype)
   hn = _tile(x_ref, r0, cfg.rows).astype(F32) * r     # reloaded: not live through the loops
   dx = r * (dh - hn * jnp.mean(dh * hn, axis=1, keepdims=True))
   _put(dx_ref, r0, dx)
@@ -239,13 +245,12 @@ def _params(rows_needed, warps):
   return plgpu.CompilerParams(num_warps=warps, num_stages=stages)
 
 
-def _check(x, w):
+def _check(x, w, proj=None):
   N, d = x.shape
-  _, three, H, D = w.shape
-  pow2 = lambda n: n >= 16 and n & (n - 1) == 0
-  if three != 3 or w.shape[0] != d:
-    raise ValueError(f"norm_qkv: w {w.shape} must be [d, 3, H, D] with d = {d}")
-  if not (pow2(d) and pow2(D // 2) and D % 2 == 0):
+  if w.ndim != 4 or w.shape[0] != d or (proj is not None and w.shape[1] != proj):
+    raise ValueError(f"norm_qkv: w {w.shape} must be [d, {proj or 'P'}, H, D] with d = {d}")
+  _, P, H, D = w.shape
+  if not supported(d, H, D):
     raise ValueError(f"norm_qkv: the kernels need d and D/2 powers of two >= 16; got d={d}, D={D}")
   return N, d, H, D
 
@@ -257,65 +262,85 @@ def _fwd(x, wf, sc, tau, pos, omega, cfg: _Cfg, shape):
   whole = pl.no_block_spec
   return _poison.pallas_call(
       functools.partial(_fwd_kernel, cfg=cfg), (x, wf, sc, tau, pos, omega),
-      out_shape=(out, out, out), grid=(pl.cdiv(N, cfg.rows),), in_specs=[whole] * 6,
-      out_specs=(whole,) * 3, interpret=cfg.interpret, name="norm_qkv_fwd",
+      out_shape=(out,) * cfg.proj, grid=(pl.cdiv(N, cfg.rows),), in_specs=[whole] * 6,
+      out_specs=(whole,) * cfg.proj, interpret=cfg.interpret, name=f"{_name(cfg)}_fwd",
       compiler_params=_params((cfg.rows * d * b + 2 * d * (D // 2) * b, 0), WARPS))
 
 
-def _bwd(x, wf, sc, tau, pos, omega, dq, dk, dv, cfg: _Cfg, shape):
+def _bwd(x, wf, sc, tau, pos, omega, gs, cfg: _Cfg, shape):
   N, d, H, D = shape
   T = pl.cdiv(N, cfg.rows)
   b = jnp.dtype(cfg.dtype).itemsize
   outs = (jax.ShapeDtypeStruct((N, d), x.dtype), jax.ShapeDtypeStruct((N, d), cfg.dtype),
-          jax.ShapeDtypeStruct((N, 3, H, D), cfg.dtype), jax.ShapeDtypeStruct((T, 2, D), F32))
+          jax.ShapeDtypeStruct((N, cfg.proj, H, D), cfg.dtype),
+          jax.ShapeDtypeStruct((T, sc.shape[0], D), F32))
   whole = pl.no_block_spec
   return _poison.pallas_call(
-      functools.partial(_bwd_kernel, cfg=cfg), (x, wf, sc, tau, pos, omega, dq, dk, dv),
-      out_shape=outs, grid=(T,), in_specs=[whole] * 9, out_specs=(whole,) * 4,
-      interpret=cfg.interpret, name="norm_qkv_bwd",
+      functools.partial(_bwd_kernel, cfg=cfg), (x, wf, sc, tau, pos, omega, *gs),
+      out_shape=outs, grid=(T,), in_specs=[whole] * (6 + cfg.proj), out_specs=(whole,) * 4,
+      interpret=cfg.interpret, name=f"{_name(cfg)}_bwd",
       compiler_params=_params((cfg.rows * d * b + 2 * d * (D // 2) * b, 0), WARPS))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
-def _norm_qkv(x, w, q_scale, k_scale, tau, pos, omega, eps, dtype, interpret):
+def _name(cfg: _Cfg) -> str:
+  return "norm_qkv" if cfg.rot else "norm_proj"
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
+def _fused(x, w, sc, tau, pos, omega, eps, dtype, interpret, rot):
   N, d, H, D = _check(x, w)
-  cfg = _Cfg(H, D, eps, dtype, _rows(FWD_ROWS, d), interpret)
-  sc = jnp.stack([q_scale, k_scale]).astype(F32)
-  return _fwd(x, w.astype(dtype).reshape(d, 3 * H * D), sc, tau, pos, omega, cfg, (N, d, H, D))
+  cfg = _Cfg(H, D, eps, dtype, _rows(FWD_ROWS, d), interpret, w.shape[1], rot)
+  return _fwd(x, w.astype(dtype).reshape(d, -1), sc, tau, pos, omega, cfg, (N, d, H, D))
 
 
-def _vjp_fwd(x, w, q_scale, k_scale, tau, pos, omega, eps, dtype, interpret):
-  out = _norm_qkv(x, w, q_scale, k_scale, tau, pos, omega, eps, dtype, interpret)
-  return out, (x, w, q_scale, k_scale, tau, pos, omega)
+def _vjp_fwd(x, w, sc, tau, pos, omega, eps, dtype, interpret, rot):
+  return _fused(x, w, sc, tau, pos, omega, eps, dtype, interpret, rot), (x, w, sc, tau, pos, omega)
 
 
-def _vjp_bwd(eps, dtype, interpret, res, g):
-  x, w, q_scale, k_scale, tau, pos, omega = res
+def _vjp_bwd(eps, dtype, interpret, rot, res, g):
+  x, w, sc, tau, pos, omega = res
   N, d, H, D = _check(x, w)
-  cfg = _Cfg(H, D, eps, dtype, _rows(BWD_ROWS, d), interpret)
-  sc = jnp.stack([q_scale, k_scale]).astype(F32)
-  wf = w.astype(dtype).reshape(d, 3 * H * D)
-  dx, h, dy, ds = _bwd(x, wf, sc, tau, pos, omega, *g, cfg, (N, d, H, D))
-  dw = jnp.einsum("nd,npjc->dpjc", h, dy)     # in dtype, as the twin's (XLA's) weight gradient
-  ds = jnp.sum(ds, 0)
+  cfg = _Cfg(H, D, eps, dtype, _rows(BWD_ROWS, d), interpret, w.shape[1], rot)
+  dx, h, dy, ds = _bwd(x, w.astype(dtype).reshape(d, -1), sc, tau, pos, omega, g, cfg,
+                       (N, d, H, D))
+  if interpret:            # XLA:CPU: a 16-bit dot may accumulate in 16 bits; a GPU's in float32
+    h, dy = h.astype(F32), dy.astype(F32)
+  dw = jnp.einsum("nd,npjc->dpjc", h, dy).astype(dtype)   # in dtype, as the twin's weight gradient
   z = jnp.zeros_like
-  return (dx, dw.astype(w.dtype), ds[0].astype(q_scale.dtype), ds[1].astype(k_scale.dtype),
-          z(tau), z(pos), z(omega))
+  return dx, dw.astype(w.dtype), jnp.sum(ds, 0).astype(sc.dtype), z(tau), z(pos), z(omega)
 
 
-_norm_qkv.defvjp(_vjp_fwd, _vjp_bwd)
+_fused.defvjp(_vjp_fwd, _vjp_bwd)
 
 
 def norm_qkv_pallas(x, w, q_scale, k_scale, age, positions, *, t_scale: float = 60.0,
                     eps: float = EPS, dtype=jnp.bfloat16, interpret: bool = False):
   """``norm_qkv_xla``'s values and gradients from the Pallas kernels (module docstring)."""
-  _check(x, w)
+  _check(x, w, 3)
   tau, pos, omega = angle_inputs(age, positions, w.shape[-1], t_scale)
-  return _norm_qkv(x, w, q_scale, k_scale, tau, pos, omega, float(eps), jnp.dtype(dtype),
-                   bool(interpret))
+  sc = jnp.stack([q_scale, k_scale]).astype(F32)
+  return _fused(x, w, sc, tau, pos, omega, float(eps), jnp.dtype(dtype), bool(interpret), 2)
+
+
+def norm_proj_xla(x, w, *, eps: float = EPS, dtype=jnp.bfloat16):
+  """The twin of ``norm_proj_pallas``: ``rms_norm(x) w[:, p]`` for each of the P projections of
+  ``w [d, P, H, D]`` (HSP's keys and values), each ``[N, H, D]`` in ``dtype``."""
+  xf = x.astype(F32)
+  h = (xf * lax.rsqrt(jnp.mean(xf * xf, -1, keepdims=True) + eps)).astype(dtype)
+  wd = w.astype(dtype)
+  return tuple(jnp.einsum("nd,dhc->nhc", h, wd[:, p]) for p in range(w.shape[1]))
+
+
+def norm_proj_pallas(x, w, *, eps: float = EPS, dtype=jnp.bfloat16, interpret: bool = False):
+  """``norm_proj_xla``'s values and gradients from the same kernels, no projection normalised
+  or rotated."""
+  _, _, _, D = _check(x, w)
+  z = jnp.zeros((16,), F32)                  # no angles, no scales: never read
+  return _fused(x, w, jnp.zeros((1, D), F32), z, z, z, float(eps), jnp.dtype(dtype),
+                bool(interpret), 0)
 
 
 def supported(d: int, heads: int, head_dim: int) -> bool:
-  """Whether the kernels take these widths (``_check``)."""
+  """Whether the kernels take these widths: ``d`` and ``head_dim / 2`` powers of two >= 16."""
   pow2 = lambda n: n >= 16 and n & (n - 1) == 0
   return heads >= 1 and head_dim % 2 == 0 and pow2(d) and pow2(head_dim // 2)

@@ -547,6 +547,15 @@ def _fence(x):
 
 # kunlun.nn.packed's ops that record_kernels wraps
 JAGGED_OPS = ("gdpa_cross", "gdpa_pool", "block_attention", "softmax_attention")
+# kunlun.nn.packed's fused norm -> projection ops (pallas_kernels.norm_qkv): {op: rotated}
+PROJECTION_OPS = {"fused_qkv": 2, "fused_proj": 0}
+
+
+def fused_projection_flops(N: int, d: int, P: int, H: int, D: int, rot: int) -> float:
+  """FLOPs of ``pallas_kernels.norm_qkv``'s two kernels on ``N`` tokens (the weight gradient is
+  an XLA GEMM, in the HLO): the forward's ``P`` projections, the backward's recomputed ``rot``
+  ones and its ``P`` back-projections, each ``2 N d H D``."""
+  return 2.0 * N * d * H * D * (2 * P + rot)
 
 
 @contextlib.contextmanager
@@ -624,6 +633,18 @@ def record_kernels(fence: bool = True):
         return _fence(fn(*_fence((q, k, v)), jag, **kw))
     return call
 
+  def projection(name, rot):
+    fn = getattr(packed, name)
+
+    def call(x, w, *a, **kw):
+      keep("projection", {"bytes": 0.0, "launches": 0,
+                          "flops": fused_projection_flops(x.shape[0], *w.shape, rot)})
+      return fn(x, w, *a, **kw)
+    return call
+
+  proj_orig = {n: getattr(packed, n) for n in PROJECTION_OPS}
+  for n, rot in PROJECTION_OPS.items():
+    setattr(packed, n, projection(n, rot))
   pallas_kernels.gdpa = gdpa
   attention.softmax_attention_op = softmax
   pallas_kernels.block_attention = block
@@ -636,7 +657,7 @@ def record_kernels(fence: bool = True):
     pallas_kernels.gdpa = orig["gdpa"]
     attention.softmax_attention_op = orig["softmax"]
     pallas_kernels.block_attention = orig["block"]
-    for n, f in jagged_orig.items():
+    for n, f in {**jagged_orig, **proj_orig}.items():
       setattr(packed, n, f)
     calls += _call_sites(seen)
 
@@ -682,7 +703,8 @@ def roofline(costs: list[dict], calls: list[dict] | None, towers=(), *, examples
       r["replaced_bytes"] += b
       r["replaced_launches"] += n
   for k in calls or ():
-    g = "GDPA" if k["kind"] == "gdpa" else "attention"
+    g = ("GDPA" if k["kind"] == "gdpa" else hlo_stats.scope_group(k["scope"])
+         if k["kind"] == "projection" else "attention")
     r = rows[(g, scope_tower(k["scope"], towers))]
     r["kernel_calls"] += repeat
     r["analytic_bytes"] += k["bytes"] * repeat

@@ -24,17 +24,22 @@ from kunlun.nn.fused import apart
 from kunlun.nn.gdpa import gdpa_op
 from kunlun.nn.norms import rms_norm
 from kunlun.nn.time_encoding import add_bucket_embedding
+from pallas_kernels import norm_qkv
 from pallas_kernels.activations import per_head
 from sharding import shard, with_axes
 
 F32 = jnp.float32
 
 
+def _head_weights(mod, name, d, heads):
+  """The parameter ``name``: ``W [d, heads, d // heads]``."""
+  init = with_axes(nn.initializers.lecun_normal(0, (1, 2)), ("embed", "heads", "head_dim"))
+  return mod.param(name, init, (d, heads, d // heads), F32)
+
+
 def _to_heads(mod, name, x, heads, dtype):
   """``x [..., d] @ W [d, heads, d // heads]`` with ``W`` the parameter ``name``."""
-  d = x.shape[-1]
-  init = with_axes(nn.initializers.lecun_normal(0, (1, 2)), ("embed", "heads", "head_dim"))
-  w = mod.param(name, init, (d, heads, d // heads), F32)
+  w = _head_weights(mod, name, x.shape[-1], heads)
   return jnp.einsum("...d,dhc->...hc", x.astype(dtype), w.astype(dtype))
 
 
@@ -110,8 +115,13 @@ class HSP(nn.Module):
       e = self.param("seeds", with_axes(nn.initializers.normal(0.02), ("seeds", "embed")),
                      (self.n_seed, d), F32)
       q = _to_heads(self, "query", rms_norm(e), H, dt)
-      hk, hv = apart(rms_norm(s, dtype=dt), 2)           # k and v: their own buffers
-      k, v = _to_heads(self, "key", hk, H, dt), _to_heads(self, "value", hv, H, dt)
+      if jag is not None and packed.uses_pallas(self.backend) and norm_qkv.supported(
+          d, H, d // H):                                 # norm -> k, v in one Pallas pass
+        wk, wv = (_head_weights(self, n, d, H) for n in ("key", "value"))
+        k, v = packed.fused_proj(s, jnp.stack([wk, wv], 1), jag, dtype=dt)
+      else:
+        hk, hv = apart(rms_norm(s, dtype=dt), 2)         # k and v: their own buffers
+        k, v = _to_heads(self, "key", hk, H, dt), _to_heads(self, "value", hv, H, dt)
       k = add_bucket_embedding(self, "time_bucket_k", k, age, lengths, self.time_buckets, jag)
       gdpa = dict(activation=self.activation, out_scale=1.0 / (self.t_max or s.shape[1]),
                   score_clip=self.score_clip)

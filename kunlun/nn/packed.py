@@ -145,16 +145,31 @@ def fused_qkv(x, w, q_scale, k_scale, age, jag, *, t_scale: float, dtype):
   """The attention's input side as one Pallas pass (``pallas_kernels.norm_qkv``): ``x [N, d]``,
   ``w [d, 3, H, D]``, ``age f32[N]`` and the tokens' ``jag.pos`` -> ``q, k, v [N, H, D]``
   (q, k normalised and rotated). Row-wise, so per device on the blocks it holds."""
+  def op(x, age, pos, w, qs, ks):
+    return norm_qkv.norm_qkv_pallas(x, w, qs, ks, age, pos, t_scale=t_scale, dtype=dtype,
+                                    interpret=_interpret())
+  return _rowwise_kernel(op, jag, (x, jnp.asarray(age, F32), jag.pos), (w, q_scale, k_scale))
+
+
+def fused_proj(x, w, jag, *, dtype):
+  """``rms_norm(x) w[:, p]`` for each projection of ``w [d, P, H, D]`` as one Pallas pass
+  (``pallas_kernels.norm_qkv.norm_proj_pallas``; HSP's keys and values): ``P x [N, H, D]``."""
+  op = lambda x, w: norm_qkv.norm_proj_pallas(x, w, dtype=dtype, interpret=_interpret())
+  return _rowwise_kernel(op, jag, (x,), (w,))
+
+
+def _rowwise_kernel(op, jag, tokens, shared):
+  """``op(*tokens, *shared)`` (tokens ``[N, ...]``, outputs ``[N, ...]``) per device on the blocks
+  it holds (``sharding.packed.per_shard``): a row-wise kernel needs no per-block vmap."""
   S = jag.shards
   cut = lambda a: shard(a.reshape((S, -1) + a.shape[1:]), ("blocks",) + (None,) * a.ndim)
 
-  def op(x, age, pos, w, qs, ks):
-    lead = x.shape[:2]
-    outs = norm_qkv.norm_qkv_pallas(x.reshape(-1, x.shape[-1]), w, qs, ks, age.reshape(-1),
-                                    pos.reshape(-1), t_scale=t_scale, dtype=dtype,
-                                    interpret=_interpret())
+  def per_device(*args):
+    toks, rest = args[:len(tokens)], args[len(tokens):]
+    lead = toks[0].shape[:2]
+    outs = op(*(t.reshape((-1,) + t.shape[2:]) for t in toks), *rest)
     return tuple(o.reshape(lead + o.shape[1:]) for o in outs)
 
-  fn = per_shard(op, (True, True, True, False, False, False))
-  outs = fn(cut(x), cut(jnp.asarray(age, F32)), cut(jag.pos), w, q_scale, k_scale)
+  fn = per_shard(per_device, (True,) * len(tokens) + (False,) * len(shared))
+  outs = fn(*(cut(t) for t in tokens), *shared)
   return tuple(shard_tokens(o.reshape((-1,) + o.shape[2:])) for o in outs)

@@ -116,3 +116,34 @@ def test_unsupported_widths_are_refused():
   with pytest.raises(ValueError, match="powers of two"):
     norm_qkv.norm_qkv_pallas(x, w, jnp.ones(24), jnp.ones(24), jnp.zeros(8), jnp.zeros(8, jnp.int32),
                              interpret=True)
+
+
+@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 2e-2)])
+def test_plain_projections_match_the_twin_and_numpy(dtype, tol):
+  """``norm_proj`` (HSP's keys and values: P = 2, nothing normalised or rotated): the twin
+  against numpy, the kernels against the twin in values and gradients, poisoned outputs."""
+  x, w, *_ = _inputs(N=90, H=2, seed=7)
+  w = w[:, 1:]                                                  # [d, 2, H, D]
+  rnd = (lambda a: a) if dtype == jnp.float32 else _bf16
+  ref_np = _numpy(x, np.concatenate([w, w[:, 1:]], 1), *_inputs(N=90, H=2)[2:], rnd=rnd)[2]
+  twin = norm_qkv.norm_proj_xla(jnp.asarray(x), jnp.asarray(w), dtype=dtype)
+  _close(twin[1], ref_np, 2e-5 if dtype == jnp.float32 else 1e-2)
+  rng = np.random.default_rng(2)
+  cot = [jnp.asarray(rng.normal(size=(90, 2, w.shape[-1])), jnp.float32) for _ in range(2)]
+
+  def loss(fn, x, w):
+    return sum(jnp.sum(o.astype(jnp.float32) * c) for o, c in zip(fn(x, w), cot, strict=True))
+
+  pal = lambda x, w: norm_qkv.norm_proj_pallas(x, w, dtype=dtype, interpret=True)
+  xla = lambda x, w: norm_qkv.norm_proj_xla(x, w, dtype=dtype)
+  x = jnp.asarray(x, dtype)
+  with _poison.poison_outputs():
+    outs = pal(x, w)
+    val, grads = jax.value_and_grad(lambda x, w: loss(pal, x, w), (0, 1))(x, w)
+  rval, rgrads = jax.value_and_grad(lambda x, w: loss(xla, x, w), (0, 1))(x, w)
+  for o, r in zip(outs, xla(x, w), strict=True):
+    _close(o, r, tol)
+  _close(val, rval, tol)
+  for g, r in zip(grads, rgrads, strict=True):
+    assert g.dtype == r.dtype and g.shape == r.shape
+    _close(g, r, tol)
