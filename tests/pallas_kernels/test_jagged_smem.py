@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import pytest
 
 from bench.profiling import gpu_target
-from pallas_kernels import jagged, jagged_pallas, tuning
+from pallas_kernels import jagged, jagged_pallas, norm_qkv, tuning
 from tests.bench.profiling.test_gpu_target import GPU_PY, ROOT
 
 # (heads, head dim, n_kv, seeds, window): kunlun/configs/prod.py's high-value towers (the
@@ -26,8 +26,13 @@ SHAPES = {"prod": (4, 128, 256, 128, 128), "mid": (4, 64, 64, 64, 64),
           "mid_s32": (4, 64, 64, 32, 64)}
 B, N = 4, 1024
 FAMILIES = ("cross", "cross_per_head", "pool", "pool_per_head", "block_softmax", "block_gdpa",
-            "softmax_band", "softmax_full")
+            "softmax_band", "softmax_full", "norm_qkv", "norm_proj")
+FUSED = ("norm_qkv", "norm_proj")        # norm -> projections: no jagged_pallas._plan
 PER_HEAD = ("gelu", "silu", "relu2", "fast_gelu")   # XLA's Triton: one loop copy each
+
+
+def _summed(outs):
+  return sum(o.astype(jnp.float32) for o in outs)
 
 
 def _families(shape, dtype=jnp.bfloat16):
@@ -36,6 +41,9 @@ def _families(shape, dtype=jnp.bfloat16):
   tok = jax.ShapeDtypeStruct((N, H, D), dtype)
   ex = jax.ShapeDtypeStruct((B, NKV, H, D), dtype)
   seeds = jax.ShapeDtypeStruct((S, H, D), dtype)
+  tok_x = jax.ShapeDtypeStruct((N, H * D), dtype)
+  w3, w2 = (jax.ShapeDtypeStruct((H * D, p, H, D), jnp.float32) for p in (3, 2))
+  age = jax.ShapeDtypeStruct((N,), jnp.float32)
   jp = jagged_pallas
   ops = {
       "cross": (lambda q, k, v, j: jp.jagged_gdpa_cross_pallas(
@@ -53,6 +61,11 @@ def _families(shape, dtype=jnp.bfloat16):
                        (tok, tok, tok)),
       "softmax_full": (lambda q, k, v, j: jp.jagged_softmax_attention_pallas(q, k, v, j),
                        (tok, tok, tok)),
+      # the fused norm -> projections (pallas_kernels.norm_qkv; the age is data, no gradient)
+      "norm_qkv": (lambda x, w, age, j: _summed(norm_qkv.norm_qkv_pallas(
+          x, w, jnp.ones(D), jnp.ones(D), age, j.pos)), (tok_x, w3, age)),
+      "norm_proj": (lambda x, w, age, j: _summed(norm_qkv.norm_proj_pallas(x, w)),
+                    (tok_x, w2, age)),
   }
   lens = jax.ShapeDtypeStruct((B,), jnp.int32)
   loss = lambda fn: jax.value_and_grad(lambda lens, *o: jnp.sum(
@@ -143,12 +156,16 @@ def prod_compiled(tmp_path_factory):
 def test_packed_kernels_compile_for_h200_at_prod_shapes(prod_compiled, family):
   r = prod_compiled[family]
   assert "error" not in r, r.get("error")
-  assert len(r["smem"]) == (2 if family.startswith("block") else 3), r   # fwd and bwd kernels
+  two = family.startswith("block") or family in FUSED
+  assert len(r["smem"]) == (2 if two else 3), r   # fwd and bwd kernels
+  assert max(r["smem"].values()) <= tuning.SMEM_PER_BLOCK[90], r
 
 
 def test_estimates_bound_the_compiled_shared_memory(prod_compiled, monkeypatch):
   plans = _plans("prod", monkeypatch)
   for family, r in prod_compiled.items():
+    if family in FUSED:
+      continue
     for kernel, smem in r.get("smem", {}).items():
       assert smem <= plans[family, kernel][-1], (family, kernel, smem, plans[family, kernel])
 
@@ -169,7 +186,7 @@ def main(dump_dir):
     seen |= new
     out[family] = {"smem": {k: v["smem"] for p in sorted(new)
                             for k, v in gpu_target.thunk_launches(p).items()
-                            if k.startswith("jagged")}}
+                            if k.startswith(("jagged", "norm_"))}}
   print(json.dumps(out))
 
 
