@@ -72,3 +72,41 @@ def test_pallas_module_under_5d_mesh_equals_xla_unsharded(name):
     assert "collective-permute" in hlo
   if name == "full":
     assert "all-gather" in hlo
+
+
+@pytest.mark.parametrize("name", ["attention", "hsp"])
+def test_packed_fused_projections_per_device_equal_xla_unsharded(name):
+  """A packed tower in 4 blocks split over the mesh's batch devices (``5d`` rules): the fused
+  norm -> projection kernels (``pallas_kernels.norm_qkv``, interpret mode) run per device inside
+  a shard_map and equal the unsharded XLA modules, forward and gradient."""
+  from data.jagged import pack_blocks
+  from kunlun.nn import packed
+  from pallas_kernels.jagged import sharded
+  rng = np.random.default_rng(3)
+  s = rng.normal(size=(8, 24, 64)).astype(np.float32)
+  age = rng.exponential(3600.0, (8, 24)).astype(np.float32)
+  lengths = np.array([24, 0, 7, 13, 1, 24, 0, 5], np.int32)
+  toks, offsets, seg, pos, _ = pack_blocks({"s": s, "age": age}, lengths, 128, shards=4)
+  jag = sharded(*(jnp.asarray(a) for a in (offsets, seg, pos)), 8)
+  x, a = jnp.asarray(toks["s"]), jnp.asarray(toks["age"])
+  if name == "attention":
+    make = lambda be: SeqAttention(2, kind="swa", window=4, backend=be)
+    call = lambda m, p, x: m.apply(p, packed.Packed(x, jag), None, a).value
+  else:
+    make = lambda be: HSP(8, 4, 2, rank=2, backend=be, t_max=24)
+    call = lambda m, p, x: m.apply(p, packed.Packed(x, jag), None)
+  ref_mod, ker_mod = make("xla"), make("pallas")
+  params = nn.meta.unbox(jax.jit(lambda: ref_mod.init(jax.random.key(1), packed.Packed(x, jag),
+                                                       None, *((a,) if name == "attention"
+                                                               else ())))())
+  loss = lambda m: (lambda p, x: jnp.sum(jnp.sin(call(m, p, x))))
+  want = np.asarray(jax.jit(lambda p, x: call(ref_mod, p, x))(params, x))
+  want_g = jax.jit(jax.grad(loss(ref_mod), argnums=(0, 1)))(params, x)
+  with partition.activate(_mesh(), R.get_rules("5d")):
+    got = np.asarray(jax.jit(lambda p, x: call(ker_mod, p, x))(params, x))
+    got_g = jax.jit(jax.grad(loss(ker_mod), argnums=(0, 1)))(params, x)
+    jaxpr = str(jax.make_jaxpr(lambda p, x: call(ker_mod, p, x))(params, x))
+  assert "shard_map" in jaxpr and "norm_" in jaxpr
+  np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-4)
+  for u, w in zip(jax.tree.leaves(got_g), jax.tree.leaves(want_g), strict=True):
+    np.testing.assert_allclose(np.asarray(u), np.asarray(w), rtol=2e-3, atol=2e-3)
