@@ -13,6 +13,8 @@ float32 intermediates and broadcast masks.
   masked_residual(s, y, lengths)       ``where(t < lengths, s + y, 0)`` in float32, cast to
                                        ``s.dtype``, for a ``y`` that is zero at the padding
                                        rows; the backward is one masked copy of the cotangent
+  add_rms_norm(a, e, dtype)            ``rms_norm(a + e)`` (HSP's seeds plus their pooled
+                                       update) without the float32 sum in memory
 
 Values and gradients are those of the plain formulas (``tests/kunlun/nn/test_fused.py`` compares
 them with autodiff of the plain formulas).
@@ -183,3 +185,37 @@ def qk_norm_rotary(x, scale, age, *, dtype, t_scale: float = 60.0, emb=None, pos
   if age is None:
     return x
   return rotary(jax.lax.optimization_barrier(x), age, t_scale, positions)
+
+
+# ---- HSP's seeds: rms_norm(a + e) -----------------------------------------------------------
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def add_rms_norm(a, e, dtype):
+  """``rms_norm(a + e)`` computed in float32, in ``dtype``: ``a [..., S, d]`` (any dtype), ``e
+  [S, d]`` broadcast over the leading axes. The float32 sum is never written: the backward
+  recomputes it from ``a`` and ``e`` (autodiff keeps it, a float32 array twice ``a``'s size in
+  16 bits); ``e``'s gradient is ``a``'s summed over the leading axes."""
+  return _add_rms_norm(a, e, dtype)
+
+
+def _add_rms_norm(a, e, dtype):
+  t = a.astype(F32) + e.astype(F32)
+  return (t * _rsqrt_ms(t)).astype(dtype)
+
+
+def _arn_fwd(a, e, dtype):
+  return _add_rms_norm(a, e, dtype), (a, e)
+
+
+def _arn_bwd(dtype, res, dy):
+  a, e = jax.lax.optimization_barrier(res)            # no CSE with the forward
+  t = a.astype(F32) + e.astype(F32)
+  r = _rsqrt_ms(t)
+  z = t * r
+  d = dy.astype(F32)
+  dt = r * (d - z * jnp.mean(d * z, axis=-1, keepdims=True))
+  lead = tuple(range(dt.ndim - e.ndim))
+  return dt.astype(a.dtype), jnp.sum(dt, axis=lead).astype(e.dtype)
+
+
+add_rms_norm.defvjp(_arn_fwd, _arn_bwd)

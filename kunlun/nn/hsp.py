@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from kunlun.configs.types import BucketSpec
 from kunlun.nn import packed
 from kunlun.nn.attention import masked_softmax_attention
-from kunlun.nn.fused import apart
+from kunlun.nn.fused import add_rms_norm, apart
 from kunlun.nn.gdpa import gdpa_op
 from kunlun.nn.norms import rms_norm
 from kunlun.nn.time_encoding import add_bucket_embedding
@@ -73,10 +73,16 @@ class SumKronLinear(nn.Module):
       w = self.param("W", with_axes(nn.initializers.normal((d * self.rank) ** -0.5),
                                     (None, "embed", None)), (self.rank, d, do), F32)
       dt = self.dtype
-      # t [B, n_out, rank, d]: the second product is then one matmul over (rank, d) per row
-      t = jnp.einsum("rnm,bnd->bmrd", z.astype(dt), h.astype(dt))
-      t = shard(t, ("batch", "seeds", None, "embed"))
-      y = jnp.einsum("bmrd,rde->bme", t, w.astype(dt))
+      B = h.shape[0]
+      # t [B, n_out, rank * d] from a batched matmul over examples (Z, tiny, broadcast to every
+      # example): h keeps its [B, n_in, d] layout, where contracting Z over the seeds of an
+      # unbatched Z makes XLA transpose h (and its gradient) to [n_in, B, d]; the second product
+      # is then one matmul over (rank, d) per row
+      zb = jnp.broadcast_to(z.astype(dt).transpose(1, 2, 0).reshape(n_in, self.n_out * self.rank),
+                            (B, n_in, self.n_out * self.rank))
+      t = jnp.einsum("bnk,bnd->bkd", zb, h.astype(dt)).reshape(B, self.n_out, self.rank * d)
+      t = shard(t, ("batch", "seeds", None))
+      y = jnp.einsum("bmq,qe->bme", t, w.astype(dt).reshape(self.rank * d, do))
       return shard(y, ("batch", "seeds", "embed"))
 
 
@@ -133,10 +139,9 @@ class HSP(nn.Module):
         o = gdpa_op(q[None], k, v, kv_lengths=lengths, broadcast_q=True, backend=self.backend,
                     seq="kv", **gdpa)
       o = shard(o, ("batch", "seeds", "heads", "head_dim"))
-      h = e + _from_heads(self, "out", o, d, dt).astype(F32)
+      h = add_rms_norm(_from_heads(self, "out", o, d, dt), e, dt)       # rms_norm(e + o W_o)
       h = shard(h, ("batch", "seeds", "embed"))
-      return SumKronLinear(self.n_sum, self.rank, self.out_dim, dt, name="kron")(
-          rms_norm(h, dtype=dt))
+      return SumKronLinear(self.n_sum, self.rank, self.out_dim, dt, name="kron")(h)
 
 
 class PMA(nn.Module):
