@@ -15,6 +15,8 @@ float32 intermediates and broadcast masks.
                                        rows; the backward is one masked copy of the cotangent
   add_rms_norm(a, e, dtype)            ``rms_norm(a + e)`` (HSP's seeds plus their pooled
                                        update) without the float32 sum in memory
+  token_mix(x, w)                      ``einsum("bnd,nm->bmd")`` as a batched matmul, no
+                                       transposes of ``x``
 
 Values and gradients are those of the plain formulas (``tests/kunlun/nn/test_fused.py`` compares
 them with autodiff of the plain formulas).
@@ -40,6 +42,16 @@ def _mask(lengths, T):
   padding rows of the sequence activations are finite (zero) by construction."""
   valid = jnp.arange(T)[None, :] < jnp.asarray(lengths, jnp.int32)[:, None]
   return valid.astype(F32)[..., None]
+
+
+def token_mix(x, w):
+  """``einsum("bnd,nm->bmd", x, w)``: ``x [B, n, d]`` mixed over its tokens by a shared ``w [n,
+  m]`` -> ``[B, m, d]``, as a matmul batched over the examples with ``w`` broadcast to each (``B
+  n m`` values, small beside ``x``). Contracting the tokens of an unbatched ``w`` makes XLA
+  transpose ``x`` to ``[n, B d]`` (and the result, and both in the backward); batched, every
+  operand keeps its layout. ``w``'s gradient is the per-example products summed over ``B``."""
+  wb = jnp.broadcast_to(w, (x.shape[0],) + w.shape)
+  return jnp.einsum("bnm,bnd->bmd", wb, x)
 
 
 def apart(h, n: int) -> list:

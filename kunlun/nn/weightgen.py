@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from kunlun.nn.activations import gelu
-from kunlun.nn.fused import apart
+from kunlun.nn.fused import apart, token_mix
 from kunlun.nn.norms import rms_norm
 from sharding import shard, with_axes
 
@@ -39,7 +39,7 @@ class WeightGen(nn.Module):
       dh = self.d_seq // self.heads
       w_tok = self.param("tok", with_axes(nn.initializers.normal(N ** -0.5), ("tokens", "kv")),
                          (N, self.n_kv), F32)
-      z = jnp.einsum("bnd,nm->bmd", rms_norm(x).astype(self.dtype), w_tok.astype(self.dtype))
+      z = token_mix(rms_norm(x).astype(self.dtype), w_tok.astype(self.dtype))
       z = shard(z, ("batch", "kv", "embed"))
       h = nn.Dense(d_ns, dtype=self.dtype, param_dtype=F32, name="hidden",
                    kernel_init=with_axes(nn.initializers.lecun_normal(), ("embed", "mlp")),

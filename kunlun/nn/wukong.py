@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from kunlun.nn.activations import gelu
+from kunlun.nn.fused import token_mix
 from kunlun.nn.norms import layer_norm
 from sharding import shard, with_axes
 
@@ -61,7 +62,8 @@ class WukongLayer(nn.Module):
       xc = x.astype(dt)
       y = self.param("fm_y", with_axes(nn.initializers.normal(N ** -0.5), ("tokens", None)),
                      (N, self.rank), F32)
-      xty = jnp.einsum("bnd,nr->bdr", xc, y.astype(dt))                 # X^T Y   [B, d, r]
+      yb = jnp.broadcast_to(y.astype(dt), (B, N, self.rank))            # batched: no transposes
+      xty = jnp.einsum("bnd,bnr->bdr", xc, yb)                          # X^T Y   [B, d, r]
       fm = jnp.einsum("bnd,bdr->bnr", xc, xty).reshape(B, N * self.rank)  # X (X^T Y)
       h = _LayerNorm(name="fm_norm")(fm).astype(dt)
       h = nn.Dense(self.mlp_hidden, dtype=dt, param_dtype=F32, name="fm_mlp_in",
@@ -75,14 +77,14 @@ class WukongLayer(nn.Module):
       if self.n_lcb:
         w = self.param("lcb", with_axes(nn.initializers.normal(N ** -0.5), ("tokens", None)),
                        (N, self.n_lcb), F32)
-        parts.append(jnp.einsum("bnd,nl->bld", xc, w.astype(dt)))
+        parts.append(token_mix(xc, w.astype(dt)))
       out = jnp.concatenate(parts, axis=1).astype(F32)
       if N == n_out:
         res = x.astype(F32)
       else:
         p = self.param("res_proj", with_axes(nn.initializers.normal(N ** -0.5), ("tokens", None)),
                        (N, n_out), F32)
-        res = jnp.einsum("bnd,nm->bmd", xc, p.astype(dt)).astype(F32)
+        res = token_mix(xc, p.astype(dt)).astype(F32)
       out = _LayerNorm(name="out_norm")(out + res).astype(dt)
       return shard(out, _TOK)
 
@@ -137,7 +139,7 @@ class WukongStack(nn.Module):
       return x.astype(dt)
     p = self.param("cross_proj", with_axes(nn.initializers.normal(N ** -0.5), ("tokens", None)),
                    (N, self.n_out), F32)
-    return shard(jnp.einsum("bnd,nm->bmd", x.astype(dt), p.astype(dt)), _TOK)
+    return shard(token_mix(x.astype(dt), p.astype(dt)), _TOK)
 
   def _combine(self, i, x, outs):
     """Input of layer ``i``: ``X_i + sum_j softmax(c_i)_j X~_j`` over ``len(outs) = i + 1``."""

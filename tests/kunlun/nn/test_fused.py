@@ -197,3 +197,18 @@ def test_add_rms_norm_values_and_gradients(dtype):
     assert u.dtype == v.dtype and u.shape == v.shape
     np.testing.assert_allclose(np.asarray(u, np.float32), np.asarray(v, np.float32),
                                rtol=tol, atol=tol * float(np.abs(np.asarray(v, np.float32)).max()))
+
+
+def test_token_mix_equals_the_unbatched_einsum():
+  """``token_mix(x, w)`` (a matmul batched over examples, ``w`` broadcast) equals
+  ``einsum("bnd,nm->bmd")``, value and both gradients, float32 to 1e-6."""
+  rng = np.random.default_rng(6)
+  x = jnp.asarray(rng.normal(size=(4, 7, 5)), F32)
+  w = jnp.asarray(rng.normal(size=(7, 3)), F32)
+  g = jnp.asarray(rng.normal(size=(4, 3, 5)), F32)
+  ref = np.einsum("bnd,nm->bmd", np.asarray(x, np.float64), np.asarray(w, np.float64))
+  np.testing.assert_allclose(np.asarray(fused.token_mix(x, w)), ref, rtol=1e-6, atol=1e-6)
+  got = jax.grad(lambda x, w: jnp.sum(fused.token_mix(x, w) * g), (0, 1))(x, w)
+  want = jax.grad(lambda x, w: jnp.sum(jnp.einsum("bnd,nm->bmd", x, w) * g), (0, 1))(x, w)
+  for u, v in zip(got, want, strict=True):
+    np.testing.assert_allclose(np.asarray(u), np.asarray(v), rtol=1e-6, atol=1e-6)
