@@ -10,7 +10,9 @@ context shard under context parallelism): the cross-token ops reshape to ``[S, N
 device computes whole examples; the per-token ops run on the flat ``[N, d]`` rows, ``as_rows`` /
 ``rowwise`` mask each block's tail. Per-example outputs ``[B, ...]`` (HSP / PMA summaries) leave
 on the ``blocks`` axis; their callers constrain them to ``batch`` (under context parallelism an
-all-gather of the summaries over the context devices).
+all-gather of the summaries over the context devices). ``fused_qkv`` / ``fused_proj``: the
+attention's and HSP's norm -> projections as one Pallas pass (``pallas_kernels.norm_qkv``),
+row-wise, per device.
 """
 
 from __future__ import annotations
