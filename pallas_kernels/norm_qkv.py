@@ -240,9 +240,17 @@ def _rows(table, d):
   return table.get(d, 16)
 
 
-def _params(rows_needed, warps):
-  _, stages = tuning.fit_smem(lambda _: rows_needed, None, stages=1, what="norm_qkv")
-  return plgpu.CompilerParams(num_warps=warps, num_stages=stages)
+def _smem(rows, d, D, itemsize) -> int:
+  """Shared memory of a program: its ``[rows, d]`` token tile and a head's two ``[d, D/2]``
+  weight halves (above the compiled figure at mid's and prod's shapes,
+  ``tests/pallas_kernels/test_jagged_smem.py``)."""
+  return rows * d * itemsize + 2 * d * (D // 2) * itemsize
+
+
+def _params(rows, d, D, itemsize):
+  _, stages = tuning.fit_smem(lambda _: (_smem(rows, d, D, itemsize), 0), None, stages=1,
+                              what="norm_qkv")
+  return plgpu.CompilerParams(num_warps=WARPS, num_stages=stages)
 
 
 def _check(x, w, proj=None):
@@ -250,7 +258,7 @@ def _check(x, w, proj=None):
   if w.ndim != 4 or w.shape[0] != d or (proj is not None and w.shape[1] != proj):
     raise ValueError(f"norm_qkv: w {w.shape} must be [d, {proj or 'P'}, H, D] with d = {d}")
   _, P, H, D = w.shape
-  if not supported(d, H, D):
+  if not (_pow2(d) and _pow2(D // 2)):
     raise ValueError(f"norm_qkv: the kernels need d and D/2 powers of two >= 16; got d={d}, D={D}")
   return N, d, H, D
 
@@ -264,7 +272,7 @@ def _fwd(x, wf, sc, tau, pos, omega, cfg: _Cfg, shape):
       functools.partial(_fwd_kernel, cfg=cfg), (x, wf, sc, tau, pos, omega),
       out_shape=(out,) * cfg.proj, grid=(pl.cdiv(N, cfg.rows),), in_specs=[whole] * 6,
       out_specs=(whole,) * cfg.proj, interpret=cfg.interpret, name=f"{_name(cfg)}_fwd",
-      compiler_params=_params((cfg.rows * d * b + 2 * d * (D // 2) * b, 0), WARPS))
+      compiler_params=_params(cfg.rows, d, D, b))
 
 
 def _bwd(x, wf, sc, tau, pos, omega, gs, cfg: _Cfg, shape):
@@ -279,7 +287,7 @@ def _bwd(x, wf, sc, tau, pos, omega, gs, cfg: _Cfg, shape):
       functools.partial(_bwd_kernel, cfg=cfg), (x, wf, sc, tau, pos, omega, *gs),
       out_shape=outs, grid=(T,), in_specs=[whole] * (6 + cfg.proj), out_specs=(whole,) * 4,
       interpret=cfg.interpret, name=f"{_name(cfg)}_bwd",
-      compiler_params=_params((cfg.rows * d * b + 2 * d * (D // 2) * b, 0), WARPS))
+      compiler_params=_params(cfg.rows, d, D, b))
 
 
 def _name(cfg: _Cfg) -> str:
@@ -340,7 +348,15 @@ def norm_proj_pallas(x, w, *, eps: float = EPS, dtype=jnp.bfloat16, interpret: b
                 bool(interpret), 0)
 
 
-def supported(d: int, heads: int, head_dim: int) -> bool:
-  """Whether the kernels take these widths: ``d`` and ``head_dim / 2`` powers of two >= 16."""
-  pow2 = lambda n: n >= 16 and n & (n - 1) == 0
-  return heads >= 1 and head_dim % 2 == 0 and pow2(d) and pow2(head_dim // 2)
+def _pow2(n: int) -> bool:
+  return n >= 16 and n & (n - 1) == 0
+
+
+def supported(d: int, heads: int, head_dim: int, dtype=jnp.bfloat16) -> bool:
+  """Whether the kernels take these widths: ``d`` and ``head_dim / 2`` powers of two >= 16 whose
+  tiles fit the GPU's shared memory (``tuning.smem_limit``; the callers fall back to XLA)."""
+  if heads < 1 or head_dim % 2 or not (_pow2(d) and _pow2(head_dim // 2)):
+    return False
+  b = jnp.dtype(dtype).itemsize
+  return all(_smem(_rows(t, d), d, head_dim, b) <= tuning.smem_limit()
+             for t in (FWD_ROWS, BWD_ROWS))

@@ -159,7 +159,7 @@ class SeqAttention(nn.Module):
     """Whether the packed input side runs as ``pallas_kernels.norm_qkv``'s kernels: the Pallas
     backend, QK-norm and rotary on, no query bucket embedding, widths the kernels take."""
     return (packed.uses_pallas(self.backend) and self.qk_norm and self.rotary
-            and self.time_buckets is None and norm_qkv.supported(d, H, dh))
+            and self.time_buckets is None and norm_qkv.supported(d, H, dh, self.dtype))
 
   def _packed_attend(self, x, q, k, v, jag):
     """The jagged attention of rotated ``q, k`` and ``v [N, H, D]``, projected out and added to

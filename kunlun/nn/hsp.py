@@ -122,7 +122,7 @@ class HSP(nn.Module):
                      (self.n_seed, d), F32)
       q = _to_heads(self, "query", rms_norm(e), H, dt)
       if jag is not None and packed.uses_pallas(self.backend) and norm_qkv.supported(
-          d, H, d // H):                                 # norm -> k, v in one Pallas pass
+          d, H, d // H, dt):                             # norm -> k, v in one Pallas pass
         wk, wv = (_head_weights(self, n, d, H) for n in ("key", "value"))
         k, v = packed.fused_proj(s, jnp.stack([wk, wv], 1), jag, dtype=dt)
       else:

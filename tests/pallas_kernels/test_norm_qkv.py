@@ -110,6 +110,12 @@ def test_zero_rows_stay_zero():
 
 
 def test_unsupported_widths_are_refused():
+  """Widths the kernels cannot tile are refused in one line; ``supported`` (what the model asks
+  before taking the kernels) also says no where the tiles would not fit the GPU's shared memory
+  (the H200's without a GPU): d = 4096 with heads of 256 needs 1.1 MB at 16 rows."""
+  assert norm_qkv.supported(256, 4, 64) and norm_qkv.supported(512, 4, 128)
+  assert not norm_qkv.supported(4096, 16, 256)
+  assert norm_qkv.supported(1024, 8, 128) == (norm_qkv._smem(16, 1024, 128, 2) <= 232448)
   x = jnp.zeros((8, 48))
   w = jnp.zeros((48, 3, 2, 24))
   assert not norm_qkv.supported(48, 2, 24)
