@@ -33,6 +33,7 @@ class StopFlag:
   step left unsaved and the latest checkpoint)."""
 
   def __init__(self, describe=None):
+    startup.raise_if_interrupted()    # a set-up Ctrl-C that was swallowed on its way: stop now
     self.signum = None
     self.describe = describe
     for s in (signal.SIGTERM, signal.SIGINT):

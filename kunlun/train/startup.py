@@ -32,8 +32,11 @@ def run_main(prog: str, fn, *args):
   damaged shard, invalid record) exits with status 2 and one line ``<prog>: error: <msg>`` on
   stderr; so does a runtime error of a multi-process run (a lost peer, ``lost_peer_message``),
   at once, without the atexit shutdown. Ctrl-C (``KeyboardInterrupt``: set-up, compilation,
-  eval.py) is one line and status 130 (``interrupted``)."""
+  eval.py) is one line and status 130 (``interrupted``): the Ctrl-C is also recorded
+  (``record_interrupts``), so one that a library swallows still ends the run at the train loop's
+  start (``raise_if_interrupted``)."""
   quiet_checkpoint_logs()
+  record_interrupts()
   try:
     return fn(*args)
   except KeyboardInterrupt:          # Ctrl-C before the train loop's stop handler, or in eval.py
@@ -51,6 +54,27 @@ def run_main(prog: str, fn, *args):
     print(f"{prog}: error: {lost_peer_message(e)}", file=sys.stderr, flush=True)
     # skip atexit: jax.distributed's shutdown would wait on the dead peer and dump a C++ stack
     os._exit(2)
+
+
+_INTERRUPTED = [False]
+
+
+def record_interrupts() -> None:
+  """SIGINT raises ``KeyboardInterrupt`` (Python's default) and is recorded first. The exception
+  can be lost where it lands in code that does not let it through (a finalizer or a callback
+  reports it as unraisable and goes on); the record is not."""
+  def handler(signum, frame):
+    _INTERRUPTED[0] = True
+    raise KeyboardInterrupt
+  _INTERRUPTED[0] = False
+  signal.signal(signal.SIGINT, handler)
+
+
+def raise_if_interrupted() -> None:
+  """``KeyboardInterrupt`` if a Ctrl-C was recorded (``record_interrupts``) and not yet acted on:
+  the train loop asks before it installs its own stop handler."""
+  if _INTERRUPTED[0]:
+    raise KeyboardInterrupt
 
 
 def interrupted(prog: str):

@@ -3,6 +3,9 @@
 naming the lost peer, exit status 2, without running the atexit shutdown that would wait for the
 dead peer and dump a C++ stack."""
 
+import os
+import signal
+import time
 import types
 
 import jax
@@ -10,6 +13,7 @@ import pytest
 
 from kunlun.serving import export as serving_export
 from kunlun.train import startup
+from kunlun.train.loop import StopFlag
 from kunlun.transfer import export as transfer_export
 
 GLOO = ("INTERNAL: Gloo AllReduce failed: [../third_party/gloo/gloo/transport/tcp/pair.cc:534] "
@@ -87,3 +91,27 @@ def test_quiet_hook_drops_only_a_failed_restores_noise():
   at_exit(u(RuntimeError("other")))
   assert [str(x.exc_value) for x in seen] == ["'__import__'", "'x'", "other"]
   coro.close()
+
+
+def test_a_swallowed_ctrl_c_still_stops_the_run_at_the_loop():
+  """A Ctrl-C during set-up whose KeyboardInterrupt a library swallows (here: ``except
+  BaseException``, as a finalizer's report does) is recorded; the train loop's StopFlag raises
+  it before installing its own handler, so run_main ends in one line and status 130. Without a
+  Ctrl-C the StopFlag installs as before."""
+  saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+  try:
+    startup.record_interrupts()
+    StopFlag()                                         # nothing recorded: installs
+    startup.record_interrupts()
+    try:
+      os.kill(os.getpid(), signal.SIGINT)
+      for _ in range(100):                             # the handler runs between bytecodes
+        time.sleep(0.01)
+    except BaseException:  # noqa: BLE001 - the swallowing library
+      pass
+    with pytest.raises(KeyboardInterrupt):
+      StopFlag()
+  finally:
+    startup._INTERRUPTED[0] = False
+    for s, h in saved.items():
+      signal.signal(s, h)
