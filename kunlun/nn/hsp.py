@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from kunlun.configs.types import BucketSpec
 from kunlun.nn import packed
 from kunlun.nn.attention import masked_softmax_attention
-from kunlun.nn.fused import add_rms_norm, apart
+from kunlun.nn.fused import add_rms_norm, apart, batched_mixes
 from kunlun.nn.gdpa import gdpa_op
 from kunlun.nn.norms import rms_norm
 from kunlun.nn.time_encoding import add_bucket_embedding
@@ -74,6 +74,11 @@ class SumKronLinear(nn.Module):
                                     (None, "embed", None)), (self.rank, d, do), F32)
       dt = self.dtype
       B = h.shape[0]
+      if not batched_mixes():        # XLA:CPU: the unbatched contraction is faster
+        t = jnp.einsum("rnm,bnd->bmrd", z.astype(dt), h.astype(dt))
+        t = shard(t, ("batch", "seeds", None, "embed"))
+        y = jnp.einsum("bmrd,rde->bme", t, w.astype(dt))
+        return shard(y, ("batch", "seeds", "embed"))
       # t [B, n_out, rank * d] from a batched matmul over examples (Z, tiny, broadcast to every
       # example): h keeps its [B, n_in, d] layout, where contracting Z over the seeds of an
       # unbatched Z makes XLA transpose h (and its gradient) to [n_in, B, d]; the second product

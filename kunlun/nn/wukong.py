@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from kunlun.nn.activations import gelu
-from kunlun.nn.fused import token_mix
+from kunlun.nn.fused import batched_mixes, token_mix
 from kunlun.nn.norms import layer_norm
 from sharding import shard, with_axes
 
@@ -62,8 +62,11 @@ class WukongLayer(nn.Module):
       xc = x.astype(dt)
       y = self.param("fm_y", with_axes(nn.initializers.normal(N ** -0.5), ("tokens", None)),
                      (N, self.rank), F32)
-      yb = jnp.broadcast_to(y.astype(dt), (B, N, self.rank))            # batched: no transposes
-      xty = jnp.einsum("bnd,bnr->bdr", xc, yb)                          # X^T Y   [B, d, r]
+      if batched_mixes():                                              # GPU: no transposes
+        yb = jnp.broadcast_to(y.astype(dt), (B, N, self.rank))
+        xty = jnp.einsum("bnd,bnr->bdr", xc, yb)                        # X^T Y   [B, d, r]
+      else:
+        xty = jnp.einsum("bnd,nr->bdr", xc, y.astype(dt))
       fm = jnp.einsum("bnd,bdr->bnr", xc, xty).reshape(B, N * self.rank)  # X (X^T Y)
       h = _LayerNorm(name="fm_norm")(fm).astype(dt)
       h = nn.Dense(self.mlp_hidden, dtype=dt, param_dtype=F32, name="fm_mlp_in",

@@ -199,9 +199,12 @@ def test_add_rms_norm_values_and_gradients(dtype):
                                rtol=tol, atol=tol * float(np.abs(np.asarray(v, np.float32)).max()))
 
 
-def test_token_mix_equals_the_unbatched_einsum():
-  """``token_mix(x, w)`` (a matmul batched over examples, ``w`` broadcast) equals
-  ``einsum("bnd,nm->bmd")``, value and both gradients, float32 to 1e-6."""
+@pytest.mark.parametrize("batched", [True, False])
+def test_token_mix_equals_the_unbatched_einsum(batched, monkeypatch):
+  """``token_mix(x, w)`` (batched: a matmul batched over examples with ``w`` broadcast, the GPU
+  form; else the einsum, XLA:CPU's) equals ``einsum("bnd,nm->bmd")`` in float64 numpy and in
+  its gradients, float32 to 1e-6."""
+  monkeypatch.setattr(fused, "batched_mixes", lambda: batched)
   rng = np.random.default_rng(6)
   x = jnp.asarray(rng.normal(size=(4, 7, 5)), F32)
   w = jnp.asarray(rng.normal(size=(7, 3)), F32)

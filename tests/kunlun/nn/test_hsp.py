@@ -180,3 +180,32 @@ def test_packed_fused_keys_values_match_the_unfused_path(lens, dtype):
   if dtype == jnp.float32:
     np.testing.assert_allclose(np.asarray(got), np_hsp(_params(v), s, lengths, T), rtol=1e-4,
                                atol=1e-5)
+
+
+def test_batched_mixes_equal_the_unbatched(monkeypatch):
+  """The GPU's forms of the token-axis mixes (``kunlun.nn.fused.batched_mixes``: SumKronLinear's
+  seed contraction, Wukong's X^T Y, LCB, residual and cross-layer maps) give the CPU forms'
+  values and gradients (float32, 1e-5 relative, of the largest element for gradients): HSP and
+  a cross-layer MoWE."""
+  from kunlun.nn import fused, hsp, wukong
+  from kunlun.nn.mowe import MoWE
+  s, lengths = _seq(T=12, d=8)
+  x = np.random.default_rng(2).normal(size=(3, 10, 8)).astype(np.float32)
+  cases = [(HSP(n_seed=6, n_sum=3, heads=2, rank=2), (s, lengths)),
+           (MoWE(2, 2, 6, 3, 16, cross_layer=True), (x,))]
+  def run(m, args):
+    v = jax.jit(m.init)(jax.random.key(0), *args)
+    loss = lambda v, a: jnp.sum(jnp.sin(m.apply(v, a, *args[1:])))
+    return jax.value_and_grad(loss, argnums=(0, 1))(v, args[0])
+
+  for m, args in cases:
+    out = {}
+    for batched in (False, True):
+      for mod in (fused, hsp, wukong):
+        monkeypatch.setattr(mod, "batched_mixes", lambda b=batched: b, raising=False)
+      out[batched] = run(m, args)
+    (a, ga), (b, gb) = out[False], out[True]
+    np.testing.assert_allclose(float(a), float(b), rtol=1e-5)
+    for u, w in zip(jax.tree.leaves(ga), jax.tree.leaves(gb), strict=True):
+      w = np.asarray(w)        # summed in another order: 1e-5 of the array's largest element
+      np.testing.assert_allclose(np.asarray(u), w, rtol=1e-5, atol=1e-5 * np.abs(w).max())
