@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from kunlun.nn.attention import SeqAttention
+from tests.kunlun.nn.backends import pallas_matches_xla
 
 
 def rms(x):
@@ -244,20 +245,8 @@ def test_packed_fused_input_matches_the_unfused_path(lens, cap, dtype):
   var = _init_perturbed(mods["xla"], s, lengths, age)
   assert mods["pallas"]._fused_input(64, 2, 32) and not mods["xla"]._fused_input(64, 2, 32)
   g = jnp.asarray(np.random.default_rng(3).normal(size=x.shape), jnp.float32)
-
-  def run(m):
-    f = lambda v, x: m.apply(v, packed.Packed(x, jag), None, a).value
-    loss = lambda v, x: jnp.sum(f(v, x).astype(jnp.float32) * g)
-    return jax.jit(lambda v, x: (f(v, x), jax.grad(loss, argnums=(0, 1))(v, x)))(var, x)
-
-  (want, g_want), (got, g_got) = run(mods["xla"]), run(mods["pallas"])
-  tol = 1e-5 if dtype == jnp.float32 else 2e-2
-  rel = lambda u, w: (np.max(np.abs(np.asarray(u, np.float64) - np.asarray(w, np.float64)))
-                      / max(np.max(np.abs(np.asarray(w, np.float64))), 1e-30))
-  assert rel(got, want) <= tol
-  for (path, u), w in zip(jax.tree_util.tree_leaves_with_path(g_got), jax.tree.leaves(g_want),
-                          strict=True):
-    assert rel(u, w) <= tol, jax.tree_util.keystr(path)
+  got = pallas_matches_xla(mods, var, x, lambda m, v, x: m.apply(v, packed.Packed(x, jag), None,
+                                                                  a).value, g, dtype)
   if dtype == jnp.float32:
     ref = np_attention(var["params"], s, lengths, age, "swa", 5)
     real = np.arange(T)[None, :] < np.asarray(lengths)[:, None]

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from kunlun.nn.hsp import HSP, PMA, SumKronLinear
+from tests.kunlun.nn.backends import pallas_matches_xla
 
 
 def rms(x):
@@ -163,20 +164,8 @@ def test_packed_fused_keys_values_match_the_unfused_path(lens, dtype):
           for b in ("xla", "pallas")}
   v = jax.jit(mods["xla"].init)(jax.random.key(0), packed.Packed(x, jag), None)
   g = jnp.asarray(np.random.default_rng(5).normal(size=(len(lens), 4, 64)), jnp.float32)
-
-  def run(m):
-    f = lambda v, x: m.apply(v, packed.Packed(x, jag), None)
-    loss = lambda v, x: jnp.sum(f(v, x).astype(jnp.float32) * g)
-    return jax.jit(lambda v, x: (f(v, x), jax.grad(loss, argnums=(0, 1))(v, x)))(v, x)
-
-  (want, g_want), (got, g_got) = run(mods["xla"]), run(mods["pallas"])
-  tol = 1e-5 if dtype == jnp.float32 else 2e-2
-  rel = lambda u, w: (np.max(np.abs(np.asarray(u, np.float64) - np.asarray(w, np.float64)))
-                      / max(np.max(np.abs(np.asarray(w, np.float64))), 1e-30))
-  assert rel(got, want) <= tol
-  for (path, u), w in zip(jax.tree_util.tree_leaves_with_path(g_got), jax.tree.leaves(g_want),
-                          strict=True):
-    assert rel(u, w) <= tol, jax.tree_util.keystr(path)
+  got = pallas_matches_xla(mods, v, x, lambda m, v, x: m.apply(v, packed.Packed(x, jag), None),
+                           g, dtype)
   if dtype == jnp.float32:
     np.testing.assert_allclose(np.asarray(got), np_hsp(_params(v), s, lengths, T), rtol=1e-4,
                                atol=1e-5)
