@@ -3,10 +3,11 @@ projection -> QK-norm -> rotary, a GEMM with a prologue and an epilogue.
 
 ``x [N, d]``, ``w [d, 3, H, D]`` -> ``q, k, v [N, H, D]`` in ``dtype``, per token:
 ``h = rms_norm(x)``, ``y_p = h w[:, p]``, ``v = y_v``; for ``p`` in q, k:
-``rotary(rms_norm_D(y_p) * scale_p)``, heads ``[0, ceil(H/2))`` rotated by
-``tau = log1p(max(age, 0) / t_scale)``, the rest by ``positions`` (``kunlun.nn.time_encoding``),
-the angles laid over the whole head (``[a, a]``). Each step is rounded to ``dtype`` where the
-model's XLA path rounds it (``kunlun.nn.attention.SeqAttention``).
+``rotary(rms_norm_D(y_p) * scale_p)``, heads ``[0, ceil(H/2))`` rotated by ``tau * omega``, the
+rest by ``positions * omega`` (``tau, positions f32[N]``, ``omega f32[D/2]``: the model's
+``kunlun.nn.time_encoding.rotary_inputs``), the angles laid over the whole head (``[a, a]``).
+Each step is rounded to ``dtype`` where the model's XLA path rounds it
+(``kunlun.nn.attention.SeqAttention``).
 
 ``norm_qkv_xla`` is the twin: the formulas, differentiated by autodiff. ``norm_qkv_pallas`` runs
 a forward kernel (reads ``x``, writes q, k, v) and a backward kernel (reads ``x`` and the three
@@ -30,7 +31,6 @@ from pallas_kernels import _poison, tuning
 
 F32 = jnp.float32
 EPS = 1e-6
-ROPE_BASE = 10000.0
 WARPS = 8
 # Token rows per program, by width d: the most at which ptxas (deviceless H200 compile, 8 warps)
 # spills no or few registers at mid's and prod's widths (the backward holds a [rows, d] float32
@@ -39,25 +39,17 @@ FWD_ROWS = {128: 64, 256: 64, 512: 16}
 BWD_ROWS = {128: 64, 256: 32, 512: 16}
 
 
-def angle_inputs(age, positions, head_dim: int, t_scale: float):
-  """``(tau f32[N], positions f32[N], omega f32[D/2])``: what the rotary angles are made of
-  (``angle = tau * omega`` on the time heads, ``positions * omega`` on the others)."""
-  tau = jnp.log1p(jnp.maximum(jnp.asarray(age, F32), 0.0) / t_scale)
-  omega = ROPE_BASE ** (-jnp.arange(head_dim // 2, dtype=F32) * 2.0 / head_dim)
-  return tau, jnp.asarray(positions, F32), omega
-
-
 def _round(x, dtype):
   return x.astype(dtype).astype(F32)
 
 
 # ----------------------------------------------------------------------------------- twin
 
-def norm_qkv_xla(x, w, q_scale, k_scale, age, positions, *, t_scale: float = 60.0,
-                 eps: float = EPS, dtype=jnp.bfloat16):
+def norm_qkv_xla(x, w, q_scale, k_scale, tau, positions, omega, *, eps: float = EPS,
+                 dtype=jnp.bfloat16):
   """The twin: ``(q, k, v) [N, H, D]`` in ``dtype`` (module docstring)."""
   _, _, H, D = w.shape
-  tau, pos, omega = angle_inputs(age, positions, D, t_scale)
+  tau, pos, omega = (jnp.asarray(a, F32) for a in (tau, positions, omega))
   xf = x.astype(F32)
   h = (xf * lax.rsqrt(jnp.mean(xf * xf, -1, keepdims=True) + eps)).astype(dtype)
   wd = w.astype(dtype)
@@ -321,11 +313,11 @@ def _vjp_bwd(eps, dtype, interpret, rot, res, g):
 _fused.defvjp(_vjp_fwd, _vjp_bwd)
 
 
-def norm_qkv_pallas(x, w, q_scale, k_scale, age, positions, *, t_scale: float = 60.0,
-                    eps: float = EPS, dtype=jnp.bfloat16, interpret: bool = False):
+def norm_qkv_pallas(x, w, q_scale, k_scale, tau, positions, omega, *, eps: float = EPS,
+                    dtype=jnp.bfloat16, interpret: bool = False):
   """``norm_qkv_xla``'s values and gradients from the Pallas kernels (module docstring)."""
   _check(x, w, 3)
-  tau, pos, omega = angle_inputs(age, positions, w.shape[-1], t_scale)
+  tau, pos, omega = (jnp.asarray(a, F32) for a in (tau, positions, omega))
   sc = jnp.stack([q_scale, k_scale]).astype(F32)
   return _fused(x, w, sc, tau, pos, omega, float(eps), jnp.dtype(dtype), bool(interpret), 2)
 

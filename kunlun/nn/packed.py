@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from kunlun.nn.time_encoding import rotary_inputs
 from pallas_kernels import jagged, jagged_pallas, norm_qkv
 from pallas_kernels.api import compile_platform
 from sharding import shard
@@ -147,10 +148,12 @@ def fused_qkv(x, w, q_scale, k_scale, age, jag, *, t_scale: float, dtype):
   """The attention's input side as one Pallas pass (``pallas_kernels.norm_qkv``): ``x [N, d]``,
   ``w [d, 3, H, D]``, ``age f32[N]`` and the tokens' ``jag.pos`` -> ``q, k, v [N, H, D]``
   (q, k normalised and rotated). Row-wise, so per device on the blocks it holds."""
-  def op(x, age, pos, w, qs, ks):
-    return norm_qkv.norm_qkv_pallas(x, w, qs, ks, age, pos, t_scale=t_scale, dtype=dtype,
+  tau, pos, omega = rotary_inputs(age, jag.pos, w.shape[-1], t_scale)
+
+  def op(x, tau, pos, w, qs, ks, omega):
+    return norm_qkv.norm_qkv_pallas(x, w, qs, ks, tau, pos, omega, dtype=dtype,
                                     interpret=_interpret())
-  return _rowwise_kernel(op, jag, (x, jnp.asarray(age, F32), jag.pos), (w, q_scale, k_scale))
+  return _rowwise_kernel(op, jag, (x, tau, pos), (w, q_scale, k_scale, omega))
 
 
 def fused_proj(x, w, jag, *, dtype):

@@ -30,6 +30,20 @@ def rope_frequencies(head_dim: int):
   return ROPE_BASE ** (-jnp.arange(head_dim // 2, dtype=jnp.float32) * 2.0 / head_dim)
 
 
+def log_time(age, t_scale: float = 60.0):
+  """The time heads' rotary "position" of an event ``age`` seconds old: ``log(1 + age / t_scale)``
+  (``age`` clipped at 0), float32, ``age``'s shape."""
+  return jnp.log1p(jnp.maximum(jnp.asarray(age, jnp.float32), 0.0) / t_scale)
+
+
+def rotary_inputs(age, positions, head_dim: int, t_scale: float = 60.0):
+  """``(tau, positions, omega)``, what the rotary angles are made of: ``tau = log_time(age)``,
+  ``positions`` as float32 (``age``'s shape) and ``omega = rope_frequencies(head_dim)``; the time
+  heads turn by ``tau * omega``, the others by ``positions * omega`` (``rotary_angles``; the
+  fused kernels of ``pallas_kernels.norm_qkv`` take these)."""
+  return log_time(age, t_scale), jnp.asarray(positions, jnp.float32), rope_frequencies(head_dim)
+
+
 def rotary_angles(age, heads: int, head_dim: int, t_scale: float = 60.0, positions=None):
   """The angles of ``rotary_time``: ``f32[B, T, heads, head_dim // 2]`` (same arguments)."""
   if heads < 1:
@@ -37,7 +51,7 @@ def rotary_angles(age, heads: int, head_dim: int, t_scale: float = 60.0, positio
   omega = rope_frequencies(head_dim)                                    # [D/2]
   age = jnp.asarray(age, jnp.float32)
   B, T = age.shape
-  tau_bt = jnp.log1p(jnp.maximum(age, 0.0) / t_scale)
+  tau_bt = log_time(age, t_scale)
   pos_bt = (jnp.broadcast_to(jnp.arange(T, dtype=jnp.float32)[None], (B, T)) if positions is None
             else jnp.asarray(positions, jnp.float32))
   n_time = (heads + 1) // 2

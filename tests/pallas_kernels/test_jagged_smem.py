@@ -61,9 +61,9 @@ def _families(shape, dtype=jnp.bfloat16):
                        (tok, tok, tok)),
       "softmax_full": (lambda q, k, v, j: jp.jagged_softmax_attention_pallas(q, k, v, j),
                        (tok, tok, tok)),
-      # the fused norm -> projections (pallas_kernels.norm_qkv; the age is data, no gradient)
-      "norm_qkv": (lambda x, w, age, j: _summed(norm_qkv.norm_qkv_pallas(
-          x, w, jnp.ones(D), jnp.ones(D), age, j.pos)), (tok_x, w3, age)),
+      # the fused norm -> projections (pallas_kernels.norm_qkv; tau is data, no gradient)
+      "norm_qkv": (lambda x, w, tau, j: _summed(norm_qkv.norm_qkv_pallas(
+          x, w, jnp.ones(D), jnp.ones(D), tau, j.pos, jnp.ones(D // 2))), (tok_x, w3, age)),
       "norm_proj": (lambda x, w, age, j: _summed(norm_qkv.norm_proj_pallas(x, w)),
                     (tok_x, w2, age)),
   }

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from kunlun.nn.time_encoding import rotary_inputs
 from pallas_kernels import _poison, norm_qkv
 from tests.pallas_kernels.np_ref import _bf16
 
@@ -23,6 +24,11 @@ def _inputs(N=100, d=64, H=3, D=32, seed=0, zero_tail=7):
   age = rng.uniform(-5.0, 1e6, size=(N,)).astype(np.float32)
   pos = rng.integers(0, 300, size=(N,)).astype(np.int32)
   return x, w, qs, ks, age, pos
+
+
+def _angles(x, w, qs, ks, age, pos):
+  """The kernels' arguments: the angle inputs from the model's ``rotary_inputs``."""
+  return (x, w, qs, ks, *rotary_inputs(age, pos, w.shape[-1], T_SCALE))
 
 
 def _numpy(x, w, qs, ks, age, pos, eps=1e-6, rnd=lambda a: a):
@@ -59,21 +65,21 @@ def _close(a, b, tol):
 
 def test_twin_matches_numpy_float32():
   args = _inputs()
-  got = norm_qkv.norm_qkv_xla(*map(jnp.asarray, args), t_scale=T_SCALE, dtype=jnp.float32)
+  got = norm_qkv.norm_qkv_xla(*_angles(*map(jnp.asarray, args)), dtype=jnp.float32)
   for g, r in zip(got, _numpy(*args), strict=True):
     _close(g, r, 2e-5)
 
 
 def test_twin_matches_numpy_bfloat16_rounding():
   args = _inputs(seed=1)
-  got = norm_qkv.norm_qkv_xla(*map(jnp.asarray, args), t_scale=T_SCALE, dtype=jnp.bfloat16)
+  got = norm_qkv.norm_qkv_xla(*_angles(*map(jnp.asarray, args)), dtype=jnp.bfloat16)
   for g, r in zip(got, _numpy(*args, rnd=_bf16), strict=True):
     _close(g, r, 1e-2)
 
 
 def _loss(fn, x, w, qs, ks, age, pos, dtype, cot):
   def f(x, w, qs, ks):
-    q, k, v = fn(x, w, qs, ks, age, pos, t_scale=T_SCALE, dtype=dtype)
+    q, k, v = fn(*_angles(x, w, qs, ks, age, pos), dtype=dtype)
     return sum(jnp.sum(o.astype(jnp.float32) * c) for o, c in zip((q, k, v), cot, strict=True))
   return jax.value_and_grad(f, argnums=(0, 1, 2, 3))(x, w, qs, ks)
 
@@ -88,10 +94,10 @@ def test_kernels_match_the_twin(dtype, tol, N, H):
   cot[0] = cot[0].at[N - 3:].set(0.0)
   pal = lambda *a, **k: norm_qkv.norm_qkv_pallas(*a, interpret=True, **k)
   with _poison.poison_outputs():
-    outs = norm_qkv.norm_qkv_pallas(x, w, qs, ks, age, pos, t_scale=T_SCALE, dtype=dtype,
+    outs = norm_qkv.norm_qkv_pallas(*_angles(x, w, qs, ks, age, pos), dtype=dtype,
                                     interpret=True)
     (val, grads) = _loss(pal, x, w, qs, ks, age, pos, dtype, cot)
-  ref = norm_qkv.norm_qkv_xla(x, w, qs, ks, age, pos, t_scale=T_SCALE, dtype=dtype)
+  ref = norm_qkv.norm_qkv_xla(*_angles(x, w, qs, ks, age, pos), dtype=dtype)
   for o, r in zip(outs, ref, strict=True):
     assert o.dtype == dtype and o.shape == r.shape
     _close(o, r, tol)
@@ -104,7 +110,8 @@ def test_kernels_match_the_twin(dtype, tol, N, H):
 
 def test_zero_rows_stay_zero():
   x, w, qs, ks, age, pos = _inputs(N=40, zero_tail=40)
-  outs = norm_qkv.norm_qkv_pallas(x, w, qs, ks, age, pos, dtype=jnp.float32, interpret=True)
+  outs = norm_qkv.norm_qkv_pallas(*_angles(x, w, qs, ks, age, pos), dtype=jnp.float32,
+                                  interpret=True)
   for o in outs:
     assert not np.any(np.asarray(o))
 
@@ -120,8 +127,8 @@ def test_unsupported_widths_are_refused():
   w = jnp.zeros((48, 3, 2, 24))
   assert not norm_qkv.supported(48, 2, 24)
   with pytest.raises(ValueError, match="powers of two"):
-    norm_qkv.norm_qkv_pallas(x, w, jnp.ones(24), jnp.ones(24), jnp.zeros(8), jnp.zeros(8, jnp.int32),
-                             interpret=True)
+    norm_qkv.norm_qkv_pallas(x, w, jnp.ones(24), jnp.ones(24), jnp.zeros(8), jnp.zeros(8),
+                             jnp.ones(12), interpret=True)
 
 
 @pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 2e-2)])
