@@ -18,7 +18,6 @@ from kunlun.nn.fused import apart, masked_residual, qk_norm_rotary
 from kunlun.nn.gdpa import gdpa_op
 from kunlun.nn.norms import rms_norm
 from kunlun.nn.time_encoding import bucket_embedding, rotary_time
-from pallas_kernels import norm_qkv
 from pallas_kernels.activations import per_head
 from pallas_kernels.reference import (  # noqa: F401  (re-exported: apply_rotary, masked_...)
   apply_rotary,
@@ -135,12 +134,10 @@ class SeqAttention(nn.Module):
   def _packed(self, x, h, jag, age, w, sc):
     """A packed tower: ``x [N, d]``, ``h = rms_norm(x)``, ``age f32[N]`` -> ``[N, d]``; the
     rotation (by ``age`` and the tokens' ``pos``) happens before the jagged op for every kind."""
-    d = x.shape[-1]
-    H, dh = self.heads, d // self.heads
     if self.kind != "block" and self.activation != "softmax":
       raise ValueError(f"attention.kind = {self.kind!r} with activation {self.activation!r} has "
                        "no jagged op (packed towers: softmax, or kind 'block')")
-    if self._fused_input(d, H, dh):      # norm -> q / k / v -> QK-norm -> rotary in one pass
+    if self._fused_input(x.shape[-1]):      # norm -> q / k / v -> QK-norm -> rotary in one pass
       q, k, v = packed.fused_qkv(x, w, sc("q_scale"), sc("k_scale"), age, jag,
                                  t_scale=self.t_scale, dtype=self.dtype)
       return self._packed_attend(x, q, k, v, jag)
@@ -155,11 +152,11 @@ class SeqAttention(nn.Module):
     q, k = prep(q, "q_scale", emb), prep(k, "k_scale")
     return self._packed_attend(x, q, k, v, jag)
 
-  def _fused_input(self, d, H, dh) -> bool:
+  def _fused_input(self, d) -> bool:
     """Whether the packed input side runs as ``pallas_kernels.norm_qkv``'s kernels: the Pallas
     backend, QK-norm and rotary on, no query bucket embedding, widths the kernels take."""
-    return (packed.uses_pallas(self.backend) and self.qk_norm and self.rotary
-            and self.time_buckets is None and norm_qkv.supported(d, H, dh, self.dtype))
+    return (self.qk_norm and self.rotary and self.time_buckets is None
+            and packed.fusable(self.backend, d, self.heads, self.dtype))
 
   def _packed_attend(self, x, q, k, v, jag):
     """The jagged attention of rotated ``q, k`` and ``v [N, H, D]``, projected out and added to

@@ -24,7 +24,6 @@ from kunlun.nn.fused import add_rms_norm, apart, batched_mixes
 from kunlun.nn.gdpa import gdpa_op
 from kunlun.nn.norms import rms_norm
 from kunlun.nn.time_encoding import add_bucket_embedding
-from pallas_kernels import norm_qkv
 from pallas_kernels.activations import per_head
 from sharding import shard, with_axes
 
@@ -126,8 +125,7 @@ class HSP(nn.Module):
       e = self.param("seeds", with_axes(nn.initializers.normal(0.02), ("seeds", "embed")),
                      (self.n_seed, d), F32)
       q = _to_heads(self, "query", rms_norm(e), H, dt)
-      if jag is not None and packed.uses_pallas(self.backend) and norm_qkv.supported(
-          d, H, d // H, dt):                             # norm -> k, v in one Pallas pass
+      if jag is not None and packed.fusable(self.backend, d, H, dt):   # norm -> k, v: one pass
         wk, wv = (_head_weights(self, n, d, H) for n in ("key", "value"))
         k, v = packed.fused_proj(s, jnp.stack([wk, wv], 1), jag, dtype=dt)
       else:

@@ -139,9 +139,11 @@ def softmax_attention(q, k, v, jag, *, backend: str, window=None):
   return _per_block(lambda j, q, k, v: fn(q, k, v, j, **kw), jag, (q, k, v), (True,) * 3, pallas)
 
 
-def uses_pallas(backend: str) -> bool:
-  """Whether ``backend`` runs the Pallas kernels here ("auto": on a GPU)."""
-  return _use_pallas(backend)
+def fusable(backend: str, d: int, heads: int, dtype) -> bool:
+  """Whether a packed tower of width ``d`` in ``heads`` heads takes the fused norm -> projection
+  kernels (``fused_qkv`` / ``fused_proj``): the Pallas backend and widths the kernels tile
+  (``pallas_kernels.norm_qkv.supported``)."""
+  return _use_pallas(backend) and norm_qkv.supported(d, heads, d // heads, dtype)
 
 
 def fused_qkv(x, w, q_scale, k_scale, age, jag, *, t_scale: float, dtype):

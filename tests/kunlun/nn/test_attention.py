@@ -243,7 +243,7 @@ def test_packed_fused_input_matches_the_unfused_path(lens, cap, dtype):
   x, a = jnp.asarray(toks["s"], dtype), jnp.asarray(toks["age"])
   mods = {b: SeqAttention(2, "swa", window=5, backend=b, dtype=dtype) for b in ("xla", "pallas")}
   var = _init_perturbed(mods["xla"], s, lengths, age)
-  assert mods["pallas"]._fused_input(64, 2, 32) and not mods["xla"]._fused_input(64, 2, 32)
+  assert mods["pallas"]._fused_input(64) and not mods["xla"]._fused_input(64)
   g = jnp.asarray(np.random.default_rng(3).normal(size=x.shape), jnp.float32)
   got = pallas_matches_xla(mods, var, x, lambda m, v, x: m.apply(v, packed.Packed(x, jag), None,
                                                                   a).value, g, dtype)
