@@ -1,7 +1,8 @@
-"""Normalisations computed in float32 (spec c.3, c.9, h-13): affine-free LayerNorm / RMSNorm and
-the RMSNorm with a given per-channel scale (the attention's QK-norm).
+"""Normalisations computed in float32 (spec c.3, c.9, h-13): affine-free LayerNorm / RMSNorm, the
+RMSNorm with a given per-channel scale (the attention's QK-norm) and the affine LayerNorm of a sum
+(Wukong's norms, ``affine_layer_norm``).
 
-Pure functions: they have no parameters (``scaled_rms_norm`` takes its scale as an argument),
+Pure functions: they have no parameters (scales and biases are arguments),
 take any dtype and return float32, so callers decide when to cast back to the compute dtype.
 
 All have a hand-written VJP (``jax.custom_vjp``): the forward keeps only its input for the
@@ -42,6 +43,61 @@ def scaled_rms_norm(x, scale, eps: float = EPS, dtype=F32):
   and returned in ``dtype`` (the cast is inside the VJP, so the backward receives the cotangent
   in ``dtype``)."""
   return _scaled_rms_norm(x, scale, float(eps), jnp.dtype(dtype))
+
+
+def affine_layer_norm(xs, scale, bias, eps: float = EPS, dtype=F32):
+  """``LayerNorm(sum(xs)) * scale + bias`` over the last axis: the addends ``xs`` (a tuple of
+  ``[..., d]`` arrays of any dtypes) summed in float32, ``scale, bias f32[d]``; returned in
+  ``dtype``. The backward keeps only the addends (not their float32 sum, nor the normalised
+  value autodiff would keep for ``scale``'s gradient) and gives every addend the same cotangent,
+  each in its own dtype."""
+  return _affine_ln(tuple(xs), scale, bias, float(eps), jnp.dtype(dtype))
+
+
+def _sum_f32(xs):
+  return functools.reduce(lambda a, b: a + b, [x.astype(F32) for x in xs])
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _affine_ln(xs, scale, bias, eps, dtype):
+  t, mu, r = _ln_stats(_sum_f32(xs), eps)
+  return ((t - mu) * r * scale + bias).astype(dtype)
+
+
+def _affine_ln_fwd(xs, scale, bias, eps, dtype):
+  return _affine_ln(xs, scale, bias, eps, dtype), (xs, scale, bias)
+
+
+def _one_pass_stats(t, eps):
+  """``mu, rsqrt(var + eps)`` of the rows of ``t`` from one pass: ``var = mean(t^2) - mu^2``.
+  It loses ``(mu / std)^2`` ulps to cancellation; rows whose mean is large beside their spread
+  would need the two-pass form (``_ln_stats``)."""
+  m1 = jnp.mean(t, axis=-1, keepdims=True)
+  var = jnp.maximum(jnp.mean(t * t, axis=-1, keepdims=True) - m1 * m1, 0.0)
+  return m1, jax.lax.rsqrt(var + eps)
+
+
+def _affine_ln_bwd(eps, dtype, res, dz):
+  """``dscale = sum_rows(dz y)``, ``dbias = sum_rows(dz)``, every addend ``r (dy - mean(dy) - y
+  mean(dy y))`` with ``dy = dz scale``. The statistics are one pass behind a barrier (a column
+  sum whose operand holds a row reduction does not fuse), which both the column sums and ``dx``
+  read."""
+  del dtype
+  xs, scale, bias, dz = jax.lax.optimization_barrier(res + (dz,))   # no CSE with the forward
+  mu, r = _one_pass_stats(_sum_f32(xs), eps)
+  xs, dz, mu, r = jax.lax.optimization_barrier((xs, dz, mu, r))
+  y = (_sum_f32(xs) - mu) * r
+  dzf = dz.astype(F32)
+  rows = tuple(range(dz.ndim - 1))
+  dscale, dbias = jnp.sum(dzf * y, axis=rows), jnp.sum(dzf, axis=rows)
+  dy = dzf * scale
+  dx = r * (dy - jnp.mean(dy, axis=-1, keepdims=True) - y * jnp.mean(dy * y, axis=-1,
+                                                                       keepdims=True))
+  return (tuple(dx.astype(x.dtype) for x in xs), dscale.astype(scale.dtype),
+          dbias.astype(bias.dtype))
+
+
+_affine_ln.defvjp(_affine_ln_fwd, _affine_ln_bwd)
 
 
 def _ln_stats(x, eps):

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 
 from kunlun.nn.activations import gelu
 from kunlun.nn.fused import batched_mixes, token_mix
-from kunlun.nn.norms import layer_norm
+from kunlun.nn.norms import affine_layer_norm
 from sharding import shard, with_axes
 
 F32 = jnp.float32
@@ -31,15 +31,16 @@ _TOK = ("batch", "tokens", "embed")
 
 
 class _LayerNorm(nn.Module):
-  """LayerNorm over the last axis in float32 with a learned scale and bias."""
+  """LayerNorm of the float32 sum of its inputs over the last axis, with a learned scale and
+  bias, returned in ``dtype`` (``norms.affine_layer_norm``: the backward keeps the inputs only)."""
+  dtype: Any = F32
 
   @nn.compact
-  def __call__(self, x):
-    d = x.shape[-1]
-    y = layer_norm(x, 1e-6)
+  def __call__(self, *xs):
+    d = xs[0].shape[-1]
     scale = self.param("scale", with_axes(nn.initializers.ones, (None,)), (d,), F32)
     bias = self.param("bias", with_axes(nn.initializers.zeros, (None,)), (d,), F32)
-    return y * scale + bias
+    return affine_layer_norm(xs, scale, bias, 1e-6, self.dtype)
 
 
 class WukongLayer(nn.Module):
@@ -68,7 +69,7 @@ class WukongLayer(nn.Module):
       else:
         xty = jnp.einsum("bnd,nr->bdr", xc, y.astype(dt))
       fm = jnp.einsum("bnd,bdr->bnr", xc, xty).reshape(B, N * self.rank)  # X (X^T Y)
-      h = _LayerNorm(name="fm_norm")(fm).astype(dt)
+      h = _LayerNorm(dt, name="fm_norm")(fm)
       h = nn.Dense(self.mlp_hidden, dtype=dt, param_dtype=F32, name="fm_mlp_in",
                    kernel_init=with_axes(nn.initializers.lecun_normal(), (None, "mlp")),
                    bias_init=with_axes(nn.initializers.zeros, ("mlp",)))(h)
@@ -81,14 +82,13 @@ class WukongLayer(nn.Module):
         w = self.param("lcb", with_axes(nn.initializers.normal(N ** -0.5), ("tokens", None)),
                        (N, self.n_lcb), F32)
         parts.append(token_mix(xc, w.astype(dt)))
-      out = jnp.concatenate(parts, axis=1).astype(F32)
       if N == n_out:
-        res = x.astype(F32)
+        res = x
       else:
         p = self.param("res_proj", with_axes(nn.initializers.normal(N ** -0.5), ("tokens", None)),
                        (N, n_out), F32)
-        res = token_mix(xc, p.astype(dt)).astype(F32)
-      out = _LayerNorm(name="out_norm")(out + res).astype(dt)
+        res = token_mix(xc, p.astype(dt))
+      out = _LayerNorm(dt, name="out_norm")(jnp.concatenate(parts, axis=1), res)
       return shard(out, _TOK)
 
 
@@ -148,6 +148,8 @@ class WukongStack(nn.Module):
     """Input of layer ``i``: ``X_i + sum_j softmax(c_i)_j X~_j`` over ``len(outs) = i + 1``."""
     c = self.param(f"cross_logits_{i}", with_axes(nn.initializers.zeros, (None,)), (i + 1,), F32)
     with jax.named_scope("WukongCrossLayer"):
-      a = jax.nn.softmax(c.astype(F32)).astype(self.dtype)
-      mix = jnp.einsum("j,jbnd->bnd", a, jnp.stack(outs), preferred_element_type=F32)
-      return shard((x.astype(F32) + mix).astype(self.dtype), _TOK)
+      a = jax.nn.softmax(c.astype(F32)).astype(self.dtype).astype(F32)
+      mix = x.astype(F32)                     # a weighted sum, not a contraction of stacked outs:
+      for j, o in enumerate(outs):            # one elementwise pass, nothing stacked in memory
+        mix = mix + a[j] * o.astype(F32)
+      return shard(mix.astype(self.dtype), _TOK)
