@@ -68,23 +68,15 @@ def _affine_ln_fwd(xs, scale, bias, eps, dtype):
   return _affine_ln(xs, scale, bias, eps, dtype), (xs, scale, bias)
 
 
-def _one_pass_stats(t, eps):
-  """``mu, rsqrt(var + eps)`` of the rows of ``t`` from one pass: ``var = mean(t^2) - mu^2``.
-  It loses ``(mu / std)^2`` ulps to cancellation; rows whose mean is large beside their spread
-  would need the two-pass form (``_ln_stats``)."""
-  m1 = jnp.mean(t, axis=-1, keepdims=True)
-  var = jnp.maximum(jnp.mean(t * t, axis=-1, keepdims=True) - m1 * m1, 0.0)
-  return m1, jax.lax.rsqrt(var + eps)
-
-
 def _affine_ln_bwd(eps, dtype, res, dz):
   """``dscale = sum_rows(dz y)``, ``dbias = sum_rows(dz)``, every addend ``r (dy - mean(dy) - y
-  mean(dy y))`` with ``dy = dz scale``. The statistics are one pass behind a barrier (a column
-  sum whose operand holds a row reduction does not fuse), which both the column sums and ``dx``
-  read."""
+  mean(dy y))`` with ``dy = dz scale``. The statistics (two-pass, as the forward's) are computed
+  behind a barrier (a column sum whose operand holds a row reduction does not fuse), and both the
+  column sums and ``dx`` read them. A one-pass ``mean(t^2) - mu^2`` would save a pass but loses
+  ``(mu / std)^2`` ulps to cancellation: enough to move Adam's first steps on tiny gradients."""
   del dtype
   xs, scale, bias, dz = jax.lax.optimization_barrier(res + (dz,))   # no CSE with the forward
-  mu, r = _one_pass_stats(_sum_f32(xs), eps)
+  _, mu, r = _ln_stats(_sum_f32(xs), eps)
   xs, dz, mu, r = jax.lax.optimization_barrier((xs, dz, mu, r))
   y = (_sum_f32(xs) - mu) * r
   dzf = dz.astype(F32)
