@@ -47,19 +47,20 @@ def blocks_per_batch_shard(mesh, rules) -> int:
   return n_blocks // n_batch
 
 
-def per_shard(fn, blocked):
-  """``fn`` run per device under ``jax.shard_map`` over the mesh axes of the logical ``blocks``
-  (Pallas calls are opaque to the partitioner). ``blocked``: per argument, whether it leads with
-  the S blocks (split over the blocks' axes) or is shared (replicated); the output leads with the
-  blocks. ``fn`` itself when no mesh / rules are active or the blocks are not split."""
+def per_shard(fn, blocked, logical: str = "blocks"):
+  """``fn`` run per device under ``jax.shard_map`` over the mesh axes of the logical axis
+  ``logical`` (Pallas calls are opaque to the partitioner): the packed ``blocks``, or ``batch``
+  for per-example kernels. ``blocked``: per argument, whether it leads with that axis (split over
+  its mesh axes) or is shared (replicated; its cotangent summed over the devices); every output
+  leads with it. ``fn`` itself when no mesh / rules are active or the axis is not split."""
   act = _active()
-  if act is None or split_count("blocks") == 1:
+  if act is None or split_count(logical) == 1:
     return fn
   mesh, rules = act
 
   def call(*args):
     S = next(jax.tree.leaves(a)[0].shape[0] for a, b in zip(args, blocked, strict=True) if b)
-    spec = fit_spec(nn.logical_to_mesh_axes(("blocks",), rules), (S,), mesh)
+    spec = fit_spec(nn.logical_to_mesh_axes((logical,), rules), (S,), mesh)
     specs = tuple(spec if b else P() for b in blocked)
     return jax.shard_map(fn, in_specs=specs, out_specs=spec, check_vma=False)(*args)
   return call

@@ -65,7 +65,8 @@ class KunlunLayer(nn.Module):
       x_in = shard(jnp.concatenate(tokens, axis=1), ("batch", "tokens", "embed"))
       x_new = wrap(MoWE, rm)(cfg.mowe.num_experts, cfg.mowe.layers_per_expert, cfg.n_ns,
                              cfg.mowe.rank, cfg.mowe.mlp_hidden, dtype=dt,
-                             cross_layer=cfg.mowe.cross_layer, name="mowe")(x_in)   # (3)
+                             cross_layer=cfg.mowe.cross_layer, backend=cfg.backend,
+                             name="mowe")(x_in)                                      # (3)
       for t in cfg.seq_towers:                                   # transformer block (4), (5)
         p, s = plans[t.name], seqs[t.name]
         n_len, age = lengths[t.name], ages[t.name]

@@ -29,6 +29,7 @@ class MoWE(nn.Module):
   fm_fraction: float = 0.5
   dtype: Any = jnp.float32
   cross_layer: bool = False
+  backend: str = "xla"
 
   @nn.compact
   def __call__(self, x):
@@ -40,7 +41,7 @@ class MoWE(nn.Module):
                         axis_size=self.num_experts,
                         metadata_params={nn.PARTITION_NAME: "exp"})
       y = experts(self.layers_per_expert, self.n_out, self.rank, self.mlp_hidden,
-                  self.fm_fraction, self.dtype, self.cross_layer,
+                  self.fm_fraction, self.dtype, self.cross_layer, self.backend,
                   name="experts")(x)                                           # [M, B, n_out, d]
       y = shard(y, ("exp", "batch", "tokens", "embed"))
       return shard(jnp.mean(y.astype(jnp.float32), axis=0).astype(self.dtype),

@@ -4,7 +4,9 @@
 factorization machine: ``(X X^T) Y`` computed as ``X (X^T Y)``, ``O(N d r)``);
 ``LCB(X) = W^T X`` with ``W [N, n_lcb]``; ``X' = LN(concat(FMB, LCB) + Proj(X))`` where ``Proj``
 is the identity when ``N = n_fm + n_lcb`` and a learned token-axis map otherwise. LayerNorms keep
-their affine parameters (Wukong's design) and run in float32.
+their affine parameters (Wukong's design) and run in float32. On the Pallas backend (``auto`` on
+a GPU) a layer's token side (the FM, its norm and the token maps) is one kernel pass over ``x``
+(``pallas_kernels.wukong_fm``, ``fm_kernel``).
 
 ``WukongStack(cross_layer=True)`` adds GEM's cross-layer attention connections (spec h-19): with
 ``X_0`` the stack input and ``X_l`` the output of layer ``l - 1``, layer ``l >= 1`` reads
@@ -24,7 +26,10 @@ import jax.numpy as jnp
 from kunlun.nn.activations import gelu
 from kunlun.nn.fused import batched_mixes, token_mix
 from kunlun.nn.norms import affine_layer_norm
+from pallas_kernels import wukong_fm
+from pallas_kernels.api import compile_platform
 from sharding import shard, with_axes
+from sharding.packed import per_shard
 
 F32 = jnp.float32
 _TOK = ("batch", "tokens", "embed")
@@ -43,16 +48,49 @@ class _LayerNorm(nn.Module):
     return affine_layer_norm(xs, scale, bias, 1e-6, self.dtype)
 
 
+class _NormParams(nn.Module):
+  """A LayerNorm's learned ``scale`` and ``bias [d]`` (float32), for a norm computed elsewhere."""
+  d: int
+
+  @nn.compact
+  def __call__(self):
+    scale = self.param("scale", with_axes(nn.initializers.ones, (None,)), (self.d,), F32)
+    bias = self.param("bias", with_axes(nn.initializers.zeros, (None,)), (self.d,), F32)
+    return scale, bias
+
+
+def _pallas(backend: str) -> bool:
+  return backend == "pallas" or (backend == "auto" and compile_platform() == "gpu")
+
+
+def fm_kernel(backend: str, N: int, d: int, rank: int, mixes) -> bool:
+  """Whether a layer's token side runs as ``pallas_kernels.wukong_fm``'s kernels: backend
+  "pallas", or "auto" compiling for a GPU, at widths the kernels take."""
+  return _pallas(backend) and wukong_fm.supported(N, d, rank, mixes)
+
+
+def out_kernel(backend: str, d: int, parts) -> bool:
+  """Whether a layer's output norm runs as ``pallas_kernels.wukong_fm.wukong_out_pallas``: as
+  ``fm_kernel``, for ``parts`` (the FM's and the LCB's token counts) of width ``d``."""
+  return _pallas(backend) and wukong_fm.out_supported(d, parts)
+
+
 class WukongLayer(nn.Module):
-  """``x [B, N, d]`` -> ``[B, n_fm + n_lcb, d]``."""
+  """``x [B, N, d]`` -> ``[B, n_fm + n_lcb, d]``; with ``extra [N, m]`` (a token map) also
+  ``extra^T x [B, m, d]`` in ``dtype``, computed in the same pass over ``x``.
+
+  The token side (the FM's interactions and their LayerNorm; the LCB, residual and ``extra``
+  token maps) runs as ``pallas_kernels.wukong_fm`` (``fm_kernel``: per device on its examples)
+  or as XLA; the MLP and the output norm as XLA."""
   n_fm: int
   n_lcb: int
   rank: int
   mlp_hidden: int
   dtype: Any = F32
+  backend: str = "xla"
 
   @nn.compact
-  def __call__(self, x):
+  def __call__(self, x, extra=None):
     if self.n_fm < 1 or self.n_lcb < 0 or self.rank < 1 or self.mlp_hidden < 1:
       raise ValueError(f"WukongLayer: need n_fm>=1, n_lcb>=0, rank>=1, mlp_hidden>=1; got "
                        f"{self.n_fm}, {self.n_lcb}, {self.rank}, {self.mlp_hidden}")
@@ -60,16 +98,20 @@ class WukongLayer(nn.Module):
     dt = self.dtype
     n_out = self.n_fm + self.n_lcb
     with jax.named_scope("WukongLayer"):
-      xc = x.astype(dt)
       y = self.param("fm_y", with_axes(nn.initializers.normal(N ** -0.5), ("tokens", None)),
                      (N, self.rank), F32)
-      if batched_mixes():                                              # GPU: no transposes
-        yb = jnp.broadcast_to(y.astype(dt), (B, N, self.rank))
-        xty = jnp.einsum("bnd,bnr->bdr", xc, yb)                        # X^T Y   [B, d, r]
-      else:
-        xty = jnp.einsum("bnd,nr->bdr", xc, y.astype(dt))
-      fm = jnp.einsum("bnd,bdr->bnr", xc, xty).reshape(B, N * self.rank)  # X (X^T Y)
-      h = _LayerNorm(dt, name="fm_norm")(fm)
+      maps = {}                                                         # token maps [N, m]
+      if self.n_lcb:
+        maps["lcb"] = self.param("lcb", with_axes(nn.initializers.normal(N ** -0.5),
+                                                  ("tokens", None)), (N, self.n_lcb), F32)
+      if N != n_out:
+        maps["res"] = self.param("res_proj", with_axes(nn.initializers.normal(N ** -0.5),
+                                                       ("tokens", None)), (N, n_out), F32)
+      if extra is not None:
+        maps["extra"] = extra
+      scale, bias = _NormParams(N * self.rank, name="fm_norm")()
+      h, mixes = self._token_side(x, y, tuple(maps.values()), scale, bias)
+      mix = dict(zip(maps, mixes, strict=True))
       h = nn.Dense(self.mlp_hidden, dtype=dt, param_dtype=F32, name="fm_mlp_in",
                    kernel_init=with_axes(nn.initializers.lecun_normal(), (None, "mlp")),
                    bias_init=with_axes(nn.initializers.zeros, ("mlp",)))(h)
@@ -77,19 +119,43 @@ class WukongLayer(nn.Module):
       h = nn.Dense(self.n_fm * d, dtype=dt, param_dtype=F32, name="fm_mlp_out",
                    kernel_init=with_axes(nn.initializers.lecun_normal(), ("mlp", None)),
                    bias_init=with_axes(nn.initializers.zeros, (None,)))(h)
-      parts = [h.reshape(B, self.n_fm, d)]
-      if self.n_lcb:
-        w = self.param("lcb", with_axes(nn.initializers.normal(N ** -0.5), ("tokens", None)),
-                       (N, self.n_lcb), F32)
-        parts.append(token_mix(xc, w.astype(dt)))
-      if N == n_out:
-        res = x
-      else:
-        p = self.param("res_proj", with_axes(nn.initializers.normal(N ** -0.5), ("tokens", None)),
-                       (N, n_out), F32)
-        res = token_mix(xc, p.astype(dt))
-      out = _LayerNorm(dt, name="out_norm")(jnp.concatenate(parts, axis=1), res)
-      return shard(out, _TOK)
+      parts = [h.reshape(B, self.n_fm, d)] + ([mix["lcb"]] if self.n_lcb else [])
+      res = mix.get("res", x)
+      out = shard(self._out_norm(parts, res), _TOK)
+      return out if extra is None else (out, mix["extra"])
+
+  def _out_norm(self, parts, res):
+    """``LN(concat(parts) + res) * scale + bias`` over ``d``, in dtype: the kernels
+    (``out_kernel``, per device on its examples) or ``affine_layer_norm``."""
+    scale, bias = _NormParams(res.shape[-1], name="out_norm")()
+    if out_kernel(self.backend, res.shape[-1], [p.shape[1] for p in parts]):
+      interpret = compile_platform() != "gpu"
+      op = lambda parts, res, s, b: wukong_fm.wukong_out_pallas(parts, res, s, b, dtype=self.dtype,
+                                                                interpret=interpret)
+      return per_shard(op, (True, True, False, False), "batch")(tuple(parts), res, scale, bias)
+    return affine_layer_norm((jnp.concatenate(parts, axis=1), res), scale, bias, 1e-6,
+                             self.dtype)
+
+  def _token_side(self, x, y, ws, scale, bias):
+    """``LN(flatten(X (X^T y))) * scale + bias [B, N r]`` and ``w^T X [B, m, d]`` for each token
+    map ``w [N, m]`` of ``ws``, in dtype."""
+    B, N, d = x.shape
+    dt = self.dtype
+    if ws and fm_kernel(self.backend, N, d, self.rank, [w.shape[1] for w in ws]):
+      interpret = compile_platform() != "gpu"
+      op = lambda x, y, ws, s, b: wukong_fm.wukong_fm_pallas(x, y, ws, s, b, dtype=dt,
+                                                             interpret=interpret)
+      h, mixes = per_shard(op, (True, False, False, False, False), "batch")(x, y, ws, scale, bias)
+      return shard(h, ("batch", None)), tuple(shard(m, _TOK) for m in mixes)
+    xc = x.astype(dt)
+    if batched_mixes():                                              # GPU: no transposes
+      yb = jnp.broadcast_to(y.astype(dt), (B, N, self.rank))
+      xty = jnp.einsum("bnd,bnr->bdr", xc, yb)                        # X^T Y   [B, d, r]
+    else:
+      xty = jnp.einsum("bnd,nr->bdr", xc, y.astype(dt))
+    fm = jnp.einsum("bnd,bdr->bnr", xc, xty).reshape(B, N * self.rank)  # X (X^T Y)
+    h = affine_layer_norm((fm,), scale, bias, 1e-6, dt)
+    return h, tuple(token_mix(xc, w.astype(dt)) for w in ws)
 
 
 def split_tokens(n_out: int, fm_fraction: float = 0.5) -> tuple[int, int]:
@@ -119,6 +185,7 @@ class WukongStack(nn.Module):
   fm_fraction: float = 0.5
   dtype: Any = F32
   cross_layer: bool = False
+  backend: str = "xla"
 
   @nn.compact
   def __call__(self, x):
@@ -126,23 +193,26 @@ class WukongStack(nn.Module):
       raise ValueError(f"WukongStack.num_layers must be >= 1, got {self.num_layers}")
     n_fm, n_lcb = split_tokens(self.n_out, self.fm_fraction)
     dense = self.cross_layer and self.num_layers > 1
-    outs = [self._x0_tokens(x)] if dense else []                       # X~_0 .. X_l
+    N, dt = x.shape[1], self.dtype
+    # X~_0: the stack input on n_out tokens; its map P rides along layer 0's pass over X_0
+    p = (self.param("cross_proj", with_axes(nn.initializers.normal(N ** -0.5), ("tokens", None)),
+                    (N, self.n_out), F32) if dense and N != self.n_out else None)
+    outs = []                                                          # X~_0 .. X_l
     for i in range(self.num_layers):
       if dense and i > 0:
         x = self._combine(i, x, outs)
-      x = WukongLayer(n_fm, n_lcb, self.rank, self.mlp_hidden, self.dtype, name=f"layer_{i}")(x)
+      layer = WukongLayer(n_fm, n_lcb, self.rank, self.mlp_hidden, dt, self.backend,
+                          name=f"layer_{i}")
+      if i == 0 and p is not None:
+        x, x0 = layer(x, p)
+        outs.append(x0)
+      else:
+        if i == 0 and dense:
+          outs.append(x.astype(dt))
+        x = layer(x)
       if dense:
         outs.append(x)
     return x
-
-  def _x0_tokens(self, x):
-    """``X~_0``: the stack input on ``n_out`` tokens, ``[B, n_out, d]`` in ``dtype``."""
-    N, dt = x.shape[1], self.dtype
-    if N == self.n_out:
-      return x.astype(dt)
-    p = self.param("cross_proj", with_axes(nn.initializers.normal(N ** -0.5), ("tokens", None)),
-                   (N, self.n_out), F32)
-    return shard(token_mix(x.astype(dt), p.astype(dt)), _TOK)
 
   def _combine(self, i, x, outs):
     """Input of layer ``i``: ``X_i + sum_j softmax(c_i)_j X~_j`` over ``len(outs) = i + 1``."""

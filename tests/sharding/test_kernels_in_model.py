@@ -110,3 +110,26 @@ def test_packed_fused_projections_per_device_equal_xla_unsharded(name):
   np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-4)
   for u, w in zip(jax.tree.leaves(got_g), jax.tree.leaves(want_g), strict=True):
     np.testing.assert_allclose(np.asarray(u), np.asarray(w), rtol=2e-3, atol=2e-3)
+
+
+def test_mowe_token_side_per_device_equals_xla_unsharded():
+  """MoWE on the Wukong token-side kernels (``pallas_kernels.wukong_fm``, interpret mode) under
+  the ``5d`` mesh: the kernels run per device on its examples inside a shard_map, their weight
+  gradients summed over the devices, and equal the unsharded XLA module, forward and gradient
+  (parameters and tokens)."""
+  from kunlun.nn.mowe import MoWE
+  x = np.random.default_rng(4).normal(size=(8, 12, 16)).astype(np.float32)
+  make = lambda be: MoWE(2, 2, 6, 16, 32, cross_layer=True, backend=be)
+  ref_mod, ker_mod = make("xla"), make("pallas")
+  params = nn.meta.unbox(jax.jit(ref_mod.init)(jax.random.key(2), x))
+  loss = lambda m: (lambda p, x: jnp.sum(jnp.sin(m.apply(p, x))))
+  want = np.asarray(jax.jit(ref_mod.apply)(params, x))
+  want_g = jax.jit(jax.grad(loss(ref_mod), argnums=(0, 1)))(params, x)
+  with partition.activate(_mesh(), R.get_rules("5d")):
+    got = np.asarray(jax.jit(ker_mod.apply)(params, x))
+    got_g = jax.jit(jax.grad(loss(ker_mod), argnums=(0, 1)))(params, x)
+    jaxpr = str(jax.make_jaxpr(ker_mod.apply)(params, x))
+  assert "shard_map" in jaxpr and "wukong_fm" in jaxpr
+  np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-4)
+  for u, w in zip(jax.tree.leaves(got_g), jax.tree.leaves(want_g), strict=True):
+    np.testing.assert_allclose(np.asarray(u), np.asarray(w), rtol=2e-3, atol=2e-3)

@@ -180,9 +180,12 @@ def test_pallas_backend_equals_padded_xla(kind):
 def test_pallas_fused_projections_equal_padded_xla():
   """backend="pallas" with a click tower wide enough for the fused norm -> projection kernels
   (``pallas_kernels.norm_qkv``: width 64, two heads of 32; the impression tower, width 8, keeps
-  the XLA path) against the padded XLA model: logits and loss at 1e-5, gradients at 1e-4."""
+  the XLA path) and MoWE on the Wukong token-side kernels (``pallas_kernels.wukong_fm``: rank 16,
+  two layers with cross-layer maps) against the padded XLA model: logits and loss at 1e-5,
+  gradients at 1e-4."""
   cfg, schema = tiny.get_config(), tiny_schema()
   cfg.model.towers.click.width = 64
+  cfg.model.mowe.update(rank=16, layers_per_expert=2)
   cfg.model.time_buckets.enabled = False
   batch = random_batch(schema, B, seq_lens(cfg), seed=5)
   for i, ev in enumerate(batch["events"].values()):     # empty histories in every stream

@@ -3,6 +3,7 @@ the cross-layer connections (h-19) against a numpy loop and in one training step
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -11,9 +12,11 @@ from data.fake import random_batch, tiny_schema
 from kunlun.configs import tiny
 from kunlun.configs.types import seq_lens
 from kunlun.models.build import build_model
+from kunlun.nn import wukong
 from kunlun.nn.losses import masked_bce
 from kunlun.nn.mowe import MoWE
 from kunlun.nn.wukong import WukongStack
+from tests.kunlun.nn.backends import pallas_matches_xla
 from tests.kunlun.nn.test_wukong import np_cross_stack
 
 
@@ -131,3 +134,24 @@ def test_mowe_cross_layer_params_shard_on_expert_axis():
   assert e["cross_logits_1"].spec == jax.sharding.PartitionSpec("expert", None)
   assert e["cross_proj"].spec == jax.sharding.PartitionSpec("expert", None, None)
   assert boxed["params"]["experts"]["cross_proj"].value.shape == (2, 6, 4)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("n_in", [20, 6])
+def test_pallas_token_side_matches_xla(dtype, n_in):
+  """backend="pallas" (``pallas_kernels.wukong_fm`` in interpret mode: the FM, its norm and the
+  token maps of every layer, the first cross-layer map riding along layer 0's pass) against the
+  XLA backend: output and gradients of parameters and tokens, with N_in != n_out (layer 0 has a
+  residual map) and N_in == n_out, and an all-zero example. float32: 1e-5; bfloat16: 4e-2 (about
+  6 bfloat16 ulps: XLA:CPU sums the weight gradients' 16-bit products in 16 bits, the kernels in
+  float32)."""
+  rng = np.random.default_rng(n_in)
+  x = rng.normal(size=(5, n_in, 32)).astype(np.float32)
+  x[2] = 0.0
+  x = jnp.asarray(x, dtype)
+  mods = {b: MoWE(2, 2, 6, 16, 32, dtype=dtype, cross_layer=True, backend=b)
+          for b in ("xla", "pallas")}
+  assert wukong.fm_kernel("pallas", n_in, 32, 16, [3, 6])
+  params = jax.jit(mods["xla"].init)(jax.random.key(1), x)
+  g = jnp.asarray(rng.normal(size=(5, 6, 32)), jnp.float32)
+  pallas_matches_xla(mods, params, x, lambda m, v, x: m.apply(v, x), g, dtype, bf16_tol=4e-2)

@@ -1,0 +1,448 @@
+"""A Wukong layer's passes over its examples (issue 38): the token side (the factorization
+machine's interactions, their LayerNorm, the token-axis maps) and the output norm.
+
+``wukong_fm``: ``x [B, N, d]``, ``y [N, r]``, ``ws = (w_k [N, m_k], ...)``, ``scale, bias
+f32[N r]`` -> ``h [B, N r]`` and ``mixes = (mix_k [B, m_k, d], ...)``, in ``dtype``, per example
+``X = x[b]`` (rounded to ``dtype``): ``F = X (X^T y)`` (``X^T y [d, r]`` rounded to ``dtype``,
+then ``F [N, r]``), ``h = LayerNorm(flatten(F)) * scale + bias`` (statistics over all ``N r``
+values, float32) and ``mix_k = w_k^T X`` (the layer's LCB and residual maps, and the stack's
+first cross-layer map). Each step is rounded to ``dtype`` where ``kunlun.nn.wukong`` rounds it.
+``wukong_out``: ``LayerNorm(concat(parts) + res) * scale + bias`` over ``d`` per token (the FM's
+and the LCB's tokens plus the residual), without the concatenation in memory.
+
+``wukong_fm_xla`` / ``wukong_out_xla`` are the twins: the formulas, differentiated by autodiff.
+``wukong_fm_pallas`` runs a forward kernel (reads ``x``, writes ``h`` and the mixes) and a
+backward kernel (reads ``x`` and the cotangents, recomputes ``F``, writes ``dx`` and
+per-program partial sums of the gradients of ``y``, the ``w_k``, ``scale`` and ``bias``, which
+XLA adds up); ``wukong_out_pallas`` one of each (the backward writes every input's cotangent and
+partial sums of the scale's and bias's). A program takes a few examples in turn, loading the
+small shared operands once. Triton on GPU, ``interpret=True`` on CPU.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels import _poison
+
+F32 = jnp.float32
+EPS = 1e-6
+WARPS = 8
+EXAMPLES = 4          # examples per program
+MAX_TILE = 128 * 128  # N (padded to a power of two) x d: the example tile a program holds
+
+
+# ----------------------------------------------------------------------------------- twin
+
+def wukong_fm_xla(x, y, ws, scale, bias, *, eps: float = EPS, dtype=jnp.bfloat16):
+  """The twin: ``(h [B, N r], (mix_k [B, m_k, d], ...))`` in ``dtype`` (module docstring). The
+  model's XLA path (``kunlun.nn.wukong.WukongLayer``) computes the same values with hand-written
+  VJPs."""
+  B = x.shape[0]
+  xc = x.astype(dtype)
+  xty = jnp.einsum("bnd,nr->bdr", xc, y.astype(dtype))
+  fm = jnp.einsum("bnd,bdr->bnr", xc, xty).reshape(B, -1).astype(F32)
+  mu = jnp.mean(fm, -1, keepdims=True)
+  var = jnp.mean(jnp.square(fm - mu), -1, keepdims=True)
+  h = ((fm - mu) * lax.rsqrt(var + eps) * scale + bias).astype(dtype)
+  return h, tuple(jnp.einsum("bnd,nm->bmd", xc, w.astype(dtype)) for w in ws)
+
+
+# ----------------------------------------------------------------------------------- kernels
+
+class _Cfg(NamedTuple):
+  B: int
+  N: int
+  d: int
+  r: int
+  ms: tuple           # the mixes' widths m_k
+  eps: float
+  dtype: object
+  interpret: bool
+
+  @property
+  def Np(self):
+    return _pad(self.N)
+
+
+def _pad(n: int) -> int:
+  return max(16, 1 << (n - 1).bit_length())
+
+
+def _prec(dtype):
+  return lax.Precision.HIGHEST if jnp.dtype(dtype) == F32 else None
+
+
+def _dot(a, b, cfg: _Cfg, **kw):
+  """``a b`` (``trans_a`` / ``trans_b``) accumulated in float32 (interpret mode: float32
+  operands, exact for products of 16-bit values)."""
+  a, b = a.astype(cfg.dtype), b.astype(cfg.dtype)
+  if cfg.interpret:
+    a, b = a.astype(F32), b.astype(F32)
+  return plgpu.dot(a, b, precision=_prec(cfg.dtype), **kw)
+
+
+def _round(x, dtype):
+  return x.astype(dtype).astype(F32)
+
+
+def _mask(rows, n_rows, cols, n_cols=None, ok=True):
+  r = (jnp.arange(rows) < n_rows)[:, None]
+  if n_cols is not None:
+    r = r & (jnp.arange(cols) < n_cols)[None, :]
+  return jnp.broadcast_to(r & ok, (rows, cols))
+
+
+def _shared(ref, cfg: _Cfg):
+  """``ref [N, c]`` as ``[Np, pad(c)]``, zero past its rows and columns."""
+  c = ref.shape[1]
+  cols = _pad(c)
+  return plgpu.load(ref.at[pl.ds(0, cfg.Np), pl.ds(0, cols)],
+                    mask=_mask(cfg.Np, cfg.N, cols, c), other=0.0)
+
+
+def _example(ref, b, cfg: _Cfg, ok):
+  """``ref[b] [n, c]`` as ``[pad(n), c]``, zero past ``n`` and for an example past B."""
+  n, c = ref.shape[1:]
+  rows = _pad(n)
+  return plgpu.load(ref.at[b, pl.ds(0, rows), :], mask=_mask(rows, n, c, ok=ok), other=0.0)
+
+
+def _put(ref, b, x, ok):
+  """``ref[b] [n, c] = x[:n, :c]`` (``x [pad(n), c or pad(c)]``)."""
+  rows, cols = x.shape
+  n, c = ref.shape[1:]
+  plgpu.store(ref.at[b, pl.ds(0, rows), pl.ds(0, cols)], x.astype(ref.dtype),
+              mask=_mask(rows, n, cols, c if cols != c else None, ok=ok))
+
+
+def _fm(x, yv, valid, cfg: _Cfg):
+  """``X^T y`` (rounded), ``F`` (rounded, float32) and its statistics: ``xty [d, r]``,
+  ``yhat = (F - mu) rsqrt(var + eps)`` (zero past N), ``rs``."""
+  xty = _round(_dot(x, yv, cfg, trans_a=True), cfg.dtype)
+  fm = _round(_dot(x, xty, cfg), cfg.dtype)
+  n = cfg.N * cfg.r
+  mu = jnp.sum(fm) / n
+  cen = (fm - mu) * valid
+  rs = lax.rsqrt(jnp.sum(cen * cen) / n + cfg.eps)
+  return xty, cen * rs, rs
+
+
+def _fwd_kernel(x_ref, y_ref, s_ref, b_ref, *refs, cfg: _Cfg):
+  K = len(cfg.ms)
+  w_refs, h_ref, mix_refs = refs[:K], refs[K], refs[K + 1:]
+  yv = _shared(y_ref, cfg)
+  wvs = [_shared(w, cfg) for w in w_refs]
+  sc, bi = _shared(s_ref, cfg), _shared(b_ref, cfg)
+  valid = _mask(cfg.Np, cfg.N, cfg.r).astype(F32)
+  i0 = pl.program_id(0)
+
+  def one(i, carry):
+    b = i0 * EXAMPLES + i
+    ok = b < cfg.B
+    x = _example(x_ref, b, cfg, ok)
+    _, yhat, _ = _fm(x, yv, valid, cfg)
+    _put(h_ref, b, yhat * sc + bi, ok)
+    for wv, mix_ref in zip(wvs, mix_refs, strict=True):
+      _put(mix_ref, b, _dot(wv, x, cfg, trans_a=True), ok)
+    return carry
+
+  lax.fori_loop(0, EXAMPLES, one, 0)
+
+
+def _bwd_kernel(x_ref, y_ref, s_ref, dh_ref, *refs, cfg: _Cfg):
+  K = len(cfg.ms)
+  w_refs, dm_refs = refs[:K], refs[K:2 * K]
+  dx_ref, gy_ref, gs_ref, gb_ref = refs[2 * K:2 * K + 4]
+  gw_refs = refs[2 * K + 4:]
+  i0 = pl.program_id(0)
+  yv, sc = _shared(y_ref, cfg), _shared(s_ref, cfg)
+  wvs = [_shared(w, cfg) for w in w_refs]
+  valid = _mask(cfg.Np, cfg.N, cfg.r).astype(F32)
+  n = cfg.N * cfg.r
+
+  def one(i, carry):
+    gy, gs, gb, gws = carry
+    b = i0 * EXAMPLES + i
+    ok = b < cfg.B
+    x = _example(x_ref, b, cfg, ok)
+    xty, yhat, rs = _fm(x, yv, valid, cfg)
+    g = _example(dh_ref, b, cfg, ok).astype(F32)
+    dyh = g * sc
+    dfm = rs * (dyh - jnp.sum(dyh) / n - yhat * (jnp.sum(dyh * yhat) / n)) * valid
+    dfm = _round(dfm, cfg.dtype)                    # F's cotangent, in F's dtype
+    dxty = _round(_dot(x, dfm, cfg, trans_a=True), cfg.dtype)       # [d, r]
+    dx = _dot(dfm, xty, cfg, trans_b=True) + _dot(yv, dxty, cfg, trans_b=True)
+    new_gws = []
+    for wv, dm_ref, gw in zip(wvs, dm_refs, gws, strict=True):
+      gm = _example(dm_ref, b, cfg, ok)
+      dx = dx + _dot(wv, gm, cfg)
+      new_gws.append(gw + _dot(x, gm, cfg, trans_b=True))
+    _put(dx_ref, b, dx, ok)
+    return gy + _dot(x, dxty, cfg), gs + g * yhat, gb + g, tuple(new_gws)
+
+  z = lambda c: jnp.zeros((cfg.Np, c), F32)
+  carry = (z(cfg.r), z(cfg.r), z(cfg.r), tuple(z(_pad(m)) for m in cfg.ms))
+  gy, gs, gb, gws = lax.fori_loop(0, EXAMPLES, one, carry)
+  for ref, v in ((gy_ref, gy), (gs_ref, gs), (gb_ref, gb)) + tuple(zip(gw_refs, gws, strict=True)):
+    _put(ref, i0, v, True)
+
+
+def _params():
+  return plgpu.CompilerParams(num_warps=WARPS, num_stages=1)
+
+
+def _fwd(x, y, ws, sc, bi, cfg: _Cfg):
+  outs = (jax.ShapeDtypeStruct((cfg.B, cfg.N, cfg.r), cfg.dtype),) + tuple(
+      jax.ShapeDtypeStruct((cfg.B, m, cfg.d), cfg.dtype) for m in cfg.ms)
+  args = (x, y, sc, bi) + tuple(ws)
+  whole = pl.no_block_spec
+  return _poison.pallas_call(
+      functools.partial(_fwd_kernel, cfg=cfg), args, out_shape=outs,
+      grid=(pl.cdiv(cfg.B, EXAMPLES),), in_specs=[whole] * len(args),
+      out_specs=(whole,) * len(outs), interpret=cfg.interpret, name="wukong_fm_fwd",
+      compiler_params=_params())
+
+
+def _bwd(x, y, ws, sc, dh, dms, cfg: _Cfg):
+  T = pl.cdiv(cfg.B, EXAMPLES)
+  part = lambda c: jax.ShapeDtypeStruct((T, cfg.N, c), F32)
+  outs = (jax.ShapeDtypeStruct(x.shape, x.dtype), part(cfg.r), part(cfg.r), part(cfg.r)) + tuple(
+      part(m) for m in cfg.ms)
+  args = (x, y, sc, dh) + tuple(ws) + tuple(dms)
+  whole = pl.no_block_spec
+  return _poison.pallas_call(
+      functools.partial(_bwd_kernel, cfg=cfg), args, out_shape=outs, grid=(T,),
+      in_specs=[whole] * len(args), out_specs=(whole,) * len(outs), interpret=cfg.interpret,
+      name="wukong_fm_bwd", compiler_params=_params())
+
+
+def _cfg(x, y, ws, eps, dtype, interpret) -> _Cfg:
+  B, N, d = x.shape
+  return _Cfg(B, N, d, y.shape[1], tuple(w.shape[1] for w in ws), eps, dtype, interpret)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def _fused(x, y, ws, scale, bias, eps, dtype, interpret):
+  cfg = _cfg(x, y, ws, eps, dtype, interpret)
+  h, *mixes = _fwd(x, y.astype(dtype), [w.astype(dtype) for w in ws],
+                   scale.reshape(cfg.N, cfg.r), bias.reshape(cfg.N, cfg.r), cfg)
+  return h.reshape(cfg.B, -1), tuple(mixes)
+
+
+def _vjp_fwd(x, y, ws, scale, bias, eps, dtype, interpret):
+  return _fused(x, y, ws, scale, bias, eps, dtype, interpret), (x, y, ws, scale, bias)
+
+
+def _vjp_bwd(eps, dtype, interpret, res, g):
+  x, y, ws, scale, bias = res
+  cfg = _cfg(x, y, ws, eps, dtype, interpret)
+  dh, dms = g
+  dx, gy, gs, gb, *gws = _bwd(x, y.astype(dtype), [w.astype(dtype) for w in ws],
+                              scale.reshape(cfg.N, cfg.r),
+                              dh.reshape(cfg.B, cfg.N, cfg.r).astype(dtype),
+                              [dm.astype(dtype) for dm in dms], cfg)
+  # y and the ws enter as dtype copies: their gradients are rounded to dtype, as the twin's
+  rnd = lambda g, like: jnp.sum(g, 0).astype(dtype).astype(like.dtype)
+  return (dx, rnd(gy, y), tuple(rnd(gw, w) for gw, w in zip(gws, ws, strict=True)),
+          jnp.sum(gs, 0).reshape(-1).astype(scale.dtype),
+          jnp.sum(gb, 0).reshape(-1).astype(bias.dtype))
+
+
+_fused.defvjp(_vjp_fwd, _vjp_bwd)
+
+
+def wukong_fm_pallas(x, y, ws, scale, bias, *, eps: float = EPS, dtype=jnp.bfloat16,
+                     interpret: bool = False):
+  """``wukong_fm_xla``'s values and gradients from the Pallas kernels (module docstring)."""
+  B, N, d = x.shape
+  ws = tuple(ws)
+  r, ms = y.shape[1], tuple(w.shape[1] for w in ws)
+  if not supported(N, d, r, ms):
+    raise ValueError(f"wukong_fm: no kernel for N={N}, d={d}, rank={r}, mixes={ms} "
+                     "(supported(): d and rank powers of two >= 16, N padded times d at most "
+                     f"{MAX_TILE}, at least one mix, each at most 128 wide)")
+  if (y.shape[0] != N or any(w.shape[0] != N for w in ws) or scale.shape != (N * r,)
+      or bias.shape != (N * r,)):
+    raise ValueError(f"wukong_fm: y {y.shape}, ws {[w.shape for w in ws]}, scale "
+                     f"{scale.shape}, bias {bias.shape} do not fit x {x.shape}")
+  return _fused(x, y, ws, scale.astype(F32), bias.astype(F32), float(eps), jnp.dtype(dtype),
+                bool(interpret))
+
+
+def _pow2(n: int) -> bool:
+  return n >= 16 and n & (n - 1) == 0
+
+
+def supported(N: int, d: int, rank: int, mixes) -> bool:
+  """Whether the kernels take a layer of ``N`` tokens of width ``d``, rank ``rank`` and mixes of
+  widths ``mixes``: ``d`` and ``rank`` powers of two >= 16, an example tile (``N`` padded to a
+  power of two, times ``d``) of at most ``MAX_TILE`` values, one to four mixes of at most 128
+  tokens each (the callers fall back to XLA)."""
+  return (_pow2(d) and _pow2(rank) and N >= 1 and _pad(N) * d <= MAX_TILE
+          and 1 <= len(mixes) <= 4 and all(1 <= m <= 128 for m in mixes))
+
+
+# ------------------------------------------------------------------------- the output norm
+
+def wukong_out_xla(parts, res, scale, bias, *, eps: float = EPS, dtype=jnp.bfloat16):
+  """The twin of ``wukong_out_pallas``: ``LayerNorm(concat(parts) + res) * scale + bias`` over
+  ``d`` per token in float32, in ``dtype`` (``parts``: ``[B, n_i, d]`` arrays, ``res [B, sum
+  n_i, d]``, ``scale, bias f32[d]``): the Wukong layer's output norm over its FM and LCB tokens
+  plus the residual."""
+  t = jnp.concatenate([p.astype(F32) for p in parts], axis=1) + res.astype(F32)
+  mu = jnp.mean(t, -1, keepdims=True)
+  var = jnp.mean(jnp.square(t - mu), -1, keepdims=True)
+  return ((t - mu) * lax.rsqrt(var + eps) * scale + bias).astype(dtype)
+
+
+class _OutCfg(NamedTuple):
+  B: int
+  d: int
+  ns: tuple           # the parts' token counts
+  eps: float
+  dtype: object
+
+
+def _part_rows(ref, b, n, ok, off=0):
+  """``ref[b, off:off + n]`` as ``[pad(n), d]`` float32, zero past ``n`` and past B."""
+  rows, d = _pad(n), ref.shape[-1]
+  return plgpu.load(ref.at[b, pl.ds(jnp.int32(off), rows), :], mask=_mask(rows, n, d, ok=ok),
+                    other=0.0).astype(F32)
+
+
+def _put_rows(ref, b, x, n, ok, off=0):
+  rows, d = x.shape
+  plgpu.store(ref.at[b, pl.ds(jnp.int32(off), rows), :], x.astype(ref.dtype),
+              mask=_mask(rows, n, d, ok=ok))
+
+
+def _row_stats(t, eps):
+  mu = jnp.mean(t, axis=1, keepdims=True)
+  c = t - mu
+  return c * lax.rsqrt(jnp.mean(c * c, axis=1, keepdims=True) + eps)
+
+
+def _out_fwd_kernel(*refs, cfg: _OutCfg):
+  K = len(cfg.ns)
+  part_refs, (res_ref, s_ref, b_ref, out_ref) = refs[:K], refs[K:]
+  sc, bi = plgpu.load(s_ref.at[:])[None, :], plgpu.load(b_ref.at[:])[None, :]
+  i0 = pl.program_id(0)
+
+  def one(i, carry):
+    b = i0 * OUT_EXAMPLES + i
+    ok = b < cfg.B
+    off = 0
+    for n, p_ref in zip(cfg.ns, part_refs, strict=True):
+      t = _part_rows(p_ref, b, n, ok) + _part_rows(res_ref, b, n, ok, off)
+      _put_rows(out_ref, b, _row_stats(t, cfg.eps) * sc + bi, n, ok, off)
+      off += n
+    return carry
+
+  lax.fori_loop(0, OUT_EXAMPLES, one, 0)
+
+
+def _out_bwd_kernel(*refs, cfg: _OutCfg):
+  K = len(cfg.ns)
+  part_refs, (res_ref, s_ref, dz_ref) = refs[:K], refs[K:K + 3]
+  dpart_refs, (dres_ref, gs_ref, gb_ref) = refs[K + 3:2 * K + 3], refs[2 * K + 3:]
+  sc = plgpu.load(s_ref.at[:])[None, :]
+  i0 = pl.program_id(0)
+
+  def one(i, carry):
+    gs, gb = carry
+    b = i0 * OUT_EXAMPLES + i
+    ok = b < cfg.B
+    off = 0
+    for n, p_ref, dp_ref in zip(cfg.ns, part_refs, dpart_refs, strict=True):
+      t = _part_rows(p_ref, b, n, ok) + _part_rows(res_ref, b, n, ok, off)
+      mu = jnp.mean(t, axis=1, keepdims=True)
+      c = t - mu
+      rs = lax.rsqrt(jnp.mean(c * c, axis=1, keepdims=True) + cfg.eps)
+      y = c * rs
+      dz = _part_rows(dz_ref, b, n, ok, off)
+      dy = dz * sc
+      dx = rs * (dy - jnp.mean(dy, axis=1, keepdims=True)
+                 - y * jnp.mean(dy * y, axis=1, keepdims=True))
+      _put_rows(dp_ref, b, dx, n, ok)
+      _put_rows(dres_ref, b, dx, n, ok, off)
+      gs, gb = gs + jnp.sum(dz * y, axis=0), gb + jnp.sum(dz, axis=0)
+      off += n
+    return gs, gb
+
+  z = jnp.zeros((cfg.d,), F32)
+  gs, gb = lax.fori_loop(0, OUT_EXAMPLES, one, (z, z))
+  plgpu.store(gs_ref.at[i0, :], gs)
+  plgpu.store(gb_ref.at[i0, :], gb)
+
+
+OUT_EXAMPLES = 8      # examples per program of the output norm
+
+
+def _out_call(kernel, args, outs, cfg: _OutCfg, interpret, name):
+  whole = pl.no_block_spec
+  return _poison.pallas_call(
+      functools.partial(kernel, cfg=cfg), args, out_shape=outs,
+      grid=(pl.cdiv(cfg.B, OUT_EXAMPLES),), in_specs=[whole] * len(args),
+      out_specs=(whole,) * len(outs), interpret=interpret, name=name,
+      compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _out(parts, res, scale, bias, eps, dtype, interpret):
+  B, _, d = res.shape
+  cfg = _OutCfg(B, d, tuple(p.shape[1] for p in parts), eps, dtype)
+  out = (jax.ShapeDtypeStruct(res.shape, dtype),)
+  return _out_call(_out_fwd_kernel, (*parts, res, scale, bias), out, cfg, interpret,
+                   "wukong_out_fwd")[0]
+
+
+def _out_vjp_fwd(parts, res, scale, bias, eps, dtype, interpret):
+  return _out(parts, res, scale, bias, eps, dtype, interpret), (parts, res, scale, bias)
+
+
+def _out_vjp_bwd(eps, dtype, interpret, resid, dz):
+  parts, res, scale, bias = resid
+  B, _, d = res.shape
+  cfg = _OutCfg(B, d, tuple(p.shape[1] for p in parts), eps, dtype)
+  T = pl.cdiv(B, OUT_EXAMPLES)
+  outs = (tuple(jax.ShapeDtypeStruct(p.shape, p.dtype) for p in parts)
+          + (jax.ShapeDtypeStruct(res.shape, res.dtype),
+             jax.ShapeDtypeStruct((T, d), F32), jax.ShapeDtypeStruct((T, d), F32)))
+  *dparts, dres, gs, gb = _out_call(_out_bwd_kernel, (*parts, res, scale, dz), outs, cfg,
+                                    interpret, "wukong_out_bwd")
+  return (tuple(dparts), dres, jnp.sum(gs, 0).astype(scale.dtype),
+          jnp.sum(gb, 0).astype(bias.dtype))
+
+
+_out.defvjp(_out_vjp_fwd, _out_vjp_bwd)
+
+
+def wukong_out_pallas(parts, res, scale, bias, *, eps: float = EPS, dtype=jnp.bfloat16,
+                      interpret: bool = False):
+  """``wukong_out_xla``'s values and gradients from one forward and one backward kernel: a
+  program takes ``OUT_EXAMPLES`` examples, each part's rows with the residual's rows beside them
+  (nothing concatenated in memory); the backward writes each part's and the residual's
+  cotangent and per-program partial sums of the scale's and bias's gradients."""
+  parts = tuple(parts)
+  B, n, d = res.shape
+  ns = tuple(p.shape[1] for p in parts)
+  if not out_supported(d, ns) or sum(ns) != n or any(p.shape[::2] != (B, d) for p in parts):
+    raise ValueError(f"wukong_out: parts {[p.shape for p in parts]} and res {res.shape} must be "
+                     "[B, n_i, d] and [B, sum n_i, d] with d a power of two >= 16 "
+                     "(out_supported())")
+  return _out(parts, res, scale.astype(F32), bias.astype(F32), float(eps), jnp.dtype(dtype),
+              bool(interpret))
+
+
+def out_supported(d: int, ns) -> bool:
+  """Whether the output-norm kernels take parts of ``ns`` tokens of width ``d``: ``d`` a power of
+  two >= 16 and at most 1024, one to four parts of at most 128 tokens."""
+  return _pow2(d) and d <= 1024 and 1 <= len(ns) <= 4 and all(1 <= n <= 128 for n in ns)

@@ -1,0 +1,246 @@
+"""A Wukong layer's kernels (``pallas_kernels.wukong_fm``), the token side and the output norm:
+the twins against float64 numpy computations of the formulas (bfloat16: 2e-2, XLA:CPU may
+accumulate a 16-bit dot in 16 bits), the Pallas kernels (interpret mode, NaN-poisoned outputs)
+against the twins in values and gradients (float32: 1e-5 of the largest magnitude; bfloat16:
+2e-2), with batches that are no multiple of a program's examples, token counts and map widths
+that are no powers of two, and all-zero examples; the kernels compiled deviceless for the H200
+at mid's shapes."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import _poison, wukong_fm
+from tests.pallas_kernels.np_ref import _bf16
+
+
+def _inputs(B=7, N=20, d=32, r=16, ms=(6, 40), seed=0, zero=(3,)):
+  rng = np.random.default_rng(seed)
+  x = rng.normal(size=(B, N, d)).astype(np.float32) * rng.uniform(0.3, 2.0, size=(B, 1, 1))
+  x[list(zero)] = 0.0                                        # an all-zero example
+  y = (rng.normal(size=(N, r)) / np.sqrt(N)).astype(np.float32)
+  ws = tuple((rng.normal(size=(N, m)) / np.sqrt(N)).astype(np.float32) for m in ms)
+  scale = rng.uniform(0.5, 1.5, size=(N * r,)).astype(np.float32)
+  bias = (0.1 * rng.normal(size=(N * r,))).astype(np.float32)
+  return x, y, ws, scale, bias
+
+
+def _numpy(x, y, ws, scale, bias, eps=1e-6, rnd=lambda a: a):
+  """float64 numpy of the module docstring's formulas (``rnd``: the rounding to dtype)."""
+  x, y = rnd(x.astype(np.float64)), rnd(y.astype(np.float64))
+  B = x.shape[0]
+  xty = rnd(np.einsum("bnd,nr->bdr", x, y))
+  fm = rnd(np.einsum("bnd,bdr->bnr", x, xty)).reshape(B, -1)
+  c = fm - fm.mean(-1, keepdims=True)
+  h = rnd(c / np.sqrt((c * c).mean(-1, keepdims=True) + eps) * scale + bias)
+  return h, tuple(rnd(np.einsum("bnd,nm->bmd", x, rnd(w.astype(np.float64)))) for w in ws)
+
+
+def _close(a, b, tol):
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  assert np.all(np.isfinite(a)) and np.all(np.isfinite(b))
+  err = np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30)
+  assert err <= tol, f"relative error {err:.3g} > {tol}"
+
+
+@pytest.mark.parametrize("dtype,tol,rnd", [(jnp.float32, 2e-5, lambda a: a),
+                                           (jnp.bfloat16, 2e-2, _bf16)])
+def test_twin_matches_numpy(dtype, tol, rnd):
+  x, y, ws, sc, bi = _inputs(seed=1)
+  h, mixes = wukong_fm.wukong_fm_xla(jnp.asarray(x), y, ws, sc, bi, dtype=dtype)
+  rh, rmixes = _numpy(x, y, ws, sc, bi, rnd=rnd)
+  _close(h, rh, tol)
+  for m, r in zip(mixes, rmixes, strict=True):
+    _close(m, r, tol)
+
+
+def _loss(fn, dtype, cots):
+  def f(x, y, ws, sc, bi):
+    h, mixes = fn(x, y, ws, sc, bi, dtype=dtype)
+    return (jnp.sum(h.astype(jnp.float32) * cots[0])
+            + sum(jnp.sum(m.astype(jnp.float32) * c) for m, c in zip(mixes, cots[1], strict=True)))
+  return jax.value_and_grad(f, argnums=(0, 1, 2, 3, 4))
+
+
+@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 2e-2)])
+@pytest.mark.parametrize("B,N,ms", [(7, 20, (6, 40)), (4, 32, (16,)), (9, 72, (16, 32, 32))])
+def test_kernels_match_the_twin(dtype, tol, B, N, ms):
+  x, y, ws, sc, bi = _inputs(B=B, N=N, ms=ms, seed=B + N)
+  x = jnp.asarray(x, dtype)
+  rng = np.random.default_rng(4)
+  cots = (jnp.asarray(rng.normal(size=(B, N * 16)), jnp.float32),
+          tuple(jnp.asarray(rng.normal(size=(B, m, 32)), jnp.float32) for m in ms))
+  pal = lambda *a, **k: wukong_fm.wukong_fm_pallas(*a, interpret=True, **k)
+  with _poison.poison_outputs():
+    h, mixes = pal(x, y, ws, sc, bi, dtype=dtype)
+    val, grads = _loss(pal, dtype, cots)(x, y, ws, sc, bi)
+  rh, rmixes = wukong_fm.wukong_fm_xla(x, y, ws, sc, bi, dtype=dtype)
+  assert h.dtype == dtype and h.shape == rh.shape
+  _close(h, rh, tol)
+  for m, r in zip(mixes, rmixes, strict=True):
+    assert m.dtype == dtype and m.shape == r.shape
+    _close(m, r, tol)
+  rval, rgrads = _loss(wukong_fm.wukong_fm_xla, dtype, cots)(x, y, ws, sc, bi)
+  _close(val, rval, tol)
+  for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(rgrads), strict=True):
+    assert g.dtype == r.dtype and g.shape == r.shape
+    _close(g, r, tol)
+
+
+def test_under_vmap_with_shared_input():
+  """The MoWE experts: ``vmap`` over the weights with ``x`` shared (not batched) gives each
+  expert's values and gradients, ``x``'s summed over the experts."""
+  x, y, ws, sc, bi = _inputs(B=5, N=12, ms=(8,), seed=3)
+  E = 3
+  rng = np.random.default_rng(6)
+  stack = lambda a: jnp.asarray(np.stack([a * (1 + 0.1 * e) for e in range(E)]))
+  ys, wss, scs, bis = stack(y), tuple(stack(w) for w in ws), stack(sc), stack(bi)
+  cot = jnp.asarray(rng.normal(size=(E, 5, 8, 32)), jnp.float32)
+
+  def loss(fn):
+    def f(x, ys, wss, scs, bis):
+      h, mixes = jax.vmap(lambda y, ws, s, b: fn(x, y, ws, s, b, dtype=jnp.float32))(
+          ys, wss, scs, bis)
+      return jnp.sum(jnp.sin(h)) + jnp.sum(mixes[0] * cot)
+    return jax.grad(f, argnums=(0, 1, 2, 3, 4))
+
+  pal = lambda *a, **k: wukong_fm.wukong_fm_pallas(*a, interpret=True, **k)
+  got = loss(pal)(jnp.asarray(x), ys, wss, scs, bis)
+  want = loss(wukong_fm.wukong_fm_xla)(jnp.asarray(x), ys, wss, scs, bis)
+  for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+    _close(g, r, 1e-5)
+
+
+def test_unsupported_widths_are_refused():
+  """What the kernels cannot tile is refused in one line; ``supported`` (what the model asks
+  before taking the kernels) says no for it."""
+  assert wukong_fm.supported(72, 128, 16, (16, 32, 32))
+  assert wukong_fm.supported(128, 128, 32, (16,))
+  assert not wukong_fm.supported(129, 128, 16, (16,))            # 256 x 128 tile
+  assert not wukong_fm.supported(72, 128, 8, (16,))              # rank below 16
+  assert not wukong_fm.supported(72, 96, 16, (16,))              # width no power of two
+  assert not wukong_fm.supported(72, 128, 16, ())                # nothing to map
+  assert not wukong_fm.supported(72, 128, 16, (200,))
+  x, y, ws, sc, bi = _inputs(r=8)
+  with pytest.raises(ValueError, match="no kernel for"):
+    wukong_fm.wukong_fm_pallas(jnp.asarray(x), y, ws, sc, bi, interpret=True)
+
+
+
+def _numpy_out(parts, res, scale, bias, eps=1e-6):
+  t = np.concatenate([p.astype(np.float64) for p in parts], 1) + res.astype(np.float64)
+  c = t - t.mean(-1, keepdims=True)
+  return c / np.sqrt((c * c).mean(-1, keepdims=True) + eps) * scale + bias
+
+
+@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 2e-2)])
+@pytest.mark.parametrize("B,ns", [(11, (5, 3)), (16, (16, 16)), (3, (7,))])
+def test_out_norm_kernels_match_the_twin_and_numpy(dtype, tol, B, ns):
+  """``wukong_out``: the twin against numpy (float64), the kernels (interpret mode, poisoned
+  outputs) against the twin in values and the gradients of every part, the residual, the scale
+  and the bias; part sizes and batches that are no multiple of the tiles, an all-zero example."""
+  rng = np.random.default_rng(B)
+  d = 32
+  parts = [rng.normal(size=(B, n, d)).astype(np.float32) for n in ns]
+  res = rng.normal(size=(B, sum(ns), d)).astype(np.float32)
+  for p in parts:
+    p[1] = 0.0
+  res[1] = 0.0
+  sc = rng.uniform(0.5, 1.5, size=d).astype(np.float32)
+  bi = (0.1 * rng.normal(size=d)).astype(np.float32)
+  twin = wukong_fm.wukong_out_xla([jnp.asarray(p) for p in parts], jnp.asarray(res), sc, bi,
+                                  dtype=jnp.float32)
+  _close(twin, _numpy_out(parts, res, sc, bi), 2e-5)
+  parts = tuple(jnp.asarray(p, dtype) for p in parts)
+  res = jnp.asarray(res, dtype)
+  cot = jnp.asarray(rng.normal(size=(B, sum(ns), d)), jnp.float32)
+
+  def run(fn):
+    f = lambda *a: jnp.sum(fn(*a, dtype=dtype).astype(jnp.float32) * cot)
+    return fn(parts, res, sc, bi, dtype=dtype), jax.grad(f, argnums=(0, 1, 2, 3))(
+        parts, res, sc, bi)
+
+  with _poison.poison_outputs():
+    got, g_got = run(lambda *a, **k: wukong_fm.wukong_out_pallas(*a, interpret=True, **k))
+  want, g_want = run(wukong_fm.wukong_out_xla)
+  assert got.dtype == dtype
+  _close(got, want, tol)
+  for u, w in zip(jax.tree.leaves(g_got), jax.tree.leaves(g_want), strict=True):
+    assert u.dtype == w.dtype and u.shape == w.shape
+    _close(u, w, tol)
+
+
+def test_out_norm_refuses_what_it_cannot_tile():
+  assert wukong_fm.out_supported(128, (16, 16)) and not wukong_fm.out_supported(96, (16, 16))
+  assert not wukong_fm.out_supported(128, (200,)) and not wukong_fm.out_supported(128, ())
+  with pytest.raises(ValueError, match="wukong_out"):
+    wukong_fm.wukong_out_pallas((jnp.zeros((2, 3, 32)),), jnp.zeros((2, 4, 32)), jnp.ones(32),
+                                jnp.zeros(32), interpret=True)
+
+# mid's MoWE (kunlun/configs/mid.py): 72 tokens in (n_ns 32 + the towers' 16 + 16 + 8 summaries)
+# of width 128, rank 16; layer 0 maps to the LCB's 16, the residual's 32 and the first
+# cross-layer map's 32 tokens. prod's (d_ns 256, 120 tokens) exceeds MAX_TILE: XLA runs it.
+MID = dict(B=1024, N=72, d=128, r=16, ms=(16, 32, 32))
+
+
+def test_mid_takes_the_kernels_and_prod_falls_back():
+  assert wukong_fm.supported(MID["N"], MID["d"], MID["r"], MID["ms"])
+  assert wukong_fm.supported(32, 128, 16, (16,))                 # mid's layer 1
+  assert not wukong_fm.supported(48 + 32 + 32 + 8, 256, 32, (24, 48, 48))
+
+
+def test_kernels_compile_for_h200_at_mid_shapes(tmp_path):
+  """The token-side and output-norm kernels, forward and backward, under the MoWE experts' vmap,
+  compiled deviceless for the H200 by the venv ``scripts/setup.sh --gpu-compile`` makes
+  (``main`` runs there): all four launch, within the H200's shared memory per block."""
+  import json
+  import os
+  import subprocess
+
+  from bench.profiling import gpu_target
+  from pallas_kernels import tuning
+  from tests.bench.profiling.test_gpu_target import GPU_PY, ROOT
+  if not os.path.exists(GPU_PY):
+    pytest.skip(f"no {GPU_PY}: {gpu_target.INSTALL} makes it")
+  p = subprocess.run([GPU_PY, "-m", "tests.pallas_kernels.test_wukong_fm", str(tmp_path)],
+                     cwd=ROOT, env={**os.environ, "JAX_PLATFORMS": "cpu"}, capture_output=True,
+                     text=True, timeout=600)
+  assert p.returncode == 0, p.stderr[-3000:]
+  smem = json.loads(p.stdout.strip().splitlines()[-1])
+  assert sorted(smem) == ["wukong_fm_bwd", "wukong_fm_fwd", "wukong_out_bwd",
+                          "wukong_out_fwd"], smem
+  assert max(smem.values()) <= tuning.SMEM_PER_BLOCK[90], smem
+
+
+def main(dump_dir):
+  """Compiles the kernels' value and gradients at ``MID`` for the H200 (deviceless, two experts
+  vmapped over the weights, ``x`` shared); prints ``{kernel: shared memory bytes}``."""
+  import glob
+  import json
+
+  from bench.profiling import gpu_target
+  gpu_target.set_flags(dump_dir, "h200")
+  B, N, d, r, ms = (MID[k] for k in ("B", "N", "d", "r", "ms"))
+  E, f32 = 2, jnp.float32
+  sds = jax.ShapeDtypeStruct
+
+  def step(x, y, ws, sc, bi):
+    def loss(x, y, ws, sc, bi):
+      h, mixes = jax.vmap(lambda *a: wukong_fm.wukong_fm_pallas(x, *a))(y, ws, sc, bi)
+      out = jax.vmap(lambda p, r, s, b: wukong_fm.wukong_out_pallas(p, r, s, b))(
+          (mixes[0], mixes[0]), mixes[1], sc[:, :d], bi[:, :d])          # parts of 16 + 16
+      return jnp.sum(h.astype(f32)) + sum(jnp.sum(m.astype(f32)) for m in mixes + (out,))
+    return jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4))(x, y, ws, sc, bi)
+
+  args = (sds((B, N, d), jnp.bfloat16), sds((E, N, r), f32), tuple(sds((E, N, m), f32) for m in ms),
+          sds((E, N * r), f32), sds((E, N * r), f32))
+  gpu_target.compile_for(step, args, gpu_target.gpu_mesh("h200"))
+  out = {k: v["smem"] for path in glob.glob(f"{dump_dir}/*thunk_sequence.txt")
+         for k, v in gpu_target.thunk_launches(path).items() if k.startswith("wukong_")}
+  print(json.dumps(out))
+
+
+if __name__ == "__main__":
+  import sys
+  main(sys.argv[1])
