@@ -13,11 +13,12 @@ from collections import defaultdict
 
 import jax
 import numpy as np
+from jax._src.interpreters import batching  # _vmap_copies: no public BatchTracer (jax pinned)
 
 import pallas_kernels
 from bench.profiling import hlo_stats
 from kunlun.models.flops import band_pairs
-from kunlun.nn import attention, packed
+from kunlun.nn import attention, packed, wukong
 
 # launch_s: one kernel in a CUDA graph (XLA runs the step's kernels as graphs), ~1 us.
 H200 = {"peak_flops": 989e12, "bandwidth": 4.8e12, "launch_s": 1e-6}
@@ -551,6 +552,24 @@ JAGGED_OPS = ("gdpa_cross", "gdpa_pool", "block_attention", "softmax_attention")
 PROJECTION_OPS = {"fused_qkv": 2, "fused_proj": 0}
 
 
+def wukong_fm_flops(B: int, N: int, d: int, r: int, mixes) -> float:
+  """FLOPs of ``pallas_kernels.wukong_fm``'s token-side kernels on ``B`` examples of ``N`` tokens
+  of width ``d`` (the output norm's are elementwise, not counted): the forward's ``X^T y``,
+  ``X (X^T y)`` and maps (``4 N d r + 2 N d sum(m)``), the backward's recomputed two, its four
+  ``[N, d, r]`` products and two per map (``12 N d r + 4 N d sum(m)``)."""
+  return float(B) * N * d * (16 * r + 6 * sum(mixes))
+
+
+def _vmap_copies(a) -> int:
+  """How many copies of a traced ``a`` the enclosing vmaps run (MoWE's experts); 1 outside."""
+  n = 1
+  while isinstance(a, batching.BatchTracer):
+    if isinstance(a.batch_dim, int):
+      n *= a.val.shape[a.batch_dim]
+    a = a.val
+  return n
+
+
 def fused_projection_flops(N: int, d: int, P: int, H: int, D: int, rot: int) -> float:
   """FLOPs of ``pallas_kernels.norm_qkv``'s two kernels on ``N`` tokens (the weight gradient is
   an XLA GEMM, in the HLO): the forward's ``P`` projections, the backward's recomputed ``rot``
@@ -642,6 +661,14 @@ def record_kernels(fence: bool = True):
       return fn(x, w, *a, **kw)
     return call
 
+  def wukong_fm(x, y, ws, scale, bias, **kw):
+    B, N, d = x.shape
+    flops = wukong_fm_flops(B, N, d, y.shape[1], [w.shape[1] for w in ws]) * _vmap_copies(y)
+    keep("projection", {"bytes": 0.0, "launches": 0, "flops": flops})
+    return fm_orig(x, y, ws, scale, bias, **kw)
+
+  fm_orig = wukong.fm_pallas
+  wukong.fm_pallas = wukong_fm
   proj_orig = {n: getattr(packed, n) for n in PROJECTION_OPS}
   for n, rot in PROJECTION_OPS.items():
     setattr(packed, n, projection(n, rot))
@@ -659,6 +686,7 @@ def record_kernels(fence: bool = True):
     pallas_kernels.block_attention = orig["block"]
     for n, f in {**jagged_orig, **proj_orig}.items():
       setattr(packed, n, f)
+    wukong.fm_pallas = fm_orig
     calls += _call_sites(seen)
 
 

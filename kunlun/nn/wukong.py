@@ -75,6 +75,24 @@ def out_kernel(backend: str, d: int, parts) -> bool:
   return _pallas(backend) and wukong_fm.out_supported(d, parts)
 
 
+def fm_pallas(x, y, ws, scale, bias, *, dtype):
+  """``pallas_kernels.wukong_fm.wukong_fm_pallas`` per device on its examples (global shapes
+  here: ``bench.profiling.roofline.record_kernels`` counts its FLOPs at this call)."""
+  interpret = compile_platform() != "gpu"
+  op = lambda x, y, ws, s, b: wukong_fm.wukong_fm_pallas(x, y, ws, s, b, dtype=dtype,
+                                                         interpret=interpret)
+  h, mixes = per_shard(op, (True, False, False, False, False), "batch")(x, y, ws, scale, bias)
+  return shard(h, ("batch", None)), tuple(shard(m, _TOK) for m in mixes)
+
+
+def out_pallas(parts, res, scale, bias, *, dtype):
+  """``pallas_kernels.wukong_fm.wukong_out_pallas`` per device on its examples."""
+  interpret = compile_platform() != "gpu"
+  op = lambda parts, res, s, b: wukong_fm.wukong_out_pallas(parts, res, s, b, dtype=dtype,
+                                                            interpret=interpret)
+  return per_shard(op, (True, True, False, False), "batch")(parts, res, scale, bias)
+
+
 class WukongLayer(nn.Module):
   """``x [B, N, d]`` -> ``[B, n_fm + n_lcb, d]``; with ``extra [N, m]`` (a token map) also
   ``extra^T x [B, m, d]`` in ``dtype``, computed in the same pass over ``x``.
@@ -126,13 +144,10 @@ class WukongLayer(nn.Module):
 
   def _out_norm(self, parts, res):
     """``LN(concat(parts) + res) * scale + bias`` over ``d``, in dtype: the kernels
-    (``out_kernel``, per device on its examples) or ``affine_layer_norm``."""
+    (``out_kernel``) or ``affine_layer_norm``."""
     scale, bias = _NormParams(res.shape[-1], name="out_norm")()
     if out_kernel(self.backend, res.shape[-1], [p.shape[1] for p in parts]):
-      interpret = compile_platform() != "gpu"
-      op = lambda parts, res, s, b: wukong_fm.wukong_out_pallas(parts, res, s, b, dtype=self.dtype,
-                                                                interpret=interpret)
-      return per_shard(op, (True, True, False, False), "batch")(tuple(parts), res, scale, bias)
+      return out_pallas(tuple(parts), res, scale, bias, dtype=self.dtype)
     return affine_layer_norm((jnp.concatenate(parts, axis=1), res), scale, bias, 1e-6,
                              self.dtype)
 
@@ -142,11 +157,7 @@ class WukongLayer(nn.Module):
     B, N, d = x.shape
     dt = self.dtype
     if ws and fm_kernel(self.backend, N, d, self.rank, [w.shape[1] for w in ws]):
-      interpret = compile_platform() != "gpu"
-      op = lambda x, y, ws, s, b: wukong_fm.wukong_fm_pallas(x, y, ws, s, b, dtype=dt,
-                                                             interpret=interpret)
-      h, mixes = per_shard(op, (True, False, False, False, False), "batch")(x, y, ws, scale, bias)
-      return shard(h, ("batch", None)), tuple(shard(m, _TOK) for m in mixes)
+      return fm_pallas(x, y, ws, scale, bias, dtype=dt)
     xc = x.astype(dt)
     if batched_mixes():                                              # GPU: no transposes
       yb = jnp.broadcast_to(y.astype(dt), (B, N, self.rank))

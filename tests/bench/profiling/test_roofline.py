@@ -263,3 +263,48 @@ def test_a_remat_trace_reused_from_the_cache_is_still_recorded():
     jax.eval_shape(g, q)
     jax.jit(jax.grad(g)).lower(q)
   assert sorted(c["scope"] for c in calls) == ["one", "two"]
+
+
+def test_wukong_token_side_calls_are_recorded_per_expert():
+  """MoWE on the Wukong token-side kernels (interpret mode): each layer's call is recorded with
+  its experts' FLOPs (the vmap's copies): the matmul FLOPs of the twin's value and gradient,
+  counted from its jaxpr's dot_generals, plus the backward's recomputed ``X^T y`` and ``F``."""
+  import math
+
+  import jax
+  import jax.extend.core as jex
+  import jax.numpy as jnp
+
+  from kunlun.nn.mowe import MoWE
+  from pallas_kernels import wukong_fm
+
+  def dot_flops(jaxpr):
+    n = 0
+    for e in jaxpr.eqns:
+      if e.primitive.name == "dot_general":
+        (lc, _), _ = e.params["dimension_numbers"]
+        k = math.prod(e.invars[0].aval.shape[i] for i in lc)
+        n += 2 * math.prod(e.outvars[0].aval.shape) * k
+      for sub in jex.jaxprs_in_params(e.params):
+        n += dot_flops(sub)
+    return n
+
+  B, E, N, d, r, n_out = 5, 2, 20, 32, 16, 6
+  m = MoWE(E, 2, n_out, r, 32, cross_layer=True, backend="pallas")
+  x = jnp.zeros((B, N, d))
+  p = m.init(jax.random.key(0), x)
+  with roofline.record_kernels(fence=False) as calls:
+    jax.grad(lambda p, x: jnp.sum(m.apply(p, x)))(p, x)
+  got = sorted(c["flops"] for c in calls if "_token_side" in c["scope"])
+
+  def twin(n_in, ms):
+    def f(x, y, ws, s, b):
+      h, mixes = wukong_fm.wukong_fm_xla(x, y, ws, s, b, dtype=jnp.float32)
+      return jnp.sum(h) + sum(jnp.sum(v) for v in mixes)
+    args = (jnp.zeros((B, n_in, d)), jnp.zeros((n_in, r)), tuple(jnp.zeros((n_in, k)) for k in ms),
+            jnp.zeros(n_in * r), jnp.zeros(n_in * r))
+    jaxpr = jax.make_jaxpr(jax.value_and_grad(f, argnums=(0, 1, 2)))(*args).jaxpr
+    return E * (dot_flops(jaxpr) + 4 * B * n_in * d * r)
+
+  # layer 0: LCB 3, residual 6 and the first cross-layer map 6; layer 1 (N = n_out): LCB only
+  assert got == sorted([twin(N, (3, 6, 6)), twin(n_out, (3,))])
