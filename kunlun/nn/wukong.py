@@ -6,7 +6,7 @@ factorization machine: ``(X X^T) Y`` computed as ``X (X^T Y)``, ``O(N d r)``);
 is the identity when ``N = n_fm + n_lcb`` and a learned token-axis map otherwise. LayerNorms keep
 their affine parameters (Wukong's design) and run in float32. On the Pallas backend (``auto`` on
 a GPU) a layer's token side (the FM, its norm and the token maps) is one kernel pass over ``x``
-(``pallas_kernels.wukong_fm``, ``fm_kernel``).
+and its output norm another (``pallas_kernels.wukong_fm``; ``fm_kernel``, ``out_kernel``).
 
 ``WukongStack(cross_layer=True)`` adds GEM's cross-layer attention connections (spec h-19): with
 ``X_0`` the stack input and ``X_l`` the output of layer ``l - 1``, layer ``l >= 1`` reads
@@ -98,8 +98,8 @@ class WukongLayer(nn.Module):
   ``extra^T x [B, m, d]`` in ``dtype``, computed in the same pass over ``x``.
 
   The token side (the FM's interactions and their LayerNorm; the LCB, residual and ``extra``
-  token maps) runs as ``pallas_kernels.wukong_fm`` (``fm_kernel``: per device on its examples)
-  or as XLA; the MLP and the output norm as XLA."""
+  token maps) and the output norm run as ``pallas_kernels.wukong_fm``'s kernels (``fm_kernel``,
+  ``out_kernel``: per device on its examples) or as XLA; the MLP as XLA."""
   n_fm: int
   n_lcb: int
   rank: int
