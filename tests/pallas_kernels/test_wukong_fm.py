@@ -63,8 +63,9 @@ def _loss(fn, dtype, cots):
   return jax.value_and_grad(f, argnums=(0, 1, 2, 3, 4))
 
 
-@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 2e-2)])
-@pytest.mark.parametrize("B,N,ms", [(7, 20, (6, 40)), (4, 32, (16,)), (9, 72, (16, 32, 32))])
+@pytest.mark.parametrize("dtype,tol,B,N,ms", [
+    (jnp.float32, 1e-5, 7, 20, (6, 40)), (jnp.float32, 1e-5, 4, 32, (16,)),
+    (jnp.float32, 1e-5, 9, 72, (16, 32, 32)), (jnp.bfloat16, 2e-2, 7, 20, (6, 40))])
 def test_kernels_match_the_twin(dtype, tol, B, N, ms):
   x, y, ws, sc, bi = _inputs(B=B, N=N, ms=ms, seed=B + N)
   x = jnp.asarray(x, dtype)
@@ -134,8 +135,9 @@ def _numpy_out(parts, res, scale, bias, eps=1e-6):
   return c / np.sqrt((c * c).mean(-1, keepdims=True) + eps) * scale + bias
 
 
-@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 2e-2)])
-@pytest.mark.parametrize("B,ns", [(11, (5, 3)), (16, (16, 16)), (3, (7,))])
+@pytest.mark.parametrize("dtype,tol,B,ns", [
+    (jnp.float32, 1e-5, 11, (5, 3)), (jnp.float32, 1e-5, 16, (16, 16)),
+    (jnp.float32, 1e-5, 3, (7,)), (jnp.bfloat16, 2e-2, 11, (5, 3))])
 def test_out_norm_kernels_match_the_twin_and_numpy(dtype, tol, B, ns):
   """``wukong_out``: the twin against numpy (float64), the kernels (interpret mode, poisoned
   outputs) against the twin in values and the gradients of every part, the residual, the scale

@@ -136,8 +136,7 @@ def test_mowe_cross_layer_params_shard_on_expert_axis():
   assert boxed["params"]["experts"]["cross_proj"].value.shape == (2, 6, 4)
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("n_in", [20, 6])
+@pytest.mark.parametrize("dtype,n_in", [(jnp.float32, 20), (jnp.float32, 6), (jnp.bfloat16, 20)])
 def test_pallas_token_side_matches_xla(dtype, n_in):
   """backend="pallas" (``pallas_kernels.wukong_fm`` in interpret mode: the FM, its norm and the
   token maps of every layer, the first cross-layer map riding along layer 0's pass) against the
