@@ -17,6 +17,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import _poison, activations, jagged, tuning
+from pallas_kernels._common import pad_pow2, precision
 from pallas_kernels.reference import score_clip_value
 
 _F32 = jnp.float32
@@ -34,15 +35,6 @@ class _Cfg(NamedTuple):
   score_clip: float | None = None
   window: int | None = None
   fast: bool = False
-
-
-def _prec(dtype):
-  return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
-
-
-def _pow2(n: int) -> int:
-  """Smallest power of two >= max(n, 16) (the GPU dot minimum)."""
-  return max(16, 1 << (int(n) - 1).bit_length())
 
 
 def _fast(x, interpret):
@@ -161,12 +153,12 @@ def _ex_store(ref, b, h, x, count, start=0):
 
 def _scores(a, b, cfg: _Cfg, h, with_slope=False):
   """``act(clip(scale a b^T))`` (and its slope) of two row tiles."""
-  s = plgpu.dot(a, b, trans_b=True, precision=_prec(a.dtype)) * cfg.scale
+  s = plgpu.dot(a, b, trans_b=True, precision=precision(a.dtype)) * cfg.scale
   return _act(s, cfg, h, with_slope)
 
 
 def _dot(a, b, **kw):
-  return plgpu.dot(a.astype(b.dtype), b, precision=_prec(b.dtype), **kw)
+  return plgpu.dot(a.astype(b.dtype), b, precision=precision(b.dtype), **kw)
 
 
 def _tile_loop(lo_ref, hi_ref, seg_ref, n_ex, cfg: _Cfg, body, init):
@@ -292,7 +284,7 @@ def jagged_gdpa_cross_pallas(q, k, v, jag, *, activation="fast_gelu", scale=None
   kvl = jnp.full((jag.batch,), k.shape[1], jnp.int32) if kv_lengths is None else jnp.clip(
       jnp.asarray(kv_lengths, jnp.int32), 0, k.shape[1])
   cfg = _Cfg(activations.per_head(activation, H), D ** -0.5 if scale is None else float(scale),
-             float(out_scale), int(block_q), _pow2(k.shape[1]), bool(interpret),
+             float(out_scale), int(block_q), pad_pow2(k.shape[1]), bool(interpret),
              score_clip_value(score_clip), fast=_fast(q, interpret))
   return _gdpa_cross(cfg, q, k, v, jag, kvl)
 
@@ -404,7 +396,7 @@ def jagged_gdpa_pool_pallas(q, k, v, jag, *, activation="fast_gelu", scale=None,
   jagged.check_tokens(jag, k, v)
   S, H, D = q.shape
   cfg = _Cfg(activations.per_head(activation, H), D ** -0.5 if scale is None else float(scale),
-             float(out_scale), _pow2(S), int(block_k), bool(interpret),
+             float(out_scale), pad_pow2(S), int(block_k), bool(interpret),
              score_clip_value(score_clip), fast=_fast(q, interpret))
   return _gdpa_pool(cfg, q, k, v, jag)
 
@@ -415,7 +407,7 @@ def jagged_gdpa_pool_pallas(q, k, v, jag, *, activation="fast_gelu", scale=None,
 def _block_probs(q, k, valid, cfg: _Cfg, h, with_slope=False):
   """Scores and attention weights of one block (rows / keys outside ``valid`` zero-filled):
   ``(s, p)`` or, with ``with_slope``, ``(s, p, act'(s) / block)`` (None for softmax)."""
-  s = plgpu.dot(q, k, trans_b=True, precision=_prec(q.dtype)) * cfg.scale
+  s = plgpu.dot(q, k, trans_b=True, precision=precision(q.dtype)) * cfg.scale
   if cfg.acts is None:
     keep = valid[:, None] & valid[None, :]
     e = jnp.where(keep, jnp.exp(jnp.where(keep, s, _NEG) - jnp.max(
@@ -435,7 +427,7 @@ def _block_kernel(start_ref, nst_ref, nva_ref, q_ref, k_ref, v_ref, o_ref, *, cf
   valid = r < nva_ref[0]
   q, k, v = (_rows(x, start, bs, h, valid) for x in (q_ref, k_ref, v_ref))
   _, p = _block_probs(q, k, valid, cfg, h)
-  _store(o_ref, start, h, plgpu.dot(p.astype(v.dtype), v, precision=_prec(v.dtype)),
+  _store(o_ref, start, h, plgpu.dot(p.astype(v.dtype), v, precision=precision(v.dtype)),
          r < nst_ref[0])
 
 
@@ -446,7 +438,7 @@ def _block_bwd_kernel(start_ref, nst_ref, nva_ref, q_ref, k_ref, v_ref, do_ref, 
   start, r = start_ref[0], jnp.arange(bs)
   valid = r < nva_ref[0]
   q, k, v, do = (_rows(x, start, bs, h, valid) for x in (q_ref, k_ref, v_ref, do_ref))
-  prec = _prec(q.dtype)
+  prec = precision(q.dtype)
   _, p, slope = _block_probs(q, k, valid, cfg, h, with_slope=True)
   dp = plgpu.dot(do, v, trans_b=True, precision=prec)   # zero outside the valid square
   ds = p * (dp - jnp.sum(p * dp, axis=-1, keepdims=True)) if slope is None else dp * slope
@@ -563,7 +555,7 @@ def _softmax_kernel(klo_ref, khi_ref, seg_ref, q_ref, k_ref, v_ref, o_ref, lse_r
   h = pl.program_id(1)
   r0, rows, seg = _own(seg_ref, cfg, B)
   q = _rows(q_ref, r0, cfg.tile, h, seg < B)
-  prec = _prec(q.dtype)
+  prec = precision(q.dtype)
 
   def tile(start, inside, keep, carry):
     k, v = (_rows(r, start, cfg.kv_tile, h, inside) for r in (k_ref, v_ref))
@@ -590,7 +582,7 @@ def _softmax_dq_kernel(klo_ref, khi_ref, seg_ref, q_ref, k_ref, v_ref, do_ref, l
 
   def tile(start, inside, keep, dq):   # dS = P (dO V^T - delta), P = exp(s - lse)
     k, v = (_rows(r, start, cfg.kv_tile, h, inside) for r in (k_ref, v_ref))
-    s = plgpu.dot(q, k, trans_b=True, precision=_prec(q.dtype)) * cfg.scale
+    s = plgpu.dot(q, k, trans_b=True, precision=precision(q.dtype)) * cfg.scale
     p = jnp.where(keep, jnp.exp(s - lse[:, None]), 0.0)
     return dq + _dot(p * (_dot(do, v, trans_b=True) - delta[:, None]), k)
 
@@ -609,7 +601,7 @@ def _softmax_dkv_kernel(qlo_ref, qhi_ref, seg_ref, q_ref, k_ref, v_ref, do_ref, 
     dk, dv = carry
     q, do = (_rows(x, start, cfg.kv_tile, h, inside) for x in (q_ref, do_ref))
     lse, delta = (_row_stat(x, h, start, cfg.kv_tile) for x in (lse_ref, delta_ref))
-    s_t = plgpu.dot(k, q, trans_b=True, precision=_prec(k.dtype)) * cfg.scale
+    s_t = plgpu.dot(k, q, trans_b=True, precision=precision(k.dtype)) * cfg.scale
     p_t = jnp.where(keep_t, jnp.exp(s_t - lse[None, :]), 0.0)
     ds_t = p_t * (_dot(v, do, trans_b=True) - delta[None, :])
     return dk + _dot(ds_t, q), dv + _dot(p_t, do)

@@ -28,6 +28,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import _poison, tuning
+from pallas_kernels._common import is_tile, precision, round_to
 
 F32 = jnp.float32
 EPS = 1e-6
@@ -37,10 +38,6 @@ WARPS = 8
 # sum). Every program reads all of w (from L2): fewer rows, more of those reads.
 FWD_ROWS = {128: 64, 256: 64, 512: 16}
 BWD_ROWS = {128: 64, 256: 32, 512: 16}
-
-
-def _round(x, dtype):
-  return x.astype(dtype).astype(F32)
 
 
 # ----------------------------------------------------------------------------------- twin
@@ -78,10 +75,6 @@ class _Cfg(NamedTuple):
   interpret: bool
   proj: int = 3          # projections P
   rot: int = 2           # the first ``rot`` of them QK-normalised and rotated
-
-
-def _prec(dtype):
-  return lax.Precision.HIGHEST if jnp.dtype(dtype) == F32 else None
 
 
 def _tile(ref, r0, rows, idx=()):
@@ -129,12 +122,12 @@ def _dot(a, b, cfg: _Cfg, **kw):
   has no 16-bit dot into float32; the products of 16-bit values are exact in float32)."""
   if cfg.interpret:
     a, b = a.astype(F32), b.astype(F32)
-  return plgpu.dot(a, b, precision=_prec(a.dtype), **kw)
+  return plgpu.dot(a, b, precision=precision(a.dtype), **kw)
 
 
 def _halves(h, w_ref, p, j, cfg: _Cfg):
   """The head's projection ``h w[:, p, j]`` as two ``[rows, D/2]`` halves, rounded to dtype."""
-  return tuple(_round(_dot(h, _w(w_ref, p, j, s, cfg), cfg), cfg.dtype) for s in (0, 1))
+  return tuple(round_to(_dot(h, _w(w_ref, p, j, s, cfg), cfg), cfg.dtype) for s in (0, 1))
 
 
 def _head_stats(y1, y2, cfg: _Cfg):
@@ -156,7 +149,7 @@ def _fwd_kernel(x_ref, w_ref, sc_ref, tau_ref, pos_ref, om_ref, *out_refs, cfg: 
     def head(j, carry, p=p, out=out, s1=s1, s2=s2):
       y1, y2 = _halves(h, w_ref, p, j, cfg)
       a = _head_stats(y1, y2, cfg)
-      n1, n2 = _round(y1 * a * s1[None], cfg.dtype), _round(y2 * a * s2[None], cfg.dtype)
+      n1, n2 = round_to(y1 * a * s1[None], cfg.dtype), round_to(y2 * a * s2[None], cfg.dtype)
       c, s = _cos_sin(tau, pos, omega, j, cfg)
       _put(out, r0, n1 * c - n2 * s, (j, lo))
       _put(out, r0, n2 * c + n1 * s, (j, hi))
@@ -199,10 +192,10 @@ def _bwd_kernel(x_ref, w_ref, sc_ref, tau_ref, pos_ref, om_ref, *refs, cfg: _Cfg
       g1 = _tile(g_ref, r0, cfg.rows, (j, lo)).astype(F32)
       g2 = _tile(g_ref, r0, cfg.rows, (j, hi)).astype(F32)
       c, s = _cos_sin(tau, pos, omega, j, cfg)
-      dn1, dn2 = _round(g1 * c + g2 * s, cfg.dtype), _round(g2 * c - g1 * s, cfg.dtype)
+      dn1, dn2 = round_to(g1 * c + g2 * s, cfg.dtype), round_to(g2 * c - g1 * s, cfg.dtype)
       dz1, dz2 = dn1 * s1[None], dn2 * s2[None]
       m = (jnp.sum(dz1 * z1, 1, keepdims=True) + jnp.sum(dz2 * z2, 1, keepdims=True)) / cfg.head_dim
-      dy1, dy2 = _round(a * (dz1 - z1 * m), cfg.dtype), _round(a * (dz2 - z2 * m), cfg.dtype)
+      dy1, dy2 = round_to(a * (dz1 - z1 * m), cfg.dtype), round_to(a * (dz2 - z2 * m), cfg.dtype)
       _put(dy_ref, r0, dy1, (p, j, lo))
       _put(dy_ref, r0, dy2, (p, j, hi))
       return (dh + back(dy1, p, j, 0) + back(dy2, p, j, 1),
@@ -222,7 +215,7 @@ def _bwd_kernel(x_ref, w_ref, sc_ref, tau_ref, pos_ref, om_ref, *refs, cfg: _Cfg
       return dh + back(g1, p, j, 0) + back(g2, p, j, 1)
 
     dh = lax.fori_loop(0, cfg.heads, plain, dh)
-  dh = _round(dh, cfg.dtype)
+  dh = round_to(dh, cfg.dtype)
   hn = _tile(x_ref, r0, cfg.rows).astype(F32) * r     # reloaded: not live through the loops
   dx = r * (dh - hn * jnp.mean(dh * hn, axis=1, keepdims=True))
   _put(dx_ref, r0, dx)
@@ -250,7 +243,7 @@ def _check(x, w, proj=None):
   if w.ndim != 4 or w.shape[0] != d or (proj is not None and w.shape[1] != proj):
     raise ValueError(f"norm_qkv: w {w.shape} must be [d, {proj or 'P'}, H, D] with d = {d}")
   _, P, H, D = w.shape
-  if not (_pow2(d) and _pow2(D // 2)):
+  if not (is_tile(d) and is_tile(D // 2)):
     raise ValueError(f"norm_qkv: the kernels need d and D/2 powers of two >= 16; got d={d}, D={D}")
   return N, d, H, D
 
@@ -340,14 +333,10 @@ def norm_proj_pallas(x, w, *, eps: float = EPS, dtype=jnp.bfloat16, interpret: b
                 bool(interpret), 0)
 
 
-def _pow2(n: int) -> bool:
-  return n >= 16 and n & (n - 1) == 0
-
-
 def supported(d: int, heads: int, head_dim: int, dtype=jnp.bfloat16) -> bool:
   """Whether the kernels take these widths: ``d`` and ``head_dim / 2`` powers of two >= 16 whose
   tiles fit the GPU's shared memory (``tuning.smem_limit``; the callers fall back to XLA)."""
-  if heads < 1 or head_dim % 2 or not (_pow2(d) and _pow2(head_dim // 2)):
+  if heads < 1 or head_dim % 2 or not (is_tile(d) and is_tile(head_dim // 2)):
     return False
   b = jnp.dtype(dtype).itemsize
   return all(_smem(_rows(t, d), d, head_dim, b) <= tuning.smem_limit()

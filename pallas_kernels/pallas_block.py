@@ -23,6 +23,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import _poison, activations
+from pallas_kernels._common import precision
 from pallas_kernels.reference import score_clip_value
 
 _F32 = jnp.float32
@@ -43,10 +44,6 @@ class _Cfg(NamedTuple):
 
   def params(self):
     return plgpu.CompilerParams(num_warps=self.num_warps, num_stages=self.num_stages)
-
-
-def _prec(dtype):
-  return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
 
 
 def _load(ref, b, start, n, h, valid, cols=None):
@@ -70,7 +67,7 @@ def _parts(x_ref, b, start, h, valid, rot):
 
 
 def _scores(qs, ks):
-  s = sum(plgpu.dot(a, b, trans_b=True, precision=_prec(a.dtype))
+  s = sum(plgpu.dot(a, b, trans_b=True, precision=precision(a.dtype))
           for a, b in zip(qs, ks, strict=True))
   return s * (qs[0].shape[-1] * len(qs)) ** -0.5
 
@@ -129,7 +126,7 @@ def _fwd_kernel(len_ref, q_ref, k_ref, v_ref, *refs, cfg: _Cfg):
     s = _scores(_parts(q_ref, b, start, h, valid, rot), _parts(k_ref, b, start, h, valid, rot))
     p = _probs(s, valid[:, None] & valid[None, :], cfg, h)
     (v,) = _parts(v_ref, b, start, h, valid, None)
-    _store(o_ref, b, start, h, plgpu.dot(p.astype(v.dtype), v, precision=_prec(v.dtype)))
+    _store(o_ref, b, start, h, plgpu.dot(p.astype(v.dtype), v, precision=precision(v.dtype)))
 
   _blocks(cfg, len_ref[0], body)
 
@@ -159,7 +156,7 @@ def _bwd_kernel(len_ref, q_ref, k_ref, v_ref, *refs, cfg: _Cfg):
     m = valid[:, None] & valid[None, :]
     s = _scores(qs, ks)
     p, slope = _probs(s, m, cfg, h, with_slope=True)
-    prec = _prec(v.dtype)
+    prec = precision(v.dtype)
     _store(dv_ref, b, start, h, plgpu.dot(p.astype(do.dtype), do, trans_a=True, precision=prec))
     dp = plgpu.dot(do, v, trans_b=True, precision=prec)
     if cfg.acts is None:

@@ -13,6 +13,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import _poison, activations, tuning
+from pallas_kernels._common import precision
 from pallas_kernels.api import shape_class
 from pallas_kernels.reference import resolve_rows, score_clip_value
 
@@ -42,10 +43,6 @@ class _Cfg(NamedTuple):
 
   def params(self):
     return plgpu.CompilerParams(num_warps=self.num_warps, num_stages=self.num_stages)
-
-
-def _precision(dtype):
-  return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
 
 
 def _span(start, tile, other_tile, n_other, other_len, window):
@@ -108,7 +105,7 @@ def _fwd_kernel(*refs, cfg: _Cfg, nk: int):
   q = _load_rows(q_ref, qb, i * bq, bq, h, q_len)
   lo, hi = _span(i * bq, bq, bk, nk, kv_len, cfg.window)
   hi = jnp.where(i * bq < q_len, hi, lo)
-  prec = None if cfg.fp8 else _precision(q.dtype)
+  prec = None if cfg.fp8 else precision(q.dtype)
   scale = cfg.scale * sc_ref[0] if cfg.fp8 else cfg.scale
 
   def body(j, acc):
@@ -136,7 +133,7 @@ def _dq_kernel(*refs, cfg: _Cfg, nk: int):
   do = _load_rows(do_ref, b, i * bq, bq, h, q_len)
   lo, hi = _span(i * bq, bq, bk, nk, kv_len, cfg.window)
   hi = jnp.where(i * bq < q_len, hi, lo)
-  prec = _precision(q.dtype)
+  prec = precision(q.dtype)
 
   def body(j, dq):
     k = _load_rows(k_ref, kb, j * bk, bk, hk, kv_len)
@@ -162,7 +159,7 @@ def _dkv_kernel(*refs, cfg: _Cfg, nq: int):
   v = _load_rows(v_ref, kb, j * bk, bk, hk, kv_len)
   lo, hi = _span(j * bk, bk, bq, nq, q_len, cfg.window)
   hi = jnp.where(j * bk < kv_len, hi, lo)
-  prec = _precision(k.dtype)
+  prec = precision(k.dtype)
   cols = j * bk + jnp.arange(bk)
 
   def head(g, carry):

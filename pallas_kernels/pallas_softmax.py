@@ -13,8 +13,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import _poison, tuning
+from pallas_kernels._common import precision
 from pallas_kernels.api import softmax_class
-from pallas_kernels.pallas_gdpa import _precision, _store_rows, segment_rows
+from pallas_kernels.pallas_gdpa import _store_rows, segment_rows
 from pallas_kernels.reference import check_q_offset, kv_start_rows, resolve_rows
 
 _F32 = jnp.float32
@@ -120,7 +121,7 @@ def _fwd_kernel(*refs, cfg: _Cfg, nk: int):
   q = _load_rows(q_ref, qb, i * bq, bq, h, 0, q_len)
   lo, hi = _key_span(i * bq, bq, bk, nk, kv_lo, kv_hi, cfg.window, cfg.q_offset)
   hi = jnp.where(i * bq < q_len, hi, lo)
-  prec = _precision(q.dtype)
+  prec = precision(q.dtype)
 
   def body(j, carry):
     acc, m, l = carry
@@ -158,7 +159,7 @@ def _dq_kernel(*refs, cfg: _Cfg, nk: int):
   _store_vec(delta_ref, b, h, i * bq, delta)
   lo, hi = _key_span(i * bq, bq, bk, nk, kv_lo, kv_hi, cfg.window, cfg.q_offset)
   hi = jnp.where(i * bq < q_len, hi, lo)
-  prec = _precision(q.dtype)
+  prec = precision(q.dtype)
 
   def body(j, dq):
     k = _load_rows(k_ref, kb, j * bk, bk, hk, kv_lo, kv_hi)
@@ -183,7 +184,7 @@ def _dkv_kernel(*refs, cfg: _Cfg, nq: int):
   v = _load_rows(v_ref, kb, j * bk, bk, hk, kv_lo, kv_hi)
   lo, hi = _query_span(j * bk, bk, bq, nq, q_len, cfg.window, cfg.q_offset)
   hi = jnp.where((j * bk < kv_hi) & (j * bk + bk > kv_lo), hi, lo)
-  prec = _precision(k.dtype)
+  prec = precision(k.dtype)
 
   def head(g, carry):
     h = hk * cfg.groups + g

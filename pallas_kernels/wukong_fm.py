@@ -31,6 +31,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import _poison
+from pallas_kernels._common import is_tile, pad_pow2, precision, round_to
 
 F32 = jnp.float32
 EPS = 1e-6
@@ -69,15 +70,7 @@ class _Cfg(NamedTuple):
 
   @property
   def Np(self):
-    return _pad(self.N)
-
-
-def _pad(n: int) -> int:
-  return max(16, 1 << (n - 1).bit_length())
-
-
-def _prec(dtype):
-  return lax.Precision.HIGHEST if jnp.dtype(dtype) == F32 else None
+    return pad_pow2(self.N)
 
 
 def _dot(a, b, cfg: _Cfg, **kw):
@@ -86,11 +79,7 @@ def _dot(a, b, cfg: _Cfg, **kw):
   a, b = a.astype(cfg.dtype), b.astype(cfg.dtype)
   if cfg.interpret:
     a, b = a.astype(F32), b.astype(F32)
-  return plgpu.dot(a, b, precision=_prec(cfg.dtype), **kw)
-
-
-def _round(x, dtype):
-  return x.astype(dtype).astype(F32)
+  return plgpu.dot(a, b, precision=precision(cfg.dtype), **kw)
 
 
 def _mask(rows, n_rows, cols, n_cols=None, ok=True):
@@ -103,7 +92,7 @@ def _mask(rows, n_rows, cols, n_cols=None, ok=True):
 def _shared(ref, cfg: _Cfg):
   """``ref [N, c]`` as ``[Np, pad(c)]``, zero past its rows and columns."""
   c = ref.shape[1]
-  cols = _pad(c)
+  cols = pad_pow2(c)
   return plgpu.load(ref.at[pl.ds(0, cfg.Np), pl.ds(0, cols)],
                     mask=_mask(cfg.Np, cfg.N, cols, c), other=0.0)
 
@@ -111,7 +100,7 @@ def _shared(ref, cfg: _Cfg):
 def _example(ref, b, cfg: _Cfg, ok):
   """``ref[b] [n, c]`` as ``[pad(n), c]``, zero past ``n`` and for an example past B."""
   n, c = ref.shape[1:]
-  rows = _pad(n)
+  rows = pad_pow2(n)
   return plgpu.load(ref.at[b, pl.ds(0, rows), :], mask=_mask(rows, n, c, ok=ok), other=0.0)
 
 
@@ -126,8 +115,8 @@ def _put(ref, b, x, ok):
 def _fm(x, yv, valid, cfg: _Cfg):
   """``X^T y`` (rounded), ``F`` (rounded, float32) and its statistics: ``xty [d, r]``,
   ``yhat = (F - mu) rsqrt(var + eps)`` (zero past N), ``rs``."""
-  xty = _round(_dot(x, yv, cfg, trans_a=True), cfg.dtype)
-  fm = _round(_dot(x, xty, cfg), cfg.dtype)
+  xty = round_to(_dot(x, yv, cfg, trans_a=True), cfg.dtype)
+  fm = round_to(_dot(x, xty, cfg), cfg.dtype)
   n = cfg.N * cfg.r
   mu = jnp.sum(fm) / n
   cen = (fm - mu) * valid
@@ -177,8 +166,8 @@ def _bwd_kernel(x_ref, y_ref, s_ref, dh_ref, *refs, cfg: _Cfg):
     g = _example(dh_ref, b, cfg, ok).astype(F32)
     dyh = g * sc
     dfm = rs * (dyh - jnp.sum(dyh) / n - yhat * (jnp.sum(dyh * yhat) / n)) * valid
-    dfm = _round(dfm, cfg.dtype)                    # F's cotangent, in F's dtype
-    dxty = _round(_dot(x, dfm, cfg, trans_a=True), cfg.dtype)       # [d, r]
+    dfm = round_to(dfm, cfg.dtype)                    # F's cotangent, in F's dtype
+    dxty = round_to(_dot(x, dfm, cfg, trans_a=True), cfg.dtype)       # [d, r]
     dx = _dot(dfm, xty, cfg, trans_b=True) + _dot(yv, dxty, cfg, trans_b=True)
     new_gws = []
     for wv, dm_ref, gw in zip(wvs, dm_refs, gws, strict=True):
@@ -189,7 +178,7 @@ def _bwd_kernel(x_ref, y_ref, s_ref, dh_ref, *refs, cfg: _Cfg):
     return gy + _dot(x, dxty, cfg), gs + g * yhat, gb + g, tuple(new_gws)
 
   z = lambda c: jnp.zeros((cfg.Np, c), F32)
-  carry = (z(cfg.r), z(cfg.r), z(cfg.r), tuple(z(_pad(m)) for m in cfg.ms))
+  carry = (z(cfg.r), z(cfg.r), z(cfg.r), tuple(z(pad_pow2(m)) for m in cfg.ms))
   gy, gs, gb, gws = lax.fori_loop(0, EXAMPLES, one, carry)
   for ref, v in ((gy_ref, gy), (gs_ref, gs), (gb_ref, gb)) + tuple(zip(gw_refs, gws, strict=True)):
     _put(ref, i0, v, True)
@@ -277,16 +266,12 @@ def wukong_fm_pallas(x, y, ws, scale, bias, *, eps: float = EPS, dtype=jnp.bfloa
                 bool(interpret))
 
 
-def _pow2(n: int) -> bool:
-  return n >= 16 and n & (n - 1) == 0
-
-
 def supported(N: int, d: int, rank: int, mixes) -> bool:
   """Whether the kernels take a layer of ``N`` tokens of width ``d``, rank ``rank`` and mixes of
   widths ``mixes``: ``d`` and ``rank`` powers of two >= 16, an example tile (``N`` padded to a
   power of two, times ``d``) of at most ``MAX_TILE`` values, one to four mixes of at most 128
   tokens each (the callers fall back to XLA)."""
-  return (_pow2(d) and _pow2(rank) and N >= 1 and _pad(N) * d <= MAX_TILE
+  return (is_tile(d) and is_tile(rank) and N >= 1 and pad_pow2(N) * d <= MAX_TILE
           and 1 <= len(mixes) <= 4 and all(1 <= m <= 128 for m in mixes))
 
 
@@ -313,7 +298,7 @@ class _OutCfg(NamedTuple):
 
 def _part_rows(ref, b, n, ok, off=0):
   """``ref[b, off:off + n]`` as ``[pad(n), d]`` float32, zero past ``n`` and past B."""
-  rows, d = _pad(n), ref.shape[-1]
+  rows, d = pad_pow2(n), ref.shape[-1]
   return plgpu.load(ref.at[b, pl.ds(jnp.int32(off), rows), :], mask=_mask(rows, n, d, ok=ok),
                     other=0.0).astype(F32)
 
@@ -445,4 +430,4 @@ def wukong_out_pallas(parts, res, scale, bias, *, eps: float = EPS, dtype=jnp.bf
 def out_supported(d: int, ns) -> bool:
   """Whether the output-norm kernels take parts of ``ns`` tokens of width ``d``: ``d`` a power of
   two >= 16 and at most 1024, one to four parts of at most 128 tokens."""
-  return _pow2(d) and d <= 1024 and 1 <= len(ns) <= 4 and all(1 <= n <= 128 for n in ns)
+  return is_tile(d) and d <= 1024 and 1 <= len(ns) <= 4 and all(1 <= n <= 128 for n in ns)
