@@ -36,7 +36,8 @@ from pallas_kernels._common import is_tile, pad_pow2, precision, round_to
 F32 = jnp.float32
 EPS = 1e-6
 WARPS = 8
-EXAMPLES = 4          # examples per program
+EXAMPLES = 4          # examples per program (token side)
+OUT_EXAMPLES, OUT_WARPS = 8, 4   # the output norm's
 MAX_TILE = 128 * 128  # N (padded to a power of two) x d: the example tile a program holds
 
 
@@ -97,18 +98,22 @@ def _shared(ref, cfg: _Cfg):
                     mask=_mask(cfg.Np, cfg.N, cols, c), other=0.0)
 
 
-def _example(ref, b, cfg: _Cfg, ok):
-  """``ref[b] [n, c]`` as ``[pad(n), c]``, zero past ``n`` and for an example past B."""
-  n, c = ref.shape[1:]
-  rows = pad_pow2(n)
-  return plgpu.load(ref.at[b, pl.ds(0, rows), :], mask=_mask(rows, n, c, ok=ok), other=0.0)
+def _rows(ref, b, ok, n=None, off=0):
+  """``ref[b, off:off + n]`` (``n``: default all of ``ref``'s rows) as ``[pad(n), c]``, zero past
+  ``n`` and for an example past B."""
+  n = ref.shape[1] if n is None else n
+  rows, c = pad_pow2(n), ref.shape[-1]
+  return plgpu.load(ref.at[b, pl.ds(jnp.int32(off), rows), :], mask=_mask(rows, n, c, ok=ok),
+                    other=0.0)
 
 
-def _put(ref, b, x, ok):
-  """``ref[b] [n, c] = x[:n, :c]`` (``x [pad(n), c or pad(c)]``)."""
+def _put(ref, b, x, ok, n=None, off=0):
+  """``ref[b, off:off + n, :c] = x[:n, :c]`` (``x [pad(n), c or pad(c)]``; ``n``: default all of
+  ``ref``'s rows)."""
   rows, cols = x.shape
-  n, c = ref.shape[1:]
-  plgpu.store(ref.at[b, pl.ds(0, rows), pl.ds(0, cols)], x.astype(ref.dtype),
+  n = ref.shape[1] if n is None else n
+  c = ref.shape[-1]
+  plgpu.store(ref.at[b, pl.ds(jnp.int32(off), rows), pl.ds(0, cols)], x.astype(ref.dtype),
               mask=_mask(rows, n, cols, c if cols != c else None, ok=ok))
 
 
@@ -136,7 +141,7 @@ def _fwd_kernel(x_ref, y_ref, s_ref, b_ref, *refs, cfg: _Cfg):
   def one(i, carry):
     b = i0 * EXAMPLES + i
     ok = b < cfg.B
-    x = _example(x_ref, b, cfg, ok)
+    x = _rows(x_ref, b, ok)
     _, yhat, _ = _fm(x, yv, valid, cfg)
     _put(h_ref, b, yhat * sc + bi, ok)
     for wv, mix_ref in zip(wvs, mix_refs, strict=True):
@@ -161,9 +166,9 @@ def _bwd_kernel(x_ref, y_ref, s_ref, dh_ref, *refs, cfg: _Cfg):
     gy, gs, gb, gws = carry
     b = i0 * EXAMPLES + i
     ok = b < cfg.B
-    x = _example(x_ref, b, cfg, ok)
+    x = _rows(x_ref, b, ok)
     xty, yhat, rs = _fm(x, yv, valid, cfg)
-    g = _example(dh_ref, b, cfg, ok).astype(F32)
+    g = _rows(dh_ref, b, ok).astype(F32)
     dyh = g * sc
     dfm = rs * (dyh - jnp.sum(dyh) / n - yhat * (jnp.sum(dyh * yhat) / n)) * valid
     dfm = round_to(dfm, cfg.dtype)                    # F's cotangent, in F's dtype
@@ -171,7 +176,7 @@ def _bwd_kernel(x_ref, y_ref, s_ref, dh_ref, *refs, cfg: _Cfg):
     dx = _dot(dfm, xty, cfg, trans_b=True) + _dot(yv, dxty, cfg, trans_b=True)
     new_gws = []
     for wv, dm_ref, gw in zip(wvs, dm_refs, gws, strict=True):
-      gm = _example(dm_ref, b, cfg, ok)
+      gm = _rows(dm_ref, b, ok)
       dx = dx + _dot(wv, gm, cfg)
       new_gws.append(gw + _dot(x, gm, cfg, trans_b=True))
     _put(dx_ref, b, dx, ok)
@@ -184,33 +189,29 @@ def _bwd_kernel(x_ref, y_ref, s_ref, dh_ref, *refs, cfg: _Cfg):
     _put(ref, i0, v, True)
 
 
-def _params():
-  return plgpu.CompilerParams(num_warps=WARPS, num_stages=1)
+def _call(kernel, cfg, args, outs, examples, warps, interpret, name):
+  """``kernel`` over ``ceil(B / examples)`` programs, every operand whole (the kernels index)."""
+  whole = pl.no_block_spec
+  return _poison.pallas_call(
+      functools.partial(kernel, cfg=cfg), args, out_shape=outs,
+      grid=(pl.cdiv(cfg.B, examples),), in_specs=[whole] * len(args),
+      out_specs=(whole,) * len(outs), interpret=interpret, name=name,
+      compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=1))
 
 
 def _fwd(x, y, ws, sc, bi, cfg: _Cfg):
   outs = (jax.ShapeDtypeStruct((cfg.B, cfg.N, cfg.r), cfg.dtype),) + tuple(
       jax.ShapeDtypeStruct((cfg.B, m, cfg.d), cfg.dtype) for m in cfg.ms)
-  args = (x, y, sc, bi) + tuple(ws)
-  whole = pl.no_block_spec
-  return _poison.pallas_call(
-      functools.partial(_fwd_kernel, cfg=cfg), args, out_shape=outs,
-      grid=(pl.cdiv(cfg.B, EXAMPLES),), in_specs=[whole] * len(args),
-      out_specs=(whole,) * len(outs), interpret=cfg.interpret, name="wukong_fm_fwd",
-      compiler_params=_params())
+  return _call(_fwd_kernel, cfg, (x, y, sc, bi) + tuple(ws), outs, EXAMPLES, WARPS,
+               cfg.interpret, "wukong_fm_fwd")
 
 
 def _bwd(x, y, ws, sc, dh, dms, cfg: _Cfg):
-  T = pl.cdiv(cfg.B, EXAMPLES)
-  part = lambda c: jax.ShapeDtypeStruct((T, cfg.N, c), F32)
+  part = lambda c: jax.ShapeDtypeStruct((pl.cdiv(cfg.B, EXAMPLES), cfg.N, c), F32)
   outs = (jax.ShapeDtypeStruct(x.shape, x.dtype), part(cfg.r), part(cfg.r), part(cfg.r)) + tuple(
       part(m) for m in cfg.ms)
-  args = (x, y, sc, dh) + tuple(ws) + tuple(dms)
-  whole = pl.no_block_spec
-  return _poison.pallas_call(
-      functools.partial(_bwd_kernel, cfg=cfg), args, out_shape=outs, grid=(T,),
-      in_specs=[whole] * len(args), out_specs=(whole,) * len(outs), interpret=cfg.interpret,
-      name="wukong_fm_bwd", compiler_params=_params())
+  return _call(_bwd_kernel, cfg, (x, y, sc, dh) + tuple(ws) + tuple(dms), outs, EXAMPLES, WARPS,
+               cfg.interpret, "wukong_fm_bwd")
 
 
 def _cfg(x, y, ws, eps, dtype, interpret) -> _Cfg:
@@ -296,23 +297,11 @@ class _OutCfg(NamedTuple):
   dtype: object
 
 
-def _part_rows(ref, b, n, ok, off=0):
-  """``ref[b, off:off + n]`` as ``[pad(n), d]`` float32, zero past ``n`` and past B."""
-  rows, d = pad_pow2(n), ref.shape[-1]
-  return plgpu.load(ref.at[b, pl.ds(jnp.int32(off), rows), :], mask=_mask(rows, n, d, ok=ok),
-                    other=0.0).astype(F32)
-
-
-def _put_rows(ref, b, x, n, ok, off=0):
-  rows, d = x.shape
-  plgpu.store(ref.at[b, pl.ds(jnp.int32(off), rows), :], x.astype(ref.dtype),
-              mask=_mask(rows, n, d, ok=ok))
-
-
-def _row_stats(t, eps):
-  mu = jnp.mean(t, axis=1, keepdims=True)
-  c = t - mu
-  return c * lax.rsqrt(jnp.mean(c * c, axis=1, keepdims=True) + eps)
+def _row_norm(t, eps):
+  """``(y, rs)``: the rows of ``t`` normalised, ``y = (t - mean) rs``, ``rs = rsqrt(var + eps)``."""
+  c = t - jnp.mean(t, axis=1, keepdims=True)
+  rs = lax.rsqrt(jnp.mean(c * c, axis=1, keepdims=True) + eps)
+  return c * rs, rs
 
 
 def _out_fwd_kernel(*refs, cfg: _OutCfg):
@@ -326,8 +315,8 @@ def _out_fwd_kernel(*refs, cfg: _OutCfg):
     ok = b < cfg.B
     off = 0
     for n, p_ref in zip(cfg.ns, part_refs, strict=True):
-      t = _part_rows(p_ref, b, n, ok) + _part_rows(res_ref, b, n, ok, off)
-      _put_rows(out_ref, b, _row_stats(t, cfg.eps) * sc + bi, n, ok, off)
+      t = _rows(p_ref, b, ok, n).astype(F32) + _rows(res_ref, b, ok, n, off).astype(F32)
+      _put(out_ref, b, _row_norm(t, cfg.eps)[0] * sc + bi, ok, n, off)
       off += n
     return carry
 
@@ -347,17 +336,14 @@ def _out_bwd_kernel(*refs, cfg: _OutCfg):
     ok = b < cfg.B
     off = 0
     for n, p_ref, dp_ref in zip(cfg.ns, part_refs, dpart_refs, strict=True):
-      t = _part_rows(p_ref, b, n, ok) + _part_rows(res_ref, b, n, ok, off)
-      mu = jnp.mean(t, axis=1, keepdims=True)
-      c = t - mu
-      rs = lax.rsqrt(jnp.mean(c * c, axis=1, keepdims=True) + cfg.eps)
-      y = c * rs
-      dz = _part_rows(dz_ref, b, n, ok, off)
+      t = _rows(p_ref, b, ok, n).astype(F32) + _rows(res_ref, b, ok, n, off).astype(F32)
+      y, rs = _row_norm(t, cfg.eps)
+      dz = _rows(dz_ref, b, ok, n, off).astype(F32)
       dy = dz * sc
       dx = rs * (dy - jnp.mean(dy, axis=1, keepdims=True)
                  - y * jnp.mean(dy * y, axis=1, keepdims=True))
-      _put_rows(dp_ref, b, dx, n, ok)
-      _put_rows(dres_ref, b, dx, n, ok, off)
+      _put(dp_ref, b, dx, ok)
+      _put(dres_ref, b, dx, ok, n, off)
       gs, gb = gs + jnp.sum(dz * y, axis=0), gb + jnp.sum(dz, axis=0)
       off += n
     return gs, gb
@@ -368,25 +354,13 @@ def _out_bwd_kernel(*refs, cfg: _OutCfg):
   plgpu.store(gb_ref.at[i0, :], gb)
 
 
-OUT_EXAMPLES = 8      # examples per program of the output norm
-
-
-def _out_call(kernel, args, outs, cfg: _OutCfg, interpret, name):
-  whole = pl.no_block_spec
-  return _poison.pallas_call(
-      functools.partial(kernel, cfg=cfg), args, out_shape=outs,
-      grid=(pl.cdiv(cfg.B, OUT_EXAMPLES),), in_specs=[whole] * len(args),
-      out_specs=(whole,) * len(outs), interpret=interpret, name=name,
-      compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1))
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
 def _out(parts, res, scale, bias, eps, dtype, interpret):
   B, _, d = res.shape
   cfg = _OutCfg(B, d, tuple(p.shape[1] for p in parts), eps, dtype)
   out = (jax.ShapeDtypeStruct(res.shape, dtype),)
-  return _out_call(_out_fwd_kernel, (*parts, res, scale, bias), out, cfg, interpret,
-                   "wukong_out_fwd")[0]
+  return _call(_out_fwd_kernel, cfg, (*parts, res, scale, bias), out, OUT_EXAMPLES, OUT_WARPS,
+               interpret, "wukong_out_fwd")[0]
 
 
 def _out_vjp_fwd(parts, res, scale, bias, eps, dtype, interpret):
@@ -401,8 +375,8 @@ def _out_vjp_bwd(eps, dtype, interpret, resid, dz):
   outs = (tuple(jax.ShapeDtypeStruct(p.shape, p.dtype) for p in parts)
           + (jax.ShapeDtypeStruct(res.shape, res.dtype),
              jax.ShapeDtypeStruct((T, d), F32), jax.ShapeDtypeStruct((T, d), F32)))
-  *dparts, dres, gs, gb = _out_call(_out_bwd_kernel, (*parts, res, scale, dz), outs, cfg,
-                                    interpret, "wukong_out_bwd")
+  *dparts, dres, gs, gb = _call(_out_bwd_kernel, cfg, (*parts, res, scale, dz), outs,
+                                OUT_EXAMPLES, OUT_WARPS, interpret, "wukong_out_bwd")
   return (tuple(dparts), dres, jnp.sum(gs, 0).astype(scale.dtype),
           jnp.sum(gb, 0).astype(bias.dtype))
 

@@ -81,17 +81,23 @@ def _per_block(kernel, jag: jagged.Jagged, args, blocked, pallas: bool):
   return shard_tokens(y.reshape((-1,) + y.shape[2:]))
 
 
+def pallas_backend(backend: str) -> bool:
+  """Whether the project's Pallas kernels run for ``model.backend``: "pallas", or "auto" when
+  compiling for a GPU; any other backend takes the XLA path (the padded modules' and MoWE's
+  rule; packed towers also refuse backends with no jagged kernels, ``_use_pallas``)."""
+  return backend == "pallas" or (backend == "auto" and compile_platform() == "gpu")
+
+
+def interpret_kernels() -> bool:
+  """Pallas kernels compiled for a CPU run in interpret mode (no CPU lowering)."""
+  return compile_platform() != "gpu"
+
+
 def _use_pallas(backend: str) -> bool:
-  if backend == "auto":
-    return compile_platform() == "gpu"
-  if backend not in ("xla", "pallas"):
+  if backend not in ("xla", "pallas", "auto"):
     raise ValueError(f"model.backend = {backend!r} has no jagged kernels (packed towers: xla, "
                      "pallas or auto)")
-  return backend == "pallas"
-
-
-def _interpret() -> bool:
-  return compile_platform() != "gpu"
+  return pallas_backend(backend)
 
 
 def gdpa_cross(q, k, v, jag, *, backend: str, kv_lengths=None, **kw):
@@ -99,7 +105,7 @@ def gdpa_cross(q, k, v, jag, *, backend: str, kv_lengths=None, **kw):
   ``kv_lengths i32[B]``; None: all) -> ``[N, H, D]``."""
   pallas = _use_pallas(backend)
   fn = jagged_pallas.jagged_gdpa_cross_pallas if pallas else jagged.jagged_gdpa_cross
-  kw = dict(kw, interpret=_interpret()) if pallas else kw
+  kw = dict(kw, interpret=interpret_kernels()) if pallas else kw
   op = lambda j, q, k, v, *kvl: fn(q, k, v, j, kv_lengths=kvl[0] if kvl else None, **kw)
   args = (q, k, v) + (() if kv_lengths is None else (kv_lengths,))
   with jax.named_scope("GDPA"):
@@ -110,7 +116,7 @@ def gdpa_pool(q, k, v, jag, *, backend: str, **kw):
   """HSP's GDPA: seeds ``q [S, H, D]`` pool ``k, v [N, H, D]`` per example -> ``[B, S, H, D]``."""
   pallas = _use_pallas(backend)
   fn = jagged_pallas.jagged_gdpa_pool_pallas if pallas else jagged.jagged_gdpa_pool
-  kw = dict(kw, interpret=_interpret()) if pallas else kw
+  kw = dict(kw, interpret=interpret_kernels()) if pallas else kw
   with jax.named_scope("GDPA"):
     return _per_block(lambda j, q, k, v: fn(q, k, v, j, **kw), jag, (q, k, v),
                       (False, True, True), pallas)
@@ -127,7 +133,7 @@ def block_attention(q, k, v, jag, *, backend: str, **kw):
   """Attention within each example's blocks, ``q, k, v [N, H, D]`` (already rotated)."""
   pallas = _use_pallas(backend)
   fn = jagged_pallas.jagged_block_attention_pallas if pallas else jagged.jagged_block_attention
-  kw = dict(kw, interpret=_interpret()) if pallas else kw
+  kw = dict(kw, interpret=interpret_kernels()) if pallas else kw
   return _per_block(lambda j, q, k, v: fn(q, k, v, j, **kw), jag, (q, k, v), (True,) * 3, pallas)
 
 
@@ -135,7 +141,7 @@ def softmax_attention(q, k, v, jag, *, backend: str, window=None):
   """Softmax self-attention within each example (``window``: the band; None: full)."""
   pallas = _use_pallas(backend)
   fn = jagged_pallas.jagged_softmax_attention_pallas if pallas else jagged.jagged_softmax_attention
-  kw = dict(window=window, interpret=_interpret()) if pallas else dict(window=window)
+  kw = dict(window=window, interpret=interpret_kernels()) if pallas else dict(window=window)
   return _per_block(lambda j, q, k, v: fn(q, k, v, j, **kw), jag, (q, k, v), (True,) * 3, pallas)
 
 
@@ -154,14 +160,14 @@ def fused_qkv(x, w, q_scale, k_scale, age, jag, *, t_scale: float, dtype):
 
   def op(x, tau, pos, w, qs, ks, omega):
     return norm_qkv.norm_qkv_pallas(x, w, qs, ks, tau, pos, omega, dtype=dtype,
-                                    interpret=_interpret())
+                                    interpret=interpret_kernels())
   return _rowwise_kernel(op, jag, (x, tau, pos), (w, q_scale, k_scale, omega))
 
 
 def fused_proj(x, w, jag, *, dtype):
   """``rms_norm(x) w[:, p]`` for each projection of ``w [d, P, H, D]`` as one Pallas pass
   (``pallas_kernels.norm_qkv.norm_proj_pallas``; HSP's keys and values): ``P x [N, H, D]``."""
-  op = lambda x, w: norm_qkv.norm_proj_pallas(x, w, dtype=dtype, interpret=_interpret())
+  op = lambda x, w: norm_qkv.norm_proj_pallas(x, w, dtype=dtype, interpret=interpret_kernels())
   return _rowwise_kernel(op, jag, (x,), (w,))
 
 

@@ -23,11 +23,11 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from kunlun.nn import packed
 from kunlun.nn.activations import gelu
 from kunlun.nn.fused import batched_mixes, token_mix
 from kunlun.nn.norms import affine_layer_norm
 from pallas_kernels import wukong_fm
-from pallas_kernels.api import compile_platform
 from sharding import shard, with_axes
 from sharding.packed import per_shard
 
@@ -59,26 +59,22 @@ class _NormParams(nn.Module):
     return scale, bias
 
 
-def _pallas(backend: str) -> bool:
-  return backend == "pallas" or (backend == "auto" and compile_platform() == "gpu")
-
-
 def fm_kernel(backend: str, N: int, d: int, rank: int, mixes) -> bool:
   """Whether a layer's token side runs as ``pallas_kernels.wukong_fm``'s kernels: backend
   "pallas", or "auto" compiling for a GPU, at widths the kernels take."""
-  return _pallas(backend) and wukong_fm.supported(N, d, rank, mixes)
+  return packed.pallas_backend(backend) and wukong_fm.supported(N, d, rank, mixes)
 
 
 def out_kernel(backend: str, d: int, parts) -> bool:
   """Whether a layer's output norm runs as ``pallas_kernels.wukong_fm.wukong_out_pallas``: as
   ``fm_kernel``, for ``parts`` (the FM's and the LCB's token counts) of width ``d``."""
-  return _pallas(backend) and wukong_fm.out_supported(d, parts)
+  return packed.pallas_backend(backend) and wukong_fm.out_supported(d, parts)
 
 
 def fm_pallas(x, y, ws, scale, bias, *, dtype):
   """``pallas_kernels.wukong_fm.wukong_fm_pallas`` per device on its examples (global shapes
   here: ``bench.profiling.roofline.record_kernels`` counts its FLOPs at this call)."""
-  interpret = compile_platform() != "gpu"
+  interpret = packed.interpret_kernels()
   op = lambda x, y, ws, s, b: wukong_fm.wukong_fm_pallas(x, y, ws, s, b, dtype=dtype,
                                                          interpret=interpret)
   h, mixes = per_shard(op, (True, False, False, False, False), "batch")(x, y, ws, scale, bias)
@@ -87,7 +83,7 @@ def fm_pallas(x, y, ws, scale, bias, *, dtype):
 
 def out_pallas(parts, res, scale, bias, *, dtype):
   """``pallas_kernels.wukong_fm.wukong_out_pallas`` per device on its examples."""
-  interpret = compile_platform() != "gpu"
+  interpret = packed.interpret_kernels()
   op = lambda parts, res, s, b: wukong_fm.wukong_out_pallas(parts, res, s, b, dtype=dtype,
                                                             interpret=interpret)
   return per_shard(op, (True, True, False, False), "batch")(parts, res, scale, bias)
