@@ -26,6 +26,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
@@ -107,14 +108,14 @@ def _rows(ref, b, ok, n=None, off=0):
                     other=0.0)
 
 
-def _put(ref, b, x, ok, n=None, off=0):
-  """``ref[b, off:off + n, :c] = x[:n, :c]`` (``x [pad(n), c or pad(c)]``; ``n``: default all of
-  ``ref``'s rows)."""
+def _put(ref, b, x, ok, n=None, off=0, col=0, c=None):
+  """``ref[b, off:off + n, col:col + c] = x[:n, :c]`` (``x [pad(n), c or pad(c)]``; ``n``:
+  default all of ``ref``'s rows; ``c``: default all of its columns)."""
   rows, cols = x.shape
   n = ref.shape[1] if n is None else n
-  c = ref.shape[-1]
-  plgpu.store(ref.at[b, pl.ds(jnp.int32(off), rows), pl.ds(0, cols)], x.astype(ref.dtype),
-              mask=_mask(rows, n, cols, c if cols != c else None, ok=ok))
+  c = ref.shape[-1] if c is None else c
+  plgpu.store(ref.at[b, pl.ds(jnp.int32(off), rows), pl.ds(jnp.int32(col), cols)],
+              x.astype(ref.dtype), mask=_mask(rows, n, cols, c if cols != c else None, ok=ok))
 
 
 def _fm(x, yv, valid, cfg: _Cfg):
@@ -154,8 +155,7 @@ def _fwd_kernel(x_ref, y_ref, s_ref, b_ref, *refs, cfg: _Cfg):
 def _bwd_kernel(x_ref, y_ref, s_ref, dh_ref, *refs, cfg: _Cfg):
   K = len(cfg.ms)
   w_refs, dm_refs = refs[:K], refs[K:2 * K]
-  dx_ref, gy_ref, gs_ref, gb_ref = refs[2 * K:2 * K + 4]
-  gw_refs = refs[2 * K + 4:]
+  dx_ref, part_ref = refs[2 * K:]
   i0 = pl.program_id(0)
   yv, sc = _shared(y_ref, cfg), _shared(s_ref, cfg)
   wvs = [_shared(w, cfg) for w in w_refs]
@@ -185,8 +185,16 @@ def _bwd_kernel(x_ref, y_ref, s_ref, dh_ref, *refs, cfg: _Cfg):
   z = lambda c: jnp.zeros((cfg.Np, c), F32)
   carry = (z(cfg.r), z(cfg.r), z(cfg.r), tuple(z(pad_pow2(m)) for m in cfg.ms))
   gy, gs, gb, gws = lax.fori_loop(0, EXAMPLES, one, carry)
-  for ref, v in ((gy_ref, gy), (gs_ref, gs), (gb_ref, gb)) + tuple(zip(gw_refs, gws, strict=True)):
-    _put(ref, i0, v, True)
+  col = 0
+  for v, c in zip((gy, gs, gb) + gws, _part_widths(cfg), strict=True):
+    _put(part_ref, i0, v, True, col=col, c=c)
+    col += c
+
+
+def _part_widths(cfg: _Cfg) -> tuple:
+  """The columns of the backward's partial sums, side by side in one output: the gradients of
+  y, scale and bias (r each), then of each map (m_k)."""
+  return (cfg.r,) * 3 + cfg.ms
 
 
 def _call(kernel, cfg, args, outs, examples, warps, interpret, name):
@@ -207,9 +215,9 @@ def _fwd(x, y, ws, sc, bi, cfg: _Cfg):
 
 
 def _bwd(x, y, ws, sc, dh, dms, cfg: _Cfg):
-  part = lambda c: jax.ShapeDtypeStruct((pl.cdiv(cfg.B, EXAMPLES), cfg.N, c), F32)
-  outs = (jax.ShapeDtypeStruct(x.shape, x.dtype), part(cfg.r), part(cfg.r), part(cfg.r)) + tuple(
-      part(m) for m in cfg.ms)
+  # per program, every weight's partial sums in one [N, 3r + sum m_k] block: one reduction after
+  part = (pl.cdiv(cfg.B, EXAMPLES), cfg.N, sum(_part_widths(cfg)))
+  outs = (jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct(part, F32))
   return _call(_bwd_kernel, cfg, (x, y, sc, dh) + tuple(ws) + tuple(dms), outs, EXAMPLES, WARPS,
                cfg.interpret, "wukong_fm_bwd")
 
@@ -222,8 +230,7 @@ def _cfg(x, y, ws, eps, dtype, interpret) -> _Cfg:
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
 def _fused(x, y, ws, scale, bias, eps, dtype, interpret):
   cfg = _cfg(x, y, ws, eps, dtype, interpret)
-  h, *mixes = _fwd(x, y.astype(dtype), [w.astype(dtype) for w in ws],
-                   scale.reshape(cfg.N, cfg.r), bias.reshape(cfg.N, cfg.r), cfg)
+  h, *mixes = _fwd(x, y, ws, scale.reshape(cfg.N, cfg.r), bias.reshape(cfg.N, cfg.r), cfg)
   return h.reshape(cfg.B, -1), tuple(mixes)
 
 
@@ -235,15 +242,17 @@ def _vjp_bwd(eps, dtype, interpret, res, g):
   x, y, ws, scale, bias = res
   cfg = _cfg(x, y, ws, eps, dtype, interpret)
   dh, dms = g
-  dx, gy, gs, gb, *gws = _bwd(x, y.astype(dtype), [w.astype(dtype) for w in ws],
-                              scale.reshape(cfg.N, cfg.r),
-                              dh.reshape(cfg.B, cfg.N, cfg.r).astype(dtype),
-                              [dm.astype(dtype) for dm in dms], cfg)
-  # y and the ws enter as dtype copies: their gradients are rounded to dtype, as the twin's
-  rnd = lambda g, like: jnp.sum(g, 0).astype(dtype).astype(like.dtype)
+  dx, part = _bwd(x, y, ws, scale.reshape(cfg.N, cfg.r),
+                  dh.reshape(cfg.B, cfg.N, cfg.r).astype(dtype),
+                  [dm.astype(dtype) for dm in dms], cfg)
+  total = jnp.sum(part, 0)
+  edges = np.cumsum((0,) + _part_widths(cfg))
+  gy, gs, gb, *gws = (total[:, a:b] for a, b in zip(edges[:-1], edges[1:], strict=True))
+  # y and the ws enter in their own dtype (no cast launches outside: the kernels round them to
+  # dtype at their dots); their gradients are rounded to dtype, as the twin's
+  rnd = lambda g, like: g.astype(dtype).astype(like.dtype)
   return (dx, rnd(gy, y), tuple(rnd(gw, w) for gw, w in zip(gws, ws, strict=True)),
-          jnp.sum(gs, 0).reshape(-1).astype(scale.dtype),
-          jnp.sum(gb, 0).reshape(-1).astype(bias.dtype))
+          gs.reshape(-1).astype(scale.dtype), gb.reshape(-1).astype(bias.dtype))
 
 
 _fused.defvjp(_vjp_fwd, _vjp_bwd)
@@ -326,7 +335,7 @@ def _out_fwd_kernel(*refs, cfg: _OutCfg):
 def _out_bwd_kernel(*refs, cfg: _OutCfg):
   K = len(cfg.ns)
   part_refs, (res_ref, s_ref, dz_ref) = refs[:K], refs[K:K + 3]
-  dpart_refs, (dres_ref, gs_ref, gb_ref) = refs[K + 3:2 * K + 3], refs[2 * K + 3:]
+  dpart_refs, (dres_ref, g_ref) = refs[K + 3:2 * K + 3], refs[2 * K + 3:]
   sc = plgpu.load(s_ref.at[:])[None, :]
   i0 = pl.program_id(0)
 
@@ -350,8 +359,8 @@ def _out_bwd_kernel(*refs, cfg: _OutCfg):
 
   z = jnp.zeros((cfg.d,), F32)
   gs, gb = lax.fori_loop(0, OUT_EXAMPLES, one, (z, z))
-  plgpu.store(gs_ref.at[i0, :], gs)
-  plgpu.store(gb_ref.at[i0, :], gb)
+  plgpu.store(g_ref.at[i0, pl.ds(0, cfg.d)], gs)     # scale's and bias's partial sums, one output
+  plgpu.store(g_ref.at[i0, pl.ds(cfg.d, cfg.d)], gb)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
@@ -374,11 +383,11 @@ def _out_vjp_bwd(eps, dtype, interpret, resid, dz):
   T = pl.cdiv(B, OUT_EXAMPLES)
   outs = (tuple(jax.ShapeDtypeStruct(p.shape, p.dtype) for p in parts)
           + (jax.ShapeDtypeStruct(res.shape, res.dtype),
-             jax.ShapeDtypeStruct((T, d), F32), jax.ShapeDtypeStruct((T, d), F32)))
-  *dparts, dres, gs, gb = _call(_out_bwd_kernel, cfg, (*parts, res, scale, dz), outs,
-                                OUT_EXAMPLES, OUT_WARPS, interpret, "wukong_out_bwd")
-  return (tuple(dparts), dres, jnp.sum(gs, 0).astype(scale.dtype),
-          jnp.sum(gb, 0).astype(bias.dtype))
+             jax.ShapeDtypeStruct((T, 2 * d), F32)))
+  *dparts, dres, g = _call(_out_bwd_kernel, cfg, (*parts, res, scale, dz), outs,
+                           OUT_EXAMPLES, OUT_WARPS, interpret, "wukong_out_bwd")
+  gs, gb = jnp.sum(g, 0).reshape(2, d)
+  return tuple(dparts), dres, gs.astype(scale.dtype), gb.astype(bias.dtype)
 
 
 _out.defvjp(_out_vjp_fwd, _out_vjp_bwd)
