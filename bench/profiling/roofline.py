@@ -18,7 +18,8 @@ from jax._src.interpreters import batching  # _vmap_copies: no public BatchTrace
 import pallas_kernels
 from bench.profiling import hlo_stats
 from kunlun.models.flops import band_pairs
-from kunlun.nn import attention, packed, wukong
+from kunlun.nn import attention, packed, weightgen, wukong
+from pallas_kernels import weightgen as wg_kernels
 
 # launch_s: one kernel in a CUDA graph (XLA runs the step's kernels as graphs), ~1 us.
 H200 = {"peak_flops": 989e12, "bandwidth": 4.8e12, "launch_s": 1e-6}
@@ -667,8 +668,16 @@ def record_kernels(fence: bool = True):
     keep("projection", {"bytes": 0.0, "launches": 0, "flops": flops})
     return fm_orig(x, y, ws, scale, bias, **kw)
 
+  def weightgen_call(x, w_tok, a1, b1, a_k, a_v, **kw):
+    B, N, d = x.shape
+    keep("projection", {"bytes": 0.0, "launches": 0,
+                        "flops": wg_kernels.flops(B, N, w_tok.shape[1], d, *a_k.shape)})
+    return wg_orig(x, w_tok, a1, b1, a_k, a_v, **kw)
+
   fm_orig = wukong.fm_pallas
   wukong.fm_pallas = wukong_fm
+  wg_orig = weightgen.gen_pallas
+  weightgen.gen_pallas = weightgen_call
   proj_orig = {n: getattr(packed, n) for n in PROJECTION_OPS}
   for n, rot in PROJECTION_OPS.items():
     setattr(packed, n, projection(n, rot))
@@ -687,6 +696,7 @@ def record_kernels(fence: bool = True):
     for n, f in {**jagged_orig, **proj_orig}.items():
       setattr(packed, n, f)
     wukong.fm_pallas = fm_orig
+    weightgen.gen_pallas = wg_orig
     calls += _call_sites(seen)
 
 

@@ -51,7 +51,7 @@ class KunlunLayer(nn.Module):
         p = plans[t.name]
         if p.weightgen:
           kv[t.name] = wrap(WeightGen, rm)(t.n_kv, t.heads, t.width, cfg.key_norm, dt,
-                                 name=f"{t.name}_weightgen")(x)
+                                           backend=cfg.backend, name=f"{t.name}_weightgen")(x)
         if p.hsp:
           summaries[t.name] = rows.apply(make_pooling(cfg, t, dt, f"{t.name}_hsp", remat=rm),
                                          ri, seqs[t.name], lengths[t.name],

@@ -3,7 +3,9 @@
 ``X~ = RMSNorm(X)``; ``Z = W_tok^T X~`` (token-axis mix ``N_ns -> n_kv``); ``h = GELU(Z A1 + b)``;
 ``K = h A_K``, ``V = h A_V`` reshaped to ``[B, n_kv, heads, d_seq // heads]``. K and V are the
 columns of the first and the rows of the second layer of a per-example, per-head FFN (c.2), the
-GDPA-PFFN's keys and values. ``key_norm`` RMS-normalises each key over ``head_dim``.
+GDPA-PFFN's keys and values. ``key_norm`` RMS-normalises each key over ``head_dim``. On the
+Pallas backend (``auto`` on a GPU) the chain is one kernel pass per example forward and one
+backward (``pallas_kernels.weightgen``; ``kernel``), per device on its examples.
 """
 
 from __future__ import annotations
@@ -14,12 +16,44 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from kunlun.nn import packed
 from kunlun.nn.activations import gelu
 from kunlun.nn.fused import apart, token_mix
 from kunlun.nn.norms import rms_norm
+from pallas_kernels import weightgen
 from sharding import shard, with_axes
+from sharding.packed import per_shard
 
 F32 = jnp.float32
+
+
+def kernel(backend: str, key_norm: bool, N: int, n_kv: int, d_ns: int, d_seq: int) -> bool:
+  """Whether WeightGen runs as ``pallas_kernels.weightgen``'s kernels: backend "pallas", or
+  "auto" compiling for a GPU, no key norm, at widths the kernels take."""
+  return (packed.pallas_backend(backend) and not key_norm
+          and weightgen.supported(N, n_kv, d_ns, d_ns, d_seq))
+
+
+def gen_pallas(x, w_tok, a1, b1, a_k, a_v, *, dtype):
+  """``pallas_kernels.weightgen.weightgen_pallas`` per device on its examples (global shapes
+  here: ``bench.profiling.roofline.record_kernels`` counts its FLOPs at this call)."""
+  interpret = packed.interpret_kernels()
+  op = lambda *a: weightgen.weightgen_pallas(*a, dtype=dtype, interpret=interpret)
+  return per_shard(op, (True,) + (False,) * 5, "batch")(x, w_tok, a1, b1, a_k, a_v)
+
+
+class _DenseParams(nn.Module):
+  """``nn.Dense``'s ``kernel [d_in, features]`` and ``bias [features]`` (float32, the same names,
+  initialisers and axes), for a layer computed elsewhere."""
+  d_in: int
+  features: int
+
+  @nn.compact
+  def __call__(self):
+    kernel = self.param("kernel", with_axes(nn.initializers.lecun_normal(), ("embed", "mlp")),
+                        (self.d_in, self.features), F32)
+    bias = self.param("bias", with_axes(nn.initializers.zeros, ("mlp",)), (self.features,), F32)
+    return kernel, bias
 
 
 class WeightGen(nn.Module):
@@ -29,6 +63,7 @@ class WeightGen(nn.Module):
   d_seq: int
   key_norm: bool = False
   dtype: Any = F32
+  backend: str = "xla"
 
   @nn.compact
   def __call__(self, x):
@@ -39,19 +74,26 @@ class WeightGen(nn.Module):
       dh = self.d_seq // self.heads
       w_tok = self.param("tok", with_axes(nn.initializers.normal(N ** -0.5), ("tokens", "kv")),
                          (N, self.n_kv), F32)
+      kv_init = with_axes(nn.initializers.lecun_normal(in_axis=0, out_axis=(1, 2)),
+                          ("mlp", "heads", "head_dim"))
+      shape = (d_ns, self.heads, dh)
+      axes = ("batch", "kv", "heads", "head_dim")
+      if kernel(self.backend, self.key_norm, N, self.n_kv, d_ns, self.d_seq):
+        a1, b1 = _DenseParams(d_ns, d_ns, name="hidden")()
+        a_k, a_v = (self.param(n, kv_init, shape, F32).reshape(d_ns, self.d_seq)
+                    for n in ("key", "value"))
+        k, v = gen_pallas(x, w_tok, a1, b1, a_k, a_v, dtype=self.dtype)
+        split = lambda t: shard(t.reshape(B, self.n_kv, self.heads, dh), axes)
+        return split(k), split(v)
       z = token_mix(rms_norm(x).astype(self.dtype), w_tok.astype(self.dtype))
       z = shard(z, ("batch", "kv", "embed"))
       h = nn.Dense(d_ns, dtype=self.dtype, param_dtype=F32, name="hidden",
                    kernel_init=with_axes(nn.initializers.lecun_normal(), ("embed", "mlp")),
                    bias_init=with_axes(nn.initializers.zeros, ("mlp",)))(z)
       h = gelu(h)
-      kv_init = with_axes(nn.initializers.lecun_normal(in_axis=0, out_axis=(1, 2)),
-                          ("mlp", "heads", "head_dim"))
-      shape = (d_ns, self.heads, dh)
       proj = lambda name, h: jnp.einsum("bme,ehc->bmhc", h,
                                         self.param(name, kv_init, shape, F32).astype(h.dtype))
       k, v = (proj(n, hi) for n, hi in zip(("key", "value"), apart(h, 2), strict=True))
       if self.key_norm:
         k = rms_norm(k).astype(self.dtype)
-      axes = ("batch", "kv", "heads", "head_dim")
       return shard(k, axes), shard(v, axes)

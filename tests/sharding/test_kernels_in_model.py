@@ -133,3 +133,26 @@ def test_mowe_token_side_per_device_equals_xla_unsharded():
   np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-4)
   for u, w in zip(jax.tree.leaves(got_g), jax.tree.leaves(want_g), strict=True):
     np.testing.assert_allclose(np.asarray(u), np.asarray(w), rtol=2e-3, atol=2e-3)
+
+
+def test_weightgen_per_device_equals_xla_unsharded():
+  """WeightGen on its kernels (``pallas_kernels.weightgen``, interpret mode) under the ``5d``
+  mesh: per device on its examples inside a shard_map, the weight gradients summed over the
+  devices, equal to the unsharded XLA module, forward and gradient (parameters and tokens)."""
+  from kunlun.nn.weightgen import WeightGen
+  x = np.random.default_rng(5).normal(size=(8, 16, 32)).astype(np.float32)
+  make = lambda be: WeightGen(16, 2, 32, backend=be)
+  ref_mod, ker_mod = make("xla"), make("pallas")
+  params = nn.meta.unbox(jax.jit(ref_mod.init)(jax.random.key(3), x))
+  loss = lambda m: (lambda p, x: sum(jnp.sum(jnp.sin(t)) for t in m.apply(p, x)))
+  want = jax.jit(ref_mod.apply)(params, x)
+  want_g = jax.jit(jax.grad(loss(ref_mod), argnums=(0, 1)))(params, x)
+  with partition.activate(_mesh(), R.get_rules("5d")):
+    got = jax.jit(ker_mod.apply)(params, x)
+    got_g = jax.jit(jax.grad(loss(ker_mod), argnums=(0, 1)))(params, x)
+    jaxpr = str(jax.make_jaxpr(ker_mod.apply)(params, x))
+  assert "shard_map" in jaxpr and "weightgen_fwd" in jaxpr
+  for u, w in zip(got, want, strict=True):
+    np.testing.assert_allclose(np.asarray(u), np.asarray(w), rtol=2e-4, atol=2e-4)
+  for u, w in zip(jax.tree.leaves(got_g), jax.tree.leaves(want_g), strict=True):
+    np.testing.assert_allclose(np.asarray(u), np.asarray(w), rtol=2e-3, atol=2e-3)

@@ -43,3 +43,28 @@ def test_weightgen_axes_and_errors():
   assert v["params"]["key"].names == ("mlp", "heads", "head_dim")
   with pytest.raises(ValueError, match="does not divide"):
     WeightGen(3, 3, 8).init(jax.random.key(0), x)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_pallas_matches_xla(dtype):
+  """backend="pallas" (``pallas_kernels.weightgen`` in interpret mode) against the XLA backend:
+  the same parameter tree, outputs and gradients of parameters and tokens (float32: 1e-5;
+  bfloat16: 3e-2, the kernels compute the GELU in float32), with an all-zero example."""
+  from kunlun.nn import weightgen
+  from tests.kunlun.nn.backends import pallas_matches_xla
+  rng = np.random.default_rng(3)
+  x = rng.normal(size=(3, 16, 32)).astype(np.float32)
+  x[1] = 0.0
+  x = jnp.asarray(x, dtype)
+  mods = {b: WeightGen(32, 2, 64, dtype=dtype, backend=b) for b in ("xla", "pallas")}
+  assert weightgen.kernel("pallas", False, 16, 32, 32, 64)
+  assert not weightgen.kernel("pallas", True, 16, 32, 32, 64)      # the key norm: XLA
+  params = jax.jit(mods["xla"].init)(jax.random.key(1), x)
+  p_pal = jax.jit(mods["pallas"].init)(jax.random.key(1), x)
+  for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(nn.meta.unbox(params)),
+                          jax.tree.leaves(nn.meta.unbox(p_pal)), strict=True):
+    np.testing.assert_array_equal(a, b, err_msg=jax.tree_util.keystr(path))
+  assert jax.tree.structure(params) == jax.tree.structure(p_pal)
+  g = jnp.asarray(rng.normal(size=(3, 32, 2, 32)), jnp.float32)
+  pallas_matches_xla(mods, params, x, lambda m, v, x: m.apply(v, x)[0] + m.apply(v, x)[1], g,
+                     dtype, bf16_tol=3e-2)
