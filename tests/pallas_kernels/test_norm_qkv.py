@@ -10,6 +10,7 @@ import pytest
 
 from kunlun.nn.time_encoding import rotary_inputs
 from pallas_kernels import _poison, norm_qkv
+from tests.pallas_kernels.deviceless import close
 from tests.pallas_kernels.np_ref import _bf16
 
 T_SCALE = 60.0
@@ -56,25 +57,18 @@ def _numpy(x, w, qs, ks, age, pos, eps=1e-6, rnd=lambda a: a):
   return outs
 
 
-def _close(a, b, tol):
-  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-  assert np.all(np.isfinite(a)) and np.all(np.isfinite(b))
-  err = np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30)
-  assert err <= tol, f"relative error {err:.3g} > {tol}"
-
-
 def test_twin_matches_numpy_float32():
   args = _inputs()
   got = norm_qkv.norm_qkv_xla(*_angles(*map(jnp.asarray, args)), dtype=jnp.float32)
   for g, r in zip(got, _numpy(*args), strict=True):
-    _close(g, r, 2e-5)
+    close(g, r, 2e-5)
 
 
 def test_twin_matches_numpy_bfloat16_rounding():
   args = _inputs(seed=1)
   got = norm_qkv.norm_qkv_xla(*_angles(*map(jnp.asarray, args)), dtype=jnp.bfloat16)
   for g, r in zip(got, _numpy(*args, rnd=_bf16), strict=True):
-    _close(g, r, 1e-2)
+    close(g, r, 1e-2)
 
 
 def _loss(fn, x, w, qs, ks, age, pos, dtype, cot):
@@ -100,12 +94,12 @@ def test_kernels_match_the_twin(dtype, tol, N, H):
   ref = norm_qkv.norm_qkv_xla(*_angles(x, w, qs, ks, age, pos), dtype=dtype)
   for o, r in zip(outs, ref, strict=True):
     assert o.dtype == dtype and o.shape == r.shape
-    _close(o, r, tol)
+    close(o, r, tol)
   (rval, rgrads) = _loss(norm_qkv.norm_qkv_xla, x, w, qs, ks, age, pos, dtype, cot)
-  _close(val, rval, tol)
+  close(val, rval, tol)
   for name, g, r in zip(("x", "w", "q_scale", "k_scale"), grads, rgrads, strict=True):
     assert g.dtype == r.dtype and g.shape == r.shape, name
-    _close(g, r, tol)
+    close(g, r, tol)
 
 
 def test_zero_rows_stay_zero():
@@ -140,7 +134,7 @@ def test_plain_projections_match_the_twin_and_numpy(dtype, tol):
   rnd = (lambda a: a) if dtype == jnp.float32 else _bf16
   ref_np = _numpy(x, np.concatenate([w, w[:, 1:]], 1), *_inputs(N=90, H=2)[2:], rnd=rnd)[2]
   twin = norm_qkv.norm_proj_xla(jnp.asarray(x), jnp.asarray(w), dtype=dtype)
-  _close(twin[1], ref_np, 2e-5 if dtype == jnp.float32 else 1e-2)
+  close(twin[1], ref_np, 2e-5 if dtype == jnp.float32 else 1e-2)
   rng = np.random.default_rng(2)
   cot = [jnp.asarray(rng.normal(size=(90, 2, w.shape[-1])), jnp.float32) for _ in range(2)]
 
@@ -155,8 +149,8 @@ def test_plain_projections_match_the_twin_and_numpy(dtype, tol):
     val, grads = jax.value_and_grad(lambda x, w: loss(pal, x, w), (0, 1))(x, w)
   rval, rgrads = jax.value_and_grad(lambda x, w: loss(xla, x, w), (0, 1))(x, w)
   for o, r in zip(outs, xla(x, w), strict=True):
-    _close(o, r, tol)
-  _close(val, rval, tol)
+    close(o, r, tol)
+  close(val, rval, tol)
   for g, r in zip(grads, rgrads, strict=True):
     assert g.dtype == r.dtype and g.shape == r.shape
-    _close(g, r, tol)
+    close(g, r, tol)

@@ -10,6 +10,8 @@ import numpy as np
 import pytest
 
 from pallas_kernels import _poison, weightgen
+from tests.pallas_kernels import deviceless
+from tests.pallas_kernels.deviceless import close
 
 
 def _inputs(B=3, N=16, m=32, d=32, e=16, W=64, seed=0):
@@ -29,18 +31,11 @@ def _numpy(x, w_tok, a1, b1, a_k, a_v, eps=1e-6):
   return h @ a_k, h @ a_v
 
 
-def _close(a, b, tol):
-  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-  assert np.all(np.isfinite(a)) and np.all(np.isfinite(b))
-  err = np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30)
-  assert err <= tol, f"relative error {err:.3g} > {tol}"
-
-
 def test_twin_matches_numpy():
   args = _inputs()
   for got, want in zip(weightgen.weightgen_xla(*map(jnp.asarray, args), dtype=jnp.float32),
                        _numpy(*args), strict=True):
-    _close(got, want, 1e-5)
+    close(got, want, 1e-5)
 
 
 @pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 3e-2)])
@@ -60,11 +55,11 @@ def test_kernels_match_the_twin(dtype, tol):
     (k, v), grads = run(lambda *a, **kw: weightgen.weightgen_pallas(*a, interpret=True, **kw))
   (rk, rv), rgrads = run(weightgen.weightgen_xla)
   assert k.dtype == dtype and k.shape == rk.shape == (3, 32, 64)
-  _close(k, rk, tol)
-  _close(v, rv, tol)
+  close(k, rk, tol)
+  close(v, rv, tol)
   for g, rg in zip(grads, rgrads, strict=True):
     assert g.shape == rg.shape and g.dtype == rg.dtype
-    _close(g, rg, tol)
+    close(g, rg, tol)
 
 
 def test_unsupported_widths_and_mismatched_weights_raise():
@@ -85,20 +80,8 @@ MID = dict(B=256, N=32, m=64, d=128, W=256)
 def test_kernels_compile_for_h200_at_mid_shapes(tmp_path):
   """Both kernels compiled deviceless for the H200 by the venv ``scripts/setup.sh --gpu-compile``
   makes (``main`` runs there): they launch, within the H200's shared memory per block."""
-  import json
-  import os
-  import subprocess
-
-  from bench.profiling import gpu_target
   from pallas_kernels import tuning
-  from tests.bench.profiling.test_gpu_target import GPU_PY, ROOT
-  if not os.path.exists(GPU_PY):
-    pytest.skip(f"no {GPU_PY}: {gpu_target.INSTALL} makes it")
-  p = subprocess.run([GPU_PY, "-m", "tests.pallas_kernels.test_weightgen", str(tmp_path)],
-                     cwd=ROOT, env={**os.environ, "JAX_PLATFORMS": "cpu"}, capture_output=True,
-                     text=True, timeout=600)
-  assert p.returncode == 0, p.stderr[-3000:]
-  smem = json.loads(p.stdout.strip().splitlines()[-1])
+  smem = deviceless.compiled_smem("tests.pallas_kernels.test_weightgen", tmp_path)
   assert sorted(smem) == ["weightgen_bwd", "weightgen_fwd"], smem
   assert max(smem.values()) <= tuning.SMEM_PER_BLOCK[90], smem
 
@@ -106,7 +89,6 @@ def test_kernels_compile_for_h200_at_mid_shapes(tmp_path):
 def main(dump_dir):
   """Compiles the kernels' value and gradients at ``MID`` for the H200 (deviceless); prints
   ``{kernel: shared memory bytes}``."""
-  import glob
   import json
 
   from bench.profiling import gpu_target
@@ -121,9 +103,7 @@ def main(dump_dir):
   args = (sds((B, N, d), jnp.bfloat16), sds((N, m), f32), sds((d, d), f32), sds((d,), f32),
           sds((d, W), f32), sds((d, W), f32))
   gpu_target.compile_for(step, args, gpu_target.gpu_mesh("h200"))
-  out = {k: v["smem"] for path in glob.glob(f"{dump_dir}/*thunk_sequence.txt")
-         for k, v in gpu_target.thunk_launches(path).items() if k.startswith("weightgen_")}
-  print(json.dumps(out))
+  print(json.dumps(deviceless.kernel_smem(dump_dir, "weightgen_")))
 
 
 if __name__ == "__main__":

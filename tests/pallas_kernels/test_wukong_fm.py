@@ -12,6 +12,8 @@ import numpy as np
 import pytest
 
 from pallas_kernels import _poison, wukong_fm
+from tests.pallas_kernels import deviceless
+from tests.pallas_kernels.deviceless import close
 from tests.pallas_kernels.np_ref import _bf16
 
 
@@ -37,22 +39,15 @@ def _numpy(x, y, ws, scale, bias, eps=1e-6, rnd=lambda a: a):
   return h, tuple(rnd(np.einsum("bnd,nm->bmd", x, rnd(w.astype(np.float64)))) for w in ws)
 
 
-def _close(a, b, tol):
-  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-  assert np.all(np.isfinite(a)) and np.all(np.isfinite(b))
-  err = np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30)
-  assert err <= tol, f"relative error {err:.3g} > {tol}"
-
-
 @pytest.mark.parametrize("dtype,tol,rnd", [(jnp.float32, 2e-5, lambda a: a),
                                            (jnp.bfloat16, 2e-2, _bf16)])
 def test_twin_matches_numpy(dtype, tol, rnd):
   x, y, ws, sc, bi = _inputs(seed=1)
   h, mixes = wukong_fm.wukong_fm_xla(jnp.asarray(x), y, ws, sc, bi, dtype=dtype)
   rh, rmixes = _numpy(x, y, ws, sc, bi, rnd=rnd)
-  _close(h, rh, tol)
+  close(h, rh, tol)
   for m, r in zip(mixes, rmixes, strict=True):
-    _close(m, r, tol)
+    close(m, r, tol)
 
 
 def _loss(fn, dtype, cots):
@@ -78,15 +73,15 @@ def test_kernels_match_the_twin(dtype, tol, B, N, ms):
     val, grads = _loss(pal, dtype, cots)(x, y, ws, sc, bi)
   rh, rmixes = wukong_fm.wukong_fm_xla(x, y, ws, sc, bi, dtype=dtype)
   assert h.dtype == dtype and h.shape == rh.shape
-  _close(h, rh, tol)
+  close(h, rh, tol)
   for m, r in zip(mixes, rmixes, strict=True):
     assert m.dtype == dtype and m.shape == r.shape
-    _close(m, r, tol)
+    close(m, r, tol)
   rval, rgrads = _loss(wukong_fm.wukong_fm_xla, dtype, cots)(x, y, ws, sc, bi)
-  _close(val, rval, tol)
+  close(val, rval, tol)
   for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(rgrads), strict=True):
     assert g.dtype == r.dtype and g.shape == r.shape
-    _close(g, r, tol)
+    close(g, r, tol)
 
 
 def test_under_vmap_with_shared_input():
@@ -110,7 +105,7 @@ def test_under_vmap_with_shared_input():
   got = loss(pal)(jnp.asarray(x), ys, wss, scs, bis)
   want = loss(wukong_fm.wukong_fm_xla)(jnp.asarray(x), ys, wss, scs, bis)
   for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
-    _close(g, r, 1e-5)
+    close(g, r, 1e-5)
 
 
 def test_unsupported_widths_are_refused():
@@ -153,7 +148,7 @@ def test_out_norm_kernels_match_the_twin_and_numpy(dtype, tol, B, ns):
   bi = (0.1 * rng.normal(size=d)).astype(np.float32)
   twin = wukong_fm.wukong_out_xla([jnp.asarray(p) for p in parts], jnp.asarray(res), sc, bi,
                                   dtype=jnp.float32)
-  _close(twin, _numpy_out(parts, res, sc, bi), 2e-5)
+  close(twin, _numpy_out(parts, res, sc, bi), 2e-5)
   parts = tuple(jnp.asarray(p, dtype) for p in parts)
   res = jnp.asarray(res, dtype)
   cot = jnp.asarray(rng.normal(size=(B, sum(ns), d)), jnp.float32)
@@ -167,10 +162,10 @@ def test_out_norm_kernels_match_the_twin_and_numpy(dtype, tol, B, ns):
     got, g_got = run(lambda *a, **k: wukong_fm.wukong_out_pallas(*a, interpret=True, **k))
   want, g_want = run(wukong_fm.wukong_out_xla)
   assert got.dtype == dtype
-  _close(got, want, tol)
+  close(got, want, tol)
   for u, w in zip(jax.tree.leaves(g_got), jax.tree.leaves(g_want), strict=True):
     assert u.dtype == w.dtype and u.shape == w.shape
-    _close(u, w, tol)
+    close(u, w, tol)
 
 
 def test_out_norm_refuses_what_it_cannot_tile():
@@ -196,20 +191,8 @@ def test_kernels_compile_for_h200_at_mid_shapes(tmp_path):
   """The token-side and output-norm kernels, forward and backward, under the MoWE experts' vmap,
   compiled deviceless for the H200 by the venv ``scripts/setup.sh --gpu-compile`` makes
   (``main`` runs there): all four launch, within the H200's shared memory per block."""
-  import json
-  import os
-  import subprocess
-
-  from bench.profiling import gpu_target
   from pallas_kernels import tuning
-  from tests.bench.profiling.test_gpu_target import GPU_PY, ROOT
-  if not os.path.exists(GPU_PY):
-    pytest.skip(f"no {GPU_PY}: {gpu_target.INSTALL} makes it")
-  p = subprocess.run([GPU_PY, "-m", "tests.pallas_kernels.test_wukong_fm", str(tmp_path)],
-                     cwd=ROOT, env={**os.environ, "JAX_PLATFORMS": "cpu"}, capture_output=True,
-                     text=True, timeout=600)
-  assert p.returncode == 0, p.stderr[-3000:]
-  smem = json.loads(p.stdout.strip().splitlines()[-1])
+  smem = deviceless.compiled_smem("tests.pallas_kernels.test_wukong_fm", tmp_path)
   assert sorted(smem) == ["wukong_fm_bwd", "wukong_fm_fwd", "wukong_out_bwd",
                           "wukong_out_fwd"], smem
   assert max(smem.values()) <= tuning.SMEM_PER_BLOCK[90], smem
@@ -218,7 +201,6 @@ def test_kernels_compile_for_h200_at_mid_shapes(tmp_path):
 def main(dump_dir):
   """Compiles the kernels' value and gradients at ``MID`` for the H200 (deviceless, two experts
   vmapped over the weights, ``x`` shared); prints ``{kernel: shared memory bytes}``."""
-  import glob
   import json
 
   from bench.profiling import gpu_target
@@ -238,9 +220,7 @@ def main(dump_dir):
   args = (sds((B, N, d), jnp.bfloat16), sds((E, N, r), f32), tuple(sds((E, N, m), f32) for m in ms),
           sds((E, N * r), f32), sds((E, N * r), f32))
   gpu_target.compile_for(step, args, gpu_target.gpu_mesh("h200"))
-  out = {k: v["smem"] for path in glob.glob(f"{dump_dir}/*thunk_sequence.txt")
-         for k, v in gpu_target.thunk_launches(path).items() if k.startswith("wukong_")}
-  print(json.dumps(out))
+  print(json.dumps(deviceless.kernel_smem(dump_dir, "wukong_")))
 
 
 if __name__ == "__main__":

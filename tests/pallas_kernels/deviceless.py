@@ -1,0 +1,40 @@
+"""Shared pieces of the kernel tests: a relative closeness check, and the deviceless H200
+compile of a test module's ``main`` (run in the venv ``scripts/setup.sh --gpu-compile`` makes)
+with the shared memory each of its kernels launched with."""
+
+import glob
+import json
+import os
+import subprocess
+
+import numpy as np
+import pytest
+
+
+def close(a, b, tol):
+  """Every element finite and ``max |a - b| <= tol * max |b|``."""
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  assert np.all(np.isfinite(a)) and np.all(np.isfinite(b))
+  err = np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30)
+  assert err <= tol, f"relative error {err:.3g} > {tol}"
+
+
+def compiled_smem(module: str, dump_dir) -> dict:
+  """``python -m module dump_dir`` in the GPU-compile venv (skips when it is missing): the
+  ``{kernel: shared memory bytes}`` its ``main`` prints last."""
+  from bench.profiling import gpu_target
+  from tests.bench.profiling.test_gpu_target import GPU_PY, ROOT
+  if not os.path.exists(GPU_PY):
+    pytest.skip(f"no {GPU_PY}: {gpu_target.INSTALL} makes it")
+  p = subprocess.run([GPU_PY, "-m", module, str(dump_dir)], cwd=ROOT,
+                     env={**os.environ, "JAX_PLATFORMS": "cpu"}, capture_output=True, text=True,
+                     timeout=600)
+  assert p.returncode == 0, p.stderr[-3000:]
+  return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def kernel_smem(dump_dir, prefix: str) -> dict:
+  """``{kernel: shared memory bytes}`` of the kernels named ``prefix...`` in an XLA dump."""
+  from bench.profiling import gpu_target
+  return {k: v["smem"] for path in glob.glob(f"{dump_dir}/*thunk_sequence.txt")
+          for k, v in gpu_target.thunk_launches(path).items() if k.startswith(prefix)}
