@@ -15,6 +15,7 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from kunlun.nn import packed
 from kunlun.nn.activations import gelu
@@ -44,7 +45,7 @@ def gen_pallas(x, w_tok, a1, b1, a_k, a_v, *, dtype):
 
 class _DenseParams(nn.Module):
   """``nn.Dense``'s ``kernel [d_in, features]`` and ``bias [features]`` (float32, the same names,
-  initialisers and axes), for a layer computed elsewhere."""
+  initialisers and axes), for the hidden layer both paths compute themselves."""
   d_in: int
   features: int
 
@@ -74,26 +75,24 @@ class WeightGen(nn.Module):
       dh = self.d_seq // self.heads
       w_tok = self.param("tok", with_axes(nn.initializers.normal(N ** -0.5), ("tokens", "kv")),
                          (N, self.n_kv), F32)
+      # parameters in nn.Dense's and the earlier layout (names, initialisers, order): one tree
+      a1, b1 = _DenseParams(d_ns, d_ns, name="hidden")()
       kv_init = with_axes(nn.initializers.lecun_normal(in_axis=0, out_axis=(1, 2)),
                           ("mlp", "heads", "head_dim"))
-      shape = (d_ns, self.heads, dh)
+      w_k, w_v = (self.param(n, kv_init, (d_ns, self.heads, dh), F32) for n in ("key", "value"))
       axes = ("batch", "kv", "heads", "head_dim")
       if kernel(self.backend, self.key_norm, N, self.n_kv, d_ns, self.d_seq):
-        a1, b1 = _DenseParams(d_ns, d_ns, name="hidden")()
-        a_k, a_v = (self.param(n, kv_init, shape, F32).reshape(d_ns, self.d_seq)
-                    for n in ("key", "value"))
-        k, v = gen_pallas(x, w_tok, a1, b1, a_k, a_v, dtype=self.dtype)
+        flat = lambda w: w.reshape(d_ns, self.d_seq)
+        k, v = gen_pallas(x, w_tok, a1, b1, flat(w_k), flat(w_v), dtype=self.dtype)
         split = lambda t: shard(t.reshape(B, self.n_kv, self.heads, dh), axes)
         return split(k), split(v)
-      z = token_mix(rms_norm(x).astype(self.dtype), w_tok.astype(self.dtype))
+      dt = self.dtype
+      z = token_mix(rms_norm(x).astype(dt), w_tok.astype(dt))
       z = shard(z, ("batch", "kv", "embed"))
-      h = nn.Dense(d_ns, dtype=self.dtype, param_dtype=F32, name="hidden",
-                   kernel_init=with_axes(nn.initializers.lecun_normal(), ("embed", "mlp")),
-                   bias_init=with_axes(nn.initializers.zeros, ("mlp",)))(z)
-      h = gelu(h)
-      proj = lambda name, h: jnp.einsum("bme,ehc->bmhc", h,
-                                        self.param(name, kv_init, shape, F32).astype(h.dtype))
-      k, v = (proj(n, hi) for n, hi in zip(("key", "value"), apart(h, 2), strict=True))
+      h = gelu(lax.dot_general(z, a1.astype(dt), (((2,), (0,)), ((), ())))
+               + b1.astype(dt).reshape(1, 1, -1))                     # as nn.Dense computes it
+      k, v = (jnp.einsum("bme,ehc->bmhc", hi, w.astype(hi.dtype))
+              for hi, w in zip(apart(h, 2), (w_k, w_v), strict=True))
       if self.key_norm:
         k = rms_norm(k).astype(self.dtype)
       return shard(k, axes), shard(v, axes)
