@@ -11,9 +11,9 @@ Each step is rounded to ``dtype`` where the model's XLA path rounds it
 
 ``norm_qkv_xla`` is the twin: the formulas, differentiated by autodiff. ``norm_qkv_pallas`` runs
 a forward kernel (reads ``x``, writes q, k, v) and a backward kernel (reads ``x`` and the three
-cotangents, recomputes the projections, writes ``dx``, ``h`` and the pre-norm cotangents
-``dy [N, 3, H, D]``); XLA computes ``dw = h^T dy`` as one GEMM. Triton on GPU,
-``interpret=True`` on CPU. Rows of zeros (a packed block's tail) map to zeros.
+cotangents, recomputes the projections, writes ``dx`` and the pre-norm cotangents scaled by
+each row's RMS factor ``r dy [N, 3, H, D]``); XLA computes ``dw = h^T dy = x^T (r dy)`` as one
+GEMM. Triton on GPU, ``interpret=True`` on CPU. Rows of zeros (a packed block's tail) map to zeros.
 """
 
 from __future__ import annotations
@@ -168,13 +168,12 @@ def _fwd_kernel(x_ref, w_ref, sc_ref, tau_ref, pos_ref, om_ref, *out_refs, cfg: 
 
 
 def _bwd_kernel(x_ref, w_ref, sc_ref, tau_ref, pos_ref, om_ref, *refs, cfg: _Cfg):
-  g_refs, (dx_ref, h_ref, dy_ref, ds_ref) = refs[:cfg.proj], refs[cfg.proj:]
+  g_refs, (dx_ref, dy_ref, ds_ref) = refs[:cfg.proj], refs[cfg.proj:]
   i, hd = pl.program_id(0), cfg.head_dim // 2
   r0 = i * cfg.rows
   xf = _tile(x_ref, r0, cfg.rows).astype(F32)
   r = _norm_rows(xf, cfg.eps)
   h = (xf * r).astype(cfg.dtype)
-  _put(h_ref, r0, h)
   if cfg.rot:
     tau, pos = _vec(tau_ref, r0, cfg.rows), _vec(pos_ref, r0, cfg.rows)
     omega = plgpu.load(om_ref.at[:])
@@ -196,8 +195,8 @@ def _bwd_kernel(x_ref, w_ref, sc_ref, tau_ref, pos_ref, om_ref, *refs, cfg: _Cfg
       dz1, dz2 = dn1 * s1[None], dn2 * s2[None]
       m = (jnp.sum(dz1 * z1, 1, keepdims=True) + jnp.sum(dz2 * z2, 1, keepdims=True)) / cfg.head_dim
       dy1, dy2 = round_to(a * (dz1 - z1 * m), cfg.dtype), round_to(a * (dz2 - z2 * m), cfg.dtype)
-      _put(dy_ref, r0, dy1, (p, j, lo))
-      _put(dy_ref, r0, dy2, (p, j, hi))
+      _put(dy_ref, r0, r * dy1, (p, j, lo))
+      _put(dy_ref, r0, r * dy2, (p, j, hi))
       return (dh + back(dy1, p, j, 0) + back(dy2, p, j, 1),
               ds1 + jnp.sum(dn1 * z1, 0), ds2 + jnp.sum(dn2 * z2, 0))
 
@@ -210,8 +209,8 @@ def _bwd_kernel(x_ref, w_ref, sc_ref, tau_ref, pos_ref, om_ref, *refs, cfg: _Cfg
     def plain(j, dh, p=p):
       g1 = _tile(g_refs[p], r0, cfg.rows, (j, lo)).astype(F32)
       g2 = _tile(g_refs[p], r0, cfg.rows, (j, hi)).astype(F32)
-      _put(dy_ref, r0, g1, (p, j, lo))
-      _put(dy_ref, r0, g2, (p, j, hi))
+      _put(dy_ref, r0, r * g1, (p, j, lo))
+      _put(dy_ref, r0, r * g2, (p, j, hi))
       return dh + back(g1, p, j, 0) + back(g2, p, j, 1)
 
     dh = lax.fori_loop(0, cfg.heads, plain, dh)
@@ -264,13 +263,13 @@ def _bwd(x, wf, sc, tau, pos, omega, gs, cfg: _Cfg, shape):
   N, d, H, D = shape
   T = pl.cdiv(N, cfg.rows)
   b = jnp.dtype(cfg.dtype).itemsize
-  outs = (jax.ShapeDtypeStruct((N, d), x.dtype), jax.ShapeDtypeStruct((N, d), cfg.dtype),
+  outs = (jax.ShapeDtypeStruct((N, d), x.dtype),
           jax.ShapeDtypeStruct((N, cfg.proj, H, D), cfg.dtype),
           jax.ShapeDtypeStruct((T, sc.shape[0], D), F32))
   whole = pl.no_block_spec
   return _poison.pallas_call(
       functools.partial(_bwd_kernel, cfg=cfg), (x, wf, sc, tau, pos, omega, *gs),
-      out_shape=outs, grid=(T,), in_specs=[whole] * (6 + cfg.proj), out_specs=(whole,) * 4,
+      out_shape=outs, grid=(T,), in_specs=[whole] * (6 + cfg.proj), out_specs=(whole,) * 3,
       interpret=cfg.interpret, name=f"{_name(cfg)}_bwd",
       compiler_params=_params(cfg.rows, d, D, b))
 
@@ -294,11 +293,14 @@ def _vjp_bwd(eps, dtype, interpret, rot, res, g):
   x, w, sc, tau, pos, omega = res
   N, d, H, D = _check(x, w)
   cfg = _Cfg(H, D, eps, dtype, _rows(BWD_ROWS, d), interpret, w.shape[1], rot)
-  dx, h, dy, ds = _bwd(x, w.astype(dtype).reshape(d, -1), sc, tau, pos, omega, g, cfg,
-                       (N, d, H, D))
+  dx, ry, ds = _bwd(x, w.astype(dtype).reshape(d, -1), sc, tau, pos, omega, g, cfg,
+                    (N, d, H, D))
+  xd = x.astype(dtype)
   if interpret:            # XLA:CPU: a 16-bit dot may accumulate in 16 bits; a GPU's in float32
-    h, dy = h.astype(F32), dy.astype(F32)
-  dw = jnp.einsum("nd,npjc->dpjc", h, dy).astype(dtype)   # in dtype, as the twin's weight gradient
+    xd, ry = xd.astype(F32), ry.astype(F32)
+  # dw = h^T dy with h = r x (r: the rows' RMS scale): x^T (r dy), the kernel having written
+  # r dy, so no [N, d] h is written and read back
+  dw = jnp.einsum("nd,npjc->dpjc", xd, ry).astype(dtype)   # in dtype, as the twin's gradient
   z = jnp.zeros_like
   return dx, dw.astype(w.dtype), jnp.sum(ds, 0).astype(sc.dtype), z(tau), z(pos), z(omega)
 
