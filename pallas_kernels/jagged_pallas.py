@@ -573,12 +573,16 @@ def _softmax_kernel(klo_ref, khi_ref, seg_ref, q_ref, k_ref, v_ref, o_ref, lse_r
               mask=rows < lse_ref.shape[1])
 
 
-def _softmax_dq_kernel(klo_ref, khi_ref, seg_ref, q_ref, k_ref, v_ref, do_ref, lse_ref,
-                       delta_ref, dq_ref, *, cfg: _Cfg, B):
+def _softmax_dq_kernel(klo_ref, khi_ref, seg_ref, q_ref, k_ref, v_ref, o_ref, do_ref, lse_ref,
+                       dq_ref, delta_ref, *, cfg: _Cfg, B):
+  """dq of a query tile, and its rows' ``delta = rowsum(dO * O)`` (written for the dk / dv
+  kernel): the tile's ``O`` read here instead of a separate pass over ``dO`` and ``O``."""
   h = pl.program_id(1)
   r0, rows, seg = _own(seg_ref, cfg, B)
-  q, do = (_rows(x, r0, cfg.tile, h, seg < B) for x in (q_ref, do_ref))
-  lse, delta = (_row_stat(x, h, r0, cfg.tile) for x in (lse_ref, delta_ref))
+  q, o, do = (_rows(x, r0, cfg.tile, h, seg < B) for x in (q_ref, o_ref, do_ref))
+  lse = _row_stat(lse_ref, h, r0, cfg.tile)
+  delta = jnp.sum(do.astype(_F32) * o.astype(_F32), axis=1)
+  plgpu.store(delta_ref.at[h, pl.ds(r0, cfg.tile)], delta, mask=rows < delta_ref.shape[1])
 
   def tile(start, inside, keep, dq):   # dS = P (dO V^T - delta), P = exp(s - lse)
     k, v = (_rows(r, start, cfg.kv_tile, h, inside) for r in (k_ref, v_ref))
@@ -639,15 +643,15 @@ def _softmax_attention_fwd(cfg: _Cfg, q, k, v, jag):
 def _softmax_attention_bwd(cfg: _Cfg, res, do):
   q, k, v, jag, o, lse = res
   do = do.astype(q.dtype)
-  delta = jnp.sum(do.astype(_F32) * o.astype(_F32), axis=-1).T           # [H, N]
   N, H, _ = q.shape
   r = _row(q)
   klo, khi = key_ranges(jag, cfg.tile, cfg.window)
   _, stages = _plan("jagged_softmax_attention_dq", cfg,
-                    lambda _: (2 * cfg.tile * r, cfg.kv_tile * (2 * r + 4)))
-  dq = _call(functools.partial(_softmax_dq_kernel, B=jag.batch), cfg, (klo, khi),
-             (jag.seg, q, k, v, do, lse, delta), jax.ShapeDtypeStruct(q.shape, q.dtype),
-             (klo.shape[0], H), "jagged_softmax_attention_dq", stages)
+                    lambda _: (3 * cfg.tile * r, cfg.kv_tile * (2 * r + 4)))
+  dq, delta = _call(functools.partial(_softmax_dq_kernel, B=jag.batch), cfg, (klo, khi),
+                    (jag.seg, q, k, v, o, do, lse),
+                    (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((H, N), _F32)),
+                    (klo.shape[0], H), "jagged_softmax_attention_dq", stages)
   per_key = cfg._replace(tile=cfg.kv_tile, kv_tile=cfg.tile)
   qlo, qhi = key_ranges(jag, per_key.tile, cfg.window)
   # streamed: q, do rows, their segment ids, lse and delta
