@@ -12,7 +12,7 @@ device computes whole examples; the per-token ops run on the flat ``[N, d]`` row
 on the ``blocks`` axis; their callers constrain them to ``batch`` (under context parallelism an
 all-gather of the summaries over the context devices). ``fused_qkv`` / ``fused_proj``: the
 attention's and HSP's norm -> projections as one Pallas pass (``pallas_kernels.norm_qkv``),
-row-wise, per device.
+row-wise, per device; ``fused_norm_residual`` the PFFN's tail (``pallas_kernels.norm_residual``).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from kunlun.nn.time_encoding import rotary_inputs
-from pallas_kernels import jagged, jagged_pallas, norm_qkv
+from pallas_kernels import jagged, jagged_pallas, norm_qkv, norm_residual
 from pallas_kernels.api import compile_platform
 from sharding import shard
 from sharding.packed import per_shard
@@ -152,6 +152,12 @@ def fusable(backend: str, d: int, heads: int, dtype) -> bool:
   return _use_pallas(backend) and norm_qkv.supported(d, heads, d // heads, dtype)
 
 
+def fuse_tail(backend: str, d: int) -> bool:
+  """Whether a packed tower of width ``d`` takes ``fused_norm_residual``: the Pallas backend and
+  a width its kernels tile."""
+  return _use_pallas(backend) and norm_residual.supported(d)
+
+
 def fused_qkv(x, w, q_scale, k_scale, age, jag, *, t_scale: float, dtype):
   """The attention's input side as one Pallas pass (``pallas_kernels.norm_qkv``): ``x [N, d]``,
   ``w [d, 3, H, D]``, ``age f32[N]`` and the tokens' ``jag.pos`` -> ``q, k, v [N, H, D]``
@@ -169,6 +175,17 @@ def fused_proj(x, w, jag, *, dtype):
   (``pallas_kernels.norm_qkv.norm_proj_pallas``; HSP's keys and values): ``P x [N, H, D]``."""
   op = lambda x, w: norm_qkv.norm_proj_pallas(x, w, dtype=dtype, interpret=interpret_kernels())
   return _rowwise_kernel(op, jag, (x,), (w,))
+
+
+def fused_norm_residual(g, u, x, jag, *, eps: float):
+  """PFFN's tail ``kunlun.nn.fused.norm_residual`` on a packed tower as one Pallas pass each way
+  (``pallas_kernels.norm_residual``): ``g, u, x [N, d]`` -> ``[N, d]`` in ``x.dtype``, each
+  block's tail zero."""
+  rows, totals = as_rows(x[:, 0], jag)
+  valid = (jnp.arange(rows.shape[1])[None, :] < totals[:, None]).astype(F32).reshape(-1)
+  op = lambda g, u, x, valid: (norm_residual.norm_residual_pallas(
+      g, u, x, valid, eps=eps, interpret=interpret_kernels()),)
+  return _rowwise_kernel(op, jag, (g, u, x, valid), ())[0]
 
 
 def _rowwise_kernel(op, jag, tokens, shared):

@@ -28,7 +28,7 @@ from kunlun.configs.types import BucketSpec
 from kunlun.nn import packed
 from kunlun.nn.fused import norm_residual
 from kunlun.nn.gdpa import gdpa_op
-from kunlun.nn.norms import layer_norm, rms_norm
+from kunlun.nn.norms import EPS, layer_norm, rms_norm
 from kunlun.nn.time_encoding import add_bucket_embedding
 from pallas_kernels.activations import per_head
 from sharding import shard, with_axes
@@ -87,6 +87,9 @@ class PFFN(nn.Module):
       g = packed.gdpa_cross(q, k.astype(self.dtype), v.astype(self.dtype), jag,
                             backend=self.backend, activation=self.activation, out_scale=1.0,
                             score_clip=self.score_clip)                # [N, H, dh]
+      if not self.norm_affine and packed.fuse_tail(self.backend, d):
+        y = packed.fused_norm_residual(g.reshape(N, d), u, x, jag, eps=EPS)
+        return packed.Packed(y, jag)
       return packed.Packed(packed.rowwise(self._tail, jag, g.reshape(N, d), u, x), jag)
 
   def _check(self, d, k, v, B):

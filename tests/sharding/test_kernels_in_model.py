@@ -74,11 +74,12 @@ def test_pallas_module_under_5d_mesh_equals_xla_unsharded(name):
     assert "all-gather" in hlo
 
 
-@pytest.mark.parametrize("name", ["attention", "hsp"])
+@pytest.mark.parametrize("name", ["attention", "hsp", "pffn"])
 def test_packed_fused_projections_per_device_equal_xla_unsharded(name):
   """A packed tower in 4 blocks split over the mesh's batch devices (``5d`` rules): the fused
-  norm -> projection kernels (``pallas_kernels.norm_qkv``, interpret mode) run per device inside
-  a shard_map and equal the unsharded XLA modules, forward and gradient."""
+  norm -> projection kernels (``pallas_kernels.norm_qkv``) and the PFFN's tail
+  (``pallas_kernels.norm_residual``), interpret mode, run per device inside a shard_map and equal
+  the unsharded XLA modules, forward and gradient."""
   from data.jagged import pack_blocks
   from kunlun.nn import packed
   from pallas_kernels.jagged import sharded
@@ -92,13 +93,17 @@ def test_packed_fused_projections_per_device_equal_xla_unsharded(name):
   if name == "attention":
     make = lambda be: SeqAttention(2, kind="swa", window=4, backend=be)
     call = lambda m, p, x: m.apply(p, packed.Packed(x, jag), None, a).value
-  else:
+  elif name == "hsp":
     make = lambda be: HSP(8, 4, 2, rank=2, backend=be, t_max=24)
     call = lambda m, p, x: m.apply(p, packed.Packed(x, jag), None)
+  else:
+    kv = [jnp.asarray(rng.normal(size=(8, 3, 2, 32)), jnp.float32) for _ in range(2)]
+    make = lambda be: PFFN(2, backend=be)
+    call = lambda m, p, x: m.apply(p, packed.Packed(x, jag), None, *kv).value
   ref_mod, ker_mod = make("xla"), make("pallas")
+  extra = {"attention": (None, a), "hsp": (None,)}.get(name) or (None, *kv)
   params = nn.meta.unbox(jax.jit(lambda: ref_mod.init(jax.random.key(1), packed.Packed(x, jag),
-                                                       None, *((a,) if name == "attention"
-                                                               else ())))())
+                                                       *extra))())
   loss = lambda m: (lambda p, x: jnp.sum(jnp.sin(call(m, p, x))))
   want = np.asarray(jax.jit(lambda p, x: call(ref_mod, p, x))(params, x))
   want_g = jax.jit(jax.grad(loss(ref_mod), argnums=(0, 1)))(params, x)

@@ -139,3 +139,37 @@ def test_pffn_per_head_activations_and_score_clip():
     np.testing.assert_allclose(outs[clip], np_pffn(s, lengths, k, v, np_acts, clip),
                                rtol=1e-4, atol=1e-4)
   assert np.abs(outs[None] - outs[0.5]).max() > 0.05
+
+
+@pytest.mark.parametrize("lens,cap,dtype", [((9, 0, 16, 1), 32, jnp.float32),
+                                            ((0, 32, 0), 32, jnp.float32),
+                                            ((9, 0, 16, 1), 32, jnp.bfloat16)])
+def test_packed_fused_tail_matches_the_xla_path(lens, cap, dtype):
+  """A packed tower on the Pallas backend runs the tail ``RMSNorm(g + u) + s`` as
+  ``pallas_kernels.norm_residual``'s kernels (interpret mode); output and gradients (tokens,
+  keys, values) equal the XLA backend's (float32: 1e-5; bfloat16: 2e-2 of the largest magnitude)
+  with ragged lengths, empty histories and one example filling the capacity; float32 outputs at
+  the real tokens equal the numpy reference of the padded layout, the capacity's tail zero."""
+  from data.jagged import pack_events
+  from kunlun.nn import packed
+  from pallas_kernels.jagged import Jagged
+  from tests.kunlun.nn.backends import pallas_matches_xla
+  B, T, d, H = len(lens), max(lens), 32, 2
+  rng = np.random.default_rng(sum(lens))
+  s = rng.normal(size=(B, T, d)).astype(np.float32)
+  k, v = (rng.normal(size=(B, 4, H, d // H)).astype(np.float32) for _ in range(2))
+  lengths = np.array(lens, np.int32)
+  toks, offsets, seg, pos, _ = pack_events({"s": s}, lengths, cap)
+  jag = Jagged(*(jnp.asarray(a) for a in (offsets, seg, pos)))
+  x = jnp.asarray(toks["s"], dtype)
+  mods = {b: PFFN(H, backend=b, dtype=dtype) for b in ("xla", "pallas")}
+  assert packed.fuse_tail("pallas", d) and not packed.fuse_tail("xla", d)
+  g = jnp.asarray(rng.normal(size=x.shape), jnp.float32)
+  apply = lambda m, p, xkv: m.apply(p, packed.Packed(xkv[0], jag), None, xkv[1], xkv[2]).value
+  got = pallas_matches_xla(mods, {}, (x, jnp.asarray(k), jnp.asarray(v)), apply, g, dtype)
+  n = int(offsets[-1])
+  assert not np.any(np.asarray(got, np.float32)[n:])
+  if dtype == jnp.float32:
+    real = np.arange(T)[None, :] < lengths[:, None]
+    ref = np_pffn(s, lengths, k, v, fast_gelu)
+    np.testing.assert_allclose(np.asarray(got)[:n], ref[real], rtol=1e-4, atol=1e-4)

@@ -1,0 +1,87 @@
+"""The PFFN's tail over packed tokens (``pallas_kernels.norm_residual``): the twin against a
+float64 numpy computation, the Pallas kernels (interpret mode, NaN-poisoned outputs) against the
+twin in values and gradients (float32: 1e-5 of the largest magnitude; bfloat16: 2e-2), with row
+counts no multiple of the tile, a zero tail and masked rows that hold values."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import _poison, norm_residual
+from tests.pallas_kernels.deviceless import close
+
+EPS = 1e-6
+
+
+def _inputs(N, d, seed, dead=5):
+  rng = np.random.default_rng(seed)
+  g, u, s = (rng.normal(size=(N, d)).astype(np.float32) * rng.uniform(0.1, 3.0, size=(N, 1))
+             for _ in range(3))
+  valid = np.ones((N,), np.float32)
+  valid[N - dead:] = 0.0
+  g[N - 2:], u[N - 2:], s[N - 2:] = 0.0, 0.0, 0.0          # a zero tail; the other dead rows
+  return g, u, s, valid                                     # hold values the mask must drop
+
+
+def _numpy(g, u, s, valid, dy):
+  """float64: the output and the cotangents of g (= u's) and s."""
+  g, u, s, dy = (a.astype(np.float64) for a in (g, u, s, dy))
+  t = g + u
+  r = 1.0 / np.sqrt(np.mean(t * t, -1, keepdims=True) + EPS)
+  m = valid[:, None]
+  z = t * r
+  d = dy * m
+  return m * (z + s), r * (d - z * np.mean(d * z, -1, keepdims=True)), d
+
+
+def test_twin_matches_numpy():
+  g, u, s, valid = _inputs(50, 64, 0)
+  y = norm_residual.norm_residual_xla(*map(jnp.asarray, (g, u, s, valid)), eps=EPS)
+  dy = np.random.default_rng(1).normal(size=g.shape).astype(np.float32)
+  ref_y, ref_dt, ref_ds = _numpy(g, u, s, valid, dy)
+  close(y, ref_y, 1e-6)
+  f = lambda g, u, s: jnp.sum(norm_residual.norm_residual_xla(g, u, s, valid, eps=EPS) * dy)
+  dg, du, ds = jax.grad(f, argnums=(0, 1, 2))(*map(jnp.asarray, (g, u, s)))
+  close(dg, ref_dt, 1e-5)
+  close(du, ref_dt, 1e-5)
+  close(ds, ref_ds, 1e-6)
+
+
+@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 2e-2)])
+@pytest.mark.parametrize("N,d", [(77, 64), (40, 256)])
+def test_kernels_match_the_twin(dtype, tol, N, d):
+  g, u, s, valid = (jnp.asarray(a, dtype) if a.ndim == 2 else jnp.asarray(a)
+                    for a in _inputs(N, d, N + d))
+  dy = jnp.asarray(np.random.default_rng(3).normal(size=(N, d)), jnp.float32)
+
+  def loss(fn):
+    return jax.value_and_grad(lambda g, u, s: jnp.sum(fn(g, u, s, valid, eps=EPS)
+                                                      .astype(jnp.float32) * dy),
+                              argnums=(0, 1, 2))(g, u, s)
+
+  pal = lambda *a, **k: norm_residual.norm_residual_pallas(
+      *a, interpret=True, **k)
+  with _poison.poison_outputs():
+    y = pal(g, u, s, valid, eps=EPS)
+    val, grads = loss(pal)
+  ref = norm_residual.norm_residual_xla(g, u, s, valid, eps=EPS)
+  assert y.dtype == dtype and y.shape == ref.shape
+  close(y, ref, tol)
+  assert not np.any(np.asarray(y, np.float32)[N - 5:])     # masked rows: zero
+  rval, rgrads = loss(norm_residual.norm_residual_xla)
+  close(val, rval, tol)
+  for name, a, b in zip("gus", grads, rgrads, strict=True):
+    assert a.dtype == b.dtype and a.shape == b.shape, name
+    close(a, b, tol)
+    assert not np.any(np.asarray(a, np.float32)[N - 5:]), name
+
+
+def test_bad_shapes_and_widths_are_refused():
+  z = jnp.zeros((8, 48))
+  with pytest.raises(ValueError, match="power of two"):
+    norm_residual.norm_residual_pallas(z, z, z, jnp.ones(8), eps=EPS, interpret=True)
+  z = jnp.zeros((8, 64))
+  with pytest.raises(ValueError, match="must be one"):
+    norm_residual.norm_residual_pallas(z, z, z[:4], jnp.ones(8), eps=EPS, interpret=True)
+  assert norm_residual.supported(256) and not norm_residual.supported(48)
