@@ -237,9 +237,11 @@ def _arn_bwd(dtype, res, dy):
   r = _rsqrt_ms(t)
   z = t * r
   d = dy.astype(F32)
-  dt = r * (d - z * jnp.mean(d * z, axis=-1, keepdims=True))
-  lead = tuple(range(dt.ndim - e.ndim))
-  return dt.astype(a.dtype), jnp.sum(dt, axis=lead).astype(e.dtype)
+  da = (r * (d - z * jnp.mean(d * z, axis=-1, keepdims=True))).astype(a.dtype)
+  # e's gradient sums a's as rounded: the float32 dt is then never written (XLA wrote it out
+  # for the two consumers and read it back; in float32 the two are the same)
+  lead = tuple(range(da.ndim - e.ndim))
+  return da, jnp.sum(da.astype(F32), axis=lead).astype(e.dtype)
 
 
 add_rms_norm.defvjp(_arn_fwd, _arn_bwd)
