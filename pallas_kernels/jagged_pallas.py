@@ -22,6 +22,9 @@ from pallas_kernels.reference import score_clip_value
 
 _F32 = jnp.float32
 _NEG = -1e30
+# Examples per program of the GDPA pool's seed-gradient kernel: its float32 partials, written
+# and summed after, shrink by this factor; mid b1024 still has 1,024 programs (256 x 4 heads)
+POOL_DQ_EXAMPLES = 4
 
 
 class _Cfg(NamedTuple):
@@ -169,7 +172,12 @@ def _tile_loop(lo_ref, hi_ref, seg_ref, n_ex, cfg: _Cfg, body, init):
 
 def _example_loop(start_ref, end_ref, cfg: _Cfg, body, init):
   """Runs ``body(start, rows bool[kv_tile], carry)`` over this example's token tiles."""
-  start, end, bk = start_ref[0], end_ref[0], cfg.kv_tile
+  return _token_loop(start_ref[0], end_ref[0], cfg, body, init)
+
+
+def _token_loop(start, end, cfg: _Cfg, body, init):
+  """Runs ``body(start, rows bool[kv_tile], carry)`` over the token tiles of ``[start, end)``."""
+  bk = cfg.kv_tile
 
   def step(j, c):
     s = start + j * bk
@@ -302,20 +310,29 @@ def _pool_kernel(start_ref, end_ref, q_ref, k_ref, v_ref, o_ref, *, cfg: _Cfg):
   _ex_store(o_ref, b, h, acc * cfg.out_scale, S, s0)
 
 
-def _pool_dq_kernel(start_ref, end_ref, q_ref, k_ref, v_ref, do_ref, dq_ref, *, cfg: _Cfg):
-  """Each example's partial seed gradient ``[B, S, H, D]`` (summed over examples after)."""
-  b, h, S = pl.program_id(0), pl.program_id(1), q_ref.shape[0]
+def _pool_dq_kernel(off_ref, q_ref, k_ref, v_ref, do_ref, dq_ref, *, cfg: _Cfg, per: int):
+  """The seed gradient summed over ``per`` consecutive examples, ``[ceil(B / per), S, H, D]``
+  (summed over the groups after): fewer float32 partials written and read back than one per
+  example."""
+  i, h, S, B = pl.program_id(0), pl.program_id(1), q_ref.shape[0], do_ref.shape[0]
   s0 = _chunk_start(cfg.tile, S)
   q = _rows(q_ref, s0, cfg.tile, h, _span(s0, cfg.tile) < S)
-  do = _ex_rows(do_ref, b, cfg.tile, h, S, s0)
 
-  def tile(start, rows, dq):
-    k, v = (_rows(x, start, cfg.kv_tile, h, rows) for x in (k_ref, v_ref))
-    _, slope = _scores(q, k, cfg, h, with_slope=True)
-    return dq + _dot(_dot(do, v, trans_b=True) * slope, k)
+  def example(j, dq):
+    b = i * per + j
+    bb = jnp.minimum(b, B - 1)                 # past the batch: no tokens, nothing added
+    do = _ex_rows(do_ref, bb, cfg.tile, h, S, s0)
 
-  dq = _example_loop(start_ref, end_ref, cfg, tile, jnp.zeros(q.shape, _F32))
-  _ex_store(dq_ref, b, h, dq * (cfg.scale * cfg.out_scale), S, s0)
+    def tile(start, rows, dq):
+      k, v = (_rows(x, start, cfg.kv_tile, h, rows) for x in (k_ref, v_ref))
+      _, slope = _scores(q, k, cfg, h, with_slope=True)
+      return dq + _dot(_dot(do, v, trans_b=True) * slope, k)
+
+    start = off_ref[bb]
+    return _token_loop(start, jnp.where(b < B, off_ref[bb + 1], start), cfg, tile, dq)
+
+  dq = lax.fori_loop(0, per, example, jnp.zeros(q.shape, _F32))
+  _ex_store(dq_ref, i, h, dq * (cfg.scale * cfg.out_scale), S, s0)
 
 
 def _pool_dkv_kernel(lo_ref, hi_ref, seg_ref, q_ref, k_ref, v_ref, do_ref, dk_ref, dv_ref, *,
@@ -369,9 +386,10 @@ def _gdpa_pool_bwd(cfg: _Cfg, res, do):
   S, H, D = q.shape
   r, t = _row(q), cfg.kv_tile
   sc, stages = _plan("jagged_gdpa_pool_dq", cfg, lambda c: (2 * c * r, 2 * t * r), cfg.tile)
-  dq = _call(_pool_dq_kernel, cfg._replace(tile=sc), (jag.offsets[:-1], jag.offsets[1:]),
-             (q, k, v, do), jax.ShapeDtypeStruct((jag.batch, S, H, D), _F32),
-             (jag.batch, H, *_chunk_grid(sc, S)), "jagged_gdpa_pool_dq", stages)
+  groups = pl.cdiv(jag.batch, POOL_DQ_EXAMPLES)
+  dq = _call(functools.partial(_pool_dq_kernel, per=POOL_DQ_EXAMPLES), cfg._replace(tile=sc),
+             (), (jag.offsets, q, k, v, do), jax.ShapeDtypeStruct((groups, S, H, D), _F32),
+             (groups, H, *_chunk_grid(sc, S)), "jagged_gdpa_pool_dq", stages)
   lo, hi = jagged.tile_examples(jag, t)
   # k, v tiles resident; all seeds: q too and do per example; chunks: q and do per step
   need = lambda c: ((2 * t + c) * r, c * r) if c >= S else (2 * t * r, 2 * c * r)
@@ -390,8 +408,8 @@ def jagged_gdpa_pool_pallas(q, k, v, jag, *, activation="fast_gelu", scale=None,
                             score_clip=None, interpret=False, block_k=64):
   """Pallas ``jagged.jagged_gdpa_pool``: grid (examples, heads [, seed chunks where the seeds do
   not fit shared memory, ``_plan``]); a program keeps its seeds and walks its example's tokens
-  ``[offsets[b], offsets[b+1])`` in tiles of ``block_k``. Backward: per-example seed gradients on
-  the same grid (summed after); dk, dv on (token tiles, heads), each tile walking the examples
+  ``[offsets[b], offsets[b+1])`` in tiles of ``block_k``. Backward: seed gradients summed over
+  ``POOL_DQ_EXAMPLES`` examples per program (the groups summed after); dk, dv on (token tiles, heads), each tile walking the examples
   it overlaps."""
   jagged.check_tokens(jag, k, v)
   S, H, D = q.shape

@@ -418,3 +418,26 @@ def test_pallas_gdpa_at_prod_head_dim_against_the_xla_twin(dtype):
   for what, g, r in zip(names, jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
     g, r = np.asarray(g, np.float32), np.asarray(r, np.float32)
     np.testing.assert_allclose(g, r, atol=PROD_TOL[dtype] * np.abs(r).max(), err_msg=what)
+
+
+def test_pallas_pool_seed_gradient_over_a_partial_group_of_examples():
+  """The pool's seed-gradient kernel sums ``POOL_DQ_EXAMPLES`` examples per program: with a
+  batch that is no multiple of it (the last group partial) and an empty history, every
+  gradient equals the XLA twin's (float32, poisoned outputs)."""
+  per = jagged_pallas.POOL_DQ_EXAMPLES
+  Bx = per + 2
+  lengths = np.array([5, 0, 9, 1, 7, 3][:Bx] + [2] * max(0, Bx - 6), np.int32)
+  rng = np.random.default_rng(11)
+  x = [jnp.asarray(rng.normal(size=(Bx, 9, H, D)), jnp.float32) for _ in range(2)]
+  pack = jax.jit(jagged.pack, static_argnums=2)
+  (k, jag, _), (v, _, _) = (pack(a, lengths, 32) for a in x)
+  seeds = jnp.asarray(rng.normal(size=(S, H, D)), jnp.float32)
+
+  def grads(fn):
+    f = lambda sd, k, v: jnp.sum(jnp.sin(fn(sd, k, v, jag, activation="gelu", out_scale=0.5)))
+    return jax.jit(jax.grad(f, argnums=(0, 1, 2)))(seeds, k, v)
+
+  with _poison.poison_outputs():
+    got = grads(functools.partial(jagged_pallas.jagged_gdpa_pool_pallas, interpret=True))
+  for what, g, r in zip(("seeds", "k", "v"), got, grads(jagged.jagged_gdpa_pool), strict=True):
+    np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5, err_msg=f"d{what}")
