@@ -409,8 +409,8 @@ def jagged_gdpa_pool_pallas(q, k, v, jag, *, activation="fast_gelu", scale=None,
   """Pallas ``jagged.jagged_gdpa_pool``: grid (examples, heads [, seed chunks where the seeds do
   not fit shared memory, ``_plan``]); a program keeps its seeds and walks its example's tokens
   ``[offsets[b], offsets[b+1])`` in tiles of ``block_k``. Backward: seed gradients summed over
-  ``POOL_DQ_EXAMPLES`` examples per program (the groups summed after); dk, dv on (token tiles, heads), each tile walking the examples
-  it overlaps."""
+  ``POOL_DQ_EXAMPLES`` examples per program (the groups summed after); dk, dv on (token tiles,
+  heads), each tile walking the examples it overlaps."""
   jagged.check_tokens(jag, k, v)
   S, H, D = q.shape
   cfg = _Cfg(activations.per_head(activation, H), D ** -0.5 if scale is None else float(scale),
