@@ -75,6 +75,7 @@ class _Cfg(NamedTuple):
   interpret: bool
   proj: int = 3          # projections P
   rot: int = 2           # the first ``rot`` of them QK-normalised and rotated
+  res: bool = False      # x passed through; the backward adds its masked cotangent to dx
 
 
 def _tile(ref, r0, rows, idx=()):
@@ -168,7 +169,10 @@ def _fwd_kernel(x_ref, w_ref, sc_ref, tau_ref, pos_ref, om_ref, *out_refs, cfg: 
 
 
 def _bwd_kernel(x_ref, w_ref, sc_ref, tau_ref, pos_ref, om_ref, *refs, cfg: _Cfg):
-  g_refs, (dx_ref, dy_ref, ds_ref) = refs[:cfg.proj], refs[cfg.proj:]
+  g_refs, refs = refs[:cfg.proj], refs[cfg.proj:]
+  if cfg.res:
+    (gr_ref, valid_ref), refs = refs[:2], refs[2:]
+  dx_ref, dy_ref, ds_ref = refs
   i, hd = pl.program_id(0), cfg.head_dim // 2
   r0 = i * cfg.rows
   xf = _tile(x_ref, r0, cfg.rows).astype(F32)
@@ -217,6 +221,8 @@ def _bwd_kernel(x_ref, w_ref, sc_ref, tau_ref, pos_ref, om_ref, *refs, cfg: _Cfg
   dh = round_to(dh, cfg.dtype)
   hn = _tile(x_ref, r0, cfg.rows).astype(F32) * r     # reloaded: not live through the loops
   dx = r * (dh - hn * jnp.mean(dh * hn, axis=1, keepdims=True))
+  if cfg.res:           # the residual's cotangent, masked to the real rows
+    dx = dx + _vec(valid_ref, r0, cfg.rows)[:, None] * _tile(gr_ref, r0, cfg.rows).astype(F32)
   _put(dx_ref, r0, dx)
 
 
@@ -260,6 +266,7 @@ def _fwd(x, wf, sc, tau, pos, omega, cfg: _Cfg, shape):
 
 
 def _bwd(x, wf, sc, tau, pos, omega, gs, cfg: _Cfg, shape):
+  """``gs``: the projections' cotangents, then (``cfg.res``) the residual's and ``valid``."""
   N, d, H, D = shape
   T = pl.cdiv(N, cfg.rows)
   b = jnp.dtype(cfg.dtype).itemsize
@@ -269,7 +276,7 @@ def _bwd(x, wf, sc, tau, pos, omega, gs, cfg: _Cfg, shape):
   whole = pl.no_block_spec
   return _poison.pallas_call(
       functools.partial(_bwd_kernel, cfg=cfg), (x, wf, sc, tau, pos, omega, *gs),
-      out_shape=outs, grid=(T,), in_specs=[whole] * (6 + cfg.proj), out_specs=(whole,) * 3,
+      out_shape=outs, grid=(T,), in_specs=[whole] * (6 + len(gs)), out_specs=(whole,) * 3,
       interpret=cfg.interpret, name=f"{_name(cfg)}_bwd",
       compiler_params=_params(cfg.rows, d, D, b))
 
@@ -278,22 +285,28 @@ def _name(cfg: _Cfg) -> str:
   return "norm_qkv" if cfg.rot else "norm_proj"
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
-def _fused(x, w, sc, tau, pos, omega, eps, dtype, interpret, rot):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10))
+def _fused(x, w, sc, tau, pos, omega, valid, eps, dtype, interpret, rot):
+  """The projections; with ``valid`` (not None) also ``x`` itself, whose cotangent the
+  backward kernel masks by ``valid`` and adds to ``dx``."""
   N, d, H, D = _check(x, w)
   cfg = _Cfg(H, D, eps, dtype, _rows(FWD_ROWS, d), interpret, w.shape[1], rot)
-  return _fwd(x, w.astype(dtype).reshape(d, -1), sc, tau, pos, omega, cfg, (N, d, H, D))
+  outs = _fwd(x, w.astype(dtype).reshape(d, -1), sc, tau, pos, omega, cfg, (N, d, H, D))
+  return outs if valid is None else (*outs, x)
 
 
-def _vjp_fwd(x, w, sc, tau, pos, omega, eps, dtype, interpret, rot):
-  return _fused(x, w, sc, tau, pos, omega, eps, dtype, interpret, rot), (x, w, sc, tau, pos, omega)
+def _vjp_fwd(x, w, sc, tau, pos, omega, valid, eps, dtype, interpret, rot):
+  out = _fused(x, w, sc, tau, pos, omega, valid, eps, dtype, interpret, rot)
+  return out, (x, w, sc, tau, pos, omega, valid)
 
 
 def _vjp_bwd(eps, dtype, interpret, rot, res, g):
-  x, w, sc, tau, pos, omega = res
+  x, w, sc, tau, pos, omega, valid = res
   N, d, H, D = _check(x, w)
-  cfg = _Cfg(H, D, eps, dtype, _rows(BWD_ROWS, d), interpret, w.shape[1], rot)
-  dx, ry, ds = _bwd(x, w.astype(dtype).reshape(d, -1), sc, tau, pos, omega, g, cfg,
+  cfg = _Cfg(H, D, eps, dtype, _rows(BWD_ROWS, d), interpret, w.shape[1], rot,
+             res=valid is not None)
+  gs = tuple(g[:w.shape[1]]) + (() if valid is None else (g[-1], valid))
+  dx, ry, ds = _bwd(x, w.astype(dtype).reshape(d, -1), sc, tau, pos, omega, gs, cfg,
                     (N, d, H, D))
   xd = x.astype(dtype)
   if interpret:            # XLA:CPU: a 16-bit dot may accumulate in 16 bits; a GPU's in float32
@@ -302,19 +315,28 @@ def _vjp_bwd(eps, dtype, interpret, rot, res, g):
   # r dy, so no [N, d] h is written and read back
   dw = jnp.einsum("nd,npjc->dpjc", xd, ry).astype(dtype)   # in dtype, as the twin's gradient
   z = jnp.zeros_like
-  return dx, dw.astype(w.dtype), jnp.sum(ds, 0).astype(sc.dtype), z(tau), z(pos), z(omega)
+  return (dx, dw.astype(w.dtype), jnp.sum(ds, 0).astype(sc.dtype), z(tau), z(pos), z(omega),
+          None if valid is None else z(valid))
 
 
 _fused.defvjp(_vjp_fwd, _vjp_bwd)
 
 
 def norm_qkv_pallas(x, w, q_scale, k_scale, tau, positions, omega, *, eps: float = EPS,
-                    dtype=jnp.bfloat16, interpret: bool = False):
-  """``norm_qkv_xla``'s values and gradients from the Pallas kernels (module docstring)."""
+                    dtype=jnp.bfloat16, interpret: bool = False, valid=None):
+  """``norm_qkv_xla``'s values and gradients from the Pallas kernels (module docstring).
+
+  ``valid f32[N]`` (1 for a real row, 0 for a packed block's tail): the outputs are then
+  ``(q, k, v, x)``, ``x`` passed through for the residual; the backward kernel adds its
+  cotangent, masked by ``valid``, to ``dx`` (no separate pass summing the two)."""
   _check(x, w, 3)
   tau, pos, omega = (jnp.asarray(a, F32) for a in (tau, positions, omega))
   sc = jnp.stack([q_scale, k_scale]).astype(F32)
-  return _fused(x, w, sc, tau, pos, omega, float(eps), jnp.dtype(dtype), bool(interpret), 2)
+  valid = None if valid is None else jnp.asarray(valid, F32)
+  if valid is not None and valid.shape != x.shape[:1]:
+    raise ValueError(f"norm_qkv: valid {valid.shape} must be [N] with N = {x.shape[0]}")
+  return _fused(x, w, sc, tau, pos, omega, valid, float(eps), jnp.dtype(dtype), bool(interpret),
+                2)
 
 
 def norm_proj_xla(x, w, *, eps: float = EPS, dtype=jnp.bfloat16):
@@ -331,7 +353,7 @@ def norm_proj_pallas(x, w, *, eps: float = EPS, dtype=jnp.bfloat16, interpret: b
   or rotated."""
   _, _, _, D = _check(x, w)
   z = jnp.zeros((16,), F32)                  # no angles, no scales: never read
-  return _fused(x, w, jnp.zeros((1, D), F32), z, z, z, float(eps), jnp.dtype(dtype),
+  return _fused(x, w, jnp.zeros((1, D), F32), z, z, z, None, float(eps), jnp.dtype(dtype),
                 bool(interpret), 0)
 
 

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import pallas_kernels
 from kunlun.configs.types import BucketSpec
 from kunlun.nn import packed
-from kunlun.nn.fused import apart, masked_residual, qk_norm_rotary
+from kunlun.nn.fused import apart, masked_residual, masked_residual_pass, qk_norm_rotary
 from kunlun.nn.gdpa import gdpa_op
 from kunlun.nn.norms import rms_norm
 from kunlun.nn.time_encoding import bucket_embedding, rotary_time
@@ -138,9 +138,9 @@ class SeqAttention(nn.Module):
       raise ValueError(f"attention.kind = {self.kind!r} with activation {self.activation!r} has "
                        "no jagged op (packed towers: softmax, or kind 'block')")
     if self._fused_input(x.shape[-1]):      # norm -> q / k / v -> QK-norm -> rotary in one pass
-      q, k, v = packed.fused_qkv(x, w, sc("q_scale"), sc("k_scale"), age, jag,
-                                 t_scale=self.t_scale, dtype=self.dtype)
-      return self._packed_attend(x, q, k, v, jag)
+      q, k, v, xr = packed.fused_qkv(x, w, sc("q_scale"), sc("k_scale"), age, jag,
+                                     t_scale=self.t_scale, dtype=self.dtype)
+      return self._packed_attend(xr, q, k, v, jag, masked_residual_pass)
     q, k, v = (jnp.einsum("nd,dhc->nhc", hi, w[:, i]) for i, hi in enumerate(apart(h, 3)))
     emb = bucket_embedding(self, "time_bucket_q", q, age, None, self.time_buckets, jag)
     # as one row [1, N, H, dh]: the rotation by age and the tokens' pos, angles recomputed in
@@ -158,9 +158,10 @@ class SeqAttention(nn.Module):
     return (self.qk_norm and self.rotary and self.time_buckets is None
             and packed.fusable(self.backend, d, self.heads, self.dtype))
 
-  def _packed_attend(self, x, q, k, v, jag):
+  def _packed_attend(self, x, q, k, v, jag, residual=masked_residual):
     """The jagged attention of rotated ``q, k`` and ``v [N, H, D]``, projected out and added to
-    ``x [N, d]``."""
+    ``x [N, d]`` (``residual``: ``kunlun.nn.fused.masked_residual`` or, after the fused input
+    side, ``masked_residual_pass``)."""
     d = x.shape[-1]
     H, dh = self.heads, d // self.heads
     if self.kind == "block":
@@ -170,7 +171,7 @@ class SeqAttention(nn.Module):
       o = packed.softmax_attention(q, k, v, jag, backend=self.backend,
                                    window=self.window if self.kind == "swa" else None)
     out = jnp.einsum("nhc,hcd->nd", o.astype(self.dtype), self._w_out(H, dh, d))
-    return packed.rowwise(masked_residual, jag, x, out)
+    return packed.rowwise(residual, jag, x, out)
 
   def _attend(self, q, k, v, lengths, rot, T):
     """The attention proper (q, k already rotated unless ``kind="block"``, whose kernel rotates

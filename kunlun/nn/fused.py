@@ -106,6 +106,22 @@ def _mr_bwd(res, g):
 masked_residual.defvjp(_mr_fwd, _mr_bwd)
 
 
+@jax.custom_vjp
+def masked_residual_pass(s, y, lengths):
+  """``masked_residual``'s values with ``s``'s cotangent passed unmasked too: for an ``s`` whose
+  producer masks it itself (``pallas_kernels.norm_qkv``'s pass-through of ``x`` with ``valid``),
+  which spares the masked copy, or the pass adding it to ``x``'s other cotangent."""
+  return _masked_residual(s, y, lengths)
+
+
+def _mrp_bwd(res, g):
+  _, s0, y0 = res
+  return g.astype(s0.dtype), g.astype(y0.dtype), None
+
+
+masked_residual_pass.defvjp(_mr_fwd, _mrp_bwd)
+
+
 # ---- the PFFN's tail: RMSNorm(g + u) + s, masked ------------------------------------------
 
 @jax.custom_vjp

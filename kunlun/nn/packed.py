@@ -161,13 +161,16 @@ def fuse_tail(backend: str, d: int) -> bool:
 def fused_qkv(x, w, q_scale, k_scale, age, jag, *, t_scale: float, dtype):
   """The attention's input side as one Pallas pass (``pallas_kernels.norm_qkv``): ``x [N, d]``,
   ``w [d, 3, H, D]``, ``age f32[N]`` and the tokens' ``jag.pos`` -> ``q, k, v [N, H, D]``
-  (q, k normalised and rotated). Row-wise, so per device on the blocks it holds."""
+  (q, k normalised and rotated), and ``x`` passed through for the residual
+  (``kunlun.nn.fused.masked_residual_pass``): the backward kernel adds its cotangent, masked
+  to the real tokens, to ``dx``. Row-wise, so per device on the blocks it holds."""
   tau, pos, omega = rotary_inputs(age, jag.pos, w.shape[-1], t_scale)
 
-  def op(x, tau, pos, w, qs, ks, omega):
+  def op(x, tau, pos, valid, w, qs, ks, omega):
     return norm_qkv.norm_qkv_pallas(x, w, qs, ks, tau, pos, omega, dtype=dtype,
-                                    interpret=interpret_kernels())
-  return _rowwise_kernel(op, jag, (x, tau, pos), (w, q_scale, k_scale, omega))
+                                    interpret=interpret_kernels(), valid=valid)
+  return _rowwise_kernel(op, jag, (x, tau, pos, jag.valid.astype(F32)),
+                         (w, q_scale, k_scale, omega))
 
 
 def fused_proj(x, w, jag, *, dtype):
@@ -181,11 +184,9 @@ def fused_norm_residual(g, u, x, jag, *, eps: float):
   """PFFN's tail ``kunlun.nn.fused.norm_residual`` on a packed tower as one Pallas pass each way
   (``pallas_kernels.norm_residual``): ``g, u, x [N, d]`` -> ``[N, d]`` in ``x.dtype``, each
   block's tail zero."""
-  rows, totals = as_rows(x[:, 0], jag)
-  valid = (jnp.arange(rows.shape[1])[None, :] < totals[:, None]).astype(F32).reshape(-1)
   op = lambda g, u, x, valid: (norm_residual.norm_residual_pallas(
       g, u, x, valid, eps=eps, interpret=interpret_kernels()),)
-  return _rowwise_kernel(op, jag, (g, u, x, valid), ())[0]
+  return _rowwise_kernel(op, jag, (g, u, x, jag.valid.astype(F32)), ())[0]
 
 
 def _rowwise_kernel(op, jag, tokens, shared):

@@ -154,3 +154,37 @@ def test_plain_projections_match_the_twin_and_numpy(dtype, tol):
   for g, r in zip(grads, rgrads, strict=True):
     assert g.dtype == r.dtype and g.shape == r.shape
     close(g, r, tol)
+
+
+@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 2e-2)])
+def test_pass_through_adds_its_masked_cotangent(dtype, tol):
+  """With ``valid``, ``x`` comes back as a fourth output and the backward kernel adds its
+  cotangent, masked by ``valid``, to ``dx``: the gradients equal the twin's with ``valid * x``
+  added to the loss, and the masked rows (holding values) get only the projections' part."""
+  N, H = 50, 2
+  x, w, qs, ks, age, pos = _inputs(N=N, H=H, seed=9, zero_tail=4)
+  x = jnp.asarray(x, dtype)
+  rng = np.random.default_rng(6)
+  cot = [jnp.asarray(rng.normal(size=(N, H, w.shape[-1])), jnp.float32) for _ in range(3)]
+  c_res = jnp.asarray(rng.normal(size=x.shape), jnp.float32)
+  valid = jnp.asarray(np.arange(N) < N - 9, jnp.float32)       # 5 masked rows hold values
+
+  def loss(x, w, qs, ks, pallas):
+    args = _angles(x, w, qs, ks, age, pos)
+    if pallas:
+      *qkv, xr = norm_qkv.norm_qkv_pallas(*args, dtype=dtype, interpret=True, valid=valid)
+      res = jnp.sum(xr.astype(jnp.float32) * c_res)
+    else:
+      qkv = norm_qkv.norm_qkv_xla(*args, dtype=dtype)
+      res = jnp.sum(x.astype(jnp.float32) * valid[:, None] * c_res)
+    return res + sum(jnp.sum(o.astype(jnp.float32) * c) for o, c in zip(qkv, cot, strict=True))
+
+  with _poison.poison_outputs():
+    got = jax.grad(loss, argnums=(0, 1, 2, 3))(x, w, qs, ks, True)
+    xr = norm_qkv.norm_qkv_pallas(*_angles(x, w, qs, ks, age, pos), dtype=dtype, interpret=True,
+                                  valid=valid)[3]
+  assert xr.dtype == x.dtype and np.array_equal(np.asarray(xr), np.asarray(x))
+  want = jax.grad(loss, argnums=(0, 1, 2, 3))(x, w, qs, ks, False)
+  for name, g, r in zip(("x", "w", "q_scale", "k_scale"), got, want, strict=True):
+    assert g.dtype == r.dtype and g.shape == r.shape, name
+    close(g, r, tol)
