@@ -140,7 +140,7 @@ class SeqAttention(nn.Module):
     if self._fused_input(x.shape[-1]):      # norm -> q / k / v -> QK-norm -> rotary in one pass
       q, k, v, xr = packed.fused_qkv(x, w, sc("q_scale"), sc("k_scale"), age, jag,
                                      t_scale=self.t_scale, dtype=self.dtype)
-      return self._packed_attend(xr, q, k, v, jag, masked_residual_pass)
+      return self._packed_attend(xr, q, k, v, jag, fused=True)
     q, k, v = (jnp.einsum("nd,dhc->nhc", hi, w[:, i]) for i, hi in enumerate(apart(h, 3)))
     emb = bucket_embedding(self, "time_bucket_q", q, age, None, self.time_buckets, jag)
     # as one row [1, N, H, dh]: the rotation by age and the tokens' pos, angles recomputed in
@@ -158,10 +158,11 @@ class SeqAttention(nn.Module):
     return (self.qk_norm and self.rotary and self.time_buckets is None
             and packed.fusable(self.backend, d, self.heads, self.dtype))
 
-  def _packed_attend(self, x, q, k, v, jag, residual=masked_residual):
+  def _packed_attend(self, x, q, k, v, jag, fused=False):
     """The jagged attention of rotated ``q, k`` and ``v [N, H, D]``, projected out and added to
-    ``x [N, d]`` (``residual``: ``kunlun.nn.fused.masked_residual`` or, after the fused input
-    side, ``masked_residual_pass``)."""
+    ``x [N, d]``. ``fused``: ``x`` is the fused input side's pass-through, whose cotangent goes
+    on unmasked (``kunlun.nn.fused.masked_residual_pass``), the projection and the add one Pallas
+    pass where the widths fit (``packed.fused_out``)."""
     d = x.shape[-1]
     H, dh = self.heads, d // self.heads
     if self.kind == "block":
@@ -170,8 +171,11 @@ class SeqAttention(nn.Module):
     else:
       o = packed.softmax_attention(q, k, v, jag, backend=self.backend,
                                    window=self.window if self.kind == "swa" else None)
-    out = jnp.einsum("nhc,hcd->nd", o.astype(self.dtype), self._w_out(H, dh, d))
-    return packed.rowwise(residual, jag, x, out)
+    w_o = self._w_out(H, dh, d)
+    if fused and packed.fuse_out(self.backend, H * dh, d):
+      return packed.fused_out(x, o, w_o, jag, dtype=self.dtype)
+    out = jnp.einsum("nhc,hcd->nd", o.astype(self.dtype), w_o)
+    return packed.rowwise(masked_residual_pass if fused else masked_residual, jag, x, out)
 
   def _attend(self, q, k, v, lengths, rot, T):
     """The attention proper (q, k already rotated unless ``kind="block"``, whose kernel rotates

@@ -12,7 +12,9 @@ device computes whole examples; the per-token ops run on the flat ``[N, d]`` row
 on the ``blocks`` axis; their callers constrain them to ``batch`` (under context parallelism an
 all-gather of the summaries over the context devices). ``fused_qkv`` / ``fused_proj``: the
 attention's and HSP's norm -> projections as one Pallas pass (``pallas_kernels.norm_qkv``),
-row-wise, per device; ``fused_norm_residual`` the PFFN's tail (``pallas_kernels.norm_residual``).
+row-wise, per device; ``fused_out`` the attention's output projection and residual
+(``pallas_kernels.proj_residual``), ``fused_norm_residual`` the PFFN's tail
+(``pallas_kernels.norm_residual``).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from kunlun.nn.time_encoding import rotary_inputs
-from pallas_kernels import jagged, jagged_pallas, norm_qkv, norm_residual
+from pallas_kernels import jagged, jagged_pallas, norm_qkv, norm_residual, proj_residual
 from pallas_kernels.api import compile_platform
 from sharding import shard
 from sharding.packed import per_shard
@@ -156,6 +158,21 @@ def fuse_tail(backend: str, d: int) -> bool:
   """Whether a packed tower of width ``d`` takes ``fused_norm_residual``: the Pallas backend and
   a width its kernels tile."""
   return _use_pallas(backend) and norm_residual.supported(d)
+
+
+def fuse_out(backend: str, K: int, d: int) -> bool:
+  """Whether a packed attention takes ``fused_out``: the Pallas backend, ``K = H D`` and width
+  ``d`` its kernel tiles."""
+  return _use_pallas(backend) and proj_residual.supported(K, d)
+
+
+def fused_out(x, o, w, jag, *, dtype):
+  """The attention's output side as one Pallas pass (``pallas_kernels.proj_residual``): ``x``
+  (``fused_qkv``'s pass-through) ``+ o [N, H, D] w [H, D, d]``, each block's tail zero; ``x``'s
+  cotangent unmasked (``fused_qkv``'s backward masks it). Row-wise, per device."""
+  op = lambda x, o, valid, w: (proj_residual.proj_residual_pallas(
+      x, o, w, valid, dtype=dtype, interpret=interpret_kernels()),)
+  return _rowwise_kernel(op, jag, (x, o, jag.valid.astype(F32)), (w,))[0]
 
 
 def fused_qkv(x, w, q_scale, k_scale, age, jag, *, t_scale: float, dtype):

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import pytest
 
 from bench.profiling import gpu_target
-from pallas_kernels import jagged, jagged_pallas, norm_qkv, tuning
+from pallas_kernels import jagged, jagged_pallas, norm_qkv, norm_residual, proj_residual, tuning
 from tests.bench.profiling.test_gpu_target import GPU_PY, ROOT
 
 # (heads, head dim, n_kv, seeds, window): kunlun/configs/prod.py's high-value towers (the
@@ -26,8 +26,10 @@ SHAPES = {"prod": (4, 128, 256, 128, 128), "mid": (4, 64, 64, 64, 64),
           "mid_s32": (4, 64, 64, 32, 64)}
 B, N = 4, 1024
 FAMILIES = ("cross", "cross_per_head", "pool", "pool_per_head", "block_softmax", "block_gdpa",
-            "softmax_band", "softmax_full", "norm_qkv", "norm_proj")
-FUSED = ("norm_qkv", "norm_proj")        # norm -> projections: no jagged_pallas._plan
+            "softmax_band", "softmax_full", "norm_qkv", "norm_proj", "norm_residual",
+            "proj_residual")
+# the row-wise fused kernels (no jagged_pallas._plan): {family: kernels (forward, backward)}
+FUSED = {"norm_qkv": 2, "norm_proj": 2, "norm_residual": 2, "proj_residual": 1}
 PER_HEAD = ("gelu", "silu", "relu2", "fast_gelu")   # XLA's Triton: one loop copy each
 
 
@@ -44,6 +46,7 @@ def _families(shape, dtype=jnp.bfloat16):
   tok_x = jax.ShapeDtypeStruct((N, H * D), dtype)
   w3, w2 = (jax.ShapeDtypeStruct((H * D, p, H, D), jnp.float32) for p in (3, 2))
   age = jax.ShapeDtypeStruct((N,), jnp.float32)
+  w_out = jax.ShapeDtypeStruct((H, D, H * D), jnp.float32)
   jp = jagged_pallas
   ops = {
       "cross": (lambda q, k, v, j: jp.jagged_gdpa_cross_pallas(
@@ -66,6 +69,11 @@ def _families(shape, dtype=jnp.bfloat16):
           x, w, jnp.ones(D), jnp.ones(D), tau, j.pos, jnp.ones(D // 2))), (tok_x, w3, age)),
       "norm_proj": (lambda x, w, age, j: _summed(norm_qkv.norm_proj_pallas(x, w)),
                     (tok_x, w2, age)),
+      # the PFFN's tail and the attention's output side (row-wise; valid: j.valid)
+      "norm_residual": (lambda g, u, s, j: norm_residual.norm_residual_pallas(
+          g, u, s, j.valid.astype(jnp.float32), eps=1e-6), (tok_x, tok_x, tok_x)),
+      "proj_residual": (lambda x, o, w, j: proj_residual.proj_residual_pallas(
+          x, o, w, j.valid.astype(jnp.float32)), (tok_x, tok, w_out)),
   }
   lens = jax.ShapeDtypeStruct((B,), jnp.int32)
   loss = lambda fn: jax.value_and_grad(lambda lens, *o: jnp.sum(
@@ -156,8 +164,8 @@ def prod_compiled(tmp_path_factory):
 def test_packed_kernels_compile_for_h200_at_prod_shapes(prod_compiled, family):
   r = prod_compiled[family]
   assert "error" not in r, r.get("error")
-  two = family.startswith("block") or family in FUSED
-  assert len(r["smem"]) == (2 if two else 3), r   # fwd and bwd kernels
+  n = FUSED.get(family, 2 if family.startswith("block") else 3)
+  assert len(r["smem"]) == n, r   # fwd and bwd kernels
   assert max(r["smem"].values()) <= tuning.SMEM_PER_BLOCK[90], r
 
 
@@ -186,7 +194,7 @@ def main(dump_dir):
     seen |= new
     out[family] = {"smem": {k: v["smem"] for p in sorted(new)
                             for k, v in gpu_target.thunk_launches(p).items()
-                            if k.startswith(("jagged", "norm_"))}}
+                            if k.startswith(("jagged", "norm_", "proj_"))}}
   print(json.dumps(out))
 
 
