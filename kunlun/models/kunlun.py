@@ -6,6 +6,7 @@ run as packed towers (``kunlun.nn.packed``). Notes: docs/architecture.md."""
 
 from __future__ import annotations
 
+import functools
 from types import SimpleNamespace
 from typing import ClassVar
 
@@ -31,7 +32,7 @@ def embed_sequences(cfg: ModelConfig, schema: Schema, batch, dtype, remat: str =
   width and merged (``kunlun.nn.oneseq``); with a packed stream the merged tower is packed at
   ``oneseq.merged_capacity``. ``remat``: a ``kunlun.nn.remat`` policy applied to each stream's
   EventEmbed."""
-  Embed = remat_lib.wrap(EventEmbed, remat)
+  Embed = functools.partial(remat_lib.wrap(EventEmbed, remat), backend=cfg.backend)
   if cfg.seq_mode != "oneseq":
     return embed_streams(cfg.towers, schema, batch, dtype, cfg.num_time_buckets, embed=Embed,
                          packed_ok=True)

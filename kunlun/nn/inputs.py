@@ -16,8 +16,12 @@ import jax
 import jax.numpy as jnp
 
 from data.schema import EventStream, SparseFeature
+from kunlun.nn import packed
 from kunlun.nn.activations import gelu
+from kunlun.nn.dense import DenseParams, dense
 from kunlun.nn.time_encoding import log_time_bucket
+from pallas_kernels import event_mlp
+from pallas_kernels._common import pad_pow2
 from sharding import embedding as sharded_embedding
 from sharding import shard, with_axes
 
@@ -191,6 +195,7 @@ class EventEmbed(nn.Module):
   num_time_buckets: int = 32
   dtype: Any = F32
   axes: tuple = ("batch", "seq", "embed")
+  backend: str = "xla"     # "pallas" / "auto" on a GPU: a packed stream's MLP as one kernel pass
 
   PACKED_AXES: ClassVar[tuple] = ("blocks", None, "embed")
 
@@ -217,13 +222,24 @@ class EventEmbed(nn.Module):
       parts.append(rows[-1])
       # in the compute dtype before the concat (the MLP casts its input to it anyway): the
       # [B, T, d + sides] concat is written once, in bf16 under model.dtype = "bfloat16"
+      K = sum(p.shape[-1] for p in parts)
+      Kp = pad_pow2(K)
+      fused = (self.axes == self.PACKED_AXES and packed.pallas_backend(self.backend)
+               and event_mlp.supported(Kp, self.dim, self.dim))
+      if fused and Kp > K:          # the kernels' width: zero columns, zero rows of w1
+        parts.append(jnp.zeros(parts[0].shape[:-1] + (Kp - K,), self.dtype))
       x = jnp.concatenate([p.astype(self.dtype) for p in parts], axis=-1)
       T = x.shape[1]
+      valid_bt = jnp.arange(T)[None, :] < jnp.asarray(events["length"], jnp.int32)[:, None]
       # per-event MLP weights are ZeRO-sharded only, never tensor-parallel: a TP split of this
       # narrow MLP would all-reduce [B, T, d] activations in both passes for d^2 weights
-      h = gelu(_dense(self.dim, ("embed", None), self.dtype, True, "mlp_in")(x))
-      y = _dense(self.dim, (None, "embed"), self.dtype, True, "mlp_out")(h)
-      valid_bt = jnp.arange(T)[None, :] < jnp.asarray(events["length"], jnp.int32)[:, None]
+      w1, b1 = DenseParams(K, self.dim, ("embed", None), name="mlp_in")()
+      w2, b2 = DenseParams(self.dim, self.dim, (None, "embed"), name="mlp_out")()
+      if fused:
+        w1 = jnp.pad(w1, ((0, Kp - K), (0, 0)))
+        y = packed.fused_event_mlp(x, w1, b1, w2, b2, valid_bt, dtype=self.dtype)
+        return shard(y, self.axes)
+      y = dense(gelu(dense(x, w1, b1, self.dtype)), w2, b2, self.dtype)
       y = jnp.where(valid_bt[..., None], y, 0).astype(self.dtype)
       return shard(y, self.axes)
 

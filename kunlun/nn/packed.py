@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from kunlun.nn.time_encoding import rotary_inputs
-from pallas_kernels import jagged, jagged_pallas, norm_qkv, norm_residual, proj_residual
+from pallas_kernels import event_mlp, jagged, jagged_pallas, norm_qkv, norm_residual, proj_residual
 from pallas_kernels.api import compile_platform
 from sharding import shard
 from sharding.packed import per_shard
@@ -173,6 +173,23 @@ def fused_out(x, o, w, jag, *, dtype):
   op = lambda x, o, valid, w: (proj_residual.proj_residual_pallas(
       x, o, w, valid, dtype=dtype, interpret=interpret_kernels()),)
   return _rowwise_kernel(op, jag, (x, o, jag.valid.astype(F32)), (w,))[0]
+
+
+def fused_event_mlp(x, w1, b1, w2, b2, valid, *, dtype):
+  """A packed stream's per-event MLP as one Pallas pass each way (``pallas_kernels.event_mlp``):
+  ``x [S, Ns, K]`` (its blocks; ``valid bool[S, Ns]``) -> ``[S, Ns, D]``. Row-wise, per device
+  on the blocks it holds."""
+  S, Ns, _ = x.shape
+
+  def per_device(x, valid, w1, b1, w2, b2):
+    s = x.shape[0]
+    y = event_mlp.event_mlp_pallas(x.reshape(s * Ns, -1), w1, b1, w2, b2,
+                                   valid.reshape(-1).astype(F32), dtype=dtype,
+                                   interpret=interpret_kernels())
+    return y.reshape(s, Ns, -1)
+
+  fn = per_shard(per_device, (True, True, False, False, False, False))
+  return fn(shard(x, ("blocks", None, None)), shard(valid, ("blocks", None)), w1, b1, w2, b2)
 
 
 def fused_qkv(x, w, q_scale, k_scale, age, jag, *, t_scale: float, dtype):

@@ -15,10 +15,10 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 from kunlun.nn import packed
 from kunlun.nn.activations import gelu
+from kunlun.nn.dense import DenseParams, dense
 from kunlun.nn.fused import apart, token_mix
 from kunlun.nn.norms import rms_norm
 from pallas_kernels import weightgen
@@ -43,20 +43,6 @@ def gen_pallas(x, w_tok, a1, b1, a_k, a_v, *, dtype):
   return per_shard(op, (True,) + (False,) * 5, "batch")(x, w_tok, a1, b1, a_k, a_v)
 
 
-class _DenseParams(nn.Module):
-  """``nn.Dense``'s ``kernel [d_in, features]`` and ``bias [features]`` (float32, the same names,
-  initialisers and axes), for the hidden layer both paths compute themselves."""
-  d_in: int
-  features: int
-
-  @nn.compact
-  def __call__(self):
-    kernel = self.param("kernel", with_axes(nn.initializers.lecun_normal(), ("embed", "mlp")),
-                        (self.d_in, self.features), F32)
-    bias = self.param("bias", with_axes(nn.initializers.zeros, ("mlp",)), (self.features,), F32)
-    return kernel, bias
-
-
 class WeightGen(nn.Module):
   """``x [B, N_ns, d_ns]`` -> ``(k, v)``, each ``[B, n_kv, heads, d_seq // heads]``."""
   n_kv: int
@@ -76,7 +62,7 @@ class WeightGen(nn.Module):
       w_tok = self.param("tok", with_axes(nn.initializers.normal(N ** -0.5), ("tokens", "kv")),
                          (N, self.n_kv), F32)
       # parameters in nn.Dense's and the earlier layout (names, initialisers, order): one tree
-      a1, b1 = _DenseParams(d_ns, d_ns, name="hidden")()
+      a1, b1 = DenseParams(d_ns, d_ns, name="hidden")()     # nn.Dense's, for both paths
       kv_init = with_axes(nn.initializers.lecun_normal(in_axis=0, out_axis=(1, 2)),
                           ("mlp", "heads", "head_dim"))
       w_k, w_v = (self.param(n, kv_init, (d_ns, self.heads, dh), F32) for n in ("key", "value"))
@@ -89,8 +75,7 @@ class WeightGen(nn.Module):
       dt = self.dtype
       z = token_mix(rms_norm(x).astype(dt), w_tok.astype(dt))
       z = shard(z, ("batch", "kv", "embed"))
-      h = gelu(lax.dot_general(z, a1.astype(dt), (((2,), (0,)), ((), ())))
-               + b1.astype(dt).reshape(1, 1, -1))                     # as nn.Dense computes it
+      h = gelu(dense(z, a1, b1, dt))
       k, v = (jnp.einsum("bme,ehc->bmhc", hi, w.astype(hi.dtype))
               for hi, w in zip(apart(h, 2), (w_k, w_v), strict=True))
       if self.key_norm:

@@ -17,7 +17,15 @@ import jax.numpy as jnp
 import pytest
 
 from bench.profiling import gpu_target
-from pallas_kernels import jagged, jagged_pallas, norm_qkv, norm_residual, proj_residual, tuning
+from pallas_kernels import (
+    event_mlp,
+    jagged,
+    jagged_pallas,
+    norm_qkv,
+    norm_residual,
+    proj_residual,
+    tuning,
+)
 from tests.bench.profiling.test_gpu_target import GPU_PY, ROOT
 
 # (heads, head dim, n_kv, seeds, window): kunlun/configs/prod.py's high-value towers (the
@@ -27,9 +35,9 @@ SHAPES = {"prod": (4, 128, 256, 128, 128), "mid": (4, 64, 64, 64, 64),
 B, N = 4, 1024
 FAMILIES = ("cross", "cross_per_head", "pool", "pool_per_head", "block_softmax", "block_gdpa",
             "softmax_band", "softmax_full", "norm_qkv", "norm_proj", "norm_residual",
-            "proj_residual")
+            "proj_residual", "event_mlp")
 # the row-wise fused kernels (no jagged_pallas._plan): {family: kernels (forward, backward)}
-FUSED = {"norm_qkv": 2, "norm_proj": 2, "norm_residual": 2, "proj_residual": 1}
+FUSED = {"norm_qkv": 2, "norm_proj": 2, "norm_residual": 2, "proj_residual": 1, "event_mlp": 2}
 PER_HEAD = ("gelu", "silu", "relu2", "fast_gelu")   # XLA's Triton: one loop copy each
 
 
@@ -47,6 +55,7 @@ def _families(shape, dtype=jnp.bfloat16):
   w3, w2 = (jax.ShapeDtypeStruct((H * D, p, H, D), jnp.float32) for p in (3, 2))
   age = jax.ShapeDtypeStruct((N,), jnp.float32)
   w_out = jax.ShapeDtypeStruct((H, D, H * D), jnp.float32)
+  mlp_w1, mlp_w2 = (jax.ShapeDtypeStruct(s, jnp.float32) for s in ((H * D, 256), (256, 256)))
   jp = jagged_pallas
   ops = {
       "cross": (lambda q, k, v, j: jp.jagged_gdpa_cross_pallas(
@@ -74,6 +83,10 @@ def _families(shape, dtype=jnp.bfloat16):
           g, u, s, j.valid.astype(jnp.float32), eps=1e-6), (tok_x, tok_x, tok_x)),
       "proj_residual": (lambda x, o, w, j: proj_residual.proj_residual_pallas(
           x, o, w, j.valid.astype(jnp.float32)), (tok_x, tok, w_out)),
+      # an event stream's MLP at the widths the kernels take at most (K 512, hidden 256)
+      "event_mlp": (lambda x, w1, w2, j: event_mlp.event_mlp_pallas(
+          x, w1, jnp.zeros(256), w2, jnp.zeros(256), j.valid.astype(jnp.float32)),
+          (tok_x, mlp_w1, mlp_w2)),
   }
   lens = jax.ShapeDtypeStruct((B,), jnp.int32)
   loss = lambda fn: jax.value_and_grad(lambda lens, *o: jnp.sum(
@@ -194,7 +207,7 @@ def main(dump_dir):
     seen |= new
     out[family] = {"smem": {k: v["smem"] for p in sorted(new)
                             for k, v in gpu_target.thunk_launches(p).items()
-                            if k.startswith(("jagged", "norm_", "proj_"))}}
+                            if k.startswith(("jagged", "norm_", "proj_", "event_"))}}
   print(json.dumps(out))
 
 

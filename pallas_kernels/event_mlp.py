@@ -1,0 +1,211 @@
+"""An event stream's per-event MLP over its rows as one pass each way (issue 38):
+``y = valid * (gelu(x w1 + b1) w2 + b2)`` (``kunlun.nn.inputs.EventEmbed``).
+
+``x [N, K]`` (the concatenated embeddings, ``K`` a power of two: the caller pads it with zero
+columns and ``w1`` with zero rows), ``w1 [K, F]``, ``b1 [F]``, ``w2 [F, D]``, ``b2 [D]``,
+``valid f32[N]`` -> ``y [N, D]`` in ``dtype``. Each layer is accumulated in float32 and rounded
+to ``dtype`` after its bias, the GELU (tanh) rounded too, as ``flax.linen.Dense`` in ``dtype``.
+
+``event_mlp_xla`` is the twin. ``event_mlp_pallas``: the forward kernel reads ``x`` and writes
+``y`` (XLA wrote both layers' outputs and the GELU's input and read them back); the backward
+kernel reads ``x`` and ``dy``, recomputes the hidden layer, and writes ``dx``, the masked hidden
+activations ``valid * h`` and the hidden pre-activation's cotangent ``dz`` for XLA's two weight
+GEMMs over all rows (``dw2 = (valid h)^T dy``, ``dw1 = x^T dz``), and per-program partial sums
+of the bias gradients. Triton on GPU, ``interpret=True`` on CPU.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels import _poison
+from pallas_kernels._common import is_tile, precision, round_to
+
+F32 = jnp.float32
+WARPS = 8
+FWD_ROWS, BWD_ROWS = 64, 32
+CHUNK = 128              # columns of x, dx and y (rows of w1, columns of w2) per GEMM step
+MAX_WIDTH = {"K": 512, "F": 256, "D": 512}   # F: the hidden layer of a row tile stays whole
+_C = math.sqrt(2.0 / math.pi)
+
+
+def _gelu(z):
+  return 0.5 * z * (1.0 + jnp.tanh(_C * (z + 0.044715 * z * z * z)))
+
+
+def _gelu_slope(z):
+  t = jnp.tanh(_C * (z + 0.044715 * z * z * z))
+  return 0.5 * (1.0 + t) + 0.5 * z * (1.0 - t * t) * _C * (1.0 + 3 * 0.044715 * z * z)
+
+
+def event_mlp_xla(x, w1, b1, w2, b2, valid, *, dtype=jnp.bfloat16):
+  """The twin: ``y [N, D]`` in ``dtype`` (module docstring)."""
+  dense = lambda a, w, b: (jnp.dot(a.astype(dtype), w.astype(dtype), preferred_element_type=F32)
+                           .astype(dtype) + b.astype(dtype))
+  h = jax.nn.gelu(dense(x, w1, b1), approximate=True)
+  y = dense(h, w2, b2)
+  return jnp.where(jnp.asarray(valid)[:, None] > 0, y, 0).astype(dtype)
+
+
+class _Cfg(NamedTuple):
+  dtype: object
+  rows: int
+  interpret: bool
+
+
+def _dot(a, b, cfg: _Cfg, **kw):
+  if cfg.interpret:          # XLA:CPU has no 16-bit dot into float32; the products are exact
+    a, b = a.astype(F32), b.astype(F32)
+  return plgpu.dot(a, b, precision=precision(a.dtype), **kw)
+
+
+def _ok(n, r0, rows):
+  return (r0 + jnp.arange(rows)) < n
+
+
+def _load(ref, r0, rows, cols=None):
+  """``ref[r0:r0 + rows, cols]`` (``cols``: a static ``(start, width)``; None: all), zero past
+  its rows."""
+  c0, w = cols or (0, ref.shape[1])
+  ok = jnp.broadcast_to(_ok(ref.shape[0], r0, rows)[:, None], (rows, w))
+  return plgpu.load(ref.at[pl.ds(r0, rows), pl.ds(c0, w)], mask=ok, other=0.0)
+
+
+def _store(ref, r0, x, c0=0):
+  rows, c = x.shape
+  ok = jnp.broadcast_to(_ok(ref.shape[0], r0, rows)[:, None], (rows, c))
+  plgpu.store(ref.at[pl.ds(r0, rows), pl.ds(c0, c)], x.astype(ref.dtype), mask=ok)
+
+
+def _chunks(n):
+  """Static ``(start, width)`` chunks of ``n`` columns, ``CHUNK`` wide."""
+  w = min(n, CHUNK)
+  return [(c, w) for c in range(0, n, w)]
+
+
+def _w(ref, rows, cols=None):
+  """A static block of a weight: ``rows``, ``cols`` ``(start, width)`` or None (all)."""
+  (r0, rn), (c0, cn) = rows or (0, ref.shape[0]), cols or (0, ref.shape[1])
+  return plgpu.load(ref.at[pl.ds(r0, rn), pl.ds(c0, cn)])
+
+
+def _hidden(x_ref, r0, w1_ref, b1_ref, cfg: _Cfg):
+  """``z`` (rounded to dtype, as float32) of a row tile, ``x w1`` accumulated over ``K``'s
+  chunks."""
+  z = jnp.zeros((cfg.rows, w1_ref.shape[1]), F32)
+  for ch in _chunks(x_ref.shape[1]):
+    z = z + _dot(_load(x_ref, r0, cfg.rows, ch).astype(cfg.dtype), _w(w1_ref, ch), cfg)
+  b1 = plgpu.load(b1_ref.at[:]).astype(cfg.dtype).astype(F32)
+  return round_to(round_to(z, cfg.dtype) + b1[None], cfg.dtype)
+
+
+def _valid(v_ref, r0, rows):
+  return plgpu.load(v_ref.at[pl.ds(r0, rows)], mask=_ok(v_ref.shape[0], r0, rows),
+                    other=0.0)[:, None]
+
+
+def _fwd_kernel(x_ref, w1_ref, b1_ref, w2_ref, b2_ref, v_ref, y_ref, *, cfg: _Cfg):
+  r0 = pl.program_id(0) * cfg.rows
+  h = round_to(_gelu(_hidden(x_ref, r0, w1_ref, b1_ref, cfg)), cfg.dtype).astype(cfg.dtype)
+  valid = _valid(v_ref, r0, cfg.rows)
+  for c0, w in _chunks(w2_ref.shape[1]):
+    b2 = plgpu.load(b2_ref.at[pl.ds(c0, w)]).astype(cfg.dtype).astype(F32)
+    y = round_to(_dot(h, _w(w2_ref, None, (c0, w)), cfg), cfg.dtype) + b2[None]
+    _store(y_ref, r0, jnp.where(valid > 0, y, 0.0), c0)
+
+
+def _bwd_kernel(x_ref, w1_ref, b1_ref, w2_ref, v_ref, dy_ref, dx_ref, hm_ref, dz_ref, db1_ref,
+                db2_ref, *, cfg: _Cfg):
+  i = pl.program_id(0)
+  r0 = i * cfg.rows
+  z = _hidden(x_ref, r0, w1_ref, b1_ref, cfg)
+  valid = _valid(v_ref, r0, cfg.rows)
+  dh = jnp.zeros(z.shape, F32)
+  for c0, w in _chunks(dy_ref.shape[1]):       # the second layer's output cotangent, masked
+    dy = round_to(jnp.where(valid > 0, _load(dy_ref, r0, cfg.rows, (c0, w)).astype(F32), 0.0),
+                  cfg.dtype)
+    dh = dh + _dot(dy.astype(cfg.dtype), _w(w2_ref, None, (c0, w)), cfg, trans_b=True)
+    plgpu.store(db2_ref.at[i, pl.ds(c0, w)], jnp.sum(dy, axis=0))
+  dz = round_to(round_to(dh, cfg.dtype) * _gelu_slope(z), cfg.dtype)
+  _store(hm_ref, r0, jnp.where(valid > 0, _gelu(z), 0.0))
+  _store(dz_ref, r0, dz)
+  plgpu.store(db1_ref.at[i, :], jnp.sum(dz, axis=0))
+  dzd = dz.astype(cfg.dtype)
+  for ch in _chunks(x_ref.shape[1]):
+    _store(dx_ref, r0, _dot(dzd, _w(w1_ref, ch), cfg, trans_b=True), ch[0])
+
+
+def _check(x, w1, b1, w2, b2, valid):
+  N, K = x.shape
+  if (w1.ndim != 2 or w1.shape[0] != K or b1.shape != w1.shape[1:] or w2.ndim != 2
+      or w2.shape[0] != w1.shape[1] or b2.shape != w2.shape[1:] or valid.shape != (N,)):
+    raise ValueError(f"event_mlp: x {x.shape}, w1 {w1.shape}, b1 {b1.shape}, w2 {w2.shape}, "
+                     f"b2 {b2.shape}, valid {valid.shape} must be [N, K], [K, F], [F], [F, D], "
+                     "[D], [N]")
+  if not supported(K, w1.shape[1], w2.shape[1]):
+    raise ValueError(f"event_mlp: the kernels need K, F, D powers of two from 16 to {MAX_WIDTH}; "
+                     f"got {K}, {w1.shape[1]}, {w2.shape[1]}")
+
+
+def supported(K: int, F: int, D: int) -> bool:
+  """Whether the kernels take these widths: powers of two from 16 to ``MAX_WIDTH``'s."""
+  return all(is_tile(n) and n <= MAX_WIDTH[k] for k, n in zip("KFD", (K, F, D), strict=True))
+
+
+def _call(kernel, args, outs, rows, cfg: _Cfg, name):
+  whole = pl.no_block_spec
+  return _poison.pallas_call(
+      functools.partial(kernel, cfg=cfg), args, out_shape=outs,
+      grid=(pl.cdiv(args[0].shape[0], rows),), in_specs=[whole] * len(args),
+      out_specs=tuple(whole for _ in outs) if isinstance(outs, tuple) else whole,
+      interpret=cfg.interpret, name=name, compiler_params=plgpu.CompilerParams(num_warps=WARPS))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
+def _fused(x, w1, b1, w2, b2, valid, dtype, interpret):
+  cfg = _Cfg(dtype, FWD_ROWS, interpret)
+  args = (x, w1.astype(dtype), b1, w2.astype(dtype), b2, valid)
+  return _call(_fwd_kernel, args, jax.ShapeDtypeStruct((x.shape[0], w2.shape[1]), dtype),
+               FWD_ROWS, cfg, "event_mlp_fwd")
+
+
+def _vjp_fwd(x, w1, b1, w2, b2, valid, dtype, interpret):
+  return _fused(x, w1, b1, w2, b2, valid, dtype, interpret), (x, w1, b1, w2, b2, valid)
+
+
+def _vjp_bwd(dtype, interpret, res, dy):
+  x, w1, b1, w2, b2, valid = res
+  cfg = _Cfg(dtype, BWD_ROWS, interpret)
+  N, K = x.shape
+  F, D = w2.shape
+  T = pl.cdiv(N, BWD_ROWS)
+  outs = (jax.ShapeDtypeStruct((N, K), x.dtype), jax.ShapeDtypeStruct((N, F), dtype),
+          jax.ShapeDtypeStruct((N, F), dtype), jax.ShapeDtypeStruct((T, F), F32),
+          jax.ShapeDtypeStruct((T, D), F32))
+  dx, hm, dz, db1, db2 = _call(_bwd_kernel, (x, w1.astype(dtype), b1, w2.astype(dtype), valid, dy),
+                               outs, BWD_ROWS, cfg, "event_mlp_bwd")
+  xd, dyd = x.astype(dtype), dy.astype(dtype)
+  if interpret:            # XLA:CPU: a 16-bit dot may accumulate in 16 bits; a GPU's in float32
+    xd, dyd, hm, dz = (a.astype(F32) for a in (xd, dyd, hm, dz))
+  # dy's masked rows meet hm's zeros; dz is zero there
+  dw1 = jnp.einsum("nk,nf->kf", xd, dz).astype(dtype)
+  dw2 = jnp.einsum("nf,nd->fd", hm, dyd).astype(dtype)
+  return (dx, dw1.astype(w1.dtype), jnp.sum(db1, 0).astype(b1.dtype), dw2.astype(w2.dtype),
+          jnp.sum(db2, 0).astype(b2.dtype), jnp.zeros_like(valid))
+
+
+_fused.defvjp(_vjp_fwd, _vjp_bwd)
+
+
+def event_mlp_pallas(x, w1, b1, w2, b2, valid, *, dtype=jnp.bfloat16, interpret: bool = False):
+  """``event_mlp_xla``'s values and gradients from the Pallas kernels (module docstring)."""
+  valid = jnp.asarray(valid, F32)
+  _check(x, w1, b1, w2, b2, valid)
+  return _fused(x, w1, b1, w2, b2, valid, jnp.dtype(dtype), bool(interpret))

@@ -1,0 +1,66 @@
+"""An event stream's per-event MLP (``pallas_kernels.event_mlp``): the twin against float64
+numpy, the kernels (interpret mode, NaN-poisoned outputs) against the twin in values and all
+five gradients (float32: 1e-5 of the largest magnitude; bfloat16: 3e-2), with a row count no
+multiple of the tiles and masked rows that hold values."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import _poison, event_mlp
+from tests.pallas_kernels.deviceless import close
+
+
+def _inputs(N, K, F, D, seed):
+  rng = np.random.default_rng(seed)
+  x = rng.normal(size=(N, K)).astype(np.float32)
+  w1 = (rng.normal(size=(K, F)) / np.sqrt(K)).astype(np.float32)
+  w2 = (rng.normal(size=(F, D)) / np.sqrt(F)).astype(np.float32)
+  b1, b2 = (rng.normal(size=(n,)).astype(np.float32) * 0.5 for n in (F, D))
+  valid = (np.arange(N) < N - 7).astype(np.float32)
+  return x, w1, b1, w2, b2, valid
+
+
+def test_twin_matches_numpy():
+  args = _inputs(40, 32, 64, 16, 0)
+  x, w1, b1, w2, b2, valid = (a.astype(np.float64) for a in args)
+  z = x @ w1 + b1
+  h = 0.5 * z * (1 + np.tanh(np.sqrt(2 / np.pi) * (z + 0.044715 * z ** 3)))
+  ref = valid[:, None] * (h @ w2 + b2)
+  close(event_mlp.event_mlp_xla(*map(jnp.asarray, args), dtype=jnp.float32), ref, 1e-5)
+
+
+@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 3e-2)])
+@pytest.mark.parametrize("N,K,F,D", [(77, 64, 32, 32), (45, 512, 256, 256)])
+def test_kernels_match_the_twin(dtype, tol, N, K, F, D):
+  x, w1, b1, w2, b2, valid = map(jnp.asarray, _inputs(N, K, F, D, N + K))
+  x = x.astype(dtype)
+  dy = jnp.asarray(np.random.default_rng(1).normal(size=(N, D)), jnp.float32)
+
+  def run(fn):
+    f = lambda *a: fn(*a, valid, dtype=dtype)
+    y = f(x, w1, b1, w2, b2)
+    g = jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32) * dy), (0, 1, 2, 3, 4))(
+        x, w1, b1, w2, b2)
+    return y, g
+
+  with _poison.poison_outputs():
+    y, grads = run(lambda *a, **k: event_mlp.event_mlp_pallas(*a, interpret=True, **k))
+  ref, rgrads = run(event_mlp.event_mlp_xla)
+  assert y.dtype == dtype and y.shape == ref.shape
+  close(y, ref, tol)
+  assert not np.any(np.asarray(y, np.float32)[N - 7:])
+  for name, g, r in zip(("x", "w1", "b1", "w2", "b2"), grads, rgrads, strict=True):
+    assert g.dtype == r.dtype and g.shape == r.shape, name
+    close(g, r, tol)
+
+
+def test_bad_shapes_and_widths_are_refused():
+  x, w1, b1, w2, b2, valid = map(jnp.asarray, _inputs(8, 32, 32, 16, 2))
+  with pytest.raises(ValueError, match="must be"):
+    event_mlp.event_mlp_pallas(x, w1[:16], b1, w2, b2, valid, interpret=True)
+  with pytest.raises(ValueError, match="powers of two"):
+    event_mlp.event_mlp_pallas(x[:, :24], w1[:24], b1, w2, b2, valid, interpret=True)
+  assert event_mlp.supported(512, 256, 256) and not event_mlp.supported(224, 128, 128)
+  assert not event_mlp.supported(512, 512, 256)
