@@ -553,6 +553,24 @@ JAGGED_OPS = ("gdpa_cross", "gdpa_pool", "block_attention", "softmax_attention")
 PROJECTION_OPS = {"fused_qkv": 2, "fused_proj": 0}
 
 
+def _out_flops(x, o, w, *a, **kw) -> float:
+  """``pallas_kernels.proj_residual``'s forward GEMM (its backward GEMMs are XLA's)."""
+  return 2.0 * x.shape[0] * o.shape[1] * o.shape[2] * x.shape[1]
+
+
+def _event_mlp_flops(x, w1, b1, w2, *a, **kw) -> float:
+  """``pallas_kernels.event_mlp``'s kernels on ``x [S, Ns, K]``: the forward's two layers
+  ``2 N (K F + F D)``, the backward's recomputed first layer and its two back-projections
+  ``2 N (2 K F + F D)`` (the weight gradients are XLA GEMMs)."""
+  N = x.shape[0] * x.shape[1]
+  (K, F), D = w1.shape, w2.shape[1]
+  return 2.0 * N * (3 * K * F + 2 * F * D)
+
+
+# kunlun.nn.packed's other GEMM kernels: {op: FLOPs of its kernels from its arguments}
+GEMM_OPS = {"fused_out": _out_flops, "fused_event_mlp": _event_mlp_flops}
+
+
 def wukong_fm_flops(B: int, N: int, d: int, r: int, mixes) -> float:
   """FLOPs of ``pallas_kernels.wukong_fm``'s token-side kernels on ``B`` examples of ``N`` tokens
   of width ``d`` (the output norm's are elementwise, not counted): the forward's ``X^T y``,
@@ -662,6 +680,14 @@ def record_kernels(fence: bool = True):
       return fn(x, w, *a, **kw)
     return call
 
+  def gemm_op(name):
+    fn = getattr(packed, name)
+
+    def call(*a, **kw):
+      keep("projection", {"bytes": 0.0, "launches": 0, "flops": GEMM_OPS[name](*a, **kw)})
+      return fn(*a, **kw)
+    return call
+
   def wukong_fm(x, y, ws, scale, bias, **kw):
     B, N, d = x.shape
     flops = wukong_fm_flops(B, N, d, y.shape[1], [w.shape[1] for w in ws]) * _vmap_copies(y)
@@ -678,9 +704,11 @@ def record_kernels(fence: bool = True):
   wukong.fm_pallas = wukong_fm
   wg_orig = weightgen.gen_pallas
   weightgen.gen_pallas = weightgen_call
-  proj_orig = {n: getattr(packed, n) for n in PROJECTION_OPS}
+  proj_orig = {n: getattr(packed, n) for n in (*PROJECTION_OPS, *GEMM_OPS)}
   for n, rot in PROJECTION_OPS.items():
     setattr(packed, n, projection(n, rot))
+  for n in GEMM_OPS:
+    setattr(packed, n, gemm_op(n))
   pallas_kernels.gdpa = gdpa
   attention.softmax_attention_op = softmax
   pallas_kernels.block_attention = block
