@@ -17,7 +17,6 @@ of the bias gradients. Triton on GPU, ``interpret=True`` on CPU.
 from __future__ import annotations
 
 import functools
-import math
 from typing import NamedTuple
 
 import jax
@@ -25,7 +24,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels import _poison
+from pallas_kernels import _poison, activations
 from pallas_kernels._common import is_tile, precision, round_to
 
 F32 = jnp.float32
@@ -33,16 +32,8 @@ WARPS = 8
 FWD_ROWS, BWD_ROWS = 64, 32
 CHUNK = 128              # columns of x, dx and y (rows of w1, columns of w2) per GEMM step
 MAX_WIDTH = {"K": 512, "F": 256, "D": 512}   # F: the hidden layer of a row tile stays whole
-_C = math.sqrt(2.0 / math.pi)
-
-
-def _gelu(z):
-  return 0.5 * z * (1.0 + jnp.tanh(_C * (z + 0.044715 * z * z * z)))
-
-
-def _gelu_slope(z):
-  t = jnp.tanh(_C * (z + 0.044715 * z * z * z))
-  return 0.5 * (1.0 + t) + 0.5 * z * (1.0 - t * t) * _C * (1.0 + 3 * 0.044715 * z * z)
+_GELU = activations.kernel_fn("gelu_tanh")                      # jax.nn.gelu(approximate=True)
+_GELU_SLOPE = activations.kernel_fn("gelu_tanh", with_slope=True)
 
 
 def event_mlp_xla(x, w1, b1, w2, b2, valid, *, dtype=jnp.bfloat16):
@@ -113,7 +104,7 @@ def _valid(v_ref, r0, rows):
 
 def _fwd_kernel(x_ref, w1_ref, b1_ref, w2_ref, b2_ref, v_ref, y_ref, *, cfg: _Cfg):
   r0 = pl.program_id(0) * cfg.rows
-  h = round_to(_gelu(_hidden(x_ref, r0, w1_ref, b1_ref, cfg)), cfg.dtype).astype(cfg.dtype)
+  h = round_to(_GELU(_hidden(x_ref, r0, w1_ref, b1_ref, cfg)), cfg.dtype).astype(cfg.dtype)
   valid = _valid(v_ref, r0, cfg.rows)
   for c0, w in _chunks(w2_ref.shape[1]):
     b2 = plgpu.load(b2_ref.at[pl.ds(c0, w)]).astype(cfg.dtype).astype(F32)
@@ -133,8 +124,9 @@ def _bwd_kernel(x_ref, w1_ref, b1_ref, w2_ref, v_ref, dy_ref, dx_ref, hm_ref, dz
                   cfg.dtype)
     dh = dh + _dot(dy.astype(cfg.dtype), _w(w2_ref, None, (c0, w)), cfg, trans_b=True)
     plgpu.store(db2_ref.at[i, pl.ds(c0, w)], jnp.sum(dy, axis=0))
-  dz = round_to(round_to(dh, cfg.dtype) * _gelu_slope(z), cfg.dtype)
-  _store(hm_ref, r0, jnp.where(valid > 0, _gelu(z), 0.0))
+  h, slope = _GELU_SLOPE(z)
+  dz = round_to(round_to(dh, cfg.dtype) * slope, cfg.dtype)
+  _store(hm_ref, r0, jnp.where(valid > 0, h, 0.0))
   _store(dz_ref, r0, dz)
   plgpu.store(db1_ref.at[i, :], jnp.sum(dz, axis=0))
   dzd = dz.astype(cfg.dtype)
