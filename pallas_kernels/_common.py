@@ -1,10 +1,13 @@
 """Small pieces the Pallas-Triton kernels share: a dot's precision, rounding to the compute dtype,
-and the power-of-two tile sizes Triton needs (at least 16, the GPU dot's minimum)."""
+the power-of-two tile sizes Triton needs (at least 16, the GPU dot's minimum), and the masked
+loads and stores of the row-wise kernels' token tiles."""
 
 from __future__ import annotations
 
 import jax.numpy as jnp
 from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 
 
 def precision(dtype):
@@ -25,3 +28,30 @@ def pad_pow2(n: int) -> int:
 def is_tile(n: int) -> bool:
   """Whether ``n`` is a power of two >= 16 (a width a kernel tiles without padding)."""
   return n >= 16 and n & (n - 1) == 0
+
+
+def _row_mask(ref, r0, rows, width):
+  ok = (r0 + jnp.arange(rows)) < ref.shape[0]
+  return jnp.broadcast_to(ok[:, None], (rows, width))
+
+
+def load_rows(ref, r0, rows: int, cols=None):
+  """``ref[r0:r0 + rows, cols]`` of a 2-D ref (``cols``: a static ``(start, width)``; None: all
+  columns), zero past its rows."""
+  c0, w = cols or (0, ref.shape[1])
+  return plgpu.load(ref.at[pl.ds(r0, rows), pl.ds(c0, w)], mask=_row_mask(ref, r0, rows, w),
+                    other=0.0)
+
+
+def store_rows(ref, r0, x, c0: int = 0):
+  """Stores ``x [rows, c]`` at rows ``r0 + [0, rows)``, columns ``c0 + [0, c)`` of a 2-D ref, in
+  its dtype (rows past its end dropped)."""
+  rows, c = x.shape
+  plgpu.store(ref.at[pl.ds(r0, rows), pl.ds(c0, c)], x.astype(ref.dtype),
+              mask=_row_mask(ref, r0, rows, c))
+
+
+def load_vec(ref, r0, rows: int):
+  """``ref[r0:r0 + rows]`` of a 1-D ref, zero past its end."""
+  return plgpu.load(ref.at[pl.ds(r0, rows)], mask=(r0 + jnp.arange(rows)) < ref.shape[0],
+                    other=0.0)

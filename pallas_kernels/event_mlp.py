@@ -25,7 +25,14 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import _poison, activations
-from pallas_kernels._common import is_tile, precision, round_to
+from pallas_kernels._common import (
+    is_tile,
+    load_rows,
+    load_vec,
+    precision,
+    round_to,
+    store_rows,
+)
 
 F32 = jnp.float32
 WARPS = 8
@@ -57,24 +64,6 @@ def _dot(a, b, cfg: _Cfg, **kw):
   return plgpu.dot(a, b, precision=precision(a.dtype), **kw)
 
 
-def _ok(n, r0, rows):
-  return (r0 + jnp.arange(rows)) < n
-
-
-def _load(ref, r0, rows, cols=None):
-  """``ref[r0:r0 + rows, cols]`` (``cols``: a static ``(start, width)``; None: all), zero past
-  its rows."""
-  c0, w = cols or (0, ref.shape[1])
-  ok = jnp.broadcast_to(_ok(ref.shape[0], r0, rows)[:, None], (rows, w))
-  return plgpu.load(ref.at[pl.ds(r0, rows), pl.ds(c0, w)], mask=ok, other=0.0)
-
-
-def _store(ref, r0, x, c0=0):
-  rows, c = x.shape
-  ok = jnp.broadcast_to(_ok(ref.shape[0], r0, rows)[:, None], (rows, c))
-  plgpu.store(ref.at[pl.ds(r0, rows), pl.ds(c0, c)], x.astype(ref.dtype), mask=ok)
-
-
 def _chunks(n):
   """Static ``(start, width)`` chunks of ``n`` columns, ``CHUNK`` wide."""
   w = min(n, CHUNK)
@@ -92,24 +81,19 @@ def _hidden(x_ref, r0, w1_ref, b1_ref, cfg: _Cfg):
   chunks."""
   z = jnp.zeros((cfg.rows, w1_ref.shape[1]), F32)
   for ch in _chunks(x_ref.shape[1]):
-    z = z + _dot(_load(x_ref, r0, cfg.rows, ch).astype(cfg.dtype), _w(w1_ref, ch), cfg)
+    z = z + _dot(load_rows(x_ref, r0, cfg.rows, ch).astype(cfg.dtype), _w(w1_ref, ch), cfg)
   b1 = plgpu.load(b1_ref.at[:]).astype(cfg.dtype).astype(F32)
   return round_to(round_to(z, cfg.dtype) + b1[None], cfg.dtype)
-
-
-def _valid(v_ref, r0, rows):
-  return plgpu.load(v_ref.at[pl.ds(r0, rows)], mask=_ok(v_ref.shape[0], r0, rows),
-                    other=0.0)[:, None]
 
 
 def _fwd_kernel(x_ref, w1_ref, b1_ref, w2_ref, b2_ref, v_ref, y_ref, *, cfg: _Cfg):
   r0 = pl.program_id(0) * cfg.rows
   h = round_to(_GELU(_hidden(x_ref, r0, w1_ref, b1_ref, cfg)), cfg.dtype).astype(cfg.dtype)
-  valid = _valid(v_ref, r0, cfg.rows)
+  valid = load_vec(v_ref, r0, cfg.rows)[:, None]
   for c0, w in _chunks(w2_ref.shape[1]):
     b2 = plgpu.load(b2_ref.at[pl.ds(c0, w)]).astype(cfg.dtype).astype(F32)
     y = round_to(_dot(h, _w(w2_ref, None, (c0, w)), cfg), cfg.dtype) + b2[None]
-    _store(y_ref, r0, jnp.where(valid > 0, y, 0.0), c0)
+    store_rows(y_ref, r0, jnp.where(valid > 0, y, 0.0), c0)
 
 
 def _bwd_kernel(x_ref, w1_ref, b1_ref, w2_ref, v_ref, dy_ref, dx_ref, hm_ref, dz_ref, db1_ref,
@@ -117,21 +101,21 @@ def _bwd_kernel(x_ref, w1_ref, b1_ref, w2_ref, v_ref, dy_ref, dx_ref, hm_ref, dz
   i = pl.program_id(0)
   r0 = i * cfg.rows
   z = _hidden(x_ref, r0, w1_ref, b1_ref, cfg)
-  valid = _valid(v_ref, r0, cfg.rows)
+  valid = load_vec(v_ref, r0, cfg.rows)[:, None]
   dh = jnp.zeros(z.shape, F32)
   for c0, w in _chunks(dy_ref.shape[1]):       # the second layer's output cotangent, masked
-    dy = round_to(jnp.where(valid > 0, _load(dy_ref, r0, cfg.rows, (c0, w)).astype(F32), 0.0),
+    dy = round_to(jnp.where(valid > 0, load_rows(dy_ref, r0, cfg.rows, (c0, w)).astype(F32), 0.0),
                   cfg.dtype)
     dh = dh + _dot(dy.astype(cfg.dtype), _w(w2_ref, None, (c0, w)), cfg, trans_b=True)
     plgpu.store(db2_ref.at[i, pl.ds(c0, w)], jnp.sum(dy, axis=0))
   h, slope = _GELU_SLOPE(z)
   dz = round_to(round_to(dh, cfg.dtype) * slope, cfg.dtype)
-  _store(hm_ref, r0, jnp.where(valid > 0, h, 0.0))
-  _store(dz_ref, r0, dz)
+  store_rows(hm_ref, r0, jnp.where(valid > 0, h, 0.0))
+  store_rows(dz_ref, r0, dz)
   plgpu.store(db1_ref.at[i, :], jnp.sum(dz, axis=0))
   dzd = dz.astype(cfg.dtype)
   for ch in _chunks(x_ref.shape[1]):
-    _store(dx_ref, r0, _dot(dzd, _w(w1_ref, ch), cfg, trans_b=True), ch[0])
+    store_rows(dx_ref, r0, _dot(dzd, _w(w1_ref, ch), cfg, trans_b=True), ch[0])
 
 
 def _check(x, w1, b1, w2, b2, valid):

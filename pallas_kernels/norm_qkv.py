@@ -28,7 +28,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import _poison, tuning
-from pallas_kernels._common import is_tile, precision, round_to
+from pallas_kernels._common import is_tile, load_vec, precision, round_to
 
 F32 = jnp.float32
 EPS = 1e-6
@@ -96,11 +96,6 @@ def _put(ref, r0, x, idx=()):
   plgpu.store(ref.at[(pl.ds(r0, rows),) + idx], x.astype(ref.dtype), mask=ok)
 
 
-def _vec(ref, r0, rows):
-  return plgpu.load(ref.at[pl.ds(r0, rows)], mask=(r0 + jnp.arange(rows)) < ref.shape[0],
-                    other=0.0)
-
-
 def _w(w_ref, p, j, half, cfg: _Cfg):
   """``w[:, p, j, half]`` of the ``[d, 3 H D]`` weights: ``[d, D/2]``."""
   D, hd = cfg.head_dim, cfg.head_dim // 2
@@ -141,7 +136,7 @@ def _fwd_kernel(x_ref, w_ref, sc_ref, tau_ref, pos_ref, om_ref, *out_refs, cfg: 
   xf = _tile(x_ref, r0, cfg.rows).astype(F32)
   h = (xf * _norm_rows(xf, cfg.eps)).astype(cfg.dtype)
   if cfg.rot:
-    tau, pos = _vec(tau_ref, r0, cfg.rows), _vec(pos_ref, r0, cfg.rows)
+    tau, pos = load_vec(tau_ref, r0, cfg.rows), load_vec(pos_ref, r0, cfg.rows)
     omega = plgpu.load(om_ref.at[:])
   lo, hi = pl.ds(0, hd), pl.ds(hd, hd)
   for p, out in enumerate(out_refs[:cfg.rot]):
@@ -179,7 +174,7 @@ def _bwd_kernel(x_ref, w_ref, sc_ref, tau_ref, pos_ref, om_ref, *refs, cfg: _Cfg
   r = _norm_rows(xf, cfg.eps)
   h = (xf * r).astype(cfg.dtype)
   if cfg.rot:
-    tau, pos = _vec(tau_ref, r0, cfg.rows), _vec(pos_ref, r0, cfg.rows)
+    tau, pos = load_vec(tau_ref, r0, cfg.rows), load_vec(pos_ref, r0, cfg.rows)
     omega = plgpu.load(om_ref.at[:])
   lo, hi = pl.ds(0, hd), pl.ds(hd, hd)
   back = lambda g, p, j, s: _dot(g.astype(cfg.dtype), _w(w_ref, p, j, s, cfg), cfg, trans_b=True)
@@ -222,7 +217,7 @@ def _bwd_kernel(x_ref, w_ref, sc_ref, tau_ref, pos_ref, om_ref, *refs, cfg: _Cfg
   hn = _tile(x_ref, r0, cfg.rows).astype(F32) * r     # reloaded: not live through the loops
   dx = r * (dh - hn * jnp.mean(dh * hn, axis=1, keepdims=True))
   if cfg.res:           # the residual's cotangent, masked to the real rows
-    dx = dx + _vec(valid_ref, r0, cfg.rows)[:, None] * _tile(gr_ref, r0, cfg.rows).astype(F32)
+    dx = dx + load_vec(valid_ref, r0, cfg.rows)[:, None] * _tile(gr_ref, r0, cfg.rows).astype(F32)
   _put(dx_ref, r0, dx)
 
 

@@ -24,7 +24,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import _poison
-from pallas_kernels._common import is_tile
+from pallas_kernels._common import is_tile, load_rows, load_vec, store_rows
 
 F32 = jnp.float32
 WARPS = 4
@@ -48,43 +48,24 @@ class _Cfg(NamedTuple):
   interpret: bool
 
 
-def _ok(ref, r0, rows):
-  return (r0 + jnp.arange(rows)) < ref.shape[0]
-
-
-def _tile(ref, r0, rows):
-  """``ref[r0:r0 + rows]`` as float32 ``[rows, d]``, zero past its rows."""
-  ok = jnp.broadcast_to(_ok(ref, r0, rows)[:, None], (rows, ref.shape[1]))
-  return plgpu.load(ref.at[pl.ds(r0, rows), :], mask=ok, other=0.0).astype(F32)
-
-
-def _put(ref, r0, x):
-  rows, c = x.shape
-  ok = jnp.broadcast_to(_ok(ref, r0, rows)[:, None], (rows, c))
-  plgpu.store(ref.at[pl.ds(r0, rows), :], x.astype(ref.dtype), mask=ok)
-
-
 def _stats(g_ref, u_ref, r0, cfg: _Cfg):
-  t = _tile(g_ref, r0, cfg.rows) + _tile(u_ref, r0, cfg.rows)
+  t = load_rows(g_ref, r0, cfg.rows).astype(F32) + load_rows(u_ref, r0, cfg.rows).astype(F32)
   return t, lax.rsqrt(jnp.mean(t * t, axis=1, keepdims=True) + cfg.eps)
-
-
-def _valid(v_ref, r0, rows):
-  return plgpu.load(v_ref.at[pl.ds(r0, rows)], mask=_ok(v_ref, r0, rows), other=0.0)[:, None]
 
 
 def _fwd_kernel(g_ref, u_ref, s_ref, v_ref, y_ref, *, cfg: _Cfg):
   r0 = pl.program_id(0) * cfg.rows
   t, r = _stats(g_ref, u_ref, r0, cfg)
-  _put(y_ref, r0, _valid(v_ref, r0, cfg.rows) * (t * r + _tile(s_ref, r0, cfg.rows)))
+  s = load_rows(s_ref, r0, cfg.rows).astype(F32)
+  store_rows(y_ref, r0, load_vec(v_ref, r0, cfg.rows)[:, None] * (t * r + s))
 
 
 def _bwd_kernel(g_ref, u_ref, v_ref, dy_ref, dt_ref, *, cfg: _Cfg):
   r0 = pl.program_id(0) * cfg.rows
   t, r = _stats(g_ref, u_ref, r0, cfg)
   z = t * r
-  d = _valid(v_ref, r0, cfg.rows) * _tile(dy_ref, r0, cfg.rows)
-  _put(dt_ref, r0, r * (d - z * jnp.mean(d * z, axis=1, keepdims=True)))
+  d = load_vec(v_ref, r0, cfg.rows)[:, None] * load_rows(dy_ref, r0, cfg.rows).astype(F32)
+  store_rows(dt_ref, r0, r * (d - z * jnp.mean(d * z, axis=1, keepdims=True)))
 
 
 def _call(kernel, args, out, cfg: _Cfg, name):

@@ -24,7 +24,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import _poison
-from pallas_kernels._common import is_tile, precision, round_to
+from pallas_kernels._common import is_tile, load_rows, load_vec, precision, round_to, store_rows
 
 F32 = jnp.float32
 COLS = 64              # output columns per inner step: a [K, COLS] slice of w
@@ -53,19 +53,15 @@ class _Cfg(NamedTuple):
 def _kernel(o_ref, w_ref, x_ref, v_ref, y_ref, *, cfg: _Cfg):
   rows = cfg.rows
   r0 = pl.program_id(0) * rows
-  ok = (r0 + jnp.arange(rows)) < x_ref.shape[0]
-  K, d = w_ref.shape
-  o = plgpu.load(o_ref.at[pl.ds(r0, rows), :], mask=jnp.broadcast_to(ok[:, None], (rows, K)),
-                 other=0.0).astype(cfg.dtype)
-  valid = plgpu.load(v_ref.at[pl.ds(r0, rows)], mask=ok, other=0.0)[:, None]
-  m = jnp.broadcast_to(ok[:, None], (rows, COLS))
-  for c in range(d // COLS):        # static: d / COLS steps (4 at d = 256)
-    cols = pl.ds(c * COLS, COLS)
-    wc = plgpu.load(w_ref.at[:, cols]).astype(cfg.dtype)
+  d = w_ref.shape[1]
+  o = load_rows(o_ref, r0, rows).astype(cfg.dtype)
+  valid = load_vec(v_ref, r0, rows)[:, None]
+  for c0 in range(0, d, COLS):      # static: d / COLS steps (4 at d = 256)
+    wc = plgpu.load(w_ref.at[:, pl.ds(c0, COLS)]).astype(cfg.dtype)
     a, b = (o.astype(F32), wc.astype(F32)) if cfg.interpret else (o, wc)
     p = round_to(plgpu.dot(a, b, precision=precision(o.dtype)), cfg.dtype)
-    xc = plgpu.load(x_ref.at[pl.ds(r0, rows), cols], mask=m, other=0.0).astype(F32)
-    plgpu.store(y_ref.at[pl.ds(r0, rows), cols], (valid * (xc + p)).astype(y_ref.dtype), mask=m)
+    xc = load_rows(x_ref, r0, rows, (c0, COLS)).astype(F32)
+    store_rows(y_ref, r0, valid * (xc + p), c0)
 
 
 def supported(K: int, d: int) -> bool:
