@@ -176,9 +176,11 @@ def _param_reads(comps, roots, comp: str, shapes) -> tuple[dict, float | None]:
   Bytes are counted slice by slice: a parameter whose every use (through bitcasts / reshapes
   and same-size elementwise chains, e.g. the AdamW update of a flat buffer) ends as the sliced
   operand of a ``slice`` / ``dynamic-slice`` / ``gather`` reads the elements those produce
-  (at the parameter's bytes per element). A ``scatter`` / ``dynamic-update-slice`` that is the
-  root (or an element of a root tuple) and updates a parameter updates that buffer in place (a
-  donated table, its optimizer state): the parameter is charged what ``_inplace_update`` reads
+  (at the parameter's bytes per element); through a ``reduce`` whose result is itself partly
+  read (a sum over experts then sliced apart), the reduced elements of what is read. A
+  ``scatter`` / ``dynamic-update-slice`` that is the root (or an element of a root tuple) and
+  updates a parameter updates that buffer in place (a donated table, its optimizer state): the
+  parameter is charged what ``_inplace_update`` reads
   and the output what it writes (returned second, the whole output's bytes; None when the
   fusion updates nothing in place). Other parameters read everything."""
   body = comps.get(comp, [])
@@ -225,6 +227,11 @@ def _param_reads(comps, roots, comp: str, shapes) -> tuple[dict, float | None]:
         total += sub
       elif ins[1] in _PARTIAL_READ and pos == 0:
         total += _elems(ins[3])
+      elif ins[1] == "reduce" and pos == 0 and len(operands(ins[2])) == 2 and depth < 16:
+        sub = partial(ins[0], depth + 1)          # a partly read sum reads its inputs' share
+        if sub is None:
+          return None
+        total += sub * n / max(_elems(ins[3]), 1)
       else:
         return None
     return total

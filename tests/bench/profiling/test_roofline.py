@@ -308,3 +308,48 @@ def test_wukong_token_side_calls_are_recorded_per_expert():
 
   # layer 0: LCB 3, residual 6 and the first cross-layer map 6; layer 1 (N = n_out): LCB only
   assert got == sorted([twin(N, (3, 6, 6)), twin(n_out, (3,))])
+
+
+SUM_SLICE_HLO = """HloModule sum_slice
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %r = f32[] add(%a, %b)
+}
+
+%fused_split (p0: bf16[2,10,8]) -> (bf16[2,8], bf16[3,8]) {
+  %p0 = bf16[2,10,8]{2,1,0} parameter(0)
+  %c = f32[2,10,8]{2,1,0} convert(%p0)
+  %z = f32[] constant(0)
+  %r = f32[10,8]{1,0} reduce(%c, %z), dimensions={0}, to_apply=%add
+  %h = bf16[10,8]{1,0} convert(%r)
+  %s1 = bf16[2,8]{1,0} slice(%h), slice={[2:4], [0:8]}
+  %s2 = bf16[3,8]{1,0} slice(%h), slice={[7:10], [0:8]}
+  ROOT %t = (bf16[2,8]{1,0}, bf16[3,8]{1,0}) tuple(%s1, %s2)
+}
+
+%fused_whole (q0: bf16[2,10,8]) -> bf16[10,8] {
+  %q0 = bf16[2,10,8]{2,1,0} parameter(0)
+  %c = f32[2,10,8]{2,1,0} convert(%q0)
+  %z = f32[] constant(0)
+  %r = f32[10,8]{1,0} reduce(%c, %z), dimensions={0}, to_apply=%add
+  ROOT %h = bf16[10,8]{1,0} convert(%r)
+}
+
+ENTRY %main (x: bf16[2,10,8]) -> bf16[10,8] {
+  %x = bf16[2,10,8]{2,1,0} parameter(0)
+  %split = (bf16[2,8]{1,0}, bf16[3,8]{1,0}) fusion(%x), kind=kLoop, calls=%fused_split, metadata={op_name="jit(f)/split"}
+  ROOT %whole = bf16[10,8]{1,0} fusion(%x), kind=kLoop, calls=%fused_whole, metadata={op_name="jit(f)/whole"}
+}
+"""
+
+
+def test_a_sum_then_slices_reads_the_summed_rows_of_the_slices():
+  """A loop fusion sums x bf16[2, 10, 8] over its leading axis (the experts' cotangents) and
+  slices rows 2:4 and 7:10 of the sum: the emitter computes only the 5 sliced rows, each from
+  2 x 8 elements of x (5 x 16 x 2 B = 160 B of x's 320), and writes 5 x 8 x 2 B = 80 B. The
+  same sum returned whole reads all of x."""
+  c = {x["name"]: x for x in roofline.op_costs(SUM_SLICE_HLO)}
+  assert c["split"]["bytes_in"] == 160 and c["split"]["bytes_out"] == 80
+  assert c["whole"]["bytes_in"] == 320 and c["whole"]["bytes_out"] == 160
