@@ -8,7 +8,8 @@ then ``F [N, r]``), ``h = LayerNorm(flatten(F)) * scale + bias`` (statistics ove
 values, float32) and ``mix_k = w_k^T X`` (the layer's LCB and residual maps, and the stack's
 first cross-layer map). Each step is rounded to ``dtype`` where ``kunlun.nn.wukong`` rounds it.
 ``wukong_out``: ``LayerNorm(concat(parts) + res) * scale + bias`` over ``d`` per token (the FM's
-and the LCB's tokens plus the residual), without the concatenation in memory.
+and the LCB's tokens plus the residual; optionally the FM MLP's output bias ``bias0 [n_0, d]``
+on the first part), without the concatenation in memory.
 
 ``wukong_fm_xla`` / ``wukong_out_xla`` are the twins: the formulas, differentiated by autodiff.
 ``wukong_fm_pallas`` runs a forward kernel (reads ``x``, writes ``h`` and the mixes) and a
@@ -287,12 +288,17 @@ def supported(N: int, d: int, rank: int, mixes) -> bool:
 
 # ------------------------------------------------------------------------- the output norm
 
-def wukong_out_xla(parts, res, scale, bias, *, eps: float = EPS, dtype=jnp.bfloat16):
+def wukong_out_xla(parts, res, scale, bias, *, bias0=None, eps: float = EPS,
+                   dtype=jnp.bfloat16):
   """The twin of ``wukong_out_pallas``: ``LayerNorm(concat(parts) + res) * scale + bias`` over
   ``d`` per token in float32, in ``dtype`` (``parts``: ``[B, n_i, d]`` arrays, ``res [B, sum
   n_i, d]``, ``scale, bias f32[d]``): the Wukong layer's output norm over its FM and LCB tokens
-  plus the residual."""
-  t = jnp.concatenate([p.astype(F32) for p in parts], axis=1) + res.astype(F32)
+  plus the residual. ``bias0 [n_0, d]`` (optional) is added to the first part first (the FM
+  MLP's output bias)."""
+  ps = [p.astype(F32) for p in parts]
+  if bias0 is not None:
+    ps[0] = ps[0] + bias0.astype(F32)
+  t = jnp.concatenate(ps, axis=1) + res.astype(F32)
   mu = jnp.mean(t, -1, keepdims=True)
   var = jnp.mean(jnp.square(t - mu), -1, keepdims=True)
   return ((t - mu) * lax.rsqrt(var + eps) * scale + bias).astype(dtype)
@@ -304,6 +310,7 @@ class _OutCfg(NamedTuple):
   ns: tuple           # the parts' token counts
   eps: float
   dtype: object
+  bias0: bool = False  # a bias [n_0, d] on the first part
 
 
 def _row_norm(t, eps):
@@ -313,18 +320,30 @@ def _row_norm(t, eps):
   return c * rs, rs
 
 
+def _bias0(b0_ref, cfg: _OutCfg):
+  """The first part's bias ``[pad(n_0), d]`` (zero past ``n_0``), or 0.0 without one."""
+  if b0_ref is None:
+    return 0.0
+  n = cfg.ns[0]
+  return plgpu.load(b0_ref.at[pl.ds(0, pad_pow2(n)), :], mask=_mask(pad_pow2(n), n, cfg.d),
+                    other=0.0)
+
+
 def _out_fwd_kernel(*refs, cfg: _OutCfg):
   K = len(cfg.ns)
-  part_refs, (res_ref, s_ref, b_ref, out_ref) = refs[:K], refs[K:]
+  part_refs, (res_ref, s_ref, b_ref), rest = refs[:K], refs[K:K + 3], refs[K + 3:]
+  b0_ref, out_ref = (rest[0], rest[1]) if cfg.bias0 else (None, rest[0])
   sc, bi = plgpu.load(s_ref.at[:])[None, :], plgpu.load(b_ref.at[:])[None, :]
+  b0 = _bias0(b0_ref, cfg)
   i0 = pl.program_id(0)
 
   def one(i, carry):
     b = i0 * OUT_EXAMPLES + i
     ok = b < cfg.B
     off = 0
-    for n, p_ref in zip(cfg.ns, part_refs, strict=True):
+    for k, (n, p_ref) in enumerate(zip(cfg.ns, part_refs, strict=True)):
       t = _rows(p_ref, b, ok, n).astype(F32) + _rows(res_ref, b, ok, n, off).astype(F32)
+      t = t + b0 if k == 0 else t
       _put(out_ref, b, _row_norm(t, cfg.eps)[0] * sc + bi, ok, n, off)
       off += n
     return carry
@@ -334,71 +353,89 @@ def _out_fwd_kernel(*refs, cfg: _OutCfg):
 
 def _out_bwd_kernel(*refs, cfg: _OutCfg):
   K = len(cfg.ns)
-  part_refs, (res_ref, s_ref, dz_ref) = refs[:K], refs[K:K + 3]
-  dpart_refs, (dres_ref, g_ref) = refs[K + 3:2 * K + 3], refs[2 * K + 3:]
+  part_refs, (res_ref, s_ref), rest = refs[:K], refs[K:K + 2], refs[K + 2:]
+  b0_ref, rest = (rest[0], rest[1:]) if cfg.bias0 else (None, rest)
+  dz_ref, dpart_refs, (dres_ref, g_ref) = rest[0], rest[1:K + 1], rest[K + 1:]
   sc = plgpu.load(s_ref.at[:])[None, :]
+  b0 = _bias0(b0_ref, cfg)
   i0 = pl.program_id(0)
 
   def one(i, carry):
-    gs, gb = carry
+    gs, gb, g0 = carry
     b = i0 * OUT_EXAMPLES + i
     ok = b < cfg.B
     off = 0
-    for n, p_ref, dp_ref in zip(cfg.ns, part_refs, dpart_refs, strict=True):
+    for k, (n, p_ref, dp_ref) in enumerate(zip(cfg.ns, part_refs, dpart_refs, strict=True)):
       t = _rows(p_ref, b, ok, n).astype(F32) + _rows(res_ref, b, ok, n, off).astype(F32)
-      y, rs = _row_norm(t, cfg.eps)
+      y, rs = _row_norm(t + b0 if k == 0 else t, cfg.eps)
       dz = _rows(dz_ref, b, ok, n, off).astype(F32)
       dy = dz * sc
       dx = rs * (dy - jnp.mean(dy, axis=1, keepdims=True)
                  - y * jnp.mean(dy * y, axis=1, keepdims=True))
       _put(dp_ref, b, dx, ok)
       _put(dres_ref, b, dx, ok, n, off)
+      if k == 0 and cfg.bias0:       # rows past n_0, and an example past B, load as zeros
+        g0 = g0 + dx * _mask(dx.shape[0], n, cfg.d, ok=ok)
       gs, gb = gs + jnp.sum(dz * y, axis=0), gb + jnp.sum(dz, axis=0)
       off += n
-    return gs, gb
+    return gs, gb, g0
 
   z = jnp.zeros((cfg.d,), F32)
-  gs, gb = lax.fori_loop(0, OUT_EXAMPLES, one, (z, z))
-  plgpu.store(g_ref.at[i0, pl.ds(0, cfg.d)], gs)     # scale's and bias's partial sums, one output
-  plgpu.store(g_ref.at[i0, pl.ds(cfg.d, cfg.d)], gb)
+  g0 = jnp.zeros((pad_pow2(cfg.ns[0]), cfg.d), F32) if cfg.bias0 else jnp.float32(0)
+  gs, gb, g0 = lax.fori_loop(0, OUT_EXAMPLES, one, (z, z, g0))
+  # one partial-sum output [2 (+ pad(n_0)), d] per program: the scale's, the bias's (and bias0's)
+  plgpu.store(g_ref.at[i0, pl.ds(0, 1), :], gs[None, :])
+  plgpu.store(g_ref.at[i0, pl.ds(1, 1), :], gb[None, :])
+  if cfg.bias0:
+    n = cfg.ns[0]
+    plgpu.store(g_ref.at[i0, pl.ds(2, pad_pow2(n)), :], g0)      # zero past n_0
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
-def _out(parts, res, scale, bias, eps, dtype, interpret):
+def _out_cfg(parts, res, bias0, eps, dtype):
   B, _, d = res.shape
-  cfg = _OutCfg(B, d, tuple(p.shape[1] for p in parts), eps, dtype)
+  return _OutCfg(B, d, tuple(p.shape[1] for p in parts), eps, dtype, bias0 is not None)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def _out(parts, res, scale, bias, bias0, eps, dtype, interpret):
+  cfg = _out_cfg(parts, res, bias0, eps, dtype)
   out = (jax.ShapeDtypeStruct(res.shape, dtype),)
-  return _call(_out_fwd_kernel, cfg, (*parts, res, scale, bias), out, OUT_EXAMPLES, OUT_WARPS,
-               interpret, "wukong_out_fwd")[0]
+  b0 = () if bias0 is None else (bias0,)
+  return _call(_out_fwd_kernel, cfg, (*parts, res, scale, bias, *b0), out, OUT_EXAMPLES,
+               OUT_WARPS, interpret, "wukong_out_fwd")[0]
 
 
-def _out_vjp_fwd(parts, res, scale, bias, eps, dtype, interpret):
-  return _out(parts, res, scale, bias, eps, dtype, interpret), (parts, res, scale, bias)
+def _out_vjp_fwd(parts, res, scale, bias, bias0, eps, dtype, interpret):
+  return (_out(parts, res, scale, bias, bias0, eps, dtype, interpret),
+          (parts, res, scale, bias, bias0))
 
 
 def _out_vjp_bwd(eps, dtype, interpret, resid, dz):
-  parts, res, scale, bias = resid
-  B, _, d = res.shape
-  cfg = _OutCfg(B, d, tuple(p.shape[1] for p in parts), eps, dtype)
-  T = pl.cdiv(B, OUT_EXAMPLES)
+  parts, res, scale, bias, bias0 = resid
+  cfg = _out_cfg(parts, res, bias0, eps, dtype)
+  n0 = pad_pow2(cfg.ns[0]) if cfg.bias0 else 0
+  T = pl.cdiv(cfg.B, OUT_EXAMPLES)
   outs = (tuple(jax.ShapeDtypeStruct(p.shape, p.dtype) for p in parts)
           + (jax.ShapeDtypeStruct(res.shape, res.dtype),
-             jax.ShapeDtypeStruct((T, 2 * d), F32)))
-  *dparts, dres, g = _call(_out_bwd_kernel, cfg, (*parts, res, scale, dz), outs,
+             jax.ShapeDtypeStruct((T, 2 + n0, cfg.d), F32)))
+  b0 = () if bias0 is None else (bias0,)
+  *dparts, dres, g = _call(_out_bwd_kernel, cfg, (*parts, res, scale, *b0, dz), outs,
                            OUT_EXAMPLES, OUT_WARPS, interpret, "wukong_out_bwd")
-  gs, gb = jnp.sum(g, 0).reshape(2, d)
-  return tuple(dparts), dres, gs.astype(scale.dtype), gb.astype(bias.dtype)
+  g = jnp.sum(g, 0)                                  # one reduction of every partial sum
+  g0 = None if bias0 is None else g[2:2 + cfg.ns[0]].astype(bias0.dtype)
+  return (tuple(dparts), dres, g[0].astype(scale.dtype), g[1].astype(bias.dtype), g0)
 
 
 _out.defvjp(_out_vjp_fwd, _out_vjp_bwd)
 
 
-def wukong_out_pallas(parts, res, scale, bias, *, eps: float = EPS, dtype=jnp.bfloat16,
-                      interpret: bool = False):
+def wukong_out_pallas(parts, res, scale, bias, *, bias0=None, eps: float = EPS,
+                      dtype=jnp.bfloat16, interpret: bool = False):
   """``wukong_out_xla``'s values and gradients from one forward and one backward kernel: a
   program takes ``OUT_EXAMPLES`` examples, each part's rows with the residual's rows beside them
   (nothing concatenated in memory); the backward writes each part's and the residual's
-  cotangent and per-program partial sums of the scale's and bias's gradients."""
+  cotangent and per-program partial sums of the gradients of the scale, the bias and ``bias0``
+  (one output, one reduction)."""
   parts = tuple(parts)
   B, n, d = res.shape
   ns = tuple(p.shape[1] for p in parts)
@@ -406,7 +443,10 @@ def wukong_out_pallas(parts, res, scale, bias, *, eps: float = EPS, dtype=jnp.bf
     raise ValueError(f"wukong_out: parts {[p.shape for p in parts]} and res {res.shape} must be "
                      "[B, n_i, d] and [B, sum n_i, d] with d a power of two >= 16 "
                      "(out_supported())")
-  return _out(parts, res, scale.astype(F32), bias.astype(F32), float(eps), jnp.dtype(dtype),
+  if bias0 is not None and bias0.shape != (ns[0], d):
+    raise ValueError(f"wukong_out: bias0 {bias0.shape} must be [n_0, d] = {(ns[0], d)}")
+  return _out(parts, res, scale.astype(F32), bias.astype(F32),
+              None if bias0 is None else bias0.astype(F32), float(eps), jnp.dtype(dtype),
               bool(interpret))
 
 

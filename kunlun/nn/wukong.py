@@ -25,6 +25,7 @@ import jax.numpy as jnp
 
 from kunlun.nn import packed
 from kunlun.nn.activations import gelu
+from kunlun.nn.dense import DenseParams, dense
 from kunlun.nn.fused import batched_mixes, token_mix
 from kunlun.nn.norms import affine_layer_norm
 from pallas_kernels import wukong_fm
@@ -81,12 +82,12 @@ def fm_pallas(x, y, ws, scale, bias, *, dtype):
   return shard(h, ("batch", None)), tuple(shard(m, _TOK) for m in mixes)
 
 
-def out_pallas(parts, res, scale, bias, *, dtype):
+def out_pallas(parts, res, scale, bias, bias0=None, *, dtype):
   """``pallas_kernels.wukong_fm.wukong_out_pallas`` per device on its examples."""
   interpret = packed.interpret_kernels()
-  op = lambda parts, res, s, b: wukong_fm.wukong_out_pallas(parts, res, s, b, dtype=dtype,
-                                                            interpret=interpret)
-  return per_shard(op, (True, True, False, False), "batch")(parts, res, scale, bias)
+  op = lambda parts, res, s, b, b0: wukong_fm.wukong_out_pallas(
+      parts, res, s, b, bias0=b0, dtype=dtype, interpret=interpret)
+  return per_shard(op, (True, True, False, False, False), "batch")(parts, res, scale, bias, bias0)
 
 
 class WukongLayer(nn.Module):
@@ -130,20 +131,23 @@ class WukongLayer(nn.Module):
                    kernel_init=with_axes(nn.initializers.lecun_normal(), (None, "mlp")),
                    bias_init=with_axes(nn.initializers.zeros, ("mlp",)))(h)
       h = shard(gelu(h), ("batch", "mlp"))
-      h = nn.Dense(self.n_fm * d, dtype=dt, param_dtype=F32, name="fm_mlp_out",
-                   kernel_init=with_axes(nn.initializers.lecun_normal(), ("mlp", None)),
-                   bias_init=with_axes(nn.initializers.zeros, (None,)))(h)
+      w_out, b_out = DenseParams(self.mlp_hidden, self.n_fm * d, ("mlp", None),
+                                 name="fm_mlp_out")()
+      fused = out_kernel(self.backend, d, [self.n_fm] + ([self.n_lcb] if self.n_lcb else []))
+      h = dense(h, w_out, None if fused else b_out, dt)      # fused: the bias in the out norm
       parts = [h.reshape(B, self.n_fm, d)] + ([mix["lcb"]] if self.n_lcb else [])
       res = mix.get("res", x)
-      out = shard(self._out_norm(parts, res), _TOK)
+      out = shard(self._out_norm(parts, res, b_out.reshape(self.n_fm, d) if fused else None),
+                  _TOK)
       return out if extra is None else (out, mix["extra"])
 
-  def _out_norm(self, parts, res):
+  def _out_norm(self, parts, res, bias0=None):
     """``LN(concat(parts) + res) * scale + bias`` over ``d``, in dtype: the kernels
-    (``out_kernel``) or ``affine_layer_norm``."""
+    (``out_kernel``; ``bias0 [n_fm, d]``, the FM MLP's output bias, added to the first part in
+    the kernel) or ``affine_layer_norm``."""
     scale, bias = _NormParams(res.shape[-1], name="out_norm")()
     if out_kernel(self.backend, res.shape[-1], [p.shape[1] for p in parts]):
-      return out_pallas(tuple(parts), res, scale, bias, dtype=self.dtype)
+      return out_pallas(tuple(parts), res, scale, bias, bias0, dtype=self.dtype)
     return affine_layer_norm((jnp.concatenate(parts, axis=1), res), scale, bias, 1e-6,
                              self.dtype)
 

@@ -124,19 +124,24 @@ def test_unsupported_widths_are_refused():
 
 
 
-def _numpy_out(parts, res, scale, bias, eps=1e-6):
-  t = np.concatenate([p.astype(np.float64) for p in parts], 1) + res.astype(np.float64)
+def _numpy_out(parts, res, scale, bias, bias0=None, eps=1e-6):
+  ps = [p.astype(np.float64) for p in parts]
+  if bias0 is not None:
+    ps[0] = ps[0] + bias0.astype(np.float64)
+  t = np.concatenate(ps, 1) + res.astype(np.float64)
   c = t - t.mean(-1, keepdims=True)
   return c / np.sqrt((c * c).mean(-1, keepdims=True) + eps) * scale + bias
 
 
-@pytest.mark.parametrize("dtype,tol,B,ns", [
-    (jnp.float32, 1e-5, 11, (5, 3)), (jnp.float32, 1e-5, 16, (16, 16)),
-    (jnp.float32, 1e-5, 3, (7,)), (jnp.bfloat16, 2e-2, 11, (5, 3))])
-def test_out_norm_kernels_match_the_twin_and_numpy(dtype, tol, B, ns):
+@pytest.mark.parametrize("dtype,tol,B,ns,with_b0", [
+    (jnp.float32, 1e-5, 11, (5, 3), False), (jnp.float32, 1e-5, 16, (16, 16), False),
+    (jnp.float32, 1e-5, 3, (7,), False), (jnp.bfloat16, 2e-2, 11, (5, 3), False),
+    (jnp.float32, 1e-5, 11, (5, 3), True), (jnp.bfloat16, 2e-2, 9, (16, 16), True)])
+def test_out_norm_kernels_match_the_twin_and_numpy(dtype, tol, B, ns, with_b0):
   """``wukong_out``: the twin against numpy (float64), the kernels (interpret mode, poisoned
-  outputs) against the twin in values and the gradients of every part, the residual, the scale
-  and the bias; part sizes and batches that are no multiple of the tiles, an all-zero example."""
+  outputs) against the twin in values and the gradients of every part, the residual, the scale,
+  the bias and the first part's bias ``bias0``; part sizes and batches that are no multiple of
+  the tiles, an all-zero example."""
   rng = np.random.default_rng(B)
   d = 32
   parts = [rng.normal(size=(B, n, d)).astype(np.float32) for n in ns]
@@ -146,17 +151,19 @@ def test_out_norm_kernels_match_the_twin_and_numpy(dtype, tol, B, ns):
   res[1] = 0.0
   sc = rng.uniform(0.5, 1.5, size=d).astype(np.float32)
   bi = (0.1 * rng.normal(size=d)).astype(np.float32)
+  b0 = rng.normal(size=(ns[0], d)).astype(np.float32) if with_b0 else None
   twin = wukong_fm.wukong_out_xla([jnp.asarray(p) for p in parts], jnp.asarray(res), sc, bi,
-                                  dtype=jnp.float32)
-  close(twin, _numpy_out(parts, res, sc, bi), 2e-5)
+                                  bias0=b0, dtype=jnp.float32)
+  close(twin, _numpy_out(parts, res, sc, bi, b0), 2e-5)
   parts = tuple(jnp.asarray(p, dtype) for p in parts)
   res = jnp.asarray(res, dtype)
   cot = jnp.asarray(rng.normal(size=(B, sum(ns), d)), jnp.float32)
+  args = (parts, res, sc, bi) + ((jnp.asarray(b0),) if with_b0 else ())
 
   def run(fn):
-    f = lambda *a: jnp.sum(fn(*a, dtype=dtype).astype(jnp.float32) * cot)
-    return fn(parts, res, sc, bi, dtype=dtype), jax.grad(f, argnums=(0, 1, 2, 3))(
-        parts, res, sc, bi)
+    g = lambda p, r, s, b, *b0: fn(p, r, s, b, bias0=b0[0] if b0 else None, dtype=dtype)
+    f = lambda *a: jnp.sum(g(*a).astype(jnp.float32) * cot)
+    return g(*args), jax.grad(f, argnums=tuple(range(len(args))))(*args)
 
   with _poison.poison_outputs():
     got, g_got = run(lambda *a, **k: wukong_fm.wukong_out_pallas(*a, interpret=True, **k))
@@ -166,6 +173,8 @@ def test_out_norm_kernels_match_the_twin_and_numpy(dtype, tol, B, ns):
   for u, w in zip(jax.tree.leaves(g_got), jax.tree.leaves(g_want), strict=True):
     assert u.dtype == w.dtype and u.shape == w.shape
     close(u, w, tol)
+  if with_b0:                        # bias0's gradient: the first part's rows of dt, summed
+    assert g_got[-1].shape == (ns[0], d)
 
 
 def test_out_norm_refuses_what_it_cannot_tile():
@@ -209,16 +218,16 @@ def main(dump_dir):
   E, f32 = 2, jnp.float32
   sds = jax.ShapeDtypeStruct
 
-  def step(x, y, ws, sc, bi):
-    def loss(x, y, ws, sc, bi):
+  def step(x, y, ws, sc, bi, b0):
+    def loss(x, y, ws, sc, bi, b0):
       h, mixes = jax.vmap(lambda *a: wukong_fm.wukong_fm_pallas(x, *a))(y, ws, sc, bi)
-      out = jax.vmap(lambda p, r, s, b: wukong_fm.wukong_out_pallas(p, r, s, b))(
-          (mixes[0], mixes[0]), mixes[1], sc[:, :d], bi[:, :d])          # parts of 16 + 16
+      out = jax.vmap(lambda p, r, s, b, b0: wukong_fm.wukong_out_pallas(p, r, s, b, bias0=b0))(
+          (mixes[0], mixes[0]), mixes[1], sc[:, :d], bi[:, :d], b0)      # parts of 16 + 16
       return jnp.sum(h.astype(f32)) + sum(jnp.sum(m.astype(f32)) for m in mixes + (out,))
-    return jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4))(x, y, ws, sc, bi)
+    return jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4, 5))(x, y, ws, sc, bi, b0)
 
   args = (sds((B, N, d), jnp.bfloat16), sds((E, N, r), f32), tuple(sds((E, N, m), f32) for m in ms),
-          sds((E, N * r), f32), sds((E, N * r), f32))
+          sds((E, N * r), f32), sds((E, N * r), f32), sds((E, 16, d), f32))
   gpu_target.compile_for(step, args, gpu_target.gpu_mesh("h200"))
   print(json.dumps(deviceless.kernel_smem(dump_dir, "wukong_")))
 
