@@ -288,20 +288,26 @@ def supported(N: int, d: int, rank: int, mixes) -> bool:
 
 # ------------------------------------------------------------------------- the output norm
 
-def wukong_out_xla(parts, res, scale, bias, *, bias0=None, eps: float = EPS,
-                   dtype=jnp.bfloat16):
-  """The twin of ``wukong_out_pallas``: ``LayerNorm(concat(parts) + res) * scale + bias`` over
-  ``d`` per token in float32, in ``dtype`` (``parts``: ``[B, n_i, d]`` arrays, ``res [B, sum
-  n_i, d]``, ``scale, bias f32[d]``): the Wukong layer's output norm over its FM and LCB tokens
-  plus the residual. ``bias0 [n_0, d]`` (optional) is added to the first part first (the FM
-  MLP's output bias)."""
+def wukong_out_xla(parts, res, scale, bias, *, bias0=None, others=(), weights=None,
+                   eps: float = EPS, dtype=jnp.bfloat16):
+  """The twin of ``wukong_out_pallas``: ``z = LayerNorm(concat(parts) + res) * scale + bias``
+  over ``d`` per token in float32, in ``dtype`` (``parts``: ``[B, n_i, d]`` arrays, ``res [B,
+  sum n_i, d]``, ``scale, bias f32[d]``): the Wukong layer's output norm over its FM and LCB
+  tokens plus the residual. ``bias0 [n_0, d]`` (optional) is added to the first part first (the
+  FM MLP's output bias). With ``weights f32[J + 1]`` (and ``others``: J arrays like ``res``) the
+  result is the next layer's cross-layer input instead, ``z + sum_j weights_j others_j +
+  weights_J z`` (``kunlun.nn.wukong.cross_mix``), from the float32 ``z``."""
   ps = [p.astype(F32) for p in parts]
   if bias0 is not None:
     ps[0] = ps[0] + bias0.astype(F32)
   t = jnp.concatenate(ps, axis=1) + res.astype(F32)
   mu = jnp.mean(t, -1, keepdims=True)
   var = jnp.mean(jnp.square(t - mu), -1, keepdims=True)
-  return ((t - mu) * lax.rsqrt(var + eps) * scale + bias).astype(dtype)
+  z = (t - mu) * lax.rsqrt(var + eps) * scale + bias
+  if weights is not None:
+    w = weights.astype(F32)
+    z = z + sum(w[j] * o.astype(F32) for j, o in enumerate(others)) + w[len(others)] * z
+  return z.astype(dtype)
 
 
 class _OutCfg(NamedTuple):
@@ -311,6 +317,7 @@ class _OutCfg(NamedTuple):
   eps: float
   dtype: object
   bias0: bool = False  # a bias [n_0, d] on the first part
+  mix: int = -1        # J: the output is the cross-layer mix with J other inputs (-1: plain)
 
 
 def _row_norm(t, eps):
@@ -329,12 +336,32 @@ def _bias0(b0_ref, cfg: _OutCfg):
                     other=0.0)
 
 
+def _weights(w_ref, cfg: _OutCfg) -> list:
+  """The mix's ``J + 1`` weights as float32 scalars (one masked load of the vector)."""
+  J1 = cfg.mix + 1
+  n = pad_pow2(J1)
+  idx = jnp.arange(n)
+  v = plgpu.load(w_ref.at[pl.ds(0, n)], mask=idx < J1, other=0.0)
+  return [jnp.sum(jnp.where(idx == j, v, 0.0)) for j in range(J1)]
+
+
+def _split_refs(refs, cfg: _OutCfg, n_front: int):
+  """``(front, b0_ref, w_ref, other_refs, rest)`` of a kernel's refs: ``n_front`` leading refs,
+  then ``bias0``'s (if any), the mix's weights and other inputs (if any), then the rest."""
+  front, rest = refs[:n_front], refs[n_front:]
+  b0_ref, rest = (rest[0], rest[1:]) if cfg.bias0 else (None, rest)
+  J = max(cfg.mix, 0)
+  w_ref, rest = (rest[0], rest[1:]) if cfg.mix >= 0 else (None, rest)
+  return front, b0_ref, w_ref, rest[:J], rest[J:]
+
+
 def _out_fwd_kernel(*refs, cfg: _OutCfg):
   K = len(cfg.ns)
-  part_refs, (res_ref, s_ref, b_ref), rest = refs[:K], refs[K:K + 3], refs[K + 3:]
-  b0_ref, out_ref = (rest[0], rest[1]) if cfg.bias0 else (None, rest[0])
+  front, b0_ref, w_ref, o_refs, (out_ref,) = _split_refs(refs, cfg, K + 3)
+  part_refs, (res_ref, s_ref, b_ref) = front[:K], front[K:]
   sc, bi = plgpu.load(s_ref.at[:])[None, :], plgpu.load(b_ref.at[:])[None, :]
   b0 = _bias0(b0_ref, cfg)
+  w = _weights(w_ref, cfg) if w_ref is not None else None
   i0 = pl.program_id(0)
 
   def one(i, carry):
@@ -344,7 +371,13 @@ def _out_fwd_kernel(*refs, cfg: _OutCfg):
     for k, (n, p_ref) in enumerate(zip(cfg.ns, part_refs, strict=True)):
       t = _rows(p_ref, b, ok, n).astype(F32) + _rows(res_ref, b, ok, n, off).astype(F32)
       t = t + b0 if k == 0 else t
-      _put(out_ref, b, _row_norm(t, cfg.eps)[0] * sc + bi, ok, n, off)
+      z = _row_norm(t, cfg.eps)[0] * sc + bi
+      if w is not None:                                  # the next layer's cross-layer input
+        m = z * (1.0 + w[-1])
+        for j, o_ref in enumerate(o_refs):
+          m = m + w[j] * _rows(o_ref, b, ok, n, off).astype(F32)
+        z = m
+      _put(out_ref, b, z, ok, n, off)
       off += n
     return carry
 
@@ -353,90 +386,119 @@ def _out_fwd_kernel(*refs, cfg: _OutCfg):
 
 def _out_bwd_kernel(*refs, cfg: _OutCfg):
   K = len(cfg.ns)
-  part_refs, (res_ref, s_ref), rest = refs[:K], refs[K:K + 2], refs[K + 2:]
-  b0_ref, rest = (rest[0], rest[1:]) if cfg.bias0 else (None, rest)
-  dz_ref, dpart_refs, (dres_ref, g_ref) = rest[0], rest[1:K + 1], rest[K + 1:]
+  J = max(cfg.mix, 0)
+  front, b0_ref, w_ref, o_refs, rest = _split_refs(refs, cfg, K + 2)
+  part_refs, (res_ref, s_ref) = front[:K], front[K:]
+  dm_ref, dpart_refs, dres_ref = rest[0], rest[1:K + 1], rest[K + 1]
+  do_refs, g_ref = rest[K + 2:K + 2 + J], rest[K + 2 + J]
   sc = plgpu.load(s_ref.at[:])[None, :]
   b0 = _bias0(b0_ref, cfg)
+  w = _weights(w_ref, cfg) if w_ref is not None else None
+  zs = sc if w is None else sc * (1.0 + w[-1])      # d out / d y: z's own share of the mix
   i0 = pl.program_id(0)
 
   def one(i, carry):
-    gs, gb, g0 = carry
+    gs, gb, g0, ga = carry
     b = i0 * OUT_EXAMPLES + i
     ok = b < cfg.B
     off = 0
     for k, (n, p_ref, dp_ref) in enumerate(zip(cfg.ns, part_refs, dpart_refs, strict=True)):
       t = _rows(p_ref, b, ok, n).astype(F32) + _rows(res_ref, b, ok, n, off).astype(F32)
       y, rs = _row_norm(t + b0 if k == 0 else t, cfg.eps)
-      dz = _rows(dz_ref, b, ok, n, off).astype(F32)
-      dy = dz * sc
+      dm = _rows(dm_ref, b, ok, n, off).astype(F32)     # the output's cotangent
+      dy = dm * zs
       dx = rs * (dy - jnp.mean(dy, axis=1, keepdims=True)
                  - y * jnp.mean(dy * y, axis=1, keepdims=True))
       _put(dp_ref, b, dx, ok)
       _put(dres_ref, b, dx, ok, n, off)
       if k == 0 and cfg.bias0:       # rows past n_0, and an example past B, load as zeros
         g0 = g0 + dx * _mask(dx.shape[0], n, cfg.d, ok=ok)
-      gs, gb = gs + jnp.sum(dz * y, axis=0), gb + jnp.sum(dz, axis=0)
+      if J:                          # the mix's other inputs: their cotangents, their weights'
+        ga = tuple(ga[j] + jnp.sum(dm * _rows(o_ref, b, ok, n, off).astype(F32), axis=0)
+                   for j, o_ref in enumerate(o_refs))
+        for j, do_ref in enumerate(do_refs):
+          _put(do_ref, b, dm * w[j], ok, n, off)
+      gs, gb = gs + jnp.sum(dm * y, axis=0), gb + jnp.sum(dm, axis=0)
       off += n
-    return gs, gb, g0
+    return gs, gb, g0, ga
 
   z = jnp.zeros((cfg.d,), F32)
   g0 = jnp.zeros((pad_pow2(cfg.ns[0]), cfg.d), F32) if cfg.bias0 else jnp.float32(0)
-  gs, gb, g0 = lax.fori_loop(0, OUT_EXAMPLES, one, (z, z, g0))
-  # one partial-sum output [2 (+ pad(n_0)), d] per program: the scale's, the bias's (and bias0's)
+  gs, gb, g0, ga = lax.fori_loop(0, OUT_EXAMPLES, one, (z, z, g0, (z,) * J))
+  # one partial-sum output per program, rows: sum(dm y) and sum(dm) per column (the scale's and
+  # bias's gradients up to z's mix weight), bias0's pad(n_0) rows, the other inputs' J rows
   plgpu.store(g_ref.at[i0, pl.ds(0, 1), :], gs[None, :])
   plgpu.store(g_ref.at[i0, pl.ds(1, 1), :], gb[None, :])
+  row = 2
   if cfg.bias0:
-    n = cfg.ns[0]
-    plgpu.store(g_ref.at[i0, pl.ds(2, pad_pow2(n)), :], g0)      # zero past n_0
+    plgpu.store(g_ref.at[i0, pl.ds(2, pad_pow2(cfg.ns[0])), :], g0)      # zero past n_0
+    row += pad_pow2(cfg.ns[0])
+  for j in range(J):
+    plgpu.store(g_ref.at[i0, pl.ds(row + j, 1), :], ga[j][None, :])
 
 
-def _out_cfg(parts, res, bias0, eps, dtype):
+def _out_cfg(parts, res, bias0, others, weights, eps, dtype):
   B, _, d = res.shape
-  return _OutCfg(B, d, tuple(p.shape[1] for p in parts), eps, dtype, bias0 is not None)
+  return _OutCfg(B, d, tuple(p.shape[1] for p in parts), eps, dtype, bias0 is not None,
+                 -1 if weights is None else len(others))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
-def _out(parts, res, scale, bias, bias0, eps, dtype, interpret):
-  cfg = _out_cfg(parts, res, bias0, eps, dtype)
+def _extra(bias0, others, weights):
+  """The optional operands, in the kernels' order: bias0, the weights, the other inputs."""
+  return ((() if bias0 is None else (bias0,))
+          + (() if weights is None else (weights,) + tuple(others)))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
+def _out(parts, res, scale, bias, bias0, others, weights, eps, dtype, interpret):
+  cfg = _out_cfg(parts, res, bias0, others, weights, eps, dtype)
   out = (jax.ShapeDtypeStruct(res.shape, dtype),)
-  b0 = () if bias0 is None else (bias0,)
-  return _call(_out_fwd_kernel, cfg, (*parts, res, scale, bias, *b0), out, OUT_EXAMPLES,
-               OUT_WARPS, interpret, "wukong_out_fwd")[0]
+  return _call(_out_fwd_kernel, cfg, (*parts, res, scale, bias, *_extra(bias0, others, weights)),
+               out, OUT_EXAMPLES, OUT_WARPS, interpret, "wukong_out_fwd")[0]
 
 
-def _out_vjp_fwd(parts, res, scale, bias, bias0, eps, dtype, interpret):
-  return (_out(parts, res, scale, bias, bias0, eps, dtype, interpret),
-          (parts, res, scale, bias, bias0))
+def _out_vjp_fwd(parts, res, scale, bias, bias0, others, weights, eps, dtype, interpret):
+  return (_out(parts, res, scale, bias, bias0, others, weights, eps, dtype, interpret),
+          (parts, res, scale, bias, bias0, others, weights))
 
 
-def _out_vjp_bwd(eps, dtype, interpret, resid, dz):
-  parts, res, scale, bias, bias0 = resid
-  cfg = _out_cfg(parts, res, bias0, eps, dtype)
+def _out_vjp_bwd(eps, dtype, interpret, resid, dm):
+  parts, res, scale, bias, bias0, others, weights = resid
+  cfg = _out_cfg(parts, res, bias0, others, weights, eps, dtype)
+  J = max(cfg.mix, 0)
   n0 = pad_pow2(cfg.ns[0]) if cfg.bias0 else 0
   T = pl.cdiv(cfg.B, OUT_EXAMPLES)
   outs = (tuple(jax.ShapeDtypeStruct(p.shape, p.dtype) for p in parts)
-          + (jax.ShapeDtypeStruct(res.shape, res.dtype),
-             jax.ShapeDtypeStruct((T, 2 + n0, cfg.d), F32)))
-  b0 = () if bias0 is None else (bias0,)
-  *dparts, dres, g = _call(_out_bwd_kernel, cfg, (*parts, res, scale, *b0, dz), outs,
-                           OUT_EXAMPLES, OUT_WARPS, interpret, "wukong_out_bwd")
+          + (jax.ShapeDtypeStruct(res.shape, res.dtype),)
+          + tuple(jax.ShapeDtypeStruct(o.shape, o.dtype) for o in others)
+          + (jax.ShapeDtypeStruct((T, 2 + n0 + J, cfg.d), F32),))
+  got = _call(_out_bwd_kernel, cfg, (*parts, res, scale, *_extra(bias0, others, weights), dm),
+              outs, OUT_EXAMPLES, OUT_WARPS, interpret, "wukong_out_bwd")
+  K = len(parts)
+  dparts, dres, dothers, g = got[:K], got[K], tuple(got[K + 1:K + 1 + J]), got[-1]
   g = jnp.sum(g, 0)                                  # one reduction of every partial sum
+  gs, gb = g[0], g[1]
   g0 = None if bias0 is None else g[2:2 + cfg.ns[0]].astype(bias0.dtype)
-  return (tuple(dparts), dres, g[0].astype(scale.dtype), g[1].astype(bias.dtype), g0)
+  dw = None
+  if weights is not None:          # z = y scale + bias enters the mix with weight 1 + w_J
+    f = 1.0 + weights[J]
+    dw = jnp.concatenate([jnp.sum(g[2 + n0:2 + n0 + J], axis=1),
+                          jnp.sum(scale * gs + bias * gb)[None]]).astype(weights.dtype)
+    gs, gb = gs * f, gb * f
+  return (tuple(dparts), dres, gs.astype(scale.dtype), gb.astype(bias.dtype), g0, dothers, dw)
 
 
 _out.defvjp(_out_vjp_fwd, _out_vjp_bwd)
 
 
-def wukong_out_pallas(parts, res, scale, bias, *, bias0=None, eps: float = EPS,
-                      dtype=jnp.bfloat16, interpret: bool = False):
+def wukong_out_pallas(parts, res, scale, bias, *, bias0=None, others=(), weights=None,
+                      eps: float = EPS, dtype=jnp.bfloat16, interpret: bool = False):
   """``wukong_out_xla``'s values and gradients from one forward and one backward kernel: a
-  program takes ``OUT_EXAMPLES`` examples, each part's rows with the residual's rows beside them
-  (nothing concatenated in memory); the backward writes each part's and the residual's
-  cotangent and per-program partial sums of the gradients of the scale, the bias and ``bias0``
-  (one output, one reduction)."""
-  parts = tuple(parts)
+  program takes ``OUT_EXAMPLES`` examples, each part's rows with the residual's (and the mix's
+  other inputs') rows beside them (nothing concatenated in memory); the backward writes each
+  part's, the residual's and the other inputs' cotangents and per-program partial sums of the
+  gradients of the scale, the bias, ``bias0`` and the weights (one output, one reduction)."""
+  parts, others = tuple(parts), tuple(others)
   B, n, d = res.shape
   ns = tuple(p.shape[1] for p in parts)
   if not out_supported(d, ns) or sum(ns) != n or any(p.shape[::2] != (B, d) for p in parts):
@@ -445,8 +507,15 @@ def wukong_out_pallas(parts, res, scale, bias, *, bias0=None, eps: float = EPS,
                      "(out_supported())")
   if bias0 is not None and bias0.shape != (ns[0], d):
     raise ValueError(f"wukong_out: bias0 {bias0.shape} must be [n_0, d] = {(ns[0], d)}")
+  if (weights is None and others) or (weights is not None and (
+      weights.shape != (len(others) + 1,) or any(o.shape != res.shape for o in others))):
+    raise ValueError(f"wukong_out: the mix needs weights [J + 1] for J other inputs shaped like "
+                     f"res {res.shape}; got weights "
+                     f"{None if weights is None else weights.shape}, others "
+                     f"{[o.shape for o in others]}")
   return _out(parts, res, scale.astype(F32), bias.astype(F32),
-              None if bias0 is None else bias0.astype(F32), float(eps), jnp.dtype(dtype),
+              None if bias0 is None else bias0.astype(F32), others,
+              None if weights is None else weights.astype(F32), float(eps), jnp.dtype(dtype),
               bool(interpret))
 
 

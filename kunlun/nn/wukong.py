@@ -82,12 +82,23 @@ def fm_pallas(x, y, ws, scale, bias, *, dtype):
   return shard(h, ("batch", None)), tuple(shard(m, _TOK) for m in mixes)
 
 
-def out_pallas(parts, res, scale, bias, bias0=None, *, dtype):
+def out_pallas(parts, res, scale, bias, bias0=None, others=(), weights=None, *, dtype):
   """``pallas_kernels.wukong_fm.wukong_out_pallas`` per device on its examples."""
   interpret = packed.interpret_kernels()
-  op = lambda parts, res, s, b, b0: wukong_fm.wukong_out_pallas(
-      parts, res, s, b, bias0=b0, dtype=dtype, interpret=interpret)
-  return per_shard(op, (True, True, False, False, False), "batch")(parts, res, scale, bias, bias0)
+  op = lambda parts, res, s, b, b0, o, w: wukong_fm.wukong_out_pallas(
+      parts, res, s, b, bias0=b0, others=o, weights=w, dtype=dtype, interpret=interpret)
+  return per_shard(op, (True, True, False, False, False, True, False), "batch")(
+      parts, res, scale, bias, bias0, tuple(others), weights)
+
+
+def cross_mix(x, outs, a, dtype):
+  """GEM's cross-layer input ``X + sum_j a_j X~_j`` (``outs``: the ``X~_j``, the last of them
+  ``x`` itself; ``a f32[len(outs)]``) in float32, returned in ``dtype``: one elementwise pass,
+  nothing stacked in memory."""
+  mix = x.astype(F32)
+  for j, o in enumerate(outs):
+    mix = mix + a[j] * o.astype(F32)
+  return mix.astype(dtype)
 
 
 class WukongLayer(nn.Module):
@@ -105,7 +116,10 @@ class WukongLayer(nn.Module):
   backend: str = "xla"
 
   @nn.compact
-  def __call__(self, x, extra=None):
+  def __call__(self, x, extra=None, cross=None):
+    """``cross = (outs, a)``: return the next layer's cross-layer input ``cross_mix(out, outs +
+    [extra's map, if any] + [out], a)`` instead of ``out``, written by the output-norm kernel
+    (``out_kernel`` must hold)."""
     if self.n_fm < 1 or self.n_lcb < 0 or self.rank < 1 or self.mlp_hidden < 1:
       raise ValueError(f"WukongLayer: need n_fm>=1, n_lcb>=0, rank>=1, mlp_hidden>=1; got "
                        f"{self.n_fm}, {self.n_lcb}, {self.rank}, {self.mlp_hidden}")
@@ -137,17 +151,23 @@ class WukongLayer(nn.Module):
       h = dense(h, w_out, None if fused else b_out, dt)      # fused: the bias in the out norm
       parts = [h.reshape(B, self.n_fm, d)] + ([mix["lcb"]] if self.n_lcb else [])
       res = mix.get("res", x)
-      out = shard(self._out_norm(parts, res, b_out.reshape(self.n_fm, d) if fused else None),
-                  _TOK)
+      if cross is not None:
+        if not fused:
+          raise ValueError("WukongLayer: the cross-layer mix rides in the output-norm kernel only")
+        cross = (tuple(cross[0]) + ((mix["extra"],) if extra is not None else ()), cross[1])
+      out = shard(self._out_norm(parts, res, b_out.reshape(self.n_fm, d) if fused else None,
+                                 cross), _TOK)
       return out if extra is None else (out, mix["extra"])
 
-  def _out_norm(self, parts, res, bias0=None):
+  def _out_norm(self, parts, res, bias0=None, cross=None):
     """``LN(concat(parts) + res) * scale + bias`` over ``d``, in dtype: the kernels
     (``out_kernel``; ``bias0 [n_fm, d]``, the FM MLP's output bias, added to the first part in
-    the kernel) or ``affine_layer_norm``."""
+    the kernel; ``cross = (others, a)``: the kernel writes the cross-layer mix) or
+    ``affine_layer_norm``."""
     scale, bias = _NormParams(res.shape[-1], name="out_norm")()
     if out_kernel(self.backend, res.shape[-1], [p.shape[1] for p in parts]):
-      return out_pallas(tuple(parts), res, scale, bias, bias0, dtype=self.dtype)
+      others, a = cross if cross is not None else ((), None)
+      return out_pallas(tuple(parts), res, scale, bias, bias0, others, a, dtype=self.dtype)
     return affine_layer_norm((jnp.concatenate(parts, axis=1), res), scale, bias, 1e-6,
                              self.dtype)
 
@@ -208,29 +228,36 @@ class WukongStack(nn.Module):
     # X~_0: the stack input on n_out tokens; its map P rides along layer 0's pass over X_0
     p = (self.param("cross_proj", with_axes(nn.initializers.normal(N ** -0.5), ("tokens", None)),
                     (N, self.n_out), F32) if dense and N != self.n_out else None)
+    L = self.num_layers
+    # the last layer's input mixes the second-to-last layer's output, which nothing else reads:
+    # on the output-norm kernels that layer writes the mix itself (one pass fewer each way)
+    fold = dense and out_kernel(self.backend, x.shape[-1], [n_fm] + ([n_lcb] if n_lcb else []))
     outs = []                                                          # X~_0 .. X_l
-    for i in range(self.num_layers):
-      if dense and i > 0:
+    for i in range(L):
+      if dense and i > 0 and not (fold and i == L - 1):
         x = self._combine(i, x, outs)
       layer = WukongLayer(n_fm, n_lcb, self.rank, self.mlp_hidden, dt, self.backend,
                           name=f"layer_{i}")
+      if i == 0 and dense and p is None:
+        outs.append(x.astype(dt))
+      cross = (tuple(outs), self._weights(L - 1)) if fold and i == L - 2 else None
       if i == 0 and p is not None:
-        x, x0 = layer(x, p)
+        x, x0 = layer(x, p, cross=cross)
         outs.append(x0)
       else:
-        if i == 0 and dense:
-          outs.append(x.astype(dt))
-        x = layer(x)
+        x = layer(x, cross=cross)
       if dense:
         outs.append(x)
     return x
 
-  def _combine(self, i, x, outs):
-    """Input of layer ``i``: ``X_i + sum_j softmax(c_i)_j X~_j`` over ``len(outs) = i + 1``."""
+  def _weights(self, i):
+    """Layer ``i``'s cross-layer weights ``softmax(c_i) f32[i + 1]`` (rounded to dtype)."""
     c = self.param(f"cross_logits_{i}", with_axes(nn.initializers.zeros, (None,)), (i + 1,), F32)
     with jax.named_scope("WukongCrossLayer"):
-      a = jax.nn.softmax(c.astype(F32)).astype(self.dtype).astype(F32)
-      mix = x.astype(F32)                     # a weighted sum, not a contraction of stacked outs:
-      for j, o in enumerate(outs):            # one elementwise pass, nothing stacked in memory
-        mix = mix + a[j] * o.astype(F32)
-      return shard(mix.astype(self.dtype), _TOK)
+      return jax.nn.softmax(c.astype(F32)).astype(self.dtype).astype(F32)
+
+  def _combine(self, i, x, outs):
+    """Input of layer ``i``: ``X_i + sum_j softmax(c_i)_j X~_j`` over ``len(outs) = i + 1``."""
+    a = self._weights(i)
+    with jax.named_scope("WukongCrossLayer"):
+      return shard(cross_mix(x, outs, a, self.dtype), _TOK)

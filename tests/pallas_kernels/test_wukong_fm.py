@@ -124,24 +124,31 @@ def test_unsupported_widths_are_refused():
 
 
 
-def _numpy_out(parts, res, scale, bias, bias0=None, eps=1e-6):
+def _numpy_out(parts, res, scale, bias, bias0=None, others=(), weights=None, eps=1e-6):
   ps = [p.astype(np.float64) for p in parts]
   if bias0 is not None:
     ps[0] = ps[0] + bias0.astype(np.float64)
   t = np.concatenate(ps, 1) + res.astype(np.float64)
   c = t - t.mean(-1, keepdims=True)
-  return c / np.sqrt((c * c).mean(-1, keepdims=True) + eps) * scale + bias
+  z = c / np.sqrt((c * c).mean(-1, keepdims=True) + eps) * scale + bias
+  if weights is None:
+    return z
+  mixed = sum(w * o.astype(np.float64) for w, o in zip(weights[:-1], others, strict=True))
+  return z + mixed + weights[-1] * z
 
 
-@pytest.mark.parametrize("dtype,tol,B,ns,with_b0", [
-    (jnp.float32, 1e-5, 11, (5, 3), False), (jnp.float32, 1e-5, 16, (16, 16), False),
-    (jnp.float32, 1e-5, 3, (7,), False), (jnp.bfloat16, 2e-2, 11, (5, 3), False),
-    (jnp.float32, 1e-5, 11, (5, 3), True), (jnp.bfloat16, 2e-2, 9, (16, 16), True)])
-def test_out_norm_kernels_match_the_twin_and_numpy(dtype, tol, B, ns, with_b0):
+@pytest.mark.parametrize("dtype,tol,B,ns,with_b0,J", [
+    (jnp.float32, 1e-5, 11, (5, 3), False, -1), (jnp.float32, 1e-5, 16, (16, 16), False, -1),
+    (jnp.float32, 1e-5, 3, (7,), False, -1), (jnp.bfloat16, 2e-2, 11, (5, 3), False, -1),
+    (jnp.float32, 1e-5, 11, (5, 3), True, -1), (jnp.bfloat16, 2e-2, 9, (16, 16), True, 1),
+    (jnp.float32, 1e-5, 10, (5, 3), True, 1), (jnp.float32, 1e-5, 7, (6,), False, 2),
+    (jnp.float32, 1e-5, 5, (4, 4), False, 0)])
+def test_out_norm_kernels_match_the_twin_and_numpy(dtype, tol, B, ns, with_b0, J):
   """``wukong_out``: the twin against numpy (float64), the kernels (interpret mode, poisoned
-  outputs) against the twin in values and the gradients of every part, the residual, the scale,
-  the bias and the first part's bias ``bias0``; part sizes and batches that are no multiple of
-  the tiles, an all-zero example."""
+  outputs) against the twin in values and the gradients of every input: the parts, the
+  residual, the scale, the bias, the first part's bias ``bias0`` and, with ``J >= 0``, the
+  cross-layer mix's ``J`` other inputs and ``J + 1`` weights; part sizes and batches that are
+  no multiple of the tiles, an all-zero example."""
   rng = np.random.default_rng(B)
   d = 32
   parts = [rng.normal(size=(B, n, d)).astype(np.float32) for n in ns]
@@ -152,16 +159,19 @@ def test_out_norm_kernels_match_the_twin_and_numpy(dtype, tol, B, ns, with_b0):
   sc = rng.uniform(0.5, 1.5, size=d).astype(np.float32)
   bi = (0.1 * rng.normal(size=d)).astype(np.float32)
   b0 = rng.normal(size=(ns[0], d)).astype(np.float32) if with_b0 else None
+  others = [rng.normal(size=res.shape).astype(np.float32) for _ in range(max(J, 0))]
+  wts = rng.uniform(0.1, 0.9, size=J + 1).astype(np.float32) if J >= 0 else None
   twin = wukong_fm.wukong_out_xla([jnp.asarray(p) for p in parts], jnp.asarray(res), sc, bi,
-                                  bias0=b0, dtype=jnp.float32)
-  close(twin, _numpy_out(parts, res, sc, bi, b0), 2e-5)
+                                  bias0=b0, others=others, weights=wts, dtype=jnp.float32)
+  close(twin, _numpy_out(parts, res, sc, bi, b0, others, wts), 2e-5)
   parts = tuple(jnp.asarray(p, dtype) for p in parts)
   res = jnp.asarray(res, dtype)
   cot = jnp.asarray(rng.normal(size=(B, sum(ns), d)), jnp.float32)
-  args = (parts, res, sc, bi) + ((jnp.asarray(b0),) if with_b0 else ())
+  args = (parts, res, sc, bi, None if b0 is None else jnp.asarray(b0),
+          tuple(jnp.asarray(o, dtype) for o in others), None if wts is None else jnp.asarray(wts))
 
   def run(fn):
-    g = lambda p, r, s, b, *b0: fn(p, r, s, b, bias0=b0[0] if b0 else None, dtype=dtype)
+    g = lambda p, r, s, b, b0, o, w: fn(p, r, s, b, bias0=b0, others=o, weights=w, dtype=dtype)
     f = lambda *a: jnp.sum(g(*a).astype(jnp.float32) * cot)
     return g(*args), jax.grad(f, argnums=tuple(range(len(args))))(*args)
 
@@ -170,11 +180,14 @@ def test_out_norm_kernels_match_the_twin_and_numpy(dtype, tol, B, ns, with_b0):
   want, g_want = run(wukong_fm.wukong_out_xla)
   assert got.dtype == dtype
   close(got, want, tol)
+  assert jax.tree.structure(g_got) == jax.tree.structure(g_want)
   for u, w in zip(jax.tree.leaves(g_got), jax.tree.leaves(g_want), strict=True):
     assert u.dtype == w.dtype and u.shape == w.shape
     close(u, w, tol)
   if with_b0:                        # bias0's gradient: the first part's rows of dt, summed
-    assert g_got[-1].shape == (ns[0], d)
+    assert g_got[4].shape == (ns[0], d)
+  if J >= 0:
+    assert g_got[6].shape == (J + 1,) and len(g_got[5]) == J
 
 
 def test_out_norm_refuses_what_it_cannot_tile():
@@ -221,8 +234,10 @@ def main(dump_dir):
   def step(x, y, ws, sc, bi, b0):
     def loss(x, y, ws, sc, bi, b0):
       h, mixes = jax.vmap(lambda *a: wukong_fm.wukong_fm_pallas(x, *a))(y, ws, sc, bi)
-      out = jax.vmap(lambda p, r, s, b, b0: wukong_fm.wukong_out_pallas(p, r, s, b, bias0=b0))(
-          (mixes[0], mixes[0]), mixes[1], sc[:, :d], bi[:, :d], b0)      # parts of 16 + 16
+      out = jax.vmap(lambda p, r, s, b, b0, o, w: wukong_fm.wukong_out_pallas(
+          p, r, s, b, bias0=b0, others=(o,), weights=w))(   # parts of 16 + 16, the FM's bias,
+          (mixes[0], mixes[0]), mixes[1], sc[:, :d], bi[:, :d], b0,   # the cross-layer mix
+          mixes[2], bi[:, :2])
       return jnp.sum(h.astype(f32)) + sum(jnp.sum(m.astype(f32)) for m in mixes + (out,))
     return jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4, 5))(x, y, ws, sc, bi, b0)
 
