@@ -18,7 +18,7 @@ from jax._src.interpreters import batching  # _vmap_copies: no public BatchTrace
 import pallas_kernels
 from bench.profiling import hlo_stats
 from kunlun.models.flops import band_pairs
-from kunlun.nn import attention, packed, weightgen, wukong
+from kunlun.nn import attention, hsp, packed, weightgen, wukong
 from pallas_kernels import weightgen as wg_kernels
 
 # launch_s: one kernel in a CUDA graph (XLA runs the step's kernels as graphs), ~1 us.
@@ -701,6 +701,11 @@ def record_kernels(fence: bool = True):
     keep("projection", {"bytes": 0.0, "launches": 0, "flops": flops})
     return fm_orig(x, y, ws, scale, bias, **kw)
 
+  def seed_kron_call(a, e, z, **kw):
+    B, S, d = a.shape          # forward z^T h; backward z dt and h dt^T: each 2 B S K d
+    keep("projection", {"bytes": 0.0, "launches": 0, "flops": 6.0 * B * S * z.shape[1] * d})
+    return kron_orig(a, e, z, **kw)
+
   def weightgen_call(x, w_tok, a1, b1, a_k, a_v, **kw):
     B, N, d = x.shape
     keep("projection", {"bytes": 0.0, "launches": 0,
@@ -709,6 +714,8 @@ def record_kernels(fence: bool = True):
 
   fm_orig = wukong.fm_pallas
   wukong.fm_pallas = wukong_fm
+  kron_orig = hsp.kron_pallas
+  hsp.kron_pallas = seed_kron_call
   wg_orig = weightgen.gen_pallas
   weightgen.gen_pallas = weightgen_call
   proj_orig = {n: getattr(packed, n) for n in (*PROJECTION_OPS, *GEMM_OPS)}
@@ -731,6 +738,7 @@ def record_kernels(fence: bool = True):
     for n, f in {**jagged_orig, **proj_orig}.items():
       setattr(packed, n, f)
     wukong.fm_pallas = fm_orig
+    hsp.kron_pallas = kron_orig
     weightgen.gen_pallas = wg_orig
     calls += _call_sites(seen)
 

@@ -22,10 +22,12 @@ from kunlun.nn import packed
 from kunlun.nn.attention import masked_softmax_attention
 from kunlun.nn.fused import add_rms_norm, apart, batched_mixes
 from kunlun.nn.gdpa import gdpa_op
-from kunlun.nn.norms import rms_norm
+from kunlun.nn.norms import EPS, rms_norm
 from kunlun.nn.time_encoding import add_bucket_embedding
+from pallas_kernels import seed_kron
 from pallas_kernels.activations import per_head
 from sharding import shard, with_axes
+from sharding.packed import per_shard
 
 F32 = jnp.float32
 
@@ -49,19 +51,32 @@ def _from_heads(mod, name, o, out_dim, dtype):
   return jnp.einsum("...hc,hcd->...d", o.astype(dtype), w.astype(dtype))
 
 
+def kron_pallas(a, e, z, *, dtype):
+  """``pallas_kernels.seed_kron.seed_kron_pallas`` per device on its examples (global shapes
+  here: ``bench.profiling.roofline.record_kernels`` counts its FLOPs at this call)."""
+  interpret = packed.interpret_kernels()
+  op = lambda a, e, z: seed_kron.seed_kron_pallas(a, e, z, eps=EPS, dtype=dtype,
+                                                  interpret=interpret)
+  return per_shard(op, (True, False, False), "batch")(a, e, z)
+
+
 class SumKronLinear(nn.Module):
   """``Y = sum_i Z_i^T H W_i``: ``h [B, n_in, d]`` -> ``[B, n_out, out_dim or d]``.
 
   ``Z [rank, n_in, n_out] ~ N(0, 1/n_in)``, ``W [rank, d, d'] ~ N(0, 1/(d rank))`` (spec h-7).
-  Equals ``vec(Y) = (sum_i Z_i^T kron W_i^T) vec(H)`` with row-major ``vec``.
+  Equals ``vec(Y) = (sum_i Z_i^T kron W_i^T) vec(H)`` with row-major ``vec``. With ``seeds e
+  [n_in, d]``, ``H = RMSNorm(h + e)`` (``fused.add_rms_norm``, HSP's seeds); on the Pallas
+  backend that norm and the first product are one kernel pass each way
+  (``pallas_kernels.seed_kron``) where it takes the shapes.
   """
   n_out: int
   rank: int
   out_dim: int | None = None
   dtype: Any = F32
+  backend: str = "xla"
 
   @nn.compact
-  def __call__(self, h):
+  def __call__(self, h, seeds=None):
     if self.rank < 1 or self.n_out < 1:
       raise ValueError(f"SumKronLinear: rank={self.rank} and n_out={self.n_out} must be >= 1")
     with jax.named_scope("SumKronLinear"):
@@ -73,6 +88,16 @@ class SumKronLinear(nn.Module):
                                     (None, "embed", None)), (self.rank, d, do), F32)
       dt = self.dtype
       B = h.shape[0]
+      K = self.n_out * self.rank
+      if (seeds is not None and packed.pallas_backend(self.backend) and h.ndim == 3
+          and seed_kron.supported(n_in, K, d)):
+        zk = z.transpose(1, 2, 0).reshape(n_in, K)            # [n_in, (n_out, rank)]
+        t = kron_pallas(h, seeds, zk, dtype=dt).reshape(B, self.n_out, self.rank * d)
+        t = shard(t, ("batch", "seeds", None))
+        y = jnp.einsum("bmq,qe->bme", t, w.astype(dt).reshape(self.rank * d, do))
+        return shard(y, ("batch", "seeds", "embed"))
+      if seeds is not None:
+        h = shard(add_rms_norm(h, seeds, dt), ("batch", "seeds", "embed"))
       if not batched_mixes():        # XLA:CPU: the unbatched contraction is faster
         t = jnp.einsum("rnm,bnd->bmrd", z.astype(dt), h.astype(dt))
         t = shard(t, ("batch", "seeds", None, "embed"))
@@ -142,9 +167,9 @@ class HSP(nn.Module):
         o = gdpa_op(q[None], k, v, kv_lengths=lengths, broadcast_q=True, backend=self.backend,
                     seq="kv", **gdpa)
       o = shard(o, ("batch", "seeds", "heads", "head_dim"))
-      h = add_rms_norm(_from_heads(self, "out", o, d, dt), e, dt)       # rms_norm(e + o W_o)
-      h = shard(h, ("batch", "seeds", "embed"))
-      return SumKronLinear(self.n_sum, self.rank, self.out_dim, dt, name="kron")(h)
+      a = _from_heads(self, "out", o, d, dt)                 # then rms_norm(e + o W_o)
+      return SumKronLinear(self.n_sum, self.rank, self.out_dim, dt, self.backend,
+                           name="kron")(a, seeds=e)
 
 
 class PMA(nn.Module):

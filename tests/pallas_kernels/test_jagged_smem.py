@@ -24,6 +24,7 @@ from pallas_kernels import (
     norm_qkv,
     norm_residual,
     proj_residual,
+    seed_kron,
     tuning,
 )
 from tests.bench.profiling.test_gpu_target import GPU_PY, ROOT
@@ -35,9 +36,10 @@ SHAPES = {"prod": (4, 128, 256, 128, 128), "mid": (4, 64, 64, 64, 64),
 B, N = 4, 1024
 FAMILIES = ("cross", "cross_per_head", "pool", "pool_per_head", "block_softmax", "block_gdpa",
             "softmax_band", "softmax_full", "norm_qkv", "norm_proj", "norm_residual",
-            "proj_residual", "event_mlp")
+            "proj_residual", "event_mlp", "seed_kron")
 # the row-wise fused kernels (no jagged_pallas._plan): {family: kernels (forward, backward)}
-FUSED = {"norm_qkv": 2, "norm_proj": 2, "norm_residual": 2, "proj_residual": 1, "event_mlp": 2}
+FUSED = {"norm_qkv": 2, "norm_proj": 2, "norm_residual": 2, "proj_residual": 1, "event_mlp": 2,
+         "seed_kron": 2}
 PER_HEAD = ("gelu", "silu", "relu2", "fast_gelu")   # XLA's Triton: one loop copy each
 
 
@@ -87,6 +89,11 @@ def _families(shape, dtype=jnp.bfloat16):
       "event_mlp": (lambda x, w1, w2, j: event_mlp.event_mlp_pallas(
           x, w1, jnp.zeros(256), w2, jnp.zeros(256), j.valid.astype(jnp.float32)),
           (tok_x, mlp_w1, mlp_w2)),
+      # HSP's seed side at the largest accumulator the kernels take (64 seeds, K 64, d 256)
+      "seed_kron": (lambda a, e, z, j: seed_kron.seed_kron_pallas(a, e, z, eps=1e-6),
+                    (jax.ShapeDtypeStruct((B, 64, 256), dtype),
+                     jax.ShapeDtypeStruct((64, 256), jnp.float32),
+                     jax.ShapeDtypeStruct((64, 64), jnp.float32))),
   }
   lens = jax.ShapeDtypeStruct((B,), jnp.int32)
   loss = lambda fn: jax.value_and_grad(lambda lens, *o: jnp.sum(
@@ -207,7 +214,7 @@ def main(dump_dir):
     seen |= new
     out[family] = {"smem": {k: v["smem"] for p in sorted(new)
                             for k, v in gpu_target.thunk_launches(p).items()
-                            if k.startswith(("jagged", "norm_", "proj_", "event_"))}}
+                            if k.startswith(("jagged", "norm_", "proj_", "event_", "seed_"))}}
   print(json.dumps(out))
 
 

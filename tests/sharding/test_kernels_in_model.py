@@ -77,9 +77,10 @@ def test_pallas_module_under_5d_mesh_equals_xla_unsharded(name):
 @pytest.mark.parametrize("name", ["attention", "hsp", "pffn"])
 def test_packed_fused_projections_per_device_equal_xla_unsharded(name):
   """A packed tower in 4 blocks split over the mesh's batch devices (``5d`` rules): the fused
-  norm -> projection kernels (``pallas_kernels.norm_qkv``) and the PFFN's tail
-  (``pallas_kernels.norm_residual``), interpret mode, run per device inside a shard_map and equal
-  the unsharded XLA modules, forward and gradient."""
+  norm -> projection kernels (``pallas_kernels.norm_qkv``), HSP's seed side
+  (``pallas_kernels.seed_kron``) and the PFFN's tail (``pallas_kernels.norm_residual``),
+  interpret mode, run per device inside a shard_map and equal the unsharded XLA modules,
+  forward and gradient."""
   from data.jagged import pack_blocks
   from kunlun.nn import packed
   from pallas_kernels.jagged import sharded
@@ -94,7 +95,7 @@ def test_packed_fused_projections_per_device_equal_xla_unsharded(name):
     make = lambda be: SeqAttention(2, kind="swa", window=4, backend=be)
     call = lambda m, p, x: m.apply(p, packed.Packed(x, jag), None, a).value
   elif name == "hsp":
-    make = lambda be: HSP(8, 4, 2, rank=2, backend=be, t_max=24)
+    make = lambda be: HSP(16, 8, 2, rank=2, backend=be, t_max=24)   # seed side: seed_kron
     call = lambda m, p, x: m.apply(p, packed.Packed(x, jag), None)
   else:
     kv = [jnp.asarray(rng.normal(size=(8, 3, 2, 32)), jnp.float32) for _ in range(2)]
@@ -112,6 +113,7 @@ def test_packed_fused_projections_per_device_equal_xla_unsharded(name):
     got_g = jax.jit(jax.grad(loss(ker_mod), argnums=(0, 1)))(params, x)
     jaxpr = str(jax.make_jaxpr(lambda p, x: call(ker_mod, p, x))(params, x))
   assert "shard_map" in jaxpr and "norm_" in jaxpr
+  assert name != "hsp" or "seed_kron" in jaxpr
   np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-4)
   for u, w in zip(jax.tree.leaves(got_g), jax.tree.leaves(want_g), strict=True):
     np.testing.assert_allclose(np.asarray(u), np.asarray(w), rtol=2e-3, atol=2e-3)

@@ -310,6 +310,36 @@ def test_wukong_token_side_calls_are_recorded_per_expert():
   assert got == sorted([twin(N, (3, 6, 6)), twin(n_out, (3,))])
 
 
+def test_seed_kron_calls_are_recorded_with_the_twins_gemm_flops():
+  """HSP's seed side on ``pallas_kernels.seed_kron`` (interpret mode): the call is recorded with
+  the matmul FLOPs of the twin's value and gradient, counted from its jaxpr's dot_generals."""
+  import math
+
+  import jax
+  import jax.numpy as jnp
+
+  from kunlun.nn.hsp import SumKronLinear
+  from pallas_kernels import seed_kron
+
+  B, S, n_out, rank, d = 3, 32, 8, 2, 64
+  m = SumKronLinear(n_out, rank, backend="pallas")
+  a, e = jnp.zeros((B, S, d)), jnp.zeros((S, d))
+  p = m.init(jax.random.key(0), a, e)
+  with roofline.record_kernels(fence=False) as calls:
+    jax.eval_shape(jax.grad(lambda p, a: jnp.sum(m.apply(p, a, e))), p, a)
+  got = [c["flops"] for c in calls if "SumKronLinear" in c["scope"]]
+  f = lambda a, e, z: jnp.sum(seed_kron.seed_kron_xla(a, e, z, eps=1e-6, dtype=jnp.float32))
+  jaxpr = jax.make_jaxpr(jax.value_and_grad(f, argnums=(0, 1, 2)))(
+      a, e, jnp.zeros((S, n_out * rank))).jaxpr
+  want = 0
+  for eq in jaxpr.eqns:
+    if eq.primitive.name == "dot_general":
+      (lc, _), _ = eq.params["dimension_numbers"]
+      want += 2 * math.prod(eq.outvars[0].aval.shape) * math.prod(
+          eq.invars[0].aval.shape[i] for i in lc)
+  assert got == [want] and want == 6 * B * S * n_out * rank * d
+
+
 SUM_SLICE_HLO = """HloModule sum_slice
 
 %add (a: f32[], b: f32[]) -> f32[] {

@@ -171,6 +171,31 @@ def test_packed_fused_keys_values_match_the_unfused_path(lens, dtype):
                                atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_seed_side_kernel_matches_the_xla_path(dtype):
+  """HSP's seed side on the Pallas backend, ``rms_norm(e + o W_o)`` then ``SumKronLinear``'s
+  first product as ``pallas_kernels.seed_kron`` (interpret mode; 32 seeds, 8 summaries of rank
+  2, width 64), on a packed tower with ragged and empty histories: summaries and gradients
+  (parameters and tokens) equal the XLA backend's (float32: 1e-5; bfloat16: 2e-2)."""
+  from data.jagged import pack_events
+  from kunlun.nn import packed
+  from pallas_kernels import seed_kron
+  from pallas_kernels.jagged import Jagged
+  lens = (37, 0, 21, 1, 64)
+  s = np.random.default_rng(6).normal(size=(len(lens), 64, 64)).astype(np.float32)
+  toks, offsets, seg, pos, _ = pack_events({"s": s}, np.array(lens, np.int32), 64)
+  jag = Jagged(*(jnp.asarray(a) for a in (offsets, seg, pos)))
+  x = jnp.asarray(toks["s"], dtype)
+  mods = {b: HSP(n_seed=32, n_sum=8, heads=2, rank=2, backend=b, t_max=64, dtype=dtype)
+          for b in ("xla", "pallas")}
+  assert seed_kron.supported(32, 8 * 2, 64)
+  apply = lambda m, v, x: m.apply(v, packed.Packed(x, jag), None)
+  v = jax.jit(mods["xla"].init)(jax.random.key(1), packed.Packed(x, jag), None)
+  assert "seed_kron" in str(jax.make_jaxpr(lambda v, x: apply(mods["pallas"], v, x))(v, x))
+  g = jnp.asarray(np.random.default_rng(7).normal(size=(len(lens), 8, 64)), jnp.float32)
+  pallas_matches_xla(mods, v, x, apply, g, dtype)
+
+
 def test_batched_mixes_equal_the_unbatched(monkeypatch):
   """The GPU's forms of the token-axis mixes (``kunlun.nn.fused.batched_mixes``: SumKronLinear's
   seed contraction, Wukong's X^T Y, LCB, residual and cross-layer maps) give the CPU forms'
