@@ -136,19 +136,22 @@ def test_mowe_cross_layer_params_shard_on_expert_axis():
   assert boxed["params"]["experts"]["cross_proj"].value.shape == (2, 6, 4)
 
 
-@pytest.mark.parametrize("dtype,n_in", [(jnp.float32, 20), (jnp.float32, 6), (jnp.bfloat16, 20)])
-def test_pallas_token_side_matches_xla(dtype, n_in):
+@pytest.mark.parametrize("dtype,n_in,layers", [(jnp.float32, 20, 2), (jnp.float32, 6, 2),
+                                               (jnp.bfloat16, 20, 2), (jnp.float32, 20, 3)])
+def test_pallas_token_side_matches_xla(dtype, n_in, layers):
   """backend="pallas" (``pallas_kernels.wukong_fm`` in interpret mode: the FM, its norm and the
-  token maps of every layer, the first cross-layer map riding along layer 0's pass) against the
-  XLA backend: output and gradients of parameters and tokens, with N_in != n_out (layer 0 has a
-  residual map) and N_in == n_out, and an all-zero example. float32: 1e-5; bfloat16: 4e-2 (about
+  token maps of every layer, the first cross-layer map riding along layer 0's pass; the last
+  layer's cross-layer input written by the second-to-last layer's output norm, layer 0's with 2
+  layers, layer 1's with 3) against the XLA backend: output and gradients of parameters and
+  tokens, with N_in != n_out (layer 0 has a residual map) and N_in == n_out, and an all-zero
+  example. float32: 1e-5; bfloat16: 4e-2 (about
   6 bfloat16 ulps: XLA:CPU sums the weight gradients' 16-bit products in 16 bits, the kernels in
   float32)."""
   rng = np.random.default_rng(n_in)
   x = rng.normal(size=(5, n_in, 32)).astype(np.float32)
   x[2] = 0.0
   x = jnp.asarray(x, dtype)
-  mods = {b: MoWE(2, 2, 6, 16, 32, dtype=dtype, cross_layer=True, backend=b)
+  mods = {b: MoWE(2, layers, 6, 16, 32, dtype=dtype, cross_layer=True, backend=b)
           for b in ("xla", "pallas")}
   assert wukong.fm_kernel("pallas", n_in, 32, 16, [3, 6])
   params = jax.jit(mods["xla"].init)(jax.random.key(1), x)
