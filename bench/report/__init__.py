@@ -232,6 +232,18 @@ def speed_h200(R: Results) -> dict:
     body += table(["program", "batch seeds before / now", "useful-MFU bound before", "now",
                    "MB per real event before", "now", "launches per batch before", "now",
                    "floor bound before", "now"], rows)
+  casts = R.files("cast_fusion_h200.json")
+  for f in casts:
+    r = R.load(f)
+    body += ["## Parameter casts and XLA's GEMM fusion (issue #38)", "",
+             f"`bench.cast_fusion` ({code(f)}): a step of {r['shapes']['layers']} layers "
+             "`gelu(x @ w.astype(bf16))`, `w` float32; `shared` as the model casts (one cast "
+             "read by the forward and the backward GEMM), `one_user` with each cast read by one "
+             "GEMM. A cast launch is a kernel whose body is one float32 -> bfloat16 convert.", ""]
+    body += table(["form", "launches", "GEMM launches", "cast launches",
+                   "GEMMs with a convert inside"],
+                  [[k, v["launches"], v["gemm_launches"], v["cast_launches"],
+                    v["gemm_bodies_with_convert"]] for k, v in r["forms"].items()])
   runs = [R.load(f) for f in steps]
   if runs:
     body += ["## Compiled programs", "",
@@ -242,14 +254,15 @@ def speed_h200(R: Results) -> dict:
     print_layout_pairs(runs, buf)
     if buf.getvalue().strip():
       body += ["## Padded against packed, program by program", ""] + text(buf.getvalue())
-  items = [(f, R.load(f)) for f in steps + buckets + before]
+  items = [(f, R.load(f)) for f in steps + buckets + before + casts]
   return {"title": "Speed on the H200 program", "body": body + provenance(items),
           "commands": [
               ".venv-gpu/bin/python -m bench.train_step --config {mid,prod} --backend "
               "{xla,pallas,auto} --batch {256,1024} --target h200 --tag h200 [--jagged "
               "[--jagged_buckets 3 --jagged_bucket {0,1}]]",
               "python -m bench.jagged_buckets --padded P.json --buckets B0.json B1.json "
-              "B2.json [--batches N]"]}
+              "B2.json [--batches N]",
+              ".venv-gpu/bin/python -m bench.cast_fusion"]}
 
 
 def gpu_measured(R: Results) -> dict:
