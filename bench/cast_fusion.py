@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import sys
 
 from bench.output import result_path, write_json
@@ -53,17 +52,24 @@ def _step(form: str, layers: int):
   return step
 
 
-def _casts(text: str) -> int:
-  """Launches whose fused body is one convert of a float32 parameter to bfloat16."""
+def _fused_bodies(text: str):
+  """``(launch, its fused body without parameters)`` for every top-level launch."""
   comps, entry = hlo_stats.parse_hlo(text)
-  n = 0
   for ins in hlo_stats.top_level(comps, entry):
     called = hlo_stats._called(ins[2]) if ins[1] == "fusion" else []
-    body = [b for b in comps.get(called[0], []) if b[1] != "parameter"] if called else []
-    if (len(body) == 1 and body[0][1] == "convert" and body[0][3].startswith("bf16")
-        and ins[3].startswith("bf16")):
-      n += ins[4]
-  return n
+    yield ins, [x for x in comps.get(called[0], []) if x[1] != "parameter"] if called else []
+
+
+def _casts(text: str) -> int:
+  """Launches whose fused body is one convert of a float32 parameter to bfloat16."""
+  return sum(ins[4] for ins, body in _fused_bodies(text)
+             if len(body) == 1 and body[0][1] == "convert" and body[0][3].startswith("bf16"))
+
+
+def _gemms_with_convert(text: str) -> int:
+  """GEMM launches whose fused body holds a convert (a cast taken into the GEMM)."""
+  return sum(ins[4] for ins, body in _fused_bodies(text)
+             if any(x[1] == "dot" for x in body) and any(x[1] == "convert" for x in body))
 
 
 def main(argv=None) -> int:
@@ -90,8 +96,7 @@ def main(argv=None) -> int:
     rows[form] = {"launches": sum(c["times"] for c in costs),
                   "gemm_launches": sum(c["times"] for c in costs if c["gemm"]),
                   "cast_launches": _casts(text),
-                  "gemm_bodies_with_convert": sum(
-                      1 for c in costs if c["gemm"] and re.search(r"\bconvert\(", _body(text, c)))}
+                  "gemm_bodies_with_convert": _gemms_with_convert(text)}
   print(f"{'form':10s} {'launches':>8s} {'GEMMs':>6s} {'casts':>6s}")
   for form, r in rows.items():
     print(f"{form:10s} {r['launches']:8d} {r['gemm_launches']:6d} {r['cast_launches']:6d}")
@@ -101,15 +106,6 @@ def main(argv=None) -> int:
                     "forms": rows})
   print(f"wrote {os.path.relpath(path)}")
   return 0
-
-
-def _body(text: str, cost: dict) -> str:
-  """The text of the fused computation a launch calls ('' if none)."""
-  m = re.search(rf"%{re.escape(cost['name'])} = [^\n]*calls=%([\w.\-]+)", text)
-  if not m:
-    return ""
-  start = text.find(f"%{m.group(1)} ")
-  return text[start:text.find("\n}", start)] if start >= 0 else ""
 
 
 if __name__ == "__main__":

@@ -328,12 +328,19 @@ def _row_norm(t, eps):
 
 
 def _bias0(b0_ref, cfg: _OutCfg):
-  """The first part's bias ``[pad(n_0), d]`` (zero past ``n_0``), or 0.0 without one."""
+  """The first part's bias ``[pad(n_0), d]`` (zero past ``n_0``), or None without one."""
   if b0_ref is None:
-    return 0.0
+    return None
   n = cfg.ns[0]
   return plgpu.load(b0_ref.at[pl.ds(0, pad_pow2(n)), :], mask=_mask(pad_pow2(n), n, cfg.d),
                     other=0.0)
+
+
+def _pre_norm(p_ref, res_ref, b, ok, n, off, b0):
+  """A part's rows plus the residual's (and ``b0``, the first part's bias, unless None), in
+  float32."""
+  t = _rows(p_ref, b, ok, n).astype(F32) + _rows(res_ref, b, ok, n, off).astype(F32)
+  return t if b0 is None else t + b0
 
 
 def _weights(w_ref, cfg: _OutCfg) -> list:
@@ -369,8 +376,7 @@ def _out_fwd_kernel(*refs, cfg: _OutCfg):
     ok = b < cfg.B
     off = 0
     for k, (n, p_ref) in enumerate(zip(cfg.ns, part_refs, strict=True)):
-      t = _rows(p_ref, b, ok, n).astype(F32) + _rows(res_ref, b, ok, n, off).astype(F32)
-      t = t + b0 if k == 0 else t
+      t = _pre_norm(p_ref, res_ref, b, ok, n, off, b0 if k == 0 else None)
       z = _row_norm(t, cfg.eps)[0] * sc + bi
       if w is not None:                                  # the next layer's cross-layer input
         m = z * (1.0 + w[-1])
@@ -403,8 +409,8 @@ def _out_bwd_kernel(*refs, cfg: _OutCfg):
     ok = b < cfg.B
     off = 0
     for k, (n, p_ref, dp_ref) in enumerate(zip(cfg.ns, part_refs, dpart_refs, strict=True)):
-      t = _rows(p_ref, b, ok, n).astype(F32) + _rows(res_ref, b, ok, n, off).astype(F32)
-      y, rs = _row_norm(t + b0 if k == 0 else t, cfg.eps)
+      t = _pre_norm(p_ref, res_ref, b, ok, n, off, b0 if k == 0 else None)
+      y, rs = _row_norm(t, cfg.eps)
       dm = _rows(dm_ref, b, ok, n, off).astype(F32)     # the output's cotangent
       dy = dm * zs
       dx = rs * (dy - jnp.mean(dy, axis=1, keepdims=True)

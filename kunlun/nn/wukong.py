@@ -155,17 +155,17 @@ class WukongLayer(nn.Module):
         if not fused:
           raise ValueError("WukongLayer: the cross-layer mix rides in the output-norm kernel only")
         cross = (tuple(cross[0]) + ((mix["extra"],) if extra is not None else ()), cross[1])
-      out = shard(self._out_norm(parts, res, b_out.reshape(self.n_fm, d) if fused else None,
-                                 cross), _TOK)
+      out = shard(self._out_norm(parts, res, fused, b_out.reshape(self.n_fm, d) if fused
+                                 else None, cross), _TOK)
       return out if extra is None else (out, mix["extra"])
 
-  def _out_norm(self, parts, res, bias0=None, cross=None):
-    """``LN(concat(parts) + res) * scale + bias`` over ``d``, in dtype: the kernels
-    (``out_kernel``; ``bias0 [n_fm, d]``, the FM MLP's output bias, added to the first part in
-    the kernel; ``cross = (others, a)``: the kernel writes the cross-layer mix) or
+  def _out_norm(self, parts, res, fused: bool, bias0=None, cross=None):
+    """``LN(concat(parts) + res) * scale + bias`` over ``d``, in dtype: the kernels (``fused``,
+    i.e. ``out_kernel``; ``bias0 [n_fm, d]``, the FM MLP's output bias, added to the first part
+    in the kernel; ``cross = (others, a)``: the kernel writes the cross-layer mix) or
     ``affine_layer_norm``."""
     scale, bias = _NormParams(res.shape[-1], name="out_norm")()
-    if out_kernel(self.backend, res.shape[-1], [p.shape[1] for p in parts]):
+    if fused:
       others, a = cross if cross is not None else ((), None)
       return out_pallas(tuple(parts), res, scale, bias, bias0, others, a, dtype=self.dtype)
     return affine_layer_norm((jnp.concatenate(parts, axis=1), res), scale, bias, 1e-6,
