@@ -1,6 +1,7 @@
-"""Small pieces the Pallas-Triton kernels share: a dot's precision, rounding to the compute dtype,
-the power-of-two tile sizes Triton needs (at least 16, the GPU dot's minimum), and the masked
-loads and stores of the row-wise kernels' token tiles."""
+"""Small pieces the Pallas-Triton kernels share: a dot of compute-dtype operands into float32
+and its precision, rounding to the compute dtype, the power-of-two tile sizes Triton needs (at
+least 16, the GPU dot's minimum), and the masked loads and stores of the row-wise kernels' token
+tiles."""
 
 from __future__ import annotations
 
@@ -13,6 +14,16 @@ from jax.experimental.pallas import triton as plgpu
 def precision(dtype):
   """A kernel dot's precision for operands of ``dtype``: HIGHEST for float32 (no TF32)."""
   return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
+
+
+def dot(a, b, cfg, **kw):
+  """``a b`` (``trans_a`` / ``trans_b``) of operands rounded to ``cfg.dtype``, accumulated in
+  float32 (``cfg.interpret``: float32 operands, as XLA:CPU has no 16-bit dot into float32; the
+  products of 16-bit values are exact in float32)."""
+  a, b = a.astype(cfg.dtype), b.astype(cfg.dtype)
+  if cfg.interpret:
+    a, b = a.astype(jnp.float32), b.astype(jnp.float32)
+  return plgpu.dot(a, b, precision=precision(cfg.dtype), **kw)
 
 
 def round_to(x, dtype):

@@ -26,7 +26,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import _poison
-from pallas_kernels._common import is_tile, load_rows, precision, round_to, store_rows
+from pallas_kernels._common import dot, is_tile, load_rows, round_to, store_rows
 
 F32 = jnp.float32
 WARPS = 8
@@ -57,15 +57,6 @@ class _Cfg(NamedTuple):
   interpret: bool
 
 
-def _dot(x, y, cfg: _Cfg, **kw):
-  """``x y`` of ``dtype`` operands accumulated in float32 (interpret mode: float32 operands,
-  exact for products of 16-bit values)."""
-  x, y = x.astype(cfg.dtype), y.astype(cfg.dtype)
-  if cfg.interpret:
-    x, y = x.astype(F32), y.astype(F32)
-  return plgpu.dot(x, y, precision=precision(cfg.dtype), **kw)
-
-
 def _norm(a_ref, e_ref, b, s0, cfg: _Cfg):
   """Seeds ``s0 .. s0 + ROWS`` of example ``b``: ``(z, r)`` with ``z = t r`` the float32 norm of
   ``t = a + e`` and ``r = rsqrt(mean(t^2) + eps)`` (zero rows for an example past B)."""
@@ -84,7 +75,7 @@ def _fwd_kernel(a_ref, e_ref, z_ref, t_ref, *, cfg: _Cfg):
     acc = jnp.zeros((cfg.K, cfg.d), F32)
     for c, s0 in enumerate(range(0, cfg.S, ROWS)):
       h = _norm(a_ref, e_ref, b, s0, cfg)[0]
-      acc += _dot(zs[c], h, cfg, trans_a=True)                    # [K, ROWS] [ROWS, d]
+      acc += dot(zs[c], h, cfg, trans_a=True)                    # [K, ROWS] [ROWS, d]
     store_rows(t_ref, b * cfg.K, acc.astype(cfg.dtype))           # rows past B*K dropped
     return carry
 
@@ -102,10 +93,10 @@ def _bwd_kernel(a_ref, e_ref, z_ref, dt_ref, da_ref, g_ref, *, cfg: _Cfg):
     gz = list(gz)
     for c, s0 in enumerate(chunks):
       zn, r = _norm(a_ref, e_ref, b, s0, cfg)
-      dh = round_to(_dot(zs[c], dt, cfg), cfg.dtype)              # [ROWS, K] [K, d]
+      dh = round_to(dot(zs[c], dt, cfg), cfg.dtype)              # [ROWS, K] [K, d]
       da = r * (dh - zn * jnp.mean(dh * zn, axis=1, keepdims=True))
       store_rows(da_ref, b * cfg.S + s0, da)
-      gz[c] = gz[c] + _dot(round_to(zn, cfg.dtype), dt, cfg, trans_b=True)   # [ROWS, K]
+      gz[c] = gz[c] + dot(round_to(zn, cfg.dtype), dt, cfg, trans_b=True)   # [ROWS, K]
     return tuple(gz)
 
   gz = lax.fori_loop(0, EXAMPLES, one, tuple(jnp.zeros((ROWS, cfg.K), F32) for _ in chunks))

@@ -30,7 +30,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import _poison
-from pallas_kernels._common import is_tile, precision, round_to
+from pallas_kernels._common import dot, is_tile, round_to
 
 F32 = jnp.float32
 EPS = 1e-6
@@ -69,15 +69,6 @@ class _Cfg(NamedTuple):
   interpret: bool
 
 
-def _dot(a, b, cfg: _Cfg, **kw):
-  """``a b`` (``trans_a`` / ``trans_b``) of ``dtype`` operands accumulated in float32
-  (interpret mode: float32 operands, exact for products of 16-bit values)."""
-  a, b = a.astype(cfg.dtype), b.astype(cfg.dtype)
-  if cfg.interpret:
-    a, b = a.astype(F32), b.astype(F32)
-  return plgpu.dot(a, b, precision=precision(cfg.dtype), **kw)
-
-
 def _whole(ref):
   """A 2-D weight, whole."""
   r, c = ref.shape
@@ -111,8 +102,8 @@ def _chain(x, wt, a1, b1, cfg: _Cfg):
   xf = x.astype(F32)
   rs = lax.rsqrt(jnp.sum(xf * xf, axis=1, keepdims=True) / cfg.d + cfg.eps)
   xn = xf * rs
-  z = _rnd(_dot(wt, _rnd(xn, cfg), cfg, trans_a=True), cfg)                          # [m, d]
-  pre = _rnd(round_to(_dot(z, a1, cfg), cfg.dtype) + round_to(b1, cfg.dtype), cfg)
+  z = _rnd(dot(wt, _rnd(xn, cfg), cfg, trans_a=True), cfg)                          # [m, d]
+  pre = _rnd(round_to(dot(z, a1, cfg), cfg.dtype) + round_to(b1, cfg.dtype), cfg)
   return xn, rs, z, pre
 
 
@@ -126,16 +117,16 @@ def _fwd_kernel(x_ref, wt_ref, a1_ref, b1_ref, ak_ref, av_ref, k_ref, v_ref, *, 
   b1 = plgpu.load(b1_ref.at[pl.ds(0, cfg.e)])[None, :]
   _, _, _, pre = _chain(_ex(x_ref, b), _whole(wt_ref), _whole(a1_ref), b1, cfg)
   h = _rnd(0.5 * pre.astype(F32) * (1.0 + _tanh_arg(pre)), cfg)
-  _put(k_ref, b, _dot(h, _whole(ak_ref), cfg))
-  _put(v_ref, b, _dot(h, _whole(av_ref), cfg))
+  _put(k_ref, b, dot(h, _whole(ak_ref), cfg))
+  _put(v_ref, b, dot(h, _whole(av_ref), cfg))
 
 
 def _bwd_kernel(x_ref, wt_ref, a1_ref, b1_ref, ak_ref, av_ref, dk_ref, dv_ref,
                 dx_ref, h_ref, z_ref, dp_ref, gwt_ref, gb_ref, *, cfg: _Cfg):
   # ordered so that few [m, W] / [e, W] tiles are live at once; rounded values kept in dtype
   b = pl.program_id(0)
-  dh = round_to(_dot(_ex(dk_ref, b), _whole(ak_ref), cfg, trans_b=True), cfg.dtype)
-  dh = _rnd(dh + round_to(_dot(_ex(dv_ref, b), _whole(av_ref), cfg, trans_b=True), cfg.dtype),
+  dh = round_to(dot(_ex(dk_ref, b), _whole(ak_ref), cfg, trans_b=True), cfg.dtype)
+  dh = _rnd(dh + round_to(dot(_ex(dv_ref, b), _whole(av_ref), cfg, trans_b=True), cfg.dtype),
             cfg)                                                                     # [m, e]
   b1 = plgpu.load(b1_ref.at[pl.ds(0, cfg.e)])[None, :]
   wt, a1 = _whole(wt_ref), _whole(a1_ref)
@@ -147,9 +138,9 @@ def _bwd_kernel(x_ref, wt_ref, a1_ref, b1_ref, ak_ref, av_ref, dk_ref, dv_ref,
                               * (1.0 + 3 * _A * p * p)), cfg)
   _put(dp_ref, b, dp)
   plgpu.store(gb_ref.at[b, pl.ds(0, cfg.e)], jnp.sum(dp.astype(F32), axis=0))
-  dz = _rnd(_dot(dp, a1, cfg, trans_b=True), cfg)                                    # [m, d]
-  _put(gwt_ref, b, _dot(_rnd(xn, cfg), dz, cfg, trans_b=True))                       # [N, m]
-  dxn = round_to(_dot(wt, dz, cfg), cfg.dtype)                                       # [N, d]
+  dz = _rnd(dot(dp, a1, cfg, trans_b=True), cfg)                                    # [m, d]
+  _put(gwt_ref, b, dot(_rnd(xn, cfg), dz, cfg, trans_b=True))                       # [N, m]
+  dxn = round_to(dot(wt, dz, cfg), cfg.dtype)                                       # [N, d]
   _put(dx_ref, b, rs * (dxn - xn * (jnp.sum(dxn * xn, axis=1, keepdims=True) / cfg.d)))
 
 

@@ -33,7 +33,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import _poison
-from pallas_kernels._common import is_tile, pad_pow2, precision, round_to
+from pallas_kernels._common import dot, is_tile, pad_pow2, round_to
 
 F32 = jnp.float32
 EPS = 1e-6
@@ -76,15 +76,6 @@ class _Cfg(NamedTuple):
     return pad_pow2(self.N)
 
 
-def _dot(a, b, cfg: _Cfg, **kw):
-  """``a b`` (``trans_a`` / ``trans_b``) accumulated in float32 (interpret mode: float32
-  operands, exact for products of 16-bit values)."""
-  a, b = a.astype(cfg.dtype), b.astype(cfg.dtype)
-  if cfg.interpret:
-    a, b = a.astype(F32), b.astype(F32)
-  return plgpu.dot(a, b, precision=precision(cfg.dtype), **kw)
-
-
 def _mask(rows, n_rows, cols, n_cols=None, ok=True):
   r = (jnp.arange(rows) < n_rows)[:, None]
   if n_cols is not None:
@@ -122,8 +113,8 @@ def _put(ref, b, x, ok, n=None, off=0, col=0, c=None):
 def _fm(x, yv, valid, cfg: _Cfg):
   """``X^T y`` (rounded), ``F`` (rounded, float32) and its statistics: ``xty [d, r]``,
   ``yhat = (F - mu) rsqrt(var + eps)`` (zero past N), ``rs``."""
-  xty = round_to(_dot(x, yv, cfg, trans_a=True), cfg.dtype)
-  fm = round_to(_dot(x, xty, cfg), cfg.dtype)
+  xty = round_to(dot(x, yv, cfg, trans_a=True), cfg.dtype)
+  fm = round_to(dot(x, xty, cfg), cfg.dtype)
   n = cfg.N * cfg.r
   mu = jnp.sum(fm) / n
   cen = (fm - mu) * valid
@@ -147,7 +138,7 @@ def _fwd_kernel(x_ref, y_ref, s_ref, b_ref, *refs, cfg: _Cfg):
     _, yhat, _ = _fm(x, yv, valid, cfg)
     _put(h_ref, b, yhat * sc + bi, ok)
     for wv, mix_ref in zip(wvs, mix_refs, strict=True):
-      _put(mix_ref, b, _dot(wv, x, cfg, trans_a=True), ok)
+      _put(mix_ref, b, dot(wv, x, cfg, trans_a=True), ok)
     return carry
 
   lax.fori_loop(0, EXAMPLES, one, 0)
@@ -173,15 +164,15 @@ def _bwd_kernel(x_ref, y_ref, s_ref, dh_ref, *refs, cfg: _Cfg):
     dyh = g * sc
     dfm = rs * (dyh - jnp.sum(dyh) / n - yhat * (jnp.sum(dyh * yhat) / n)) * valid
     dfm = round_to(dfm, cfg.dtype)                    # F's cotangent, in F's dtype
-    dxty = round_to(_dot(x, dfm, cfg, trans_a=True), cfg.dtype)       # [d, r]
-    dx = _dot(dfm, xty, cfg, trans_b=True) + _dot(yv, dxty, cfg, trans_b=True)
+    dxty = round_to(dot(x, dfm, cfg, trans_a=True), cfg.dtype)       # [d, r]
+    dx = dot(dfm, xty, cfg, trans_b=True) + dot(yv, dxty, cfg, trans_b=True)
     new_gws = []
     for wv, dm_ref, gw in zip(wvs, dm_refs, gws, strict=True):
       gm = _rows(dm_ref, b, ok)
-      dx = dx + _dot(wv, gm, cfg)
-      new_gws.append(gw + _dot(x, gm, cfg, trans_b=True))
+      dx = dx + dot(wv, gm, cfg)
+      new_gws.append(gw + dot(x, gm, cfg, trans_b=True))
     _put(dx_ref, b, dx, ok)
-    return gy + _dot(x, dxty, cfg), gs + g * yhat, gb + g, tuple(new_gws)
+    return gy + dot(x, dxty, cfg), gs + g * yhat, gb + g, tuple(new_gws)
 
   z = lambda c: jnp.zeros((cfg.Np, c), F32)
   carry = (z(cfg.r), z(cfg.r), z(cfg.r), tuple(z(pad_pow2(m)) for m in cfg.ms))
