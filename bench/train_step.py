@@ -40,7 +40,9 @@ preset's, see ``--lengths``) and reports:
                       program is a
                       stand-in for the GPU's (the table says so)
   param_casts         parameter leaves the model casts to a 16-bit compute dtype and at how many
-                      sites (bench/profiling/param_casts.py; one site each = cast once per step)
+                      sites (bench/profiling/param_casts.py; one site each = cast once per step),
+                      and how many of them the optimizer state holds 16-bit copies of (the step
+                      reads those: no cast; ``train.param_copies``)
   useful              padded vs packed like for like (``--jagged``: the batch packed by
                       ``data.pipeline.pack_batch`` at train.py's capacity rule or stream=N,...):
                       tokens, real events, useful (actual-length) / compiled FLOPs, roofline bytes
@@ -293,7 +295,7 @@ def run(args) -> dict:
   from data.synthetic import PRESETS, preset_schema
   from kunlun.configs import types as model_config
   from kunlun.models.flops import model_flops
-  from kunlun.train import progress
+  from kunlun.train import optim, progress
   from sharding import checks, partition
   from sharding import mesh as mesh_lib
   from sharding import packed as packed_sharding
@@ -381,6 +383,7 @@ def run(args) -> dict:
     casts = param_casts.summary(
         lambda p, b: model.apply({"params": p}, b, train=True, rngs={"dropout": rng}),
         jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params), batch_np)
+  casts["copies"] = sum(c is not None for c in optim.state_copies(opt_state))
   rl["bytes_xla_cost_analysis"] = cost["bytes_accessed"]
   res = {
       "name": args.name or default_name(args, cfg),

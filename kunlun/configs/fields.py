@@ -261,6 +261,8 @@ FIELDS: dict[str, Field] = {
     "train.emb_lr": F(0.05, "row-wise Adagrad learning rate (embedding tables)", N, 0),
     "train.sparse_embedding_update": F(True, "Adagrad reads / writes only the looked-up "
                                        "embedding rows (False: the dense table update)", B),
+    "train.param_copies": F(True, "16-bit compute dtype: the optimizer keeps a copy of each "
+                            "weight the model only reads cast, so the step does not cast it", B),
     "train.checkpoint_every": F(100, "steps between checkpoints (and at the end)", I, 1),
     "train.keep_checkpoints": F(3, "checkpoints kept (older ones deleted)", I, 1),
     "train.log_every": F(10, "steps between log lines / metrics.jsonl records", I, 1),

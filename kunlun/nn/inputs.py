@@ -236,8 +236,11 @@ class EventEmbed(nn.Module):
       w1, b1 = DenseParams(K, self.dim, ("embed", None), name="mlp_in")()
       w2, b2 = DenseParams(self.dim, self.dim, (None, "embed"), name="mlp_out")()
       if fused:
-        w1 = jnp.pad(w1, ((0, Kp - K), (0, 0)))
-        y = packed.fused_event_mlp(x, w1, b1, w2, b2, valid_bt, dtype=self.dtype)
+        # the weights in dtype before the kernels (which round them to it and return their
+        # gradients rounded to it): one cast each, which the optimizer's 16-bit copy replaces
+        w1 = jnp.pad(w1.astype(self.dtype), ((0, Kp - K), (0, 0)))
+        y = packed.fused_event_mlp(x, w1, b1, w2.astype(self.dtype), b2, valid_bt,
+                                   dtype=self.dtype)
         return shard(y, self.axes)
       y = dense(gelu(dense(x, w1, b1, self.dtype)), w2, b2, self.dtype)
       y = jnp.where(valid_bt[..., None], y, 0).astype(self.dtype)

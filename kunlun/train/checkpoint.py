@@ -413,8 +413,8 @@ class Checkpointer:
     extra = {"data_iter": data_iter} if isinstance(data_iter, elastic.BatchIterator) else {}
     self._verify(step, r.meta, params=r.params, opt_state=r.opt_state, **extra)
     rng = jax.random.wrap_key_data(np.asarray(r.meta["rng"], np.uint32))
-    opt_state = (opt_layout.from_per_leaf(r.opt_state, abstract_params, abstract_opt_state) if flat
-                 else r.opt_state)
+    opt_state = (opt_layout.from_per_leaf(r.opt_state, abstract_params, abstract_opt_state,
+                                          values=r.params) if flat else r.opt_state)
     return self._saved_step(step, r.meta), r.params, opt_state, rng
 
   def restore_latest(self, abstract_params, abstract_opt_state, data_iter, *,

@@ -97,21 +97,26 @@ def to_per_leaf(state, params):
   return jax.jit(convert, out_shardings=_shardings_of(target))(state)
 
 
-def from_per_leaf(state, params, abstract_state=None):
+def from_per_leaf(state, params, abstract_state=None, values=None):
   """A per-leaf ``legacy_optimizer`` state (a checkpoint's, also one written before the flat
   layout) in ``make_optimizer``'s flat layout for ``params`` (arrays or ShapeDtypeStructs with
-  shardings); ``abstract_state``: the flat target (its shardings are kept). Same moments, count
-  and accumulators: the next update is unchanged."""
+  shardings); ``abstract_state``: the flat target (its shardings are kept). Where the target
+  holds 16-bit param copies (``optim.FlatAdamWState.copies``) they are cast from ``values``
+  (the params' arrays; default ``params``). Same moments, count and accumulators: the next
+  update is unchanged."""
   layout = _layout_of(params)
+  want = optim.state_copies(abstract_state) if abstract_state is not None else ()
+  leaves = jax.tree.leaves(params if values is None else values) if want else []
 
-  def convert(state):
+  def convert(state, leaves):
     adam = state.inner_states["dense"].inner_state[1][0]
     mu = jax.tree.leaves(adam.mu, is_leaf=optim.is_masked)
     nu = jax.tree.leaves(adam.nu, is_leaf=optim.is_masked)
+    copies = optim.refresh_copies(want, leaves)
     dense = optim.FlatAdamWState(jnp.asarray(adam.count, jnp.int32), layout.pack(mu),
-                                 layout.pack(nu))
+                                 layout.pack(nu), copies)
     return optax.PartitionState({"dense": optax.MaskedState(dense),
                                  "emb": state.inner_states["emb"]})
 
   out_sh = _shardings_of(abstract_state) if abstract_state is not None else None
-  return jax.jit(convert, out_shardings=out_sh)(state)
+  return jax.jit(convert, out_shardings=out_sh)(state, leaves)

@@ -20,8 +20,14 @@ computed once per step (``Optimizer.prepare``): the clipping and the step's ``gr
 them.
 
 State layout: ``optax.PartitionState({"dense": MaskedState(FlatAdamWState), "emb":
-MaskedState(RowwiseAdagradState)})``. The flat buffers depend on the mesh, so checkpoints store
-the per-leaf state of ``legacy_optimizer`` instead (``kunlun.train.opt_layout``'s
+MaskedState(RowwiseAdagradState)})``. ``FlatAdamWState.copies`` holds, for each "dense" leaf that
+the model reads only through one cast to its 16-bit compute dtype
+(``kunlun.train.param_copies``), the leaf in that dtype: the update writes it beside the leaf,
+and the train step hands it to the model in the leaf's place (``with_copies``), so the step
+does not launch a cast per weight. It is always ``leaf.astype(dtype)`` of the current params (the
+skip-``cond`` keeps both); checkpoints do not store it (``opt_layout.from_per_leaf`` casts it
+again). The flat buffers depend on the mesh, so checkpoints store the per-leaf state of
+``legacy_optimizer`` instead (``kunlun.train.opt_layout``'s
 ``to_per_leaf`` / ``from_per_leaf``, called by ``kunlun.train.checkpoint``): checkpoints restore
 onto another mesh, and those written before the flat layout restore unchanged.
 """
@@ -91,6 +97,7 @@ class FlatAdamWState(NamedTuple):
   count: jax.Array   # i32[]: updates applied (the schedule's step; bias correction uses count + 1)
   mu: tuple          # first moments, one buffer per layout group
   nu: tuple          # second moments, likewise
+  copies: tuple = ()  # per leaf: its 16-bit copy (``param_copies``) or None; () = no copies
 
 
 class Prepared(NamedTuple):
@@ -120,10 +127,13 @@ class Optimizer:
   ``make_optimizer(..., param_shardings=)`` or ``bind`` (``opt_state_shardings`` and
   ``step.make_train_step`` bind the shardings they are given); without them every dense leaf of a
   dtype is in one unsharded group (right on one device; on a sharded mesh ``bind`` first).
+  ``copies``: per leaf, the 16-bit dtype of its copy in the state
+  (``param_copies.copy_dtypes``) or None; only "dense" leaves get one.
   """
 
-  def __init__(self, train_cfg, total_steps: int, param_shardings=None):
+  def __init__(self, train_cfg, total_steps: int, param_shardings=None, copies=None):
     self.cfg = train_cfg
+    self.copies = None if copies is None or not any(copies) else tuple(copies)
     self.schedule = lr_schedule(train_cfg, total_steps)
     self.emb_lr = float(train_cfg.emb_lr)
     self._shardings = {}          # treedef -> per-leaf NamedSharding list
@@ -161,7 +171,14 @@ class Optimizer:
   def init(self, params):
     layout, labels = self.layout(params)
     leaves, treedef = jax.tree.flatten(params)
-    dense = FlatAdamWState(jnp.zeros([], jnp.int32), layout.zeros(), layout.zeros())
+    copies = ()
+    if self.copies is not None:
+      if len(self.copies) != len(leaves):
+        raise ValueError(f"optimizer: copies names {len(self.copies)} leaves; params have "
+                         f"{len(leaves)}")
+      copies = tuple(None if d is None or lab != "dense" else p.astype(d)
+                     for p, d, lab in zip(leaves, self.copies, labels, strict=True))
+    dense = FlatAdamWState(jnp.zeros([], jnp.int32), layout.zeros(), layout.zeros(), copies)
     acc = treedef.unflatten([jnp.zeros_like(p[..., 0], jnp.float32) if lab == "emb"
                              else optax.MaskedNode() for p, lab in zip(leaves, labels,
                                                                        strict=True)])
@@ -192,6 +209,8 @@ class Optimizer:
     acc_tree = state.inner_states["emb"].inner_state.acc
     acc = jax.tree.leaves(acc_tree, is_leaf=is_masked)
     upd, new_d = self.adamw(layout, prepared.dense, prepared.dense_sq, d_state, p)
+    new_d = new_d._replace(copies=refresh_copies(      # the same sum as ``apply_updates``
+        new_d.copies, [x + upd[i] if i in upd else x for i, x in enumerate(p)]))
     new_acc = list(acc)
     for i, lab in enumerate(labels):
       if lab == "emb":
@@ -227,7 +246,31 @@ class Optimizer:
         if len(m.shape) >= 2:                   # weight decay on matrices, not biases / scales
           um = um + wd * p_leaves[m.index]
         out[m.index] = um * (-lr).astype(um.dtype)
-    return out, FlatAdamWState(count, tuple(mus), tuple(nus))
+    return out, FlatAdamWState(count, tuple(mus), tuple(nus), state.copies)
+
+
+def refresh_copies(copies: tuple, leaves) -> tuple:
+  """``copies`` (``FlatAdamWState.copies``) made again from the param ``leaves``."""
+  if not copies:
+    return copies
+  return tuple(None if c is None else x.astype(c.dtype)
+               for c, x in zip(copies, leaves, strict=True))
+
+
+def state_copies(opt_state) -> tuple:
+  """The per-leaf 16-bit copies of ``make_optimizer``'s state (() for any other state)."""
+  try:
+    d = opt_state.inner_states["dense"].inner_state
+  except (AttributeError, KeyError, TypeError):
+    return ()
+  return getattr(d, "copies", ())
+
+
+def with_copies(leaves: list, copies: tuple) -> list:
+  """The param ``leaves`` with each copied leaf replaced by its copy (what the model reads)."""
+  if not copies:
+    return list(leaves)
+  return [x if c is None else c for x, c in zip(leaves, copies, strict=True)]
 
 
 def _build(shapes, labels, shardings):
@@ -253,9 +296,10 @@ def rowwise_adagrad_leaf(g, acc, lr: float, eps: float = 1e-8):
   return (-lr * g / (jnp.sqrt(acc)[..., None] + eps)).astype(g.dtype), acc
 
 
-def make_optimizer(train_cfg, total_steps: int, param_shardings=None) -> Optimizer:
-  """AdamW + clipping on "dense" leaves, row-wise Adagrad on "emb" leaves (``Optimizer``)."""
-  return Optimizer(train_cfg, total_steps, param_shardings)
+def make_optimizer(train_cfg, total_steps: int, param_shardings=None, copies=None) -> Optimizer:
+  """AdamW + clipping on "dense" leaves, row-wise Adagrad on "emb" leaves (``Optimizer``);
+  ``copies``: per leaf, the dtype of its 16-bit copy or None."""
+  return Optimizer(train_cfg, total_steps, param_shardings, copies)
 
 
 def opt_state_shardings(tx, params_abstract, param_shardings, mesh):
@@ -274,7 +318,12 @@ def opt_state_shardings(tx, params_abstract, param_shardings, mesh):
     layout, _ = tx.layout(params_abstract)
     rep = NamedSharding(mesh, P())
     bufs = tuple(g.sharding(layout.mesh or mesh) or rep for g in layout.groups)
-    out = optax.PartitionState({"dense": optax.MaskedState(FlatAdamWState(rep, bufs, bufs)),
+    copies = state_copies(state_abstract)
+    if copies:
+      copies = tuple(None if c is None else s for c, s in
+                     zip(copies, jax.tree.leaves(param_shardings), strict=True))
+    out = optax.PartitionState({"dense": optax.MaskedState(
+        FlatAdamWState(rep, bufs, bufs, copies)),
                                 "emb": out.inner_states["emb"]})
   return out
 

@@ -30,7 +30,8 @@ def make_sparse_update(train_cfg, total_steps: int, param_shardings=None):
   ``update.bind(param_shardings)`` groups the dense leaves as ``optim.Optimizer.bind`` does (the
   train step binds the shardings it is given).
   ``opt_state`` is ``make_optimizer(...).init(params)``'s layout, unchanged, so checkpoints and the
-  dense path are interchangeable. Dense leaves get AdamW exactly as in ``make_optimizer``; each
+  dense path are interchangeable (the state's 16-bit param copies, ``optim.FlatAdamWState.copies``,
+  are written from the new params). Dense leaves get AdamW exactly as in ``make_optimizer``; each
   looked-up group gets ``sharding.embedding.sparse_adagrad_update_group`` (only rows in the ids
   are read or written; repeated ids summed first, as the dense gradient sums them), except a small
   group (rows <= ids in the step, rows not sharded), whose row gradients are scatter-added into
@@ -101,6 +102,8 @@ def make_sparse_update(train_cfg, total_steps: int, param_shardings=None):
         else:
           u, cur_acc[i] = optim.rowwise_adagrad_leaf(g_tab.get(i, g[i]), cur_acc[i], lr)
           cur_p[i] = optax.apply_updates(cur_p[i], u)
+      new_d = new_d._replace(copies=optim.refresh_copies(
+          new_d.copies, [cur_p.get(i, p[i]) for i in range(len(keys))]))
       return [cur_p[i] for i in mine], [cur_acc[i] for i in mine], new_d, sq
 
     def skip(state):

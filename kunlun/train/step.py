@@ -13,7 +13,7 @@ import optax
 from kunlun.configs.fields import REMAT_ORDER, default
 from kunlun.nn.inputs import GROUP_SEP, LOOKUP_IDS, ROW_TAPS
 from kunlun.nn.losses import masked_bce
-from kunlun.train import optim
+from kunlun.train import optim, param_copies
 from kunlun.train.sparse_update import make_sparse_update
 from sharding import checks, partition
 
@@ -50,7 +50,6 @@ def build(config, model, example, mesh, rules, rng, *, task_weights=(), abstract
   Returns ``(TrainStep, params, opt_state)``; ``abstract``: ShapeDtypeStructs with shardings
   instead of arrays (compile without initialising)."""
   schedule_steps = int(config.train.get("schedule_steps", 0)) or int(config.train.steps)
-  tx = optim.make_optimizer(config.train, schedule_steps)
   sparse = config.train.get("sparse_embedding_update", default("train.sparse_embedding_update"))
   sparse_update = make_sparse_update(config.train, schedule_steps) if sparse else None
   if abstract:
@@ -60,6 +59,14 @@ def build(config, model, example, mesh, rules, rng, *, task_weights=(), abstract
     params, p_shard = partition.init_sharded(model, rng, example, mesh, rules)
   shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
                         params)
+  copies = None
+  if config.train.get("param_copies", default("train.param_copies")) and config.model.get(
+      "dtype", "float32") != "float32":
+    with partition.activate(mesh, rules):       # as the step traces the model
+      copies = param_copies.copy_dtypes(
+          lambda p, b: model.apply({"params": p}, b, train=True, rngs={"dropout": rng}),
+          shapes, example)
+  tx = optim.make_optimizer(config.train, schedule_steps, copies=copies)
   o_shard = optim.opt_state_shardings(tx, shapes, p_shard, mesh)
   if abstract:
     opt_state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
@@ -130,7 +137,10 @@ def make_train_step(model, tx, task_weights=None, *, sparse_update=None, param_s
   applied in one sparse update.
 
   Mixed precision is the model's business (``config.model.dtype`` = "bfloat16" computes in bf16;
-  parameters, optimizer state, norms and the loss stay float32). A step whose loss or gradient
+  parameters, optimizer state, norms and the loss stay float32). Where the optimizer state holds
+  16-bit copies of parameters (``optim.FlatAdamWState.copies``, ``build`` with
+  ``train.param_copies``) the model reads those instead, and their gradients are cast back: the
+  same loss and gradients, without a cast per weight in the step. A step whose loss or gradient
   global norm is not finite keeps the old params and optimizer state and reports ``ok = False``
   (the host counts these and stops after too many in a row): a ``lax.cond`` around the optimizer
   update, so a good step runs the update alone (no select over every leaf). The statistics stay
@@ -157,6 +167,8 @@ def make_train_step(model, tx, task_weights=None, *, sparse_update=None, param_s
                                 rng, step, sparse_constrain, microbatches)
     mask = label_mask(batch)
     rngs = {"dropout": jax.random.fold_in(rng, step)}
+    leaves, treedef = jax.tree.flatten(params)      # the model reads the 16-bit copies
+    read = treedef.unflatten(optim.with_copies(leaves, optim.state_copies(opt_state)))
     if microbatches == 1:
       def loss_fn(p):
         logits = model.apply({"params": p}, batch, train=True, rngs=rngs)
@@ -164,13 +176,13 @@ def make_train_step(model, tx, task_weights=None, *, sparse_update=None, param_s
           loss, per_task = masked_bce(logits, batch["labels"], mask, task_weights)
         return loss, (per_task, logits)
 
-      (loss, (per_task, logits)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
-      grads = constrain(grads)
+      (loss, (per_task, logits)), grads = jax.value_and_grad(loss_fn, has_aux=True)(read)
+      grads = constrain(_in_dtypes(grads, params))
       with jax.named_scope("loss"):
         loss_sum, pos_sum, count = _per_task_sums(logits, batch["labels"], mask)
     else:
       loss, per_task, grads, (loss_sum, pos_sum, count) = _accumulated_grads(
-          model, params, batch, mask, rngs, task_weights, microbatches, constrain)
+          model, params, read, batch, mask, rngs, task_weights, microbatches, constrain)
     with jax.named_scope("optimizer"):
       if hasattr(tx, "prepare"):                 # optim.Optimizer: norms once, flat buffers
         prep = tx.prepare(grads, params)
@@ -204,6 +216,12 @@ def make_train_step(model, tx, task_weights=None, *, sparse_update=None, param_s
 # write) it in float32 for a float32 consumer, e.g. each tower's bf16 output before the next
 # module's residual (mid b256 on the H200 program: 38.8 -> 37.8 GB per step).
 COMPILER_OPTIONS = {"xla_allow_excess_precision": False}
+
+
+def _in_dtypes(grads, params):
+  """Gradients w.r.t. the params' 16-bit copies cast back to the params' dtypes (the cast's
+  transpose: the gradient w.r.t. the float32 leaf, bit for bit)."""
+  return jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
 
 
 def packed_blocks(batch) -> int:
@@ -252,11 +270,12 @@ def _microbatch_share(mask, task_weights):
   return share, w, count_total
 
 
-def _accumulated_grads(model, params, batch, mask, rngs, task_weights, k, constrain):
+def _accumulated_grads(model, params, read, batch, mask, rngs, task_weights, k, constrain):
   """Loss, per-task loss, summed gradients and per-task sums of the whole batch from ``k``
-  microbatches (``lax.scan``). Each microbatch's loss is its share of the whole batch's masked
-  mean (``sum_b bce m / max(count_total, 1)`` per task), so the microbatch losses and gradients
-  add up to the whole batch's."""
+  microbatches (``lax.scan``); the model reads ``read`` (``params`` with their 16-bit copies).
+  Each microbatch's loss is its share of the whole batch's masked mean (``sum_b bce m /
+  max(count_total, 1)`` per task), so the microbatch losses and gradients add up to the whole
+  batch's."""
   share, w, count_total = _microbatch_share(mask, task_weights)
   K = mask.shape[1]
   mbs = split_microbatches({"batch": batch, "mask": mask}, k, packed_blocks(batch))
@@ -270,8 +289,8 @@ def _accumulated_grads(model, params, batch, mask, rngs, task_weights, k, constr
                            rngs={n: jax.random.fold_in(r, j) for n, r in rngs.items()})
       return share(logits, mb["labels"], m)
 
-    (_, s), g = jax.value_and_grad(loss_fn, has_aux=True)(params)
-    g_acc = constrain(jax.tree.map(jnp.add, g_acc, g))
+    (_, s), g = jax.value_and_grad(loss_fn, has_aux=True)(read)
+    g_acc = constrain(jax.tree.map(jnp.add, g_acc, _in_dtypes(g, params)))
     return (g_acc, tuple(a + b for a, b in zip(sums, s, strict=True))), None
 
   zeros = constrain(jax.tree.map(jnp.zeros_like, params))
@@ -323,7 +342,9 @@ def _sparse_train_step(model, sparse_update, task_weights, params, opt_state, ba
   tables = {m for members in groups.values() for m in members}
   flat, treedef = jax.tree_util.tree_flatten_with_path(params)
   keys = [jax.tree_util.keystr(k) for k, _ in flat]
-  diff = {k: v for k, (_, v) in zip(keys, flat, strict=False) if k not in tables}
+  read = optim.with_copies([v for _, v in flat], optim.state_copies(opt_state))
+  diff = {k: v for k, v in zip(keys, read, strict=True) if k not in tables}   # 16-bit copies
+  dtypes = {k: v.dtype for k, (_, v) in zip(keys, flat, strict=True)}
 
   def grads_of(loss_of, b, r):
     """``((loss, aux), dense grads, ids, row grads)`` of batch ``b`` (``loss_of(logits)``)."""
@@ -336,6 +357,7 @@ def _sparse_train_step(model, sparse_update, task_weights, params, opt_state, ba
 
     (loss, (aux, logits, ids)), (grads, g_taps) = jax.value_and_grad(
         loss_fn, argnums=(0, 1), has_aux=True)(diff, taps)
+    grads = {k: g.astype(dtypes[k]) for k, g in grads.items()}    # back from the copies' dtype
     return (loss, aux, logits), constrain(grads), ids, g_taps
 
   if n_mb == 1:
@@ -356,7 +378,7 @@ def _sparse_train_step(model, sparse_update, task_weights, params, opt_state, ba
       g_acc = constrain(jax.tree.map(jnp.add, g_acc, g))
       return (g_acc, tuple(a + b for a, b in zip(sums, s, strict=True))), (ids, g_taps)
 
-    zeros = constrain(jax.tree.map(jnp.zeros_like, diff))
+    zeros = constrain({k: jnp.zeros(v.shape, dtypes[k]) for k, v in diff.items()})
     sums0 = tuple(jnp.zeros((mask.shape[1],), jnp.float32) for _ in range(3))
     (grads, sums), (ids, g_taps) = jax.lax.scan(
         body, (zeros, sums0), {"batch": mbs["batch"], "mask": mbs["mask"], "j": jnp.arange(n_mb)})
