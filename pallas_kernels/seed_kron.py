@@ -1,17 +1,20 @@
 """HSP's seed side as one pass each way (issue 38): ``t = Z^T RMSNorm(a + e)`` per example.
 
 ``a [B, S, d]`` (the seeds' pooled values through the output projection), ``e f32[S, d]`` (the
-learned seeds), ``z [S, K]`` (``SumKronLinear``'s ``Z`` as ``[n_in, n_out * rank]``) -> ``t [B,
-K, d]`` in ``dtype``: ``h = RMSNorm(a + e)`` in float32 rounded to ``dtype``
-(``kunlun.nn.fused.add_rms_norm``), then ``t = z^T h`` with ``z`` rounded to ``dtype``,
-accumulated in float32 (``SumKronLinear``'s first product).
+learned seeds), ``z [R, S, M]`` (``SumKronLinear``'s ``Z`` in its own layout: rank, seeds,
+summaries) -> ``t [B, M, R d]`` in ``dtype`` with ``t[b, m, r d + j] = sum_s z[r, s, m] h[b, s,
+j]`` (the layout ``SumKronLinear``'s second product reads): ``h = RMSNorm(a + e)`` in float32
+rounded to ``dtype`` (``kunlun.nn.fused.add_rms_norm``), ``z`` rounded to ``dtype``, the products
+accumulated in float32.
 
 ``seed_kron_xla`` is the twin: the formula, differentiated by autodiff.
 ``seed_kron_pallas`` runs a forward kernel (reads ``a``, writes ``t``; XLA writes ``h`` and its
 statistics and reads them back, three launches and a GEMM) and a backward kernel (reads ``a``
 and ``dt``, recomputes ``h``, writes ``da`` and per-program partial sums of ``z``'s gradient;
-``e``'s gradient is ``da`` summed over the examples, left to XLA). A program takes ``EXAMPLES``
-examples, ``ROWS`` seeds at a time. Triton on GPU, ``interpret=True`` on CPU.
+``e``'s gradient is ``da`` summed over the examples, left to XLA). ``z`` and its gradient stay in
+the parameter's layout: no transpose of either around the kernels. A program takes ``EXAMPLES``
+examples, ``ROWS`` seeds at a time; ``M`` is padded to a power of two (masked) inside them.
+Triton on GPU, ``interpret=True`` on CPU.
 """
 
 from __future__ import annotations
@@ -32,17 +35,18 @@ F32 = jnp.float32
 WARPS = 8
 EXAMPLES = 2          # examples per program
 ROWS = 16             # seeds per step (a row's norm needs only its own row)
-MAX_ACC = 64 * 256    # K x d: the forward's float32 accumulator a program holds
+MAX_ACC = 64 * 256    # K x d (K = R x M padded): the forward's float32 accumulator
 
 
 # ----------------------------------------------------------------------------------- twin
 
 def seed_kron_xla(a, e, z, *, eps: float, dtype=jnp.bfloat16):
-  """The twin: ``t [B, K, d]`` in ``dtype`` (module docstring)."""
+  """The twin: ``t [B, M, R d]`` in ``dtype`` (module docstring)."""
   t = a.astype(F32) + e.astype(F32)
   h = (t * lax.rsqrt(jnp.mean(t * t, -1, keepdims=True) + eps)).astype(dtype)
-  return jnp.einsum("sk,bsd->bkd", z.astype(dtype), h,
-                    preferred_element_type=F32).astype(dtype)
+  R, _, M = z.shape
+  t = jnp.einsum("rsm,bsd->bmrd", z.astype(dtype), h, preferred_element_type=F32)
+  return t.reshape(a.shape[0], M, R * a.shape[2]).astype(dtype)
 
 
 # ----------------------------------------------------------------------------------- kernels
@@ -50,11 +54,20 @@ def seed_kron_xla(a, e, z, *, eps: float, dtype=jnp.bfloat16):
 class _Cfg(NamedTuple):
   B: int
   S: int
-  K: int
+  R: int
+  M: int
   d: int
   eps: float
   dtype: object
   interpret: bool
+
+  @property
+  def Mp(self) -> int:       # M padded to a power of two
+    return _pow2(self.M)
+
+  @property
+  def K(self) -> int:        # the kernels' contraction width: (rank, padded summary)
+    return self.R * self.Mp
 
 
 def _norm(a_ref, e_ref, b, s0, cfg: _Cfg):
@@ -66,17 +79,37 @@ def _norm(a_ref, e_ref, b, s0, cfg: _Cfg):
   return t * r, r
 
 
+def _z(z_ref, s0, cfg: _Cfg):
+  """``z[:, s0:s0 + ROWS, :]`` of ``z_ref [R, S, M]`` as ``[ROWS, R Mp]``, columns in ``(r, m)``
+  order, zero past M."""
+  ok = jnp.arange(cfg.Mp) < cfg.M
+  z = plgpu.load(z_ref.at[pl.ds(0, cfg.R), pl.ds(s0, ROWS), pl.ds(0, cfg.Mp)],
+                 mask=jnp.broadcast_to(ok[None, None, :], (cfg.R, ROWS, cfg.Mp)), other=0.0)
+  return jnp.transpose(z, (1, 0, 2)).reshape(ROWS, cfg.R * cfg.Mp)
+
+
+def _summaries(cfg: _Cfg, b):
+  """Example ``b``'s summary rows of a ``[B M, R, d]`` ref: ``(row0, mask [Mp, R, d])`` (padding
+  rows and rows past B off)."""
+  m = jnp.arange(cfg.Mp)
+  ok = (m < cfg.M) & (b * cfg.M + m < cfg.B * cfg.M)
+  return b * cfg.M, jnp.broadcast_to(ok[:, None, None], (cfg.Mp, cfg.R, cfg.d))
+
+
 def _fwd_kernel(a_ref, e_ref, z_ref, t_ref, *, cfg: _Cfg):
-  zs = [load_rows(z_ref, s0, ROWS) for s0 in range(0, cfg.S, ROWS)]
+  zs = [_z(z_ref, s0, cfg) for s0 in range(0, cfg.S, ROWS)]
   p = pl.program_id(0)
 
   def one(i, carry):
     b = p * EXAMPLES + i
-    acc = jnp.zeros((cfg.K, cfg.d), F32)
+    acc = jnp.zeros((cfg.K, cfg.d), F32)                            # rows in (r, m) order
     for c, s0 in enumerate(range(0, cfg.S, ROWS)):
       h = _norm(a_ref, e_ref, b, s0, cfg)[0]
       acc += dot(zs[c], h, cfg, trans_a=True)                    # [K, ROWS] [ROWS, d]
-    store_rows(t_ref, b * cfg.K, acc.astype(cfg.dtype))           # rows past B*K dropped
+    row0, mask = _summaries(cfg, b)
+    t = jnp.transpose(acc.reshape(cfg.R, cfg.Mp, cfg.d), (1, 0, 2))   # [Mp, R, d]
+    plgpu.store(t_ref.at[pl.ds(row0, cfg.Mp), pl.ds(0, cfg.R), pl.ds(0, cfg.d)],
+                t.astype(t_ref.dtype), mask=mask)
     return carry
 
   lax.fori_loop(0, EXAMPLES, one, 0)
@@ -84,12 +117,15 @@ def _fwd_kernel(a_ref, e_ref, z_ref, t_ref, *, cfg: _Cfg):
 
 def _bwd_kernel(a_ref, e_ref, z_ref, dt_ref, da_ref, g_ref, *, cfg: _Cfg):
   chunks = list(range(0, cfg.S, ROWS))
-  zs = [load_rows(z_ref, s0, ROWS) for s0 in chunks]
+  zs = [_z(z_ref, s0, cfg) for s0 in chunks]
   p = pl.program_id(0)
 
   def one(i, gz):
     b = p * EXAMPLES + i
-    dt = load_rows(dt_ref, b * cfg.K, cfg.K).astype(F32)          # zero past B
+    row0, mask = _summaries(cfg, b)
+    dt = plgpu.load(dt_ref.at[pl.ds(row0, cfg.Mp), pl.ds(0, cfg.R), pl.ds(0, cfg.d)],
+                    mask=mask, other=0.0).astype(F32)                # [Mp, R, d]
+    dt = jnp.transpose(dt, (1, 0, 2)).reshape(cfg.K, cfg.d)          # rows in (r, m) order
     gz = list(gz)
     for c, s0 in enumerate(chunks):
       zn, r = _norm(a_ref, e_ref, b, s0, cfg)
@@ -100,8 +136,9 @@ def _bwd_kernel(a_ref, e_ref, z_ref, dt_ref, da_ref, g_ref, *, cfg: _Cfg):
     return tuple(gz)
 
   gz = lax.fori_loop(0, EXAMPLES, one, tuple(jnp.zeros((ROWS, cfg.K), F32) for _ in chunks))
-  for c, s0 in enumerate(chunks):
-    store_rows(g_ref, p * cfg.S + s0, gz[c])
+  for c, s0 in enumerate(chunks):                 # [ROWS, (r, m)] -> rows (p, r), s0 + [0, ROWS)
+    g = jnp.transpose(gz[c].reshape(ROWS, cfg.R, cfg.Mp), (1, 0, 2))
+    plgpu.store(g_ref.at[pl.ds(p * cfg.R, cfg.R), pl.ds(s0, ROWS), pl.ds(0, cfg.Mp)], g)
 
 
 def _call(kernel, args, outs, cfg: _Cfg, name):
@@ -115,15 +152,15 @@ def _call(kernel, args, outs, cfg: _Cfg, name):
 
 def _cfg(a, z, eps, dtype, interpret):
   B, S, d = a.shape
-  return _Cfg(B, S, z.shape[1], d, float(eps), jnp.dtype(dtype), bool(interpret))
+  return _Cfg(B, S, z.shape[0], z.shape[2], d, float(eps), jnp.dtype(dtype), bool(interpret))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
 def _fused(a, e, z, eps, dtype, interpret):
   cfg = _cfg(a, z, eps, dtype, interpret)
-  out = (jax.ShapeDtypeStruct((cfg.B * cfg.K, cfg.d), cfg.dtype),)
+  out = (jax.ShapeDtypeStruct((cfg.B * cfg.M, cfg.R, cfg.d), cfg.dtype),)
   t = _call(_fwd_kernel, (a.reshape(cfg.B * cfg.S, cfg.d), e, z), out, cfg, "seed_kron_fwd")[0]
-  return t.reshape(cfg.B, cfg.K, cfg.d)
+  return t.reshape(cfg.B, cfg.M, cfg.R * cfg.d)
 
 
 def _vjp_fwd(a, e, z, eps, dtype, interpret):
@@ -135,30 +172,38 @@ def _vjp_bwd(eps, dtype, interpret, res, dt):
   cfg = _cfg(a, z, eps, dtype, interpret)
   T = pl.cdiv(cfg.B, EXAMPLES)
   outs = (jax.ShapeDtypeStruct((cfg.B * cfg.S, cfg.d), a.dtype),
-          jax.ShapeDtypeStruct((T * cfg.S, cfg.K), F32))
+          jax.ShapeDtypeStruct((T * cfg.R, cfg.S, cfg.Mp), F32))
   da, gz = _call(_bwd_kernel, (a.reshape(cfg.B * cfg.S, cfg.d), e, z,
-                               dt.reshape(cfg.B * cfg.K, cfg.d)), outs, cfg, "seed_kron_bwd")
+                               dt.reshape(cfg.B * cfg.M, cfg.R, cfg.d)), outs, cfg,
+                 "seed_kron_bwd")
   da = da.reshape(a.shape)
   de = jnp.sum(da.astype(F32), axis=0)            # e's: a's as rounded, summed over examples
-  return da, de.astype(e.dtype), jnp.sum(gz.reshape(T, cfg.S, cfg.K), 0).astype(z.dtype)
+  gz = jnp.sum(gz.reshape(T, cfg.R, cfg.S, cfg.Mp), 0)[..., :cfg.M]
+  return da, de.astype(e.dtype), gz.astype(z.dtype)
 
 
 _fused.defvjp(_vjp_fwd, _vjp_bwd)
 
 
-def supported(S: int, K: int, d: int) -> bool:
-  """Whether the kernels take ``S`` seeds, ``K`` outputs and width ``d``: each a power of two
-  >= 16, ``S`` a multiple of ``ROWS`` and the forward's accumulator ``K x d`` at most
-  ``MAX_ACC``."""
-  return is_tile(S) and is_tile(K) and is_tile(d) and S % ROWS == 0 and K * d <= MAX_ACC
+def _pow2(n: int) -> int:
+  return 1 << (int(n) - 1).bit_length()
+
+
+def supported(S: int, R: int, M: int, d: int) -> bool:
+  """Whether the kernels take ``S`` seeds, ``R`` ranks, ``M`` summaries and width ``d``: ``S``,
+  ``d`` and ``K = R Mp`` powers of two >= 16 (``Mp``: ``M`` padded to a power of two), ``S`` a
+  multiple of ``ROWS`` and the forward's accumulator ``K x d`` at most ``MAX_ACC``."""
+  K = R * _pow2(max(M, 1))
+  return (is_tile(S) and is_tile(d) and is_tile(K) and S % ROWS == 0 and M >= 1
+          and K * d <= MAX_ACC)
 
 
 def seed_kron_pallas(a, e, z, *, eps: float, dtype=jnp.bfloat16, interpret: bool = False):
   """``seed_kron_xla``'s values and gradients from the Pallas kernels (module docstring)."""
-  if a.ndim != 3 or e.shape != a.shape[1:] or z.ndim != 2 or z.shape[0] != a.shape[1]:
+  if a.ndim != 3 or e.shape != a.shape[1:] or z.ndim != 3 or z.shape[1] != a.shape[1]:
     raise ValueError(f"seed_kron: a {a.shape}, e {e.shape}, z {z.shape} must be [B, S, d], "
-                     "[S, d] and [S, K]")
-  if not supported(a.shape[1], z.shape[1], a.shape[2]):
-    raise ValueError(f"seed_kron: no kernel for S={a.shape[1]}, K={z.shape[1]}, d={a.shape[2]} "
-                     "(supported())")
+                     "[S, d] and [R, S, M]")
+  if not supported(a.shape[1], z.shape[0], z.shape[2], a.shape[2]):
+    raise ValueError(f"seed_kron: no kernel for S={a.shape[1]}, R={z.shape[0]}, M={z.shape[2]}, "
+                     f"d={a.shape[2]} (supported())")
   return _fused(a, e.astype(F32), z.astype(F32), float(eps), jnp.dtype(dtype), bool(interpret))

@@ -703,7 +703,8 @@ def record_kernels(fence: bool = True):
 
   def seed_kron_call(a, e, z, **kw):
     B, S, d = a.shape          # forward z^T h; backward z dt and h dt^T: each 2 B S K d
-    keep("projection", {"bytes": 0.0, "launches": 0, "flops": 6.0 * B * S * z.shape[1] * d})
+    K = z.shape[0] * z.shape[2]                  # z [rank, S, n_out]
+    keep("projection", {"bytes": 0.0, "launches": 0, "flops": 6.0 * B * S * K * d})
     return kron_orig(a, e, z, **kw)
 
   def weightgen_call(x, w_tok, a1, b1, a_k, a_v, **kw):

@@ -88,11 +88,9 @@ class SumKronLinear(nn.Module):
                                     (None, "embed", None)), (self.rank, d, do), F32)
       dt = self.dtype
       B = h.shape[0]
-      K = self.n_out * self.rank
       if (seeds is not None and packed.pallas_backend(self.backend) and h.ndim == 3
-          and seed_kron.supported(n_in, K, d)):
-        zk = z.transpose(1, 2, 0).reshape(n_in, K)            # [n_in, (n_out, rank)]
-        t = kron_pallas(h, seeds, zk, dtype=dt).reshape(B, self.n_out, self.rank * d)
+          and seed_kron.supported(n_in, self.rank, self.n_out, d)):
+        t = kron_pallas(h, seeds, z, dtype=dt)        # [B, n_out, rank d]; Z as it is stored
         t = shard(t, ("batch", "seeds", None))
         y = jnp.einsum("bmq,qe->bme", t, w.astype(dt).reshape(self.rank * d, do))
         return shard(y, ("batch", "seeds", "embed"))

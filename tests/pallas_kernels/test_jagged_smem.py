@@ -89,11 +89,12 @@ def _families(shape, dtype=jnp.bfloat16):
       "event_mlp": (lambda x, w1, w2, j: event_mlp.event_mlp_pallas(
           x, w1, jnp.zeros(256), w2, jnp.zeros(256), j.valid.astype(jnp.float32)),
           (tok_x, mlp_w1, mlp_w2)),
-      # HSP's seed side at the largest accumulator the kernels take (64 seeds, K 64, d 256)
+      # HSP's seed side at the largest accumulators the kernels take (64 seeds, rank 4, 16
+      # summaries, d 256)
       "seed_kron": (lambda a, e, z, j: seed_kron.seed_kron_pallas(a, e, z, eps=1e-6),
                     (jax.ShapeDtypeStruct((B, 64, 256), dtype),
                      jax.ShapeDtypeStruct((64, 256), jnp.float32),
-                     jax.ShapeDtypeStruct((64, 64), jnp.float32))),
+                     jax.ShapeDtypeStruct((4, 64, 16), jnp.float32))),
   }
   lens = jax.ShapeDtypeStruct((B,), jnp.int32)
   loss = lambda fn: jax.value_and_grad(lambda lens, *o: jnp.sum(

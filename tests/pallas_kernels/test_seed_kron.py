@@ -1,7 +1,8 @@
 """HSP's seed side (``pallas_kernels.seed_kron``): the twin against a float64 numpy computation,
 the Pallas kernels (interpret mode, NaN-poisoned outputs) against the twin in values and the
 gradients of ``a``, ``e`` and ``z`` (float32: 1e-5 of the largest magnitude; bfloat16: 2e-2),
-with a batch that is no multiple of a program's examples and an all-zero example."""
+with a batch that is no multiple of a program's examples, an all-zero example, and a summary
+count that is no power of two (padded in the kernels)."""
 
 import jax
 import jax.numpy as jnp
@@ -14,29 +15,36 @@ from tests.pallas_kernels.deviceless import close
 EPS = 1e-6
 
 
-def _inputs(B, S, K, d, seed):
+def _inputs(B, S, R, M, d, seed):
   rng = np.random.default_rng(seed)
   a = rng.normal(size=(B, S, d)).astype(np.float32) * rng.uniform(0.1, 3.0, size=(B, S, 1))
   a[1] = 0.0
   e = (0.5 * rng.normal(size=(S, d))).astype(np.float32)
-  z = rng.normal(size=(S, K)).astype(np.float32) / np.sqrt(S)
-  dt = rng.normal(size=(B, K, d)).astype(np.float32)
+  z = rng.normal(size=(R, S, M)).astype(np.float32) / np.sqrt(S)
+  dt = rng.normal(size=(B, M, R * d)).astype(np.float32)
   return a, e, z, dt
 
 
 def _numpy(a, e, z, dt):
-  """float64: ``t`` and the cotangents of a, e and z."""
+  """float64: ``t [B, M, R d]`` (``t[b, m, r d + j] = sum_s z[r, s, m] h[b, s, j]``) and the
+  cotangents of a, e and z."""
   a, e, z, dt = (x.astype(np.float64) for x in (a, e, z, dt))
+  B, S, d = a.shape
+  R, _, M = z.shape
   t = a + e
   r = 1.0 / np.sqrt(np.mean(t * t, -1, keepdims=True) + EPS)
   h = t * r
-  dh = np.einsum("sk,bkd->bsd", z, dt)
+  out = np.zeros((B, M, R * d))
+  for k in range(R):
+    out[:, :, k * d:(k + 1) * d] = np.einsum("sm,bsd->bmd", z[k], h)
+  dt4 = dt.reshape(B, M, R, d)
+  dh = np.einsum("rsm,bmrd->bsd", z, dt4)
   da = r * (dh - h * np.mean(dh * h, -1, keepdims=True))
-  return np.einsum("sk,bsd->bkd", z, h), da, da.sum(0), np.einsum("bsd,bkd->sk", h, dt)
+  return out, da, da.sum(0), np.einsum("bsd,bmrd->rsm", h, dt4)
 
 
 def test_twin_matches_numpy():
-  a, e, z, dt = _inputs(3, 32, 16, 64, 0)
+  a, e, z, dt = _inputs(3, 32, 4, 8, 64, 0)
   f = lambda a, e, z: seed_kron.seed_kron_xla(a, e, z, eps=EPS, dtype=jnp.float32)
   t, vjp = jax.vjp(f, *map(jnp.asarray, (a, e, z)))
   ref = _numpy(a, e, z, dt)
@@ -46,9 +54,9 @@ def test_twin_matches_numpy():
 
 
 @pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 2e-2)])
-@pytest.mark.parametrize("B,S,K,d", [(5, 32, 16, 64), (4, 64, 64, 128)])
-def test_kernels_match_the_twin(dtype, tol, B, S, K, d):
-  a, e, z, dt = _inputs(B, S, K, d, B + S + K)
+@pytest.mark.parametrize("B,S,R,M,d", [(5, 32, 2, 8, 64), (4, 64, 4, 16, 128), (3, 16, 4, 5, 32)])
+def test_kernels_match_the_twin(dtype, tol, B, S, R, M, d):
+  a, e, z, dt = _inputs(B, S, R, M, d, B + S + R * M)
   a = jnp.asarray(a, dtype)
   e, z, dt = jnp.asarray(e), jnp.asarray(z), jnp.asarray(dt)
 
@@ -68,9 +76,12 @@ def test_kernels_match_the_twin(dtype, tol, B, S, K, d):
 
 
 def test_refuses_what_it_cannot_tile():
-  assert seed_kron.supported(64, 64, 256) and seed_kron.supported(32, 32, 128)
-  assert not seed_kron.supported(128, 256, 512)           # prod's 512-wide towers: XLA
-  assert not seed_kron.supported(24, 16, 64)
+  # mid's towers (S, rank, n_sum, d), prod's 256-wide ones
+  assert seed_kron.supported(64, 4, 16, 256) and seed_kron.supported(32, 4, 8, 128)
+  assert seed_kron.supported(32, 8, 8, 256)
+  assert not seed_kron.supported(128, 8, 32, 512)         # prod's 512-wide towers: XLA
+  assert not seed_kron.supported(24, 4, 16, 64) and not seed_kron.supported(32, 3, 8, 64)
+  assert not seed_kron.supported(32, 2, 4, 64)            # K = 8: below a tile
   with pytest.raises(ValueError, match="seed_kron"):
-    seed_kron.seed_kron_pallas(jnp.zeros((2, 24, 64)), jnp.zeros((24, 64)), jnp.zeros((24, 16)),
-                               eps=EPS, interpret=True)
+    seed_kron.seed_kron_pallas(jnp.zeros((2, 24, 64)), jnp.zeros((24, 64)),
+                               jnp.zeros((4, 24, 4)), eps=EPS, interpret=True)

@@ -330,7 +330,7 @@ def test_seed_kron_calls_are_recorded_with_the_twins_gemm_flops():
   got = [c["flops"] for c in calls if "SumKronLinear" in c["scope"]]
   f = lambda a, e, z: jnp.sum(seed_kron.seed_kron_xla(a, e, z, eps=1e-6, dtype=jnp.float32))
   jaxpr = jax.make_jaxpr(jax.value_and_grad(f, argnums=(0, 1, 2)))(
-      a, e, jnp.zeros((S, n_out * rank))).jaxpr
+      a, e, jnp.zeros((rank, S, n_out))).jaxpr
   want = 0
   for eq in jaxpr.eqns:
     if eq.primitive.name == "dot_general":

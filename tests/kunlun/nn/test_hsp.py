@@ -188,7 +188,7 @@ def test_seed_side_kernel_matches_the_xla_path(dtype):
   x = jnp.asarray(toks["s"], dtype)
   mods = {b: HSP(n_seed=32, n_sum=8, heads=2, rank=2, backend=b, t_max=64, dtype=dtype)
           for b in ("xla", "pallas")}
-  assert seed_kron.supported(32, 8 * 2, 64)
+  assert seed_kron.supported(32, 2, 8, 64)
   apply = lambda m, v, x: m.apply(v, packed.Packed(x, jag), None)
   v = jax.jit(mods["xla"].init)(jax.random.key(1), packed.Packed(x, jag), None)
   assert "seed_kron" in str(jax.make_jaxpr(lambda v, x: apply(mods["pallas"], v, x))(v, x))
