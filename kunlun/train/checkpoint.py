@@ -27,7 +27,9 @@ Damage (issue 15):
 
 The optimizer state is stored in its per-leaf layout (``kunlun.train.opt_layout.to_per_leaf``; the
 flat AdamW buffers are mesh-dependent) and converted back on restore, so a checkpoint restores
-onto another mesh, and those written before the flat optimizer restore as they are.
+onto another mesh, and those written before the flat optimizer restore as they are. The state's
+16-bit parameter copies (``optim.FlatAdamWState.copies``) are not stored: a restore casts them
+from the restored params.
 
 Readers and a full disk (issue 20):
 * A read-only ``Checkpointer`` (eval.py, the exports) lists the committed steps from the

@@ -9,13 +9,13 @@ import flax.linen as nn
 import grain
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 
 from data.fake import random_batch, tiny_schema
-from kunlun.nn.inputs import ContextEncoder, EventEmbed
+from kunlun.nn.inputs import EventEmbed
 from kunlun.train import checkpoint, optim, param_copies, step
 from kunlun.train.sparse_update import make_sparse_update
+from tests.kunlun.train.test_step import _cfg, _Inputs
 
 BF16 = jnp.dtype(jnp.bfloat16)
 
@@ -67,26 +67,9 @@ def test_packed_event_mlp_weights_get_copies():
   assert got["['params']['mlp_in']['kernel']"] == BF16
 
 
-class _Model16(nn.Module):
-  """A context input stage (two tables read through ``kunlun.nn.inputs`` look-ups, one table read
-  directly) and two bfloat16 Dense layers over float32 params (test only)."""
-
-  @nn.compact
-  def __call__(self, batch, train: bool = False):
-    s = tiny_schema()
-    feats = tuple(f for f in s.sparse if f.name in ("ad_id_hash", "user_interests"))
-    x = ContextEncoder(feats, 1, 2, 8, len(s.surfaces), name="context")(
-        batch["sparse"], jnp.asarray(batch["dense"]), jnp.asarray(batch["surface"]))
-    h = x.reshape(x.shape[0], -1).astype(jnp.bfloat16)
-    h = jax.nn.relu(nn.Dense(16, dtype=jnp.bfloat16)(h))
-    h = nn.Dropout(0.1, deterministic=not train)(h)
-    return nn.Dense(len(s.tasks), dtype=jnp.bfloat16)(h).astype(jnp.float32)
-
-
-def _cfg():
-  return ml_collections.ConfigDict(dict(lr=1e-2, warmup_steps=0, schedule="constant",
-                                        weight_decay=1e-3, b1=0.9, b2=0.999, clip_norm=1.0,
-                                        emb_lr=0.05))
+def _model():
+  """The context input stage and a bfloat16 linear head over float32 params."""
+  return _Inputs(dtype="bfloat16")
 
 
 @functools.cache
@@ -97,8 +80,8 @@ def _batches(n=3, B=16):
 
 @functools.cache
 def _init():
-  """Host params and the copies' dtypes of ``_Model16``."""
-  model, b = _Model16(), _batches()[0]
+  """Host params and the copies' dtypes of ``_model()``."""
+  model, b = _model(), _batches()[0]
   p = jax.tree.map(np.asarray, nn.meta.unbox(jax.jit(lambda k: model.init(k, b)["params"])(
       jax.random.key(0))))
   dts = param_copies.copy_dtypes(
@@ -112,7 +95,7 @@ def _run(copies: bool, sparse: bool, microbatches: int = 1, bad: int = -1):
   p_host, dts = _init()
   tx = optim.make_optimizer(_cfg(), 10, copies=dts if copies else None)
   su = make_sparse_update(_cfg(), 10) if sparse else None
-  f = step.make_train_step(_Model16(), tx, sparse_update=su, microbatches=microbatches)
+  f = step.make_train_step(_model(), tx, sparse_update=su, microbatches=microbatches)
   p = jax.device_put(p_host)
   o = jax.jit(tx.init)(p)
   stats = []
@@ -132,14 +115,13 @@ def _equal(a, b):
 
 
 def _check_copies(p, o):
-  """Each copy is its param cast now; the bfloat16 Dense layers' kernels and biases have one,
-  tables and the context stage's float32 leaves none."""
+  """Each copy is its param cast now; the bfloat16 head's kernel and bias have one, the tables
+  and the context stage's float32 leaves none."""
   copies = optim.state_copies(o)
   named = {jax.tree_util.keystr(k): c for (k, _), c in
            zip(jax.tree_util.tree_leaves_with_path(p), copies, strict=True)}
-  assert [k for k in named if named[k] is not None] == [
-      "['Dense_0']['bias']", "['Dense_0']['kernel']", "['Dense_1']['bias']",
-      "['Dense_1']['kernel']"]
+  assert [k for k in named if named[k] is not None] == ["['Dense_0']['bias']",
+                                                       "['Dense_0']['kernel']"]
   for x, c in zip(jax.tree.leaves(p), copies, strict=True):
     if c is not None:
       assert c.dtype == BF16
@@ -174,7 +156,7 @@ def test_restore_casts_the_copies_again(tmp_path):
   restored params, and the next step equals the uninterrupted one bit for bit."""
   p_host, dts = _init()
   tx = optim.make_optimizer(_cfg(), 10, copies=dts)
-  f = step.make_train_step(_Model16(), tx)
+  f = step.make_train_step(_model(), tx)
   b0, b1, _ = _batches()
   p = jax.device_put(p_host)
   p, o, _ = f(p, jax.jit(tx.init)(p), b0, jax.random.key(1), 0)

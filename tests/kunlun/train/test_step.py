@@ -121,9 +121,10 @@ TABLE = "embedding_ad_id_hash"         # 1000 rows: sharded 8 ways (others: part
 
 class _Inputs(nn.Module):
   """The real context input stage (a multi-hot and a one-hot sparse table, the surface table, read
-  through ``kunlun.nn.inputs.lookup``; optionally an event stream's four tables) and a linear head:
-  compiles in seconds (test only)."""
+  through ``kunlun.nn.inputs.lookup``; optionally an event stream's four tables) and a linear head
+  (in ``dtype``, over float32 params): compiles in seconds (test only)."""
   events: bool = False
+  dtype: str = "float32"
 
   @nn.compact
   def __call__(self, batch, train: bool = False):
@@ -137,7 +138,7 @@ class _Inputs(nn.Module):
       h.append(EventEmbed(st, len(s.surfaces), 8, 16, name="embed_impression")(
           batch["events"][st.name]).mean(1))
     h = nn.Dropout(0.1, deterministic=not train)(jnp.concatenate(h, -1))
-    return nn.Dense(len(s.tasks))(h)
+    return nn.Dense(len(s.tasks), dtype=self.dtype)(h.astype(self.dtype)).astype(jnp.float32)
 
 
 def _cfg():
