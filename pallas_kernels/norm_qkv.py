@@ -76,6 +76,19 @@ class _Cfg(NamedTuple):
   proj: int = 3          # projections P
   rot: int = 2           # the first ``rot`` of them QK-normalised and rotated
   res: bool = False      # x passed through; the backward adds its masked cotangent to dx
+  split: bool = False    # the weights as P operands [d, H D] (else one [d, P H D])
+
+
+def _refs(refs, cfg: _Cfg):
+  """A kernel's operands after ``x``: ``(w_refs, sc_refs, tau, pos, omega, rest)``: the weights
+  (one, or P with ``split``), then, where projections are rotated, one scale ``[D]`` per rotated
+  projection and the angles' inputs (absent without rotation)."""
+  nw = cfg.proj if cfg.split else 1
+  w_refs, refs = refs[:nw], refs[nw:]
+  if not cfg.rot:
+    return w_refs, (), None, None, None, refs
+  sc_refs, (tau, pos, om), rest = refs[:cfg.rot], refs[cfg.rot:cfg.rot + 3], refs[cfg.rot + 3:]
+  return w_refs, sc_refs, tau, pos, om, rest
 
 
 def _tile(ref, r0, rows, idx=()):
@@ -96,10 +109,12 @@ def _put(ref, r0, x, idx=()):
   plgpu.store(ref.at[(pl.ds(r0, rows),) + idx], x.astype(ref.dtype), mask=ok)
 
 
-def _w(w_ref, p, j, half, cfg: _Cfg):
-  """``w[:, p, j, half]`` of the ``[d, 3 H D]`` weights: ``[d, D/2]``."""
+def _w(w_refs, p, j, half, cfg: _Cfg):
+  """``w[:, p, j, half]`` of the weights (``[d, P H D]``, or P ``[d, H D]``): ``[d, D/2]``."""
   D, hd = cfg.head_dim, cfg.head_dim // 2
-  return plgpu.load(w_ref.at[:, pl.ds((p * cfg.heads + j) * D + half * hd, hd)])
+  if cfg.split:
+    return plgpu.load(w_refs[p].at[:, pl.ds(j * D + half * hd, hd)])
+  return plgpu.load(w_refs[0].at[:, pl.ds((p * cfg.heads + j) * D + half * hd, hd)])
 
 
 def _norm_rows(xf, eps):
@@ -121,9 +136,9 @@ def _dot(a, b, cfg: _Cfg, **kw):
   return plgpu.dot(a, b, precision=precision(a.dtype), **kw)
 
 
-def _halves(h, w_ref, p, j, cfg: _Cfg):
+def _halves(h, w_refs, p, j, cfg: _Cfg):
   """The head's projection ``h w[:, p, j]`` as two ``[rows, D/2]`` halves, rounded to dtype."""
-  return tuple(round_to(_dot(h, _w(w_ref, p, j, s, cfg), cfg), cfg.dtype) for s in (0, 1))
+  return tuple(round_to(_dot(h, _w(w_refs, p, j, s, cfg), cfg), cfg.dtype) for s in (0, 1))
 
 
 def _head_stats(y1, y2, cfg: _Cfg):
@@ -131,7 +146,8 @@ def _head_stats(y1, y2, cfg: _Cfg):
                    / cfg.head_dim + cfg.eps)
 
 
-def _fwd_kernel(x_ref, w_ref, sc_ref, tau_ref, pos_ref, om_ref, *out_refs, cfg: _Cfg):
+def _fwd_kernel(x_ref, *refs, cfg: _Cfg):
+  w_refs, sc_refs, tau_ref, pos_ref, om_ref, out_refs = _refs(refs, cfg)
   r0, hd = pl.program_id(0) * cfg.rows, cfg.head_dim // 2
   xf = _tile(x_ref, r0, cfg.rows).astype(F32)
   h = (xf * _norm_rows(xf, cfg.eps)).astype(cfg.dtype)
@@ -140,10 +156,10 @@ def _fwd_kernel(x_ref, w_ref, sc_ref, tau_ref, pos_ref, om_ref, *out_refs, cfg: 
     omega = plgpu.load(om_ref.at[:])
   lo, hi = pl.ds(0, hd), pl.ds(hd, hd)
   for p, out in enumerate(out_refs[:cfg.rot]):
-    s1, s2 = plgpu.load(sc_ref.at[jnp.int32(p), lo]), plgpu.load(sc_ref.at[jnp.int32(p), hi])
+    s1, s2 = plgpu.load(sc_refs[p].at[lo]), plgpu.load(sc_refs[p].at[hi])
 
     def head(j, carry, p=p, out=out, s1=s1, s2=s2):
-      y1, y2 = _halves(h, w_ref, p, j, cfg)
+      y1, y2 = _halves(h, w_refs, p, j, cfg)
       a = _head_stats(y1, y2, cfg)
       n1, n2 = round_to(y1 * a * s1[None], cfg.dtype), round_to(y2 * a * s2[None], cfg.dtype)
       c, s = _cos_sin(tau, pos, omega, j, cfg)
@@ -155,7 +171,7 @@ def _fwd_kernel(x_ref, w_ref, sc_ref, tau_ref, pos_ref, om_ref, *out_refs, cfg: 
 
   for p in range(cfg.rot, cfg.proj):
     def plain(j, carry, p=p):
-      y1, y2 = _halves(h, w_ref, p, j, cfg)
+      y1, y2 = _halves(h, w_refs, p, j, cfg)
       _put(out_refs[p], r0, y1, (j, lo))
       _put(out_refs[p], r0, y2, (j, hi))
       return carry
@@ -163,7 +179,8 @@ def _fwd_kernel(x_ref, w_ref, sc_ref, tau_ref, pos_ref, om_ref, *out_refs, cfg: 
     lax.fori_loop(0, cfg.heads, plain, 0)
 
 
-def _bwd_kernel(x_ref, w_ref, sc_ref, tau_ref, pos_ref, om_ref, *refs, cfg: _Cfg):
+def _bwd_kernel(x_ref, *refs, cfg: _Cfg):
+  w_refs, sc_refs, tau_ref, pos_ref, om_ref, refs = _refs(refs, cfg)
   g_refs, refs = refs[:cfg.proj], refs[cfg.proj:]
   if cfg.res:
     (gr_ref, valid_ref), refs = refs[:2], refs[2:]
@@ -177,14 +194,14 @@ def _bwd_kernel(x_ref, w_ref, sc_ref, tau_ref, pos_ref, om_ref, *refs, cfg: _Cfg
     tau, pos = load_vec(tau_ref, r0, cfg.rows), load_vec(pos_ref, r0, cfg.rows)
     omega = plgpu.load(om_ref.at[:])
   lo, hi = pl.ds(0, hd), pl.ds(hd, hd)
-  back = lambda g, p, j, s: _dot(g.astype(cfg.dtype), _w(w_ref, p, j, s, cfg), cfg, trans_b=True)
+  back = lambda g, p, j, s: _dot(g.astype(cfg.dtype), _w(w_refs, p, j, s, cfg), cfg, trans_b=True)
   dh = jnp.zeros(xf.shape, F32)
   for p, g_ref in enumerate(g_refs[:cfg.rot]):
-    s1, s2 = plgpu.load(sc_ref.at[jnp.int32(p), lo]), plgpu.load(sc_ref.at[jnp.int32(p), hi])
+    s1, s2 = plgpu.load(sc_refs[p].at[lo]), plgpu.load(sc_refs[p].at[hi])
 
     def head(j, carry, p=p, g_ref=g_ref, s1=s1, s2=s2):
       dh, ds1, ds2 = carry
-      y1, y2 = _halves(h, w_ref, p, j, cfg)
+      y1, y2 = _halves(h, w_refs, p, j, cfg)
       a = _head_stats(y1, y2, cfg)
       z1, z2 = y1 * a, y2 * a
       g1 = _tile(g_ref, r0, cfg.rows, (j, lo)).astype(F32)
@@ -239,40 +256,54 @@ def _params(rows, d, D, itemsize):
 
 
 def _check(x, w, proj=None):
+  """``(N, d, H, D, P)`` of ``x [N, d]`` and the weights: ``w [d, P, H, D]``, or a tuple of P
+  ``[d, H, D]`` (one operand per projection)."""
   N, d = x.shape
-  if w.ndim != 4 or w.shape[0] != d or (proj is not None and w.shape[1] != proj):
-    raise ValueError(f"norm_qkv: w {w.shape} must be [d, {proj or 'P'}, H, D] with d = {d}")
-  _, P, H, D = w.shape
+  ws = w if isinstance(w, tuple) else None
+  shapes = [a.shape for a in ws] if ws is not None else None
+  ok = (all(len(sh) == 3 and sh == shapes[0] and sh[0] == d for sh in shapes) and ws
+        if ws is not None else w.ndim == 4 and w.shape[0] == d)
+  P = len(ws) if ws is not None else (w.shape[1] if w.ndim == 4 else 0)
+  if not ok or (proj is not None and P != proj):
+    got = shapes if ws is not None else w.shape
+    raise ValueError(f"norm_qkv: w {got} must be [d, {proj or 'P'}, H, D] or {proj or 'P'} x "
+                     f"[d, H, D] with d = {d}")
+  H, D = (shapes[0][1:] if ws is not None else w.shape[2:])
   if not (is_tile(d) and is_tile(D // 2)):
     raise ValueError(f"norm_qkv: the kernels need d and D/2 powers of two >= 16; got d={d}, D={D}")
-  return N, d, H, D
+  return N, d, H, D, P
 
 
-def _fwd(x, wf, sc, tau, pos, omega, cfg: _Cfg, shape):
+def _operands(ws, sc, tau, pos, omega):
+  """The operands after ``x``, as ``_refs`` reads them."""
+  return (*ws, *sc, tau, pos, omega) if sc else tuple(ws)
+
+
+def _fwd(x, ops, cfg: _Cfg, shape):
   N, d, H, D = shape
   out = jax.ShapeDtypeStruct((N, H, D), cfg.dtype)
   b = jnp.dtype(cfg.dtype).itemsize
   whole = pl.no_block_spec
   return _poison.pallas_call(
-      functools.partial(_fwd_kernel, cfg=cfg), (x, wf, sc, tau, pos, omega),
-      out_shape=(out,) * cfg.proj, grid=(pl.cdiv(N, cfg.rows),), in_specs=[whole] * 6,
+      functools.partial(_fwd_kernel, cfg=cfg), (x, *ops),
+      out_shape=(out,) * cfg.proj, grid=(pl.cdiv(N, cfg.rows),), in_specs=[whole] * (1 + len(ops)),
       out_specs=(whole,) * cfg.proj, interpret=cfg.interpret, name=f"{_name(cfg)}_fwd",
       compiler_params=_params(cfg.rows, d, D, b))
 
 
-def _bwd(x, wf, sc, tau, pos, omega, gs, cfg: _Cfg, shape):
+def _bwd(x, ops, gs, cfg: _Cfg, shape):
   """``gs``: the projections' cotangents, then (``cfg.res``) the residual's and ``valid``."""
   N, d, H, D = shape
   T = pl.cdiv(N, cfg.rows)
   b = jnp.dtype(cfg.dtype).itemsize
   outs = (jax.ShapeDtypeStruct((N, d), x.dtype),
           jax.ShapeDtypeStruct((N, cfg.proj, H, D), cfg.dtype),
-          jax.ShapeDtypeStruct((T, sc.shape[0], D), F32))
+          jax.ShapeDtypeStruct((T, max(cfg.rot, 1), D), F32))
   whole = pl.no_block_spec
   return _poison.pallas_call(
-      functools.partial(_bwd_kernel, cfg=cfg), (x, wf, sc, tau, pos, omega, *gs),
-      out_shape=outs, grid=(T,), in_specs=[whole] * (6 + len(gs)), out_specs=(whole,) * 3,
-      interpret=cfg.interpret, name=f"{_name(cfg)}_bwd",
+      functools.partial(_bwd_kernel, cfg=cfg), (x, *ops, *gs),
+      out_shape=outs, grid=(T,), in_specs=[whole] * (1 + len(ops) + len(gs)),
+      out_specs=(whole,) * 3, interpret=cfg.interpret, name=f"{_name(cfg)}_bwd",
       compiler_params=_params(cfg.rows, d, D, b))
 
 
@@ -280,13 +311,20 @@ def _name(cfg: _Cfg) -> str:
   return "norm_qkv" if cfg.rot else "norm_proj"
 
 
+def _weights(w, dtype, d):
+  """The weight operands in ``dtype``: ``[d, P H D]``, or each of a tuple as ``[d, H D]``."""
+  return tuple(a.astype(dtype).reshape(d, -1) for a in (w if isinstance(w, tuple) else (w,)))
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10))
 def _fused(x, w, sc, tau, pos, omega, valid, eps, dtype, interpret, rot):
   """The projections; with ``valid`` (not None) also ``x`` itself, whose cotangent the
-  backward kernel masks by ``valid`` and adds to ``dx``."""
-  N, d, H, D = _check(x, w)
-  cfg = _Cfg(H, D, eps, dtype, _rows(FWD_ROWS, d), interpret, w.shape[1], rot)
-  outs = _fwd(x, w.astype(dtype).reshape(d, -1), sc, tau, pos, omega, cfg, (N, d, H, D))
+  backward kernel masks by ``valid`` and adds to ``dx``. ``sc``: the rotated projections'
+  scales; ``tau, pos, omega``: None without rotation."""
+  N, d, H, D, P = _check(x, w)
+  cfg = _Cfg(H, D, eps, dtype, _rows(FWD_ROWS, d), interpret, P, rot,
+             split=isinstance(w, tuple))
+  outs = _fwd(x, _operands(_weights(w, dtype, d), sc, tau, pos, omega), cfg, (N, d, H, D))
   return outs if valid is None else (*outs, x)
 
 
@@ -297,21 +335,24 @@ def _vjp_fwd(x, w, sc, tau, pos, omega, valid, eps, dtype, interpret, rot):
 
 def _vjp_bwd(eps, dtype, interpret, rot, res, g):
   x, w, sc, tau, pos, omega, valid = res
-  N, d, H, D = _check(x, w)
-  cfg = _Cfg(H, D, eps, dtype, _rows(BWD_ROWS, d), interpret, w.shape[1], rot,
-             res=valid is not None)
-  gs = tuple(g[:w.shape[1]]) + (() if valid is None else (g[-1], valid))
-  dx, ry, ds = _bwd(x, w.astype(dtype).reshape(d, -1), sc, tau, pos, omega, gs, cfg,
+  N, d, H, D, P = _check(x, w)
+  split = isinstance(w, tuple)
+  cfg = _Cfg(H, D, eps, dtype, _rows(BWD_ROWS, d), interpret, P, rot,
+             res=valid is not None, split=split)
+  gs = tuple(g[:P]) + (() if valid is None else (g[-1], valid))
+  dx, ry, ds = _bwd(x, _operands(_weights(w, dtype, d), sc, tau, pos, omega), gs, cfg,
                     (N, d, H, D))
   xd = x.astype(dtype)
   if interpret:            # XLA:CPU: a 16-bit dot may accumulate in 16 bits; a GPU's in float32
     xd, ry = xd.astype(F32), ry.astype(F32)
   # dw = h^T dy with h = r x (r: the rows' RMS scale): x^T (r dy), the kernel having written
-  # r dy, so no [N, d] h is written and read back
+  # r dy, so no [N, d] h is written and read back; one GEMM for every projection
   dw = jnp.einsum("nd,npjc->dpjc", xd, ry).astype(dtype)   # in dtype, as the twin's gradient
-  z = jnp.zeros_like
-  return (dx, dw.astype(w.dtype), jnp.sum(ds, 0).astype(sc.dtype), z(tau), z(pos), z(omega),
-          None if valid is None else z(valid))
+  dw = tuple(dw[:, p].astype(a.dtype) for p, a in enumerate(w)) if split else dw.astype(w.dtype)
+  ds = jnp.sum(ds, 0)
+  z = lambda a: None if a is None else jnp.zeros_like(a)
+  return (dx, dw, tuple(ds[p].astype(s.dtype) for p, s in enumerate(sc)), z(tau), z(pos),
+          z(omega), z(valid))
 
 
 _fused.defvjp(_vjp_fwd, _vjp_bwd)
@@ -326,7 +367,7 @@ def norm_qkv_pallas(x, w, q_scale, k_scale, tau, positions, omega, *, eps: float
   cotangent, masked by ``valid``, to ``dx`` (no separate pass summing the two)."""
   _check(x, w, 3)
   tau, pos, omega = (jnp.asarray(a, F32) for a in (tau, positions, omega))
-  sc = jnp.stack([q_scale, k_scale]).astype(F32)
+  sc = (jnp.asarray(q_scale, F32), jnp.asarray(k_scale, F32))   # two operands: no stacking pass
   valid = None if valid is None else jnp.asarray(valid, F32)
   if valid is not None and valid.shape != x.shape[:1]:
     raise ValueError(f"norm_qkv: valid {valid.shape} must be [N] with N = {x.shape[0]}")
@@ -335,21 +376,22 @@ def norm_qkv_pallas(x, w, q_scale, k_scale, tau, positions, omega, *, eps: float
 
 
 def norm_proj_xla(x, w, *, eps: float = EPS, dtype=jnp.bfloat16):
-  """The twin of ``norm_proj_pallas``: ``rms_norm(x) w[:, p]`` for each of the P projections of
-  ``w [d, P, H, D]`` (HSP's keys and values), each ``[N, H, D]`` in ``dtype``."""
+  """The twin of ``norm_proj_pallas``: ``rms_norm(x) w_p`` for each of the P projections (``w
+  [d, P, H, D]``, or a tuple of P ``[d, H, D]``; HSP's keys and values), each ``[N, H, D]`` in
+  ``dtype``."""
   xf = x.astype(F32)
   h = (xf * lax.rsqrt(jnp.mean(xf * xf, -1, keepdims=True) + eps)).astype(dtype)
-  wd = w.astype(dtype)
-  return tuple(jnp.einsum("nd,dhc->nhc", h, wd[:, p]) for p in range(w.shape[1]))
+  ws = w if isinstance(w, tuple) else tuple(w[:, p] for p in range(w.shape[1]))
+  return tuple(jnp.einsum("nd,dhc->nhc", h, a.astype(dtype)) for a in ws)
 
 
 def norm_proj_pallas(x, w, *, eps: float = EPS, dtype=jnp.bfloat16, interpret: bool = False):
   """``norm_proj_xla``'s values and gradients from the same kernels, no projection normalised
-  or rotated."""
-  _, _, _, D = _check(x, w)
-  z = jnp.zeros((16,), F32)                  # no angles, no scales: never read
-  return _fused(x, w, jnp.zeros((1, D), F32), z, z, z, None, float(eps), jnp.dtype(dtype),
-                bool(interpret), 0)
+  or rotated (no scale or angle operands). A tuple ``w`` is read as P operands (no stacking
+  pass); its gradients come back per operand."""
+  _check(x, w)
+  return _fused(x, w, (), None, None, None, None, float(eps), jnp.dtype(dtype), bool(interpret),
+                0)
 
 
 def supported(d: int, heads: int, head_dim: int, dtype=jnp.bfloat16) -> bool:

@@ -682,8 +682,9 @@ def record_kernels(fence: bool = True):
     fn = getattr(packed, name)
 
     def call(x, w, *a, **kw):
+      d, P, H, D = (w[0].shape[0], len(w), *w[0].shape[1:]) if isinstance(w, tuple) else w.shape
       keep("projection", {"bytes": 0.0, "launches": 0,
-                          "flops": fused_projection_flops(x.shape[0], *w.shape, rot)})
+                          "flops": fused_projection_flops(x.shape[0], d, P, H, D, rot)})
       return fn(x, w, *a, **kw)
     return call
 

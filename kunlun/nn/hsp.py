@@ -149,8 +149,10 @@ class HSP(nn.Module):
                      (self.n_seed, d), F32)
       q = _to_heads(self, "query", rms_norm(e), H, dt)
       if jag is not None and packed.fusable(self.backend, d, H, dt):   # norm -> k, v: one pass
-        wk, wv = (_head_weights(self, n, d, H) for n in ("key", "value"))
-        k, v = packed.fused_proj(s, jnp.stack([wk, wv], 1), jag, dtype=dt)
+        # two weight operands, cast here (the kernels read them in dt): no stacking pass, and
+        # the optimizer's 16-bit copies stand in for the casts
+        k, v = packed.fused_proj(s, tuple(_head_weights(self, n, d, H).astype(dt)
+                                          for n in ("key", "value")), jag, dtype=dt)
       else:
         hk, hv = apart(rms_norm(s, dtype=dt), 2)         # k and v: their own buffers
         k, v = _to_heads(self, "key", hk, H, dt), _to_heads(self, "value", hv, H, dt)

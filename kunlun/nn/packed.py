@@ -207,11 +207,13 @@ def fused_qkv(x, w, q_scale, k_scale, age, jag, *, t_scale: float, dtype):
                          (w, q_scale, k_scale, omega))
 
 
-def fused_proj(x, w, jag, *, dtype):
-  """``rms_norm(x) w[:, p]`` for each projection of ``w [d, P, H, D]`` as one Pallas pass
-  (``pallas_kernels.norm_qkv.norm_proj_pallas``; HSP's keys and values): ``P x [N, H, D]``."""
-  op = lambda x, w: norm_qkv.norm_proj_pallas(x, w, dtype=dtype, interpret=interpret_kernels())
-  return _rowwise_kernel(op, jag, (x,), (w,))
+def fused_proj(x, ws, jag, *, dtype):
+  """``rms_norm(x) w_p`` for each projection ``w_p [d, H, D]`` of the tuple ``ws`` as one Pallas
+  pass (``pallas_kernels.norm_qkv.norm_proj_pallas``; HSP's keys and values): ``P x [N, H,
+  D]``."""
+  op = lambda x, *ws: norm_qkv.norm_proj_pallas(x, tuple(ws), dtype=dtype,
+                                                interpret=interpret_kernels())
+  return _rowwise_kernel(op, jag, (x,), tuple(ws))
 
 
 def fused_norm_residual(g, u, x, jag, *, eps: float):

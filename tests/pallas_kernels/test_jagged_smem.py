@@ -78,8 +78,8 @@ def _families(shape, dtype=jnp.bfloat16):
       # the fused norm -> projections (pallas_kernels.norm_qkv; tau is data, no gradient)
       "norm_qkv": (lambda x, w, tau, j: _summed(norm_qkv.norm_qkv_pallas(
           x, w, jnp.ones(D), jnp.ones(D), tau, j.pos, jnp.ones(D // 2))), (tok_x, w3, age)),
-      "norm_proj": (lambda x, w, age, j: _summed(norm_qkv.norm_proj_pallas(x, w)),
-                    (tok_x, w2, age)),
+      "norm_proj": (lambda x, w, age, j: _summed(norm_qkv.norm_proj_pallas(
+          x, (w[:, 0], w[:, 1]))), (tok_x, w2, age)),        # two operands, as HSP passes them
       # the PFFN's tail and the attention's output side (row-wise; valid: j.valid)
       "norm_residual": (lambda g, u, s, j: norm_residual.norm_residual_pallas(
           g, u, s, j.valid.astype(jnp.float32), eps=1e-6), (tok_x, tok_x, tok_x)),

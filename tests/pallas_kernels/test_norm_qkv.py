@@ -125,18 +125,21 @@ def test_unsupported_widths_are_refused():
                              jnp.ones(12), interpret=True)
 
 
+@pytest.mark.parametrize("split", [False, True], ids=["stacked", "per-projection"])
 @pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 2e-2)])
-def test_plain_projections_match_the_twin_and_numpy(dtype, tol):
-  """``norm_proj`` (HSP's keys and values: P = 2, nothing normalised or rotated): the twin
-  against numpy, the kernels against the twin in values and gradients, poisoned outputs."""
+def test_plain_projections_match_the_twin_and_numpy(dtype, tol, split):
+  """``norm_proj`` (HSP's keys and values: P = 2, nothing normalised or rotated), the weights
+  stacked ``[d, 2, H, D]`` or as two ``[d, H, D]`` operands: the twin against numpy, the kernels
+  against the twin in values and gradients (per operand), poisoned outputs."""
   x, w, *_ = _inputs(N=90, H=2, seed=7)
   w = w[:, 1:]                                                  # [d, 2, H, D]
   rnd = (lambda a: a) if dtype == jnp.float32 else _bf16
   ref_np = _numpy(x, np.concatenate([w, w[:, 1:]], 1), *_inputs(N=90, H=2)[2:], rnd=rnd)[2]
-  twin = norm_qkv.norm_proj_xla(jnp.asarray(x), jnp.asarray(w), dtype=dtype)
+  w = (jnp.asarray(w[:, 0]), jnp.asarray(w[:, 1])) if split else jnp.asarray(w)
+  twin = norm_qkv.norm_proj_xla(jnp.asarray(x), w, dtype=dtype)
   close(twin[1], ref_np, 2e-5 if dtype == jnp.float32 else 1e-2)
   rng = np.random.default_rng(2)
-  cot = [jnp.asarray(rng.normal(size=(90, 2, w.shape[-1])), jnp.float32) for _ in range(2)]
+  cot = [jnp.asarray(rng.normal(size=(90, 2, twin[0].shape[-1])), jnp.float32) for _ in range(2)]
 
   def loss(fn, x, w):
     return sum(jnp.sum(o.astype(jnp.float32) * c) for o, c in zip(fn(x, w), cot, strict=True))
@@ -151,7 +154,8 @@ def test_plain_projections_match_the_twin_and_numpy(dtype, tol):
   for o, r in zip(outs, xla(x, w), strict=True):
     close(o, r, tol)
   close(val, rval, tol)
-  for g, r in zip(grads, rgrads, strict=True):
+  assert jax.tree.structure(grads) == jax.tree.structure(rgrads)
+  for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(rgrads), strict=True):
     assert g.dtype == r.dtype and g.shape == r.shape
     close(g, r, tol)
 
