@@ -279,15 +279,22 @@ def supported(N: int, d: int, rank: int, mixes) -> bool:
 
 # ------------------------------------------------------------------------- the output norm
 
-def wukong_out_xla(parts, res, scale, bias, *, bias0=None, others=(), weights=None,
+def mix_weights(logits, dtype):
+  """GEM's cross-layer weights ``softmax(logits)`` rounded to ``dtype``, in float32 (as
+  ``kunlun.nn.wukong.WukongStack`` rounds them)."""
+  return jax.nn.softmax(logits.astype(F32)).astype(dtype).astype(F32)
+
+
+def wukong_out_xla(parts, res, scale, bias, *, bias0=None, others=(), logits=None,
                    eps: float = EPS, dtype=jnp.bfloat16):
   """The twin of ``wukong_out_pallas``: ``z = LayerNorm(concat(parts) + res) * scale + bias``
   over ``d`` per token in float32, in ``dtype`` (``parts``: ``[B, n_i, d]`` arrays, ``res [B,
   sum n_i, d]``, ``scale, bias f32[d]``): the Wukong layer's output norm over its FM and LCB
   tokens plus the residual. ``bias0 [n_0, d]`` (optional) is added to the first part first (the
-  FM MLP's output bias). With ``weights f32[J + 1]`` (and ``others``: J arrays like ``res``) the
-  result is the next layer's cross-layer input instead, ``z + sum_j weights_j others_j +
-  weights_J z`` (``kunlun.nn.wukong.cross_mix``), from the float32 ``z``."""
+  FM MLP's output bias). With ``logits f32[J + 1]`` (and ``others``: J arrays like ``res``) the
+  result is the next layer's cross-layer input instead, ``z + sum_j w_j others_j + w_J z``
+  (``kunlun.nn.wukong.cross_mix``) with ``w = mix_weights(logits, dtype)``, from the float32
+  ``z``."""
   ps = [p.astype(F32) for p in parts]
   if bias0 is not None:
     ps[0] = ps[0] + bias0.astype(F32)
@@ -295,8 +302,8 @@ def wukong_out_xla(parts, res, scale, bias, *, bias0=None, others=(), weights=No
   mu = jnp.mean(t, -1, keepdims=True)
   var = jnp.mean(jnp.square(t - mu), -1, keepdims=True)
   z = (t - mu) * lax.rsqrt(var + eps) * scale + bias
-  if weights is not None:
-    w = weights.astype(F32)
+  if logits is not None:
+    w = mix_weights(logits, dtype)
     z = z + sum(w[j] * o.astype(F32) for j, o in enumerate(others)) + w[len(others)] * z
   return z.astype(dtype)
 
@@ -334,18 +341,23 @@ def _pre_norm(p_ref, res_ref, b, ok, n, off, b0):
   return t if b0 is None else t + b0
 
 
-def _weights(w_ref, cfg: _OutCfg) -> list:
-  """The mix's ``J + 1`` weights as float32 scalars (one masked load of the vector)."""
+def _weights(l_ref, cfg: _OutCfg) -> list:
+  """The mix's ``J + 1`` weights, ``mix_weights`` of the logits (one masked load of the
+  vector; every program computes the softmax of these few values itself), as float32
+  scalars."""
   J1 = cfg.mix + 1
   n = pad_pow2(J1)
   idx = jnp.arange(n)
-  v = plgpu.load(w_ref.at[pl.ds(0, n)], mask=idx < J1, other=0.0)
-  return [jnp.sum(jnp.where(idx == j, v, 0.0)) for j in range(J1)]
+  v = plgpu.load(l_ref.at[pl.ds(0, n)], mask=idx < J1, other=0.0)
+  v = jnp.where(idx < J1, v, -jnp.inf)
+  e = jnp.exp(v - jnp.max(v))
+  w = round_to(e / jnp.sum(e), cfg.dtype)
+  return [jnp.sum(jnp.where(idx == j, w, 0.0)) for j in range(J1)]
 
 
 def _split_refs(refs, cfg: _OutCfg, n_front: int):
   """``(front, b0_ref, w_ref, other_refs, rest)`` of a kernel's refs: ``n_front`` leading refs,
-  then ``bias0``'s (if any), the mix's weights and other inputs (if any), then the rest."""
+  then ``bias0``'s (if any), the mix's logits and other inputs (if any), then the rest."""
   front, rest = refs[:n_front], refs[n_front:]
   b0_ref, rest = (rest[0], rest[1:]) if cfg.bias0 else (None, rest)
   J = max(cfg.mix, 0)
@@ -384,8 +396,8 @@ def _out_fwd_kernel(*refs, cfg: _OutCfg):
 def _out_bwd_kernel(*refs, cfg: _OutCfg):
   K = len(cfg.ns)
   J = max(cfg.mix, 0)
-  front, b0_ref, w_ref, o_refs, rest = _split_refs(refs, cfg, K + 2)
-  part_refs, (res_ref, s_ref) = front[:K], front[K:]
+  front, b0_ref, w_ref, o_refs, rest = _split_refs(refs, cfg, K + 3)
+  part_refs, (res_ref, s_ref, b_ref) = front[:K], front[K:]
   dm_ref, dpart_refs, dres_ref = rest[0], rest[1:K + 1], rest[K + 1]
   do_refs, g_ref = rest[K + 2:K + 2 + J], rest[K + 2 + J]
   sc = plgpu.load(s_ref.at[:])[None, :]
@@ -423,78 +435,85 @@ def _out_bwd_kernel(*refs, cfg: _OutCfg):
   g0 = jnp.zeros((pad_pow2(cfg.ns[0]), cfg.d), F32) if cfg.bias0 else jnp.float32(0)
   gs, gb, g0, ga = lax.fori_loop(0, OUT_EXAMPLES, one, (z, z, g0, (z,) * J))
   # one partial-sum output per program, rows: sum(dm y) and sum(dm) per column (the scale's and
-  # bias's gradients up to z's mix weight), bias0's pad(n_0) rows, the other inputs' J rows
+  # bias's gradients up to z's mix weight), bias0's pad(n_0) rows, the other inputs' J rows,
+  # then (with the mix) z's own weight's: scale sum(dm y) + bias sum(dm), summed over d later
+  n0 = pad_pow2(cfg.ns[0]) if cfg.bias0 else 0
+  if w is not None:
+    own = sc * gs[None, :] + (plgpu.load(b_ref.at[:]) * gb)[None, :]
+    plgpu.store(g_ref.at[i0, pl.ds(2 + n0 + J, 1), :], own)
   plgpu.store(g_ref.at[i0, pl.ds(0, 1), :], gs[None, :])
   plgpu.store(g_ref.at[i0, pl.ds(1, 1), :], gb[None, :])
-  row = 2
   if cfg.bias0:
-    plgpu.store(g_ref.at[i0, pl.ds(2, pad_pow2(cfg.ns[0])), :], g0)      # zero past n_0
-    row += pad_pow2(cfg.ns[0])
+    plgpu.store(g_ref.at[i0, pl.ds(2, n0), :], g0)      # zero past n_0
   for j in range(J):
-    plgpu.store(g_ref.at[i0, pl.ds(row + j, 1), :], ga[j][None, :])
+    plgpu.store(g_ref.at[i0, pl.ds(2 + n0 + j, 1), :], ga[j][None, :])
 
 
-def _out_cfg(parts, res, bias0, others, weights, eps, dtype):
+def _out_cfg(parts, res, bias0, others, logits, eps, dtype):
   B, _, d = res.shape
   return _OutCfg(B, d, tuple(p.shape[1] for p in parts), eps, dtype, bias0 is not None,
-                 -1 if weights is None else len(others))
+                 -1 if logits is None else len(others))
 
 
-def _extra(bias0, others, weights):
-  """The optional operands, in the kernels' order: bias0, the weights, the other inputs."""
+def _extra(bias0, others, logits):
+  """The optional operands, in the kernels' order: bias0, the mix's logits, the other inputs."""
   return ((() if bias0 is None else (bias0,))
-          + (() if weights is None else (weights,) + tuple(others)))
+          + (() if logits is None else (logits,) + tuple(others)))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
-def _out(parts, res, scale, bias, bias0, others, weights, eps, dtype, interpret):
-  cfg = _out_cfg(parts, res, bias0, others, weights, eps, dtype)
+def _out(parts, res, scale, bias, bias0, others, logits, eps, dtype, interpret):
+  cfg = _out_cfg(parts, res, bias0, others, logits, eps, dtype)
   out = (jax.ShapeDtypeStruct(res.shape, dtype),)
-  return _call(_out_fwd_kernel, cfg, (*parts, res, scale, bias, *_extra(bias0, others, weights)),
+  return _call(_out_fwd_kernel, cfg, (*parts, res, scale, bias, *_extra(bias0, others, logits)),
                out, OUT_EXAMPLES, OUT_WARPS, interpret, "wukong_out_fwd")[0]
 
 
-def _out_vjp_fwd(parts, res, scale, bias, bias0, others, weights, eps, dtype, interpret):
-  return (_out(parts, res, scale, bias, bias0, others, weights, eps, dtype, interpret),
-          (parts, res, scale, bias, bias0, others, weights))
+def _out_vjp_fwd(parts, res, scale, bias, bias0, others, logits, eps, dtype, interpret):
+  return (_out(parts, res, scale, bias, bias0, others, logits, eps, dtype, interpret),
+          (parts, res, scale, bias, bias0, others, logits))
 
 
 def _out_vjp_bwd(eps, dtype, interpret, resid, dm):
-  parts, res, scale, bias, bias0, others, weights = resid
-  cfg = _out_cfg(parts, res, bias0, others, weights, eps, dtype)
+  parts, res, scale, bias, bias0, others, logits = resid
+  cfg = _out_cfg(parts, res, bias0, others, logits, eps, dtype)
   J = max(cfg.mix, 0)
   n0 = pad_pow2(cfg.ns[0]) if cfg.bias0 else 0
   T = pl.cdiv(cfg.B, OUT_EXAMPLES)
   outs = (tuple(jax.ShapeDtypeStruct(p.shape, p.dtype) for p in parts)
           + (jax.ShapeDtypeStruct(res.shape, res.dtype),)
           + tuple(jax.ShapeDtypeStruct(o.shape, o.dtype) for o in others)
-          + (jax.ShapeDtypeStruct((T, 2 + n0 + J, cfg.d), F32),))
-  got = _call(_out_bwd_kernel, cfg, (*parts, res, scale, *_extra(bias0, others, weights), dm),
-              outs, OUT_EXAMPLES, OUT_WARPS, interpret, "wukong_out_bwd")
+          + (jax.ShapeDtypeStruct((T, 2 + n0 + (0 if logits is None else J + 1), cfg.d), F32),))
+  got = _call(_out_bwd_kernel, cfg, (*parts, res, scale, bias, *_extra(bias0, others, logits),
+                                     dm), outs, OUT_EXAMPLES, OUT_WARPS, interpret,
+              "wukong_out_bwd")
   K = len(parts)
   dparts, dres, dothers, g = got[:K], got[K], tuple(got[K + 1:K + 1 + J]), got[-1]
   g = jnp.sum(g, 0)                                  # one reduction of every partial sum
   gs, gb = g[0], g[1]
   g0 = None if bias0 is None else g[2:2 + cfg.ns[0]].astype(bias0.dtype)
-  dw = None
-  if weights is not None:          # z = y scale + bias enters the mix with weight 1 + w_J
-    f = 1.0 + weights[J]
-    dw = jnp.concatenate([jnp.sum(g[2 + n0:2 + n0 + J], axis=1),
-                          jnp.sum(scale * gs + bias * gb)[None]]).astype(weights.dtype)
+  dl = None
+  if logits is not None:   # the weights' gradients (z's own last), through their rounding and
+    a = jax.nn.softmax(logits.astype(F32))                         # the softmax to the logits
+    gw = jnp.sum(g[2 + n0:], axis=1).astype(dtype).astype(F32)
+    dl = (a * (gw - jnp.sum(a * gw))).astype(logits.dtype)
+    f = 1.0 + a.astype(dtype).astype(F32)[J]          # z = y scale + bias has weight 1 + w_J
     gs, gb = gs * f, gb * f
-  return (tuple(dparts), dres, gs.astype(scale.dtype), gb.astype(bias.dtype), g0, dothers, dw)
+  return (tuple(dparts), dres, gs.astype(scale.dtype), gb.astype(bias.dtype), g0, dothers, dl)
 
 
 _out.defvjp(_out_vjp_fwd, _out_vjp_bwd)
 
 
-def wukong_out_pallas(parts, res, scale, bias, *, bias0=None, others=(), weights=None,
+def wukong_out_pallas(parts, res, scale, bias, *, bias0=None, others=(), logits=None,
                       eps: float = EPS, dtype=jnp.bfloat16, interpret: bool = False):
   """``wukong_out_xla``'s values and gradients from one forward and one backward kernel: a
   program takes ``OUT_EXAMPLES`` examples, each part's rows with the residual's (and the mix's
   other inputs') rows beside them (nothing concatenated in memory); the backward writes each
   part's, the residual's and the other inputs' cotangents and per-program partial sums of the
-  gradients of the scale, the bias, ``bias0`` and the weights (one output, one reduction)."""
+  gradients of the scale, the bias, ``bias0`` and the mix's weights (one output, one
+  reduction). The mix's weights are computed from ``logits`` in both kernels (no XLA pass); XLA
+  takes their gradient through the softmax to the logits."""
   parts, others = tuple(parts), tuple(others)
   B, n, d = res.shape
   ns = tuple(p.shape[1] for p in parts)
@@ -504,15 +523,15 @@ def wukong_out_pallas(parts, res, scale, bias, *, bias0=None, others=(), weights
                      "(out_supported())")
   if bias0 is not None and bias0.shape != (ns[0], d):
     raise ValueError(f"wukong_out: bias0 {bias0.shape} must be [n_0, d] = {(ns[0], d)}")
-  if (weights is None and others) or (weights is not None and (
-      weights.shape != (len(others) + 1,) or any(o.shape != res.shape for o in others))):
-    raise ValueError(f"wukong_out: the mix needs weights [J + 1] for J other inputs shaped like "
-                     f"res {res.shape}; got weights "
-                     f"{None if weights is None else weights.shape}, others "
+  if (logits is None and others) or (logits is not None and (
+      logits.shape != (len(others) + 1,) or any(o.shape != res.shape for o in others))):
+    raise ValueError(f"wukong_out: the mix needs logits [J + 1] for J other inputs shaped like "
+                     f"res {res.shape}; got logits "
+                     f"{None if logits is None else logits.shape}, others "
                      f"{[o.shape for o in others]}")
   return _out(parts, res, scale.astype(F32), bias.astype(F32),
               None if bias0 is None else bias0.astype(F32), others,
-              None if weights is None else weights.astype(F32), float(eps), jnp.dtype(dtype),
+              None if logits is None else logits.astype(F32), float(eps), jnp.dtype(dtype),
               bool(interpret))
 
 

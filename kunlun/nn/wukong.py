@@ -82,13 +82,13 @@ def fm_pallas(x, y, ws, scale, bias, *, dtype):
   return shard(h, ("batch", None)), tuple(shard(m, _TOK) for m in mixes)
 
 
-def out_pallas(parts, res, scale, bias, bias0=None, others=(), weights=None, *, dtype):
+def out_pallas(parts, res, scale, bias, bias0=None, others=(), logits=None, *, dtype):
   """``pallas_kernels.wukong_fm.wukong_out_pallas`` per device on its examples."""
   interpret = packed.interpret_kernels()
-  op = lambda parts, res, s, b, b0, o, w: wukong_fm.wukong_out_pallas(
-      parts, res, s, b, bias0=b0, others=o, weights=w, dtype=dtype, interpret=interpret)
+  op = lambda parts, res, s, b, b0, o, c: wukong_fm.wukong_out_pallas(
+      parts, res, s, b, bias0=b0, others=o, logits=c, dtype=dtype, interpret=interpret)
   return per_shard(op, (True, True, False, False, False, True, False), "batch")(
-      parts, res, scale, bias, bias0, tuple(others), weights)
+      parts, res, scale, bias, bias0, tuple(others), logits)
 
 
 def cross_mix(x, outs, a, dtype):
@@ -117,9 +117,10 @@ class WukongLayer(nn.Module):
 
   @nn.compact
   def __call__(self, x, extra=None, cross=None):
-    """``cross = (outs, a)``: return the next layer's cross-layer input ``cross_mix(out, outs +
-    [extra's map, if any] + [out], a)`` instead of ``out``, written by the output-norm kernel
-    (``out_kernel`` must hold)."""
+    """``cross = (outs, c)``: return the next layer's cross-layer input ``cross_mix(out, outs +
+    [extra's map, if any] + [out], a)``, ``a`` the rounded ``softmax(c)``
+    (``pallas_kernels.wukong_fm.mix_weights``), instead of ``out``, written by the output-norm
+    kernel (``out_kernel`` must hold), which computes ``a`` itself."""
     if self.n_fm < 1 or self.n_lcb < 0 or self.rank < 1 or self.mlp_hidden < 1:
       raise ValueError(f"WukongLayer: need n_fm>=1, n_lcb>=0, rank>=1, mlp_hidden>=1; got "
                        f"{self.n_fm}, {self.n_lcb}, {self.rank}, {self.mlp_hidden}")
@@ -162,12 +163,12 @@ class WukongLayer(nn.Module):
   def _out_norm(self, parts, res, fused: bool, bias0=None, cross=None):
     """``LN(concat(parts) + res) * scale + bias`` over ``d``, in dtype: the kernels (``fused``,
     i.e. ``out_kernel``; ``bias0 [n_fm, d]``, the FM MLP's output bias, added to the first part
-    in the kernel; ``cross = (others, a)``: the kernel writes the cross-layer mix) or
-    ``affine_layer_norm``."""
+    in the kernel; ``cross = (others, c)``: the kernel writes the cross-layer mix of weights
+    ``softmax(c)``) or ``affine_layer_norm``."""
     scale, bias = _NormParams(res.shape[-1], name="out_norm")()
     if fused:
-      others, a = cross if cross is not None else ((), None)
-      return out_pallas(tuple(parts), res, scale, bias, bias0, others, a, dtype=self.dtype)
+      others, c = cross if cross is not None else ((), None)
+      return out_pallas(tuple(parts), res, scale, bias, bias0, others, c, dtype=self.dtype)
     return affine_layer_norm((jnp.concatenate(parts, axis=1), res), scale, bias, 1e-6,
                              self.dtype)
 
@@ -240,7 +241,7 @@ class WukongStack(nn.Module):
                           name=f"layer_{i}")
       if i == 0 and dense and p is None:
         outs.append(x.astype(dt))
-      cross = (tuple(outs), self._weights(L - 1)) if fold and i == L - 2 else None
+      cross = (tuple(outs), self._logits(L - 1)) if fold and i == L - 2 else None
       if i == 0 and p is not None:
         x, x0 = layer(x, p, cross=cross)
         outs.append(x0)
@@ -250,11 +251,16 @@ class WukongStack(nn.Module):
         outs.append(x)
     return x
 
+  def _logits(self, i):
+    """Layer ``i``'s cross-layer logits ``c_i f32[i + 1]``."""
+    return self.param(f"cross_logits_{i}", with_axes(nn.initializers.zeros, (None,)), (i + 1,),
+                      F32)
+
   def _weights(self, i):
     """Layer ``i``'s cross-layer weights ``softmax(c_i) f32[i + 1]`` (rounded to dtype)."""
-    c = self.param(f"cross_logits_{i}", with_axes(nn.initializers.zeros, (None,)), (i + 1,), F32)
+    c = self._logits(i)
     with jax.named_scope("WukongCrossLayer"):
-      return jax.nn.softmax(c.astype(F32)).astype(self.dtype).astype(F32)
+      return wukong_fm.mix_weights(c, self.dtype)
 
   def _combine(self, i, x, outs):
     """Input of layer ``i``: ``X_i + sum_j softmax(c_i)_j X~_j`` over ``len(outs) = i + 1``."""

@@ -147,8 +147,9 @@ def test_out_norm_kernels_match_the_twin_and_numpy(dtype, tol, B, ns, with_b0, J
   """``wukong_out``: the twin against numpy (float64), the kernels (interpret mode, poisoned
   outputs) against the twin in values and the gradients of every input: the parts, the
   residual, the scale, the bias, the first part's bias ``bias0`` and, with ``J >= 0``, the
-  cross-layer mix's ``J`` other inputs and ``J + 1`` weights; part sizes and batches that are
-  no multiple of the tiles, an all-zero example."""
+  cross-layer mix's ``J`` other inputs and ``J + 1`` logits (the kernels compute the weights'
+  softmax themselves); part sizes and batches that are no multiple of the tiles, an all-zero
+  example."""
   rng = np.random.default_rng(B)
   d = 32
   parts = [rng.normal(size=(B, n, d)).astype(np.float32) for n in ns]
@@ -160,18 +161,19 @@ def test_out_norm_kernels_match_the_twin_and_numpy(dtype, tol, B, ns, with_b0, J
   bi = (0.1 * rng.normal(size=d)).astype(np.float32)
   b0 = rng.normal(size=(ns[0], d)).astype(np.float32) if with_b0 else None
   others = [rng.normal(size=res.shape).astype(np.float32) for _ in range(max(J, 0))]
-  wts = rng.uniform(0.1, 0.9, size=J + 1).astype(np.float32) if J >= 0 else None
+  lgt = rng.normal(size=J + 1).astype(np.float32) if J >= 0 else None
   twin = wukong_fm.wukong_out_xla([jnp.asarray(p) for p in parts], jnp.asarray(res), sc, bi,
-                                  bias0=b0, others=others, weights=wts, dtype=jnp.float32)
+                                  bias0=b0, others=others, logits=lgt, dtype=jnp.float32)
+  wts = None if lgt is None else np.exp(lgt - lgt.max()) / np.exp(lgt - lgt.max()).sum()
   close(twin, _numpy_out(parts, res, sc, bi, b0, others, wts), 2e-5)
   parts = tuple(jnp.asarray(p, dtype) for p in parts)
   res = jnp.asarray(res, dtype)
   cot = jnp.asarray(rng.normal(size=(B, sum(ns), d)), jnp.float32)
   args = (parts, res, sc, bi, None if b0 is None else jnp.asarray(b0),
-          tuple(jnp.asarray(o, dtype) for o in others), None if wts is None else jnp.asarray(wts))
+          tuple(jnp.asarray(o, dtype) for o in others), None if lgt is None else jnp.asarray(lgt))
 
   def run(fn):
-    g = lambda p, r, s, b, b0, o, w: fn(p, r, s, b, bias0=b0, others=o, weights=w, dtype=dtype)
+    g = lambda p, r, s, b, b0, o, c: fn(p, r, s, b, bias0=b0, others=o, logits=c, dtype=dtype)
     f = lambda *a: jnp.sum(g(*a).astype(jnp.float32) * cot)
     return g(*args), jax.grad(f, argnums=tuple(range(len(args))))(*args)
 
@@ -235,7 +237,7 @@ def main(dump_dir):
     def loss(x, y, ws, sc, bi, b0):
       h, mixes = jax.vmap(lambda *a: wukong_fm.wukong_fm_pallas(x, *a))(y, ws, sc, bi)
       out = jax.vmap(lambda p, r, s, b, b0, o, w: wukong_fm.wukong_out_pallas(
-          p, r, s, b, bias0=b0, others=(o,), weights=w))(   # parts of 16 + 16, the FM's bias,
+          p, r, s, b, bias0=b0, others=(o,), logits=w))(    # parts of 16 + 16, the FM's bias,
           (mixes[0], mixes[0]), mixes[1], sc[:, :d], bi[:, :d], b0,   # the cross-layer mix
           mixes[2], bi[:, :2])
       return jnp.sum(h.astype(f32)) + sum(jnp.sum(m.astype(f32)) for m in mixes + (out,))
