@@ -31,9 +31,14 @@ def round_to(x, dtype):
   return x.astype(dtype).astype(jnp.float32)
 
 
+def pow2(n: int) -> int:
+  """The smallest power of two >= n (n >= 1)."""
+  return 1 << (int(n) - 1).bit_length()
+
+
 def pad_pow2(n: int) -> int:
   """The smallest power of two >= max(n, 16)."""
-  return max(16, 1 << (int(n) - 1).bit_length())
+  return max(16, pow2(n))
 
 
 def is_tile(n: int) -> bool:

@@ -29,7 +29,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import _poison
-from pallas_kernels._common import dot, is_tile, load_rows, round_to, store_rows
+from pallas_kernels._common import dot, is_tile, load_rows, pow2, round_to, store_rows
 
 F32 = jnp.float32
 WARPS = 8
@@ -63,7 +63,7 @@ class _Cfg(NamedTuple):
 
   @property
   def Mp(self) -> int:       # M padded to a power of two
-    return _pow2(self.M)
+    return pow2(self.M)
 
   @property
   def K(self) -> int:        # the kernels' contraction width: (rank, padded summary)
@@ -185,15 +185,11 @@ def _vjp_bwd(eps, dtype, interpret, res, dt):
 _fused.defvjp(_vjp_fwd, _vjp_bwd)
 
 
-def _pow2(n: int) -> int:
-  return 1 << (int(n) - 1).bit_length()
-
-
 def supported(S: int, R: int, M: int, d: int) -> bool:
   """Whether the kernels take ``S`` seeds, ``R`` ranks, ``M`` summaries and width ``d``: ``S``,
   ``d`` and ``K = R Mp`` powers of two >= 16 (``Mp``: ``M`` padded to a power of two), ``S`` a
   multiple of ``ROWS`` and the forward's accumulator ``K x d`` at most ``MAX_ACC``."""
-  K = R * _pow2(max(M, 1))
+  K = R * pow2(max(M, 1))
   return (is_tile(S) and is_tile(d) and is_tile(K) and S % ROWS == 0 and M >= 1
           and K * d <= MAX_ACC)
 
