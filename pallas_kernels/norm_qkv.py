@@ -259,16 +259,16 @@ def _check(x, w, proj=None):
   """``(N, d, H, D, P)`` of ``x [N, d]`` and the weights: ``w [d, P, H, D]``, or a tuple of P
   ``[d, H, D]`` (one operand per projection)."""
   N, d = x.shape
-  ws = w if isinstance(w, tuple) else None
-  shapes = [a.shape for a in ws] if ws is not None else None
-  ok = (all(len(sh) == 3 and sh == shapes[0] and sh[0] == d for sh in shapes) and ws
-        if ws is not None else w.ndim == 4 and w.shape[0] == d)
-  P = len(ws) if ws is not None else (w.shape[1] if w.ndim == 4 else 0)
-  if not ok or (proj is not None and P != proj):
-    got = shapes if ws is not None else w.shape
+  if isinstance(w, tuple):            # P operands [d, H, D], checked as the stacked shape
+    got = [a.shape for a in w]
+    one = got[0] if got and all(s == got[0] for s in got) else ()
+    shape = (one[0], len(w), *one[1:]) if len(one) == 3 else ()
+  else:
+    got = shape = w.shape
+  if len(shape) != 4 or shape[0] != d or (proj is not None and shape[1] != proj):
     raise ValueError(f"norm_qkv: w {got} must be [d, {proj or 'P'}, H, D] or {proj or 'P'} x "
                      f"[d, H, D] with d = {d}")
-  H, D = (shapes[0][1:] if ws is not None else w.shape[2:])
+  _, P, H, D = shape
   if not (is_tile(d) and is_tile(D // 2)):
     raise ValueError(f"norm_qkv: the kernels need d and D/2 powers of two >= 16; got d={d}, D={D}")
   return N, d, H, D, P

@@ -342,9 +342,9 @@ def _sparse_train_step(model, sparse_update, task_weights, params, opt_state, ba
   tables = {m for members in groups.values() for m in members}
   flat, treedef = jax.tree_util.tree_flatten_with_path(params)
   keys = [jax.tree_util.keystr(k) for k, _ in flat]
+  own = {k: v for k, (_, v) in zip(keys, flat, strict=True) if k not in tables}
   read = optim.with_copies([v for _, v in flat], optim.state_copies(opt_state))
-  diff = {k: v for k, v in zip(keys, read, strict=True) if k not in tables}   # 16-bit copies
-  dtypes = {k: v.dtype for k, (_, v) in zip(keys, flat, strict=True)}
+  diff = {k: v for k, v in zip(keys, read, strict=True) if k in own}   # the 16-bit copies
 
   def grads_of(loss_of, b, r):
     """``((loss, aux), dense grads, ids, row grads)`` of batch ``b`` (``loss_of(logits)``)."""
@@ -357,8 +357,7 @@ def _sparse_train_step(model, sparse_update, task_weights, params, opt_state, ba
 
     (loss, (aux, logits, ids)), (grads, g_taps) = jax.value_and_grad(
         loss_fn, argnums=(0, 1), has_aux=True)(diff, taps)
-    grads = {k: g.astype(dtypes[k]) for k, g in grads.items()}    # back from the copies' dtype
-    return (loss, aux, logits), constrain(grads), ids, g_taps
+    return (loss, aux, logits), constrain(_in_dtypes(grads, own)), ids, g_taps
 
   if n_mb == 1:
     def whole(logits):
@@ -378,7 +377,7 @@ def _sparse_train_step(model, sparse_update, task_weights, params, opt_state, ba
       g_acc = constrain(jax.tree.map(jnp.add, g_acc, g))
       return (g_acc, tuple(a + b for a, b in zip(sums, s, strict=True))), (ids, g_taps)
 
-    zeros = constrain({k: jnp.zeros(v.shape, dtypes[k]) for k, v in diff.items()})
+    zeros = constrain(jax.tree.map(jnp.zeros_like, own))
     sums0 = tuple(jnp.zeros((mask.shape[1],), jnp.float32) for _ in range(3))
     (grads, sums), (ids, g_taps) = jax.lax.scan(
         body, (zeros, sums0), {"batch": mbs["batch"], "mask": mbs["mask"], "j": jnp.arange(n_mb)})
