@@ -75,9 +75,10 @@ def _act(s, cfg: _Cfg, head, with_slope=False):
   return out[0], jnp.where(jnp.abs(s) <= c, out[1], 0.0)
 
 
-def _call(kernel, cfg: _Cfg, scalars, ops, out_shape, grid, name, stages):
+def _call(kernel, cfg: _Cfg, scalars, ops, out_shape, grid, name, stages,
+          warps=tuning.JAGGED_WARPS):
   """``pallas_call`` with per-program scalars (blocked on grid axis 0) and whole operands,
-  ``stages`` pipeline stages (``_plan``)."""
+  ``stages`` pipeline stages (``_plan``), ``warps`` warps per program."""
   spec = pl.BlockSpec((1,), lambda i, *_: (i,))
   whole = pl.no_block_spec
   return _poison.pallas_call(
@@ -85,7 +86,7 @@ def _call(kernel, cfg: _Cfg, scalars, ops, out_shape, grid, name, stages):
       in_specs=[spec] * len(scalars) + [whole] * len(ops),
       out_specs=(whole,) * len(out_shape) if isinstance(out_shape, tuple) else whole,
       interpret=cfg.interpret, name=name,
-      compiler_params=plgpu.CompilerParams(num_warps=tuning.JAGGED_WARPS, num_stages=stages))
+      compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=stages))
 
 
 # ----------------------------------------------------------------------------- shared memory
@@ -591,46 +592,44 @@ def _softmax_kernel(klo_ref, khi_ref, seg_ref, q_ref, k_ref, v_ref, o_ref, lse_r
               mask=rows < lse_ref.shape[1])
 
 
-def _softmax_dq_kernel(klo_ref, khi_ref, seg_ref, q_ref, k_ref, v_ref, o_ref, do_ref, lse_ref,
-                       dq_ref, delta_ref, *, cfg: _Cfg, B):
-  """dq of a query tile, and its rows' ``delta = rowsum(dO * O)`` (written for the dk / dv
-  kernel): the tile's ``O`` read here instead of a separate pass over ``dO`` and ``O``."""
+def _delta(do, o):
+  """``rowsum(dO * O)`` of a row tile (float32)."""
+  return jnp.sum(do.astype(_F32) * o.astype(_F32), axis=1)
+
+
+def _softmax_bwd_kernel(lo_ref, hi_ref, seg_ref, q_ref, k_ref, v_ref, o_ref, do_ref, lse_ref,
+                        dq_ref, dk_ref, dv_ref, *, cfg: _Cfg, B):
+  """A tile's rows as queries (dq: they walk their key tiles) and as keys (dk, dv: they walk the
+  query tiles that see them, transposed score tiles ``k q^T``). The pairs are symmetric
+  (``key_ranges``), so one program takes both and one kernel reads q, k, v, O, dO and the
+  log-sum-exp; ``delta = rowsum(dO * O)`` of a query tile is computed where it is loaded."""
   h = pl.program_id(1)
   r0, rows, seg = _own(seg_ref, cfg, B)
   q, o, do = (_rows(x, r0, cfg.tile, h, seg < B) for x in (q_ref, o_ref, do_ref))
-  lse = _row_stat(lse_ref, h, r0, cfg.tile)
-  delta = jnp.sum(do.astype(_F32) * o.astype(_F32), axis=1)
-  plgpu.store(delta_ref.at[h, pl.ds(r0, cfg.tile)], delta, mask=rows < delta_ref.shape[1])
+  lse, delta = _row_stat(lse_ref, h, r0, cfg.tile), _delta(do, o)
 
-  def tile(start, inside, keep, dq):   # dS = P (dO V^T - delta), P = exp(s - lse)
+  def dq_step(start, inside, keep, dq):   # dS = P (dO V^T - delta), P = exp(s - lse)
     k, v = (_rows(r, start, cfg.kv_tile, h, inside) for r in (k_ref, v_ref))
     s = plgpu.dot(q, k, trans_b=True, precision=precision(q.dtype)) * cfg.scale
     p = jnp.where(keep, jnp.exp(s - lse[:, None]), 0.0)
     return dq + _dot(p * (_dot(do, v, trans_b=True) - delta[:, None]), k)
 
-  dq = _partners(klo_ref, khi_ref, seg_ref, rows, seg, cfg, tile, jnp.zeros(q.shape, _F32))
-  _store(dq_ref, r0, h, dq * cfg.scale, rows < q_ref.shape[0])
-
-
-def _softmax_dkv_kernel(qlo_ref, qhi_ref, seg_ref, q_ref, k_ref, v_ref, do_ref, lse_ref,
-                        delta_ref, dk_ref, dv_ref, *, cfg: _Cfg, B):
-  """A key tile walks the query tiles that see it (transposed score tiles ``k q^T``)."""
-  h = pl.program_id(1)
-  r0, rows, seg = _own(seg_ref, cfg, B)
+  dq = _partners(lo_ref, hi_ref, seg_ref, rows, seg, cfg, dq_step, jnp.zeros(q.shape, _F32))
+  out = rows < q_ref.shape[0]
+  _store(dq_ref, r0, h, dq * cfg.scale, out)
   k, v = (_rows(x, r0, cfg.tile, h, seg < B) for x in (k_ref, v_ref))
 
-  def tile(start, inside, keep_t, carry):
+  def kv_step(start, inside, keep_t, carry):
     dk, dv = carry
-    q, do = (_rows(x, start, cfg.kv_tile, h, inside) for x in (q_ref, do_ref))
-    lse, delta = (_row_stat(x, h, start, cfg.kv_tile) for x in (lse_ref, delta_ref))
+    q, o, do = (_rows(x, start, cfg.kv_tile, h, inside) for x in (q_ref, o_ref, do_ref))
+    lse = _row_stat(lse_ref, h, start, cfg.kv_tile)
     s_t = plgpu.dot(k, q, trans_b=True, precision=precision(k.dtype)) * cfg.scale
     p_t = jnp.where(keep_t, jnp.exp(s_t - lse[None, :]), 0.0)
-    ds_t = p_t * (_dot(v, do, trans_b=True) - delta[None, :])
+    ds_t = p_t * (_dot(v, do, trans_b=True) - _delta(do, o)[None, :])
     return dk + _dot(ds_t, q), dv + _dot(p_t, do)
 
   zeros = jnp.zeros(k.shape, _F32)
-  dk, dv = _partners(qlo_ref, qhi_ref, seg_ref, rows, seg, cfg, tile, (zeros, zeros))
-  out = rows < k_ref.shape[0]
+  dk, dv = _partners(lo_ref, hi_ref, seg_ref, rows, seg, cfg, kv_step, (zeros, zeros))
   _store(dk_ref, r0, h, dk * cfg.scale, out)
   _store(dv_ref, r0, h, dv, out)
 
@@ -661,24 +660,19 @@ def _softmax_attention_fwd(cfg: _Cfg, q, k, v, jag):
 def _softmax_attention_bwd(cfg: _Cfg, res, do):
   q, k, v, jag, o, lse = res
   do = do.astype(q.dtype)
-  N, H, _ = q.shape
   r = _row(q)
-  klo, khi = key_ranges(jag, cfg.tile, cfg.window)
-  _, stages = _plan("jagged_softmax_attention_dq", cfg,
-                    lambda _: (3 * cfg.tile * r, cfg.kv_tile * (2 * r + 4)))
-  dq, delta = _call(functools.partial(_softmax_dq_kernel, B=jag.batch), cfg, (klo, khi),
-                    (jag.seg, q, k, v, o, do, lse),
-                    (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((H, N), _F32)),
-                    (klo.shape[0], H), "jagged_softmax_attention_dq", stages)
-  per_key = cfg._replace(tile=cfg.kv_tile, kv_tile=cfg.tile)
-  qlo, qhi = key_ranges(jag, per_key.tile, cfg.window)
-  # streamed: q, do rows, their segment ids, lse and delta
-  _, stages = _plan("jagged_softmax_attention_dkv", per_key,
-                    lambda _: (2 * per_key.tile * r, per_key.kv_tile * (2 * r + 12)))
-  dk, dv = _call(functools.partial(_softmax_dkv_kernel, B=jag.batch), per_key, (qlo, qhi),
-                 (jag.seg, q, k, v, do, lse, delta),
-                 (jax.ShapeDtypeStruct(k.shape, k.dtype),) * 2, (qlo.shape[0], H),
-                 "jagged_softmax_attention_dkv", stages)
+  lo, hi = key_ranges(jag, cfg.tile, cfg.window)
+  # resident: the tile's q, O, dO (then its k, v); streamed: k, v rows, then q, O, dO rows, their
+  # segment ids and log-sum-exp. 8 warps: at d_h 128 (prod) 4 spill (ptxas sm_90: 304 bytes of
+  # spill stores, 255 registers); 8 spill nothing there or at mid's d_h 64 (178 registers)
+  _, stages = _plan("jagged_softmax_attention_bwd", cfg,
+                    lambda _: (3 * cfg.tile * r, cfg.kv_tile * (3 * r + 8)))
+  dq, dk, dv = _call(functools.partial(_softmax_bwd_kernel, B=jag.batch), cfg, (lo, hi),
+                     (jag.seg, q, k, v, o, do, lse), (jax.ShapeDtypeStruct(q.shape, q.dtype),
+                                                      jax.ShapeDtypeStruct(k.shape, k.dtype),
+                                                      jax.ShapeDtypeStruct(v.shape, v.dtype)),
+                     (lo.shape[0], q.shape[1]), "jagged_softmax_attention_bwd", stages,
+                     warps=8)
   return dq, dk, dv, jax.tree.map(lambda _: None, jag)
 
 
@@ -690,8 +684,8 @@ def jagged_softmax_attention_pallas(q, k, v, jag, *, window=None, scale=None, in
   """Pallas ``jagged.jagged_softmax_attention`` (flash attention): grid (query tiles of
   ``block_q``, heads); a tile walks only the ``block_k`` key tiles of ``key_ranges`` (its
   examples, within the band): ``O(N * (block_q + 2 window))`` with a window. Backward
-  (FlashAttention-2, from the stored log-sum-exp): dq on the same grid, dk / dv on key tiles
-  walking the query tiles that see them."""
+  (FlashAttention-2, from the stored log-sum-exp): one kernel on the same grid, a tile's dq
+  from its key tiles and its dk / dv from the query tiles that see it (the same tiles)."""
   jagged.check_tokens(jag, q, k, v)
   if window is not None and window < 0:
     raise ValueError(f"window must be >= 0, got {window}")

@@ -494,7 +494,8 @@ def jagged_calls(kind: str, q, k, v, jag, kw) -> tuple[str, dict]:
   window = kw.get("window")
   lse = S((H, N), "float32")
   io = jagged_kernel(q, k, v, q)
-  io["bytes"] += 3 * _nbytes(lse.shape, lse.dtype)          # lse: written, read twice (bwd)
+  io["bytes"] += 2 * _nbytes(lse.shape, lse.dtype)          # lse: written, read by the bwd
+  io["launches"] = 2                  # the backward is one kernel (dq, dk, dv of a tile's rows)
   flops = (attention_flops(1, N, N, H, D, window) if window is not None
            else attention_flops(1, N, N / max(B, 1), H, D))
   return "attention", {**io, "window": window, "flops": flops}
