@@ -104,12 +104,12 @@ def _row(x) -> int:
   return x.shape[-1] * jnp.dtype(x.dtype).itemsize
 
 
-def _plan(name, cfg: _Cfg, need, whole=None):
+def _plan(name, cfg: _Cfg, need, whole=None, floor=64):
   """``(chunk rows, num_stages)`` of kernel ``name`` needing ``need(chunk) = (resident,
   streamed)`` bytes; ``whole``: the power-of-two rows of the dimension it may split (None:
-  none). ``tuning.fit_smem`` against the GPU's limit (a CPU: the target's), one loop copy per
-  distinct activation of ``cfg``."""
-  return tuning.fit_smem(need, whole, copies=len(set(cfg.acts or ("",))), what=name)
+  none), split to fewer than ``floor`` rows only at one stage. ``tuning.fit_smem`` against the
+  GPU's limit (a CPU: the target's), one loop copy per distinct activation of ``cfg``."""
+  return tuning.fit_smem(need, whole, copies=len(set(cfg.acts or ("",))), floor=floor, what=name)
 
 
 def _span(start, n):
@@ -245,6 +245,36 @@ def _cross_dkv_kernel(start_ref, end_ref, kvl_ref, q_ref, k_ref, v_ref, do_ref, 
   _ex_store(dv_ref, b, h, dv * cfg.out_scale, k_ref.shape[1], r0)
 
 
+def _cross_bwd_kernel(off_ref, kvl_ref, q_ref, k_ref, v_ref, do_ref, dq_ref, dk_ref, dv_ref, *,
+                      cfg: _Cfg):
+  """``_cross_dkv_kernel`` with the keys whole (one chunk), which also writes its example's
+  tokens' dq: a token scores only its own example's keys, all of which this program holds, so
+  each token tile's ``dS^T`` gives its dq as well (``dS k``), and q, dO are read once. The rows
+  past ``offsets[B]`` belong to no example: program ``b`` zeroes the ``b``-th share of them."""
+  b, h = pl.program_id(0), pl.program_id(1)
+  N, B = q_ref.shape[0], kvl_ref.shape[0]
+  k, v = (_ex_rows(x, b, cfg.tile, h, kvl_ref[b]) for x in (k_ref, v_ref))
+
+  def tile(start, rows, carry):
+    dk, dv = carry
+    q, do = (_rows(x, start, cfg.kv_tile, h, rows) for x in (q_ref, do_ref))
+    p_t, slope_t = _scores(k, q, cfg, h, with_slope=True)                # [n_kv, tile]
+    ds_t = _dot(v, do, trans_b=True) * slope_t
+    _store(dq_ref, start, h, _dot(ds_t, k, trans_a=True) * (cfg.scale * cfg.out_scale), rows)
+    return dk + _dot(ds_t, q), dv + _dot(p_t, do)
+
+  zeros = jnp.zeros(k.shape, _F32)
+  dk, dv = _token_loop(off_ref[b], off_ref[b + 1], cfg, tile, (zeros, zeros))
+  _ex_store(dk_ref, b, h, dk * (cfg.scale * cfg.out_scale), k_ref.shape[1])
+  _ex_store(dv_ref, b, h, dv * cfg.out_scale, k_ref.shape[1])
+  total = off_ref[B]
+  share = lax.div(N - total + B - 1, B)
+  zlo = jnp.minimum(total + b * share, N)
+  blank = jnp.zeros((cfg.kv_tile, q_ref.shape[-1]), _F32)
+  _token_loop(zlo, jnp.minimum(zlo + share, N), cfg,
+              lambda start, rows, c: (_store(dq_ref, start, h, blank, rows), c)[1], 0)
+
+
 def _cross_fwd(cfg: _Cfg, q, k, v, jag, kvl):
   lo, hi = jagged.tile_examples(jag, cfg.tile)
   r = _row(q)
@@ -262,19 +292,33 @@ def _gdpa_cross(cfg: _Cfg, q, k, v, jag, kvl):
 def _gdpa_cross_bwd(cfg: _Cfg, res, do):
   q, k, v, jag, kvl = res
   do = do.astype(q.dtype)
-  lo, hi = jagged.tile_examples(jag, cfg.tile)
   H, r = q.shape[1], _row(q)
-  ck, stages = _plan("jagged_gdpa_cross_dq", cfg, lambda c: (2 * cfg.tile * r, 2 * c * r),
-                     cfg.kv_tile)
-  dq = _call(_cross_dq_kernel, cfg._replace(kv_tile=ck), (lo, hi), (jag.seg, kvl, q, k, v, do),
+  need = lambda c: (2 * c * r, 2 * cfg.tile * r)
+  # one kernel where an example's keys fit whole, at the most stages that hold them (dq's dot
+  # takes dS^T [keys, tile] as its transposed operand: one more resident tile)
+  merged = lambda c: (need(c)[0] + c * cfg.tile * q.dtype.itemsize, need(c)[1])
+  ck, stages = _plan("jagged_gdpa_cross_bwd", cfg, merged, cfg.kv_tile, floor=cfg.kv_tile)
+  kv_shapes = (jax.ShapeDtypeStruct(k.shape, k.dtype),) * 2
+  if ck >= k.shape[1]:              # the keys whole: one kernel, dq from each example's program
+    per_ex = cfg._replace(tile=ck, kv_tile=cfg.tile)           # kv rows x token tiles
+    # 8 warps: at 4 mid's per-head activations spill; at 8 nothing spills at mid, and prod
+    # spills less than the dq and dk / dv kernels did at 4 (ptxas sm_90, fused_layers_h200.md)
+    dq, dk, dv = _call(_cross_bwd_kernel, per_ex, (), (jag.offsets, kvl, q, k, v, do),
+                       (jax.ShapeDtypeStruct(q.shape, q.dtype), *kv_shapes), (jag.batch, H),
+                       "jagged_gdpa_cross_bwd", stages, warps=8)
+    return dq, dk, dv, jax.tree.map(lambda _: None, jag), None
+  # keys in chunks (a third grid axis for dk / dv): dq on the token tiles, as the forward
+  ck, stages = _plan("jagged_gdpa_cross_dkv", cfg, need, cfg.kv_tile)
+  per_ex = cfg._replace(tile=ck, kv_tile=cfg.tile)
+  lo, hi = jagged.tile_examples(jag, cfg.tile)
+  cq, dq_stages = _plan("jagged_gdpa_cross_dq", cfg, lambda c: (2 * cfg.tile * r, 2 * c * r),
+                        cfg.kv_tile)
+  dq = _call(_cross_dq_kernel, cfg._replace(kv_tile=cq), (lo, hi), (jag.seg, kvl, q, k, v, do),
              jax.ShapeDtypeStruct(q.shape, q.dtype), (lo.shape[0], H), "jagged_gdpa_cross_dq",
-             stages)
-  ck, stages = _plan("jagged_gdpa_cross_dkv", cfg, lambda c: (2 * c * r, 2 * cfg.tile * r),
-                     cfg.kv_tile)
-  per_ex = cfg._replace(tile=ck, kv_tile=cfg.tile)             # kv rows x token tiles
+             dq_stages)
   dk, dv = _call(_cross_dkv_kernel, per_ex, (jag.offsets[:-1], jag.offsets[1:], kvl),
-                 (q, k, v, do), (jax.ShapeDtypeStruct(k.shape, k.dtype),) * 2,
-                 (jag.batch, H, *_chunk_grid(ck, k.shape[1])), "jagged_gdpa_cross_dkv", stages)
+                 (q, k, v, do), kv_shapes, (jag.batch, H, *_chunk_grid(ck, k.shape[1])),
+                 "jagged_gdpa_cross_dkv", stages)
   return dq, dk, dv, jax.tree.map(lambda _: None, jag), None
 
 
@@ -286,8 +330,9 @@ def jagged_gdpa_cross_pallas(q, k, v, jag, *, activation="fast_gelu", scale=None
                              block_q=64):
   """Pallas ``jagged.jagged_gdpa_cross``: grid (token tiles of ``block_q``, heads); a tile loops
   over the examples it overlaps, reading each one's ``n_kv`` keys once (in chunks where they do
-  not fit shared memory, ``_plan``). Backward: dq on the same grid; dk, dv on (examples, heads
-  [, key chunks]), each walking its example's token tiles."""
+  not fit shared memory, ``_plan``). Backward: dk, dv on (examples, heads), each walking its
+  example's token tiles and writing their dq too; where the keys must be split, (examples,
+  heads, key chunks) and dq on the forward's grid."""
   jagged.check_example_kv(k, v, jag, q)
   N, H, D = q.shape
   kvl = jnp.full((jag.batch,), k.shape[1], jnp.int32) if kv_lengths is None else jnp.clip(

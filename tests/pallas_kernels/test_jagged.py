@@ -152,11 +152,13 @@ def _cross_op(tile):
   """(jagged, padded, numpy) PFFN GDPA at work-list ``tile`` (None: ``work_tile``)."""
   return (
       lambda q, k, v, jag, kk, vv, sd: jagged.jagged_gdpa_cross(
-          q, kk, vv, jag, activation="silu", kv_lengths=KV_LENGTHS, score_clip=1.5, tile=tile),
+          q, kk, vv, jag, activation="silu", kv_lengths=KV_LENGTHS, score_clip=1.5, tile=tile,
+          out_scale=0.75),
       lambda q, k, v, lens, kk, vv, sd: reference.gdpa_reference(
-          q, kk, vv, activation="silu", q_lengths=lens, kv_lengths=KV_LENGTHS, score_clip=1.5),
-      lambda q, k, v, off, kk, vv, sd: _np_cross(q, kk, vv, off, KV_LENGTHS, "silu", D ** -0.5,
-                                                 1.5))
+          q, kk, vv, activation="silu", q_lengths=lens, kv_lengths=KV_LENGTHS, score_clip=1.5,
+          out_scale=0.75),
+      lambda q, k, v, off, kk, vv, sd: 0.75 * _np_cross(q, kk, vv, off, KV_LENGTHS, "silu",
+                                                        D ** -0.5, 1.5))
 
 
 def _pool_op(tile):
@@ -341,7 +343,7 @@ def test_bfloat16_band_gradients_against_the_float32_reference():
 
 PALLAS = {   # unequal tiles where a backward swaps the roles of the two tiles
     "cross": (lambda q, k, v, jag, kk, vv, sd: jagged_pallas.jagged_gdpa_cross_pallas(
-        q, kk, vv, jag, activation="silu", kv_lengths=KV_LENGTHS, score_clip=1.5,
+        q, kk, vv, jag, activation="silu", kv_lengths=KV_LENGTHS, score_clip=1.5, out_scale=0.75,
         interpret=True, block_q=TILE)),
     "pool": (lambda q, k, v, jag, kk, vv, sd: jagged_pallas.jagged_gdpa_pool_pallas(
         sd, k, v, jag, activation="gelu", out_scale=0.5, interpret=True, block_k=2 * TILE)),
