@@ -384,16 +384,25 @@ class _Flow:
       return (self.comp, x, path), "input"
     return (self.comp, x, path), self.group(x)
 
-  def escapes(self, x, g, depth=0) -> bool:
-    """Whether value ``x`` reaches a launch outside group ``g`` or leaves the computation."""
+  def escapes(self, x, g, depth=0, path=None) -> bool:
+    """Whether value ``x`` reaches a launch outside group ``g`` or leaves the computation
+    (``path``: only its tuple element at these indices, followed into the tuples that hold it
+    and out through the ``get-tuple-element`` that takes it back)."""
     if x == self.root or depth > 64:
       return True
     for u in self.users.get(x, ()):
-      if u[1] in ("bitcast", "tuple", "opt-barrier"):
-        if self.escapes(u[0], g, depth + 1):
+      if u[1] == "tuple":
+        for i, y in enumerate(operands(u[2])):
+          if y == x and self.escapes(u[0], g, depth + 1, (i,) + (path or ())):
+            return True
+      elif u[1] in ("bitcast", "opt-barrier"):
+        if self.escapes(u[0], g, depth + 1, path):
           return True
       elif u[1] == "get-tuple-element":
-        continue                                 # a tuple value's elements: their own users
+        m = re.search(r"index=(\d+)", u[2])     # a tuple value's elements: their own users
+        if path and m and int(m.group(1)) == path[0] and self.escapes(u[0], g, depth + 1,
+                                                                      path[1:] or None):
+          return True
       elif u[1] in ("while", "conditional", "call") or (
           hlo_stats.is_launch(u[1]) and self.group(u[0]) != g):
         return True

@@ -112,3 +112,37 @@ def test_add_floors_ratios():
   roofline.add_floors(rl, {"MoWE": {"bytes": 4.0}, "HSP": {"bytes": 3.0}})
   assert rl["groups"]["MoWE"]["floor_ratio"] == 2.5 and rl["groups"]["HSP"]["floor_ratio"] == 2
   assert rl["floor"] == {"bytes": 7.0, "ratio": 16 / 7, "bound_s": 7.0 + 2.0}
+
+
+BARRIER_HLO = """HloModule barrier
+
+%neg (q0: f32[1000]) -> f32[1000] {
+  %q0 = f32[1000]{0} parameter(0)
+  ROOT %n = f32[1000]{0} negate(%q0)
+}
+
+ENTRY %main (x: f32[1000]) -> (f32[1000], f32[1000]) {
+  %x = f32[1000]{0} parameter(0)
+  %a = f32[1000]{0} fusion(%x), kind=kLoop, calls=%neg, metadata={op_name="jit(f)/jvp(M)/MoWE/a"}
+  %b = f32[1000]{0} fusion(%x), kind=kLoop, calls=%neg, metadata={op_name="jit(f)/jvp(M)/MoWE/b"}
+  %t = (f32[1000]{0}, (f32[1000]{0}, f32[1000]{0})) tuple(%a, %u)
+  %u = (f32[1000]{0}, f32[1000]{0}) tuple(%b, %a)
+  %o = (f32[1000]{0}, (f32[1000]{0}, f32[1000]{0})) opt-barrier(%t)
+  %g0 = f32[1000]{0} get-tuple-element(%o), index=0
+  %g1 = (f32[1000]{0}, f32[1000]{0}) get-tuple-element(%o), index=1
+  %g10 = f32[1000]{0} get-tuple-element(%g1), index=0
+  %h = f32[1000]{0} fusion(%g0), kind=kLoop, calls=%neg, metadata={op_name="jit(f)/jvp(M)/HSP/h"}
+  %m = f32[1000]{0} fusion(%g10), kind=kLoop, calls=%neg, metadata={op_name="jit(f)/jvp(M)/MoWE/m"}
+  ROOT %out = (f32[1000]{0}, f32[1000]{0}) tuple(%h, %m)
+}
+"""
+
+
+def test_a_value_handed_on_through_a_barrier_is_written():
+  """MoWE's a reaches HSP's h through a tuple, an optimization barrier and get-tuple-element, as
+  XLA routes values around remat; b goes the same way (nested one tuple deeper) to MoWE's own m
+  only, and a's copy in the inner tuple is never taken out. MoWE writes a (handed on) and m (an
+  output), not b: 2 x 4,000 B."""
+  fl = roofline.group_floors(BARRIER_HLO)
+  assert fl["MoWE"]["written"] == 2 * 4000
+  assert fl["HSP"]["read"] == 4000 and fl["HSP"]["written"] == 4000
