@@ -412,6 +412,48 @@ def _pool_dkv_kernel(lo_ref, hi_ref, seg_ref, q_ref, k_ref, v_ref, do_ref, dk_re
   _store(dv_ref, r0, h, dv * cfg.out_scale, out)
 
 
+def _pool_bwd_kernel(off_ref, q_ref, k_ref, v_ref, do_ref, dq_ref, dk_ref, dv_ref, *,
+                     cfg: _Cfg, per: int):
+  """``_pool_dq_kernel`` with the seeds whole (one chunk), which also writes its examples' tokens'
+  dk, dv: a token is scored only by its own example's seeds, all of which this program holds,
+  so each token tile's ``dS^T`` gives its dk (``dS^T q``) and dv (``P^T dO``) whole, and k, v are
+  read once. The rows past ``offsets[B]`` belong to no example: program ``i`` zeroes the
+  ``i``-th share of them."""
+  i, h, S, B = pl.program_id(0), pl.program_id(1), q_ref.shape[0], do_ref.shape[0]
+  N, sq = k_ref.shape[0], cfg.tile
+  q = _rows(q_ref, 0, sq, h, jnp.arange(sq) < S)
+
+  def example(j, dq):
+    b = i * per + j
+    bb = jnp.minimum(b, B - 1)                 # past the batch: no tokens, nothing added
+    do = _ex_rows(do_ref, bb, sq, h, S)
+
+    def tile(start, rows, dq):
+      k, v = (_rows(x, start, cfg.kv_tile, h, rows) for x in (k_ref, v_ref))
+      p_t, slope_t = _scores(k, q, cfg, h, with_slope=True)              # [tile, seeds]
+      ds_t = _dot(v, do, trans_b=True) * slope_t
+      _store(dk_ref, start, h, _dot(ds_t, q) * (cfg.scale * cfg.out_scale), rows)
+      _store(dv_ref, start, h, _dot(p_t, do) * cfg.out_scale, rows)
+      return dq + _dot(ds_t, k, trans_a=True)
+
+    start = off_ref[bb]
+    return _token_loop(start, jnp.where(b < B, off_ref[bb + 1], start), cfg, tile, dq)
+
+  dq = lax.fori_loop(0, per, example, jnp.zeros(q.shape, _F32))
+  _ex_store(dq_ref, i, h, dq * (cfg.scale * cfg.out_scale), S)
+  total, n = off_ref[B], pl.num_programs(0)
+  share = lax.div(N - total + n - 1, n)
+  zlo = jnp.minimum(total + i * share, N)
+  blank = jnp.zeros((cfg.kv_tile, k_ref.shape[-1]), _F32)
+
+  def zero(start, rows, c):
+    _store(dk_ref, start, h, blank, rows)
+    _store(dv_ref, start, h, blank, rows)
+    return c
+
+  _token_loop(zlo, jnp.minimum(zlo + share, N), cfg, zero, 0)
+
+
 def _pool_fwd(cfg: _Cfg, q, k, v, jag):
   S, H, D = q.shape
   r = _row(q)
@@ -431,8 +473,22 @@ def _gdpa_pool_bwd(cfg: _Cfg, res, do):
   do = do.astype(q.dtype)
   S, H, D = q.shape
   r, t = _row(q), cfg.kv_tile
-  sc, stages = _plan("jagged_gdpa_pool_dq", cfg, lambda c: (2 * c * r, 2 * t * r), cfg.tile)
   groups = pl.cdiv(jag.batch, POOL_DQ_EXAMPLES)
+  # one kernel where the seeds fit whole, at the most stages that hold them (dq's dot takes
+  # dS^T [tile, seeds] as its transposed operand: one more resident tile)
+  sc, stages = _plan("jagged_gdpa_pool_bwd", cfg,
+                     lambda c: (2 * c * r + c * t * q.dtype.itemsize, 2 * t * r), cfg.tile,
+                     floor=cfg.tile)
+  if sc >= S:
+    # 8 warps, as the cross backward's
+    dq, dk, dv = _call(functools.partial(_pool_bwd_kernel, per=POOL_DQ_EXAMPLES),
+                       cfg._replace(tile=sc), (), (jag.offsets, q, k, v, do),
+                       (jax.ShapeDtypeStruct((groups, S, H, D), _F32),
+                        *(jax.ShapeDtypeStruct(k.shape, k.dtype),) * 2), (groups, H),
+                       "jagged_gdpa_pool_bwd", stages, warps=8)
+    return jnp.sum(dq, axis=0).astype(q.dtype), dk, dv, jax.tree.map(lambda _: None, jag)
+  # seeds in chunks: dq per example group and seed chunk, dk / dv per token tile
+  sc, stages = _plan("jagged_gdpa_pool_dq", cfg, lambda c: (2 * c * r, 2 * t * r), cfg.tile)
   dq = _call(functools.partial(_pool_dq_kernel, per=POOL_DQ_EXAMPLES), cfg._replace(tile=sc),
              (), (jag.offsets, q, k, v, do), jax.ShapeDtypeStruct((groups, S, H, D), _F32),
              (groups, H, *_chunk_grid(sc, S)), "jagged_gdpa_pool_dq", stages)
@@ -454,9 +510,11 @@ def jagged_gdpa_pool_pallas(q, k, v, jag, *, activation="fast_gelu", scale=None,
                             score_clip=None, interpret=False, block_k=64):
   """Pallas ``jagged.jagged_gdpa_pool``: grid (examples, heads [, seed chunks where the seeds do
   not fit shared memory, ``_plan``]); a program keeps its seeds and walks its example's tokens
-  ``[offsets[b], offsets[b+1])`` in tiles of ``block_k``. Backward: seed gradients summed over
-  ``POOL_DQ_EXAMPLES`` examples per program (the groups summed after); dk, dv on (token tiles,
-  heads), each tile walking the examples it overlaps."""
+  ``[offsets[b], offsets[b+1])`` in tiles of ``block_k``. Backward: one kernel on (groups of
+  ``POOL_DQ_EXAMPLES`` examples, heads), the seed gradients summed over a group's examples (the
+  groups summed after) and their token tiles' dk, dv written on the way; where the seeds must be
+  split, the seed gradients so per seed chunk and dk, dv on (token tiles, heads), each tile
+  walking the examples it overlaps."""
   jagged.check_tokens(jag, k, v)
   S, H, D = q.shape
   cfg = _Cfg(activations.per_head(activation, H), D ** -0.5 if scale is None else float(scale),

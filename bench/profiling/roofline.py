@@ -491,12 +491,14 @@ def jagged_calls(kind: str, q, k, v, jag, kw) -> tuple[str, dict]:
   S = jax.ShapeDtypeStruct
   N, B = q.shape[0] if kind != "gdpa_pool" else k.shape[0], jag.batch
   H, D = q.shape[-2:]
-  if kind == "gdpa_cross":         # one backward kernel (3 launches where the keys are split)
+  # GDPA: one backward kernel (3 launches where the keys or seeds must be split)
+  if kind == "gdpa_cross":
     return "gdpa", {**jagged_kernel(q, k, v, q), "launches": 2,
                     "flops": attention_flops(1, N, k.shape[1], H, D)}
   if kind == "gdpa_pool":
     o = S((B,) + tuple(q.shape), q.dtype)
-    return "gdpa", {**jagged_kernel(q, k, v, o), "flops": attention_flops(1, q.shape[0], N, H, D)}
+    return "gdpa", {**jagged_kernel(q, k, v, o), "launches": 2,
+                    "flops": attention_flops(1, q.shape[0], N, H, D)}
   if kind == "block_attention":
     bs = kw.get("block_size", 64)
     return "block", {"bytes": 0.0, "launches": 0, "block_size": bs,
