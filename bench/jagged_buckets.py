@@ -55,7 +55,8 @@ def _program(r: dict) -> dict:
          "bytes": u["bytes"], "bound_s": u["bound_s"], "peak_flops": rl["device"]["peak_flops"],
          "launches": rl["xla"].get("launches"), "device": rl["device"]}
   if all("floor_bytes" in v for v in rl.get("groups", {}).values()) and rl.get("groups"):
-    out["groups"] = {g: {k: v[k] for k in ("bytes", "floor_bytes", "launches")}
+    out["groups"] = {g: {k: v[k] for k in ("bytes", "floor_bytes", "launches", "pallas_bytes",
+                                            "gemm_bytes") if k in v}
                      for g, v in rl["groups"].items()}
   rows = [x for x in rl.get("rows", []) if x["group"] in UNFUSED]
   if r["backend"] == "xla" and rows:
@@ -201,6 +202,9 @@ def _group_floors(progs: list[dict], pick, real, useful, peak: float) -> tuple[d
     b, f = val("bytes"), val("floor_bytes")
     out[g] = {"bytes": b, "floor_bytes": f, "floor_ratio": b / f if f else None,
               "launches": val("launches")}
+    if all("pallas_bytes" in progs[i]["groups"].get(g, {"pallas_bytes": 0}) for i in pick):
+      kg = val("pallas_bytes") + val("gemm_bytes")   # every other pass free (add_floors)
+      out[g].update(kernel_gemm_bytes=kg, kernel_gemm_ratio=kg / f if f else None)
   floor_bytes = np.array([sum(v["floor_bytes"] for v in progs[i]["groups"].values())
                           for i in pick])
   d = progs[0]["device"]

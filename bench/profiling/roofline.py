@@ -791,6 +791,7 @@ def roofline(costs: list[dict], calls: list[dict] | None, towers=(), *, examples
     r["flops"] += c["flops"] * n
     r["transcendentals"] += c["transcendentals"] * n
     r["pallas_launches"] += n * bool(c.get("pallas"))
+    r["pallas_bytes"] += b * bool(c.get("pallas"))
     if c.get("gemm"):
       r["gemm_launches"] += n
       r["gemm_bytes"] += b
@@ -818,7 +819,8 @@ def roofline(costs: list[dict], calls: list[dict] | None, towers=(), *, examples
                      "kernel_calls": int(r["kernel_calls"]), "replaced_bytes": r["replaced_bytes"],
                      "analytic_bytes": r["analytic_bytes"],
                      "pallas_launches": int(r["pallas_launches"]),
-                     "pallas_flops": r["pallas_flops"], "gemm_launches": int(r["gemm_launches"]),
+                     "pallas_bytes": r["pallas_bytes"], "pallas_flops": r["pallas_flops"],
+                     "gemm_launches": int(r["gemm_launches"]),
                      "gemm_bytes": r["gemm_bytes"], "gemm_flops": r["gemm_flops"]})
   out_rows.sort(key=lambda r: -r["bytes"])
   tot = lambda key: sum(r[key] for r in out_rows)
@@ -834,7 +836,8 @@ def roofline(costs: list[dict], calls: list[dict] | None, towers=(), *, examples
       "flop_per_byte": flops / nbytes if nbytes else None, **bound(nbytes, nlaunch)}
   groups = defaultdict(lambda: defaultdict(float))
   for r in out_rows:
-    for key in ("launches", "bytes", "kernel_bytes", "kernel_launches", "flops"):
+    for key in ("launches", "bytes", "kernel_bytes", "kernel_launches", "flops", "pallas_bytes",
+                "gemm_bytes"):
       groups[r["group"]][key] += r[key]
   return {"note": note, "kernel_column": calls is not None,
           "device": {"peak_flops": peak_flops, "bandwidth": bandwidth, "launch_s": launch_s},
@@ -854,12 +857,16 @@ def roofline(costs: list[dict], calls: list[dict] | None, towers=(), *, examples
 
 def add_floors(rl: dict, floors: dict) -> dict:
   """``rl`` (``roofline``) with each group's compulsory bytes (``group_floors``): per group
-  ``floor_bytes`` and ``floor_ratio`` (its XLA bytes / floor), and ``rl["floor"]``: the total and
+  ``floor_bytes``, ``floor_ratio`` (its XLA bytes / floor) and ``kernel_gemm_ratio`` (the bytes
+  of its Pallas kernels and GEMMs alone / floor: its ratio were every other XLA pass free, a
+  lower bound while its kernels and GEMMs stay as they are), and ``rl["floor"]``: the total and
   the bound at the floor, max(FLOPs / peak, floor bytes / bandwidth) + the XLA launches."""
   for g, v in rl["groups"].items():
     f = floors.get(g, {}).get("bytes", 0.0)
     v["floor_bytes"] = f
     v["floor_ratio"] = v["bytes"] / f if f else None
+    if "pallas_bytes" in v:
+      v["kernel_gemm_ratio"] = (v["pallas_bytes"] + v["gemm_bytes"]) / f if f else None
   total = sum(v.get("bytes", 0.0) for v in floors.values())
   d = rl["device"]
   rl["floor"] = {"bytes": total, "ratio": rl["xla"]["bytes"] / total if total else None,
@@ -870,13 +877,17 @@ def add_floors(rl: dict, floors: dict) -> dict:
 
 def print_floors(groups: dict, stream=None, title: str = "by group") -> None:
   """One line per scope group: XLA bytes, compulsory bytes (``add_floors``), their ratio and
-  launches (``groups``: ``rl["groups"]`` or combined figures of the same keys)."""
+  launches, and where known the kernels' and GEMMs' ratio alone (``groups``: ``rl["groups"]`` or
+  combined figures of the same keys)."""
   s = stream or sys.stdout
-  print(f"{title:<12} {'GB':>8} {'floor GB':>9} {'ratio':>6} {'launches':>8}", file=s)
+  kg = any("kernel_gemm_ratio" in v for v in groups.values())
+  x = lambda r: "-" if r is None else f"{r:.2f}x"
+  print(f"{title:<12} {'GB':>8} {'floor GB':>9} {'ratio':>6} {'launches':>8}"
+        + (f" {'kernels+GEMMs':>13}" if kg else ""), file=s)
   for g, v in sorted(groups.items(), key=lambda kv: -kv[1]["bytes"]):
-    ratio = v.get("floor_ratio")
     print(f"{g:<12} {v['bytes'] / 1e9:8.2f} {v.get('floor_bytes', 0.0) / 1e9:9.2f} "
-          f"{'-' if ratio is None else f'{ratio:.2f}x':>6} {v['launches']:>8.0f}", file=s)
+          f"{x(v.get('floor_ratio')):>6} {v['launches']:>8.0f}"
+          + (f" {x(v.get('kernel_gemm_ratio')):>13}" if kg else ""), file=s)
 
 
 def print_roofline(rl: dict, stream=None, top: int = 40) -> None:

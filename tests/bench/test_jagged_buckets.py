@@ -85,9 +85,11 @@ def test_group_floors_follow_the_bucket_each_batch_takes():
   """Per scope group: the mean over the batches of the bytes, compulsory bytes and launches of
   the program each batch takes, their ratio; the floor's bytes per real event and bound."""
   caps = {"click": [320, B * 32], "impression": [448, B * 32]}
-  groups = [{"MoWE": {"bytes": 8e7, "floor_bytes": 1e7, "launches": 6},
+  groups = [{"MoWE": {"bytes": 8e7, "floor_bytes": 1e7, "launches": 6, "pallas_bytes": 3e7,
+                      "gemm_bytes": 1e7},
              "HSP": {"bytes": 4e7, "floor_bytes": 2e7, "launches": 4}},
-            {"MoWE": {"bytes": 9e7, "floor_bytes": 1e7, "launches": 6},
+            {"MoWE": {"bytes": 9e7, "floor_bytes": 1e7, "launches": 6, "pallas_bytes": 4e7,
+                      "gemm_bytes": 2e7},
              "HSP": {"bytes": 6e7, "floor_bytes": 3e7, "launches": 5}}]
   runs = []
   for i in range(2):
@@ -103,6 +105,10 @@ def test_group_floors_follow_the_bucket_each_batch_takes():
   mowe = r["groups"]["MoWE"]
   np.testing.assert_allclose(mowe["bytes"], share[0] * 8e7 + share[1] * 9e7, rtol=1e-9)
   np.testing.assert_allclose(mowe["floor_ratio"], mowe["bytes"] / 1e7, rtol=1e-9)
+  # the kernels' and GEMMs' bytes alone, where the programs carry them
+  np.testing.assert_allclose(mowe["kernel_gemm_ratio"], (share[0] * 4e7 + share[1] * 6e7) / 1e7,
+                             rtol=1e-9)
+  assert "kernel_gemm_ratio" not in r["groups"]["HSP"]
   np.testing.assert_allclose(r["groups"]["HSP"]["launches"], share[0] * 4 + share[1] * 5)
   np.testing.assert_allclose(r["launches_per_batch"], share[0] * 10 + share[1] * 11)
   floor = share[0] * 3e7 + share[1] * 4e7                 # mean compulsory bytes per batch

@@ -104,13 +104,17 @@ def test_a_compiled_program():
 
 
 def test_add_floors_ratios():
-  """Each group's ratio is its XLA bytes over its floor; the bound at the floor is
-  max(FLOPs / peak, floor / bandwidth) + launches."""
-  rl = {"groups": {"MoWE": {"bytes": 10.0}, "HSP": {"bytes": 6.0}}, "flops": 1e3,
+  """Each group's ratio is its XLA bytes over its floor, and where known its Pallas kernels' and
+  GEMMs' bytes alone over it; the bound at the floor is max(FLOPs / peak, floor / bandwidth) +
+  launches."""
+  rl = {"groups": {"MoWE": {"bytes": 10.0, "pallas_bytes": 4.0, "gemm_bytes": 2.0},
+                   "HSP": {"bytes": 6.0}}, "flops": 1e3,
         "device": {"peak_flops": 1e6, "bandwidth": 1.0, "launch_s": 0.5},
         "xla": {"bytes": 16.0, "launches": 4}}
   roofline.add_floors(rl, {"MoWE": {"bytes": 4.0}, "HSP": {"bytes": 3.0}})
   assert rl["groups"]["MoWE"]["floor_ratio"] == 2.5 and rl["groups"]["HSP"]["floor_ratio"] == 2
+  assert rl["groups"]["MoWE"]["kernel_gemm_ratio"] == 1.5        # (4 + 2) / 4
+  assert "kernel_gemm_ratio" not in rl["groups"]["HSP"]
   assert rl["floor"] == {"bytes": 7.0, "ratio": 16 / 7, "bound_s": 7.0 + 2.0}
 
 
