@@ -95,8 +95,11 @@ class _Flops:
     """Whether an instruction is or fuses a matmul (dot / convolution / cuBLAS call): a GEMM
     kernel."""
     name, op, rest = ins[:3]
-    if op in ("dot", "convolution") or (op == "custom-call" and "gemm" in rest.lower()):
+    if op in ("dot", "convolution"):
       return True
+    if op == "custom-call":                 # by its target: an operand's name may say "gemm"
+      m = re.search(r'custom_call_target="([^"]*)"', rest)
+      return bool(m) and any(k in m.group(1).lower() for k in ("gemm", "matmul", "cublas"))
     if op in ("fusion", "call"):
       return any(self.has_dot(i) for c in hlo_stats._called(rest) for i in self.comps.get(c, ()))
     return False

@@ -383,3 +383,31 @@ def test_a_sum_then_slices_reads_the_summed_rows_of_the_slices():
   c = {x["name"]: x for x in roofline.op_costs(SUM_SLICE_HLO)}
   assert c["split"]["bytes_in"] == 160 and c["split"]["bytes_out"] == 80
   assert c["whole"]["bytes_in"] == 320 and c["whole"]["bytes_out"] == 160
+
+
+GEMM_OPERAND_HLO = """HloModule gemm_operand
+
+%fused_dot (p0: bf16[64,32], p1: bf16[32,16]) -> bf16[64,16] {
+  %p0 = bf16[64,32]{1,0} parameter(0)
+  %p1 = bf16[32,16]{1,0} parameter(1)
+  ROOT %d = bf16[64,16]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+ENTRY %main (x: bf16[64,32], w: bf16[32,16]) -> (bf16[64,16], bf16[64,16]) {
+  %x = bf16[64,32]{1,0} parameter(0)
+  %w = bf16[32,16]{1,0} parameter(1)
+  %gemm_fusion_dot.1 = bf16[64,16]{1,0} fusion(%x, %w), kind=kCustom, calls=%fused_dot, metadata={op_name="jit(f)/dot_general"}
+  %pallas_call.2 = bf16[64,16]{1,0} custom-call(%gemm_fusion_dot.1), custom_call_target="__gpu$xla.gpu.triton", metadata={op_name="jit(f)/k/pallas_call"}
+  %cublas = (bf16[64,16]{1,0}, s8[0]{0}) custom-call(%x, %w), custom_call_target="__cublas$gemm", metadata={op_name="jit(f)/c"}
+  %c0 = bf16[64,16]{1,0} get-tuple-element(%cublas), index=0
+  ROOT %t = (bf16[64,16]{1,0}, bf16[64,16]{1,0}) tuple(%pallas_call.2, %c0)
+}
+"""
+
+
+def test_a_kernel_reading_a_gemm_output_is_not_a_gemm():
+  """The GEMM fusion and the cuBLAS call are GEMMs; the Pallas call that reads the GEMM's output
+  (an operand named gemm_fusion_dot.1) is not."""
+  c = {x["name"]: x for x in roofline.op_costs(GEMM_OPERAND_HLO)}
+  assert c["gemm_fusion_dot.1"]["gemm"] and c["cublas"]["gemm"]
+  assert c["pallas_call.2"]["pallas"] and not c["pallas_call.2"]["gemm"]
