@@ -235,6 +235,29 @@ def speed_h200(R: Results) -> dict:
     body += table(["program", "batch seeds before / now", "useful-MFU bound before", "now",
                    "MB per real event before", "now", "launches per batch before", "now",
                    "floor bound before", "now"], rows)
+  last = R.files("fused_layers_round_before/jagged_buckets_*.json")
+  if last:
+    now = {os.path.basename(f): r for f, r in zip(buckets, jb, strict=True)}
+    body += ["## The last round of issue #38: each scope group before and after", "",
+             "The same combination from the code before the latest round "
+             "(`bench/results/fused_layers_round_before/`, what it was compiled from: "
+             "`bench/results/fused_layers_h200.md`) and now, per batch: GB, the floor, their "
+             "ratio, launches, and the ratio of the group's Pallas kernels and GEMMs alone.", ""]
+    x = lambda v: num(v, "{:.2f}x")
+    for f in last:
+      b, a = R.load(f), now.get(os.path.basename(f))
+      if a is None or not b.get("groups") or not a.get("groups"):
+        continue
+      body += [f"### {_program(a)}", ""]
+      rows = []
+      for g, v in sorted(a["groups"].items(), key=lambda kv: -kv[1]["bytes"]):
+        w = b["groups"].get(g, {})
+        rows.append([g, num(w.get("bytes", 0) / 1e9, "{:.2f}"), num(v["bytes"] / 1e9, "{:.2f}"),
+                     num(v["floor_bytes"] / 1e9, "{:.2f}"), x(w.get("floor_ratio")),
+                     x(v.get("floor_ratio")), num(w.get("launches"), "{:.0f}"),
+                     num(v["launches"], "{:.0f}"), x(v.get("kernel_gemm_ratio"))])
+      body += table(["group", "GB before", "now", "floor GB", "ratio before", "now",
+                     "launches before", "now", "kernels+GEMMs now"], rows)
   casts = R.files("cast_fusion_h200.json")
   for f in casts:
     r = R.load(f)
@@ -257,7 +280,7 @@ def speed_h200(R: Results) -> dict:
     print_layout_pairs(runs, buf)
     if buf.getvalue().strip():
       body += ["## Padded against packed, program by program", ""] + text(buf.getvalue())
-  items = [(f, R.load(f)) for f in steps + buckets + before + casts]
+  items = [(f, R.load(f)) for f in steps + buckets + before + last + casts]
   return {"title": "Speed on the H200 program", "body": body + provenance(items),
           "commands": [
               ".venv-gpu/bin/python -m bench.train_step --config {mid,prod} --backend "
