@@ -202,7 +202,7 @@ def _group_floors(progs: list[dict], pick, real, useful, peak: float) -> tuple[d
     b, f = val("bytes"), val("floor_bytes")
     out[g] = {"bytes": b, "floor_bytes": f, "floor_ratio": b / f if f else None,
               "launches": val("launches")}
-    if all("pallas_bytes" in progs[i]["groups"].get(g, {"pallas_bytes": 0}) for i in pick):
+    if all("pallas_bytes" in p["groups"].get(g, {"pallas_bytes": 0}) for p in progs):
       kg = val("pallas_bytes") + val("gemm_bytes")   # every other pass free (add_floors)
       out[g].update(kernel_gemm_bytes=kg, kernel_gemm_ratio=kg / f if f else None)
   floor_bytes = np.array([sum(v["floor_bytes"] for v in progs[i]["groups"].values())

@@ -245,14 +245,30 @@ def _cross_dkv_kernel(start_ref, end_ref, kvl_ref, q_ref, k_ref, v_ref, do_ref, 
   _ex_store(dv_ref, b, h, dv * cfg.out_scale, k_ref.shape[1], r0)
 
 
+def _zero_tail(total, n, i, h, cfg: _Cfg, *refs):
+  """Program ``i`` of ``n`` zeroes its share of rows ``[total, N)`` of the ``[N, H, D]`` refs at
+  head ``h``: the rows past ``offsets[B]``, which belong to no example (a one-kernel backward
+  that writes per example leaves them to this)."""
+  N = refs[0].shape[0]
+  share = lax.div(N - total + n - 1, n)
+  lo = jnp.minimum(total + i * share, N)
+  blank = jnp.zeros((cfg.kv_tile, refs[0].shape[-1]), _F32)
+
+  def zero(start, rows, c):
+    for r in refs:
+      _store(r, start, h, blank, rows)
+    return c
+
+  _token_loop(lo, jnp.minimum(lo + share, N), cfg, zero, 0)
+
+
 def _cross_bwd_kernel(off_ref, kvl_ref, q_ref, k_ref, v_ref, do_ref, dq_ref, dk_ref, dv_ref, *,
                       cfg: _Cfg):
   """``_cross_dkv_kernel`` with the keys whole (one chunk), which also writes its example's
   tokens' dq: a token scores only its own example's keys, all of which this program holds, so
   each token tile's ``dS^T`` gives its dq as well (``dS k``), and q, dO are read once. The rows
   past ``offsets[B]`` belong to no example: program ``b`` zeroes the ``b``-th share of them."""
-  b, h = pl.program_id(0), pl.program_id(1)
-  N, B = q_ref.shape[0], kvl_ref.shape[0]
+  b, h, B = pl.program_id(0), pl.program_id(1), kvl_ref.shape[0]
   k, v = (_ex_rows(x, b, cfg.tile, h, kvl_ref[b]) for x in (k_ref, v_ref))
 
   def tile(start, rows, carry):
@@ -267,12 +283,7 @@ def _cross_bwd_kernel(off_ref, kvl_ref, q_ref, k_ref, v_ref, do_ref, dq_ref, dk_
   dk, dv = _token_loop(off_ref[b], off_ref[b + 1], cfg, tile, (zeros, zeros))
   _ex_store(dk_ref, b, h, dk * (cfg.scale * cfg.out_scale), k_ref.shape[1])
   _ex_store(dv_ref, b, h, dv * cfg.out_scale, k_ref.shape[1])
-  total = off_ref[B]
-  share = lax.div(N - total + B - 1, B)
-  zlo = jnp.minimum(total + b * share, N)
-  blank = jnp.zeros((cfg.kv_tile, q_ref.shape[-1]), _F32)
-  _token_loop(zlo, jnp.minimum(zlo + share, N), cfg,
-              lambda start, rows, c: (_store(dq_ref, start, h, blank, rows), c)[1], 0)
+  _zero_tail(off_ref[B], B, b, h, cfg, dq_ref)
 
 
 def _cross_fwd(cfg: _Cfg, q, k, v, jag, kvl):
@@ -420,7 +431,7 @@ def _pool_bwd_kernel(off_ref, q_ref, k_ref, v_ref, do_ref, dq_ref, dk_ref, dv_re
   read once. The rows past ``offsets[B]`` belong to no example: program ``i`` zeroes the
   ``i``-th share of them."""
   i, h, S, B = pl.program_id(0), pl.program_id(1), q_ref.shape[0], do_ref.shape[0]
-  N, sq = k_ref.shape[0], cfg.tile
+  sq = cfg.tile
   q = _rows(q_ref, 0, sq, h, jnp.arange(sq) < S)
 
   def example(j, dq):
@@ -441,17 +452,7 @@ def _pool_bwd_kernel(off_ref, q_ref, k_ref, v_ref, do_ref, dq_ref, dk_ref, dv_re
 
   dq = lax.fori_loop(0, per, example, jnp.zeros(q.shape, _F32))
   _ex_store(dq_ref, i, h, dq * (cfg.scale * cfg.out_scale), S)
-  total, n = off_ref[B], pl.num_programs(0)
-  share = lax.div(N - total + n - 1, n)
-  zlo = jnp.minimum(total + i * share, N)
-  blank = jnp.zeros((cfg.kv_tile, k_ref.shape[-1]), _F32)
-
-  def zero(start, rows, c):
-    _store(dk_ref, start, h, blank, rows)
-    _store(dv_ref, start, h, blank, rows)
-    return c
-
-  _token_loop(zlo, jnp.minimum(zlo + share, N), cfg, zero, 0)
+  _zero_tail(off_ref[B], pl.num_programs(0), i, h, cfg, dk_ref, dv_ref)
 
 
 def _pool_fwd(cfg: _Cfg, q, k, v, jag):
