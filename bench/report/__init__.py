@@ -170,6 +170,7 @@ def speed_h200(R: Results) -> dict:
           "`bench/train_step.py` and `bench/jagged_buckets.py` (docstrings).", ""]
   body += _roofline_device([R.load(f) for f in steps])
   jb = [R.load(f) for f in buckets]
+  now = {os.path.basename(f): r for f, r in zip(buckets, jb, strict=True)}   # by file name
   if jb:
     body += ["## Packed towers in capacity buckets", "",
              "Each program's figures summed over the drawn batches (each batch runs the smallest "
@@ -209,7 +210,6 @@ def speed_h200(R: Results) -> dict:
     for f, r in zip(buckets, jb, strict=True):
       body += [f"### {_program(r)} ({code(f)})", ""] + text(buckets_report(r))
   if before:
-    now = {os.path.basename(f): r for f, r in zip(buckets, jb, strict=True)}
     fl = lambda r: (r.get("floor") or {}).get("useful_mfu_bound")
     rows = []
     for f in before:
@@ -237,7 +237,6 @@ def speed_h200(R: Results) -> dict:
                    "floor bound before", "now"], rows)
   last = R.files("fused_layers_round_before/jagged_buckets_*.json")
   if last:
-    now = {os.path.basename(f): r for f, r in zip(buckets, jb, strict=True)}
     body += ["## The last round of issue #38: each scope group before and after", "",
              "The same combination from the code before the latest round "
              "(`bench/results/fused_layers_round_before/`, what it was compiled from: "
