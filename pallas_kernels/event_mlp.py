@@ -5,6 +5,8 @@
 columns and ``w1`` with zero rows), ``w1 [K, F]``, ``b1 [F]``, ``w2 [F, D]``, ``b2 [D]``,
 ``valid f32[N]`` -> ``y [N, D]`` in ``dtype``. Each layer is accumulated in float32 and rounded
 to ``dtype`` after its bias, the GELU (tanh) rounded too, as ``flax.linen.Dense`` in ``dtype``.
+Widths: ``K`` up to 1024, ``F`` and ``D`` up to 512 (prod's click / conversion streams: 1024,
+512, 512); a row tile's hidden layer is computed a chunk of columns at a time (``_tiles``).
 
 ``event_mlp_xla`` is the twin. ``event_mlp_pallas``: the forward kernel reads ``x`` and writes
 ``y`` (XLA wrote both layers' outputs and the GELU's input and read them back); the backward
@@ -36,9 +38,13 @@ from pallas_kernels._common import (
 
 F32 = jnp.float32
 WARPS = 8
-FWD_ROWS, BWD_ROWS = 64, 32
 CHUNK = 128              # columns of x, dx and y (rows of w1, columns of w2) per GEMM step
-MAX_WIDTH = {"K": 512, "F": 256, "D": 512}   # F: the hidden layer of a row tile stays whole
+# (forward rows, backward rows, hidden chunk): a row tile's hidden layer is computed a chunk of
+# columns at a time. Up to 256 hidden columns (mid) in one chunk; past that (prod's 512) in chunks
+# of 128, the backward on 16 rows (ptxas sm_90 at prod's K 1024 / 512 / 512: 12 bytes of spill
+# stores backward, 1,656 forward; 64-row backward tiles or 256-column chunks spill 4-8 KB)
+NARROW, WIDE = (64, 32, 256), (64, 16, 128)
+MAX_WIDTH = {"K": 1024, "F": 512, "D": 512}
 _GELU = activations.kernel_fn("gelu_tanh")                      # jax.nn.gelu(approximate=True)
 _GELU_SLOPE = activations.kernel_fn("gelu_tanh", with_slope=True)
 
@@ -55,6 +61,7 @@ def event_mlp_xla(x, w1, b1, w2, b2, valid, *, dtype=jnp.bfloat16):
 class _Cfg(NamedTuple):
   dtype: object
   rows: int
+  hidden: int          # hidden columns per chunk
   interpret: bool
 
 
@@ -64,9 +71,9 @@ def _dot(a, b, cfg: _Cfg, **kw):
   return plgpu.dot(a, b, precision=precision(a.dtype), **kw)
 
 
-def _chunks(n):
-  """Static ``(start, width)`` chunks of ``n`` columns, ``CHUNK`` wide."""
-  w = min(n, CHUNK)
+def _chunks(n, size=None):
+  """Static ``(start, width)`` chunks of ``n`` columns, ``size`` (default ``CHUNK``) wide."""
+  w = min(n, size or CHUNK)
   return [(c, w) for c in range(0, n, w)]
 
 
@@ -76,23 +83,26 @@ def _w(ref, rows, cols=None):
   return plgpu.load(ref.at[pl.ds(r0, rn), pl.ds(c0, cn)])
 
 
-def _hidden(x_ref, r0, w1_ref, b1_ref, cfg: _Cfg):
-  """``z`` (rounded to dtype, as float32) of a row tile, ``x w1`` accumulated over ``K``'s
-  chunks."""
-  z = jnp.zeros((cfg.rows, w1_ref.shape[1]), F32)
+def _hidden(x_ref, r0, w1_ref, b1_ref, fc, cfg: _Cfg):
+  """``z`` (rounded to dtype, as float32) of a row tile's hidden columns ``fc`` (a static
+  ``(start, width)``), ``x w1`` accumulated over ``K``'s chunks."""
+  z = jnp.zeros((cfg.rows, fc[1]), F32)
   for ch in _chunks(x_ref.shape[1]):
-    z = z + _dot(load_rows(x_ref, r0, cfg.rows, ch).astype(cfg.dtype), _w(w1_ref, ch), cfg)
-  b1 = plgpu.load(b1_ref.at[:]).astype(cfg.dtype).astype(F32)
+    z = z + _dot(load_rows(x_ref, r0, cfg.rows, ch).astype(cfg.dtype), _w(w1_ref, ch, fc), cfg)
+  b1 = plgpu.load(b1_ref.at[pl.ds(*fc)]).astype(cfg.dtype).astype(F32)
   return round_to(round_to(z, cfg.dtype) + b1[None], cfg.dtype)
 
 
 def _fwd_kernel(x_ref, w1_ref, b1_ref, w2_ref, b2_ref, v_ref, y_ref, *, cfg: _Cfg):
   r0 = pl.program_id(0) * cfg.rows
-  h = round_to(_GELU(_hidden(x_ref, r0, w1_ref, b1_ref, cfg)), cfg.dtype).astype(cfg.dtype)
+  fcs = _chunks(w1_ref.shape[1], cfg.hidden)
+  hs = [round_to(_GELU(_hidden(x_ref, r0, w1_ref, b1_ref, fc, cfg)), cfg.dtype).astype(cfg.dtype)
+        for fc in fcs]
   valid = load_vec(v_ref, r0, cfg.rows)[:, None]
   for c0, w in _chunks(w2_ref.shape[1]):
     b2 = plgpu.load(b2_ref.at[pl.ds(c0, w)]).astype(cfg.dtype).astype(F32)
-    y = round_to(_dot(h, _w(w2_ref, None, (c0, w)), cfg), cfg.dtype) + b2[None]
+    acc = sum(_dot(h, _w(w2_ref, fc, (c0, w)), cfg) for h, fc in zip(hs, fcs, strict=True))
+    y = round_to(acc, cfg.dtype) + b2[None]
     store_rows(y_ref, r0, jnp.where(valid > 0, y, 0.0), c0)
 
 
@@ -100,22 +110,28 @@ def _bwd_kernel(x_ref, w1_ref, b1_ref, w2_ref, v_ref, dy_ref, dx_ref, hm_ref, dz
                 db2_ref, *, cfg: _Cfg):
   i = pl.program_id(0)
   r0 = i * cfg.rows
-  z = _hidden(x_ref, r0, w1_ref, b1_ref, cfg)
   valid = load_vec(v_ref, r0, cfg.rows)[:, None]
-  dh = jnp.zeros(z.shape, F32)
-  for c0, w in _chunks(dy_ref.shape[1]):       # the second layer's output cotangent, masked
-    dy = round_to(jnp.where(valid > 0, load_rows(dy_ref, r0, cfg.rows, (c0, w)).astype(F32), 0.0),
-                  cfg.dtype)
-    dh = dh + _dot(dy.astype(cfg.dtype), _w(w2_ref, None, (c0, w)), cfg, trans_b=True)
-    plgpu.store(db2_ref.at[i, pl.ds(c0, w)], jnp.sum(dy, axis=0))
-  h, slope = _GELU_SLOPE(z)
-  dz = round_to(round_to(dh, cfg.dtype) * slope, cfg.dtype)
-  store_rows(hm_ref, r0, jnp.where(valid > 0, h, 0.0))
-  store_rows(dz_ref, r0, dz)
-  plgpu.store(db1_ref.at[i, :], jnp.sum(dz, axis=0))
-  dzd = dz.astype(cfg.dtype)
+  fcs = _chunks(w1_ref.shape[1], cfg.hidden)
+  dzs = []
+  for fc in fcs:                               # the hidden layer, a chunk of its columns at a time
+    z = _hidden(x_ref, r0, w1_ref, b1_ref, fc, cfg)
+    dh = jnp.zeros(z.shape, F32)
+    for c0, w in _chunks(dy_ref.shape[1]):     # the second layer's output cotangent, masked
+      dy = round_to(jnp.where(valid > 0, load_rows(dy_ref, r0, cfg.rows, (c0, w)).astype(F32),
+                              0.0), cfg.dtype)
+      dh = dh + _dot(dy.astype(cfg.dtype), _w(w2_ref, fc, (c0, w)), cfg, trans_b=True)
+      if fc[0] == 0:
+        plgpu.store(db2_ref.at[i, pl.ds(c0, w)], jnp.sum(dy, axis=0))
+    h, slope = _GELU_SLOPE(z)
+    dz = round_to(round_to(dh, cfg.dtype) * slope, cfg.dtype)
+    store_rows(hm_ref, r0, jnp.where(valid > 0, h, 0.0), fc[0])
+    store_rows(dz_ref, r0, dz, fc[0])
+    plgpu.store(db1_ref.at[i, pl.ds(*fc)], jnp.sum(dz, axis=0))
+    dzs.append(dz.astype(cfg.dtype))
   for ch in _chunks(x_ref.shape[1]):
-    store_rows(dx_ref, r0, _dot(dzd, _w(w1_ref, ch), cfg, trans_b=True), ch[0])
+    dx = sum(_dot(dz, _w(w1_ref, ch, fc), cfg, trans_b=True) for dz, fc in zip(dzs, fcs,
+                                                                                strict=True))
+    store_rows(dx_ref, r0, dx, ch[0])
 
 
 def _check(x, w1, b1, w2, b2, valid):
@@ -135,6 +151,11 @@ def supported(K: int, F: int, D: int) -> bool:
   return all(is_tile(n) and n <= MAX_WIDTH[k] for k, n in zip("KFD", (K, F, D), strict=True))
 
 
+def _tiles(F: int) -> tuple[int, int, int]:
+  """(forward rows, backward rows, hidden chunk) at hidden width ``F``."""
+  return NARROW if F <= NARROW[2] else WIDE
+
+
 def _call(kernel, args, outs, rows, cfg: _Cfg, name):
   whole = pl.no_block_spec
   return _poison.pallas_call(
@@ -146,10 +167,11 @@ def _call(kernel, args, outs, rows, cfg: _Cfg, name):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
 def _fused(x, w1, b1, w2, b2, valid, dtype, interpret):
-  cfg = _Cfg(dtype, FWD_ROWS, interpret)
+  rows, _, chunk = _tiles(w1.shape[1])
+  cfg = _Cfg(dtype, rows, chunk, interpret)
   args = (x, w1.astype(dtype), b1, w2.astype(dtype), b2, valid)
   return _call(_fwd_kernel, args, jax.ShapeDtypeStruct((x.shape[0], w2.shape[1]), dtype),
-               FWD_ROWS, cfg, "event_mlp_fwd")
+               rows, cfg, "event_mlp_fwd")
 
 
 def _vjp_fwd(x, w1, b1, w2, b2, valid, dtype, interpret):
@@ -158,15 +180,16 @@ def _vjp_fwd(x, w1, b1, w2, b2, valid, dtype, interpret):
 
 def _vjp_bwd(dtype, interpret, res, dy):
   x, w1, b1, w2, b2, valid = res
-  cfg = _Cfg(dtype, BWD_ROWS, interpret)
   N, K = x.shape
   F, D = w2.shape
-  T = pl.cdiv(N, BWD_ROWS)
+  _, rows, chunk = _tiles(F)
+  cfg = _Cfg(dtype, rows, chunk, interpret)
+  T = pl.cdiv(N, rows)
   outs = (jax.ShapeDtypeStruct((N, K), x.dtype), jax.ShapeDtypeStruct((N, F), dtype),
           jax.ShapeDtypeStruct((N, F), dtype), jax.ShapeDtypeStruct((T, F), F32),
           jax.ShapeDtypeStruct((T, D), F32))
   dx, hm, dz, db1, db2 = _call(_bwd_kernel, (x, w1.astype(dtype), b1, w2.astype(dtype), valid, dy),
-                               outs, BWD_ROWS, cfg, "event_mlp_bwd")
+                               outs, rows, cfg, "event_mlp_bwd")
   xd, dyd = x.astype(dtype), dy.astype(dtype)
   if interpret:            # XLA:CPU: a 16-bit dot may accumulate in 16 bits; a GPU's in float32
     xd, dyd, hm, dz = (a.astype(F32) for a in (xd, dyd, hm, dz))

@@ -32,7 +32,9 @@ def test_twin_matches_numpy():
 
 
 @pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 3e-2)])
-@pytest.mark.parametrize("N,K,F,D", [(77, 64, 32, 32), (45, 512, 256, 256)])
+# the last: prod's click / conversion streams (K 1024 after padding, hidden and output 512), the
+# hidden layer in two chunks
+@pytest.mark.parametrize("N,K,F,D", [(77, 64, 32, 32), (45, 512, 256, 256), (37, 1024, 512, 512)])
 def test_kernels_match_the_twin(dtype, tol, N, K, F, D):
   x, w1, b1, w2, b2, valid = map(jnp.asarray, _inputs(N, K, F, D, N + K))
   x = x.astype(dtype)
@@ -63,4 +65,5 @@ def test_bad_shapes_and_widths_are_refused():
   with pytest.raises(ValueError, match="powers of two"):
     event_mlp.event_mlp_pallas(x[:, :24], w1[:24], b1, w2, b2, valid, interpret=True)
   assert event_mlp.supported(512, 256, 256) and not event_mlp.supported(224, 128, 128)
-  assert not event_mlp.supported(512, 512, 256)
+  assert event_mlp.supported(1024, 512, 512) and not event_mlp.supported(1024, 1024, 512)
+  assert not event_mlp.supported(2048, 512, 512)

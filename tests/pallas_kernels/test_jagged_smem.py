@@ -57,7 +57,11 @@ def _families(shape, dtype=jnp.bfloat16):
   w3, w2 = (jax.ShapeDtypeStruct((H * D, p, H, D), jnp.float32) for p in (3, 2))
   age = jax.ShapeDtypeStruct((N,), jnp.float32)
   w_out = jax.ShapeDtypeStruct((H, D, H * D), jnp.float32)
-  mlp_w1, mlp_w2 = (jax.ShapeDtypeStruct(s, jnp.float32) for s in ((H * D, 256), (256, 256)))
+  # an event stream's MLP at the tower width d = H * D: K 2 d (d plus the side fields, padded),
+  # hidden and output d (prod: K 1024, hidden 512, the widths the kernels take at most)
+  mlp_x = jax.ShapeDtypeStruct((N, 2 * H * D), dtype)
+  mlp_w1, mlp_w2 = (jax.ShapeDtypeStruct(s, jnp.float32)
+                    for s in ((2 * H * D, H * D), (H * D, H * D)))
   jp = jagged_pallas
   ops = {
       "cross": (lambda q, k, v, j: jp.jagged_gdpa_cross_pallas(
@@ -85,10 +89,9 @@ def _families(shape, dtype=jnp.bfloat16):
           g, u, s, j.valid.astype(jnp.float32), eps=1e-6), (tok_x, tok_x, tok_x)),
       "proj_residual": (lambda x, o, w, j: proj_residual.proj_residual_pallas(
           x, o, w, j.valid.astype(jnp.float32)), (tok_x, tok, w_out)),
-      # an event stream's MLP at the widths the kernels take at most (K 512, hidden 256)
       "event_mlp": (lambda x, w1, w2, j: event_mlp.event_mlp_pallas(
-          x, w1, jnp.zeros(256), w2, jnp.zeros(256), j.valid.astype(jnp.float32)),
-          (tok_x, mlp_w1, mlp_w2)),
+          x, w1, jnp.zeros(H * D), w2, jnp.zeros(H * D), j.valid.astype(jnp.float32)),
+          (mlp_x, mlp_w1, mlp_w2)),
       # HSP's seed side at the largest accumulators the kernels take (64 seeds, rank 4, 16
       # summaries, d 256)
       "seed_kron": (lambda a, e, z, j: seed_kron.seed_kron_pallas(a, e, z, eps=1e-6),
