@@ -36,6 +36,7 @@ WARPS = 8
 EXAMPLES = 2          # examples per program
 ROWS = 16             # seeds per step (a row's norm needs only its own row)
 MAX_ACC = 64 * 256    # K x d (K = R x M padded): the forward's float32 accumulator
+MAX_WIDE_K = 256      # K past MAX_ACC // d: the backward's [ROWS, K] accumulator, DC >= 64
 
 
 # ----------------------------------------------------------------------------------- twin
@@ -88,12 +89,12 @@ def _z(z_ref, s0, cfg: _Cfg):
   return jnp.transpose(z, (1, 0, 2)).reshape(ROWS, cfg.R * cfg.Mp)
 
 
-def _summaries(cfg: _Cfg, b):
-  """Example ``b``'s summary rows of a ``[B M, R, d]`` ref: ``(row0, mask [Mp, R, d])`` (padding
-  rows and rows past B off)."""
+def _summaries(cfg: _Cfg, b, width=None):
+  """Example ``b``'s summary rows of a ``[B M, R, d]`` ref: ``(row0, mask [Mp, R, width or d])``
+  (padding rows and rows past B off)."""
   m = jnp.arange(cfg.Mp)
   ok = (m < cfg.M) & (b * cfg.M + m < cfg.B * cfg.M)
-  return b * cfg.M, jnp.broadcast_to(ok[:, None, None], (cfg.Mp, cfg.R, cfg.d))
+  return b * cfg.M, jnp.broadcast_to(ok[:, None, None], (cfg.Mp, cfg.R, width or cfg.d))
 
 
 def _fwd_kernel(a_ref, e_ref, z_ref, t_ref, *, cfg: _Cfg):
@@ -140,6 +141,86 @@ def _bwd_kernel(a_ref, e_ref, z_ref, dt_ref, da_ref, g_ref, *, cfg: _Cfg):
     g = jnp.transpose(gz[c].reshape(ROWS, cfg.R, cfg.Mp), (1, 0, 2))
     plgpu.store(g_ref.at[pl.ds(p * cfg.R, cfg.R), pl.ds(s0, ROWS), pl.ds(0, cfg.Mp)], g)
 
+# Wide shapes (``K d > MAX_ACC``: prod's 128 seeds, rank 8, 32 summaries, d 512) take the
+# output's columns ``DC = MAX_ACC // K`` at a time: a row's norm statistic comes from one load of
+# its whole row, its values again chunk by chunk. The backward goes seed chunk by seed chunk (one
+# ``z`` gradient accumulator live), examples inside it, two passes over the column chunks (the
+# norm's row sum, then ``da``).
+
+def _dc(cfg: _Cfg) -> int:
+  """Output columns per chunk: all of ``d`` where the accumulator fits, else ``MAX_ACC // K``."""
+  return min(cfg.d, MAX_ACC // cfg.K)
+
+
+def _r(a_ref, e_ref, b, s0, cfg: _Cfg):
+  """``rsqrt(mean(t^2) + eps)`` of seeds ``s0 .. s0 + ROWS`` of example ``b`` (``[ROWS, 1]``)."""
+  return _norm(a_ref, e_ref, b, s0, cfg)[1]
+
+
+def _cols(a_ref, e_ref, b, s0, c0, r, cfg: _Cfg):
+  """Columns ``c0 .. c0 + DC`` of the normed rows: ``(t r)`` in float32."""
+  cols = (c0, _dc(cfg))
+  t = (load_rows(a_ref, b * cfg.S + s0, ROWS, cols).astype(F32)
+       + load_rows(e_ref, s0, ROWS, cols).astype(F32))
+  return t * r
+
+
+def _dt_cols(dt_ref, b, c0, cfg: _Cfg):
+  """Example ``b``'s ``dt`` columns ``c0 .. c0 + DC`` as ``[K, DC]`` float32, rows in ``(r, m)``
+  order (zero for padding summaries and examples past B)."""
+  dc = _dc(cfg)
+  row0, mask = _summaries(cfg, b, dc)
+  dt = plgpu.load(dt_ref.at[pl.ds(row0, cfg.Mp), pl.ds(0, cfg.R), pl.ds(c0, dc)],
+                  mask=mask, other=0.0).astype(F32)
+  return jnp.transpose(dt, (1, 0, 2)).reshape(cfg.K, dc)
+
+
+def _fwd_wide_kernel(a_ref, e_ref, z_ref, t_ref, *, cfg: _Cfg):
+  chunks, dc = list(range(0, cfg.S, ROWS)), _dc(cfg)
+  p = pl.program_id(0)
+
+  def one(i, carry):
+    b = p * EXAMPLES + i
+    rs = [_r(a_ref, e_ref, b, s0, cfg) for s0 in chunks]
+    row0, mask = _summaries(cfg, b, dc)
+    for c0 in range(0, cfg.d, dc):
+      acc = jnp.zeros((cfg.K, dc), F32)                            # rows in (r, m) order
+      for s0, r in zip(chunks, rs, strict=True):
+        acc += dot(_z(z_ref, s0, cfg), _cols(a_ref, e_ref, b, s0, c0, r, cfg), cfg,
+                   trans_a=True)                                   # [K, ROWS] [ROWS, DC]
+      t = jnp.transpose(acc.reshape(cfg.R, cfg.Mp, dc), (1, 0, 2))   # [Mp, R, DC]
+      plgpu.store(t_ref.at[pl.ds(row0, cfg.Mp), pl.ds(0, cfg.R), pl.ds(c0, dc)],
+                  t.astype(t_ref.dtype), mask=mask)
+    return carry
+
+  lax.fori_loop(0, EXAMPLES, one, 0)
+
+
+def _bwd_wide_kernel(a_ref, e_ref, z_ref, dt_ref, da_ref, g_ref, *, cfg: _Cfg):
+  dc = _dc(cfg)
+  p = pl.program_id(0)
+  for s0 in range(0, cfg.S, ROWS):
+    zc = _z(z_ref, s0, cfg)
+
+    def one(i, gz, s0=s0, zc=zc):
+      b = p * EXAMPLES + i
+      r = _r(a_ref, e_ref, b, s0, cfg)
+      dot_sum = jnp.zeros((ROWS, 1), F32)             # rowsum(dh zn), the norm's correction
+      for c0 in range(0, cfg.d, dc):
+        dt, zn = _dt_cols(dt_ref, b, c0, cfg), _cols(a_ref, e_ref, b, s0, c0, r, cfg)
+        dh = round_to(dot(zc, dt, cfg), cfg.dtype)                 # [ROWS, K] [K, DC]
+        dot_sum += jnp.sum(dh * zn, axis=1, keepdims=True)
+        gz = gz + dot(round_to(zn, cfg.dtype), dt, cfg, trans_b=True)   # [ROWS, K]
+      for c0 in range(0, cfg.d, dc):
+        dt, zn = _dt_cols(dt_ref, b, c0, cfg), _cols(a_ref, e_ref, b, s0, c0, r, cfg)
+        dh = round_to(dot(zc, dt, cfg), cfg.dtype)
+        store_rows(da_ref, b * cfg.S + s0, r * (dh - zn * (dot_sum / cfg.d)), c0)
+      return gz
+
+    gz = lax.fori_loop(0, EXAMPLES, one, jnp.zeros((ROWS, cfg.K), F32))
+    g = jnp.transpose(gz.reshape(ROWS, cfg.R, cfg.Mp), (1, 0, 2))
+    plgpu.store(g_ref.at[pl.ds(p * cfg.R, cfg.R), pl.ds(s0, ROWS), pl.ds(0, cfg.Mp)], g)
+
 
 def _call(kernel, args, outs, cfg: _Cfg, name):
   whole = pl.no_block_spec
@@ -159,7 +240,8 @@ def _cfg(a, z, eps, dtype, interpret):
 def _fused(a, e, z, eps, dtype, interpret):
   cfg = _cfg(a, z, eps, dtype, interpret)
   out = (jax.ShapeDtypeStruct((cfg.B * cfg.M, cfg.R, cfg.d), cfg.dtype),)
-  t = _call(_fwd_kernel, (a.reshape(cfg.B * cfg.S, cfg.d), e, z), out, cfg, "seed_kron_fwd")[0]
+  kernel = _fwd_kernel if _dc(cfg) == cfg.d else _fwd_wide_kernel
+  t = _call(kernel, (a.reshape(cfg.B * cfg.S, cfg.d), e, z), out, cfg, "seed_kron_fwd")[0]
   return t.reshape(cfg.B, cfg.M, cfg.R * cfg.d)
 
 
@@ -173,7 +255,8 @@ def _vjp_bwd(eps, dtype, interpret, res, dt):
   T = pl.cdiv(cfg.B, EXAMPLES)
   outs = (jax.ShapeDtypeStruct((cfg.B * cfg.S, cfg.d), a.dtype),
           jax.ShapeDtypeStruct((T * cfg.R, cfg.S, cfg.Mp), F32))
-  da, gz = _call(_bwd_kernel, (a.reshape(cfg.B * cfg.S, cfg.d), e, z,
+  kernel = _bwd_kernel if _dc(cfg) == cfg.d else _bwd_wide_kernel
+  da, gz = _call(kernel, (a.reshape(cfg.B * cfg.S, cfg.d), e, z,
                                dt.reshape(cfg.B * cfg.M, cfg.R, cfg.d)), outs, cfg,
                  "seed_kron_bwd")
   da = da.reshape(a.shape)
@@ -188,10 +271,11 @@ _fused.defvjp(_vjp_fwd, _vjp_bwd)
 def supported(S: int, R: int, M: int, d: int) -> bool:
   """Whether the kernels take ``S`` seeds, ``R`` ranks, ``M`` summaries and width ``d``: ``S``,
   ``d`` and ``K = R Mp`` powers of two >= 16 (``Mp``: ``M`` padded to a power of two), ``S`` a
-  multiple of ``ROWS`` and the forward's accumulator ``K x d`` at most ``MAX_ACC``."""
+  multiple of ``ROWS``, and the forward's accumulator ``K x d`` at most ``MAX_ACC`` or, taken in
+  column chunks (wide), ``K`` at most ``MAX_WIDE_K``."""
   K = R * pow2(max(M, 1))
   return (is_tile(S) and is_tile(d) and is_tile(K) and S % ROWS == 0 and M >= 1
-          and K * d <= MAX_ACC)
+          and (K * d <= MAX_ACC or K <= MAX_WIDE_K))
 
 
 def seed_kron_pallas(a, e, z, *, eps: float, dtype=jnp.bfloat16, interpret: bool = False):

@@ -92,12 +92,13 @@ def _families(shape, dtype=jnp.bfloat16):
       "event_mlp": (lambda x, w1, w2, j: event_mlp.event_mlp_pallas(
           x, w1, jnp.zeros(H * D), w2, jnp.zeros(H * D), j.valid.astype(jnp.float32)),
           (mlp_x, mlp_w1, mlp_w2)),
-      # HSP's seed side at the largest accumulators the kernels take (64 seeds, rank 4, 16
-      # summaries, d 256)
+      # HSP's seed side at the tower's seeds and width d = H * D: rank 4, 16 summaries (mid: the
+      # whole accumulator at once) or rank 8, 32 summaries (prod: in column chunks, wide)
       "seed_kron": (lambda a, e, z, j: seed_kron.seed_kron_pallas(a, e, z, eps=1e-6),
-                    (jax.ShapeDtypeStruct((B, 64, 256), dtype),
-                     jax.ShapeDtypeStruct((64, 256), jnp.float32),
-                     jax.ShapeDtypeStruct((4, 64, 16), jnp.float32))),
+                    (jax.ShapeDtypeStruct((B, S, H * D), dtype),
+                     jax.ShapeDtypeStruct((S, H * D), jnp.float32),
+                     jax.ShapeDtypeStruct((8, S, 32) if shape == "prod" else (4, S, 16),
+                                          jnp.float32))),
   }
   lens = jax.ShapeDtypeStruct((B,), jnp.int32)
   loss = lambda fn: jax.value_and_grad(lambda lens, *o: jnp.sum(

@@ -54,7 +54,10 @@ def test_twin_matches_numpy():
 
 
 @pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 2e-2)])
-@pytest.mark.parametrize("B,S,R,M,d", [(5, 32, 2, 8, 64), (4, 64, 4, 16, 128), (3, 16, 4, 5, 32)])
+# the last two wide (K d > MAX_ACC: the output in column chunks): prod's high-value towers (128
+# seeds, rank 8, 32 summaries, d 512) and a smaller one with padded summaries, 4 column chunks
+@pytest.mark.parametrize("B,S,R,M,d", [(5, 32, 2, 8, 64), (4, 64, 4, 16, 128), (3, 16, 4, 5, 32),
+                                       (3, 128, 8, 32, 512), (3, 32, 8, 13, 512)])
 def test_kernels_match_the_twin(dtype, tol, B, S, R, M, d):
   a, e, z, dt = _inputs(B, S, R, M, d, B + S + R * M)
   a = jnp.asarray(a, dtype)
@@ -79,7 +82,8 @@ def test_refuses_what_it_cannot_tile():
   # mid's towers (S, rank, n_sum, d), prod's 256-wide ones
   assert seed_kron.supported(64, 4, 16, 256) and seed_kron.supported(32, 4, 8, 128)
   assert seed_kron.supported(32, 8, 8, 256)
-  assert not seed_kron.supported(128, 8, 32, 512)         # prod's 512-wide towers: XLA
+  assert seed_kron.supported(128, 8, 32, 512)             # prod's 512-wide towers: wide
+  assert not seed_kron.supported(128, 16, 32, 512)        # K 512: past MAX_WIDE_K
   assert not seed_kron.supported(24, 4, 16, 64) and not seed_kron.supported(32, 3, 8, 64)
   assert not seed_kron.supported(32, 2, 4, 64)            # K = 8: below a tile
   with pytest.raises(ValueError, match="seed_kron"):
