@@ -13,8 +13,9 @@ One forward pass reads ``x`` and writes ``k, v``: XLA runs the chain as about ei
 ``a_k``, ``a_v``), ``Z`` and the pre-activation's cotangent (for ``a1``), and per-example partial
 sums for ``w_tok`` and ``b1``. The weight gradients are XLA GEMMs over all examples (a
 ``[e, W]`` float32 accumulator does not fit a program's registers). One program per example; the
-weights are read by every program (from L2). Pallas Triton, for the reason ``norm_qkv`` gives
-(deviceless compile through ptxas, interpret mode on CPU).
+weights are read by every program (from L2). Past one tile per width (prod) the same chain runs
+in chunks (``_fwd_wide_kernel``, ``_bwd_wide_kernel``). Pallas Triton, for the reason
+``norm_qkv`` gives (deviceless compile through ptxas, interpret mode on CPU).
 """
 
 from __future__ import annotations
@@ -144,6 +145,130 @@ def _bwd_kernel(x_ref, wt_ref, a1_ref, b1_ref, ak_ref, av_ref, dk_ref, dv_ref,
   _put(dx_ref, b, rs * (dxn - xn * (jnp.sum(dxn * xn, axis=1, keepdims=True) / cfg.d)))
 
 
+# ------------------------------------------------------------------------- wide shapes (prod)
+#
+# Past the one-tile widths (prod: 48 tokens of 256 to 256 keys and values of 512, hidden 256) a
+# program still takes one example, but in chunks: ``m`` in rows of ``MC`` (a key's row needs only
+# its own row of ``w_tok``), ``d``, ``e`` and ``W`` in columns of ``CH``; ``N`` is padded to a
+# power of two by masked loads (zero tokens and zero rows of ``w_tok`` add nothing). The
+# backward's ``dX~`` is accumulated over the key chunks in float32, ``[Np, CH]`` per column chunk.
+
+MC, CH = 64, 128
+MAX_WIDE = {"N": 64, "m": 1024, "d": 256, "e": 512, "W": 1024}
+
+
+def _np(cfg: _Cfg) -> int:
+  """The tokens padded to a power of two (at least 16)."""
+  return max(16, 1 << (cfg.N - 1).bit_length())
+
+
+def _spans(n, size):
+  """Static ``(start, width)`` chunks of ``n``."""
+  w = min(n, size)
+  return [(c, w) for c in range(0, n, w)]
+
+
+def _block(ref, rows, cols, n_rows=None, b=None):
+  """``ref[b?, rows, cols]`` (static ``(start, width)`` spans) as float32 or the ref's dtype, rows
+  past ``n_rows`` zero."""
+  (r0, rn), (c0, cn) = rows, cols
+  at = ref.at[pl.ds(r0, rn), pl.ds(c0, cn)] if b is None else ref.at[b, pl.ds(r0, rn),
+                                                                     pl.ds(c0, cn)]
+  if n_rows is None:
+    return plgpu.load(at)
+  ok = jnp.broadcast_to((r0 + jnp.arange(rn) < n_rows)[:, None], (rn, cn))
+  return plgpu.load(at, mask=ok, other=0.0)
+
+
+def _store_block(ref, b, rows, cols, x, n_rows=None):
+  (r0, rn), (c0, cn) = rows, cols
+  ok = None if n_rows is None else jnp.broadcast_to((r0 + jnp.arange(rn) < n_rows)[:, None],
+                                                    (rn, cn))
+  at = ref.at[b, pl.ds(r0, rn), pl.ds(c0, cn)]
+  plgpu.store(at, x.astype(ref.dtype), mask=ok)
+
+
+def _x(x_ref, b, dc, cfg: _Cfg):
+  """Example ``b``'s columns ``dc`` of ``x`` (float32, zero rows past N)."""
+  return _block(x_ref, (0, _np(cfg)), dc, cfg.N, b).astype(F32)
+
+
+def _wide_norm(x_ref, b, cfg: _Cfg):
+  """``(rs [Np, 1], xn chunks [Np, CH] rounded to dtype)`` of example ``b`` (the unrounded
+  float32 ``xn`` is loaded again where the backward needs it: fewer live registers)."""
+  dcs = _spans(cfg.d, CH)
+  rs = lax.rsqrt(sum(jnp.sum(x * x, axis=1, keepdims=True) for x in (_x(x_ref, b, dc, cfg)
+                                                                      for dc in dcs))
+                 / cfg.d + cfg.eps)
+  return rs, [_rnd(_x(x_ref, b, dc, cfg) * rs, cfg) for dc in dcs]
+
+
+def _wide_chain(xn, wt_ref, a1_ref, b1_ref, mc, cfg: _Cfg):
+  """Key rows ``mc``: ``(Z chunks [MC, CH], pre-activation chunks [MC, CH])`` in ``dtype``."""
+  wt = _block(wt_ref, (0, _np(cfg)), mc, cfg.N)                                   # [Np, MC]
+  zs = [_rnd(dot(wt, x, cfg, trans_a=True), cfg) for x in xn]
+  pres = []
+  for ec in _spans(cfg.e, CH):
+    acc = sum(dot(z, _block(a1_ref, dc, ec), cfg) for z, dc in zip(zs, _spans(cfg.d, CH),
+                                                                     strict=True))
+    b1 = plgpu.load(b1_ref.at[pl.ds(*ec)])[None, :]
+    pres.append(_rnd(round_to(acc, cfg.dtype) + round_to(b1, cfg.dtype), cfg))
+  return wt, zs, pres
+
+
+def _fwd_wide_kernel(x_ref, wt_ref, a1_ref, b1_ref, ak_ref, av_ref, k_ref, v_ref, *, cfg: _Cfg):
+  b = pl.program_id(0)
+  _, xn = _wide_norm(x_ref, b, cfg)
+  ecs = _spans(cfg.e, CH)
+  for mc in _spans(cfg.m, MC):
+    _, _, pres = _wide_chain(xn, wt_ref, a1_ref, b1_ref, mc, cfg)
+    hs = [_rnd(0.5 * p.astype(F32) * (1.0 + _tanh_arg(p)), cfg) for p in pres]
+    for wc in _spans(cfg.W, CH):
+      for w_ref, o_ref in ((ak_ref, k_ref), (av_ref, v_ref)):
+        acc = sum(dot(h, _block(w_ref, ec, wc), cfg) for h, ec in zip(hs, ecs, strict=True))
+        _store_block(o_ref, b, mc, wc, acc)
+
+
+def _bwd_wide_kernel(x_ref, wt_ref, a1_ref, b1_ref, ak_ref, av_ref, dk_ref, dv_ref,
+                     dx_ref, h_ref, z_ref, dp_ref, gwt_ref, gb_ref, *, cfg: _Cfg):
+  b = pl.program_id(0)
+  rs, xn = _wide_norm(x_ref, b, cfg)
+  dcs, ecs, wcs, Np = _spans(cfg.d, CH), _spans(cfg.e, CH), _spans(cfg.W, CH), _np(cfg)
+  dxn = [jnp.zeros((Np, dc[1]), F32) for dc in dcs]
+  gb = [jnp.zeros((ec[1],), F32) for ec in ecs]
+  for mc in _spans(cfg.m, MC):
+    wt, zs, pres = _wide_chain(xn, wt_ref, a1_ref, b1_ref, mc, cfg)
+    for z, dc in zip(zs, dcs, strict=True):
+      _store_block(z_ref, b, mc, dc, z)
+    dps = []
+    for i, (ec, p) in enumerate(zip(ecs, pres, strict=True)):
+      dh = [round_to(sum(dot(_block(g_ref, mc, wc, b=b), _block(w_ref, ec, wc), cfg, trans_b=True)
+                         for wc in wcs), cfg.dtype) for g_ref, w_ref in ((dk_ref, ak_ref),
+                                                                          (dv_ref, av_ref))]
+      dh = _rnd(dh[0] + dh[1], cfg)                                                 # [MC, CH]
+      t, pf = _tanh_arg(p), p.astype(F32)
+      _store_block(h_ref, b, mc, ec, 0.5 * pf * (1.0 + t))
+      dp = _rnd(dh.astype(F32) * (0.5 * (1.0 + t) + 0.5 * pf * (1.0 - t * t) * _C
+                                  * (1.0 + 3 * _A * pf * pf)), cfg)
+      _store_block(dp_ref, b, mc, ec, dp)
+      gb[i] = gb[i] + jnp.sum(dp.astype(F32), axis=0)
+      dps.append(dp)
+    gwt = 0.0
+    for j, dc in enumerate(dcs):
+      dz = _rnd(sum(dot(dp, _block(a1_ref, dc, ec), cfg, trans_b=True)
+                    for dp, ec in zip(dps, ecs, strict=True)), cfg)                 # [MC, CH]
+      gwt = gwt + dot(xn[j], dz, cfg, trans_b=True)                                # [Np, MC]
+      dxn[j] = dxn[j] + dot(wt, dz, cfg)                                            # [Np, CH]
+    _store_block(gwt_ref, b, (0, Np), mc, gwt, cfg.N)
+  for ec, g in zip(ecs, gb, strict=True):
+    plgpu.store(gb_ref.at[b, pl.ds(*ec)], g)
+  dxn = [round_to(g, cfg.dtype) for g in dxn]
+  xf = lambda dc: _x(x_ref, b, dc, cfg) * rs                     # xn unrounded, as the narrow
+  corr = sum(jnp.sum(g * xf(dc), axis=1, keepdims=True) for g, dc in zip(dxn, dcs, strict=True))
+  for g, dc in zip(dxn, dcs, strict=True):
+    _store_block(dx_ref, b, (0, Np), dc, rs * (g - xf(dc) * (corr / cfg.d)), cfg.N)
+
+
 def _call(kernel, cfg, args, outs, name, warps):
   whole = pl.no_block_spec
   return _poison.pallas_call(
@@ -161,8 +286,8 @@ def _cfg(x, w_tok, a_k, a1, eps, dtype, interpret) -> _Cfg:
 def _fused(x, w_tok, a1, b1, a_k, a_v, eps, dtype, interpret):
   cfg = _cfg(x, w_tok, a_k, a1, eps, dtype, interpret)
   kv = jax.ShapeDtypeStruct((cfg.B, cfg.m, cfg.W), dtype)
-  k, v = _call(_fwd_kernel, cfg, (x, w_tok, a1, b1, a_k, a_v), (kv, kv), "weightgen_fwd",
-                 8 if cfg.W > 128 else 4)
+  k, v = _call(_fwd_kernel if _narrow(cfg) else _fwd_wide_kernel, cfg,
+               (x, w_tok, a1, b1, a_k, a_v), (kv, kv), "weightgen_fwd", 8 if cfg.W > 128 else 4)
   return k, v
 
 
@@ -177,7 +302,8 @@ def _vjp_bwd(eps, dtype, interpret, res, g):
   S = jax.ShapeDtypeStruct
   outs = (S(x.shape, x.dtype), S((cfg.B, cfg.m, cfg.e), dtype), S((cfg.B, cfg.m, cfg.d), dtype),
           S((cfg.B, cfg.m, cfg.e), dtype), S((cfg.B, cfg.N, cfg.m), F32), S((cfg.B, cfg.e), F32))
-  dx, h, z, dp, gwt, gb = _call(_bwd_kernel, cfg, (x, w_tok, a1, b1, a_k, a_v, dk, dv), outs,
+  kernel = _bwd_kernel if _narrow(cfg) else _bwd_wide_kernel
+  dx, h, z, dp, gwt, gb = _call(kernel, cfg, (x, w_tok, a1, b1, a_k, a_v, dk, dv), outs,
                                 "weightgen_bwd", 8)
   # the weights enter the kernels in their own dtype; their gradients are rounded to dtype, as
   # the twin's (autodiff of the dtype copies)
@@ -197,8 +323,7 @@ def weightgen_pallas(x, w_tok, a1, b1, a_k, a_v, *, eps: float = EPS, dtype=jnp.
   m, (e, W) = w_tok.shape[1], a_k.shape
   if not supported(N, m, d, e, W):
     raise ValueError(f"weightgen: no kernel for N={N}, m={m}, d={d}, e={e}, W={W} "
-                     f"(supported(): powers of two >= 16, d and e at most {MAX_HIDDEN}, W at "
-                     f"most {MAX_WIDTH})")
+                     f"(supported(): m, d, e, W powers of two >= 16, at most {MAX_WIDE})")
   if w_tok.shape[0] != N or a1.shape != (d, e) or b1.shape != (e,) or a_v.shape != (e, W):
     raise ValueError(f"weightgen: w_tok {w_tok.shape}, a1 {a1.shape}, b1 {b1.shape}, a_k "
                      f"{a_k.shape}, a_v {a_v.shape} do not fit x {x.shape}")
@@ -207,10 +332,23 @@ def weightgen_pallas(x, w_tok, a1, b1, a_k, a_v, *, eps: float = EPS, dtype=jnp.
 
 
 def supported(N: int, m: int, d: int, e: int, W: int) -> bool:
-  """Whether the kernels take these widths: all powers of two >= 16 (Triton tiles), ``d, e <=
-  MAX_HIDDEN``, ``W <= MAX_WIDTH`` and ``N, m <= 128`` (a program's tiles and registers)."""
-  return (all(is_tile(n) for n in (N, m, d, e, W)) and max(d, e) <= MAX_HIDDEN
-          and W <= MAX_WIDTH and max(N, m) <= 128)
+  """Whether the kernels take these widths: ``m, d, e, W`` powers of two >= 16 (Triton tiles),
+  and either all of ``N, m, d, e, W`` in one tile (``N`` a power of two too, ``d, e <=
+  MAX_HIDDEN``, ``W <= MAX_WIDTH``, ``N, m <= 128``) or, in chunks (wide), ``N`` up to 64 and the
+  rest up to ``MAX_WIDE``'s."""
+  if not all(is_tile(n) for n in (m, d, e, W)) or N < 1:
+    return False
+  return _narrow_widths(N, m, d, e, W) or all(
+      n <= MAX_WIDE[k] for k, n in zip(("N", "m", "d", "e", "W"), (N, m, d, e, W), strict=True))
+
+
+def _narrow_widths(N, m, d, e, W) -> bool:
+  return is_tile(N) and max(d, e) <= MAX_HIDDEN and W <= MAX_WIDTH and max(N, m) <= 128
+
+
+def _narrow(cfg: _Cfg) -> bool:
+  """Whether one tile takes each width (the narrow kernels; mid's shapes)."""
+  return _narrow_widths(cfg.N, cfg.m, cfg.d, cfg.e, cfg.W)
 
 
 def flops(B: int, N: int, m: int, d: int, e: int, W: int) -> float:

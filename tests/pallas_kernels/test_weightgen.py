@@ -38,12 +38,21 @@ def test_twin_matches_numpy():
     close(got, want, 1e-5)
 
 
+# the narrow kernels (every width one tile), then the wide ones (in chunks, prod's kind): 48
+# tokens (padded to 64 by masked loads), 2 key chunks, 2 column chunks of d, e and W
+SHAPES = {"narrow": dict(B=3, N=16, m=32, d=32, e=16, W=64),
+          "wide": dict(B=2, N=48, m=64, d=256, e=256, W=256)}
+
+
 @pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 3e-2)])
-def test_kernels_match_the_twin(dtype, tol):
-  args = tuple(map(jnp.asarray, _inputs(seed=int(dtype == jnp.float32))))
+@pytest.mark.parametrize("shape", ["narrow", "wide"])
+def test_kernels_match_the_twin(dtype, tol, shape):
+  sh = SHAPES[shape]
+  args = tuple(map(jnp.asarray, _inputs(**sh, seed=int(dtype == jnp.float32))))
   args = (args[0].astype(dtype),) + args[1:]
   rng = np.random.default_rng(5)
-  ck, cv = (jnp.asarray(rng.normal(size=(3, 32, 64)), jnp.float32) for _ in range(2))
+  out = (sh["B"], sh["m"], sh["W"])
+  ck, cv = (jnp.asarray(rng.normal(size=out), jnp.float32) for _ in range(2))
 
   def run(fn):
     def loss(*a):
@@ -54,7 +63,7 @@ def test_kernels_match_the_twin(dtype, tol):
   with _poison.poison_outputs():
     (k, v), grads = run(lambda *a, **kw: weightgen.weightgen_pallas(*a, interpret=True, **kw))
   (rk, rv), rgrads = run(weightgen.weightgen_xla)
-  assert k.dtype == dtype and k.shape == rk.shape == (3, 32, 64)
+  assert k.dtype == dtype and k.shape == rk.shape == out
   close(k, rk, tol)
   close(v, rv, tol)
   for g, rg in zip(grads, rgrads, strict=True):
@@ -64,10 +73,12 @@ def test_kernels_match_the_twin(dtype, tol):
 
 def test_unsupported_widths_and_mismatched_weights_raise():
   assert weightgen.supported(32, 64, 128, 128, 256)                # mid's high-value towers
-  assert not weightgen.supported(48, 256, 256, 256, 512)           # prod's: XLA runs it
+  assert weightgen.supported(48, 256, 256, 256, 512)               # prod's: the wide kernels
+  assert not weightgen.supported(96, 256, 256, 256, 512)           # N past 64
+  assert not weightgen.supported(48, 256, 512, 256, 512)           # d past 256
   x, w, a1, b1, ak, av = map(jnp.asarray, _inputs())
   with pytest.raises(ValueError, match="no kernel"):
-    weightgen.weightgen_pallas(x[:, :12], w[:12], a1, b1, ak, av, interpret=True)
+    weightgen.weightgen_pallas(x, w[:, :24], a1, b1, ak, av, interpret=True)     # m 24
   with pytest.raises(ValueError, match="do not fit"):
     weightgen.weightgen_pallas(x, w, a1, b1, ak, av[:, :32], interpret=True)
 
