@@ -34,7 +34,7 @@ def test_twin_matches_numpy():
 @pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 3e-2)])
 # the last: prod's click / conversion streams (K 1024 after padding, hidden and output 512), the
 # hidden layer in two chunks
-@pytest.mark.parametrize("N,K,F,D", [(77, 64, 32, 32), (45, 512, 256, 256), (37, 1024, 512, 512)])
+@pytest.mark.parametrize("N,K,F,D", [(77, 64, 32, 32), (45, 512, 256, 256), (21, 1024, 512, 512)])
 def test_kernels_match_the_twin(dtype, tol, N, K, F, D):
   x, w1, b1, w2, b2, valid = map(jnp.asarray, _inputs(N, K, F, D, N + K))
   x = x.astype(dtype)
