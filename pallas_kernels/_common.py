@@ -46,6 +46,13 @@ def is_tile(n: int) -> bool:
   return n >= 16 and n & (n - 1) == 0
 
 
+def spans(n: int, size: int) -> list[tuple[int, int]]:
+  """Static ``(start, width)`` chunks of ``n`` columns (or rows), ``size`` wide (one when
+  ``n <= size``)."""
+  w = min(n, size)
+  return [(c, w) for c in range(0, n, w)]
+
+
 def _row_mask(ref, r0, rows, width):
   ok = (r0 + jnp.arange(rows)) < ref.shape[0]
   return jnp.broadcast_to(ok[:, None], (rows, width))

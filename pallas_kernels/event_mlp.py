@@ -33,6 +33,7 @@ from pallas_kernels._common import (
     load_vec,
     precision,
     round_to,
+    spans,
     store_rows,
 )
 
@@ -71,12 +72,6 @@ def _dot(a, b, cfg: _Cfg, **kw):
   return plgpu.dot(a, b, precision=precision(a.dtype), **kw)
 
 
-def _chunks(n, size=None):
-  """Static ``(start, width)`` chunks of ``n`` columns, ``size`` (default ``CHUNK``) wide."""
-  w = min(n, size or CHUNK)
-  return [(c, w) for c in range(0, n, w)]
-
-
 def _w(ref, rows, cols=None):
   """A static block of a weight: ``rows``, ``cols`` ``(start, width)`` or None (all)."""
   (r0, rn), (c0, cn) = rows or (0, ref.shape[0]), cols or (0, ref.shape[1])
@@ -87,7 +82,7 @@ def _hidden(x_ref, r0, w1_ref, b1_ref, fc, cfg: _Cfg):
   """``z`` (rounded to dtype, as float32) of a row tile's hidden columns ``fc`` (a static
   ``(start, width)``), ``x w1`` accumulated over ``K``'s chunks."""
   z = jnp.zeros((cfg.rows, fc[1]), F32)
-  for ch in _chunks(x_ref.shape[1]):
+  for ch in spans(x_ref.shape[1], CHUNK):
     z = z + _dot(load_rows(x_ref, r0, cfg.rows, ch).astype(cfg.dtype), _w(w1_ref, ch, fc), cfg)
   b1 = plgpu.load(b1_ref.at[pl.ds(*fc)]).astype(cfg.dtype).astype(F32)
   return round_to(round_to(z, cfg.dtype) + b1[None], cfg.dtype)
@@ -95,11 +90,11 @@ def _hidden(x_ref, r0, w1_ref, b1_ref, fc, cfg: _Cfg):
 
 def _fwd_kernel(x_ref, w1_ref, b1_ref, w2_ref, b2_ref, v_ref, y_ref, *, cfg: _Cfg):
   r0 = pl.program_id(0) * cfg.rows
-  fcs = _chunks(w1_ref.shape[1], cfg.hidden)
+  fcs = spans(w1_ref.shape[1], cfg.hidden)
   hs = [round_to(_GELU(_hidden(x_ref, r0, w1_ref, b1_ref, fc, cfg)), cfg.dtype).astype(cfg.dtype)
         for fc in fcs]
   valid = load_vec(v_ref, r0, cfg.rows)[:, None]
-  for c0, w in _chunks(w2_ref.shape[1]):
+  for c0, w in spans(w2_ref.shape[1], CHUNK):
     b2 = plgpu.load(b2_ref.at[pl.ds(c0, w)]).astype(cfg.dtype).astype(F32)
     acc = sum(_dot(h, _w(w2_ref, fc, (c0, w)), cfg) for h, fc in zip(hs, fcs, strict=True))
     y = round_to(acc, cfg.dtype) + b2[None]
@@ -111,12 +106,12 @@ def _bwd_kernel(x_ref, w1_ref, b1_ref, w2_ref, v_ref, dy_ref, dx_ref, hm_ref, dz
   i = pl.program_id(0)
   r0 = i * cfg.rows
   valid = load_vec(v_ref, r0, cfg.rows)[:, None]
-  fcs = _chunks(w1_ref.shape[1], cfg.hidden)
+  fcs = spans(w1_ref.shape[1], cfg.hidden)
   dzs = []
   for fc in fcs:                               # the hidden layer, a chunk of its columns at a time
     z = _hidden(x_ref, r0, w1_ref, b1_ref, fc, cfg)
     dh = jnp.zeros(z.shape, F32)
-    for c0, w in _chunks(dy_ref.shape[1]):     # the second layer's output cotangent, masked
+    for c0, w in spans(dy_ref.shape[1], CHUNK):     # the second layer's output cotangent, masked
       dy = round_to(jnp.where(valid > 0, load_rows(dy_ref, r0, cfg.rows, (c0, w)).astype(F32),
                               0.0), cfg.dtype)
       dh = dh + _dot(dy.astype(cfg.dtype), _w(w2_ref, fc, (c0, w)), cfg, trans_b=True)
@@ -128,7 +123,7 @@ def _bwd_kernel(x_ref, w1_ref, b1_ref, w2_ref, v_ref, dy_ref, dx_ref, hm_ref, dz
     store_rows(dz_ref, r0, dz, fc[0])
     plgpu.store(db1_ref.at[i, pl.ds(*fc)], jnp.sum(dz, axis=0))
     dzs.append(dz.astype(cfg.dtype))
-  for ch in _chunks(x_ref.shape[1]):
+  for ch in spans(x_ref.shape[1], CHUNK):
     dx = sum(_dot(dz, _w(w1_ref, ch, fc), cfg, trans_b=True) for dz, fc in zip(dzs, fcs,
                                                                                 strict=True))
     store_rows(dx_ref, r0, dx, ch[0])

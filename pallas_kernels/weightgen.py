@@ -31,7 +31,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import _poison
-from pallas_kernels._common import dot, is_tile, round_to
+from pallas_kernels._common import dot, is_tile, round_to, spans
 
 F32 = jnp.float32
 EPS = 1e-6
@@ -162,15 +162,9 @@ def _np(cfg: _Cfg) -> int:
   return max(16, 1 << (cfg.N - 1).bit_length())
 
 
-def _spans(n, size):
-  """Static ``(start, width)`` chunks of ``n``."""
-  w = min(n, size)
-  return [(c, w) for c in range(0, n, w)]
-
-
 def _block(ref, rows, cols, n_rows=None, b=None):
-  """``ref[b?, rows, cols]`` (static ``(start, width)`` spans) as float32 or the ref's dtype, rows
-  past ``n_rows`` zero."""
+  """``ref[b?, rows, cols]`` (static ``(start, width)`` spans) in the ref's dtype, rows past
+  ``n_rows`` zero."""
   (r0, rn), (c0, cn) = rows, cols
   at = ref.at[pl.ds(r0, rn), pl.ds(c0, cn)] if b is None else ref.at[b, pl.ds(r0, rn),
                                                                      pl.ds(c0, cn)]
@@ -196,7 +190,7 @@ def _x(x_ref, b, dc, cfg: _Cfg):
 def _wide_norm(x_ref, b, cfg: _Cfg):
   """``(rs [Np, 1], xn chunks [Np, CH] rounded to dtype)`` of example ``b`` (the unrounded
   float32 ``xn`` is loaded again where the backward needs it: fewer live registers)."""
-  dcs = _spans(cfg.d, CH)
+  dcs = spans(cfg.d, CH)
   rs = lax.rsqrt(sum(jnp.sum(x * x, axis=1, keepdims=True) for x in (_x(x_ref, b, dc, cfg)
                                                                       for dc in dcs))
                  / cfg.d + cfg.eps)
@@ -208,8 +202,8 @@ def _wide_chain(xn, wt_ref, a1_ref, b1_ref, mc, cfg: _Cfg):
   wt = _block(wt_ref, (0, _np(cfg)), mc, cfg.N)                                   # [Np, MC]
   zs = [_rnd(dot(wt, x, cfg, trans_a=True), cfg) for x in xn]
   pres = []
-  for ec in _spans(cfg.e, CH):
-    acc = sum(dot(z, _block(a1_ref, dc, ec), cfg) for z, dc in zip(zs, _spans(cfg.d, CH),
+  for ec in spans(cfg.e, CH):
+    acc = sum(dot(z, _block(a1_ref, dc, ec), cfg) for z, dc in zip(zs, spans(cfg.d, CH),
                                                                      strict=True))
     b1 = plgpu.load(b1_ref.at[pl.ds(*ec)])[None, :]
     pres.append(_rnd(round_to(acc, cfg.dtype) + round_to(b1, cfg.dtype), cfg))
@@ -219,11 +213,11 @@ def _wide_chain(xn, wt_ref, a1_ref, b1_ref, mc, cfg: _Cfg):
 def _fwd_wide_kernel(x_ref, wt_ref, a1_ref, b1_ref, ak_ref, av_ref, k_ref, v_ref, *, cfg: _Cfg):
   b = pl.program_id(0)
   _, xn = _wide_norm(x_ref, b, cfg)
-  ecs = _spans(cfg.e, CH)
-  for mc in _spans(cfg.m, MC):
+  ecs = spans(cfg.e, CH)
+  for mc in spans(cfg.m, MC):
     _, _, pres = _wide_chain(xn, wt_ref, a1_ref, b1_ref, mc, cfg)
     hs = [_rnd(0.5 * p.astype(F32) * (1.0 + _tanh_arg(p)), cfg) for p in pres]
-    for wc in _spans(cfg.W, CH):
+    for wc in spans(cfg.W, CH):
       for w_ref, o_ref in ((ak_ref, k_ref), (av_ref, v_ref)):
         acc = sum(dot(h, _block(w_ref, ec, wc), cfg) for h, ec in zip(hs, ecs, strict=True))
         _store_block(o_ref, b, mc, wc, acc)
@@ -233,10 +227,10 @@ def _bwd_wide_kernel(x_ref, wt_ref, a1_ref, b1_ref, ak_ref, av_ref, dk_ref, dv_r
                      dx_ref, h_ref, z_ref, dp_ref, gwt_ref, gb_ref, *, cfg: _Cfg):
   b = pl.program_id(0)
   rs, xn = _wide_norm(x_ref, b, cfg)
-  dcs, ecs, wcs, Np = _spans(cfg.d, CH), _spans(cfg.e, CH), _spans(cfg.W, CH), _np(cfg)
+  dcs, ecs, wcs, Np = spans(cfg.d, CH), spans(cfg.e, CH), spans(cfg.W, CH), _np(cfg)
   dxn = [jnp.zeros((Np, dc[1]), F32) for dc in dcs]
   gb = [jnp.zeros((ec[1],), F32) for ec in ecs]
-  for mc in _spans(cfg.m, MC):
+  for mc in spans(cfg.m, MC):
     wt, zs, pres = _wide_chain(xn, wt_ref, a1_ref, b1_ref, mc, cfg)
     for z, dc in zip(zs, dcs, strict=True):
       _store_block(z_ref, b, mc, dc, z)
