@@ -183,7 +183,9 @@ def _fwd_wide_kernel(a_ref, e_ref, z_ref, t_ref, *, cfg: _Cfg):
     b = p * EXAMPLES + i
     rs = [_r(a_ref, e_ref, b, s0, cfg) for s0 in chunks]
     row0, mask = _summaries(cfg, b, dc)
-    for c0 in range(0, cfg.d, dc):
+
+    def cols(j, carry):                                            # a loop: a short program
+      c0 = j * dc
       acc = jnp.zeros((cfg.K, dc), F32)                            # rows in (r, m) order
       for s0, r in zip(chunks, rs, strict=True):
         acc += dot(_z(z_ref, s0, cfg), _cols(a_ref, e_ref, b, s0, c0, r, cfg), cfg,
@@ -191,7 +193,9 @@ def _fwd_wide_kernel(a_ref, e_ref, z_ref, t_ref, *, cfg: _Cfg):
       t = jnp.transpose(acc.reshape(cfg.R, cfg.Mp, dc), (1, 0, 2))   # [Mp, R, DC]
       plgpu.store(t_ref.at[pl.ds(row0, cfg.Mp), pl.ds(0, cfg.R), pl.ds(c0, dc)],
                   t.astype(t_ref.dtype), mask=mask)
-    return carry
+      return carry
+
+    return lax.fori_loop(0, cfg.d // dc, cols, carry)
 
   lax.fori_loop(0, EXAMPLES, one, 0)
 
@@ -199,27 +203,41 @@ def _fwd_wide_kernel(a_ref, e_ref, z_ref, t_ref, *, cfg: _Cfg):
 def _bwd_wide_kernel(a_ref, e_ref, z_ref, dt_ref, da_ref, g_ref, *, cfg: _Cfg):
   dc = _dc(cfg)
   p = pl.program_id(0)
-  for s0 in range(0, cfg.S, ROWS):
+
+  def seeds(c, carry):                             # loops, not unrolled: a short program
+    s0 = c * ROWS
     zc = _z(z_ref, s0, cfg)
 
-    def one(i, gz, s0=s0, zc=zc):
+    def one(i, gz):
       b = p * EXAMPLES + i
       r = _r(a_ref, e_ref, b, s0, cfg)
-      dot_sum = jnp.zeros((ROWS, 1), F32)             # rowsum(dh zn), the norm's correction
-      for c0 in range(0, cfg.d, dc):
-        dt, zn = _dt_cols(dt_ref, b, c0, cfg), _cols(a_ref, e_ref, b, s0, c0, r, cfg)
-        dh = round_to(dot(zc, dt, cfg), cfg.dtype)                 # [ROWS, K] [K, DC]
-        dot_sum += jnp.sum(dh * zn, axis=1, keepdims=True)
-        gz = gz + dot(round_to(zn, cfg.dtype), dt, cfg, trans_b=True)   # [ROWS, K]
-      for c0 in range(0, cfg.d, dc):
-        dt, zn = _dt_cols(dt_ref, b, c0, cfg), _cols(a_ref, e_ref, b, s0, c0, r, cfg)
-        dh = round_to(dot(zc, dt, cfg), cfg.dtype)
-        store_rows(da_ref, b * cfg.S + s0, r * (dh - zn * (dot_sum / cfg.d)), c0)
+
+      def chunk(j):
+        dt, zn = _dt_cols(dt_ref, b, j * dc, cfg), _cols(a_ref, e_ref, b, s0, j * dc, r, cfg)
+        return dt, zn, round_to(dot(zc, dt, cfg), cfg.dtype)      # dh: [ROWS, K] [K, DC]
+
+      def sums(j, acc):                            # rowsum(dh zn) (the norm's correction), gz
+        dot_sum, gz = acc
+        dt, zn, dh = chunk(j)
+        return (dot_sum + jnp.sum(dh * zn, axis=1, keepdims=True),
+                gz + dot(round_to(zn, cfg.dtype), dt, cfg, trans_b=True))   # [ROWS, K]
+
+      dot_sum, gz = lax.fori_loop(0, cfg.d // dc, sums, (jnp.zeros((ROWS, 1), F32), gz))
+
+      def da(j, carry):
+        _, zn, dh = chunk(j)
+        store_rows(da_ref, b * cfg.S + s0, r * (dh - zn * (dot_sum / cfg.d)), j * dc)
+        return carry
+
+      lax.fori_loop(0, cfg.d // dc, da, 0)
       return gz
 
     gz = lax.fori_loop(0, EXAMPLES, one, jnp.zeros((ROWS, cfg.K), F32))
     g = jnp.transpose(gz.reshape(ROWS, cfg.R, cfg.Mp), (1, 0, 2))
     plgpu.store(g_ref.at[pl.ds(p * cfg.R, cfg.R), pl.ds(s0, ROWS), pl.ds(0, cfg.Mp)], g)
+    return carry
+
+  lax.fori_loop(0, cfg.S // ROWS, seeds, 0)
 
 
 def _call(kernel, args, outs, cfg: _Cfg, name):
