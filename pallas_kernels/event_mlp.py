@@ -23,6 +23,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
@@ -41,10 +42,12 @@ F32 = jnp.float32
 WARPS = 8
 CHUNK = 128              # columns of x, dx and y (rows of w1, columns of w2) per GEMM step
 # (forward rows, backward rows, hidden chunk): a row tile's hidden layer is computed a chunk of
-# columns at a time. Up to 256 hidden columns (mid) in one chunk; past that (prod's 512) in chunks
-# of 128, the backward on 16 rows (ptxas sm_90 at prod's K 1024 / 512 / 512: 12 bytes of spill
-# stores backward, 1,656 forward; 64-row backward tiles or 256-column chunks spill 4-8 KB)
-NARROW, WIDE = (64, 32, 256), (64, 16, 128)
+# columns at a time. Up to 256 hidden columns (mid) in one chunk, unrolled; past that (prod's
+# 512), WIDE: chunks of 128, and the K and output column chunks run as loops, unpipelined
+# (Triton's 3 stages ask for 475 KB of shared memory). ptxas sm_90 at prod's K 1024 / 512 / 512:
+# no spills either way (246 registers backward, 174 forward); unrolled, the forward spilled
+# 1,656 bytes on 64 rows and 16-row backward tiles were needed, and ptxas took 12 s
+NARROW, WIDE = (64, 32, 256), (64, 64, 128)
 MAX_WIDTH = {"K": 1024, "F": 512, "D": 512}
 _GELU = activations.kernel_fn("gelu_tanh")                      # jax.nn.gelu(approximate=True)
 _GELU_SLOPE = activations.kernel_fn("gelu_tanh", with_slope=True)
@@ -64,6 +67,18 @@ class _Cfg(NamedTuple):
   rows: int
   hidden: int          # hidden columns per chunk
   interpret: bool
+  loop: bool           # WIDE: the K and output column chunks run as loops
+
+
+def _over(n, cfg: _Cfg, body, carry):
+  """``body((start, width), carry)`` over ``n``'s chunks of ``CHUNK`` columns: a loop with a
+  traced start under ``cfg.loop``, else unrolled with static starts."""
+  if not cfg.loop or n <= CHUNK:
+    for ch in spans(n, CHUNK):
+      carry = body(ch, carry)
+    return carry
+  return lax.fori_loop(0, n // CHUNK,
+                       lambda j, c: body((pl.multiple_of(j * CHUNK, CHUNK), CHUNK), c), carry)
 
 
 def _dot(a, b, cfg: _Cfg, **kw):
@@ -73,7 +88,7 @@ def _dot(a, b, cfg: _Cfg, **kw):
 
 
 def _w(ref, rows, cols=None):
-  """A static block of a weight: ``rows``, ``cols`` ``(start, width)`` or None (all)."""
+  """A block of a weight: ``rows``, ``cols`` ``(start, width)`` or None (all)."""
   (r0, rn), (c0, cn) = rows or (0, ref.shape[0]), cols or (0, ref.shape[1])
   return plgpu.load(ref.at[pl.ds(r0, rn), pl.ds(c0, cn)])
 
@@ -81,9 +96,9 @@ def _w(ref, rows, cols=None):
 def _hidden(x_ref, r0, w1_ref, b1_ref, fc, cfg: _Cfg):
   """``z`` (rounded to dtype, as float32) of a row tile's hidden columns ``fc`` (a static
   ``(start, width)``), ``x w1`` accumulated over ``K``'s chunks."""
-  z = jnp.zeros((cfg.rows, fc[1]), F32)
-  for ch in spans(x_ref.shape[1], CHUNK):
-    z = z + _dot(load_rows(x_ref, r0, cfg.rows, ch).astype(cfg.dtype), _w(w1_ref, ch, fc), cfg)
+  z = _over(x_ref.shape[1], cfg, lambda ch, z: z + _dot(
+      load_rows(x_ref, r0, cfg.rows, ch).astype(cfg.dtype), _w(w1_ref, ch, fc), cfg),
+      jnp.zeros((cfg.rows, fc[1]), F32))
   b1 = plgpu.load(b1_ref.at[pl.ds(*fc)]).astype(cfg.dtype).astype(F32)
   return round_to(round_to(z, cfg.dtype) + b1[None], cfg.dtype)
 
@@ -94,11 +109,14 @@ def _fwd_kernel(x_ref, w1_ref, b1_ref, w2_ref, b2_ref, v_ref, y_ref, *, cfg: _Cf
   hs = [round_to(_GELU(_hidden(x_ref, r0, w1_ref, b1_ref, fc, cfg)), cfg.dtype).astype(cfg.dtype)
         for fc in fcs]
   valid = load_vec(v_ref, r0, cfg.rows)[:, None]
-  for c0, w in spans(w2_ref.shape[1], CHUNK):
-    b2 = plgpu.load(b2_ref.at[pl.ds(c0, w)]).astype(cfg.dtype).astype(F32)
-    acc = sum(_dot(h, _w(w2_ref, fc, (c0, w)), cfg) for h, fc in zip(hs, fcs, strict=True))
+
+  def out(ch, carry):
+    b2 = plgpu.load(b2_ref.at[pl.ds(*ch)]).astype(cfg.dtype).astype(F32)
+    acc = sum(_dot(h, _w(w2_ref, fc, ch), cfg) for h, fc in zip(hs, fcs, strict=True))
     y = round_to(acc, cfg.dtype) + b2[None]
-    store_rows(y_ref, r0, jnp.where(valid > 0, y, 0.0), c0)
+    store_rows(y_ref, r0, jnp.where(valid > 0, y, 0.0), ch[0])
+    return carry
+  _over(w2_ref.shape[1], cfg, out, 0)
 
 
 def _bwd_kernel(x_ref, w1_ref, b1_ref, w2_ref, v_ref, dy_ref, dx_ref, hm_ref, dz_ref, db1_ref,
@@ -110,23 +128,27 @@ def _bwd_kernel(x_ref, w1_ref, b1_ref, w2_ref, v_ref, dy_ref, dx_ref, hm_ref, dz
   dzs = []
   for fc in fcs:                               # the hidden layer, a chunk of its columns at a time
     z = _hidden(x_ref, r0, w1_ref, b1_ref, fc, cfg)
-    dh = jnp.zeros(z.shape, F32)
-    for c0, w in spans(dy_ref.shape[1], CHUNK):     # the second layer's output cotangent, masked
-      dy = round_to(jnp.where(valid > 0, load_rows(dy_ref, r0, cfg.rows, (c0, w)).astype(F32),
-                              0.0), cfg.dtype)
-      dh = dh + _dot(dy.astype(cfg.dtype), _w(w2_ref, fc, (c0, w)), cfg, trans_b=True)
+
+    def back(ch, dh, fc=fc):                   # the second layer's output cotangent, masked
+      dy = round_to(jnp.where(valid > 0, load_rows(dy_ref, r0, cfg.rows, ch).astype(F32), 0.0),
+                    cfg.dtype)
+      dh = dh + _dot(dy.astype(cfg.dtype), _w(w2_ref, fc, ch), cfg, trans_b=True)
       if fc[0] == 0:
-        plgpu.store(db2_ref.at[i, pl.ds(c0, w)], jnp.sum(dy, axis=0))
+        plgpu.store(db2_ref.at[i, pl.ds(*ch)], jnp.sum(dy, axis=0))
+      return dh
+    dh = _over(dy_ref.shape[1], cfg, back, jnp.zeros(z.shape, F32))
     h, slope = _GELU_SLOPE(z)
     dz = round_to(round_to(dh, cfg.dtype) * slope, cfg.dtype)
     store_rows(hm_ref, r0, jnp.where(valid > 0, h, 0.0), fc[0])
     store_rows(dz_ref, r0, dz, fc[0])
     plgpu.store(db1_ref.at[i, pl.ds(*fc)], jnp.sum(dz, axis=0))
     dzs.append(dz.astype(cfg.dtype))
-  for ch in spans(x_ref.shape[1], CHUNK):
-    dx = sum(_dot(dz, _w(w1_ref, ch, fc), cfg, trans_b=True) for dz, fc in zip(dzs, fcs,
-                                                                                strict=True))
-    store_rows(dx_ref, r0, dx, ch[0])
+
+  def dx(ch, carry):
+    store_rows(dx_ref, r0, sum(_dot(dz, _w(w1_ref, ch, fc), cfg, trans_b=True)
+                               for dz, fc in zip(dzs, fcs, strict=True)), ch[0])
+    return carry
+  _over(x_ref.shape[1], cfg, dx, 0)
 
 
 def _check(x, w1, b1, w2, b2, valid):
@@ -151,19 +173,24 @@ def _tiles(F: int) -> tuple[int, int, int]:
   return NARROW if F <= NARROW[2] else WIDE
 
 
+def _cfg(dtype, rows, F, interpret) -> _Cfg:
+  return _Cfg(dtype, rows, _tiles(F)[2], interpret, loop=F > NARROW[2])
+
+
 def _call(kernel, args, outs, rows, cfg: _Cfg, name):
   whole = pl.no_block_spec
   return _poison.pallas_call(
       functools.partial(kernel, cfg=cfg), args, out_shape=outs,
       grid=(pl.cdiv(args[0].shape[0], rows),), in_specs=[whole] * len(args),
       out_specs=tuple(whole for _ in outs) if isinstance(outs, tuple) else whole,
-      interpret=cfg.interpret, name=name, compiler_params=plgpu.CompilerParams(num_warps=WARPS))
+      interpret=cfg.interpret, name=name, compiler_params=plgpu.CompilerParams(
+          num_warps=WARPS, num_stages=1 if cfg.loop else None))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
 def _fused(x, w1, b1, w2, b2, valid, dtype, interpret):
-  rows, _, chunk = _tiles(w1.shape[1])
-  cfg = _Cfg(dtype, rows, chunk, interpret)
+  rows = _tiles(w1.shape[1])[0]
+  cfg = _cfg(dtype, rows, w1.shape[1], interpret)
   args = (x, w1.astype(dtype), b1, w2.astype(dtype), b2, valid)
   return _call(_fwd_kernel, args, jax.ShapeDtypeStruct((x.shape[0], w2.shape[1]), dtype),
                rows, cfg, "event_mlp_fwd")
@@ -177,8 +204,8 @@ def _vjp_bwd(dtype, interpret, res, dy):
   x, w1, b1, w2, b2, valid = res
   N, K = x.shape
   F, D = w2.shape
-  _, rows, chunk = _tiles(F)
-  cfg = _Cfg(dtype, rows, chunk, interpret)
+  rows = _tiles(F)[1]
+  cfg = _cfg(dtype, rows, F, interpret)
   T = pl.cdiv(N, rows)
   outs = (jax.ShapeDtypeStruct((N, K), x.dtype), jax.ShapeDtypeStruct((N, F), dtype),
           jax.ShapeDtypeStruct((N, F), dtype), jax.ShapeDtypeStruct((T, F), F32),
