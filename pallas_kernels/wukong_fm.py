@@ -41,6 +41,9 @@ WARPS = 8
 EXAMPLES = 4          # examples per program (token side)
 OUT_EXAMPLES, OUT_WARPS = 8, 4   # the output norm's
 MAX_TILE = 128 * 128  # N (padded to a power of two) x d: the example tile a program holds
+# wider examples (prod's layer 0: 120 tokens x 256) run in column chunks of MAX_TILE / N values,
+# up to this width, with the padded N at most MAX_WIDE_N
+MAX_WIDE_N, MAX_WIDE_D = 128, 1024
 
 
 # ----------------------------------------------------------------------------------- twin
@@ -75,6 +78,11 @@ class _Cfg(NamedTuple):
   def Np(self):
     return pad_pow2(self.N)
 
+  @property
+  def dc(self):
+    """The columns of ``x`` a program holds at once: all of ``d``, or a chunk of them."""
+    return min(self.d, MAX_TILE // self.Np)
+
 
 def _mask(rows, n_rows, cols, n_cols=None, ok=True):
   r = (jnp.arange(rows) < n_rows)[:, None]
@@ -100,6 +108,15 @@ def _rows(ref, b, ok, n=None, off=0):
                     other=0.0)
 
 
+def _cols(ref, b, ok, c0, c):
+  """``ref[b, :, c0:c0 + c]`` (all of its rows) as ``[pad(rows), c]``, zero past its rows and
+  for an example past B."""
+  n = ref.shape[1]
+  rows = pad_pow2(n)
+  return plgpu.load(ref.at[b, pl.ds(0, rows), pl.ds(c0, c)], mask=_mask(rows, n, c, ok=ok),
+                    other=0.0)
+
+
 def _put(ref, b, x, ok, n=None, off=0, col=0, c=None):
   """``ref[b, off:off + n, col:col + c] = x[:n, :c]`` (``x [pad(n), c or pad(c)]``; ``n``:
   default all of ``ref``'s rows; ``c``: default all of its columns)."""
@@ -114,12 +131,29 @@ def _fm(x, yv, valid, cfg: _Cfg):
   """``X^T y`` (rounded), ``F`` (rounded, float32) and its statistics: ``xty [d, r]``,
   ``yhat = (F - mu) rsqrt(var + eps)`` (zero past N), ``rs``."""
   xty = round_to(dot(x, yv, cfg, trans_a=True), cfg.dtype)
-  fm = round_to(dot(x, xty, cfg), cfg.dtype)
+  return (xty,) + _stats(dot(x, xty, cfg), valid, cfg)
+
+
+def _stats(fm, valid, cfg: _Cfg):
+  """``(yhat, rs)`` of ``F`` (accumulated in float32, rounded here) (``_fm``)."""
+  fm = round_to(fm, cfg.dtype)
   n = cfg.N * cfg.r
   mu = jnp.sum(fm) / n
   cen = (fm - mu) * valid
   rs = lax.rsqrt(jnp.sum(cen * cen) / n + cfg.eps)
-  return xty, cen * rs, rs
+  return cen * rs, rs
+
+
+def _fm_wide(x_ref, b, ok, yv, cfg: _Cfg, each=None):
+  """``F`` (float32, unrounded) of example ``b`` accumulated over ``x``'s column chunks
+  (``cfg.dc``), calling ``each(c0, x_c)`` on every chunk ``x_c [Np, dc]`` too."""
+  def chunk(c, fm):
+    c0 = pl.multiple_of(c * cfg.dc, cfg.dc)
+    x = _cols(x_ref, b, ok, c0, cfg.dc)
+    if each is not None:
+      each(c0, x)
+    return fm + dot(x, round_to(dot(x, yv, cfg, trans_a=True), cfg.dtype), cfg)
+  return lax.fori_loop(0, cfg.d // cfg.dc, chunk, jnp.zeros((cfg.Np, cfg.r), F32))
 
 
 def _fwd_kernel(x_ref, y_ref, s_ref, b_ref, *refs, cfg: _Cfg):
@@ -183,6 +217,80 @@ def _bwd_kernel(x_ref, y_ref, s_ref, dh_ref, *refs, cfg: _Cfg):
     col += c
 
 
+def _fwd_wide_kernel(x_ref, y_ref, s_ref, b_ref, *refs, cfg: _Cfg):
+  """``_fwd_kernel`` over ``x``'s column chunks: ``F`` accumulates over them while each chunk's
+  columns of the mixes are written."""
+  K = len(cfg.ms)
+  w_refs, h_ref, mix_refs = refs[:K], refs[K], refs[K + 1:]
+  yv = _shared(y_ref, cfg)
+  wvs = [_shared(w, cfg) for w in w_refs]
+  sc, bi = _shared(s_ref, cfg), _shared(b_ref, cfg)
+  valid = _mask(cfg.Np, cfg.N, cfg.r).astype(F32)
+  i0 = pl.program_id(0)
+
+  def one(i, carry):
+    b = i0 * EXAMPLES + i
+    ok = b < cfg.B
+
+    def mixes(c0, x):
+      for wv, mix_ref in zip(wvs, mix_refs, strict=True):
+        _put(mix_ref, b, dot(wv, x, cfg, trans_a=True), ok, col=c0, c=cfg.dc)
+    yhat, _ = _stats(_fm_wide(x_ref, b, ok, yv, cfg, mixes), valid, cfg)
+    _put(h_ref, b, yhat * sc + bi, ok)
+    return carry
+
+  lax.fori_loop(0, EXAMPLES, one, 0)
+
+
+def _bwd_wide_kernel(x_ref, y_ref, s_ref, dh_ref, *refs, cfg: _Cfg):
+  """``_bwd_kernel`` over ``x``'s column chunks, two passes per example: ``F`` and its
+  cotangent first, then each chunk's ``X^T y``, ``dx`` and gradient terms."""
+  K = len(cfg.ms)
+  w_refs, dm_refs = refs[:K], refs[K:2 * K]
+  dx_ref, part_ref = refs[2 * K:]
+  i0 = pl.program_id(0)
+  yv, sc = _shared(y_ref, cfg), _shared(s_ref, cfg)
+  wvs = [_shared(w, cfg) for w in w_refs]
+  valid = _mask(cfg.Np, cfg.N, cfg.r).astype(F32)
+  n = cfg.N * cfg.r
+
+  def one(i, carry):
+    gy, gs, gb, gws = carry
+    b = i0 * EXAMPLES + i
+    ok = b < cfg.B
+    yhat, rs = _stats(_fm_wide(x_ref, b, ok, yv, cfg), valid, cfg)
+    g = _rows(dh_ref, b, ok).astype(F32)
+    dyh = g * sc
+    dfm = rs * (dyh - jnp.sum(dyh) / n - yhat * (jnp.sum(dyh * yhat) / n)) * valid
+    dfm = round_to(dfm, cfg.dtype)                    # F's cotangent, in F's dtype
+
+    def chunk(c, acc):
+      gy, gws = acc
+      c0 = pl.multiple_of(c * cfg.dc, cfg.dc)
+      x = _cols(x_ref, b, ok, c0, cfg.dc)
+      xty = round_to(dot(x, yv, cfg, trans_a=True), cfg.dtype)          # [dc, r]
+      dxty = round_to(dot(x, dfm, cfg, trans_a=True), cfg.dtype)
+      dx = dot(dfm, xty, cfg, trans_b=True) + dot(yv, dxty, cfg, trans_b=True)
+      new_gws = []
+      for wv, dm_ref, gw in zip(wvs, dm_refs, gws, strict=True):
+        gm = _cols(dm_ref, b, ok, c0, cfg.dc)
+        dx = dx + dot(wv, gm, cfg)
+        new_gws.append(gw + dot(x, gm, cfg, trans_b=True))
+      _put(dx_ref, b, dx, ok, col=c0, c=cfg.dc)
+      return gy + dot(x, dxty, cfg), tuple(new_gws)
+
+    gy, gws = lax.fori_loop(0, cfg.d // cfg.dc, chunk, (gy, gws))
+    return gy, gs + g * yhat, gb + g, gws
+
+  z = lambda c: jnp.zeros((cfg.Np, c), F32)
+  carry = (z(cfg.r), z(cfg.r), z(cfg.r), tuple(z(pad_pow2(m)) for m in cfg.ms))
+  gy, gs, gb, gws = lax.fori_loop(0, EXAMPLES, one, carry)
+  col = 0
+  for v, c in zip((gy, gs, gb) + gws, _part_widths(cfg), strict=True):
+    _put(part_ref, i0, v, True, col=col, c=c)
+    col += c
+
+
 def _part_widths(cfg: _Cfg) -> tuple:
   """The columns of the backward's partial sums, side by side in one output: the gradients of
   y, scale and bias (r each), then of each map (m_k)."""
@@ -202,7 +310,8 @@ def _call(kernel, cfg, args, outs, examples, warps, interpret, name):
 def _fwd(x, y, ws, sc, bi, cfg: _Cfg):
   outs = (jax.ShapeDtypeStruct((cfg.B, cfg.N, cfg.r), cfg.dtype),) + tuple(
       jax.ShapeDtypeStruct((cfg.B, m, cfg.d), cfg.dtype) for m in cfg.ms)
-  return _call(_fwd_kernel, cfg, (x, y, sc, bi) + tuple(ws), outs, EXAMPLES, WARPS,
+  kernel = _fwd_wide_kernel if cfg.dc < cfg.d else _fwd_kernel
+  return _call(kernel, cfg, (x, y, sc, bi) + tuple(ws), outs, EXAMPLES, WARPS,
                cfg.interpret, "wukong_fm_fwd")
 
 
@@ -210,7 +319,8 @@ def _bwd(x, y, ws, sc, dh, dms, cfg: _Cfg):
   # per program, every weight's partial sums in one [N, 3r + sum m_k] block: one reduction after
   part = (pl.cdiv(cfg.B, EXAMPLES), cfg.N, sum(_part_widths(cfg)))
   outs = (jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct(part, F32))
-  return _call(_bwd_kernel, cfg, (x, y, sc, dh) + tuple(ws) + tuple(dms), outs, EXAMPLES, WARPS,
+  kernel = _bwd_wide_kernel if cfg.dc < cfg.d else _bwd_kernel
+  return _call(kernel, cfg, (x, y, sc, dh) + tuple(ws) + tuple(dms), outs, EXAMPLES, WARPS,
                cfg.interpret, "wukong_fm_bwd")
 
 
@@ -259,7 +369,8 @@ def wukong_fm_pallas(x, y, ws, scale, bias, *, eps: float = EPS, dtype=jnp.bfloa
   if not supported(N, d, r, ms):
     raise ValueError(f"wukong_fm: no kernel for N={N}, d={d}, rank={r}, mixes={ms} "
                      "(supported(): d and rank powers of two >= 16, N padded times d at most "
-                     f"{MAX_TILE}, at least one mix, each at most 128 wide)")
+                     f"{MAX_TILE} or N padded at most {MAX_WIDE_N} and d at most {MAX_WIDE_D}, "
+                     "one to four mixes, each at most 128 wide)")
   if (y.shape[0] != N or any(w.shape[0] != N for w in ws) or scale.shape != (N * r,)
       or bias.shape != (N * r,)):
     raise ValueError(f"wukong_fm: y {y.shape}, ws {[w.shape for w in ws]}, scale "
@@ -271,9 +382,12 @@ def wukong_fm_pallas(x, y, ws, scale, bias, *, eps: float = EPS, dtype=jnp.bfloa
 def supported(N: int, d: int, rank: int, mixes) -> bool:
   """Whether the kernels take a layer of ``N`` tokens of width ``d``, rank ``rank`` and mixes of
   widths ``mixes``: ``d`` and ``rank`` powers of two >= 16, an example tile (``N`` padded to a
-  power of two, times ``d``) of at most ``MAX_TILE`` values, one to four mixes of at most 128
+  power of two, times ``d``) of at most ``MAX_TILE`` values or, in column chunks, ``N`` padded
+  at most ``MAX_WIDE_N`` and ``d`` at most ``MAX_WIDE_D``, one to four mixes of at most 128
   tokens each (the callers fall back to XLA)."""
-  return (is_tile(d) and is_tile(rank) and N >= 1 and pad_pow2(N) * d <= MAX_TILE
+  Np = pad_pow2(N)
+  fits = Np * d <= MAX_TILE or (Np <= MAX_WIDE_N and d <= MAX_WIDE_D)
+  return (is_tile(d) and is_tile(rank) and N >= 1 and fits
           and 1 <= len(mixes) <= 4 and all(1 <= m <= 128 for m in mixes))
 
 
