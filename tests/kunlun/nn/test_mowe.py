@@ -136,11 +136,13 @@ def test_mowe_cross_layer_params_shard_on_expert_axis():
   assert boxed["params"]["experts"]["cross_proj"].value.shape == (2, 6, 4)
 
 
-@pytest.mark.parametrize("dtype,n_in,layers", [(jnp.float32, 20, 2), (jnp.float32, 6, 2),
-                                               (jnp.bfloat16, 20, 2), (jnp.float32, 20, 3)])
-def test_pallas_token_side_matches_xla(dtype, n_in, layers):
+@pytest.mark.parametrize("dtype,n_in,layers,d", [
+    (jnp.float32, 20, 2, 32), (jnp.float32, 6, 2, 32), (jnp.bfloat16, 20, 2, 32),
+    (jnp.float32, 20, 3, 32), (jnp.float32, 72, 2, 256)])
+def test_pallas_token_side_matches_xla(dtype, n_in, layers, d):
   """backend="pallas" (``pallas_kernels.wukong_fm`` in interpret mode: the FM, its norm and the
-  token maps of every layer, the first cross-layer map riding along layer 0's pass; the last
+  token maps of every layer, the first cross-layer map riding along layer 0's pass; at 72
+  tokens of 256, layer 0's examples in the kernels' column chunks, as prod's; the last
   layer's cross-layer input written by the second-to-last layer's output norm, layer 0's with 2
   layers, layer 1's with 3) against the XLA backend: output and gradients of parameters and
   tokens, with N_in != n_out (layer 0 has a residual map) and N_in == n_out, and an all-zero
@@ -148,12 +150,12 @@ def test_pallas_token_side_matches_xla(dtype, n_in, layers):
   6 bfloat16 ulps: XLA:CPU sums the weight gradients' 16-bit products in 16 bits, the kernels in
   float32)."""
   rng = np.random.default_rng(n_in)
-  x = rng.normal(size=(5, n_in, 32)).astype(np.float32)
+  x = rng.normal(size=(5, n_in, d)).astype(np.float32)
   x[2] = 0.0
   x = jnp.asarray(x, dtype)
   mods = {b: MoWE(2, layers, 6, 16, 32, dtype=dtype, cross_layer=True, backend=b)
           for b in ("xla", "pallas")}
-  assert wukong.fm_kernel("pallas", n_in, 32, 16, [3, 6])
+  assert wukong.fm_kernel("pallas", n_in, d, 16, [3, 6])
   params = jax.jit(mods["xla"].init)(jax.random.key(1), x)
-  g = jnp.asarray(rng.normal(size=(5, 6, 32)), jnp.float32)
+  g = jnp.asarray(rng.normal(size=(5, 6, d)), jnp.float32)
   pallas_matches_xla(mods, params, x, lambda m, v, x: m.apply(v, x), g, dtype, bf16_tol=4e-2)
