@@ -310,7 +310,7 @@ def _call(kernel, cfg, args, outs, examples, warps, interpret, name):
 def _fwd(x, y, ws, sc, bi, cfg: _Cfg):
   outs = (jax.ShapeDtypeStruct((cfg.B, cfg.N, cfg.r), cfg.dtype),) + tuple(
       jax.ShapeDtypeStruct((cfg.B, m, cfg.d), cfg.dtype) for m in cfg.ms)
-  kernel = _fwd_wide_kernel if cfg.dc < cfg.d else _fwd_kernel
+  kernel = _fwd_wide_kernel if chunked(cfg.N, cfg.d) else _fwd_kernel
   return _call(kernel, cfg, (x, y, sc, bi) + tuple(ws), outs, EXAMPLES, WARPS,
                cfg.interpret, "wukong_fm_fwd")
 
@@ -319,7 +319,7 @@ def _bwd(x, y, ws, sc, dh, dms, cfg: _Cfg):
   # per program, every weight's partial sums in one [N, 3r + sum m_k] block: one reduction after
   part = (pl.cdiv(cfg.B, EXAMPLES), cfg.N, sum(_part_widths(cfg)))
   outs = (jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct(part, F32))
-  kernel = _bwd_wide_kernel if cfg.dc < cfg.d else _bwd_kernel
+  kernel = _bwd_wide_kernel if chunked(cfg.N, cfg.d) else _bwd_kernel
   return _call(kernel, cfg, (x, y, sc, dh) + tuple(ws) + tuple(dms), outs, EXAMPLES, WARPS,
                cfg.interpret, "wukong_fm_bwd")
 
@@ -389,6 +389,13 @@ def supported(N: int, d: int, rank: int, mixes) -> bool:
   fits = Np * d <= MAX_TILE or (Np <= MAX_WIDE_N and d <= MAX_WIDE_D)
   return (is_tile(d) and is_tile(rank) and N >= 1 and fits
           and 1 <= len(mixes) <= 4 and all(1 <= m <= 128 for m in mixes))
+
+
+def chunked(N: int, d: int) -> bool:
+  """Whether an example of ``N`` tokens of width ``d`` runs in column chunks (its tile, ``N``
+  padded to a power of two times ``d``, past ``MAX_TILE``): the backward's second pass over the
+  chunks computes ``X^T y`` once more."""
+  return pad_pow2(N) * d > MAX_TILE
 
 
 # ------------------------------------------------------------------------- the output norm

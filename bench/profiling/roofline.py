@@ -20,6 +20,7 @@ from bench.profiling import hlo_stats
 from kunlun.models.flops import band_pairs
 from kunlun.nn import attention, hsp, packed, weightgen, wukong
 from pallas_kernels import weightgen as wg_kernels
+from pallas_kernels import wukong_fm as fm_kernels
 
 # launch_s: one kernel in a CUDA graph (XLA runs the step's kernels as graphs), ~1 us.
 H200 = {"peak_flops": 989e12, "bandwidth": 4.8e12, "launch_s": 1e-6}
@@ -598,8 +599,10 @@ def wukong_fm_flops(B: int, N: int, d: int, r: int, mixes) -> float:
   """FLOPs of ``pallas_kernels.wukong_fm``'s token-side kernels on ``B`` examples of ``N`` tokens
   of width ``d`` (the output norm's are elementwise, not counted): the forward's ``X^T y``,
   ``X (X^T y)`` and maps (``4 N d r + 2 N d sum(m)``), the backward's recomputed two, its four
-  ``[N, d, r]`` products and two per map (``12 N d r + 4 N d sum(m)``)."""
-  return float(B) * N * d * (16 * r + 6 * sum(mixes))
+  ``[N, d, r]`` products and two per map (``12 N d r + 4 N d sum(m)``); an example in column
+  chunks (``wukong_fm.chunked``) computes ``X^T y`` once more in the backward (``2 N d r``)."""
+  again = 2 if fm_kernels.chunked(N, d) else 0
+  return float(B) * N * d * ((16 + again) * r + 6 * sum(mixes))
 
 
 def _vmap_copies(a) -> int:
