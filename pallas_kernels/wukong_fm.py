@@ -168,6 +168,13 @@ def _fwd_kernel(x_ref, y_ref, s_ref, b_ref, *refs, cfg: _Cfg):
   def one(i, carry):
     b = i0 * EXAMPLES + i
     ok = b < cfg.B
+    if chunked(cfg.N, cfg.d):       # F accumulates over x's column chunks, each chunk's columns
+      def mixes(c0, x):             # of the maps written on the way
+        for wv, mix_ref in zip(wvs, mix_refs, strict=True):
+          _put(mix_ref, b, dot(wv, x, cfg, trans_a=True), ok, col=c0, c=cfg.dc)
+      yhat, _ = _stats(_fm_wide(x_ref, b, ok, yv, cfg, mixes), valid, cfg)
+      _put(h_ref, b, yhat * sc + bi, ok)
+      return carry
     x = _rows(x_ref, b, ok)
     _, yhat, _ = _fm(x, yv, valid, cfg)
     _put(h_ref, b, yhat * sc + bi, ok)
@@ -179,6 +186,8 @@ def _fwd_kernel(x_ref, y_ref, s_ref, b_ref, *refs, cfg: _Cfg):
 
 
 def _bwd_kernel(x_ref, y_ref, s_ref, dh_ref, *refs, cfg: _Cfg):
+  """Chunked examples (``chunked``) take two passes each: ``F`` and its cotangent first, then
+  each column chunk's ``X^T y``, ``dx`` and gradient terms."""
   K = len(cfg.ms)
   w_refs, dm_refs = refs[:K], refs[K:2 * K]
   dx_ref, part_ref = refs[2 * K:]
@@ -188,98 +197,43 @@ def _bwd_kernel(x_ref, y_ref, s_ref, dh_ref, *refs, cfg: _Cfg):
   valid = _mask(cfg.Np, cfg.N, cfg.r).astype(F32)
   n = cfg.N * cfg.r
 
-  def one(i, carry):
-    gy, gs, gb, gws = carry
-    b = i0 * EXAMPLES + i
-    ok = b < cfg.B
-    x = _rows(x_ref, b, ok)
-    xty, yhat, rs = _fm(x, yv, valid, cfg)
-    g = _rows(dh_ref, b, ok).astype(F32)
-    dyh = g * sc
-    dfm = rs * (dyh - jnp.sum(dyh) / n - yhat * (jnp.sum(dyh * yhat) / n)) * valid
-    dfm = round_to(dfm, cfg.dtype)                    # F's cotangent, in F's dtype
+  def terms(x, xty, dfm, b, ok, acc, c0=None):
+    """``dx`` of ``x``'s columns (all, or the chunk at ``c0``), stored, and the gradient terms
+    of ``y`` and the maps added to ``acc``."""
+    gy, gws = acc
+    cols = {} if c0 is None else {"col": c0, "c": cfg.dc}
     dxty = round_to(dot(x, dfm, cfg, trans_a=True), cfg.dtype)       # [d, r]
     dx = dot(dfm, xty, cfg, trans_b=True) + dot(yv, dxty, cfg, trans_b=True)
     new_gws = []
     for wv, dm_ref, gw in zip(wvs, dm_refs, gws, strict=True):
-      gm = _rows(dm_ref, b, ok)
+      gm = _rows(dm_ref, b, ok) if c0 is None else _cols(dm_ref, b, ok, c0, cfg.dc)
       dx = dx + dot(wv, gm, cfg)
       new_gws.append(gw + dot(x, gm, cfg, trans_b=True))
-    _put(dx_ref, b, dx, ok)
-    return gy + dot(x, dxty, cfg), gs + g * yhat, gb + g, tuple(new_gws)
-
-  z = lambda c: jnp.zeros((cfg.Np, c), F32)
-  carry = (z(cfg.r), z(cfg.r), z(cfg.r), tuple(z(pad_pow2(m)) for m in cfg.ms))
-  gy, gs, gb, gws = lax.fori_loop(0, EXAMPLES, one, carry)
-  col = 0
-  for v, c in zip((gy, gs, gb) + gws, _part_widths(cfg), strict=True):
-    _put(part_ref, i0, v, True, col=col, c=c)
-    col += c
-
-
-def _fwd_wide_kernel(x_ref, y_ref, s_ref, b_ref, *refs, cfg: _Cfg):
-  """``_fwd_kernel`` over ``x``'s column chunks: ``F`` accumulates over them while each chunk's
-  columns of the mixes are written."""
-  K = len(cfg.ms)
-  w_refs, h_ref, mix_refs = refs[:K], refs[K], refs[K + 1:]
-  yv = _shared(y_ref, cfg)
-  wvs = [_shared(w, cfg) for w in w_refs]
-  sc, bi = _shared(s_ref, cfg), _shared(b_ref, cfg)
-  valid = _mask(cfg.Np, cfg.N, cfg.r).astype(F32)
-  i0 = pl.program_id(0)
-
-  def one(i, carry):
-    b = i0 * EXAMPLES + i
-    ok = b < cfg.B
-
-    def mixes(c0, x):
-      for wv, mix_ref in zip(wvs, mix_refs, strict=True):
-        _put(mix_ref, b, dot(wv, x, cfg, trans_a=True), ok, col=c0, c=cfg.dc)
-    yhat, _ = _stats(_fm_wide(x_ref, b, ok, yv, cfg, mixes), valid, cfg)
-    _put(h_ref, b, yhat * sc + bi, ok)
-    return carry
-
-  lax.fori_loop(0, EXAMPLES, one, 0)
-
-
-def _bwd_wide_kernel(x_ref, y_ref, s_ref, dh_ref, *refs, cfg: _Cfg):
-  """``_bwd_kernel`` over ``x``'s column chunks, two passes per example: ``F`` and its
-  cotangent first, then each chunk's ``X^T y``, ``dx`` and gradient terms."""
-  K = len(cfg.ms)
-  w_refs, dm_refs = refs[:K], refs[K:2 * K]
-  dx_ref, part_ref = refs[2 * K:]
-  i0 = pl.program_id(0)
-  yv, sc = _shared(y_ref, cfg), _shared(s_ref, cfg)
-  wvs = [_shared(w, cfg) for w in w_refs]
-  valid = _mask(cfg.Np, cfg.N, cfg.r).astype(F32)
-  n = cfg.N * cfg.r
+    _put(dx_ref, b, dx, ok, **cols)
+    return gy + dot(x, dxty, cfg), tuple(new_gws)
 
   def one(i, carry):
     gy, gs, gb, gws = carry
     b = i0 * EXAMPLES + i
     ok = b < cfg.B
-    yhat, rs = _stats(_fm_wide(x_ref, b, ok, yv, cfg), valid, cfg)
+    if chunked(cfg.N, cfg.d):
+      yhat, rs = _stats(_fm_wide(x_ref, b, ok, yv, cfg), valid, cfg)
+    else:
+      x = _rows(x_ref, b, ok)
+      xty, yhat, rs = _fm(x, yv, valid, cfg)
     g = _rows(dh_ref, b, ok).astype(F32)
     dyh = g * sc
     dfm = rs * (dyh - jnp.sum(dyh) / n - yhat * (jnp.sum(dyh * yhat) / n)) * valid
     dfm = round_to(dfm, cfg.dtype)                    # F's cotangent, in F's dtype
-
-    def chunk(c, acc):
-      gy, gws = acc
-      c0 = pl.multiple_of(c * cfg.dc, cfg.dc)
-      x = _cols(x_ref, b, ok, c0, cfg.dc)
-      xty = round_to(dot(x, yv, cfg, trans_a=True), cfg.dtype)          # [dc, r]
-      dxty = round_to(dot(x, dfm, cfg, trans_a=True), cfg.dtype)
-      dx = dot(dfm, xty, cfg, trans_b=True) + dot(yv, dxty, cfg, trans_b=True)
-      new_gws = []
-      for wv, dm_ref, gw in zip(wvs, dm_refs, gws, strict=True):
-        gm = _cols(dm_ref, b, ok, c0, cfg.dc)
-        dx = dx + dot(wv, gm, cfg)
-        new_gws.append(gw + dot(x, gm, cfg, trans_b=True))
-      _put(dx_ref, b, dx, ok, col=c0, c=cfg.dc)
-      return gy + dot(x, dxty, cfg), tuple(new_gws)
-
-    gy, gws = lax.fori_loop(0, cfg.d // cfg.dc, chunk, (gy, gws))
+    if chunked(cfg.N, cfg.d):
+      def chunk(c, acc):
+        c0 = pl.multiple_of(c * cfg.dc, cfg.dc)
+        xc = _cols(x_ref, b, ok, c0, cfg.dc)
+        xty_c = round_to(dot(xc, yv, cfg, trans_a=True), cfg.dtype)     # [dc, r]
+        return terms(xc, xty_c, dfm, b, ok, acc, c0)
+      gy, gws = lax.fori_loop(0, cfg.d // cfg.dc, chunk, (gy, gws))
+    else:
+      gy, gws = terms(x, xty, dfm, b, ok, (gy, gws))
     return gy, gs + g * yhat, gb + g, gws
 
   z = lambda c: jnp.zeros((cfg.Np, c), F32)
@@ -310,8 +264,7 @@ def _call(kernel, cfg, args, outs, examples, warps, interpret, name):
 def _fwd(x, y, ws, sc, bi, cfg: _Cfg):
   outs = (jax.ShapeDtypeStruct((cfg.B, cfg.N, cfg.r), cfg.dtype),) + tuple(
       jax.ShapeDtypeStruct((cfg.B, m, cfg.d), cfg.dtype) for m in cfg.ms)
-  kernel = _fwd_wide_kernel if chunked(cfg.N, cfg.d) else _fwd_kernel
-  return _call(kernel, cfg, (x, y, sc, bi) + tuple(ws), outs, EXAMPLES, WARPS,
+  return _call(_fwd_kernel, cfg, (x, y, sc, bi) + tuple(ws), outs, EXAMPLES, WARPS,
                cfg.interpret, "wukong_fm_fwd")
 
 
@@ -319,8 +272,7 @@ def _bwd(x, y, ws, sc, dh, dms, cfg: _Cfg):
   # per program, every weight's partial sums in one [N, 3r + sum m_k] block: one reduction after
   part = (pl.cdiv(cfg.B, EXAMPLES), cfg.N, sum(_part_widths(cfg)))
   outs = (jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct(part, F32))
-  kernel = _bwd_wide_kernel if chunked(cfg.N, cfg.d) else _bwd_kernel
-  return _call(kernel, cfg, (x, y, sc, dh) + tuple(ws) + tuple(dms), outs, EXAMPLES, WARPS,
+  return _call(_bwd_kernel, cfg, (x, y, sc, dh) + tuple(ws) + tuple(dms), outs, EXAMPLES, WARPS,
                cfg.interpret, "wukong_fm_bwd")
 
 
