@@ -10,12 +10,14 @@ is its twin.
 One forward pass reads ``x`` and writes ``k, v``: XLA runs the chain as about eight passes with
 ``Z`` and ``h`` (and the pre-activation) in memory. The backward kernel recomputes the chain from
 ``x``, reads ``dk, dv``, and writes ``dx``, plus what the weight gradients need: ``h`` (for
-``a_k``, ``a_v``), ``Z`` and the pre-activation's cotangent (for ``a1``), and per-example partial
-sums for ``w_tok`` and ``b1``. The weight gradients are XLA GEMMs over all examples (a
-``[e, W]`` float32 accumulator does not fit a program's registers). One program per example; the
-weights are read by every program (from L2). Past one tile per width (prod) the same chain runs
-in chunks (``_fwd_wide_kernel``, ``_bwd_wide_kernel``). Pallas Triton, for the reason
-``norm_qkv`` gives (deviceless compile through ptxas, interpret mode on CPU).
+``a_k``, ``a_v``), for ``a1`` ``X~`` and ``w_tok dp`` (``dp`` the pre-activation's cotangent:
+``sum_b Z^T dp = sum_b X~^T (w_tok dp)``, ``N`` rows instead of ``m``; the wide kernels write
+``Z`` and ``dp``), and per-example partial sums for ``w_tok`` and ``b1``. The weight gradients
+are XLA GEMMs over all examples (a ``[e, W]`` float32 accumulator does not fit a program's
+registers). One program per example; the weights are read by every program (from L2). Past
+one tile per width (prod) the same chain runs in chunks (``_fwd_wide_kernel``,
+``_bwd_wide_kernel``). Pallas Triton, for the reason ``norm_qkv`` gives (deviceless compile
+through ptxas, interpret mode on CPU).
 """
 
 from __future__ import annotations
@@ -123,7 +125,7 @@ def _fwd_kernel(x_ref, wt_ref, a1_ref, b1_ref, ak_ref, av_ref, k_ref, v_ref, *, 
 
 
 def _bwd_kernel(x_ref, wt_ref, a1_ref, b1_ref, ak_ref, av_ref, dk_ref, dv_ref,
-                dx_ref, h_ref, z_ref, dp_ref, gwt_ref, gb_ref, *, cfg: _Cfg):
+                dx_ref, h_ref, xn_ref, u_ref, gwt_ref, gb_ref, *, cfg: _Cfg):
   # ordered so that few [m, W] / [e, W] tiles are live at once; rounded values kept in dtype
   b = pl.program_id(0)
   dh = round_to(dot(_ex(dk_ref, b), _whole(ak_ref), cfg, trans_b=True), cfg.dtype)
@@ -132,14 +134,14 @@ def _bwd_kernel(x_ref, wt_ref, a1_ref, b1_ref, ak_ref, av_ref, dk_ref, dv_ref,
   b1 = plgpu.load(b1_ref.at[pl.ds(0, cfg.e)])[None, :]
   wt, a1 = _whole(wt_ref), _whole(a1_ref)
   xn, rs, z, pre = _chain(_ex(x_ref, b), wt, a1, b1, cfg)
-  _put(z_ref, b, z)
+  _put(xn_ref, b, xn)                                     # X~, rounded as the chain reads it
   t, p = _tanh_arg(pre), pre.astype(F32)
   _put(h_ref, b, 0.5 * p * (1.0 + t))
   dp = _rnd(dh.astype(F32) * (0.5 * (1.0 + t) + 0.5 * p * (1.0 - t * t) * _C
                               * (1.0 + 3 * _A * p * p)), cfg)
-  _put(dp_ref, b, dp)
   plgpu.store(gb_ref.at[b, pl.ds(0, cfg.e)], jnp.sum(dp.astype(F32), axis=0))
   dz = _rnd(dot(dp, a1, cfg, trans_b=True), cfg)                                    # [m, d]
+  _put(u_ref, b, dot(wt, dp, cfg))                        # w_tok dp [N, e]: a1's gradient
   _put(gwt_ref, b, dot(_rnd(xn, cfg), dz, cfg, trans_b=True))                       # [N, m]
   dxn = round_to(dot(wt, dz, cfg), cfg.dtype)                                       # [N, d]
   _put(dx_ref, b, rs * (dxn - xn * (jnp.sum(dxn * xn, axis=1, keepdims=True) / cfg.d)))
@@ -311,16 +313,20 @@ def _vjp_bwd(eps, dtype, interpret, res, g):
   cfg = _cfg(x, w_tok, a_k, a1, eps, dtype, interpret)
   dk, dv = (c.astype(dtype) for c in g)
   S = jax.ShapeDtypeStruct
-  outs = (S(x.shape, x.dtype), S((cfg.B, cfg.m, cfg.e), dtype), S((cfg.B, cfg.m, cfg.d), dtype),
-          S((cfg.B, cfg.m, cfg.e), dtype), S((cfg.B, cfg.N, cfg.m), F32), S((cfg.B, cfg.e), F32))
-  kernel = _bwd_kernel if _narrow(cfg) else _bwd_wide_kernel
-  dx, h, z, dp, gwt, gb = _call(kernel, cfg, (x, w_tok, a1, b1, a_k, a_v, dk, dv), outs,
-                                "weightgen_bwd", 8)
+  # a1's gradient sum_b Z^T dp as one GEMM over (left, right): the narrow kernel writes X~ and
+  # w_tok dp ([N, .] rows: sum_b X~^T (w_tok dp), N < m at mid and prod), the wide one Z and dp
+  narrow = _narrow(cfg)
+  rows = cfg.N if narrow else cfg.m
+  outs = (S(x.shape, x.dtype), S((cfg.B, cfg.m, cfg.e), dtype), S((cfg.B, rows, cfg.d), dtype),
+          S((cfg.B, rows, cfg.e), dtype), S((cfg.B, cfg.N, cfg.m), F32), S((cfg.B, cfg.e), F32))
+  kernel = _bwd_kernel if narrow else _bwd_wide_kernel
+  dx, h, left, right, gwt, gb = _call(kernel, cfg, (x, w_tok, a1, b1, a_k, a_v, dk, dv), outs,
+                                      "weightgen_bwd", 8)
   # the weights enter the kernels in their own dtype; their gradients are rounded to dtype, as
   # the twin's (autodiff of the dtype copies)
   rnd = lambda g, like: g.astype(dtype).astype(like.dtype)
   mm = lambda a, c: jnp.einsum("bmi,bmj->ij", a, c, preferred_element_type=F32)
-  return (dx, rnd(jnp.sum(gwt, 0), w_tok), rnd(mm(z, dp), a1), rnd(jnp.sum(gb, 0), b1),
+  return (dx, rnd(jnp.sum(gwt, 0), w_tok), rnd(mm(left, right), a1), rnd(jnp.sum(gb, 0), b1),
           rnd(mm(h, dk), a_k), rnd(mm(h, dv), a_v))
 
 
@@ -366,8 +372,9 @@ def flops(B: int, N: int, m: int, d: int, e: int, W: int) -> float:
   """FLOPs of the two kernels on ``B`` examples (the weight gradients are XLA GEMMs, in the
   HLO): the forward's ``Z``, pre-activation and two projections (``2 (N m d + m d e + 2 m e W)``
   each), the backward's recomputed first two, its two back-projections, ``dZ``, ``dX~`` and the
-  ``w_tok`` partials."""
+  ``w_tok`` partials, and in the one-tile kernels ``w_tok dp`` for ``a1``'s GEMM."""
   per = 2.0 * (N * m * d + m * d * e)
+  u = 2.0 * N * m * e if _narrow_widths(N, m, d, e, W) else 0.0
   return float(B) * (per + 4.0 * m * e * W          # forward
                      + per + 4.0 * m * e * W         # backward: recompute, dh
-                     + 2.0 * m * e * d + 4.0 * N * m * d)   # dZ, dX~, w_tok partials
+                     + 2.0 * m * e * d + 4.0 * N * m * d + u)   # dZ, dX~, w_tok partials
