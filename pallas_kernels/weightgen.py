@@ -11,8 +11,8 @@ One forward pass reads ``x`` and writes ``k, v``: XLA runs the chain as about ei
 ``Z`` and ``h`` (and the pre-activation) in memory. The backward kernel recomputes the chain from
 ``x``, reads ``dk, dv``, and writes ``dx``, plus what the weight gradients need: ``h`` (for
 ``a_k``, ``a_v``), for ``a1`` ``X~`` and ``w_tok dp`` (``dp`` the pre-activation's cotangent:
-``sum_b Z^T dp = sum_b X~^T (w_tok dp)``, ``N`` rows instead of ``m``; the wide kernels write
-``Z`` and ``dp``), and per-example partial sums for ``w_tok`` and ``b1``. The weight gradients
+``sum_b Z^T dp = sum_b X~^T (w_tok dp)``, ``N`` rows instead of ``m``), and per-example partial
+sums for ``w_tok`` and ``b1``. The weight gradients
 are XLA GEMMs over all examples (a ``[e, W]`` float32 accumulator does not fit a program's
 registers). One program per example; the weights are read by every program (from L2). Past
 one tile per width (prod) the same chain runs in chunks (``_fwd_wide_kernel``,
@@ -157,6 +157,9 @@ def _bwd_kernel(x_ref, wt_ref, a1_ref, b1_ref, ak_ref, av_ref, dk_ref, dv_ref,
 # The key chunks run as a loop (``_over_keys``): ptxas sm_90 at prod spills 1.0 KB forward and
 # 4.1 KB backward, 1.8 / 13.5 KB unrolled (and builds them in 13 s instead of 60); key chunks of
 # 32 or 16 rows spill less (0.9 / 2.6 KB, 0.5 / 1.4 KB) but reload the weights 2-4x as often.
+# Accumulating ``w_tok dp`` ([Np, e] in float32) over the key chunks raised the backward's spill
+# to 5.0 KB, in exchange for ``X~`` and ``w_tok dp`` (48 rows) written instead of ``Z`` and
+# ``dp`` (256 rows).
 
 MC, CH = 64, 128
 MAX_WIDE = {"N": 64, "m": 1024, "d": 256, "e": 512, "W": 1024}
@@ -240,16 +243,16 @@ def _fwd_wide_kernel(x_ref, wt_ref, a1_ref, b1_ref, ak_ref, av_ref, k_ref, v_ref
 
 
 def _bwd_wide_kernel(x_ref, wt_ref, a1_ref, b1_ref, ak_ref, av_ref, dk_ref, dv_ref,
-                     dx_ref, h_ref, z_ref, dp_ref, gwt_ref, gb_ref, *, cfg: _Cfg):
+                     dx_ref, h_ref, xn_ref, u_ref, gwt_ref, gb_ref, *, cfg: _Cfg):
   b = pl.program_id(0)
   rs, xn = _wide_norm(x_ref, b, cfg)
   dcs, ecs, wcs, Np = spans(cfg.d, CH), spans(cfg.e, CH), spans(cfg.W, CH), _np(cfg)
+  for x, dc in zip(xn, dcs, strict=True):
+    _store_block(xn_ref, b, (0, Np), dc, x, cfg.N)
 
   def keys(mc, carry):
-    dxn, gb = list(carry[0]), list(carry[1])
-    wt, zs, pres = _wide_chain(xn, wt_ref, a1_ref, b1_ref, mc, cfg)
-    for z, dc in zip(zs, dcs, strict=True):
-      _store_block(z_ref, b, mc, dc, z)
+    dxn, gb, u = list(carry[0]), list(carry[1]), list(carry[2])
+    wt, _, pres = _wide_chain(xn, wt_ref, a1_ref, b1_ref, mc, cfg)
     dps = []
     for i, (ec, p) in enumerate(zip(ecs, pres, strict=True)):
       dh = [round_to(sum(dot(_block(g_ref, mc, wc, b=b), _block(w_ref, ec, wc), cfg, trans_b=True)
@@ -260,7 +263,7 @@ def _bwd_wide_kernel(x_ref, wt_ref, a1_ref, b1_ref, ak_ref, av_ref, dk_ref, dv_r
       _store_block(h_ref, b, mc, ec, 0.5 * pf * (1.0 + t))
       dp = _rnd(dh.astype(F32) * (0.5 * (1.0 + t) + 0.5 * pf * (1.0 - t * t) * _C
                                   * (1.0 + 3 * _A * pf * pf)), cfg)
-      _store_block(dp_ref, b, mc, ec, dp)
+      u[i] = u[i] + dot(wt, dp, cfg)                                               # [Np, CH]
       gb[i] = gb[i] + jnp.sum(dp.astype(F32), axis=0)
       dps.append(dp)
     gwt = 0.0
@@ -270,11 +273,13 @@ def _bwd_wide_kernel(x_ref, wt_ref, a1_ref, b1_ref, ak_ref, av_ref, dk_ref, dv_r
       gwt = gwt + dot(xn[j], dz, cfg, trans_b=True)                                # [Np, MC]
       dxn[j] = dxn[j] + dot(wt, dz, cfg)                                            # [Np, CH]
     _store_block(gwt_ref, b, (0, Np), mc, gwt, cfg.N)
-    return tuple(dxn), tuple(gb)
-  dxn, gb = _over_keys(cfg, keys, (tuple(jnp.zeros((Np, dc[1]), F32) for dc in dcs),
-                                   tuple(jnp.zeros((ec[1],), F32) for ec in ecs)))
-  for ec, g in zip(ecs, gb, strict=True):
+    return tuple(dxn), tuple(gb), tuple(u)
+  dxn, gb, u = _over_keys(cfg, keys, (tuple(jnp.zeros((Np, dc[1]), F32) for dc in dcs),
+                                      tuple(jnp.zeros((ec[1],), F32) for ec in ecs),
+                                      tuple(jnp.zeros((Np, ec[1]), F32) for ec in ecs)))
+  for ec, g, ui in zip(ecs, gb, u, strict=True):
     plgpu.store(gb_ref.at[b, pl.ds(*ec)], g)
+    _store_block(u_ref, b, (0, Np), ec, ui, cfg.N)
   dxn = [round_to(g, cfg.dtype) for g in dxn]
   xf = lambda dc: _x(x_ref, b, dc, cfg) * rs                     # xn unrounded, as the narrow
   corr = sum(jnp.sum(g * xf(dc), axis=1, keepdims=True) for g, dc in zip(dxn, dcs, strict=True))
@@ -313,20 +318,18 @@ def _vjp_bwd(eps, dtype, interpret, res, g):
   cfg = _cfg(x, w_tok, a_k, a1, eps, dtype, interpret)
   dk, dv = (c.astype(dtype) for c in g)
   S = jax.ShapeDtypeStruct
-  # a1's gradient sum_b Z^T dp as one GEMM over (left, right): the narrow kernel writes X~ and
-  # w_tok dp ([N, .] rows: sum_b X~^T (w_tok dp), N < m at mid and prod), the wide one Z and dp
-  narrow = _narrow(cfg)
-  rows = cfg.N if narrow else cfg.m
-  outs = (S(x.shape, x.dtype), S((cfg.B, cfg.m, cfg.e), dtype), S((cfg.B, rows, cfg.d), dtype),
-          S((cfg.B, rows, cfg.e), dtype), S((cfg.B, cfg.N, cfg.m), F32), S((cfg.B, cfg.e), F32))
-  kernel = _bwd_kernel if narrow else _bwd_wide_kernel
-  dx, h, left, right, gwt, gb = _call(kernel, cfg, (x, w_tok, a1, b1, a_k, a_v, dk, dv), outs,
-                                      "weightgen_bwd", 8)
+  # a1's gradient sum_b Z^T dp = sum_b X~^T (w_tok dp): the kernels write X~ and w_tok dp, [N, .]
+  # rows instead of [m, .] (N < m at mid and prod)
+  outs = (S(x.shape, x.dtype), S((cfg.B, cfg.m, cfg.e), dtype), S((cfg.B, cfg.N, cfg.d), dtype),
+          S((cfg.B, cfg.N, cfg.e), dtype), S((cfg.B, cfg.N, cfg.m), F32), S((cfg.B, cfg.e), F32))
+  kernel = _bwd_kernel if _narrow(cfg) else _bwd_wide_kernel
+  dx, h, xn, u, gwt, gb = _call(kernel, cfg, (x, w_tok, a1, b1, a_k, a_v, dk, dv), outs,
+                                "weightgen_bwd", 8)
   # the weights enter the kernels in their own dtype; their gradients are rounded to dtype, as
   # the twin's (autodiff of the dtype copies)
   rnd = lambda g, like: g.astype(dtype).astype(like.dtype)
   mm = lambda a, c: jnp.einsum("bmi,bmj->ij", a, c, preferred_element_type=F32)
-  return (dx, rnd(jnp.sum(gwt, 0), w_tok), rnd(mm(left, right), a1), rnd(jnp.sum(gb, 0), b1),
+  return (dx, rnd(jnp.sum(gwt, 0), w_tok), rnd(mm(xn, u), a1), rnd(jnp.sum(gb, 0), b1),
           rnd(mm(h, dk), a_k), rnd(mm(h, dv), a_v))
 
 
@@ -372,9 +375,9 @@ def flops(B: int, N: int, m: int, d: int, e: int, W: int) -> float:
   """FLOPs of the two kernels on ``B`` examples (the weight gradients are XLA GEMMs, in the
   HLO): the forward's ``Z``, pre-activation and two projections (``2 (N m d + m d e + 2 m e W)``
   each), the backward's recomputed first two, its two back-projections, ``dZ``, ``dX~`` and the
-  ``w_tok`` partials, and in the one-tile kernels ``w_tok dp`` for ``a1``'s GEMM."""
+  ``w_tok`` partials, and ``w_tok dp`` for ``a1``'s GEMM."""
   per = 2.0 * (N * m * d + m * d * e)
-  u = 2.0 * N * m * e if _narrow_widths(N, m, d, e, W) else 0.0
+  u = 2.0 * N * m * e
   return float(B) * (per + 4.0 * m * e * W          # forward
                      + per + 4.0 * m * e * W         # backward: recompute, dh
                      + 2.0 * m * e * d + 4.0 * N * m * d + u)   # dZ, dX~, w_tok partials

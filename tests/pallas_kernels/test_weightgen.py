@@ -41,7 +41,7 @@ def test_twin_matches_numpy():
 # the narrow kernels (every width one tile), then the wide ones (in chunks, prod's kind): 48
 # tokens (padded to 64 by masked loads), 2 key chunks, 2 column chunks of d, e and W
 SHAPES = {"narrow": dict(B=3, N=16, m=32, d=32, e=16, W=64),
-          "wide": dict(B=2, N=48, m=64, d=256, e=256, W=256)}
+          "wide": dict(B=2, N=48, m=128, d=256, e=256, W=256)}
 
 
 @pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 3e-2)])
