@@ -53,6 +53,14 @@ def spans(n: int, size: int) -> list[tuple[int, int]]:
   return [(c, w) for c in range(0, n, w)]
 
 
+def loop_spans(n: int, size: int, body, carry):
+  """``body((start, size), carry)`` over ``n``'s chunks of ``size`` (``n`` a multiple of it) as a
+  loop, ``start`` traced (a multiple of ``size``): one copy of the body for ptxas, where unrolled
+  chunks lengthen the build and the registers' live ranges."""
+  return lax.fori_loop(0, n // size,
+                       lambda j, c: body((pl.multiple_of(j * size, size), size), c), carry)
+
+
 def _row_mask(ref, r0, rows, width):
   ok = (r0 + jnp.arange(rows)) < ref.shape[0]
   return jnp.broadcast_to(ok[:, None], (rows, width))

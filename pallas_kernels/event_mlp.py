@@ -23,7 +23,6 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
@@ -32,6 +31,7 @@ from pallas_kernels._common import (
     is_tile,
     load_rows,
     load_vec,
+    loop_spans,
     precision,
     round_to,
     spans,
@@ -73,12 +73,11 @@ class _Cfg(NamedTuple):
 def _over(n, cfg: _Cfg, body, carry):
   """``body((start, width), carry)`` over ``n``'s chunks of ``CHUNK`` columns: a loop with a
   traced start under ``cfg.loop``, else unrolled with static starts."""
-  if not cfg.loop or n <= CHUNK:
-    for ch in spans(n, CHUNK):
-      carry = body(ch, carry)
-    return carry
-  return lax.fori_loop(0, n // CHUNK,
-                       lambda j, c: body((pl.multiple_of(j * CHUNK, CHUNK), CHUNK), c), carry)
+  if cfg.loop and n > CHUNK:
+    return loop_spans(n, CHUNK, body, carry)
+  for ch in spans(n, CHUNK):
+    carry = body(ch, carry)
+  return carry
 
 
 def _dot(a, b, cfg: _Cfg, **kw):
@@ -173,15 +172,17 @@ def _tiles(F: int) -> tuple[int, int, int]:
   return NARROW if F <= NARROW[2] else WIDE
 
 
-def _cfg(dtype, rows, F, interpret) -> _Cfg:
-  return _Cfg(dtype, rows, _tiles(F)[2], interpret, loop=F > NARROW[2])
+def _cfg(dtype, F, interpret, backward: bool) -> _Cfg:
+  """The forward's or the backward's tiling at hidden width ``F``."""
+  fwd_rows, bwd_rows, chunk = _tiles(F)
+  return _Cfg(dtype, bwd_rows if backward else fwd_rows, chunk, interpret, loop=F > NARROW[2])
 
 
-def _call(kernel, args, outs, rows, cfg: _Cfg, name):
+def _call(kernel, args, outs, cfg: _Cfg, name):
   whole = pl.no_block_spec
   return _poison.pallas_call(
       functools.partial(kernel, cfg=cfg), args, out_shape=outs,
-      grid=(pl.cdiv(args[0].shape[0], rows),), in_specs=[whole] * len(args),
+      grid=(pl.cdiv(args[0].shape[0], cfg.rows),), in_specs=[whole] * len(args),
       out_specs=tuple(whole for _ in outs) if isinstance(outs, tuple) else whole,
       interpret=cfg.interpret, name=name, compiler_params=plgpu.CompilerParams(
           num_warps=WARPS, num_stages=1 if cfg.loop else None))
@@ -189,11 +190,10 @@ def _call(kernel, args, outs, rows, cfg: _Cfg, name):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
 def _fused(x, w1, b1, w2, b2, valid, dtype, interpret):
-  rows = _tiles(w1.shape[1])[0]
-  cfg = _cfg(dtype, rows, w1.shape[1], interpret)
+  cfg = _cfg(dtype, w1.shape[1], interpret, backward=False)
   args = (x, w1.astype(dtype), b1, w2.astype(dtype), b2, valid)
   return _call(_fwd_kernel, args, jax.ShapeDtypeStruct((x.shape[0], w2.shape[1]), dtype),
-               rows, cfg, "event_mlp_fwd")
+               cfg, "event_mlp_fwd")
 
 
 def _vjp_fwd(x, w1, b1, w2, b2, valid, dtype, interpret):
@@ -204,14 +204,13 @@ def _vjp_bwd(dtype, interpret, res, dy):
   x, w1, b1, w2, b2, valid = res
   N, K = x.shape
   F, D = w2.shape
-  rows = _tiles(F)[1]
-  cfg = _cfg(dtype, rows, F, interpret)
-  T = pl.cdiv(N, rows)
+  cfg = _cfg(dtype, F, interpret, backward=True)
+  T = pl.cdiv(N, cfg.rows)
   outs = (jax.ShapeDtypeStruct((N, K), x.dtype), jax.ShapeDtypeStruct((N, F), dtype),
           jax.ShapeDtypeStruct((N, F), dtype), jax.ShapeDtypeStruct((T, F), F32),
           jax.ShapeDtypeStruct((T, D), F32))
   dx, hm, dz, db1, db2 = _call(_bwd_kernel, (x, w1.astype(dtype), b1, w2.astype(dtype), valid, dy),
-                               outs, rows, cfg, "event_mlp_bwd")
+                               outs, cfg, "event_mlp_bwd")
   xd, dyd = x.astype(dtype), dy.astype(dtype)
   if interpret:            # XLA:CPU: a 16-bit dot may accumulate in 16 bits; a GPU's in float32
     xd, dyd, hm, dz = (a.astype(F32) for a in (xd, dyd, hm, dz))

@@ -33,7 +33,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import _poison
-from pallas_kernels._common import dot, is_tile, round_to, spans
+from pallas_kernels._common import dot, is_tile, loop_spans, round_to, spans
 
 F32 = jnp.float32
 EPS = 1e-6
@@ -100,14 +100,14 @@ def _rnd(x, cfg: _Cfg):
 
 
 def _chain(x, wt, a1, b1, cfg: _Cfg):
-  """The forward from ``x [N, d]``: ``xn`` (float32, unrounded), its ``rs``, and ``Z`` and the
-  pre-activation (in ``dtype``)."""
+  """The forward from ``x [N, d]``: ``xn`` (float32, unrounded), its ``rs``, and the
+  pre-activation (in ``dtype``) of ``Z = w_tok^T X~``."""
   xf = x.astype(F32)
   rs = lax.rsqrt(jnp.sum(xf * xf, axis=1, keepdims=True) / cfg.d + cfg.eps)
   xn = xf * rs
   z = _rnd(dot(wt, _rnd(xn, cfg), cfg, trans_a=True), cfg)                          # [m, d]
   pre = _rnd(round_to(dot(z, a1, cfg), cfg.dtype) + round_to(b1, cfg.dtype), cfg)
-  return xn, rs, z, pre
+  return xn, rs, pre
 
 
 def _tanh_arg(pre):
@@ -118,7 +118,7 @@ def _tanh_arg(pre):
 def _fwd_kernel(x_ref, wt_ref, a1_ref, b1_ref, ak_ref, av_ref, k_ref, v_ref, *, cfg: _Cfg):
   b = pl.program_id(0)
   b1 = plgpu.load(b1_ref.at[pl.ds(0, cfg.e)])[None, :]
-  _, _, _, pre = _chain(_ex(x_ref, b), _whole(wt_ref), _whole(a1_ref), b1, cfg)
+  _, _, pre = _chain(_ex(x_ref, b), _whole(wt_ref), _whole(a1_ref), b1, cfg)
   h = _rnd(0.5 * pre.astype(F32) * (1.0 + _tanh_arg(pre)), cfg)
   _put(k_ref, b, dot(h, _whole(ak_ref), cfg))
   _put(v_ref, b, dot(h, _whole(av_ref), cfg))
@@ -133,7 +133,7 @@ def _bwd_kernel(x_ref, wt_ref, a1_ref, b1_ref, ak_ref, av_ref, dk_ref, dv_ref,
             cfg)                                                                     # [m, e]
   b1 = plgpu.load(b1_ref.at[pl.ds(0, cfg.e)])[None, :]
   wt, a1 = _whole(wt_ref), _whole(a1_ref)
-  xn, rs, z, pre = _chain(_ex(x_ref, b), wt, a1, b1, cfg)
+  xn, rs, pre = _chain(_ex(x_ref, b), wt, a1, b1, cfg)
   _put(xn_ref, b, xn)                                     # X~, rounded as the chain reads it
   t, p = _tanh_arg(pre), pre.astype(F32)
   _put(h_ref, b, 0.5 * p * (1.0 + t))
@@ -191,11 +191,8 @@ def _store_block(ref, b, rows, cols, x, n_rows=None):
 
 
 def _over_keys(cfg: _Cfg, body, carry):
-  """``body(mc, carry)`` over the key chunks ``mc = (start, MC)`` as a loop (one copy of the
-  chain for ptxas: fewer registers live, and no spills, than unrolled)."""
-  w = min(cfg.m, MC)
-  return lax.fori_loop(0, cfg.m // w,
-                       lambda i, c: body((pl.multiple_of(i * w, w), w), c), carry)
+  """``body(mc, carry)`` over the key chunks ``mc = (start, MC)``, a loop (``loop_spans``)."""
+  return loop_spans(cfg.m, min(cfg.m, MC), body, carry)
 
 
 def _x(x_ref, b, dc, cfg: _Cfg):
@@ -214,7 +211,8 @@ def _wide_norm(x_ref, b, cfg: _Cfg):
 
 
 def _wide_chain(xn, wt_ref, a1_ref, b1_ref, mc, cfg: _Cfg):
-  """Key rows ``mc``: ``(Z chunks [MC, CH], pre-activation chunks [MC, CH])`` in ``dtype``."""
+  """Key rows ``mc``: ``(w_tok's columns [Np, MC], the pre-activation's chunks [MC, CH] in
+  ``dtype``)``, from ``Z``'s chunks."""
   wt = _block(wt_ref, (0, _np(cfg)), mc, cfg.N)                                   # [Np, MC]
   zs = [_rnd(dot(wt, x, cfg, trans_a=True), cfg) for x in xn]
   pres = []
@@ -223,7 +221,7 @@ def _wide_chain(xn, wt_ref, a1_ref, b1_ref, mc, cfg: _Cfg):
                                                                      strict=True))
     b1 = plgpu.load(b1_ref.at[pl.ds(*ec)])[None, :]
     pres.append(_rnd(round_to(acc, cfg.dtype) + round_to(b1, cfg.dtype), cfg))
-  return wt, zs, pres
+  return wt, pres
 
 
 def _fwd_wide_kernel(x_ref, wt_ref, a1_ref, b1_ref, ak_ref, av_ref, k_ref, v_ref, *, cfg: _Cfg):
@@ -232,7 +230,7 @@ def _fwd_wide_kernel(x_ref, wt_ref, a1_ref, b1_ref, ak_ref, av_ref, k_ref, v_ref
   ecs = spans(cfg.e, CH)
 
   def keys(mc, carry):
-    _, _, pres = _wide_chain(xn, wt_ref, a1_ref, b1_ref, mc, cfg)
+    _, pres = _wide_chain(xn, wt_ref, a1_ref, b1_ref, mc, cfg)
     hs = [_rnd(0.5 * p.astype(F32) * (1.0 + _tanh_arg(p)), cfg) for p in pres]
     for wc in spans(cfg.W, CH):
       for w_ref, o_ref in ((ak_ref, k_ref), (av_ref, v_ref)):
@@ -252,7 +250,7 @@ def _bwd_wide_kernel(x_ref, wt_ref, a1_ref, b1_ref, ak_ref, av_ref, dk_ref, dv_r
 
   def keys(mc, carry):
     dxn, gb, u = list(carry[0]), list(carry[1]), list(carry[2])
-    wt, _, pres = _wide_chain(xn, wt_ref, a1_ref, b1_ref, mc, cfg)
+    wt, pres = _wide_chain(xn, wt_ref, a1_ref, b1_ref, mc, cfg)
     dps = []
     for i, (ec, p) in enumerate(zip(ecs, pres, strict=True)):
       dh = [round_to(sum(dot(_block(g_ref, mc, wc, b=b), _block(w_ref, ec, wc), cfg, trans_b=True)

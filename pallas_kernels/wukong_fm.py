@@ -33,7 +33,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import _poison
-from pallas_kernels._common import dot, is_tile, pad_pow2, round_to
+from pallas_kernels._common import dot, is_tile, loop_spans, pad_pow2, round_to
 
 F32 = jnp.float32
 EPS = 1e-6
@@ -80,8 +80,8 @@ class _Cfg(NamedTuple):
 
   @property
   def dc(self):
-    """The columns of ``x`` a program holds at once: all of ``d``, or a chunk of them."""
-    return min(self.d, MAX_TILE // self.Np)
+    """The columns of ``x`` a program holds at once (``chunk_width``)."""
+    return chunk_width(self.N, self.d)
 
 
 def _mask(rows, n_rows, cols, n_cols=None, ok=True):
@@ -147,13 +147,12 @@ def _stats(fm, valid, cfg: _Cfg):
 def _fm_wide(x_ref, b, ok, yv, cfg: _Cfg, each=None):
   """``F`` (float32, unrounded) of example ``b`` accumulated over ``x``'s column chunks
   (``cfg.dc``), calling ``each(c0, x_c)`` on every chunk ``x_c [Np, dc]`` too."""
-  def chunk(c, fm):
-    c0 = pl.multiple_of(c * cfg.dc, cfg.dc)
-    x = _cols(x_ref, b, ok, c0, cfg.dc)
+  def chunk(cols, fm):
+    x = _cols(x_ref, b, ok, *cols)
     if each is not None:
-      each(c0, x)
+      each(cols[0], x)
     return fm + dot(x, round_to(dot(x, yv, cfg, trans_a=True), cfg.dtype), cfg)
-  return lax.fori_loop(0, cfg.d // cfg.dc, chunk, jnp.zeros((cfg.Np, cfg.r), F32))
+  return loop_spans(cfg.d, cfg.dc, chunk, jnp.zeros((cfg.Np, cfg.r), F32))
 
 
 def _fwd_kernel(x_ref, y_ref, s_ref, b_ref, *refs, cfg: _Cfg):
@@ -226,12 +225,11 @@ def _bwd_kernel(x_ref, y_ref, s_ref, dh_ref, *refs, cfg: _Cfg):
     dfm = rs * (dyh - jnp.sum(dyh) / n - yhat * (jnp.sum(dyh * yhat) / n)) * valid
     dfm = round_to(dfm, cfg.dtype)                    # F's cotangent, in F's dtype
     if chunked(cfg.N, cfg.d):
-      def chunk(c, acc):
-        c0 = pl.multiple_of(c * cfg.dc, cfg.dc)
-        xc = _cols(x_ref, b, ok, c0, cfg.dc)
+      def chunk(cols, acc):
+        xc = _cols(x_ref, b, ok, *cols)
         xty_c = round_to(dot(xc, yv, cfg, trans_a=True), cfg.dtype)     # [dc, r]
-        return terms(xc, xty_c, dfm, b, ok, acc, c0)
-      gy, gws = lax.fori_loop(0, cfg.d // cfg.dc, chunk, (gy, gws))
+        return terms(xc, xty_c, dfm, b, ok, acc, cols[0])
+      gy, gws = loop_spans(cfg.d, cfg.dc, chunk, (gy, gws))
     else:
       gy, gws = terms(x, xty, dfm, b, ok, (gy, gws))
     return gy, gs + g * yhat, gb + g, gws
@@ -343,11 +341,17 @@ def supported(N: int, d: int, rank: int, mixes) -> bool:
           and 1 <= len(mixes) <= 4 and all(1 <= m <= 128 for m in mixes))
 
 
+def chunk_width(N: int, d: int) -> int:
+  """The columns of an example of ``N`` tokens of width ``d`` a program holds at once: all of
+  ``d`` where its tile (``N`` padded to a power of two, times ``d``) fits ``MAX_TILE``, else
+  ``MAX_TILE / pad(N)``."""
+  return min(d, MAX_TILE // pad_pow2(N))
+
+
 def chunked(N: int, d: int) -> bool:
-  """Whether an example of ``N`` tokens of width ``d`` runs in column chunks (its tile, ``N``
-  padded to a power of two times ``d``, past ``MAX_TILE``): the backward's second pass over the
-  chunks computes ``X^T y`` once more."""
-  return pad_pow2(N) * d > MAX_TILE
+  """Whether such an example runs in column chunks (the backward's second pass over the chunks
+  computes ``X^T y`` once more)."""
+  return chunk_width(N, d) < d
 
 
 # ------------------------------------------------------------------------- the output norm
