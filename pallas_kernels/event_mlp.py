@@ -45,7 +45,7 @@ CHUNK = 128              # columns of x, dx and y (rows of w1, columns of w2) pe
 # columns at a time. Up to 256 hidden columns (mid) in one chunk, unrolled; past that (prod's
 # 512), WIDE: chunks of 128, and the K and output column chunks run as loops, unpipelined
 # (Triton's 3 stages ask for 475 KB of shared memory). ptxas sm_90 at prod's K 1024 / 512 / 512:
-# no spills either way (246 registers backward, 174 forward); unrolled, the forward spilled
+# no spills either way (241 registers backward, 174 forward); unrolled, the forward spilled
 # 1,656 bytes on 64 rows and 16-row backward tiles were needed, and ptxas took 12 s
 NARROW, WIDE = (64, 32, 256), (64, 64, 128)
 MAX_WIDTH = {"K": 1024, "F": 512, "D": 512}
