@@ -13,7 +13,9 @@ Each step is rounded to ``dtype`` where the model's XLA path rounds it
 a forward kernel (reads ``x``, writes q, k, v) and a backward kernel (reads ``x`` and the three
 cotangents, recomputes the projections, writes ``dx`` and the pre-norm cotangents scaled by
 each row's RMS factor ``r dy [N, 3, H, D]``); XLA computes ``dw = h^T dy = x^T (r dy)`` as one
-GEMM. Triton on GPU, ``interpret=True`` on CPU. Rows of zeros (a packed block's tail) map to zeros.
+GEMM. ``norm_proj_pallas`` (nothing rotated, so the cotangents are the pre-norm ones) has the
+backward kernel write ``h [N, d]`` instead, for the GEMMs ``h^T g_p``. Triton on GPU,
+``interpret=True`` on CPU. Rows of zeros (a packed block's tail) map to zeros.
 """
 
 from __future__ import annotations
@@ -221,12 +223,15 @@ def _bwd_kernel(x_ref, *refs, cfg: _Cfg):
     plgpu.store(ds_ref.at[i, jnp.int32(p), lo], ds1)
     plgpu.store(ds_ref.at[i, jnp.int32(p), hi], ds2)
 
+  if not cfg.rot:       # no projection rotated: the weight GEMM reads h and the cotangents
+    _put(dy_ref, r0, h)
   for p in range(cfg.rot, cfg.proj):
     def plain(j, dh, p=p):
       g1 = _tile(g_refs[p], r0, cfg.rows, (j, lo)).astype(F32)
       g2 = _tile(g_refs[p], r0, cfg.rows, (j, hi)).astype(F32)
-      _put(dy_ref, r0, r * g1, (p, j, lo))
-      _put(dy_ref, r0, r * g2, (p, j, hi))
+      if cfg.rot:
+        _put(dy_ref, r0, r * g1, (p, j, lo))
+        _put(dy_ref, r0, r * g2, (p, j, hi))
       return dh + back(g1, p, j, 0) + back(g2, p, j, 1)
 
     dh = lax.fori_loop(0, cfg.heads, plain, dh)
@@ -297,7 +302,7 @@ def _bwd(x, ops, gs, cfg: _Cfg, shape):
   T = pl.cdiv(N, cfg.rows)
   b = jnp.dtype(cfg.dtype).itemsize
   outs = (jax.ShapeDtypeStruct((N, d), x.dtype),
-          jax.ShapeDtypeStruct((N, cfg.proj, H, D), cfg.dtype),
+          jax.ShapeDtypeStruct((N, cfg.proj, H, D) if cfg.rot else (N, d), cfg.dtype),
           jax.ShapeDtypeStruct((T, max(cfg.rot, 1), D), F32))
   whole = pl.no_block_spec
   return _poison.pallas_call(
@@ -340,15 +345,24 @@ def _vjp_bwd(eps, dtype, interpret, rot, res, g):
   cfg = _Cfg(H, D, eps, dtype, _rows(BWD_ROWS, d), interpret, P, rot,
              res=valid is not None, split=split)
   gs = tuple(g[:P]) + (() if valid is None else (g[-1], valid))
-  dx, ry, ds = _bwd(x, _operands(_weights(w, dtype, d), sc, tau, pos, omega), gs, cfg,
+  dx, hy, ds = _bwd(x, _operands(_weights(w, dtype, d), sc, tau, pos, omega), gs, cfg,
                     (N, d, H, D))
-  xd = x.astype(dtype)
-  if interpret:            # XLA:CPU: a 16-bit dot may accumulate in 16 bits; a GPU's in float32
-    xd, ry = xd.astype(F32), ry.astype(F32)
-  # dw = h^T dy with h = r x (r: the rows' RMS scale): x^T (r dy), the kernel having written
-  # r dy, so no [N, d] h is written and read back; one GEMM for every projection
-  dw = jnp.einsum("nd,npjc->dpjc", xd, ry).astype(dtype)   # in dtype, as the twin's gradient
-  dw = tuple(dw[:, p].astype(a.dtype) for p, a in enumerate(w)) if split else dw.astype(w.dtype)
+  # XLA:CPU: a 16-bit dot may accumulate in 16 bits; a GPU's in float32
+  f = (lambda a: a.astype(F32)) if interpret else (lambda a: a)
+  if rot:
+    # dw = h^T dy with h = r x (r: the rows' RMS scale): x^T (r dy), the kernel having written
+    # the rotated projections' pre-norm cotangents as r dy, so no [N, d] h is written and read
+    # back; one GEMM for every projection
+    dw = jnp.einsum("nd,npjc->dpjc", f(x.astype(dtype)), f(hy)).astype(dtype)  # as the twin's
+    dws = tuple(dw[:, p] for p in range(P))
+  else:
+    # nothing rotated: the cotangents are the GEMM's operands as they come, with the h the
+    # kernel wrote (one [N, d] instead of P [N, H, D] r dy); XLA merges the P GEMMs, which share
+    # h, into one
+    dws = tuple(jnp.einsum("nd,nhc->dhc", f(hy), f(gp.astype(dtype))).astype(dtype)
+                for gp in g[:P])
+  dw = (tuple(a.astype(b.dtype) for a, b in zip(dws, w, strict=True)) if split
+        else jnp.stack(dws, 1).astype(w.dtype))
   ds = jnp.sum(ds, 0)
   z = lambda a: None if a is None else jnp.zeros_like(a)
   return (dx, dw, tuple(ds[p].astype(s.dtype) for p, s in enumerate(sc)), z(tau), z(pos),
