@@ -73,6 +73,7 @@ class _Cfg(NamedTuple):
   eps: float
   dtype: object
   interpret: bool
+  through: bool = False   # x passed through: the backward adds its cotangent to dx
 
   @property
   def Np(self):
@@ -189,7 +190,8 @@ def _bwd_kernel(x_ref, y_ref, s_ref, dh_ref, *refs, cfg: _Cfg):
   each column chunk's ``X^T y``, ``dx`` and gradient terms."""
   K = len(cfg.ms)
   w_refs, dm_refs = refs[:K], refs[K:2 * K]
-  dx_ref, part_ref = refs[2 * K:]
+  dt_ref = refs[2 * K] if cfg.through else None
+  dx_ref, part_ref = refs[2 * K + cfg.through:]
   i0 = pl.program_id(0)
   yv, sc = _shared(y_ref, cfg), _shared(s_ref, cfg)
   wvs = [_shared(w, cfg) for w in w_refs]
@@ -208,6 +210,8 @@ def _bwd_kernel(x_ref, y_ref, s_ref, dh_ref, *refs, cfg: _Cfg):
       gm = _rows(dm_ref, b, ok) if c0 is None else _cols(dm_ref, b, ok, c0, cfg.dc)
       dx = dx + dot(wv, gm, cfg)
       new_gws.append(gw + dot(x, gm, cfg, trans_b=True))
+    if cfg.through:                                  # the pass-through's cotangent
+      dx = dx + (_rows(dt_ref, b, ok) if c0 is None else _cols(dt_ref, b, ok, c0, cfg.dc))
     _put(dx_ref, b, dx, ok, **cols)
     return gy + dot(x, dxty, cfg), tuple(new_gws)
 
@@ -266,37 +270,40 @@ def _fwd(x, y, ws, sc, bi, cfg: _Cfg):
                cfg.interpret, "wukong_fm_fwd")
 
 
-def _bwd(x, y, ws, sc, dh, dms, cfg: _Cfg):
+def _bwd(x, y, ws, sc, dh, dms, dt, cfg: _Cfg):
+  """``dt``: the pass-through's cotangent (``cfg.through``), else None."""
   # per program, every weight's partial sums in one [N, 3r + sum m_k] block: one reduction after
   part = (pl.cdiv(cfg.B, EXAMPLES), cfg.N, sum(_part_widths(cfg)))
   outs = (jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct(part, F32))
-  return _call(_bwd_kernel, cfg, (x, y, sc, dh) + tuple(ws) + tuple(dms), outs, EXAMPLES, WARPS,
-               cfg.interpret, "wukong_fm_bwd")
+  args = (x, y, sc, dh) + tuple(ws) + tuple(dms) + ((dt,) if cfg.through else ())
+  return _call(_bwd_kernel, cfg, args, outs, EXAMPLES, WARPS, cfg.interpret, "wukong_fm_bwd")
 
 
-def _cfg(x, y, ws, eps, dtype, interpret) -> _Cfg:
+def _cfg(x, y, ws, eps, dtype, interpret, through=False) -> _Cfg:
   B, N, d = x.shape
-  return _Cfg(B, N, d, y.shape[1], tuple(w.shape[1] for w in ws), eps, dtype, interpret)
+  return _Cfg(B, N, d, y.shape[1], tuple(w.shape[1] for w in ws), eps, dtype, interpret,
+              through)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
-def _fused(x, y, ws, scale, bias, eps, dtype, interpret):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
+def _fused(x, y, ws, scale, bias, eps, dtype, interpret, through):
   cfg = _cfg(x, y, ws, eps, dtype, interpret)
   h, *mixes = _fwd(x, y, ws, scale.reshape(cfg.N, cfg.r), bias.reshape(cfg.N, cfg.r), cfg)
-  return h.reshape(cfg.B, -1), tuple(mixes)
+  out = h.reshape(cfg.B, -1), tuple(mixes)
+  return out + (x,) if through else out
 
 
-def _vjp_fwd(x, y, ws, scale, bias, eps, dtype, interpret):
-  return _fused(x, y, ws, scale, bias, eps, dtype, interpret), (x, y, ws, scale, bias)
+def _vjp_fwd(x, y, ws, scale, bias, eps, dtype, interpret, through):
+  return _fused(x, y, ws, scale, bias, eps, dtype, interpret, through), (x, y, ws, scale, bias)
 
 
-def _vjp_bwd(eps, dtype, interpret, res, g):
+def _vjp_bwd(eps, dtype, interpret, through, res, g):
   x, y, ws, scale, bias = res
-  cfg = _cfg(x, y, ws, eps, dtype, interpret)
-  dh, dms = g
+  cfg = _cfg(x, y, ws, eps, dtype, interpret, through)
+  dh, dms = g[:2]
   dx, part = _bwd(x, y, ws, scale.reshape(cfg.N, cfg.r),
                   dh.reshape(cfg.B, cfg.N, cfg.r).astype(dtype),
-                  [dm.astype(dtype) for dm in dms], cfg)
+                  [dm.astype(dtype) for dm in dms], g[2] if through else None, cfg)
   total = jnp.sum(part, 0)
   edges = np.cumsum((0,) + _part_widths(cfg))
   gy, gs, gb, *gws = (total[:, a:b] for a, b in zip(edges[:-1], edges[1:], strict=True))
@@ -311,8 +318,14 @@ _fused.defvjp(_vjp_fwd, _vjp_bwd)
 
 
 def wukong_fm_pallas(x, y, ws, scale, bias, *, eps: float = EPS, dtype=jnp.bfloat16,
-                     interpret: bool = False):
-  """``wukong_fm_xla``'s values and gradients from the Pallas kernels (module docstring)."""
+                     interpret: bool = False, through: bool = False):
+  """``wukong_fm_xla``'s values and gradients from the Pallas kernels (module docstring).
+
+  ``through``: also return ``x`` itself, third (a layer's residual when its token count does not
+  change); the backward kernel adds that output's cotangent to ``dx``, so no pass sums the two.
+  Under ``vmap`` ``x`` must then be batched: an unbatched ``x``'s pass-through cotangent reaches
+  every instance's backward summed over the instances, so ``dx`` would count it once per
+  instance."""
   B, N, d = x.shape
   ws = tuple(ws)
   r, ms = y.shape[1], tuple(w.shape[1] for w in ws)
@@ -326,7 +339,7 @@ def wukong_fm_pallas(x, y, ws, scale, bias, *, eps: float = EPS, dtype=jnp.bfloa
     raise ValueError(f"wukong_fm: y {y.shape}, ws {[w.shape for w in ws]}, scale "
                      f"{scale.shape}, bias {bias.shape} do not fit x {x.shape}")
   return _fused(x, y, ws, scale.astype(F32), bias.astype(F32), float(eps), jnp.dtype(dtype),
-                bool(interpret))
+                bool(interpret), bool(through))
 
 
 def supported(N: int, d: int, rank: int, mixes) -> bool:

@@ -72,14 +72,15 @@ def out_kernel(backend: str, d: int, parts) -> bool:
   return packed.pallas_backend(backend) and wukong_fm.out_supported(d, parts)
 
 
-def fm_pallas(x, y, ws, scale, bias, *, dtype):
+def fm_pallas(x, y, ws, scale, bias, *, dtype, through=False):
   """``pallas_kernels.wukong_fm.wukong_fm_pallas`` per device on its examples (global shapes
-  here: ``bench.profiling.roofline.record_kernels`` counts its FLOPs at this call)."""
+  here: ``bench.profiling.roofline.record_kernels`` counts its FLOPs at this call); ``through``:
+  ``x`` passed through, third (its cotangent joins ``dx`` in the backward kernel)."""
   interpret = packed.interpret_kernels()
   op = lambda x, y, ws, s, b: wukong_fm.wukong_fm_pallas(x, y, ws, s, b, dtype=dtype,
-                                                         interpret=interpret)
-  h, mixes = per_shard(op, (True, False, False, False, False), "batch")(x, y, ws, scale, bias)
-  return shard(h, ("batch", None)), tuple(shard(m, _TOK) for m in mixes)
+                                                         interpret=interpret, through=through)
+  h, mixes, *x = per_shard(op, (True, False, False, False, False), "batch")(x, y, ws, scale, bias)
+  return (shard(h, ("batch", None)), tuple(shard(m, _TOK) for m in mixes)) + tuple(x)
 
 
 def out_pallas(parts, res, scale, bias, bias0=None, others=(), logits=None, *, dtype):
@@ -107,13 +108,21 @@ class WukongLayer(nn.Module):
 
   The token side (the FM's interactions and their LayerNorm; the LCB, residual and ``extra``
   token maps) and the output norm run as ``pallas_kernels.wukong_fm``'s kernels (``fm_kernel``,
-  ``out_kernel``: per device on its examples) or as XLA; the MLP as XLA."""
+  ``out_kernel``: per device on its examples) or as XLA; the MLP as XLA.
+
+  ``through``: on both kernels, with ``N = n_fm + n_lcb`` (an identity residual), the residual
+  is the token side's pass-through of ``x``, so its cotangent joins ``dx`` in the token side's
+  backward kernel (no pass adds the two). Only where ``x`` is batched like the layer's
+  parameters: under the experts' ``vmap`` a shared ``x``'s pass-through cotangent reaches every
+  expert's backward summed, and ``dx`` would count it once per expert (``WukongStack`` sets it
+  for the layers after the first, whose input is the expert's own)."""
   n_fm: int
   n_lcb: int
   rank: int
   mlp_hidden: int
   dtype: Any = F32
   backend: str = "xla"
+  through: bool = False
 
   @nn.compact
   def __call__(self, x, extra=None, cross=None):
@@ -140,7 +149,9 @@ class WukongLayer(nn.Module):
       if extra is not None:
         maps["extra"] = extra
       scale, bias = _NormParams(N * self.rank, name="fm_norm")()
-      h, mixes = self._token_side(x, y, tuple(maps.values()), scale, bias)
+      fused = out_kernel(self.backend, d, [self.n_fm] + ([self.n_lcb] if self.n_lcb else []))
+      h, mixes, res = self._token_side(x, y, tuple(maps.values()), scale, bias,
+                                       through=self.through and fused and "res" not in maps)
       mix = dict(zip(maps, mixes, strict=True))
       h = nn.Dense(self.mlp_hidden, dtype=dt, param_dtype=F32, name="fm_mlp_in",
                    kernel_init=with_axes(nn.initializers.lecun_normal(), (None, "mlp")),
@@ -148,10 +159,9 @@ class WukongLayer(nn.Module):
       h = shard(gelu(h), ("batch", "mlp"))
       w_out, b_out = DenseParams(self.mlp_hidden, self.n_fm * d, ("mlp", None),
                                  name="fm_mlp_out")()
-      fused = out_kernel(self.backend, d, [self.n_fm] + ([self.n_lcb] if self.n_lcb else []))
       h = dense(h, w_out, None if fused else b_out, dt)      # fused: the bias in the out norm
       parts = [h.reshape(B, self.n_fm, d)] + ([mix["lcb"]] if self.n_lcb else [])
-      res = mix.get("res", x)
+      res = mix.get("res", res)
       if cross is not None:
         if not fused:
           raise ValueError("WukongLayer: the cross-layer mix rides in the output-norm kernel only")
@@ -172,13 +182,15 @@ class WukongLayer(nn.Module):
     return affine_layer_norm((jnp.concatenate(parts, axis=1), res), scale, bias, 1e-6,
                              self.dtype)
 
-  def _token_side(self, x, y, ws, scale, bias):
-    """``LN(flatten(X (X^T y))) * scale + bias [B, N r]`` and ``w^T X [B, m, d]`` for each token
-    map ``w [N, m]`` of ``ws``, in dtype."""
+  def _token_side(self, x, y, ws, scale, bias, through=False):
+    """``LN(flatten(X (X^T y))) * scale + bias [B, N r]``, ``w^T X [B, m, d]`` for each token
+    map ``w [N, m]`` of ``ws``, in dtype, and ``x`` (on the kernels with ``through``, their
+    pass-through)."""
     B, N, d = x.shape
     dt = self.dtype
     if ws and fm_kernel(self.backend, N, d, self.rank, [w.shape[1] for w in ws]):
-      return fm_pallas(x, y, ws, scale, bias, dtype=dt)
+      return fm_pallas(x, y, ws, scale, bias, dtype=dt, through=through) + (() if through
+                                                                             else (x,))
     xc = x.astype(dt)
     if batched_mixes():                                              # GPU: no transposes
       yb = jnp.broadcast_to(y.astype(dt), (B, N, self.rank))
@@ -187,7 +199,7 @@ class WukongLayer(nn.Module):
       xty = jnp.einsum("bnd,nr->bdr", xc, y.astype(dt))
     fm = jnp.einsum("bnd,bdr->bnr", xc, xty).reshape(B, N * self.rank)  # X (X^T Y)
     h = affine_layer_norm((fm,), scale, bias, 1e-6, dt)
-    return h, tuple(token_mix(xc, w.astype(dt)) for w in ws)
+    return h, tuple(token_mix(xc, w.astype(dt)) for w in ws), x
 
 
 def split_tokens(n_out: int, fm_fraction: float = 0.5) -> tuple[int, int]:
@@ -238,7 +250,7 @@ class WukongStack(nn.Module):
       if dense and i > 0 and not (fold and i == L - 1):
         x = self._combine(i, x, outs)
       layer = WukongLayer(n_fm, n_lcb, self.rank, self.mlp_hidden, dt, self.backend,
-                          name=f"layer_{i}")
+                          through=i > 0, name=f"layer_{i}")
       if i == 0 and dense and p is None:
         outs.append(x.astype(dt))
       cross = (tuple(outs), self._logits(L - 1)) if fold and i == L - 2 else None

@@ -115,6 +115,49 @@ def test_under_vmap_with_shared_input():
     close(g, r, 1e-5)
 
 
+# one tile, and two column chunks (72 tokens x 256); experts vmapped with x batched per expert,
+# as a stack's second layer
+@pytest.mark.parametrize("dtype,tol,N,d", [(jnp.float32, 1e-5, 20, 32), (jnp.float32, 1e-5, 72, 256),
+                                           (jnp.bfloat16, 2e-2, 20, 32)])
+def test_pass_through_adds_its_cotangent_to_dx(dtype, tol, N, d):
+  """``through=True`` returns ``x`` itself third, and the backward kernel adds that output's
+  cotangent to ``dx``: the gradients equal the twin's with the same term on ``x`` in the loss,
+  and the values are those without ``through``."""
+  B, E, ms = 5, 2, (8,)
+  x, y, ws, sc, bi = _inputs(B=B, N=N, d=d, ms=ms, seed=11)
+  rng = np.random.default_rng(8)
+  xs = jnp.asarray(np.stack([x, -0.5 * x]), dtype)                 # [E, B, N, d]
+  stack = lambda a: jnp.asarray(np.stack([a * (1 + 0.1 * e) for e in range(E)]))
+  ys, wss, scs, bis = stack(y), tuple(stack(w) for w in ws), stack(sc), stack(bi)
+  c_h, c_m = (jnp.asarray(rng.normal(size=s), jnp.float32)
+              for s in ((E, B, N * 16), (E, B, ms[0], d)))
+  c_x = jnp.asarray(rng.normal(size=(E, B, N, d)), jnp.float32)
+
+  def loss(fn, through):
+    def f(xs, ys, wss, scs, bis):
+      out = jax.vmap(lambda *a: fn(*a, dtype=dtype, **through))(xs, ys, wss, scs, bis)
+      x_out = out[2] if through else xs                  # the twin: the same term on x itself
+      return (jnp.sum(out[0].astype(jnp.float32) * c_h)
+              + jnp.sum(out[1][0].astype(jnp.float32) * c_m)
+              + jnp.sum(x_out.astype(jnp.float32) * c_x))
+    return jax.value_and_grad(f, argnums=(0, 1, 2, 3, 4))
+
+  pal = lambda *a, **k: wukong_fm.wukong_fm_pallas(*a, interpret=True, **k)
+  with _poison.poison_outputs():
+    out = jax.vmap(lambda *a: pal(*a, dtype=dtype, through=True))(xs, ys, wss, scs, bis)
+    val, grads = loss(pal, {"through": True})(xs, ys, wss, scs, bis)
+  plain = jax.vmap(lambda *a: pal(*a, dtype=dtype))(xs, ys, wss, scs, bis)
+  assert len(out) == 3 and out[2] is not None
+  np.testing.assert_array_equal(np.asarray(out[2]), np.asarray(xs))
+  for a, b in zip(jax.tree.leaves(out[:2]), jax.tree.leaves(plain), strict=True):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  rval, rgrads = loss(wukong_fm.wukong_fm_xla, {})(xs, ys, wss, scs, bis)
+  close(val, rval, tol)
+  for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(rgrads), strict=True):
+    assert g.dtype == r.dtype and g.shape == r.shape
+    close(g, r, tol)
+
+
 def test_unsupported_widths_are_refused():
   """What the kernels cannot tile is refused in one line; ``supported`` (what the model asks
   before taking the kernels) says no for it."""
