@@ -16,8 +16,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels import _poison, activations, jagged, tuning
-from pallas_kernels._common import pad_pow2, precision
+from pallas_kernels import _poison, activations, jagged, norm_qkv, tuning
+from pallas_kernels._common import loop_spans, pad_pow2, precision
 from pallas_kernels.reference import score_clip_value
 
 _F32 = jnp.float32
@@ -25,6 +25,8 @@ _NEG = -1e30
 # Examples per program of the GDPA pool's seed-gradient kernel: its float32 partials, written
 # and summed after, shrink by this factor; mid b1024 still has 1,024 programs (256 x 4 heads)
 POOL_DQ_EXAMPLES = 4
+# Columns of x per step where the pool projects its keys and values itself (_kv_tiles)
+PROJ_COLS = 128
 
 
 class _Cfg(NamedTuple):
@@ -38,6 +40,8 @@ class _Cfg(NamedTuple):
   score_clip: float | None = None
   window: int | None = None
   fast: bool = False
+  proj: bool = False             # the pool's k, v projected in the kernels from x (_kv_tiles)
+  eps: float = 1e-6              # and x's RMSNorm epsilon
 
 
 def _fast(x, interpret):
@@ -354,13 +358,48 @@ def jagged_gdpa_cross_pallas(q, k, v, jag, *, activation="fast_gelu", scale=None
   return _gdpa_cross(cfg, q, k, v, jag, kvl)
 
 
-def _pool_kernel(start_ref, end_ref, q_ref, k_ref, v_ref, o_ref, *, cfg: _Cfg):
+def _kv_tiles(refs, start, n, h, valid, cfg: _Cfg):
+  """Head ``h``'s k, v rows ``[start, start + n)``, ``[n, D]`` each (rows where ``valid`` is
+  False zero): loaded from ``refs = (k, v)`` ``[N, H, D]``, or (``cfg.proj``) projected here
+  from ``refs = (x [N, d], w_k, w_v [d, H, D])`` as ``pallas_kernels.norm_qkv.norm_proj_pallas``
+  computes them: ``h = rms_norm(x)`` rounded to the weights' dtype, ``h w[:, h]`` accumulated in
+  float32 and rounded. ``x`` in column chunks of ``PROJ_COLS``: one pass for the rows' RMS
+  statistic, one for the products."""
+  if not cfg.proj:
+    return tuple(_rows(r, start, n, h, valid) for r in refs)
+  x_ref, wk_ref, wv_ref = refs
+  d, dt = x_ref.shape[1], wk_ref.dtype
+  dc = min(d, PROJ_COLS)
+  ok = jnp.broadcast_to(valid[:, None], (n, dc))
+  cols = lambda c0: plgpu.load(x_ref.at[pl.ds(start, n), pl.ds(c0, dc)], mask=ok,
+                               other=0.0).astype(_F32)
+  f32 = (lambda a: a.astype(_F32)) if cfg.interpret else (lambda a: a)   # as _common.dot
+
+  def square(cs, ss):
+    xc = cols(cs[0])
+    return ss + jnp.sum(xc * xc, axis=1)
+
+  r = lax.rsqrt(loop_spans(d, dc, square, jnp.zeros((n,), _F32)) / d + cfg.eps)[:, None]
+
+  def project(cs, kv):
+    hc = f32((cols(cs[0]) * r).astype(dt))
+    w = [f32(plgpu.load(a.at[pl.ds(cs[0], dc), h, :])) for a in (wk_ref, wv_ref)]
+    prec = precision(_F32 if cfg.interpret else dt)
+    return tuple(acc + plgpu.dot(hc, wi, precision=prec) for acc, wi in zip(kv, w, strict=True))
+
+  D = wk_ref.shape[-1]
+  zero = jnp.zeros((n, D), _F32)
+  return tuple(a.astype(dt) for a in loop_spans(d, dc, project, (zero, zero)))
+
+
+def _pool_kernel(start_ref, end_ref, q_ref, *refs, cfg: _Cfg):
+  kv_refs, o_ref = refs[:-1], refs[-1]
   b, h, S = pl.program_id(0), pl.program_id(1), q_ref.shape[0]
   s0 = _chunk_start(cfg.tile, S)                             # this program's seeds
   q = _rows(q_ref, s0, cfg.tile, h, _span(s0, cfg.tile) < S)
 
   def tile(start, rows, acc):
-    k, v = (_rows(x, start, cfg.kv_tile, h, rows) for x in (k_ref, v_ref))
+    k, v = _kv_tiles(kv_refs, start, cfg.kv_tile, h, rows, cfg)
     return acc + _dot(_scores(q, k, cfg, h), v)
 
   acc = _example_loop(start_ref, end_ref, cfg, tile, jnp.zeros(q.shape, _F32))
@@ -423,13 +462,13 @@ def _pool_dkv_kernel(lo_ref, hi_ref, seg_ref, q_ref, k_ref, v_ref, do_ref, dk_re
   _store(dv_ref, r0, h, dv * cfg.out_scale, out)
 
 
-def _pool_bwd_kernel(off_ref, q_ref, k_ref, v_ref, do_ref, dq_ref, dk_ref, dv_ref, *,
-                     cfg: _Cfg, per: int):
+def _pool_bwd_kernel(off_ref, q_ref, *refs, cfg: _Cfg, per: int):
   """``_pool_dq_kernel`` with the seeds whole (one chunk), which also writes its examples' tokens'
   dk, dv: a token is scored only by its own example's seeds, all of which this program holds,
   so each token tile's ``dS^T`` gives its dk (``dS^T q``) and dv (``P^T dO``) whole, and k, v are
-  read once. The rows past ``offsets[B]`` belong to no example: program ``i`` zeroes the
-  ``i``-th share of them."""
+  read once (``cfg.proj``: projected from ``x``, ``_kv_tiles``). The rows past ``offsets[B]``
+  belong to no example: program ``i`` zeroes the ``i``-th share of them."""
+  kv_refs, (do_ref, dq_ref, dk_ref, dv_ref) = refs[:-4], refs[-4:]
   i, h, S, B = pl.program_id(0), pl.program_id(1), q_ref.shape[0], do_ref.shape[0]
   sq = cfg.tile
   q = _rows(q_ref, 0, sq, h, jnp.arange(sq) < S)
@@ -440,7 +479,7 @@ def _pool_bwd_kernel(off_ref, q_ref, k_ref, v_ref, do_ref, dq_ref, dk_ref, dv_re
     do = _ex_rows(do_ref, bb, sq, h, S)
 
     def tile(start, rows, dq):
-      k, v = (_rows(x, start, cfg.kv_tile, h, rows) for x in (k_ref, v_ref))
+      k, v = _kv_tiles(kv_refs, start, cfg.kv_tile, h, rows, cfg)
       p_t, slope_t = _scores(k, q, cfg, h, with_slope=True)              # [tile, seeds]
       ds_t = _dot(v, do, trans_b=True) * slope_t
       _store(dk_ref, start, h, _dot(ds_t, q) * (cfg.scale * cfg.out_scale), rows)
@@ -455,39 +494,70 @@ def _pool_bwd_kernel(off_ref, q_ref, k_ref, v_ref, do_ref, dq_ref, dk_ref, dv_re
   _zero_tail(off_ref[B], pl.num_programs(0), i, h, cfg, dk_ref, dv_ref)
 
 
-def _pool_fwd(cfg: _Cfg, q, k, v, jag):
+def _streamed(cfg: _Cfg, kv, r):
+  """Shared-memory bytes a pool kernel's token loop loads per step: the k, v tiles, or
+  (``cfg.proj``) an ``x`` column chunk and the two weights' rows for it."""
+  if not cfg.proj:
+    return 2 * cfg.kv_tile * r
+  x, w = kv[0], kv[1]
+  dc = min(x.shape[1], PROJ_COLS)
+  return (cfg.kv_tile * dc + 2 * dc * w.shape[-1]) * jnp.dtype(w.dtype).itemsize
+
+
+def _pool_fwd(cfg: _Cfg, q, kv, jag):
+  """``kv``: ``(k, v)``, or (``cfg.proj``) ``(x, w_k, w_v)``."""
   S, H, D = q.shape
   r = _row(q)
-  sc, stages = _plan("jagged_gdpa_pool", cfg, lambda c: (c * r, 2 * cfg.kv_tile * r), cfg.tile)
+  sc, stages = _plan("jagged_gdpa_pool", cfg, lambda c: (c * r, _streamed(cfg, kv, r)),
+                     cfg.tile)
   return _call(_pool_kernel, cfg._replace(tile=sc), (jag.offsets[:-1], jag.offsets[1:]),
-               (q, k, v), jax.ShapeDtypeStruct((jag.batch, S, H, D), q.dtype),
-               (jag.batch, H, *_chunk_grid(sc, S)), "jagged_gdpa_pool", stages)
+               (q, *kv), jax.ShapeDtypeStruct((jag.batch, S, H, D), q.dtype),
+               (jag.batch, H, *_chunk_grid(sc, S)), "jagged_gdpa_pool", stages,
+               warps=8 if cfg.proj else tuning.JAGGED_WARPS)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _gdpa_pool(cfg: _Cfg, q, k, v, jag):
-  return _pool_fwd(cfg, q, k, v, jag)
+  return _pool_fwd(cfg, q, (k, v), jag)
+
+
+def _bwd_plan(cfg: _Cfg, q, kv):
+  """``(seeds per program, stages)`` of the one-kernel pool backward: whole seeds where
+  ``seeds >= S`` (at the most stages that hold them: dq's dot takes ``dS^T [tile, seeds]`` as
+  its transposed operand, one more resident tile)."""
+  r, t = _row(q), cfg.kv_tile
+  return _plan("jagged_gdpa_pool_bwd", cfg,
+               lambda c: (2 * c * r + c * t * q.dtype.itemsize, _streamed(cfg, kv, r)),
+               cfg.tile, floor=cfg.tile)
 
 
 def _gdpa_pool_bwd(cfg: _Cfg, res, do):
   q, k, v, jag = res
+  return (*_pool_grads(cfg, q, (k, v), jag, do), jax.tree.map(lambda _: None, jag))
+
+
+def _pool_grads(cfg: _Cfg, q, kv, jag, do):
+  """``dq, dk, dv`` of the pool; ``kv`` as ``_pool_fwd``'s (``cfg.proj``: where the seeds must
+  be split, k and v are projected by ``norm_qkv``'s kernel first, for the split kernels)."""
   do = do.astype(q.dtype)
   S, H, D = q.shape
   r, t = _row(q), cfg.kv_tile
   groups = pl.cdiv(jag.batch, POOL_DQ_EXAMPLES)
-  # one kernel where the seeds fit whole, at the most stages that hold them (dq's dot takes
-  # dS^T [tile, seeds] as its transposed operand: one more resident tile)
-  sc, stages = _plan("jagged_gdpa_pool_bwd", cfg,
-                     lambda c: (2 * c * r + c * t * q.dtype.itemsize, 2 * t * r), cfg.tile,
-                     floor=cfg.tile)
+  N = kv[0].shape[0]
+  sc, stages = _bwd_plan(cfg, q, kv)
   if sc >= S:
     # 8 warps, as the cross backward's
     dq, dk, dv = _call(functools.partial(_pool_bwd_kernel, per=POOL_DQ_EXAMPLES),
-                       cfg._replace(tile=sc), (), (jag.offsets, q, k, v, do),
+                       cfg._replace(tile=sc), (), (jag.offsets, q, *kv, do),
                        (jax.ShapeDtypeStruct((groups, S, H, D), _F32),
-                        *(jax.ShapeDtypeStruct(k.shape, k.dtype),) * 2), (groups, H),
+                        *(jax.ShapeDtypeStruct((N, H, D), q.dtype),) * 2), (groups, H),
                        "jagged_gdpa_pool_bwd", stages, warps=8)
-    return jnp.sum(dq, axis=0).astype(q.dtype), dk, dv, jax.tree.map(lambda _: None, jag)
+    return jnp.sum(dq, axis=0).astype(q.dtype), dk, dv
+  if cfg.proj:
+    kv = norm_qkv.norm_proj_pallas(kv[0], kv[1:], eps=cfg.eps, dtype=q.dtype,
+                                   interpret=cfg.interpret)
+    cfg = cfg._replace(proj=False)
+  k, v = kv
   # seeds in chunks: dq per example group and seed chunk, dk / dv per token tile
   sc, stages = _plan("jagged_gdpa_pool_dq", cfg, lambda c: (2 * c * r, 2 * t * r), cfg.tile)
   dq = _call(functools.partial(_pool_dq_kernel, per=POOL_DQ_EXAMPLES), cfg._replace(tile=sc),
@@ -501,10 +571,31 @@ def _gdpa_pool_bwd(cfg: _Cfg, res, do):
   dk, dv = _call(_pool_dkv_kernel, per_tile, (lo, hi), (jag.seg, q, k, v, do),
                  (jax.ShapeDtypeStruct(k.shape, k.dtype),) * 2, (lo.shape[0], H),
                  "jagged_gdpa_pool_dkv", stages)
-  return jnp.sum(dq, axis=0).astype(q.dtype), dk, dv, jax.tree.map(lambda _: None, jag)
+  return jnp.sum(dq, axis=0).astype(q.dtype), dk, dv
 
 
-_gdpa_pool.defvjp(lambda cfg, *a: (_pool_fwd(cfg, *a), a), _gdpa_pool_bwd)
+_gdpa_pool.defvjp(lambda cfg, q, k, v, jag: (_pool_fwd(cfg, q, (k, v), jag), (q, k, v, jag)),
+                  _gdpa_pool_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _gdpa_pool_proj(cfg: _Cfg, q, x, wk, wv, jag):
+  return _pool_fwd(cfg, q, (x, wk, wv), jag)
+
+
+def _gdpa_pool_proj_bwd(cfg: _Cfg, res, do):
+  q, x, wk, wv, jag = res
+  dq, dk, dv = _pool_grads(cfg, q, (x, wk, wv), jag, do)
+  # the projections' backward as norm_proj_pallas's: dx and h from one kernel, dw_k and dw_v
+  # one XLA GEMM of h with dk, dv
+  dx, (dwk, dwv) = norm_qkv.norm_proj_grads(x, (wk, wv), (dk, dv), eps=cfg.eps, dtype=q.dtype,
+                                            interpret=cfg.interpret)
+  return dq, dx, dwk, dwv, jax.tree.map(lambda _: None, jag)
+
+
+_gdpa_pool_proj.defvjp(
+    lambda cfg, q, x, wk, wv, jag: (_pool_fwd(cfg, q, (x, wk, wv), jag), (q, x, wk, wv, jag)),
+    _gdpa_pool_proj_bwd)
 
 
 def jagged_gdpa_pool_pallas(q, k, v, jag, *, activation="fast_gelu", scale=None, out_scale=1.0,
@@ -522,6 +613,29 @@ def jagged_gdpa_pool_pallas(q, k, v, jag, *, activation="fast_gelu", scale=None,
              float(out_scale), pad_pow2(S), int(block_k), bool(interpret),
              score_clip_value(score_clip), fast=_fast(q, interpret))
   return _gdpa_pool(cfg, q, k, v, jag)
+
+
+def jagged_gdpa_pool_proj_pallas(q, x, w, jag, *, activation="fast_gelu", scale=None,
+                                 out_scale=1.0, score_clip=None, interpret=False, block_k=64,
+                                 eps: float = norm_qkv.EPS):
+  """``jagged_gdpa_pool_pallas(q, *norm_proj_pallas(x, w), jag)`` (HSP's keys, values and
+  pooling) without ``k, v`` in memory: the pool's kernels project each token tile's keys and
+  values from ``x [N, d]`` and ``w = (w_k, w_v)``, each ``[d, H, D]`` in ``q``'s dtype
+  (``_kv_tiles``), in the forward and again in the backward, which writes ``dk, dv`` for the
+  projections' backward (``norm_qkv.norm_proj_grads``: ``dx`` and the weight GEMM). Where the
+  backward's seeds must be split, ``k, v`` are projected by ``norm_qkv``'s kernel for the split
+  kernels. ``supported`` says which widths the kernels take."""
+  jagged.check_tokens(jag, jax.ShapeDtypeStruct((x.shape[0], 1, x.shape[-1]), x.dtype))
+  wk, wv = w
+  S, H, D = q.shape
+  if (wk.shape != (x.shape[1], H, D) or wv.shape != wk.shape
+          or not norm_qkv.supported(x.shape[1], H, D, q.dtype)):
+    raise ValueError(f"jagged_gdpa_pool_proj: w {[a.shape for a in w]} must be two [d, H, D] "
+                     f"with x {x.shape}, q {q.shape}, widths norm_qkv.supported")
+  cfg = _Cfg(activations.per_head(activation, H), D ** -0.5 if scale is None else float(scale),
+             float(out_scale), pad_pow2(S), int(block_k), bool(interpret),
+             score_clip_value(score_clip), fast=_fast(q, interpret), proj=True, eps=float(eps))
+  return _gdpa_pool_proj(cfg, q, x, wk.astype(q.dtype), wv.astype(q.dtype), jag)
 
 
 # ----------------------------------------------------------------------------- block attention

@@ -408,6 +408,16 @@ def norm_proj_pallas(x, w, *, eps: float = EPS, dtype=jnp.bfloat16, interpret: b
                 0)
 
 
+def norm_proj_grads(x, w, gs, *, eps: float = EPS, dtype=jnp.bfloat16, interpret: bool = False):
+  """``(dx, dw)`` of ``norm_proj_pallas(x, w)`` for the outputs' cotangents ``gs`` (one per
+  projection), from its backward kernel and weight GEMM: for a kernel that computes the
+  projections itself (``jagged_pallas.jagged_gdpa_pool_proj_pallas``)."""
+  _check(x, w)
+  dx, dw, *_ = _vjp_bwd(float(eps), jnp.dtype(dtype), bool(interpret), 0,
+                        (x, w, (), None, None, None, None), tuple(gs))
+  return dx, dw
+
+
 def supported(d: int, heads: int, head_dim: int, dtype=jnp.bfloat16) -> bool:
   """Whether the kernels take these widths: ``d`` and ``head_dim / 2`` powers of two >= 16 whose
   tiles fit the GPU's shared memory (``tuning.smem_limit``; the callers fall back to XLA)."""

@@ -517,6 +517,22 @@ def jagged_calls(kind: str, q, k, v, jag, kw) -> tuple[str, dict]:
   return "attention", {**io, "window": window, "flops": flops}
 
 
+def pool_proj_kernel(q, x, w, o) -> dict:
+  """Bytes and launches of HSP's pool projecting its own keys and values
+  (``jagged_pallas.jagged_gdpa_pool_proj_pallas``), forward + backward: the forward reads q, x
+  and the two weights ``w``, writes o; the pool's backward reads them and do, writes dq, dk, dv;
+  the projections' backward reads x, dk, dv and the weights, writes dx and h; the weight GEMM
+  reads h, dk, dv and writes the weights' gradients."""
+  nb = lambda a: _nbytes(a.shape, a.dtype)
+  qb, xb, ob, wb = nb(q), nb(x), nb(o), sum(nb(a) for a in w)
+  kv = 2 * _nbytes(w[0].shape[1:], w[0].dtype) * x.shape[0]          # dk, dv [N, H, D]
+  fwd = qb + xb + wb + ob
+  pool_bwd = (qb + xb + wb + ob) + (qb + kv)
+  proj_bwd = (xb + kv + wb) + 2 * xb
+  gemm = (xb + kv) + wb
+  return {"bytes": fwd + pool_bwd + proj_bwd + gemm, "launches": 4}
+
+
 def flash_attention_kernel(q, k, v) -> dict:
   """Bytes and launches of a fused softmax attention's forward + backward (module doc)."""
   B, T, H, _ = q.shape
@@ -697,6 +713,19 @@ def record_kernels(fence: bool = True):
         return _fence(fn(*_fence((q, k, v)), jag, **kw))
     return call
 
+  def pool_proj(q, x, w, jag, **kw):
+    N, d, S = x.shape[0], x.shape[1], q.shape[0]
+    H, D = q.shape[-2:]
+    o = jax.ShapeDtypeStruct((jag.batch, S, H, D), q.dtype)
+    keep("gdpa", {**pool_proj_kernel(q, x, w, o), "flops": attention_flops(1, S, N, H, D)})
+    # the projections: forward, recomputed in the pool's backward, and back-projected
+    keep("projection", {"bytes": 0.0, "launches": 0,
+                        "flops": fused_projection_flops(N, d, len(w), H, D, len(w))})
+    if not fence:
+      return pool_proj_orig(q, x, w, jag, **kw)
+    q, x, w = _fence((q, x, w))
+    return _fence(pool_proj_orig(q, x, w, jag, **kw))
+
   def projection(name, rot):
     fn = getattr(packed, name)
 
@@ -750,6 +779,8 @@ def record_kernels(fence: bool = True):
   jagged_orig = {n: getattr(packed, n) for n in JAGGED_OPS}
   for n in JAGGED_OPS:
     setattr(packed, n, jagged_op(n))
+  pool_proj_orig = packed.gdpa_pool_proj
+  packed.gdpa_pool_proj = pool_proj
   try:
     yield calls
   finally:
@@ -758,6 +789,7 @@ def record_kernels(fence: bool = True):
     pallas_kernels.block_attention = orig["block"]
     for n, f in {**jagged_orig, **proj_orig}.items():
       setattr(packed, n, f)
+    packed.gdpa_pool_proj = pool_proj_orig
     wukong.fm_pallas = fm_orig
     hsp.kron_pallas = kron_orig
     weightgen.gen_pallas = wg_orig

@@ -148,7 +148,14 @@ class HSP(nn.Module):
       e = self.param("seeds", with_axes(nn.initializers.normal(0.02), ("seeds", "embed")),
                      (self.n_seed, d), F32)
       q = _to_heads(self, "query", rms_norm(e), H, dt)
-      if jag is not None and packed.fusable(self.backend, d, H, dt):   # norm -> k, v: one pass
+      gdpa = dict(activation=self.activation, out_scale=1.0 / (self.t_max or s.shape[1]),
+                  score_clip=self.score_clip)
+      fused = jag is not None and packed.fusable(self.backend, d, H, dt)
+      if fused and self.time_buckets is None:    # norm -> k, v -> pool: k, v never in memory
+        o = packed.gdpa_pool_proj(q, s, tuple(_head_weights(self, n, d, H).astype(dt)
+                                              for n in ("key", "value")), jag, **gdpa)
+        return self._tail(o, d, e)
+      if fused:                                                          # norm -> k, v: one pass
         # two weight operands, cast here (the kernels read them in dt): no stacking pass, and
         # the optimizer's 16-bit copies stand in for the casts
         k, v = packed.fused_proj(s, tuple(_head_weights(self, n, d, H).astype(dt)
@@ -157,8 +164,6 @@ class HSP(nn.Module):
         hk, hv = apart(rms_norm(s, dtype=dt), 2)         # k and v: their own buffers
         k, v = _to_heads(self, "key", hk, H, dt), _to_heads(self, "value", hv, H, dt)
       k = add_bucket_embedding(self, "time_bucket_k", k, age, lengths, self.time_buckets, jag)
-      gdpa = dict(activation=self.activation, out_scale=1.0 / (self.t_max or s.shape[1]),
-                  score_clip=self.score_clip)
       if jag is not None:
         o = packed.gdpa_pool(q, k, v, jag, backend=self.backend, **gdpa)      # [B, S, H, dh]
       else:
@@ -166,10 +171,15 @@ class HSP(nn.Module):
         v = shard(v, ("batch", "seq", "heads", "head_dim"))
         o = gdpa_op(q[None], k, v, kv_lengths=lengths, broadcast_q=True, backend=self.backend,
                     seq="kv", **gdpa)
-      o = shard(o, ("batch", "seeds", "heads", "head_dim"))
-      a = _from_heads(self, "out", o, d, dt)                 # then rms_norm(e + o W_o)
-      return SumKronLinear(self.n_sum, self.rank, self.out_dim, dt, self.backend,
-                           name="kron")(a, seeds=e)
+      return self._tail(o, d, e)
+
+  def _tail(self, o, d, e):
+    """The pooled ``o [B, S, H, D]`` -> ``[B, n_sum, out_dim or d]``: output projection, then
+    ``rms_norm(e + o W_o)`` and the seeds' Kronecker map (``SumKronLinear``)."""
+    o = shard(o, ("batch", "seeds", "heads", "head_dim"))
+    a = _from_heads(self, "out", o, d, self.dtype)
+    return SumKronLinear(self.n_sum, self.rank, self.out_dim, self.dtype, self.backend,
+                         name="kron")(a, seeds=e)
 
 
 class PMA(nn.Module):

@@ -124,6 +124,17 @@ def gdpa_pool(q, k, v, jag, *, backend: str, **kw):
                       (False, True, True), pallas)
 
 
+def gdpa_pool_proj(q, x, ws, jag, **kw):
+  """HSP's keys, values and GDPA as one Pallas op: seeds ``q [S, H, D]`` pool the projections
+  ``rms_norm(x) w_p`` of ``x [N, d]`` (``ws = (w_k, w_v)``, each ``[d, H, D]``) per example ->
+  ``[B, S, H, D]``, the keys and values computed inside the pool's kernels
+  (``pallas_kernels.jagged_pallas.jagged_gdpa_pool_proj_pallas``; where ``fusable``)."""
+  fn = lambda j, q, x, wk, wv: jagged_pallas.jagged_gdpa_pool_proj_pallas(
+      q, x, (wk, wv), j, interpret=interpret_kernels(), **kw)
+  with jax.named_scope("GDPA"):
+    return _per_block(fn, jag, (q, x, *ws), (False, True, False, False), True)
+
+
 def softmax_pool(q, k, v, jag):
   """PMA's pooling: seeds ``q [S, H, D]`` softmax-pool ``k, v [N, H, D]`` per example ->
   ``[B, S, H, D]`` (``jagged.jagged_softmax_pool``; XLA on every backend)."""

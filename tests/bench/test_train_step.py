@@ -235,6 +235,46 @@ def test_kernel_formulas_and_recorded_calls():
   assert gd["bytes"] == roofline.gdpa_kernel(hq, hk, hk, 2, True, False)["bytes"]
 
 
+def test_pool_projecting_its_keys_is_recorded_with_its_bytes_and_flops():
+  """The fused HSP pool (``packed.gdpa_pool_proj``, Pallas backend, traced only): its byte
+  formula by hand, and ``record_kernels`` keeps one "gdpa" call with those bytes and the pool's
+  FLOPs, and one "projection" with the projections' (forward, recomputed in the backward, and
+  back-projected: 6 N d H D for the two)."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  from data.jagged import pack_events
+  from kunlun.nn import packed
+  from kunlun.nn.hsp import HSP
+  from pallas_kernels.jagged import Jagged
+  S = jax.ShapeDtypeStruct
+  N, d, H, D, seeds, Bx = 64, 64, 2, 32, 4, 3
+  q, x, o = S((seeds, H, D), jnp.float32), S((N, d), jnp.float32), S((Bx, seeds, H, D), jnp.float32)
+  w = (S((d, H, D), jnp.float32),) * 2
+  qb, xb, ob, wb, kv = seeds * H * D * 4, N * d * 4, Bx * seeds * H * D * 4, 2 * d * H * D * 4, \
+      2 * N * H * D * 4
+  fwd = qb + xb + wb + ob
+  want = fwd + (fwd + qb + kv) + (xb + kv + wb + 2 * xb) + (xb + kv + wb)
+  assert roofline.pool_proj_kernel(q, x, w, o) == {"bytes": want, "launches": 4}
+
+  toks, offsets, seg, pos, _ = pack_events(
+      {"s": np.ones((Bx, 30, d), np.float32)}, np.array([30, 0, 12], np.int32), N)
+  jag = Jagged(*(jnp.asarray(a) for a in (offsets, seg, pos)))
+  hsp = HSP(n_seed=seeds, n_sum=2, heads=H, rank=2, backend="pallas", t_max=30)
+  s = packed.Packed(jnp.asarray(toks["s"]), jag)
+  p = jax.eval_shape(hsp.init, jax.random.key(0), s, None)
+  with roofline.record_kernels() as calls:
+    jax.make_jaxpr(jax.grad(lambda p, x: jnp.sum(hsp.apply(p, packed.Packed(x, jag), None)),
+                            argnums=(0, 1)))(p, s.value)
+  gd = [c for c in calls if c["kind"] == "gdpa"]
+  pr = [c for c in calls if c["kind"] == "projection" and "/HSP" in c["scope"]
+        and "kron" not in c["scope"]]
+  assert len(gd) == 1 and gd[0]["bytes"] == want, calls
+  assert gd[0]["flops"] == roofline.attention_flops(1, seeds, N, H, D)
+  assert len(pr) == 1 and pr[0]["flops"] == 6 * 2 * N * d * H * D, calls
+
+
 def test_record_kernels_sees_every_seq_attention_of_a_model():
   """On the tiny model's differentiated forward, ``record_kernels`` records one softmax-attention
   call per ``SeqAttention`` call (counted independently by flax's method interception), each in

@@ -443,3 +443,54 @@ def test_pallas_pool_seed_gradient_over_a_partial_group_of_examples():
     got = grads(functools.partial(jagged_pallas.jagged_gdpa_pool_pallas, interpret=True))
   for what, g, r in zip(("seeds", "k", "v"), got, grads(jagged.jagged_gdpa_pool), strict=True):
     np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5, err_msg=f"d{what}")
+
+
+# HSP's keys and values projected inside the pool's kernels: (d, heads, seeds, dtype); the last
+# case (float32, head size 128, 100 seeds) splits the backward's seeds, where the projection runs
+# as norm_proj's kernel before the split kernels
+PROJ_CASES = [(64, 2, S, jnp.float32), (64, 2, S, jnp.bfloat16), (256, 2, 20, jnp.float32),
+              (256, 2, 100, jnp.float32)]
+
+
+@pytest.mark.parametrize("d,heads,seeds,dtype", PROJ_CASES)
+def test_pallas_pool_projecting_its_keys_against_the_unfused_twin(d, heads, seeds, dtype):
+  """``jagged_gdpa_pool_proj_pallas(q, x, (w_k, w_v))`` against the twin of the unfused chain,
+  ``jagged_gdpa_pool(q, *norm_proj_xla(x, w))``: outputs and the gradients of every operand
+  (float32 1e-5, bfloat16 2e-2 of the largest element), with ragged lengths, an empty history
+  and one example filling the capacity (``LENGTHS``), poisoned outputs; ``x`` wider than
+  ``PROJ_COLS`` runs its column chunks."""
+  from pallas_kernels import norm_qkv
+  D = d // heads
+  rng = np.random.default_rng(d + seeds)
+  w = tuple(jnp.asarray(rng.normal(size=(d, heads, D)) / np.sqrt(d), dtype) for _ in range(2))
+  q = jnp.asarray(rng.normal(size=(seeds, heads, D)), dtype)
+  kw = dict(activation="gelu", out_scale=0.5)
+
+  def twin(q, x, w, jag):
+    return jagged.jagged_gdpa_pool(q, *norm_qkv.norm_proj_xla(x, w, dtype=dtype), jag, **kw)
+
+  def fused(q, x, w, jag):
+    return jagged_pallas.jagged_gdpa_pool_proj_pallas(q, x, w, jag, interpret=True, **kw)
+
+  def vjp_of(fn):
+    def run(jag, q, x, w):
+      out, vjp = jax.vjp(lambda q, x, w: fn(q, x, w, jag).astype(jnp.float32), q, x, w)
+      return out, vjp(jnp.cos(out))
+    return jax.jit(run)
+
+  tol = 1e-5 if dtype == jnp.float32 else 2e-2
+  with _poison.poison_outputs():
+    run = vjp_of(fused)
+    for case in ("ragged", "empty", "full"):
+      x = jnp.asarray(rng.normal(size=(B, T, d)), jnp.float32)
+      xs, jag, _ = jax.jit(jagged.pack, static_argnums=2)(x[:, :, None],
+                                                          np.array(LENGTHS[case]), N)
+      xs = xs[:, 0].astype(dtype)
+      (out, grads), (want, wgrads) = run(jag, q, xs, w), vjp_of(twin)(jag, q, xs, w)
+      for what, g, r in [("out", out, want)] + list(zip(["q", "x", "w_k", "w_v"],
+                                                        jax.tree.leaves(grads),
+                                                        jax.tree.leaves(wgrads), strict=True)):
+        g, r = np.asarray(g, np.float32), np.asarray(r, np.float32)
+        assert np.all(np.isfinite(g)), f"{case} {what}"
+        np.testing.assert_allclose(g, r, atol=tol * max(np.abs(r).max(), 1e-6),
+                                   err_msg=f"{case} {what}")

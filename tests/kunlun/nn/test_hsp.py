@@ -146,11 +146,12 @@ def test_hsp_per_head_activations_and_score_clip():
 @pytest.mark.parametrize("lens,dtype", [((37, 0, 21, 1), jnp.float32), ((0, 64, 0), jnp.float32),
                                         ((37, 0, 21, 1), jnp.bfloat16)])
 def test_packed_fused_keys_values_match_the_unfused_path(lens, dtype):
-  """A packed tower's HSP on the Pallas backend computes its keys and values with
-  ``pallas_kernels.norm_qkv.norm_proj_pallas`` (interpret mode): summaries and gradients
-  (parameters and tokens) equal the XLA backend's (float32: 1e-5; bfloat16: 2e-2 of the largest
-  magnitude), with ragged lengths, empty histories and one example filling the capacity 64;
-  float32 summaries equal the numpy HSP of the padded layout."""
+  """A packed tower's HSP on the Pallas backend computes its keys and values inside the pool's
+  kernels (``pallas_kernels.jagged_pallas.jagged_gdpa_pool_proj_pallas``, interpret mode; no
+  ``norm_proj`` kernel in the forward): summaries and gradients (parameters and tokens) equal the
+  XLA backend's (float32: 1e-5; bfloat16: 2e-2 of the largest magnitude), with ragged lengths,
+  empty histories and one example filling the capacity 64; float32 summaries equal the numpy
+  HSP of the padded layout."""
   from data.jagged import pack_events
   from kunlun.nn import packed
   from pallas_kernels.jagged import Jagged
@@ -163,6 +164,9 @@ def test_packed_fused_keys_values_match_the_unfused_path(lens, dtype):
   mods = {b: HSP(n_seed=16, n_sum=4, heads=2, rank=2, backend=b, t_max=T, dtype=dtype)
           for b in ("xla", "pallas")}
   v = jax.jit(mods["xla"].init)(jax.random.key(0), packed.Packed(x, jag), None)
+  fwd = str(jax.make_jaxpr(lambda v, x: mods["pallas"].apply(v, packed.Packed(x, jag), None))(
+      v, x))
+  assert "jagged_gdpa_pool" in fwd and "norm_proj" not in fwd
   g = jnp.asarray(np.random.default_rng(5).normal(size=(len(lens), 4, 64)), jnp.float32)
   got = pallas_matches_xla(mods, v, x, lambda m, v, x: m.apply(v, packed.Packed(x, jag), None),
                            g, dtype)
