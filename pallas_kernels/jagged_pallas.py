@@ -393,13 +393,19 @@ def _kv_tiles(refs, start, n, h, valid, cfg: _Cfg):
 
 
 def _pool_kernel(start_ref, end_ref, q_ref, *refs, cfg: _Cfg):
-  kv_refs, o_ref = refs[:-1], refs[-1]
+  """``cfg.proj``: the operands ``x, w_k, w_v`` and the outputs ``o, k, v``: the projected k, v
+  are stored for the backward (by the first seed chunk's program)."""
+  n_in = 3 if cfg.proj else 2
+  kv_refs, (o_ref, *kv_out) = refs[:n_in], refs[n_in:]
   b, h, S = pl.program_id(0), pl.program_id(1), q_ref.shape[0]
   s0 = _chunk_start(cfg.tile, S)                             # this program's seeds
   q = _rows(q_ref, s0, cfg.tile, h, _span(s0, cfg.tile) < S)
 
   def tile(start, rows, acc):
     k, v = _kv_tiles(kv_refs, start, cfg.kv_tile, h, rows, cfg)
+    if cfg.proj:
+      for ref, t in zip(kv_out, (k, v), strict=True):
+        _store(ref, start, h, t, rows & (s0 == 0))
     return acc + _dot(_scores(q, k, cfg, h), v)
 
   acc = _example_loop(start_ref, end_ref, cfg, tile, jnp.zeros(q.shape, _F32))
@@ -462,13 +468,13 @@ def _pool_dkv_kernel(lo_ref, hi_ref, seg_ref, q_ref, k_ref, v_ref, do_ref, dk_re
   _store(dv_ref, r0, h, dv * cfg.out_scale, out)
 
 
-def _pool_bwd_kernel(off_ref, q_ref, *refs, cfg: _Cfg, per: int):
+def _pool_bwd_kernel(off_ref, q_ref, k_ref, v_ref, do_ref, dq_ref, dk_ref, dv_ref, *,
+                     cfg: _Cfg, per: int):
   """``_pool_dq_kernel`` with the seeds whole (one chunk), which also writes its examples' tokens'
   dk, dv: a token is scored only by its own example's seeds, all of which this program holds,
   so each token tile's ``dS^T`` gives its dk (``dS^T q``) and dv (``P^T dO``) whole, and k, v are
-  read once (``cfg.proj``: projected from ``x``, ``_kv_tiles``). The rows past ``offsets[B]``
-  belong to no example: program ``i`` zeroes the ``i``-th share of them."""
-  kv_refs, (do_ref, dq_ref, dk_ref, dv_ref) = refs[:-4], refs[-4:]
+  read once. The rows past ``offsets[B]`` belong to no example: program ``i`` zeroes the
+  ``i``-th share of them."""
   i, h, S, B = pl.program_id(0), pl.program_id(1), q_ref.shape[0], do_ref.shape[0]
   sq = cfg.tile
   q = _rows(q_ref, 0, sq, h, jnp.arange(sq) < S)
@@ -479,7 +485,7 @@ def _pool_bwd_kernel(off_ref, q_ref, *refs, cfg: _Cfg, per: int):
     do = _ex_rows(do_ref, bb, sq, h, S)
 
     def tile(start, rows, dq):
-      k, v = _kv_tiles(kv_refs, start, cfg.kv_tile, h, rows, cfg)
+      k, v = (_rows(x, start, cfg.kv_tile, h, rows) for x in (k_ref, v_ref))
       p_t, slope_t = _scores(k, q, cfg, h, with_slope=True)              # [tile, seeds]
       ds_t = _dot(v, do, trans_b=True) * slope_t
       _store(dk_ref, start, h, _dot(ds_t, q) * (cfg.scale * cfg.out_scale), rows)
@@ -505,14 +511,15 @@ def _streamed(cfg: _Cfg, kv, r):
 
 
 def _pool_fwd(cfg: _Cfg, q, kv, jag):
-  """``kv``: ``(k, v)``, or (``cfg.proj``) ``(x, w_k, w_v)``."""
+  """``kv``: ``(k, v)``, or (``cfg.proj``) ``(x, w_k, w_v)``, then returning ``(o, k, v)``."""
   S, H, D = q.shape
   r = _row(q)
   sc, stages = _plan("jagged_gdpa_pool", cfg, lambda c: (c * r, _streamed(cfg, kv, r)),
                      cfg.tile)
+  o = jax.ShapeDtypeStruct((jag.batch, S, H, D), q.dtype)
+  outs = (o, *(jax.ShapeDtypeStruct((kv[0].shape[0], H, D), q.dtype),) * 2) if cfg.proj else o
   return _call(_pool_kernel, cfg._replace(tile=sc), (jag.offsets[:-1], jag.offsets[1:]),
-               (q, *kv), jax.ShapeDtypeStruct((jag.batch, S, H, D), q.dtype),
-               (jag.batch, H, *_chunk_grid(sc, S)), "jagged_gdpa_pool", stages,
+               (q, *kv), outs, (jag.batch, H, *_chunk_grid(sc, S)), "jagged_gdpa_pool", stages,
                warps=8 if cfg.proj else tuning.JAGGED_WARPS)
 
 
@@ -521,43 +528,30 @@ def _gdpa_pool(cfg: _Cfg, q, k, v, jag):
   return _pool_fwd(cfg, q, (k, v), jag)
 
 
-def _bwd_plan(cfg: _Cfg, q, kv):
-  """``(seeds per program, stages)`` of the one-kernel pool backward: whole seeds where
-  ``seeds >= S`` (at the most stages that hold them: dq's dot takes ``dS^T [tile, seeds]`` as
-  its transposed operand, one more resident tile)."""
-  r, t = _row(q), cfg.kv_tile
-  return _plan("jagged_gdpa_pool_bwd", cfg,
-               lambda c: (2 * c * r + c * t * q.dtype.itemsize, _streamed(cfg, kv, r)),
-               cfg.tile, floor=cfg.tile)
-
-
 def _gdpa_pool_bwd(cfg: _Cfg, res, do):
   q, k, v, jag = res
-  return (*_pool_grads(cfg, q, (k, v), jag, do), jax.tree.map(lambda _: None, jag))
+  return (*_pool_grads(cfg, q, k, v, jag, do), jax.tree.map(lambda _: None, jag))
 
 
-def _pool_grads(cfg: _Cfg, q, kv, jag, do):
-  """``dq, dk, dv`` of the pool; ``kv`` as ``_pool_fwd``'s (``cfg.proj``: where the seeds must
-  be split, k and v are projected by ``norm_qkv``'s kernel first, for the split kernels)."""
+def _pool_grads(cfg: _Cfg, q, k, v, jag, do):
+  """``dq, dk, dv`` of the pool."""
   do = do.astype(q.dtype)
   S, H, D = q.shape
   r, t = _row(q), cfg.kv_tile
   groups = pl.cdiv(jag.batch, POOL_DQ_EXAMPLES)
-  N = kv[0].shape[0]
-  sc, stages = _bwd_plan(cfg, q, kv)
+  # one kernel where the seeds fit whole, at the most stages that hold them (dq's dot takes
+  # dS^T [tile, seeds] as its transposed operand: one more resident tile)
+  sc, stages = _plan("jagged_gdpa_pool_bwd", cfg,
+                     lambda c: (2 * c * r + c * t * q.dtype.itemsize, 2 * t * r), cfg.tile,
+                     floor=cfg.tile)
   if sc >= S:
     # 8 warps, as the cross backward's
     dq, dk, dv = _call(functools.partial(_pool_bwd_kernel, per=POOL_DQ_EXAMPLES),
-                       cfg._replace(tile=sc), (), (jag.offsets, q, *kv, do),
+                       cfg._replace(tile=sc), (), (jag.offsets, q, k, v, do),
                        (jax.ShapeDtypeStruct((groups, S, H, D), _F32),
-                        *(jax.ShapeDtypeStruct((N, H, D), q.dtype),) * 2), (groups, H),
+                        *(jax.ShapeDtypeStruct(k.shape, k.dtype),) * 2), (groups, H),
                        "jagged_gdpa_pool_bwd", stages, warps=8)
     return jnp.sum(dq, axis=0).astype(q.dtype), dk, dv
-  if cfg.proj:
-    kv = norm_qkv.norm_proj_pallas(kv[0], kv[1:], eps=cfg.eps, dtype=q.dtype,
-                                   interpret=cfg.interpret)
-    cfg = cfg._replace(proj=False)
-  k, v = kv
   # seeds in chunks: dq per example group and seed chunk, dk / dv per token tile
   sc, stages = _plan("jagged_gdpa_pool_dq", cfg, lambda c: (2 * c * r, 2 * t * r), cfg.tile)
   dq = _call(functools.partial(_pool_dq_kernel, per=POOL_DQ_EXAMPLES), cfg._replace(tile=sc),
@@ -580,12 +574,17 @@ _gdpa_pool.defvjp(lambda cfg, q, k, v, jag: (_pool_fwd(cfg, q, (k, v), jag), (q,
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _gdpa_pool_proj(cfg: _Cfg, q, x, wk, wv, jag):
-  return _pool_fwd(cfg, q, (x, wk, wv), jag)
+  return _pool_fwd(cfg, q, (x, wk, wv), jag)[0]
+
+
+def _gdpa_pool_proj_fwd(cfg: _Cfg, q, x, wk, wv, jag):
+  o, k, v = _pool_fwd(cfg, q, (x, wk, wv), jag)
+  return o, (q, x, wk, wv, k, v, jag)
 
 
 def _gdpa_pool_proj_bwd(cfg: _Cfg, res, do):
-  q, x, wk, wv, jag = res
-  dq, dk, dv = _pool_grads(cfg, q, (x, wk, wv), jag, do)
+  q, x, wk, wv, k, v, jag = res
+  dq, dk, dv = _pool_grads(cfg._replace(proj=False), q, k, v, jag, do)
   # the projections' backward as norm_proj_pallas's: dx and h from one kernel, dw_k and dw_v
   # one XLA GEMM of h with dk, dv
   dx, (dwk, dwv) = norm_qkv.norm_proj_grads(x, (wk, wv), (dk, dv), eps=cfg.eps, dtype=q.dtype,
@@ -593,9 +592,7 @@ def _gdpa_pool_proj_bwd(cfg: _Cfg, res, do):
   return dq, dx, dwk, dwv, jax.tree.map(lambda _: None, jag)
 
 
-_gdpa_pool_proj.defvjp(
-    lambda cfg, q, x, wk, wv, jag: (_pool_fwd(cfg, q, (x, wk, wv), jag), (q, x, wk, wv, jag)),
-    _gdpa_pool_proj_bwd)
+_gdpa_pool_proj.defvjp(_gdpa_pool_proj_fwd, _gdpa_pool_proj_bwd)
 
 
 def jagged_gdpa_pool_pallas(q, k, v, jag, *, activation="fast_gelu", scale=None, out_scale=1.0,
@@ -619,12 +616,12 @@ def jagged_gdpa_pool_proj_pallas(q, x, w, jag, *, activation="fast_gelu", scale=
                                  out_scale=1.0, score_clip=None, interpret=False, block_k=64,
                                  eps: float = norm_qkv.EPS):
   """``jagged_gdpa_pool_pallas(q, *norm_proj_pallas(x, w), jag)`` (HSP's keys, values and
-  pooling) without ``k, v`` in memory: the pool's kernels project each token tile's keys and
-  values from ``x [N, d]`` and ``w = (w_k, w_v)``, each ``[d, H, D]`` in ``q``'s dtype
-  (``_kv_tiles``), in the forward and again in the backward, which writes ``dk, dv`` for the
-  projections' backward (``norm_qkv.norm_proj_grads``: ``dx`` and the weight GEMM). Where the
-  backward's seeds must be split, ``k, v`` are projected by ``norm_qkv``'s kernel for the split
-  kernels. ``supported`` says which widths the kernels take."""
+  pooling) in one forward kernel: each token tile's keys and values are projected where the pool
+  reads them, from ``x [N, d]`` and ``w = (w_k, w_v)``, each ``[d, H, D]`` in ``q``'s dtype
+  (``_kv_tiles``), and stored on the way for the backward (not read back in the forward). The
+  backward is the pool's (``_pool_grads``, from the stored k, v), then the projections'
+  (``norm_qkv.norm_proj_grads``: ``dx`` and the weight GEMM); nothing is computed twice. Widths:
+  ``norm_qkv.supported``'s."""
   jagged.check_tokens(jag, jax.ShapeDtypeStruct((x.shape[0], 1, x.shape[-1]), x.dtype))
   wk, wv = w
   S, H, D = q.shape

@@ -520,14 +520,14 @@ def jagged_calls(kind: str, q, k, v, jag, kw) -> tuple[str, dict]:
 def pool_proj_kernel(q, x, w, o) -> dict:
   """Bytes and launches of HSP's pool projecting its own keys and values
   (``jagged_pallas.jagged_gdpa_pool_proj_pallas``), forward + backward: the forward reads q, x
-  and the two weights ``w``, writes o; the pool's backward reads them and do, writes dq, dk, dv;
-  the projections' backward reads x, dk, dv and the weights, writes dx and h; the weight GEMM
-  reads h, dk, dv and writes the weights' gradients."""
+  and the two weights ``w``, writes o, k and v; the pool's backward reads q, k, v and do, writes
+  dq, dk, dv; the projections' backward reads x, dk, dv and the weights, writes dx and h; the
+  weight GEMM reads h, dk, dv and writes the weights' gradients."""
   nb = lambda a: _nbytes(a.shape, a.dtype)
   qb, xb, ob, wb = nb(q), nb(x), nb(o), sum(nb(a) for a in w)
-  kv = 2 * _nbytes(w[0].shape[1:], w[0].dtype) * x.shape[0]          # dk, dv [N, H, D]
-  fwd = qb + xb + wb + ob
-  pool_bwd = (qb + xb + wb + ob) + (qb + kv)
+  kv = 2 * _nbytes(w[0].shape[1:], q.dtype) * x.shape[0]             # k, v (dk, dv) [N, H, D]
+  fwd = (qb + xb + wb) + (ob + kv)
+  pool_bwd = (qb + kv + ob) + (qb + kv)
   proj_bwd = (xb + kv + wb) + 2 * xb
   gemm = (xb + kv) + wb
   return {"bytes": fwd + pool_bwd + proj_bwd + gemm, "launches": 4}
@@ -718,9 +718,9 @@ def record_kernels(fence: bool = True):
     H, D = q.shape[-2:]
     o = jax.ShapeDtypeStruct((jag.batch, S, H, D), q.dtype)
     keep("gdpa", {**pool_proj_kernel(q, x, w, o), "flops": attention_flops(1, S, N, H, D)})
-    # the projections: forward, recomputed in the pool's backward, and back-projected
+    # the projections: forward (in the pool's kernel) and back-projected (norm_proj's backward)
     keep("projection", {"bytes": 0.0, "launches": 0,
-                        "flops": fused_projection_flops(N, d, len(w), H, D, len(w))})
+                        "flops": fused_projection_flops(N, d, len(w), H, D, 0)})
     if not fence:
       return pool_proj_orig(q, x, w, jag, **kw)
     q, x, w = _fence((q, x, w))

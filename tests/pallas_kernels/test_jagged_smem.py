@@ -167,13 +167,13 @@ def test_prod_tiles(monkeypatch):
   KiB at 3 stages), its backward (one kernel) keeps them whole at 2 stages, the rest as at mid; with 4 per-head activations (4 loop copies,
   each with its own pipeline buffers) the GDPA kernels run unpipelined (1 stage); the pool
   projecting its keys and values (a 128-column chunk of x and two [128, 128] weight blocks per
-  step) keeps its seeds whole at 2 stages forward, 1 backward."""
+  step) keeps its seeds whole at 2 stages forward (its backward is the pool's)."""
   plans = _plans("prod", monkeypatch)
   for (family, name), (whole, chunk, stages, est) in plans.items():
     if family.endswith("per_head") and name.startswith("jagged_gdpa"):
       want = (whole, 1)
-    elif family == "pool_proj":
-      want = (whole, 2 if name == "jagged_gdpa_pool" else 1)
+    elif family == "pool_proj" and name == "jagged_gdpa_pool":
+      want = (whole, 2)
     else:
       want = {"jagged_gdpa_cross": (128, 3), "jagged_gdpa_cross_bwd": (whole, 2)}.get(
           name, (whole, 3))
