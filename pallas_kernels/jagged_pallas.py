@@ -7,7 +7,6 @@ key rows it overlaps. Every op has Pallas backward kernels (``custom_vjp``).
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from typing import NamedTuple
 
@@ -43,7 +42,6 @@ class _Cfg(NamedTuple):
   fast: bool = False
   proj: bool = False             # the pool's k, v projected in the kernels from x (_kv_tiles)
   eps: float = 1e-6              # and x's RMSNorm epsilon
-  scope: str | None = None       # a named scope around the pool's own kernels (profiles)
 
 
 def _fast(x, interpret):
@@ -574,28 +572,21 @@ _gdpa_pool.defvjp(lambda cfg, q, k, v, jag: (_pool_fwd(cfg, q, (k, v), jag), (q,
                   _gdpa_pool_bwd)
 
 
-def _scoped(cfg: _Cfg):
-  return jax.named_scope(cfg.scope) if cfg.scope else contextlib.nullcontext()
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _gdpa_pool_proj(cfg: _Cfg, q, x, wk, wv, jag):
-  with _scoped(cfg):
-    return _pool_fwd(cfg, q, (x, wk, wv), jag)[0]
+  return _pool_fwd(cfg, q, (x, wk, wv), jag)[0]
 
 
 def _gdpa_pool_proj_fwd(cfg: _Cfg, q, x, wk, wv, jag):
-  with _scoped(cfg):
-    o, k, v = _pool_fwd(cfg, q, (x, wk, wv), jag)
+  o, k, v = _pool_fwd(cfg, q, (x, wk, wv), jag)
   return o, (q, x, wk, wv, k, v, jag)
 
 
 def _gdpa_pool_proj_bwd(cfg: _Cfg, res, do):
   q, x, wk, wv, k, v, jag = res
-  with _scoped(cfg):
-    dq, dk, dv = _pool_grads(cfg._replace(proj=False), q, k, v, jag, do)
-  # the projections' backward as norm_proj_pallas's, outside the pool's scope: dx and h from one
-  # kernel, dw_k and dw_v one XLA GEMM of h with dk, dv
+  dq, dk, dv = _pool_grads(cfg._replace(proj=False), q, k, v, jag, do)
+  # the projections' backward as norm_proj_pallas's: dx and h from one kernel, dw_k and dw_v
+  # one XLA GEMM of h with dk, dv
   dx, (dwk, dwv) = norm_qkv.norm_proj_grads(x, (wk, wv), (dk, dv), eps=cfg.eps, dtype=q.dtype,
                                             interpret=cfg.interpret)
   return dq, dx, dwk, dwv, jax.tree.map(lambda _: None, jag)
@@ -623,15 +614,14 @@ def jagged_gdpa_pool_pallas(q, k, v, jag, *, activation="fast_gelu", scale=None,
 
 def jagged_gdpa_pool_proj_pallas(q, x, w, jag, *, activation="fast_gelu", scale=None,
                                  out_scale=1.0, score_clip=None, interpret=False, block_k=64,
-                                 eps: float = norm_qkv.EPS, pool_scope: str | None = None):
+                                 eps: float = norm_qkv.EPS):
   """``jagged_gdpa_pool_pallas(q, *norm_proj_pallas(x, w), jag)`` (HSP's keys, values and
   pooling) in one forward kernel: each token tile's keys and values are projected where the pool
   reads them, from ``x [N, d]`` and ``w = (w_k, w_v)``, each ``[d, H, D]`` in ``q``'s dtype
   (``_kv_tiles``), and stored on the way for the backward (not read back in the forward). The
   backward is the pool's (``_pool_grads``, from the stored k, v), then the projections'
   (``norm_qkv.norm_proj_grads``: ``dx`` and the weight GEMM); nothing is computed twice. Widths:
-  ``norm_qkv.supported``'s. ``pool_scope``: a named scope around the pool's two kernels only
-  (the model's "GDPA"), the projections' backward staying in the caller's."""
+  ``norm_qkv.supported``'s."""
   jagged.check_tokens(jag, jax.ShapeDtypeStruct((x.shape[0], 1, x.shape[-1]), x.dtype))
   wk, wv = w
   S, H, D = q.shape
@@ -641,8 +631,7 @@ def jagged_gdpa_pool_proj_pallas(q, x, w, jag, *, activation="fast_gelu", scale=
                      f"with x {x.shape}, q {q.shape}, widths norm_qkv.supported")
   cfg = _Cfg(activations.per_head(activation, H), D ** -0.5 if scale is None else float(scale),
              float(out_scale), pad_pow2(S), int(block_k), bool(interpret),
-             score_clip_value(score_clip), fast=_fast(q, interpret), proj=True, eps=float(eps),
-             scope=pool_scope)
+             score_clip_value(score_clip), fast=_fast(q, interpret), proj=True, eps=float(eps))
   return _gdpa_pool_proj(cfg, q, x, wk.astype(q.dtype), wv.astype(q.dtype), jag)
 
 

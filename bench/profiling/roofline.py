@@ -518,14 +518,19 @@ def jagged_calls(kind: str, q, k, v, jag, kw) -> tuple[str, dict]:
 
 
 def pool_proj_kernel(q, x, w, o) -> dict:
-  """Bytes and launches of the GDPA-scoped kernels of HSP's pool projecting its own keys and
-  values (``jagged_pallas.jagged_gdpa_pool_proj_pallas``), forward + backward: the forward reads
-  q, x and the two weights ``w``, writes o, k and v; the pool's backward reads q, k, v and do,
-  writes dq, dk, dv. (The projections' backward, in HSP's scope, is in the HLO as it is.)"""
+  """Bytes and launches of HSP's pool projecting its own keys and values
+  (``jagged_pallas.jagged_gdpa_pool_proj_pallas``), forward + backward: the forward reads q, x
+  and the two weights ``w``, writes o, k and v; the pool's backward reads q, k, v and do, writes
+  dq, dk, dv; the projections' backward reads x, dk, dv and the weights, writes dx and h; the
+  weight GEMM reads h, dk, dv and writes the weights' gradients."""
   nb = lambda a: _nbytes(a.shape, a.dtype)
   qb, xb, ob, wb = nb(q), nb(x), nb(o), sum(nb(a) for a in w)
   kv = 2 * _nbytes(w[0].shape[1:], q.dtype) * x.shape[0]             # k, v (dk, dv) [N, H, D]
-  return {"bytes": (qb + xb + wb + ob + kv) + (qb + kv + ob + qb + kv), "launches": 2}
+  fwd = (qb + xb + wb) + (ob + kv)
+  pool_bwd = (qb + kv + ob) + (qb + kv)
+  proj_bwd = (xb + kv + wb) + 2 * xb
+  gemm = (xb + kv) + wb
+  return {"bytes": fwd + pool_bwd + proj_bwd + gemm, "launches": 4}
 
 
 def flash_attention_kernel(q, k, v) -> dict:

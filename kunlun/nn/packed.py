@@ -128,12 +128,11 @@ def gdpa_pool_proj(q, x, ws, jag, **kw):
   """HSP's keys, values and GDPA as one Pallas op: seeds ``q [S, H, D]`` pool the projections
   ``rms_norm(x) w_p`` of ``x [N, d]`` (``ws = (w_k, w_v)``, each ``[d, H, D]``) per example ->
   ``[B, S, H, D]``, the keys and values computed inside the pool's kernels
-  (``pallas_kernels.jagged_pallas.jagged_gdpa_pool_proj_pallas``; where ``fusable``). The pool's
-  kernels run in the "GDPA" scope, as ``gdpa_pool``'s; the projections' backward stays in the
-  caller's (HSP's), where ``fused_proj``'s runs."""
+  (``pallas_kernels.jagged_pallas.jagged_gdpa_pool_proj_pallas``; where ``fusable``)."""
   fn = lambda j, q, x, wk, wv: jagged_pallas.jagged_gdpa_pool_proj_pallas(
-      q, x, (wk, wv), j, interpret=interpret_kernels(), pool_scope="GDPA", **kw)
-  return _per_block(fn, jag, (q, x, *ws), (False, True, False, False), True)
+      q, x, (wk, wv), j, interpret=interpret_kernels(), **kw)
+  with jax.named_scope("GDPA"):
+    return _per_block(fn, jag, (q, x, *ws), (False, True, False, False), True)
 
 
 def softmax_pool(q, k, v, jag):

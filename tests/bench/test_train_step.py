@@ -254,8 +254,9 @@ def test_pool_projecting_its_keys_is_recorded_with_its_bytes_and_flops():
   w = (S((d, H, D), jnp.float32),) * 2
   qb, xb, ob, wb, kv = seeds * H * D * 4, N * d * 4, Bx * seeds * H * D * 4, 2 * d * H * D * 4, \
       2 * N * H * D * 4
-  want = (qb + xb + wb + ob + kv) + (qb + kv + ob + qb + kv)     # forward, the pool's backward
-  assert roofline.pool_proj_kernel(q, x, w, o) == {"bytes": want, "launches": 2}
+  want = ((qb + xb + wb + ob + kv) + (qb + kv + ob + qb + kv) + (xb + kv + wb + 2 * xb)
+          + (xb + kv + wb))
+  assert roofline.pool_proj_kernel(q, x, w, o) == {"bytes": want, "launches": 4}
 
   toks, offsets, seg, pos, _ = pack_events(
       {"s": np.ones((Bx, 30, d), np.float32)}, np.array([30, 0, 12], np.int32), N)
