@@ -22,9 +22,10 @@ from pallas_kernels.reference import score_clip_value
 
 _F32 = jnp.float32
 _NEG = -1e30
-# Examples per program of the GDPA pool's seed-gradient kernel: its float32 partials, written
-# and summed after, shrink by this factor; mid b1024 still has 1,024 programs (256 x 4 heads)
-POOL_DQ_EXAMPLES = 4
+# Examples per program of the GDPA pool's seed-gradient kernels (at least; _dq_examples): their
+# float32 partials, written and summed after, shrink by this factor, doubled while the grid keeps
+# POOL_DQ_PROGRAMS programs (mid b256: 4, 256 programs of 4 heads; b1024 and prod: 8, 512)
+POOL_DQ_EXAMPLES, POOL_DQ_PROGRAMS = 4, 512
 # Columns of x per step where the pool projects its keys and values itself (_kv_tiles)
 PROJ_COLS = 128
 
@@ -533,12 +534,22 @@ def _gdpa_pool_bwd(cfg: _Cfg, res, do):
   return (*_pool_grads(cfg, q, k, v, jag, do), jax.tree.map(lambda _: None, jag))
 
 
+def _dq_examples(B: int, H: int) -> int:
+  """Examples per program of the pool's seed-gradient kernels (``POOL_DQ_EXAMPLES`` doubled while
+  ``B H / per`` keeps ``POOL_DQ_PROGRAMS`` programs)."""
+  per = POOL_DQ_EXAMPLES
+  while B * H // (2 * per) >= POOL_DQ_PROGRAMS:
+    per *= 2
+  return per
+
+
 def _pool_grads(cfg: _Cfg, q, k, v, jag, do):
   """``dq, dk, dv`` of the pool."""
   do = do.astype(q.dtype)
   S, H, D = q.shape
   r, t = _row(q), cfg.kv_tile
-  groups = pl.cdiv(jag.batch, POOL_DQ_EXAMPLES)
+  per = _dq_examples(jag.batch, H)
+  groups = pl.cdiv(jag.batch, per)
   # one kernel where the seeds fit whole, at the most stages that hold them (dq's dot takes
   # dS^T [tile, seeds] as its transposed operand: one more resident tile)
   sc, stages = _plan("jagged_gdpa_pool_bwd", cfg,
@@ -546,7 +557,7 @@ def _pool_grads(cfg: _Cfg, q, k, v, jag, do):
                      floor=cfg.tile)
   if sc >= S:
     # 8 warps, as the cross backward's
-    dq, dk, dv = _call(functools.partial(_pool_bwd_kernel, per=POOL_DQ_EXAMPLES),
+    dq, dk, dv = _call(functools.partial(_pool_bwd_kernel, per=per),
                        cfg._replace(tile=sc), (), (jag.offsets, q, k, v, do),
                        (jax.ShapeDtypeStruct((groups, S, H, D), _F32),
                         *(jax.ShapeDtypeStruct(k.shape, k.dtype),) * 2), (groups, H),
@@ -554,7 +565,7 @@ def _pool_grads(cfg: _Cfg, q, k, v, jag, do):
     return jnp.sum(dq, axis=0).astype(q.dtype), dk, dv
   # seeds in chunks: dq per example group and seed chunk, dk / dv per token tile
   sc, stages = _plan("jagged_gdpa_pool_dq", cfg, lambda c: (2 * c * r, 2 * t * r), cfg.tile)
-  dq = _call(functools.partial(_pool_dq_kernel, per=POOL_DQ_EXAMPLES), cfg._replace(tile=sc),
+  dq = _call(functools.partial(_pool_dq_kernel, per=per), cfg._replace(tile=sc),
              (), (jag.offsets, q, k, v, do), jax.ShapeDtypeStruct((groups, S, H, D), _F32),
              (groups, H, *_chunk_grid(sc, S)), "jagged_gdpa_pool_dq", stages)
   lo, hi = jagged.tile_examples(jag, t)
@@ -600,7 +611,7 @@ def jagged_gdpa_pool_pallas(q, k, v, jag, *, activation="fast_gelu", scale=None,
   """Pallas ``jagged.jagged_gdpa_pool``: grid (examples, heads [, seed chunks where the seeds do
   not fit shared memory, ``_plan``]); a program keeps its seeds and walks its example's tokens
   ``[offsets[b], offsets[b+1])`` in tiles of ``block_k``. Backward: one kernel on (groups of
-  ``POOL_DQ_EXAMPLES`` examples, heads), the seed gradients summed over a group's examples (the
+  ``_dq_examples`` examples, heads), the seed gradients summed over a group's examples (the
   groups summed after) and their token tiles' dk, dv written on the way; where the seeds must be
   split, the seed gradients so per seed chunk and dk, dv on (token tiles, heads), each tile
   walking the examples it overlaps."""

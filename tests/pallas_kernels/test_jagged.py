@@ -422,13 +422,17 @@ def test_pallas_gdpa_at_prod_head_dim_against_the_xla_twin(dtype):
     np.testing.assert_allclose(g, r, atol=PROD_TOL[dtype] * np.abs(r).max(), err_msg=what)
 
 
-def test_pallas_pool_seed_gradient_over_a_partial_group_of_examples():
-  """The pool's seed-gradient kernel sums ``POOL_DQ_EXAMPLES`` examples per program: with a
-  batch that is no multiple of it (the last group partial) and an empty history, every
-  gradient equals the XLA twin's (float32, poisoned outputs)."""
-  per = jagged_pallas.POOL_DQ_EXAMPLES
-  Bx = per + 2
-  lengths = np.array([5, 0, 9, 1, 7, 3][:Bx] + [2] * max(0, Bx - 6), np.int32)
+@pytest.mark.parametrize("programs", [jagged_pallas.POOL_DQ_PROGRAMS, 2],
+                         ids=["4-per-program", "8-per-program"])
+def test_pallas_pool_seed_gradient_over_a_partial_group_of_examples(programs, monkeypatch):
+  """The pool's seed-gradient kernel sums ``_dq_examples`` examples per program (4, or 8 where
+  the grid keeps ``POOL_DQ_PROGRAMS`` programs: here made 2): with a batch that is no multiple
+  of it (the last group partial) and an empty history, every gradient equals the XLA twin's
+  (float32, poisoned outputs)."""
+  monkeypatch.setattr(jagged_pallas, "POOL_DQ_PROGRAMS", programs)
+  Bx = 10                                   # groups of 4: 4 + 4 + 2; of 8: 8 + 2
+  assert jagged_pallas._dq_examples(Bx, H) == (4 if programs > 2 else 8)
+  lengths = np.array([5, 0, 9, 1, 7, 3, 2, 4, 6, 1], np.int32)
   rng = np.random.default_rng(11)
   x = [jnp.asarray(rng.normal(size=(Bx, 9, H, D)), jnp.float32) for _ in range(2)]
   pack = jax.jit(jagged.pack, static_argnums=2)
