@@ -42,7 +42,7 @@ class _Cfg(NamedTuple):
   window: int | None = None
   fast: bool = False
   proj: bool = False             # the pool's k, v projected in the kernels from x (_kv_tiles)
-  eps: float = 1e-6              # and x's RMSNorm epsilon
+  eps: float = norm_qkv.EPS      # and x's RMSNorm epsilon
 
 
 def _fast(x, interpret):
@@ -616,11 +616,17 @@ def jagged_gdpa_pool_pallas(q, k, v, jag, *, activation="fast_gelu", scale=None,
   split, the seed gradients so per seed chunk and dk, dv on (token tiles, heads), each tile
   walking the examples it overlaps."""
   jagged.check_tokens(jag, k, v)
-  S, H, D = q.shape
-  cfg = _Cfg(activations.per_head(activation, H), D ** -0.5 if scale is None else float(scale),
-             float(out_scale), pad_pow2(S), int(block_k), bool(interpret),
-             score_clip_value(score_clip), fast=_fast(q, interpret))
+  cfg = _pool_cfg(q, activation, scale, out_scale, score_clip, interpret, block_k)
   return _gdpa_pool(cfg, q, k, v, jag)
+
+
+def _pool_cfg(q, activation, scale, out_scale, score_clip, interpret, block_k, **extra) -> _Cfg:
+  """The pool's configuration from its public arguments (``extra``: ``_Cfg``'s optional
+  fields)."""
+  S, H, D = q.shape
+  return _Cfg(activations.per_head(activation, H), D ** -0.5 if scale is None else float(scale),
+              float(out_scale), pad_pow2(S), int(block_k), bool(interpret),
+              score_clip_value(score_clip), fast=_fast(q, interpret), **extra)
 
 
 def jagged_gdpa_pool_proj_pallas(q, x, w, jag, *, activation="fast_gelu", scale=None,
@@ -640,9 +646,8 @@ def jagged_gdpa_pool_proj_pallas(q, x, w, jag, *, activation="fast_gelu", scale=
           or not norm_qkv.supported(x.shape[1], H, D, q.dtype)):
     raise ValueError(f"jagged_gdpa_pool_proj: w {[a.shape for a in w]} must be two [d, H, D] "
                      f"with x {x.shape}, q {q.shape}, widths norm_qkv.supported")
-  cfg = _Cfg(activations.per_head(activation, H), D ** -0.5 if scale is None else float(scale),
-             float(out_scale), pad_pow2(S), int(block_k), bool(interpret),
-             score_clip_value(score_clip), fast=_fast(q, interpret), proj=True, eps=float(eps))
+  cfg = _pool_cfg(q, activation, scale, out_scale, score_clip, interpret, block_k, proj=True,
+                  eps=float(eps))
   return _gdpa_pool_proj(cfg, q, x, wk.astype(q.dtype), wv.astype(q.dtype), jag)
 
 

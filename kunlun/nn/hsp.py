@@ -150,16 +150,13 @@ class HSP(nn.Module):
       q = _to_heads(self, "query", rms_norm(e), H, dt)
       gdpa = dict(activation=self.activation, out_scale=1.0 / (self.t_max or s.shape[1]),
                   score_clip=self.score_clip)
-      fused = jag is not None and packed.fusable(self.backend, d, H, dt)
-      if fused and self.time_buckets is None:    # norm -> k, v -> pool: k, v never in memory
-        o = packed.gdpa_pool_proj(q, s, tuple(_head_weights(self, n, d, H).astype(dt)
-                                              for n in ("key", "value")), jag, **gdpa)
-        return self._tail(o, d, e)
-      if fused:                                                          # norm -> k, v: one pass
+      if jag is not None and packed.fusable(self.backend, d, H, dt):
         # two weight operands, cast here (the kernels read them in dt): no stacking pass, and
         # the optimizer's 16-bit copies stand in for the casts
-        k, v = packed.fused_proj(s, tuple(_head_weights(self, n, d, H).astype(dt)
-                                          for n in ("key", "value")), jag, dtype=dt)
+        ws = tuple(_head_weights(self, n, d, H).astype(dt) for n in ("key", "value"))
+        if self.time_buckets is None:        # norm -> k, v -> pool: one pass (k, v stored)
+          return self._tail(packed.gdpa_pool_proj(q, s, ws, jag, **gdpa), d, e)
+        k, v = packed.fused_proj(s, ws, jag, dtype=dt)                # norm -> k, v: one pass
       else:
         hk, hv = apart(rms_norm(s, dtype=dt), 2)         # k and v: their own buffers
         k, v = _to_heads(self, "key", hk, H, dt), _to_heads(self, "value", hv, H, dt)

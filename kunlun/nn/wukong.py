@@ -74,13 +74,15 @@ def out_kernel(backend: str, d: int, parts) -> bool:
 
 def fm_pallas(x, y, ws, scale, bias, *, dtype, through=False):
   """``pallas_kernels.wukong_fm.wukong_fm_pallas`` per device on its examples (global shapes
-  here: ``bench.profiling.roofline.record_kernels`` counts its FLOPs at this call); ``through``:
-  ``x`` passed through, third (its cotangent joins ``dx`` in the backward kernel)."""
+  here: ``bench.profiling.roofline.record_kernels`` counts its FLOPs at this call): ``h``, the
+  mixes and ``x``, with ``through`` the kernel's pass-through of it (its cotangent joins ``dx``
+  in the backward kernel)."""
   interpret = packed.interpret_kernels()
   op = lambda x, y, ws, s, b: wukong_fm.wukong_fm_pallas(x, y, ws, s, b, dtype=dtype,
                                                          interpret=interpret, through=through)
-  h, mixes, *x = per_shard(op, (True, False, False, False, False), "batch")(x, y, ws, scale, bias)
-  return (shard(h, ("batch", None)), tuple(shard(m, _TOK) for m in mixes)) + tuple(x)
+  h, mixes, *xt = per_shard(op, (True, False, False, False, False), "batch")(x, y, ws, scale,
+                                                                            bias)
+  return shard(h, ("batch", None)), tuple(shard(m, _TOK) for m in mixes), (xt or [x])[0]
 
 
 def out_pallas(parts, res, scale, bias, bias0=None, others=(), logits=None, *, dtype):
@@ -189,8 +191,7 @@ class WukongLayer(nn.Module):
     B, N, d = x.shape
     dt = self.dtype
     if ws and fm_kernel(self.backend, N, d, self.rank, [w.shape[1] for w in ws]):
-      return fm_pallas(x, y, ws, scale, bias, dtype=dt, through=through) + (() if through
-                                                                             else (x,))
+      return fm_pallas(x, y, ws, scale, bias, dtype=dt, through=through)
     xc = x.astype(dt)
     if batched_mixes():                                              # GPU: no transposes
       yb = jnp.broadcast_to(y.astype(dt), (B, N, self.rank))
