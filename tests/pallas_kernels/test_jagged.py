@@ -449,9 +449,9 @@ def test_pallas_pool_seed_gradient_over_a_partial_group_of_examples(programs, mo
     np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5, err_msg=f"d{what}")
 
 
-# HSP's keys and values projected inside the pool's kernels: (d, heads, seeds, dtype); the last
-# case (float32, head size 128, 100 seeds) splits the backward's seeds, where the projection runs
-# as norm_proj's kernel before the split kernels
+# HSP's keys and values projected inside the pool's forward kernel: (d, heads, seeds, dtype); the
+# last case (float32, head size 128, 100 seeds) splits the backward's seeds, whose split kernels
+# read the k, v the forward stored
 PROJ_CASES = [(64, 2, S, jnp.float32), (64, 2, S, jnp.bfloat16), (256, 2, 20, jnp.float32),
               (256, 2, 100, jnp.float32)]
 
