@@ -17,7 +17,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import _poison, activations, jagged, norm_qkv, tuning
-from pallas_kernels._common import loop_spans, pad_pow2, precision
+from pallas_kernels._common import dot, loop_spans, pad_pow2, precision
 from pallas_kernels.reference import score_clip_value
 
 _F32 = jnp.float32
@@ -43,6 +43,12 @@ class _Cfg(NamedTuple):
   fast: bool = False
   proj: bool = False             # the pool's k, v projected in the kernels from x (_kv_tiles)
   eps: float = norm_qkv.EPS      # and x's RMSNorm epsilon
+
+
+class _DotCfg(NamedTuple):
+  """What ``_common.dot`` reads: the operands' dtype, interpret mode."""
+  dtype: object
+  interpret: bool
 
 
 def _fast(x, interpret):
@@ -374,7 +380,7 @@ def _kv_tiles(refs, start, n, h, valid, cfg: _Cfg):
   ok = jnp.broadcast_to(valid[:, None], (n, dc))
   cols = lambda c0: plgpu.load(x_ref.at[pl.ds(start, n), pl.ds(c0, dc)], mask=ok,
                                other=0.0).astype(_F32)
-  f32 = (lambda a: a.astype(_F32)) if cfg.interpret else (lambda a: a)   # as _common.dot
+  at = _DotCfg(dt, cfg.interpret)
 
   def square(cs, ss):
     xc = cols(cs[0])
@@ -383,10 +389,9 @@ def _kv_tiles(refs, start, n, h, valid, cfg: _Cfg):
   r = lax.rsqrt(loop_spans(d, dc, square, jnp.zeros((n,), _F32)) / d + cfg.eps)[:, None]
 
   def project(cs, kv):
-    hc = f32((cols(cs[0]) * r).astype(dt))
-    w = [f32(plgpu.load(a.at[pl.ds(cs[0], dc), h, :])) for a in (wk_ref, wv_ref)]
-    prec = precision(_F32 if cfg.interpret else dt)
-    return tuple(acc + plgpu.dot(hc, wi, precision=prec) for acc, wi in zip(kv, w, strict=True))
+    hc = cols(cs[0]) * r                                 # rounded to dt by dot, as norm_proj's
+    w = [plgpu.load(a.at[pl.ds(cs[0], dc), h, :]) for a in (wk_ref, wv_ref)]
+    return tuple(acc + dot(hc, wi, at) for acc, wi in zip(kv, w, strict=True))
 
   D = wk_ref.shape[-1]
   zero = jnp.zeros((n, D), _F32)
