@@ -14,7 +14,8 @@ a forward kernel (reads ``x``, writes q, k, v) and a backward kernel (reads ``x`
 cotangents, recomputes the projections, writes ``dx`` and the pre-norm cotangents scaled by
 each row's RMS factor ``r dy [N, 3, H, D]``); XLA computes ``dw = h^T dy = x^T (r dy)`` as one
 GEMM. ``norm_proj_pallas`` (nothing rotated, so the cotangents are the pre-norm ones) has the
-backward kernel write ``h [N, d]`` instead, for the GEMMs ``h^T g_p``. Triton on GPU,
+backward kernel write ``r f32[N]`` instead, and ``pallas_kernels.wgrad`` computes ``h^T g_p``
+from ``x``, ``r`` and the cotangents as they come. Triton on GPU,
 ``interpret=True`` on CPU. Rows of zeros (a packed block's tail) map to zeros.
 """
 
@@ -29,7 +30,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels import _poison, tuning
+from pallas_kernels import _poison, tuning, wgrad
 from pallas_kernels._common import is_tile, load_vec, precision, round_to
 
 F32 = jnp.float32
@@ -223,8 +224,9 @@ def _bwd_kernel(x_ref, *refs, cfg: _Cfg):
     plgpu.store(ds_ref.at[i, jnp.int32(p), lo], ds1)
     plgpu.store(ds_ref.at[i, jnp.int32(p), hi], ds2)
 
-  if not cfg.rot:       # no projection rotated: the weight GEMM reads h and the cotangents
-    _put(dy_ref, r0, h)
+  if not cfg.rot:       # no projection rotated: the weight-gradient kernel reads x, r and the
+    ok = (r0 + jnp.arange(cfg.rows)) < dy_ref.shape[0]           # cotangents as they come
+    plgpu.store(dy_ref.at[pl.ds(r0, cfg.rows)], jnp.sum(r, axis=1), mask=ok)
   for p in range(cfg.rot, cfg.proj):
     def plain(j, dh, p=p):
       g1 = _tile(g_refs[p], r0, cfg.rows, (j, lo)).astype(F32)
@@ -302,7 +304,8 @@ def _bwd(x, ops, gs, cfg: _Cfg, shape):
   T = pl.cdiv(N, cfg.rows)
   b = jnp.dtype(cfg.dtype).itemsize
   outs = (jax.ShapeDtypeStruct((N, d), x.dtype),
-          jax.ShapeDtypeStruct((N, cfg.proj, H, D) if cfg.rot else (N, d), cfg.dtype),
+          jax.ShapeDtypeStruct((N, cfg.proj, H, D), cfg.dtype) if cfg.rot else
+          jax.ShapeDtypeStruct((N,), F32),
           jax.ShapeDtypeStruct((T, max(cfg.rot, 1), D), F32))
   whole = pl.no_block_spec
   return _poison.pallas_call(
@@ -356,11 +359,11 @@ def _vjp_bwd(eps, dtype, interpret, rot, res, g):
     dw = jnp.einsum("nd,npjc->dpjc", f(x.astype(dtype)), f(hy)).astype(dtype)  # as the twin's
     dws = tuple(dw[:, p] for p in range(P))
   else:
-    # nothing rotated: the cotangents are the GEMM's operands as they come, with the h the
-    # kernel wrote (one [N, d] instead of P [N, H, D] r dy); XLA merges the P GEMMs, which share
-    # h, into one
-    dws = tuple(jnp.einsum("nd,nhc->dhc", f(hy), f(gp.astype(dtype))).astype(dtype)
-                for gp in g[:P])
+    # nothing rotated: the cotangents are the pre-norm ones; h = r x is taken where the
+    # weight-gradient kernel reads x (hy: the rows' r), so no [N, d] h is written and read back
+    # (XLA fuses no such prologue into its GEMMs, and at prod's widths read h once per GEMM)
+    dws = tuple(a.reshape(d, H, D).astype(dtype) for a in wgrad.row_scaled_wgrad_pallas(
+        x, hy, [gp.reshape(N, H * D) for gp in g[:P]], dtype=dtype, interpret=interpret))
   dw = (tuple(a.astype(b.dtype) for a, b in zip(dws, w, strict=True)) if split
         else jnp.stack(dws, 1).astype(w.dtype))
   ds = jnp.sum(ds, 0)

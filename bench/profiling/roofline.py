@@ -20,6 +20,7 @@ from bench.profiling import hlo_stats
 from kunlun.models.flops import band_pairs
 from kunlun.nn import attention, hsp, packed, weightgen, wukong
 from pallas_kernels import weightgen as wg_kernels
+from pallas_kernels import wgrad
 from pallas_kernels import wukong_fm as fm_kernels
 
 # launch_s: one kernel in a CUDA graph (XLA runs the step's kernels as graphs), ~1 us.
@@ -632,10 +633,11 @@ def _vmap_copies(a) -> int:
 
 
 def fused_projection_flops(N: int, d: int, P: int, H: int, D: int, rot: int) -> float:
-  """FLOPs of ``pallas_kernels.norm_qkv``'s two kernels on ``N`` tokens (the weight gradient is
-  an XLA GEMM, in the HLO): the forward's ``P`` projections, the backward's recomputed ``rot``
-  ones and its ``P`` back-projections, each ``2 N d H D``."""
-  return 2.0 * N * d * H * D * (2 * P + rot)
+  """FLOPs of ``pallas_kernels.norm_qkv``'s two kernels on ``N`` tokens: the forward's ``P``
+  projections, the backward's recomputed ``rot`` ones and its ``P`` back-projections, each ``2 N
+  d H D``; with nothing rotated also ``pallas_kernels.wgrad``'s ``P`` weight gradients (rotated,
+  the weight gradient is an XLA GEMM, in the HLO)."""
+  return 2.0 * N * d * H * D * (2 * P + rot) + (0.0 if rot else wgrad.flops(N, d, H * D, P))
 
 
 @contextlib.contextmanager

@@ -1,0 +1,126 @@
+"""Weight gradients of projections of RMS-normalised rows, the normalisation taken where the rows
+are read (issue 38): ``dw_p = sum_n h_n^T g_p[n]`` with ``h = round(r x)``.
+
+``x [N, d]``, ``r f32[N]`` (each row's RMS factor, written by the backward kernel that computed
+it), ``gs``: P cotangents ``[N, C]`` -> P float32 ``[d, C]``. XLA fuses no elementwise prologue
+into its GEMMs, so it needed ``h [N, d]`` written, and at prod's widths read once per projection;
+the kernel reads ``x``, ``r`` and each ``g`` once (from L2 for the other output tiles).
+
+Grid ``(S, d / BM, P C / BN)``: a program accumulates one ``[BM, BN]`` output tile over a
+``1/S`` share of the rows, ``BK`` rows a step, and stores it as a float32 partial; XLA sums the
+``S`` partials (as its own split-K GEMMs do). ``row_scaled_wgrad_xla`` is the twin. Triton on GPU,
+``interpret=True`` on CPU. Rows of zeros (a packed block's tail) add nothing.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels import _poison, tuning
+from pallas_kernels._common import dot, load_rows, load_vec
+
+F32 = jnp.float32
+WARPS = 8
+BM = BN = 128          # output tile: 64 float32 accumulators a thread at 8 warps
+BK = 64                # rows a step
+PROGRAMS = 264         # programs to aim for: two per H100 / H200 SM
+
+
+def row_scaled_wgrad_xla(x, r, gs, *, dtype=jnp.bfloat16):
+  """The twin: ``h = (x r).astype(dtype)``, then ``h^T g`` per cotangent, in float32."""
+  h = (x.astype(F32) * jnp.asarray(r, F32)[:, None]).astype(dtype)
+  return tuple(jnp.einsum("nd,nc->dc", h, g.astype(dtype), preferred_element_type=F32)
+               for g in gs)
+
+
+class _Cfg(NamedTuple):
+  rows: int              # rows per split (a multiple of BK)
+  bm: int
+  bn: int
+  tiles: int             # output column tiles per projection
+  dtype: object
+  interpret: bool
+
+
+def _kernel(x_ref, r_ref, *refs, cfg: _Cfg):
+  g_refs, out_ref = refs[:-1], refs[-1]
+  s, i, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  m0 = pl.multiple_of(i * cfg.bm, cfg.bm)
+  c0 = pl.multiple_of((j % cfg.tiles) * cfg.bn, cfg.bn)
+  base = s * cfg.rows
+
+  for p, g_ref in enumerate(g_refs):
+    @pl.when(j // cfg.tiles == p)
+    def _(g_ref=g_ref):
+      def step(k, acc):
+        r0 = base + k * BK
+        h = load_rows(x_ref, r0, BK, (m0, cfg.bm)).astype(F32) * load_vec(r_ref, r0, BK)[:, None]
+        return acc + dot(h, load_rows(g_ref, r0, BK, (c0, cfg.bn)), cfg, trans_a=True)
+
+      acc = lax.fori_loop(0, cfg.rows // BK, step, jnp.zeros((cfg.bm, cfg.bn), F32))
+      plgpu.store(out_ref.at[s, pl.ds(m0, cfg.bm), pl.ds(j * cfg.bn, cfg.bn)], acc)
+
+
+def _split(N: int, tiles: int) -> tuple[int, int]:
+  """``(S, rows per split)``: enough splits for ``PROGRAMS`` programs over ``tiles`` output
+  tiles, each split at least ``BK`` rows (a multiple of it)."""
+  S = max(1, min(pl.cdiv(PROGRAMS, tiles), pl.cdiv(N, BK)))
+  rows = pl.cdiv(pl.cdiv(N, S), BK) * BK
+  return pl.cdiv(N, rows), rows
+
+
+def _tile(n: int, most: int = BM) -> int:
+  """The largest power of two <= ``most`` dividing ``n``."""
+  return min(most, n & -n)
+
+
+def _check(x, r, gs):
+  if x.ndim != 2 or not gs:
+    raise ValueError(f"row_scaled_wgrad: x {x.shape} must be [N, d] with at least one cotangent")
+  N, d = x.shape
+  if r.shape != (N,):
+    raise ValueError(f"row_scaled_wgrad: r {r.shape} must be [N] with N = {N}")
+  C = gs[0].shape[-1]
+  for g in gs:
+    if g.shape != (N, C):
+      raise ValueError(f"row_scaled_wgrad: every cotangent must be [N, C] = [{N}, {C}]; got "
+                       f"{g.shape}")
+  if _tile(d) < 16 or _tile(C) < 16:
+    raise ValueError(f"row_scaled_wgrad: d and C need a power-of-two factor >= 16; got d={d}, "
+                     f"C={C}")
+  return N, d, C
+
+
+def row_scaled_wgrad_pallas(x, r, gs, *, dtype=jnp.bfloat16, interpret: bool = False):
+  """``row_scaled_wgrad_xla``'s values from the kernel (module docstring): P float32 ``[d, C]``."""
+  gs = tuple(gs)
+  N, d, C = _check(x, r, gs)
+  bm, bn = _tile(d, BM), _tile(C, BN)
+  P, tiles = len(gs), C // bn
+  S, rows = _split(N, (d // bm) * P * tiles)
+  cfg = _Cfg(rows, bm, bn, tiles, jnp.dtype(dtype), bool(interpret))
+  b = jnp.dtype(dtype).itemsize
+  _, stages = tuning.fit_smem(lambda _: (0, BK * (bm + bn) * b), None, copies=P,
+                              what="row_scaled_wgrad")
+  whole = pl.no_block_spec
+  part = _poison.pallas_call(
+      functools.partial(_kernel, cfg=cfg),
+      (x.astype(dtype), jnp.asarray(r, F32), *(g.astype(dtype) for g in gs)),
+      out_shape=jax.ShapeDtypeStruct((S, d, P * C), F32), grid=(S, d // bm, P * tiles),
+      in_specs=[whole] * (2 + P), out_specs=whole, interpret=cfg.interpret,
+      name="row_scaled_wgrad", compiler_params=plgpu.CompilerParams(num_warps=WARPS,
+                                                                    num_stages=stages))
+  dw = jnp.sum(part, 0)
+  return tuple(dw[:, p * C:(p + 1) * C] for p in range(P))
+
+
+def flops(N: int, d: int, C: int, P: int) -> float:
+  """The kernel's FLOPs: ``2 N d C`` per cotangent."""
+  return 2.0 * N * d * C * P
