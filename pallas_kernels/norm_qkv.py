@@ -11,12 +11,12 @@ Each step is rounded to ``dtype`` where the model's XLA path rounds it
 
 ``norm_qkv_xla`` is the twin: the formulas, differentiated by autodiff. ``norm_qkv_pallas`` runs
 a forward kernel (reads ``x``, writes q, k, v) and a backward kernel (reads ``x`` and the three
-cotangents, recomputes the projections, writes ``dx`` and the pre-norm cotangents scaled by
-each row's RMS factor ``r dy [N, 3, H, D]``); XLA computes ``dw = h^T dy = x^T (r dy)`` as one
-GEMM. ``norm_proj_pallas`` (nothing rotated, so the cotangents are the pre-norm ones) has the
-backward kernel write ``r f32[N]`` instead, and ``pallas_kernels.wgrad`` computes ``h^T g_p``
-from ``x``, ``r`` and the cotangents as they come. Triton on GPU,
-``interpret=True`` on CPU. Rows of zeros (a packed block's tail) map to zeros.
+cotangents, recomputes the projections, writes ``dx``, the rotated projections' pre-norm
+cotangents ``dy_q, dy_k [N, H, D]`` and each row's RMS factor ``r f32[N]``);
+``pallas_kernels.wgrad`` computes ``dw_p = h^T dy_p`` with ``h = r x`` taken where it reads
+``x`` (v's cotangent as it comes). ``norm_proj_pallas``: the same, nothing normalised or rotated
+(HSP's keys and values). Triton on GPU, ``interpret=True`` on CPU. Rows of zeros (a packed
+block's tail) map to zeros.
 """
 
 from __future__ import annotations
@@ -187,11 +187,14 @@ def _bwd_kernel(x_ref, *refs, cfg: _Cfg):
   g_refs, refs = refs[:cfg.proj], refs[cfg.proj:]
   if cfg.res:
     (gr_ref, valid_ref), refs = refs[:2], refs[2:]
-  dx_ref, dy_ref, ds_ref = refs
+  dx_ref, dy_refs, r_ref, ds_ref = refs[0], refs[1:1 + cfg.rot], refs[-2], refs[-1]
   i, hd = pl.program_id(0), cfg.head_dim // 2
   r0 = i * cfg.rows
   xf = _tile(x_ref, r0, cfg.rows).astype(F32)
   r = _norm_rows(xf, cfg.eps)
+  # the rows' r, for the weight-gradient kernel (h = r x where it reads x)
+  plgpu.store(r_ref.at[pl.ds(r0, cfg.rows)], jnp.sum(r, axis=1),
+              mask=(r0 + jnp.arange(cfg.rows)) < r_ref.shape[0])
   h = (xf * r).astype(cfg.dtype)
   if cfg.rot:
     tau, pos = load_vec(tau_ref, r0, cfg.rows), load_vec(pos_ref, r0, cfg.rows)
@@ -214,8 +217,8 @@ def _bwd_kernel(x_ref, *refs, cfg: _Cfg):
       dz1, dz2 = dn1 * s1[None], dn2 * s2[None]
       m = (jnp.sum(dz1 * z1, 1, keepdims=True) + jnp.sum(dz2 * z2, 1, keepdims=True)) / cfg.head_dim
       dy1, dy2 = round_to(a * (dz1 - z1 * m), cfg.dtype), round_to(a * (dz2 - z2 * m), cfg.dtype)
-      _put(dy_ref, r0, r * dy1, (p, j, lo))
-      _put(dy_ref, r0, r * dy2, (p, j, hi))
+      _put(dy_refs[p], r0, dy1, (j, lo))
+      _put(dy_refs[p], r0, dy2, (j, hi))
       return (dh + back(dy1, p, j, 0) + back(dy2, p, j, 1),
               ds1 + jnp.sum(dn1 * z1, 0), ds2 + jnp.sum(dn2 * z2, 0))
 
@@ -224,16 +227,10 @@ def _bwd_kernel(x_ref, *refs, cfg: _Cfg):
     plgpu.store(ds_ref.at[i, jnp.int32(p), lo], ds1)
     plgpu.store(ds_ref.at[i, jnp.int32(p), hi], ds2)
 
-  if not cfg.rot:       # no projection rotated: the weight-gradient kernel reads x, r and the
-    ok = (r0 + jnp.arange(cfg.rows)) < dy_ref.shape[0]           # cotangents as they come
-    plgpu.store(dy_ref.at[pl.ds(r0, cfg.rows)], jnp.sum(r, axis=1), mask=ok)
   for p in range(cfg.rot, cfg.proj):
     def plain(j, dh, p=p):
       g1 = _tile(g_refs[p], r0, cfg.rows, (j, lo)).astype(F32)
       g2 = _tile(g_refs[p], r0, cfg.rows, (j, hi)).astype(F32)
-      if cfg.rot:
-        _put(dy_ref, r0, r * g1, (p, j, lo))
-        _put(dy_ref, r0, r * g2, (p, j, hi))
       return dh + back(g1, p, j, 0) + back(g2, p, j, 1)
 
     dh = lax.fori_loop(0, cfg.heads, plain, dh)
@@ -304,14 +301,14 @@ def _bwd(x, ops, gs, cfg: _Cfg, shape):
   T = pl.cdiv(N, cfg.rows)
   b = jnp.dtype(cfg.dtype).itemsize
   outs = (jax.ShapeDtypeStruct((N, d), x.dtype),
-          jax.ShapeDtypeStruct((N, cfg.proj, H, D), cfg.dtype) if cfg.rot else
+          *(jax.ShapeDtypeStruct((N, H, D), cfg.dtype),) * cfg.rot,
           jax.ShapeDtypeStruct((N,), F32),
           jax.ShapeDtypeStruct((T, max(cfg.rot, 1), D), F32))
   whole = pl.no_block_spec
   return _poison.pallas_call(
       functools.partial(_bwd_kernel, cfg=cfg), (x, *ops, *gs),
       out_shape=outs, grid=(T,), in_specs=[whole] * (1 + len(ops) + len(gs)),
-      out_specs=(whole,) * 3, interpret=cfg.interpret, name=f"{_name(cfg)}_bwd",
+      out_specs=(whole,) * len(outs), interpret=cfg.interpret, name=f"{_name(cfg)}_bwd",
       compiler_params=_params(cfg.rows, d, D, b))
 
 
@@ -348,24 +345,16 @@ def _vjp_bwd(eps, dtype, interpret, rot, res, g):
   cfg = _Cfg(H, D, eps, dtype, _rows(BWD_ROWS, d), interpret, P, rot,
              res=valid is not None, split=split)
   gs = tuple(g[:P]) + (() if valid is None else (g[-1], valid))
-  dx, hy, ds = _bwd(x, _operands(_weights(w, dtype, d), sc, tau, pos, omega), gs, cfg,
-                    (N, d, H, D))
-  # XLA:CPU: a 16-bit dot may accumulate in 16 bits; a GPU's in float32
-  f = (lambda a: a.astype(F32)) if interpret else (lambda a: a)
-  if rot:
-    # dw = h^T dy with h = r x (r: the rows' RMS scale): x^T (r dy), the kernel having written
-    # the rotated projections' pre-norm cotangents as r dy, so no [N, d] h is written and read
-    # back; one GEMM for every projection
-    dw = jnp.einsum("nd,npjc->dpjc", f(x.astype(dtype)), f(hy)).astype(dtype)  # as the twin's
-    dws = tuple(dw[:, p] for p in range(P))
-  else:
-    # nothing rotated: the cotangents are the pre-norm ones; h = r x is taken where the
-    # weight-gradient kernel reads x (hy: the rows' r), so no [N, d] h is written and read back
-    # (XLA fuses no such prologue into its GEMMs, and at prod's widths read h once per GEMM)
-    dws = tuple(a.reshape(d, H, D).astype(dtype) for a in wgrad.row_scaled_wgrad_pallas(
-        x, hy, [gp.reshape(N, H * D) for gp in g[:P]], dtype=dtype, interpret=interpret))
-  dw = (tuple(a.astype(b.dtype) for a, b in zip(dws, w, strict=True)) if split
-        else jnp.stack(dws, 1).astype(w.dtype))
+  dx, *dys, r, ds = _bwd(x, _operands(_weights(w, dtype, d), sc, tau, pos, omega), gs, cfg,
+                         (N, d, H, D))
+  # dw_p = h^T dy_p with h = r x (r: the rows' RMS factor) taken where pallas_kernels.wgrad reads
+  # x, so no [N, d] h (nor r dy) is written and read back; dy_p: the rotated projections'
+  # pre-norm cotangents from the backward kernel, then the others' as they come
+  cots = [a.reshape(N, H * D) for a in (*dys, *g[rot:P])]
+  dw = wgrad.row_scaled_wgrad_pallas(x, r, cots, dtype=dtype, interpret=interpret, joined=True)
+  dw = dw.reshape(d, P, H, D).astype(dtype)                                   # as the twin's
+  dw = (tuple(dw[:, p].astype(a.dtype) for p, a in enumerate(w)) if split
+        else dw.astype(w.dtype))
   ds = jnp.sum(ds, 0)
   z = lambda a: None if a is None else jnp.zeros_like(a)
   return (dx, dw, tuple(ds[p].astype(s.dtype) for p, s in enumerate(sc)), z(tau), z(pos),

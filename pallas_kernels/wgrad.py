@@ -8,8 +8,9 @@ the kernel reads ``x``, ``r`` and each ``g`` once (from L2 for the other output 
 
 Grid ``(S, d / BM, P C / BN)``: a program accumulates one ``[BM, BN]`` output tile over a
 ``1/S`` share of the rows, ``BK`` rows a step, and stores it as a float32 partial; XLA sums the
-``S`` partials (as its own split-K GEMMs do). ``row_scaled_wgrad_xla`` is the twin. Triton on GPU,
-``interpret=True`` on CPU. Rows of zeros (a packed block's tail) add nothing.
+``S`` partials, as its own split-K GEMMs do (``S`` keeps them within an eighth of the bytes
+read). ``row_scaled_wgrad_xla`` is the twin. Triton on GPU, ``interpret=True`` on CPU. Rows of
+zeros (a packed block's tail) add nothing.
 """
 
 from __future__ import annotations
@@ -68,10 +69,11 @@ def _kernel(x_ref, r_ref, *refs, cfg: _Cfg):
       plgpu.store(out_ref.at[s, pl.ds(m0, cfg.bm), pl.ds(j * cfg.bn, cfg.bn)], acc)
 
 
-def _split(N: int, tiles: int) -> tuple[int, int]:
+def _split(N: int, d: int, PC: int, tiles: int) -> tuple[int, int]:
   """``(S, rows per split)``: enough splits for ``PROGRAMS`` programs over ``tiles`` output
-  tiles, each split at least ``BK`` rows (a multiple of it)."""
-  S = max(1, min(pl.cdiv(PROGRAMS, tiles), pl.cdiv(N, BK)))
+  tiles, but the float32 partials (``S d PC`` of them) at most an eighth of the bytes the kernel
+  reads (``N (d + PC)`` 16-bit values), each split at least ``BK`` rows (a multiple of it)."""
+  S = max(1, min(pl.cdiv(PROGRAMS, tiles), N * (d + PC) // (16 * d * PC), pl.cdiv(N, BK)))
   rows = pl.cdiv(pl.cdiv(N, S), BK) * BK
   return pl.cdiv(N, rows), rows
 
@@ -98,13 +100,15 @@ def _check(x, r, gs):
   return N, d, C
 
 
-def row_scaled_wgrad_pallas(x, r, gs, *, dtype=jnp.bfloat16, interpret: bool = False):
-  """``row_scaled_wgrad_xla``'s values from the kernel (module docstring): P float32 ``[d, C]``."""
+def row_scaled_wgrad_pallas(x, r, gs, *, dtype=jnp.bfloat16, interpret: bool = False,
+                            joined: bool = False):
+  """``row_scaled_wgrad_xla``'s values from the kernel (module docstring): P float32 ``[d, C]``
+  (``joined``: one ``[d, P C]``, the P side by side)."""
   gs = tuple(gs)
   N, d, C = _check(x, r, gs)
   bm, bn = _tile(d, BM), _tile(C, BN)
   P, tiles = len(gs), C // bn
-  S, rows = _split(N, (d // bm) * P * tiles)
+  S, rows = _split(N, d, P * C, (d // bm) * P * tiles)
   cfg = _Cfg(rows, bm, bn, tiles, jnp.dtype(dtype), bool(interpret))
   b = jnp.dtype(dtype).itemsize
   _, stages = tuning.fit_smem(lambda _: (0, BK * (bm + bn) * b), None, copies=P,
@@ -118,6 +122,8 @@ def row_scaled_wgrad_pallas(x, r, gs, *, dtype=jnp.bfloat16, interpret: bool = F
       name="row_scaled_wgrad", compiler_params=plgpu.CompilerParams(num_warps=WARPS,
                                                                     num_stages=stages))
   dw = jnp.sum(part, 0)
+  if joined:
+    return dw
   return tuple(dw[:, p * C:(p + 1) * C] for p in range(P))
 
 

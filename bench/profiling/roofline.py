@@ -633,11 +633,10 @@ def _vmap_copies(a) -> int:
 
 
 def fused_projection_flops(N: int, d: int, P: int, H: int, D: int, rot: int) -> float:
-  """FLOPs of ``pallas_kernels.norm_qkv``'s two kernels on ``N`` tokens: the forward's ``P``
+  """FLOPs of ``pallas_kernels.norm_qkv``'s kernels on ``N`` tokens: the forward's ``P``
   projections, the backward's recomputed ``rot`` ones and its ``P`` back-projections, each ``2 N
-  d H D``; with nothing rotated also ``pallas_kernels.wgrad``'s ``P`` weight gradients (rotated,
-  the weight gradient is an XLA GEMM, in the HLO)."""
-  return 2.0 * N * d * H * D * (2 * P + rot) + (0.0 if rot else wgrad.flops(N, d, H * D, P))
+  d H D``, and ``pallas_kernels.wgrad``'s ``P`` weight gradients."""
+  return 2.0 * N * d * H * D * (2 * P + rot) + wgrad.flops(N, d, H * D, P)
 
 
 @contextlib.contextmanager
