@@ -96,6 +96,10 @@ def lookup(backend: str, kernel: str, shape_key: str, dtype, *, device_kind=None
 # "Technical Specifications per Compute Capability"), bytes, by compute capability.
 SMEM_PER_BLOCK = {80: 166912, 86: 101376, 89: 101376, 90: 232448, 100: 232448, 120: 101376}
 TARGET_CC = 90     # without a GPU attached (deviceless compiles, interpret mode): H100 / H200
+# The target's streaming multiprocessors and its ridge point (bf16 dense peak over memory
+# bandwidth, FLOP per byte): H100 / H200 SXM, 132 SMs, 989 TFLOP/s, 4.8 TB/s (H200); for the
+# kernels that choose a split of their work by a roofline of their own (pallas_kernels.wgrad).
+SM_COUNT, RIDGE = 132, 989e12 / 4.8e12
 # The jagged kernels' Triton settings (jax's defaults, which mid's figures were measured with).
 JAGGED_WARPS, JAGGED_STAGES = 4, 3
 

@@ -12,8 +12,8 @@ One forward pass reads ``x`` and writes ``k, v``: XLA runs the chain as about ei
 ``x``, reads ``dk, dv``, and writes ``dx``, plus what the weight gradients need: ``h`` (for
 ``a_k``, ``a_v``), for ``a1`` ``X~`` and ``w_tok dp`` (``dp`` the pre-activation's cotangent:
 ``sum_b Z^T dp = sum_b X~^T (w_tok dp)``, ``N`` rows instead of ``m``), and per-example partial
-sums for ``w_tok`` and ``b1``. The weight gradients
-are XLA GEMMs over all examples (a ``[e, W]`` float32 accumulator does not fit a program's
+sums for ``w_tok`` and ``b1``. The weight gradients sum over all examples
+(``pallas_kernels.wgrad``: a ``[e, W]`` float32 accumulator does not fit a program's
 registers). One program per example; the weights are read by every program (from L2). Past
 one tile per width (prod) the same chain runs in chunks (``_fwd_wide_kernel``,
 ``_bwd_wide_kernel``). Pallas Triton, for the reason ``norm_qkv`` gives (deviceless compile
@@ -32,7 +32,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels import _poison
+from pallas_kernels import _poison, wgrad
 from pallas_kernels._common import dot, is_tile, loop_spans, round_to, spans
 
 F32 = jnp.float32
@@ -326,9 +326,16 @@ def _vjp_bwd(eps, dtype, interpret, res, g):
   # the weights enter the kernels in their own dtype; their gradients are rounded to dtype, as
   # the twin's (autodiff of the dtype copies)
   rnd = lambda g, like: g.astype(dtype).astype(like.dtype)
-  mm = lambda a, c: jnp.einsum("bmi,bmj->ij", a, c, preferred_element_type=F32)
-  return (dx, rnd(jnp.sum(gwt, 0), w_tok), rnd(mm(xn, u), a1), rnd(jnp.sum(gb, 0), b1),
-          rnd(mm(h, dk), a_k), rnd(mm(h, dv), a_v))
+  # the weight gradients sum over examples and rows: pallas_kernels.wgrad, whose splits weigh
+  # the SMs kept busy against float32 partials (XLA's GEMMs split these short sums 32 and 64
+  # ways); a_k's and a_v's in one call, reading h once
+  rows = lambda a: a.reshape(-1, a.shape[-1])
+  (ga1,) = wgrad.row_scaled_wgrad_pallas(rows(xn), None, [rows(u)], dtype=dtype,
+                                         interpret=interpret)
+  gk, gv = wgrad.row_scaled_wgrad_pallas(rows(h), None, [rows(dk), rows(dv)], dtype=dtype,
+                                         interpret=interpret)
+  return (dx, rnd(jnp.sum(gwt, 0), w_tok), rnd(ga1, a1), rnd(jnp.sum(gb, 0), b1),
+          rnd(gk, a_k), rnd(gv, a_v))
 
 
 _fused.defvjp(_vjp_fwd, _vjp_bwd)
@@ -370,12 +377,14 @@ def _narrow(cfg: _Cfg) -> bool:
 
 
 def flops(B: int, N: int, m: int, d: int, e: int, W: int) -> float:
-  """FLOPs of the two kernels on ``B`` examples (the weight gradients are XLA GEMMs, in the
-  HLO): the forward's ``Z``, pre-activation and two projections (``2 (N m d + m d e + 2 m e W)``
-  each), the backward's recomputed first two, its two back-projections, ``dZ``, ``dX~`` and the
-  ``w_tok`` partials, and ``w_tok dp`` for ``a1``'s GEMM."""
+  """FLOPs of the kernels on ``B`` examples: the forward's ``Z``, pre-activation and two
+  projections (``2 (N m d + m d e + 2 m e W)`` each), the backward's recomputed first two, its
+  two back-projections, ``dZ``, ``dX~`` and the ``w_tok`` partials, ``w_tok dp`` for ``a1``'s
+  gradient, and the weight gradients of ``a1``, ``a_k`` and ``a_v`` (``pallas_kernels.wgrad``:
+  ``2 N d e + 4 m e W``)."""
   per = 2.0 * (N * m * d + m * d * e)
   u = 2.0 * N * m * e
   return float(B) * (per + 4.0 * m * e * W          # forward
                      + per + 4.0 * m * e * W         # backward: recompute, dh
-                     + 2.0 * m * e * d + 4.0 * N * m * d + u)   # dZ, dX~, w_tok partials
+                     + 2.0 * m * e * d + 4.0 * N * m * d + u    # dZ, dX~, w_tok partials
+                     + 2.0 * N * d * e + 4.0 * m * e * W)       # the weight gradients

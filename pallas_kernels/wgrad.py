@@ -8,9 +8,9 @@ the kernel reads ``x``, ``r`` and each ``g`` once (from L2 for the other output 
 
 Grid ``(S, d / BM, P C / BN)``: a program accumulates one ``[BM, BN]`` output tile over a
 ``1/S`` share of the rows, ``BK`` rows a step, and stores it as a float32 partial; XLA sums the
-``S`` partials, as its own split-K GEMMs do (``S`` keeps them within an eighth of the bytes
-read). ``row_scaled_wgrad_xla`` is the twin. Triton on GPU, ``interpret=True`` on CPU. Rows of
-zeros (a packed block's tail) add nothing.
+``S`` partials, as its own split-K GEMMs do (``S`` from a roofline of the kernel, ``_split``).
+``row_scaled_wgrad_xla`` is the twin. Triton on GPU, ``interpret=True`` on CPU. Rows of zeros (a
+packed block's tail) add nothing.
 """
 
 from __future__ import annotations
@@ -35,8 +35,10 @@ PROGRAMS = 264         # programs to aim for: two per H100 / H200 SM
 
 
 def row_scaled_wgrad_xla(x, r, gs, *, dtype=jnp.bfloat16):
-  """The twin: ``h = (x r).astype(dtype)``, then ``h^T g`` per cotangent, in float32."""
-  h = (x.astype(F32) * jnp.asarray(r, F32)[:, None]).astype(dtype)
+  """The twin: ``h = (x r).astype(dtype)`` (``r`` None: ``x``), then ``h^T g`` per cotangent, in
+  float32."""
+  h = (x.astype(dtype) if r is None else
+       (x.astype(F32) * jnp.asarray(r, F32)[:, None]).astype(dtype))
   return tuple(jnp.einsum("nd,nc->dc", h, g.astype(dtype), preferred_element_type=F32)
                for g in gs)
 
@@ -48,9 +50,11 @@ class _Cfg(NamedTuple):
   tiles: int             # output column tiles per projection
   dtype: object
   interpret: bool
+  scaled: bool           # an r operand (else h = x)
 
 
-def _kernel(x_ref, r_ref, *refs, cfg: _Cfg):
+def _kernel(x_ref, *refs, cfg: _Cfg):
+  r_ref, refs = (refs[0], refs[1:]) if cfg.scaled else (None, refs)
   g_refs, out_ref = refs[:-1], refs[-1]
   s, i, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   m0 = pl.multiple_of(i * cfg.bm, cfg.bm)
@@ -62,18 +66,28 @@ def _kernel(x_ref, r_ref, *refs, cfg: _Cfg):
     def _(g_ref=g_ref):
       def step(k, acc):
         r0 = base + k * BK
-        h = load_rows(x_ref, r0, BK, (m0, cfg.bm)).astype(F32) * load_vec(r_ref, r0, BK)[:, None]
+        h = load_rows(x_ref, r0, BK, (m0, cfg.bm))
+        if cfg.scaled:
+          h = h.astype(F32) * load_vec(r_ref, r0, BK)[:, None]
         return acc + dot(h, load_rows(g_ref, r0, BK, (c0, cfg.bn)), cfg, trans_a=True)
 
       acc = lax.fori_loop(0, cfg.rows // BK, step, jnp.zeros((cfg.bm, cfg.bn), F32))
       plgpu.store(out_ref.at[s, pl.ds(m0, cfg.bm), pl.ds(j * cfg.bn, cfg.bn)], acc)
 
 
-def _split(N: int, d: int, PC: int, tiles: int) -> tuple[int, int]:
-  """``(S, rows per split)``: enough splits for ``PROGRAMS`` programs over ``tiles`` output
-  tiles, but the float32 partials (``S d PC`` of them) at most an eighth of the bytes the kernel
-  reads (``N (d + PC)`` 16-bit values), each split at least ``BK`` rows (a multiple of it)."""
-  S = max(1, min(pl.cdiv(PROGRAMS, tiles), N * (d + PC) // (16 * d * PC), pl.cdiv(N, BK)))
+def _split(N: int, d: int, PC: int, tiles: int, itemsize: int = 2) -> tuple[int, int]:
+  """``(S, rows per split)``: the fewest splits at the least roofline time of the kernel and the
+  partials' sum, ``max(FLOPs / (busy SMs' share of the peak), bytes / bandwidth)`` with the
+  bytes ``N (d + PC)`` values read plus ``S d PC`` float32 partials written and read; at most
+  ``PROGRAMS`` programs over the ``tiles`` output tiles, partials no more than the bytes read,
+  a split at least ``BK`` rows (a multiple of it). More splits keep more SMs busy and add
+  partials (XLA's split-K GEMMs took 16 to 64 at mid's sizes, partials that outweighed the h
+  this kernel saves)."""
+  flops, read, part = 2.0 * N * d * PC, float(N * (d + PC) * itemsize), 8.0 * d * PC
+  cost = lambda S: max(flops * tuning.SM_COUNT / (min(S * tiles, tuning.SM_COUNT)
+                                                   * tuning.RIDGE), read + S * part)
+  most = min(pl.cdiv(PROGRAMS, tiles), pl.cdiv(N, BK), int(read // (4 * d * PC)))
+  S = min(range(1, max(1, most) + 1), key=cost)
   rows = pl.cdiv(pl.cdiv(N, S), BK) * BK
   return pl.cdiv(N, rows), rows
 
@@ -87,7 +101,7 @@ def _check(x, r, gs):
   if x.ndim != 2 or not gs:
     raise ValueError(f"row_scaled_wgrad: x {x.shape} must be [N, d] with at least one cotangent")
   N, d = x.shape
-  if r.shape != (N,):
+  if r is not None and r.shape != (N,):
     raise ValueError(f"row_scaled_wgrad: r {r.shape} must be [N] with N = {N}")
   C = gs[0].shape[-1]
   for g in gs:
@@ -103,22 +117,24 @@ def _check(x, r, gs):
 def row_scaled_wgrad_pallas(x, r, gs, *, dtype=jnp.bfloat16, interpret: bool = False,
                             joined: bool = False):
   """``row_scaled_wgrad_xla``'s values from the kernel (module docstring): P float32 ``[d, C]``
-  (``joined``: one ``[d, P C]``, the P side by side)."""
+  (``joined``: one ``[d, P C]``, the P side by side). ``r`` None: ``h = x`` (a plain weight
+  gradient ``sum_n x_n^T g_p[n]``, no scale operand)."""
   gs = tuple(gs)
   N, d, C = _check(x, r, gs)
   bm, bn = _tile(d, BM), _tile(C, BN)
   P, tiles = len(gs), C // bn
-  S, rows = _split(N, d, P * C, (d // bm) * P * tiles)
-  cfg = _Cfg(rows, bm, bn, tiles, jnp.dtype(dtype), bool(interpret))
+  S, rows = _split(N, d, P * C, (d // bm) * P * tiles, jnp.dtype(dtype).itemsize)
+  cfg = _Cfg(rows, bm, bn, tiles, jnp.dtype(dtype), bool(interpret), r is not None)
+  rs = () if r is None else (jnp.asarray(r, F32),)
   b = jnp.dtype(dtype).itemsize
   _, stages = tuning.fit_smem(lambda _: (0, BK * (bm + bn) * b), None, copies=P,
                               what="row_scaled_wgrad")
   whole = pl.no_block_spec
   part = _poison.pallas_call(
       functools.partial(_kernel, cfg=cfg),
-      (x.astype(dtype), jnp.asarray(r, F32), *(g.astype(dtype) for g in gs)),
+      (x.astype(dtype), *rs, *(g.astype(dtype) for g in gs)),
       out_shape=jax.ShapeDtypeStruct((S, d, P * C), F32), grid=(S, d // bm, P * tiles),
-      in_specs=[whole] * (2 + P), out_specs=whole, interpret=cfg.interpret,
+      in_specs=[whole] * (1 + len(rs) + P), out_specs=whole, interpret=cfg.interpret,
       name="row_scaled_wgrad", compiler_params=plgpu.CompilerParams(num_warps=WARPS,
                                                                     num_stages=stages))
   dw = jnp.sum(part, 0)
