@@ -8,9 +8,9 @@ accumulated in float32 and rounded to ``dtype`` (the model's XLA path,
 
 ``proj_residual_xla`` is the twin. ``proj_residual_pallas``: the forward kernel reads ``o``,
 ``x`` and ``w`` and writes ``y`` (XLA wrote ``o w`` out and read it back for the add); the
-backward is XLA's two GEMMs (``do = dy w^T``, ``dw = o^T dy``), and ``x``'s cotangent is ``dy``
-unmasked: its producer masks it (``pallas_kernels.norm_qkv``'s pass-through with ``valid``).
-Triton on GPU, ``interpret=True`` on CPU.
+backward is XLA's GEMM ``do = dy w^T`` and ``pallas_kernels.wgrad``'s ``dw = o^T dy``, and
+``x``'s cotangent is ``dy`` unmasked: its producer masks it (``pallas_kernels.norm_qkv``'s
+pass-through with ``valid``). Triton on GPU, ``interpret=True`` on CPU.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels import _poison
+from pallas_kernels import _poison, wgrad
 from pallas_kernels._common import is_tile, load_rows, load_vec, precision, round_to, store_rows
 
 F32 = jnp.float32
@@ -90,8 +90,14 @@ def _vjp_fwd(x, o, w, valid, dtype, interpret):
 
 def _vjp_bwd(dtype, interpret, res, dy):
   o, w, valid, x0 = res
-  _, vjp = jax.vjp(lambda o, w: _project(o, w, dtype), o, w)
-  do, dw = vjp(dy.astype(dtype))
+  g = dy.astype(dtype)
+  _, vjp = jax.vjp(lambda o: _project(o, w, dtype), o)
+  (do,) = vjp(g)
+  # dw = o^T dy sums over every token: pallas_kernels.wgrad, whose splits weigh the SMs kept busy
+  # against float32 partials (XLA's GEMM split it 16 to 128 ways at mid), rounded as the twin's
+  (dw,) = wgrad.row_scaled_wgrad_pallas(o.reshape(o.shape[0], -1), None, [g], dtype=dtype,
+                                        interpret=interpret)
+  dw = dw.reshape(w.shape).astype(dtype).astype(w.dtype)
   return dy.astype(x0.dtype), do, dw, jnp.zeros_like(valid)
 
 

@@ -595,8 +595,9 @@ PROJECTION_OPS = {"fused_qkv": 2, "fused_proj": 0}
 
 
 def _out_flops(x, o, w, *a, **kw) -> float:
-  """``pallas_kernels.proj_residual``'s forward GEMM (its backward GEMMs are XLA's)."""
-  return 2.0 * x.shape[0] * o.shape[1] * o.shape[2] * x.shape[1]
+  """``pallas_kernels.proj_residual``'s forward GEMM and its weight gradient
+  (``pallas_kernels.wgrad``; ``do = dy w^T`` is XLA's GEMM, in the HLO)."""
+  return 2 * 2.0 * x.shape[0] * o.shape[1] * o.shape[2] * x.shape[1]
 
 
 def _event_mlp_flops(x, w1, b1, w2, *a, **kw) -> float:
