@@ -1,10 +1,11 @@
-"""Weight gradients of projections of RMS-normalised rows, the normalisation taken where the rows
-are read (issue 38): ``dw_p = sum_n h_n^T g_p[n]`` with ``h = round(r x)``.
+"""Weight gradients that sum over every row, a row scale taken where the rows are read (issue
+38): ``dw_p = sum_n h_n^T g_p[n]`` with ``h = round(r x)`` (``r`` None: ``h = x``).
 
-``x [N, d]``, ``r f32[N]`` (each row's RMS factor, written by the backward kernel that computed
-it), ``gs``: P cotangents ``[N, C]`` -> P float32 ``[d, C]``. XLA fuses no elementwise prologue
-into its GEMMs, so it needed ``h [N, d]`` written, and at prod's widths read once per projection;
-the kernel reads ``x``, ``r`` and each ``g`` once (from L2 for the other output tiles).
+``x [N, d]``, ``r f32[N]`` (e.g. each row's RMS factor, written by the backward kernel that
+computed it), ``gs``: P cotangents ``[N, C]`` -> P float32 ``[d, C]``. XLA fuses no elementwise
+prologue into its GEMMs, so it needed ``h [N, d]`` written, and at prod's widths read once per
+projection; the kernel reads ``x``, ``r`` and each ``g`` once (from L2 for the other output
+tiles).
 
 Grid ``(S, d / BM, P C / BN)``: a program accumulates one ``[BM, BN]`` output tile over a
 ``1/S`` share of the rows, ``BK`` rows a step, and stores it as a float32 partial; XLA sums the
@@ -81,7 +82,7 @@ def _split(N: int, d: int, PC: int, tiles: int, itemsize: int = 2) -> tuple[int,
   bytes ``N (d + PC)`` values read plus ``S d PC`` float32 partials written and read; at most
   ``PROGRAMS`` programs over the ``tiles`` output tiles, partials no more than the bytes read,
   a split at least ``BK`` rows (a multiple of it). More splits keep more SMs busy and add
-  partials (XLA's split-K GEMMs took 16 to 64 at mid's sizes, partials that outweighed the h
+  partials (XLA's split-K GEMMs took 16 to 128 at mid's sizes, partials that outweighed the h
   this kernel saves)."""
   flops, read, part = 2.0 * N * d * PC, float(N * (d + PC) * itemsize), 8.0 * d * PC
   cost = lambda S: max(flops * tuning.SM_COUNT / (min(S * tiles, tuning.SM_COUNT)

@@ -522,15 +522,17 @@ def pool_proj_kernel(q, x, w, o) -> dict:
   """Bytes and launches of HSP's pool projecting its own keys and values
   (``jagged_pallas.jagged_gdpa_pool_proj_pallas``), forward + backward: the forward reads q, x
   and the two weights ``w``, writes o, k and v; the pool's backward reads q, k, v and do, writes
-  dq, dk, dv; the projections' backward reads x, dk, dv and the weights, writes dx and h; the
-  weight GEMM reads h, dk, dv and writes the weights' gradients."""
+  dq, dk, dv; the projections' backward reads x, dk, dv and the weights, writes dx and the rows'
+  RMS factors r f32[N]; the weight gradients' kernel (``pallas_kernels.wgrad``) reads x, r, dk,
+  dv and writes the weights' gradients (its float32 partials not counted)."""
   nb = lambda a: _nbytes(a.shape, a.dtype)
   qb, xb, ob, wb = nb(q), nb(x), nb(o), sum(nb(a) for a in w)
+  rb = _nbytes(x.shape[:1], "float32")
   kv = 2 * _nbytes(w[0].shape[1:], q.dtype) * x.shape[0]             # k, v (dk, dv) [N, H, D]
   fwd = (qb + xb + wb) + (ob + kv)
   pool_bwd = (qb + kv + ob) + (qb + kv)
-  proj_bwd = (xb + kv + wb) + 2 * xb
-  gemm = (xb + kv) + wb
+  proj_bwd = (xb + kv + wb) + (xb + rb)
+  gemm = (xb + rb + kv) + wb
   return {"bytes": fwd + pool_bwd + proj_bwd + gemm, "launches": 4}
 
 
@@ -597,7 +599,7 @@ PROJECTION_OPS = {"fused_qkv": 2, "fused_proj": 0}
 def _out_flops(x, o, w, *a, **kw) -> float:
   """``pallas_kernels.proj_residual``'s forward GEMM and its weight gradient
   (``pallas_kernels.wgrad``; ``do = dy w^T`` is XLA's GEMM, in the HLO)."""
-  return 2 * 2.0 * x.shape[0] * o.shape[1] * o.shape[2] * x.shape[1]
+  return 2.0 * x.shape[0] * o.shape[1] * o.shape[2] * x.shape[1] * 2      # forward, dw
 
 
 def _event_mlp_flops(x, w1, b1, w2, *a, **kw) -> float:

@@ -238,8 +238,8 @@ def test_kernel_formulas_and_recorded_calls():
 def test_pool_projecting_its_keys_is_recorded_with_its_bytes_and_flops():
   """The fused HSP pool (``packed.gdpa_pool_proj``, Pallas backend, traced only): its byte
   formula by hand, and ``record_kernels`` keeps one "gdpa" call with those bytes and the pool's
-  FLOPs, and one "projection" with the projections' (forward and back-projected: 4 N d H D for
-  the two)."""
+  FLOPs, and one "projection" with the projections' (forward, back-projected and the weight
+  gradients, ``pallas_kernels.wgrad``'s: 2 N d H D each, 6 for the two)."""
   import jax
   import jax.numpy as jnp
   import numpy as np
@@ -254,8 +254,9 @@ def test_pool_projecting_its_keys_is_recorded_with_its_bytes_and_flops():
   w = (S((d, H, D), jnp.float32),) * 2
   qb, xb, ob, wb, kv = seeds * H * D * 4, N * d * 4, Bx * seeds * H * D * 4, 2 * d * H * D * 4, \
       2 * N * H * D * 4
-  want = ((qb + xb + wb + ob + kv) + (qb + kv + ob + qb + kv) + (xb + kv + wb + 2 * xb)
-          + (xb + kv + wb))
+  rb = N * 4                                                   # the rows' r, float32
+  want = ((qb + xb + wb + ob + kv) + (qb + kv + ob + qb + kv) + (xb + kv + wb + xb + rb)
+          + (xb + rb + kv + wb))
   assert roofline.pool_proj_kernel(q, x, w, o) == {"bytes": want, "launches": 4}
 
   toks, offsets, seg, pos, _ = pack_events(
@@ -272,7 +273,7 @@ def test_pool_projecting_its_keys_is_recorded_with_its_bytes_and_flops():
         and "kron" not in c["scope"]]
   assert len(gd) == 1 and gd[0]["bytes"] == want, calls
   assert gd[0]["flops"] == roofline.attention_flops(1, seeds, N, H, D)
-  assert len(pr) == 1 and pr[0]["flops"] == 4 * 2 * N * d * H * D, calls
+  assert len(pr) == 1 and pr[0]["flops"] == 6 * 2 * N * d * H * D, calls
 
 
 def test_record_kernels_sees_every_seq_attention_of_a_model():
