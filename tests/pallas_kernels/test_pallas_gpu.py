@@ -69,3 +69,19 @@ def test_softmax_attention_on_gpu(backend, window):
   want = jax.grad(loss(ref), (0, 1, 2))(*f32)
   for name, g, r in zip("qkv", got, want, strict=True):
     assert _rel(g, r) < 3e-2, name
+
+
+@pytest.mark.gpu
+def test_row_scaled_wgrad_on_gpu():
+  """``pallas_kernels.wgrad`` compiled (Triton, several splits) at mid's HSP shape against float64
+  numpy of the bfloat16-rounded ``h = r x``: only the float32 summation order differs."""
+  from pallas_kernels import wgrad
+  rng = np.random.default_rng(0)
+  N, d, C = 37888, 256, 256
+  x = jnp.asarray(rng.normal(size=(N, d)), jnp.bfloat16)
+  r = jnp.asarray(rng.uniform(0.5, 2.0, size=(N,)), jnp.float32)
+  gs = [jnp.asarray(rng.normal(size=(N, C)), jnp.bfloat16) for _ in range(2)]
+  outs = jax.jit(lambda x, r, gs: wgrad.row_scaled_wgrad_pallas(x, r, gs))(x, r, gs)
+  h = np.asarray((x.astype(jnp.float32) * r[:, None]).astype(jnp.bfloat16), np.float64)
+  for o, g in zip(outs, gs, strict=True):
+    assert _rel(o, h.T @ np.asarray(g, np.float64)) < 1e-5
