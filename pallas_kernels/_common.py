@@ -86,3 +86,11 @@ def load_vec(ref, r0, rows: int):
   """``ref[r0:r0 + rows]`` of a 1-D ref, zero past its end."""
   return plgpu.load(ref.at[pl.ds(r0, rows)], mask=(r0 + jnp.arange(rows)) < ref.shape[0],
                     other=0.0)
+
+
+def store_vec(ref, r0, x):
+  """Stores ``x [rows]`` at ``r0 + [0, rows)`` of a 1-D ref, in its dtype (past its end
+  dropped)."""
+  rows = x.shape[0]
+  plgpu.store(ref.at[pl.ds(r0, rows)], x.astype(ref.dtype),
+              mask=(r0 + jnp.arange(rows)) < ref.shape[0])

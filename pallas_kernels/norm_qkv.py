@@ -31,7 +31,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import _poison, tuning, wgrad
-from pallas_kernels._common import is_tile, load_vec, precision, round_to
+from pallas_kernels._common import is_tile, load_vec, precision, round_to, store_vec
 
 F32 = jnp.float32
 EPS = 1e-6
@@ -193,8 +193,7 @@ def _bwd_kernel(x_ref, *refs, cfg: _Cfg):
   xf = _tile(x_ref, r0, cfg.rows).astype(F32)
   r = _norm_rows(xf, cfg.eps)
   # the rows' r, for the weight-gradient kernel (h = r x where it reads x)
-  plgpu.store(r_ref.at[pl.ds(r0, cfg.rows)], jnp.sum(r, axis=1),
-              mask=(r0 + jnp.arange(cfg.rows)) < r_ref.shape[0])
+  store_vec(r_ref, r0, jnp.sum(r, axis=1))                         # [rows, 1] -> [rows]
   h = (xf * r).astype(cfg.dtype)
   if cfg.rot:
     tau, pos = load_vec(tau_ref, r0, cfg.rows), load_vec(pos_ref, r0, cfg.rows)

@@ -124,10 +124,10 @@ def row_scaled_wgrad_pallas(x, r, gs, *, dtype=jnp.bfloat16, interpret: bool = F
   N, d, C = _check(x, r, gs)
   bm, bn = _tile(d, BM), _tile(C, BN)
   P, tiles = len(gs), C // bn
-  S, rows = _split(N, d, P * C, (d // bm) * P * tiles, jnp.dtype(dtype).itemsize)
+  b = jnp.dtype(dtype).itemsize
+  S, rows = _split(N, d, P * C, (d // bm) * P * tiles, b)
   cfg = _Cfg(rows, bm, bn, tiles, jnp.dtype(dtype), bool(interpret), r is not None)
   rs = () if r is None else (jnp.asarray(r, F32),)
-  b = jnp.dtype(dtype).itemsize
   _, stages = tuning.fit_smem(lambda _: (0, BK * (bm + bn) * b), None, copies=P,
                               what="row_scaled_wgrad")
   whole = pl.no_block_spec
