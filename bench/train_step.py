@@ -682,8 +682,8 @@ def main(argv=None):
     args.steps = min(args.steps, 3)
     args.warmup = min(args.warmup, 1)
     args.tag = args.tag or "small"
+  _make_folders(args)
   res = run(args)
-  os.makedirs(args.out_dir, exist_ok=True)
   path = os.path.join(args.out_dir, f"train_step_{res['name']}.json")
   with open(path, "w") as f:
     json.dump(res, f, indent=1, default=_json_default)
@@ -692,6 +692,19 @@ def main(argv=None):
   print_roofline(res["roofline"])
   print("wrote", path, flush=True)
   return res
+
+
+def _make_folders(args) -> None:
+  """``--out_dir`` and ``--dump_hlo``'s folder, made before the compile (minutes at mid), so a
+  path that cannot be written stops the run at once, in one line."""
+  for flag, folder in (("--out_dir", args.out_dir),
+                       ("--dump_hlo", os.path.dirname(args.dump_hlo or ""))):
+    try:
+      if folder:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as e:
+      path = args.dump_hlo if flag == "--dump_hlo" else folder
+      raise SystemExit(f"{flag} {path}: cannot make its folder ({e.strerror})") from None
 
 
 def merge_runs(directory: str, out: str) -> dict:

@@ -469,3 +469,24 @@ def test_merge_runs_keys_each_run_by_its_name(tmp_path):
   train_step.main(["--merge", str(tmp_path), str(out)])
   assert json.loads(out.read_text()) == {"runs": {"a": {"name": "a", "step_ms": 1.0},
                                                   "b": {"name": "b", "step_ms": 1.0}}}
+
+
+def test_output_folders_are_made_before_the_compile(tmp_path, monkeypatch):
+  """``--dump_hlo`` and ``--out_dir`` into folders that do not exist yet: made before the
+  (minutes-long) compile, not found missing after it; a folder that cannot be made is a one-line
+  exit before any work."""
+  seen = []
+
+  def run(args):                          # stands in for the compile: what exists when it starts
+    seen.append(((tmp_path / "hlo").is_dir(), (tmp_path / "out").is_dir()))
+    raise SystemExit("stop")
+
+  monkeypatch.setattr(train_step, "run", run)
+  with pytest.raises(SystemExit, match="stop"):
+    train_step.main(["--small", "--out_dir", str(tmp_path / "out"),
+                     "--dump_hlo", str(tmp_path / "hlo" / "step.hlo")])
+  assert seen == [(True, True)]
+  (tmp_path / "file").write_text("")
+  with pytest.raises(SystemExit, match="--dump_hlo .*file/step.hlo: cannot make its folder"):
+    train_step.main(["--small", "--dump_hlo", str(tmp_path / "file" / "step.hlo")])
+  assert len(seen) == 1
