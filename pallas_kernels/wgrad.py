@@ -11,7 +11,8 @@ Grid ``(S, d / BM, P C / BN)``: a program accumulates one ``[BM, BN]`` output ti
 ``1/S`` share of the rows, ``BK`` rows a step, and stores it as a float32 partial; XLA sums the
 ``S`` partials, as its own split-K GEMMs do (``S`` from a roofline of the kernel, ``_split``).
 ``row_scaled_wgrad_xla`` is the twin. Triton on GPU, ``interpret=True`` on CPU. Rows of zeros (a
-packed block's tail) add nothing.
+packed block's tail) add nothing. ``dense_pallas``: a bias-free dense layer ``x [..., K] @ w [K,
+C]`` whose ``w`` gradient runs on the kernel (``dense_xla``, its twin, is autodiff's).
 """
 
 from __future__ import annotations
@@ -142,6 +143,52 @@ def row_scaled_wgrad_pallas(x, r, gs, *, dtype=jnp.bfloat16, interpret: bool = F
   if joined:
     return dw
   return tuple(dw[:, p * C:(p + 1) * C] for p in range(P))
+
+
+def supported(d: int, C: int) -> bool:
+  """Whether the kernel tiles ``x [N, d]`` and cotangents ``[N, C]``: both with a power-of-two
+  factor of at least 16."""
+  return _tile(d) >= 16 and _tile(C) >= 16
+
+
+# ------------------------------------------------------------------- a dense layer on the kernel
+
+def dense_xla(x, w, *, dtype=jnp.bfloat16):
+  """``dense_pallas``'s twin: ``x [..., K] @ w [K, C]`` with both operands in ``dtype`` (a bias-free
+  ``flax.linen.Dense`` in ``dtype``), differentiated by autodiff."""
+  return lax.dot_general(x.astype(dtype), w.astype(dtype), (((x.ndim - 1,), (0,)), ((), ())))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _dense(x, w, dtype, interpret):
+  return dense_xla(x, w, dtype=dtype)
+
+
+def _dense_fwd(x, w, dtype, interpret):
+  return _dense(x, w, dtype, interpret), (x.astype(dtype), w, jnp.zeros((0,), x.dtype))
+
+
+def _dense_bwd(dtype, interpret, res, dy):
+  xd, w, x0 = res
+  g = dy.astype(dtype)
+  dx = lax.dot_general(g, w.astype(dtype), (((g.ndim - 1,), (1,)), ((), ())))
+  (dw,) = row_scaled_wgrad_pallas(xd.reshape(-1, w.shape[0]), None, [g.reshape(-1, w.shape[1])],
+                                  dtype=dtype, interpret=interpret)
+  return dx.astype(x0.dtype), dw.astype(dtype).astype(w.dtype)
+
+
+_dense.defvjp(_dense_fwd, _dense_bwd)
+
+
+def dense_pallas(x, w, *, dtype=jnp.bfloat16, interpret: bool = False):
+  """``dense_xla``'s values, and its gradients with ``w``'s (a sum over every row of ``x``) from
+  the kernel: XLA's split-K GEMM wrote 8 to 32 float32 partials of ``w``'s size at mid's summary
+  projections and HSP's output maps, where the kernel's roofline picks a few (``_split``)."""
+  if x.ndim < 2 or w.ndim != 2 or x.shape[-1] != w.shape[0]:
+    raise ValueError(f"dense: x {x.shape} and w {w.shape} must be [..., K] and [K, C]")
+  if not supported(*w.shape):
+    raise ValueError(f"dense: w {w.shape}: K and C need a power-of-two factor >= 16")
+  return _dense(x, w, jnp.dtype(dtype), bool(interpret))
 
 
 def flops(N: int, d: int, C: int, P: int) -> float:

@@ -3,6 +3,7 @@ NaN-poisoned outputs) and its twin against a float64 numpy ``(r x)^T g``, row co
 several splits and no multiple of a step's rows, zero rows (a packed block's tail), column
 widths whose tile is under 128, and the one-line errors on mismatched shapes."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -78,3 +79,34 @@ def test_mismatched_shapes_are_refused():
     wgrad.row_scaled_wgrad_pallas(x, r, [gs[0], gs[1][:, :16]], interpret=True)
   with pytest.raises(ValueError, match="power-of-two factor"):
     wgrad.row_scaled_wgrad_pallas(x[:, :24], r, gs, interpret=True)
+
+
+@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 1e-2)])
+def test_dense_values_and_gradients_match_numpy(dtype, tol):
+  """``dense_pallas`` (a summary projection's shape, ``x [B, n, K]``, 3 splits over its 300
+  rows): the output and ``dx`` (XLA's GEMMs, bfloat16 outputs rounded once) and ``dw`` (the
+  kernel, rounded to ``dtype`` once) against float64 numpy on the ``dtype``-rounded operands,
+  and the same as the twin's autodiff."""
+  rng = np.random.default_rng(5)
+  x = rng.normal(size=(12, 25, 32)).astype(np.float32)
+  w = (rng.normal(size=(32, 48)) / 6).astype(np.float32)
+  gy = rng.normal(size=(12, 25, 48)).astype(np.float32)
+  loss = lambda f: lambda x, w: jnp.sum(f(x, w).astype(jnp.float32) * gy)
+  kernel = lambda x, w: wgrad.dense_pallas(x, w, dtype=dtype, interpret=True)
+  twin = lambda x, w: wgrad.dense_xla(x, w, dtype=dtype)
+  assert wgrad._split(300, 32, 48, 3)[0] == 3
+  rnd = (lambda a: np.asarray(a, np.float64)) if dtype == jnp.float32 else _bf16
+  xr, wr, gr = rnd(x), rnd(w), rnd(gy)
+  y_ref = np.einsum("bnk,kc->bnc", xr, wr)
+  dx_ref, dw_ref = np.einsum("bnc,kc->bnk", gr, wr), np.einsum("bnk,bnc->kc", xr, gr)
+  with _poison.poison_outputs():
+    y = kernel(jnp.asarray(x), jnp.asarray(w))
+    dx, dw = jax.grad(loss(kernel), (0, 1))(jnp.asarray(x), jnp.asarray(w))
+  tdx, tdw = jax.grad(loss(twin), (0, 1))(jnp.asarray(x), jnp.asarray(w))
+  assert y.dtype == dtype and dx.dtype == dw.dtype == jnp.float32
+  close(y, y_ref, tol)
+  for got, t, ref in ((dx, tdx, dx_ref), (dw, tdw, dw_ref)):
+    close(got, ref, tol)
+    close(got, t, tol)
+  with pytest.raises(ValueError, match="must be \\[..., K\\] and \\[K, C\\]"):
+    wgrad.dense_pallas(x, w[:16], interpret=True)
