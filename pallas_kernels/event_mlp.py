@@ -11,9 +11,9 @@ Widths: ``K`` up to 1024, ``F`` and ``D`` up to 512 (prod's click / conversion s
 ``event_mlp_xla`` is the twin. ``event_mlp_pallas``: the forward kernel reads ``x`` and writes
 ``y`` (XLA wrote both layers' outputs and the GELU's input and read them back); the backward
 kernel reads ``x`` and ``dy``, recomputes the hidden layer, and writes ``dx``, the masked hidden
-activations ``valid * h`` and the hidden pre-activation's cotangent ``dz`` for XLA's two weight
-GEMMs over all rows (``dw2 = (valid h)^T dy``, ``dw1 = x^T dz``), and per-program partial sums
-of the bias gradients. Triton on GPU, ``interpret=True`` on CPU.
+activations ``valid * h`` and the hidden pre-activation's cotangent ``dz`` for the two weight
+gradients over all rows (``dw2 = (valid h)^T dy``, ``dw1 = x^T dz``: ``pallas_kernels.wgrad``),
+and per-program partial sums of the bias gradients. Triton on GPU, ``interpret=True`` on CPU.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels import _poison, activations
+from pallas_kernels import _poison, activations, wgrad
 from pallas_kernels._common import (
     is_tile,
     load_rows,
@@ -211,12 +211,12 @@ def _vjp_bwd(dtype, interpret, res, dy):
           jax.ShapeDtypeStruct((T, D), F32))
   dx, hm, dz, db1, db2 = _call(_bwd_kernel, (x, w1.astype(dtype), b1, w2.astype(dtype), valid, dy),
                                outs, cfg, "event_mlp_bwd")
-  xd, dyd = x.astype(dtype), dy.astype(dtype)
-  if interpret:            # XLA:CPU: a 16-bit dot may accumulate in 16 bits; a GPU's in float32
-    xd, dyd, hm, dz = (a.astype(F32) for a in (xd, dyd, hm, dz))
-  # dy's masked rows meet hm's zeros; dz is zero there
-  dw1 = jnp.einsum("nk,nf->kf", xd, dz).astype(dtype)
-  dw2 = jnp.einsum("nf,nd->fd", hm, dyd).astype(dtype)
+  # the weight gradients sum over every row: pallas_kernels.wgrad, whose splits weigh the SMs
+  # kept busy against float32 partials (XLA's GEMMs wrote 64 to 128 of them at mid); dy's masked
+  # rows meet hm's zeros, dz is zero there
+  (dw1,) = wgrad.row_scaled_wgrad_pallas(x, None, [dz], dtype=dtype, interpret=interpret)
+  (dw2,) = wgrad.row_scaled_wgrad_pallas(hm, None, [dy], dtype=dtype, interpret=interpret)
+  dw1, dw2 = dw1.astype(dtype), dw2.astype(dtype)
   return (dx, dw1.astype(w1.dtype), jnp.sum(db1, 0).astype(b1.dtype), dw2.astype(w2.dtype),
           jnp.sum(db2, 0).astype(b2.dtype), jnp.zeros_like(valid))
 

@@ -605,14 +605,22 @@ def _out_flops(x, o, w, *a, **kw) -> float:
 def _event_mlp_flops(x, w1, b1, w2, *a, **kw) -> float:
   """``pallas_kernels.event_mlp``'s kernels on ``x [S, Ns, K]``: the forward's two layers
   ``2 N (K F + F D)``, the backward's recomputed first layer and its two back-projections
-  ``2 N (2 K F + F D)`` (the weight gradients are XLA GEMMs)."""
+  ``2 N (2 K F + F D)``, the two weight gradients (``pallas_kernels.wgrad``) ``2 N (K F + F D)``."""
   N = x.shape[0] * x.shape[1]
   (K, F), D = w1.shape, w2.shape[1]
-  return 2.0 * N * (3 * K * F + 2 * F * D)
+  return 2.0 * N * (4 * K * F + 3 * F * D)
+
+
+def _dense_flops(x, w, *a, **kw) -> float:
+  """``kunlun.nn.packed.dense_kernel``: the weight gradient's kernel (``pallas_kernels.wgrad``),
+  ``2 N K C`` over the ``N`` rows of ``x [..., K]``, once per copy the enclosing vmaps run
+  (MoWE's experts); the forward and ``dx`` are XLA's GEMMs, in the HLO."""
+  return wgrad.flops(x.size // x.shape[-1], w.shape[0], w.shape[1], 1) * _vmap_copies(w)
 
 
 # kunlun.nn.packed's other GEMM kernels: {op: FLOPs of its kernels from its arguments}
-GEMM_OPS = {"fused_out": _out_flops, "fused_event_mlp": _event_mlp_flops}
+GEMM_OPS = {"fused_out": _out_flops, "fused_event_mlp": _event_mlp_flops,
+            "dense_kernel": _dense_flops}
 
 
 def wukong_fm_flops(B: int, N: int, d: int, r: int, mixes) -> float:

@@ -44,10 +44,15 @@ def _to_heads(mod, name, x, heads, dtype):
   return jnp.einsum("...d,dhc->...hc", x.astype(dtype), w.astype(dtype))
 
 
-def _from_heads(mod, name, o, out_dim, dtype):
-  """``o [..., H, dh] @ W [H, dh, out_dim]``."""
+def _from_heads(mod, name, o, out_dim, dtype, backend="xla"):
+  """``o [B, ..., H, dh] @ W [H, dh, out_dim]`` (on the Pallas backend ``W``'s gradient on
+  ``pallas_kernels.wgrad``, ``packed.wgrad_dense``)."""
   init = with_axes(nn.initializers.lecun_normal((0, 1), 2), ("heads", "head_dim", "embed"))
   w = mod.param(name, init, o.shape[-2:] + (out_dim,), F32)
+  if packed.pallas_backend(backend):
+    K = o.shape[-2] * o.shape[-1]
+    return packed.wgrad_dense(o.reshape(o.shape[:-2] + (K,)), w.astype(dtype).reshape(K, out_dim),
+                              dtype=dtype, backend=backend)
   return jnp.einsum("...hc,hcd->...d", o.astype(dtype), w.astype(dtype))
 
 
@@ -92,7 +97,8 @@ class SumKronLinear(nn.Module):
           and seed_kron.supported(n_in, self.rank, self.n_out, d)):
         t = kron_pallas(h, seeds, z, dtype=dt)        # [B, n_out, rank d]; Z as it is stored
         t = shard(t, ("batch", "seeds", None))
-        y = jnp.einsum("bmq,qe->bme", t, w.astype(dt).reshape(self.rank * d, do))
+        y = packed.wgrad_dense(t, w.astype(dt).reshape(self.rank * d, do), dtype=dt,
+                               backend=self.backend)
         return shard(y, ("batch", "seeds", "embed"))
       if seeds is not None:
         h = shard(add_rms_norm(h, seeds, dt), ("batch", "seeds", "embed"))
@@ -174,7 +180,7 @@ class HSP(nn.Module):
     """The pooled ``o [B, S, H, D]`` -> ``[B, n_sum, out_dim or d]``: output projection, then
     ``rms_norm(e + o W_o)`` and the seeds' Kronecker map (``SumKronLinear``)."""
     o = shard(o, ("batch", "seeds", "heads", "head_dim"))
-    a = _from_heads(self, "out", o, d, self.dtype)
+    a = _from_heads(self, "out", o, d, self.dtype, self.backend)
     return SumKronLinear(self.n_sum, self.rank, self.out_dim, self.dtype, self.backend,
                          name="kron")(a, seeds=e)
 

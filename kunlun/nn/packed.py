@@ -26,7 +26,15 @@ import jax.numpy as jnp
 from flax import struct
 
 from kunlun.nn.time_encoding import rotary_inputs
-from pallas_kernels import event_mlp, jagged, jagged_pallas, norm_qkv, norm_residual, proj_residual
+from pallas_kernels import (
+    event_mlp,
+    jagged,
+    jagged_pallas,
+    norm_qkv,
+    norm_residual,
+    proj_residual,
+    wgrad,
+)
 from pallas_kernels.api import compile_platform
 from sharding import shard
 from sharding.packed import per_shard
@@ -93,6 +101,25 @@ def pallas_backend(backend: str) -> bool:
 def interpret_kernels() -> bool:
   """Pallas kernels compiled for a CPU run in interpret mode (no CPU lowering)."""
   return compile_platform() != "gpu"
+
+
+def wgrad_dense(x, w, *, dtype, backend: str):
+  """``x [B, ..., K] @ w [K, C]`` in ``dtype`` (a bias-free ``flax.linen.Dense``); on the Pallas
+  backend ``w``'s gradient, a sum over every row, runs on ``pallas_kernels.wgrad`` (per device on
+  its examples, ``dense_pallas``), elsewhere and at widths it does not tile as XLA's. Callers
+  pass ``w`` cast to ``dtype`` (the parameter's only use a cast, which the optimizer's 16-bit
+  copy replaces: ``kunlun.train.param_copies``; a cast inside the custom rule would launch)."""
+  if not (pallas_backend(backend) and wgrad.supported(*w.shape)):
+    return wgrad.dense_xla(x, w, dtype=dtype)
+  return dense_kernel(x, w, dtype=dtype)
+
+
+def dense_kernel(x, w, *, dtype):
+  """``wgrad_dense``'s Pallas path: ``pallas_kernels.wgrad.dense_pallas`` per device on its
+  examples (``bench.profiling.roofline.record_kernels`` counts the kernel's FLOPs here)."""
+  interpret = interpret_kernels()
+  op = lambda x, w: wgrad.dense_pallas(x, w, dtype=dtype, interpret=interpret)
+  return per_shard(op, (True, False), "batch")(x, w)
 
 
 def _use_pallas(backend: str) -> bool:

@@ -239,7 +239,8 @@ def test_pool_projecting_its_keys_is_recorded_with_its_bytes_and_flops():
   """The fused HSP pool (``packed.gdpa_pool_proj``, Pallas backend, traced only): its byte
   formula by hand, and ``record_kernels`` keeps one "gdpa" call with those bytes and the pool's
   FLOPs, and one "projection" with the projections' (forward, back-projected and the weight
-  gradients, ``pallas_kernels.wgrad``'s: 2 N d H D each, 6 for the two)."""
+  gradients, ``pallas_kernels.wgrad``'s: 2 N d H D each, 6 for the two); the output map's
+  weight gradient (``wgrad`` through ``packed.dense_kernel``) one more."""
   import jax
   import jax.numpy as jnp
   import numpy as np
@@ -270,10 +271,13 @@ def test_pool_projecting_its_keys_is_recorded_with_its_bytes_and_flops():
                             argnums=(0, 1)))(p, s.value)
   gd = [c for c in calls if c["kind"] == "gdpa"]
   pr = [c for c in calls if c["kind"] == "projection" and "/HSP" in c["scope"]
-        and "kron" not in c["scope"]]
+        and "kron" not in c["scope"] and "_tail" not in c["scope"]]
   assert len(gd) == 1 and gd[0]["bytes"] == want, calls
   assert gd[0]["flops"] == roofline.attention_flops(1, seeds, N, H, D)
   assert len(pr) == 1 and pr[0]["flops"] == 6 * 2 * N * d * H * D, calls
+  # the output map's weight gradient (packed.dense_kernel): 2 (examples x seeds) (H D) d
+  (out,) = [c for c in calls if c["scope"].endswith("HSP._tail")]
+  assert out["kind"] == "projection" and out["flops"] == 2 * Bx * seeds * H * D * d, calls
 
 
 def test_record_kernels_sees_every_seq_attention_of_a_model():
