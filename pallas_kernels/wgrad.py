@@ -151,6 +151,15 @@ def supported(d: int, C: int) -> bool:
   return _tile(d) >= 16 and _tile(C) >= 16
 
 
+def memory_bound(d: int, C: int, itemsize: int = 2) -> bool:
+  """Whether a weight gradient ``[d, C]`` over any number of rows is memory-bound on the target:
+  ``2 d C / ((d + C) itemsize)`` FLOPs per byte read under the ridge. There XLA's split-K
+  partials are a share of its bytes that the kernel's splits cut; a compute-bound one (prod's
+  ``SumKronLinear``, 4,096 x 512) XLA's GEMM runs unsplit, and the kernel would only add its
+  partials' sum."""
+  return 2.0 * d * C / ((d + C) * itemsize) < tuning.RIDGE
+
+
 # ------------------------------------------------------------------- a dense layer on the kernel
 
 def dense_xla(x, w, *, dtype=jnp.bfloat16):

@@ -106,10 +106,12 @@ def interpret_kernels() -> bool:
 def wgrad_dense(x, w, *, dtype, backend: str):
   """``x [B, ..., K] @ w [K, C]`` in ``dtype`` (a bias-free ``flax.linen.Dense``); on the Pallas
   backend ``w``'s gradient, a sum over every row, runs on ``pallas_kernels.wgrad`` (per device on
-  its examples, ``dense_pallas``), elsewhere and at widths it does not tile as XLA's. Callers
+  its examples, ``dense_pallas``) where it is memory-bound (``wgrad.memory_bound``), elsewhere
+  and at widths the kernel does not tile as XLA's. Callers
   pass ``w`` cast to ``dtype`` (the parameter's only use a cast, which the optimizer's 16-bit
   copy replaces: ``kunlun.train.param_copies``; a cast inside the custom rule would launch)."""
-  if not (pallas_backend(backend) and wgrad.supported(*w.shape)):
+  if not (pallas_backend(backend) and wgrad.supported(*w.shape)
+          and wgrad.memory_bound(*w.shape, jnp.dtype(dtype).itemsize)):
     return wgrad.dense_xla(x, w, dtype=dtype)
   return dense_kernel(x, w, dtype=dtype)
 

@@ -110,3 +110,12 @@ def test_dense_values_and_gradients_match_numpy(dtype, tol):
     close(got, t, tol)
   with pytest.raises(ValueError, match="must be \\[..., K\\] and \\[K, C\\]"):
     wgrad.dense_pallas(x, w[:16], interpret=True)
+
+
+def test_the_kernel_takes_the_memory_bound_weight_gradients():
+  """``memory_bound``: FLOPs per byte read, ``2 d C / ((d + C) 2)`` in bfloat16, against the
+  H200's ridge (206): mid's HSP maps (256 x 256: 128; 1,024 x 256: 205) under it, prod's (512 x
+  512: 256; 4,096 x 512: 455) over it; float32 operands halve the intensity."""
+  assert wgrad.memory_bound(256, 256) and wgrad.memory_bound(1024, 256)
+  assert not wgrad.memory_bound(512, 512) and not wgrad.memory_bound(4096, 512)
+  assert wgrad.memory_bound(512, 512, itemsize=4)
