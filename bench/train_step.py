@@ -347,17 +347,22 @@ def run(args) -> dict:
     from kunlun.train.step import device_memory
     memory = target.get("memory") if gpu else device_memory()
     budget = None if memory is None else int(memory * float(cfg.train.remat_memory))
+  _progress("building the step (parameters, optimizer state, batch)")
   train_step, model, params, opt_state, batch = build_step(cfg, mesh, rules, batch_np,
                                                            args.compile_only, budget)
   init_s = time.perf_counter() - t0
   rng = jax.random.key(1)
   step0 = jnp.asarray(0, jnp.int32)
 
+  _progress(f"compiling the train step for {target['name']}"
+            + (" without a device (about 1 to 3 minutes at mid and prod)"
+               if target.get("deviceless") else ""))
   with partition.activate(mesh, rules), roofline.record_kernels() as kernel_calls:
     t0, c0 = time.perf_counter(), time.process_time()
     lowered = train_step.lower(params, opt_state, batch, rng, step0)
     compiled = lowered.compile()
     compile_s, compile_cpu_s = time.perf_counter() - t0, time.process_time() - c0
+  _progress(f"compiled in {compile_s:.0f} s; counting bytes, FLOPs and floors")
   device = mesh.devices.flat[0]
   flops_analytic = model_flops(cfg, schema)["train_step"] * B
   flops_actual = _actual_length_flops(cfg, schema, batch_np)
@@ -692,6 +697,11 @@ def main(argv=None):
   print_roofline(res["roofline"])
   print("wrote", path, flush=True)
   return res
+
+
+def _progress(msg: str) -> None:
+  """One line of progress on stderr (the compile takes minutes; the table goes to stdout)."""
+  print(f"train_step: {msg}", file=sys.stderr, flush=True)
 
 
 def _make_folders(args) -> None:

@@ -411,6 +411,8 @@ def test_packed_and_padded_runs_report_the_same_layout_fields(tmp_path, capsys, 
   cap = {"click": 256, "impression": 320}
   base = ["--small", "--layers", "1", "--compile_only", "--out_dir", str(tmp_path)]
   packed = train_step.main(base + ["--jagged", ",".join(f"{s}={n}" for s, n in cap.items())])
+  err = capsys.readouterr().err                    # progress: the long steps announced
+  assert "train_step: compiling the train step for cpu" in err and "compiled in" in err, err
   padded, padded_path, _ = small_run
   shutil.copy(padded_path, tmp_path)
   assert packed["name"] == "tiny_xla_b16_L1_packed_small" and packed["layout"] == "packed"
