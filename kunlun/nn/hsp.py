@@ -45,14 +45,14 @@ def _to_heads(mod, name, x, heads, dtype):
 
 
 def _from_heads(mod, name, o, out_dim, dtype, backend="xla"):
-  """``o [B, ..., H, dh] @ W [H, dh, out_dim]`` (on the Pallas backend ``W``'s gradient on
-  ``pallas_kernels.wgrad``, ``packed.wgrad_dense``)."""
+  """``o [B, ..., H, dh] @ W [H, dh, out_dim]`` (``W``'s gradient on ``pallas_kernels.wgrad``
+  where ``packed.wgrad_kernel`` holds)."""
   init = with_axes(nn.initializers.lecun_normal((0, 1), 2), ("heads", "head_dim", "embed"))
   w = mod.param(name, init, o.shape[-2:] + (out_dim,), F32)
-  if packed.pallas_backend(backend):
-    K = o.shape[-2] * o.shape[-1]
-    return packed.wgrad_dense(o.reshape(o.shape[:-2] + (K,)), w.astype(dtype).reshape(K, out_dim),
-                              dtype=dtype, backend=backend)
+  K = o.shape[-2] * o.shape[-1]
+  if packed.wgrad_kernel(backend, K, out_dim, dtype):
+    return packed.dense_kernel(o.reshape(o.shape[:-2] + (K,)),
+                               w.astype(dtype).reshape(K, out_dim), dtype=dtype)
   return jnp.einsum("...hc,hcd->...d", o.astype(dtype), w.astype(dtype))
 
 
@@ -97,8 +97,10 @@ class SumKronLinear(nn.Module):
           and seed_kron.supported(n_in, self.rank, self.n_out, d)):
         t = kron_pallas(h, seeds, z, dtype=dt)        # [B, n_out, rank d]; Z as it is stored
         t = shard(t, ("batch", "seeds", None))
-        y = packed.wgrad_dense(t, w.astype(dt).reshape(self.rank * d, do), dtype=dt,
-                               backend=self.backend)
+        wk = w.astype(dt).reshape(self.rank * d, do)
+        y = (packed.dense_kernel(t, wk, dtype=dt)
+             if packed.wgrad_kernel(self.backend, self.rank * d, do, dt)
+             else jnp.einsum("bmq,qe->bme", t, wk))
         return shard(y, ("batch", "seeds", "embed"))
       if seeds is not None:
         h = shard(add_rms_norm(h, seeds, dt), ("batch", "seeds", "embed"))

@@ -103,22 +103,22 @@ def interpret_kernels() -> bool:
   return compile_platform() != "gpu"
 
 
-def wgrad_dense(x, w, *, dtype, backend: str):
-  """``x [B, ..., K] @ w [K, C]`` in ``dtype`` (a bias-free ``flax.linen.Dense``); on the Pallas
-  backend ``w``'s gradient, a sum over every row, runs on ``pallas_kernels.wgrad`` (per device on
-  its examples, ``dense_pallas``) where it is memory-bound (``wgrad.memory_bound``), elsewhere
-  and at widths the kernel does not tile as XLA's. Callers
-  pass ``w`` cast to ``dtype`` (the parameter's only use a cast, which the optimizer's 16-bit
-  copy replaces: ``kunlun.train.param_copies``; a cast inside the custom rule would launch)."""
-  if not (pallas_backend(backend) and wgrad.supported(*w.shape)
-          and wgrad.memory_bound(*w.shape, jnp.dtype(dtype).itemsize)):
-    return wgrad.dense_xla(x, w, dtype=dtype)
-  return dense_kernel(x, w, dtype=dtype)
+def wgrad_kernel(backend: str, K: int, C: int, dtype) -> bool:
+  """Whether a dense layer's weight gradient ``[K, C]`` (a sum over every row) runs on
+  ``pallas_kernels.wgrad`` (``dense_kernel``): the Pallas backend, widths the kernel tiles, and a
+  memory-bound gradient (``wgrad.memory_bound``: XLA's split-K partials are then a share of its
+  bytes; a compute-bound one XLA runs unsplit)."""
+  return (pallas_backend(backend) and wgrad.supported(K, C)
+          and wgrad.memory_bound(K, C, jnp.dtype(dtype).itemsize))
 
 
 def dense_kernel(x, w, *, dtype):
-  """``wgrad_dense``'s Pallas path: ``pallas_kernels.wgrad.dense_pallas`` per device on its
-  examples (``bench.profiling.roofline.record_kernels`` counts the kernel's FLOPs here)."""
+  """``x [B, ..., K] @ w [K, C]`` in ``dtype`` (a bias-free ``flax.linen.Dense``), ``w``'s
+  gradient on ``pallas_kernels.wgrad`` (``dense_pallas``, per device on its examples; where
+  ``wgrad_kernel`` holds). Callers pass ``w`` cast to ``dtype``: the parameter's only use a cast,
+  which the optimizer's 16-bit copy replaces (``kunlun.train.param_copies``; a cast inside the
+  custom rule would launch). ``bench.profiling.roofline.record_kernels`` counts the kernel's
+  FLOPs here."""
   interpret = interpret_kernels()
   op = lambda x, w: wgrad.dense_pallas(x, w, dtype=dtype, interpret=interpret)
   return per_shard(op, (True, False), "batch")(x, w)
