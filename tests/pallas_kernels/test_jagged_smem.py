@@ -39,8 +39,8 @@ FAMILIES = ("cross", "cross_per_head", "pool", "pool_per_head", "pool_proj", "bl
             "softmax_band", "softmax_full", "norm_qkv", "norm_proj", "norm_residual",
             "proj_residual", "event_mlp", "seed_kron")
 # the row-wise fused kernels (no jagged_pallas._plan): {family: kernels (forward, backward;
-# norm_qkv, norm_proj, proj_residual: and pallas_kernels.wgrad's weight gradient)}
-FUSED = {"norm_qkv": 3, "norm_proj": 3, "norm_residual": 2, "proj_residual": 2, "event_mlp": 2,
+# norm_qkv, norm_proj, proj_residual: and pallas_kernels.wgrad's weight gradient; event_mlp: two)}
+FUSED = {"norm_qkv": 3, "norm_proj": 3, "norm_residual": 2, "proj_residual": 2, "event_mlp": 4,
          "seed_kron": 2}
 PER_HEAD = ("gelu", "silu", "relu2", "fast_gelu")   # XLA's Triton: one loop copy each
 # families that also run row-wise kernels (no _plan): {family: (kernels, row-wise kernels)}
