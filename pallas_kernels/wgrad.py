@@ -191,8 +191,9 @@ _dense.defvjp(_dense_fwd, _dense_bwd)
 
 def dense_pallas(x, w, *, dtype=jnp.bfloat16, interpret: bool = False):
   """``dense_xla``'s values, and its gradients with ``w``'s (a sum over every row of ``x``) from
-  the kernel: XLA's split-K GEMM wrote 8 to 32 float32 partials of ``w``'s size at mid's summary
-  projections and HSP's output maps, where the kernel's roofline picks a few (``_split``)."""
+  the kernel: at mid b256 XLA's split-K GEMMs wrote 32 float32 partials of ``w``'s size for
+  HSP's output map and 8 for ``SumKronLinear``'s second product, where the kernel's roofline
+  (``_split``) picks 14 and 5."""
   if x.ndim < 2 or w.ndim != 2 or x.shape[-1] != w.shape[0]:
     raise ValueError(f"dense: x {x.shape} and w {w.shape} must be [..., K] and [K, C]")
   if not supported(*w.shape):

@@ -613,8 +613,8 @@ def _event_mlp_flops(x, w1, b1, w2, *a, **kw) -> float:
 
 def _dense_flops(x, w, *a, **kw) -> float:
   """``kunlun.nn.packed.dense_kernel``: the weight gradient's kernel (``pallas_kernels.wgrad``),
-  ``2 N K C`` over the ``N`` rows of ``x [..., K]``, once per copy the enclosing vmaps run
-  (MoWE's experts); the forward and ``dx`` are XLA's GEMMs, in the HLO."""
+  ``2 N K C`` over the ``N`` rows of ``x [..., K]``, once per copy the enclosing vmaps run; the
+  forward and ``dx`` are XLA's GEMMs, in the HLO."""
   return wgrad.flops(x.size // x.shape[-1], w.shape[0], w.shape[1], 1) * _vmap_copies(w)
 
 
