@@ -707,13 +707,12 @@ def _progress(msg: str) -> None:
 def _make_folders(args) -> None:
   """``--out_dir`` and ``--dump_hlo``'s folder, made before the compile (minutes at mid), so a
   path that cannot be written stops the run at once, in one line."""
-  for flag, folder in (("--out_dir", args.out_dir),
-                       ("--dump_hlo", os.path.dirname(args.dump_hlo or ""))):
+  for flag, path, folder in (("--out_dir", args.out_dir, args.out_dir),
+                             ("--dump_hlo", args.dump_hlo, os.path.dirname(args.dump_hlo or ""))):
     try:
       if folder:
         os.makedirs(folder, exist_ok=True)
     except OSError as e:
-      path = args.dump_hlo if flag == "--dump_hlo" else folder
       raise SystemExit(f"{flag} {path}: cannot make its folder ({e.strerror})") from None
 
 

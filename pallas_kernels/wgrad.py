@@ -110,7 +110,7 @@ def _check(x, r, gs):
     if g.shape != (N, C):
       raise ValueError(f"row_scaled_wgrad: every cotangent must be [N, C] = [{N}, {C}]; got "
                        f"{g.shape}")
-  if _tile(d) < 16 or _tile(C) < 16:
+  if not supported(d, C):
     raise ValueError(f"row_scaled_wgrad: d and C need a power-of-two factor >= 16; got d={d}, "
                      f"C={C}")
   return N, d, C
