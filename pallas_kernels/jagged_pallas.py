@@ -43,6 +43,7 @@ class _Cfg(NamedTuple):
   fast: bool = False
   proj: bool = False             # the pool's k, v projected in the kernels from x (_kv_tiles)
   eps: float = norm_qkv.EPS      # and x's RMSNorm epsilon
+  cols: int = PROJ_COLS          # and x's columns per step
 
 
 class _DotCfg(NamedTuple):
@@ -87,10 +88,10 @@ def _act(s, cfg: _Cfg, head, with_slope=False):
 
 
 def _call(kernel, cfg: _Cfg, scalars, ops, out_shape, grid, name, stages,
-          warps=tuning.JAGGED_WARPS):
-  """``pallas_call`` with per-program scalars (blocked on grid axis 0) and whole operands,
-  ``stages`` pipeline stages (``_plan``), ``warps`` warps per program."""
-  spec = pl.BlockSpec((1,), lambda i, *_: (i,))
+          warps=tuning.JAGGED_WARPS, scalar_axis: int = 0):
+  """``pallas_call`` with per-program scalars (blocked on grid axis ``scalar_axis``) and whole
+  operands, ``stages`` pipeline stages (``_plan``), ``warps`` warps per program."""
+  spec = pl.BlockSpec((1,), lambda *ids: (ids[scalar_axis],))
   whole = pl.no_block_spec
   return _poison.pallas_call(
       functools.partial(kernel, cfg=cfg), (*scalars, *ops), out_shape=out_shape, grid=grid,
@@ -370,13 +371,13 @@ def _kv_tiles(refs, start, n, h, valid, cfg: _Cfg):
   False zero): loaded from ``refs = (k, v)`` ``[N, H, D]``, or (``cfg.proj``) projected here
   from ``refs = (x [N, d], w_k, w_v [d, H, D])`` as ``pallas_kernels.norm_qkv.norm_proj_pallas``
   computes them: ``h = rms_norm(x)`` rounded to the weights' dtype, ``h w[:, h]`` accumulated in
-  float32 and rounded. ``x`` in column chunks of ``PROJ_COLS``: one pass for the rows' RMS
-  statistic, one for the products."""
+  float32 and rounded. ``x`` in column chunks of ``cfg.cols``: one pass for the rows' RMS
+  statistic, one for the products (the same values at any chunk width)."""
   if not cfg.proj:
     return tuple(_rows(r, start, n, h, valid) for r in refs)
   x_ref, wk_ref, wv_ref = refs
   d, dt = x_ref.shape[1], wk_ref.dtype
-  dc = min(d, PROJ_COLS)
+  dc = min(d, cfg.cols)
   ok = jnp.broadcast_to(valid[:, None], (n, dc))
   cols = lambda c0: plgpu.load(x_ref.at[pl.ds(start, n), pl.ds(c0, dc)], mask=ok,
                                other=0.0).astype(_F32)
@@ -399,17 +400,19 @@ def _kv_tiles(refs, start, n, h, valid, cfg: _Cfg):
 
 
 def _pool_kernel(start_ref, end_ref, q_ref, *refs, cfg: _Cfg):
-  """``cfg.proj``: the operands ``x, w_k, w_v`` and the outputs ``o, k, v``: the projected k, v
-  are stored for the backward (by the first seed chunk's program)."""
+  """``cfg.proj``: the operands ``x, w_k, w_v`` and the outputs ``o`` and, where the backward
+  reads them (``_recomputes``), ``k, v``: the projected k, v stored for it (by the first seed
+  chunk's program). Grid (heads, examples[, seed chunks]): an example's heads are neighbouring
+  programs, which read its rows (``x``'s, projecting) at about the same time."""
   n_in = 3 if cfg.proj else 2
   kv_refs, (o_ref, *kv_out) = refs[:n_in], refs[n_in:]
-  b, h, S = pl.program_id(0), pl.program_id(1), q_ref.shape[0]
+  h, b, S = pl.program_id(0), pl.program_id(1), q_ref.shape[0]
   s0 = _chunk_start(cfg.tile, S)                             # this program's seeds
   q = _rows(q_ref, s0, cfg.tile, h, _span(s0, cfg.tile) < S)
 
   def tile(start, rows, acc):
     k, v = _kv_tiles(kv_refs, start, cfg.kv_tile, h, rows, cfg)
-    if cfg.proj:
+    if kv_out:
       for ref, t in zip(kv_out, (k, v), strict=True):
         _store(ref, start, h, t, rows & (s0 == 0))
     return acc + _dot(_scores(q, k, cfg, h), v)
@@ -474,14 +477,18 @@ def _pool_dkv_kernel(lo_ref, hi_ref, seg_ref, q_ref, k_ref, v_ref, do_ref, dk_re
   _store(dv_ref, r0, h, dv * cfg.out_scale, out)
 
 
-def _pool_bwd_kernel(off_ref, q_ref, k_ref, v_ref, do_ref, dq_ref, dk_ref, dv_ref, *,
-                     cfg: _Cfg, per: int):
+def _pool_bwd_kernel(off_ref, q_ref, *refs, cfg: _Cfg, per: int):
   """``_pool_dq_kernel`` with the seeds whole (one chunk), which also writes its examples' tokens'
   dk, dv: a token is scored only by its own example's seeds, all of which this program holds,
   so each token tile's ``dS^T`` gives its dk (``dS^T q``) and dv (``P^T dO``) whole, and k, v are
-  read once. The rows past ``offsets[B]`` belong to no example: program ``i`` zeroes the
-  ``i``-th share of them."""
-  i, h, S, B = pl.program_id(0), pl.program_id(1), q_ref.shape[0], do_ref.shape[0]
+  read once, or (``cfg.proj``) projected once more from ``x`` (``_kv_tiles``: ``refs`` start
+  ``x, w_k, w_v`` instead of ``k, v``). Grid (heads, example groups): a group's heads are
+  neighbouring programs, which read its ``x`` rows at about the same time (from L2 after the
+  first). The rows past ``offsets[B]`` belong to no example: program ``i`` zeroes the ``i``-th
+  share of them."""
+  n_in = 3 if cfg.proj else 2
+  kv_refs, (do_ref, dq_ref, dk_ref, dv_ref) = refs[:n_in], refs[n_in:]
+  h, i, S, B = pl.program_id(0), pl.program_id(1), q_ref.shape[0], do_ref.shape[0]
   sq = cfg.tile
   q = _rows(q_ref, 0, sq, h, jnp.arange(sq) < S)
 
@@ -491,7 +498,7 @@ def _pool_bwd_kernel(off_ref, q_ref, k_ref, v_ref, do_ref, dq_ref, dk_ref, dv_re
     do = _ex_rows(do_ref, bb, sq, h, S)
 
     def tile(start, rows, dq):
-      k, v = (_rows(x, start, cfg.kv_tile, h, rows) for x in (k_ref, v_ref))
+      k, v = _kv_tiles(kv_refs, start, cfg.kv_tile, h, rows, cfg)
       p_t, slope_t = _scores(k, q, cfg, h, with_slope=True)              # [tile, seeds]
       ds_t = _dot(v, do, trans_b=True) * slope_t
       _store(dk_ref, start, h, _dot(ds_t, q) * (cfg.scale * cfg.out_scale), rows)
@@ -503,7 +510,7 @@ def _pool_bwd_kernel(off_ref, q_ref, k_ref, v_ref, do_ref, dq_ref, dk_ref, dv_re
 
   dq = lax.fori_loop(0, per, example, jnp.zeros(q.shape, _F32))
   _ex_store(dq_ref, i, h, dq * (cfg.scale * cfg.out_scale), S)
-  _zero_tail(off_ref[B], pl.num_programs(0), i, h, cfg, dk_ref, dv_ref)
+  _zero_tail(off_ref[B], pl.num_programs(1), i, h, cfg, dk_ref, dv_ref)
 
 
 def _streamed(cfg: _Cfg, kv, r):
@@ -512,21 +519,23 @@ def _streamed(cfg: _Cfg, kv, r):
   if not cfg.proj:
     return 2 * cfg.kv_tile * r
   x, w = kv[0], kv[1]
-  dc = min(x.shape[1], PROJ_COLS)
+  dc = min(x.shape[1], cfg.cols)
   return (cfg.kv_tile * dc + 2 * dc * w.shape[-1]) * jnp.dtype(w.dtype).itemsize
 
 
-def _pool_fwd(cfg: _Cfg, q, kv, jag):
-  """``kv``: ``(k, v)``, or (``cfg.proj``) ``(x, w_k, w_v)``, then returning ``(o, k, v)``."""
+def _pool_fwd(cfg: _Cfg, q, kv, jag, store: bool = True):
+  """``kv``: ``(k, v)``, or (``cfg.proj``) ``(x, w_k, w_v)``, then returning ``(o, k, v)``
+  (``store``) or ``o``."""
   S, H, D = q.shape
   r = _row(q)
   sc, stages = _plan("jagged_gdpa_pool", cfg, lambda c: (c * r, _streamed(cfg, kv, r)),
                      cfg.tile)
   o = jax.ShapeDtypeStruct((jag.batch, S, H, D), q.dtype)
-  outs = (o, *(jax.ShapeDtypeStruct((kv[0].shape[0], H, D), q.dtype),) * 2) if cfg.proj else o
+  outs = ((o, *(jax.ShapeDtypeStruct((kv[0].shape[0], H, D), q.dtype),) * 2)
+          if cfg.proj and store else o)
   return _call(_pool_kernel, cfg._replace(tile=sc), (jag.offsets[:-1], jag.offsets[1:]),
-               (q, *kv), outs, (jag.batch, H, *_chunk_grid(sc, S)), "jagged_gdpa_pool", stages,
-               warps=8 if cfg.proj else tuning.JAGGED_WARPS)
+               (q, *kv), outs, (H, jag.batch, *_chunk_grid(sc, S)), "jagged_gdpa_pool", stages,
+               warps=8 if cfg.proj else tuning.JAGGED_WARPS, scalar_axis=1)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -536,7 +545,7 @@ def _gdpa_pool(cfg: _Cfg, q, k, v, jag):
 
 def _gdpa_pool_bwd(cfg: _Cfg, res, do):
   q, k, v, jag = res
-  return (*_pool_grads(cfg, q, k, v, jag, do), jax.tree.map(lambda _: None, jag))
+  return (*_pool_grads(cfg, q, (k, v), jag, do), jax.tree.map(lambda _: None, jag))
 
 
 def _dq_examples(B: int, H: int) -> int:
@@ -548,27 +557,71 @@ def _dq_examples(B: int, H: int) -> int:
   return per
 
 
-def _pool_grads(cfg: _Cfg, q, k, v, jag, do):
-  """``dq, dk, dv`` of the pool."""
+def _bwd_plan(cfg: _Cfg, q, kv):
+  """``(cfg, seed chunk, stages)`` of the pool's one-kernel backward (``_pool_bwd_kernel``) on
+  ``kv``: ``(k, v)`` or (``cfg.proj``) ``(x, w_k, w_v)``, then ``x``'s columns per step the
+  width (of ``PROJ_COLS`` and its half) at the most stages. The seeds fit whole where the chunk
+  is ``S``. dq's dot takes ``dS^T [tile, seeds]`` as its transposed operand: one more resident
+  tile."""
+  r, t = _row(q), cfg.kv_tile
+  best = None
+  for cols in ((PROJ_COLS, PROJ_COLS // 2) if cfg.proj else (cfg.cols,)):
+    c = cfg._replace(cols=cols)
+    sc, stages = _plan("jagged_gdpa_pool_bwd", c,
+                       lambda n, c=c: (2 * n * r + n * t * q.dtype.itemsize, _streamed(c, kv, r)),
+                       cfg.tile, floor=cfg.tile)
+    if best is None or (sc, stages) > best[1:]:
+      best = (c, sc, stages)
+  return best
+
+
+def _recompute_pays(x, q) -> bool:
+  """Whether projecting a token's k and v again (``4 d H D`` FLOPs) takes less time on the target
+  than the bytes it saves (k and v written and read back, ``4 H D`` elements, against ``x``'s
+  ``d`` read once more): FLOPs per byte saved under the ridge (``tuning.RIDGE``). mid's towers:
+  171 (d 256, H D 256) and 85 (d 128, H D 128), in bfloat16; prod's 512-wide ones 341."""
+  S, H, D = q.shape
+  d = x.shape[-1]
+  saved = 4 * H * D * jnp.dtype(q.dtype).itemsize - d * jnp.dtype(x.dtype).itemsize
+  return saved > 0 and 4.0 * d * H * D / saved < tuning.RIDGE
+
+
+def _recomputes(cfg: _Cfg, q, kv) -> bool:
+  """Whether the pool projecting its keys and values (``kv = (x, w_k, w_v)``) projects them again
+  in its backward instead of reading the forward's: where that pays (``_recompute_pays``) and
+  the backward is one kernel (the seeds fit whole)."""
+  if not _recompute_pays(kv[0], q):
+    return False
+  try:
+    return _bwd_plan(cfg, q, kv)[1] >= q.shape[0]
+  except ValueError:                          # no tile of x and the weights fits: read k, v
+    return False
+
+
+def _pool_grads(cfg: _Cfg, q, kv, jag, do):
+  """``dq, dk, dv`` of the pool on ``kv``: ``(k, v)``, or (``cfg.proj``, where ``_recomputes``)
+  ``(x, w_k, w_v)``, whose k, v the backward kernel projects again."""
   do = do.astype(q.dtype)
   S, H, D = q.shape
   r, t = _row(q), cfg.kv_tile
+  N, kd = kv[0].shape[0], q.dtype if cfg.proj else kv[0].dtype
   per = _dq_examples(jag.batch, H)
   groups = pl.cdiv(jag.batch, per)
-  # one kernel where the seeds fit whole, at the most stages that hold them (dq's dot takes
-  # dS^T [tile, seeds] as its transposed operand: one more resident tile)
-  sc, stages = _plan("jagged_gdpa_pool_bwd", cfg,
-                     lambda c: (2 * c * r + c * t * q.dtype.itemsize, 2 * t * r), cfg.tile,
-                     floor=cfg.tile)
+  # one kernel where the seeds fit whole, at the most stages that hold them
+  bcfg, sc, stages = _bwd_plan(cfg, q, kv)
   if sc >= S:
-    # 8 warps, as the cross backward's
+    # 8 warps, as the cross backward's; grid (heads, groups): a group's heads neighbours
     dq, dk, dv = _call(functools.partial(_pool_bwd_kernel, per=per),
-                       cfg._replace(tile=sc), (), (jag.offsets, q, k, v, do),
+                       bcfg._replace(tile=sc), (), (jag.offsets, q, *kv, do),
                        (jax.ShapeDtypeStruct((groups, S, H, D), _F32),
-                        *(jax.ShapeDtypeStruct(k.shape, k.dtype),) * 2), (groups, H),
+                        *(jax.ShapeDtypeStruct((N, H, D), kd),) * 2), (H, groups),
                        "jagged_gdpa_pool_bwd", stages, warps=8)
     return jnp.sum(dq, axis=0).astype(q.dtype), dk, dv
   # seeds in chunks: dq per example group and seed chunk, dk / dv per token tile
+  if cfg.proj:
+    raise ValueError("jagged_gdpa_pool_proj: the seeds do not fit one backward kernel, which "
+                     "projecting k, v again needs (_recomputes)")
+  k, v = kv
   sc, stages = _plan("jagged_gdpa_pool_dq", cfg, lambda c: (2 * c * r, 2 * t * r), cfg.tile)
   dq = _call(functools.partial(_pool_dq_kernel, per=per), cfg._replace(tile=sc),
              (), (jag.offsets, q, k, v, do), jax.ShapeDtypeStruct((groups, S, H, D), _F32),
@@ -590,17 +643,23 @@ _gdpa_pool.defvjp(lambda cfg, q, k, v, jag: (_pool_fwd(cfg, q, (k, v), jag), (q,
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _gdpa_pool_proj(cfg: _Cfg, q, x, wk, wv, jag):
-  return _pool_fwd(cfg, q, (x, wk, wv), jag)[0]
+  return _pool_fwd(cfg, q, (x, wk, wv), jag, store=False)
 
 
 def _gdpa_pool_proj_fwd(cfg: _Cfg, q, x, wk, wv, jag):
+  """Stores k, v only where the backward cannot project them again (``_recomputes``)."""
+  if _recomputes(cfg, q, (x, wk, wv)):
+    return _pool_fwd(cfg, q, (x, wk, wv), jag, store=False), (q, x, wk, wv, None, None, jag)
   o, k, v = _pool_fwd(cfg, q, (x, wk, wv), jag)
   return o, (q, x, wk, wv, k, v, jag)
 
 
 def _gdpa_pool_proj_bwd(cfg: _Cfg, res, do):
   q, x, wk, wv, k, v, jag = res
-  dq, dk, dv = _pool_grads(cfg._replace(proj=False), q, k, v, jag, do)
+  if k is None:
+    dq, dk, dv = _pool_grads(cfg, q, (x, wk, wv), jag, do)
+  else:
+    dq, dk, dv = _pool_grads(cfg._replace(proj=False), q, (k, v), jag, do)
   # the projections' backward as norm_proj_pallas's: dx and h from one kernel, dw_k and dw_v
   # one XLA GEMM of h with dk, dv
   dx, (dwk, dwv) = norm_qkv.norm_proj_grads(x, (wk, wv), (dk, dv), eps=cfg.eps, dtype=q.dtype,
@@ -613,10 +672,10 @@ _gdpa_pool_proj.defvjp(_gdpa_pool_proj_fwd, _gdpa_pool_proj_bwd)
 
 def jagged_gdpa_pool_pallas(q, k, v, jag, *, activation="fast_gelu", scale=None, out_scale=1.0,
                             score_clip=None, interpret=False, block_k=64):
-  """Pallas ``jagged.jagged_gdpa_pool``: grid (examples, heads [, seed chunks where the seeds do
+  """Pallas ``jagged.jagged_gdpa_pool``: grid (heads, examples [, seed chunks where the seeds do
   not fit shared memory, ``_plan``]); a program keeps its seeds and walks its example's tokens
-  ``[offsets[b], offsets[b+1])`` in tiles of ``block_k``. Backward: one kernel on (groups of
-  ``_dq_examples`` examples, heads), the seed gradients summed over a group's examples (the
+  ``[offsets[b], offsets[b+1])`` in tiles of ``block_k``. Backward: one kernel on (heads, groups
+  of ``_dq_examples`` examples), the seed gradients summed over a group's examples (the
   groups summed after) and their token tiles' dk, dv written on the way; where the seeds must be
   split, the seed gradients so per seed chunk and dk, dv on (token tiles, heads), each tile
   walking the examples it overlaps."""
@@ -634,16 +693,26 @@ def _pool_cfg(q, activation, scale, out_scale, score_clip, interpret, block_k, *
               score_clip_value(score_clip), fast=_fast(q, interpret), **extra)
 
 
+def pool_proj_recomputes(q, x, w, *, activation="fast_gelu", block_k: int = 64, **_) -> bool:
+  """Whether ``jagged_gdpa_pool_proj_pallas(q, x, w, ...)``'s backward projects the keys and
+  values again from ``x`` (its forward then stores none; ``_recomputes``), on this GPU's (or, on
+  a CPU, the compile target's) shared memory; shapes suffice. Other keywords are ignored."""
+  cfg = _pool_cfg(q, activation, None, 1.0, None, False, block_k, proj=True)
+  return _recomputes(cfg, q, (x, *w))
+
+
 def jagged_gdpa_pool_proj_pallas(q, x, w, jag, *, activation="fast_gelu", scale=None,
                                  out_scale=1.0, score_clip=None, interpret=False, block_k=64,
                                  eps: float = norm_qkv.EPS):
   """``jagged_gdpa_pool_pallas(q, *norm_proj_pallas(x, w), jag)`` (HSP's keys, values and
   pooling) in one forward kernel: each token tile's keys and values are projected where the pool
   reads them, from ``x [N, d]`` and ``w = (w_k, w_v)``, each ``[d, H, D]`` in ``q``'s dtype
-  (``_kv_tiles``), and stored on the way for the backward (not read back in the forward). The
-  backward is the pool's (``_pool_grads``, from the stored k, v), then the projections'
-  (``norm_qkv.norm_proj_grads``: ``dx`` and the weight GEMM); nothing is computed twice. Widths:
-  ``norm_qkv.supported``'s."""
+  (``_kv_tiles``). The backward is the pool's (``_pool_grads``), then the projections'
+  (``norm_qkv.norm_proj_grads``: ``dx`` and the weight gradients). Where the pool's backward is
+  one kernel (its seeds fit whole: ``_recomputes``), that kernel projects each tile's k, v again
+  from ``x`` (2 N d H D FLOPs each) and the forward stores none: ``[N, H, D]`` k and v are
+  neither written nor read back, ``x`` read in their place. Else the forward stores them on the
+  way (not read back in the forward) for the split kernels. Widths: ``norm_qkv.supported``'s."""
   jagged.check_tokens(jag, jax.ShapeDtypeStruct((x.shape[0], 1, x.shape[-1]), x.dtype))
   wk, wv = w
   S, H, D = q.shape

@@ -449,6 +449,48 @@ def test_pallas_pool_seed_gradient_over_a_partial_group_of_examples(programs, mo
     np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5, err_msg=f"d{what}")
 
 
+def _pallas_calls(jaxpr):
+  """``[(kernel name, number of outputs, operand shapes)]`` of a jaxpr's pallas_calls, nested
+  jaxprs included."""
+  out = []
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "pallas_call":
+      name = getattr(eqn.params["name"], "name", eqn.params["name"])
+      out.append((name, len(eqn.outvars), [tuple(v.aval.shape) for v in eqn.invars]))
+    for p in eqn.params.values():
+      for sub in (p if isinstance(p, (tuple, list)) else (p,)):
+        inner = getattr(sub, "jaxpr", None)
+        if inner is not None and hasattr(inner, "eqns"):
+          out += _pallas_calls(inner)
+        elif hasattr(sub, "eqns"):
+          out += _pallas_calls(sub)
+  return out
+
+
+@pytest.mark.parametrize("seeds,whole", [(S, True), (100, False)])
+def test_pool_projecting_its_keys_stores_them_only_for_split_seeds(seeds, whole):
+  """Where the pool's backward keeps its seeds whole (one kernel) it projects each tile's k, v
+  again from x: the forward kernel writes only the pooled output and the backward kernel reads
+  x [N, d], no [N, H, D] k or v. With the seeds split (100 of them, float32, head size 128) the
+  forward stores k, v and the split kernels read them."""
+  d, heads = 256, 2
+  D = d // heads
+  f32 = jnp.float32
+  q, x = jnp.zeros((seeds, heads, D), f32), jnp.zeros((N, d), f32)
+  w = (jnp.zeros((d, heads, D), f32),) * 2
+  jag = jagged.Jagged(jnp.array([0, 30, 30, 40, 50], jnp.int32), jnp.zeros((N,), jnp.int32),
+                      jnp.zeros((N,), jnp.int32))
+  assert jagged_pallas.pool_proj_recomputes(q, x, w) == whole
+  f = lambda q, x, w: jnp.sum(jagged_pallas.jagged_gdpa_pool_proj_pallas(q, x, w, jag,
+                                                                          interpret=True))
+  calls = _pallas_calls(jax.make_jaxpr(jax.grad(f, argnums=(0, 1, 2)))(q, x, w).jaxpr)
+  fwd = [c for c in calls if c[0] == "jagged_gdpa_pool"]
+  pool_bwd = [c for c in calls if c[0].startswith("jagged_gdpa_pool_")]
+  assert len(fwd) == 1 and fwd[0][1] == (1 if whole else 3), calls
+  reads_x = [(N, d) in c[2] for c in pool_bwd]
+  assert pool_bwd and all(reads_x) if whole else not any(reads_x), calls
+
+
 # HSP's keys and values projected inside the pool's forward kernel: (d, heads, seeds, dtype); the
 # last case (float32, head size 128, 100 seeds) splits the backward's seeds, whose split kernels
 # read the k, v the forward stored
