@@ -19,8 +19,8 @@ import pallas_kernels
 from bench.profiling import hlo_stats
 from kunlun.models.flops import band_pairs
 from kunlun.nn import attention, hsp, packed, weightgen, wukong
+from pallas_kernels import jagged_pallas, wgrad
 from pallas_kernels import weightgen as wg_kernels
-from pallas_kernels import wgrad
 from pallas_kernels import wukong_fm as fm_kernels
 
 # launch_s: one kernel in a CUDA graph (XLA runs the step's kernels as graphs), ~1 us.
@@ -518,19 +518,25 @@ def jagged_calls(kind: str, q, k, v, jag, kw) -> tuple[str, dict]:
   return "attention", {**io, "window": window, "flops": flops}
 
 
-def pool_proj_kernel(q, x, w, o) -> dict:
+def pool_proj_kernel(q, x, w, o, recompute: bool = False) -> dict:
   """Bytes and launches of HSP's pool projecting its own keys and values
   (``jagged_pallas.jagged_gdpa_pool_proj_pallas``), forward + backward: the forward reads q, x
   and the two weights ``w``, writes o, k and v; the pool's backward reads q, k, v and do, writes
   dq, dk, dv; the projections' backward reads x, dk, dv and the weights, writes dx and the rows'
   RMS factors r f32[N]; the weight gradients' kernel (``pallas_kernels.wgrad``) reads x, r, dk,
-  dv and writes the weights' gradients (its float32 partials not counted)."""
+  dv and writes the weights' gradients (its float32 partials not counted). ``recompute``
+  (``jagged_pallas.pool_proj_recomputes``): the forward writes no k, v and the pool's backward
+  reads x and the weights in their place."""
   nb = lambda a: _nbytes(a.shape, a.dtype)
   qb, xb, ob, wb = nb(q), nb(x), nb(o), sum(nb(a) for a in w)
   rb = _nbytes(x.shape[:1], "float32")
   kv = 2 * _nbytes(w[0].shape[1:], q.dtype) * x.shape[0]             # k, v (dk, dv) [N, H, D]
-  fwd = (qb + xb + wb) + (ob + kv)
-  pool_bwd = (qb + kv + ob) + (qb + kv)
+  if recompute:
+    fwd = (qb + xb + wb) + ob
+    pool_bwd = (qb + xb + wb + ob) + (qb + kv)
+  else:
+    fwd = (qb + xb + wb) + (ob + kv)
+    pool_bwd = (qb + kv + ob) + (qb + kv)
   proj_bwd = (xb + kv + wb) + (xb + rb)
   gemm = (xb + rb + kv) + wb
   return {"bytes": fwd + pool_bwd + proj_bwd + gemm, "launches": 4}
@@ -729,10 +735,13 @@ def record_kernels(fence: bool = True):
     N, d, S = x.shape[0], x.shape[1], q.shape[0]
     H, D = q.shape[-2:]
     o = jax.ShapeDtypeStruct((jag.batch, S, H, D), q.dtype)
-    keep("gdpa", {**pool_proj_kernel(q, x, w, o), "flops": attention_flops(1, S, N, H, D)})
-    # the projections: forward (in the pool's kernel) and back-projected (norm_proj's backward)
+    again = jagged_pallas.pool_proj_recomputes(q, x, w, **kw)
+    keep("gdpa", {**pool_proj_kernel(q, x, w, o, again),
+                  "flops": attention_flops(1, S, N, H, D)})
+    # the projections: forward (in the pool's kernel), back-projected (norm_proj's backward) and,
+    # where the pool's backward projects k, v again, those
     keep("projection", {"bytes": 0.0, "launches": 0,
-                        "flops": fused_projection_flops(N, d, len(w), H, D, 0)})
+                        "flops": fused_projection_flops(N, d, len(w), H, D, len(w) * again)})
     if not fence:
       return pool_proj_orig(q, x, w, jag, **kw)
     q, x, w = _fence((q, x, w))

@@ -237,9 +237,10 @@ def test_kernel_formulas_and_recorded_calls():
 
 def test_pool_projecting_its_keys_is_recorded_with_its_bytes_and_flops():
   """The fused HSP pool (``packed.gdpa_pool_proj``, Pallas backend, traced only): its byte
-  formula by hand, and ``record_kernels`` keeps one "gdpa" call with those bytes and the pool's
-  FLOPs, and one "projection" with the projections' (forward, back-projected and the weight
-  gradients, ``pallas_kernels.wgrad``'s: 2 N d H D each, 6 for the two); the output map's
+  formula by hand, k and v stored or (the seeds whole in the pool's backward) projected again,
+  and ``record_kernels`` keeps one "gdpa" call with those bytes and the pool's FLOPs, and one
+  "projection" with the projections' (forward, projected again, back-projected and the weight
+  gradients, ``pallas_kernels.wgrad``'s: 2 N d H D each, 8 for the two); the output map's
   weight gradient (``wgrad`` through ``packed.dense_kernel``) one more."""
   import jax
   import jax.numpy as jnp
@@ -248,6 +249,7 @@ def test_pool_projecting_its_keys_is_recorded_with_its_bytes_and_flops():
   from data.jagged import pack_events
   from kunlun.nn import packed
   from kunlun.nn.hsp import HSP
+  from pallas_kernels import jagged_pallas
   from pallas_kernels.jagged import Jagged
   S = jax.ShapeDtypeStruct
   N, d, H, D, seeds, Bx = 64, 64, 2, 32, 4, 3
@@ -256,9 +258,15 @@ def test_pool_projecting_its_keys_is_recorded_with_its_bytes_and_flops():
   qb, xb, ob, wb, kv = seeds * H * D * 4, N * d * 4, Bx * seeds * H * D * 4, 2 * d * H * D * 4, \
       2 * N * H * D * 4
   rb = N * 4                                                   # the rows' r, float32
-  want = ((qb + xb + wb + ob + kv) + (qb + kv + ob + qb + kv) + (xb + kv + wb + xb + rb)
+  stored = ((qb + xb + wb + ob + kv) + (qb + kv + ob + qb + kv) + (xb + kv + wb + xb + rb)
+            + (xb + rb + kv + wb))
+  assert roofline.pool_proj_kernel(q, x, w, o) == {"bytes": stored, "launches": 4}
+  # 4 seeds: the pool's backward is one kernel, which projects k, v again: the forward writes
+  # no k, v, and the pool's backward reads x and the weights in their place
+  assert jagged_pallas.pool_proj_recomputes(q, x, w)
+  want = ((qb + xb + wb + ob) + (qb + xb + wb + ob + qb + kv) + (xb + kv + wb + xb + rb)
           + (xb + rb + kv + wb))
-  assert roofline.pool_proj_kernel(q, x, w, o) == {"bytes": want, "launches": 4}
+  assert roofline.pool_proj_kernel(q, x, w, o, True) == {"bytes": want, "launches": 4}
 
   toks, offsets, seg, pos, _ = pack_events(
       {"s": np.ones((Bx, 30, d), np.float32)}, np.array([30, 0, 12], np.int32), N)
@@ -274,7 +282,8 @@ def test_pool_projecting_its_keys_is_recorded_with_its_bytes_and_flops():
         and "kron" not in c["scope"] and "_tail" not in c["scope"]]
   assert len(gd) == 1 and gd[0]["bytes"] == want, calls
   assert gd[0]["flops"] == roofline.attention_flops(1, seeds, N, H, D)
-  assert len(pr) == 1 and pr[0]["flops"] == 6 * 2 * N * d * H * D, calls
+  # forward, projected again, back-projected, weight gradients: 2 N d H D each, 8 for the two
+  assert len(pr) == 1 and pr[0]["flops"] == 8 * 2 * N * d * H * D, calls
   # the output map's weight gradient (packed.dense_kernel): 2 (examples x seeds) (H D) d
   (out,) = [c for c in calls if c["scope"].endswith("HSP._tail")]
   assert out["kind"] == "projection" and out["flops"] == 2 * Bx * seeds * H * D * d, calls
