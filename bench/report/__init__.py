@@ -200,7 +200,10 @@ def speed_h200(R: Results) -> dict:
                "`FLOOR_RATIO` x its compulsory bytes).", ""]
       body += table(["program", "target", "wanted", "value", "met"],
                     [[_program(r), k, *target_row(k, t)] for r, k, t in fused])
-    body += ["## Issue #28's targets (packed towers)", ""]
+    body += ["## Issue #28's targets (packed towers)", "",
+             "The useful share counts every FLOP the program computes beyond the model's at "
+             "actual lengths as not useful: padding, and work recomputed by design where that "
+             "saves more time in bytes than it takes (`docs/design/throughput.md`).", ""]
     body += table(["program", "target", "wanted", "value", "met"],
                   [[_program(r), k, *target_row(k, t)] for r in jb
                    for k, t in r.get("targets", {}).items()])
