@@ -559,10 +559,10 @@ def _dq_examples(B: int, H: int) -> int:
 
 def _bwd_plan(cfg: _Cfg, q, kv):
   """``(cfg, seed chunk, stages)`` of the pool's one-kernel backward (``_pool_bwd_kernel``) on
-  ``kv``: ``(k, v)`` or (``cfg.proj``) ``(x, w_k, w_v)``, then ``x``'s columns per step the
-  width (of ``PROJ_COLS`` and its half) at the most stages. The seeds fit whole where the chunk
-  is ``S``. dq's dot takes ``dS^T [tile, seeds]`` as its transposed operand: one more resident
-  tile."""
+  ``kv``: ``(k, v)`` or (``cfg.proj``) ``(x, w_k, w_v)``, the returned ``cfg`` then carrying
+  ``x``'s columns per step: ``PROJ_COLS`` or its half, whichever holds the most seeds at the
+  most stages. The seeds fit whole where the chunk is ``S``. dq's dot takes ``dS^T [tile,
+  seeds]`` as its transposed operand: one more resident tile."""
   r, t = _row(q), cfg.kv_tile
   best = None
   for cols in ((PROJ_COLS, PROJ_COLS // 2) if cfg.proj else (cfg.cols,)):
@@ -580,7 +580,7 @@ def _recompute_pays(x, q) -> bool:
   than the bytes it saves (k and v written and read back, ``4 H D`` elements, against ``x``'s
   ``d`` read once more): FLOPs per byte saved under the ridge (``tuning.RIDGE``). mid's towers:
   171 (d 256, H D 256) and 85 (d 128, H D 128), in bfloat16; prod's 512-wide ones 341."""
-  S, H, D = q.shape
+  _, H, D = q.shape
   d = x.shape[-1]
   saved = 4 * H * D * jnp.dtype(q.dtype).itemsize - d * jnp.dtype(x.dtype).itemsize
   return saved > 0 and 4.0 * d * H * D / saved < tuning.RIDGE
@@ -660,8 +660,8 @@ def _gdpa_pool_proj_bwd(cfg: _Cfg, res, do):
     dq, dk, dv = _pool_grads(cfg, q, (x, wk, wv), jag, do)
   else:
     dq, dk, dv = _pool_grads(cfg._replace(proj=False), q, (k, v), jag, do)
-  # the projections' backward as norm_proj_pallas's: dx and h from one kernel, dw_k and dw_v
-  # one XLA GEMM of h with dk, dv
+  # the projections' backward as norm_proj_pallas's: dx and the rows' RMS factors from one
+  # kernel, dw_k and dw_v on pallas_kernels.wgrad
   dx, (dwk, dwv) = norm_qkv.norm_proj_grads(x, (wk, wv), (dk, dv), eps=cfg.eps, dtype=q.dtype,
                                             interpret=cfg.interpret)
   return dq, dx, dwk, dwv, jax.tree.map(lambda _: None, jag)
@@ -708,11 +708,12 @@ def jagged_gdpa_pool_proj_pallas(q, x, w, jag, *, activation="fast_gelu", scale=
   pooling) in one forward kernel: each token tile's keys and values are projected where the pool
   reads them, from ``x [N, d]`` and ``w = (w_k, w_v)``, each ``[d, H, D]`` in ``q``'s dtype
   (``_kv_tiles``). The backward is the pool's (``_pool_grads``), then the projections'
-  (``norm_qkv.norm_proj_grads``: ``dx`` and the weight gradients). Where the pool's backward is
-  one kernel (its seeds fit whole: ``_recomputes``), that kernel projects each tile's k, v again
-  from ``x`` (2 N d H D FLOPs each) and the forward stores none: ``[N, H, D]`` k and v are
-  neither written nor read back, ``x`` read in their place. Else the forward stores them on the
-  way (not read back in the forward) for the split kernels. Widths: ``norm_qkv.supported``'s."""
+  (``norm_qkv.norm_proj_grads``: ``dx`` and the weight gradients). Where projecting k, v again
+  pays and the pool's backward is one kernel (its seeds fit whole: ``_recomputes``), that kernel
+  projects each tile's k, v again from ``x`` (2 N d H D FLOPs each) and the forward stores
+  none: ``[N, H, D]`` k and v are neither written nor read back, ``x`` read in their place. Else
+  the forward stores them on the way (not read back in the forward) for the backward. Widths:
+  ``norm_qkv.supported``'s."""
   jagged.check_tokens(jag, jax.ShapeDtypeStruct((x.shape[0], 1, x.shape[-1]), x.dtype))
   wk, wv = w
   S, H, D = q.shape
