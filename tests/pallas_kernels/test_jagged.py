@@ -491,6 +491,21 @@ def test_pool_projecting_its_keys_stores_them_only_for_split_seeds(seeds, whole)
   assert pool_bwd and all(reads_x) if whole else not any(reads_x), calls
 
 
+@pytest.mark.parametrize("d,heads,seeds,again", [
+    (256, 4, 64, True),      # mid's high-value towers: 4 d HD / ((4 HD - d) 2) = 171 FLOP/byte
+    (128, 2, 32, True),      # mid's impression tower: 85
+    (256, 2, 32, True),      # prod's impression tower: 171
+    (512, 4, 128, False)])   # prod's high-value towers: 341, over the H200's ridge (206)
+def test_pool_projects_again_only_under_the_ridge(d, heads, seeds, again):
+  """The presets' HSP pools (bfloat16): projecting k, v again in the backward where it costs
+  fewer FLOPs per byte saved than the target's ridge, storing them where it costs more."""
+  bf = jnp.bfloat16
+  D = d // heads
+  q, x = jax.ShapeDtypeStruct((seeds, heads, D), bf), jax.ShapeDtypeStruct((4096, d), bf)
+  w = (jax.ShapeDtypeStruct((d, heads, D), bf),) * 2
+  assert jagged_pallas.pool_proj_recomputes(q, x, w) == again
+
+
 # HSP's keys and values projected inside the pool's forward kernel: (d, heads, seeds, dtype); the
 # last case (float32, head size 128, 100 seeds) splits the backward's seeds, whose split kernels
 # read the k, v the forward stored
