@@ -5,6 +5,7 @@ reference's; the Pallas kernels (interpret mode, poisoned outputs) against the X
 import functools
 
 import jax
+import jax.extend.core as jex
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -457,13 +458,8 @@ def _pallas_calls(jaxpr):
     if eqn.primitive.name == "pallas_call":
       name = getattr(eqn.params["name"], "name", eqn.params["name"])
       out.append((name, len(eqn.outvars), [tuple(v.aval.shape) for v in eqn.invars]))
-    for p in eqn.params.values():
-      for sub in (p if isinstance(p, (tuple, list)) else (p,)):
-        inner = getattr(sub, "jaxpr", None)
-        if inner is not None and hasattr(inner, "eqns"):
-          out += _pallas_calls(inner)
-        elif hasattr(sub, "eqns"):
-          out += _pallas_calls(sub)
+    for sub in jex.jaxprs_in_params(eqn.params):
+      out += _pallas_calls(sub)
   return out
 
 
