@@ -213,6 +213,21 @@ def _all_processes(ok: bool) -> bool:
   return bool(np.all(multihost_utils.process_allgather(np.int32(ok))))
 
 
+def _save_whole_shards_on_cpu() -> None:
+  """On CPU devices, saves each replicated shard whole from one replica. Orbax's default there
+  (replica-parallel: each replica writes a slice) slices every replicated array with an eager
+  op that compiles once per shape, seconds of compiles on a run's first save, to split a copy
+  that stays in host memory anyway (orbax turns it off for GPUs itself). Restores read either
+  layout."""
+  if any(d.platform != "cpu" for d in jax.local_devices()):
+    return
+  handler = ocp.type_handlers.get_type_handler(jax.Array)
+  if getattr(handler, "_use_replica_parallel", False):
+    ocp.type_handlers.register_type_handler(jax.Array, ocp.type_handlers.ArrayHandler(
+        array_metadata_store=getattr(handler, "_array_metadata_store", None),
+        use_replica_parallel=False), override=True)
+
+
 class Checkpointer:
   """Thin wrapper over ``ocp.CheckpointManager`` for ``<workdir>/checkpoints``."""
 
@@ -222,6 +237,8 @@ class Checkpointer:
     if read_only and not os.path.lexists(self.directory):
       raise CheckpointError(f"no checkpoint directory at {self.directory}")
     check_layout(self.directory, steps=not read_only)
+    if not read_only:
+      _save_whole_shards_on_cpu()
     try:
       self.mngr = ocp.CheckpointManager(
           self.directory, item_names=ITEMS,
