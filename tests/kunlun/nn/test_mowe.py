@@ -137,16 +137,16 @@ def test_mowe_cross_layer_params_shard_on_expert_axis():
 
 
 @pytest.mark.parametrize("dtype,n_in,layers,d", [
-    (jnp.float32, 20, 2, 32), (jnp.float32, 6, 2, 32), (jnp.bfloat16, 20, 2, 32),
-    (jnp.float32, 20, 3, 32), (jnp.float32, 72, 2, 256)])
+    (jnp.float32, 20, 2, 32), (jnp.float32, 6, 3, 32), (jnp.bfloat16, 20, 2, 32),
+    (jnp.float32, 72, 2, 256)])
 def test_pallas_token_side_matches_xla(dtype, n_in, layers, d):
   """backend="pallas" (``pallas_kernels.wukong_fm`` in interpret mode: the FM, its norm and the
   token maps of every layer, the first cross-layer map riding along layer 0's pass; at 72
   tokens of 256, layer 0's examples in the kernels' column chunks, as prod's; the last
   layer's cross-layer input written by the second-to-last layer's output norm, layer 0's with 2
   layers, layer 1's with 3) against the XLA backend: output and gradients of parameters and
-  tokens, with N_in != n_out (layer 0 has a residual map) and N_in == n_out, and an all-zero
-  example. float32: 1e-5; bfloat16: 4e-2 (about
+  tokens, with N_in != n_out (layer 0 has a residual map) and N_in == n_out (the 3-layer case),
+  and an all-zero example. float32: 1e-5; bfloat16: 4e-2 (about
   6 bfloat16 ulps: XLA:CPU sums the weight gradients' 16-bit products in 16 bits, the kernels in
   float32)."""
   rng = np.random.default_rng(n_in)
