@@ -222,7 +222,8 @@ MESHES = [pytest.param(None, None, False, id="1-device"),
                        marks=pytest.mark.slow)]
 
 
-@pytest.mark.parametrize("mesh_shape, rules_name, events", MESHES)
+# data=2 x fsdp=4: the whole tiny model's case (tests/sharding/test_kunlun_lookup.py) covers it
+@pytest.mark.parametrize("mesh_shape, rules_name, events", [MESHES[0], MESHES[2]])
 def test_sparse_update_equals_dense(mesh_shape, rules_name, events):
   """Sparse and dense embedding updates give the same params, optimizer state and statistics
   after 2 steps; table rows no batch reads stay bitwise equal to their initial values."""
