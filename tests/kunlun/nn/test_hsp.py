@@ -214,7 +214,7 @@ def test_batched_mixes_equal_the_unbatched(monkeypatch):
   def run(m, args):
     v = jax.jit(m.init)(jax.random.key(0), *args)
     loss = lambda v, a: jnp.sum(jnp.sin(m.apply(v, a, *args[1:])))
-    return jax.value_and_grad(loss, argnums=(0, 1))(v, args[0])
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(v, args[0])
 
   for m, args in cases:
     out = {}
