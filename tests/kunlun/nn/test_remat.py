@@ -57,15 +57,17 @@ def _layer_case():
   return m, (x, seqs, lengths, ages, {})
 
 
-def _layer_grads(layer_cls, m, args, remat="none"):
+def _layer_grads(layer_cls, m, args, remat="none", params=None):
+  """(params, (loss, grads)); ``params`` given: those (remat keeps the tree), else the init's."""
   layer = layer_cls(m, 0, remat)
-  params = jax.jit(layer.init)(KEY, *args)      # op by op, the init took ~3x its compile
+  if params is None:
+    params = jax.jit(layer.init)(KEY, *args)    # op by op, the init took ~3x its compile
 
   def loss(p, x, seqs):
     x2, s2, summ = layer.apply(p, x, seqs, *args[2:])
     return (jnp.sum(x2 ** 2) + sum(jnp.sum(v ** 2) for v in s2.values())
             + sum(jnp.sum(jnp.sin(v)) for v in summ.values()))
-  return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(params, *args[:2])
+  return params, jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(params, *args[:2])
 
 
 def test_remat_keeps_loss_and_grads():
@@ -73,9 +75,9 @@ def test_remat_keeps_loss_and_grads():
   layer scope wraps the whole layer the same way) gives the loss and the gradients (parameters
   and inputs) of the plain layer, float32."""
   m, args = _layer_case()
-  loss, grads = _layer_grads(KunlunLayer, m, args)
+  params, (loss, grads) = _layer_grads(KunlunLayer, m, args)
   for cls, remat in ((KunlunLayer, "full"),):
-    loss_r, grads_r = _layer_grads(cls, m, args, remat)
+    _, (loss_r, grads_r) = _layer_grads(cls, m, args, remat, params)
     # recomputed forward values may be fused (reassociated) differently: f32 round-off only
     np.testing.assert_allclose(loss_r, loss, rtol=1e-6)
     flat = jax.tree_util.tree_leaves_with_path(grads)
