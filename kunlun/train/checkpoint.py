@@ -217,8 +217,8 @@ def _save_whole_shards_on_cpu() -> None:
   """On CPU devices, saves each replicated shard whole from one replica. Orbax's default there
   (replica-parallel: each replica writes a slice) slices every replicated array with an eager
   op that compiles once per shape, seconds of compiles on a run's first save, to split a copy
-  that stays in host memory anyway (orbax turns it off for GPUs itself). Restores read either
-  layout."""
+  that stays in host memory anyway (orbax itself turns it off only where ``JAX_PLATFORMS`` names
+  a GPU). Restores read either layout."""
   if any(d.platform != "cpu" for d in jax.local_devices()):
     return
   handler = ocp.type_handlers.get_type_handler(jax.Array)
