@@ -167,10 +167,10 @@ def test_pffn_float32_gradients_equal_the_plain_composition():
     return jnp.where(valid, _plain_rms(g + u) + s, 0.0)
 
   got = lambda s, k, v: PFFN(H).apply({}, s, lengths, k, v)
-  np.testing.assert_allclose(np.asarray(got(s, k, v)), np.asarray(plain(s, k, v)), rtol=1e-5,
-                             atol=1e-5)
-  gr = jax.grad(lambda *a: jnp.sum(got(*a) * w), argnums=(0, 1, 2))(s, k, v)
-  gr_ref = jax.grad(lambda *a: jnp.sum(plain(*a) * w), argnums=(0, 1, 2))(s, k, v)
+  np.testing.assert_allclose(np.asarray(jax.jit(got)(s, k, v)), np.asarray(jax.jit(plain)(s, k, v)),
+                             rtol=1e-5, atol=1e-5)
+  gr = jax.jit(jax.grad(lambda *a: jnp.sum(got(*a) * w), argnums=(0, 1, 2)))(s, k, v)
+  gr_ref = jax.jit(jax.grad(lambda *a: jnp.sum(plain(*a) * w), argnums=(0, 1, 2)))(s, k, v)
   for a, b in zip(gr, gr_ref, strict=True):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
 
