@@ -49,6 +49,8 @@ preset's, see ``--lengths``) and reports:
                       per real event, useful-MFU bound; ``--table`` pairs them (issue #28 targets)
   profile             (--profile) device time per named-scope group (GDPA, PFFN, HSP, attention,
                       MoWE, embeddings, optimizer, ...) and the top ops, from a short trace
+                      (kept for a profiler in ``--trace_dir``, default a new temp folder; its
+                      path is ``profile.trace_dir``)
 
 ``--target h200`` / ``h100`` compiles the step deviceless for that GPU (XLA:GPU's scheduled
 program, its memory analysis, Pallas kernels through Triton and ptxas; no autotuning) and
@@ -446,7 +448,8 @@ def run(args) -> dict:
     ok = bool(jax.device_get(stats["ok"]))
     prof = None
     if args.profile:
-      prof = _profile(compiled, p, o, batch, rng, args.profile_steps, op_names)
+      prof = _profile(compiled, p, o, batch, rng, args.profile_steps, op_names,
+                      args.trace_dir)
   med = statistics.median(times)
   res.update({
       "steps": args.steps, "warmup": args.warmup, "last_step_ok": ok,
@@ -468,14 +471,16 @@ def run(args) -> dict:
   return res
 
 
-def _profile(compiled, p, o, batch, rng, steps, op_names) -> dict:
+def _profile(compiled, p, o, batch, rng, steps, op_names, trace_dir=None) -> dict:
   import tempfile
 
   import jax
   import jax.numpy as jnp
 
   from bench.profiling import hlo_stats
-  d = tempfile.mkdtemp(prefix="train_step_trace_")
+  if trace_dir:
+    os.makedirs(trace_dir, exist_ok=True)
+  d = tempfile.mkdtemp(prefix="train_step_trace_", dir=trace_dir or None)
   jax.profiler.start_trace(d)
   for i in range(steps):
     with jax.profiler.StepTraceAnnotation("train", step_num=i):
@@ -638,6 +643,9 @@ def main(argv=None):
   ap.add_argument("--compile_only", action="store_true")
   ap.add_argument("--profile", action="store_true", help="trace a few steps, group by scope")
   ap.add_argument("--profile_steps", type=int, default=3)
+  ap.add_argument("--trace_dir", default=None,
+                  help="--profile keeps its trace in a new folder under this one (default: the "
+                       "system's temp folder)")
   ap.add_argument("--small", action="store_true",
                   help="CPU smoke run: tiny config, batch 16, one device")
   ap.add_argument("--name", default=None)

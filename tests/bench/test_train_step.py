@@ -3,8 +3,10 @@ counters and the scope grouping; bench/collectives.py's HLO accounting on a hand
 
 import argparse
 import contextlib
+import glob
 import io
 import json
+import os
 import shutil
 
 import pytest
@@ -25,7 +27,8 @@ def small_run(tmp_path_factory):
   printed = io.StringIO()
   with contextlib.redirect_stdout(printed):
     res = train_step.main(["--small", "--layers", "1", "--profile", "--profile_steps", "1",
-                           "--steps", "2", "--out_dir", str(out_dir)])
+                           "--steps", "2", "--out_dir", str(out_dir),
+                           "--trace_dir", str(out_dir / "traces")])
   (path,) = out_dir.glob("train_step_tiny_xla_b16_L1_small.json")
   return res, path, printed.getvalue()
 
@@ -52,6 +55,9 @@ def test_small_run_writes_json_with_counts_memory_and_scopes(small_run):
   assert abs(rl["flops"] / rl["flops_xla_cost_analysis"] - 1) < 0.05   # HLO count vs XLA's
   prof = saved["profile"]
   assert prof["launches_per_step"] > 100 and prof["device_ms_per_step"] > 0
+  # the trace is kept where --trace_dir says (not in the system's temp folder)
+  assert os.path.dirname(prof["trace_dir"]) == str(path.parent / "traces")
+  assert glob.glob(os.path.join(prof["trace_dir"], "**", "*.xplane.pb"), recursive=True)
   assert {"GDPA", "optimizer", "embeddings"} <= set(prof["by_group_ms"])
   assert "tiny_xla_b16_L1_small" in out and "device ms/step by scope" in out
   assert "CPU compile standing in for the GPU" in out
