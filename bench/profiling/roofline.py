@@ -1,8 +1,14 @@
 """Memory-traffic roofline of a compiled step, from its post-optimisation HLO text.
-Notes: docs/guides/benchmarks.md, ``bench/profiling/roofline.py``."""
+
+  python -m bench.profiling.roofline STEP.hlo [--group MoWE ...] [--top 20]
+
+prints a saved program's scope groups against their floors and, per ``--group``, its largest ops
+(``bench/train_step --dump_hlo`` writes the text). Notes: docs/guides/benchmarks.md,
+``bench/profiling/roofline.py``."""
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import functools
 import inspect
@@ -992,3 +998,59 @@ def print_roofline(rl: dict, stream=None, top: int = 40) -> None:
           f"{1e3 * c['compute_s']:.2f}, memory {1e3 * c['memory_s']:.2f}) + launches "
           f"{1e3 * c['launch_s']:.2f} (peak {d['peak_flops']:.3g} FLOP/s, {d['bandwidth']:.3g} "
           f"B/s, {1e6 * d['launch_s']:.1f} us/launch)", file=s)
+
+
+def op_kind(c: dict) -> str:
+  """``pallas``, ``gemm`` or ``xla`` (any other fusion or op) of an ``op_costs`` entry."""
+  return "pallas" if c.get("pallas") else "gemm" if c.get("gemm") else "xla"
+
+
+def group_ops(costs: list[dict], group: str, top: int | None = None) -> list[dict]:
+  """A scope group's launched ops, largest bytes per step first: ``op_costs`` entries with
+  ``kind`` (``op_kind``) and ``bytes`` (in + out, times executions per step) added."""
+  rows = [{**c, "kind": op_kind(c), "bytes": (c["bytes_in"] + c["bytes_out"]) * c["times"]}
+          for c in costs if hlo_stats.scope_group(c["op_name"]) == group]
+  rows.sort(key=lambda r: -r["bytes"])
+  return rows[:top] if top else rows
+
+
+def main(argv=None) -> int:
+  ap = argparse.ArgumentParser(description="A saved program's scope groups against their "
+                               "floors, and a group's largest ops (the HLO text of "
+                               "bench/train_step --dump_hlo).")
+  ap.add_argument("hlo", help="post-optimisation HLO text")
+  ap.add_argument("--group", action="append", default=[],
+                  help="list this scope group's largest ops (repeatable)")
+  ap.add_argument("--top", type=int, default=20, help="ops listed per group")
+  args = ap.parse_args(argv)
+  try:
+    with open(args.hlo) as f:
+      text = f.read()
+  except OSError as e:
+    print(f"error: cannot read {args.hlo}: {e.strerror}", file=sys.stderr)
+    return 2
+  costs = op_costs(text)
+  if not costs:
+    print(f"error: {args.hlo} has no launched ops (not a compiled HLO module's text?)",
+          file=sys.stderr)
+    return 2
+  rl = add_floors(roofline(costs, None), group_floors(text, costs))
+  print_floors(rl["groups"])
+  for g in args.group:
+    if g not in rl["groups"]:
+      print(f"error: no scope group {g!r}; the program's: {', '.join(sorted(rl['groups']))}",
+            file=sys.stderr)
+      return 2
+    rows = group_ops(costs, g)
+    total = sum(r["bytes"] for r in rows)
+    print(f"\n{g}: {len(rows)} launched ops, {total / 1e9:.3f} GB; the {min(args.top, len(rows))}"
+          " largest (MB in / out per launch, launches per step)")
+    for r in rows[:args.top]:
+      print(f"{r['bytes'] / 1e6:9.1f} MB {r['kind']:6} {r['bytes_in'] / 1e6:8.1f} "
+            f"{r['bytes_out'] / 1e6:8.1f} x{r['times']:<3} {r['name'][:32]:32} "
+            f"{r['op_name'][-90:]}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

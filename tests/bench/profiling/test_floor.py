@@ -150,3 +150,39 @@ def test_a_value_handed_on_through_a_barrier_is_written():
   fl = roofline.group_floors(BARRIER_HLO)
   assert fl["MoWE"]["written"] == 2 * 4000
   assert fl["HSP"]["read"] == 4000 and fl["HSP"]["written"] == 4000
+
+
+def test_the_command_lists_a_groups_ops_with_their_bytes(tmp_path, capsys):
+  """``python -m bench.profiling.roofline FILE --group MoWE``: the group table (MoWE's floor 9 x
+  4,000 B against its 4 ops' bytes) and MoWE's ops, largest first, each with its bytes in and
+  out counted by hand: a, d, f read two f32[1000] and write one (12,000 B), b reads one (8,000
+  B)."""
+  path = tmp_path / "step.hlo"
+  path.write_text(FLOOR_HLO)
+  assert roofline.main([str(path), "--group", "MoWE", "--top", "3"]) == 0
+  out = capsys.readouterr().out.splitlines()
+  mowe = next(line.split() for line in out if line.startswith("MoWE "))
+  assert mowe[1:5] == ["0.00", "0.00", f"{44000 / 36000:.2f}x", "4"]   # GB, floor GB, ratio
+  head = out.index("MoWE: 4 launched ops, 0.000 GB; the 3 largest (MB in / out per launch, "
+                   "launches per step)")
+  rows = [line.split() for line in out[head + 1:]]
+  assert len(rows) == 3 and all(r[2] == "xla" for r in rows)
+  assert [(r[0], r[3], r[4]) for r in rows] == [("0.0", "0.0", "0.0")] * 3   # MB, rounded
+  assert {r[6] for r in rows} == {"a", "d", "f"} and rows[0][5] == "x1"
+  ops = roofline.group_ops(roofline.op_costs(FLOOR_HLO), "MoWE")
+  assert [(o["name"], o["bytes_in"], o["bytes_out"], o["bytes"]) for o in ops] == [
+      ("a", 8000, 4000, 12000), ("d", 8000, 4000, 12000), ("f", 8000, 4000, 12000),
+      ("b", 4000, 4000, 8000)]
+
+
+@pytest.mark.parametrize("args,message", [
+    (["missing.hlo"], "cannot read"),
+    (["empty.hlo"], "has no launched ops"),
+    (["step.hlo", "--group", "Nope"], "no scope group 'Nope'; the program's: HSP, MoWE"),
+])
+def test_the_command_fails_in_one_line(tmp_path, capsys, args, message):
+  (tmp_path / "step.hlo").write_text(FLOOR_HLO)
+  (tmp_path / "empty.hlo").write_text("not an HLO module\n")
+  assert roofline.main([str(tmp_path / args[0]), *args[1:]]) == 2
+  err = capsys.readouterr().err.strip()
+  assert message in err and "\n" not in err and "Traceback" not in err
