@@ -25,6 +25,11 @@ def poison_outputs():
     _POISON.pop()
 
 
+def active() -> bool:
+  """Whether kernels traced now start from NaN-filled outputs (``poison_outputs``)."""
+  return _POISON[-1]
+
+
 def pallas_call(kernel, args, *, out_shape, in_specs, out_specs, **kw):
   """``pl.pallas_call(kernel, ...)(*args)``, poisoned under ``poison_outputs()``."""
   if not _POISON[-1]:
