@@ -12,7 +12,9 @@ front in the group's axis order and the rest is flattened, giving ``[n_1, ..., n
 axis, ``[n_1, ..., n_k, L]``, with the spec ``P(axes_1, ..., axes_k, None)``: every device holds
 exactly its own shard of every member, so packing and unpacking move no data between devices
 (an FSDP / tensor-sharded parameter keeps its shards where they are). Unsharded leaves (or
-leaves on a mesh whose axes have size 1) form one ``[L]`` buffer per dtype.
+leaves on a mesh whose axes have size 1) form one ``[L]`` buffer per dtype; ``build(...,
+align=, max_members=)`` puts their members at offsets that are multiples of ``align`` (zero
+between them) in groups of at most ``max_members`` (the layout ``pallas_kernels.adamw`` reads).
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ class Group:
   lead: tuple          # per lead dimension: its shard count
   members: tuple
   size: int
+  align: int = 1       # members' offsets are multiples of it (``build(align=)``)
 
   @property
   def shape(self) -> tuple:
@@ -76,9 +79,11 @@ class Layout:
     self.groups, self.mesh, self.num_leaves = groups, mesh, num_leaves
 
   @classmethod
-  def build(cls, shapes, shardings=None) -> Layout:
+  def build(cls, shapes, shardings=None, *, align: int = 1,
+            max_members: int | None = None) -> Layout:
     """``shapes``: ``[(shape, dtype)]`` per leaf (None: not in any group); ``shardings``: a
-    ``NamedSharding`` per leaf (or None: all unsharded)."""
+    ``NamedSharding`` per leaf (or None: all unsharded); ``align`` / ``max_members``: the
+    unsharded groups' member offsets and size (see the module doc)."""
     keys, mesh = {}, None
     for i, sd in enumerate(shapes):
       if sd is None:
@@ -96,16 +101,20 @@ class Layout:
       for _, j, n in split:
         if shape[j] % n:
           raise ValueError(f"flat layout: leaf {i} dim {j} of {shape} is not divisible by {n}")
-      key = (dtype, tuple(a for a, _, _ in split))
+      axes = tuple(a for a, _, _ in split)
+      key = (dtype, axes, align > 1 and not axes)
       keys.setdefault(key, []).append((i, shape, tuple((j, n) for _, j, n in split)))
     groups = []
-    for (dtype, axes), members in sorted(keys.items(), key=lambda kv: str(kv[0])):
-      off, ms = 0, []
-      for i, shape, split in members:
-        size = math.prod(shape) // math.prod(n for _, n in split)
-        ms.append(Member(i, shape, split, off, size))
-        off += size
-      groups.append(Group(dtype, axes, tuple(n for _, n in members[0][2]), tuple(ms), off))
+    for (dtype, axes, aligned), members in sorted(keys.items(), key=lambda kv: str(kv[0])):
+      a, most = (align, max_members or len(members)) if aligned else (1, len(members))
+      for c in range(0, len(members), most):
+        off, ms = 0, []
+        for i, shape, split in members[c:c + most]:
+          size = math.prod(shape) // math.prod(n for _, n in split)
+          ms.append(Member(i, shape, split, off, size))
+          off += -(-size // a) * a
+        groups.append(Group(dtype, axes, tuple(n for _, n in members[0][2]), tuple(ms), off,
+                            a))
     return cls(tuple(groups), mesh, len(shapes))
 
   def _constrain(self, x, group):
@@ -114,12 +123,18 @@ class Layout:
 
   def pack(self, leaves) -> tuple:
     """One buffer per group from the full list of leaves (only members are read)."""
-    out = []
-    for g in self.groups:
-      blocks = [_block(leaves[m.index], m) for m in g.members]
-      buf = blocks[0] if len(blocks) == 1 else jnp.concatenate(blocks, axis=-1)
-      out.append(self._constrain(buf.astype(g.dtype), g))
-    return tuple(out)
+    return tuple(self.pack_group(leaves, g) for g in self.groups)
+
+  def pack_group(self, leaves, g: Group):
+    """Group ``g``'s buffer from the full list of leaves."""
+    blocks = []
+    for m, end in zip(g.members, [m.offset for m in g.members[1:]] + [g.size], strict=True):
+      b = _block(leaves[m.index], m)
+      blocks.append(b)
+      if end > m.offset + m.size:                  # aligned members: zeros up to the next
+        blocks.append(jnp.zeros(b.shape[:-1] + (end - m.offset - m.size,), b.dtype))
+    buf = blocks[0] if len(blocks) == 1 else jnp.concatenate(blocks, axis=-1)
+    return self._constrain(buf.astype(g.dtype), g)
 
   def zeros(self) -> tuple:
     return tuple(self._constrain(jnp.zeros(g.shape, g.dtype), g) for g in self.groups)

@@ -54,11 +54,18 @@ def per_leaf_abstract(abstract_params):
                       shard)
 
 
-def _layout_of(params):
-  """The flat layout of ``params`` for their own shardings (as ``Optimizer.bind`` gets them)."""
+def _layout_of(params, buffers):
+  """The flat layout of ``params`` for their own shardings (as ``Optimizer.bind`` gets them)
+  whose groups have the shapes of ``buffers`` (a state's moments: the XLA layout or the one laid
+  out for ``pallas_kernels.adamw``)."""
   shardings = jax.tree.map(lambda x: getattr(x, "sharding", None), params)
-  opt = optim.Optimizer(ml_collections.ConfigDict(_SHAPE_CFG), 1, shardings)
-  return opt.layout(params)[0]
+  want = [tuple(b.shape) for b in buffers]
+  for backend in ("xla", "pallas"):
+    opt = optim.Optimizer(ml_collections.ConfigDict(_SHAPE_CFG), 1, shardings, backend=backend)
+    layout = opt.layout(params)[0]
+    if [tuple(g.shape) for g in layout.groups] == want:
+      return layout
+  raise ValueError(f"optimizer state: moment buffers {want} fit no layout of these parameters")
 
 
 def _shardings_of(abstract):
@@ -73,7 +80,7 @@ def to_per_leaf(state, params):
   state unchanged. ``params``: the parameters (their shardings define the flat layout)."""
   if not is_flat(state):
     return state
-  layout = _layout_of(params)
+  layout = _layout_of(params, state.inner_states["dense"].inner_state.mu)
   target = per_leaf_abstract(jax.tree.map(
       lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)),
       params))
@@ -104,9 +111,14 @@ def from_per_leaf(state, params, abstract_state=None, values=None):
   holds 16-bit param copies (``optim.FlatAdamWState.copies``) they are cast from ``values``
   (the params' arrays; default ``params``). Same moments, count and accumulators: the next
   update is unchanged."""
-  layout = _layout_of(params)
   want = optim.state_copies(abstract_state) if abstract_state is not None else ()
   leaves = jax.tree.leaves(params if values is None else values) if want else []
+
+  if abstract_state is not None:         # the target's layout (XLA's or the kernels')
+    layout = _layout_of(params, abstract_state.inner_states["dense"].inner_state.mu)
+  else:
+    layout = optim.Optimizer(ml_collections.ConfigDict(_SHAPE_CFG), 1, jax.tree.map(
+        lambda x: getattr(x, "sharding", None), params)).layout(params)[0]
 
   def convert(state, leaves):
     adam = state.inner_states["dense"].inner_state[1][0]

@@ -43,6 +43,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from kunlun.train import flat
+from pallas_kernels import adamw as adamw_kernels
+from pallas_kernels.api import compile_platform
 
 
 def param_labels(params) -> dict:
@@ -129,13 +131,21 @@ class Optimizer:
   dtype is in one unsharded group (right on one device; on a sharded mesh ``bind`` first).
   ``copies``: per leaf, the 16-bit dtype of its copy in the state
   (``param_copies.copy_dtypes``) or None; only "dense" leaves get one.
+
+  ``backend`` ("pallas" or "auto": ``model.backend``): the unsharded groups are laid out for
+  ``pallas_kernels.adamw`` (members at aligned offsets, at most ``KERNEL_MEMBERS`` a group), and
+  where the step compiles for a GPU ("auto") each such group's norm and update run as its two
+  kernels (``step``); the updates are the same.
   """
 
-  def __init__(self, train_cfg, total_steps: int, param_shardings=None, copies=None):
+  def __init__(self, train_cfg, total_steps: int, param_shardings=None, copies=None,
+               backend: str = "xla"):
     self.cfg = train_cfg
     self.copies = None if copies is None or not any(copies) else tuple(copies)
     self.schedule = lr_schedule(train_cfg, total_steps)
     self.emb_lr = float(train_cfg.emb_lr)
+    self.backend = backend
+    self.kernel_layout = backend in ("pallas", "auto")
     self._shardings = {}          # treedef -> per-leaf NamedSharding list
     self._layouts = {}            # (treedef, shapes) -> (Layout, labels)
     if param_shardings is not None:
@@ -152,7 +162,8 @@ class Optimizer:
       return
     for (td, shapes), (layout, labels) in self._layouts.items():
       if td == treedef:
-        if _signature(_build(shapes, labels, leaves)) != _signature(layout):
+        if (_signature(_build(shapes, labels, leaves, self.kernel_layout))
+            != _signature(layout)):
           raise ValueError("optimizer: bind() the parameter shardings before init/update; this "
                            "optimizer already laid out its state for other shardings")
     self._shardings[treedef] = leaves
@@ -164,7 +175,8 @@ class Optimizer:
     key = (treedef, tuple((tuple(x.shape), jnp.dtype(x.dtype).name) for x in leaves))
     if key not in self._layouts:
       labels = jax.tree.leaves(param_labels(params))
-      self._layouts[key] = (_build(key[1], labels, self._shardings.get(treedef)), labels)
+      self._layouts[key] = (_build(key[1], labels, self._shardings.get(treedef),
+                                   self.kernel_layout), labels)
     return self._layouts[key]
 
   # ---- optax protocol --------------------------------------------------------------------------
@@ -196,43 +208,104 @@ class Optimizer:
     layout; default: ``grads``, which has the params' structure, shapes and dtypes)."""
     layout, labels = self.layout(grads if params is None else params)
     g = jax.tree.leaves(grads)
-    bufs = layout.pack(g)
     emb = [f32_sq(x) for x, lab in zip(g, labels, strict=True) if lab == "emb"]
-    return Prepared(bufs, sum_or_zero([f32_sq(b) for b in bufs]), sum_or_zero(emb))
+    dense, sq = self.pack(layout, g)
+    return Prepared(dense, sq, sum_or_zero(emb))
+
+  def kernels(self) -> bool:
+    """Whether the step runs ``pallas_kernels.adamw`` (at trace time: the kernel layout, and
+    compiling for a GPU or ``backend="pallas"``)."""
+    return self.kernel_layout and (self.backend == "pallas" or compile_platform() == "gpu")
+
+  def reads_grads_as_given(self) -> bool:
+    """Whether the train step may hand over the gradients of 16-bit param copies in their 16-bit
+    dtype: the kernels read and widen them (exactly: the same update), so no float32 gradient
+    is written first."""
+    return self.kernels()
+
+  def pack(self, layout, g) -> tuple[tuple, jax.Array]:
+    """Per group, the packed gradient buffer, or for a kernel group (``kernels``, unsharded) its
+    members' gradients as they are; and the dense gradients' squared norm."""
+    kern = self.kernels()
+    dense, sq = [], []
+    for grp in layout.groups:
+      if kern and grp.align > 1:
+        gs = tuple(g[m.index] for m in grp.members)
+        dense.append(gs)
+        sq.append(adamw_kernels.sq_norm_pallas(gs, interpret=compile_platform() != "gpu"))
+      else:
+        buf = layout.pack_group(g, grp)
+        dense.append(buf)
+        sq.append(f32_sq(buf))
+    return tuple(dense), sum_or_zero(sq)
 
   def updates(self, prepared: Prepared, grads, state, params):
-    """``(updates, new_state)``: the optax updates (``params + updates`` is the step)."""
-    layout, labels = self.layout(params)
+    """``(updates, new_state)``: the optax updates (``params + updates`` is the step; where a
+    kernel group computed the new values, the difference: the train step calls ``step``)."""
+    new, upd, new_state = self._step(prepared, grads, state, params)
     p, treedef = jax.tree.flatten(params)
+    return treedef.unflatten([upd[i] if i in upd else new[i] - x
+                              for i, x in enumerate(p)]), new_state
+
+  def step(self, prepared: Prepared, grads, state, params):
+    """``(new params, new_state)``: ``params`` plus the updates (``optax.apply_updates``'s sum,
+    in the params' dtypes)."""
+    new, _, new_state = self._step(prepared, grads, state, params)
+    return jax.tree.unflatten(jax.tree.structure(params), [new[i] for i in range(len(new))]), (
+        new_state)
+
+  def _step(self, prepared: Prepared, grads, state, params):
+    """``({leaf: new value}, {leaf: update, where computed}, new state)``."""
+    layout, labels = self.layout(params)
+    p = jax.tree.leaves(params)
     g = jax.tree.leaves(grads)
     d_state = state.inner_states["dense"].inner_state
     acc_tree = state.inner_states["emb"].inner_state.acc
     acc = jax.tree.leaves(acc_tree, is_leaf=is_masked)
-    upd, new_d = self.adamw(layout, prepared.dense, prepared.dense_sq, d_state, p)
-    new_d = new_d._replace(copies=refresh_copies(      # the same sum as ``apply_updates``
-        new_d.copies, [x + upd[i] if i in upd else x for i, x in enumerate(p)]))
+    new, upd, new_d = self.adamw(layout, prepared.dense, prepared.dense_sq, d_state, p)
     new_acc = list(acc)
     for i, lab in enumerate(labels):
       if lab == "emb":
         upd[i], new_acc[i] = rowwise_adagrad_leaf(g[i], acc[i], self.emb_lr)
+        new[i] = optax.apply_updates(p[i], upd[i])
     new_state = optax.PartitionState({
         "dense": optax.MaskedState(new_d),
         "emb": optax.MaskedState(RowwiseAdagradState(
             jax.tree.unflatten(jax.tree.structure(acc_tree, is_leaf=is_masked), new_acc)))})
-    return treedef.unflatten([upd[i] for i in range(len(p))]), new_state
+    return new, upd, new_state
 
   def adamw(self, layout, g_bufs, dense_sq, state: FlatAdamWState, p_leaves):
-    """Clipping + AdamW on the flat buffers: ``({leaf index: update}, new state)``; the updates
-    are those of ``optax.chain(clip_by_global_norm, adamw(mask=ndim >= 2))`` (same operations,
-    elementwise; the global norm is a reassociated sum)."""
+    """Clipping + AdamW on the flat buffers: ``({leaf index: new value}, {leaf index: update}
+    (the XLA path's), new state)`` (the new 16-bit copies in the state); the updates are those
+    of ``optax.chain(clip_by_global_norm, adamw(mask=ndim >= 2))`` (same operations,
+    elementwise; the global norm is a reassociated sum), applied as ``optax.apply_updates``.
+    ``g_bufs``: ``pack``'s (a kernel group's members' gradients run ``pallas_kernels.adamw``)."""
     c = self.cfg
     b1, b2, wd, clip = float(c.b1), float(c.b2), float(c.weight_decay), float(c.clip_norm)
     norm = jnp.sqrt(dense_sq)
     trigger = norm < clip
     count = optax.safe_int32_increment(state.count)
     lr = self.schedule(state.count)
-    out, mus, nus = {}, [], []
+    out, upd, mus, nus = {}, {}, [], []
+    copies = list(state.copies)
     for grp, g, mu, nu in zip(layout.groups, g_bufs, state.mu, state.nu, strict=True):
+      if isinstance(g, tuple):                  # a kernel group: its members' gradients
+        sc = jnp.stack([norm, 1 - b1 ** count, 1 - b2 ** count, lr,
+                        trigger]).astype(jnp.float32)
+        ps = [p_leaves[m.index] for m in grp.members]
+        cds = [copies[m.index].dtype if copies and copies[m.index] is not None else None
+               for m in grp.members]
+        vals, cps, mu, nu = adamw_kernels.adamw_pallas(
+            g, ps, mu, nu, sc, hyper=adamw_kernels.Hyper(b1, b2, wd, clip), copy_dtypes=cds,
+            old_copies=[copies[m.index] if copies else None for m in grp.members],
+            interpret=compile_platform() != "gpu")
+        for m, v, cp in zip(grp.members, vals, cps, strict=True):
+          out[m.index] = v
+          if cp is not None:
+            copies[m.index] = cp
+        mus.append(mu)
+        nus.append(nu)
+        continue
       g = jnp.where(trigger, g, (g / norm.astype(g.dtype)) * clip)
       mu = (1 - b1) * g + b1 * mu
       nu = (1 - b2) * (g * g) + b2 * nu
@@ -245,8 +318,11 @@ class Optimizer:
         um = layout.unpack(u, m)
         if len(m.shape) >= 2:                   # weight decay on matrices, not biases / scales
           um = um + wd * p_leaves[m.index]
-        out[m.index] = um * (-lr).astype(um.dtype)
-    return out, FlatAdamWState(count, tuple(mus), tuple(nus), state.copies)
+        upd[m.index] = um * (-lr).astype(um.dtype)
+        out[m.index] = optax.apply_updates(p_leaves[m.index], upd[m.index])
+        if copies and copies[m.index] is not None:
+          copies[m.index] = out[m.index].astype(copies[m.index].dtype)
+    return out, upd, FlatAdamWState(count, tuple(mus), tuple(nus), tuple(copies))
 
 
 def refresh_copies(copies: tuple, leaves) -> tuple:
@@ -273,9 +349,15 @@ def with_copies(leaves: list, copies: tuple) -> list:
   return [x if c is None else c for x, c in zip(leaves, copies, strict=True)]
 
 
-def _build(shapes, labels, shardings):
+# Members of a kernel group (``pallas_kernels.adamw``: about 4 pointers each; CUDA passes at most
+# ~4 KB of kernel parameters).
+KERNEL_MEMBERS = 64
+
+
+def _build(shapes, labels, shardings, kernel: bool = False):
+  kw = {"align": adamw_kernels.BLOCK, "max_members": KERNEL_MEMBERS} if kernel else {}
   return flat.Layout.build([sd if lab == "dense" else None
-                            for sd, lab in zip(shapes, labels, strict=True)], shardings)
+                            for sd, lab in zip(shapes, labels, strict=True)], shardings, **kw)
 
 
 def sum_or_zero(xs):
@@ -296,10 +378,11 @@ def rowwise_adagrad_leaf(g, acc, lr: float, eps: float = 1e-8):
   return (-lr * g / (jnp.sqrt(acc)[..., None] + eps)).astype(g.dtype), acc
 
 
-def make_optimizer(train_cfg, total_steps: int, param_shardings=None, copies=None) -> Optimizer:
+def make_optimizer(train_cfg, total_steps: int, param_shardings=None, copies=None,
+                   backend: str = "xla") -> Optimizer:
   """AdamW + clipping on "dense" leaves, row-wise Adagrad on "emb" leaves (``Optimizer``);
-  ``copies``: per leaf, the dtype of its 16-bit copy or None."""
-  return Optimizer(train_cfg, total_steps, param_shardings, copies)
+  ``copies``: per leaf, the dtype of its 16-bit copy or None; ``backend``: ``model.backend``."""
+  return Optimizer(train_cfg, total_steps, param_shardings, copies, backend)
 
 
 def opt_state_shardings(tx, params_abstract, param_shardings, mesh):

@@ -13,7 +13,7 @@ from kunlun.train import optim
 from sharding.embedding import group_dense_grads, row_axes, sparse_adagrad_update_group
 
 
-def make_sparse_update(train_cfg, total_steps: int, param_shardings=None):
+def make_sparse_update(train_cfg, total_steps: int, param_shardings=None, backend: str = "xla"):
   """The update of ``make_optimizer`` for a step that has row gradients of its embedding tables.
 
   Returns ``update(params, opt_state, grads, rows, ok, prepared=None) -> (params, opt_state,
@@ -41,7 +41,8 @@ def make_sparse_update(train_cfg, total_steps: int, param_shardings=None):
   ``lax.cond(ok, ...)`` (no select over the state); the sparse groups are switched off by ``ok``.
   ``table_sq_norm``: sum over tables of the squared norm of their (dense-equivalent) gradient.
   """
-  opt, lr = optim.Optimizer(train_cfg, total_steps, param_shardings), train_cfg.emb_lr
+  opt = optim.Optimizer(train_cfg, total_steps, param_shardings, backend=backend)
+  lr = train_cfg.emb_lr
   is_mn = optim.is_masked
 
   def prepare(params, grads) -> optim.Prepared:
@@ -50,9 +51,8 @@ def make_sparse_update(train_cfg, total_steps: int, param_shardings=None):
     g = [grads.get(k) for k in keys]
     emb = [optim.f32_sq(x) for x, lab in zip(g, labels, strict=True)
            if lab == "emb" and x is not None]
-    bufs = layout.pack(g)
-    return optim.Prepared(bufs, optim.sum_or_zero([optim.f32_sq(b) for b in bufs]),
-                          optim.sum_or_zero(emb))
+    dense, sq = opt.pack(layout, g)
+    return optim.Prepared(dense, sq, optim.sum_or_zero(emb))
 
   def update(params, opt_state, grads, rows, ok, prepared=None):
     rows = {gk: (tuple(gk.split(GROUP_SEP)),) + tuple(v) for gk, v in rows.items()}
@@ -86,7 +86,7 @@ def make_sparse_update(train_cfg, total_steps: int, param_shardings=None):
       p_mine, acc_mine, d_st, bufs = state
       cur_p, cur_acc = dict(zip(mine, p_mine, strict=True)), dict(zip(mine, acc_mine, strict=True))
       cur = [cur_p.get(i, p[i]) for i in range(len(keys))]
-      d_upd, new_d = opt.adamw(layout, bufs, prep.dense_sq, d_st, cur)
+      d_new, _, new_d = opt.adamw(layout, bufs, prep.dense_sq, d_st, cur)
       sq = jnp.zeros((), jnp.float32)
       g_tab = {}
       for gk in small:
@@ -98,12 +98,10 @@ def make_sparse_update(train_cfg, total_steps: int, param_shardings=None):
           sq = sq + jnp.sum(jnp.square(gt.astype(jnp.float32)))
       for i in mine:
         if labels[i] == "dense":
-          cur_p[i] = optax.apply_updates(cur_p[i], d_upd[i])
+          cur_p[i] = d_new[i]
         else:
           u, cur_acc[i] = optim.rowwise_adagrad_leaf(g_tab.get(i, g[i]), cur_acc[i], lr)
           cur_p[i] = optax.apply_updates(cur_p[i], u)
-      new_d = new_d._replace(copies=optim.refresh_copies(
-          new_d.copies, [cur_p.get(i, p[i]) for i in range(len(keys))]))
       return [cur_p[i] for i in mine], [cur_acc[i] for i in mine], new_d, sq
 
     def skip(state):
@@ -131,4 +129,5 @@ def make_sparse_update(train_cfg, total_steps: int, param_shardings=None):
     return treedef.unflatten(new_p), new_state, sq
 
   update.prepare, update.bind = prepare, opt.bind
+  update.reads_grads_as_given = opt.reads_grads_as_given
   return update

@@ -51,7 +51,9 @@ def build(config, model, example, mesh, rules, rng, *, task_weights=(), abstract
   instead of arrays (compile without initialising)."""
   schedule_steps = int(config.train.get("schedule_steps", 0)) or int(config.train.steps)
   sparse = config.train.get("sparse_embedding_update", default("train.sparse_embedding_update"))
-  sparse_update = make_sparse_update(config.train, schedule_steps) if sparse else None
+  sparse_update = (make_sparse_update(config.train, schedule_steps,
+                                      backend=config.model.get("backend", "xla"))
+                   if sparse else None)
   if abstract:
     params = partition.abstract_params(model, rng, example, mesh, rules)
     p_shard = jax.tree.map(lambda x: x.sharding, params)
@@ -66,7 +68,8 @@ def build(config, model, example, mesh, rules, rng, *, task_weights=(), abstract
       copies = param_copies.copy_dtypes(
           lambda p, b: model.apply({"params": p}, b, train=True, rngs={"dropout": rng}),
           shapes, example)
-  tx = optim.make_optimizer(config.train, schedule_steps, copies=copies)
+  tx = optim.make_optimizer(config.train, schedule_steps, copies=copies,
+                            backend=config.model.get("backend", "xla"))
   o_shard = optim.opt_state_shardings(tx, shapes, p_shard, mesh)
   if abstract:
     opt_state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
@@ -177,7 +180,7 @@ def make_train_step(model, tx, task_weights=None, *, sparse_update=None, param_s
         return loss, (per_task, logits)
 
       (loss, (per_task, logits)), grads = jax.value_and_grad(loss_fn, has_aux=True)(read)
-      grads = constrain(_in_dtypes(grads, params))
+      grads = constrain(_in_dtypes(grads, params, tx))
       with jax.named_scope("loss"):
         loss_sum, pos_sum, count = _per_task_sums(logits, batch["labels"], mask)
     else:
@@ -187,16 +190,18 @@ def make_train_step(model, tx, task_weights=None, *, sparse_update=None, param_s
       if hasattr(tx, "prepare"):                 # optim.Optimizer: norms once, flat buffers
         prep = tx.prepare(grads, params)
         grad_norm = jnp.sqrt(prep.dense_sq + prep.emb_sq)
-        apply = lambda p, o, g, prep: tx.updates(prep, g, o, p)
+        apply = lambda p, o, g, prep: tx.step(prep, g, o, p)
       else:                                      # any optax transformation
         prep, grad_norm = None, optax.tree.norm(grads)
-        apply = lambda p, o, g, _: tx.update(g, o, p)
+
+        def apply(p, o, g, _):
+          updates, new_o = tx.update(g, o, p)
+          return optax.apply_updates(p, updates), new_o
       ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
 
       def update(state):
         p, o, g, pr = state
-        updates, new_o = apply(p, o, g, pr)
-        return optax.apply_updates(p, updates), new_o
+        return apply(p, o, g, pr)
 
       new_params, new_opt = jax.lax.cond(ok, update, lambda state: state[:2],
                                          (params, opt_state, grads, prep))
@@ -218,9 +223,12 @@ def make_train_step(model, tx, task_weights=None, *, sparse_update=None, param_s
 COMPILER_OPTIONS = {"xla_allow_excess_precision": False}
 
 
-def _in_dtypes(grads, params):
+def _in_dtypes(grads, params, tx=None):
   """Gradients w.r.t. the params' 16-bit copies cast back to the params' dtypes (the cast's
-  transpose: the gradient w.r.t. the float32 leaf, bit for bit)."""
+  transpose: the gradient w.r.t. the float32 leaf, bit for bit); as they are where the optimizer
+  ``tx`` widens them itself (``optim.Optimizer.reads_grads_as_given``: the same values)."""
+  if tx is not None and getattr(tx, "reads_grads_as_given", lambda: False)():
+    return grads
   return jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
 
 
@@ -357,7 +365,7 @@ def _sparse_train_step(model, sparse_update, task_weights, params, opt_state, ba
 
     (loss, (aux, logits, ids)), (grads, g_taps) = jax.value_and_grad(
         loss_fn, argnums=(0, 1), has_aux=True)(diff, taps)
-    return (loss, aux, logits), constrain(_in_dtypes(grads, own)), ids, g_taps
+    return (loss, aux, logits), constrain(_in_dtypes(grads, own, sparse_update)), ids, g_taps
 
   if n_mb == 1:
     def whole(logits):
