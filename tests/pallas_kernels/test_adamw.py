@@ -111,7 +111,7 @@ def _params(n, seed=0):
 
 def test_the_optimizer_on_its_kernels_equals_the_xla_one(monkeypatch):
   """``backend="pallas"`` (kernels in interpret mode on CPU; 18 dense leaves in groups of at
-  most 8 here): three steps, clipped and not, with bfloat16 copies of the kernels' leaves, equal
+  most 8 here) and ``"auto"`` on a CPU (XLA's update on the kernels' layout): three steps, clipped and not, with bfloat16 copies of the kernels' leaves, equal
   the XLA optimizer's params, moments, copies and accumulators (f32 1e-6; the global norm is a
   reassociated sum); its state goes through the stored per-leaf layout and back unchanged."""
   monkeypatch.setattr(optim, "KERNEL_MEMBERS", 8)
@@ -119,7 +119,8 @@ def test_the_optimizer_on_its_kernels_equals_the_xla_one(monkeypatch):
   labels = jax.tree.leaves(optim.param_labels(params))
   copies = [jnp.bfloat16 if x.ndim == 2 and lab == "dense" else None
             for x, lab in zip(jax.tree.leaves(params), labels, strict=True)]
-  txs = {b: optim.make_optimizer(_cfg(), 100, copies=copies, backend=b) for b in ("xla", "pallas")}
+  txs = {b: optim.make_optimizer(_cfg(), 100, copies=copies, backend=b)
+         for b in ("xla", "pallas", "auto")}        # auto on a CPU: XLA's update, kernel layout
   layout, _ = txs["pallas"].layout(params)
   assert [len(g.members) for g in layout.groups] == [8, 8, 2]
   assert all(g.align == A.BLOCK and g.size == len(g.members) * A.BLOCK for g in layout.groups)
@@ -133,8 +134,10 @@ def test_the_optimizer_on_its_kernels_equals_the_xla_one(monkeypatch):
     for b, tx in txs.items():
       step = jax.jit(lambda g, s, p, tx=tx: tx.step(tx.prepare(g, p), g, s, p))
       ps[b], states[b] = step(grads, states[b], ps[b])
-  for a, c in zip(jax.tree.leaves(ps["pallas"]), jax.tree.leaves(ps["xla"]), strict=True):
-    np.testing.assert_allclose(np.asarray(a), np.asarray(c), rtol=1e-6, atol=1e-7)
+  assert not txs["auto"].kernels() and txs["pallas"].kernels()
+  for b in ("pallas", "auto"):
+    for a, c in zip(jax.tree.leaves(ps[b]), jax.tree.leaves(ps["xla"]), strict=True):
+      np.testing.assert_allclose(np.asarray(a), np.asarray(c), rtol=1e-6, atol=1e-7)
   per_leaf = {b: opt_layout.to_per_leaf(s, ps[b]) for b, s in states.items()}
   for a, c in zip(jax.tree.leaves(per_leaf["pallas"]), jax.tree.leaves(per_leaf["xla"]),
                   strict=True):
