@@ -199,7 +199,8 @@ def adamw_pallas(gs, ps, mu, nu, scalars, *, hyper: Hyper, copy_dtypes=None, old
 
 
 def sq_norm_pallas(gs, *, interpret: bool = False):
-  """The float32 sum of the leaves' squares."""
+  """The float32 sum of the leaves' squares (any number of leaves: a pointer each; the
+  optimizer passes all its kernel groups' at once)."""
   _check(gs, None, None, None)
   cfg = _cfg(gs, None, None, None, interpret)
   blocks = sum(pl.cdiv(n, BLOCK) for n in cfg.sizes)

@@ -134,8 +134,8 @@ class Optimizer:
 
   ``backend`` ("pallas" or "auto": ``model.backend``): the unsharded groups are laid out for
   ``pallas_kernels.adamw`` (members at aligned offsets, at most ``KERNEL_MEMBERS`` a group), and
-  where the step compiles for a GPU ("auto") each such group's norm and update run as its two
-  kernels (``step``); the updates are the same.
+  where the step compiles for a GPU ("auto") each such group's update runs as one kernel, the
+  squared norm of them all as one more (``step``); the updates are the same.
   """
 
   def __init__(self, train_cfg, total_steps: int, param_shardings=None, copies=None,
@@ -227,16 +227,18 @@ class Optimizer:
     """Per group, the packed gradient buffer, or for a kernel group (``kernels``, unsharded) its
     members' gradients as they are; and the dense gradients' squared norm."""
     kern = self.kernels()
-    dense, sq = [], []
+    dense, sq, on_kernels = [], [], []
     for grp in layout.groups:
       if kern and grp.align > 1:
         gs = tuple(g[m.index] for m in grp.members)
         dense.append(gs)
-        sq.append(adamw_kernels.sq_norm_pallas(gs, interpret=compile_platform() != "gpu"))
+        on_kernels += gs
       else:
         buf = layout.pack_group(g, grp)
         dense.append(buf)
         sq.append(f32_sq(buf))
+    if on_kernels:                      # every kernel group's norm in one launch
+      sq.append(adamw_kernels.sq_norm_pallas(on_kernels, interpret=compile_platform() != "gpu"))
     return tuple(dense), sum_or_zero(sq)
 
   def updates(self, prepared: Prepared, grads, state, params):
