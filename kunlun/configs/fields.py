@@ -297,7 +297,8 @@ FIELDS: dict[str, Field] = {
     # ---- model (relations and the data schema: kunlun.configs.types.parse)
     "model.arch": F("kunlun", "model family (model.py, baselines/)", C, choices=ARCHS),
     "model.dtype": F("float32", "compute dtype (params stay float32)", C, choices=DTYPES),
-    "model.backend": F("xla", "GDPA / block-attention kernels", C, choices=BACKENDS),
+    "model.backend": F("xla", "the Pallas kernels (attention, GDPA, packed towers, the optimizer)",
+                       C, choices=BACKENDS),
     "model.d_ns": F(32, "non-sequence token width", I, 1),
     "model.n_ns": F(8, "non-sequence tokens after the LCE", I, 1),
     "model.n_dense_tokens": F(1, "tokens the dense features are projected into", I, 1),
