@@ -12,7 +12,8 @@ only the touched rows of each table.
 AdamW runs on flat buffers (``Optimizer``, ``kunlun.train.flat``): the dense leaves are grouped
 by dtype and sharding, the moments are stored as one buffer per group (``FlatAdamWState``), the
 clipping / moment / bias-correction arithmetic is a few fusions per group, and each leaf is read
-and written once, by its fused ``p + update``. The updates equal those of
+and written once, by its fused ``p + update``; with ``backend`` "pallas" (or "auto" compiling for
+a GPU) each unsharded group is one ``pallas_kernels.adamw`` pass instead. The updates equal those of
 ``optax.chain(clip_by_global_norm, adamw(mask=ndim >= 2))`` leaf by leaf
 (``kunlun.train.opt_layout.legacy_optimizer``);
 only the global norm's sum is reassociated. The gradients' squared norms (dense and "emb") are
@@ -253,8 +254,8 @@ class Optimizer:
     """``(new params, new_state)``: ``params`` plus the updates (``optax.apply_updates``'s sum,
     in the params' dtypes)."""
     new, _, new_state = self._step(prepared, grads, state, params)
-    return jax.tree.unflatten(jax.tree.structure(params), [new[i] for i in range(len(new))]), (
-        new_state)
+    treedef = jax.tree.structure(params)
+    return treedef.unflatten([new[i] for i in range(len(new))]), new_state
 
   def _step(self, prepared: Prepared, grads, state, params):
     """``({leaf: new value}, {leaf: update, where computed}, new state)``."""
