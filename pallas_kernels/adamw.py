@@ -53,7 +53,6 @@ class _Cfg(NamedTuple):
   decay: tuple           # per leaf: weight decay on (2 or more dimensions)
   copies: tuple          # per leaf: the copy's dtype name or None
   hyper: Hyper
-  interpret: bool
   olds: bool = False     # the old copies are inputs (aliased to the new ones, never read)
 
 
@@ -101,12 +100,10 @@ def _adamw_kernel(sc_ref, mu_ref, nu_ref, *refs, cfg: _Cfg):
   gs, ps, outs = refs[:P], refs[P:2 * P], refs[2 * P + (k if cfg.olds else 0):]
   new_ps, rest = outs[:P], outs[P:]
   copy_refs, (mu_out, nu_out) = rest[:k], rest[k:]
-  copy_of, j = {}, 0
-  for i, c in enumerate(cfg.copies):
-    if c is not None:
-      copy_of[i], j = copy_refs[j], j + 1
+  copied = [i for i, c in enumerate(cfg.copies) if c is not None]
+  copy_of = dict(zip(copied, copy_refs, strict=True))
   pid = pl.program_id(0)
-  sc = [sc_ref[k] for k in range(5)]
+  sc = [sc_ref[j] for j in range(5)]
   for i, b0, nb in _leaf_blocks(cfg):
     @pl.when((pid >= b0) & (pid < b0 + nb))
     def _(i=i, b0=b0):
@@ -134,13 +131,13 @@ def _sq_kernel(*refs, cfg: _Cfg):
       out[pid] = jnp.sum(g * g)
 
 
-def _cfg(gs, ps, copy_dtypes, hyper, interpret) -> _Cfg:
+def _cfg(gs, ps, copy_dtypes, hyper) -> _Cfg:
   sizes = tuple(int(g.size) for g in gs)
   offs, _ = offsets(sizes)
   return _Cfg(sizes, tuple(o // BLOCK for o in offs),
               tuple(p.ndim >= 2 for p in ps) if ps is not None else (False,) * len(gs),
               tuple(None if d is None else jnp.dtype(d).name for d in copy_dtypes)
-              if copy_dtypes is not None else (None,) * len(gs), hyper, interpret)
+              if copy_dtypes is not None else (None,) * len(gs), hyper)
 
 
 def _check(gs, ps, mu, nu):
@@ -167,7 +164,7 @@ def adamw_pallas(gs, ps, mu, nu, scalars, *, hyper: Hyper, copy_dtypes=None, old
   leaf, or None: new buffers) and moments are written over the old ones' buffers (aliased),
   so a step that keeps the old state (the train step's skip branch) copies nothing."""
   _check(gs, ps, mu, nu)
-  cfg = _cfg(gs, ps, copy_dtypes, hyper, interpret)
+  cfg = _cfg(gs, ps, copy_dtypes, hyper)
   flat = lambda xs: [x.reshape(-1) for x in xs]
   P = len(gs)
   olds = ([] if old_copies is None else
@@ -202,7 +199,7 @@ def sq_norm_pallas(gs, *, interpret: bool = False):
   """The float32 sum of the leaves' squares (any number of leaves: a pointer each; the
   optimizer passes all its kernel groups' at once)."""
   _check(gs, None, None, None)
-  cfg = _cfg(gs, None, None, None, interpret)
+  cfg = _cfg(gs, None, None, None)
   blocks = sum(pl.cdiv(n, BLOCK) for n in cfg.sizes)
   whole = pl.no_block_spec
   part = _poison.pallas_call(
@@ -224,9 +221,11 @@ def pack(xs, dtype=F32):
   return jnp.concatenate(parts) if len(parts) > 1 else parts[0]
 
 
-def adamw_xla(gs, ps, mu, nu, scalars, *, hyper: Hyper, copy_dtypes=None, interpret=None):
-  """The twin (same signature): the update on the packed buffer, then each leaf's slice."""
-  del interpret
+def adamw_xla(gs, ps, mu, nu, scalars, *, hyper: Hyper, copy_dtypes=None, old_copies=None,
+              interpret=None):
+  """The twin (same signature): the update on the packed buffer, then each leaf's slice (new
+  buffers: ``old_copies`` only keeps the signature)."""
+  del old_copies, interpret
   _check(gs, ps, mu, nu)
   offs, _ = offsets([g.size for g in gs])
   sc = [jnp.asarray(scalars, F32)[k] for k in range(5)]

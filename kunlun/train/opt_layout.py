@@ -57,13 +57,13 @@ def per_leaf_abstract(abstract_params):
 def _layout_of(params, buffers):
   """The flat layout of ``params`` for their own shardings (as ``Optimizer.bind`` gets them)
   whose groups have the shapes of ``buffers`` (a state's moments: the XLA layout or the one laid
-  out for ``pallas_kernels.adamw``)."""
+  out for ``pallas_kernels.adamw``; None: the XLA layout)."""
   shardings = jax.tree.map(lambda x: getattr(x, "sharding", None), params)
-  want = [tuple(b.shape) for b in buffers]
+  want = None if buffers is None else [tuple(b.shape) for b in buffers]
   for backend in ("xla", "pallas"):
     opt = optim.Optimizer(ml_collections.ConfigDict(_SHAPE_CFG), 1, shardings, backend=backend)
     layout = opt.layout(params)[0]
-    if [tuple(g.shape) for g in layout.groups] == want:
+    if want is None or [tuple(g.shape) for g in layout.groups] == want:
       return layout
   raise ValueError(f"optimizer state: moment buffers {want} fit no layout of these parameters")
 
@@ -114,11 +114,8 @@ def from_per_leaf(state, params, abstract_state=None, values=None):
   want = optim.state_copies(abstract_state) if abstract_state is not None else ()
   leaves = jax.tree.leaves(params if values is None else values) if want else []
 
-  if abstract_state is not None:         # the target's layout (XLA's or the kernels')
-    layout = _layout_of(params, abstract_state.inner_states["dense"].inner_state.mu)
-  else:
-    layout = optim.Optimizer(ml_collections.ConfigDict(_SHAPE_CFG), 1, jax.tree.map(
-        lambda x: getattr(x, "sharding", None), params)).layout(params)[0]
+  layout = _layout_of(params, None if abstract_state is None else     # the target's layout
+                      abstract_state.inner_states["dense"].inner_state.mu)
 
   def convert(state, leaves):
     adam = state.inner_states["dense"].inner_state[1][0]

@@ -43,9 +43,9 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from kunlun.nn import packed
 from kunlun.train import flat
 from pallas_kernels import adamw as adamw_kernels
-from pallas_kernels.api import compile_platform
 
 
 def param_labels(params) -> dict:
@@ -214,9 +214,9 @@ class Optimizer:
     return Prepared(dense, sq, sum_or_zero(emb))
 
   def kernels(self) -> bool:
-    """Whether the step runs ``pallas_kernels.adamw`` (at trace time: the kernel layout, and
-    compiling for a GPU or ``backend="pallas"``)."""
-    return self.kernel_layout and (self.backend == "pallas" or compile_platform() == "gpu")
+    """Whether the step runs ``pallas_kernels.adamw`` (at trace time: the model's kernel rule,
+    ``kunlun.nn.packed.pallas_backend``)."""
+    return packed.pallas_backend(self.backend)
 
   def reads_grads_as_given(self) -> bool:
     """Whether the train step may hand over the gradients of 16-bit param copies in their 16-bit
@@ -239,7 +239,7 @@ class Optimizer:
         dense.append(buf)
         sq.append(f32_sq(buf))
     if on_kernels:                      # every kernel group's norm in one launch
-      sq.append(adamw_kernels.sq_norm_pallas(on_kernels, interpret=compile_platform() != "gpu"))
+      sq.append(adamw_kernels.sq_norm_pallas(on_kernels, interpret=packed.interpret_kernels()))
     return tuple(dense), sum_or_zero(sq)
 
   def updates(self, prepared: Prepared, grads, state, params):
@@ -301,7 +301,7 @@ class Optimizer:
         vals, cps, mu, nu = adamw_kernels.adamw_pallas(
             g, ps, mu, nu, sc, hyper=adamw_kernels.Hyper(b1, b2, wd, clip), copy_dtypes=cds,
             old_copies=[copies[m.index] if copies else None for m in grp.members],
-            interpret=compile_platform() != "gpu")
+            interpret=packed.interpret_kernels())
         for m, v, cp in zip(grp.members, vals, cps, strict=True):
           out[m.index] = v
           if cp is not None:
