@@ -34,6 +34,17 @@ jax.config.update("jax_num_cpu_devices", 8)
 
 import pytest  # noqa: E402
 
+from tests import compile_log  # noqa: E402
+
+# KUNLUN_TEST_COMPILE_LOG=DIR: every compile of this process, with its test (tests/compile_log.py)
+_compiles = compile_log.install(os.environ[compile_log.ENV]) if os.environ.get(compile_log.ENV) \
+    else None
+
+
+def pytest_runtest_setup(item):
+  if _compiles is not None:
+    _compiles.current = item.nodeid
+
 
 def pytest_collection_modifyitems(config, items):
   has_gpu = any(d.platform == "gpu" for d in jax.devices()) if os.environ.get("JAX_PLATFORMS") != "cpu" else False
