@@ -1,7 +1,7 @@
 """Where the suite's compile time goes: each XLA compile of a test process, with its test.
 
 ``KUNLUN_TEST_COMPILE_LOG=DIR bash scripts/test.sh`` makes every pytest process (the xdist
-workers too) append one row per compile to ``DIR/<worker>.tsv``: the test's node id, the seconds
+workers too) append one row per compile to ``DIR/<worker>.<pid>.tsv``: the test's node id, the seconds
 and the program's name, from jax's own compile log (``jax_log_compiles``). Subprocesses a test
 starts (train.py, the bench scripts, the GPU venv) are not in it; their tests' durations are.
 ``python -m tests.compile_log DIR [--top N]`` prints the totals per test file, per program and for
@@ -16,6 +16,8 @@ import logging
 import os
 import re
 import sys
+
+import jax
 
 ENV = "KUNLUN_TEST_COMPILE_LOG"
 SMALL_S = 0.2
@@ -39,7 +41,6 @@ class Recorder(logging.Handler):
 
 def install(log_dir: str) -> Recorder:
   """Turns jax's compile log on and records it under ``log_dir`` (one file per process)."""
-  import jax
   os.makedirs(log_dir, exist_ok=True)
   name = os.environ.get("PYTEST_XDIST_WORKER", "main")
   rec = Recorder(os.path.join(log_dir, f"{name}.{os.getpid()}.tsv"))
@@ -69,12 +70,9 @@ def summarize(rows) -> dict:
   files, progs = collections.defaultdict(lambda: [0.0, 0]), collections.defaultdict(lambda: [0.0, 0])
   total, small = [0.0, 0], [0.0, 0]
   for test, s, prog in rows:
-    for acc in (files[test.split("::")[0]], progs[prog], total):
+    for acc in (files[test.split("::")[0]], progs[prog], total, *([small] if s < SMALL_S else [])):
       acc[0] += s
       acc[1] += 1
-    if s < SMALL_S:
-      small[0] += s
-      small[1] += 1
   order = lambda d: {k: tuple(v) for k, v in sorted(d.items(), key=lambda kv: -kv[1][0])}
   return {"total": tuple(total), "small": tuple(small), "files": order(files),
           "programs": order(progs)}
