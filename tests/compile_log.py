@@ -31,7 +31,12 @@ class Recorder(logging.Handler):
   def __init__(self, path: str):
     super().__init__(logging.WARNING)
     self.current = "<collection>"
+    self.before = None                # jax's log settings before install (uninstall)
     self._file = open(path, "a", buffering=1)    # noqa: SIM115 - open while the run lasts
+
+  def close(self):
+    self._file.close()
+    super().close()
 
   def emit(self, record):
     m = _DONE.search(record.getMessage())
@@ -39,17 +44,30 @@ class Recorder(logging.Handler):
       self._file.write(f"{self.current}\t{m.group(2)}\t{m.group(1)}\n")
 
 
+_LOGGER = logging.getLogger("jax._src.dispatch")
+
+
 def install(log_dir: str) -> Recorder:
   """Turns jax's compile log on and records it under ``log_dir`` (one file per process)."""
   os.makedirs(log_dir, exist_ok=True)
   name = os.environ.get("PYTEST_XDIST_WORKER", "main")
   rec = Recorder(os.path.join(log_dir, f"{name}.{os.getpid()}.tsv"))
+  rec.before = (jax.config.jax_log_compiles, _LOGGER.level, _LOGGER.propagate)
   jax.config.update("jax_log_compiles", True)
-  logger = logging.getLogger("jax._src.dispatch")
-  logger.addHandler(rec)
-  logger.setLevel(logging.WARNING)
-  logger.propagate = False          # recorded here, not repeated in every failing test's report
+  _LOGGER.addHandler(rec)
+  _LOGGER.setLevel(logging.WARNING)
+  _LOGGER.propagate = False          # recorded here, not repeated in every failing test's report
   return rec
+
+
+def uninstall(rec: Recorder) -> None:
+  """Undoes ``install``: the handler removed and closed, jax's log settings as they were."""
+  _LOGGER.removeHandler(rec)
+  rec.close()
+  log_compiles, level, propagate = rec.before
+  jax.config.update("jax_log_compiles", log_compiles)
+  _LOGGER.setLevel(level)
+  _LOGGER.propagate = propagate
 
 
 def read(log_dir: str) -> list[tuple[str, float, str]]:

@@ -12,7 +12,7 @@ from tests import compile_log
 
 def test_records_each_compile_with_its_test(tmp_path):
   logger = logging.getLogger("jax._src.dispatch")
-  before = (jax.config.jax_log_compiles, logger.level, logger.propagate)
+  before = (jax.config.jax_log_compiles, logger.level, logger.propagate, list(logger.handlers))
   rec = compile_log.install(str(tmp_path))
   try:
     rec.current = "tests/x.py::test_a"
@@ -20,10 +20,9 @@ def test_records_each_compile_with_its_test(tmp_path):
     rec.current = "tests/y.py::test_b"
     jax.jit(lambda a: jnp.sin(a).sum())(np.ones((3, 5), np.float32)).block_until_ready()
   finally:
-    logger.removeHandler(rec)
-    jax.config.update("jax_log_compiles", before[0])
-    logger.setLevel(before[1])
-    logger.propagate = before[2]
+    compile_log.uninstall(rec)
+  assert (jax.config.jax_log_compiles, logger.level, logger.propagate,
+          list(logger.handlers)) == before
   rows = compile_log.read(str(tmp_path))
   assert [t for t, _, _ in rows] == ["tests/x.py::test_a", "tests/y.py::test_b"]
   assert all(p == "jit(<lambda>)" and s > 0 for _, s, p in rows)
