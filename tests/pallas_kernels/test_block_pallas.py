@@ -7,6 +7,7 @@ import pytest
 
 import pallas_kernels
 from pallas_kernels import _poison, pallas_block, reference
+from tests.pallas_kernels.deviceless import twin_jit
 from tests.pallas_kernels.np_ref import block_loop
 
 B, T, H, D, BS = 2, 32, 2, 8, 16
@@ -64,16 +65,16 @@ def test_poison_nan_padding_and_dispatch():
   clean = (q, k, v)
   qn, kn, vn = (x.at[0, 5:].set(jnp.nan).at[1, 27:].set(jnp.inf) for x in (q, k, v))
   with _poison.poison_outputs():  # every output starts NaN-filled: all of it must be written
-    out = _kernel(qn, kn, vn, lengths=lengths)
-    dq, dk, dv = jax.grad(lambda q, k, v: jnp.sum(_kernel(q, k, v, lengths=lengths) ** 2),
-                          (0, 1, 2))(qn, kn, vn)
+    out = jax.jit(lambda q, k, v: _kernel(q, k, v, lengths=lengths))(qn, kn, vn)
+    dq, dk, dv = jax.jit(jax.grad(
+        lambda q, k, v: jnp.sum(_kernel(q, k, v, lengths=lengths) ** 2), (0, 1, 2)))(qn, kn, vn)
   assert np.isfinite(np.asarray(out)).all()
   np.testing.assert_allclose(out, block_loop(*clean, BS, lengths=lengths), atol=2e-5)
-  out2 = pallas_kernels.block_attention(qn, kn, vn, block_size=BS, lengths=lengths,
-                                        backend="pallas", interpret=True)
+  out2 = jax.jit(lambda q, k, v: pallas_kernels.block_attention(
+      q, k, v, block_size=BS, lengths=lengths, backend="pallas", interpret=True))(qn, kn, vn)
   np.testing.assert_array_equal(out, out2)
-  ref_grads = jax.grad(lambda q, k, v: jnp.sum(reference.block_attention_reference(
-      q, k, v, block_size=BS, lengths=lengths) ** 2), (0, 1, 2))(*clean)
+  ref_grads = twin_jit(jax.grad(lambda q, k, v: jnp.sum(reference.block_attention_reference(
+      q, k, v, block_size=BS, lengths=lengths) ** 2), (0, 1, 2)), q.dtype)(*clean)
   for g, r in zip((dq, dk, dv), ref_grads, strict=True):
     assert np.isfinite(np.asarray(g)).all() and np.all(np.asarray(g[0, 5:]) == 0)
     np.testing.assert_allclose(g, r, atol=5e-5, rtol=1e-4)
@@ -82,7 +83,7 @@ def test_poison_nan_padding_and_dispatch():
 def test_bf16_forward():
   q, k, v = _qkv(jnp.bfloat16, seed=2)
   kw = dict(lengths=np.array([32, 20]), rotary=_rotary(False))
-  out = _kernel(q, k, v, **kw)
+  out = jax.jit(lambda q, k, v: _kernel(q, k, v, **kw))(q, k, v)
   assert out.dtype == jnp.bfloat16
   f32 = [x.astype(jnp.float32) for x in (q, k, v)]
   np.testing.assert_allclose(np.asarray(out, np.float32), block_loop(*f32, BS, **kw),
@@ -103,8 +104,9 @@ def test_score_clip_changes_gdpa_only():
   """The clip is active for GDPA activations (reference differs from unclipped; the kernel
   matches the reference in the cases above) and ignored by softmax (bitwise equal)."""
   q, k, v = _qkv(seed=3)
-  f = lambda backend, **kw: np.asarray(pallas_kernels.block_attention(
-      q, k, v, block_size=BS, backend=backend, interpret=True, **kw))
+  jit = lambda backend: jax.jit if backend == "pallas" else (lambda g: twin_jit(g, q.dtype))
+  f = lambda backend, **kw: np.asarray(jit(backend)(lambda q, k, v: pallas_kernels.block_attention(
+      q, k, v, block_size=BS, backend=backend, interpret=True, **kw))(q, k, v))
   assert np.abs(f("xla", activation="silu", score_clip=0.5)
                 - f("xla", activation="silu")).max() > 0.05
   for backend in ("xla", "pallas"):
@@ -129,7 +131,7 @@ def test_partial_last_block(activation):
     got = jax.jit(jax.grad(lambda q, k, v: jnp.sum(kern(q, k, v) * w), (0, 1, 2)))(q, k, v)
   np.testing.assert_allclose(out, block_loop(q, k, v, BS, **kw), atol=2e-5, rtol=1e-5)
   assert np.all(np.asarray(out[1, 35:]) == 0)
-  want = jax.grad(lambda q, k, v: jnp.sum(reference.block_attention_reference(
-      q, k, v, block_size=BS, **kw) * w), (0, 1, 2))(q, k, v)
+  want = twin_jit(jax.grad(lambda q, k, v: jnp.sum(reference.block_attention_reference(
+      q, k, v, block_size=BS, **kw) * w), (0, 1, 2)), q.dtype)(q, k, v)
   for name, g, r in zip("qkv", got, want, strict=True):
     np.testing.assert_allclose(g, r, atol=5e-5, rtol=1e-4, err_msg=f"d{name}")

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import _poison, event_mlp
-from tests.pallas_kernels.deviceless import close
+from tests.pallas_kernels.deviceless import close, twin_jit
 
 
 def _inputs(N, K, F, D, seed):
@@ -28,7 +28,8 @@ def test_twin_matches_numpy():
   z = x @ w1 + b1
   h = 0.5 * z * (1 + np.tanh(np.sqrt(2 / np.pi) * (z + 0.044715 * z ** 3)))
   ref = valid[:, None] * (h @ w2 + b2)
-  close(event_mlp.event_mlp_xla(*map(jnp.asarray, args), dtype=jnp.float32), ref, 1e-5)
+  twin = twin_jit(lambda *a: event_mlp.event_mlp_xla(*a, dtype=jnp.float32), jnp.float32)
+  close(twin(*map(jnp.asarray, args)), ref, 1e-5)
 
 
 @pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 3e-2)])
@@ -40,16 +41,14 @@ def test_kernels_match_the_twin(dtype, tol, N, K, F, D):
   x = x.astype(dtype)
   dy = jnp.asarray(np.random.default_rng(1).normal(size=(N, D)), jnp.float32)
 
-  def run(fn):
+  def run(fn, jit):
     f = lambda *a: fn(*a, valid, dtype=dtype)
-    y = f(x, w1, b1, w2, b2)
-    g = jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32) * dy), (0, 1, 2, 3, 4))(
-        x, w1, b1, w2, b2)
-    return y, g
+    g = jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32) * dy), (0, 1, 2, 3, 4))
+    return jit(lambda *a: (f(*a), g(*a)))(x, w1, b1, w2, b2)
 
   with _poison.poison_outputs():
-    y, grads = run(lambda *a, **k: event_mlp.event_mlp_pallas(*a, interpret=True, **k))
-  ref, rgrads = run(event_mlp.event_mlp_xla)
+    y, grads = run(lambda *a, **k: event_mlp.event_mlp_pallas(*a, interpret=True, **k), jax.jit)
+  ref, rgrads = run(event_mlp.event_mlp_xla, lambda f: twin_jit(f, dtype))
   assert y.dtype == dtype and y.shape == ref.shape
   close(y, ref, tol)
   assert not np.any(np.asarray(y, np.float32)[N - 7:])

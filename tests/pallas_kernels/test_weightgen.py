@@ -11,7 +11,7 @@ import pytest
 
 from pallas_kernels import _poison, weightgen
 from tests.pallas_kernels import deviceless
-from tests.pallas_kernels.deviceless import close
+from tests.pallas_kernels.deviceless import close, twin_jit
 
 
 def _inputs(B=3, N=16, m=32, d=32, e=16, W=64, seed=0):
@@ -33,8 +33,8 @@ def _numpy(x, w_tok, a1, b1, a_k, a_v, eps=1e-6):
 
 def test_twin_matches_numpy():
   args = _inputs()
-  for got, want in zip(weightgen.weightgen_xla(*map(jnp.asarray, args), dtype=jnp.float32),
-                       _numpy(*args), strict=True):
+  twin = twin_jit(lambda *a: weightgen.weightgen_xla(*a, dtype=jnp.float32), jnp.float32)
+  for got, want in zip(twin(*map(jnp.asarray, args)), _numpy(*args), strict=True):
     close(got, want, 1e-5)
 
 
@@ -54,15 +54,17 @@ def test_kernels_match_the_twin(dtype, tol, shape):
   out = (sh["B"], sh["m"], sh["W"])
   ck, cv = (jnp.asarray(rng.normal(size=out), jnp.float32) for _ in range(2))
 
-  def run(fn):
+  def run(fn, jit):
     def loss(*a):
       k, v = fn(*a, dtype=dtype)
       return jnp.sum(k.astype(jnp.float32) * ck) + jnp.sum(v.astype(jnp.float32) * cv)
-    return fn(*args, dtype=dtype), jax.grad(loss, argnums=tuple(range(6)))(*args)
+    return jit(lambda *a: (fn(*a, dtype=dtype), jax.grad(loss, argnums=tuple(range(6)))(*a)))(
+        *args)
 
   with _poison.poison_outputs():
-    (k, v), grads = run(lambda *a, **kw: weightgen.weightgen_pallas(*a, interpret=True, **kw))
-  (rk, rv), rgrads = run(weightgen.weightgen_xla)
+    (k, v), grads = run(lambda *a, **kw: weightgen.weightgen_pallas(*a, interpret=True, **kw),
+                        jax.jit)
+  (rk, rv), rgrads = run(weightgen.weightgen_xla, lambda f: twin_jit(f, dtype))
   assert k.dtype == dtype and k.shape == rk.shape == out
   close(k, rk, tol)
   close(v, rv, tol)

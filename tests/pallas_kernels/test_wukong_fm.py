@@ -13,7 +13,7 @@ import pytest
 
 from pallas_kernels import _poison, wukong_fm
 from tests.pallas_kernels import deviceless
-from tests.pallas_kernels.deviceless import close
+from tests.pallas_kernels.deviceless import close, twin_jit
 from tests.pallas_kernels.np_ref import _bf16
 
 
@@ -72,8 +72,8 @@ def test_kernels_match_the_twin(dtype, tol, B, N, ms, d):
           tuple(jnp.asarray(rng.normal(size=(B, m, d)), jnp.float32) for m in ms))
   pal = lambda *a, **k: wukong_fm.wukong_fm_pallas(*a, interpret=True, **k)
   with _poison.poison_outputs():
-    h, mixes = pal(x, y, ws, sc, bi, dtype=dtype)
-    val, grads = _loss(pal, dtype, cots)(x, y, ws, sc, bi)
+    h, mixes = jax.jit(lambda *a: pal(*a, dtype=dtype))(x, y, ws, sc, bi)
+    val, grads = jax.jit(_loss(pal, dtype, cots))(x, y, ws, sc, bi)
   # values: the float64 numpy computation (the XLA:CPU twin may accumulate its bfloat16 token
   # maps in 16 bits: 2-2.5% off at 60-72 tokens, where the kernels are within 0.3%)
   rh, rmixes = _numpy(np.asarray(x, np.float32), y, ws, sc, bi,
@@ -85,7 +85,7 @@ def test_kernels_match_the_twin(dtype, tol, B, N, ms, d):
     close(m, r, tol)
   close(val, np.sum(rh * cots[0]) + sum(np.sum(r * c) for r, c in zip(rmixes, cots[1],
                                                                        strict=True)), tol)
-  _, rgrads = _loss(wukong_fm.wukong_fm_xla, dtype, cots)(x, y, ws, sc, bi)
+  _, rgrads = twin_jit(_loss(wukong_fm.wukong_fm_xla, dtype, cots), dtype)(x, y, ws, sc, bi)
   for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(rgrads), strict=True):
     assert g.dtype == r.dtype and g.shape == r.shape
     close(g, r, tol)
@@ -106,7 +106,7 @@ def test_under_vmap_with_shared_input():
       h, mixes = jax.vmap(lambda y, ws, s, b: fn(x, y, ws, s, b, dtype=jnp.float32))(
           ys, wss, scs, bis)
       return jnp.sum(jnp.sin(h)) + jnp.sum(mixes[0] * cot)
-    return jax.grad(f, argnums=(0, 1, 2, 3, 4))
+    return jax.jit(jax.grad(f, argnums=(0, 1, 2, 3, 4)))
 
   pal = lambda *a, **k: wukong_fm.wukong_fm_pallas(*a, interpret=True, **k)
   got = loss(pal)(jnp.asarray(x), ys, wss, scs, bis)
@@ -143,15 +143,16 @@ def test_pass_through_adds_its_cotangent_to_dx(dtype, tol, N, d):
     return jax.value_and_grad(f, argnums=(0, 1, 2, 3, 4))
 
   pal = lambda *a, **k: wukong_fm.wukong_fm_pallas(*a, interpret=True, **k)
+  vmapped = lambda **kw: jax.jit(jax.vmap(lambda *a: pal(*a, dtype=dtype, **kw)))
   with _poison.poison_outputs():
-    out = jax.vmap(lambda *a: pal(*a, dtype=dtype, through=True))(xs, ys, wss, scs, bis)
-    val, grads = loss(pal, {"through": True})(xs, ys, wss, scs, bis)
-  plain = jax.vmap(lambda *a: pal(*a, dtype=dtype))(xs, ys, wss, scs, bis)
+    out = vmapped(through=True)(xs, ys, wss, scs, bis)
+    val, grads = jax.jit(loss(pal, {"through": True}))(xs, ys, wss, scs, bis)
+  plain = vmapped()(xs, ys, wss, scs, bis)
   assert len(out) == 3 and out[2] is not None
   np.testing.assert_array_equal(np.asarray(out[2]), np.asarray(xs))
   for a, b in zip(jax.tree.leaves(out[:2]), jax.tree.leaves(plain), strict=True):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-  rval, rgrads = loss(wukong_fm.wukong_fm_xla, {})(xs, ys, wss, scs, bis)
+  rval, rgrads = twin_jit(loss(wukong_fm.wukong_fm_xla, {}), dtype)(xs, ys, wss, scs, bis)
   close(val, rval, tol)
   for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(rgrads), strict=True):
     assert g.dtype == r.dtype and g.shape == r.shape
@@ -224,14 +225,15 @@ def test_out_norm_kernels_match_the_twin_and_numpy(dtype, tol, B, ns, with_b0, J
   args = (parts, res, sc, bi, None if b0 is None else jnp.asarray(b0),
           tuple(jnp.asarray(o, dtype) for o in others), None if lgt is None else jnp.asarray(lgt))
 
-  def run(fn):
+  def run(fn, jit):
     g = lambda p, r, s, b, b0, o, c: fn(p, r, s, b, bias0=b0, others=o, logits=c, dtype=dtype)
     f = lambda *a: jnp.sum(g(*a).astype(jnp.float32) * cot)
-    return g(*args), jax.grad(f, argnums=tuple(range(len(args))))(*args)
+    return jit(lambda *a: (g(*a), jax.grad(f, argnums=tuple(range(len(args))))(*a)))(*args)
 
   with _poison.poison_outputs():
-    got, g_got = run(lambda *a, **k: wukong_fm.wukong_out_pallas(*a, interpret=True, **k))
-  want, g_want = run(wukong_fm.wukong_out_xla)
+    got, g_got = run(lambda *a, **k: wukong_fm.wukong_out_pallas(*a, interpret=True, **k),
+                     jax.jit)
+  want, g_want = run(wukong_fm.wukong_out_xla, lambda f: twin_jit(f, dtype))
   assert got.dtype == dtype
   close(got, want, tol)
   assert jax.tree.structure(g_got) == jax.tree.structure(g_want)
