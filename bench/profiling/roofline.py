@@ -940,6 +940,44 @@ def add_floors(rl: dict, floors: dict) -> dict:
   return rl
 
 
+# the reduction computation XLA's split-K rewrite gives the partial sums' reduce
+_SPLIT_K_REDUCE = re.compile(r"dimensions=\{0\}, to_apply=%[\w.\-]+\.reduce_sub_computation")
+
+
+def split_k(text: str, costs: list[dict] | None = None) -> dict:
+  """``{group: {"gemms", "launches", "bytes"}}``: the round trip of the partial sums XLA's split-K
+  adds to GEMMs with few output tiles (a weight gradient's ``[d_in, d_out]`` over many tokens: it
+  splits the contraction for parallelism). ``bytes``: the float32 partials the GEMM fusion writes
+  plus what the fusions that reduce them (``launches``) read of them, per step; a GEMM without
+  the split would write its result itself. Attributed to the GEMM's scope group."""
+  costs = op_costs(text) if costs is None else costs
+  comps, entry = hlo_stats.parse_hlo(text)
+  strip = lambda shape: re.sub(r"\{[^}]*\}", "", shape)        # without the layout
+  partials = defaultdict(set)          # computation -> the shapes of the partials it reduces
+  for c, body in comps.items():
+    shapes = {name: strip(shape) for name, _, _, shape in body}
+    for _, op, rest, _ in body:
+      if op == "reduce" and _SPLIT_K_REDUCE.search(rest):
+        partials[c].add(shapes.get(operands(rest)[0], ""))
+  shapes = {name: strip(shape) for name, _, _, shape, _ in hlo_stats.top_level(comps, entry)}
+  reduced = {name: set().union(*(partials.get(c, set()) for c in hlo_stats._called(rest)))
+             for name, op, rest, _, _ in hlo_stats.top_level(comps, entry) if op == "fusion"}
+  by_name = {c["name"]: c for c in costs}
+  readers = defaultdict(list)                        # GEMM fusion -> the fusions reducing it
+  for c in costs:
+    for x in c["reads"] if reduced.get(c["name"]) else ():
+      if x in by_name and by_name[x]["gemm"] and shapes.get(x) in reduced[c["name"]]:
+        readers[x].append(c)
+  out = defaultdict(lambda: {"gemms": 0, "launches": 0, "bytes": 0.0})
+  for g, rs in readers.items():
+    gemm = by_name[g]
+    v = out[hlo_stats.scope_group(gemm["op_name"])]
+    v["gemms"] += 1
+    v["launches"] += sum(r["times"] for r in rs)
+    v["bytes"] += gemm["bytes_out"] * gemm["times"] + sum(r["reads"][g] * r["times"] for r in rs)
+  return dict(out)
+
+
 def print_floors(groups: dict, stream=None, title: str = "by group") -> None:
   """One line per scope group: XLA bytes, compulsory bytes (``add_floors``), their ratio and
   launches, and where known the kernels' and GEMMs' ratio alone (``groups``: ``rl["groups"]`` or
@@ -1036,6 +1074,16 @@ def main(argv=None) -> int:
     return 2
   rl = add_floors(roofline(costs, None), group_floors(text, costs))
   print_floors(rl["groups"])
+  sk = split_k(text, costs)
+  if sk:
+    print("split-K partial sums (XLA splits a GEMM with few output tiles for parallelism; a "
+          "group's ratio without their round trip):")
+    for g, v in sorted(sk.items(), key=lambda kv: -kv[1]["bytes"]):
+      grp = rl["groups"].get(g, {})
+      f = grp.get("floor_bytes")
+      r = f"{(grp['bytes'] - v['bytes']) / f:.2f}x" if f else "-"
+      print(f"  {g:<12} {v['bytes'] / 1e9:8.3f} GB, {v['gemms']} GEMMs, {v['launches']} reducing "
+            f"launches; {r}")
   for g in args.group:
     if g not in rl["groups"]:
       print(f"error: no scope group {g!r}; the program's: {', '.join(sorted(rl['groups']))}",

@@ -421,3 +421,75 @@ def test_a_kernel_reading_a_gemm_output_is_not_a_gemm():
   c = {x["name"]: x for x in roofline.op_costs(GEMM_OPERAND_HLO)}
   assert c["gemm_fusion_dot.1"]["gemm"] and c["cublas"]["gemm"]
   assert c["pallas_call.2"]["pallas"] and not c["pallas_call.2"]["gemm"]
+
+
+SPLIT_K_HLO = """HloModule split_k
+
+%dot.7.reduce_sub_computation (s0: f32[], s1: f32[]) -> f32[] {
+  %s0 = f32[] parameter(0)
+  %s1 = f32[] parameter(1)
+  ROOT %s2 = f32[] add(%s0, %s1)
+}
+
+%add (t0: f32[], t1: f32[]) -> f32[] {
+  %t0 = f32[] parameter(0)
+  %t1 = f32[] parameter(1)
+  ROOT %t2 = f32[] add(%t0, %t1)
+}
+
+%gemm_split (p0: bf16[4,32,16], p1: bf16[4,32,8]) -> f32[4,16,8] {
+  %p0 = bf16[4,32,16]{2,1,0} parameter(0)
+  %p1 = bf16[4,32,8]{2,1,0} parameter(1)
+  ROOT %d0 = f32[4,16,8]{2,1,0} dot(%p0, %p1), lhs_batch_dims={0}, lhs_contracting_dims={1}, rhs_batch_dims={0}, rhs_contracting_dims={1}
+}
+
+%fused_top (q0: f32[4,16,8]) -> bf16[8,8] {
+  %q0 = f32[4,16,8]{2,1,0} parameter(0)
+  %z0 = f32[] constant(0)
+  %r0 = f32[16,8]{1,0} reduce(%q0, %z0), dimensions={0}, to_apply=%dot.7.reduce_sub_computation
+  %h0 = bf16[16,8]{1,0} convert(%r0)
+  ROOT %top_rows = bf16[8,8]{1,0} slice(%h0), slice={[0:8], [0:8]}
+}
+
+%fused_bottom (q1: f32[4,16,8]) -> bf16[8,8] {
+  %q1 = f32[4,16,8]{2,1,0} parameter(0)
+  %z1 = f32[] constant(0)
+  %r1 = f32[16,8]{1,0} reduce(%q1, %z1), dimensions={0}, to_apply=%dot.7.reduce_sub_computation
+  %h1 = bf16[16,8]{1,0} convert(%r1)
+  ROOT %bottom_rows = bf16[8,8]{1,0} slice(%h1), slice={[8:16], [0:8]}
+}
+
+%gemm_plain (p2: bf16[16,32], p3: bf16[32,8]) -> f32[16,8] {
+  %p2 = bf16[16,32]{1,0} parameter(0)
+  %p3 = bf16[32,8]{1,0} parameter(1)
+  ROOT %d1 = f32[16,8]{1,0} dot(%p2, %p3), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%fused_sum (q2: f32[16,8]) -> f32[8] {
+  %q2 = f32[16,8]{1,0} parameter(0)
+  %z2 = f32[] constant(0)
+  ROOT %r2 = f32[8]{0} reduce(%q2, %z2), dimensions={0}, to_apply=%add
+}
+
+ENTRY %main (a: bf16[4,32,16], b: bf16[4,32,8], x: bf16[16,32], w: bf16[32,8]) -> (bf16[8,8], bf16[8,8], f32[8]) {
+  %a = bf16[4,32,16]{2,1,0} parameter(0)
+  %b = bf16[4,32,8]{2,1,0} parameter(1)
+  %x = bf16[16,32]{1,0} parameter(2)
+  %w = bf16[32,8]{1,0} parameter(3)
+  %gemm_fusion_dot.7 = f32[4,16,8]{2,1,0} fusion(%a, %b), kind=kCustom, calls=%gemm_split, metadata={op_name="jit(f)/transpose(jvp(Kunlun))/Kunlun/layer_0/KunlunLayer_0/click_proj/transpose"}
+  %top = bf16[8,8]{1,0} fusion(%gemm_fusion_dot.7), kind=kLoop, calls=%fused_top, metadata={op_name="jit(f)/transpose(jvp(Kunlun))/Kunlun/layer_0/KunlunLayer_0/click_proj/transpose"}
+  %bottom = bf16[8,8]{1,0} fusion(%gemm_fusion_dot.7), kind=kLoop, calls=%fused_bottom, metadata={op_name="jit(f)/transpose(jvp(Kunlun))/Kunlun/layer_0/KunlunLayer_0/click_proj/transpose"}
+  %gemm_fusion_dot.9 = f32[16,8]{1,0} fusion(%x, %w), kind=kCustom, calls=%gemm_plain, metadata={op_name="jit(f)/Kunlun/heads/Heads/dense/dot_general"}
+  %sum = f32[8]{0} fusion(%gemm_fusion_dot.9), kind=kInput, calls=%fused_sum, metadata={op_name="jit(f)/Kunlun/heads/Heads/reduce_sum"}
+  ROOT %t = (bf16[8,8]{1,0}, bf16[8,8]{1,0}, f32[8]{0}) tuple(%top, %bottom, %sum)
+}
+"""
+
+
+def test_split_k_charges_the_partials_round_trip_to_the_gemms_group():
+  """A weight-gradient GEMM split in 4 along its contraction writes float32 partials [4, 16, 8]
+  (2,048 B); two fusions reduce them with XLA's split-K reduction, each keeping 8 of the 16 rows
+  (4 x 8 x 8 x 4 B = 1,024 B read each): 4,096 B in two extra launches, in the projection's group
+  (``other``). A plain GEMM whose output an ordinary reduce sums (the heads) is not split-K."""
+  sk = roofline.split_k(SPLIT_K_HLO)
+  assert sk == {"other": {"gemms": 1, "launches": 2, "bytes": 4096.0}}
