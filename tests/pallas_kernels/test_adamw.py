@@ -11,6 +11,7 @@ import pytest
 from kunlun.train import opt_layout, optim
 from pallas_kernels import _poison
 from pallas_kernels import adamw as A
+from tests.pallas_kernels.deviceless import twin_jit
 
 # sizes below, at and across the block; one leaf exactly two blocks
 SHAPES = [(3,), (40, 33), (2, 5, 7), (A.BLOCK,), (1500,), (2 * A.BLOCK // 4, 4), (300, 9)]
@@ -44,12 +45,15 @@ def test_kernel_matches_the_twin_and_numpy(trigger):
   gs, ps, mus, nus = _leaves(0)
   sc = np.asarray([3.0, 0.1, 0.002, 0.01, trigger], np.float32)
   cds = [jnp.bfloat16 if i % 2 else None for i in range(len(SHAPES))]
+  pack = jax.jit(A.pack)
   args = ([jnp.asarray(x) for x in gs], [jnp.asarray(x) for x in ps],
-          A.pack([jnp.asarray(x) for x in mus]), A.pack([jnp.asarray(x) for x in nus]),
+          pack([jnp.asarray(x) for x in mus]), pack([jnp.asarray(x) for x in nus]),
           jnp.asarray(sc))
+  kernel = lambda: jax.jit(lambda *a: A.adamw_pallas(*a, hyper=HYPER, copy_dtypes=cds,
+                                                       interpret=True))
   with _poison.poison_outputs():              # an element the kernel does not write stays NaN
-    got = A.adamw_pallas(*args, hyper=HYPER, copy_dtypes=cds, interpret=True)
-  twin = A.adamw_xla(*args, hyper=HYPER, copy_dtypes=cds)
+    got = kernel()(*args)
+  twin = twin_jit(lambda *a: A.adamw_xla(*a, hyper=HYPER, copy_dtypes=cds), jnp.float32)(*args)
   offs, L = A.offsets([g.size for g in gs])
   want_mu, want_nu = np.zeros(L), np.zeros(L)
   for i, (g, p, mu, nu) in enumerate(zip(gs, ps, mus, nus, strict=True)):
@@ -69,15 +73,16 @@ def test_kernel_matches_the_twin_and_numpy(trigger):
     np.testing.assert_allclose(np.asarray(res[3]), want_nu, rtol=1e-6, atol=1e-12)
   # bfloat16 gradients (a 16-bit copy's, as the train step hands them over) are widened exactly
   g16 = [g.astype(jnp.bfloat16) for g in args[0]]
-  a = A.adamw_pallas(g16, *args[1:], hyper=HYPER, copy_dtypes=cds, interpret=True)
-  b = A.adamw_pallas([g.astype(jnp.float32) for g in g16], *args[1:], hyper=HYPER,
-                     copy_dtypes=cds, interpret=True)
+  plain = kernel()                            # traced here: not poisoned (the switch is read
+  a = plain(g16, *args[1:])                   # when a kernel is traced)
+  b = plain([g.astype(jnp.float32) for g in g16], *args[1:])
   for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
   with _poison.poison_outputs():
-    sq = A.sq_norm_pallas(args[0], interpret=True)
+    sq = jax.jit(lambda gs: A.sq_norm_pallas(gs, interpret=True))(args[0])
   want = sum(np.sum(np.asarray(g, np.float64) ** 2) for g in gs)
-  np.testing.assert_allclose([float(sq), float(A.sq_norm_xla(args[0]))], [want, want], rtol=1e-6)
+  sq_xla = twin_jit(A.sq_norm_xla, jnp.float32)(args[0])
+  np.testing.assert_allclose([float(sq), float(sq_xla)], [want, want], rtol=1e-6)
 
 
 def test_bad_shapes_are_one_line_errors():
@@ -125,15 +130,16 @@ def test_the_optimizer_on_its_kernels_equals_the_xla_one(monkeypatch):
   assert [len(g.members) for g in layout.groups] == [8, 8, 2]
   assert all(g.align == A.BLOCK and g.size == len(g.members) * A.BLOCK for g in layout.groups)
   assert all(m.offset % A.BLOCK == 0 for g in layout.groups for m in g.members)
-  states = {b: tx.init(params) for b, tx in txs.items()}
+  states = {b: jax.jit(tx.init)(params) for b, tx in txs.items()}
+  steps = {b: jax.jit(lambda g, s, p, tx=tx: tx.step(tx.prepare(g, p), g, s, p))
+           for b, tx in txs.items()}                # traced once each, not once a step
   ps = dict.fromkeys(txs, params)
   rng = np.random.default_rng(3)
   for t in range(3):
     grads = jax.tree.map(lambda x, t=t: jnp.asarray(rng.normal(size=x.shape) * (0.02 + 2 * t),
                                                     jnp.float32), params)
-    for b, tx in txs.items():
-      step = jax.jit(lambda g, s, p, tx=tx: tx.step(tx.prepare(g, p), g, s, p))
-      ps[b], states[b] = step(grads, states[b], ps[b])
+    for b in txs:
+      ps[b], states[b] = steps[b](grads, states[b], ps[b])
   assert not txs["auto"].kernels() and txs["pallas"].kernels()
   for b in ("pallas", "auto"):
     for a, c in zip(jax.tree.leaves(ps[b]), jax.tree.leaves(ps["xla"]), strict=True):
@@ -151,8 +157,7 @@ def test_the_optimizer_on_its_kernels_equals_the_xla_one(monkeypatch):
   # the optax protocol: params + updates is the step
   g = jax.tree.map(jnp.ones_like, params)
   upd, _ = jax.jit(txs["pallas"].update)(g, states["pallas"], ps["pallas"])
-  new, _ = jax.jit(lambda g, s, p: txs["pallas"].step(txs["pallas"].prepare(g, p), g, s, p))(
-      g, states["pallas"], ps["pallas"])
-  for a, c in zip(jax.tree.leaves(optax.apply_updates(ps["pallas"], upd)), jax.tree.leaves(new),
-                  strict=True):
+  new, _ = steps["pallas"](g, states["pallas"], ps["pallas"])
+  applied = jax.jit(optax.apply_updates)(ps["pallas"], upd)
+  for a, c in zip(jax.tree.leaves(applied), jax.tree.leaves(new), strict=True):
     np.testing.assert_allclose(np.asarray(a), np.asarray(c), rtol=1e-6, atol=1e-7)

@@ -7,6 +7,7 @@ import pytest
 from jax.sharding import Mesh
 
 from pallas_kernels import reference, sharded
+from tests.pallas_kernels.deviceless import twin_jit
 from tests.pallas_kernels.np_ref import gdpa_loop
 
 B, T, H, D = 4, 20, 4, 8
@@ -27,12 +28,13 @@ def test_sharded_gdpa_matches_unsharded_reference(mesh):
   # Per-head activations that differ between the two head shards (exercises the switch).
   kw = dict(activation=("silu", "silu", "relu", "gelu"), q_lengths=jnp.array([20, 3, 0, 17]),
             kv_lengths=jnp.array([20, 11, 5, 0]), window=7, out_scale=0.5)
-  out = sharded.sharded_gdpa(q, k, v, mesh=mesh, batch_axes="data", head_axes="tensor",
-                             interpret=True, **kw)
-  np.testing.assert_allclose(out, reference.gdpa_reference(q, k, v, **kw), atol=2e-5)
-  g = jax.grad(lambda v: jnp.sum(sharded.sharded_gdpa(
-      q, k, v, mesh=mesh, batch_axes="data", head_axes="tensor", interpret=True, **kw) ** 2))(v)
-  g_ref = jax.grad(lambda v: jnp.sum(reference.gdpa_reference(q, k, v, **kw) ** 2))(v)
+  kern = lambda q, k, v: sharded.sharded_gdpa(q, k, v, mesh=mesh, batch_axes="data",
+                                              head_axes="tensor", interpret=True, **kw)
+  ref = lambda q, k, v: reference.gdpa_reference(q, k, v, **kw)
+  both = lambda f: lambda q, k, v: (f(q, k, v), jax.grad(lambda v: jnp.sum(f(q, k, v) ** 2))(v))
+  out, g = jax.jit(both(kern))(q, k, v)
+  want, g_ref = twin_jit(both(ref), q.dtype)(q, k, v)
+  np.testing.assert_allclose(out, want, atol=2e-5)
   np.testing.assert_allclose(g, g_ref, atol=5e-5, rtol=1e-4)
 
 
@@ -41,8 +43,9 @@ def test_sharded_gdpa_broadcast_q(mesh, score_clip):
   q, k, v = _qkv()
   kw = dict(activation="fast_gelu", broadcast_q=True, kv_lengths=jnp.array([20, 9, 1, 14]),
             score_clip=score_clip)
-  out = sharded.sharded_gdpa(q[:1], k, v, mesh=mesh, batch_axes="data", head_axes="tensor",
-                             interpret=True, **kw)
+  out = jax.jit(lambda q, k, v: sharded.sharded_gdpa(q, k, v, mesh=mesh, batch_axes="data",
+                                                     head_axes="tensor", interpret=True, **kw))(
+      q[:1], k, v)
   np.testing.assert_allclose(out, gdpa_loop(q[:1], k, v, **kw), atol=2e-5)
 
 
@@ -50,9 +53,11 @@ def test_sharded_block_attention_with_rotary(mesh):
   q, k, v = _qkv(t=32, seed=1)
   ang = jax.random.uniform(jax.random.key(2), (B, 32, H, D // 2), maxval=5.0)
   kw = dict(block_size=16, lengths=jnp.array([32, 7, 0, 20]), rotary=(jnp.cos(ang), jnp.sin(ang)))
-  out = sharded.sharded_block_attention(q, k, v, mesh=mesh, batch_axes="data",
-                                        head_axes="tensor", interpret=True, **kw)
-  np.testing.assert_allclose(out, reference.block_attention_reference(q, k, v, **kw), atol=2e-5)
+  out = jax.jit(lambda q, k, v: sharded.sharded_block_attention(
+      q, k, v, mesh=mesh, batch_axes="data", head_axes="tensor", interpret=True, **kw))(q, k, v)
+  want = twin_jit(lambda q, k, v: reference.block_attention_reference(q, k, v, **kw), q.dtype)(
+      q, k, v)
+  np.testing.assert_allclose(out, want, atol=2e-5)
 
 
 def test_bad_mesh_axis(mesh):

@@ -65,7 +65,8 @@ def test_swa_matches_dense_reference(window, activation):
                                                    out_scale=0.25), q, k, v)
   np.testing.assert_allclose(np.asarray(out), want, rtol=1e-5, atol=1e-5)
   # unsharded path gives the same result
-  plain = CP.swa_attention(Q, K, V, LENGTHS, window, activation=activation, out_scale=0.25)
+  plain = jax.jit(lambda q, k, v: CP.swa_attention(q, k, v, LENGTHS, window, activation=activation,
+                                                   out_scale=0.25))(Q, K, V)
   np.testing.assert_allclose(np.asarray(plain), want, rtol=1e-5, atol=1e-5)
   kinds = {c["op"] for c in ops}
   if window:
@@ -80,15 +81,15 @@ def test_swa_matches_dense_reference(window, activation):
 def test_swa_gradient_matches_reference():
   _, _, q, k, v = setup()
   w = RNG.normal(size=Q.shape).astype(np.float32)
-  mask = kref.gdpa_mask(B, T, T, LENGTHS, LENGTHS, window=4)[:, None]
 
   def ref(q, k, v):   # dense masked softmax in jnp (independent of the banded/halo code)
+    mask = kref.gdpa_mask(B, T, T, LENGTHS, LENGTHS, window=4)[:, None]
     s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(D)
     s = jnp.where(mask, s, -1e30)
     p = jnp.where(mask, jax.nn.softmax(s, -1), 0)
     return jnp.sum(jnp.einsum("bhqk,bkhd->bqhd", p, v) * w)
 
-  want = jax.grad(ref, argnums=(0, 1, 2))(Q, K, V)
+  want = jax.jit(jax.grad(ref, argnums=(0, 1, 2)))(Q, K, V)
   got, _ = _run(jax.grad(lambda q, k, v: jnp.sum(CP.swa_attention(q, k, v, LENGTHS, 4) * w),
                          argnums=(0, 1, 2)), q, k, v)
   for g, r in zip(got, want, strict=True):
@@ -98,7 +99,8 @@ def test_swa_gradient_matches_reference():
 def test_block_attention_no_cross_shard_traffic():
   _, _, q, k, v = setup()
   cos, sin = (RNG.uniform(-1, 1, (B, T, H, D // 2)).astype(np.float32) for _ in range(2))
-  want = kref.block_attention_reference(Q, K, V, block_size=8, lengths=LENGTHS, rotary=(cos, sin))
+  want = jax.jit(lambda q, k, v, rot: kref.block_attention_reference(
+      q, k, v, block_size=8, lengths=LENGTHS, rotary=rot))(Q, K, V, (cos, sin))
   mesh, rules, *_ = setup()
   rot = tuple(jax.device_put(x, partition.logical_sharding(mesh, rules, CP.SEQ_AXES))
               for x in (cos, sin))
@@ -115,7 +117,8 @@ def test_gdpa_query_sharded_is_local():
   """PFFN layout: sequence queries against per-example K/V rows."""
   _, _, q, _, _ = setup()
   kv = RNG.normal(size=(2, B, 6, H, D)).astype(np.float32)
-  want = kref.gdpa_reference(Q, kv[0], kv[1], activation="fast_gelu", q_lengths=LENGTHS)
+  want = jax.jit(lambda q, k, v: kref.gdpa_reference(q, k, v, activation="fast_gelu",
+                                                     q_lengths=LENGTHS))(Q, kv[0], kv[1])
   out, ops = _run(lambda q: CP.context_parallel_gdpa(q, kv[0], kv[1], shard="q", q_lengths=LENGTHS), q)
   np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=1e-5, atol=1e-6)
   assert not ops, ops
@@ -125,8 +128,9 @@ def test_gdpa_key_sharded_psum():
   """HSP layout: shared seed queries over the sharded sequence keys, partial sums psum'd."""
   _, _, _, k, v = setup()
   seeds = RNG.normal(size=(1, 3, H, D)).astype(np.float32)
-  want = kref.gdpa_reference(seeds, K, V, activation="silu", out_scale=1 / T, kv_lengths=LENGTHS,
-                             broadcast_q=True)
+  want = jax.jit(lambda q, k, v: kref.gdpa_reference(q, k, v, activation="silu", out_scale=1 / T,
+                                                     kv_lengths=LENGTHS, broadcast_q=True))(
+      seeds, K, V)
   out, ops = _run(lambda k, v: CP.context_parallel_gdpa(seeds, k, v, shard="kv", activation="silu",
                                        out_scale=1 / T, kv_lengths=LENGTHS, broadcast_q=True),
                   k, v)

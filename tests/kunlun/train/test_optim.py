@@ -31,7 +31,7 @@ def test_labels():
 
 
 def test_schedule_warmup_then_cosine():
-  s = optim.lr_schedule(_cfg(schedule="cosine", warmup_steps=10), 110)
+  s = jax.jit(optim.lr_schedule(_cfg(schedule="cosine", warmup_steps=10), 110))
   assert float(s(0)) == 0.0 and float(s(5)) == pytest.approx(5e-3)
   assert float(s(10)) == pytest.approx(1e-2) and float(s(110)) == pytest.approx(0.0, abs=1e-9)
   assert float(s(60)) == pytest.approx(1e-2 * 0.5 * (1 + np.cos(np.pi * 0.5)), rel=1e-5)
@@ -39,11 +39,20 @@ def test_schedule_warmup_then_cosine():
     optim.lr_schedule(_cfg(schedule="linear"), 10)
 
 
+def _apply(tx):
+  """``tx``'s update added to the params, jitted (one compile, not one per operation)."""
+  def step(grads, state, params):
+    upd, state = tx.update(grads, state, params)
+    return jax.tree.map(lambda p, u: p + u, params, upd), state
+  return jax.jit(step)
+
+
 def test_updates_match_numpy():
   cfg = _cfg()
   tx = optim.make_optimizer(cfg, 100)
   params = _params()
-  state = tx.init(params)
+  state = jax.jit(tx.init)(params)
+  step = _apply(tx)
   rng = np.random.default_rng(0)
   # numpy references
   emb = np.ones((5, 3)); acc = np.zeros(5)
@@ -55,8 +64,7 @@ def test_updates_match_numpy():
     g_k, g_b = rng.normal(size=(2, 3)) * 3, rng.normal(size=3) * 3
     grads = {"SparseEmbed_0": {"ad_embedding": jnp.asarray(g_emb, jnp.float32)},
              "Dense_0": {"kernel": jnp.asarray(g_k, jnp.float32), "bias": jnp.asarray(g_b, jnp.float32)}}
-    upd, state = tx.update(grads, state, params)
-    params = jax.tree.map(lambda p, u: p + u, params, upd)
+    params, state = step(grads, state, params)
     # row-wise adagrad
     acc += (g_emb ** 2).mean(1)
     emb = emb - 0.05 * g_emb / (np.sqrt(acc)[:, None] + 1e-8)
@@ -108,8 +116,9 @@ def test_sparse_update_matches_dense_optimizer_and_numpy(jit, grouped):
   tx, sparse = optim.make_optimizer(cfg, 100), make_sparse_update(cfg, 100)
   sparse = jax.jit(sparse) if jit else sparse
   params = _sparse_params()
-  p_dense, s_dense = params, tx.init(params)
-  p_sparse, s_sparse = params, tx.init(params)
+  init, dense_step = jax.jit(tx.init), _apply(tx)
+  p_dense, s_dense = params, init(params)
+  p_sparse, s_sparse = params, init(params)
   ref = {n: [np.asarray(params["SparseEmbed_0"][n], np.float64), np.zeros(len(params["SparseEmbed_0"][n]))]
          for n in ("ad_embedding", "small_embedding")}
   rng = np.random.default_rng(0)
@@ -127,8 +136,7 @@ def test_sparse_update_matches_dense_optimizer_and_numpy(jit, grouped):
     grads = {"SparseEmbed_0": {n: jnp.asarray(g) for n, g in g_table.items()},
              "Pos_0": {"pos_embedding": g_other[pkey]},
              "Dense_0": {"kernel": g_other["['Dense_0']['kernel']"], "bias": g_other["['Dense_0']['bias']"]}}
-    upd, s_dense = tx.update(grads, s_dense, p_dense)
-    p_dense = jax.tree.map(lambda p, u: p + u, p_dense, upd)
+    p_dense, s_dense = dense_step(grads, s_dense, p_dense)
     if grouped:
       names = ("ad_embedding", "small_embedding")
       gids = group_ids([ids[n] for n in names], [16, 3])
@@ -197,19 +205,21 @@ def test_flat_adamw_matches_optax_leafwise():
   ref_tx = _optax_reference(cfg, 100)
   params = _mixed_params()
   dense = lambda t: {k: v for k, v in t.items() if k != "SparseEmbed_0"}
-  state, ref_p, ref_s = tx.init(params), dense(params), ref_tx.init(dense(params))
+  state, ref_p = jax.jit(tx.init)(params), dense(params)
+  ref_s = jax.jit(ref_tx.init)(ref_p)
   emb = {n: [np.asarray(v, np.float64), np.zeros(v.shape[0])]
          for n, v in params["SparseEmbed_0"].items()}
   rng = np.random.default_rng(1)
   update, ref_update = jax.jit(tx.update), jax.jit(ref_tx.update)
+  apply = jax.jit(optax.apply_updates)
   for t in range(5):
     scale = 5.0 if t % 2 else 0.01                       # clipped / not clipped
     grads = jax.tree.map(lambda x, s=scale: jnp.asarray(rng.normal(size=x.shape) * s, jnp.float32),
                          params)
     upd, state = update(grads, state, params)
-    params = optax.apply_updates(params, upd)
+    params = apply(params, upd)
     u, ref_s = ref_update(dense(grads), ref_s, ref_p)
-    ref_p = optax.apply_updates(ref_p, u)
+    ref_p = apply(ref_p, u)
     for n, (tab, acc) in emb.items():
       g = np.asarray(grads["SparseEmbed_0"][n], np.float64)
       acc += (g ** 2).mean(1)
@@ -227,7 +237,7 @@ def test_flat_adamw_matches_optax_leafwise():
     np.testing.assert_allclose(np.asarray(params["SparseEmbed_0"][n]), tab, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(np.asarray(acc[n]), a, rtol=1e-5)
   # the step's norms: squared sums of the dense and the "emb" gradients, once
-  prep = tx.prepare(grads, params)
+  prep = jax.jit(tx.prepare)(grads, params)
   want = lambda ks: sum(float(np.sum(np.asarray(v, np.float64) ** 2)) for k, v in
                         jax.tree_util.tree_leaves_with_path(grads)
                         if ("embedding" in jax.tree_util.keystr(k)) == ks)
@@ -268,7 +278,8 @@ def test_flat_layout_keeps_shards_local_and_matches_one_device():
   assert both.shape == (4, 2, 4) and [m.shape for m in both.members] == [(8, 4)]
   mu = state.inner_states["dense"].inner_state.mu[layout.groups.index(both)]
   assert mu.sharding.shard_shape(mu.shape) == (1, 1, 4)
-  grads = jax.tree.map(lambda x: x * 0.7 + 0.1, params)
+  grad_of = jax.jit(lambda p: jax.tree.map(lambda x: x * 0.7 + 0.1, p))
+  grads = grad_of(params)
   update = jax.jit(lambda g, s, p: tx.update(g, s, p), out_shardings=(shardings, o_sh))
   hlo = update.lower(grads, state, params).compile().as_text()
   assert not any(op in hlo for op in ("all-gather", "all-to-all", "collective-permute")), hlo
@@ -279,7 +290,7 @@ def test_flat_layout_keeps_shards_local_and_matches_one_device():
   # single device, no shardings
   tx1 = optim.make_optimizer(cfg, 100)
   p1 = jax.tree.map(jnp.asarray, params0)
-  u1, _ = jax.jit(tx1.update)(jax.tree.map(lambda x: x * 0.7 + 0.1, p1), tx1.init(p1), p1)
+  u1, _ = jax.jit(tx1.update)(grad_of(p1), jax.jit(tx1.init)(p1), p1)
   for a, b, s in zip(jax.tree.leaves(upd), jax.tree.leaves(u1), jax.tree.leaves(shardings),
                      strict=True):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-6, atol=1e-9)
@@ -296,9 +307,9 @@ def test_pack_unpack_round_trip_of_local_blocks():
                                     is_leaf=lambda x: isinstance(x, P)))
   leaves = jax.tree.leaves(params)
   layout = flat.Layout.build([(x.shape, x.dtype) for x in leaves], sh)
-  bufs = layout.pack(leaves)
-  got = {m.index: layout.unpack(b, m) for g, b in zip(layout.groups, bufs, strict=True)
-         for m in g.members}
+  bufs = jax.jit(layout.pack)(leaves)
+  got = jax.jit(lambda bufs: {m.index: layout.unpack(b, m) for g, b in
+                              zip(layout.groups, bufs, strict=True) for m in g.members})(bufs)
   assert sorted(got) == list(range(len(leaves)))
   for i, x in enumerate(leaves):
     np.testing.assert_array_equal(np.asarray(got[i]), np.asarray(x))
@@ -321,9 +332,9 @@ def test_checkpoint_of_the_per_leaf_optimizer_restores_into_the_flat_one(tmp_pat
                          "emb": optim.rowwise_adagrad(cfg.emb_lr)}, optim.param_labels)
   old_update = jax.jit(old.update)
   old_state = jax.jit(old.init)(params)
-  g1 = jax.tree.map(lambda x: x * 0.3 - 0.2, params)
+  g1 = jax.jit(lambda p: jax.tree.map(lambda x: x * 0.3 - 0.2, p))(params)
   u, old_state = old_update(g1, old_state, params)
-  params = optax.apply_updates(params, u)
+  params = jax.jit(optax.apply_updates)(params, u)
   it = iter(grain.MapDataset.range(10).to_iter_dataset())
   ck = checkpoint.Checkpointer(str(tmp_path / "ck"))
   ck.save(1, params, old_state, jax.random.key(0), it)
@@ -340,7 +351,7 @@ def test_checkpoint_of_the_per_leaf_optimizer_restores_into_the_flat_one(tmp_pat
   assert step == 1 and opt_layout.is_flat(state)
   for a, s in zip(jax.tree.leaves(state), jax.tree.leaves(o_sh), strict=True):
     assert a.sharding.is_equivalent_to(s, a.ndim)
-  g2 = jax.tree.map(lambda x: x * -0.5 + 0.05, params)
+  g2 = jax.jit(lambda p: jax.tree.map(lambda x: x * -0.5 + 0.05, p))(params)
   u_new, _ = jax.jit(tx.update)(g2, state, p)
   u_old, _ = old_update(g2, old_state, params)
   for a, b in zip(jax.tree.leaves(u_new), jax.tree.leaves(u_old), strict=True):
