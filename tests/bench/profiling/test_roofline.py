@@ -455,8 +455,8 @@ SPLIT_K_HLO = """HloModule split_k
   %q1 = f32[4,16,8]{2,1,0} parameter(0)
   %z1 = f32[] constant(0)
   %r1 = f32[16,8]{1,0} reduce(%q1, %z1), dimensions={0}, to_apply=%dot.7.reduce_sub_computation
-  %h1 = bf16[16,8]{1,0} convert(%r1)
-  ROOT %bottom_rows = bf16[8,8]{1,0} slice(%h1), slice={[8:16], [0:8]}
+  %h1 = f32[8,8]{1,0} slice(%r1), slice={[8:16], [0:8]}
+  ROOT %bottom_rows = bf16[8,8]{1,0} convert(%h1)
 }
 
 %gemm_plain (p2: bf16[16,32], p3: bf16[32,8]) -> f32[16,8] {
@@ -489,7 +489,7 @@ ENTRY %main (a: bf16[4,32,16], b: bf16[4,32,8], x: bf16[16,32], w: bf16[32,8]) -
 def test_split_k_charges_the_partials_round_trip_to_the_gemms_group():
   """A weight-gradient GEMM split in 4 along its contraction writes float32 partials [4, 16, 8]
   (2,048 B); two fusions reduce them with XLA's split-K reduction, each keeping 8 of the 16 rows
-  (4 x 8 x 8 x 4 B = 1,024 B read each): 4,096 B in two extra launches, in the projection's group
+  (converted before or after the slice; 4 x 8 x 8 x 4 B = 1,024 B read each): 4,096 B in two extra launches, in the projection's group
   (``other``). A plain GEMM whose output an ordinary reduce sums (the heads) is not split-K."""
   sk = roofline.split_k(SPLIT_K_HLO)
   assert sk == {"other": {"gemms": 1, "launches": 2, "bytes": 4096.0}}
