@@ -955,13 +955,14 @@ def split_k(text: str, costs: list[dict] | None = None) -> dict:
   strip = lambda shape: re.sub(r"\{[^}]*\}", "", shape)        # without the layout
   partials = defaultdict(set)          # computation -> the shapes of the partials it reduces
   for c, body in comps.items():
-    shapes = {name: strip(shape) for name, _, _, shape in body}
+    local = {name: strip(shape) for name, _, _, shape in body}
     for _, op, rest, _ in body:
       if op == "reduce" and _SPLIT_K_REDUCE.search(rest):
-        partials[c].add(shapes.get(operands(rest)[0], ""))
-  shapes = {name: strip(shape) for name, _, _, shape, _ in hlo_stats.top_level(comps, entry)}
+        partials[c].add(local.get(operands(rest)[0], ""))
+  top = hlo_stats.top_level(comps, entry)
+  shapes = {name: strip(shape) for name, _, _, shape, _ in top}
   reduced = {name: set().union(*(partials.get(c, set()) for c in hlo_stats._called(rest)))
-             for name, op, rest, _, _ in hlo_stats.top_level(comps, entry) if op == "fusion"}
+             for name, op, rest, _, _ in top if op == "fusion"}
   by_name = {c["name"]: c for c in costs}
   readers = defaultdict(list)                        # GEMM fusion -> the fusions reducing it
   for c in costs:

@@ -1,6 +1,7 @@
-"""Shared pieces of the kernel tests: a relative closeness check, and the deviceless H200
-compile of a test module's ``main`` (run in the venv ``scripts/setup.sh --gpu-compile`` makes)
-with the shared memory each of its kernels launched with."""
+"""Shared pieces of the kernel tests: a relative closeness check, the twins' jit rule
+(``twin_jit``), and the deviceless H200 compile of a test module's ``main`` (run in the venv
+``scripts/setup.sh --gpu-compile`` makes) with the shared memory each of its kernels launched
+with."""
 
 import glob
 import json
