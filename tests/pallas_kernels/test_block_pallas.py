@@ -65,9 +65,9 @@ def test_poison_nan_padding_and_dispatch():
   clean = (q, k, v)
   qn, kn, vn = (x.at[0, 5:].set(jnp.nan).at[1, 27:].set(jnp.inf) for x in (q, k, v))
   with _poison.poison_outputs():  # every output starts NaN-filled: all of it must be written
-    out = jax.jit(lambda q, k, v: _kernel(q, k, v, lengths=lengths))(qn, kn, vn)
-    dq, dk, dv = jax.jit(jax.grad(
-        lambda q, k, v: jnp.sum(_kernel(q, k, v, lengths=lengths) ** 2), (0, 1, 2)))(qn, kn, vn)
+    f = lambda q, k, v: _kernel(q, k, v, lengths=lengths)
+    out, (dq, dk, dv) = jax.jit(lambda *a: (f(*a), jax.grad(
+        lambda *a: jnp.sum(f(*a) ** 2), (0, 1, 2))(*a)))(qn, kn, vn)
   assert np.isfinite(np.asarray(out)).all()
   np.testing.assert_allclose(out, block_loop(*clean, BS, lengths=lengths), atol=2e-5)
   out2 = jax.jit(lambda q, k, v: pallas_kernels.block_attention(
