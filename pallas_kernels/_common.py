@@ -53,6 +53,20 @@ def spans(n: int, size: int) -> list[tuple[int, int]]:
   return [(c, w) for c in range(0, n, w)]
 
 
+def tile_spans(n: int, size: int) -> list[tuple[int, int]]:
+  """Static ``(start, width)`` chunks of ``n`` columns (a multiple of 16), each a power of two
+  from 16 to ``size``: ``size`` wide while that many are left, then the rest's powers of two,
+  widest first (224 in 128s: 128, 64, 32), so no chunk reads padding."""
+  if n % 16:
+    raise ValueError(f"tile_spans: {n} columns are no multiple of 16")
+  out, c = [], 0
+  while c < n:
+    w = min(size, 1 << ((n - c).bit_length() - 1))
+    out.append((c, w))
+    c += w
+  return out
+
+
 def loop_spans(n: int, size: int, body, carry):
   """``body((start, size), carry)`` over ``n``'s chunks of ``size`` (``n`` a multiple of it) as a
   loop, ``start`` traced (a multiple of ``size``): one copy of the body for ptxas, where unrolled

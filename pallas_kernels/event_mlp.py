@@ -1,12 +1,14 @@
 """An event stream's per-event MLP over its rows as one pass each way (issue 38):
 ``y = valid * (gelu(x w1 + b1) w2 + b2)`` (``kunlun.nn.inputs.EventEmbed``).
 
-``x [N, K]`` (the concatenated embeddings, ``K`` a power of two: the caller pads it with zero
-columns and ``w1`` with zero rows), ``w1 [K, F]``, ``b1 [F]``, ``w2 [F, D]``, ``b2 [D]``,
-``valid f32[N]`` -> ``y [N, D]`` in ``dtype``. Each layer is accumulated in float32 and rounded
-to ``dtype`` after its bias, the GELU (tanh) rounded too, as ``flax.linen.Dense`` in ``dtype``.
-Widths: ``K`` up to 1024, ``F`` and ``D`` up to 512 (prod's click / conversion streams: 1024,
-512, 512); a row tile's hidden layer is computed a chunk of columns at a time (``_tiles``).
+``x [N, K]`` (the concatenated embeddings; ``K`` a multiple of 16, ``width``: the caller pads it
+with zero columns and ``w1`` with zero rows up to one), ``w1 [K, F]``, ``b1 [F]``, ``w2 [F,
+D]``, ``b2 [D]``, ``valid f32[N]`` -> ``y [N, D]`` in ``dtype``. Each layer is accumulated in
+float32 and rounded to ``dtype`` after its bias, the GELU (tanh) rounded too, as
+``flax.linen.Dense`` in ``dtype``. Widths: ``K`` up to 1024, read in power-of-two column chunks
+(mid's impression stream: 224 as 128, 64 and 32; no column of padding), ``F`` and ``D`` powers
+of two up to 512 (prod's click / conversion streams: 896, 512, 512); a row tile's hidden layer is
+computed a chunk of columns at a time (``_tiles``).
 
 ``event_mlp_xla`` is the twin. ``event_mlp_pallas``: the forward kernel reads ``x`` and writes
 ``y`` (XLA wrote both layers' outputs and the GELU's input and read them back); the backward
@@ -36,6 +38,7 @@ from pallas_kernels._common import (
     round_to,
     spans,
     store_rows,
+    tile_spans,
 )
 
 F32 = jnp.float32
@@ -71,11 +74,15 @@ class _Cfg(NamedTuple):
 
 
 def _over(n, cfg: _Cfg, body, carry):
-  """``body((start, width), carry)`` over ``n``'s chunks of ``CHUNK`` columns: a loop with a
-  traced start under ``cfg.loop``, else unrolled with static starts."""
-  if cfg.loop and n > CHUNK:
-    return loop_spans(n, CHUNK, body, carry)
-  for ch in spans(n, CHUNK):
+  """``body((start, width), carry)`` over ``n``'s chunks (``tile_spans``: ``CHUNK`` columns, then
+  the rest's powers of two): under ``cfg.loop`` the whole ``CHUNK``s as a loop with a traced
+  start, the rest unrolled; else all unrolled with static starts."""
+  chunks = tile_spans(n, CHUNK)
+  whole = n // CHUNK * CHUNK
+  if cfg.loop and whole > CHUNK:
+    carry = loop_spans(whole, CHUNK, body, carry)
+    chunks = [ch for ch in chunks if ch[0] >= whole]
+  for ch in chunks:
     carry = body(ch, carry)
   return carry
 
@@ -158,13 +165,21 @@ def _check(x, w1, b1, w2, b2, valid):
                      f"b2 {b2.shape}, valid {valid.shape} must be [N, K], [K, F], [F], [F, D], "
                      "[D], [N]")
   if not supported(K, w1.shape[1], w2.shape[1]):
-    raise ValueError(f"event_mlp: the kernels need K, F, D powers of two from 16 to {MAX_WIDTH}; "
-                     f"got {K}, {w1.shape[1]}, {w2.shape[1]}")
+    raise ValueError(f"event_mlp: the kernels need K a multiple of 16 and F, D powers of two, "
+                     f"from 16 to {MAX_WIDTH}; got {K}, {w1.shape[1]}, {w2.shape[1]}")
 
 
 def supported(K: int, F: int, D: int) -> bool:
-  """Whether the kernels take these widths: powers of two from 16 to ``MAX_WIDTH``'s."""
-  return all(is_tile(n) and n <= MAX_WIDTH[k] for k, n in zip("KFD", (K, F, D), strict=True))
+  """Whether the kernels take these widths: ``K`` a multiple of 16 (read in power-of-two column
+  chunks, ``tile_spans``), ``F`` and ``D`` powers of two, each from 16 to ``MAX_WIDTH``'s."""
+  return (16 <= K <= MAX_WIDTH["K"] and K % 16 == 0
+          and all(is_tile(n) and n <= MAX_WIDTH[k] for k, n in zip("FD", (F, D), strict=True)))
+
+
+def width(K: int) -> int:
+  """The kernels' input width for ``K`` concatenated columns: ``K`` rounded up to a multiple of
+  16 (the caller adds zero columns to ``x`` and zero rows to ``w1`` up to it)."""
+  return max(16, -(-K // 16) * 16)
 
 
 def _tiles(F: int) -> tuple[int, int, int]:

@@ -21,7 +21,6 @@ from kunlun.nn.activations import gelu
 from kunlun.nn.dense import DenseParams, dense
 from kunlun.nn.time_encoding import log_time_bucket
 from pallas_kernels import event_mlp
-from pallas_kernels._common import pad_pow2
 from sharding import embedding as sharded_embedding
 from sharding import shard, with_axes
 
@@ -223,7 +222,7 @@ class EventEmbed(nn.Module):
       # in the compute dtype before the concat (the MLP casts its input to it anyway): the
       # [B, T, d + sides] concat is written once, in bf16 under model.dtype = "bfloat16"
       K = sum(p.shape[-1] for p in parts)
-      Kp = pad_pow2(K)
+      Kp = event_mlp.width(K)
       fused = (self.axes == self.PACKED_AXES and packed.pallas_backend(self.backend)
                and event_mlp.supported(Kp, self.dim, self.dim))
       if fused and Kp > K:          # the kernels' width: zero columns, zero rows of w1

@@ -1,7 +1,8 @@
 """An event stream's per-event MLP (``pallas_kernels.event_mlp``): the twin against float64
 numpy, the kernels (interpret mode, NaN-poisoned outputs) against the twin in values and all
 five gradients (float32: 1e-5 of the largest magnitude; bfloat16: 3e-2), with a row count no
-multiple of the tiles and masked rows that hold values."""
+multiple of the tiles, masked rows that hold values and input widths no power of two (read in
+power-of-two column chunks, ``_common.tile_spans``)."""
 
 import jax
 import jax.numpy as jnp
@@ -9,6 +10,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import _poison, event_mlp
+from pallas_kernels._common import tile_spans
 from tests.pallas_kernels.deviceless import close, twin_jit
 
 
@@ -33,9 +35,11 @@ def test_twin_matches_numpy():
 
 
 @pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 3e-2)])
-# the last: prod's click / conversion streams (K 1024 after padding, hidden and output 512), the
-# hidden layer in two chunks
-@pytest.mark.parametrize("N,K,F,D", [(77, 64, 32, 32), (45, 512, 256, 256), (21, 1024, 512, 512)])
+# K: 112 in chunks of 64, 32 and 16; mid's click streams (448: three chunks of 128 and one of
+# 64); prod's click / conversion streams (896 = 7 x 128 as a loop, hidden and output 512, the
+# hidden layer in two chunks); a loop over K's whole chunks and one of 16 after it
+@pytest.mark.parametrize("N,K,F,D", [(77, 112, 32, 32), (45, 448, 256, 256), (21, 896, 512, 512),
+                                     (13, 272, 512, 16)])
 def test_kernels_match_the_twin(dtype, tol, N, K, F, D):
   x, w1, b1, w2, b2, valid = map(jnp.asarray, _inputs(N, K, F, D, N + K))
   x = x.astype(dtype)
@@ -61,8 +65,23 @@ def test_bad_shapes_and_widths_are_refused():
   x, w1, b1, w2, b2, valid = map(jnp.asarray, _inputs(8, 32, 32, 16, 2))
   with pytest.raises(ValueError, match="must be"):
     event_mlp.event_mlp_pallas(x, w1[:16], b1, w2, b2, valid, interpret=True)
-  with pytest.raises(ValueError, match="powers of two"):
+  with pytest.raises(ValueError, match="multiple of 16"):
     event_mlp.event_mlp_pallas(x[:, :24], w1[:24], b1, w2, b2, valid, interpret=True)
-  assert event_mlp.supported(512, 256, 256) and not event_mlp.supported(224, 128, 128)
+  assert event_mlp.supported(512, 256, 256) and event_mlp.supported(224, 128, 128)
+  assert not event_mlp.supported(200, 128, 128) and not event_mlp.supported(224, 96, 128)
   assert event_mlp.supported(1024, 512, 512) and not event_mlp.supported(1024, 1024, 512)
-  assert not event_mlp.supported(2048, 512, 512)
+  assert not event_mlp.supported(2048, 512, 512) and not event_mlp.supported(8, 16, 16)
+  assert [event_mlp.width(k) for k in (224, 200, 896, 5)] == [224, 208, 896, 16]
+
+
+@pytest.mark.parametrize("n", [16, 48, 96, 112, 224, 256, 448, 896, 912, 1024])
+def test_tile_spans_cover_the_columns_in_power_of_two_chunks(n):
+  chunks = tile_spans(n, 128)
+  starts = np.cumsum([0] + [w for _, w in chunks])
+  assert [c for c, _ in chunks] == list(starts[:-1]) and starts[-1] == n
+  widths = [w for _, w in chunks]
+  assert all(16 <= w <= 128 and w & (w - 1) == 0 for w in widths)
+  assert widths == sorted(widths, reverse=True)
+  assert len(chunks) == n // 128 + bin(n % 128).count("1")   # the fewest such chunks
+  with pytest.raises(ValueError, match="multiple of 16"):
+    tile_spans(n + 8, 128)

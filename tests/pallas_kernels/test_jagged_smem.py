@@ -61,8 +61,9 @@ def _families(shape, dtype=jnp.bfloat16):
   w3, w2 = (jax.ShapeDtypeStruct((H * D, p, H, D), jnp.float32) for p in (3, 2))
   age = jax.ShapeDtypeStruct((N,), jnp.float32)
   w_out = jax.ShapeDtypeStruct((H, D, H * D), jnp.float32)
-  # an event stream's MLP at the tower width d = H * D: K 2 d (d plus the side fields, padded),
-  # hidden and output d (prod: K 1024, hidden 512, the widths the kernels take at most)
+  # an event stream's MLP at the tower width d = H * D: K 2 d (d plus four side fields of d / 4;
+  # prod's streams without extra fields have 1.75 d), hidden and output d (prod: K 1024, hidden
+  # 512, the widths the kernels take at most)
   mlp_x = jax.ShapeDtypeStruct((N, 2 * H * D), dtype)
   mlp_w1, mlp_w2 = (jax.ShapeDtypeStruct(s, jnp.float32)
                     for s in ((2 * H * D, H * D), (H * D, H * D)))

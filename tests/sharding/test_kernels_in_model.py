@@ -165,7 +165,10 @@ def test_weightgen_per_device_equals_xla_unsharded():
     np.testing.assert_allclose(np.asarray(u), np.asarray(w), rtol=2e-3, atol=2e-3)
 
 
-def test_event_mlp_per_device_equals_xla_unsharded():
+# the click stream's concatenation is 48 wide (16 and four side fields of 8: chunks of 32 and
+# 16), the impression stream's 40 (three side fields), padded to 48 with zero columns
+@pytest.mark.parametrize("stream", [0, 1])
+def test_event_mlp_per_device_equals_xla_unsharded(stream):
   """A packed stream's EventEmbed (``[S, Ns]`` blocks, ``PACKED_AXES``) on the event-MLP kernels
   (``pallas_kernels.event_mlp``, interpret mode) under the ``5d`` mesh: per device on its blocks
   inside a shard_map, the weight gradients summed over the devices, equal to the unsharded XLA
@@ -173,9 +176,10 @@ def test_event_mlp_per_device_equals_xla_unsharded():
   from data.fake import random_batch, tiny_schema
   from kunlun.nn.inputs import EventEmbed
   sch = tiny_schema()
-  ev = random_batch(sch, 4, {"click": 16}, seed=2)["events"]["click"]
+  st = sch.streams[stream]
+  ev = random_batch(sch, 4, {st.name: 16}, seed=2)["events"][st.name]
   ev = dict(ev, length=np.array([16, 0, 9, 3], np.int32))
-  make = lambda be: EventEmbed(sch.streams[0], 3, 16, axes=EventEmbed.PACKED_AXES, backend=be)
+  make = lambda be: EventEmbed(st, 3, 16, axes=EventEmbed.PACKED_AXES, backend=be)
   ref_mod, ker_mod = make("xla"), make("pallas")
   params = nn.meta.unbox(jax.jit(ref_mod.init)(jax.random.key(4), ev))
   assert (jax.tree.structure(params) == jax.tree.structure(
