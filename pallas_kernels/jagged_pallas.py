@@ -44,6 +44,7 @@ class _Cfg(NamedTuple):
   proj: bool = False             # the pool's k, v projected in the kernels from x (_kv_tiles)
   eps: float = norm_qkv.EPS      # and x's RMSNorm epsilon
   cols: int = PROJ_COLS          # and x's columns per step
+  through: bool = False          # GDPA cross: q passed through, its cotangent added to dq
 
 
 class _DotCfg(NamedTuple):
@@ -220,8 +221,9 @@ def _cross_kernel(lo_ref, hi_ref, seg_ref, kvl_ref, q_ref, k_ref, v_ref, o_ref, 
   _store(o_ref, r0, h, acc * cfg.out_scale, r0 + jnp.arange(cfg.tile) < q_ref.shape[0])
 
 
-def _cross_dq_kernel(lo_ref, hi_ref, seg_ref, kvl_ref, q_ref, k_ref, v_ref, do_ref, dq_ref, *,
+def _cross_dq_kernel(lo_ref, hi_ref, seg_ref, kvl_ref, q_ref, k_ref, v_ref, do_ref, *refs,
                      cfg: _Cfg):
+  dt_ref, dq_ref = refs if cfg.through else (None, *refs)
   h, B = pl.program_id(1), kvl_ref.shape[0]
   r0, real = _own_rows(seg_ref, cfg, B)
   q, do = (_rows(x, r0, cfg.tile, h, real) for x in (q_ref, do_ref))
@@ -235,8 +237,14 @@ def _cross_dq_kernel(lo_ref, hi_ref, seg_ref, kvl_ref, q_ref, k_ref, v_ref, do_r
     return _chunks(k_ref.shape[1], cfg.kv_tile, chunk, dq)
 
   dq = _tile_loop(lo_ref, hi_ref, seg_ref, B, cfg, example, jnp.zeros(q.shape, _F32))
-  _store(dq_ref, r0, h, dq * (cfg.scale * cfg.out_scale),
-         r0 + jnp.arange(cfg.tile) < q_ref.shape[0])
+  rows = r0 + jnp.arange(cfg.tile) < q_ref.shape[0]
+  _store(dq_ref, r0, h, _plus_through(dq * (cfg.scale * cfg.out_scale), dt_ref, r0, h, rows),
+         rows)
+
+
+def _plus_through(dq, dt_ref, start, h, rows):
+  """``dq`` plus the pass-through's cotangent rows (``cfg.through``; else ``dq``)."""
+  return dq if dt_ref is None else dq + _rows(dt_ref, start, dq.shape[0], h, rows).astype(_F32)
 
 
 def _cross_dkv_kernel(start_ref, end_ref, kvl_ref, q_ref, k_ref, v_ref, do_ref, dk_ref, dv_ref, *,
@@ -257,10 +265,10 @@ def _cross_dkv_kernel(start_ref, end_ref, kvl_ref, q_ref, k_ref, v_ref, do_ref, 
   _ex_store(dv_ref, b, h, dv * cfg.out_scale, k_ref.shape[1], r0)
 
 
-def _zero_tail(total, n, i, h, cfg: _Cfg, *refs):
+def _zero_tail(total, n, i, h, cfg: _Cfg, *refs, src=None):
   """Program ``i`` of ``n`` zeroes its share of rows ``[total, N)`` of the ``[N, H, D]`` refs at
   head ``h``: the rows past ``offsets[B]``, which belong to no example (a one-kernel backward
-  that writes per example leaves them to this)."""
+  that writes per example leaves them to this); with ``src``, copies its rows there instead."""
   N = refs[0].shape[0]
   share = lax.div(N - total + n - 1, n)
   lo = jnp.minimum(total + i * share, N)
@@ -268,18 +276,20 @@ def _zero_tail(total, n, i, h, cfg: _Cfg, *refs):
 
   def zero(start, rows, c):
     for r in refs:
-      _store(r, start, h, blank, rows)
+      _store(r, start, h, blank if src is None else _rows(src, start, cfg.kv_tile, h, rows),
+             rows)
     return c
 
   _token_loop(lo, jnp.minimum(lo + share, N), cfg, zero, 0)
 
 
-def _cross_bwd_kernel(off_ref, kvl_ref, q_ref, k_ref, v_ref, do_ref, dq_ref, dk_ref, dv_ref, *,
-                      cfg: _Cfg):
+def _cross_bwd_kernel(off_ref, kvl_ref, q_ref, k_ref, v_ref, do_ref, *refs, cfg: _Cfg):
   """``_cross_dkv_kernel`` with the keys whole (one chunk), which also writes its example's
   tokens' dq: a token scores only its own example's keys, all of which this program holds, so
   each token tile's ``dS^T`` gives its dq as well (``dS k``), and q, dO are read once. The rows
-  past ``offsets[B]`` belong to no example: program ``b`` zeroes the ``b``-th share of them."""
+  past ``offsets[B]`` belong to no example: program ``b`` zeroes the ``b``-th share of them (with
+  ``cfg.through``, writes the pass-through's cotangent there)."""
+  dt_ref, dq_ref, dk_ref, dv_ref = refs if cfg.through else (None, *refs)
   b, h, B = pl.program_id(0), pl.program_id(1), kvl_ref.shape[0]
   k, v = (_ex_rows(x, b, cfg.tile, h, kvl_ref[b]) for x in (k_ref, v_ref))
 
@@ -288,14 +298,15 @@ def _cross_bwd_kernel(off_ref, kvl_ref, q_ref, k_ref, v_ref, do_ref, dq_ref, dk_
     q, do = (_rows(x, start, cfg.kv_tile, h, rows) for x in (q_ref, do_ref))
     p_t, slope_t = _scores(k, q, cfg, h, with_slope=True)                # [n_kv, tile]
     ds_t = _dot(v, do, trans_b=True) * slope_t
-    _store(dq_ref, start, h, _dot(ds_t, k, trans_a=True) * (cfg.scale * cfg.out_scale), rows)
+    dq = _dot(ds_t, k, trans_a=True) * (cfg.scale * cfg.out_scale)
+    _store(dq_ref, start, h, _plus_through(dq, dt_ref, start, h, rows), rows)
     return dk + _dot(ds_t, q), dv + _dot(p_t, do)
 
   zeros = jnp.zeros(k.shape, _F32)
   dk, dv = _token_loop(off_ref[b], off_ref[b + 1], cfg, tile, (zeros, zeros))
   _ex_store(dk_ref, b, h, dk * (cfg.scale * cfg.out_scale), k_ref.shape[1])
   _ex_store(dv_ref, b, h, dv * cfg.out_scale, k_ref.shape[1])
-  _zero_tail(off_ref[B], B, b, h, cfg, dq_ref)
+  _zero_tail(off_ref[B], B, b, h, cfg, dq_ref, src=dt_ref)
 
 
 def _cross_fwd(cfg: _Cfg, q, k, v, jag, kvl):
@@ -312,33 +323,66 @@ def _gdpa_cross(cfg: _Cfg, q, k, v, jag, kvl):
   return _cross_fwd(cfg, q, k, v, jag, kvl)
 
 
-def _gdpa_cross_bwd(cfg: _Cfg, res, do):
-  q, k, v, jag, kvl = res
-  do = do.astype(q.dtype)
-  H, r = q.shape[1], _row(q)
-  need = lambda c: (2 * c * r, 2 * cfg.tile * r)
+def _cross_bwd_plans(cfg: _Cfg, q, k, t: int):
+  """The backward's kernels and their ``_plan``s, with ``t`` more token tiles streamed (the
+  pass-through's cotangent): ``(merged, (keys chunk, stages), (dq's chunk, stages))``, the
+  last None where one kernel runs (an example's keys fit whole)."""
+  r = _row(q)
+  need = lambda c, t=0: (2 * c * r, (2 + t) * cfg.tile * r)
   # one kernel where an example's keys fit whole, at the most stages that hold them (dq's dot
   # takes dS^T [keys, tile] as its transposed operand: one more resident tile)
-  merged = lambda c: (need(c)[0] + c * cfg.tile * q.dtype.itemsize, need(c)[1])
+  merged = lambda c: (need(c)[0] + c * cfg.tile * q.dtype.itemsize, need(c, t)[1])
   ck, stages = _plan("jagged_gdpa_cross_bwd", cfg, merged, cfg.kv_tile, floor=cfg.kv_tile)
+  if ck >= k.shape[1]:
+    return True, (ck, stages), None
+  # keys in chunks (a third grid axis for dk / dv): dq on the token tiles, as the forward
+  kv = _plan("jagged_gdpa_cross_dkv", cfg, need, cfg.kv_tile)
+  dq = _plan("jagged_gdpa_cross_dq", cfg, lambda c: ((2 + t) * cfg.tile * r, 2 * c * r),
+             cfg.kv_tile)
+  return False, kv, dq
+
+
+def _through_plans(cfg: _Cfg, q, k):
+  """``_cross_bwd_plans`` with the pass-through's cotangent read (None where none fits)."""
+  try:
+    return _cross_bwd_plans(cfg, q, k, 1)
+  except ValueError:                # no tile fits the GPU's shared memory with it
+    return None
+
+
+def _gdpa_cross_bwd(cfg: _Cfg, res, do, dt=None):
+  """dq, dk, dv (and the descriptor's and kv lengths' None); with ``dt`` (the pass-through's
+  cotangent, ``_gdpa_cross_through``) the kernels write ``dq + dt`` where reading it keeps
+  their tiles and pipeline stages (mid: 3 stages either way); else (prod's d_h 128: the one
+  backward kernel at 2 stages, 1 with it) XLA adds it after them, as without the
+  pass-through."""
+  q, k, v, jag, kvl = res
+  do = do.astype(q.dtype)
+  plans = _cross_bwd_plans(cfg, q, k, 0)
+  if dt is not None and _through_plans(cfg, q, k) != plans:
+    dq, *rest = _gdpa_cross_bwd(cfg, res, do)
+    return (dq + dt.astype(dq.dtype), *rest)
+  dts = () if dt is None else (dt.astype(q.dtype),)
+  cfg = cfg._replace(through=dt is not None)
+  if dts:
+    plans = _cross_bwd_plans(cfg, q, k, 1)
+  H = q.shape[1]
   kv_shapes = (jax.ShapeDtypeStruct(k.shape, k.dtype),) * 2
-  if ck >= k.shape[1]:              # the keys whole: one kernel, dq from each example's program
+  one, (ck, stages), dq_plan = plans
+  if one:                           # the keys whole: one kernel, dq from each example's program
     per_ex = cfg._replace(tile=ck, kv_tile=cfg.tile)           # kv rows x token tiles
     # 8 warps: at 4 mid's per-head activations spill; at 8 nothing spills at mid, and prod
     # spills less than the dq and dk / dv kernels did at 4 (ptxas sm_90, fused_layers_h200.md)
-    dq, dk, dv = _call(_cross_bwd_kernel, per_ex, (), (jag.offsets, kvl, q, k, v, do),
+    dq, dk, dv = _call(_cross_bwd_kernel, per_ex, (), (jag.offsets, kvl, q, k, v, do, *dts),
                        (jax.ShapeDtypeStruct(q.shape, q.dtype), *kv_shapes), (jag.batch, H),
                        "jagged_gdpa_cross_bwd", stages, warps=8)
     return dq, dk, dv, jax.tree.map(lambda _: None, jag), None
-  # keys in chunks (a third grid axis for dk / dv): dq on the token tiles, as the forward
-  ck, stages = _plan("jagged_gdpa_cross_dkv", cfg, need, cfg.kv_tile)
-  per_ex = cfg._replace(tile=ck, kv_tile=cfg.tile)
+  per_ex = cfg._replace(tile=ck, kv_tile=cfg.tile, through=False)
   lo, hi = jagged.tile_examples(jag, cfg.tile)
-  cq, dq_stages = _plan("jagged_gdpa_cross_dq", cfg, lambda c: (2 * cfg.tile * r, 2 * c * r),
-                        cfg.kv_tile)
-  dq = _call(_cross_dq_kernel, cfg._replace(kv_tile=cq), (lo, hi), (jag.seg, kvl, q, k, v, do),
-             jax.ShapeDtypeStruct(q.shape, q.dtype), (lo.shape[0], H), "jagged_gdpa_cross_dq",
-             dq_stages)
+  cq, dq_stages = dq_plan
+  dq = _call(_cross_dq_kernel, cfg._replace(kv_tile=cq), (lo, hi),
+             (jag.seg, kvl, q, k, v, do, *dts), jax.ShapeDtypeStruct(q.shape, q.dtype),
+             (lo.shape[0], H), "jagged_gdpa_cross_dq", dq_stages)
   dk, dv = _call(_cross_dkv_kernel, per_ex, (jag.offsets[:-1], jag.offsets[1:], kvl),
                  (q, k, v, do), kv_shapes, (jag.batch, H, *_chunk_grid(ck, k.shape[1])),
                  "jagged_gdpa_cross_dkv", stages)
@@ -348,14 +392,28 @@ def _gdpa_cross_bwd(cfg: _Cfg, res, do):
 _gdpa_cross.defvjp(lambda cfg, *a: (_cross_fwd(cfg, *a), a), _gdpa_cross_bwd)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _gdpa_cross_through(cfg: _Cfg, q, k, v, jag, kvl):
+  """``(_gdpa_cross(q, ...), q)``: q passed through, the two cotangents of q summed in the
+  backward kernels (no pass of their own)."""
+  return _cross_fwd(cfg, q, k, v, jag, kvl), q
+
+
+_gdpa_cross_through.defvjp(
+    lambda cfg, *a: ((_cross_fwd(cfg, *a), a[0]), a),
+    lambda cfg, res, cts: _gdpa_cross_bwd(cfg, res, *cts))
+
+
 def jagged_gdpa_cross_pallas(q, k, v, jag, *, activation="fast_gelu", scale=None,
                              out_scale=1.0, kv_lengths=None, score_clip=None, interpret=False,
-                             block_q=64):
+                             block_q=64, through=False):
   """Pallas ``jagged.jagged_gdpa_cross``: grid (token tiles of ``block_q``, heads); a tile loops
   over the examples it overlaps, reading each one's ``n_kv`` keys once (in chunks where they do
   not fit shared memory, ``_plan``). Backward: dk, dv on (examples, heads), each walking its
   example's token tiles and writing their dq too; where the keys must be split, (examples,
-  heads, key chunks) and dq on the forward's grid."""
+  heads, key chunks) and dq on the forward's grid. ``through``: returns ``(o, q)``, q passed
+  through (PFFN's residual reads the query), and the backward kernels write dq plus the
+  pass-through's cotangent, which XLA added in a pass of its own."""
   jagged.check_example_kv(k, v, jag, q)
   N, H, D = q.shape
   kvl = jnp.full((jag.batch,), k.shape[1], jnp.int32) if kv_lengths is None else jnp.clip(
@@ -363,7 +421,7 @@ def jagged_gdpa_cross_pallas(q, k, v, jag, *, activation="fast_gelu", scale=None
   cfg = _Cfg(activations.per_head(activation, H), D ** -0.5 if scale is None else float(scale),
              float(out_scale), int(block_q), pad_pow2(k.shape[1]), bool(interpret),
              score_clip_value(score_clip), fast=_fast(q, interpret))
-  return _gdpa_cross(cfg, q, k, v, jag, kvl)
+  return (_gdpa_cross_through if through else _gdpa_cross)(cfg, q, k, v, jag, kvl)
 
 
 def _kv_tiles(refs, start, n, h, valid, cfg: _Cfg):

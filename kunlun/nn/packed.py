@@ -88,7 +88,7 @@ def _per_block(kernel, jag: jagged.Jagged, args, blocked, pallas: bool):
     fn = per_shard(fn, (True,) + tuple(blocked))
   jb = jag.blocks()
   y = fn(jagged.Jagged(*(shard(a, ("blocks", None)) for a in (jb.offsets, jb.seg, jb.pos))), *args)
-  return shard_tokens(y.reshape((-1,) + y.shape[2:]))
+  return jax.tree.map(lambda y: shard_tokens(y.reshape((-1,) + y.shape[2:])), y)
 
 
 def pallas_backend(backend: str) -> bool:
@@ -131,12 +131,18 @@ def _use_pallas(backend: str) -> bool:
   return pallas_backend(backend)
 
 
-def gdpa_cross(q, k, v, jag, *, backend: str, kv_lengths=None, **kw):
+def gdpa_cross(q, k, v, jag, *, backend: str, kv_lengths=None, through=False, **kw):
   """PFFN's GDPA: ``q [N, H, D]`` reads its example's ``k, v [B, n_kv, H, D]`` (keys below
-  ``kv_lengths i32[B]``; None: all) -> ``[N, H, D]``."""
+  ``kv_lengths i32[B]``; None: all) -> ``[N, H, D]``; ``through``: ``(that, q)``, q passed
+  through for a second reader, whose cotangent the Pallas backward kernels add to dq
+  (``jagged_pallas.jagged_gdpa_cross_pallas``; XLA's autodiff adds the two)."""
   pallas = _use_pallas(backend)
-  fn = jagged_pallas.jagged_gdpa_cross_pallas if pallas else jagged.jagged_gdpa_cross
-  kw = dict(kw, interpret=interpret_kernels()) if pallas else kw
+  if pallas:
+    fn = jagged_pallas.jagged_gdpa_cross_pallas
+    kw = dict(kw, interpret=interpret_kernels(), through=through)
+  else:
+    fn = ((lambda q, *a, **o: (jagged.jagged_gdpa_cross(q, *a, **o), q)) if through
+          else jagged.jagged_gdpa_cross)
   op = lambda j, q, k, v, *kvl: fn(q, k, v, j, kv_lengths=kvl[0] if kvl else None, **kw)
   args = (q, k, v) + (() if kv_lengths is None else (kv_lengths,))
   with jax.named_scope("GDPA"):

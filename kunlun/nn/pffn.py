@@ -84,10 +84,16 @@ class PFFN(nn.Module):
       u = self._norm(x)
       q = u.astype(self.dtype).reshape(N, self.heads, dh)
       q = add_bucket_embedding(self, "time_bucket_q", q, age, None, self.time_buckets, jag)
+      tail = not self.norm_affine and packed.fuse_tail(self.backend, d)
+      # the fused tail reads the query itself as its residual u (no bucket embedding on it):
+      # GDPA passes q through, and its backward kernels add the tail's cotangent of u to dq
+      through = tail and self.time_buckets is None
       g = packed.gdpa_cross(q, k.astype(self.dtype), v.astype(self.dtype), jag,
                             backend=self.backend, activation=self.activation, out_scale=1.0,
-                            score_clip=self.score_clip)                # [N, H, dh]
-      if not self.norm_affine and packed.fuse_tail(self.backend, d):
+                            score_clip=self.score_clip, through=through)   # [N, H, dh]
+      if through:
+        g, u = g[0], g[1].reshape(N, d)
+      if tail:
         y = packed.fused_norm_residual(g.reshape(N, d), u, x, jag, eps=EPS)
         return packed.Packed(y, jag)
       return packed.Packed(packed.rowwise(self._tail, jag, g.reshape(N, d), u, x), jag)

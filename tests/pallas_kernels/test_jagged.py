@@ -385,6 +385,40 @@ def test_pallas_against_the_xla_twin(name):
         np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5, err_msg=f"{case} d{what}")
 
 
+def _cross_through_twin(q, kk, vv, jag, **kw):
+  """The pass-through's twin: ``(jagged_gdpa_cross(q, ...), q)``, differentiated by autodiff
+  (q's two cotangents summed by XLA)."""
+  return jagged.jagged_gdpa_cross(q, kk, vv, jag, **kw), q
+
+
+def _through_vjp(fn, jag, ops, **kw):
+  """Outputs and the vjp of ``fn(q, kk, vv, jag) -> (o, q)`` at cotangents ``cos(o)`` and
+  ``cos(2 q) + 0.5`` (non-zero on the rows past ``offsets[B]``, where dq is the pass-through's
+  alone)."""
+  outs, vjp = jax.vjp(lambda *a: fn(*a, jag, **kw), *ops)
+  return outs, vjp((jnp.cos(outs[0]), jnp.cos(2 * outs[1]) + 0.5))
+
+
+def test_pallas_cross_pass_through_adds_its_cotangent_to_dq():
+  """``jagged_gdpa_cross_pallas(through=True)`` (PFFN's query is also its residual): returns
+  ``(o, q)``, and its backward kernel writes dq plus the pass-through's cotangent, also on the
+  rows past ``offsets[B]``; against the twin, every lengths case, poisoned outputs."""
+  kw = dict(activation="silu", kv_lengths=KV_LENGTHS, score_clip=1.5, out_scale=0.75)
+  twin = jax.jit(lambda jag, *ops: _through_vjp(_cross_through_twin, jag, ops, **kw))
+  with _poison.poison_outputs():
+    run = jax.jit(lambda jag, *ops: _through_vjp(
+        jagged_pallas.jagged_gdpa_cross_pallas, jag, ops, interpret=True, block_q=TILE,
+        through=True, **kw))
+    for case in LENGTHS:
+      (q, _, _), jag, _ = _packed(case)
+      ops = (q, *_example_kv()[:2])
+      (outs, grads), (want, want_grads) = run(jag, *ops), twin(jag, *ops)
+      np.testing.assert_allclose(outs[0], want[0], atol=2e-6, rtol=1e-5, err_msg=case)
+      np.testing.assert_array_equal(outs[1], q, err_msg=case)
+      for what, g, r in zip(["q", "k", "v"], grads, want_grads, strict=True):
+        np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5, err_msg=f"{case} d{what}")
+
+
 # prod's head size (d_h 128) with more keys and seeds than one kernel can hold in shared memory
 # at once: the GDPA kernels split them (tuning.fit_smem). bfloat16 (prod): the cross forward and
 # dq kernels read an example's keys in 2 chunks of 128; float32: every GDPA kernel splits them
@@ -419,6 +453,18 @@ def test_pallas_gdpa_at_prod_head_dim_against_the_xla_twin(dtype):
                               jagged_pallas.jagged_gdpa_pool_pallas, interpret=True))()
   names = ["cross", "pool", "dq", "dk_ex", "dv_ex", "dseeds", "dk", "dv"]
   for what, g, r in zip(names, jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+    g, r = np.asarray(g, np.float32), np.asarray(r, np.float32)
+    np.testing.assert_allclose(g, r, atol=PROD_TOL[dtype] * np.abs(r).max(), err_msg=what)
+  # the pass-through (PFFN's residual): float32 on the split keys' dq kernel; bfloat16's one
+  # backward kernel would drop from 2 pipeline stages to 1 reading it, so XLA adds it after the
+  # kernels (the test above: the one kernel reading it)
+  q, kk, vv = ops[:3]
+  want = jax.jit(lambda: _through_vjp(_cross_through_twin, jag, (q, kk, vv), **cross))()
+  with _poison.poison_outputs():
+    got = jax.jit(lambda: _through_vjp(jagged_pallas.jagged_gdpa_cross_pallas, jag, (q, kk, vv),
+                                       interpret=True, through=True, **cross))()
+  for what, g, r in zip(["cross", "q", "dq", "dk_ex", "dv_ex"], jax.tree.leaves(got),
+                        jax.tree.leaves(want), strict=True):
     g, r = np.asarray(g, np.float32), np.asarray(r, np.float32)
     np.testing.assert_allclose(g, r, atol=PROD_TOL[dtype] * np.abs(r).max(), err_msg=what)
 

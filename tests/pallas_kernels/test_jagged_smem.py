@@ -34,7 +34,7 @@ from tests.bench.profiling.test_gpu_target import GPU_PY, ROOT
 SHAPES = {"prod": (4, 128, 256, 128, 128), "mid": (4, 64, 64, 64, 64),
           "mid_s32": (4, 64, 64, 32, 64)}
 B, N = 4, 1024
-FAMILIES = ("cross", "cross_per_head", "pool", "pool_per_head", "pool_proj", "block_softmax",
+FAMILIES = ("cross", "cross_through", "cross_per_head", "pool", "pool_per_head", "pool_proj", "block_softmax",
             "block_gdpa",
             "softmax_band", "softmax_full", "norm_qkv", "norm_proj", "norm_residual",
             "proj_residual", "event_mlp", "seed_kron")
@@ -71,6 +71,9 @@ def _families(shape, dtype=jnp.bfloat16):
   ops = {
       "cross": (lambda q, k, v, j: jp.jagged_gdpa_cross_pallas(
           q, k, v, j, kv_lengths=jnp.full((B,), NKV - 3)), (tok, ex, ex)),
+      # PFFN's: q passed through to the fused tail, its cotangent read by the backward kernel
+      "cross_through": (lambda q, k, v, j: _summed(jp.jagged_gdpa_cross_pallas(
+          q, k, v, j, kv_lengths=jnp.full((B,), NKV - 3), through=True)), (tok, ex, ex)),
       "cross_per_head": (lambda q, k, v, j: jp.jagged_gdpa_cross_pallas(
           q, k, v, j, activation=PER_HEAD[:H], score_clip=8.0), (tok, ex, ex)),
       "pool": (lambda q, k, v, j: jp.jagged_gdpa_pool_pallas(q, k, v, j), (seeds, tok, tok)),
