@@ -74,11 +74,18 @@ def _sorted_unique(ids_k, fill):
   return uid, inv, perm, seg
 
 
+def _sum_dtype(dtype):
+  """Float32 sums of 16-bit terms (row gradients may come in the model's compute dtype)."""
+  return jnp.promote_types(dtype, jnp.float32)
+
+
 def _segment_sum_sorted(x_kd, perm, seg, num_segments):
   """``segment_sum(x, inv)`` as a sorted scatter-add of ``x[perm]`` at ``seg`` (terms of each
-  segment added in their original order: the sort is stable)."""
-  out = jnp.zeros((num_segments,) + x_kd.shape[1:], x_kd.dtype)
-  return out.at[seg].add(jnp.take(x_kd, perm, axis=0), indices_are_sorted=True, mode="drop")
+  segment added in their original order: the sort is stable), at least in float32."""
+  dt = _sum_dtype(x_kd.dtype)
+  out = jnp.zeros((num_segments,) + x_kd.shape[1:], dt)
+  return out.at[seg].add(jnp.take(x_kd, perm, axis=0).astype(dt), indices_are_sorted=True,
+                         mode="drop")
 
 
 @jax.custom_vjp
@@ -93,7 +100,7 @@ def _expand_fwd(rows_ud, inv, perm, seg):
 
 def _expand_bwd(res, g):
   perm, seg, u = res
-  return _segment_sum_sorted(g, perm, seg, u), None, None, None
+  return _segment_sum_sorted(g, perm, seg, u).astype(g.dtype), None, None, None
 
 
 _expand.defvjp(_expand_fwd, _expand_bwd)
@@ -261,8 +268,9 @@ def _sorted_dense_grad(gids_k, g_kd, V):
   key = jnp.where(gids_k >= 0, gids_k, V)
   sk, perm = jax.lax.sort((key, jnp.arange(key.shape[0], dtype=jnp.int32)), num_keys=1,
                           is_stable=True)
-  return jnp.zeros((V, g_kd.shape[1]), g_kd.dtype).at[sk].add(
-      jnp.take(g_kd, perm, axis=0), indices_are_sorted=True, mode="drop")
+  dt = _sum_dtype(g_kd.dtype)
+  return jnp.zeros((V, g_kd.shape[1]), dt).at[sk].add(
+      jnp.take(g_kd, perm, axis=0).astype(dt), indices_are_sorted=True, mode="drop")
 
 
 def group_dense_grads(gids, g, sizes) -> list:

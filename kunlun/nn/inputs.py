@@ -57,11 +57,14 @@ def _table(mod: nn.Module, name: str, rows: int, dim: int):
   return mod.param(f"embedding_{name}", with_axes(init, axes), (rows, dim), F32)
 
 
-def _embed_many(mod: nn.Module, specs):
+def _embed_many(mod: nn.Module, specs, tap_dtype=F32):
   """Looks up ``specs = [(name, rows, dim, ids i32[...])]`` in ``mod``'s tables
   ``embedding_<name> [rows, dim]`` (negative ids: zero rows), batched per table group
   (``sharding.embedding.plan_groups``), with the sparse update's id record and row tap per group
-  (see LOOKUP_IDS above). Returns the rows ``[..., dim]`` of each spec, in order."""
+  (see LOOKUP_IDS above). Returns the rows ``[..., dim]`` of each spec, in order (float32).
+  ``tap_dtype``: the taps', so the row gradients' dtype. A caller whose rows' cotangents are
+  values of a 16-bit dtype (each row rounded to it where it is read) takes that dtype: the
+  sparse update reads half the bytes, and sums and applies them in float32."""
   tables = [_table(mod, name, rows, dim) for name, rows, dim, _ in specs]
   ids = [jnp.asarray(i, jnp.int32) for *_, i in specs]
   record = not mod.is_initializing() and mod.is_mutable_collection(LOOKUP_IDS)
@@ -78,7 +81,7 @@ def _embed_many(mod: nn.Module, specs):
                          "per call")
       mod.put_variable(LOOKUP_IDS, key, gids)
       if mod.is_mutable_collection(ROW_TAPS):
-        mod.put_variable(ROW_TAPS, key, jnp.zeros_like(rows))
+        mod.put_variable(ROW_TAPS, key, jnp.zeros(rows.shape, tap_dtype))
       elif mod.has_variable(ROW_TAPS, key):
         rows = rows + mod.get_variable(ROW_TAPS, key)
     parts = sharded_embedding.split_rows(rows, [ids[i].shape for i in grp])
@@ -214,7 +217,9 @@ class EventEmbed(nn.Module):
       specs += [(f.name, f.vocab_size, side, ids(f.name, f.vocab_size)) for f in s.extra_fields]
       specs.append(("time", self.num_time_buckets, side,
                     log_time_bucket(events["age"], self.num_time_buckets)))
-      rows = _embed_many(self, specs)
+      # the row gradients in dtype: each row is rounded to dtype where the concatenation reads it
+      # (the extra fields after their float32 sum, whose cotangent each of them gets)
+      rows = _embed_many(self, specs, tap_dtype=self.dtype)
       parts = rows[:3]
       if s.extra_fields:
         parts.append(sum(rows[3:-1]))

@@ -406,7 +406,7 @@ def _sparse_train_step(model, sparse_update, task_weights, params, opt_state, ba
       dense_sq, extra = optax.tree.norm(grads, squared=True), {}
     # the row gradients' squared norm is finite iff they are (barring an overflow past ~1e19,
     # which skips the step too): no separate isfinite pass over them
-    raw_sq = optax.tree.norm(g_taps, squared=True)
+    raw_sq = optim.sum_or_zero([optim.f32_sq(g) for g in g_taps.values()])
     ok = jnp.isfinite(loss) & jnp.isfinite(dense_sq) & jnp.isfinite(raw_sq)
     new_params, new_opt, table_sq = sparse_update(params, opt_state, grads, rows, ok, **extra)
     grad_norm = jnp.sqrt(dense_sq + jnp.where(ok, table_sq, raw_sq))

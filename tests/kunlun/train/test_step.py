@@ -109,6 +109,7 @@ import contextlib  # noqa: E402
 import grain  # noqa: E402
 
 from data.fake import random_batch, tiny_schema  # noqa: E402
+from kunlun.nn import inputs  # noqa: E402
 from kunlun.nn.inputs import ContextEncoder, EventEmbed  # noqa: E402
 from kunlun.train import checkpoint  # noqa: E402
 from sharding import mesh as M  # noqa: E402
@@ -122,9 +123,11 @@ TABLE = "embedding_ad_id_hash"         # 1000 rows: sharded 8 ways (others: part
 class _Inputs(nn.Module):
   """The real context input stage (a multi-hot and a one-hot sparse table, the surface table, read
   through ``kunlun.nn.inputs.lookup``; optionally an event stream's four tables) and a linear head
-  (in ``dtype``, over float32 params): compiles in seconds (test only)."""
+  (in ``dtype``, over float32 params): compiles in seconds (test only). ``event_dtype``: the
+  event stream's compute dtype (bfloat16: its row gradients are bfloat16, ``tap_dtype``)."""
   events: bool = False
   dtype: str = "float32"
+  event_dtype: str = "float32"
 
   @nn.compact
   def __call__(self, batch, train: bool = False):
@@ -135,8 +138,9 @@ class _Inputs(nn.Module):
     h = [x.reshape(x.shape[0], -1)]
     if self.events:
       st = s.stream("impression")
-      h.append(EventEmbed(st, len(s.surfaces), 8, 16, name="embed_impression")(
-          batch["events"][st.name]).mean(1))
+      h.append(EventEmbed(st, len(s.surfaces), 8, 16, dtype=jnp.dtype(self.event_dtype),
+                          name="embed_impression")(batch["events"][st.name])
+               .astype(jnp.float32).mean(1))
     h = nn.Dropout(0.1, deterministic=not train)(jnp.concatenate(h, -1))
     return nn.Dense(len(s.tasks), dtype=self.dtype)(h.astype(self.dtype)).astype(jnp.float32)
 
@@ -162,10 +166,11 @@ def _host_params(events):
 
 
 @functools.cache
-def _step_setup(sparse, mesh_shape=None, rules_name=None, events=False, microbatches=1):
+def _step_setup(sparse, mesh_shape=None, rules_name=None, events=False, microbatches=1,
+                event_dtype="float32"):
   """``(step_fn, init_state_fn, put, (mesh, rules) or None)`` for the test model; cached so that
   tests share one compiled step per variant."""
-  model, batch = _Inputs(events), _sparse_batches()[0]
+  model, batch = _Inputs(events, event_dtype=event_dtype), _sparse_batches()[0]
   tx = optim.make_optimizer(_cfg(), 10)
   su = make_sparse_update(_cfg(), 10) if sparse else None
   ctx, kw = None, {}
@@ -186,9 +191,11 @@ def _step_setup(sparse, mesh_shape=None, rules_name=None, events=False, microbat
           init, put, ctx)
 
 
-def _run(sparse, mesh_shape=None, rules_name=None, events=False, microbatches=1):
+def _run(sparse, mesh_shape=None, rules_name=None, events=False, microbatches=1,
+         event_dtype="float32"):
   """Steps over every test batch from the same init: (initial params, params, opt_state, stats)."""
-  f, init, put, ctx = _step_setup(sparse, mesh_shape, rules_name, events, microbatches)
+  f, init, put, ctx = _step_setup(sparse, mesh_shape, rules_name, events, microbatches,
+                                  event_dtype)
   p, o = init()
   p0 = jax.tree.map(np.asarray, p)
   stats = []
@@ -272,6 +279,31 @@ def test_sparse_update_under_microbatches_equals_dense(mesh_shape, rules_name, e
   untouched = np.setdiff1d(np.arange(table.shape[0]), _touched(batches, table.shape[0]))
   np.testing.assert_array_equal(table[untouched], init[untouched])
   assert not np.array_equal(table, init)
+
+
+@pytest.mark.parametrize("k", [1, 2], ids=["whole", "mb2"])
+def test_sparse_update_with_16_bit_row_gradients_equals_dense(k):
+  """An event stream computing in bfloat16 takes bfloat16 row taps (its rows' cotangents are
+  bfloat16 values: ``kunlun.nn.inputs._embed_many``'s tap_dtype; the context's stay float32):
+  the sparse update, which sums and applies them in float32, gives the dense update's params,
+  optimizer state and statistics after 2 steps (autodiff's float32 table gradients), whole and
+  in 2 microbatches."""
+  model, b = _Inputs(True, event_dtype="bfloat16"), _sparse_batches()[0]
+  _, state = jax.eval_shape(lambda p: model.apply(
+      {"params": p}, b, mutable=[inputs.LOOKUP_IDS, inputs.ROW_TAPS]), _host_params(True))
+  taps = {jax.tree_util.keystr(k): v.dtype for k, v in
+          jax.tree_util.tree_leaves_with_path(state[inputs.ROW_TAPS])}
+  assert {k for k, d in taps.items() if d == jnp.bfloat16} == {
+      k for k in taps if "embed_impression" in k} != set()
+  assert any(d == jnp.float32 for d in taps.values())
+  _, p_d, o_d, s_d = _run(False, events=True, microbatches=k, event_dtype="bfloat16")
+  _, p_s, o_s, s_s = _run(True, events=True, microbatches=k, event_dtype="bfloat16")
+  _assert_close(p_s, p_d)
+  _assert_close(o_s, o_d)
+  for a, c in zip(s_s, s_d, strict=True):
+    assert a["ok"] and c["ok"]
+    for key in ("loss", "grad_norm", "loss_sum", "per_task"):
+      np.testing.assert_allclose(a[key], c[key], rtol=2e-5, err_msg=key)
 
 
 def test_sparse_nonfinite_step_is_skipped_bitwise():
