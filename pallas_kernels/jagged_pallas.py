@@ -404,6 +404,23 @@ _gdpa_cross_through.defvjp(
     lambda cfg, res, cts: _gdpa_cross_bwd(cfg, res, *cts))
 
 
+def _cross_cfg(q, k, activation, scale, out_scale, score_clip, interpret, block_q) -> _Cfg:
+  H, D = q.shape[1:]
+  return _Cfg(activations.per_head(activation, H), D ** -0.5 if scale is None else float(scale),
+              float(out_scale), int(block_q), pad_pow2(k.shape[1]), bool(interpret),
+              score_clip_value(score_clip), fast=_fast(q, interpret))
+
+
+def cross_through_fits(q, k, *, activation="fast_gelu", score_clip=None, interpret=False,
+                       block_q=64, **_) -> bool:
+  """Whether ``jagged_gdpa_cross_pallas(through=True)``'s backward kernels read the
+  pass-through's cotangent at the chunks and pipeline stages they take without it (mid: yes;
+  prod's d_h 128: the one-kernel backward would drop from 2 stages to 1). ``q``, ``k``: arrays
+  or shape structs (the global ones serve: the plan depends on widths, not on token counts)."""
+  cfg = _cross_cfg(q, k, activation, None, 1.0, score_clip, interpret, block_q)
+  return _through_plans(cfg, q, k) == _cross_bwd_plans(cfg, q, k, 0)
+
+
 def jagged_gdpa_cross_pallas(q, k, v, jag, *, activation="fast_gelu", scale=None,
                              out_scale=1.0, kv_lengths=None, score_clip=None, interpret=False,
                              block_q=64, through=False):
@@ -413,14 +430,12 @@ def jagged_gdpa_cross_pallas(q, k, v, jag, *, activation="fast_gelu", scale=None
   example's token tiles and writing their dq too; where the keys must be split, (examples,
   heads, key chunks) and dq on the forward's grid. ``through``: returns ``(o, q)``, q passed
   through (PFFN's residual reads the query), and the backward kernels write dq plus the
-  pass-through's cotangent, which XLA added in a pass of its own."""
+  pass-through's cotangent, which XLA added in a pass of its own (where ``cross_through_fits``;
+  elsewhere XLA adds the two after the kernels, inside this op)."""
   jagged.check_example_kv(k, v, jag, q)
-  N, H, D = q.shape
   kvl = jnp.full((jag.batch,), k.shape[1], jnp.int32) if kv_lengths is None else jnp.clip(
       jnp.asarray(kv_lengths, jnp.int32), 0, k.shape[1])
-  cfg = _Cfg(activations.per_head(activation, H), D ** -0.5 if scale is None else float(scale),
-             float(out_scale), int(block_q), pad_pow2(k.shape[1]), bool(interpret),
-             score_clip_value(score_clip), fast=_fast(q, interpret))
+  cfg = _cross_cfg(q, k, activation, scale, out_scale, score_clip, interpret, block_q)
   return (_gdpa_cross_through if through else _gdpa_cross)(cfg, q, k, v, jag, kvl)
 
 

@@ -149,6 +149,15 @@ def gdpa_cross(q, k, v, jag, *, backend: str, kv_lengths=None, through=False, **
     return _per_block(op, jag, args, (True,) * len(args), pallas)
 
 
+def gdpa_cross_through(q, k, *, backend: str, **kw) -> bool:
+  """Whether ``gdpa_cross(through=True)`` adds the pass-through's cotangent inside its backward
+  kernels (``jagged_pallas.cross_through_fits``): the Pallas backend, where reading it keeps the
+  kernels' tiles and stages. Elsewhere a caller had better not pass q through: XLA would add the
+  two cotangents inside the GDPA op, the same pass in another scope."""
+  return _use_pallas(backend) and jagged_pallas.cross_through_fits(
+      q, k, interpret=interpret_kernels(), **kw)
+
+
 def gdpa_pool(q, k, v, jag, *, backend: str, **kw):
   """HSP's GDPA: seeds ``q [S, H, D]`` pool ``k, v [N, H, D]`` per example -> ``[B, S, H, D]``."""
   pallas = _use_pallas(backend)

@@ -85,12 +85,14 @@ class PFFN(nn.Module):
       q = u.astype(self.dtype).reshape(N, self.heads, dh)
       q = add_bucket_embedding(self, "time_bucket_q", q, age, None, self.time_buckets, jag)
       tail = not self.norm_affine and packed.fuse_tail(self.backend, d)
+      k, v = k.astype(self.dtype), v.astype(self.dtype)
+      kw = dict(activation=self.activation, score_clip=self.score_clip)
       # the fused tail reads the query itself as its residual u (no bucket embedding on it):
       # GDPA passes q through, and its backward kernels add the tail's cotangent of u to dq
-      through = tail and self.time_buckets is None
-      g = packed.gdpa_cross(q, k.astype(self.dtype), v.astype(self.dtype), jag,
-                            backend=self.backend, activation=self.activation, out_scale=1.0,
-                            score_clip=self.score_clip, through=through)   # [N, H, dh]
+      through = (tail and self.time_buckets is None
+                 and packed.gdpa_cross_through(q, k, backend=self.backend, **kw))
+      g = packed.gdpa_cross(q, k, v, jag, backend=self.backend, out_scale=1.0, through=through,
+                            **kw)                                      # [N, H, dh]
       if through:
         g, u = g[0], g[1].reshape(N, d)
       if tail:

@@ -404,6 +404,7 @@ def test_pallas_cross_pass_through_adds_its_cotangent_to_dq():
   ``(o, q)``, and its backward kernel writes dq plus the pass-through's cotangent, also on the
   rows past ``offsets[B]``; against the twin, every lengths case, poisoned outputs."""
   kw = dict(activation="silu", kv_lengths=KV_LENGTHS, score_clip=1.5, out_scale=0.75)
+  assert jagged_pallas.cross_through_fits(_packed("full")[0][0], _example_kv()[0], **kw)
   twin = jax.jit(lambda jag, *ops: _through_vjp(_cross_through_twin, jag, ops, **kw))
   with _poison.poison_outputs():
     run = jax.jit(lambda jag, *ops: _through_vjp(
@@ -457,8 +458,9 @@ def test_pallas_gdpa_at_prod_head_dim_against_the_xla_twin(dtype):
     np.testing.assert_allclose(g, r, atol=PROD_TOL[dtype] * np.abs(r).max(), err_msg=what)
   # the pass-through (PFFN's residual): float32 on the split keys' dq kernel; bfloat16's one
   # backward kernel would drop from 2 pipeline stages to 1 reading it, so XLA adds it after the
-  # kernels (the test above: the one kernel reading it)
+  # kernels (the test above: the one kernel reading it), and the PFFN does not ask for it
   q, kk, vv = ops[:3]
+  assert jagged_pallas.cross_through_fits(q, kk, **cross) == (dtype == jnp.float32)
   want = jax.jit(lambda: _through_vjp(_cross_through_twin, jag, (q, kk, vv), **cross))()
   with _poison.poison_outputs():
     got = jax.jit(lambda: _through_vjp(jagged_pallas.jagged_gdpa_cross_pallas, jag, (q, kk, vv),
