@@ -223,6 +223,19 @@ def _assert_close(a, b, rtol=2e-5, atol=2e-6):
     np.testing.assert_allclose(a[k], b[k], rtol=rtol, atol=atol, err_msg=k)
 
 
+def _assert_same_run(sparse, dense, keys=("loss", "grad_norm", "loss_sum", "per_task")):
+  """Two ``_run``s: the same params, optimizer state (and its structure) and statistics, every
+  step taken."""
+  (_, p_s, o_s, s_s), (_, p_d, o_d, s_d) = sparse, dense
+  assert jax.tree.structure(o_s) == jax.tree.structure(o_d)
+  _assert_close(p_s, p_d)
+  _assert_close(o_s, o_d)
+  for a, b in zip(s_s, s_d, strict=True):
+    assert a["ok"] and b["ok"]
+    for k in keys:
+      np.testing.assert_allclose(a[k], b[k], rtol=2e-5, err_msg=k)
+
+
 MESHES = [pytest.param(None, None, False, id="1-device"),
           pytest.param((("data", 2), ("fsdp", 4)), "fsdp", False, id="data2-fsdp4"),
           pytest.param((("fsdp", 2), ("tensor", 2), ("expert", 2)), "5d", True, id="5d-events",
@@ -234,15 +247,9 @@ MESHES = [pytest.param(None, None, False, id="1-device"),
 def test_sparse_update_equals_dense(mesh_shape, rules_name, events):
   """Sparse and dense embedding updates give the same params, optimizer state and statistics
   after 2 steps; table rows no batch reads stay bitwise equal to their initial values."""
-  _, p_d, o_d, s_d = _run(False, mesh_shape, rules_name, events)
-  p0, p_s, o_s, s_s = _run(True, mesh_shape, rules_name, events)
-  assert jax.tree.structure(o_s) == jax.tree.structure(o_d)
-  _assert_close(p_s, p_d)
-  _assert_close(o_s, o_d)
-  for a, b in zip(s_s, s_d, strict=False):
-    assert a["ok"] and b["ok"]
-    for k in ("loss", "grad_norm", "loss_sum", "per_task"):
-      np.testing.assert_allclose(a[k], b[k], rtol=2e-5, err_msg=k)
+  sparse = _run(True, mesh_shape, rules_name, events)
+  _assert_same_run(sparse, _run(False, mesh_shape, rules_name, events))
+  p0, p_s = sparse[:2]
   table = np.asarray(p_s["context"]["sparse"][TABLE])
   init = p0["context"]["sparse"][TABLE]
   untouched = np.setdiff1d(np.arange(table.shape[0]), _touched(_sparse_batches(), table.shape[0]))
@@ -266,15 +273,10 @@ def test_sparse_update_under_microbatches_equals_dense(mesh_shape, rules_name, e
   for name in ("ad_id_hash", "user_interests"):     # the sparse path's table, a small one
     mbs = [step.split_microbatches(b["sparse"][name], 2) for b in batches]
     assert any((np.intersect1d(np.ravel(m[0]), np.ravel(m[1])) >= 0).any() for m in mbs), name
-  _, p_d, o_d, s_d = _run(False, mesh_shape, rules_name, events, microbatches=k)
-  p0, p_s, o_s, s_s = _run(True, mesh_shape, rules_name, events, microbatches=k)
-  assert jax.tree.structure(o_s) == jax.tree.structure(o_d)
-  _assert_close(p_s, p_d)
-  _assert_close(o_s, o_d)
-  for a, b in zip(s_s, s_d, strict=True):
-    assert a["ok"] and b["ok"]
-    for key in ("loss", "grad_norm", "loss_sum", "per_task", "count"):
-      np.testing.assert_allclose(a[key], b[key], rtol=2e-5, err_msg=key)
+  sparse = _run(True, mesh_shape, rules_name, events, microbatches=k)
+  _assert_same_run(sparse, _run(False, mesh_shape, rules_name, events, microbatches=k),
+                   ("loss", "grad_norm", "loss_sum", "per_task", "count"))
+  p0, p_s = sparse[:2]
   table, init = np.asarray(p_s["context"]["sparse"][TABLE]), p0["context"]["sparse"][TABLE]
   untouched = np.setdiff1d(np.arange(table.shape[0]), _touched(batches, table.shape[0]))
   np.testing.assert_array_equal(table[untouched], init[untouched])
@@ -296,14 +298,8 @@ def test_sparse_update_with_16_bit_row_gradients_equals_dense(k):
   assert {k for k, d in taps.items() if d == jnp.bfloat16} == {
       k for k in taps if "embed_impression" in k} != set()
   assert any(d == jnp.float32 for d in taps.values())
-  _, p_d, o_d, s_d = _run(False, events=True, microbatches=k, event_dtype="bfloat16")
-  _, p_s, o_s, s_s = _run(True, events=True, microbatches=k, event_dtype="bfloat16")
-  _assert_close(p_s, p_d)
-  _assert_close(o_s, o_d)
-  for a, c in zip(s_s, s_d, strict=True):
-    assert a["ok"] and c["ok"]
-    for key in ("loss", "grad_norm", "loss_sum", "per_task"):
-      np.testing.assert_allclose(a[key], c[key], rtol=2e-5, err_msg=key)
+  _assert_same_run(_run(True, events=True, microbatches=k, event_dtype="bfloat16"),
+                   _run(False, events=True, microbatches=k, event_dtype="bfloat16"))
 
 
 def test_sparse_nonfinite_step_is_skipped_bitwise():
