@@ -342,12 +342,12 @@ def _cross_bwd_plans(cfg: _Cfg, q, k, t: int):
   return False, kv, dq
 
 
-def _through_plans(cfg: _Cfg, q, k):
-  """``_cross_bwd_plans`` with the pass-through's cotangent read (None where none fits)."""
+def _through_fits(cfg: _Cfg, q, k) -> bool:
+  """Whether the backward reads the pass-through's cotangent at the plans it takes without it."""
   try:
-    return _cross_bwd_plans(cfg, q, k, 1)
+    return _cross_bwd_plans(cfg, q, k, 1) == _cross_bwd_plans(cfg, q, k, 0)
   except ValueError:                # no tile fits the GPU's shared memory with it
-    return None
+    return False
 
 
 def _gdpa_cross_bwd(cfg: _Cfg, res, do, dt=None):
@@ -358,14 +358,12 @@ def _gdpa_cross_bwd(cfg: _Cfg, res, do, dt=None):
   pass-through."""
   q, k, v, jag, kvl = res
   do = do.astype(q.dtype)
-  plans = _cross_bwd_plans(cfg, q, k, 0)
-  if dt is not None and _through_plans(cfg, q, k) != plans:
+  if dt is not None and not _through_fits(cfg, q, k):
     dq, *rest = _gdpa_cross_bwd(cfg, res, do)
     return (dq + dt.astype(dq.dtype), *rest)
   dts = () if dt is None else (dt.astype(q.dtype),)
   cfg = cfg._replace(through=dt is not None)
-  if dts:
-    plans = _cross_bwd_plans(cfg, q, k, 1)
+  plans = _cross_bwd_plans(cfg, q, k, len(dts))
   H = q.shape[1]
   kv_shapes = (jax.ShapeDtypeStruct(k.shape, k.dtype),) * 2
   one, (ck, stages), dq_plan = plans
@@ -417,8 +415,8 @@ def cross_through_fits(q, k, *, activation="fast_gelu", score_clip=None, interpr
   pass-through's cotangent at the chunks and pipeline stages they take without it (mid: yes;
   prod's d_h 128: the one-kernel backward would drop from 2 stages to 1). ``q``, ``k``: arrays
   or shape structs (the global ones serve: the plan depends on widths, not on token counts)."""
-  cfg = _cross_cfg(q, k, activation, None, 1.0, score_clip, interpret, block_q)
-  return _through_plans(cfg, q, k) == _cross_bwd_plans(cfg, q, k, 0)
+  return _through_fits(_cross_cfg(q, k, activation, None, 1.0, score_clip, interpret, block_q),
+                       q, k)
 
 
 def jagged_gdpa_cross_pallas(q, k, v, jag, *, activation="fast_gelu", scale=None,
