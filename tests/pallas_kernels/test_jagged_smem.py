@@ -200,7 +200,12 @@ def prod_compiled(tmp_path_factory):
   return json.loads(p.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+# the PFFN passes its query through GDPA only where cross_through_fits, which prod's d_h 128 is
+# not (tests/pallas_kernels/test_jagged.py): there the pass-through's kernels are the cross's
+AT_PROD = tuple(f for f in FAMILIES if f != "cross_through")
+
+
+@pytest.mark.parametrize("family", AT_PROD)
 def test_packed_kernels_compile_for_h200_at_prod_shapes(prod_compiled, family):
   r = prod_compiled[family]
   assert "error" not in r, r.get("error")
@@ -227,6 +232,8 @@ def main(dump_dir):
   mesh = gpu_target.gpu_mesh("h200")
   out, seen = {}, set()
   for family, (fn, args) in _families("prod").items():
+    if family not in AT_PROD:
+      continue
     try:
       gpu_target.compile_for(fn, args, mesh)
     except Exception as e:  # noqa: BLE001 - reported to the test
