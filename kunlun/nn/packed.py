@@ -133,16 +133,15 @@ def _use_pallas(backend: str) -> bool:
 
 def gdpa_cross(q, k, v, jag, *, backend: str, kv_lengths=None, through=False, **kw):
   """PFFN's GDPA: ``q [N, H, D]`` reads its example's ``k, v [B, n_kv, H, D]`` (keys below
-  ``kv_lengths i32[B]``; None: all) -> ``[N, H, D]``; ``through``: ``(that, q)``, q passed
-  through for a second reader, whose cotangent the Pallas backward kernels add to dq
-  (``jagged_pallas.jagged_gdpa_cross_pallas``; XLA's autodiff adds the two)."""
+  ``kv_lengths i32[B]``; None: all) -> ``[N, H, D]``; ``through`` (where
+  ``gdpa_cross_through``): ``(that, q)``, q passed through for a second reader, whose cotangent
+  the Pallas backward kernels add to dq (``jagged_pallas.jagged_gdpa_cross_pallas``)."""
   pallas = _use_pallas(backend)
-  if pallas:
-    fn = jagged_pallas.jagged_gdpa_cross_pallas
-    kw = dict(kw, interpret=interpret_kernels(), through=through)
-  else:
-    fn = ((lambda q, *a, **o: (jagged.jagged_gdpa_cross(q, *a, **o), q)) if through
-          else jagged.jagged_gdpa_cross)
+  if through and not pallas:
+    raise ValueError("gdpa_cross: through=True runs on the Pallas kernels only "
+                     "(ask gdpa_cross_through)")
+  fn = jagged_pallas.jagged_gdpa_cross_pallas if pallas else jagged.jagged_gdpa_cross
+  kw = dict(kw, interpret=interpret_kernels(), through=through) if pallas else kw
   op = lambda j, q, k, v, *kvl: fn(q, k, v, j, kv_lengths=kvl[0] if kvl else None, **kw)
   args = (q, k, v) + (() if kv_lengths is None else (kv_lengths,))
   with jax.named_scope("GDPA"):
@@ -152,8 +151,9 @@ def gdpa_cross(q, k, v, jag, *, backend: str, kv_lengths=None, through=False, **
 def gdpa_cross_through(q, k, *, backend: str, **kw) -> bool:
   """Whether ``gdpa_cross(through=True)`` adds the pass-through's cotangent inside its backward
   kernels (``jagged_pallas.cross_through_fits``): the Pallas backend, where reading it keeps the
-  kernels' tiles and stages. Elsewhere a caller had better not pass q through: XLA would add the
-  two cotangents inside the GDPA op, the same pass in another scope."""
+  kernels' tiles and stages. Elsewhere a caller keeps q for itself: on the XLA backend
+  ``gdpa_cross`` refuses ``through``, and where the tile does not fit the kernels' plans XLA would
+  add the two cotangents inside the GDPA op, the same pass in another scope."""
   return _use_pallas(backend) and jagged_pallas.cross_through_fits(
       q, k, interpret=interpret_kernels(), **kw)
 
