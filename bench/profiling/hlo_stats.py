@@ -30,6 +30,12 @@ _NO_LAUNCH = {"parameter", "constant", "tuple", "get-tuple-element", "bitcast", 
               "opt-barrier", "partition-id", "replica-id", "add-dependency", "domain",
               "all-gather-done", "all-reduce-done", "collective-permute-done", "copy-done",
               "async-done", "send-done", "recv-done", "while", "conditional", "call"}
+ATTRIBUTIONS = ("root", "majority")    # how a fusion is named (resolve_op_names)
+# a fused computation's ops that do not count towards its scope group (``_fusion_op_name``):
+# operands, constants and views, which XLA names after whichever op it cloned them for
+_NOT_COUNTED = {"parameter", "constant", "bitcast", "broadcast", "reshape", "tuple",
+                "get-tuple-element", "iota"}
+_GEMM_OPS = {"dot", "convolution", "custom-call", "fusion"}
 _COMP_RE = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
 _OPNAME_RE = re.compile(r'op_name="([^"]*)"')
 _TRIP_RE = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
@@ -119,11 +125,39 @@ def top_level(comps, entry) -> list:
   return out
 
 
-def resolve_op_names(comps, entry) -> dict:
+def _fusion_op_name(comps, ins, names) -> str:
+  """A launched fusion's op_name: its root's, unless most of its fused computation's ops (not
+  parameters, constants, broadcasts or reshapes) come from another scope group; then the
+  last of that group's ops (of the root's phase, forward or backward, where it has one). XLA
+  names a fusion after its root, which can be one add of a cotangent from a neighbouring scope
+  (the PFFN's LayerNorm backward fused under the HSP's ``add_any``). Fusions with a GEMM keep
+  their root's name (the GEMM's epilogue)."""
+  name, _, rest, _ = ins[:4]
+  root = names[name]
+  inner = [i for c in _called(rest) for i in comps.get(c, ())]
+  if any(op in _GEMM_OPS for _, op, *_ in inner):
+    return root
+  ops = [names[i[0]] for i in inner if i[1] not in _NOT_COUNTED and i[0] in names]
+  count = Counter(scope_group(n) for n in ops)
+  if not count:
+    return root
+  group, n = count.most_common(1)[0]
+  if count.get(scope_group(root), 0) >= n:
+    return root
+  mine = [o for o in ops if scope_group(o) == group]
+  phase = [o for o in mine if ("transpose(" in o) == ("transpose(" in root)]
+  return (phase or mine)[-1]
+
+
+def resolve_op_names(comps, entry, attribute: str = "root") -> dict:
   """{instruction: op_name}: its ``metadata`` op_name, or (top-level ops XLA created without
   metadata: copies, the row-wise reduce-windows of a cond branch, ...) that of a fused inner op,
   of the first user or operand in its computation that has one, or of the control-flow op that
-  runs its computation."""
+  runs its computation. ``attribute="majority"``: a launched fusion takes the name of the scope
+  group most of its fused ops come from (``_fusion_op_name``); "root" (the default): its root's,
+  as XLA names it."""
+  if attribute not in ATTRIBUTIONS:
+    raise ValueError(f"attribute={attribute!r}: one of {ATTRIBUTIONS}")
   names, parent = {}, {}
   for ins in (i for body in comps.values() for i in body):
     m = _OPNAME_RE.search(ins[2])
@@ -133,6 +167,8 @@ def resolve_op_names(comps, entry) -> dict:
     if ins[1] in ("while", "conditional", "call"):
       for b in _called(ins[2]):
         parent.setdefault(b, ins[0])
+    elif attribute == "majority" and ins[1] == "fusion" and ins[0] in names:
+      names[ins[0]] = _fusion_op_name(comps, ins, names)
   operands = lambda rest: re.findall(r"%([\w.\-]+)", rest[rest.index("("):].split("),")[0])
   for comp in [c for c in comps if c == entry or c in parent]:
     body = comps[comp]

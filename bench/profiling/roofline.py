@@ -258,13 +258,14 @@ def _param_reads(comps, roots, comp: str, shapes) -> tuple[dict, float | None]:
   return reads, (out_bytes if inplace else None)
 
 
-def op_costs(text: str) -> list[dict]:
+def op_costs(text: str, attribute: str = "root") -> list[dict]:
   """Every top-level launched op of an HLO module: ``{name, opcode, op_name, times, bytes_in,
   bytes_out, flops, transcendentals, gemm, pallas, reads}`` (per execution; ``times`` executions
-  per step; ``reads`` {operand: bytes read of it})."""
+  per step; ``reads`` {operand: bytes read of it}; ``op_name``: ``hlo_stats.resolve_op_names``'
+  with ``attribute``)."""
   comps, entry = hlo_stats.parse_hlo(text)
   roots = _roots(text)
-  names = hlo_stats.resolve_op_names(comps, entry)
+  names = hlo_stats.resolve_op_names(comps, entry, attribute)
   fl = _Flops(comps)
   out = []
   for ins in hlo_stats.top_level(comps, entry):
@@ -298,7 +299,7 @@ def op_costs(text: str) -> list[dict]:
   return out
 
 
-def group_floors(text: str, costs: list[dict] | None = None) -> dict:
+def group_floors(text: str, costs: list[dict] | None = None, attribute: str = "root") -> dict:
   """Compulsory bytes of each scope group (``hlo_stats.scope_group``) of a compiled step:
   ``{group: {"bytes", "read", "written", "launches"}}``.
 
@@ -311,11 +312,12 @@ def group_floors(text: str, costs: list[dict] | None = None) -> dict:
   recomputed forward in the backward does; each handed-on value once, at the bytes the program
   keeps it in (``op_costs``' partial reads and in-place updates apply). Values a group produces
   and reads itself (its intermediates) count nothing. Views (bitcasts, tuples) are followed to
-  the launch that produced or reads the value."""
+  the launch that produced or reads the value. ``attribute``: how a fusion's group is named
+  (``hlo_stats.resolve_op_names``; ``costs`` must be ``op_costs``' with the same)."""
   comps, entry = hlo_stats.parse_hlo(text)
   roots = _roots(text)
-  costs = {c["name"]: c for c in (costs if costs is not None else op_costs(text))}
-  names = hlo_stats.resolve_op_names(comps, entry)
+  costs = {c["name"]: c for c in (costs if costs is not None else op_costs(text, attribute))}
+  names = hlo_stats.resolve_op_names(comps, entry, attribute)
   group = lambda n: hlo_stats.scope_group(names.get(n, ""))
   bodies, stack = [], [entry] if entry else []
   while stack:                                   # the entry and its control-flow bodies
@@ -1061,6 +1063,9 @@ def main(argv=None) -> int:
   ap.add_argument("--group", action="append", default=[],
                   help="list this scope group's largest ops (repeatable)")
   ap.add_argument("--top", type=int, default=20, help="ops listed per group")
+  ap.add_argument("--attribute", choices=hlo_stats.ATTRIBUTIONS, default="root",
+                  help="a fusion's scope group: its root op's (XLA's name, the default) or that "
+                       "of most of its fused ops")
   args = ap.parse_args(argv)
   try:
     with open(args.hlo) as f:
@@ -1068,12 +1073,12 @@ def main(argv=None) -> int:
   except OSError as e:
     print(f"error: cannot read {args.hlo}: {e.strerror}", file=sys.stderr)
     return 2
-  costs = op_costs(text)
+  costs = op_costs(text, args.attribute)
   if not costs:
     print(f"error: {args.hlo} has no launched ops (not a compiled HLO module's text?)",
           file=sys.stderr)
     return 2
-  rl = add_floors(roofline(costs, None), group_floors(text, costs))
+  rl = add_floors(roofline(costs, None), group_floors(text, costs, args.attribute))
   print_floors(rl["groups"])
   sk = split_k(text, costs)
   if sk:

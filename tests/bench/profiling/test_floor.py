@@ -186,3 +186,82 @@ def test_the_command_fails_in_one_line(tmp_path, capsys, args, message):
   assert roofline.main([str(tmp_path / args[0]), *args[1:]]) == 2
   err = capsys.readouterr().err.strip()
   assert message in err and "\n" not in err and "Traceback" not in err
+
+
+# A LayerNorm backward in PFFN's scope fused under HSP's cotangent add (XLA names the fusion after
+# its root), an elementwise fusion with one op of each group (a tie), and a GEMM fusion whose
+# epilogue comes from HSP, each fused computation with its ops' metadata as XLA writes it.
+MIXED_HLO = """HloModule mixed
+
+%ln_bwd (p0: f32[1000], p1: f32[1000], p2: f32[1000]) -> f32[1000] {
+  %p0 = f32[1000]{0} parameter(0)
+  %p1 = f32[1000]{0} parameter(1)
+  %p2 = f32[1000]{0} parameter(2)
+  %m = f32[1000]{0} multiply(%p0, %p1), metadata={op_name="jit(f)/transpose(jvp(M))/L/PFFN/_norm/mul"}
+  %c = f32[1000]{0} convert(%m), metadata={op_name="jit(f)/transpose(jvp(M))/L/HSP/convert"}
+  %r = f32[1000]{0} reshape(%c), metadata={op_name="jit(f)/transpose(jvp(M))/L/HSP/reshape"}
+  %z = f32[] constant(0), metadata={op_name="jit(f)/transpose(jvp(M))/L/HSP/zero"}
+  %zb = f32[1000]{0} broadcast(%z), dimensions={}, metadata={op_name="jit(f)/transpose(jvp(M))/L/HSP/zeros"}
+  %s = f32[1000]{0} subtract(%r, %p1), metadata={op_name="jit(f)/transpose(jvp(M))/L/PFFN/_norm/sub"}
+  %n = f32[1000]{0} multiply(%s, %zb), metadata={op_name="jit(f)/jvp(M)/L/PFFN/_norm/mul"}
+  ROOT %a = f32[1000]{0} add(%n, %p2), metadata={op_name="jit(f)/transpose(jvp(M))/L/HSP/add_any"}
+}
+
+%tie (q0: f32[1000], q1: f32[1000]) -> f32[1000] {
+  %q0 = f32[1000]{0} parameter(0)
+  %q1 = f32[1000]{0} parameter(1)
+  %m = f32[1000]{0} multiply(%q0, %q1), metadata={op_name="jit(f)/jvp(M)/L/PFFN/mul"}
+  ROOT %a = f32[1000]{0} add(%m, %q1), metadata={op_name="jit(f)/jvp(M)/L/HSP/add"}
+}
+
+%gemm (r0: f32[10,100], r1: f32[100,100]) -> f32[10,100] {
+  %r0 = f32[10,100]{1,0} parameter(0)
+  %r1 = f32[100,100]{1,0} parameter(1)
+  %d = f32[10,100]{1,0} dot(%r0, %r1), lhs_contracting_dims={1}, rhs_contracting_dims={0}, metadata={op_name="jit(f)/jvp(M)/L/PFFN/dot_general"}
+  %e1 = f32[10,100]{1,0} exponential(%d), metadata={op_name="jit(f)/jvp(M)/L/PFFN/exp"}
+  ROOT %e2 = f32[10,100]{1,0} negate(%e1), metadata={op_name="jit(f)/jvp(M)/L/HSP/neg"}
+}
+
+ENTRY %main (x: f32[1000], g: f32[1000], h: f32[1000], y: f32[10,100], w: f32[100,100]) -> (f32[1000], f32[1000], f32[10,100]) {
+  %x = f32[1000]{0} parameter(0)
+  %g = f32[1000]{0} parameter(1)
+  %h = f32[1000]{0} parameter(2)
+  %y = f32[10,100]{1,0} parameter(3)
+  %w = f32[100,100]{1,0} parameter(4)
+  %bwd = f32[1000]{0} fusion(%x, %g, %h), kind=kLoop, calls=%ln_bwd, metadata={op_name="jit(f)/transpose(jvp(M))/L/HSP/add_any"}
+  %even = f32[1000]{0} fusion(%x, %g), kind=kLoop, calls=%tie, metadata={op_name="jit(f)/jvp(M)/L/HSP/add"}
+  %mm = f32[10,100]{1,0} fusion(%y, %w), kind=kCustom, calls=%gemm, metadata={op_name="jit(f)/jvp(M)/L/HSP/neg"}
+  ROOT %out = (f32[1000]{0}, f32[1000]{0}, f32[10,100]{1,0}) tuple(%bwd, %even, %mm)
+}
+"""
+
+
+def test_a_fusion_is_named_after_most_of_its_ops_on_request():
+  """By default a fusion is its root's (HSP's add). With ``attribute="majority"`` the LayerNorm
+  backward goes to PFFN (3 PFFN ops against HSP's add and convert; its constant,
+  broadcast and reshape do not count), named after PFFN's last op of the root's phase (backward); the tie stays with its root; the
+  GEMM fusion keeps its root's name (2 of its 3 ops PFFN's). The floors follow: HSP no longer reads x, g, h nor writes the fused result (4 x 4,000 B)."""
+  by = lambda attribute: {c["name"]: c["op_name"] for c in roofline.op_costs(MIXED_HLO, attribute)}
+  root, major = by("root"), by("majority")
+  assert root["bwd"].endswith("HSP/add_any")
+  assert major["bwd"] == "jit(f)/transpose(jvp(M))/L/PFFN/_norm/sub"
+  assert major["even"] == root["even"] == "jit(f)/jvp(M)/L/HSP/add"
+  assert major["mm"] == root["mm"] == "jit(f)/jvp(M)/L/HSP/neg"
+  before = roofline.group_floors(MIXED_HLO)
+  after = roofline.group_floors(MIXED_HLO, attribute="majority")
+  assert "PFFN" not in before and after["PFFN"] == {"bytes": 4 * 4000.0, "read": 3 * 4000.0,
+                                                     "written": 4000.0, "launches": 1}
+  assert before["HSP"]["bytes"] - after["HSP"]["bytes"] == 4 * 4000
+  with pytest.raises(ValueError, match="attribute='most'"):
+    roofline.op_costs(MIXED_HLO, "most")
+
+
+def test_the_command_takes_the_attribution(tmp_path, capsys):
+  path = tmp_path / "step.hlo"
+  path.write_text(MIXED_HLO)
+  assert roofline.main([str(path), "--attribute", "majority"]) == 0
+  groups = {line.split()[0] for line in capsys.readouterr().out.splitlines()[1:]}
+  assert {"PFFN", "HSP"} <= groups
+  assert roofline.main([str(path)]) == 0
+  groups = {line.split()[0] for line in capsys.readouterr().out.splitlines()[1:]}
+  assert "PFFN" not in groups
