@@ -32,6 +32,14 @@ def layer_norm(x, eps: float = EPS, dtype=F32):
   return _layer_norm(x, float(eps), jnp.dtype(dtype))
 
 
+def layer_norm_pair(x, eps: float = EPS, dtype=F32):
+  """``(layer_norm(x), layer_norm(x))``, one value for two consumers (the PFFN's GDPA query and
+  its residual). The backward adds the two cotangents in float32 inside its own pass; with one
+  output read twice, autodiff adds them in ``dtype`` before the backward's optimization barrier,
+  which XLA cannot fuse across: a pass of its own (two ``[..., d]`` reads and a write)."""
+  return _layer_norm_pair(x, float(eps), jnp.dtype(dtype))
+
+
 def rms_norm(x, eps: float = EPS, dtype=F32):
   """RMSNorm over the last axis without scale, computed in float32. ``[..., d] ->
   dtype[..., d]`` (cast inside the VJP, as ``layer_norm``)."""
@@ -118,17 +126,39 @@ def _layer_norm_fwd(x, eps, dtype):
 
 
 def _layer_norm_bwd(eps, dtype, x, dy):
-  """``dx = r (dy - mean(dy) - y mean(dy y))`` with ``y = (x - mu) r``."""
   x, dy = jax.lax.optimization_barrier((x, dy))   # no CSE with the forward's intermediates
+  return (_ln_dx(x, dy.astype(F32), eps),)
+
+
+def _ln_dx(x, dy, eps):
+  """``dx = r (dy - mean(dy) - y mean(dy y))`` with ``y = (x - mu) r`` (``dy`` float32)."""
   _, mu, r = _ln_stats(x, eps)
-  dy = dy.astype(F32)
   y = (x.astype(F32) - mu) * r
   m1 = jnp.mean(dy, axis=-1, keepdims=True)
   m2 = jnp.mean(dy * y, axis=-1, keepdims=True)
-  return ((r * (dy - m1 - y * m2)).astype(x.dtype),)
+  return (r * (dy - m1 - y * m2)).astype(x.dtype)
 
 
 _layer_norm.defvjp(_layer_norm_fwd, _layer_norm_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _layer_norm_pair(x, eps, dtype):
+  y = _layer_norm(x, eps, dtype)
+  return y, y
+
+
+def _layer_norm_pair_fwd(x, eps, dtype):
+  y = _layer_norm(_fenced(x, 1), eps, dtype)
+  return (y, y), x
+
+
+def _layer_norm_pair_bwd(eps, dtype, x, dys):
+  x, d1, d2 = jax.lax.optimization_barrier((x, *dys))
+  return (_ln_dx(x, d1.astype(F32) + d2.astype(F32), eps),)
+
+
+_layer_norm_pair.defvjp(_layer_norm_pair_fwd, _layer_norm_pair_bwd)
 
 
 def _rms_stats(x, eps):

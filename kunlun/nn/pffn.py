@@ -28,7 +28,7 @@ from kunlun.configs.types import BucketSpec
 from kunlun.nn import packed
 from kunlun.nn.fused import norm_residual
 from kunlun.nn.gdpa import gdpa_op
-from kunlun.nn.norms import EPS, layer_norm, rms_norm
+from kunlun.nn.norms import EPS, layer_norm, layer_norm_pair, rms_norm
 from kunlun.nn.time_encoding import add_bucket_embedding
 from pallas_kernels.activations import per_head
 from sharding import shard, with_axes
@@ -64,8 +64,8 @@ class PFFN(nn.Module):
     with jax.named_scope("PFFN"):
       # u in the compute dtype (float32 with the affine norms): it is both GDPA's query and the
       # residual of the RMSNorm below (kunlun.nn.fused.norm_residual)
-      u = self._norm(s)                                      # [B or R, T, d]
-      q = u.astype(self.dtype).reshape(u.shape[0], T, self.heads, dh)
+      uq, u = self._norms(s)                                 # [B or R, T, d]
+      q = uq.astype(self.dtype).reshape(u.shape[0], T, self.heads, dh)
       q = add_bucket_embedding(self, "time_bucket_q", q, age, lengths, self.time_buckets)
       q = shard(q, ("batch", "seq", "heads", "head_dim"))
       lengths = jnp.asarray(lengths, jnp.int32)
@@ -81,16 +81,17 @@ class PFFN(nn.Module):
     N, d = x.shape
     dh = self._check(d, k, v, jag.batch)
     with jax.named_scope("PFFN"):
-      u = self._norm(x)
-      q = u.astype(self.dtype).reshape(N, self.heads, dh)
-      q = add_bucket_embedding(self, "time_bucket_q", q, age, None, self.time_buckets, jag)
       tail = not self.norm_affine and packed.fuse_tail(self.backend, d)
       k, v = k.astype(self.dtype), v.astype(self.dtype)
       kw = dict(activation=self.activation, score_clip=self.score_clip)
       # the fused tail reads the query itself as its residual u (no bucket embedding on it):
       # GDPA passes q through, and its backward kernels add the tail's cotangent of u to dq
+      q_shape = jax.ShapeDtypeStruct((N, self.heads, dh), self.dtype)
       through = (tail and self.time_buckets is None
-                 and packed.gdpa_cross_through(q, k, backend=self.backend, **kw))
+                 and packed.gdpa_cross_through(q_shape, k, backend=self.backend, **kw))
+      uq, u = (self._norm(x),) * 2 if through else self._norms(x)
+      q = uq.astype(self.dtype).reshape(N, self.heads, dh)
+      q = add_bucket_embedding(self, "time_bucket_q", q, age, None, self.time_buckets, jag)
       g = packed.gdpa_cross(q, k, v, jag, backend=self.backend, out_scale=1.0, through=through,
                             **kw)                                      # [N, H, dh]
       if through:
@@ -112,6 +113,13 @@ class PFFN(nn.Module):
   def _norm(self, s):
     return (self._affine("ln", layer_norm(s), bias=True) if self.norm_affine
             else layer_norm(s, dtype=self.dtype))
+
+  def _norms(self, s):
+    """``u = LN(s)`` for its two readers, GDPA's query and the tail's residual: without the
+    affine norm ``norms.layer_norm_pair``, whose backward adds their cotangents in its own pass."""
+    if self.norm_affine:
+      return (self._norm(s),) * 2
+    return layer_norm_pair(s, dtype=self.dtype)
 
   def _tail(self, g, u, s, lengths):
     """``RMSNorm(g + u) + s`` with rows at or past ``lengths`` zero (``[B, T, d]``)."""

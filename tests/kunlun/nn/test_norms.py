@@ -148,3 +148,34 @@ def test_affine_layer_norm_offset_rows():
   g = jax.grad(lambda x: jnp.sum(norms.affine_layer_norm((x,), sc, bi) * w))(x)
   g_ref = jax.grad(lambda x: jnp.sum((_plain_ln(x) * sc + bi) * w))(x)
   np.testing.assert_allclose(np.asarray(g), np.asarray(g_ref), rtol=1e-5, atol=1e-5)
+
+
+def test_layer_norm_pair_is_two_layer_norms_with_one_backward():
+  """Both outputs equal ``layer_norm`` (float32 and rounded to bfloat16); the gradient of a loss
+  reading each with its own weights equals autodiff of the plain formula read twice, float32
+  and from bfloat16 (the two cotangents summed in float32 before the backward: tighter than
+  autodiff's bfloat16 sum, within its rounding); under vmap too."""
+  rng = np.random.default_rng(2)
+  x = jnp.asarray(rng.normal(size=(3, 5, 16)) * 2 + 0.5, jnp.float32)
+  w1, w2 = (jnp.asarray(rng.normal(size=(3, 5, 16)), jnp.float32) for _ in range(2))
+  for dt in (jnp.float32, jnp.bfloat16):
+    a, b = norms.layer_norm_pair(x, dtype=dt)
+    assert a.dtype == b.dtype == dt
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    np.testing.assert_array_equal(np.asarray(a, np.float32),
+                                  np.asarray(_plain_ln(x).astype(dt), np.float32))
+  loss = lambda pair: (lambda x, w1, w2: jnp.sum(jnp.sin(pair(x)[0].astype(jnp.float32)) * w1)
+                       + jnp.sum(pair(x)[1].astype(jnp.float32) * w2))
+  plain = lambda x: (_plain_ln(x),) * 2
+  g = jax.grad(loss(norms.layer_norm_pair))(x, w1, w2)
+  g_ref = jax.grad(loss(plain))(x, w1, w2)
+  np.testing.assert_allclose(np.asarray(g), np.asarray(g_ref), rtol=1e-5, atol=1e-6)
+  xb = x.astype(jnp.bfloat16)
+  gb = jax.grad(loss(functools.partial(norms.layer_norm_pair, dtype=jnp.bfloat16)))(xb, w1, w2)
+  gb_ref = jax.grad(loss(lambda x: (_plain_ln(x).astype(jnp.bfloat16),) * 2))(xb, w1, w2)
+  assert gb.dtype == jnp.bfloat16
+  np.testing.assert_allclose(np.asarray(gb, np.float32), np.asarray(gb_ref, np.float32),
+                             rtol=2e-2, atol=2e-2)
+  gv = jax.jit(jax.vmap(jax.grad(loss(norms.layer_norm_pair))))(x, w1, w2)
+  gv_ref = jax.vmap(jax.grad(loss(plain)))(x, w1, w2)
+  np.testing.assert_allclose(np.asarray(gv), np.asarray(gv_ref), rtol=1e-5, atol=1e-6)
