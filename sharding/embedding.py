@@ -275,12 +275,25 @@ def _sorted_dense_grad(gids_k, g_kd, V):
 
 def group_dense_grads(gids, g, sizes) -> list:
   """Table-shaped gradients ``[V_i, D]`` of a group from its looked-up rows' gradients
-  (``gids [L, ...]``, ``g [L, ..., D]``): one stable sort of the group ids and one sorted
-  scatter-add (each row's terms summed in their original order), split per table. Negative ids
+  (``gids [L, ...]``, ``g [L, ..., D]``): ``group_dense_grad`` split per table."""
+  return split_tables(group_dense_grad(gids, g, sum(int(v) for v in sizes)), sizes)
+
+
+def split_tables(g_vd, sizes) -> list:
+  """A group's table-shaped gradient ``[sum(sizes), D]`` -> ``[V_i, D]`` per table."""
+  offs = [0]
+  for v in sizes:
+    offs.append(offs[-1] + int(v))
+  return [g_vd[a:b] for a, b in zip(offs[:-1], offs[1:], strict=True)]
+
+
+def group_dense_grad(gids, g, V: int):
+  """The table-shaped gradient ``[V, D]`` of a group of ``V`` rows in all from its looked-up
+  rows' gradients (``gids [L, ...]``, ``g [L, ..., D]``): one stable sort of the group ids and
+  one sorted scatter-add (each row's terms summed in their original order). Negative ids
   contribute nothing. With the batch (``L``) sharded over devices each device sorts and sums its
   own ids, then the partial tables are summed over the batch axes (a psum of ``[V, D]``, what any
   replicated table's gradient needs)."""
-  V = sum(int(v) for v in sizes)
   D = g.shape[-1]
   axes = _batch_axes(_lead(jnp.shape(gids)))
   if not axes:
@@ -291,10 +304,7 @@ def group_dense_grads(gids, g, sizes) -> list:
                                       axes)
     g_vd = jax.shard_map(local, in_specs=(P(axes), P(axes)), out_specs=P(),
                          axis_names=set(axes))(gids.reshape(L, -1), g.reshape(L, -1, D))
-  offs = [0]
-  for v in sizes:
-    offs.append(offs[-1] + int(v))
-  return [g_vd[a:b] for a, b in zip(offs[:-1], offs[1:], strict=True)]
+  return g_vd
 
 
 def lookup_flat(tables, gids, *, capacity_factor: float | None = CAPACITY_FACTOR,

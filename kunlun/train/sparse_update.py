@@ -10,7 +10,13 @@ import optax
 
 from kunlun.nn.inputs import GROUP_SEP
 from kunlun.train import optim
-from sharding.embedding import group_dense_grads, row_axes, sparse_adagrad_update_group
+from sharding.embedding import (
+    SMALL_TABLE_ROWS,
+    group_dense_grad,
+    row_axes,
+    sparse_adagrad_update_group,
+    split_tables,
+)
 
 
 def make_sparse_update(train_cfg, total_steps: int, param_shardings=None, backend: str = "xla"):
@@ -38,7 +44,8 @@ def make_sparse_update(train_cfg, total_steps: int, param_shardings=None, backen
   table-shaped gradients for the dense row-wise Adagrad (cheaper than the sparse path's sorts at
   that size; same result). An "emb" leaf that is not looked up (read some other way) gets the
   dense row-wise Adagrad from its autodiff gradient. The dense-style updates run inside one
-  ``lax.cond(ok, ...)`` (no select over the state); the sparse groups are switched off by ``ok``.
+  ``lax.cond(ok, ...)`` (no select over the state; a group of small tables sums its table-shaped
+  gradient before it); the sparse groups are switched off by ``ok``.
   ``table_sq_norm``: sum over tables of the squared norm of their (dense-equivalent) gradient.
   """
   opt = optim.Optimizer(train_cfg, total_steps, param_shardings, backend=backend)
@@ -79,6 +86,13 @@ def make_sparse_update(train_cfg, total_steps: int, param_shardings=None, backen
     g = [grads.get(k) for k in keys]
     in_sparse = {index[m] for gk in sparse for m in rows[gk][0]}
     mine = [i for i in range(len(keys)) if i not in in_sparse]       # updated inside the cond
+    rows_of = lambda gk: sum(p[index[m]].shape[0] for m in rows[gk][0])
+    # a group of small tables (SMALL_TABLE_ROWS rows in all at most) sums its table-shaped
+    # gradient before the cond: the sort and scatter-add read its rows' gradients where the
+    # backward wrote them, which as operands of the cond XLA wrote out first. Larger groups sum
+    # theirs inside (a float32 [V, D] held from the backward to the cond raised prod's peak)
+    early = {gk: group_dense_grad(rows[gk][1], rows[gk][2], rows_of(gk)) for gk in small
+             if rows_of(gk) <= SMALL_TABLE_ROWS}
 
     def dense_step(state):
       """AdamW, small groups and unlooked-up tables; returns the new (params, acc) of ``mine``,
@@ -92,8 +106,8 @@ def make_sparse_update(train_cfg, total_steps: int, param_shardings=None, backen
       for gk in small:
         members, gids, g_rows = rows[gk]
         idx = [index[m] for m in members]
-        parts = group_dense_grads(gids, g_rows, [p[i].shape[0] for i in idx])
-        for i, gt in zip(idx, parts, strict=True):
+        g_vd = early[gk] if gk in early else group_dense_grad(gids, g_rows, rows_of(gk))
+        for i, gt in zip(idx, split_tables(g_vd, [p[i].shape[0] for i in idx]), strict=True):
           g_tab[i] = gt.astype(p[i].dtype)
           sq = sq + jnp.sum(jnp.square(gt.astype(jnp.float32)))
       for i in mine:

@@ -11,7 +11,7 @@ import pytest
 
 from kunlun.configs import fields
 from kunlun.nn import remat as remat_lib
-from kunlun.train import optim, step
+from kunlun.train import optim, sparse_update, step
 from kunlun.train.sparse_update import make_sparse_update
 
 
@@ -192,10 +192,10 @@ def _step_setup(sparse, mesh_shape=None, rules_name=None, events=False, microbat
 
 
 def _run(sparse, mesh_shape=None, rules_name=None, events=False, microbatches=1,
-         event_dtype="float32"):
-  """Steps over every test batch from the same init: (initial params, params, opt_state, stats)."""
-  f, init, put, ctx = _step_setup(sparse, mesh_shape, rules_name, events, microbatches,
-                                  event_dtype)
+         event_dtype="float32", setup=_step_setup):
+  """Steps over every test batch from the same init: (initial params, params, opt_state, stats).
+  ``setup``: ``_step_setup`` (cached) or its uncached function."""
+  f, init, put, ctx = setup(sparse, mesh_shape, rules_name, events, microbatches, event_dtype)
   p, o = init()
   p0 = jax.tree.map(np.asarray, p)
   stats = []
@@ -258,6 +258,14 @@ def test_sparse_update_equals_dense(mesh_shape, rules_name, events):
   assert not np.array_equal(table, init)
   if mesh_shape is not None:
     assert p_s["context"]["sparse"][TABLE].sharding.spec[0] is not None
+
+
+def test_sparse_update_sums_every_small_group_inside_the_cond(monkeypatch):
+  """With no group small enough to sum its table-shaped gradient before the optimizer's cond
+  (``SMALL_TABLE_ROWS`` 0) every small group sums it inside: the same run as the dense update.
+  The other tests take the other path (the test model's tables are all small)."""
+  monkeypatch.setattr(sparse_update, "SMALL_TABLE_ROWS", 0)
+  _assert_same_run(_run(True, events=True, setup=_step_setup.__wrapped__), _run(False, events=True))
 
 
 @pytest.mark.parametrize("mesh_shape, rules_name, events, k", [
