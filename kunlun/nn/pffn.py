@@ -64,8 +64,8 @@ class PFFN(nn.Module):
     with jax.named_scope("PFFN"):
       # u in the compute dtype (float32 with the affine norms): it is both GDPA's query and the
       # residual of the RMSNorm below (kunlun.nn.fused.norm_residual)
-      uq, u = self._norms(s)                                 # [B or R, T, d]
-      q = uq.astype(self.dtype).reshape(u.shape[0], T, self.heads, dh)
+      u = self._norm(s)                                      # [B or R, T, d]
+      q = u.astype(self.dtype).reshape(u.shape[0], T, self.heads, dh)
       q = add_bucket_embedding(self, "time_bucket_q", q, age, lengths, self.time_buckets)
       q = shard(q, ("batch", "seq", "heads", "head_dim"))
       lengths = jnp.asarray(lengths, jnp.int32)
@@ -115,8 +115,10 @@ class PFFN(nn.Module):
             else layer_norm(s, dtype=self.dtype))
 
   def _norms(self, s):
-    """``u = LN(s)`` for its two readers, GDPA's query and the tail's residual: without the
-    affine norm ``norms.layer_norm_pair``, whose backward adds their cotangents in its own pass."""
+    """``u = LN(s)`` for its two readers on a packed tower, GDPA's query and the tail's residual:
+    without the affine norm ``norms.layer_norm_pair``, whose backward adds their cotangents in its
+    own pass. (The padded path keeps one output: there the pair made XLA's mid b256 program 1 GB
+    larger, GDPA, attention and HSP included.)"""
     if self.norm_affine:
       return (self._norm(s),) * 2
     return layer_norm_pair(s, dtype=self.dtype)
