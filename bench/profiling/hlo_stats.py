@@ -35,7 +35,9 @@ ATTRIBUTIONS = ("root", "majority")    # how a fusion is named (resolve_op_names
 # operands, constants and views, which XLA names after whichever op it cloned them for
 _NOT_COUNTED = {"parameter", "constant", "bitcast", "broadcast", "reshape", "tuple",
                 "get-tuple-element", "iota"}
-_GEMM_OPS = {"dot", "convolution", "custom-call", "fusion"}
+# ops that keep a fusion under its root's name: a GEMM (XLA's Triton GEMM fusions nest their dot
+# in a fusion or call a custom kernel) is the fusion's work, whatever its epilogue's scope
+_KEEPS_ROOT = {"dot", "convolution", "custom-call", "fusion"}
 _COMP_RE = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
 _OPNAME_RE = re.compile(r'op_name="([^"]*)"')
 _TRIP_RE = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
@@ -135,7 +137,7 @@ def _fusion_op_name(comps, ins, names) -> str:
   name, _, rest, _ = ins[:4]
   root = names[name]
   inner = [i for c in _called(rest) for i in comps.get(c, ())]
-  if any(op in _GEMM_OPS for _, op, *_ in inner):
+  if any(op in _KEEPS_ROOT for _, op, *_ in inner):
     return root
   ops = [names[i[0]] for i in inner if i[1] not in _NOT_COUNTED and i[0] in names]
   count = Counter(scope_group(n) for n in ops)
