@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Creates .venv from a Python >= 3.12 and installs the project (with dev extras).
-# Idempotent: re-running only reinstalls when pyproject.toml changed.
+# Idempotent: re-running only reinstalls when pyproject.toml changed or the venv came from
+# another checkout.
 # --beam: also (or only, with VENV=.venv-beam) a second venv .venv-beam with the `beam` extra:
 # apache-beam caps numpy / pyarrow / protobuf below the main stack, so it gets its own
 # (`python -m data.ingest --runner beam` and tests/data/ingest/test_ingest_beam.py use it).
@@ -59,12 +60,16 @@ if [ ! -x "$VENV/bin/python" ] || ! "$VENV/bin/python" -c 'import sys; sys.exit(
   "$PY" -m venv "$VENV"
 fi
 
+# The stamp holds the checkout the editable install points at: a venv carried from another
+# checkout (or a moved one) would import that checkout's code outside this one and run its
+# console commands through a stale interpreter path, so it is reinstalled here.
 stamp="$VENV/.kunlun-installed"
-if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+here="$(pwd -P)"
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ "$(cat "$stamp")" != "$here" ]; then
   echo "[setup] installing kunlun-jax and its pinned dependencies into $VENV"
   "$VENV/bin/python" -m pip install --quiet --upgrade pip >/dev/null 2>&1 || true
   "$VENV/bin/python" -m pip install --quiet -e ".[$EXTRAS]"
-  touch "$stamp"
+  echo "$here" > "$stamp"
 fi
 "$VENV/bin/python" -c 'import jax; assert jax.__version__ == "0.11.2", jax.__version__' || {
   echo "ERROR: expected jax 0.11.2 in $VENV" >&2; exit 1; }
