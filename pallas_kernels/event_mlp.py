@@ -2,7 +2,11 @@
 ``y = valid * (gelu(x w1 + b1) w2 + b2)`` (``kunlun.nn.inputs.EventEmbed``).
 
 ``x [N, K]`` (the concatenated embeddings; ``K`` a multiple of 16, ``width``: the caller pads it
-with zero columns and ``w1`` with zero rows up to one), ``w1 [K, F]``, ``b1 [F]``, ``w2 [F,
+with zero columns and ``w1`` with zero rows up to one), or a pair ``([N, Ka], [N, Kb])`` read as
+their concatenation (each width a multiple of 16), whose gradient comes back as a pair: the
+backward kernel writes ``dx``'s two column ranges as two arrays, so an item table's row gradients
+are a buffer of their own, not a slice of one ``dx`` that XLA copies out for the optimizer),
+``w1 [K, F]``, ``b1 [F]``, ``w2 [F,
 D]``, ``b2 [D]``, ``valid f32[N]`` -> ``y [N, D]`` in ``dtype``. Each layer is accumulated in
 float32 and rounded to ``dtype`` after its bias, the GELU (tanh) rounded too, as
 ``flax.linen.Dense`` in ``dtype``. Widths: ``K`` up to 1024, read in power-of-two column chunks
@@ -57,7 +61,8 @@ _GELU_SLOPE = activations.kernel_fn("gelu_tanh", with_slope=True)
 
 
 def event_mlp_xla(x, w1, b1, w2, b2, valid, *, dtype=jnp.bfloat16):
-  """The twin: ``y [N, D]`` in ``dtype`` (module docstring)."""
+  """The twin: ``y [N, D]`` in ``dtype`` (module docstring; ``x`` an array or a pair)."""
+  x = _joined(x)
   dense = lambda a, w, b: (jnp.dot(a.astype(dtype), w.astype(dtype), preferred_element_type=F32)
                            .astype(dtype) + b.astype(dtype))
   h = jax.nn.gelu(dense(x, w1, b1), approximate=True)
@@ -71,6 +76,7 @@ class _Cfg(NamedTuple):
   hidden: int          # hidden columns per chunk
   interpret: bool
   loop: bool           # WIDE: the K and output column chunks run as loops
+  split: int = 0       # dx written as columns [0, split) and [split, K) apart (0: one array)
 
 
 def _over(n, cfg: _Cfg, body, carry):
@@ -125,8 +131,8 @@ def _fwd_kernel(x_ref, w1_ref, b1_ref, w2_ref, b2_ref, v_ref, y_ref, *, cfg: _Cf
   _over(w2_ref.shape[1], cfg, out, 0)
 
 
-def _bwd_kernel(x_ref, w1_ref, b1_ref, w2_ref, v_ref, dy_ref, dx_ref, hm_ref, dz_ref, db1_ref,
-                db2_ref, *, cfg: _Cfg):
+def _bwd_kernel(x_ref, w1_ref, b1_ref, w2_ref, v_ref, dy_ref, *refs, cfg: _Cfg):
+  dx_refs, (hm_ref, dz_ref, db1_ref, db2_ref) = refs[:-4], refs[-4:]
   i = pl.program_id(0)
   r0 = i * cfg.rows
   valid = load_vec(v_ref, r0, cfg.rows)[:, None]
@@ -150,14 +156,31 @@ def _bwd_kernel(x_ref, w1_ref, b1_ref, w2_ref, v_ref, dy_ref, dx_ref, hm_ref, dz
     plgpu.store(db1_ref.at[i, pl.ds(*fc)], jnp.sum(dz, axis=0))
     dzs.append(dz.astype(cfg.dtype))
 
-  def dx(ch, carry):
-    store_rows(dx_ref, r0, sum(_dot(dz, _w(w1_ref, ch, fc), cfg, trans_b=True)
-                               for dz, fc in zip(dzs, fcs, strict=True)), ch[0])
+  def dx(ch, carry, ref, off):                 # columns off + ch of dx, at ch in ref
+    store_rows(ref, r0, sum(_dot(dz, _w(w1_ref, (off + ch[0], ch[1]), fc), cfg, trans_b=True)
+                            for dz, fc in zip(dzs, fcs, strict=True)), ch[0])
     return carry
-  _over(x_ref.shape[1], cfg, dx, 0)
+  for ref, (off, n) in zip(dx_refs, _pieces(x_ref.shape[1], cfg.split), strict=True):
+    _over(n, cfg, functools.partial(dx, ref=ref, off=off), 0)
+
+
+def _pieces(K: int, split: int) -> list[tuple[int, int]]:
+  """``(start, width)`` of the column ranges ``dx`` is written as."""
+  return [(0, split), (split, K - split)] if split else [(0, K)]
+
+
+def _joined(x):
+  """An input given as a pair, concatenated (an array as it is)."""
+  return jnp.concatenate(x, axis=-1) if isinstance(x, tuple | list) else x
 
 
 def _check(x, w1, b1, w2, b2, valid):
+  if isinstance(x, tuple | list):
+    if (len(x) != 2 or any(p.ndim != 2 or p.shape[1] % 16 for p in x)
+        or x[0].shape[0] != x[1].shape[0] or x[0].dtype != x[1].dtype):
+      raise ValueError(f"event_mlp: a pair x must be [N, Ka], [N, Kb] of one dtype, Ka and Kb "
+                       f"multiples of 16; got {[(p.shape, str(p.dtype)) for p in x]}")
+    x = jax.ShapeDtypeStruct((x[0].shape[0], x[0].shape[1] + x[1].shape[1]), x[0].dtype)
   N, K = x.shape
   if (w1.ndim != 2 or w1.shape[0] != K or b1.shape != w1.shape[1:] or w2.ndim != 2
       or w2.shape[0] != w1.shape[1] or b2.shape != w2.shape[1:] or valid.shape != (N,)):
@@ -187,10 +210,11 @@ def _tiles(F: int) -> tuple[int, int, int]:
   return NARROW if F <= NARROW[2] else WIDE
 
 
-def _cfg(dtype, F, interpret, backward: bool) -> _Cfg:
+def _cfg(dtype, F, interpret, backward: bool, split: int = 0) -> _Cfg:
   """The forward's or the backward's tiling at hidden width ``F``."""
   fwd_rows, bwd_rows, chunk = _tiles(F)
-  return _Cfg(dtype, bwd_rows if backward else fwd_rows, chunk, interpret, loop=F > NARROW[2])
+  return _Cfg(dtype, bwd_rows if backward else fwd_rows, chunk, interpret, loop=F > NARROW[2],
+              split=split)
 
 
 def _call(kernel, args, outs, cfg: _Cfg, name):
@@ -204,43 +228,50 @@ def _call(kernel, args, outs, cfg: _Cfg, name):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
-def _fused(x, w1, b1, w2, b2, valid, dtype, interpret):
+def _fused(xs, w1, b1, w2, b2, valid, dtype, interpret):
+  x = _joined(xs)                # xs: a tuple of one or two arrays (the pair's dx comes back apart)
   cfg = _cfg(dtype, w1.shape[1], interpret, backward=False)
   args = (x, w1.astype(dtype), b1, w2.astype(dtype), b2, valid)
   return _call(_fwd_kernel, args, jax.ShapeDtypeStruct((x.shape[0], w2.shape[1]), dtype),
                cfg, "event_mlp_fwd")
 
 
-def _vjp_fwd(x, w1, b1, w2, b2, valid, dtype, interpret):
-  return _fused(x, w1, b1, w2, b2, valid, dtype, interpret), (x, w1, b1, w2, b2, valid)
+def _vjp_fwd(xs, w1, b1, w2, b2, valid, dtype, interpret):
+  y = _fused(xs, w1, b1, w2, b2, valid, dtype, interpret)
+  # the pair's widths as zero-size arrays: a residual holds arrays only
+  widths = tuple(jnp.zeros((0, p.shape[1]), p.dtype) for p in xs)
+  return y, (_joined(xs), widths, w1, b1, w2, b2, valid)
 
 
 def _vjp_bwd(dtype, interpret, res, dy):
-  x, w1, b1, w2, b2, valid = res
+  x, widths, w1, b1, w2, b2, valid = res
   N, K = x.shape
   F, D = w2.shape
-  cfg = _cfg(dtype, F, interpret, backward=True)
+  split = widths[0].shape[1] if len(widths) == 2 else 0
+  cfg = _cfg(dtype, F, interpret, backward=True, split=split)
   T = pl.cdiv(N, cfg.rows)
-  outs = (jax.ShapeDtypeStruct((N, K), x.dtype), jax.ShapeDtypeStruct((N, F), dtype),
-          jax.ShapeDtypeStruct((N, F), dtype), jax.ShapeDtypeStruct((T, F), F32),
-          jax.ShapeDtypeStruct((T, D), F32))
-  dx, hm, dz, db1, db2 = _call(_bwd_kernel, (x, w1.astype(dtype), b1, w2.astype(dtype), valid, dy),
-                               outs, cfg, "event_mlp_bwd")
+  outs = (*(jax.ShapeDtypeStruct((N, n), x.dtype) for _, n in _pieces(K, split)),
+          jax.ShapeDtypeStruct((N, F), dtype), jax.ShapeDtypeStruct((N, F), dtype),
+          jax.ShapeDtypeStruct((T, F), F32), jax.ShapeDtypeStruct((T, D), F32))
+  *dx, hm, dz, db1, db2 = _call(_bwd_kernel, (x, w1.astype(dtype), b1, w2.astype(dtype), valid,
+                                              dy), outs, cfg, "event_mlp_bwd")
   # the weight gradients sum over every row: pallas_kernels.wgrad, whose splits weigh the SMs
   # kept busy against float32 partials (XLA's GEMMs wrote 64 to 128 of them at mid); dy's masked
   # rows meet hm's zeros, dz is zero there
   (dw1,) = wgrad.row_scaled_wgrad_pallas(x, None, [dz], dtype=dtype, interpret=interpret)
   (dw2,) = wgrad.row_scaled_wgrad_pallas(hm, None, [dy], dtype=dtype, interpret=interpret)
   dw1, dw2 = dw1.astype(dtype), dw2.astype(dtype)
-  return (dx, dw1.astype(w1.dtype), jnp.sum(db1, 0).astype(b1.dtype), dw2.astype(w2.dtype),
-          jnp.sum(db2, 0).astype(b2.dtype), jnp.zeros_like(valid))
+  return (tuple(dx), dw1.astype(w1.dtype), jnp.sum(db1, 0).astype(b1.dtype),
+          dw2.astype(w2.dtype), jnp.sum(db2, 0).astype(b2.dtype), jnp.zeros_like(valid))
 
 
 _fused.defvjp(_vjp_fwd, _vjp_bwd)
 
 
 def event_mlp_pallas(x, w1, b1, w2, b2, valid, *, dtype=jnp.bfloat16, interpret: bool = False):
-  """``event_mlp_xla``'s values and gradients from the Pallas kernels (module docstring)."""
+  """``event_mlp_xla``'s values and gradients from the Pallas kernels (module docstring; ``x``
+  an array or a pair, whose gradient is a pair)."""
   valid = jnp.asarray(valid, F32)
   _check(x, w1, b1, w2, b2, valid)
-  return _fused(x, w1, b1, w2, b2, valid, jnp.dtype(dtype), bool(interpret))
+  xs = tuple(x) if isinstance(x, tuple | list) else (x,)
+  return _fused(xs, w1, b1, w2, b2, valid, jnp.dtype(dtype), bool(interpret))

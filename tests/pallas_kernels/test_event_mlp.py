@@ -2,7 +2,8 @@
 numpy, the kernels (interpret mode, NaN-poisoned outputs) against the twin in values and all
 five gradients (float32: 1e-5 of the largest magnitude; bfloat16: 3e-2), with a row count no
 multiple of the tiles, masked rows that hold values and input widths no power of two (read in
-power-of-two column chunks, ``_common.tile_spans``)."""
+power-of-two column chunks, ``_common.tile_spans``), and an input given as a pair, whose gradient
+comes back as a pair."""
 
 import jax
 import jax.numpy as jnp
@@ -61,12 +62,46 @@ def test_kernels_match_the_twin(dtype, tol, N, K, F, D):
     close(g, r, tol)
 
 
+@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 3e-2)])
+# an item table's columns apart from the side tables': mid-like (64 + 48: dx's second range in
+# chunks of 32 and 16) and prod's click stream (512 + 384, the hidden layer's loop)
+@pytest.mark.parametrize("N,Ka,Kb,F,D", [(77, 64, 48, 32, 32), (21, 512, 384, 512, 512)])
+def test_a_pair_gives_its_gradient_as_a_pair(dtype, tol, N, Ka, Kb, F, D):
+  """x as a pair: the kernels' dx comes back as two arrays, each equal to its columns of the
+  twin's gradient w.r.t. the concatenated input (and y to the twin's)."""
+  x, w1, b1, w2, b2, valid = map(jnp.asarray, _inputs(N, Ka + Kb, F, D, N + Ka))
+  x = x.astype(dtype)
+  dy = jnp.asarray(np.random.default_rng(2).normal(size=(N, D)), jnp.float32)
+
+  def run(fn, jit, pair):
+    f = lambda x, w1: fn((x[:, :Ka], x[:, Ka:]) if pair else x, w1, b1, w2, b2, valid,
+                         dtype=dtype)
+    if pair:          # the gradient w.r.t. the pair itself, as the kernels write it
+      g = jax.grad(lambda xs, w1: jnp.sum(fn(xs, w1, b1, w2, b2, valid, dtype=dtype)
+                                          .astype(jnp.float32) * dy), (0, 1))
+      return jit(lambda x, w1: (f(x, w1), g((x[:, :Ka], x[:, Ka:]), w1)))(x, w1)
+    g = jax.grad(lambda x, w1: jnp.sum(f(x, w1).astype(jnp.float32) * dy), (0, 1))
+    return jit(lambda x, w1: (f(x, w1), g(x, w1)))(x, w1)
+
+  with _poison.poison_outputs():
+    y, ((dxa, dxb), dw1) = run(lambda *a, **k: event_mlp.event_mlp_pallas(*a, interpret=True, **k),
+                               jax.jit, True)
+  ref, (rdx, rdw1) = run(event_mlp.event_mlp_xla, lambda f: twin_jit(f, dtype), False)
+  close(y, ref, tol)
+  assert dxa.shape == (N, Ka) and dxb.shape == (N, Kb) and dxa.dtype == dxb.dtype == dtype
+  close(dxa, rdx[:, :Ka], tol)
+  close(dxb, rdx[:, Ka:], tol)
+  close(dw1, rdw1, tol)
+
+
 def test_bad_shapes_and_widths_are_refused():
   x, w1, b1, w2, b2, valid = map(jnp.asarray, _inputs(8, 32, 32, 16, 2))
   with pytest.raises(ValueError, match="must be"):
     event_mlp.event_mlp_pallas(x, w1[:16], b1, w2, b2, valid, interpret=True)
   with pytest.raises(ValueError, match="multiple of 16"):
     event_mlp.event_mlp_pallas(x[:, :24], w1[:24], b1, w2, b2, valid, interpret=True)
+  with pytest.raises(ValueError, match="a pair x"):
+    event_mlp.event_mlp_pallas((x[:, :8], x[:, 8:]), w1, b1, w2, b2, valid, interpret=True)
   assert event_mlp.supported(512, 256, 256) and event_mlp.supported(224, 128, 128)
   assert not event_mlp.supported(200, 128, 128) and not event_mlp.supported(224, 96, 128)
   assert event_mlp.supported(1024, 512, 512) and not event_mlp.supported(1024, 1024, 512)
