@@ -617,9 +617,11 @@ def _out_flops(x, o, w, *a, **kw) -> float:
 
 
 def _event_mlp_flops(x, w1, b1, w2, *a, **kw) -> float:
-  """``pallas_kernels.event_mlp``'s kernels on ``x [S, Ns, K]``: the forward's two layers
-  ``2 N (K F + F D)``, the backward's recomputed first layer and its two back-projections
-  ``2 N (2 K F + F D)``, the two weight gradients (``pallas_kernels.wgrad``) ``2 N (K F + F D)``."""
+  """``pallas_kernels.event_mlp``'s kernels on ``x [S, Ns, K]`` (or a pair of such, read as
+  their concatenation): the forward's two layers ``2 N (K F + F D)``, the backward's recomputed
+  first layer and its two back-projections ``2 N (2 K F + F D)``, the two weight gradients
+  (``pallas_kernels.wgrad``) ``2 N (K F + F D)``."""
+  x = x[0] if isinstance(x, tuple) else x
   N = x.shape[0] * x.shape[1]
   (K, F), D = w1.shape, w2.shape[1]
   return 2.0 * N * (4 * K * F + 3 * F * D)

@@ -232,8 +232,8 @@ class EventEmbed(nn.Module):
                and event_mlp.supported(Kp, self.dim, self.dim))
       if fused and Kp > K:          # the kernels' width: zero columns, zero rows of w1
         parts.append(jnp.zeros(parts[0].shape[:-1] + (Kp - K,), self.dtype))
-      x = jnp.concatenate([p.astype(self.dtype) for p in parts], axis=-1)
-      T = x.shape[1]
+      parts = [p.astype(self.dtype) for p in parts]
+      T = parts[0].shape[1]
       valid_bt = jnp.arange(T)[None, :] < jnp.asarray(events["length"], jnp.int32)[:, None]
       # per-event MLP weights are ZeRO-sharded only, never tensor-parallel: a TP split of this
       # narrow MLP would all-reduce [B, T, d] activations in both passes for d^2 weights
@@ -243,9 +243,14 @@ class EventEmbed(nn.Module):
         # the weights in dtype before the kernels (which round them to it and return their
         # gradients rounded to it): one cast each, which the optimizer's 16-bit copy replaces
         w1 = jnp.pad(w1.astype(self.dtype), ((0, Kp - K), (0, 0)))
+        # the item table's columns and the side tables' as a pair: the backward kernel writes
+        # their cotangents apart, so the item rows' gradient (an operand of the optimizer's
+        # cond where the table is updated densely) is not copied out of one dx first
+        x = (parts[0], jnp.concatenate(parts[1:], axis=-1))
         y = packed.fused_event_mlp(x, w1, b1, w2.astype(self.dtype), b2, valid_bt,
                                    dtype=self.dtype)
         return shard(y, self.axes)
+      x = jnp.concatenate(parts, axis=-1)
       y = dense(gelu(dense(x, w1, b1, self.dtype)), w2, b2, self.dtype)
       y = jnp.where(valid_bt[..., None], y, 0).astype(self.dtype)
       return shard(y, self.axes)

@@ -232,19 +232,23 @@ def fused_out(x, o, w, jag, *, dtype):
 
 def fused_event_mlp(x, w1, b1, w2, b2, valid, *, dtype):
   """A packed stream's per-event MLP as one Pallas pass each way (``pallas_kernels.event_mlp``):
-  ``x [S, Ns, K]`` (its blocks; ``valid bool[S, Ns]``) -> ``[S, Ns, D]``. Row-wise, per device
-  on the blocks it holds."""
-  S, Ns, _ = x.shape
+  ``x [S, Ns, K]`` (its blocks; ``valid bool[S, Ns]``), or a pair of ``[S, Ns, Ka]`` and ``[S,
+  Ns, Kb]`` read as their concatenation, whose cotangents come back apart -> ``[S, Ns, D]``.
+  Row-wise, per device on the blocks it holds."""
+  pair = isinstance(x, tuple)
+  xs = tuple(shard(p, ("blocks", None, None)) for p in (x if pair else (x,)))
+  Ns = xs[0].shape[1]
 
-  def per_device(x, valid, w1, b1, w2, b2):
-    s = x.shape[0]
-    y = event_mlp.event_mlp_pallas(x.reshape(s * Ns, -1), w1, b1, w2, b2,
+  def per_device(xs, valid, w1, b1, w2, b2):
+    s = xs[0].shape[0]
+    rows = tuple(p.reshape(s * Ns, -1) for p in xs)
+    y = event_mlp.event_mlp_pallas(rows if pair else rows[0], w1, b1, w2, b2,
                                    valid.reshape(-1).astype(F32), dtype=dtype,
                                    interpret=interpret_kernels())
     return y.reshape(s, Ns, -1)
 
   fn = per_shard(per_device, (True, True, False, False, False, False))
-  return fn(shard(x, ("blocks", None, None)), shard(valid, ("blocks", None)), w1, b1, w2, b2)
+  return fn(xs, shard(valid, ("blocks", None)), w1, b1, w2, b2)
 
 
 def fused_qkv(x, w, q_scale, k_scale, age, jag, *, t_scale: float, dtype):

@@ -63,8 +63,9 @@ def _families(shape, dtype=jnp.bfloat16):
   w_out = jax.ShapeDtypeStruct((H, D, H * D), jnp.float32)
   # an event stream's MLP at the tower width d = H * D: K 2 d (d plus four side fields of d / 4;
   # prod's streams without extra fields have 1.75 d), hidden and output d (prod: K 1024, hidden
-  # 512, the widths the kernels take at most)
-  mlp_x = jax.ShapeDtypeStruct((N, 2 * H * D), dtype)
+  # 512, the widths the kernels take at most), as the model passes it: the item table's d
+  # columns and the side tables' as a pair, whose cotangents the backward kernel writes apart
+  mlp_x = tuple(jax.ShapeDtypeStruct((N, H * D), dtype) for _ in range(2))
   mlp_w1, mlp_w2 = (jax.ShapeDtypeStruct(s, jnp.float32)
                     for s in ((2 * H * D, H * D), (H * D, H * D)))
   jp = jagged_pallas

@@ -95,6 +95,19 @@ def test_attention_kernel_flops_count_the_band():
   assert roofline.attention_flops(B, T, T, H, D) == 14 * B * H * D * T * T
 
 
+def test_event_mlp_flops_take_the_input_whole_or_as_a_pair():
+  """The event MLP's kernels, 2 N (4 K F + 3 F D) over its S x Ns rows, counted by hand; the
+  model passes the item table's columns and the side tables' as a pair."""
+  import jax
+  import jax.numpy as jnp
+  S, Ns, Ka, Kb, F, D = 2, 8, 16, 32, 64, 32
+  sds = lambda *s: jax.ShapeDtypeStruct(s, jnp.bfloat16)
+  w1, b1, w2 = sds(Ka + Kb, F), sds(F), sds(F, D)
+  want = 2 * S * Ns * (4 * (Ka + Kb) * F + 3 * F * D)
+  assert roofline.GEMM_OPS["fused_event_mlp"](sds(S, Ns, Ka + Kb), w1, b1, w2) == want
+  assert roofline.GEMM_OPS["fused_event_mlp"]((sds(S, Ns, Ka), sds(S, Ns, Kb)), w1, b1, w2) == want
+
+
 SCATTER_HLO = """HloModule scatters
 
 %add (a: f32[], b: f32[]) -> f32[] {
