@@ -32,6 +32,14 @@ def row_axes(num_rows: int, mesh=None, rules=None) -> tuple[str, ...]:
   return tuple(a for a in axes if mesh.shape[a] > 1)
 
 
+def sums_densely(table_rows: list[int], num_ids: int) -> bool:
+  """Whether the sparse update (``kunlun.train.sparse_update``) sums a table group's row
+  gradients into a table-shaped gradient and updates it inside the optimizer's ``lax.cond``
+  (``table_rows``: its tables' rows; ``num_ids``: the ids it looks up in a step): a group of no
+  more rows than ids, its tables' rows not sharded. The rest it updates row by row."""
+  return sum(table_rows) <= num_ids and not row_axes(table_rows[0])
+
+
 def capacity(num_ids: int, num_shards: int, factor: float | None = None) -> int:
   """Bucket capacity per owner for ``num_ids`` ids on one device (never more than ``num_ids``).
 

@@ -13,9 +13,9 @@ from kunlun.train import optim
 from sharding.embedding import (
     SMALL_TABLE_ROWS,
     group_dense_grad,
-    row_axes,
     sparse_adagrad_update_group,
     split_tables,
+    sums_densely,
 )
 
 
@@ -77,9 +77,8 @@ def make_sparse_update(train_cfg, total_steps: int, param_shardings=None, backen
     prep = prepare(params, grads) if prepared is None else prepared
     small, sparse = [], []
     for gk, (members, gids, _) in rows.items():
-      V = sum(p[index[m]].shape[0] for m in members)
-      sharded = bool(row_axes(p[index[members[0]]].shape[0]))
-      (sparse if V > jnp.size(gids) or sharded else small).append(gk)
+      table_rows = [p[index[m]].shape[0] for m in members]
+      (small if sums_densely(table_rows, jnp.size(gids)) else sparse).append(gk)
     d_state = opt_state.inner_states["dense"].inner_state
     acc_def = jax.tree.structure(opt_state.inner_states["emb"].inner_state.acc, is_leaf=is_mn)
     acc = jax.tree.leaves(opt_state.inner_states["emb"].inner_state.acc, is_leaf=is_mn)

@@ -165,6 +165,35 @@ def test_weightgen_per_device_equals_xla_unsharded():
     np.testing.assert_allclose(np.asarray(u), np.asarray(w), rtol=2e-3, atol=2e-3)
 
 
+@pytest.mark.parametrize("item_vocab", [32, 200])
+def test_event_mlp_takes_a_pair_where_the_item_table_sums_densely(item_vocab, monkeypatch):
+  """An item table of no more rows than the step's ids (32 of 64; unsharded: no mesh) is summed
+  inside the optimizer's cond, so EventEmbed hands the kernels its columns and the side tables'
+  as a pair (200 rows: one x); forward and parameter gradients equal the XLA module's."""
+  import dataclasses
+
+  from data.fake import random_batch, tiny_schema
+  from kunlun.nn.inputs import EventEmbed
+  from pallas_kernels import event_mlp
+  seen, orig = [], event_mlp.event_mlp_pallas
+  monkeypatch.setattr(event_mlp, "event_mlp_pallas",
+                      lambda x, *a, **k: seen.append(isinstance(x, tuple)) or orig(x, *a, **k))
+  st = dataclasses.replace(tiny_schema().streams[0], item_vocab=item_vocab)
+  ev = random_batch(tiny_schema(), 4, {st.name: 16}, seed=3)["events"][st.name]
+  ev = dict(ev, length=np.array([16, 0, 9, 3], np.int32))
+  make = lambda be: EventEmbed(st, 3, 16, axes=EventEmbed.PACKED_AXES, backend=be)
+  ref_mod, ker_mod = make("xla"), make("pallas")
+  params = nn.meta.unbox(jax.jit(ref_mod.init)(jax.random.key(5), ev))
+  loss = lambda m: (lambda p: jnp.sum(jnp.sin(m.apply(p, ev))))
+  got_g = jax.jit(jax.grad(loss(ker_mod)))(params)
+  assert seen and all(seen) == (item_vocab == 32), seen
+  np.testing.assert_allclose(np.asarray(jax.jit(ker_mod.apply)(params, ev)),
+                             np.asarray(jax.jit(ref_mod.apply)(params, ev)), rtol=2e-4, atol=2e-4)
+  for u, w in zip(jax.tree.leaves(got_g), jax.tree.leaves(jax.jit(jax.grad(loss(ref_mod)))(params)),
+                  strict=True):
+    np.testing.assert_allclose(np.asarray(u), np.asarray(w), rtol=2e-3, atol=2e-3)
+
+
 # the click stream's concatenation is 48 wide (16 and four side fields of 8: chunks of 32 and
 # 16), the impression stream's 40 (three side fields), padded to 48 with zero columns
 @pytest.mark.parametrize("stream", [0, 1])
