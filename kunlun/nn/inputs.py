@@ -247,10 +247,10 @@ class EventEmbed(nn.Module):
         # gradient is an operand of the cond, which XLA copied out of one dx: the item table's
         # columns and the side tables' go to the kernels as a pair, whose cotangents the
         # backward kernel writes apart (elsewhere one dx: a reduction fewer per stream)
-        x_side = jnp.concatenate(parts[1:], axis=-1)
         n_ids = parts[0].shape[0] * parts[0].shape[1]
-        x = ((parts[0], x_side) if sharded_embedding.sums_densely([s.item_vocab], n_ids)
-             else jnp.concatenate([parts[0], x_side], axis=-1))
+        x = ((parts[0], jnp.concatenate(parts[1:], axis=-1))
+             if sharded_embedding.sums_densely([s.item_vocab], n_ids)
+             else jnp.concatenate(parts, axis=-1))
         y = packed.fused_event_mlp(x, w1, b1, w2.astype(self.dtype), b2, valid_bt,
                                    dtype=self.dtype)
         return shard(y, self.axes)
