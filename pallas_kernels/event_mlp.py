@@ -227,27 +227,24 @@ def _call(kernel, args, outs, cfg: _Cfg, name):
           num_warps=WARPS, num_stages=1 if cfg.loop else None))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
-def _fused(xs, w1, b1, w2, b2, valid, dtype, interpret):
-  x = _joined(xs)                # xs: a tuple of one or two arrays (the pair's dx comes back apart)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
+def _fused(xs, w1, b1, w2, b2, valid, split, dtype, interpret):
+  x = _joined(xs)       # xs: one array, or two split at column `split` (their dx come back apart)
   cfg = _cfg(dtype, w1.shape[1], interpret, backward=False)
   args = (x, w1.astype(dtype), b1, w2.astype(dtype), b2, valid)
   return _call(_fwd_kernel, args, jax.ShapeDtypeStruct((x.shape[0], w2.shape[1]), dtype),
                cfg, "event_mlp_fwd")
 
 
-def _vjp_fwd(xs, w1, b1, w2, b2, valid, dtype, interpret):
-  y = _fused(xs, w1, b1, w2, b2, valid, dtype, interpret)
-  # the pair's widths as zero-size arrays: a residual holds arrays only
-  widths = tuple(jnp.zeros((0, p.shape[1]), p.dtype) for p in xs)
-  return y, (_joined(xs), widths, w1, b1, w2, b2, valid)
+def _vjp_fwd(xs, w1, b1, w2, b2, valid, split, dtype, interpret):
+  y = _fused(xs, w1, b1, w2, b2, valid, split, dtype, interpret)
+  return y, (_joined(xs), w1, b1, w2, b2, valid)
 
 
-def _vjp_bwd(dtype, interpret, res, dy):
-  x, widths, w1, b1, w2, b2, valid = res
+def _vjp_bwd(split, dtype, interpret, res, dy):
+  x, w1, b1, w2, b2, valid = res
   N, K = x.shape
   F, D = w2.shape
-  split = widths[0].shape[1] if len(widths) == 2 else 0
   cfg = _cfg(dtype, F, interpret, backward=True, split=split)
   T = pl.cdiv(N, cfg.rows)
   outs = (*(jax.ShapeDtypeStruct((N, n), x.dtype) for _, n in _pieces(K, split)),
@@ -274,4 +271,5 @@ def event_mlp_pallas(x, w1, b1, w2, b2, valid, *, dtype=jnp.bfloat16, interpret:
   valid = jnp.asarray(valid, F32)
   _check(x, w1, b1, w2, b2, valid)
   xs = tuple(x) if isinstance(x, tuple | list) else (x,)
-  return _fused(xs, w1, b1, w2, b2, valid, jnp.dtype(dtype), bool(interpret))
+  split = xs[0].shape[1] if len(xs) == 2 else 0
+  return _fused(xs, w1, b1, w2, b2, valid, split, jnp.dtype(dtype), bool(interpret))
