@@ -227,18 +227,23 @@ def _call(kernel, args, outs, cfg: _Cfg, name):
           num_warps=WARPS, num_stages=1 if cfg.loop else None))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
-def _fused(xs, w1, b1, w2, b2, valid, split, dtype, interpret):
-  x = _joined(xs)       # xs: one array, or two split at column `split` (their dx come back apart)
+def _forward(x, w1, b1, w2, b2, valid, dtype, interpret):
+  """The forward kernel on the whole input ``x [N, K]``."""
   cfg = _cfg(dtype, w1.shape[1], interpret, backward=False)
   args = (x, w1.astype(dtype), b1, w2.astype(dtype), b2, valid)
   return _call(_fwd_kernel, args, jax.ShapeDtypeStruct((x.shape[0], w2.shape[1]), dtype),
                cfg, "event_mlp_fwd")
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
+def _fused(xs, w1, b1, w2, b2, valid, split, dtype, interpret):
+  # xs: one array, or two split at column `split` (their dx come back apart)
+  return _forward(_joined(xs), w1, b1, w2, b2, valid, dtype, interpret)
+
+
 def _vjp_fwd(xs, w1, b1, w2, b2, valid, split, dtype, interpret):
-  y = _fused(xs, w1, b1, w2, b2, valid, split, dtype, interpret)
-  return y, (_joined(xs), w1, b1, w2, b2, valid)
+  x = _joined(xs)                          # concatenated once: the kernel's input and residual
+  return _forward(x, w1, b1, w2, b2, valid, dtype, interpret), (x, w1, b1, w2, b2, valid)
 
 
 def _vjp_bwd(split, dtype, interpret, res, dy):
