@@ -11,9 +11,11 @@ accumulated in float32.
 ``seed_kron_pallas`` runs a forward kernel (reads ``a``, writes ``t``; XLA writes ``h`` and its
 statistics and reads them back, three launches and a GEMM) and a backward kernel (reads ``a``
 and ``dt``, recomputes ``h``, writes ``da`` and per-program partial sums of ``z``'s gradient;
-``e``'s gradient is ``da`` summed over the examples, left to XLA). ``z`` and its gradient stay in
-the parameter's layout: no transpose of either around the kernels. A program takes ``EXAMPLES``
-examples, ``ROWS`` seeds at a time; ``M`` is padded to a power of two (masked) inside them.
+``e``'s gradient is ``da`` summed over the examples: by XLA, or, in the wide kernels (below),
+from per-program partial sums the kernel writes, so that XLA reads those instead of all of
+``da``). ``z`` and its gradient stay in the parameter's layout: no transpose of either around
+the kernels. A program takes ``EXAMPLES`` examples (the wide backward ``bwd_examples(B)``),
+``ROWS`` seeds at a time; ``M`` is padded to a power of two (masked) inside them.
 Triton on GPU, ``interpret=True`` on CPU.
 """
 
@@ -37,6 +39,7 @@ EXAMPLES = 2          # examples per program
 ROWS = 16             # seeds per step (a row's norm needs only its own row)
 MAX_ACC = 64 * 256    # K x d (K = R x M padded): the forward's float32 accumulator
 MAX_WIDE_K = 256      # K past MAX_ACC // d: the backward's [ROWS, K] accumulator, DC >= 64
+MIN_PROGRAMS = 128    # the wide backward's programs, at least (``bwd_examples``)
 
 
 # ----------------------------------------------------------------------------------- twin
@@ -144,8 +147,10 @@ def _bwd_kernel(a_ref, e_ref, z_ref, dt_ref, da_ref, g_ref, *, cfg: _Cfg):
 # Wide shapes (``K d > MAX_ACC``: prod's 128 seeds, rank 8, 32 summaries, d 512) take the
 # output's columns ``DC = MAX_ACC // K`` at a time: a row's norm statistic comes from one load of
 # its whole row, its values again chunk by chunk. The backward goes seed chunk by seed chunk (one
-# ``z`` gradient accumulator live), examples inside it, two passes over the column chunks (the
-# norm's row sum, then ``da``).
+# ``z`` gradient accumulator live), examples inside it for the norm's row sums and ``z``'s
+# gradient (each example's ``r`` and row sum kept, ``[examples, ROWS]``), then column chunk by
+# column chunk, examples inside it, for ``da`` and the sum of ``da`` over the program's examples
+# (``e``'s gradient, one ``[ROWS, DC]`` accumulator live).
 
 def _dc(cfg: _Cfg) -> int:
   """Output columns per chunk: all of ``d`` where the accumulator fits, else ``MAX_ACC // K``."""
@@ -200,39 +205,56 @@ def _fwd_wide_kernel(a_ref, e_ref, z_ref, t_ref, *, cfg: _Cfg):
   lax.fori_loop(0, EXAMPLES, one, 0)
 
 
-def _bwd_wide_kernel(a_ref, e_ref, z_ref, dt_ref, da_ref, g_ref, *, cfg: _Cfg):
+def _bwd_wide_kernel(a_ref, e_ref, z_ref, dt_ref, da_ref, g_ref, ge_ref, *, cfg: _Cfg,
+                     examples: int):
   dc = _dc(cfg)
   p = pl.program_id(0)
+  ex = jnp.arange(examples)[:, None]
 
   def seeds(c, carry):                             # loops, not unrolled: a short program
     s0 = c * ROWS
     zc = _z(z_ref, s0, cfg)
 
-    def one(i, gz):
-      b = p * EXAMPLES + i
+    def chunk(b, j, r):
+      dt, zn = _dt_cols(dt_ref, b, j * dc, cfg), _cols(a_ref, e_ref, b, s0, j * dc, r, cfg)
+      return dt, zn, round_to(dot(zc, dt, cfg), cfg.dtype)         # dh: [ROWS, K] [K, DC]
+
+    def one(i, acc):                               # per example: r, rowsum(dh zn), gz
+      gz, rs, sums = acc
+      b = p * examples + i
       r = _r(a_ref, e_ref, b, s0, cfg)
 
-      def chunk(j):
-        dt, zn = _dt_cols(dt_ref, b, j * dc, cfg), _cols(a_ref, e_ref, b, s0, j * dc, r, cfg)
-        return dt, zn, round_to(dot(zc, dt, cfg), cfg.dtype)      # dh: [ROWS, K] [K, DC]
-
-      def sums(j, acc):                            # rowsum(dh zn) (the norm's correction), gz
+      def col_sums(j, acc):
         dot_sum, gz = acc
-        dt, zn, dh = chunk(j)
+        dt, zn, dh = chunk(b, j, r)
         return (dot_sum + jnp.sum(dh * zn, axis=1, keepdims=True),
                 gz + dot(round_to(zn, cfg.dtype), dt, cfg, trans_b=True))   # [ROWS, K]
 
-      dot_sum, gz = lax.fori_loop(0, cfg.d // dc, sums, (jnp.zeros((ROWS, 1), F32), gz))
+      dot_sum, gz = lax.fori_loop(0, cfg.d // dc, col_sums, (jnp.zeros((ROWS, 1), F32), gz))
+      mine = ex == i                                               # [examples, 1]
+      return (gz, jnp.where(mine, r.reshape(1, ROWS), rs),
+              jnp.where(mine, dot_sum.reshape(1, ROWS), sums))
 
-      def da(j, carry):
-        _, zn, dh = chunk(j)
-        store_rows(da_ref, b * cfg.S + s0, r * (dh - zn * (dot_sum / cfg.d)), j * dc)
-        return carry
+    gz, rs, sums = lax.fori_loop(
+        0, examples, one, (jnp.zeros((ROWS, cfg.K), F32),
+                           jnp.zeros((examples, ROWS), F32), jnp.zeros((examples, ROWS), F32)))
 
-      lax.fori_loop(0, cfg.d // dc, da, 0)
-      return gz
+    def cols(j, carry):                            # da, column chunk by column chunk, and e's
+      def da(i, ge):                               # gradient over the program's examples
+        b = p * examples + i
+        mine = ex == i
+        r = jnp.sum(jnp.where(mine, rs, 0.0), axis=0).reshape(ROWS, 1)
+        dot_sum = jnp.sum(jnp.where(mine, sums, 0.0), axis=0).reshape(ROWS, 1)
+        _, zn, dh = chunk(b, j, r)
+        d_a = round_to(r * (dh - zn * (dot_sum / cfg.d)), da_ref.dtype)
+        store_rows(da_ref, b * cfg.S + s0, d_a, j * dc)
+        return ge + d_a                            # zero for an example past B (dt is zero)
 
-    gz = lax.fori_loop(0, EXAMPLES, one, jnp.zeros((ROWS, cfg.K), F32))
+      ge = lax.fori_loop(0, examples, da, jnp.zeros((ROWS, dc), F32))
+      store_rows(ge_ref, p * cfg.S + s0, ge, j * dc)
+      return carry
+
+    lax.fori_loop(0, cfg.d // dc, cols, 0)
     g = jnp.transpose(gz.reshape(ROWS, cfg.R, cfg.Mp), (1, 0, 2))
     plgpu.store(g_ref.at[pl.ds(p * cfg.R, cfg.R), pl.ds(s0, ROWS), pl.ds(0, cfg.Mp)], g)
     return carry
@@ -240,11 +262,18 @@ def _bwd_wide_kernel(a_ref, e_ref, z_ref, dt_ref, da_ref, g_ref, *, cfg: _Cfg):
   lax.fori_loop(0, cfg.S // ROWS, seeds, 0)
 
 
-def _call(kernel, args, outs, cfg: _Cfg, name):
+def bwd_examples(B: int) -> int:
+  """Examples per program of the wide backward kernel: the most of 2, 4, 8 that leaves at least
+  ``MIN_PROGRAMS`` programs (2 where none does). Its per-program partial sums of ``z``'s and
+  ``e``'s gradients shrink with it: at prod (B 1024) 8 examples write a quarter of what 2 do."""
+  return max([n for n in (2, 4, 8) if pl.cdiv(B, n) >= MIN_PROGRAMS] or [2])
+
+
+def _call(kernel, args, outs, cfg: _Cfg, name, examples: int = EXAMPLES):
   whole = pl.no_block_spec
   return _poison.pallas_call(
-      functools.partial(kernel, cfg=cfg), args, out_shape=outs,
-      grid=(pl.cdiv(cfg.B, EXAMPLES),), in_specs=[whole] * len(args),
+      kernel, args, out_shape=outs,
+      grid=(pl.cdiv(cfg.B, examples),), in_specs=[whole] * len(args),
       out_specs=(whole,) * len(outs), interpret=cfg.interpret, name=name,
       compiler_params=plgpu.CompilerParams(num_warps=WARPS, num_stages=1))
 
@@ -259,7 +288,8 @@ def _fused(a, e, z, eps, dtype, interpret):
   cfg = _cfg(a, z, eps, dtype, interpret)
   out = (jax.ShapeDtypeStruct((cfg.B * cfg.M, cfg.R, cfg.d), cfg.dtype),)
   kernel = _fwd_kernel if _dc(cfg) == cfg.d else _fwd_wide_kernel
-  t = _call(kernel, (a.reshape(cfg.B * cfg.S, cfg.d), e, z), out, cfg, "seed_kron_fwd")[0]
+  t = _call(functools.partial(kernel, cfg=cfg), (a.reshape(cfg.B * cfg.S, cfg.d), e, z), out,
+            cfg, "seed_kron_fwd")[0]
   return t.reshape(cfg.B, cfg.M, cfg.R * cfg.d)
 
 
@@ -270,15 +300,22 @@ def _vjp_fwd(a, e, z, eps, dtype, interpret):
 def _vjp_bwd(eps, dtype, interpret, res, dt):
   a, e, z = res
   cfg = _cfg(a, z, eps, dtype, interpret)
-  T = pl.cdiv(cfg.B, EXAMPLES)
-  outs = (jax.ShapeDtypeStruct((cfg.B * cfg.S, cfg.d), a.dtype),
-          jax.ShapeDtypeStruct((T * cfg.R, cfg.S, cfg.Mp), F32))
-  kernel = _bwd_kernel if _dc(cfg) == cfg.d else _bwd_wide_kernel
-  da, gz = _call(kernel, (a.reshape(cfg.B * cfg.S, cfg.d), e, z,
-                               dt.reshape(cfg.B * cfg.M, cfg.R, cfg.d)), outs, cfg,
-                 "seed_kron_bwd")
+  args = (a.reshape(cfg.B * cfg.S, cfg.d), e, z, dt.reshape(cfg.B * cfg.M, cfg.R, cfg.d))
+  da_shape = jax.ShapeDtypeStruct((cfg.B * cfg.S, cfg.d), a.dtype)
+  if _dc(cfg) == cfg.d:
+    T = pl.cdiv(cfg.B, EXAMPLES)
+    outs = (da_shape, jax.ShapeDtypeStruct((T * cfg.R, cfg.S, cfg.Mp), F32))
+    da, gz = _call(functools.partial(_bwd_kernel, cfg=cfg), args, outs, cfg, "seed_kron_bwd")
+    de = jnp.sum(da.reshape(a.shape).astype(F32), axis=0)   # a's as rounded, over examples
+  else:                                           # wide: e's partial sums from the kernel
+    n = bwd_examples(cfg.B)
+    T = pl.cdiv(cfg.B, n)
+    outs = (da_shape, jax.ShapeDtypeStruct((T * cfg.R, cfg.S, cfg.Mp), F32),
+            jax.ShapeDtypeStruct((T * cfg.S, cfg.d), F32))
+    da, gz, ge = _call(functools.partial(_bwd_wide_kernel, cfg=cfg, examples=n), args, outs,
+                       cfg, "seed_kron_bwd", n)
+    de = jnp.sum(ge.reshape(T, cfg.S, cfg.d), 0)
   da = da.reshape(a.shape)
-  de = jnp.sum(da.astype(F32), axis=0)            # e's: a's as rounded, summed over examples
   gz = jnp.sum(gz.reshape(T, cfg.R, cfg.S, cfg.Mp), 0)[..., :cfg.M]
   return da, de.astype(e.dtype), gz.astype(z.dtype)
 

@@ -86,6 +86,30 @@ def test_kernels_match_the_twin(dtype, tol, B, S, R, M, d):
     close(u, w, tol)
 
 
+@pytest.mark.parametrize("B,min_programs,examples", [(5, 1, 8), (9, 3, 4), (4, 2, 2)])
+def test_wide_backward_sums_e_over_a_programs_examples(monkeypatch, B, min_programs, examples):
+  """The wide backward with more examples per program (``bwd_examples``: prod's B 1024 takes 8),
+  its last program part empty, against float64 numpy: ``e``'s gradient from the kernel's partial
+  sums, ``a``'s and ``z``'s as before (float32, 1e-5)."""
+  monkeypatch.setattr(seed_kron, "MIN_PROGRAMS", min_programs)
+  assert seed_kron.bwd_examples(B) == examples
+  S, R, M, d = 32, 8, 13, 512                      # wide: K d > MAX_ACC, 4 column chunks
+  a, e, z, dt = _inputs(B, S, R, M, d, 7 * B)
+  f = lambda a, e, z: seed_kron.seed_kron_pallas(a, e, z, eps=EPS, dtype=jnp.float32,
+                                                 interpret=True)
+
+  def both(a, e, z, dt):
+    t, vjp = jax.vjp(f, a, e, z)
+    return t, vjp(dt)
+
+  with _poison.poison_outputs():
+    t, grads = jax.jit(both)(*map(jnp.asarray, (a, e, z, dt)))
+  ref = _numpy(a, e, z, dt)
+  close(t, ref[0], 1e-5)
+  for got, want in zip(grads, ref[1:], strict=True):
+    close(got, want, 1e-5)
+
+
 def test_refuses_what_it_cannot_tile():
   # mid's towers (S, rank, n_sum, d), prod's 256-wide ones
   assert seed_kron.supported(64, 4, 16, 256) and seed_kron.supported(32, 4, 8, 128)
