@@ -17,7 +17,8 @@ backward kernel (reads ``x`` and the cotangents, recomputes ``F``, writes ``dx``
 per-program partial sums of the gradients of ``y``, the ``w_k``, ``scale`` and ``bias``, which
 XLA adds up); ``wukong_out_pallas`` one of each (the backward writes every input's cotangent and
 partial sums of the scale's and bias's). A program takes a few examples in turn, loading the
-small shared operands once. Triton on GPU, ``interpret=True`` on CPU.
+small shared operands once (the token side's backward ``bwd_examples(B)``: more where enough
+programs remain, so fewer partial sums). Triton on GPU, ``interpret=True`` on CPU.
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ from pallas_kernels._common import dot, is_tile, loop_spans, pad_pow2, round_to
 F32 = jnp.float32
 EPS = 1e-6
 WARPS = 8
-EXAMPLES = 4          # examples per program (token side)
+EXAMPLES = 4          # examples per program (token side; the backward: ``bwd_examples``)
+MIN_PROGRAMS = 128    # the token side's backward programs, at least (``bwd_examples``)
 OUT_EXAMPLES, OUT_WARPS = 8, 4   # the output norm's
 MAX_TILE = 128 * 128  # N (padded to a power of two) x d: the example tile a program holds
 # wider examples (prod's layer 0: 120 tokens x 256) run in column chunks of MAX_TILE / N values,
@@ -185,9 +187,10 @@ def _fwd_kernel(x_ref, y_ref, s_ref, b_ref, *refs, cfg: _Cfg):
   lax.fori_loop(0, EXAMPLES, one, 0)
 
 
-def _bwd_kernel(x_ref, y_ref, s_ref, dh_ref, *refs, cfg: _Cfg):
+def _bwd_kernel(x_ref, y_ref, s_ref, dh_ref, *refs, cfg: _Cfg, examples: int):
   """Chunked examples (``chunked``) take two passes each: ``F`` and its cotangent first, then
-  each column chunk's ``X^T y``, ``dx`` and gradient terms."""
+  each column chunk's ``X^T y``, ``dx`` and gradient terms. A program takes ``examples``
+  examples in turn, its partial sums accumulated over them."""
   K = len(cfg.ms)
   w_refs, dm_refs = refs[:K], refs[K:2 * K]
   dt_ref = refs[2 * K] if cfg.through else None
@@ -217,7 +220,7 @@ def _bwd_kernel(x_ref, y_ref, s_ref, dh_ref, *refs, cfg: _Cfg):
 
   def one(i, carry):
     gy, gs, gb, gws = carry
-    b = i0 * EXAMPLES + i
+    b = i0 * examples + i
     ok = b < cfg.B
     if chunked(cfg.N, cfg.d):
       yhat, rs = _stats(_fm_wide(x_ref, b, ok, yv, cfg), valid, cfg)
@@ -240,7 +243,7 @@ def _bwd_kernel(x_ref, y_ref, s_ref, dh_ref, *refs, cfg: _Cfg):
 
   z = lambda c: jnp.zeros((cfg.Np, c), F32)
   carry = (z(cfg.r), z(cfg.r), z(cfg.r), tuple(z(pad_pow2(m)) for m in cfg.ms))
-  gy, gs, gb, gws = lax.fori_loop(0, EXAMPLES, one, carry)
+  gy, gs, gb, gws = lax.fori_loop(0, examples, one, carry)
   col = 0
   for v, c in zip((gy, gs, gb) + gws, _part_widths(cfg), strict=True):
     _put(part_ref, i0, v, True, col=col, c=c)
@@ -251,6 +254,13 @@ def _part_widths(cfg: _Cfg) -> tuple:
   """The columns of the backward's partial sums, side by side in one output: the gradients of
   y, scale and bias (r each), then of each map (m_k)."""
   return (cfg.r,) * 3 + cfg.ms
+
+
+def bwd_examples(B: int) -> int:
+  """Examples per program of the token side's backward: the most of 4, 8 and 16 that leaves at
+  least ``MIN_PROGRAMS`` programs (4 where none does). The per-program partial sums XLA adds up
+  shrink with it (B 1024: 8 examples, half of what 4 write)."""
+  return max([n for n in (4, 8, 16) if pl.cdiv(B, n) >= MIN_PROGRAMS] or [EXAMPLES])
 
 
 def _call(kernel, cfg, args, outs, examples, warps, interpret, name):
@@ -273,10 +283,12 @@ def _fwd(x, y, ws, sc, bi, cfg: _Cfg):
 def _bwd(x, y, ws, sc, dh, dms, dt, cfg: _Cfg):
   """``dt``: the pass-through's cotangent (``cfg.through``), else None."""
   # per program, every weight's partial sums in one [N, 3r + sum m_k] block: one reduction after
-  part = (pl.cdiv(cfg.B, EXAMPLES), cfg.N, sum(_part_widths(cfg)))
+  n = bwd_examples(cfg.B)
+  part = (pl.cdiv(cfg.B, n), cfg.N, sum(_part_widths(cfg)))
   outs = (jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct(part, F32))
   args = (x, y, sc, dh) + tuple(ws) + tuple(dms) + ((dt,) if cfg.through else ())
-  return _call(_bwd_kernel, cfg, args, outs, EXAMPLES, WARPS, cfg.interpret, "wukong_fm_bwd")
+  return _call(functools.partial(_bwd_kernel, examples=n), cfg, args, outs, n, WARPS,
+               cfg.interpret, "wukong_fm_bwd")
 
 
 def _cfg(x, y, ws, eps, dtype, interpret, through=False) -> _Cfg:
