@@ -1,7 +1,7 @@
 """Small pieces the Pallas-Triton kernels share: a dot of compute-dtype operands into float32
 and its precision, rounding to the compute dtype, the power-of-two tile sizes Triton needs (at
-least 16, the GPU dot's minimum), and the masked loads and stores of the row-wise kernels' token
-tiles."""
+least 16, the GPU dot's minimum), the examples a program takes where it sums per-program
+partials, and the masked loads and stores of the row-wise kernels' token tiles."""
 
 from __future__ import annotations
 
@@ -39,6 +39,21 @@ def pow2(n: int) -> int:
 def pad_pow2(n: int) -> int:
   """The smallest power of two >= max(n, 16)."""
   return max(16, pow2(n))
+
+
+# Programs a kernel that sums per-program partials should still have (the H200 has 132 SMs)
+MIN_PROGRAMS = 128
+
+
+def examples_per_program(examples: int, fewest: int, min_programs: int,
+                         most: int | None = None) -> int:
+  """Examples a program takes in turn: ``fewest``, doubled while the doubled count still leaves
+  at least ``min_programs`` full programs (``examples // per``), up to ``most``. More examples
+  per program means fewer per-program partial sums for XLA to add up."""
+  per = fewest
+  while (most is None or 2 * per <= most) and examples // (2 * per) >= max(min_programs, 1):
+    per *= 2
+  return per
 
 
 def is_tile(n: int) -> bool:

@@ -17,7 +17,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import _poison, activations, jagged, norm_qkv, tuning
-from pallas_kernels._common import dot, loop_spans, pad_pow2, precision
+from pallas_kernels._common import dot, examples_per_program, loop_spans, pad_pow2, precision
 from pallas_kernels.reference import score_clip_value
 
 _F32 = jnp.float32
@@ -622,10 +622,7 @@ def _gdpa_pool_bwd(cfg: _Cfg, res, do):
 def _dq_examples(B: int, H: int) -> int:
   """Examples per program of the pool's seed-gradient kernels (``POOL_DQ_EXAMPLES`` doubled while
   ``B H / per`` keeps ``POOL_DQ_PROGRAMS`` programs)."""
-  per = POOL_DQ_EXAMPLES
-  while B * H // (2 * per) >= POOL_DQ_PROGRAMS:
-    per *= 2
-  return per
+  return examples_per_program(B * H, POOL_DQ_EXAMPLES, POOL_DQ_PROGRAMS)
 
 
 def _bwd_plan(cfg: _Cfg, q, kv):

@@ -31,7 +31,16 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import _poison
-from pallas_kernels._common import dot, is_tile, load_rows, pow2, round_to, store_rows
+from pallas_kernels._common import (
+  MIN_PROGRAMS,
+  dot,
+  examples_per_program,
+  is_tile,
+  load_rows,
+  pow2,
+  round_to,
+  store_rows,
+)
 
 F32 = jnp.float32
 WARPS = 8
@@ -39,7 +48,6 @@ EXAMPLES = 2          # examples per program
 ROWS = 16             # seeds per step (a row's norm needs only its own row)
 MAX_ACC = 64 * 256    # K x d (K = R x M padded): the forward's float32 accumulator
 MAX_WIDE_K = 256      # K past MAX_ACC // d: the backward's [ROWS, K] accumulator, DC >= 64
-MIN_PROGRAMS = 128    # the wide backward's programs, at least (``bwd_examples``)
 
 
 # ----------------------------------------------------------------------------------- twin
@@ -264,9 +272,9 @@ def _bwd_wide_kernel(a_ref, e_ref, z_ref, dt_ref, da_ref, g_ref, ge_ref, *, cfg:
 
 def bwd_examples(B: int) -> int:
   """Examples per program of the wide backward kernel: the most of 2, 4, 8 that leaves at least
-  ``MIN_PROGRAMS`` programs (2 where none does). Its per-program partial sums of ``z``'s and
+  ``MIN_PROGRAMS`` full programs (2 where none does). Its per-program partial sums of ``z``'s and
   ``e``'s gradients shrink with it: at prod (B 1024) 8 examples write a quarter of what 2 do."""
-  return max([n for n in (2, 4, 8) if pl.cdiv(B, n) >= MIN_PROGRAMS] or [2])
+  return examples_per_program(B, EXAMPLES, MIN_PROGRAMS, most=8)
 
 
 def _call(kernel, args, outs, cfg: _Cfg, name, examples: int = EXAMPLES):

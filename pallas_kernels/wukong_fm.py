@@ -34,13 +34,20 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import _poison
-from pallas_kernels._common import dot, is_tile, loop_spans, pad_pow2, round_to
+from pallas_kernels._common import (
+  MIN_PROGRAMS,
+  dot,
+  examples_per_program,
+  is_tile,
+  loop_spans,
+  pad_pow2,
+  round_to,
+)
 
 F32 = jnp.float32
 EPS = 1e-6
 WARPS = 8
 EXAMPLES = 4          # examples per program (token side; the backward: ``bwd_examples``)
-MIN_PROGRAMS = 128    # the token side's backward programs, at least (``bwd_examples``)
 OUT_EXAMPLES, OUT_WARPS = 8, 4   # the output norm's
 MAX_TILE = 128 * 128  # N (padded to a power of two) x d: the example tile a program holds
 # wider examples (prod's layer 0: 120 tokens x 256) run in column chunks of MAX_TILE / N values,
@@ -258,9 +265,9 @@ def _part_widths(cfg: _Cfg) -> tuple:
 
 def bwd_examples(B: int) -> int:
   """Examples per program of the token side's backward: the most of 4, 8 and 16 that leaves at
-  least ``MIN_PROGRAMS`` programs (4 where none does). The per-program partial sums XLA adds up
+  least ``MIN_PROGRAMS`` full programs (4 where none does). The per-program partial sums XLA adds up
   shrink with it (B 1024: 8 examples, half of what 4 write)."""
-  return max([n for n in (4, 8, 16) if pl.cdiv(B, n) >= MIN_PROGRAMS] or [EXAMPLES])
+  return examples_per_program(B, EXAMPLES, MIN_PROGRAMS, most=16)
 
 
 def _call(kernel, cfg, args, outs, examples, warps, interpret, name):

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import _poison, seed_kron
+from pallas_kernels import _common, _poison, seed_kron
 from tests.pallas_kernels.deviceless import close, twin_jit
 
 EPS = 1e-6
@@ -86,7 +86,8 @@ def test_kernels_match_the_twin(dtype, tol, B, S, R, M, d):
     close(u, w, tol)
 
 
-@pytest.mark.parametrize("B,min_programs,examples", [(5, 1, 8), (9, 3, 4), (4, 2, 2)])
+# 8 per program: 8 + 1 examples; 4: 4 + 4 + 2; 2: 2 + 2
+@pytest.mark.parametrize("B,min_programs,examples", [(9, 1, 8), (10, 2, 4), (4, 2, 2)])
 def test_wide_backward_sums_e_over_a_programs_examples(monkeypatch, B, min_programs, examples):
   """The wide backward with more examples per program (``bwd_examples``: prod's B 1024 takes 8),
   its last program part empty, against float64 numpy: ``e``'s gradient from the kernel's partial
@@ -121,3 +122,17 @@ def test_refuses_what_it_cannot_tile():
   with pytest.raises(ValueError, match="seed_kron"):
     seed_kron.seed_kron_pallas(jnp.zeros((2, 24, 64)), jnp.zeros((24, 64)),
                                jnp.zeros((4, 24, 4)), eps=EPS, interpret=True)
+
+
+@pytest.mark.parametrize("examples,fewest,min_programs,most", [
+    (1024, 2, 128, 8), (1024, 4, 128, 16), (256, 4, 128, 16), (300, 2, 128, 8), (7, 2, 1, 8),
+    (4096, 4, 512, None), (1000, 4, 250, None), (1, 4, 1, None), (20, 4, 2, None)])
+def test_examples_per_program_is_the_most_that_keeps_the_programs(examples, fewest, min_programs,
+                                                                   most):
+  """``_common.examples_per_program`` (the backward kernels' rule) against a brute-force search:
+  the largest ``fewest * 2^k`` (at most ``most``) with ``examples // per >= min_programs`` full
+  programs, else ``fewest``."""
+  ok = [fewest << k for k in range(20) if (most is None or fewest << k <= most)
+        and examples // (fewest << k) >= max(min_programs, 1)]
+  want = max(ok, default=fewest)
+  assert _common.examples_per_program(examples, fewest, min_programs, most) == want

@@ -92,9 +92,9 @@ def test_kernels_match_the_twin(dtype, tol, B, N, ms, d):
 
 
 # the token side's backward with 16 and 8 examples per program (``bwd_examples``: B 1024 takes
-# 8), the last program part empty; the last case in two column chunks
+# 8), the last program part empty (16 + 1, 8 + 8 + 1, 8 + 1); the last case in two column chunks
 @pytest.mark.parametrize("min_programs,examples,B,N,ms,d", [
-    (1, 16, 7, 20, (6, 40), 32), (2, 8, 9, 72, (16, 32, 32), 32), (1, 16, 5, 72, (24, 48), 256)])
+    (1, 16, 17, 20, (6, 40), 32), (2, 8, 17, 72, (16, 32, 32), 32), (1, 8, 9, 72, (24, 48), 256)])
 def test_backward_with_more_examples_per_program(monkeypatch, min_programs, examples, B, N, ms,
                                                  d):
   monkeypatch.setattr(wukong_fm, "MIN_PROGRAMS", min_programs)
