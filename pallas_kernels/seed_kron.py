@@ -313,8 +313,8 @@ def _vjp_bwd(eps, dtype, interpret, res, dt):
   if _dc(cfg) == cfg.d:
     T = pl.cdiv(cfg.B, EXAMPLES)
     outs = (da_shape, jax.ShapeDtypeStruct((T * cfg.R, cfg.S, cfg.Mp), F32))
-    da, gz = _call(functools.partial(_bwd_kernel, cfg=cfg), args, outs, cfg, "seed_kron_bwd")
-    de = jnp.sum(da.reshape(a.shape).astype(F32), axis=0)   # a's as rounded, over examples
+    (da, gz), ge = _call(functools.partial(_bwd_kernel, cfg=cfg), args, outs, cfg,
+                         "seed_kron_bwd"), None
   else:                                           # wide: e's partial sums from the kernel
     n = bwd_examples(cfg.B)
     T = pl.cdiv(cfg.B, n)
@@ -322,8 +322,9 @@ def _vjp_bwd(eps, dtype, interpret, res, dt):
             jax.ShapeDtypeStruct((T * cfg.S, cfg.d), F32))
     da, gz, ge = _call(functools.partial(_bwd_wide_kernel, cfg=cfg, examples=n), args, outs,
                        cfg, "seed_kron_bwd", n)
-    de = jnp.sum(ge.reshape(T, cfg.S, cfg.d), 0)
   da = da.reshape(a.shape)
+  # e's gradient: a's as rounded, summed over the examples (or the wide kernel's partial sums)
+  de = jnp.sum(da.astype(F32), 0) if ge is None else jnp.sum(ge.reshape(T, cfg.S, cfg.d), 0)
   gz = jnp.sum(gz.reshape(T, cfg.R, cfg.S, cfg.Mp), 0)[..., :cfg.M]
   return da, de.astype(e.dtype), gz.astype(z.dtype)
 
