@@ -24,6 +24,13 @@ def free_port() -> int:
     return s.getsockname()[1]
 
 
+def compile_cache(fallback) -> str:
+  """The suite's persistent compilation cache (``tests/conftest.py`` exports it), shared with the
+  other tests' train.py / eval.py / bench runs, which compile many of the same programs; outside
+  the suite, ``fallback``."""
+  return os.environ.get("KUNLUN_COMPILATION_CACHE") or str(fallback)
+
+
 def worker_env() -> dict:
   """The current environment without JAX settings (the workers set their own), on CPU, with the
   repository importable. ``XLA_FLAGS`` is kept: the suite's XLA:CPU -O0 (tests/conftest.py)

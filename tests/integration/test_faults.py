@@ -74,7 +74,7 @@ def env(tmp_path_factory):
   e.update(JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="1", PYTHONPATH=ROOT,
            XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} "        # the suite's (tests/conftest.py)
                      "--xla_force_host_platform_device_count=1",
-           KUNLUN_COMPILATION_CACHE=str(base / "xla_cache"))
+           KUNLUN_COMPILATION_CACHE=subproc.compile_cache(base / "xla_cache"))
   with subproc.Programs(e, subproc.TRAIN_MODULES) as progs:
     yield {"base": base, "data": data, "progs": progs}
 

@@ -70,7 +70,7 @@ def env(tmp_path_factory):
   base = tmp_path_factory.mktemp("e2e")
   data_dir = str(base / "data")
   synthetic.generate(data_dir, "tiny", seed=0)
-  cache, servers = str(base / "xla_cache"), {}
+  cache, servers = subproc.compile_cache(base / "xla_cache"), {}
 
   def programs(devices):            # started on first use, one per device count
     if devices not in servers:

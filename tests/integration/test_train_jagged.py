@@ -18,7 +18,7 @@ def test_train_and_eval_packed_tiny(tmp_path):
   synthetic.generate(data, "tiny", num_examples=2000, seed=0)
   wd = str(tmp_path / "w")
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT,
-             KUNLUN_COMPILATION_CACHE=str(tmp_path / "xla_cache"))
+             KUNLUN_COMPILATION_CACHE=subproc.compile_cache(tmp_path / "xla_cache"))
   # both programs forked from one interpreter that imported jax & co. once (tests/subproc)
   with subproc.Programs(env, subproc.TRAIN_MODULES) as progs:
     p = progs.run1([os.path.join(ROOT, "train.py"), f"--workdir={wd}", f"--data_dir={data}",

@@ -39,7 +39,8 @@ def test_real_data_bench_quick(tmp_path):
   inter = tmp_path / "mini.inter"
   _inter(inter)
   out, work = tmp_path / "r.json", tmp_path / "work"
-  env = {**os.environ, "JAX_PLATFORMS": "cpu", "KUNLUN_COMPILATION_CACHE": str(tmp_path / "xla")}
+  env = {**os.environ, "JAX_PLATFORMS": "cpu",
+         "KUNLUN_COMPILATION_CACHE": subproc.compile_cache(tmp_path / "xla")}
   subproc.run([sys.executable, os.path.join(ROOT, "bench", "experiments", "real_data.py"), "--quick",
                "--inter", str(inter), "--archs", "kunlun,lr", "--workdir", str(work),
                "--out", str(out)], check=True, env=env, cwd=ROOT)
