@@ -944,8 +944,9 @@ def add_floors(rl: dict, floors: dict) -> dict:
   return rl
 
 
-# the reduction computation XLA's split-K rewrite gives the partial sums' reduce
-_SPLIT_K_REDUCE = re.compile(r"dimensions=\{0\}, to_apply=%[\w.\-]+\.reduce_sub_computation")
+# the reduction computation XLA's split-K rewrite gives the partial sums' reduce, over the split
+# dimension: the first, or the one after a batched GEMM's batch dimensions (the experts' vmap)
+_SPLIT_K_REDUCE = re.compile(r"dimensions=\{\d+\}, to_apply=%[\w.\-]+\.reduce_sub_computation")
 
 
 def split_k(text: str, costs: list[dict] | None = None) -> dict:

@@ -506,3 +506,45 @@ def test_split_k_charges_the_partials_round_trip_to_the_gemms_group():
   (``other``). A plain GEMM whose output an ordinary reduce sums (the heads) is not split-K."""
   sk = roofline.split_k(SPLIT_K_HLO)
   assert sk == {"other": {"gemms": 1, "launches": 2, "bytes": 4096.0}}
+
+
+BATCHED_SPLIT_K_HLO = """HloModule batched_split_k
+
+%dot.3.reduce_sub_computation (s0: f32[], s1: f32[]) -> f32[] {
+  %s0 = f32[] parameter(0)
+  %s1 = f32[] parameter(1)
+  ROOT %s2 = f32[] add(%s0, %s1)
+}
+
+%gemm_split (p0: bf16[2,16,4,8], p1: bf16[2,32,4,8]) -> f32[2,4,16,32] {
+  %p0 = bf16[2,16,4,8]{3,2,1,0} parameter(0)
+  %p1 = bf16[2,32,4,8]{3,2,1,0} parameter(1)
+  ROOT %d0 = f32[2,4,16,32]{3,2,1,0} dot(%p0, %p1), lhs_batch_dims={0,2}, lhs_contracting_dims={3}, rhs_batch_dims={0,2}, rhs_contracting_dims={3}
+}
+
+%fused_add (g: bf16[2,16,32], q0: f32[2,4,16,32]) -> bf16[2,16,32] {
+  %q0 = f32[2,4,16,32]{3,2,1,0} parameter(1)
+  %z0 = f32[] constant(0)
+  %r0 = f32[2,16,32]{2,1,0} reduce(%q0, %z0), dimensions={1}, to_apply=%dot.3.reduce_sub_computation
+  %h0 = bf16[2,16,32]{2,1,0} convert(%r0)
+  %g = bf16[2,16,32]{2,1,0} parameter(0)
+  ROOT %m0 = bf16[2,16,32]{2,1,0} multiply(%h0, %g)
+}
+
+ENTRY %main (a: bf16[2,16,4,8], b: bf16[2,32,4,8], g: bf16[2,16,32]) -> bf16[2,16,32] {
+  %a = bf16[2,16,4,8]{3,2,1,0} parameter(0)
+  %b = bf16[2,32,4,8]{3,2,1,0} parameter(1)
+  %g = bf16[2,16,32]{2,1,0} parameter(2)
+  %gemm_fusion_dot.3 = f32[2,4,16,32]{3,2,1,0} fusion(%a, %b), kind=kCustom, calls=%gemm_split, metadata={op_name="jit(f)/transpose(jvp(Kunlun))/Kunlun/layer_0/KunlunLayer_0/mowe/MoWE/vmap(experts)/layer_0/WukongLayer/dot_general"}
+  ROOT %dh = bf16[2,16,32]{2,1,0} fusion(%g, %gemm_fusion_dot.3), kind=kLoop, calls=%fused_add, metadata={op_name="jit(f)/transpose(jvp(Kunlun))/Kunlun/layer_0/KunlunLayer_0/mowe/MoWE/vmap(experts)/layer_0/WukongLayer/transpose(jvp())/add_any"}
+}
+"""
+
+
+def test_split_k_counts_a_batched_gemm_whose_split_follows_its_batch_dimension():
+  """Under the experts' ``vmap`` a GEMM has a batch dimension, and XLA's split-K puts the split
+  after it: f32 partials [2, 4, 16, 32] (16,384 B), summed over dimension 1 in a fusion that also
+  applies an elementwise epilogue. Written and read back: 32,768 B in one reducing launch, in
+  the GEMM's group (MoWE)."""
+  sk = roofline.split_k(BATCHED_SPLIT_K_HLO)
+  assert sk == {"MoWE": {"gemms": 1, "launches": 1, "bytes": 32768.0}}
