@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import pytest
+import tensorstore as ts
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -246,12 +247,33 @@ def test_failed_write_is_reported_and_keeps_previous_steps(three_steps, monkeypa
   ro.close()
 
 
+def _flip_value_bit(item_dir, key):
+  """Flips the lowest bit of the middle byte of the value stored under ``key`` in the OCDBT
+  database of a checkpoint item (``item_dir``), found through the database's own B+tree: the
+  byte is one the restore reads. (Picking the largest data file's middle byte was flaky: its data
+  files can hold bytes that no key refers to.)"""
+  kv = ts.KvStore.open({"driver": "file", "path": item_dir + "/"}).result()
+  todo = [ts.ocdbt.dump(kv).result()["versions"][-1]["root"]["location"]]
+  while todo:
+    for e in ts.ocdbt.dump(kv, todo.pop()).result()["entries"]:
+      if "node" in e:
+        todo.append(e["node"])
+      elif e.get("key") == key.encode():            # "value:<dir>/:<file>:<offset>:<length>"
+        loc, off, n = e["indirect_value"][len("value:"):].rsplit(":", 2)
+        with open(os.path.join(item_dir, loc.replace(":", "")), "r+b") as fh:
+          fh.seek(int(off) + int(n) // 2)
+          b = fh.read(1)
+          fh.seek(int(off) + int(n) // 2)
+          fh.write(bytes([b[0] ^ 0x01]))
+        return
+  raise AssertionError(f"no value stored under {key!r} in {item_dir}")
+
+
 @QUIET
 def test_flipped_bit_in_param_data_is_caught_by_checksums(tmp_path):
   """TensorStore does not checksum array data: one flipped bit inside a (zstd raw-literal) data
   file restores silently as other values. The saved checksums make it a restore failure, and
   the fallback takes the step before; the digest does not depend on the mesh."""
-  import glob
   rng = np.random.default_rng(0)
   mesh = _mesh((8,), ("fsdp",))
   sh = NamedSharding(mesh, P("fsdp", None))
@@ -269,14 +291,7 @@ def test_flipped_bit_in_param_data_is_caught_by_checksums(tmp_path):
   w2 = w.copy()
   w2[3, 5] = np.nextafter(w2[3, 5], np.float32(9))              # one ulp: another digest
   assert checkpoint.tree_digest({"w": jax.numpy.asarray(w2)}) != checkpoint.tree_digest(params)
-  f = max(glob.glob(os.path.join(d, "2", "params", "ocdbt.process_0", "d", "*")),
-          key=os.path.getsize)
-  n = os.path.getsize(f)
-  with open(f, "r+b") as fh:
-    fh.seek(n // 2)
-    b = fh.read(1)
-    fh.seek(n // 2)
-    fh.write(bytes([b[0] ^ 0x01]))
+  _flip_value_bit(os.path.join(d, "2", "params"), "w/3.0")
   ro = checkpoint.Checkpointer(d, read_only=True)
   with pytest.raises(checkpoint.CheckpointError, match=r"params\['w'\] differs .*checksum"):
     ro.restore_params(checkpoint.abstract_like(params))
@@ -400,22 +415,12 @@ def _elastic_iter():
   return iter(elastic.BatchIterDataset(plan, lambda rows: ({"i": rows.index}, {}), prefetch=0))
 
 
-def _flip_middle_bit(path):
-  n = os.path.getsize(path)
-  with open(path, "r+b") as fh:
-    fh.seek(n // 2)
-    b = fh.read(1)
-    fh.seek(n // 2)
-    fh.write(bytes([b[0] ^ 0x01]))
-
-
 @QUIET
 @pytest.mark.parametrize("what", ["opt_state", "meta", "data_iter"])
 def test_tampered_opt_state_meta_or_data_position_fails_restore(tmp_path, what):
   """Every item is verified, not only the params: a flipped bit in the optimizer state's data,
   a changed RNG in meta, a moved data position each make the step fail to restore (and the
   fallback takes the step before)."""
-  import glob
   import json
   d = str(tmp_path / "ck")
   params, opt = _small()
@@ -430,8 +435,7 @@ def test_tampered_opt_state_meta_or_data_position_fails_restore(tmp_path, what):
   ck.close()
   step_dir = os.path.join(d, "2")
   if what == "opt_state":
-    _flip_middle_bit(max(glob.glob(os.path.join(step_dir, "opt_state", "ocdbt.process_0", "d",
-                                                "*")), key=os.path.getsize))
+    _flip_value_bit(os.path.join(step_dir, "opt_state"), "big/3.0")
     want = r"opt_state\['big'\] differs .*checksum"
   elif what == "meta":
     path = os.path.join(step_dir, "meta", "metadata")
