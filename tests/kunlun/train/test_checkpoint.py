@@ -250,8 +250,8 @@ def test_failed_write_is_reported_and_keeps_previous_steps(three_steps, monkeypa
 def _flip_value_bit(item_dir, key):
   """Flips the lowest bit of the middle byte of the value stored under ``key`` in the OCDBT
   database of a checkpoint item (``item_dir``), found through the database's own B+tree: the
-  byte is one the restore reads. (Picking the largest data file's middle byte was flaky: its data
-  files can hold bytes that no key refers to.)"""
+  byte is one the restore reads. (The largest data file's middle byte was flaky: that file also
+  holds a few hundred bytes the restore never reads, and the values' layout varies by run.)"""
   kv = ts.KvStore.open({"driver": "file", "path": item_dir + "/"}).result()
   todo = [ts.ocdbt.dump(kv).result()["versions"][-1]["root"]["location"]]
   while todo:
