@@ -247,11 +247,9 @@ def test_failed_write_is_reported_and_keeps_previous_steps(three_steps, monkeypa
   ro.close()
 
 
-def _flip_value_bit(item_dir, key):
-  """Flips the lowest bit of the middle byte of the value stored under ``key`` in the OCDBT
-  database of a checkpoint item (``item_dir``), found through the database's own B+tree: the
-  byte is one the restore reads. (The largest data file's middle byte was flaky: that file also
-  holds a few hundred bytes the restore never reads, and the values' layout varies by run.)"""
+def _value_span(item_dir, key):
+  """``(file, offset, length)`` of the value stored under ``key`` in the OCDBT database of a
+  checkpoint item (``item_dir``), found through the database's own B+tree."""
   kv = ts.KvStore.open({"driver": "file", "path": item_dir + "/"}).result()
   todo = [ts.ocdbt.dump(kv).result()["versions"][-1]["root"]["location"]]
   while todo:
@@ -260,13 +258,20 @@ def _flip_value_bit(item_dir, key):
         todo.append(e["node"])
       elif e.get("key") == key.encode():            # "value:<dir>/:<file>:<offset>:<length>"
         loc, off, n = e["indirect_value"][len("value:"):].rsplit(":", 2)
-        with open(os.path.join(item_dir, loc.replace(":", "")), "r+b") as fh:
-          fh.seek(int(off) + int(n) // 2)
-          b = fh.read(1)
-          fh.seek(int(off) + int(n) // 2)
-          fh.write(bytes([b[0] ^ 0x01]))
-        return
+        return os.path.join(item_dir, loc.replace(":", "")), int(off), int(n)
   raise AssertionError(f"no value stored under {key!r} in {item_dir}")
+
+
+def _flip_value_bit(item_dir, key):
+  """Flips the lowest bit of the middle byte of the value stored under ``key`` (``_value_span``):
+  a byte the restore reads. (The largest data file's middle byte was flaky: that file also holds
+  a few hundred bytes the restore never reads, and the values' layout varies by run.)"""
+  path, off, n = _value_span(item_dir, key)
+  with open(path, "r+b") as fh:
+    fh.seek(off + n // 2)
+    b = fh.read(1)
+    fh.seek(off + n // 2)
+    fh.write(bytes([b[0] ^ 0x01]))
 
 
 @QUIET
