@@ -6,9 +6,13 @@ be a filesystem every worker mounts. Steps and options: data/README.md.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import json
 import os
 import re
+import shutil
+import tempfile
 
 import numpy as np
 import pyarrow as pa
@@ -25,6 +29,23 @@ from data.ingest.sql import ad_sql
 from data.schema import Schema
 
 BUCKETS = 64
+_TMP: list[str] = []        # this process's temp dir for Beam (``_beam_tempdir``), once made
+
+
+@contextlib.contextmanager
+def _beam_tempdir():
+  """Runs Beam with Python's temp dir set to one of this process's own, removed at exit: Beam
+  (2.x, its local Prism runner) leaves dirs in the system temp dir on every run (its job
+  server's temp root, the SDK's staging dirs, a requirements cache). Made before Beam registers
+  its exit handlers, so removed after them."""
+  if not _TMP:
+    _TMP.append(tempfile.mkdtemp(prefix="kunlun-beam-"))
+    atexit.register(shutil.rmtree, _TMP[0], ignore_errors=True)
+  saved, tempfile.tempdir = tempfile.tempdir, _TMP[0]
+  try:
+    yield
+  finally:
+    tempfile.tempdir = saved
 
 
 def _bucket(x: np.ndarray, n: int) -> np.ndarray:
@@ -217,7 +238,7 @@ def convert(sources, tmp, schema, ctx, log, beam_args):
       i += 1
   plan, used = ctx["plan"], ctx["used"]
   dests = [f"{sp}/{surface}" for sp in used for surface in schema.surfaces]
-  with beam.Pipeline(options=opts) as p:
+  with _beam_tempdir(), beam.Pipeline(options=opts) as p:
     read = (p | "Inputs" >> beam.Create(elements)
             | "Read" >> beam.FlatMap(_read, ctx["spec"], plan, buckets))
     rows = read | "Rows" >> beam.Filter(lambda x: x[0] == "rows") \

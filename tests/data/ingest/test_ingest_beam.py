@@ -84,7 +84,11 @@ def test_beam_equals_engine(tmp_path):
     if os.environ.get("CI"):
       pytest.fail(f"{BEAM_PY} missing: scripts/test.sh creates it (bash scripts/setup.sh --beam)")
     pytest.skip(f"no {BEAM_PY}: create it with bash scripts/setup.sh --beam")
-  env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
+  # the system temp dir of the Beam process: empty again when it has exited (Beam's own
+  # temporary dirs and caches go to a dir of the run's, removed at exit)
+  sys_tmp = tmp_path / "system-tmp"
+  sys_tmp.mkdir()
+  env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu", TMPDIR=str(sys_tmp))
   code = ("import pathlib, sys; import tests.data.ingest.test_ingest_beam as t; "
           "[getattr(t, n)(pathlib.Path(sys.argv[1]) / n) or print('ok', n) for n in t.CHECKS "
           "if (pathlib.Path(sys.argv[1]) / n).mkdir() is None]")
@@ -93,3 +97,4 @@ def test_beam_equals_engine(tmp_path):
   tail = (p.stdout + p.stderr)[-4000:]
   assert p.returncode == 0, tail
   assert all(f"ok {n}" in p.stdout for n in CHECKS), tail
+  assert not os.listdir(sys_tmp), f"left in the temp dir: {sorted(os.listdir(sys_tmp))}"
