@@ -118,6 +118,23 @@ def test_group_floors_follow_the_bucket_each_batch_takes():
            + share[1] * (max(2e9 / 1e15, 4e7 / 1e12) + 11e-6))
   np.testing.assert_allclose(r["floor"]["useful_mfu_bound"] / r["buckets"]["useful_mfu_bound"],
                              r["buckets"]["bound_ms_mean"] / 1e3 / bound, rtol=1e-9)
+  # every group at most FLOOR_RATIO x its floor (what issue #38's last target would buy): MoWE
+  # down to that, HSP (under it) as it is
+  R = TS.FLOOR_RATIO
+  capped = [min(8e7, R * 1e7) + min(4e7, R * 2e7), min(9e7, R * 1e7) + min(6e7, R * 3e7)]
+  assert capped[0] < 1.2e8 and capped[1] < 1.5e8
+  at = r["at_floor_ratio"]
+  assert at["ratio"] == R
+  np.testing.assert_allclose(at["bytes_per_real_event"],
+                             (share[0] * capped[0] + share[1] * capped[1]) / real, rtol=1e-9)
+  bound = (share[0] * (max(1e9 / 1e15, capped[0] / 1e12) + 10e-6)
+           + share[1] * (max(2e9 / 1e15, capped[1] / 1e12) + 11e-6))
+  np.testing.assert_allclose(at["useful_mfu_bound"] / r["buckets"]["useful_mfu_bound"],
+                             r["buckets"]["bound_ms_mean"] / 1e3 / bound, rtol=1e-9)
+  # each group over the ratio alone: only MoWE is (its ratio 8.x), so the same figures
+  assert set(at["alone"]) == {"MoWE"}
+  np.testing.assert_allclose(at["alone"]["MoWE"]["useful_mfu_bound"], at["useful_mfu_bound"],
+                             rtol=1e-12)
 
 
 def test_fused_targets_by_config_and_batch():
@@ -131,3 +148,25 @@ def test_fused_targets_by_config_and_batch():
   assert not t["floor_ratio/MoWE"]["met"] and t["floor_ratio/GDPA"]["met"]
   assert "bytes_per_real_event" not in t
   assert set(JB.fused_targets(dict(r, config="tiny"))) == {"floor_ratio/MoWE", "floor_ratio/GDPA"}
+
+
+def test_groups_brought_to_the_floor_ratio_together_and_alone():
+  """Every group over FLOOR_RATIO x its floor brought down to it, the others as they are; and
+  each such group alone: bytes and bound (max(compute, memory) + launches) by hand."""
+  caps = {"click": [B * 32], "impression": [B * 32]}
+  run = _run("b0", {s: c[0] for s, c in caps.items()}, 1e9, 1.7e8, 2e-4, bucket=0, caps=caps)
+  run["roofline"]["groups"] = {"A": {"bytes": 1e8, "floor_bytes": 1e7, "launches": 4},
+                               "B": {"bytes": 6e7, "floor_bytes": 1e7, "launches": 3},
+                               "C": {"bytes": 1e7, "floor_bytes": 1e7, "launches": 3}}
+  padded = _run("pad", {"click": B * 32, "impression": B * 32}, 4e9, 9e8, 4e-3)
+  r = JB.combine(padded, [run], batches=3, seed=7)
+  R = TS.FLOOR_RATIO
+  real = 1.7e8 / r["buckets"]["bytes_per_real_event"]
+  mfu = lambda nbytes: (r["buckets"]["useful_mfu_bound"] * 2e-4
+                        / (max(1e9 / 1e15, nbytes / 1e12) + 10e-6))
+  at = r["at_floor_ratio"]
+  for got, want in ((at, 2 * R * 1e7 + 1e7), (at["alone"]["A"], R * 1e7 + 6e7 + 1e7),
+                    (at["alone"]["B"], 1e8 + R * 1e7 + 1e7)):
+    np.testing.assert_allclose(got["bytes_per_real_event"], want / real, rtol=1e-9)
+    np.testing.assert_allclose(got["useful_mfu_bound"], mfu(want), rtol=1e-9)
+  assert set(at["alone"]) == {"A", "B"}
