@@ -878,6 +878,10 @@ def main(argv=None) -> int:
   ap.add_argument("--results", default=RESULTS, help="results folder (default bench/results)")
   ap.add_argument("--out", default=OUT, help="pages folder (default docs/results)")
   a = ap.parse_args(argv)
+  if not glob.glob(os.path.join(a.results, "**", "*.json"), recursive=True):
+    # a mistyped folder would otherwise regenerate every page empty over the committed ones
+    why = "holds no benchmark JSON" if os.path.isdir(a.results) else "does not exist"
+    ap.exit(2, f"bench.report: the results folder {_show(a.results)} {why}\n")
   files = build(a.results)
   stale = [n for n in _generated(a.out) if n not in files]
   if a.check:

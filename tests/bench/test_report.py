@@ -74,3 +74,22 @@ def test_bucket_rows_are_the_json_formatted():
   lines = _page("speed_h200.md")
   assert row in lines
   assert target in lines
+
+
+@pytest.mark.parametrize("make", [lambda p: None, lambda p: p.mkdir()],
+                         ids=["missing", "no-json"])
+def test_a_results_folder_without_json_is_a_one_line_error_that_writes_nothing(
+    tmp_path, capsys, make):
+  """A mistyped --results must not regenerate (empty) pages over the committed ones, nor
+  remove them as no longer generated."""
+  res, out = tmp_path / "results", tmp_path / "pages"
+  make(res)
+  out.mkdir()
+  (out / "speed_h200.md").write_text("kept\n")
+  with pytest.raises(SystemExit) as e:
+    report.main(["--results", str(res), "--out", str(out)])
+  assert e.value.code == 2
+  err = capsys.readouterr().err.strip()
+  assert len(err.splitlines()) == 1 and str(res) in err, err
+  assert sorted(os.listdir(out)) == ["speed_h200.md"]
+  assert (out / "speed_h200.md").read_text() == "kept\n"
