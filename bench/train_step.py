@@ -71,6 +71,7 @@ import json
 import math
 import os
 import platform
+import re
 import statistics
 import sys
 import time
@@ -79,14 +80,33 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(_HERE, "results")
 
 
+def config_presets() -> list[str]:
+  """The modules of ``kunlun/configs`` that define ``get_config`` (``--config`` NAME)."""
+  folder = importlib.util.find_spec("kunlun.configs").submodule_search_locations[0]
+  out = []
+  for f in sorted(glob.glob(os.path.join(folder, "*.py"))):
+    with open(f) as fh:
+      if re.search(r"^def get_config\(", fh.read(), re.M):
+        out.append(os.path.basename(f)[:-3])
+  return out
+
+
 def load_config(name: str, overrides: list[str]):
-  """A preset module name (``mid``) or a path to a config file, then ``a.b=value`` overrides."""
+  """A preset module name (``mid``) or a path to a config file, then ``a.b=value`` overrides;
+  a name that is neither, or an override of a field the config lacks, is a one-line error."""
   if name.endswith(".py"):
+    if not os.path.isfile(name):
+      raise SystemExit(f"--config {name}: no such file")
     spec = importlib.util.spec_from_file_location("bench_cfg", name)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-  else:
+    if not hasattr(mod, "get_config"):
+      raise SystemExit(f"--config {name}: the file defines no get_config()")
+  elif name in config_presets():
     mod = importlib.import_module(f"kunlun.configs.{name}")
+  else:
+    raise SystemExit(f"--config {name}: not a preset of kunlun/configs "
+                     f"({', '.join(config_presets())}) nor a .py file")
   cfg = mod.get_config()
   for o in overrides:
     key, _, raw = o.partition("=")
@@ -96,11 +116,14 @@ def load_config(name: str, overrides: list[str]):
       val = ast.literal_eval(raw)
     except (ValueError, SyntaxError):
       val = raw
-    node, *path = key.split(".")
+    *path, last = key.split(".")
     parent = cfg
-    for p in [node] + path[:-1]:
-      parent = parent[p]
-    last = path[-1] if path else node
+    try:
+      for p in path:
+        parent = parent[p]
+      parent[last]
+    except (KeyError, TypeError, AttributeError):
+      raise SystemExit(f"--set {o}: the config has no field {key}") from None
     with parent.ignore_type():
       parent[last] = val
   return cfg

@@ -7,6 +7,7 @@ import glob
 import io
 import json
 import os
+import re
 import shutil
 
 import pytest
@@ -511,3 +512,21 @@ def test_output_folders_are_made_before_the_compile(tmp_path, monkeypatch):
   with pytest.raises(SystemExit, match="--dump_hlo .*file/step.hlo: cannot make its folder"):
     train_step.main(["--small", "--dump_hlo", str(tmp_path / "file" / "step.hlo")])
   assert len(seen) == 1
+
+
+@pytest.mark.parametrize("name, overrides, why", [
+    ("nope", [], r"--config nope: not a preset of kunlun/configs \(.*mid.*prod.*tiny.*\) nor a "
+                 r"\.py file"),
+    ("../../train", [], r"not a preset"),
+    ("types", [], r"not a preset"),                        # a module of kunlun/configs, no config
+    ("missing/cfg.py", [], r"--config missing/cfg.py: no such file"),
+    ("tiny", ["model.no_such_field=1"], r"--set model.no_such_field=1: the config has no "
+                                        r"field model.no_such_field"),
+    ("tiny", ["model"], r"--set 'model': expected key=value"),
+])
+def test_bad_config_or_override_is_a_one_line_error(name, overrides, why):
+  with pytest.raises(SystemExit) as e:
+    train_step.load_config(name, overrides)
+  msg = str(e.value.code)
+  assert len(msg.splitlines()) == 1, msg
+  assert re.search(why, msg), msg
