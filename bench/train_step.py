@@ -692,6 +692,7 @@ def main(argv=None):
                   help="roofline target: cost of one kernel launch, us (default: a CUDA-graph "
                        "launch)")
   args = ap.parse_args(argv)
+  _check_numbers(args)
   dev = roofline_defaults(args.target)
   args.peak_flops = args.peak_flops or dev["peak_flops"]
   args.bandwidth = args.bandwidth or dev["bandwidth"]
@@ -728,6 +729,22 @@ def main(argv=None):
   print_roofline(res["roofline"])
   print("wrote", path, flush=True)
   return res
+
+
+def _check_numbers(args) -> None:
+  """Counts and roofline figures out of range stop the run at once, in one line."""
+  for flag, low in (("batch", 1), ("devices", 1), ("layers", 1), ("steps", 1), ("warmup", 0),
+                    ("profile_steps", 1), ("launch_us", 0)):
+    v = getattr(args, flag)
+    if v is not None and v < low:
+      raise SystemExit(f"--{flag} {v}: must be at least {low}")
+  for flag in ("peak_flops", "bandwidth"):
+    v = getattr(args, flag)
+    if v is not None and not v > 0:
+      raise SystemExit(f"--{flag} {v}: must be positive")
+  if not 0 <= args.jagged_bucket < args.jagged_buckets:
+    raise SystemExit(f"--jagged_bucket {args.jagged_bucket}: must be 0 to "
+                     f"{args.jagged_buckets - 1} (--jagged_buckets {args.jagged_buckets})")
 
 
 def _progress(msg: str) -> None:

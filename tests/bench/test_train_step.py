@@ -530,3 +530,23 @@ def test_bad_config_or_override_is_a_one_line_error(name, overrides, why):
   msg = str(e.value.code)
   assert len(msg.splitlines()) == 1, msg
   assert re.search(why, msg), msg
+
+
+@pytest.mark.parametrize("argv, why", [
+    (["--batch", "-3"], r"--batch -3: must be at least 1"),
+    (["--devices", "0"], r"--devices 0: must be at least 1"),
+    (["--layers", "0"], r"--layers 0: must be at least 1"),
+    (["--steps", "0"], r"--steps 0: must be at least 1"),
+    (["--warmup", "-1"], r"--warmup -1: must be at least 0"),
+    (["--profile_steps", "0"], r"--profile_steps 0: must be at least 1"),
+    (["--jagged", "--jagged_buckets", "3", "--jagged_bucket", "3"],
+     r"--jagged_bucket 3: must be 0 to 2 \(--jagged_buckets 3\)"),
+    (["--peak_flops", "-1"], r"--peak_flops -1.0: must be positive"),
+    (["--launch_us", "-2"], r"--launch_us -2.0: must be at least 0"),
+])
+def test_bad_numbers_are_one_line_errors_before_any_work(argv, why, monkeypatch):
+  monkeypatch.setattr(train_step, "run", lambda a: pytest.fail("ran with bad flags"))
+  with pytest.raises(SystemExit) as e:
+    train_step.main(["--config", "tiny", "--out_dir", "/nonexistent/never/made"] + argv)
+  msg = str(e.value.code)
+  assert len(msg.splitlines()) == 1 and re.search(why, msg), msg
