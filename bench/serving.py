@@ -28,23 +28,19 @@ import time
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, _ROOT)
 
-import importlib  # noqa: E402
 
 import flax  # noqa: E402
 import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
+from bench.train_step import load_config  # noqa: E402
 from data.fake import random_batch  # noqa: E402
 from data.synthetic import PRESETS, preset_schema  # noqa: E402
 from kunlun.configs.types import seq_lens  # noqa: E402
 from kunlun.models.build import build_model  # noqa: E402
 from kunlun.serving import score  # noqa: E402
 from kunlun.utils import atomic  # noqa: E402
-
-
-def _load_config(name: str):
-  return importlib.import_module(f"kunlun.configs.{name}").get_config()
 
 
 def _timed(fns: dict, args, seconds, min_iters, max_iters) -> dict:
@@ -76,7 +72,7 @@ def _timed(fns: dict, args, seconds, min_iters, max_iters) -> dict:
 
 
 def run(args) -> dict:
-  config = _load_config(args.config)
+  config = load_config(args.config, [])
   on_cpu = jax.default_backend() == "cpu"
   config.model.dtype = args.dtype or ("float32" if on_cpu else config.model.dtype)
   schema = preset_schema(PRESETS[config.data.preset])
@@ -127,17 +123,34 @@ def run(args) -> dict:
   return res
 
 
-def main():
+def _parse(argv=None):
+  """The flags, each out of range a one-line error before any work."""
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--config", default="dev", help="preset under kunlun/configs")
   ap.add_argument("--candidates", default="16,128,1024")
-  ap.add_argument("--dtype", default=None, help="float32 | bfloat16 (default: see module doc)")
+  ap.add_argument("--dtype", default=None, choices=("float32", "bfloat16"),
+                  help="default: see module doc")
   ap.add_argument("--seconds", type=float, default=20.0)
   ap.add_argument("--min_iters", type=int, default=3)
   ap.add_argument("--max_iters", type=int, default=50)
   ap.add_argument("--out", default=None, help="default bench/results/serving_<backend>.json")
-  args = ap.parse_args()
-  args.candidates = [int(x) for x in args.candidates.split(",")]
+  args = ap.parse_args(argv)
+  load_config(args.config, [])                   # an unknown preset: one line, before the work
+  raw = args.candidates
+  try:
+    args.candidates = [int(x) for x in raw.split(",")]
+  except ValueError:
+    args.candidates = []
+  if not args.candidates or min(args.candidates) < 1:
+    raise SystemExit(f"--candidates {raw}: expected positive integers, comma-separated")
+  if not args.seconds > 0 or args.min_iters < 1 or args.max_iters < args.min_iters:
+    raise SystemExit(f"--seconds {args.seconds} --min_iters {args.min_iters} --max_iters "
+                     f"{args.max_iters}: need seconds > 0 and 1 <= min_iters <= max_iters")
+  return args
+
+
+def main(argv=None):
+  args = _parse(argv)
   res = run(args)
   out = args.out or os.path.join(_ROOT, "bench/results", f"serving_{res['backend']}.json")
   atomic.write_json(out, res)
