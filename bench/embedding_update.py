@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib
 import os
 import platform
 import time
@@ -21,7 +20,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from bench.output import at_least, int_list
 from bench.profiling import hlo_stats, roofline
+from bench.train_step import load_config
 from data.fake import random_batch, tiny_schema
 from kunlun.configs.types import seq_lens
 from kunlun.models.build import build_model
@@ -83,7 +84,7 @@ def bench_one(rows: int, dim: int, n_ids: int, reps: int, lr: float = 0.05) -> d
 
 def bench_train_step(config: str, batch_size: int, reps: int) -> dict:
   """Step time of the whole train step, dense vs sparse embedding update (one device)."""
-  cfg, schema = importlib.import_module(f"kunlun.configs.{config}").get_config(), tiny_schema()
+  cfg, schema = load_config(config, []), tiny_schema()
   model = build_model(cfg, schema)
   batch = random_batch(schema, batch_size, seq_lens(cfg), seed=1, min_len=1)
   params = nn.meta.unbox(jax.jit(lambda k: model.init(k, batch, train=False))(
@@ -123,7 +124,7 @@ def step_bytes(config: str, rows: int, sparse: bool, batch_size: int) -> dict:
   accounting (the ops' read + written bytes; an in-place scatter into a donated table or its
   state charged the rows it touches), XLA's cost analysis of the whole step, and the compiled
   temp bytes."""
-  cfg = importlib.import_module(f"kunlun.configs.{config}").get_config()
+  cfg = load_config(config, [])
   cfg.train.sparse_embedding_update = sparse
   schema = _schema_with_rows(rows)
   model = build_model(cfg, schema)
@@ -152,30 +153,33 @@ def step_bytes(config: str, rows: int, sparse: bool, batch_size: int) -> dict:
           "temp_mb": mem.temp_size_in_bytes / 2 ** 20 if mem is not None else None}
 
 
-def main():
+def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  ap.add_argument("--rows", default="65536,262144,1048576")
-  ap.add_argument("--dim", type=int, default=64)
-  ap.add_argument("--ids", type=int, default=4096, help="looked-up ids per step (batch x slots)")
-  ap.add_argument("--reps", type=int, default=10)
+  ap.add_argument("--rows", type=int_list(1), default=[65536, 262144, 1048576])
+  ap.add_argument("--dim", type=at_least(1), default=64)
+  ap.add_argument("--ids", type=at_least(1), default=4096,
+                  help="looked-up ids per step (batch x slots)")
+  ap.add_argument("--reps", type=at_least(1), default=10)
   ap.add_argument("--quick", action="store_true", help="small tables, 3 reps (smoke run)")
   ap.add_argument("--train_step", default=None, metavar="CONFIG",
                   help="also time the whole train step of this config (e.g. tiny; tiny schema)")
-  ap.add_argument("--batch_size", type=int, default=64, help="batch for --train_step")
-  ap.add_argument("--step_bytes", default=None, metavar="ROWS,ROWS",
+  ap.add_argument("--batch_size", type=at_least(1), default=64, help="batch for --train_step")
+  ap.add_argument("--step_bytes", type=int_list(1), default=None, metavar="ROWS,ROWS",
                   help="only: the optimizer's bytes of one compiled --config train step with "
                        "every table at these rows, dense vs sparse update")
   ap.add_argument("--config", default="tiny", help="config of --step_bytes (tiny schema)")
   ap.add_argument("--out", default=None,
                   help="JSON (default bench/results/embedding_update[_step_bytes].json)")
-  a = ap.parse_args()
+  a = ap.parse_args(argv)
+  for name in {a.config, a.train_step} - {None}:
+    load_config(name, [])                   # an unknown preset: one line, before the work
   results_dir = os.path.join(os.path.dirname(__file__), "results")
   if a.step_bytes:
-    run_step_bytes(a, [int(r) for r in a.step_bytes.split(",")],
+    run_step_bytes(a, a.step_bytes,
                    a.out or os.path.join(results_dir, "embedding_update_step_bytes.json"))
     return
   a.out = a.out or os.path.join(results_dir, "embedding_update.json")
-  rows = [4096, 16384] if a.quick else [int(r) for r in a.rows.split(",")]
+  rows = [4096, 16384] if a.quick else a.rows
   reps = 3 if a.quick else a.reps
 
   res = [bench_one(r, a.dim, a.ids, reps) for r in rows]

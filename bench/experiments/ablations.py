@@ -203,6 +203,7 @@ def main(argv=None):
                   help="synthetic tiny data to use (e.g. the scaling sweep's; default: generate)")
   ap.add_argument("--out", default=None)
   args = ap.parse_args(argv)
+  output.make_folder("--workdir", args.workdir)
   q = args.quick
   args.num_examples = args.num_examples or (512 if q else 200_000)
   args.seeds = args.seeds or ([0] if q else [0, 1])

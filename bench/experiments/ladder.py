@@ -20,6 +20,7 @@ sys.path.insert(0, _ROOT)
 
 import numpy as np  # noqa: E402
 
+from bench import output  # noqa: E402
 from bench.experiments import scaling as S  # noqa: E402
 from data import synthetic  # noqa: E402
 from data.schema import Schema  # noqa: E402
@@ -546,6 +547,7 @@ def main(argv=None):
   ap.add_argument("--out_dir", default=None,
                   help=f"per-run JSONs, plan, summary (default {OUT_DIR})")
   args = ap.parse_args(argv)
+  output.make_folder("--workdir", args.workdir)
   if args.quick:
     args.seeds, args.n0, args.cap = QUICK["seeds"], QUICK["n0"], QUICK["cap"]
     args.batch_size, args.eval_examples = QUICK["batch_size"], QUICK["eval_examples"]

@@ -267,6 +267,7 @@ def main(argv=None):
   ap.add_argument("--workdir", help="keep data and runs here (default: a temp dir, removed)")
   ap.add_argument("--out", help="JSON (default bench/results/real_data[_quick].json)")
   args = ap.parse_args(argv)
+  output.make_folder("--workdir", args.workdir)
   q = args.quick
   args.archs = [a.strip() for a in args.archs.split(",") if a.strip()]
   bad = [a for a in args.archs if a not in ARCHS + ("lr",)]

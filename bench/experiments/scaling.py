@@ -603,6 +603,7 @@ def main(argv=None):
   ap.add_argument("--workdir", default=None, help="data and runs.jsonl (resumable)")
   ap.add_argument("--out", default=None, help="JSON path (PNG beside it)")
   args = ap.parse_args(argv)
+  output.make_folder("--workdir", args.workdir)
   q = args.quick
   args.num_examples = args.num_examples or (512 if q else 200_000)
   args.seeds = args.seeds or ([0] if q else [0, 1])

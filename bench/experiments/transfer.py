@@ -276,6 +276,7 @@ def main(argv=None):
   ap.add_argument("--join_key", default="user", choices=("user", "user_item"))
   ap.add_argument("--seed", type=int, default=0)
   args = ap.parse_args(argv)
+  output.make_folder("--workdir", args.workdir)
   q = args.quick
   args.num_examples = args.num_examples or (2000 if q else 20000)
   args.fm_examples = args.fm_examples or (4000 if q else 80000)

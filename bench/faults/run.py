@@ -30,6 +30,7 @@ import orbax.checkpoint  # noqa: E402
 import orbax.checkpoint as ocp  # noqa: E402
 from absl import logging  # noqa: E402
 
+from bench.output import at_least, make_folder  # noqa: E402
 from data import synthetic  # noqa: E402
 from kunlun.utils import atomic  # noqa: E402
 
@@ -398,12 +399,14 @@ def versions() -> dict:
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(prog="python bench/faults/run.py",
                                description=__doc__.split("\n")[0])
-  ap.add_argument("--kills", type=int, default=20, help="random SIGKILLs in all")
-  ap.add_argument("--kills_per_run", type=int, default=5, help="kills before a run is finished")
-  ap.add_argument("--steps", type=int, default=40)
-  ap.add_argument("--checkpoint_every", type=int, default=10)
-  ap.add_argument("--num_examples", type=int, default=4000, help="train examples (tiny preset)")
-  ap.add_argument("--seed", type=int, default=0)
+  ap.add_argument("--kills", type=at_least(0), default=20, help="random SIGKILLs in all")
+  ap.add_argument("--kills_per_run", type=at_least(1), default=5,
+                  help="kills before a run is finished")
+  ap.add_argument("--steps", type=at_least(1), default=40)
+  ap.add_argument("--checkpoint_every", type=at_least(1), default=10)
+  ap.add_argument("--num_examples", type=at_least(1), default=4000,
+                  help="train examples (tiny preset)")
+  ap.add_argument("--seed", type=at_least(0), default=0)
   ap.add_argument("--quick", action="store_true", help="4 kills, 20 steps")
   ap.add_argument("--workdir", default=None, help="keep the runs here (default: a temp dir)")
   ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "faults.json"))
@@ -418,8 +421,8 @@ def main(argv=None) -> int:
     a.kills, a.kills_per_run, a.steps, a.checkpoint_every = 4, 2, 20, 5
   rng = random.Random(a.seed)
   t_start = time.perf_counter()
+  make_folder("--workdir", a.workdir)
   base = a.workdir or tempfile.mkdtemp(prefix="kunlun_faults_")
-  os.makedirs(base, exist_ok=True)
   data = os.path.join(base, "data")
   if not os.path.exists(os.path.join(data, "manifest.json")):
     synthetic.generate(data, "tiny", a.num_examples, seed=0)
