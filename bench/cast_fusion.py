@@ -17,7 +17,7 @@ import argparse
 import os
 import sys
 
-from bench.output import result_path, write_json
+from bench.output import at_least, result_path, write_json
 from bench.profiling import gpu_target, hlo_stats, roofline
 from bench.train_step import versions
 
@@ -74,9 +74,9 @@ def _gemms_with_convert(text: str) -> int:
 
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  ap.add_argument("--layers", type=int, default=4)
-  ap.add_argument("--rows", type=int, default=4096)
-  ap.add_argument("--d", type=int, default=512)
+  ap.add_argument("--layers", type=at_least(1), default=4)
+  ap.add_argument("--rows", type=at_least(1), default=4096)
+  ap.add_argument("--d", type=at_least(1), default=512)
   ap.add_argument("--out", default=None)
   args = ap.parse_args(argv)
   missing = gpu_target.missing()

@@ -35,6 +35,8 @@ import math
 import os
 import time
 
+from bench.output import at_least
+
 DEFAULT_MESH = {"dp": "data=2,fsdp=4", "fsdp": "fsdp=8", "fsdp_tp": "fsdp=4,tensor=2",
                 "fsdp_cp": "fsdp=4,context=2", "fsdp_ep": "fsdp=4,expert=2",
                 "5d": "fsdp=2,tensor=2,expert=2"}
@@ -270,8 +272,8 @@ def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--config", default="mid", help="a module of kunlun.configs (tiny, dev, mid)")
   ap.add_argument("--presets", default=",".join(DEFAULT_MESH), help="comma-separated presets")
-  ap.add_argument("--batch", type=int, default=64, help="global batch (static shapes only)")
-  ap.add_argument("--layers", type=int, default=None, help="override num_layers (stand-in)")
+  ap.add_argument("--batch", type=at_least(1), default=64, help="global batch (static shapes only)")
+  ap.add_argument("--layers", type=at_least(1), default=None, help="override num_layers (stand-in)")
   ap.add_argument("--out", default=None)
   ap.add_argument("--dump_dir", default=None, help="write each preset's compiled HLO here")
   a = ap.parse_args(argv)

@@ -23,7 +23,7 @@ import os
 
 import numpy as np
 
-from bench.output import RESULTS, result_path, write_json
+from bench.output import RESULTS, at_least, result_path, write_json
 from bench.profiling.roofline import print_floors
 from bench.train_step import (
   FLOOR_RATIO,
@@ -279,12 +279,10 @@ def main(argv=None):
   ap.add_argument("--padded", required=True, help="bench/train_step JSON of the padded program")
   ap.add_argument("--buckets", nargs="+", required=True,
                   help="bench/train_step JSONs of buckets 0..K-1, in order")
-  ap.add_argument("--batches", type=int, default=2000)
-  ap.add_argument("--seed", type=int, default=1000, help="first batch seed (fresh batches)")
+  ap.add_argument("--batches", type=at_least(1), default=2000)
+  ap.add_argument("--seed", type=at_least(0), default=1000, help="first batch seed (fresh batches)")
   ap.add_argument("--out", default=None)
   args = ap.parse_args(argv)
-  if args.batches <= 0:
-    raise SystemExit("jagged_buckets: --batches must be positive")
   padded = _load(args.padded)
   r = combine(padded, [_load(p) for p in args.buckets], args.batches, args.seed)
   print(report(r))

@@ -17,7 +17,7 @@ import time
 
 import numpy as np
 
-from bench.output import result_path, write_json
+from bench.output import at_least, result_path, write_json
 from data import jagged, synthetic
 from kunlun.configs import dev, mid, tiny
 from kunlun.configs.types import seq_lens
@@ -84,8 +84,9 @@ def measure(preset: str, B: int, sample: int, batches: int) -> dict:
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--quick", action="store_true", help="small sample and few batches")
-  ap.add_argument("--sample", type=int, default=200_000, help="lengths per tower for capacity")
-  ap.add_argument("--batches", type=int, default=20_000, help="simulated batches per case")
+  ap.add_argument("--sample", type=at_least(1), default=200_000,
+                  help="lengths per tower for capacity")
+  ap.add_argument("--batches", type=at_least(1), default=20_000, help="simulated batches per case")
   ap.add_argument("--out", default=None)
   a = ap.parse_args(argv)
   sample, batches = (5_000, 200) if a.quick else (a.sample, a.batches)

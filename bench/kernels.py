@@ -26,6 +26,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from bench.output import at_least  # noqa: E402
 from bench.profiling import gpu_target, roofline  # noqa: E402
 from kunlun.models.flops import band_pairs  # noqa: E402
 from pallas_kernels import (  # noqa: E402
@@ -641,7 +642,8 @@ def run_target(target, cases=None, out_dir=None):
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--small", action="store_true", help="tiny shapes; Pallas in interpret mode")
-  p.add_argument("--iters", type=int, default=None, help="timed runs (default 20; small: 2)")
+  p.add_argument("--iters", type=at_least(1), default=None,
+                 help="timed runs (default 20; small: 2)")
   p.add_argument("--dtype", default=None, choices=["bfloat16", "float32"],
                  help="input dtype (default bfloat16; small: float32)")
   p.add_argument("--out_dir", default=None, help="where the JSON goes (default bench/results)")

@@ -188,16 +188,16 @@ def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__,
                                formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--quick", action="store_true", help="smallest size, two variants, one seed")
-  ap.add_argument("--size", type=int, default=3,
+  ap.add_argument("--size", type=output.at_least(0), default=3,
                   help="index in bench/experiments/scaling.py's CPU ladder")
   ap.add_argument("--variants", nargs="*", default=None, choices=VARIANTS)
-  ap.add_argument("--num_examples", type=int, default=None)
-  ap.add_argument("--seeds", type=int, nargs="+", default=None)
-  ap.add_argument("--batch_size", type=int, default=128)
+  ap.add_argument("--num_examples", type=output.at_least(1), default=None)
+  ap.add_argument("--seeds", type=output.at_least(0), nargs="+", default=None)
+  ap.add_argument("--batch_size", type=output.at_least(1), default=128)
   ap.add_argument("--lr", type=float, default=5e-3)
   ap.add_argument("--emb_lr", type=float, default=0.2)
-  ap.add_argument("--eval_examples", type=int, default=None)
-  ap.add_argument("--data_seed", type=int, default=0)
+  ap.add_argument("--eval_examples", type=output.at_least(1), default=None)
+  ap.add_argument("--data_seed", type=output.at_least(0), default=0)
   ap.add_argument("--workdir", default=None, help="data and runs.jsonl (resumable)")
   ap.add_argument("--data_dir", default=None,
                   help="synthetic tiny data to use (e.g. the scaling sweep's; default: generate)")

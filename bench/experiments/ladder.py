@@ -519,14 +519,15 @@ def main(argv=None):
   ap.add_argument("--resume", action="store_true", help="continue: skip the finished runs")
   ap.add_argument("--ladder", default="cpu", choices=sorted(S.LADDERS))
   ap.add_argument("--preset", default="tiny", help="synthetic preset")
-  ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+  ap.add_argument("--seeds", type=output.at_least(0), nargs="+", default=[0, 1, 2])
   ap.add_argument("--lrs", type=float, nargs="+", default=[5e-3, 2e-3],
                   help="AdamW peak LRs tried per (arch, size) at the first seed")
-  ap.add_argument("--n0", type=int, default=110_000, help="examples per run at the smallest size")
-  ap.add_argument("--cap", type=int, default=3_000_000, help="most examples per run")
-  ap.add_argument("--batch_size", type=int, default=128)
-  ap.add_argument("--eval_examples", type=int, default=20_000)
-  ap.add_argument("--holdout_examples", type=int, default=20_000,
+  ap.add_argument("--n0", type=output.at_least(1), default=110_000,
+                  help="examples per run at the smallest size")
+  ap.add_argument("--cap", type=output.at_least(1), default=3_000_000, help="most examples per run")
+  ap.add_argument("--batch_size", type=output.at_least(1), default=128)
+  ap.add_argument("--eval_examples", type=output.at_least(1), default=20_000)
+  ap.add_argument("--holdout_examples", type=output.at_least(0), default=20_000,
                   help=f"held-out examples (split {HOLDOUT_SPLIT!r}) that choose the LR")
   ap.add_argument("--emb_lr", type=float, default=0.2, help="row-wise Adagrad LR (tables)")
   ap.add_argument("--jagged_capacity", default="", choices=["", "auto"],
@@ -537,11 +538,13 @@ def main(argv=None):
                   help="architectures that take packed towers with --jagged_capacity")
   ap.add_argument("--archs", nargs="*", default=None, choices=S.ARCHS,
                   help="train only these architectures' runs this time (the rest stay planned)")
-  ap.add_argument("--sizes", type=int, nargs="*", default=None,
+  ap.add_argument("--sizes", type=output.at_least(0), nargs="*", default=None,
                   help="train only these sizes' runs this time (the rest stay planned)")
-  ap.add_argument("--data_seed", type=int, default=0)
-  ap.add_argument("--bootstrap", type=int, default=300, help="bootstrap draws over seeds")
-  ap.add_argument("--log_every", type=int, default=1000, help="steps between loss lines (0: none)")
+  ap.add_argument("--data_seed", type=output.at_least(0), default=0)
+  ap.add_argument("--bootstrap", type=output.at_least(0), default=300,
+                  help="bootstrap draws over seeds")
+  ap.add_argument("--log_every", type=output.at_least(0), default=1000,
+                  help="steps between loss lines (0: none)")
   ap.add_argument("--workdir", default=None,
                   help="generated data and the XLA cache (default /tmp/kunlun_ladder[_quick])")
   ap.add_argument("--out_dir", default=None,

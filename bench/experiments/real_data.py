@@ -260,9 +260,11 @@ def main(argv=None):
                   help="comma list of kunlun, interformer, dlrm, lr")
   ap.add_argument("--seeds", default=None, help="comma list (default 0,1,2; quick: 0)")
   ap.add_argument("--max_epochs", type=float, default=None, help="default 4 (quick: 1)")
-  ap.add_argument("--batch_size", type=int, default=None, help="default 256 (quick: 32)")
+  ap.add_argument("--batch_size", type=output.at_least(1), default=None,
+                  help="default 256 (quick: 32)")
   ap.add_argument("--lr", type=float, default=2e-3)
-  ap.add_argument("--max_len", type=int, default=50, help="history events per stream")
+  ap.add_argument("--max_len", type=output.at_least(1), default=50,
+                  help="history events per stream")
   ap.add_argument("--Cs", default="0.01,0.03,0.1,0.3,1,3", help="LR inverse L2 strengths")
   ap.add_argument("--workdir", help="keep data and runs here (default: a temp dir, removed)")
   ap.add_argument("--out", help="JSON (default bench/results/real_data[_quick].json)")

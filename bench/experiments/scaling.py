@@ -581,12 +581,14 @@ def main(argv=None):
   ap.add_argument("--quick", action="store_true", help="two small sizes, one seed (the test)")
   ap.add_argument("--ladder", default="cpu", choices=sorted(LADDERS))
   ap.add_argument("--preset", default=None, help="synthetic preset (default tiny; dev for gpu)")
-  ap.add_argument("--num_examples", type=int, default=None, help="training examples per run")
+  ap.add_argument("--num_examples", type=output.at_least(1), default=None,
+                  help="training examples per run")
   ap.add_argument("--data_sizes", type=float, nargs="*", default=None,
                   help="data-sweep factors of --num_examples (Kunlun, --sweep_size)")
-  ap.add_argument("--sweep_size", type=int, default=None, help="ladder index of the data sweep")
-  ap.add_argument("--seeds", type=int, nargs="+", default=None)
-  ap.add_argument("--batch_size", type=int, default=128)
+  ap.add_argument("--sweep_size", type=output.at_least(0), default=None,
+                  help="ladder index of the data sweep")
+  ap.add_argument("--seeds", type=output.at_least(0), nargs="+", default=None)
+  ap.add_argument("--batch_size", type=output.at_least(1), default=128)
   ap.add_argument("--lrs", type=float, nargs="+", default=[5e-3, 2e-3],
                   help="AdamW peak LRs tried per size (the best seed-mean click NE is fitted)")
   ap.add_argument("--lrs_top", type=float, nargs="*", default=[2e-3],
@@ -595,11 +597,12 @@ def main(argv=None):
                        "no value to use --lrs)")
   ap.add_argument("--archs", nargs="*", default=None, choices=ARCHS,
                   help="run only these architectures' share of the plan (parallel workers)")
-  ap.add_argument("--sizes", type=int, nargs="*", default=None, help="run only these sizes")
+  ap.add_argument("--sizes", type=output.at_least(0), nargs="*", default=None,
+                  help="run only these sizes")
   ap.add_argument("--emb_lr", type=float, default=0.2, help="row-wise Adagrad LR (tables)")
-  ap.add_argument("--eval_examples", type=int, default=None)
-  ap.add_argument("--data_seed", type=int, default=0)
-  ap.add_argument("--log_every", type=int, default=0)
+  ap.add_argument("--eval_examples", type=output.at_least(1), default=None)
+  ap.add_argument("--data_seed", type=output.at_least(0), default=0)
+  ap.add_argument("--log_every", type=output.at_least(0), default=0)
   ap.add_argument("--workdir", default=None, help="data and runs.jsonl (resumable)")
   ap.add_argument("--out", default=None, help="JSON path (PNG beside it)")
   args = ap.parse_args(argv)

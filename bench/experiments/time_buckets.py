@@ -28,6 +28,7 @@ import flax  # noqa: E402
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
+from bench.output import at_least  # noqa: E402
 from data import synthetic  # noqa: E402
 from data.schema import Schema  # noqa: E402
 from kunlun.utils import atomic  # noqa: E402
@@ -80,8 +81,8 @@ def summarize(runs: dict, seeds, tasks) -> dict:
 def main():
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--seeds", default="0,1,2,3,4")
-  ap.add_argument("--steps", type=int, default=3000)
-  ap.add_argument("--num_examples", type=int, default=200_000)
+  ap.add_argument("--steps", type=at_least(1), default=3000)
+  ap.add_argument("--num_examples", type=at_least(1), default=200_000)
   ap.add_argument("--kinds", default="age,gap,position")
   ap.add_argument("--workdir", default="/tmp/kunlun_time_buckets")
   ap.add_argument("--out", default=os.path.join(_ROOT, "bench/results/time_buckets.json"))

@@ -262,19 +262,21 @@ def main(argv=None):
   ap.add_argument("--out", default=None,
                   help="JSON path (default bench/results/transfer[_quick].json)")
   ap.add_argument("--workdir", default=None, help="keeps data/FM/export here (default: a temp dir)")
-  ap.add_argument("--num_examples", type=int, default=None, help="VM training window size")
-  ap.add_argument("--fm_examples", type=int, default=None, help="FM (pretrain) window size")
-  ap.add_argument("--fm_steps", type=int, default=None)
-  ap.add_argument("--vm_steps", type=int, default=None)
-  ap.add_argument("--batch_size", type=int, default=64)
-  ap.add_argument("--adapter_steps", type=int, default=None)
+  ap.add_argument("--num_examples", type=output.at_least(1), default=None,
+                  help="VM training window size")
+  ap.add_argument("--fm_examples", type=output.at_least(1), default=None,
+                  help="FM (pretrain) window size")
+  ap.add_argument("--fm_steps", type=output.at_least(1), default=None)
+  ap.add_argument("--vm_steps", type=output.at_least(1), default=None)
+  ap.add_argument("--batch_size", type=output.at_least(1), default=64)
+  ap.add_argument("--adapter_steps", type=output.at_least(1), default=None)
   ap.add_argument("--kd_lambda", type=float, default=0.5)
   ap.add_argument("--ctx_dropout", type=float, default=0.2,
                   help="fraction of FM context embeddings masked while training LoopFM VMs")
   ap.add_argument("--cache_budgets", type=float, nargs="+", default=[0.0, 0.5, 1.0, 2.0],
                   help="cache budgets, as multiples of the requests per refresh interval")
   ap.add_argument("--join_key", default="user", choices=("user", "user_item"))
-  ap.add_argument("--seed", type=int, default=0)
+  ap.add_argument("--seed", type=output.at_least(0), default=0)
   args = ap.parse_args(argv)
   output.make_folder("--workdir", args.workdir)
   q = args.quick

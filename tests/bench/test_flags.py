@@ -76,3 +76,22 @@ def test_a_workdir_that_cannot_be_made_is_one_line(module, tmp_path):
     importlib.import_module(module).main(["--workdir", str(blocker / "work"), "--out",
                                           str(tmp_path / "never.json")])
   _one_line(e, r"--workdir .*/file/work: cannot make the folder \(Not a directory\)")
+
+
+@pytest.mark.parametrize("module, argv, why", [
+    ("bench.jagged_buckets", ["--padded", "p.json", "--buckets", "b.json", "--batches", "0"],
+     r"argument --batches: 0 is below 1"),
+    ("bench.collectives", ["--batch", "-64"], r"argument --batch: -64 is below 1"),
+    ("bench.jagged_capacity", ["--sample", "x"], r"argument --sample: 'x' is not an integer"),
+    ("bench.experiments.ladder", ["--seeds", "0", "-1"], r"argument --seeds: -1 is below 0"),
+    ("bench.experiments.scaling", ["--batch_size", "0"], r"argument --batch_size: 0 is below 1"),
+    ("bench.experiments.transfer", ["--fm_steps", "0"], r"argument --fm_steps: 0 is below 1"),
+    ("bench.experiments.real_data", ["--max_len", "0"], r"argument --max_len: 0 is below 1"),
+    ("bench.experiments.ablations", ["--size", "-1"], r"argument --size: -1 is below 0"),
+])
+def test_every_bench_count_flag_is_checked(module, argv, why, capsys):
+  with pytest.raises(SystemExit) as e:
+    importlib.import_module(module).main(argv)
+  assert e.value.code == 2
+  err = capsys.readouterr().err.strip().splitlines()
+  assert re.search(why, err[-1]), err
