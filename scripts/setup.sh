@@ -12,6 +12,10 @@
 # installed, every `import jax` logs "Could not find cuda drivers" lines on a CPU-only host.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+case "${1:-}" in
+  ""|--gpu-compile|--beam) ;;
+  *) echo "scripts/setup.sh: unknown option '$1' (none, --gpu-compile or --beam)" >&2; exit 2;;
+esac
 if [ "${1:-}" = "--gpu-compile" ]; then
   VENV="${VENV:-.venv-gpu}"
   VENV="$VENV" bash "$0"
