@@ -4,14 +4,27 @@
 # checkpoint on the next time window and print NE / AUC / calibration per surface x task.
 # Runs in a few minutes on 2 CPU cores. Output goes to ${DEMO_DIR:-/tmp/kunlun_demo}.
 # DEMO_EXAMPLES: train examples (default 400000); DEMO_EPOCHS: passes (default 1);
-# DEMO_STEPS: a step count instead of epochs.
+# DEMO_STEPS: a step count instead of epochs. The demo starts afresh (removing DEMO_DIR's data/
+# and work/) only in a folder it made itself (its marker file .kunlun_demo) or the default one.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+for v in DEMO_EXAMPLES DEMO_EPOCHS DEMO_STEPS; do
+  if [ -n "${!v:-}" ] && ! [[ "${!v}" =~ ^[1-9][0-9]{0,8}$ ]]; then
+    echo "[demo] $v=${!v}: expected a positive integer" >&2; exit 2
+  fi
+done
+DIR="${DEMO_DIR:-/tmp/kunlun_demo}"
+MARK="$DIR/.kunlun_demo"
+if [ -n "${DEMO_DIR:-}" ] && [ ! -e "$MARK" ] && { [ -e "$DIR/data" ] || [ -e "$DIR/work" ]; }; then
+  echo "[demo] $DIR holds data/ or work/ not made by the demo: set DEMO_DIR to a new folder" >&2
+  exit 2
+fi
 bash scripts/setup.sh
 export JAX_PLATFORMS="${JAX_PLATFORMS:-cpu}"
-DIR="${DEMO_DIR:-/tmp/kunlun_demo}"
 EXAMPLES="${DEMO_EXAMPLES:-400000}"
 PY=.venv/bin/python
+mkdir -p "$DIR"
+touch "$MARK"
 if [ -n "${DEMO_STEPS:-}" ]; then
   LENGTH=(--steps="$DEMO_STEPS" --config.train.epochs=0); WHAT="$DEMO_STEPS steps"
 else
