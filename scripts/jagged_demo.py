@@ -56,6 +56,9 @@ def main(argv):
   if os.path.exists(os.path.join(data, "synthetic.json")):
     with open(os.path.join(data, "synthetic.json")) as f:
       have = json.load(f).get("num_train")
+  elif os.path.exists(data):            # never remove a folder this script did not write
+    sys.exit(f"jagged_demo: --dir {a.dir} holds a data/ folder that is not synthetic data "
+             "(no synthetic.json): choose another --dir")
   if have != a.examples:
     shutil.rmtree(data, ignore_errors=True)
     run([py, "-m", "data.synthetic", "--out", data, "--preset", "tiny", "--num_examples",

@@ -1,7 +1,6 @@
 """The console commands of pyproject.toml's [project.scripts] (kunlun-train, kunlun-eval,
 kunlun-ingest, kunlun-export) name functions that import and can be called; the installed package
-declares the same ones; ``kunlun-train --help`` answers as ``python train.py --help`` does;
-``scripts/setup.sh`` refuses an option it does not know (it had set up the default venv)."""
+declares the same ones; ``kunlun-train --help`` answers as ``python train.py --help`` does."""
 
 import importlib
 import os
@@ -53,11 +52,3 @@ def test_kunlun_train_help_lists_the_flags_of_train_py():
   flags = lambda out: out.split("\nflags:\n\n", 1)[1].split("\n", 1)[1]   # below its name
   assert flags(got.stdout) == flags(want.stdout)
 
-
-def test_setup_script_refuses_an_unknown_option():
-  p = subprocess.run(["bash", os.path.join(ROOT, "scripts", "setup.sh"), "--gpu"],
-                     capture_output=True, text=True, timeout=60)
-  assert p.returncode == 2, (p.returncode, p.stdout, p.stderr)
-  assert p.stderr.strip() == ("scripts/setup.sh: unknown option '--gpu' (none, --gpu-compile or "
-                              "--beam)"), p.stderr
-  assert not p.stdout
