@@ -51,4 +51,3 @@ def test_kunlun_train_help_lists_the_flags_of_train_py():
   assert "kunlun-train --config=" in got.stdout and "--workdir:" in got.stdout, got.stdout
   flags = lambda out: out.split("\nflags:\n\n", 1)[1].split("\n", 1)[1]   # below its name
   assert flags(got.stdout) == flags(want.stdout)
-
