@@ -1,5 +1,6 @@
 """Where a benchmark's JSON goes: ``bench/results/<name>[_quick].json`` unless ``--out`` says;
-written atomically (a killed bench leaves the previous table, never a partial one)."""
+written atomically (a killed bench leaves the previous table, never a partial one). And the
+benchmarks' flag checks: ``at_least`` / ``int_list`` (argparse types), ``make_folder``."""
 
 from __future__ import annotations
 
@@ -23,8 +24,8 @@ def write_json(path: str, obj) -> None:
 
 
 def at_least(low: int):
-  """An argparse ``type``: an integer >= ``low``; anything else is argparse's one-line usage
-  error naming the flag, before any work."""
+  """An argparse ``type``: an integer >= ``low``; anything else is argparse's usage error
+  naming the flag, before any work."""
   def parse(text: str) -> int:
     try:
       v = int(text)
