@@ -28,7 +28,6 @@ import time
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, _ROOT)
 
-
 import flax  # noqa: E402
 import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
