@@ -76,6 +76,8 @@ import statistics
 import sys
 import time
 
+from kunlun.configs.fields import BACKENDS
+
 _HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(_HERE, "results")
 
@@ -345,8 +347,14 @@ def run(args) -> dict:
   else:
     devices = jax.devices()[:args.devices] if args.devices else None
     target = {"name": args.target, "file": None, "deviceless": False}
-  mesh = mesh_lib.make_mesh(mesh_lib.parse_mesh_flag(args.mesh), devices=devices)
-  rules = rules_lib.get_rules(cfg.sharding.rules)
+  try:                               # the flags' errors name the flag, in one line
+    mesh = mesh_lib.make_mesh(mesh_lib.parse_mesh_flag(args.mesh), devices=devices)
+  except ValueError as e:
+    raise SystemExit(f"--mesh {args.mesh}: {e}") from None
+  try:
+    rules = rules_lib.get_rules(cfg.sharding.rules)
+  except ValueError as e:
+    raise SystemExit(f"--rules {cfg.sharding.rules}: {e}") from None
   n_dev = mesh.devices.size
   if B % partition.batch_shard_count(mesh, rules):
     raise SystemExit(f"--batch {B} is not a multiple of the mesh's batch shards")
@@ -643,7 +651,7 @@ def main(argv=None):
   ap.add_argument("--config", default=None,
                   help="kunlun.configs module (tiny, dev, mid, prod) or file (default: mid on a "
                        "GPU or a --target GPU; on a CPU host without --config, the --small run)")
-  ap.add_argument("--backend", default=None, help="model.backend: xla, pallas, triton, auto")
+  ap.add_argument("--backend", default=None, choices=BACKENDS, help="model.backend")
   ap.add_argument("--batch", type=int, default=None, help="global batch (default: the config's)")
   ap.add_argument("--mesh", default="data=1,fsdp=-1", help="mesh axis sizes (train.py --mesh)")
   ap.add_argument("--rules", default=None, help="sharding rule preset (default: the config's)")

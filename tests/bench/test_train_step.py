@@ -550,3 +550,22 @@ def test_bad_numbers_are_one_line_errors_before_any_work(argv, why, monkeypatch)
     train_step.main(["--config", "tiny", "--out_dir", "/nonexistent/never/made"] + argv)
   msg = str(e.value.code)
   assert len(msg.splitlines()) == 1 and re.search(why, msg), msg
+
+
+@pytest.mark.parametrize("argv, why", [
+    (["--mesh", "data=3"], r"--mesh data=3: mesh \(ici\): sizes .* multiply to 3 but there are 1 "
+                           r"devices"),
+    (["--mesh", "data"], r"--mesh data: "),
+    (["--rules", "nope"], r"--rules nope: unknown sharding rules preset 'nope'"),
+])
+def test_mesh_and_rules_errors_name_their_flag_in_one_line(argv, why, tmp_path):
+  with pytest.raises(SystemExit) as e:
+    train_step.main(["--config", "tiny", "--devices", "1", "--out_dir", str(tmp_path)] + argv)
+  msg = str(e.value.code)
+  assert len(msg.splitlines()) == 1 and re.search(why, msg), msg
+
+
+def test_an_unknown_backend_is_a_usage_error(capsys):
+  with pytest.raises(SystemExit) as e:
+    train_step.main(["--config", "tiny", "--backend", "nope"])
+  assert e.value.code == 2 and "argument --backend: invalid choice: 'nope'" in capsys.readouterr().err
