@@ -715,6 +715,8 @@ def main(argv=None):
     return merge_runs(*args.merge)
   if args.table is not None:
     files = [f for pat in args.table for f in sorted(glob.glob(pat))]
+    if not files:
+      raise SystemExit(f"--table: no file matches {' '.join(args.table)}")
     print_table([json.load(open(f)) for f in files])
     return None
   note = default_config(args, local_platform())
@@ -777,7 +779,10 @@ def merge_runs(directory: str, out: str) -> dict:
   GPU scripts' merged result)."""
   from bench.output import write_json
   runs = {}
-  for f in sorted(glob.glob(os.path.join(directory, "train_step_*.json"))):
+  files = sorted(glob.glob(os.path.join(directory, "train_step_*.json")))
+  if not files:
+    raise SystemExit(f"--merge: no train_step_*.json in {directory}")
+  for f in files:
     with open(f) as fh:
       r = json.load(fh)
     runs[r["name"]] = r

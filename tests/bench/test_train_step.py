@@ -569,3 +569,15 @@ def test_an_unknown_backend_is_a_usage_error(capsys):
   with pytest.raises(SystemExit) as e:
     train_step.main(["--config", "tiny", "--backend", "nope"])
   assert e.value.code == 2 and "argument --backend: invalid choice: 'nope'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, why", [
+    (["--merge", "{tmp}/none", "{tmp}/merged.json"], r"--merge: no train_step_\*\.json in .*none"),
+    (["--table", "{tmp}/none*.json"], r"--table: no file matches .*none\*\.json"),
+])
+def test_merge_or_table_of_nothing_is_a_one_line_error(argv, why, tmp_path):
+  with pytest.raises(SystemExit) as e:
+    train_step.main([a.format(tmp=tmp_path) for a in argv])
+  msg = str(e.value.code)
+  assert len(msg.splitlines()) == 1 and re.search(why, msg), msg
+  assert not (tmp_path / "merged.json").exists()
