@@ -33,6 +33,7 @@ import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
+from bench.output import at_least, int_list  # noqa: E402
 from bench.train_step import load_config  # noqa: E402
 from data.fake import random_batch  # noqa: E402
 from data.synthetic import PRESETS, preset_schema  # noqa: E402
@@ -126,25 +127,18 @@ def _parse(argv=None):
   """The flags, each out of range a one-line error before any work."""
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--config", default="dev", help="preset under kunlun/configs")
-  ap.add_argument("--candidates", default="16,128,1024")
+  ap.add_argument("--candidates", type=int_list(1), default=[16, 128, 1024])
   ap.add_argument("--dtype", default=None, choices=("float32", "bfloat16"),
                   help="default: see module doc")
   ap.add_argument("--seconds", type=float, default=20.0)
-  ap.add_argument("--min_iters", type=int, default=3)
-  ap.add_argument("--max_iters", type=int, default=50)
+  ap.add_argument("--min_iters", type=at_least(1), default=3)
+  ap.add_argument("--max_iters", type=at_least(1), default=50)
   ap.add_argument("--out", default=None, help="default bench/results/serving_<backend>.json")
   args = ap.parse_args(argv)
   load_config(args.config, [])                   # an unknown preset: one line, before the work
-  raw = args.candidates
-  try:
-    args.candidates = [int(x) for x in raw.split(",")]
-  except ValueError:
-    args.candidates = []
-  if not args.candidates or min(args.candidates) < 1:
-    raise SystemExit(f"--candidates {raw}: expected positive integers, comma-separated")
-  if not args.seconds > 0 or args.min_iters < 1 or args.max_iters < args.min_iters:
+  if not args.seconds > 0 or args.max_iters < args.min_iters:
     raise SystemExit(f"--seconds {args.seconds} --min_iters {args.min_iters} --max_iters "
-                     f"{args.max_iters}: need seconds > 0 and 1 <= min_iters <= max_iters")
+                     f"{args.max_iters}: need seconds > 0 and min_iters <= max_iters")
   return args
 
 

@@ -27,10 +27,8 @@ def _one_line(e, why):
 
 @pytest.mark.parametrize("argv, why", [
     (["--config", "nope"], r"--config nope: not a preset"),
-    (["--candidates", "16,x"], r"--candidates 16,x: expected positive integers"),
-    (["--candidates", "0,16"], r"--candidates 0,16: expected positive integers"),
     (["--seconds", "0"], r"need seconds > 0"),
-    (["--min_iters", "5", "--max_iters", "2"], r"1 <= min_iters <= max_iters"),
+    (["--min_iters", "5", "--max_iters", "2"], r"min_iters <= max_iters"),
 ])
 def test_serving_flags(argv, why, monkeypatch):
   monkeypatch.setattr(serving, "run", lambda a: pytest.fail("ran with bad flags"))
@@ -50,6 +48,9 @@ def test_serving_good_flags_parse():
     (embedding_update.main, ["--rows", "abc"], r"argument --rows: 'abc' is not an integer"),
     (embedding_update.main, ["--dim", "-4"], r"argument --dim: -4 is below 1"),
     (embedding_update.main, ["--step_bytes", "1,0"], r"argument --step_bytes: 0 is below 1"),
+    (serving.main, ["--candidates", "16,x"], r"argument --candidates: 'x' is not an integer"),
+    (serving.main, ["--candidates", "0,16"], r"argument --candidates: 0 is below 1"),
+    (serving.main, ["--min_iters", "0"], r"argument --min_iters: 0 is below 1"),
 ])
 def test_numbers_out_of_range_are_usage_errors(main, argv, why, capsys):
   with pytest.raises(SystemExit) as e:
