@@ -514,6 +514,12 @@ def test_output_folders_are_made_before_the_compile(tmp_path, monkeypatch):
   assert len(seen) == 1
 
 
+
+def _assert_one_line(exc_info, why: str) -> None:
+  """A ``SystemExit`` whose message is one line matching the regex ``why``."""
+  msg = str(exc_info.value.code)
+  assert len(msg.splitlines()) == 1 and re.search(why, msg), msg
+
 @pytest.mark.parametrize("name, overrides, why", [
     ("nope", [], r"--config nope: not a preset of kunlun/configs \(.*mid.*prod.*tiny.*\) nor a "
                  r"\.py file"),
@@ -527,9 +533,7 @@ def test_output_folders_are_made_before_the_compile(tmp_path, monkeypatch):
 def test_bad_config_or_override_is_a_one_line_error(name, overrides, why):
   with pytest.raises(SystemExit) as e:
     train_step.load_config(name, overrides)
-  msg = str(e.value.code)
-  assert len(msg.splitlines()) == 1, msg
-  assert re.search(why, msg), msg
+  _assert_one_line(e, why)
 
 
 @pytest.mark.parametrize("argv, why", [
@@ -548,8 +552,7 @@ def test_bad_numbers_are_one_line_errors_before_any_work(argv, why, monkeypatch)
   monkeypatch.setattr(train_step, "run", lambda a: pytest.fail("ran with bad flags"))
   with pytest.raises(SystemExit) as e:
     train_step.main(["--config", "tiny", "--out_dir", "/nonexistent/never/made"] + argv)
-  msg = str(e.value.code)
-  assert len(msg.splitlines()) == 1 and re.search(why, msg), msg
+  _assert_one_line(e, why)
 
 
 @pytest.mark.parametrize("argv, why", [
@@ -561,8 +564,7 @@ def test_bad_numbers_are_one_line_errors_before_any_work(argv, why, monkeypatch)
 def test_mesh_and_rules_errors_name_their_flag_in_one_line(argv, why, tmp_path):
   with pytest.raises(SystemExit) as e:
     train_step.main(["--config", "tiny", "--devices", "1", "--out_dir", str(tmp_path)] + argv)
-  msg = str(e.value.code)
-  assert len(msg.splitlines()) == 1 and re.search(why, msg), msg
+  _assert_one_line(e, why)
 
 
 def test_an_unknown_backend_is_a_usage_error(capsys):
@@ -578,6 +580,5 @@ def test_an_unknown_backend_is_a_usage_error(capsys):
 def test_merge_or_table_of_nothing_is_a_one_line_error(argv, why, tmp_path):
   with pytest.raises(SystemExit) as e:
     train_step.main([a.format(tmp=tmp_path) for a in argv])
-  msg = str(e.value.code)
-  assert len(msg.splitlines()) == 1 and re.search(why, msg), msg
+  _assert_one_line(e, why)
   assert not (tmp_path / "merged.json").exists()
