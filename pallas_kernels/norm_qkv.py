@@ -32,6 +32,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import _poison, tuning, wgrad
 from pallas_kernels._common import is_tile, load_vec, precision, round_to, store_vec
+from pallas_kernels.partials import Piece, sum_split_pallas
 
 F32 = jnp.float32
 EPS = 1e-6
@@ -354,10 +355,11 @@ def _vjp_bwd(eps, dtype, interpret, rot, res, g):
   dw = dw.reshape(d, P, H, D).astype(dtype)                                   # as the twin's
   dw = (tuple(dw[:, p].astype(a.dtype) for p, a in enumerate(w)) if split
         else dw.astype(w.dtype))
-  ds = jnp.sum(ds, 0)
+  # the scales' per-program partials summed and cut in one launch (XLA: a reduction, a slice each)
+  dsc = (sum_split_pallas(ds, [Piece((p, p + 1), (0, D), s.dtype) for p, s in enumerate(sc)],
+                          interpret=interpret, name=f"{_name(cfg)}_scale_sums") if sc else ())
   z = lambda a: None if a is None else jnp.zeros_like(a)
-  return (dx, dw, tuple(ds[p].astype(s.dtype) for p, s in enumerate(sc)), z(tau), z(pos),
-          z(omega), z(valid))
+  return (dx, dw, tuple(a.reshape(-1) for a in dsc), z(tau), z(pos), z(omega), z(valid))
 
 
 _fused.defvjp(_vjp_fwd, _vjp_bwd)

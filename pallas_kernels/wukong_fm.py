@@ -43,6 +43,7 @@ from pallas_kernels._common import (
   pad_pow2,
   round_to,
 )
+from pallas_kernels.partials import Piece, sum_split_pallas
 
 F32 = jnp.float32
 EPS = 1e-6
@@ -323,14 +324,15 @@ def _vjp_bwd(eps, dtype, interpret, through, res, g):
   dx, part = _bwd(x, y, ws, scale.reshape(cfg.N, cfg.r),
                   dh.reshape(cfg.B, cfg.N, cfg.r).astype(dtype),
                   [dm.astype(dtype) for dm in dms], g[2] if through else None, cfg)
-  total = jnp.sum(part, 0)
-  edges = np.cumsum((0,) + _part_widths(cfg))
-  gy, gs, gb, *gws = (total[:, a:b] for a, b in zip(edges[:-1], edges[1:], strict=True))
   # y and the ws enter in their own dtype (no cast launches outside: the kernels round them to
-  # dtype at their dots); their gradients are rounded to dtype, as the twin's
-  rnd = lambda g, like: g.astype(dtype).astype(like.dtype)
-  return (dx, rnd(gy, y), tuple(rnd(gw, w) for gw, w in zip(gws, ws, strict=True)),
-          gs.reshape(-1).astype(scale.dtype), gb.reshape(-1).astype(bias.dtype))
+  # dtype at their dots); their gradients are rounded to dtype, as the twin's. The partials are
+  # summed and cut into the gradients in one launch (XLA: a reduction, then a slice each).
+  edges = np.cumsum((0,) + _part_widths(cfg))
+  likes = (y, scale, bias) + tuple(ws)
+  pieces = [Piece((0, cfg.N), (int(a), int(b)), like.dtype, None if k in (1, 2) else dtype)
+            for k, (a, b, like) in enumerate(zip(edges[:-1], edges[1:], likes, strict=True))]
+  gy, gs, gb, *gws = sum_split_pallas(part, pieces, interpret=interpret, name="wukong_fm_sums")
+  return dx, gy, tuple(gws), gs.reshape(-1), gb.reshape(-1)
 
 
 _fused.defvjp(_vjp_fwd, _vjp_bwd)
@@ -550,8 +552,9 @@ def _out_bwd_kernel(*refs, cfg: _OutCfg):
   if w is not None:
     own = sc * gs[None, :] + (plgpu.load(b_ref.at[:]) * gb)[None, :]
     plgpu.store(g_ref.at[i0, pl.ds(2 + n0 + J, 1), :], own)
-  plgpu.store(g_ref.at[i0, pl.ds(0, 1), :], gs[None, :])
-  plgpu.store(g_ref.at[i0, pl.ds(1, 1), :], gb[None, :])
+  f = 1.0 if w is None else 1.0 + w[-1]            # z = y scale + bias has weight 1 + w_J
+  plgpu.store(g_ref.at[i0, pl.ds(0, 1), :], (gs * f)[None, :])
+  plgpu.store(g_ref.at[i0, pl.ds(1, 1), :], (gb * f)[None, :])
   if cfg.bias0:
     plgpu.store(g_ref.at[i0, pl.ds(2, n0), :], g0)      # zero past n_0
   for j in range(J):
@@ -598,17 +601,21 @@ def _out_vjp_bwd(eps, dtype, interpret, resid, dm):
               "wukong_out_bwd")
   K = len(parts)
   dparts, dres, dothers, g = got[:K], got[K], tuple(got[K + 1:K + 1 + J]), got[-1]
-  g = jnp.sum(g, 0)                                  # one reduction of every partial sum
-  gs, gb = g[0], g[1]
-  g0 = None if bias0 is None else g[2:2 + cfg.ns[0]].astype(bias0.dtype)
+  # every partial sum summed and cut into the gradients in one launch; the kernel has scaled
+  # the scale's and bias's by z's mix weight 1 + w_J
+  pieces = [Piece((0, 1), (0, cfg.d), scale.dtype), Piece((1, 2), (0, cfg.d), bias.dtype)]
+  if bias0 is not None:
+    pieces.append(Piece((2, 2 + cfg.ns[0]), (0, cfg.d), bias0.dtype))
+  if logits is not None:
+    pieces.append(Piece((2 + n0, 2 + n0 + J + 1), (0, cfg.d)))
+  gs, gb, *rest = sum_split_pallas(g, pieces, interpret=interpret, name="wukong_out_sums")
+  g0 = rest.pop(0) if bias0 is not None else None
   dl = None
   if logits is not None:   # the weights' gradients (z's own last), through their rounding and
     a = jax.nn.softmax(logits.astype(F32))                         # the softmax to the logits
-    gw = jnp.sum(g[2 + n0:], axis=1).astype(dtype).astype(F32)
+    gw = jnp.sum(rest[0], axis=1).astype(dtype).astype(F32)
     dl = (a * (gw - jnp.sum(a * gw))).astype(logits.dtype)
-    f = 1.0 + a.astype(dtype).astype(F32)[J]          # z = y scale + bias has weight 1 + w_J
-    gs, gb = gs * f, gb * f
-  return (tuple(dparts), dres, gs.astype(scale.dtype), gb.astype(bias.dtype), g0, dothers, dl)
+  return (tuple(dparts), dres, gs.reshape(-1), gb.reshape(-1), g0, dothers, dl)
 
 
 _out.defvjp(_out_vjp_fwd, _out_vjp_bwd)

@@ -39,8 +39,9 @@ FAMILIES = ("cross", "cross_through", "cross_per_head", "pool", "pool_per_head",
             "softmax_band", "softmax_full", "norm_qkv", "norm_proj", "norm_residual",
             "proj_residual", "event_mlp", "seed_kron")
 # the row-wise fused kernels (no jagged_pallas._plan): {family: kernels (forward, backward;
-# norm_qkv, norm_proj, proj_residual: and pallas_kernels.wgrad's weight gradient; event_mlp: two)}
-FUSED = {"norm_qkv": 3, "norm_proj": 3, "norm_residual": 2, "proj_residual": 2, "event_mlp": 4,
+# norm_qkv, norm_proj, proj_residual: and pallas_kernels.wgrad's weight gradient; norm_qkv: and
+# the sum of its scales' partials, pallas_kernels.partials; event_mlp: two)}
+FUSED = {"norm_qkv": 4, "norm_proj": 3, "norm_residual": 2, "proj_residual": 2, "event_mlp": 4,
          "seed_kron": 2}
 PER_HEAD = ("gelu", "silu", "relu2", "fast_gelu")   # XLA's Triton: one loop copy each
 # families that also run row-wise kernels (no _plan): {family: (kernels, row-wise kernels)}
@@ -91,9 +92,11 @@ def _families(shape, dtype=jnp.bfloat16):
                        (tok, tok, tok)),
       "softmax_full": (lambda q, k, v, j: jp.jagged_softmax_attention_pallas(q, k, v, j),
                        (tok, tok, tok)),
-      # the fused norm -> projections (pallas_kernels.norm_qkv; tau is data, no gradient)
-      "norm_qkv": (lambda x, w, tau, j: _summed(norm_qkv.norm_qkv_pallas(
-          x, w, jnp.ones(D), jnp.ones(D), tau, j.pos, jnp.ones(D // 2))), (tok_x, w3, age)),
+      # the fused norm -> projections (pallas_kernels.norm_qkv; the ages are data, no gradient;
+      # one QK-norm scale for both, whose partials pallas_kernels.partials sums)
+      "norm_qkv": (lambda x, w, sc, j: _summed(norm_qkv.norm_qkv_pallas(
+          x, w, sc, sc, jnp.arange(N, dtype=jnp.float32), j.pos, jnp.ones(D // 2))),
+          (tok_x, w3, jax.ShapeDtypeStruct((D,), jnp.float32))),
       "norm_proj": (lambda x, w, age, j: _summed(norm_qkv.norm_proj_pallas(
           x, (w[:, 0], w[:, 1]))), (tok_x, w2, age)),        # two operands, as HSP passes them
       # the PFFN's tail and the attention's output side (row-wise; valid: j.valid)

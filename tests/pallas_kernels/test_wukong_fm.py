@@ -283,13 +283,15 @@ def test_kernels_compile_for_h200_at_mid_and_prod_shapes(tmp_path):
   """The token-side and output-norm kernels, forward and backward, under the MoWE experts' vmap,
   compiled deviceless for the H200 by the venv ``scripts/setup.sh --gpu-compile`` makes
   (``main`` runs there), at mid's and prod's first layer (prod's token side in column chunks):
-  all four launch, within the H200's shared memory per block."""
+  all four launch, and the two that sum and cut the backward kernels' partials, within the
+  H200's shared memory per block."""
   from pallas_kernels import tuning
   smem = deviceless.compiled_smem("tests.pallas_kernels.test_wukong_fm", tmp_path)
   assert sorted(smem) == ["mid", "prod"]
   for shape, kernels in smem.items():
-    assert sorted(kernels) == ["wukong_fm_bwd", "wukong_fm_fwd", "wukong_out_bwd",
-                               "wukong_out_fwd"], (shape, kernels)
+    assert sorted(kernels) == ["wukong_fm_bwd", "wukong_fm_fwd", "wukong_fm_sums",
+                               "wukong_out_bwd", "wukong_out_fwd", "wukong_out_sums"], (
+                                   shape, kernels)
     assert max(kernels.values()) <= tuning.SMEM_PER_BLOCK[90], (shape, kernels)
 
 
