@@ -26,9 +26,10 @@ from pallas_kernels import _poison
 from pallas_kernels._common import pow2
 
 F32 = jnp.float32
-ROWS = 8        # a program's rows of one piece
-COLS = 64       # and its columns (at most; a narrower piece takes its own power of two)
-STEP = 16       # partials summed per load: [STEP, ROWS, COLS] float32, 64 values per thread
+ROWS = 8        # a program's rows of one piece (at most: a shorter piece takes its power of two)
+COLS = 64       # and its columns (likewise)
+BLOCK = 8192    # float32 values per load, [step, rows, cols] (64 per thread): a piece of few
+                # rows or columns sums more partials per load, so a long sum takes few steps
 
 
 class Piece(NamedTuple):
@@ -63,47 +64,56 @@ def _check(part, pieces):
                        f"[{R}, {W}]")
 
 
+class _Block(NamedTuple):
+  start: int      # the piece's first program
+  nr: int         # its row blocks
+  nc: int         # and column blocks
+  rows: int       # a block's rows, columns and partials per load
+  cols: int
+  step: int
+
+
 def _grid(pieces):
-  """Per piece: its first program, its row blocks and column blocks, its column tile."""
+  """Per piece, its programs' blocks (``_Block``); the programs in all."""
   out, start = [], 0
   for p in pieces:
     rows, cols = p.rows[1] - p.rows[0], p.cols[1] - p.cols[0]
-    cw = min(COLS, max(16, pow2(cols)))
-    nr, nc = pl.cdiv(rows, ROWS), pl.cdiv(cols, cw)
-    out.append((start, nr, nc, cw))
-    start += nr * nc
+    rb, cw = min(ROWS, pow2(rows)), min(COLS, pow2(cols))
+    b = _Block(start, pl.cdiv(rows, rb), pl.cdiv(cols, cw), rb, cw, BLOCK // (rb * cw))
+    out.append(b)
+    start += b.nr * b.nc
   return out, start
 
 
 def _kernel(part_ref, *out_refs, pieces, grid):
   P = part_ref.shape[0]
   i = pl.program_id(0)
-  steps = pl.cdiv(P, STEP)
-  for p, o_ref, (start, nr, nc, cw) in zip(pieces, out_refs, grid, strict=True):
-    @pl.when((i >= start) & (i < start + nr * nc))
-    def _(p=p, o_ref=o_ref, start=start, nc=nc, cw=cw):
-      k = i - start
-      rb, cb = k // nc, k % nc
+  for p, o_ref, b in zip(pieces, out_refs, grid, strict=True):
+    @pl.when((i >= b.start) & (i < b.start + b.nr * b.nc))
+    def _(p=p, o_ref=o_ref, b=b):
+      k = i - b.start
+      rb, cb = k // b.nc, k % b.nc
       (r0, r1), (c0, c1) = p.rows, p.cols
-      rows = rb * ROWS + jnp.arange(ROWS)                   # within the piece
-      cols = cb * cw + jnp.arange(cw)
+      rows = rb * b.rows + jnp.arange(b.rows)               # within the piece
+      cols = cb * b.cols + jnp.arange(b.cols)
       ok = (rows < r1 - r0)[:, None] & (cols < c1 - c0)[None, :]
 
       def step(s, acc):
-        ps = s * STEP + jnp.arange(STEP)
+        ps = s * b.step + jnp.arange(b.step)
         m = (ps < P)[:, None, None] & ok[None]
-        v = plgpu.load(part_ref.at[pl.ds(s * STEP, STEP), pl.ds(r0 + rb * ROWS, ROWS),
-                                   pl.ds(c0 + cb * cw, cw)], mask=m, other=0.0)
+        v = plgpu.load(part_ref.at[pl.ds(s * b.step, b.step), pl.ds(r0 + rb * b.rows, b.rows),
+                                   pl.ds(c0 + cb * b.cols, b.cols)], mask=m, other=0.0)
         return acc + jnp.sum(v, axis=0)
 
-      acc = jax.lax.fori_loop(0, steps, step, jnp.zeros((ROWS, cw), F32))
-      plgpu.store(o_ref.at[pl.ds(rb * ROWS, ROWS), pl.ds(cb * cw, cw)], _finish(acc, p),
-                  mask=ok)
+      acc = jax.lax.fori_loop(0, pl.cdiv(P, b.step), step, jnp.zeros((b.rows, b.cols), F32))
+      plgpu.store(o_ref.at[pl.ds(rb * b.rows, b.rows), pl.ds(cb * b.cols, b.cols)],
+                  _finish(acc, p), mask=ok)
 
 
 def sum_split_pallas(part, pieces, *, interpret: bool = False, name: str = "sum_split"):
   """``sum_split_xla``'s outputs from one kernel (``name``: its name in profiles): a program
-  sums one ``[ROWS, COLS]`` block of one piece over the partials, ``STEP`` of them per load."""
+  sums one block of at most ``[ROWS, COLS]`` of one piece over the partials, ``BLOCK`` values
+  per load."""
   pieces = tuple(Piece(*p) for p in pieces)
   _check(part, pieces)
   grid, n = _grid(pieces)

@@ -25,8 +25,10 @@ def _ref(part, p):
   return v if p.round is None else _bf16(v)
 
 
-@pytest.mark.parametrize("P", [1, 16, 37])
+@pytest.mark.parametrize("P", [1, 16, 37, 300])
 def test_kernel_and_twin_match_numpy(P):
+  """1 to 300 partials: one load or several (a one-row piece takes 128 partials per load, a
+  17-row one 16; norm_qkv's scales sum thousands)."""
   part = np.random.default_rng(P).normal(size=(P, 20, 130)).astype(np.float32)
   with _poison.poison_outputs():
     outs = jax.jit(lambda a: partials.sum_split_pallas(a, PIECES, interpret=True))(part)
