@@ -14,9 +14,10 @@ on the first part), without the concatenation in memory.
 ``wukong_fm_xla`` / ``wukong_out_xla`` are the twins: the formulas, differentiated by autodiff.
 ``wukong_fm_pallas`` runs a forward kernel (reads ``x``, writes ``h`` and the mixes) and a
 backward kernel (reads ``x`` and the cotangents, recomputes ``F``, writes ``dx`` and
-per-program partial sums of the gradients of ``y``, the ``w_k``, ``scale`` and ``bias``, which
-XLA adds up); ``wukong_out_pallas`` one of each (the backward writes every input's cotangent and
-partial sums of the scale's and bias's). A program takes a few examples in turn, loading the
+per-program partial sums of the gradients of ``y``, the ``w_k``, ``scale`` and ``bias``);
+``wukong_out_pallas`` one of each (the backward writes every input's cotangent and partial sums
+of the scale's and bias's). ``pallas_kernels.partials`` sums each backward's partials and cuts
+them into the gradients in one more launch. A program takes a few examples in turn, loading the
 small shared operands once (the token side's backward ``bwd_examples(B)``: more where enough
 programs remain, so fewer partial sums). Triton on GPU, ``interpret=True`` on CPU.
 """
@@ -266,8 +267,8 @@ def _part_widths(cfg: _Cfg) -> tuple:
 
 def bwd_examples(B: int) -> int:
   """Examples per program of the token side's backward: the most of 4, 8 and 16 that leaves at
-  least ``MIN_PROGRAMS`` full programs (4 where none does). The per-program partial sums XLA adds up
-  shrink with it (B 1024: 8 examples, half of what 4 write)."""
+  least ``MIN_PROGRAMS`` full programs (4 where none does). The per-program partial sums, read
+  back to be summed, shrink with it (B 1024: 8 examples, half of what 4 write)."""
   return examples_per_program(B, EXAMPLES, MIN_PROGRAMS, most=16)
 
 
@@ -290,7 +291,7 @@ def _fwd(x, y, ws, sc, bi, cfg: _Cfg):
 
 def _bwd(x, y, ws, sc, dh, dms, dt, cfg: _Cfg):
   """``dt``: the pass-through's cotangent (``cfg.through``), else None."""
-  # per program, every weight's partial sums in one [N, 3r + sum m_k] block: one reduction after
+  # per program, every weight's partial sums in one [N, 3r + sum m_k] block, summed after
   n = bwd_examples(cfg.B)
   part = (pl.cdiv(cfg.B, n), cfg.N, sum(_part_widths(cfg)))
   outs = (jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct(part, F32))
