@@ -40,6 +40,10 @@ class Piece(NamedTuple):
   dtype: Any = F32
   round: Any = None
 
+  @property
+  def shape(self) -> tuple[int, int]:
+    return self.rows[1] - self.rows[0], self.cols[1] - self.cols[0]
+
 
 def _finish(v, piece: Piece):
   if piece.round is not None:
@@ -77,7 +81,7 @@ def _grid(pieces):
   """Per piece, its programs' blocks (``_Block``); the programs in all."""
   out, start = [], 0
   for p in pieces:
-    rows, cols = p.rows[1] - p.rows[0], p.cols[1] - p.cols[0]
+    rows, cols = p.shape
     rb, cw = min(ROWS, pow2(rows)), min(COLS, pow2(cols))
     b = _Block(start, pl.cdiv(rows, rb), pl.cdiv(cols, cw), rb, cw, BLOCK // (rb * cw))
     out.append(b)
@@ -117,8 +121,7 @@ def sum_split_pallas(part, pieces, *, interpret: bool = False, name: str = "sum_
   pieces = tuple(Piece(*p) for p in pieces)
   _check(part, pieces)
   grid, n = _grid(pieces)
-  outs = tuple(jax.ShapeDtypeStruct((p.rows[1] - p.rows[0], p.cols[1] - p.cols[0]), p.dtype)
-               for p in pieces)
+  outs = tuple(jax.ShapeDtypeStruct(p.shape, p.dtype) for p in pieces)
   whole = pl.no_block_spec
   return tuple(_poison.pallas_call(
       functools.partial(_kernel, pieces=pieces, grid=tuple(grid)), (part.astype(F32),),

@@ -330,8 +330,9 @@ def _vjp_bwd(eps, dtype, interpret, through, res, g):
   # summed and cut into the gradients in one launch (XLA: a reduction, then a slice each).
   edges = np.cumsum((0,) + _part_widths(cfg))
   likes = (y, scale, bias) + tuple(ws)
-  pieces = [Piece((0, cfg.N), (int(a), int(b)), like.dtype, None if k in (1, 2) else dtype)
-            for k, (a, b, like) in enumerate(zip(edges[:-1], edges[1:], likes, strict=True))]
+  rounds = (dtype, None, None) + (dtype,) * len(ws)       # y's and the maps' rounded to dtype
+  pieces = [Piece((0, cfg.N), (int(a), int(b)), like.dtype, r)
+            for a, b, like, r in zip(edges[:-1], edges[1:], likes, rounds, strict=True)]
   gy, gs, gb, *gws = sum_split_pallas(part, pieces, interpret=interpret, name="wukong_fm_sums")
   return dx, gy, tuple(gws), gs.reshape(-1), gb.reshape(-1)
 
