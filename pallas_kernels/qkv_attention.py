@@ -34,18 +34,24 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels import _poison, jagged, jagged_pallas, norm_qkv, tuning, wgrad
 from pallas_kernels._common import load_vec, round_to, store_vec
 from pallas_kernels.jagged_pallas import _dot, _own, _partners, _row_stat
-from pallas_kernels.norm_qkv import _cos_sin, _halves, _head_stats, _norm_rows, _put, _tile, _w
+from pallas_kernels.norm_qkv import _cos_sin, _head_stats, _put, _tile
 from pallas_kernels.partials import Piece, sum_split_pallas
 
 F32 = jnp.float32
 EPS = norm_qkv.EPS
 KV_TILE = 64         # partner rows per inner step (the attention kernels' block_k)
+COLS = 128           # columns of x (rows of w) per step of the input side's GEMMs
 WARPS = 8
-# Token rows per program. ptxas (deviceless H200, 8 warps, 255 registers) spills nothing at 16
-# rows at d 128 / 256 (mid's towers); 32 rows spill 0.8 to 1.5 KB per thread (the [rows, d]
-# float32 dx sum lives through the head loop beside the attention's tiles). At d 512 (prod) 16
-# rows still spill ~0.9 KB: the epilogue's [d, D/2] weight halves (64 registers each at D 128).
+# Token rows per program, and the widest d the backward takes. ptxas (deviceless H200, 8 warps)
+# spills nothing at 16 rows and d 128 / 256 (mid's towers, 250-255 registers); 32 rows spill 0.8
+# to 1.5 KB per thread there (the [rows, d] float32 dx sum lives through the head loop beside the
+# attention's tiles). At d 512 (prod, D 128) 16 rows still spill: about 1 KB of stores a thread
+# with x and w whole, 0.56 KB in 128-column chunks (COLS), 0.44 KB in 64; 32 key rows a step and
+# one pipeline stage no better, 4 warps worse. At d 256 in 2 heads of 128 (prod's impression
+# tower) about 50 bytes (30 in 64-column chunks or 32 key rows a step). Wider towers and heads
+# keep norm_qkv's and the attention's backward kernels.
 ROWS = 16
+MAX_WIDTH, MAX_HEAD_DIM = 256, 64
 
 
 # ----------------------------------------------------------------------------------- twin
@@ -101,21 +107,29 @@ def _bwd_kernel(lo_ref, hi_ref, seg_ref, x_ref, w_ref, qs_ref, ks_ref, tau_ref, 
   if ncfg.res:
     (gr_ref, valid_ref), refs = refs[:2], refs[2:]
   dx_ref, dyq_ref, dyk_ref, dv_ref, r_ref, ds_ref = refs
-  T, D, dt = acfg.tile, ncfg.head_dim, ncfg.dtype
+  T, H, D, dt = acfg.tile, ncfg.heads, ncfg.head_dim, ncfg.dtype
   hd, sc = D // 2, acfg.scale
+  d = x_ref.shape[1]
+  C = min(d, COLS)
+  cols = [pl.ds(c * C, C) for c in range(d // C)]      # x, dx and w's rows in column chunks
   r0, rows, seg = _own(seg_ref, acfg, B)
+  xc = lambda c: _tile(x_ref, r0, T, (c,)).astype(F32)
   real = seg < B
-  xf = _tile(x_ref, r0, T).astype(F32)
-  r = _norm_rows(xf, ncfg.eps)
+  r = lax.rsqrt(sum(jnp.sum(xc(c) ** 2, axis=1, keepdims=True) for c in cols) / d + ncfg.eps)
   store_vec(r_ref, r0, jnp.sum(r, axis=1))           # for the weight GEMM (h = r x where it reads)
   tau, pos = load_vec(tau_ref, r0, T), load_vec(pos_ref, r0, T)
   omega = plgpu.load(om_ref.at[:])
   lo, hi = pl.ds(0, hd), pl.ds(hd, hd)
   scales = tuple(plgpu.load(s.at[h]) for s in (qs_ref, ks_ref) for h in (lo, hi))
-  w_refs = (w_ref,)
-  back = lambda g, p, j, s: norm_qkv._dot(g.astype(dt), _w(w_refs, p, j, s, ncfg), ncfg,
-                                          trans_b=True)
+  # w [d, 3 H D]: projection p's head j, half s, rows of chunk c
+  wc = lambda p, j, s, c: plgpu.load(w_ref.at[c, pl.ds((p * H + j) * D + s * hd, hd)])
+  ndot = lambda a, b, **kw: norm_qkv._dot(a, b, ncfg, **kw)
   dot2 = lambda a1, a2, b1, b2: (_dot(a1, b1, trans_b=True) + _dot(a2, b2, trans_b=True))
+
+  def back(dh, g, p, j, s):
+    """``dh`` (chunks) plus the cotangent ``g [T, D/2]`` of half ``s`` through ``w``."""
+    g = g.astype(dt)
+    return tuple(a + ndot(g, wc(p, j, s, c), trans_b=True) for a, c in zip(dh, cols, strict=True))
 
   def head(j, carry):
     dh, parts = carry
@@ -147,36 +161,43 @@ def _bwd_kernel(lo_ref, hi_ref, seg_ref, x_ref, w_ref, qs_ref, ks_ref, tau_ref, 
     # the attention kernel's outputs were rounded to dtype (q.dtype); so are these
     g = {0: (round_to(dq[0] * sc, dt), round_to(dq[1] * sc, dt)),
          1: (round_to(dk1 * sc, dt), round_to(dk2 * sc, dt))}
-    # --- the input side's backward for the head (norm_qkv's backward kernel, per head)
-    h = (_tile(x_ref, r0, T).astype(F32) * r).astype(dt)     # reloaded: not live in the loops
-    c, s = _cos_sin(tau, pos, omega, j, ncfg)
+    # --- the input side's backward for the head (norm_qkv's backward kernel, per head), x and
+    # the weights in column chunks; h = r x reloaded: not live through the attention's loops
+    h = [(xc(c) * r).astype(dt) for c in cols]
+    c_, s_ = _cos_sin(tau, pos, omega, j, ncfg)
     new = []
     for p, out in ((0, dyq_ref), (1, dyk_ref)):
       g1, g2 = g[p]
-      y1, y2 = _halves(h, w_refs, p, j, ncfg)
+      y1, y2 = (round_to(sum(ndot(a, wc(p, j, s, c)) for a, c in zip(h, cols, strict=True)), dt)
+                for s in (0, 1))
       a = _head_stats(y1, y2, ncfg)
       z1, z2 = y1 * a, y2 * a
-      dn1, dn2 = round_to(g1 * c + g2 * s, dt), round_to(g2 * c - g1 * s, dt)
+      dn1, dn2 = round_to(g1 * c_ + g2 * s_, dt), round_to(g2 * c_ - g1 * s_, dt)
       dz1, dz2 = dn1 * scales[2 * p][None], dn2 * scales[2 * p + 1][None]
       m = (jnp.sum(dz1 * z1, 1, keepdims=True) + jnp.sum(dz2 * z2, 1, keepdims=True)) / D
       dy1, dy2 = round_to(a * (dz1 - z1 * m), dt), round_to(a * (dz2 - z2 * m), dt)
       _put(out, r0, dy1, (j, lo))
       _put(out, r0, dy2, (j, hi))
-      dh = dh + back(dy1, p, j, 0) + back(dy2, p, j, 1)
+      dh = back(back(dh, dy1, p, j, 0), dy2, p, j, 1)
       new += [parts[2 * p] + jnp.sum(dn1 * z1, 0), parts[2 * p + 1] + jnp.sum(dn2 * z2, 0)]
     gv1, gv2 = round_to(dv1, dt), round_to(dv2, dt)
     _put(dv_ref, r0, gv1, (j, lo))
     _put(dv_ref, r0, gv2, (j, hi))
-    return dh + back(gv1, 2, j, 0) + back(gv2, 2, j, 1), tuple(new)
+    return back(back(dh, gv1, 2, j, 0), gv2, 2, j, 1), tuple(new)
 
   zero = jnp.zeros((hd,), F32)
-  dh, parts = lax.fori_loop(0, ncfg.heads, head, (jnp.zeros(xf.shape, F32), (zero,) * 4))
-  dh = round_to(dh, dt)
-  hn = _tile(x_ref, r0, T).astype(F32) * r
-  dx = r * (dh - hn * jnp.mean(dh * hn, axis=1, keepdims=True))
-  if ncfg.res:            # the residual's cotangent, masked to the real rows
-    dx = dx + load_vec(valid_ref, r0, T)[:, None] * _tile(gr_ref, r0, T).astype(F32)
-  _put(dx_ref, r0, dx)
+  dh0 = tuple(jnp.zeros((T, C), F32) for _ in cols)
+  dh, parts = lax.fori_loop(0, H, head, (dh0, (zero,) * 4))
+  dh = [round_to(a, dt) for a in dh]
+  hn = [xc(c) * r for c in cols]
+  m = sum(jnp.sum(a * b, axis=1, keepdims=True) for a, b in zip(dh, hn, strict=True)) / d
+  if ncfg.res:
+    keep = load_vec(valid_ref, r0, T)[:, None]
+  for a, b, c in zip(dh, hn, cols, strict=True):
+    dx = r * (a - b * m)
+    if ncfg.res:          # the residual's cotangent, masked to the real rows
+      dx = dx + keep * _tile(gr_ref, r0, T, (c,)).astype(F32)
+    _put(dx_ref, r0, dx, (c,))
   i = pl.program_id(0)
   for p in range(2):
     plgpu.store(ds_ref.at[i, jnp.int32(p), lo], parts[2 * p])
@@ -197,9 +218,11 @@ def _stages(rows, d, D, itemsize) -> int:
 
 
 def supported(d: int, heads: int, head_dim: int, dtype=jnp.bfloat16) -> bool:
-  """Whether the kernels take these widths: ``norm_qkv``'s, and the fused backward's tiles fit
-  the GPU's shared memory at one stage (``tuning.smem_limit``; callers fall back)."""
-  if not norm_qkv.supported(d, heads, head_dim, dtype):
+  """Whether the kernels take these widths: ``norm_qkv``'s up to ``MAX_WIDTH`` and
+  ``MAX_HEAD_DIM``, the fused backward's tiles within the GPU's shared memory at one stage
+  (``tuning.smem_limit``); callers fall back to the two ops."""
+  if d > MAX_WIDTH or head_dim > MAX_HEAD_DIM or not norm_qkv.supported(d, heads, head_dim,
+                                                                         dtype):
     return False
   need = _smem(ROWS, d, head_dim, jnp.dtype(dtype).itemsize)
   return tuning.smem_estimate(*need, 1, 1) <= tuning.smem_limit()

@@ -152,8 +152,7 @@ def test_bad_arguments_are_one_line_errors():
 
 # ---- the deviceless H200 compile (the GPU-compile venv) ------------------------------------
 
-SHAPES = {"mid": (8192, 64, 256, 4, 64), "mid_d128": (8192, 64, 128, 2, 64),
-          "prod": (8192, 32, 512, 4, 64)}         # N, B, d, H, window
+SHAPES = {"mid": (8192, 64, 256, 4, 64), "mid_d128": (8192, 64, 128, 2, 64)}  # N, B, d, H, window
 
 
 def main(dump_dir):
@@ -191,8 +190,11 @@ def main(dump_dir):
 
 
 def test_compiles_for_h200_without_spills(tmp_path):
-  """Every shape compiles with the backward as one kernel (and the scales' sum) within the
-  H200's shared memory; ptxas spills no register at mid's widths."""
+  """mid's widths compile with the backward as one kernel (and the scales' sum) within the
+  H200's shared memory, and ptxas spills no register. prod's widths are not taken (they spilled:
+  ``qkv_attention.MAX_WIDTH``, ``MAX_HEAD_DIM``)."""
+  assert qkv_attention.supported(256, 4, 64) and qkv_attention.supported(128, 2, 64)
+  assert not qkv_attention.supported(512, 4, 128) and not qkv_attention.supported(256, 2, 128)
   from bench.profiling import gpu_target
   from tests.bench.profiling.test_gpu_target import GPU_PY, ROOT
   if not os.path.exists(GPU_PY):
@@ -209,8 +211,7 @@ def test_compiles_for_h200_without_spills(tmp_path):
   bwd = [r for r in gpu_target.parse_ptxas(p.stderr) if r["kernel"] == "qkv_attention_bwd"]
   assert len(bwd) == len(SHAPES)
   for name, r in zip(SHAPES, bwd, strict=True):          # compiled in SHAPES' order
-    if name != "prod":
-      assert not r["spills"], (name, r)
+    assert not r["spills"], (name, r)
 
 
 if __name__ == "__main__":
