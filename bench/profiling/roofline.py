@@ -767,6 +767,17 @@ def record_kernels(fence: bool = True):
       return fn(x, w, *a, **kw)
     return call
 
+  def qkv_attention_call(x, w, *a, **kw):
+    # the input side's projections (norm_qkv's count) and the softmax attention, one op
+    # (pallas_kernels.qkv_attention): both FLOPs on the attention's scope, its bytes as compiled
+    N, d = x.shape
+    _, P, H, D = w.shape
+    q = jax.ShapeDtypeStruct((N, H, D), kw.get("dtype", x.dtype))
+    att = jagged_calls("softmax_attention", q, q, q, a[-1], {"window": kw.get("window")})[1]
+    keep("projection", {"bytes": 0.0, "launches": 0,
+                        "flops": att["flops"] + fused_projection_flops(N, d, P, H, D, 2)})
+    return qkv_orig(x, w, *a, **kw)
+
   def gemm_op(name):
     fn = getattr(packed, name)
 
@@ -812,6 +823,8 @@ def record_kernels(fence: bool = True):
     setattr(packed, n, jagged_op(n))
   pool_proj_orig = packed.gdpa_pool_proj
   packed.gdpa_pool_proj = pool_proj
+  qkv_orig = packed.fused_qkv_attention
+  packed.fused_qkv_attention = qkv_attention_call
   try:
     yield calls
   finally:
@@ -821,6 +834,7 @@ def record_kernels(fence: bool = True):
     for n, f in {**jagged_orig, **proj_orig}.items():
       setattr(packed, n, f)
     packed.gdpa_pool_proj = pool_proj_orig
+    packed.fused_qkv_attention = qkv_orig
     wukong.fm_pallas = fm_orig
     hsp.kron_pallas = kron_orig
     weightgen.gen_pallas = wg_orig

@@ -137,7 +137,14 @@ class SeqAttention(nn.Module):
     if self.kind != "block" and self.activation != "softmax":
       raise ValueError(f"attention.kind = {self.kind!r} with activation {self.activation!r} has "
                        "no jagged op (packed towers: softmax, or kind 'block')")
-    if self._fused_input(x.shape[-1]):      # norm -> q / k / v -> QK-norm -> rotary in one pass
+    d = x.shape[-1]
+    if self._fused_input(d) and self.kind != "block" and packed.fuse_qkv_attention(
+        self.backend, d, self.heads, self.dtype):       # and the attention: one backward kernel
+      o, xr = packed.fused_qkv_attention(x, w, sc("q_scale"), sc("k_scale"), age, jag,
+                                         window=self.window if self.kind == "swa" else None,
+                                         t_scale=self.t_scale, dtype=self.dtype)
+      return self._packed_out(xr, o, jag, fused=True)
+    if self._fused_input(d):      # norm -> q / k / v -> QK-norm -> rotary in one pass
       q, k, v, xr = packed.fused_qkv(x, w, sc("q_scale"), sc("k_scale"), age, jag,
                                      t_scale=self.t_scale, dtype=self.dtype)
       return self._packed_attend(xr, q, k, v, jag, fused=True)
@@ -163,14 +170,18 @@ class SeqAttention(nn.Module):
     ``x [N, d]``. ``fused``: ``x`` is the fused input side's pass-through, whose cotangent goes
     on unmasked (``kunlun.nn.fused.masked_residual_pass``), the projection and the add one Pallas
     pass where the widths fit (``packed.fused_out``)."""
-    d = x.shape[-1]
-    H, dh = self.heads, d // self.heads
     if self.kind == "block":
       o = packed.block_attention(q, k, v, jag, backend=self.backend, block_size=self.block_size,
                                  activation=self.activation, score_clip=self.score_clip)
     else:
       o = packed.softmax_attention(q, k, v, jag, backend=self.backend,
                                    window=self.window if self.kind == "swa" else None)
+    return self._packed_out(x, o, jag, fused)
+
+  def _packed_out(self, x, o, jag, fused=False):
+    """``x + o w_out`` (``o [N, H, D]``), each block's tail zero (``_packed_attend``)."""
+    d = x.shape[-1]
+    H, dh = self.heads, d // self.heads
     w_o = self._w_out(H, dh, d)
     if fused and packed.fuse_out(self.backend, H * dh, d):
       return packed.fused_out(x, o, w_o, jag, dtype=self.dtype)

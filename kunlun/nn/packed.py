@@ -12,7 +12,9 @@ device computes whole examples; the per-token ops run on the flat ``[N, d]`` row
 on the ``blocks`` axis; their callers constrain them to ``batch`` (under context parallelism an
 all-gather of the summaries over the context devices). ``fused_qkv`` / ``fused_proj``: the
 attention's and HSP's norm -> projections as one Pallas pass (``pallas_kernels.norm_qkv``),
-row-wise, per device; ``fused_out`` the attention's output projection and residual
+row-wise, per device; ``fused_qkv_attention`` the same with the softmax attention after it, whose
+backward is one kernel (``pallas_kernels.qkv_attention``), per block; ``fused_out`` the
+attention's output projection and residual
 (``pallas_kernels.proj_residual``), ``fused_norm_residual`` the PFFN's tail
 (``pallas_kernels.norm_residual``).
 """
@@ -33,6 +35,7 @@ from pallas_kernels import (
     norm_qkv,
     norm_residual,
     proj_residual,
+    qkv_attention,
     wgrad,
 )
 from pallas_kernels.api import compile_platform
@@ -264,6 +267,27 @@ def fused_qkv(x, w, q_scale, k_scale, age, jag, *, t_scale: float, dtype):
                                     interpret=interpret_kernels(), valid=valid)
   return _rowwise_kernel(op, jag, (x, tau, pos, jag.valid.astype(F32)),
                          (w, q_scale, k_scale, omega))
+
+
+def fuse_qkv_attention(backend: str, d: int, heads: int, dtype) -> bool:
+  """Whether a packed softmax attention takes ``fused_qkv_attention``: ``fusable`` and widths
+  its backward kernel takes (``pallas_kernels.qkv_attention.supported``)."""
+  return fusable(backend, d, heads, dtype) and qkv_attention.supported(d, heads, d // heads,
+                                                                       dtype)
+
+
+def fused_qkv_attention(x, w, q_scale, k_scale, age, jag, *, window, t_scale: float, dtype):
+  """``fused_qkv`` then ``softmax_attention`` as one op whose backward is one Pallas kernel
+  (``pallas_kernels.qkv_attention``): ``x [N, d]`` -> ``(o [N, H, D], x)``, ``x`` passed
+  through for the residual as ``fused_qkv`` passes it. Per block, as the attention."""
+  tau, pos, omega = rotary_inputs(age, jag.pos, w.shape[-1], t_scale)
+
+  def kernel(j, x, tau, pos, valid, w, qs, ks, omega):
+    return qkv_attention.qkv_attention_pallas(x, w, qs, ks, tau, pos, omega, j, window=window,
+                                              dtype=dtype, interpret=interpret_kernels(),
+                                              valid=valid)
+  return _per_block(kernel, jag, (x, tau, pos, jag.valid.astype(F32), w, q_scale, k_scale, omega),
+                    (True,) * 4 + (False,) * 4, True)
 
 
 def fused_proj(x, ws, jag, *, dtype):

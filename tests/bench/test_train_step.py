@@ -296,6 +296,41 @@ def test_pool_projecting_its_keys_is_recorded_with_its_bytes_and_flops():
   assert out["kind"] == "projection" and out["flops"] == 2 * Bx * seeds * H * D * d, calls
 
 
+def test_fused_qkv_attention_is_recorded_with_its_flops():
+  """A packed softmax attention on the Pallas backend whose input side and attention are one op
+  (``packed.fused_qkv_attention``, traced only): ``record_kernels`` keeps one "projection" call
+  on the attention's scope with the attention's FLOPs (the band's pairs, as ``jagged_calls``)
+  and the projections' (``fused_projection_flops``: forward, recomputed q and k, back-projected,
+  weight gradients), and no separate attention call."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  from data.jagged import pack_events
+  from kunlun.nn import packed
+  from kunlun.nn.attention import SeqAttention
+  from pallas_kernels.jagged import Jagged
+  N, d, H, window, Bx = 64, 64, 2, 5, 3
+  D = d // H
+  toks, offsets, seg, pos, _ = pack_events(
+      {"s": np.ones((Bx, 30, d), np.float32)}, np.array([30, 0, 12], np.int32), N)
+  jag = Jagged(*(jnp.asarray(a) for a in (offsets, seg, pos)))
+  att = SeqAttention(heads=H, window=window, dtype=jnp.bfloat16, backend="pallas")
+  s = packed.Packed(jnp.asarray(toks["s"]), jag)
+  age = jnp.zeros((N,), jnp.float32)
+  p = jax.eval_shape(att.init, jax.random.key(0), s, None, age)
+  with roofline.record_kernels() as calls:
+    jax.make_jaxpr(jax.grad(lambda p, x: jnp.sum(
+        att.apply(p, packed.Packed(x, jag), None, age).value.astype(jnp.float32)),
+        argnums=(0, 1)))(p, s.value)
+  assert not [c for c in calls if c["kind"] == "attention"], calls
+  (pr,) = [c for c in calls if c["kind"] == "projection" and "out" not in c["scope"]]
+  assert "SeqAttention" in pr["scope"], pr
+  want = (roofline.attention_flops(1, N, N, H, D, window)
+          + roofline.fused_projection_flops(N, d, 3, H, D, 2))
+  assert pr["flops"] == want
+
+
 def test_record_kernels_sees_every_seq_attention_of_a_model():
   """On the tiny model's differentiated forward, ``record_kernels`` records one softmax-attention
   call per ``SeqAttention`` call (counted independently by flax's method interception), each in
