@@ -45,8 +45,14 @@ def compiled_smem(module: str, dump_dir) -> dict:
   return json.loads(p.stdout.strip().splitlines()[-1])
 
 
-def kernel_smem(dump_dir, prefix: str) -> dict:
-  """``{kernel: shared memory bytes}`` of the kernels named ``prefix...`` in an XLA dump."""
+def kernel_smem(dump_dir, prefix: str, seen: set | None = None) -> dict:
+  """``{kernel: shared memory bytes}`` of the kernels named ``prefix...`` in an XLA dump; with
+  ``seen`` (a set, updated) only in the modules dumped since the last call: the latest compile."""
   from bench.profiling import gpu_target
-  return {k: v["smem"] for path in glob.glob(f"{dump_dir}/*thunk_sequence.txt")
+  paths = set(glob.glob(f"{dump_dir}/*thunk_sequence.txt"))
+  if seen is not None:
+    new = paths - seen
+    seen |= paths
+    paths = new
+  return {k: v["smem"] for path in paths
           for k, v in gpu_target.thunk_launches(path).items() if k.startswith(prefix)}

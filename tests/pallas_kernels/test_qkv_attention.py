@@ -17,7 +17,7 @@ import pytest
 
 from kunlun.nn.time_encoding import rotary_inputs
 from pallas_kernels import _poison, jagged, jagged_pallas, norm_qkv, qkv_attention
-from tests.pallas_kernels.deviceless import close
+from tests.pallas_kernels.deviceless import close, kernel_smem
 from tests.pallas_kernels.test_norm_qkv import T_SCALE
 from tests.pallas_kernels.test_norm_qkv import _numpy as _np_qkv
 
@@ -158,8 +158,6 @@ SHAPES = {"mid": (8192, 64, 256, 4, 64), "mid_d128": (8192, 64, 128, 2, 64)}  # 
 def main(dump_dir):
   """Compiles the op's value and gradients at ``SHAPES`` for the H200 (deviceless); prints
   ``{shape: {kernel: shared memory bytes}}`` (ptxas's report goes to stderr)."""
-  import glob
-
   from bench.profiling import gpu_target
   gpu_target.set_flags(dump_dir, "h200")
   f32, bf16, i32 = jnp.float32, jnp.bfloat16, jnp.int32
@@ -182,10 +180,7 @@ def main(dump_dir):
             sds((N,), f32), sds((N,), f32), sds((D // 2,), f32), sds((B + 1,), i32),
             sds((N,), i32), sds((N,), i32))
     gpu_target.compile_for(step, args, gpu_target.gpu_mesh("h200"))
-    new = set(glob.glob(f"{dump_dir}/*thunk_sequence.txt")) - seen
-    seen |= new
-    out[name] = {k: v["smem"] for path in new
-                 for k, v in gpu_target.thunk_launches(path).items() if k.startswith("qkv_")}
+    out[name] = kernel_smem(dump_dir, "qkv_", seen)
   print(json.dumps(out))
 
 

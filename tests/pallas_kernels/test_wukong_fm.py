@@ -299,7 +299,6 @@ def main(dump_dir):
   """Compiles the kernels' value and gradients at ``MID`` and ``PROD`` for the H200
   (deviceless, two experts vmapped over the weights, ``x`` shared); prints ``{shape: {kernel:
   shared memory bytes}}``."""
-  import glob
   import json
 
   from bench.profiling import gpu_target
@@ -326,10 +325,7 @@ def main(dump_dir):
             tuple(sds((E, N, m), f32) for m in ms), sds((E, N * r), f32), sds((E, N * r), f32),
             sds((E, 16, d), f32))
     gpu_target.compile_for(step, args, gpu_target.gpu_mesh("h200"))
-    new = set(glob.glob(f"{dump_dir}/*thunk_sequence.txt")) - seen
-    seen |= new
-    out[shape] = {k: v["smem"] for path in new
-                  for k, v in gpu_target.thunk_launches(path).items() if k.startswith("wukong_")}
+    out[shape] = deviceless.kernel_smem(dump_dir, "wukong_", seen)
   print(json.dumps(out))
 
 
