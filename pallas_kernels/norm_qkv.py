@@ -150,6 +150,25 @@ def _head_stats(y1, y2, cfg: _Cfg):
                    / cfg.head_dim + cfg.eps)
 
 
+def _head_bwd(y1, y2, grads, s1, s2, angles, cfg: _Cfg):
+  """One head of a rotated projection, backward: its recomputed projection's halves ``y1, y2``,
+  ``grads()`` the cotangents of its rotated halves, the scale's halves and ``angles()`` the
+  rotation's ``cos, sin`` -> ``(dy1, dy2, scale_grads)``: the pre-norm cotangents (rounded to
+  dtype) and a function giving the scale halves' gradients summed over the rows. The operands
+  are loaded, and the sums taken, where the caller calls ``grads``, ``angles`` and
+  ``scale_grads``: after the head's norm and after the head's back-projection, the order in which
+  ptxas spills least at prod's widths."""
+  a = _head_stats(y1, y2, cfg)
+  z1, z2 = y1 * a, y2 * a
+  g1, g2 = grads()
+  c, s = angles()
+  dn1, dn2 = round_to(g1 * c + g2 * s, cfg.dtype), round_to(g2 * c - g1 * s, cfg.dtype)
+  dz1, dz2 = dn1 * s1[None], dn2 * s2[None]
+  m = (jnp.sum(dz1 * z1, 1, keepdims=True) + jnp.sum(dz2 * z2, 1, keepdims=True)) / cfg.head_dim
+  dy1, dy2 = round_to(a * (dz1 - z1 * m), cfg.dtype), round_to(a * (dz2 - z2 * m), cfg.dtype)
+  return dy1, dy2, lambda: (jnp.sum(dn1 * z1, 0), jnp.sum(dn2 * z2, 0))
+
+
 def _fwd_kernel(x_ref, *refs, cfg: _Cfg):
   w_refs, sc_refs, tau_ref, pos_ref, om_ref, out_refs = _refs(refs, cfg)
   r0, hd = pl.program_id(0) * cfg.rows, cfg.head_dim // 2
@@ -208,19 +227,14 @@ def _bwd_kernel(x_ref, *refs, cfg: _Cfg):
     def head(j, carry, p=p, g_ref=g_ref, s1=s1, s2=s2):
       dh, ds1, ds2 = carry
       y1, y2 = _halves(h, w_refs, p, j, cfg)
-      a = _head_stats(y1, y2, cfg)
-      z1, z2 = y1 * a, y2 * a
-      g1 = _tile(g_ref, r0, cfg.rows, (j, lo)).astype(F32)
-      g2 = _tile(g_ref, r0, cfg.rows, (j, hi)).astype(F32)
-      c, s = _cos_sin(tau, pos, omega, j, cfg)
-      dn1, dn2 = round_to(g1 * c + g2 * s, cfg.dtype), round_to(g2 * c - g1 * s, cfg.dtype)
-      dz1, dz2 = dn1 * s1[None], dn2 * s2[None]
-      m = (jnp.sum(dz1 * z1, 1, keepdims=True) + jnp.sum(dz2 * z2, 1, keepdims=True)) / cfg.head_dim
-      dy1, dy2 = round_to(a * (dz1 - z1 * m), cfg.dtype), round_to(a * (dz2 - z2 * m), cfg.dtype)
+      grads = lambda: tuple(_tile(g_ref, r0, cfg.rows, (j, x)).astype(F32) for x in (lo, hi))
+      dy1, dy2, sums = _head_bwd(y1, y2, grads, s1, s2,
+                                 lambda: _cos_sin(tau, pos, omega, j, cfg), cfg)
       _put(dy_refs[p], r0, dy1, (j, lo))
       _put(dy_refs[p], r0, dy2, (j, hi))
-      return (dh + back(dy1, p, j, 0) + back(dy2, p, j, 1),
-              ds1 + jnp.sum(dn1 * z1, 0), ds2 + jnp.sum(dn2 * z2, 0))
+      dh = dh + back(dy1, p, j, 0) + back(dy2, p, j, 1)
+      e1, e2 = sums()
+      return dh, ds1 + e1, ds2 + e2
 
     zero = jnp.zeros((hd,), F32)
     dh, ds1, ds2 = lax.fori_loop(0, cfg.heads, head, (dh, zero, zero))

@@ -34,7 +34,7 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels import _poison, jagged, jagged_pallas, norm_qkv, tuning, wgrad
 from pallas_kernels._common import load_vec, round_to, store_vec
 from pallas_kernels.jagged_pallas import _dot, _own, _partners, _row_stat
-from pallas_kernels.norm_qkv import _cos_sin, _head_stats, _put, _tile
+from pallas_kernels.norm_qkv import _cos_sin, _head_bwd, _put, _tile
 from pallas_kernels.partials import Piece, sum_split_pallas
 
 F32 = jnp.float32
@@ -164,22 +164,17 @@ def _bwd_kernel(lo_ref, hi_ref, seg_ref, x_ref, w_ref, qs_ref, ks_ref, tau_ref, 
     # --- the input side's backward for the head (norm_qkv's backward kernel, per head), x and
     # the weights in column chunks; h = r x reloaded: not live through the attention's loops
     h = [(xc(c) * r).astype(dt) for c in cols]
-    c_, s_ = _cos_sin(tau, pos, omega, j, ncfg)
+    angles = _cos_sin(tau, pos, omega, j, ncfg)
     new = []
     for p, out in ((0, dyq_ref), (1, dyk_ref)):
-      g1, g2 = g[p]
       y1, y2 = (round_to(sum(ndot(a, wc(p, j, s, c)) for a, c in zip(h, cols, strict=True)), dt)
                 for s in (0, 1))
-      a = _head_stats(y1, y2, ncfg)
-      z1, z2 = y1 * a, y2 * a
-      dn1, dn2 = round_to(g1 * c_ + g2 * s_, dt), round_to(g2 * c_ - g1 * s_, dt)
-      dz1, dz2 = dn1 * scales[2 * p][None], dn2 * scales[2 * p + 1][None]
-      m = (jnp.sum(dz1 * z1, 1, keepdims=True) + jnp.sum(dz2 * z2, 1, keepdims=True)) / D
-      dy1, dy2 = round_to(a * (dz1 - z1 * m), dt), round_to(a * (dz2 - z2 * m), dt)
+      dy1, dy2, sums = _head_bwd(y1, y2, lambda p=p: g[p], scales[2 * p], scales[2 * p + 1],
+                                 lambda: angles, ncfg)
       _put(out, r0, dy1, (j, lo))
       _put(out, r0, dy2, (j, hi))
       dh = back(back(dh, dy1, p, j, 0), dy2, p, j, 1)
-      new += [parts[2 * p] + jnp.sum(dn1 * z1, 0), parts[2 * p + 1] + jnp.sum(dn2 * z2, 0)]
+      new += [a + e for a, e in zip(parts[2 * p:2 * p + 2], sums(), strict=True)]
     gv1, gv2 = round_to(dv1, dt), round_to(dv2, dt)
     _put(dv_ref, r0, gv1, (j, lo))
     _put(dv_ref, r0, gv2, (j, hi))
