@@ -304,7 +304,8 @@ def qkv_attention_pallas(x, w, q_scale, k_scale, tau, positions, omega, jag, *, 
   if window is not None and window < 0:
     raise ValueError(f"window must be >= 0, got {window}")
   if not supported(d, H, D, dtype):
-    raise ValueError(f"qkv_attention: no kernel tiles width {d} in {H} heads of {D} ({dtype})")
+    raise ValueError(f"qkv_attention: no kernel tiles width {d} in {H} heads of {D} "
+                     f"({jnp.dtype(dtype).name}; see qkv_attention.supported)")
   tau, pos, omega = (jnp.asarray(a, F32) for a in (tau, positions, omega))
   sc = (jnp.asarray(q_scale, F32), jnp.asarray(k_scale, F32))
   valid = None if valid is None else jnp.asarray(valid, F32)

@@ -145,6 +145,10 @@ def test_bad_arguments_are_one_line_errors():
   with pytest.raises(ValueError, match="powers of two >= 16; got d=48") as e:
     _pallas(x[:, :48], w[:48], *args[2:])
   assert "\n" not in str(e.value)
+  wide = _args(*_inputs([20, 9], 32, d=512, H=4, D=128))       # supported by norm_qkv alone
+  with pytest.raises(ValueError, match="no kernel tiles width 512 in 4 heads of 128") as e:
+    _pallas(*wide)
+  assert "\n" not in str(e.value)
   with pytest.raises(ValueError, match="jagged tokens must be") as e:
     _pallas(x[:10], w, *args[2:])
   assert "\n" not in str(e.value)
