@@ -40,6 +40,7 @@ from pallas_kernels.partials import Piece, sum_split_pallas
 F32 = jnp.float32
 EPS = norm_qkv.EPS
 KV_TILE = 64         # partner rows per inner step (the attention kernels' block_k)
+FWD_TILE = 64        # query rows per program of the attention's forward kernel (its block_q)
 COLS = 128           # columns of x (rows of w) per step of the input side's GEMMs
 WARPS = 8
 # Token rows per program, and the widest d the backward takes. ptxas (deviceless H200, 8 warps)
@@ -235,13 +236,11 @@ def _cfgs(x, w, window, scale, eps, dtype, interpret, rows, res=False):
 
 def _forward(x, w, sc, tau, pos, omega, jag, window, scale, eps, dtype, interpret):
   """``(q, k, v, o, lse)`` from the two forward kernels."""
-  ncfg, _, shape = _cfgs(x, w, window, scale, eps, dtype, interpret,
-                         norm_qkv._rows(norm_qkv.FWD_ROWS, x.shape[1]))
+  ncfg, acfg, shape = _cfgs(x, w, window, scale, eps, dtype, interpret,
+                            norm_qkv._rows(norm_qkv.FWD_ROWS, x.shape[1]))
   ops = norm_qkv._operands(norm_qkv._weights(w, dtype, x.shape[1]), sc, tau, pos, omega)
   q, k, v = norm_qkv._fwd(x, ops, ncfg, shape)
-  acfg = jagged_pallas._Cfg(None, shape[3] ** -0.5 if scale is None else scale, 1.0, 64, 64,
-                            interpret, window=window)
-  o, lse = jagged_pallas._softmax_fwd(acfg, q, k, v, jag)
+  o, lse = jagged_pallas._softmax_fwd(acfg._replace(tile=FWD_TILE), q, k, v, jag)
   return q, k, v, o, lse
 
 
@@ -259,12 +258,11 @@ def _op_fwd(x, w, sc, tau, pos, omega, valid, jag, window, scale, eps, dtype, in
 def _op_bwd(window, scale, eps, dtype, interpret, res, g):
   x, w, sc, tau, pos, omega, valid, jag, q, k, v, o, lse = res
   d = x.shape[1]
-  rows = ROWS
-  ncfg, acfg, (N, _, H, D) = _cfgs(x, w, window, scale, eps, dtype, interpret, rows,
+  ncfg, acfg, (N, _, H, D) = _cfgs(x, w, window, scale, eps, dtype, interpret, ROWS,
                                    res=valid is not None)
   do = (g if valid is None else g[0]).astype(q.dtype)
   extra = () if valid is None else (g[1], valid)
-  lo, hi = jagged_pallas.key_ranges(jag, rows, window)
+  lo, hi = jagged_pallas.key_ranges(jag, ROWS, window)
   nt = lo.shape[0]
   outs = (jax.ShapeDtypeStruct((N, d), x.dtype),
           *(jax.ShapeDtypeStruct((N, H, D), dtype),) * 3,
@@ -278,7 +276,7 @@ def _op_bwd(window, scale, eps, dtype, interpret, res, g):
       out_shape=outs, grid=(nt,), in_specs=[spec, spec] + [whole] * len(ops),
       out_specs=(whole,) * len(outs), interpret=interpret, name="qkv_attention_bwd",
       compiler_params=plgpu.CompilerParams(
-          num_warps=WARPS, num_stages=_stages(rows, d, D, jnp.dtype(dtype).itemsize)))
+          num_warps=WARPS, num_stages=_stages(ROWS, d, D, jnp.dtype(dtype).itemsize)))
   # dw_p = h^T dy_p, h = r x taken where the weight GEMM reads x (as norm_qkv's backward)
   dw = wgrad.row_scaled_wgrad_pallas(x, r, [a.reshape(N, H * D) for a in (dyq, dyk, dv)],
                                      dtype=dtype, interpret=interpret, joined=True)

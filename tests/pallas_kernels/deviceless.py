@@ -31,18 +31,20 @@ def twin_jit(fn, dtype):
   return jax.jit(fn) if jnp.dtype(dtype) == jnp.float32 else fn
 
 
-def compiled_smem(module: str, dump_dir) -> dict:
+def compiled_smem(module: str, dump_dir, ptxas: bool = False):
   """``python -m module dump_dir`` in the GPU-compile venv (skips when it is missing): the
-  ``{kernel: shared memory bytes}`` its ``main`` prints last."""
+  ``{kernel: shared memory bytes}`` its ``main`` prints last; with ``ptxas``, also ptxas's report
+  of each kernel compiled (``gpu_target.parse_ptxas``: registers, spills), in compile order."""
   from bench.profiling import gpu_target
   from tests.bench.profiling.test_gpu_target import GPU_PY, ROOT
   if not os.path.exists(GPU_PY):
     pytest.skip(f"no {GPU_PY}: {gpu_target.INSTALL} makes it")
-  p = subprocess.run([GPU_PY, "-m", module, str(dump_dir)], cwd=ROOT,
-                     env={**os.environ, "JAX_PLATFORMS": "cpu"}, capture_output=True, text=True,
-                     timeout=600)
+  env = gpu_target.ptxas_env() if ptxas else {**os.environ, "JAX_PLATFORMS": "cpu"}
+  p = subprocess.run([GPU_PY, "-m", module, str(dump_dir)], cwd=ROOT, env=env,
+                     capture_output=True, text=True, timeout=600)
   assert p.returncode == 0, p.stderr[-3000:]
-  return json.loads(p.stdout.strip().splitlines()[-1])
+  smem = json.loads(p.stdout.strip().splitlines()[-1])
+  return (smem, gpu_target.parse_ptxas(p.stderr)) if ptxas else smem
 
 
 def kernel_smem(dump_dir, prefix: str, seen: set | None = None) -> dict:

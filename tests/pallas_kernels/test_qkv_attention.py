@@ -7,8 +7,6 @@ buffer, the residual's pass-through, one-line errors, and the deviceless H200 co
 memory, registers, no spills at mid's widths)."""
 
 import json
-import os
-import subprocess
 
 import jax
 import jax.numpy as jnp
@@ -16,8 +14,8 @@ import numpy as np
 import pytest
 
 from kunlun.nn.time_encoding import rotary_inputs
-from pallas_kernels import _poison, jagged, jagged_pallas, norm_qkv, qkv_attention
-from tests.pallas_kernels.deviceless import close, kernel_smem
+from pallas_kernels import _poison, jagged, jagged_pallas, norm_qkv, qkv_attention, tuning
+from tests.pallas_kernels.deviceless import close, compiled_smem, kernel_smem
 from tests.pallas_kernels.test_norm_qkv import T_SCALE
 from tests.pallas_kernels.test_norm_qkv import _numpy as _np_qkv
 
@@ -197,20 +195,11 @@ def test_compiles_for_h200_without_spills(tmp_path):
   ``qkv_attention.MAX_WIDTH``, ``MAX_HEAD_DIM``)."""
   assert qkv_attention.supported(256, 4, 64) and qkv_attention.supported(128, 2, 64)
   assert not qkv_attention.supported(512, 4, 128) and not qkv_attention.supported(256, 2, 128)
-  from bench.profiling import gpu_target
-  from tests.bench.profiling.test_gpu_target import GPU_PY, ROOT
-  if not os.path.exists(GPU_PY):
-    pytest.skip(f"no {GPU_PY}: {gpu_target.INSTALL} makes it")
-  p = subprocess.run([GPU_PY, "-m", "tests.pallas_kernels.test_qkv_attention", str(tmp_path)],
-                     cwd=ROOT, env=gpu_target.ptxas_env(), capture_output=True, text=True,
-                     timeout=600)
-  assert p.returncode == 0, p.stderr[-3000:]
-  smem = json.loads(p.stdout.strip().splitlines()[-1])
-  limit = 232448
+  smem, report = compiled_smem("tests.pallas_kernels.test_qkv_attention", tmp_path, ptxas=True)
   for name in SHAPES:
     assert set(smem[name]) == {"qkv_attention_bwd", "qkv_attention_scale_sums"}, smem[name]
-    assert all(0 < b <= limit for b in smem[name].values()), smem[name]
-  bwd = [r for r in gpu_target.parse_ptxas(p.stderr) if r["kernel"] == "qkv_attention_bwd"]
+    assert all(0 < b <= tuning.smem_limit() for b in smem[name].values()), smem[name]
+  bwd = [r for r in report if r["kernel"] == "qkv_attention_bwd"]
   assert len(bwd) == len(SHAPES)
   for name, r in zip(SHAPES, bwd, strict=True):          # compiled in SHAPES' order
     assert not r["spills"], (name, r)
