@@ -18,7 +18,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import _poison, activations, jagged, norm_qkv, tuning
 from pallas_kernels._common import dot, examples_per_program, loop_spans, pad_pow2, precision
-from pallas_kernels.reference import score_clip_value
+from pallas_kernels.reference import layer_norm_rows_dx, score_clip_value
 
 _F32 = jnp.float32
 _NEG = -1e30
@@ -45,6 +45,7 @@ class _Cfg(NamedTuple):
   eps: float = norm_qkv.EPS      # and x's RMSNorm epsilon
   cols: int = PROJ_COLS          # and x's columns per step
   through: bool = False          # GDPA cross: q passed through, its cotangent added to dq
+  q_norm: bool = False           # GDPA cross: q = LayerNorm(x), here (_ln_rows, _q_rows)
 
 
 class _DotCfg(NamedTuple):
@@ -64,6 +65,45 @@ def _rows(ref, start, n, head, valid):
   d = ref.shape[-1]
   return plgpu.load(ref.at[pl.ds(start, n), head, :],
                     mask=jnp.broadcast_to(valid[:, None], (n, d)), other=0.0)
+
+
+def _q_rows(ref, st, start, n, head, valid):
+  """The query rows of ``head`` (``_rows``); with ``st = (mu_ref, r_ref)`` (``cfg.q_norm``),
+  ``ref`` holds ``x [N, H, D]`` and the rows are its LayerNorm's, ``(x - mu) r`` with the rows'
+  float32 statistics ``f32[N]`` each (the forward kernel's, ``_ln_rows``), rounded to x's dtype:
+  the query the norm would have written."""
+  x = _rows(ref, start, n, head, valid)
+  if st is None:
+    return x
+  mu, r = (_vec(a, start, n, 0.0)[:, None] for a in st)
+  return ((x.astype(_F32) - mu) * r).astype(ref.dtype)
+
+
+def _split_st(refs, cfg: _Cfg):
+  """``(st, rest)``: a cross backward kernel's LayerNorm statistics refs (``cfg.q_norm``: the two
+  after q; else None) and its other refs."""
+  return (tuple(refs[:2]), refs[2:]) if cfg.q_norm else (None, refs)
+
+
+def _ln_rows(ref, start, n, head, valid, cfg: _Cfg):
+  """The forward's query tile with ``cfg.q_norm``: ``(rows of head, mu, r)``, the rows'
+  LayerNorm statistics over all ``H D`` columns of ``x [N, H, D]`` in float32, and the head's
+  rows normalised, rounded to x's dtype. Every head's tile is loaded once (outside the kernel's
+  loops: no pipeline buffers) and held alone: its mean and the squares about it, combined over
+  the heads (Chan et al.'s pairwise update: the squares about the row mean without a second
+  pass; at prod's H 4 x d_h 128, holding every tile for two passes spilled 1.5 KB)."""
+  H, D = ref.shape[1:]
+  means, m2 = [], 0.0
+  for j in range(H):
+    a = _rows(ref, start, n, jnp.int32(j), valid).astype(_F32)
+    m = jnp.mean(a, axis=1)
+    means.append(m)
+    m2 = m2 + jnp.sum(jnp.square(a - m[:, None]), axis=1)
+  mu = sum(means) / H
+  var = (m2 + D * sum(jnp.square(m - mu) for m in means)) / (H * D)
+  r = lax.rsqrt(var + cfg.eps)
+  x = _rows(ref, start, n, head, valid).astype(_F32)
+  return ((x - mu[:, None]) * r[:, None]).astype(ref.dtype), mu, r
 
 
 def _store(ref, start, head, x, valid):
@@ -206,10 +246,19 @@ def _own_rows(seg_ref, cfg: _Cfg, n_ex):
   return i * cfg.tile, _vec(seg_ref, i * cfg.tile, cfg.tile, n_ex) < n_ex
 
 
-def _cross_kernel(lo_ref, hi_ref, seg_ref, kvl_ref, q_ref, k_ref, v_ref, o_ref, *, cfg: _Cfg):
+def _cross_kernel(lo_ref, hi_ref, seg_ref, kvl_ref, q_ref, k_ref, v_ref, o_ref, *st_refs,
+                  cfg: _Cfg):
+  """``cfg.q_norm``: q holds x, normalised here (``_ln_rows``); the head-0 programs also write
+  the rows' statistics (``st_refs``: mu, r ``f32[N]``) for the backward kernels."""
   h, B = pl.program_id(1), kvl_ref.shape[0]
   r0, real = _own_rows(seg_ref, cfg, B)
-  q = _rows(q_ref, r0, cfg.tile, h, real)
+  if cfg.q_norm:
+    q, *st = _ln_rows(q_ref, r0, cfg.tile, h, real, cfg)
+    inside = (r0 + jnp.arange(cfg.tile) < q_ref.shape[0]) & (h == 0)
+    for ref, a in zip(st_refs, st, strict=True):
+      plgpu.store(ref.at[pl.ds(r0, cfg.tile)], a, mask=inside)
+  else:
+    q = _rows(q_ref, r0, cfg.tile, h, real)
 
   def example(b, on_b, acc):
     def chunk(start, acc):                    # kv_tile keys of the example
@@ -221,12 +270,12 @@ def _cross_kernel(lo_ref, hi_ref, seg_ref, kvl_ref, q_ref, k_ref, v_ref, o_ref, 
   _store(o_ref, r0, h, acc * cfg.out_scale, r0 + jnp.arange(cfg.tile) < q_ref.shape[0])
 
 
-def _cross_dq_kernel(lo_ref, hi_ref, seg_ref, kvl_ref, q_ref, k_ref, v_ref, do_ref, *refs,
-                     cfg: _Cfg):
+def _cross_dq_kernel(lo_ref, hi_ref, seg_ref, kvl_ref, q_ref, *refs, cfg: _Cfg):
+  st, (k_ref, v_ref, do_ref, *refs) = _split_st(refs, cfg)
   dt_ref, dq_ref = refs if cfg.through else (None, *refs)
   h, B = pl.program_id(1), kvl_ref.shape[0]
   r0, real = _own_rows(seg_ref, cfg, B)
-  q, do = (_rows(x, r0, cfg.tile, h, real) for x in (q_ref, do_ref))
+  q, do = _q_rows(q_ref, st, r0, cfg.tile, h, real), _rows(do_ref, r0, cfg.tile, h, real)
 
   def example(b, on_b, dq):
     def chunk(start, dq):
@@ -247,15 +296,16 @@ def _plus_through(dq, dt_ref, start, h, rows):
   return dq if dt_ref is None else dq + _rows(dt_ref, start, dq.shape[0], h, rows).astype(_F32)
 
 
-def _cross_dkv_kernel(start_ref, end_ref, kvl_ref, q_ref, k_ref, v_ref, do_ref, dk_ref, dv_ref, *,
-                      cfg: _Cfg):
+def _cross_dkv_kernel(start_ref, end_ref, kvl_ref, q_ref, *refs, cfg: _Cfg):
+  st, (k_ref, v_ref, do_ref, dk_ref, dv_ref) = _split_st(refs, cfg)
   b, h = pl.program_id(0), pl.program_id(1)
   r0 = _chunk_start(cfg.tile, k_ref.shape[1])                # this program's kv rows
   k, v = (_ex_rows(x, b, cfg.tile, h, kvl_ref[0], r0) for x in (k_ref, v_ref))
 
   def tile(start, rows, carry):
     dk, dv = carry
-    q, do = (_rows(x, start, cfg.kv_tile, h, rows) for x in (q_ref, do_ref))
+    q, do = _q_rows(q_ref, st, start, cfg.kv_tile, h, rows), _rows(do_ref, start, cfg.kv_tile,
+                                                                   h, rows)
     p_t, slope_t = _scores(k, q, cfg, h, with_slope=True)                # [n_kv, tile]
     return dk + _dot(_dot(v, do, trans_b=True) * slope_t, q), dv + _dot(p_t, do)
 
@@ -283,19 +333,21 @@ def _zero_tail(total, n, i, h, cfg: _Cfg, *refs, src=None):
   _token_loop(lo, jnp.minimum(lo + share, N), cfg, zero, 0)
 
 
-def _cross_bwd_kernel(off_ref, kvl_ref, q_ref, k_ref, v_ref, do_ref, *refs, cfg: _Cfg):
+def _cross_bwd_kernel(off_ref, kvl_ref, q_ref, *refs, cfg: _Cfg):
   """``_cross_dkv_kernel`` with the keys whole (one chunk), which also writes its example's
   tokens' dq: a token scores only its own example's keys, all of which this program holds, so
   each token tile's ``dS^T`` gives its dq as well (``dS k``), and q, dO are read once. The rows
   past ``offsets[B]`` belong to no example: program ``b`` zeroes the ``b``-th share of them (with
   ``cfg.through``, writes the pass-through's cotangent there)."""
+  st, (k_ref, v_ref, do_ref, *refs) = _split_st(refs, cfg)
   dt_ref, dq_ref, dk_ref, dv_ref = refs if cfg.through else (None, *refs)
   b, h, B = pl.program_id(0), pl.program_id(1), kvl_ref.shape[0]
   k, v = (_ex_rows(x, b, cfg.tile, h, kvl_ref[b]) for x in (k_ref, v_ref))
 
   def tile(start, rows, carry):
     dk, dv = carry
-    q, do = (_rows(x, start, cfg.kv_tile, h, rows) for x in (q_ref, do_ref))
+    q, do = _q_rows(q_ref, st, start, cfg.kv_tile, h, rows), _rows(do_ref, start, cfg.kv_tile,
+                                                                   h, rows)
     p_t, slope_t = _scores(k, q, cfg, h, with_slope=True)                # [n_kv, tile]
     ds_t = _dot(v, do, trans_b=True) * slope_t
     dq = _dot(ds_t, k, trans_a=True) * (cfg.scale * cfg.out_scale)
@@ -310,12 +362,14 @@ def _cross_bwd_kernel(off_ref, kvl_ref, q_ref, k_ref, v_ref, do_ref, *refs, cfg:
 
 
 def _cross_fwd(cfg: _Cfg, q, k, v, jag, kvl):
+  """o; with ``cfg.q_norm``, ``(o, mu, r)`` (the LayerNorm's row statistics, ``f32[N]`` each)."""
   lo, hi = jagged.tile_examples(jag, cfg.tile)
   r = _row(q)
   ck, stages = _plan("jagged_gdpa_cross", cfg, lambda c: (cfg.tile * r, 2 * c * r), cfg.kv_tile)
+  o = jax.ShapeDtypeStruct(q.shape, q.dtype)
+  st = (jax.ShapeDtypeStruct(q.shape[:1], _F32),) * 2 if cfg.q_norm else ()
   return _call(_cross_kernel, cfg._replace(kv_tile=ck), (lo, hi), (jag.seg, kvl, q, k, v),
-               jax.ShapeDtypeStruct(q.shape, q.dtype), (lo.shape[0], q.shape[1]),
-               "jagged_gdpa_cross", stages)
+               (o, *st) if st else o, (lo.shape[0], q.shape[1]), "jagged_gdpa_cross", stages)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -328,7 +382,8 @@ def _cross_bwd_plans(cfg: _Cfg, q, k, t: int):
   pass-through's cotangent): ``(merged, (keys chunk, stages), (dq's chunk, stages))``, the
   last None where one kernel runs (an example's keys fit whole)."""
   r = _row(q)
-  need = lambda c, t=0: (2 * c * r, (2 + t) * cfg.tile * r)
+  st = 8 * cfg.tile if cfg.q_norm else 0      # a tile's LayerNorm statistics, 2 x f32 a row
+  need = lambda c, t=0: (2 * c * r, (2 + t) * cfg.tile * r + st)
   # one kernel where an example's keys fit whole, at the most stages that hold them (dq's dot
   # takes dS^T [keys, tile] as its transposed operand: one more resident tile)
   merged = lambda c: (need(c)[0] + c * cfg.tile * q.dtype.itemsize, need(c, t)[1])
@@ -337,7 +392,7 @@ def _cross_bwd_plans(cfg: _Cfg, q, k, t: int):
     return True, (ck, stages), None
   # keys in chunks (a third grid axis for dk / dv): dq on the token tiles, as the forward
   kv = _plan("jagged_gdpa_cross_dkv", cfg, need, cfg.kv_tile)
-  dq = _plan("jagged_gdpa_cross_dq", cfg, lambda c: ((2 + t) * cfg.tile * r, 2 * c * r),
+  dq = _plan("jagged_gdpa_cross_dq", cfg, lambda c: ((2 + t) * cfg.tile * r + st, 2 * c * r),
              cfg.kv_tile)
   return False, kv, dq
 
@@ -356,7 +411,7 @@ def _gdpa_cross_bwd(cfg: _Cfg, res, do, dt=None):
   their tiles and pipeline stages (mid: 3 stages either way); else (prod's d_h 128: the one
   backward kernel at 2 stages, 1 with it) XLA adds it after them, as without the
   pass-through."""
-  q, k, v, jag, kvl = res
+  q, k, v, jag, kvl, *st = res
   do = do.astype(q.dtype)
   if dt is not None and not _through_fits(cfg, q, k):
     dq, *rest = _gdpa_cross_bwd(cfg, res, do)
@@ -371,7 +426,7 @@ def _gdpa_cross_bwd(cfg: _Cfg, res, do, dt=None):
     per_ex = cfg._replace(tile=ck, kv_tile=cfg.tile)           # kv rows x token tiles
     # 8 warps: at 4 mid's per-head activations spill; at 8 nothing spills at mid, and prod
     # spills less than the dq and dk / dv kernels did at 4 (ptxas sm_90, fused_layers_h200.md)
-    dq, dk, dv = _call(_cross_bwd_kernel, per_ex, (), (jag.offsets, kvl, q, k, v, do, *dts),
+    dq, dk, dv = _call(_cross_bwd_kernel, per_ex, (), (jag.offsets, kvl, q, *st, k, v, do, *dts),
                        (jax.ShapeDtypeStruct(q.shape, q.dtype), *kv_shapes), (jag.batch, H),
                        "jagged_gdpa_cross_bwd", stages, warps=8)
     return dq, dk, dv, jax.tree.map(lambda _: None, jag), None
@@ -379,10 +434,10 @@ def _gdpa_cross_bwd(cfg: _Cfg, res, do, dt=None):
   lo, hi = jagged.tile_examples(jag, cfg.tile)
   cq, dq_stages = dq_plan
   dq = _call(_cross_dq_kernel, cfg._replace(kv_tile=cq), (lo, hi),
-             (jag.seg, kvl, q, k, v, do, *dts), jax.ShapeDtypeStruct(q.shape, q.dtype),
+             (jag.seg, kvl, q, *st, k, v, do, *dts), jax.ShapeDtypeStruct(q.shape, q.dtype),
              (lo.shape[0], H), "jagged_gdpa_cross_dq", dq_stages)
   dk, dv = _call(_cross_dkv_kernel, per_ex, (jag.offsets[:-1], jag.offsets[1:], kvl),
-                 (q, k, v, do), kv_shapes, (jag.batch, H, *_chunk_grid(ck, k.shape[1])),
+                 (q, *st, k, v, do), kv_shapes, (jag.batch, H, *_chunk_grid(ck, k.shape[1])),
                  "jagged_gdpa_cross_dkv", stages)
   return dq, dk, dv, jax.tree.map(lambda _: None, jag), None
 
@@ -400,6 +455,35 @@ def _gdpa_cross_through(cfg: _Cfg, q, k, v, jag, kvl):
 _gdpa_cross_through.defvjp(
     lambda cfg, *a: ((_cross_fwd(cfg, *a), a[0]), a),
     lambda cfg, res, cts: _gdpa_cross_bwd(cfg, res, *cts))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _gdpa_cross_ln(cfg: _Cfg, x, k, v, jag, kvl):
+  """``_gdpa_cross(LayerNorm(x), ...)`` with the norm applied in the kernels (``cfg.q_norm``):
+  the normalised query is never written. The forward kernel computes the rows' statistics from
+  every head's tile of x and writes them (8 bytes a row) for the backward kernels, which
+  normalise their tiles with them (their tiles and pipeline stages are ``_gdpa_cross``'s plus
+  that vector pair) and write the query's cotangent; the norm's backward
+  (``reference.layer_norm_rows_dx``, behind a barrier as ``kunlun.nn.norms.layer_norm``'s) is
+  XLA's, which fuses it into the pass that adds x's other cotangents."""
+  return _cross_fwd(cfg, x, k, v, jag, kvl)[0]
+
+
+def _gdpa_cross_ln_fwd(cfg: _Cfg, x, k, v, jag, kvl):
+  o, *st = _cross_fwd(cfg, x, k, v, jag, kvl)
+  return o, (x, k, v, jag, kvl, *st)
+
+
+def _gdpa_cross_ln_bwd(cfg: _Cfg, res, do):
+  du, *rest = _gdpa_cross_bwd(cfg, res, do)
+  x = res[0]
+  # rows of d elements (XLA fuses the norm's row reductions with their consumers where the rows
+  # are the last axis), behind a barrier: no CSE with the forward's values
+  x2, du2 = lax.optimization_barrier((x.reshape(x.shape[0], -1), du.reshape(x.shape[0], -1)))
+  return (layer_norm_rows_dx(x2, du2, cfg.eps).reshape(x.shape), *rest)
+
+
+_gdpa_cross_ln.defvjp(_gdpa_cross_ln_fwd, _gdpa_cross_ln_bwd)
 
 
 def _cross_cfg(q, k, activation, scale, out_scale, score_clip, interpret, block_q) -> _Cfg:
@@ -421,7 +505,7 @@ def cross_through_fits(q, k, *, activation="fast_gelu", score_clip=None, interpr
 
 def jagged_gdpa_cross_pallas(q, k, v, jag, *, activation="fast_gelu", scale=None,
                              out_scale=1.0, kv_lengths=None, score_clip=None, interpret=False,
-                             block_q=64, through=False):
+                             block_q=64, through=False, q_norm=None):
   """Pallas ``jagged.jagged_gdpa_cross``: grid (token tiles of ``block_q``, heads); a tile loops
   over the examples it overlaps, reading each one's ``n_kv`` keys once (in chunks where they do
   not fit shared memory, ``_plan``). Backward: dk, dv on (examples, heads), each walking its
@@ -429,11 +513,18 @@ def jagged_gdpa_cross_pallas(q, k, v, jag, *, activation="fast_gelu", scale=None
   heads, key chunks) and dq on the forward's grid. ``through``: returns ``(o, q)``, q passed
   through (PFFN's residual reads the query), and the backward kernels write dq plus the
   pass-through's cotangent, which XLA added in a pass of its own (where ``cross_through_fits``;
-  elsewhere XLA adds the two after the kernels, inside this op)."""
+  elsewhere XLA adds the two after the kernels, inside this op). ``q_norm`` (an epsilon): the
+  query is ``reference.layer_norm_rows(q, q_norm)``, computed inside the kernels, forward and
+  backward (``_gdpa_cross_ln``); not with ``through``."""
   jagged.check_example_kv(k, v, jag, q)
   kvl = jnp.full((jag.batch,), k.shape[1], jnp.int32) if kv_lengths is None else jnp.clip(
       jnp.asarray(kv_lengths, jnp.int32), 0, k.shape[1])
   cfg = _cross_cfg(q, k, activation, scale, out_scale, score_clip, interpret, block_q)
+  if q_norm is not None:
+    if through:
+      raise ValueError("jagged_gdpa_cross: q_norm and through do not combine (a caller that "
+                       "reads the normalised query computes it itself)")
+    return _gdpa_cross_ln(cfg._replace(q_norm=True, eps=float(q_norm)), q, k, v, jag, kvl)
   return (_gdpa_cross_through if through else _gdpa_cross)(cfg, q, k, v, jag, kvl)
 
 

@@ -4,6 +4,11 @@
 ``y = valid * (t * rsqrt(mean(t^2) + eps) + s)`` in ``s.dtype``, ``t = g + u`` in float32
 (``kunlun.nn.fused.norm_residual`` on one packed row).
 
+With ``u_norm`` (an epsilon; ``u`` None) the residual is ``u = LayerNorm(s)`` (affine-free,
+float32 statistics, rounded to ``s.dtype``: the PFFN's query, which the GDPA kernels also
+compute themselves, ``jagged_pallas``'s ``q_norm``), computed here, so ``u`` is never written;
+the backward kernel then also writes ``s``'s whole cotangent, the norm's backward included.
+
 ``norm_residual_xla`` is the twin: the formula, differentiated by autodiff.
 ``norm_residual_pallas`` runs a forward kernel (reads ``g, u, s``, writes ``y``) and a backward
 kernel (reads ``g, u`` and ``dy``, writes ``dt``, the cotangent of ``g`` and of ``u``); ``s``'s
@@ -25,6 +30,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import _poison
 from pallas_kernels._common import is_tile, load_rows, load_vec, store_rows
+from pallas_kernels.reference import layer_norm_rows
 
 F32 = jnp.float32
 WARPS = 4
@@ -33,8 +39,10 @@ ROW_ELEMS = 8192          # rows per program: this many elements, so 32 rows at 
 
 # ----------------------------------------------------------------------------------- twin
 
-def norm_residual_xla(g, u, s, valid, *, eps: float):
-  """The twin: ``y [N, d]`` in ``s.dtype`` (module docstring)."""
+def norm_residual_xla(g, u, s, valid, *, eps: float, u_norm: float | None = None):
+  """The twin: ``y [N, d]`` in ``s.dtype`` (module docstring); ``u`` None:
+  ``reference.layer_norm_rows(s, u_norm)``."""
+  u = layer_norm_rows(s, u_norm) if u is None else u
   t = g.astype(F32) + u.astype(F32)
   y = t * lax.rsqrt(jnp.mean(t * t, -1, keepdims=True) + eps) + s.astype(F32)
   return (y * valid.astype(F32)[:, None]).astype(s.dtype)
@@ -46,11 +54,46 @@ class _Cfg(NamedTuple):
   eps: float
   rows: int
   interpret: bool
+  u_norm: float | None = None    # u = LayerNorm(s) here, with this epsilon (_ln)
 
 
-def _stats(g_ref, u_ref, r0, cfg: _Cfg):
-  t = load_rows(g_ref, r0, cfg.rows).astype(F32) + load_rows(u_ref, r0, cfg.rows).astype(F32)
+def _ln(s_ref, r0, cfg: _Cfg):
+  """``s``'s rows in float32, ``y = (s - mu) r`` and ``r`` (``layer_norm``'s statistics)."""
+  x = load_rows(s_ref, r0, cfg.rows).astype(F32)
+  mu = jnp.mean(x, axis=1, keepdims=True)
+  r = lax.rsqrt(jnp.mean(jnp.square(x - mu), axis=1, keepdims=True) + cfg.u_norm)
+  return x, (x - mu) * r, r
+
+
+def _stats(g_ref, u_ref, r0, cfg: _Cfg, u=None):
+  """``t = g + u`` in float32 (``u`` given: the norm's, rounded to its dtype) and its RMS
+  reciprocal."""
+  u = load_rows(u_ref, r0, cfg.rows) if u is None else u
+  t = load_rows(g_ref, r0, cfg.rows).astype(F32) + u.astype(F32)
   return t, lax.rsqrt(jnp.mean(t * t, axis=1, keepdims=True) + cfg.eps)
+
+
+def _fwd_ln_kernel(g_ref, s_ref, v_ref, y_ref, *, cfg: _Cfg):
+  r0 = pl.program_id(0) * cfg.rows
+  s, y, _ = _ln(s_ref, r0, cfg)
+  t, r = _stats(g_ref, None, r0, cfg, u=y.astype(s_ref.dtype))
+  store_rows(y_ref, r0, load_vec(v_ref, r0, cfg.rows)[:, None] * (t * r + s))
+
+
+def _bwd_ln_kernel(g_ref, s_ref, v_ref, dy_ref, dt_ref, ds_ref, *, cfg: _Cfg):
+  """``dt`` as ``_bwd_kernel``'s, and ``ds = valid dy + LN'(dt)``: the norm's backward of u's
+  cotangent (``dt`` rounded to u's dtype, as autodiff hands it over)."""
+  r0 = pl.program_id(0) * cfg.rows
+  _, y, rl = _ln(s_ref, r0, cfg)
+  t, r = _stats(g_ref, None, r0, cfg, u=y.astype(s_ref.dtype))
+  z = t * r
+  d = load_vec(v_ref, r0, cfg.rows)[:, None] * load_rows(dy_ref, r0, cfg.rows).astype(F32)
+  dt = r * (d - z * jnp.mean(d * z, axis=1, keepdims=True))
+  store_rows(dt_ref, r0, dt)
+  du = dt.astype(s_ref.dtype).astype(F32)
+  dx = rl * (du - jnp.mean(du, axis=1, keepdims=True)
+             - y * jnp.mean(du * y, axis=1, keepdims=True))
+  store_rows(ds_ref, r0, d + dx)
 
 
 def _fwd_kernel(g_ref, u_ref, s_ref, v_ref, y_ref, *, cfg: _Cfg):
@@ -70,9 +113,11 @@ def _bwd_kernel(g_ref, u_ref, v_ref, dy_ref, dt_ref, *, cfg: _Cfg):
 
 def _call(kernel, args, out, cfg: _Cfg, name):
   whole = pl.no_block_spec
+  n = out[0].shape[0] if isinstance(out, tuple) else out.shape[0]
   return _poison.pallas_call(
       functools.partial(kernel, cfg=cfg), args, out_shape=out,
-      grid=(pl.cdiv(out.shape[0], cfg.rows),), in_specs=[whole] * len(args), out_specs=whole,
+      grid=(pl.cdiv(n, cfg.rows),), in_specs=[whole] * len(args),
+      out_specs=jax.tree.map(lambda _: whole, out),
       interpret=cfg.interpret, name=name, compiler_params=plgpu.CompilerParams(num_warps=WARPS))
 
 
@@ -104,17 +149,46 @@ def _vjp_bwd(eps, interpret, res, dy):
 _fused.defvjp(_vjp_fwd, _vjp_bwd)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _fused_ln(g, s, valid, eps, u_norm, interpret):
+  cfg = _cfg(s.shape[1], eps, interpret)._replace(u_norm=u_norm)
+  return _call(_fwd_ln_kernel, (g, s, valid), jax.ShapeDtypeStruct(s.shape, s.dtype), cfg,
+               "norm_residual_fwd")
+
+
+def _ln_vjp_fwd(g, s, valid, eps, u_norm, interpret):
+  return _fused_ln(g, s, valid, eps, u_norm, interpret), (g, s, valid)
+
+
+def _ln_vjp_bwd(eps, u_norm, interpret, res, dy):
+  g, s, valid = res
+  cfg = _cfg(g.shape[1], eps, interpret)._replace(u_norm=u_norm)
+  dt, ds = _call(_bwd_ln_kernel, (g, s, valid, dy),
+                 (jax.ShapeDtypeStruct(g.shape, g.dtype), jax.ShapeDtypeStruct(s.shape, s.dtype)),
+                 cfg, "norm_residual_bwd")
+  return dt, ds, jnp.zeros_like(valid)
+
+
+_fused_ln.defvjp(_ln_vjp_fwd, _ln_vjp_bwd)
+
+
 def supported(d: int) -> bool:
   """Whether the kernels take width ``d``: a power of two >= 16 (a row is one tile)."""
   return is_tile(d) and d <= ROW_ELEMS
 
 
-def norm_residual_pallas(g, u, s, valid, *, eps: float, interpret: bool = False):
+def norm_residual_pallas(g, u, s, valid, *, eps: float, interpret: bool = False,
+                         u_norm: float | None = None):
   """``norm_residual_xla``'s values and gradients from the Pallas kernels (module docstring)."""
-  if g.ndim != 2 or g.shape != u.shape or g.shape != s.shape or valid.shape != g.shape[:1]:
-    raise ValueError(f"norm_residual: g {g.shape}, u {u.shape}, s {s.shape} must be one [N, d] "
+  if (u is None) != (u_norm is not None):
+    raise ValueError("norm_residual: give u, or u=None with u_norm (its LayerNorm's epsilon)")
+  ushape = g.shape if u is None else u.shape
+  if g.ndim != 2 or g.shape != ushape or g.shape != s.shape or valid.shape != g.shape[:1]:
+    raise ValueError(f"norm_residual: g {g.shape}, u {ushape}, s {s.shape} must be one [N, d] "
                      f"and valid {valid.shape} [N]")
   if not supported(g.shape[1]):
     raise ValueError(f"norm_residual: the kernels need d a power of two in [16, {ROW_ELEMS}]; "
                      f"got d={g.shape[1]}")
+  if u is None:
+    return _fused_ln(g, s, jnp.asarray(valid, F32), float(eps), float(u_norm), bool(interpret))
   return _fused(g, u, s, jnp.asarray(valid, F32), float(eps), bool(interpret))

@@ -13,10 +13,33 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import jax.numpy as jnp
+from jax import lax
 
 from pallas_kernels.activations import apply_per_head, per_head
 
 _F32 = jnp.float32
+
+
+def layer_norm_rows(x, eps: float):
+  """Affine-free LayerNorm of each row of ``x [N, ...]`` over all its trailing elements (a
+  token's heads together), in float32 (the mean, then the mean square about it, as
+  ``kunlun.nn.norms.layer_norm``), returned in x's dtype and shape."""
+  xf = x.reshape(x.shape[0], -1).astype(jnp.float32)
+  mu = jnp.mean(xf, axis=1, keepdims=True)
+  var = jnp.mean(jnp.square(xf - mu), axis=1, keepdims=True)
+  return ((xf - mu) * lax.rsqrt(var + eps)).astype(x.dtype).reshape(x.shape)
+
+
+def layer_norm_rows_dx(x, dy, eps: float):
+  """``layer_norm_rows``'s backward: ``dx = r (dy - mean(dy) - y mean(dy y))`` per row with
+  ``y = (x - mu) r``, in float32, returned in x's dtype (``x, dy [N, ...]``)."""
+  xf = x.reshape(x.shape[0], -1).astype(jnp.float32)
+  mu = jnp.mean(xf, axis=1, keepdims=True)
+  r = lax.rsqrt(jnp.mean(jnp.square(xf - mu), axis=1, keepdims=True) + eps)
+  y = (xf - mu) * r
+  g = dy.reshape(y.shape).astype(jnp.float32)
+  dx = r * (g - jnp.mean(g, axis=1, keepdims=True) - y * jnp.mean(g * y, axis=1, keepdims=True))
+  return dx.astype(x.dtype).reshape(x.shape)
 
 
 def _lengths_mask(lengths, batch, size):

@@ -420,6 +420,55 @@ def test_pallas_cross_pass_through_adds_its_cotangent_to_dq():
         np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5, err_msg=f"{case} d{what}")
 
 
+def _np_layer_norm(x, eps):
+  """float64: each token's row normalised over all its heads (no scale, no bias)."""
+  x = np.asarray(x, np.float64).reshape(x.shape[0], -1)
+  y = (x - x.mean(1, keepdims=True)) / np.sqrt(x.var(1, keepdims=True) + eps)
+  return y.reshape(-1, H, D)
+
+
+def test_cross_twin_normalises_its_queries_like_numpy():
+  """``q_norm``: the twin's output is the float64 loop's on numpy's LayerNorm of the rows
+  (values on every token; a row's heads share one statistic)."""
+  (q, _, _), jag, _ = _packed("ragged")
+  kk, vv, _ = _example_kv()
+  q = q * 3.0 + 1.5                                   # a mean and a scale the norm must remove
+  got = jagged.jagged_gdpa_cross(q, kk, vv, jag, activation="silu", kv_lengths=KV_LENGTHS,
+                                 score_clip=1.5, q_norm=1e-6)
+  off = np.asarray(jag.offsets)
+  want = _np_cross(_np_layer_norm(q, 1e-6), kk, vv, off, KV_LENGTHS, "silu", D ** -0.5, 1.5)
+  np.testing.assert_allclose(got, want, atol=2e-6, rtol=1e-5)
+
+
+def _ln_vjp(fn, jag, ops, **kw):
+  """Outputs and the vjp at cotangent ``cos(o)`` of ``fn(q, kk, vv, jag, q_norm=1e-6)``."""
+  out, vjp = jax.vjp(lambda *a: fn(*a, jag, q_norm=1e-6, **kw), *ops)
+  return out, vjp(jnp.cos(out.astype(jnp.float32)).astype(out.dtype))
+
+
+def test_pallas_cross_normalises_its_queries_inside():
+  """``jagged_gdpa_cross_pallas(q_norm=eps)`` (PFFN's LayerNorm inside the kernels: the query
+  never written): values and the gradients of x (through the norm), k and v equal the twin's,
+  every lengths case, poisoned outputs; and ``through`` with it is refused in one line."""
+  kw = dict(activation="silu", kv_lengths=KV_LENGTHS, score_clip=1.5, out_scale=0.75)
+  twin = jax.jit(lambda jag, *ops: _ln_vjp(jagged.jagged_gdpa_cross, jag, ops, **kw))
+  with _poison.poison_outputs():
+    run = jax.jit(lambda jag, *ops: _ln_vjp(jagged_pallas.jagged_gdpa_cross_pallas, jag, ops,
+                                            interpret=True, block_q=TILE, **kw))
+    for case in LENGTHS:
+      (q, _, _), jag, _ = _packed(case)
+      ops = (q * 2.0 - 0.5, *_example_kv()[:2])
+      (out, grads), (want, want_grads) = run(jag, *ops), twin(jag, *ops)
+      np.testing.assert_allclose(out, want, atol=2e-6, rtol=1e-5, err_msg=case)
+      for what, g, r in zip(["x", "k", "v"], grads, want_grads, strict=True):
+        np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5, err_msg=f"{case} d{what}")
+  (q, _, _), jag, _ = _packed("ragged")
+  with pytest.raises(ValueError, match="do not combine") as e:
+    jagged_pallas.jagged_gdpa_cross_pallas(q, *_example_kv()[:2], jag, interpret=True,
+                                           through=True, q_norm=1e-6)
+  assert "\n" not in str(e.value)
+
+
 # prod's head size (d_h 128) with more keys and seeds than one kernel can hold in shared memory
 # at once: the GDPA kernels split them (tuning.fit_smem). bfloat16 (prod): the cross forward and
 # dq kernels read an example's keys in 2 chunks of 128; float32: every GDPA kernel splits them
@@ -466,6 +515,15 @@ def test_pallas_gdpa_at_prod_head_dim_against_the_xla_twin(dtype):
     got = jax.jit(lambda: _through_vjp(jagged_pallas.jagged_gdpa_cross_pallas, jag, (q, kk, vv),
                                        interpret=True, through=True, **cross))()
   for what, g, r in zip(["cross", "q", "dq", "dk_ex", "dv_ex"], jax.tree.leaves(got),
+                        jax.tree.leaves(want), strict=True):
+    g, r = np.asarray(g, np.float32), np.asarray(r, np.float32)
+    np.testing.assert_allclose(g, r, atol=PROD_TOL[dtype] * np.abs(r).max(), err_msg=what)
+  # the query normalised inside the kernels (q_norm: PFFN's LayerNorm), on both backward plans
+  want = jax.jit(lambda: _ln_vjp(jagged.jagged_gdpa_cross, jag, (q, kk, vv), **cross))()
+  with _poison.poison_outputs():
+    got = jax.jit(lambda: _ln_vjp(jagged_pallas.jagged_gdpa_cross_pallas, jag, (q, kk, vv),
+                                  interpret=True, **cross))()
+  for what, g, r in zip(["cross_ln", "dx", "dk_ex", "dv_ex"], jax.tree.leaves(got),
                         jax.tree.leaves(want), strict=True):
     g, r = np.asarray(g, np.float32), np.asarray(r, np.float32)
     np.testing.assert_allclose(g, r, atol=PROD_TOL[dtype] * np.abs(r).max(), err_msg=what)

@@ -34,15 +34,15 @@ from tests.bench.profiling.test_gpu_target import GPU_PY, ROOT
 SHAPES = {"prod": (4, 128, 256, 128, 128), "mid": (4, 64, 64, 64, 64),
           "mid_s32": (4, 64, 64, 32, 64)}
 B, N = 4, 1024
-FAMILIES = ("cross", "cross_through", "cross_per_head", "pool", "pool_per_head", "pool_proj", "block_softmax",
-            "block_gdpa",
-            "softmax_band", "softmax_full", "norm_qkv", "norm_proj", "norm_residual",
-            "proj_residual", "event_mlp", "seed_kron")
+FAMILIES = ("cross", "cross_through", "cross_ln", "cross_per_head", "pool", "pool_per_head",
+            "pool_proj", "block_softmax", "block_gdpa", "softmax_band", "softmax_full",
+            "norm_qkv", "norm_proj", "norm_residual", "norm_residual_ln", "proj_residual",
+            "event_mlp", "seed_kron")
 # the row-wise fused kernels (no jagged_pallas._plan): {family: kernels (forward, backward;
 # norm_qkv, norm_proj, proj_residual: and pallas_kernels.wgrad's weight gradient; norm_qkv: and
 # the sum of its scales' partials, pallas_kernels.partials; event_mlp: two)}
-FUSED = {"norm_qkv": 4, "norm_proj": 3, "norm_residual": 2, "proj_residual": 2, "event_mlp": 4,
-         "seed_kron": 2}
+FUSED = {"norm_qkv": 4, "norm_proj": 3, "norm_residual": 2, "norm_residual_ln": 2,
+         "proj_residual": 2, "event_mlp": 4, "seed_kron": 2}
 PER_HEAD = ("gelu", "silu", "relu2", "fast_gelu")   # XLA's Triton: one loop copy each
 # families that also run row-wise kernels (no _plan): {family: (kernels, row-wise kernels)}
 WITH_ROWWISE = {"pool_proj": (4, ("norm_proj_bwd", "row_scaled_wgrad"))}
@@ -76,6 +76,9 @@ def _families(shape, dtype=jnp.bfloat16):
       # PFFN's: q passed through to the fused tail, its cotangent read by the backward kernel
       "cross_through": (lambda q, k, v, j: _summed(jp.jagged_gdpa_cross_pallas(
           q, k, v, j, kv_lengths=jnp.full((B,), NKV - 3), through=True)), (tok, ex, ex)),
+      # PFFN's where the query is the LayerNorm of x, computed in the kernels (q_norm)
+      "cross_ln": (lambda x, k, v, j: jp.jagged_gdpa_cross_pallas(
+          x, k, v, j, kv_lengths=jnp.full((B,), NKV - 3), q_norm=1e-6), (tok, ex, ex)),
       "cross_per_head": (lambda q, k, v, j: jp.jagged_gdpa_cross_pallas(
           q, k, v, j, activation=PER_HEAD[:H], score_clip=8.0), (tok, ex, ex)),
       "pool": (lambda q, k, v, j: jp.jagged_gdpa_pool_pallas(q, k, v, j), (seeds, tok, tok)),
@@ -102,6 +105,8 @@ def _families(shape, dtype=jnp.bfloat16):
       # the PFFN's tail and the attention's output side (row-wise; valid: j.valid)
       "norm_residual": (lambda g, u, s, j: norm_residual.norm_residual_pallas(
           g, u, s, j.valid.astype(jnp.float32), eps=1e-6), (tok_x, tok_x, tok_x)),
+      "norm_residual_ln": (lambda g, s, _, j: norm_residual.norm_residual_pallas(
+          g, None, s, j.valid.astype(jnp.float32), eps=1e-6, u_norm=1e-6), (tok_x, tok_x, age)),
       "proj_residual": (lambda x, o, w, j: proj_residual.proj_residual_pallas(
           x, o, w, j.valid.astype(jnp.float32)), (tok_x, tok, w_out)),
       "event_mlp": (lambda x, w1, w2, j: event_mlp.event_mlp_pallas(

@@ -1,7 +1,8 @@
 """The PFFN's tail over packed tokens (``pallas_kernels.norm_residual``): the twin against a
 float64 numpy computation, the Pallas kernels (interpret mode, NaN-poisoned outputs) against the
 twin in values and gradients (float32: 1e-5 of the largest magnitude; bfloat16: 2e-2), with row
-counts no multiple of the tile, a zero tail and masked rows that hold values."""
+counts no multiple of the tile, a zero tail and masked rows that hold values; the same with the
+residual ``u`` the LayerNorm of ``s`` computed in the kernels (``u_norm``)."""
 
 import jax
 import jax.numpy as jnp
@@ -85,3 +86,63 @@ def test_bad_shapes_and_widths_are_refused():
   with pytest.raises(ValueError, match="must be one"):
     norm_residual.norm_residual_pallas(z, z, z[:4], jnp.ones(8), eps=EPS, interpret=True)
   assert norm_residual.supported(256) and not norm_residual.supported(48)
+
+
+def _np_ln(s):
+  s = s.astype(np.float64)
+  mu = s.mean(-1, keepdims=True)
+  r = 1.0 / np.sqrt(np.mean((s - mu) ** 2, -1, keepdims=True) + EPS)
+  return (s - mu) * r, r
+
+
+def test_twin_with_the_norm_matches_numpy():
+  """``u = None, u_norm``: ``u = LN(s)``; s's cotangent is the residual's plus the norm's
+  backward of u's (float64 numpy, by hand)."""
+  g, _, s, valid = _inputs(50, 64, 4)
+  s = s + 2.0                                                # a mean the norm must remove
+  s[-2:] = 0.0
+  dy = np.random.default_rng(5).normal(size=g.shape).astype(np.float32)
+  y_ln, r_ln = _np_ln(s)
+  ref_y, ref_dt, ref_ds = _numpy(g, y_ln, s, valid, dy)
+  du = ref_dt
+  ref_ds = ref_ds + r_ln * (du - du.mean(-1, keepdims=True)
+                            - y_ln * np.mean(du * y_ln, -1, keepdims=True))
+  f = lambda g, s: norm_residual.norm_residual_xla(g, None, s, valid, eps=EPS, u_norm=EPS)
+  close(f(jnp.asarray(g), jnp.asarray(s)), ref_y, 1e-5)
+  dg, ds = jax.grad(lambda g, s: jnp.sum(f(g, s) * dy), argnums=(0, 1))(jnp.asarray(g),
+                                                                        jnp.asarray(s))
+  close(dg, ref_dt, 1e-5)
+  close(ds, ref_ds, 1e-5)
+
+
+@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 2e-2)])
+@pytest.mark.parametrize("N,d", [(77, 64), (40, 256)])
+def test_kernels_with_the_norm_match_the_twin(dtype, tol, N, d):
+  g, _, s, valid = _inputs(N, d, N + d + 1)
+  g, s = jnp.asarray(g, dtype), jnp.asarray(s * 1.5 - 0.7, dtype)
+  valid = jnp.asarray(valid)
+  dy = jnp.asarray(np.random.default_rng(6).normal(size=(N, d)), jnp.float32)
+
+  def run(fn, **k):
+    f = lambda g, s: fn(g, None, s, valid, eps=EPS, u_norm=EPS, **k)
+    return f(g, s), jax.grad(lambda g, s: jnp.sum(f(g, s).astype(jnp.float32) * dy),
+                             argnums=(0, 1))(g, s)
+
+  with _poison.poison_outputs():
+    y, grads = jax.jit(lambda: run(norm_residual.norm_residual_pallas, interpret=True))()
+  ref, rgrads = jax.jit(lambda: run(norm_residual.norm_residual_xla))()
+  assert y.dtype == dtype
+  close(y, ref, tol)
+  for name, a, b in zip("gs", grads, rgrads, strict=True):
+    assert a.dtype == b.dtype and a.shape == b.shape, name
+    close(a, b, tol)
+    assert not np.any(np.asarray(a, np.float32)[N - 5:]), name
+
+
+def test_u_and_its_norm_are_exclusive():
+  z = jnp.zeros((8, 64))
+  with pytest.raises(ValueError, match="u=None with u_norm"):
+    norm_residual.norm_residual_pallas(z, z, z, jnp.ones(8), eps=EPS, u_norm=EPS,
+                                       interpret=True)
+  with pytest.raises(ValueError, match="u=None with u_norm"):
+    norm_residual.norm_residual_pallas(z, None, z, jnp.ones(8), eps=EPS, interpret=True)
