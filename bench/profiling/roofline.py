@@ -738,6 +738,12 @@ def record_kernels(fence: bool = True):
         keep(kind, cost)
         if not fence or kind == "block":
           return fn(q, k, v, jag, **kw)
+        if kw.get("q_norm") is not None:
+          # the query's LayerNorm inside the kernels (the PFFN's): its backward is XLA's, which
+          # fuses into the pass that adds x's other cotangents, as the norm's did outside the
+          # op; a fence on q's cotangent would keep it a pass of its own
+          k, v = _fence((k, v))
+          return _fence(fn(q, k, v, jag, **kw))
         return _fence(fn(*_fence((q, k, v)), jag, **kw))
     return call
 

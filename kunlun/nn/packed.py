@@ -138,7 +138,9 @@ def gdpa_cross(q, k, v, jag, *, backend: str, kv_lengths=None, through=False, **
   """PFFN's GDPA: ``q [N, H, D]`` reads its example's ``k, v [B, n_kv, H, D]`` (keys below
   ``kv_lengths i32[B]``; None: all) -> ``[N, H, D]``; ``through`` (where
   ``gdpa_cross_through``): ``(that, q)``, q passed through for a second reader, whose cotangent
-  the Pallas backward kernels add to dq (``jagged_pallas.jagged_gdpa_cross_pallas``)."""
+  the Pallas backward kernels add to dq (``jagged_pallas.jagged_gdpa_cross_pallas``).
+  ``q_norm=eps`` in ``kw``: the queries are the LayerNorm of ``q``'s rows (the Pallas kernels
+  compute it inside, forward and backward)."""
   pallas = _use_pallas(backend)
   if through and not pallas:
     raise ValueError("gdpa_cross: through=True runs on the Pallas kernels only "
@@ -299,10 +301,14 @@ def fused_proj(x, ws, jag, *, dtype):
   return _rowwise_kernel(op, jag, (x,), tuple(ws))
 
 
-def fused_norm_residual(g, u, x, jag, *, eps: float):
+def fused_norm_residual(g, u, x, jag, *, eps: float, u_norm: float | None = None):
   """PFFN's tail ``kunlun.nn.fused.norm_residual`` on a packed tower as one Pallas pass each way
   (``pallas_kernels.norm_residual``): ``g, u, x [N, d]`` -> ``[N, d]`` in ``x.dtype``, each
-  block's tail zero."""
+  block's tail zero; ``u`` None: ``u = LayerNorm(x)`` (epsilon ``u_norm``) in the kernels."""
+  if u is None:
+    op = lambda g, x, valid: (norm_residual.norm_residual_pallas(
+        g, None, x, valid, eps=eps, u_norm=u_norm, interpret=interpret_kernels()),)
+    return _rowwise_kernel(op, jag, (g, x, jag.valid.astype(F32)), ())[0]
   op = lambda g, u, x, valid: (norm_residual.norm_residual_pallas(
       g, u, x, valid, eps=eps, interpret=interpret_kernels()),)
   return _rowwise_kernel(op, jag, (g, u, x, jag.valid.astype(F32)), ())[0]

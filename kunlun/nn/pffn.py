@@ -84,6 +84,12 @@ class PFFN(nn.Module):
       tail = not self.norm_affine and packed.fuse_tail(self.backend, d)
       k, v = k.astype(self.dtype), v.astype(self.dtype)
       kw = dict(activation=self.activation, score_clip=self.score_clip)
+      if tail and self.time_buckets is None and x.dtype == jnp.dtype(self.dtype):
+        # u = LN(x) inside GDPA's kernels and the tail's, both ways: never written nor read
+        g = packed.gdpa_cross(x.reshape(N, self.heads, dh), k, v, jag, backend=self.backend,
+                              out_scale=1.0, q_norm=EPS, **kw)
+        return packed.Packed(packed.fused_norm_residual(g.reshape(N, d), None, x, jag, eps=EPS,
+                                                        u_norm=EPS), jag)
       # the fused tail reads the query itself as its residual u (no bucket embedding on it):
       # GDPA passes q through, and its backward kernels add the tail's cotangent of u to dq
       q_shape = jax.ShapeDtypeStruct((N, self.heads, dh), self.dtype)

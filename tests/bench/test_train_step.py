@@ -393,6 +393,50 @@ def test_fenced_kernel_calls_keep_values_and_gradients():
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
 
 
+def test_fence_leaves_the_query_norms_backward_to_fuse():
+  """With the PFFN's LayerNorm inside the GDPA kernels (``q_norm``), ``record_kernels`` fences the
+  op's keys, values and output but not its query input: the norm's backward (XLA's, inside the
+  op) then fuses with the other cotangents of x, as the norm's did outside the op. In the
+  differentiated jaxpr only the output's fence (its value and its cotangent) holds a token-sized
+  ``[N, H, D]`` array; with the query fenced too there would be four."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  from data.jagged import pack_events
+  from kunlun.nn import packed
+  from kunlun.nn.pffn import PFFN
+  from pallas_kernels.jagged import Jagged
+  N, d, H, Bx = 64, 32, 2, 3
+  toks, offsets, seg, pos, _ = pack_events(
+      {"s": np.ones((Bx, 30, d), np.float32)}, np.array([30, 0, 12], np.int32), N)
+  jag = Jagged(*(jnp.asarray(a) for a in (offsets, seg, pos)))
+  x = jnp.asarray(toks["s"]) * jnp.arange(d, dtype=jnp.float32)
+  k = v = jnp.ones((Bx, 4, H, d // H), jnp.float32)
+  m = PFFN(H, backend="pallas", dtype=jnp.float32)
+  p = m.init(jax.random.key(0), packed.Packed(x, jag), None, k, v)
+  f = lambda x, k, v: jnp.sum(m.apply(p, packed.Packed(x, jag), None, k, v).value)
+  with roofline.record_kernels() as calls:
+    jaxpr = jax.make_jaxpr(jax.grad(f, argnums=(0, 1, 2)))(x, k, v)
+  assert [c["kind"] for c in calls] == ["gdpa"]
+
+  def barriers(jx):
+    for e in jx.eqns:
+      if e.primitive.name == "optimization_barrier":
+        yield e
+      for v in e.params.values():                     # custom_vjp, pjit, ... bodies
+        for j in (v if isinstance(v, (tuple, list)) else (v,)):
+          inner = getattr(j, "jaxpr", None)
+          if inner is not None and hasattr(inner, "eqns"):
+            yield from barriers(inner)
+          elif hasattr(j, "eqns"):
+            yield from barriers(j)
+
+  tok = [e for e in barriers(jaxpr.jaxpr)
+         if any(getattr(a.aval, "shape", None) == (N, H, d // H) for a in e.invars)]
+  assert len(tok) == 2, tok
+
+
 def test_param_casts_counts_cast_sites():
   """``bench.profiling.param_casts``: a leaf cast to bf16 at one site, one cast at two sites (also inside
   a remat), one also read in float32, one never cast."""
