@@ -18,7 +18,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import _poison, activations, jagged, norm_qkv, tuning
 from pallas_kernels._common import dot, examples_per_program, loop_spans, pad_pow2, precision
-from pallas_kernels.reference import layer_norm_rows_dx, score_clip_value
+from pallas_kernels.reference import layer_norm_dx, score_clip_value
 
 _F32 = jnp.float32
 _NEG = -1e30
@@ -464,7 +464,7 @@ def _gdpa_cross_ln(cfg: _Cfg, x, k, v, jag, kvl):
   every head's tile of x and writes them (8 bytes a row) for the backward kernels, which
   normalise their tiles with them (their tiles and pipeline stages are ``_gdpa_cross``'s plus
   that vector pair) and write the query's cotangent; the norm's backward
-  (``reference.layer_norm_rows_dx``, behind a barrier as ``kunlun.nn.norms.layer_norm``'s) is
+  (``reference.layer_norm_dx``, behind a barrier as ``kunlun.nn.norms.layer_norm``'s) is
   XLA's, which fuses it into the pass that adds x's other cotangents."""
   return _cross_fwd(cfg, x, k, v, jag, kvl)[0]
 
@@ -480,7 +480,7 @@ def _gdpa_cross_ln_bwd(cfg: _Cfg, res, do):
   # rows of d elements (XLA fuses the norm's row reductions with their consumers where the rows
   # are the last axis), behind a barrier: no CSE with the forward's values
   x2, du2 = lax.optimization_barrier((x.reshape(x.shape[0], -1), du.reshape(x.shape[0], -1)))
-  return (layer_norm_rows_dx(x2, du2, cfg.eps).reshape(x.shape), *rest)
+  return (layer_norm_dx(x2, du2.astype(_F32), cfg.eps).reshape(x.shape), *rest)
 
 
 _gdpa_cross_ln.defvjp(_gdpa_cross_ln_fwd, _gdpa_cross_ln_bwd)
@@ -514,8 +514,8 @@ def jagged_gdpa_cross_pallas(q, k, v, jag, *, activation="fast_gelu", scale=None
   through (PFFN's residual reads the query), and the backward kernels write dq plus the
   pass-through's cotangent, which XLA added in a pass of its own (where ``cross_through_fits``;
   elsewhere XLA adds the two after the kernels, inside this op). ``q_norm`` (an epsilon): the
-  query is ``reference.layer_norm_rows(q, q_norm)``, computed inside the kernels, forward and
-  backward (``_gdpa_cross_ln``); not with ``through``."""
+  query is the LayerNorm of each token's row (``reference.layer_norm``), computed inside the
+  kernels, forward and backward (``_gdpa_cross_ln``); not with ``through``."""
   jagged.check_example_kv(k, v, jag, q)
   kvl = jnp.full((jag.batch,), k.shape[1], jnp.int32) if kv_lengths is None else jnp.clip(
       jnp.asarray(kv_lengths, jnp.int32), 0, k.shape[1])

@@ -30,7 +30,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import _poison
 from pallas_kernels._common import is_tile, load_rows, load_vec, store_rows
-from pallas_kernels.reference import layer_norm_rows
+from pallas_kernels.reference import layer_norm
 
 F32 = jnp.float32
 WARPS = 4
@@ -41,8 +41,8 @@ ROW_ELEMS = 8192          # rows per program: this many elements, so 32 rows at 
 
 def norm_residual_xla(g, u, s, valid, *, eps: float, u_norm: float | None = None):
   """The twin: ``y [N, d]`` in ``s.dtype`` (module docstring); ``u`` None:
-  ``reference.layer_norm_rows(s, u_norm)``."""
-  u = layer_norm_rows(s, u_norm) if u is None else u
+  ``reference.layer_norm(s, u_norm)``."""
+  u = layer_norm(s, u_norm) if u is None else u
   t = g.astype(F32) + u.astype(F32)
   y = t * lax.rsqrt(jnp.mean(t * t, -1, keepdims=True) + eps) + s.astype(F32)
   return (y * valid.astype(F32)[:, None]).astype(s.dtype)

@@ -20,26 +20,32 @@ from pallas_kernels.activations import apply_per_head, per_head
 _F32 = jnp.float32
 
 
-def layer_norm_rows(x, eps: float):
-  """Affine-free LayerNorm of each row of ``x [N, ...]`` over all its trailing elements (a
-  token's heads together), in float32 (the mean, then the mean square about it, as
-  ``kunlun.nn.norms.layer_norm``), returned in x's dtype and shape."""
-  xf = x.reshape(x.shape[0], -1).astype(jnp.float32)
-  mu = jnp.mean(xf, axis=1, keepdims=True)
-  var = jnp.mean(jnp.square(xf - mu), axis=1, keepdims=True)
-  return ((xf - mu) * lax.rsqrt(var + eps)).astype(x.dtype).reshape(x.shape)
+def layer_norm_stats(x, eps: float):
+  """``(x, mu, r)`` over the last axis, in float32: x, its mean and the reciprocal of its
+  deviation (the mean square about the mean, then ``rsqrt(. + eps)``)."""
+  x = x.astype(_F32)
+  mu = jnp.mean(x, axis=-1, keepdims=True)
+  var = jnp.mean(jnp.square(x - mu), axis=-1, keepdims=True)
+  return x, mu, lax.rsqrt(var + eps)
 
 
-def layer_norm_rows_dx(x, dy, eps: float):
-  """``layer_norm_rows``'s backward: ``dx = r (dy - mean(dy) - y mean(dy y))`` per row with
-  ``y = (x - mu) r``, in float32, returned in x's dtype (``x, dy [N, ...]``)."""
-  xf = x.reshape(x.shape[0], -1).astype(jnp.float32)
-  mu = jnp.mean(xf, axis=1, keepdims=True)
-  r = lax.rsqrt(jnp.mean(jnp.square(xf - mu), axis=1, keepdims=True) + eps)
-  y = (xf - mu) * r
-  g = dy.reshape(y.shape).astype(jnp.float32)
-  dx = r * (g - jnp.mean(g, axis=1, keepdims=True) - y * jnp.mean(g * y, axis=1, keepdims=True))
-  return dx.astype(x.dtype).reshape(x.shape)
+def layer_norm(x, eps: float, dtype=None):
+  """Affine-free LayerNorm over the last axis, computed in float32 (``layer_norm_stats``),
+  returned in ``dtype`` (None: x's). The formula of ``kunlun.nn.norms.layer_norm`` and of the
+  Pallas kernels that normalise inside (the PFFN's query: ``jagged_pallas``'s ``q_norm``,
+  ``norm_residual``'s ``u_norm``)."""
+  xf, mu, r = layer_norm_stats(x, eps)
+  return ((xf - mu) * r).astype(x.dtype if dtype is None else dtype)
+
+
+def layer_norm_dx(x, dy, eps: float):
+  """``layer_norm``'s backward over the last axis: ``dx = r (dy - mean(dy) - y mean(dy y))``
+  with ``y = (x - mu) r`` and ``dy`` float32, returned in x's dtype."""
+  _, mu, r = layer_norm_stats(x, eps)
+  y = (x.astype(_F32) - mu) * r
+  m1 = jnp.mean(dy, axis=-1, keepdims=True)
+  m2 = jnp.mean(dy * y, axis=-1, keepdims=True)
+  return (r * (dy - m1 - y * m2)).astype(x.dtype)
 
 
 def _lengths_mask(lengths, batch, size):

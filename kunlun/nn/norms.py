@@ -21,6 +21,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import reference
+
 EPS = 1e-6
 F32 = jnp.float32
 
@@ -100,17 +102,12 @@ def _affine_ln_bwd(eps, dtype, res, dz):
 _affine_ln.defvjp(_affine_ln_fwd, _affine_ln_bwd)
 
 
-def _ln_stats(x, eps):
-  x = x.astype(F32)
-  mu = jnp.mean(x, axis=-1, keepdims=True)
-  var = jnp.mean(jnp.square(x - mu), axis=-1, keepdims=True)
-  return x, mu, jax.lax.rsqrt(var + eps)
+_ln_stats = reference.layer_norm_stats
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
 def _layer_norm(x, eps, dtype):
-  x, mu, r = _ln_stats(x, eps)
-  return ((x - mu) * r).astype(dtype)
+  return reference.layer_norm(x, eps, dtype)
 
 
 def _fenced(x, tag: int):
@@ -130,13 +127,7 @@ def _layer_norm_bwd(eps, dtype, x, dy):
   return (_ln_dx(x, dy.astype(F32), eps),)
 
 
-def _ln_dx(x, dy, eps):
-  """``dx = r (dy - mean(dy) - y mean(dy y))`` with ``y = (x - mu) r`` (``dy`` float32)."""
-  _, mu, r = _ln_stats(x, eps)
-  y = (x.astype(F32) - mu) * r
-  m1 = jnp.mean(dy, axis=-1, keepdims=True)
-  m2 = jnp.mean(dy * y, axis=-1, keepdims=True)
-  return (r * (dy - m1 - y * m2)).astype(x.dtype)
+_ln_dx = reference.layer_norm_dx     # dx = r (dy - mean(dy) - y mean(dy y)), dy float32
 
 
 _layer_norm.defvjp(_layer_norm_fwd, _layer_norm_bwd)
