@@ -30,7 +30,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import _poison
 from pallas_kernels._common import is_tile, load_rows, load_vec, store_rows
-from pallas_kernels.reference import layer_norm
+from pallas_kernels.reference import layer_norm, layer_norm_stats
 
 F32 = jnp.float32
 WARPS = 4
@@ -58,10 +58,8 @@ class _Cfg(NamedTuple):
 
 
 def _ln(s_ref, r0, cfg: _Cfg):
-  """``s``'s rows in float32, ``y = (s - mu) r`` and ``r`` (``layer_norm``'s statistics)."""
-  x = load_rows(s_ref, r0, cfg.rows).astype(F32)
-  mu = jnp.mean(x, axis=1, keepdims=True)
-  r = lax.rsqrt(jnp.mean(jnp.square(x - mu), axis=1, keepdims=True) + cfg.u_norm)
+  """``s``'s rows in float32, ``y = (s - mu) r`` and ``r`` (``reference.layer_norm_stats``)."""
+  x, mu, r = layer_norm_stats(load_rows(s_ref, r0, cfg.rows), cfg.u_norm)
   return x, (x - mu) * r, r
 
 
