@@ -72,6 +72,14 @@ def _dims(spec, ndim: int, mesh) -> list[tuple[tuple[str, ...], int]]:
   return out
 
 
+def unsplit(sharding, ndim: int) -> bool:
+  """Whether a leaf of ``ndim`` dimensions with this sharding (a ``NamedSharding`` or None) is
+  whole on every device: no dimension split over a mesh axis of more than one device."""
+  if sharding is None:
+    return True
+  return all(n == 1 for _, n in _dims(sharding.spec, ndim, sharding.mesh))
+
+
 class Layout:
   """Groups and members of a list of leaves (see module doc)."""
 

@@ -45,6 +45,7 @@ from jax.sharding import PartitionSpec as P
 
 from kunlun.nn import packed
 from kunlun.train import flat
+from pallas_kernels import adagrad as adagrad_kernels
 from pallas_kernels import adamw as adamw_kernels
 
 
@@ -218,6 +219,37 @@ class Optimizer:
     ``kunlun.nn.packed.pallas_backend``)."""
     return packed.pallas_backend(self.backend)
 
+  def tables_on_kernel(self, params, idx) -> list[int]:
+    """Those of the embedding tables ``idx`` (leaf indices of ``params``) whose row-wise Adagrad
+    runs on ``pallas_kernels.adagrad`` (``rowwise_tables``): where the kernels run (``kernels``),
+    the ``[V, D]`` tables whole on every device (a sharded one keeps XLA's update, which leaves
+    every shard on its device)."""
+    if not self.kernels():
+      return []
+    leaves, treedef = jax.tree.flatten(params)
+    sh = self._shardings.get(treedef)
+    return [i for i in idx if leaves[i].ndim == 2
+            and flat.unsplit(sh[i] if sh is not None else None, 2)]
+
+  def rowwise_tables(self, tables) -> tuple[tuple, tuple, jax.Array]:
+    """Row-wise Adagrad of several tables in one ``pallas_kernels.adagrad`` launch: ``tables``
+    ``[(gradient source [R, D], first row, table [V, D], accumulator f32[V], counts)]`` (tables
+    of one source share its operand) -> ``(new tables, new accumulators, the float32 sum of the
+    squares of the gradients of the tables that count)``; the same values as
+    ``rowwise_adagrad_leaf`` then ``optax.apply_updates`` per table."""
+    if not tables:
+      return (), (), jnp.zeros((), jnp.float32)
+    srcs, leaves = [], []
+    for src, r0, *_ in tables:
+      k = next((j for j, s in enumerate(srcs) if s is src), None)
+      if k is None:
+        k = len(srcs)
+        srcs.append(src)
+      leaves.append((k, r0))
+    return adagrad_kernels.rowwise_adagrad_pallas(
+        srcs, leaves, [t[2] for t in tables], [t[3] for t in tables], lr=self.emb_lr,
+        sq=[t[4] for t in tables], interpret=packed.interpret_kernels())
+
   def reads_grads_as_given(self) -> bool:
     """Whether the train step may hand over the gradients of 16-bit param copies in their 16-bit
     dtype: the kernels read and widen them (exactly: the same update), so no float32 gradient
@@ -267,8 +299,13 @@ class Optimizer:
     acc = jax.tree.leaves(acc_tree, is_leaf=is_masked)
     new, upd, new_d = self.adamw(layout, prepared.dense, prepared.dense_sq, d_state, p)
     new_acc = list(acc)
-    for i, lab in enumerate(labels):
-      if lab == "emb":
+    emb = [i for i, lab in enumerate(labels) if lab == "emb"]
+    on = self.tables_on_kernel(params, emb)
+    vals, accs, _ = self.rowwise_tables([(g[i], 0, p[i], acc[i], False) for i in on])
+    for i, v, a in zip(on, vals, accs, strict=True):
+      new[i], new_acc[i] = v, a
+    for i in emb:
+      if i not in on:
         upd[i], new_acc[i] = rowwise_adagrad_leaf(g[i], acc[i], self.emb_lr)
         new[i] = optax.apply_updates(p[i], upd[i])
     new_state = optax.PartitionState({

@@ -100,22 +100,33 @@ def make_sparse_update(train_cfg, total_steps: int, param_shardings=None, backen
       cur_p, cur_acc = dict(zip(mine, p_mine, strict=True)), dict(zip(mine, acc_mine, strict=True))
       cur = [cur_p.get(i, p[i]) for i in range(len(keys))]
       d_new, _, new_d = opt.adamw(layout, bufs, prep.dense_sq, d_st, cur)
+      on = set(opt.tables_on_kernel(params, [i for i in mine if labels[i] != "dense"]))
       sq = jnp.zeros((), jnp.float32)
-      g_tab = {}
+      g_tab, at = {}, {}                # at: a kernel table's gradient source and first row
       for gk in small:
         members, gids, g_rows = rows[gk]
         idx = [index[m] for m in members]
         g_vd = early[gk] if gk in early else group_dense_grad(gids, g_rows, rows_of(gk))
+        r0 = 0
         for i, gt in zip(idx, split_tables(g_vd, [p[i].shape[0] for i in idx]), strict=True):
-          g_tab[i] = gt.astype(p[i].dtype)
-          sq = sq + jnp.sum(jnp.square(gt.astype(jnp.float32)))
+          if i in on:
+            at[i] = (g_vd, r0)
+          else:
+            g_tab[i] = gt.astype(p[i].dtype)
+            sq = sq + jnp.sum(jnp.square(gt.astype(jnp.float32)))
+          r0 += p[i].shape[0]
+      kern = [i for i in mine if i in on]
+      vals, accs, k_sq = opt.rowwise_tables([(*at.get(i, (g[i], 0)), cur_p[i], cur_acc[i],
+                                              i in at) for i in kern])
+      for i, v, a in zip(kern, vals, accs, strict=True):
+        cur_p[i], cur_acc[i] = v, a
       for i in mine:
         if labels[i] == "dense":
           cur_p[i] = d_new[i]
-        else:
+        elif i not in on:
           u, cur_acc[i] = optim.rowwise_adagrad_leaf(g_tab.get(i, g[i]), cur_acc[i], lr)
           cur_p[i] = optax.apply_updates(cur_p[i], u)
-      return [cur_p[i] for i in mine], [cur_acc[i] for i in mine], new_d, sq
+      return [cur_p[i] for i in mine], [cur_acc[i] for i in mine], new_d, sq + k_sq
 
     def skip(state):
       p_mine, acc_mine, d_st, _ = state

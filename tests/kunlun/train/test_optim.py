@@ -106,14 +106,19 @@ def _scatter(ids, g_rows, rows):
   return g
 
 
-@pytest.mark.parametrize("jit, grouped", [(True, False), (False, False), (True, True)])
-def test_sparse_update_matches_dense_optimizer_and_numpy(jit, grouped):
+@pytest.mark.parametrize("jit, grouped, backend", [(True, False, "xla"), (False, False, "xla"),
+                                                    (True, True, "xla"), (True, False, "pallas"),
+                                                    (True, True, "pallas")])
+def test_sparse_update_matches_dense_optimizer_and_numpy(jit, grouped, backend):
   """Row gradients + ids drive the same update as the dense table gradient (numpy scatter-add):
   a 16-row table (> ids: the sparse path) and a 3-row one (<= ids: the scatter path), or both in
   one table group (group ids into their concatenation); the optimizer-state layout is
-  make_optimizer's; rows never looked up stay bitwise unchanged."""
+  make_optimizer's; rows never looked up stay bitwise unchanged. ``backend="pallas"``: both
+  optimizers on their kernels (interpret mode), the tables updated inside the skip-cond (the
+  scatter path's and the one that is not looked up) on ``pallas_kernels.adagrad``."""
   cfg = _cfg()
-  tx, sparse = optim.make_optimizer(cfg, 100), make_sparse_update(cfg, 100)
+  tx, sparse = (optim.make_optimizer(cfg, 100, backend=backend),
+                make_sparse_update(cfg, 100, backend=backend))
   sparse = jax.jit(sparse) if jit else sparse
   params = _sparse_params()
   init, dense_step = jax.jit(tx.init), _apply(tx)
@@ -165,7 +170,7 @@ def test_sparse_update_matches_dense_optimizer_and_numpy(jit, grouped):
   for a, b in zip(jax.tree.leaves((p2, s2)), jax.tree.leaves((p_sparse, s_sparse)), strict=True):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   with pytest.raises(ValueError, match="no gradient"):
-    make_sparse_update(cfg, 100)(p_sparse, s_sparse, {}, rows, jnp.asarray(True))
+    make_sparse_update(cfg, 100, backend=backend)(p_sparse, s_sparse, {}, rows, jnp.asarray(True))
 
 
 # ---- the flat (multi-tensor) AdamW ------------------------------------------------------------
