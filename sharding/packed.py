@@ -24,6 +24,13 @@ def _active():
   return None if mesh is None or mesh.empty or not rules else (mesh, rules)
 
 
+def one_device() -> bool:
+  """Whether the computation being traced runs on one device: no active mesh and rules, or a
+  mesh of one device (a Pallas call on values nothing splits)."""
+  act = _active()
+  return act is None or act[0].size == 1
+
+
 def split_count(logical: str, mesh=None, rules=None) -> int:
   """Devices ``rules`` split the logical axis ``logical`` over on ``mesh`` (default: the active
   mesh and rules; 1 when none are set)."""

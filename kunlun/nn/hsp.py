@@ -24,10 +24,10 @@ from kunlun.nn.fused import add_rms_norm, apart, batched_mixes
 from kunlun.nn.gdpa import gdpa_op
 from kunlun.nn.norms import EPS, rms_norm
 from kunlun.nn.time_encoding import add_bucket_embedding
-from pallas_kernels import seed_kron
+from pallas_kernels import seed_kron, seed_query
 from pallas_kernels.activations import per_head
 from sharding import shard, with_axes
-from sharding.packed import per_shard
+from sharding.packed import one_device, per_shard
 
 F32 = jnp.float32
 
@@ -42,6 +42,20 @@ def _to_heads(mod, name, x, heads, dtype):
   """``x [..., d] @ W [d, heads, d // heads]`` with ``W`` the parameter ``name``."""
   w = _head_weights(mod, name, x.shape[-1], heads)
   return jnp.einsum("...d,dhc->...hc", x.astype(dtype), w.astype(dtype))
+
+
+def _seed_queries(mod, e, heads, dtype, backend="xla"):
+  """``_to_heads(mod, "query", rms_norm(e), heads, dtype)``: the seeds ``e f32[S, d]``' queries
+  ``[S, H, D]``; on the Pallas backend one kernel each way (``pallas_kernels.seed_query``) where
+  it takes the shapes and the step runs on one device (its operands are parameters, which a mesh
+  may split)."""
+  S, d = e.shape
+  if (packed.pallas_backend(backend) and one_device()
+          and seed_query.supported(S, d, heads, d // heads)):
+    w = _head_weights(mod, "query", d, heads)
+    return seed_query.seed_query_pallas(e, w, eps=EPS, dtype=dtype,
+                                        interpret=packed.interpret_kernels())
+  return _to_heads(mod, "query", rms_norm(e), heads, dtype)
 
 
 def _from_heads(mod, name, o, out_dim, dtype, backend="xla"):
@@ -155,7 +169,7 @@ class HSP(nn.Module):
     with jax.named_scope("HSP"):
       e = self.param("seeds", with_axes(nn.initializers.normal(0.02), ("seeds", "embed")),
                      (self.n_seed, d), F32)
-      q = _to_heads(self, "query", rms_norm(e), H, dt)
+      q = _seed_queries(self, e, H, dt, self.backend)
       gdpa = dict(activation=self.activation, out_scale=1.0 / (self.t_max or s.shape[1]),
                   score_clip=self.score_clip)
       if jag is not None and packed.fusable(self.backend, d, H, dt):

@@ -177,10 +177,11 @@ def test_packed_fused_keys_values_match_the_unfused_path(lens, dtype):
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_seed_side_kernel_matches_the_xla_path(dtype):
-  """HSP's seed side on the Pallas backend, ``rms_norm(e + o W_o)`` then ``SumKronLinear``'s
-  first product as ``pallas_kernels.seed_kron`` (interpret mode; 32 seeds, 8 summaries of rank
-  2, width 64), on a packed tower with ragged and empty histories: summaries and gradients
-  (parameters and tokens) equal the XLA backend's (float32: 1e-5; bfloat16: 2e-2)."""
+  """HSP's seed side on the Pallas backend, the seeds' queries as ``pallas_kernels.seed_query``
+  and ``rms_norm(e + o W_o)`` then ``SumKronLinear``'s first product as
+  ``pallas_kernels.seed_kron`` (interpret mode; 32 seeds, 8 summaries of rank 2, width 64), on a
+  packed tower with ragged and empty histories: summaries and gradients (parameters and tokens)
+  equal the XLA backend's (float32: 1e-5; bfloat16: 2e-2)."""
   from data.jagged import pack_events
   from kunlun.nn import packed
   from pallas_kernels import seed_kron
@@ -195,7 +196,8 @@ def test_seed_side_kernel_matches_the_xla_path(dtype):
   assert seed_kron.supported(32, 2, 8, 64)
   apply = lambda m, v, x: m.apply(v, packed.Packed(x, jag), None)
   v = jax.jit(mods["xla"].init)(jax.random.key(1), packed.Packed(x, jag), None)
-  assert "seed_kron" in str(jax.make_jaxpr(lambda v, x: apply(mods["pallas"], v, x))(v, x))
+  fwd = str(jax.make_jaxpr(lambda v, x: apply(mods["pallas"], v, x))(v, x))
+  assert "seed_kron" in fwd and "seed_query_fwd" in fwd
   g = jnp.asarray(np.random.default_rng(7).normal(size=(len(lens), 8, 64)), jnp.float32)
   pallas_matches_xla(mods, v, x, apply, g, dtype)
 
