@@ -67,7 +67,8 @@ def _bwd_kernel(e_ref, w_ref, dq_ref, dw_ref, de_ref, *, cfg: _Cfg):
   n = dq_ref.shape[1] // COLS
   for c in range(n):                       # dw = h^T dq, a column block at a time
     cols = pl.ds(c * COLS, COLS)
-    dw_ref[:, cols] = round_to(dot(h, dq_ref[:, cols], cfg, trans_a=True), cfg.dtype)
+    dw = dot(h, dq_ref[:, cols], cfg, trans_a=True)
+    dw_ref[:, cols] = dw.astype(cfg.dtype).astype(dw_ref.dtype)
   dh = jnp.zeros(y.shape, F32)
   for c in range(n):                       # dh = dq w^T
     cols = pl.ds(c * COLS, COLS)
@@ -103,9 +104,9 @@ def _op_bwd(cfg: _Cfg, res, dq):
   S, d = e.shape
   dw, de = _call(_bwd_kernel, (e, w.reshape(d, -1).astype(cfg.dtype),
                                dq.reshape(S, -1).astype(cfg.dtype)),
-                 (jax.ShapeDtypeStruct((d, w.shape[1] * w.shape[2]), F32),
+                 (jax.ShapeDtypeStruct((d, w.shape[1] * w.shape[2]), w.dtype),
                   jax.ShapeDtypeStruct((S, d), F32)), cfg, "seed_query_bwd")
-  return de.astype(e.dtype), dw.reshape(w.shape).astype(w.dtype)
+  return de.astype(e.dtype), dw.reshape(w.shape)
 
 
 _op.defvjp(_op_fwd, _op_bwd)
@@ -120,7 +121,9 @@ def supported(S: int, d: int, heads: int, head_dim: int) -> bool:
 
 
 def seed_query_pallas(e, w, *, eps: float = EPS, dtype=jnp.bfloat16, interpret: bool = False):
-  """``seed_query_xla``'s values and gradients from one kernel each way (module docstring)."""
+  """``seed_query_xla``'s values and gradients from one kernel each way (module docstring).
+  ``w`` in ``dtype`` is read as it is (a caller casts a float32 parameter where a 16-bit copy
+  can stand in for the cast); its gradient comes back in ``w``'s dtype."""
   if e.ndim != 2 or w.ndim != 3 or w.shape[0] != e.shape[1]:
     raise ValueError(f"seed_query: e {e.shape} and w {w.shape} must be [S, d] and [d, H, D]")
   if not supported(e.shape[0], e.shape[1], w.shape[1], w.shape[2]):

@@ -48,11 +48,12 @@ def _seed_queries(mod, e, heads, dtype, backend="xla"):
   """``_to_heads(mod, "query", rms_norm(e), heads, dtype)``: the seeds ``e f32[S, d]``' queries
   ``[S, H, D]``; on the Pallas backend one kernel each way (``pallas_kernels.seed_query``) where
   it takes the shapes and the step runs on one device (its operands are parameters, which a mesh
-  may split)."""
+  may split). The weight is cast here, its only use, which the optimizer's 16-bit copy replaces
+  (``kunlun.train.param_copies``)."""
   S, d = e.shape
   if (packed.pallas_backend(backend) and one_device()
           and seed_query.supported(S, d, heads, d // heads)):
-    w = _head_weights(mod, "query", d, heads)
+    w = _head_weights(mod, "query", d, heads).astype(dtype)
     return seed_query.seed_query_pallas(e, w, eps=EPS, dtype=dtype,
                                         interpret=packed.interpret_kernels())
   return _to_heads(mod, "query", rms_norm(e), heads, dtype)

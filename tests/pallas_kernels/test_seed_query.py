@@ -77,3 +77,17 @@ def test_unsupported_shapes_are_one_line_errors():
     with pytest.raises(ValueError, match="seed_query") as err:
       Q.seed_query_pallas(a, b, interpret=True)
     assert "\n" not in str(err.value)
+
+
+def test_a_weight_cast_outside_gives_its_gradient_in_its_dtype():
+  """``w`` handed over in bfloat16 (a caller's cast, which a 16-bit copy replaces): the same
+  queries, ``de``, and ``dw`` in bfloat16 equal to the float32 weight's rounded."""
+  e, w, dq = _case(SHAPES[0], 1)
+  dq = jnp.asarray(dq, jnp.bfloat16)
+  run = lambda w: jax.jit(lambda e, w, dq: _run(
+      lambda a, b: Q.seed_query_pallas(a, b, interpret=True), e, w, dq))(e, w, dq)
+  a, b = run(jnp.asarray(w)), run(jnp.asarray(w, jnp.bfloat16))
+  assert b[2].dtype == jnp.bfloat16 and a[2].dtype == jnp.float32
+  np.testing.assert_array_equal(np.asarray(a[0]), np.asarray(b[0]))
+  np.testing.assert_array_equal(np.asarray(a[1]), np.asarray(b[1]))
+  np.testing.assert_array_equal(np.asarray(a[2].astype(jnp.bfloat16)), np.asarray(b[2]))
