@@ -25,10 +25,10 @@ def _active():
 
 
 def one_device() -> bool:
-  """Whether the computation being traced runs on one device: no active mesh and rules, or a
-  mesh of one device (a Pallas call on values nothing splits)."""
-  act = _active()
-  return act is None or act[0].size == 1
+  """Whether the computation being traced runs on one device: no active mesh, or a mesh of one
+  device (a Pallas call on values nothing splits; rules or not)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  return mesh is None or mesh.empty or mesh.size == 1
 
 
 def split_count(logical: str, mesh=None, rules=None) -> int:

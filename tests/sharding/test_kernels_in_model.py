@@ -225,3 +225,28 @@ def test_event_mlp_per_device_equals_xla_unsharded(stream):
   assert not np.any(np.asarray(got)[1]) and not np.any(np.asarray(got)[2, 9:])
   for u, w in zip(jax.tree.leaves(got_g), jax.tree.leaves(want_g), strict=True):
     np.testing.assert_allclose(np.asarray(u), np.asarray(w), rtol=2e-3, atol=2e-3)
+
+
+def test_seed_queries_take_their_kernel_on_one_device_only():
+  """HSP's seed queries run on ``pallas_kernels.seed_query`` where the step is on one device
+  (``sharding.packed.one_device``) and as XLA's einsum under a mesh of several (its operands are
+  parameters, which the mesh may split): the same summaries and gradients either way."""
+  from sharding.packed import one_device
+  s = RNG.normal(size=(B, T, 64)).astype(np.float32)
+  mods = {b: HSP(16, 4, 2, rank=2, backend=b, t_max=T) for b in ("xla", "pallas")}
+  params = nn.meta.unbox(jax.jit(lambda: mods["xla"].init(jax.random.key(2), s, LENGTHS))())
+  call = lambda m: (lambda p, s: m.apply(p, s, LENGTHS))
+  loss = lambda m: (lambda p, s: jnp.sum(jnp.sin(call(m)(p, s))))
+  jaxpr = lambda: str(jax.make_jaxpr(call(mods["pallas"]))(params, s))
+  assert one_device() and "seed_query_fwd" in jaxpr()
+  want = np.asarray(jax.jit(call(mods["xla"]))(params, s))
+  want_g = jax.jit(jax.grad(loss(mods["xla"])))(params, s)
+  got_one = np.asarray(jax.jit(call(mods["pallas"]))(params, s))
+  with partition.activate(_mesh(), R.get_rules("5d")):
+    assert not one_device() and "seed_query" not in jaxpr()
+    got = np.asarray(jax.jit(call(mods["pallas"]))(params, s))
+    got_g = jax.jit(jax.grad(loss(mods["pallas"])))(params, s)
+  for g in (got_one, got):
+    np.testing.assert_allclose(g, want, rtol=2e-4, atol=2e-4)
+  for a, b in zip(jax.tree.leaves(got_g), jax.tree.leaves(want_g), strict=True):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-3, atol=2e-3)
