@@ -19,12 +19,12 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import _poison
 from pallas_kernels._common import dot, is_tile, round_to
+from pallas_kernels.norm_qkv import _norm_rows
 
 F32 = jnp.float32
 EPS = 1e-6
@@ -36,8 +36,7 @@ MAX_SEEDS, MAX_WIDTH = 64, 256   # a program holds [S, d] float32 (64 KB at mid'
 def seed_query_xla(e, w, *, eps: float = EPS, dtype=jnp.bfloat16):
   """The twin: ``rms_norm(e)`` in float32, then the heads' projection in ``dtype``."""
   ef = e.astype(F32)
-  h = ef * lax.rsqrt(jnp.mean(jnp.square(ef), axis=-1, keepdims=True) + eps)
-  return jnp.einsum("sd,dhc->shc", h.astype(dtype), w.astype(dtype))
+  return jnp.einsum("sd,dhc->shc", (ef * _norm_rows(ef, eps)).astype(dtype), w.astype(dtype))
 
 
 class _Cfg(NamedTuple):
@@ -49,7 +48,7 @@ class _Cfg(NamedTuple):
 def _norm(e_ref, cfg: _Cfg):
   """``(y = e r, r)`` of the seeds, float32."""
   e = e_ref[...].astype(F32)
-  r = lax.rsqrt(jnp.mean(e * e, axis=1, keepdims=True) + cfg.eps)
+  r = _norm_rows(e, cfg.eps)
   return e * r, r
 
 
