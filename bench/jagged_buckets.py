@@ -56,7 +56,7 @@ def _program(r: dict) -> dict:
          "launches": rl["xla"].get("launches"), "device": rl["device"]}
   if all("floor_bytes" in v for v in rl.get("groups", {}).values()) and rl.get("groups"):
     out["groups"] = {g: {k: v[k] for k in ("bytes", "floor_bytes", "launches", "pallas_bytes",
-                                            "gemm_bytes") if k in v}
+                                            "gemm_bytes", "saved_bytes") if k in v}
                      for g, v in rl["groups"].items()}
   rows = [x for x in rl.get("rows", []) if x["group"] in UNFUSED]
   if r["backend"] == "xla" and rows:
@@ -188,6 +188,8 @@ def fused_targets(r: dict) -> dict:
     if v.get("floor_ratio") is not None:
       out[f"floor_ratio/{g}"] = {"target": FLOOR_RATIO, "value": v["floor_ratio"],
                                  "met": bool(v["floor_ratio"] <= FLOOR_RATIO)}
+      if v.get("least_ratio") is not None:         # the bound without recomputing a product
+        out[f"floor_ratio/{g}"]["least"] = v["least_ratio"]
   return out
 
 
@@ -209,6 +211,9 @@ def _group_floors(progs: list[dict], pick, real, useful,
     if all("pallas_bytes" in p["groups"].get(g, {"pallas_bytes": 0}) for p in progs):
       kg = val("pallas_bytes") + val("gemm_bytes")   # every other pass free (add_floors)
       out[g].update(kernel_gemm_bytes=kg, kernel_gemm_ratio=kg / f if f else None)
+    if all("saved_bytes" in p["groups"].get(g, {"saved_bytes": 0}) for p in progs):
+      sb = val("saved_bytes")        # kept for the backward (roofline.group_floors' saved)
+      out[g].update(saved_bytes=sb, least_ratio=(f + sb) / f if f else None)
   d = progs[0]["device"]
 
   def figures(group_bytes):          # group_bytes(name, v) per group -> the combined figures

@@ -313,7 +313,15 @@ def group_floors(text: str, costs: list[dict] | None = None, attribute: str = "r
   keeps it in (``op_costs``' partial reads and in-place updates apply). Values a group produces
   and reads itself (its intermediates) count nothing. Views (bitcasts, tuples) are followed to
   the launch that produced or reads the value. ``attribute``: how a fusion's group is named
-  (``hlo_stats.resolve_op_names``; ``costs`` must be ``op_costs``' with the same)."""
+  (``hlo_stats.resolve_op_names``; ``costs`` must be ``op_costs``' with the same).
+
+  ``saved``: the group's own values kept from the forward for its backward, each counted once
+  written and once read: what a forward GEMM or Pallas kernel of the group produced that a
+  backward launch of the group reads (the projections and attention outputs a flash backward
+  takes, say). A program that recomputes none of those products must move them on top of the
+  floor, so ``(bytes + saved) / bytes`` (``bytes``: the floor) bounds the group's ratio from
+  below unless it recomputes a GEMM or kernel (more FLOPs); elementwise values count nothing,
+  as recomputing them is nearly free."""
   comps, entry = hlo_stats.parse_hlo(text)
   roots = _roots(text)
   costs = {c["name"]: c for c in (costs if costs is not None else op_costs(text, attribute))}
@@ -327,8 +335,10 @@ def group_floors(text: str, costs: list[dict] | None = None, attribute: str = "r
     bodies.append(c)
     stack += [b for ins in comps[c] if ins[1] in ("while", "conditional", "call")
               for b in hlo_stats._called(ins[2])]
-  read, written = defaultdict(dict), defaultdict(float)
+  read, written, saved = defaultdict(dict), defaultdict(float), defaultdict(dict)
   launches = defaultdict(int)
+  phase_of = lambda n: "bwd" if "transpose(" in names.get(n, "") else "fwd"
+  product = lambda n: n in costs and (costs[n]["gemm"] or costs[n]["pallas"])
   for c in bodies:
     flow = _Flow(comps[c], c, roots.get(c), group)
     for ins in comps[c]:
@@ -337,12 +347,14 @@ def group_floors(text: str, costs: list[dict] | None = None, attribute: str = "r
         continue
       cost, g = costs[name], group(name)
       launches[g] += cost["times"]
-      phase = "bwd" if "transpose(" in names.get(name, "") else "fwd"
+      phase = phase_of(name)
       for x, nbytes in cost["reads"].items():
         key, src = flow.source(x)
         if src != g:
           k = (phase, key)
           read[g][k] = max(read[g].get(k, 0.0), nbytes * cost["times"])
+        elif phase == "bwd" and key[0] == c and product(key[1]) and phase_of(key[1]) == "fwd":
+          saved[g][key] = max(saved[g].get(key, 0.0), nbytes * cost["times"])
       elems = arrays(ins[3])
       if ins[3].startswith("("):                 # a tuple: each element by its own users
         for u in flow.users.get(name, ()):
@@ -359,7 +371,7 @@ def group_floors(text: str, costs: list[dict] | None = None, attribute: str = "r
   for g in set(read) | set(written) | set(launches):
     r = sum(read[g].values())
     out[g] = {"bytes": r + written[g], "read": r, "written": written[g],
-              "launches": int(launches[g])}
+              "launches": int(launches[g]), "saved": 2 * sum(saved[g].values())}
   return out
 
 
@@ -946,14 +958,19 @@ def roofline(costs: list[dict], calls: list[dict] | None, towers=(), *, examples
 
 def add_floors(rl: dict, floors: dict) -> dict:
   """``rl`` (``roofline``) with each group's compulsory bytes (``group_floors``): per group
-  ``floor_bytes``, ``floor_ratio`` (its XLA bytes / floor) and ``kernel_gemm_ratio`` (the bytes
+  ``floor_bytes``, ``floor_ratio`` (its XLA bytes / floor), ``kernel_gemm_ratio`` (the bytes
   of its Pallas kernels and GEMMs alone / floor: its ratio were every other XLA pass free, a
-  lower bound while its kernels and GEMMs stay as they are), and ``rl["floor"]``: the total and
-  the bound at the floor, max(FLOPs / peak, floor bytes / bandwidth) + the XLA launches."""
+  lower bound while its kernels and GEMMs stay as they are), ``saved_bytes`` and
+  ``least_ratio`` ((floor + saved) / floor: the least ratio of a program that recomputes none of
+  the group's GEMM or kernel products), and ``rl["floor"]``: the total and the bound at the
+  floor, max(FLOPs / peak, floor bytes / bandwidth) + the XLA launches."""
   for g, v in rl["groups"].items():
     f = floors.get(g, {}).get("bytes", 0.0)
     v["floor_bytes"] = f
     v["floor_ratio"] = v["bytes"] / f if f else None
+    if "saved" in floors.get(g, {}):
+      v["saved_bytes"] = floors[g]["saved"]
+      v["least_ratio"] = (f + v["saved_bytes"]) / f if f else None
     if "pallas_bytes" in v:
       v["kernel_gemm_ratio"] = (v["pallas_bytes"] + v["gemm_bytes"]) / f if f else None
   total = sum(v.get("bytes", 0.0) for v in floors.values())
@@ -1010,13 +1027,17 @@ def print_floors(groups: dict, stream=None, title: str = "by group") -> None:
   combined figures of the same keys)."""
   s = stream or sys.stdout
   kg = any("kernel_gemm_ratio" in v for v in groups.values())
+  sv = any("least_ratio" in v for v in groups.values())
   x = lambda r: "-" if r is None else f"{r:.2f}x"
   print(f"{title:<12} {'GB':>8} {'floor GB':>9} {'ratio':>6} {'launches':>8}"
-        + (f" {'kernels+GEMMs':>13}" if kg else ""), file=s)
+        + (f" {'kernels+GEMMs':>13}" if kg else "")
+        + (f" {'saved GB':>8} {'least':>6}" if sv else ""), file=s)
   for g, v in sorted(groups.items(), key=lambda kv: -kv[1]["bytes"]):
     print(f"{g:<12} {v['bytes'] / 1e9:8.2f} {v.get('floor_bytes', 0.0) / 1e9:9.2f} "
           f"{x(v.get('floor_ratio')):>6} {v['launches']:>8.0f}"
-          + (f" {x(v.get('kernel_gemm_ratio')):>13}" if kg else ""), file=s)
+          + (f" {x(v.get('kernel_gemm_ratio')):>13}" if kg else "")
+          + (f" {v.get('saved_bytes', 0.0) / 1e9:8.2f} {x(v.get('least_ratio')):>6}"
+             if sv else ""), file=s)
 
 
 def print_roofline(rl: dict, stream=None, top: int = 40) -> None:

@@ -204,9 +204,13 @@ def speed_h200(R: Results) -> dict:
       body += ["## Issue #38's targets (fused tower layers)", "",
                "As `bench.jagged_buckets` recorded them (`targets_fused`: the targets of "
                "`bench.train_step.FUSED_TARGETS`; every scope group within "
-               "`FLOOR_RATIO` x its compulsory bytes).", ""]
-      body += table(["program", "target", "wanted", "value", "met"],
-                    [[_program(r), k, *target_row(k, t)] for r, k, t in fused])
+               "`FLOOR_RATIO` x its compulsory bytes). A group's least ratio is (floor + the "
+               "products of its forward GEMMs and kernels that its backward reads, written once "
+               "and read once) / floor: no program that recomputes none of those products "
+               "moves less (`roofline.group_floors`' `saved`).", ""]
+      least = lambda t: num(t["least"], "{:.2f}x") if "least" in t else "-"
+      body += table(["program", "target", "wanted", "value", "met", "least without recompute"],
+                    [[_program(r), k, *target_row(k, t), least(t)] for r, k, t in fused])
     body += ["## Issue #28's targets (packed towers)", "",
              "The useful share counts every FLOP the program computes beyond the model's at "
              "actual lengths as not useful: padding, and work recomputed by design where that "

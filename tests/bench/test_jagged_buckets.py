@@ -86,10 +86,10 @@ def test_group_floors_follow_the_bucket_each_batch_takes():
   the program each batch takes, their ratio; the floor's bytes per real event and bound."""
   caps = {"click": [320, B * 32], "impression": [448, B * 32]}
   groups = [{"MoWE": {"bytes": 8e7, "floor_bytes": 1e7, "launches": 6, "pallas_bytes": 3e7,
-                      "gemm_bytes": 1e7},
+                      "gemm_bytes": 1e7, "saved_bytes": 2e7},
              "HSP": {"bytes": 4e7, "floor_bytes": 2e7, "launches": 4}},
             {"MoWE": {"bytes": 9e7, "floor_bytes": 1e7, "launches": 6, "pallas_bytes": 4e7,
-                      "gemm_bytes": 2e7},
+                      "gemm_bytes": 2e7, "saved_bytes": 3e7},
              "HSP": {"bytes": 6e7, "floor_bytes": 3e7, "launches": 5}}]
   runs = []
   for i in range(2):
@@ -109,6 +109,10 @@ def test_group_floors_follow_the_bucket_each_batch_takes():
   np.testing.assert_allclose(mowe["kernel_gemm_ratio"], (share[0] * 4e7 + share[1] * 6e7) / 1e7,
                              rtol=1e-9)
   assert "kernel_gemm_ratio" not in r["groups"]["HSP"]
+  # the values kept for the backward, where the programs carry them: the least ratio
+  np.testing.assert_allclose(mowe["least_ratio"], 1 + (share[0] * 2e7 + share[1] * 3e7) / 1e7,
+                             rtol=1e-9)
+  assert "least_ratio" not in r["groups"]["HSP"]
   np.testing.assert_allclose(r["groups"]["HSP"]["launches"], share[0] * 4 + share[1] * 5)
   np.testing.assert_allclose(r["launches_per_batch"], share[0] * 10 + share[1] * 11)
   floor = share[0] * 3e7 + share[1] * 4e7                 # mean compulsory bytes per batch
@@ -142,10 +146,12 @@ def test_fused_targets_by_config_and_batch():
   floor; a config without targets gets only the floor ratios."""
   r = {"config": "mid", "global_batch": 256, "launches_per_batch": 1300.0,
        "buckets": {"useful_mfu_bound": 0.151, "bytes_per_real_event": 2e5},
-       "groups": {"MoWE": {"floor_ratio": 2.6}, "GDPA": {"floor_ratio": 2.5}}}
+       "groups": {"MoWE": {"floor_ratio": 2.6, "least_ratio": 2.55},
+                  "GDPA": {"floor_ratio": 2.5}}}
   t = JB.fused_targets(r)
   assert t["useful_mfu_bound"]["met"] and not t["launches_per_batch"]["met"]
   assert not t["floor_ratio/MoWE"]["met"] and t["floor_ratio/GDPA"]["met"]
+  assert t["floor_ratio/MoWE"]["least"] == 2.55 and "least" not in t["floor_ratio/GDPA"]
   assert "bytes_per_real_event" not in t
   assert set(JB.fused_targets(dict(r, config="tiny"))) == {"floor_ratio/MoWE", "floor_ratio/GDPA"}
 

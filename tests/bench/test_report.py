@@ -70,10 +70,15 @@ def test_bucket_rows_are_the_json_formatted():
          f"{b['useful_mfu_bound']:.1%} | {d['launches_per_batch']:.0f} |")
   t = d["targets_fused"]["useful_mfu_bound"]
   target = (f"| mid auto b256 | useful_mfu_bound | >= {t['target']:.1%} | {t['value']:.1%} | "
-            f"{'met' if t['met'] else '**missed**'} |")
+            f"{'met' if t['met'] else '**missed**'} | - |")
+  g = d["targets_fused"]["floor_ratio/attention"]          # with its least ratio, where known
+  least = f"{g['least']:.2f}x" if "least" in g else "-"
+  group = (f"| mid auto b256 | floor_ratio/attention | <= {g['target']:.2f}x | "
+           f"{g['value']:.2f}x | {'met' if g['met'] else '**missed**'} | {least} |")
   lines = _page("speed_h200.md")
   assert row in lines
   assert target in lines
+  assert group in lines
 
 
 @pytest.mark.parametrize("make", [lambda p: None, lambda p: p.mkdir()],

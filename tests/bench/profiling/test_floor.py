@@ -85,7 +85,7 @@ def test_a_group_writes_what_it_hands_on(floors):
 def test_a_partial_read_counts_the_rows_read(floors):
   """The embedding slice reads 100 of the table's 100,000 f32 rows and returns them."""
   assert floors["embeddings"] == {"bytes": 800.0, "read": 400.0, "written": 400.0,
-                                  "launches": 1}
+                                  "launches": 1, "saved": 0.0}
 
 
 def test_a_compiled_program():
@@ -101,6 +101,64 @@ def test_a_compiled_program():
   fl = roofline.group_floors(text)
   assert fl["MoWE"]["bytes"] == 4 * (64 * 32 + 32 * 16 + 64 * 16)
   assert fl["HSP"]["bytes"] == 4 * (64 * 16 + 16 * 8 + 64 * 8)
+
+
+SAVED_HLO = """HloModule saved
+
+%mm (a0: bf16[64,32], a1: bf16[32,16]) -> bf16[64,16] {
+  %a0 = bf16[64,32]{1,0} parameter(0)
+  %a1 = bf16[32,16]{1,0} parameter(1)
+  ROOT %d = bf16[64,16]{1,0} dot(%a0, %a1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%act (b0: bf16[64,16]) -> bf16[64,16] {
+  %b0 = bf16[64,16]{1,0} parameter(0)
+  ROOT %t = bf16[64,16]{1,0} tanh(%b0)
+}
+
+%mul (c0: bf16[64,16], c1: bf16[64,16]) -> bf16[64,16] {
+  %c0 = bf16[64,16]{1,0} parameter(0)
+  %c1 = bf16[64,16]{1,0} parameter(1)
+  ROOT %m = bf16[64,16]{1,0} multiply(%c0, %c1)
+}
+
+ENTRY %main (x: bf16[64,32], w: bf16[32,16], g: bf16[64,16]) -> (bf16[64,16], bf16[64,16], bf16[64,16], bf16[64,16], bf16[64,16]) {
+  %x = bf16[64,32]{1,0} parameter(0)
+  %w = bf16[32,16]{1,0} parameter(1)
+  %g = bf16[64,16]{1,0} parameter(2)
+  %y = bf16[64,16]{1,0} fusion(%x, %w), kind=kCustom, calls=%mm, metadata={op_name="jit(f)/jvp(M)/MoWE/dot_general"}
+  %t = bf16[64,16]{1,0} fusion(%y), kind=kLoop, calls=%act, metadata={op_name="jit(f)/jvp(M)/MoWE/tanh"}
+  %p = bf16[64,16]{1,0} custom-call(%x, %w), custom_call_target="__gpu$xla.gpu.triton", metadata={op_name="jit(f)/jvp(M)/MoWE/pallas_call"}
+  %vy = bf16[1024]{0} bitcast(%y)
+  %wy = bf16[64,16]{1,0} bitcast(%vy)
+  %dy = bf16[64,16]{1,0} fusion(%g, %wy), kind=kLoop, calls=%mul, metadata={op_name="jit(f)/transpose(jvp(M))/MoWE/mul"}
+  %dt = bf16[64,16]{1,0} fusion(%dy, %t), kind=kLoop, calls=%mul, metadata={op_name="jit(f)/transpose(jvp(M))/MoWE/mul"}
+  %dp = bf16[64,16]{1,0} fusion(%dt, %p), kind=kLoop, calls=%mul, metadata={op_name="jit(f)/transpose(jvp(M))/MoWE/mul"}
+  %dr = bf16[64,16]{1,0} fusion(%dt, %p), kind=kLoop, calls=%mul, metadata={op_name="jit(f)/transpose(jvp(M))/MoWE/mul"}
+  %dq = bf16[64,16]{1,0} fusion(%dp, %p), kind=kLoop, calls=%mul, metadata={op_name="jit(f)/transpose(jvp(M))/HSP/mul"}
+  %z = bf16[64,16]{1,0} fusion(%x, %w), kind=kCustom, calls=%mm, metadata={op_name="jit(f)/transpose(jvp(M))/MoWE/dot_general"}
+  %dz = bf16[64,16]{1,0} fusion(%z, %g), kind=kLoop, calls=%mul, metadata={op_name="jit(f)/transpose(jvp(M))/MoWE/mul"}
+  ROOT %out = (bf16[64,16]{1,0}, bf16[64,16]{1,0}, bf16[64,16]{1,0}, bf16[64,16]{1,0}, bf16[64,16]{1,0}) tuple(%dq, %t, %y, %dr, %dz)
+}
+"""
+
+
+def test_saved_counts_forward_products_the_backward_reads():
+  """MoWE's forward GEMM y (read back through two bitcasts) and Pallas kernel p are read by
+  MoWE's backward: each 64 x 16 bf16 (2,048 B) written once and read once, though p has two
+  backward readers in MoWE (and one in HSP): 2 x 2 x 2,048 B. The elementwise t counts nothing,
+  nor does the backward's own GEMM z, nor HSP's read of p (another group's value, in HSP's
+  floor). ``add_floors`` gives the least ratio."""
+  fl = roofline.group_floors(SAVED_HLO)
+  assert fl["MoWE"]["saved"] == 2 * 2 * 2048
+  assert fl["HSP"]["saved"] == 0.0
+  rl = {"groups": {"MoWE": {"bytes": 9e4}, "HSP": {"bytes": 1e4}}, "flops": 0.0,
+        "device": {"peak_flops": 1.0, "bandwidth": 1.0, "launch_s": 0.0},
+        "xla": {"bytes": 1e5, "launches": 0}}
+  roofline.add_floors(rl, fl)
+  v = rl["groups"]["MoWE"]
+  assert v["saved_bytes"] == 8192
+  assert v["least_ratio"] == pytest.approx((fl["MoWE"]["bytes"] + 8192) / fl["MoWE"]["bytes"])
 
 
 def test_add_floors_ratios():
@@ -250,7 +308,8 @@ def test_a_fusion_is_named_after_most_of_its_ops_on_request():
   before = roofline.group_floors(MIXED_HLO)
   after = roofline.group_floors(MIXED_HLO, attribute="majority")
   assert "PFFN" not in before and after["PFFN"] == {"bytes": 4 * 4000.0, "read": 3 * 4000.0,
-                                                     "written": 4000.0, "launches": 1}
+                                                     "written": 4000.0, "launches": 1,
+                                                     "saved": 0.0}
   assert before["HSP"]["bytes"] - after["HSP"]["bytes"] == 4 * 4000
   with pytest.raises(ValueError, match="attribute='most'"):
     roofline.op_costs(MIXED_HLO, "most")
