@@ -40,7 +40,8 @@ class SummaryProj(nn.Module):
                    (K, self.d_ns), jnp.float32)
     if packed.wgrad_kernel(self.backend, K, self.d_ns, self.dtype):
       return packed.dense_kernel(s, w.astype(self.dtype), dtype=self.dtype)
-    return jnp.dot(s.astype(self.dtype), w.astype(self.dtype))
+    s, w = s.astype(self.dtype), w.astype(self.dtype)                # nn.Dense's own GEMM
+    return jax.lax.dot_general(s, w, (((s.ndim - 1,), (0,)), ((), ())))
 
 
 class KunlunLayer(nn.Module):
