@@ -6,14 +6,12 @@ transformer block. A packed tower (``data.jagged_capacity``) is ``kunlun.nn.pack
 
 from __future__ import annotations
 
-from typing import Any
-
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
 from kunlun.configs.types import ModelConfig
-from kunlun.nn import packed, rows
+from kunlun.nn import rows
 from kunlun.nn.mowe import MoWE
 from kunlun.nn.pffn import PFFN
 from kunlun.nn.remat import wrap
@@ -24,24 +22,10 @@ from sharding import shard, with_axes
 COMPUTE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
-class SummaryProj(nn.Module):
-  """Per-layer, per-tower ``Proj_e``: summaries ``[..., d_e] -> [..., d_ns]`` in ``dtype``, no
-  bias (``nn.Dense``'s parameter ``kernel [d_e, d_ns]``, float32, and its initializer). The
-  weight's gradient, a sum over every summary row, runs on ``pallas_kernels.wgrad`` where
-  ``packed.wgrad_kernel`` holds (XLA's split-K partials otherwise)."""
-  d_ns: int
-  dtype: Any
-  backend: str = "xla"
-
-  @nn.compact
-  def __call__(self, s):
-    K = s.shape[-1]
-    w = self.param("kernel", with_axes(nn.initializers.lecun_normal(), (None, "embed")),
-                   (K, self.d_ns), jnp.float32)
-    if packed.wgrad_kernel(self.backend, K, self.d_ns, self.dtype):
-      return packed.dense_kernel(s, w.astype(self.dtype), dtype=self.dtype)
-    s, w = s.astype(self.dtype), w.astype(self.dtype)                # nn.Dense's own GEMM
-    return jax.lax.dot_general(s, w, (((s.ndim - 1,), (0,)), ((), ())))
+def summary_proj(d_ns: int, dtype, name: str):
+  """Per-layer, per-tower ``Proj_e``: summary width ``d_e -> d_ns``."""
+  return nn.Dense(d_ns, use_bias=False, dtype=dtype, param_dtype=jnp.float32, name=name,
+                  kernel_init=with_axes(nn.initializers.lecun_normal(), (None, "embed")))
 
 
 class KunlunLayer(nn.Module):
@@ -76,8 +60,8 @@ class KunlunLayer(nn.Module):
           raise ValueError(f"tower {t.name!r} has no summary at layer {self.index}: layer 0 must "
                            "run its HSP (depth >= 1)")
       tokens = [x.astype(dt)] + [
-          rows.to_ads(rows.apply(SummaryProj(cfg.d_ns, dt, cfg.backend, name=f"{t.name}_proj"),
-                                 ri, summaries[t.name]), ri) for t in cfg.seq_towers]
+          rows.to_ads(rows.apply(summary_proj(cfg.d_ns, dt, f"{t.name}_proj"), ri,
+                                 summaries[t.name]), ri) for t in cfg.seq_towers]
       x_in = shard(jnp.concatenate(tokens, axis=1), ("batch", "tokens", "embed"))
       x_new = wrap(MoWE, rm)(cfg.mowe.num_experts, cfg.mowe.layers_per_expert, cfg.n_ns,
                              cfg.mowe.rank, cfg.mowe.mlp_hidden, dtype=dt,

@@ -2,7 +2,6 @@
 
 import copy
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,10 +12,8 @@ from data.synthetic import PRESETS, preset_schema
 from kunlun.configs import mid, tiny
 from kunlun.configs.types import parse
 from kunlun.models.flops import layer_flops, model_flops
-from kunlun.nn.layer import KunlunLayer, SummaryProj
-from sharding import with_axes
+from kunlun.nn.layer import KunlunLayer
 from tests.kunlun.jaxpr_scopes import name_stacks
-from tests.kunlun.nn.backends import pallas_matches_xla
 
 
 def mid_schema():
@@ -107,38 +104,3 @@ def test_odd_layer_without_final_summary_runs_no_gdpa():
   for scope in ("GDPA", "PFFN", "HSP", "WeightGen"):
     assert scope not in odd, scope
   assert "SeqAttention" in odd
-
-
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
-def test_summary_projection_takes_the_weight_gradient_kernel(dtype):
-  """``SummaryProj`` keeps ``nn.Dense``'s parameter (name, shape, initial values: old checkpoints
-  load). On the Pallas backend (interpret mode) its weight's gradient runs on
-  ``pallas_kernels.wgrad`` (in the backward's jaxpr, not the XLA backend's); values and both
-  gradients equal the XLA backend's (``pallas_matches_xla``) and float64 numpy's."""
-  rng = np.random.default_rng(3)
-  s = jnp.asarray(rng.normal(size=(4, 8, 64)), dtype)          # [B, n_sum, d_e]
-  mods = {b: SummaryProj(32, dtype, b) for b in ("xla", "pallas")}
-  v = mods["xla"].init(jax.random.key(5), s)
-  dense = nn.Dense(32, use_bias=False, dtype=dtype, param_dtype=jnp.float32,   # as it was
-                   kernel_init=with_axes(nn.initializers.lecun_normal(), (None, "embed")))
-  ref = dense.init(jax.random.key(5), s)
-  assert jax.tree.structure(v) == jax.tree.structure(ref)
-  np.testing.assert_array_equal(v["params"]["kernel"].value, ref["params"]["kernel"].value)
-  v = nn.unbox(v)
-  g = jnp.asarray(rng.normal(size=(4, 8, 32)), jnp.float32)
-  apply = lambda m, v, x: m.apply(v, x)
-  loss = lambda m: lambda v, x: jnp.sum(apply(m, v, x).astype(jnp.float32) * g)
-  bwd = lambda m: str(jax.make_jaxpr(jax.grad(loss(m)))(v, s))
-  assert "row_scaled_wgrad" in bwd(mods["pallas"]) and "row_scaled_wgrad" not in bwd(mods["xla"])
-  y = pallas_matches_xla(mods, v, s, apply, g, dtype)
-  w = np.asarray(v["params"]["kernel"], np.float64)
-  x64 = np.asarray(s.astype(jnp.float32), np.float64)
-  if dtype == jnp.bfloat16:                                    # the weight as the GEMM reads it
-    w = np.asarray(jnp.asarray(w, jnp.bfloat16).astype(jnp.float32), np.float64)
-  tol = 1e-5 if dtype == jnp.float32 else 2e-2
-  want = x64 @ w
-  assert np.max(np.abs(np.asarray(y, np.float64) - want)) <= tol * np.max(np.abs(want))
-  gw = jax.grad(loss(mods["pallas"]))(v, s)["params"]["kernel"]
-  want_gw = np.einsum("bnk,bnc->kc", x64, np.asarray(g, np.float64))
-  assert (np.max(np.abs(np.asarray(gw, np.float64) - want_gw))
-          <= tol * np.max(np.abs(want_gw)))
