@@ -161,6 +161,19 @@ def test_saved_counts_forward_products_the_backward_reads():
   assert v["least_ratio"] == pytest.approx((fl["MoWE"]["bytes"] + 8192) / fl["MoWE"]["bytes"])
 
 
+def test_saved_in_a_compiled_program():
+  """The gradient of sum((x @ w)^2 @ v) (f32, one scope): the backward reads the forward GEMM's
+  y [64, 16] (dz * 2y for the first GEMM's cotangent): 4,096 B written once and read once. y * y,
+  elementwise, counts nothing."""
+  def f(x, w, v):
+    with jax.named_scope("L"), jax.named_scope("MoWE"):
+      y = x @ w
+      return jnp.sum((y * y) @ v)
+  args = (jnp.ones((64, 32)), jnp.ones((32, 16)), jnp.ones((16, 8)))
+  text = jax.jit(jax.grad(f, argnums=(1, 2))).lower(*args).compile().as_text()
+  assert roofline.group_floors(text)["MoWE"]["saved"] == 2 * 64 * 16 * 4
+
+
 def test_add_floors_ratios():
   """Each group's ratio is its XLA bytes over its floor, and where known its Pallas kernels' and
   GEMMs' bytes alone over it; the bound at the floor is max(FLOPs / peak, floor / bandwidth) +
