@@ -316,8 +316,9 @@ def group_floors(text: str, costs: list[dict] | None = None, attribute: str = "r
   (``hlo_stats.resolve_op_names``; ``costs`` must be ``op_costs``' with the same).
 
   ``saved``: the group's own values kept from the forward for its backward, each counted once
-  written and once read: what a forward GEMM or Pallas kernel of the group produced that a
-  backward launch of the group reads (the projections and attention outputs a flash backward
+  written and once read (read only, where the group also hands the value on and the floor has
+  its write): what a forward GEMM or Pallas kernel of the group produced that a backward launch
+  of the group reads (the projections and attention outputs a flash backward
   takes, say). A program that recomputes none of those products must move them on top of the
   floor, so ``(bytes + saved) / bytes`` (``bytes``: the floor) bounds the group's ratio from
   below unless it recomputes a GEMM or kernel (more FLOPs); elementwise values count nothing,
@@ -354,7 +355,8 @@ def group_floors(text: str, costs: list[dict] | None = None, attribute: str = "r
           k = (phase, key)
           read[g][k] = max(read[g].get(k, 0.0), nbytes * cost["times"])
         elif phase == "bwd" and key[0] == c and product(key[1]) and phase_of(key[1]) == "fwd":
-          saved[g][key] = max(saved[g].get(key, 0.0), nbytes * cost["times"])
+          once = flow.escapes(key[1], g, 0, key[2] or None)    # its write already in the floor
+          saved[g][key] = (max(saved[g].get(key, (0.0,))[0], nbytes * cost["times"]), once)
       elems = arrays(ins[3])
       if ins[3].startswith("("):                 # a tuple: each element by its own users
         for u in flow.users.get(name, ()):
@@ -371,7 +373,8 @@ def group_floors(text: str, costs: list[dict] | None = None, attribute: str = "r
   for g in set(read) | set(written) | set(launches):
     r = sum(read[g].values())
     out[g] = {"bytes": r + written[g], "read": r, "written": written[g],
-              "launches": int(launches[g]), "saved": 2 * sum(saved[g].values())}
+              "launches": int(launches[g]),
+              "saved": sum(b * (1 if once else 2) for b, once in saved[g].values())}
   return out
 
 

@@ -122,7 +122,7 @@ SAVED_HLO = """HloModule saved
   ROOT %m = bf16[64,16]{1,0} multiply(%c0, %c1)
 }
 
-ENTRY %main (x: bf16[64,32], w: bf16[32,16], g: bf16[64,16]) -> (bf16[64,16], bf16[64,16], bf16[64,16], bf16[64,16], bf16[64,16]) {
+ENTRY %main (x: bf16[64,32], w: bf16[32,16], g: bf16[64,16]) -> (bf16[64,16], bf16[64,16], bf16[64,16], bf16[64,16]) {
   %x = bf16[64,32]{1,0} parameter(0)
   %w = bf16[32,16]{1,0} parameter(1)
   %g = bf16[64,16]{1,0} parameter(2)
@@ -138,27 +138,29 @@ ENTRY %main (x: bf16[64,32], w: bf16[32,16], g: bf16[64,16]) -> (bf16[64,16], bf
   %dq = bf16[64,16]{1,0} fusion(%dp, %p), kind=kLoop, calls=%mul, metadata={op_name="jit(f)/transpose(jvp(M))/HSP/mul"}
   %z = bf16[64,16]{1,0} fusion(%x, %w), kind=kCustom, calls=%mm, metadata={op_name="jit(f)/transpose(jvp(M))/MoWE/dot_general"}
   %dz = bf16[64,16]{1,0} fusion(%z, %g), kind=kLoop, calls=%mul, metadata={op_name="jit(f)/transpose(jvp(M))/MoWE/mul"}
-  ROOT %out = (bf16[64,16]{1,0}, bf16[64,16]{1,0}, bf16[64,16]{1,0}, bf16[64,16]{1,0}, bf16[64,16]{1,0}) tuple(%dq, %t, %y, %dr, %dz)
+  ROOT %out = (bf16[64,16]{1,0}, bf16[64,16]{1,0}, bf16[64,16]{1,0}, bf16[64,16]{1,0}) tuple(%dq, %t, %dr, %dz)
 }
 """
 
 
 def test_saved_counts_forward_products_the_backward_reads():
   """MoWE's forward GEMM y (read back through two bitcasts) and Pallas kernel p are read by
-  MoWE's backward: each 64 x 16 bf16 (2,048 B) written once and read once, though p has two
-  backward readers in MoWE (and one in HSP): 2 x 2 x 2,048 B. The elementwise t counts nothing,
-  nor does the backward's own GEMM z, nor HSP's read of p (another group's value, in HSP's
-  floor). ``add_floors`` gives the least ratio."""
+  MoWE's backward: each 64 x 16 bf16 (2,048 B), y written once and read once; p read once
+  though it has two backward readers in MoWE, and not written again: MoWE hands it to HSP, so
+  MoWE's floor has its write. 3 x 2,048 B. The elementwise t counts nothing, nor does the
+  backward's own GEMM z, nor HSP's read of p (another group's value, in HSP's floor).
+  ``add_floors`` gives the least ratio."""
   fl = roofline.group_floors(SAVED_HLO)
-  assert fl["MoWE"]["saved"] == 2 * 2 * 2048
+  assert fl["MoWE"]["written"] >= 2048                  # p, handed on to HSP
+  assert fl["MoWE"]["saved"] == 3 * 2048
   assert fl["HSP"]["saved"] == 0.0
   rl = {"groups": {"MoWE": {"bytes": 9e4}, "HSP": {"bytes": 1e4}}, "flops": 0.0,
         "device": {"peak_flops": 1.0, "bandwidth": 1.0, "launch_s": 0.0},
         "xla": {"bytes": 1e5, "launches": 0}}
   roofline.add_floors(rl, fl)
   v = rl["groups"]["MoWE"]
-  assert v["saved_bytes"] == 8192
-  assert v["least_ratio"] == pytest.approx((fl["MoWE"]["bytes"] + 8192) / fl["MoWE"]["bytes"])
+  assert v["saved_bytes"] == 3 * 2048
+  assert v["least_ratio"] == pytest.approx((fl["MoWE"]["bytes"] + 6144) / fl["MoWE"]["bytes"])
 
 
 def test_saved_in_a_compiled_program():
