@@ -1,9 +1,10 @@
 """Memory-traffic roofline of a compiled step, from its post-optimisation HLO text.
 
-  python -m bench.profiling.roofline STEP.hlo [--group MoWE ...] [--top 20]
+  python -m bench.profiling.roofline STEP.hlo [--group MoWE ...] [--top 20] [--by-op]
 
 prints a saved program's scope groups against their floors and, per ``--group``, its largest ops
-(``bench/train_step --dump_hlo`` writes the text). Notes: docs/guides/benchmarks.md,
+(``--by-op``: summed by op across launches and layers; ``bench/train_step --dump_hlo`` writes the
+text). Notes: docs/guides/benchmarks.md,
 ``bench/profiling/roofline.py``."""
 
 from __future__ import annotations
@@ -338,7 +339,7 @@ def group_floors(text: str, costs: list[dict] | None = None, attribute: str = "r
               for b in hlo_stats._called(ins[2])]
   read, written, saved = defaultdict(dict), defaultdict(float), defaultdict(dict)
   launches = defaultdict(int)
-  phase_of = lambda n: "bwd" if "transpose(" in names.get(n, "") else "fwd"
+  phase_of = lambda n: op_phase(names.get(n, ""))
   product = lambda n: n in costs and (costs[n]["gemm"] or costs[n]["pallas"])
   for c in bodies:
     flow = _Flow(comps[c], c, roots.get(c), group)
@@ -1093,6 +1094,35 @@ def op_kind(c: dict) -> str:
   return "pallas" if c.get("pallas") else "gemm" if c.get("gemm") else "xla"
 
 
+def op_phase(op_name: str) -> str:
+  """``bwd`` for an op of the step's backward (autodiff's ``transpose(...)`` in its name), else
+  ``fwd``."""
+  return "bwd" if "transpose(" in op_name else "fwd"
+
+
+_LAYER_INDEX = re.compile(r"(layer_|Layer_)\d+")
+
+
+def op_totals(costs: list[dict], group: str) -> list[dict]:
+  """A scope group's launched ops summed by what they do, largest bytes per step first: one row
+  per phase (``op_phase``), kind (``op_kind``) and op, the last two parts of the op's name with
+  layer indices folded (``layer_0/mul`` and ``layer_7/mul`` are ``layer_N/mul``); each row's
+  ``launches``, ``bytes_in``, ``bytes_out`` and ``bytes`` are per step."""
+  rows = {}
+  for c in costs:
+    if hlo_stats.scope_group(c["op_name"]) != group:
+      continue
+    op = _LAYER_INDEX.sub(r"\1N", "/".join(c["op_name"].split("/")[-2:]))
+    key = (op_phase(c["op_name"]), op_kind(c), op)
+    r = rows.setdefault(key, {"phase": key[0], "kind": key[1], "op": op, "launches": 0,
+                              "bytes_in": 0.0, "bytes_out": 0.0})
+    r["launches"] += c["times"]
+    r["bytes_in"] += c["bytes_in"] * c["times"]
+    r["bytes_out"] += c["bytes_out"] * c["times"]
+  out = [{**r, "bytes": r["bytes_in"] + r["bytes_out"]} for r in rows.values()]
+  return sorted(out, key=lambda r: -r["bytes"])
+
+
 def group_ops(costs: list[dict], group: str, top: int | None = None) -> list[dict]:
   """A scope group's launched ops, largest bytes per step first: ``op_costs`` entries with
   ``kind`` (``op_kind``) and ``bytes`` (in + out, times executions per step) added."""
@@ -1110,6 +1140,9 @@ def main(argv=None) -> int:
   ap.add_argument("--group", action="append", default=[],
                   help="list this scope group's largest ops (repeatable)")
   ap.add_argument("--top", type=int, default=20, help="ops listed per group")
+  ap.add_argument("--by-op", action="store_true",
+                  help="list a group's ops summed by phase, kind and op, layers folded "
+                       "(op_totals), instead of one launch a row")
   ap.add_argument("--attribute", choices=hlo_stats.ATTRIBUTIONS, default="root",
                   help="a fusion's scope group: its root op's (XLA's name, the default) or that "
                        "of most of its fused ops")
@@ -1144,6 +1177,14 @@ def main(argv=None) -> int:
       return 2
     rows = group_ops(costs, g)
     total = sum(r["bytes"] for r in rows)
+    if args.by_op:
+      sums = op_totals(costs, g)
+      print(f"\n{g}: {len(rows)} launched ops as {len(sums)} kinds of op, {total / 1e9:.3f} GB; "
+            f"the {min(args.top, len(sums))} largest (MB in / out per step, launches per step)")
+      for r in sums[:args.top]:
+        print(f"{r['bytes'] / 1e6:9.1f} MB {r['phase']} {r['kind']:6} {r['bytes_in'] / 1e6:8.1f} "
+              f"{r['bytes_out'] / 1e6:8.1f} x{r['launches']:<3} {r['op'][-90:]}")
+      continue
     print(f"\n{g}: {len(rows)} launched ops, {total / 1e9:.3f} GB; the {min(args.top, len(rows))}"
           " largest (MB in / out per launch, launches per step)")
     for r in rows[:args.top]:

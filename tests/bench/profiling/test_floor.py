@@ -339,3 +339,53 @@ def test_the_command_takes_the_attribution(tmp_path, capsys):
   assert roofline.main([str(path)]) == 0
   groups = {line.split()[0] for line in capsys.readouterr().out.splitlines()[1:]}
   assert "PFFN" not in groups
+
+
+TOTALS_HLO = """HloModule totals
+
+%add2 (p0: f32[1000], p1: f32[1000]) -> f32[1000] {
+  %p0 = f32[1000]{0} parameter(0)
+  %p1 = f32[1000]{0} parameter(1)
+  ROOT %s = f32[1000]{0} add(%p0, %p1)
+}
+
+%neg (q0: f32[1000]) -> f32[1000] {
+  %q0 = f32[1000]{0} parameter(0)
+  ROOT %n = f32[1000]{0} negate(%q0)
+}
+
+ENTRY %main (x: f32[1000], w: f32[1000]) -> (f32[1000], f32[1000]) {
+  %x = f32[1000]{0} parameter(0)
+  %w = f32[1000]{0} parameter(1)
+  %a0 = f32[1000]{0} fusion(%x, %w), kind=kLoop, calls=%add2, metadata={op_name="jit(f)/jvp(M)/MoWE/layer_0/mul"}
+  %a1 = f32[1000]{0} fusion(%a0), kind=kLoop, calls=%neg, metadata={op_name="jit(f)/jvp(M)/MoWE/layer_1/mul"}
+  %b = f32[1000]{0} fusion(%a1, %w), kind=kLoop, calls=%add2, metadata={op_name="jit(f)/transpose(jvp(M))/MoWE/layer_1/mul"}
+  %h = f32[1000]{0} fusion(%b), kind=kLoop, calls=%neg, metadata={op_name="jit(f)/jvp(M)/HSP/h"}
+  ROOT %out = (f32[1000]{0}, f32[1000]{0}) tuple(%b, %h)
+}
+"""
+
+
+def test_op_totals_sum_a_groups_launches_by_phase_and_op_with_layers_folded():
+  """MoWE's two forward launches, one per layer, are one row: a0 reads x and w and writes one
+  f32[1000], a1 reads a0 and writes one (in 12,000 B, out 8,000 B); the backward's b, the same
+  op in another phase, is a row of its own (in 8,000 B, out 4,000 B); HSP's h is not MoWE's."""
+  rows = roofline.op_totals(roofline.op_costs(TOTALS_HLO), "MoWE")
+  assert rows == [
+      {"phase": "fwd", "kind": "xla", "op": "layer_N/mul", "launches": 2, "bytes_in": 12000.0,
+       "bytes_out": 8000.0, "bytes": 20000.0},
+      {"phase": "bwd", "kind": "xla", "op": "layer_N/mul", "launches": 1, "bytes_in": 8000.0,
+       "bytes_out": 4000.0, "bytes": 12000.0}]
+
+
+def test_the_command_lists_a_groups_ops_summed_by_op(tmp_path, capsys):
+  """``--by-op``: MoWE's 3 launches as its 2 rows of ``op_totals``, largest first, in MB."""
+  path = tmp_path / "step.hlo"
+  path.write_text(TOTALS_HLO)
+  assert roofline.main([str(path), "--group", "MoWE", "--by-op"]) == 0
+  out = capsys.readouterr().out.splitlines()
+  head = out.index("MoWE: 3 launched ops as 2 kinds of op, 0.000 GB; the 2 largest (MB in / out "
+                   "per step, launches per step)")
+  assert [line.split() for line in out[head + 1:]] == [
+      ["0.0", "MB", "fwd", "xla", "0.0", "0.0", "x2", "layer_N/mul"],
+      ["0.0", "MB", "bwd", "xla", "0.0", "0.0", "x1", "layer_N/mul"]]
