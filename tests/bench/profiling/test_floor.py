@@ -7,9 +7,8 @@ import pytest
 
 from bench.profiling import roofline
 
-FLOOR_HLO = """HloModule floors
-
-%add2 (p0: f32[1000], p1: f32[1000]) -> f32[1000] {
+# f32[1000] a + b and -a, fused ops of the hand-written programs below
+ADD_NEG = """%add2 (p0: f32[1000], p1: f32[1000]) -> f32[1000] {
   %p0 = f32[1000]{0} parameter(0)
   %p1 = f32[1000]{0} parameter(1)
   ROOT %s = f32[1000]{0} add(%p0, %p1)
@@ -19,7 +18,11 @@ FLOOR_HLO = """HloModule floors
   %q0 = f32[1000]{0} parameter(0)
   ROOT %n = f32[1000]{0} negate(%q0)
 }
+"""
 
+FLOOR_HLO = """HloModule floors
+
+""" + ADD_NEG + """
 %two_out (r0: f32[1000]) -> (f32[1000], bf16[1000]) {
   %r0 = f32[1000]{0} parameter(0)
   %e = f32[1000]{0} exponential(%r0)
@@ -343,17 +346,7 @@ def test_the_command_takes_the_attribution(tmp_path, capsys):
 
 TOTALS_HLO = """HloModule totals
 
-%add2 (p0: f32[1000], p1: f32[1000]) -> f32[1000] {
-  %p0 = f32[1000]{0} parameter(0)
-  %p1 = f32[1000]{0} parameter(1)
-  ROOT %s = f32[1000]{0} add(%p0, %p1)
-}
-
-%neg (q0: f32[1000]) -> f32[1000] {
-  %q0 = f32[1000]{0} parameter(0)
-  ROOT %n = f32[1000]{0} negate(%q0)
-}
-
+""" + ADD_NEG + """
 ENTRY %main (x: f32[1000], w: f32[1000]) -> (f32[1000], f32[1000]) {
   %x = f32[1000]{0} parameter(0)
   %w = f32[1000]{0} parameter(1)
