@@ -1109,11 +1109,9 @@ def op_totals(costs: list[dict], group: str) -> list[dict]:
   layer indices folded (``layer_0/mul`` and ``layer_7/mul`` are ``layer_N/mul``); each row's
   ``launches``, ``bytes_in``, ``bytes_out`` and ``bytes`` are per step."""
   rows = {}
-  for c in costs:
-    if hlo_stats.scope_group(c["op_name"]) != group:
-      continue
+  for c in group_ops(costs, group):
     op = _LAYER_INDEX.sub(r"\1N", "/".join(c["op_name"].split("/")[-2:]))
-    key = (op_phase(c["op_name"]), op_kind(c), op)
+    key = (op_phase(c["op_name"]), c["kind"], op)
     r = rows.setdefault(key, {"phase": key[0], "kind": key[1], "op": op, "launches": 0,
                               "bytes_in": 0.0, "bytes_out": 0.0})
     r["launches"] += c["times"]
