@@ -1103,13 +1103,14 @@ def op_phase(op_name: str) -> str:
 _LAYER_INDEX = re.compile(r"(layer_|Layer_)\d+")
 
 
-def op_totals(costs: list[dict], group: str) -> list[dict]:
-  """A scope group's launched ops summed by what they do, largest bytes per step first: one row
-  per phase (``op_phase``), kind (``op_kind``) and op, the last two parts of the op's name with
-  layer indices folded (``layer_0/mul`` and ``layer_7/mul`` are ``layer_N/mul``); each row's
-  ``launches``, ``bytes_in``, ``bytes_out`` and ``bytes`` are per step."""
+def op_totals(ops: list[dict]) -> list[dict]:
+  """A scope group's launched ops (``group_ops``) summed by what they do, largest bytes per step
+  first: one row per phase (``op_phase``), kind (``op_kind``) and op, the last two parts of the
+  op's name with layer indices folded (``layer_0/mul`` and ``layer_7/mul`` are
+  ``layer_N/mul``); each row's ``launches``, ``bytes_in``, ``bytes_out`` and ``bytes`` are per
+  step."""
   rows = {}
-  for c in group_ops(costs, group):
+  for c in ops:
     op = _LAYER_INDEX.sub(r"\1N", "/".join(c["op_name"].split("/")[-2:]))
     key = (op_phase(c["op_name"]), c["kind"], op)
     r = rows.setdefault(key, {"phase": key[0], "kind": key[1], "op": op, "launches": 0,
@@ -1176,7 +1177,7 @@ def main(argv=None) -> int:
     rows = group_ops(costs, g)
     total = sum(r["bytes"] for r in rows)
     if args.by_op:
-      sums = op_totals(costs, g)
+      sums = op_totals(rows)
       print(f"\n{g}: {len(rows)} launched ops as {len(sums)} kinds of op, {total / 1e9:.3f} GB; "
             f"the {min(args.top, len(sums))} largest (MB in / out per step, launches per step)")
       for r in sums[:args.top]:

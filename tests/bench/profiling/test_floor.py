@@ -363,7 +363,7 @@ def test_op_totals_sum_a_groups_launches_by_phase_and_op_with_layers_folded():
   """MoWE's two forward launches, one per layer, are one row: a0 reads x and w and writes one
   f32[1000], a1 reads a0 and writes one (in 12,000 B, out 8,000 B); the backward's b, the same
   op in another phase, is a row of its own (in 8,000 B, out 4,000 B); HSP's h is not MoWE's."""
-  rows = roofline.op_totals(roofline.op_costs(TOTALS_HLO), "MoWE")
+  rows = roofline.op_totals(roofline.group_ops(roofline.op_costs(TOTALS_HLO), "MoWE"))
   assert rows == [
       {"phase": "fwd", "kind": "xla", "op": "layer_N/mul", "launches": 2, "bytes_in": 12000.0,
        "bytes_out": 8000.0, "bytes": 20000.0},
