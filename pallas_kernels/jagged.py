@@ -20,6 +20,7 @@ from pallas_kernels.reference import (
     block_attention_reference,
     clip_scores,
     layer_norm,
+    layer_norm_held,
     masked_softmax_attention,
 )
 
@@ -326,14 +327,17 @@ _pair_gdpa.defvjp(_pair_gdpa_fwd, _pair_gdpa_bwd)
 
 
 def jagged_gdpa_cross(q, k, v, jagged: Jagged, *, activation="fast_gelu", scale=None,
-                      out_scale=1.0, kv_lengths=None, score_clip=None, tile=None, q_norm=None):
+                      out_scale=1.0, kv_lengths=None, score_clip=None, tile=None, q_norm=None,
+                      ln_split=False):
   """PFFN's GDPA: each token's query attends to its own example's keys, ``o_n = out_scale *
   sum_j act(clip(scale q_n.k[seg_n, j])) v[seg_n, j]``.
 
   ``q [N, H, D]``, ``k, v [B, n_kv, H, D]``, ``kv_lengths i32[B]`` (keys at or beyond are
   ignored) -> ``[N, H, D]`` in q's dtype; padding tokens give 0. ``q_norm`` (an epsilon): the
   queries are the LayerNorm of each token's row over all its heads (``reference.layer_norm``:
-  the PFFN's, which the Pallas kernels compute inside).
+  the PFFN's, which the Pallas kernels compute inside); with ``ln_split`` differentiated with
+  the rows' statistics held (``reference.layer_norm_held``: q's cotangent ``r dq``, the rest of
+  the norm's backward left to the tokens' pass-through, ``reference.ln_through``).
   Why a (tile, example) work list: a per-token gather of K moves ``n_kv`` times q's bytes and
   ``lax.ragged_dot`` lowers on CPU to a one-hot over all B groups; measured (CPU, fwd+bwd, B 64,
   N 4096, H 4, D 64, n_kv 64): work list 228 ms, gather 1557 ms, ragged_dot 4400 ms.
@@ -344,7 +348,10 @@ def jagged_gdpa_cross(q, k, v, jagged: Jagged, *, activation="fast_gelu", scale=
   check_tokens(jagged, q)
   check_example_kv(k, v, jagged, q)
   if q_norm is not None:
-    q = layer_norm(q.reshape(q.shape[0], -1), float(q_norm)).reshape(q.shape)
+    norm = layer_norm_held if ln_split else layer_norm
+    q = norm(q.reshape(q.shape[0], -1), float(q_norm)).reshape(q.shape)
+  elif ln_split:
+    raise ValueError("jagged_gdpa_cross: ln_split needs q_norm")
   H, D = q.shape[1:]
   acts = per_head(activation, H)
   scale = D ** -0.5 if scale is None else scale

@@ -46,6 +46,7 @@ class _Cfg(NamedTuple):
   cols: int = PROJ_COLS          # and x's columns per step
   through: bool = False          # GDPA cross: q passed through, its cotangent added to dq
   q_norm: bool = False           # GDPA cross: q = LayerNorm(x), here (_ln_rows, _q_rows)
+  ln_split: bool = False         # and its statistics held in the backward: dq = r du (_held)
 
 
 class _DotCfg(NamedTuple):
@@ -77,6 +78,15 @@ def _q_rows(ref, st, start, n, head, valid):
     return x
   mu, r = (_vec(a, start, n, 0.0)[:, None] for a in st)
   return ((x.astype(_F32) - mu) * r).astype(ref.dtype)
+
+
+def _held(dq, st, start, cfg: _Cfg):
+  """``dq`` scaled by the rows' ``r`` where the LayerNorm's statistics are held
+  (``cfg.ln_split``: the cotangent of x through ``(x - mu) r`` at constant ``mu, r``); else
+  ``dq``."""
+  if not cfg.ln_split:
+    return dq
+  return dq * _vec(st[1], start, dq.shape[0], 0.0)[:, None]
 
 
 def _split_st(refs, cfg: _Cfg):
@@ -287,8 +297,8 @@ def _cross_dq_kernel(lo_ref, hi_ref, seg_ref, kvl_ref, q_ref, *refs, cfg: _Cfg):
 
   dq = _tile_loop(lo_ref, hi_ref, seg_ref, B, cfg, example, jnp.zeros(q.shape, _F32))
   rows = r0 + jnp.arange(cfg.tile) < q_ref.shape[0]
-  _store(dq_ref, r0, h, _plus_through(dq * (cfg.scale * cfg.out_scale), dt_ref, r0, h, rows),
-         rows)
+  dq = _held(dq * (cfg.scale * cfg.out_scale), st, r0, cfg)
+  _store(dq_ref, r0, h, _plus_through(dq, dt_ref, r0, h, rows), rows)
 
 
 def _plus_through(dq, dt_ref, start, h, rows):
@@ -350,7 +360,7 @@ def _cross_bwd_kernel(off_ref, kvl_ref, q_ref, *refs, cfg: _Cfg):
                                                                    h, rows)
     p_t, slope_t = _scores(k, q, cfg, h, with_slope=True)                # [n_kv, tile]
     ds_t = _dot(v, do, trans_b=True) * slope_t
-    dq = _dot(ds_t, k, trans_a=True) * (cfg.scale * cfg.out_scale)
+    dq = _held(_dot(ds_t, k, trans_a=True) * (cfg.scale * cfg.out_scale), st, start, cfg)
     _store(dq_ref, start, h, _plus_through(dq, dt_ref, start, h, rows), rows)
     return dk + _dot(ds_t, q), dv + _dot(p_t, do)
 
@@ -465,7 +475,9 @@ def _gdpa_cross_ln(cfg: _Cfg, x, k, v, jag, kvl):
   normalise their tiles with them (their tiles and pipeline stages are ``_gdpa_cross``'s plus
   that vector pair) and write the query's cotangent; the norm's backward
   (``reference.layer_norm_dx``, behind a barrier as ``kunlun.nn.norms.layer_norm``'s) is
-  XLA's, which fuses it into the pass that adds x's other cotangents."""
+  XLA's, which fuses it into the pass that adds x's other cotangents. With ``cfg.ln_split`` the
+  statistics are held (``reference.layer_norm_held``): the kernels write ``r du`` and nothing
+  follows them."""
   return _cross_fwd(cfg, x, k, v, jag, kvl)[0]
 
 
@@ -476,6 +488,8 @@ def _gdpa_cross_ln_fwd(cfg: _Cfg, x, k, v, jag, kvl):
 
 def _gdpa_cross_ln_bwd(cfg: _Cfg, res, do):
   du, *rest = _gdpa_cross_bwd(cfg, res, do)
+  if cfg.ln_split:                # r du from the kernels: the statistics' part is the caller's
+    return (du, *rest)
   x = res[0]
   # rows of d elements (XLA fuses the norm's row reductions with their consumers where the rows
   # are the last axis), behind a barrier: no CSE with the forward's values
@@ -505,7 +519,7 @@ def cross_through_fits(q, k, *, activation="fast_gelu", score_clip=None, interpr
 
 def jagged_gdpa_cross_pallas(q, k, v, jag, *, activation="fast_gelu", scale=None,
                              out_scale=1.0, kv_lengths=None, score_clip=None, interpret=False,
-                             block_q=64, through=False, q_norm=None):
+                             block_q=64, through=False, q_norm=None, ln_split=False):
   """Pallas ``jagged.jagged_gdpa_cross``: grid (token tiles of ``block_q``, heads); a tile loops
   over the examples it overlaps, reading each one's ``n_kv`` keys once (in chunks where they do
   not fit shared memory, ``_plan``). Backward: dk, dv on (examples, heads), each walking its
@@ -515,7 +529,10 @@ def jagged_gdpa_cross_pallas(q, k, v, jag, *, activation="fast_gelu", scale=None
   pass-through's cotangent, which XLA added in a pass of its own (where ``cross_through_fits``;
   elsewhere XLA adds the two after the kernels, inside this op). ``q_norm`` (an epsilon): the
   query is the LayerNorm of each token's row (``reference.layer_norm``), computed inside the
-  kernels, forward and backward (``_gdpa_cross_ln``); not with ``through``."""
+  kernels, forward and backward (``_gdpa_cross_ln``); not with ``through``. ``ln_split``
+  (with ``q_norm``): the norm's statistics held in the backward (``reference.layer_norm_held``;
+  x's cotangent is ``r du``, written by the kernels), for a caller whose x is
+  ``jagged_gdpa_pool_proj_pallas(through=eps)``'s pass-through, which adds the rest."""
   jagged.check_example_kv(k, v, jag, q)
   kvl = jnp.full((jag.batch,), k.shape[1], jnp.int32) if kv_lengths is None else jnp.clip(
       jnp.asarray(kv_lengths, jnp.int32), 0, k.shape[1])
@@ -524,7 +541,10 @@ def jagged_gdpa_cross_pallas(q, k, v, jag, *, activation="fast_gelu", scale=None
     if through:
       raise ValueError("jagged_gdpa_cross: q_norm and through do not combine (a caller that "
                        "reads the normalised query computes it itself)")
-    return _gdpa_cross_ln(cfg._replace(q_norm=True, eps=float(q_norm)), q, k, v, jag, kvl)
+    return _gdpa_cross_ln(cfg._replace(q_norm=True, eps=float(q_norm), ln_split=bool(ln_split)),
+                          q, k, v, jag, kvl)
+  if ln_split:
+    raise ValueError("jagged_gdpa_cross: ln_split needs q_norm")
   return (_gdpa_cross_through if through else _gdpa_cross)(cfg, q, k, v, jag, kvl)
 
 
@@ -813,7 +833,9 @@ def _gdpa_pool_proj_fwd(cfg: _Cfg, q, x, wk, wv, jag):
   return o, (q, x, wk, wv, k, v, jag)
 
 
-def _gdpa_pool_proj_bwd(cfg: _Cfg, res, do):
+def _gdpa_pool_proj_bwd(cfg: _Cfg, res, do, ln=None):
+  """``ln``: the cotangents of ``_gdpa_pool_proj_through``'s two pass-throughs of x, which the
+  projections' backward kernel adds to dx (``norm_qkv.norm_proj_grads``)."""
   q, x, wk, wv, k, v, jag = res
   if k is None:
     dq, dk, dv = _pool_grads(cfg, q, (x, wk, wv), jag, do)
@@ -822,11 +844,32 @@ def _gdpa_pool_proj_bwd(cfg: _Cfg, res, do):
   # the projections' backward as norm_proj_pallas's: dx and the rows' RMS factors from one
   # kernel, dw_k and dw_v on pallas_kernels.wgrad
   dx, (dwk, dwv) = norm_qkv.norm_proj_grads(x, (wk, wv), (dk, dv), eps=cfg.eps, dtype=q.dtype,
-                                            interpret=cfg.interpret)
+                                            interpret=cfg.interpret, ln=ln)
   return dq, dx, dwk, dwv, jax.tree.map(lambda _: None, jag)
 
 
 _gdpa_pool_proj.defvjp(_gdpa_pool_proj_fwd, _gdpa_pool_proj_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 6))
+def _gdpa_pool_proj_through(cfg: _Cfg, q, x, wk, wv, jag, ln_eps: float):
+  """``(_gdpa_pool_proj(...), reference.ln_through(x, ln_eps), x)``: x passed through twice (no
+  copy); the backward kernel of the projections takes both cotangents (``norm_qkv``'s
+  ``ln``)."""
+  return _gdpa_pool_proj(cfg, q, x, wk, wv, jag), x, x
+
+
+def _pool_proj_through_fwd(cfg: _Cfg, q, x, wk, wv, jag, ln_eps: float):
+  o, res = _gdpa_pool_proj_fwd(cfg, q, x, wk, wv, jag)
+  return (o, x, x), res
+
+
+def _pool_proj_through_bwd(cfg: _Cfg, ln_eps: float, res, cts):
+  do, g_ln, g_id = cts
+  return _gdpa_pool_proj_bwd(cfg, res, do, ln=(g_ln, g_id, ln_eps))
+
+
+_gdpa_pool_proj_through.defvjp(_pool_proj_through_fwd, _pool_proj_through_bwd)
 
 
 def jagged_gdpa_pool_pallas(q, k, v, jag, *, activation="fast_gelu", scale=None, out_scale=1.0,
@@ -862,7 +905,7 @@ def pool_proj_recomputes(q, x, w, *, activation="fast_gelu", block_k: int = 64, 
 
 def jagged_gdpa_pool_proj_pallas(q, x, w, jag, *, activation="fast_gelu", scale=None,
                                  out_scale=1.0, score_clip=None, interpret=False, block_k=64,
-                                 eps: float = norm_qkv.EPS):
+                                 eps: float = norm_qkv.EPS, through: float | None = None):
   """``jagged_gdpa_pool_pallas(q, *norm_proj_pallas(x, w), jag)`` (HSP's keys, values and
   pooling) in one forward kernel: each token tile's keys and values are projected where the pool
   reads them, from ``x [N, d]`` and ``w = (w_k, w_v)``, each ``[d, H, D]`` in ``q``'s dtype
@@ -872,7 +915,14 @@ def jagged_gdpa_pool_proj_pallas(q, x, w, jag, *, activation="fast_gelu", scale=
   projects each tile's k, v again from ``x`` (2 N d H D FLOPs each) and the forward stores
   none: ``[N, H, D]`` k and v are neither written nor read back, ``x`` read in their place. Else
   the forward stores them on the way (not read back in the forward) for the backward. Widths:
-  ``norm_qkv.supported``'s."""
+  ``norm_qkv.supported``'s.
+
+  ``through`` (a LayerNorm epsilon): returns ``(o, x_ln, x_id)``, x passed through twice for the
+  PFFN after it, ``x_ln = reference.ln_through(x, through)`` (its query, read by
+  ``jagged_gdpa_cross_pallas(q_norm=through, ln_split=True)``) and ``x_id = x`` (its residual).
+  The projections' backward kernel adds both cotangents to dx where it reads x's rows anyway, the
+  first through the norm's statistics: the pass XLA otherwise makes over x and the three
+  readers' cotangents (the norm's backward and their sum) is not made."""
   jagged.check_tokens(jag, jax.ShapeDtypeStruct((x.shape[0], 1, x.shape[-1]), x.dtype))
   wk, wv = w
   S, H, D = q.shape
@@ -882,6 +932,9 @@ def jagged_gdpa_pool_proj_pallas(q, x, w, jag, *, activation="fast_gelu", scale=
                      f"with x {x.shape}, q {q.shape}, widths norm_qkv.supported")
   cfg = _pool_cfg(q, activation, scale, out_scale, score_clip, interpret, block_k, proj=True,
                   eps=float(eps))
+  if through is not None:
+    return _gdpa_pool_proj_through(cfg, q, x, wk.astype(q.dtype), wv.astype(q.dtype), jag,
+                                   float(through))
   return _gdpa_pool_proj(cfg, q, x, wk.astype(q.dtype), wv.astype(q.dtype), jag)
 
 

@@ -81,6 +81,7 @@ class _Cfg(NamedTuple):
   rot: int = 2           # the first ``rot`` of them QK-normalised and rotated
   res: bool = False      # x passed through; the backward adds its masked cotangent to dx
   split: bool = False    # the weights as P operands [d, H D] (else one [d, P H D])
+  ln_eps: float | None = None   # two more cotangents of x's pass-throughs (_add_through)
 
 
 def _refs(refs, cfg: _Cfg):
@@ -207,6 +208,8 @@ def _bwd_kernel(x_ref, *refs, cfg: _Cfg):
   g_refs, refs = refs[:cfg.proj], refs[cfg.proj:]
   if cfg.res:
     (gr_ref, valid_ref), refs = refs[:2], refs[2:]
+  if cfg.ln_eps is not None:
+    (gl_ref, gi_ref), refs = refs[:2], refs[2:]
   dx_ref, dy_refs, r_ref, ds_ref = refs[0], refs[1:1 + cfg.rot], refs[-2], refs[-1]
   i, hd = pl.program_id(0), cfg.head_dim // 2
   r0 = i * cfg.rows
@@ -253,7 +256,21 @@ def _bwd_kernel(x_ref, *refs, cfg: _Cfg):
   dx = r * (dh - hn * jnp.mean(dh * hn, axis=1, keepdims=True))
   if cfg.res:           # the residual's cotangent, masked to the real rows
     dx = dx + load_vec(valid_ref, r0, cfg.rows)[:, None] * _tile(gr_ref, r0, cfg.rows).astype(F32)
+  if cfg.ln_eps is not None:
+    dx = _add_through(dx, x_ref, gl_ref, gi_ref, r0, cfg)
   _put(dx_ref, r0, dx)
+
+
+def _add_through(dx, x_ref, gl_ref, gi_ref, r0, cfg: _Cfg):
+  """``dx`` plus the cotangents of x's two pass-throughs (``norm_proj_grads``' ``ln``): the first
+  through the LayerNorm's statistics (``reference.ln_through``: ``g - mean(g) - y mean(g y)``,
+  ``y`` the rows' LayerNorm, epsilon ``cfg.ln_eps``), the second as it is."""
+  xf = _tile(x_ref, r0, cfg.rows).astype(F32)
+  xc = xf - jnp.mean(xf, axis=1, keepdims=True)
+  y = xc * lax.rsqrt(jnp.mean(xc * xc, axis=1, keepdims=True) + cfg.ln_eps)
+  g = _tile(gl_ref, r0, cfg.rows).astype(F32)
+  dx = dx + g - jnp.mean(g, axis=1, keepdims=True) - y * jnp.mean(g * y, axis=1, keepdims=True)
+  return dx + _tile(gi_ref, r0, cfg.rows).astype(F32)
 
 
 def _rows(table, d):
@@ -310,7 +327,8 @@ def _fwd(x, ops, cfg: _Cfg, shape):
 
 
 def _bwd(x, ops, gs, cfg: _Cfg, shape):
-  """``gs``: the projections' cotangents, then (``cfg.res``) the residual's and ``valid``."""
+  """``gs``: the projections' cotangents, then (``cfg.res``) the residual's and ``valid``, then
+  (``cfg.ln_eps``) the two pass-throughs' (``_add_through``)."""
   N, d, H, D = shape
   T = pl.cdiv(N, cfg.rows)
   b = jnp.dtype(cfg.dtype).itemsize
@@ -352,13 +370,15 @@ def _vjp_fwd(x, w, sc, tau, pos, omega, valid, eps, dtype, interpret, rot):
   return out, (x, w, sc, tau, pos, omega, valid)
 
 
-def _vjp_bwd(eps, dtype, interpret, rot, res, g):
+def _vjp_bwd(eps, dtype, interpret, rot, res, g, ln=None):
+  """``ln``: ``norm_proj_grads``' (two more cotangents of x and an epsilon)."""
   x, w, sc, tau, pos, omega, valid = res
   N, d, H, D, P = _check(x, w)
   split = isinstance(w, tuple)
   cfg = _Cfg(H, D, eps, dtype, _rows(BWD_ROWS, d), interpret, P, rot,
-             res=valid is not None, split=split)
-  gs = tuple(g[:P]) + (() if valid is None else (g[-1], valid))
+             res=valid is not None, split=split, ln_eps=None if ln is None else float(ln[2]))
+  gs = tuple(g[:P]) + (() if valid is None else (g[-1], valid)) + (() if ln is None else
+                                                                  tuple(ln[:2]))
   dx, *dys, r, ds = _bwd(x, _operands(_weights(w, dtype, d), sc, tau, pos, omega), gs, cfg,
                          (N, d, H, D))
   # dw_p = h^T dy_p with h = r x (r: the rows' RMS factor) taken where pallas_kernels.wgrad reads
@@ -415,13 +435,19 @@ def norm_proj_pallas(x, w, *, eps: float = EPS, dtype=jnp.bfloat16, interpret: b
                 0)
 
 
-def norm_proj_grads(x, w, gs, *, eps: float = EPS, dtype=jnp.bfloat16, interpret: bool = False):
+def norm_proj_grads(x, w, gs, *, eps: float = EPS, dtype=jnp.bfloat16, interpret: bool = False,
+                    ln=None):
   """``(dx, dw)`` of ``norm_proj_pallas(x, w)`` for the outputs' cotangents ``gs`` (one per
   projection), from its backward kernel and weight GEMM: for a kernel that computes the
-  projections itself (``jagged_pallas.jagged_gdpa_pool_proj_pallas``)."""
+  projections itself (``jagged_pallas.jagged_gdpa_pool_proj_pallas``). ``ln = (g_ln, g_id,
+  ln_eps)``: the cotangents ``[N, d]`` of two pass-throughs of x, ``reference.ln_through(x,
+  ln_eps)``'s and x's own, which the kernel adds to dx where it reads x's rows."""
   _check(x, w)
+  if ln is not None and any(a.shape != x.shape for a in ln[:2]):
+    raise ValueError(f"norm_proj_grads: ln's cotangents {[a.shape for a in ln[:2]]} must be x's "
+                     f"{x.shape}")
   dx, dw, *_ = _vjp_bwd(float(eps), jnp.dtype(dtype), bool(interpret), 0,
-                        (x, w, (), None, None, None, None), tuple(gs))
+                        (x, w, (), None, None, None, None), tuple(gs), ln)
   return dx, dw
 
 

@@ -38,6 +38,27 @@ def layer_norm(x, eps: float, dtype=None):
   return ((xf - mu) * r).astype(x.dtype if dtype is None else dtype)
 
 
+def layer_norm_held(x, eps: float, dtype=None):
+  """``layer_norm``'s values, differentiated with the row statistics held constant: the VJP is
+  ``r dy`` (``jagged_gdpa_cross(q_norm=eps, ln_split=True)``). The backward's other part, through
+  the statistics, is ``ln_through``'s: ``layer_norm_held(ln_through(x))`` is ``layer_norm(x)``,
+  values and VJP."""
+  xf, mu, r = layer_norm_stats(x, eps)
+  mu, r = lax.stop_gradient(mu), lax.stop_gradient(r)
+  return ((xf - mu) * r).astype(x.dtype if dtype is None else dtype)
+
+
+def ln_through(x, eps: float):
+  """``x`` itself (exactly), whose VJP is the part of ``layer_norm``'s backward that runs
+  through the row statistics, the factor ``r`` taken out: ``g -> g - mean(g) - y mean(g y)``,
+  ``y = layer_norm(x)``, in float32, returned in x's dtype (the Jacobian of ``(x - mu) r /
+  r_c + mu_c`` with ``r_c, mu_c`` constants equal to ``r, mu``). The tokens' pass-through of
+  ``jagged_gdpa_pool_proj(through=eps)``; with ``layer_norm_held`` after it, the PFFN's query."""
+  xf, mu, r = layer_norm_stats(x, eps)
+  t = (xf - mu) * (r / lax.stop_gradient(r)) + lax.stop_gradient(mu)
+  return (lax.stop_gradient(xf) + (t - lax.stop_gradient(t))).astype(x.dtype)
+
+
 def layer_norm_dx(x, dy, eps: float):
   """``layer_norm``'s backward over the last axis: ``dx = r (dy - mean(dy) - y mean(dy y))``
   with ``y = (x - mu) r`` and ``dy`` float32, returned in x's dtype."""

@@ -518,15 +518,20 @@ def test_pallas_gdpa_at_prod_head_dim_against_the_xla_twin(dtype):
                         jax.tree.leaves(want), strict=True):
     g, r = np.asarray(g, np.float32), np.asarray(r, np.float32)
     np.testing.assert_allclose(g, r, atol=PROD_TOL[dtype] * np.abs(r).max(), err_msg=what)
-  # the query normalised inside the kernels (q_norm: PFFN's LayerNorm), on both backward plans
-  want = jax.jit(lambda: _ln_vjp(jagged.jagged_gdpa_cross, jag, (q, kk, vv), **cross))()
-  with _poison.poison_outputs():
-    got = jax.jit(lambda: _ln_vjp(jagged_pallas.jagged_gdpa_cross_pallas, jag, (q, kk, vv),
-                                  interpret=True, **cross))()
-  for what, g, r in zip(["cross_ln", "dx", "dk_ex", "dv_ex"], jax.tree.leaves(got),
-                        jax.tree.leaves(want), strict=True):
-    g, r = np.asarray(g, np.float32), np.asarray(r, np.float32)
-    np.testing.assert_allclose(g, r, atol=PROD_TOL[dtype] * np.abs(r).max(), err_msg=what)
+  # the query normalised inside the kernels (q_norm: PFFN's LayerNorm), on both backward plans,
+  # also with the norm's statistics held (ln_split: the kernels write r du)
+  for split in (False, True):
+    want = jax.jit(lambda split=split: _ln_vjp(jagged.jagged_gdpa_cross, jag, (q, kk, vv),
+                                               ln_split=split, **cross))()
+    with _poison.poison_outputs():
+      got = jax.jit(lambda split=split: _ln_vjp(jagged_pallas.jagged_gdpa_cross_pallas, jag,
+                                                (q, kk, vv), interpret=True, ln_split=split,
+                                                **cross))()
+    for what, g, r in zip(["cross_ln", "dx", "dk_ex", "dv_ex"], jax.tree.leaves(got),
+                          jax.tree.leaves(want), strict=True):
+      g, r = np.asarray(g, np.float32), np.asarray(r, np.float32)
+      np.testing.assert_allclose(g, r, atol=PROD_TOL[dtype] * np.abs(r).max(),
+                                 err_msg=f"{what} ln_split={split}")
 
 
 @pytest.mark.parametrize("programs", [jagged_pallas.POOL_DQ_PROGRAMS, 2],
@@ -657,3 +662,109 @@ def test_pallas_pool_projecting_its_keys_against_the_unfused_twin(d, heads, seed
         assert np.all(np.isfinite(g)), f"{case} {what}"
         np.testing.assert_allclose(g, r, atol=tol * max(np.abs(r).max(), 1e-6),
                                    err_msg=f"{case} {what}")
+
+
+def test_ln_through_and_held_statistics_compose_to_the_layer_norm():
+  """``reference.ln_through`` returns x exactly, and its VJP is numpy's ``g - mean(g) - y mean(g
+  y)`` (float64, ``y`` the rows' LayerNorm); ``layer_norm_held`` after it has ``layer_norm``'s
+  values and, by autodiff of the plain norm, its VJP."""
+  rng = np.random.default_rng(7)
+  x = jnp.asarray(rng.normal(size=(9, 32)) * 3 + 1, jnp.float32)
+  g = jnp.asarray(rng.normal(size=(9, 32)), jnp.float32)
+  y, vjp = jax.vjp(lambda x: reference.ln_through(x, 1e-6), x)
+  np.testing.assert_array_equal(y, x)
+  xn = np.asarray(x, np.float64)
+  yn = (xn - xn.mean(1, keepdims=True)) / np.sqrt(xn.var(1, keepdims=True) + 1e-6)
+  gn = np.asarray(g, np.float64)
+  want = gn - gn.mean(1, keepdims=True) - yn * (gn * yn).mean(1, keepdims=True)
+  np.testing.assert_allclose(vjp(g)[0], want, atol=1e-5)
+  held = lambda x: reference.layer_norm_held(reference.ln_through(x, 1e-6), 1e-6)
+  plain = lambda x: reference.layer_norm(x, 1e-6)
+  np.testing.assert_allclose(held(x), plain(x), atol=1e-6)
+  np.testing.assert_allclose(jax.vjp(held, x)[1](g)[0], jax.vjp(plain, x)[1](g)[0], rtol=1e-5,
+                             atol=1e-5)
+
+
+def _tower_readers(x, q, w, kk, vv, jag, pallas, dtype):
+  """HSP's pool, the PFFN's GDPA on the LayerNorm of the same tokens and a third reader
+  (``sin``, the tail's stand-in) of ``x [N, d]``: the Pallas kernels with the pool passing x
+  through to the other two (``through``, ``ln_split``), or the twins of the plain chain."""
+  kw = dict(activation="gelu", out_scale=0.5)
+  cross = dict(activation="silu", kv_lengths=KV_LENGTHS, score_clip=1.5)
+  shape = (x.shape[0],) + kk.shape[2:]
+  if pallas:
+    o, xl, xi = jagged_pallas.jagged_gdpa_pool_proj_pallas(q, x, w, jag, interpret=True,
+                                                           through=1e-6, **kw)
+    g = jagged_pallas.jagged_gdpa_cross_pallas(xl.reshape(shape), kk, vv, jag, interpret=True,
+                                               block_q=TILE, q_norm=1e-6, ln_split=True, **cross)
+  else:
+    from pallas_kernels import norm_qkv
+    o = jagged.jagged_gdpa_pool(q, *norm_qkv.norm_proj_xla(x, w, dtype=dtype), jag, **kw)
+    g = jagged.jagged_gdpa_cross(x.reshape(shape), kk, vv, jag, q_norm=1e-6, **cross)
+    xi = x
+  return o.astype(jnp.float32), g.astype(jnp.float32), jnp.sin(xi.astype(jnp.float32))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_pool_passing_tokens_to_the_pffn_equals_the_plain_chain(dtype):
+  """A layer's three readers of a tower's tokens with the pool's pass-throughs
+  (``jagged_gdpa_pool_proj_pallas(through=eps)`` into ``jagged_gdpa_cross_pallas(q_norm=eps,
+  ln_split=True)`` and an elementwise reader): outputs and the gradients of x (whose three
+  cotangents and the LayerNorm's backward the projections' backward kernel adds), the seeds,
+  the weights and the keys and values equal the plain chain's twins, autodiff of the LayerNorm
+  (float32 1e-5, bfloat16 2e-2 of the largest element), with ragged lengths, an empty history,
+  one example filling the capacity, poisoned outputs."""
+  d, heads = 64, 2
+  D = d // heads
+  rng = np.random.default_rng(11)
+  w = tuple(jnp.asarray(rng.normal(size=(d, heads, D)) / np.sqrt(d), dtype) for _ in range(2))
+  q = jnp.asarray(rng.normal(size=(S, heads, D)), dtype)
+  kk, vv = (jnp.asarray(rng.normal(size=(B, NKV, heads, D)) * 0.5, dtype) for _ in range(2))
+
+  def vjp_of(pallas):
+    def run(jag, *ops):
+      out, vjp = jax.vjp(lambda x, q, w, kk, vv: _tower_readers(x, q, w, kk, vv, jag, pallas,
+                                                                  dtype), *ops)
+      return out, vjp(jax.tree.map(jnp.cos, out))
+    return jax.jit(run)
+
+  tol = 1e-5 if dtype == jnp.float32 else 2e-2
+  with _poison.poison_outputs():
+    run = vjp_of(True)
+    for case in ("ragged", "empty", "full"):
+      x = jnp.asarray(rng.normal(size=(B, T, d)) * 2 + 0.5, jnp.float32)
+      xs, jag, _ = jax.jit(jagged.pack, static_argnums=2)(x[:, :, None],
+                                                          np.array(LENGTHS[case]), N)
+      ops = (xs[:, 0].astype(dtype), q, w, kk, vv)
+      (out, grads), (want, wgrads) = run(jag, *ops), vjp_of(False)(jag, *ops)
+      names = ["pool", "gdpa", "third", "x", "q", "w_k", "w_v", "k", "v"]
+      got = list(out) + jax.tree.leaves(grads)
+      for what, g, r in zip(names, got, list(want) + jax.tree.leaves(wgrads), strict=True):
+        g, r = np.asarray(g, np.float32), np.asarray(r, np.float32)
+        assert np.all(np.isfinite(g)), f"{case} {what}"
+        np.testing.assert_allclose(g, r, atol=tol * max(np.abs(r).max(), 1e-6),
+                                   err_msg=f"{case} {what}")
+
+
+def test_cross_with_held_statistics_against_its_twin():
+  """``jagged_gdpa_cross_pallas(q_norm=eps, ln_split=True)`` against its twin
+  (``jagged_gdpa_cross(..., ln_split=True)``, ``reference.layer_norm_held``): x's cotangent is
+  ``r du`` from the kernels, on both backward plans' lengths cases; ``ln_split`` without
+  ``q_norm`` is refused in one line by both."""
+  kw = dict(activation="silu", kv_lengths=KV_LENGTHS, score_clip=1.5, ln_split=True)
+  twin = jax.jit(lambda jag, *ops: _ln_vjp(jagged.jagged_gdpa_cross, jag, ops, **kw))
+  with _poison.poison_outputs():
+    run = jax.jit(lambda jag, *ops: _ln_vjp(jagged_pallas.jagged_gdpa_cross_pallas, jag, ops,
+                                            interpret=True, block_q=TILE, **kw))
+    for case in ("ragged", "full", "empty"):
+      (q, _, _), jag, _ = _packed(case)
+      ops = (q * 2.0 - 0.5, *_example_kv()[:2])
+      (out, grads), (want, want_grads) = run(jag, *ops), twin(jag, *ops)
+      np.testing.assert_allclose(out, want, atol=2e-6, rtol=1e-5, err_msg=case)
+      for what, g, r in zip(["x", "k", "v"], grads, want_grads, strict=True):
+        np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5, err_msg=f"{case} d{what}")
+  (q, _, _), jag, _ = _packed("ragged")
+  for fn in (jagged.jagged_gdpa_cross, jagged_pallas.jagged_gdpa_cross_pallas):
+    with pytest.raises(ValueError, match="ln_split needs q_norm") as e:
+      fn(q, *_example_kv()[:2], jag, ln_split=True)
+    assert "\n" not in str(e.value)

@@ -34,8 +34,8 @@ from tests.bench.profiling.test_gpu_target import GPU_PY, ROOT
 SHAPES = {"prod": (4, 128, 256, 128, 128), "mid": (4, 64, 64, 64, 64),
           "mid_s32": (4, 64, 64, 32, 64)}
 B, N = 4, 1024
-FAMILIES = ("cross", "cross_through", "cross_ln", "cross_per_head", "pool", "pool_per_head",
-            "pool_proj", "block_softmax", "block_gdpa", "softmax_band", "softmax_full",
+FAMILIES = ("cross", "cross_through", "cross_ln", "cross_ln_split", "cross_per_head", "pool",
+            "pool_per_head", "pool_proj", "pool_proj_through", "block_softmax", "block_gdpa", "softmax_band", "softmax_full",
             "norm_qkv", "norm_proj", "norm_residual", "norm_residual_ln", "proj_residual",
             "event_mlp", "seed_kron")
 # the row-wise fused kernels (no jagged_pallas._plan): {family: kernels (forward, backward;
@@ -45,11 +45,18 @@ FUSED = {"norm_qkv": 4, "norm_proj": 3, "norm_residual": 2, "norm_residual_ln": 
          "proj_residual": 2, "event_mlp": 4, "seed_kron": 2}
 PER_HEAD = ("gelu", "silu", "relu2", "fast_gelu")   # XLA's Triton: one loop copy each
 # families that also run row-wise kernels (no _plan): {family: (kernels, row-wise kernels)}
-WITH_ROWWISE = {"pool_proj": (4, ("norm_proj_bwd", "row_scaled_wgrad"))}
+WITH_ROWWISE = {f: (4, ("norm_proj_bwd", "row_scaled_wgrad"))
+                for f in ("pool_proj", "pool_proj_through")}
 
 
 def _summed(outs):
   return sum(o.astype(jnp.float32) for o in outs)
+
+
+def _pooled_and_passed(outs):
+  """A scalar of the pool's output and its two pass-throughs of x (every cotangent nonzero)."""
+  o, *xs = (jnp.sum(a.astype(jnp.float32)) for a in outs)
+  return o + jnp.sum(jnp.stack(xs) ** 2)
 
 
 def _families(shape, dtype=jnp.bfloat16):
@@ -79,6 +86,10 @@ def _families(shape, dtype=jnp.bfloat16):
       # PFFN's where the query is the LayerNorm of x, computed in the kernels (q_norm)
       "cross_ln": (lambda x, k, v, j: jp.jagged_gdpa_cross_pallas(
           x, k, v, j, kv_lengths=jnp.full((B,), NKV - 3), q_norm=1e-6), (tok, ex, ex)),
+      # and its statistics held (x from HSP's pool, pool_proj_through): the kernels write r du
+      "cross_ln_split": (lambda x, k, v, j: jp.jagged_gdpa_cross_pallas(
+          x, k, v, j, kv_lengths=jnp.full((B,), NKV - 3), q_norm=1e-6, ln_split=True),
+          (tok, ex, ex)),
       "cross_per_head": (lambda q, k, v, j: jp.jagged_gdpa_cross_pallas(
           q, k, v, j, activation=PER_HEAD[:H], score_clip=8.0), (tok, ex, ex)),
       "pool": (lambda q, k, v, j: jp.jagged_gdpa_pool_pallas(q, k, v, j), (seeds, tok, tok)),
@@ -87,6 +98,10 @@ def _families(shape, dtype=jnp.bfloat16):
       # HSP's pool projecting its keys and values from the tokens (two weight operands)
       "pool_proj": (lambda q, x, w, j: jp.jagged_gdpa_pool_proj_pallas(
           q, x, (w[:, 0].astype(dtype), w[:, 1].astype(dtype)), j), (seeds, tok_x, w2)),
+      # and passing x through to the PFFN: its backward kernel adds the two cotangents
+      "pool_proj_through": (lambda q, x, w, j: _pooled_and_passed(jp.jagged_gdpa_pool_proj_pallas(
+          q, x, (w[:, 0].astype(dtype), w[:, 1].astype(dtype)), j, through=1e-6)),
+          (seeds, tok_x, w2)),
       "block_softmax": (lambda q, k, v, j: jp.jagged_block_attention_pallas(q, k, v, j),
                         (tok, tok, tok)),
       "block_gdpa": (lambda q, k, v, j: jp.jagged_block_attention_pallas(
@@ -186,7 +201,7 @@ def test_prod_tiles(monkeypatch):
   for (family, name), (whole, chunk, stages, est) in plans.items():
     if family.endswith("per_head") and name.startswith("jagged_gdpa"):
       want = (whole, 1)
-    elif family == "pool_proj" and name == "jagged_gdpa_pool":
+    elif family.startswith("pool_proj") and name == "jagged_gdpa_pool":
       want = (whole, 2)
     else:
       want = {"jagged_gdpa_cross": (128, 3), "jagged_gdpa_cross_bwd": (whole, 2)}.get(
