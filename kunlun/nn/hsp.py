@@ -141,6 +141,11 @@ class HSP(nn.Module):
   (``age`` is needed with ``time_buckets`` only).
 
   ``out_scale = 1 / t_max`` (default ``t_max = T``, the padded/kept length, spec h-1).
+  ``pass_tokens``: returns ``(summary, tokens)``, ``tokens`` the packed tower's ``(x_ln, x_id)
+  [N, d]`` (x passed through the fused pool for the PFFN after it,
+  ``pallas_kernels.jagged_pallas.jagged_gdpa_pool_proj_pallas(through=EPS)``: its query's
+  LayerNorm statistics and its residual take their cotangents back to the pool's backward
+  kernel), or None where the pool is not that kernel.
   """
   n_seed: int
   n_sum: int
@@ -153,10 +158,16 @@ class HSP(nn.Module):
   dtype: Any = F32
   score_clip: float | None = None   # clamp GDPA scores to [-c, c] (spec h-13); None/0: off
   time_buckets: BucketSpec | None = None   # per-head key bucket embeddings (b.5-2); None: off
+  pass_tokens: bool = False
 
   @nn.compact
   def __call__(self, s, lengths, age=None):
     """``s``: ``[B, T, d]`` or a packed tower (``kunlun.nn.packed.Packed``, ``age f32[N]``)."""
+    y, tokens = self._pool(s, lengths, age)
+    return (y, tokens) if self.pass_tokens else y
+
+  def _pool(self, s, lengths, age):
+    """``(summary, tokens or None)`` (``pass_tokens``)."""
     jag = s.jag if packed.is_packed(s) else None
     if jag is not None:
       s = s.value
@@ -178,7 +189,10 @@ class HSP(nn.Module):
         # the optimizer's 16-bit copies stand in for the casts
         ws = tuple(_head_weights(self, n, d, H).astype(dt) for n in ("key", "value"))
         if self.time_buckets is None:        # norm -> k, v -> pool: one pass (k, v stored)
-          return self._tail(packed.gdpa_pool_proj(q, s, ws, jag, **gdpa), d, e)
+          if self.pass_tokens:
+            o, *tokens = packed.gdpa_pool_proj(q, s, ws, jag, through=EPS, **gdpa)
+            return self._tail(o, d, e), tuple(tokens)
+          return self._tail(packed.gdpa_pool_proj(q, s, ws, jag, **gdpa), d, e), None
         k, v = packed.fused_proj(s, ws, jag, dtype=dt)                # norm -> k, v: one pass
       else:
         hk, hv = apart(rms_norm(s, dtype=dt), 2)         # k and v: their own buffers
@@ -191,7 +205,7 @@ class HSP(nn.Module):
         v = shard(v, ("batch", "seq", "heads", "head_dim"))
         o = gdpa_op(q[None], k, v, kv_lengths=lengths, broadcast_q=True, backend=self.backend,
                     seq="kv", **gdpa)
-      return self._tail(o, d, e)
+      return self._tail(o, d, e), None
 
   def _tail(self, o, d, e):
     """The pooled ``o [B, S, H, D]`` -> ``[B, n_sum, out_dim or d]``: output projection, then

@@ -11,9 +11,9 @@ import jax
 import jax.numpy as jnp
 
 from kunlun.configs.types import ModelConfig
-from kunlun.nn import rows
+from kunlun.nn import packed, rows
 from kunlun.nn.mowe import MoWE
-from kunlun.nn.pffn import PFFN
+from kunlun.nn.pffn import PFFN, query_in_kernels
 from kunlun.nn.remat import wrap
 from kunlun.nn.towers import make_attention, make_pooling, schedule
 from kunlun.nn.weightgen import WeightGen
@@ -46,16 +46,23 @@ class KunlunLayer(nn.Module):
     with jax.named_scope(f"KunlunLayer_{self.index}"):
       plans = {t.name: schedule(t, self.index, cfg.comp_skip, cfg.final_hsp)
                for t in cfg.seq_towers}
-      kv = {}
+      kv, passed = {}, {}
       for t in cfg.seq_towers:                                   # interaction block (1), (2)
         p = plans[t.name]
         if p.weightgen:
           kv[t.name] = wrap(WeightGen, rm)(t.n_kv, t.heads, t.width, cfg.key_norm, dt,
                                            backend=cfg.backend, name=f"{t.name}_weightgen")(x)
         if p.hsp:
-          summaries[t.name] = rows.apply(make_pooling(cfg, t, dt, f"{t.name}_hsp", remat=rm),
-                                         ri, seqs[t.name], lengths[t.name],
-                                         ages[t.name] if tb else None)
+          # HSP's fused pool passes the tokens through to this layer's PFFN: the norm's backward
+          # and the sum of the three readers' cotangents join the pool's backward kernel
+          s = seqs[t.name]
+          through = (p.pffn and ri is None and cfg.pooling != "pma" and packed.is_packed(s)
+                     and query_in_kernels(cfg.backend, t.width, s.value.dtype, dt,
+                                          cfg.time_buckets.spec(t)))
+          out = rows.apply(make_pooling(cfg, t, dt, f"{t.name}_hsp", remat=rm,
+                                        pass_tokens=through), ri, s, lengths[t.name],
+                           ages[t.name] if tb else None)
+          summaries[t.name], passed[t.name] = out if through else (out, None)
         if t.name not in summaries:
           raise ValueError(f"tower {t.name!r} has no summary at layer {self.index}: layer 0 must "
                            "run its HSP (depth >= 1)")
@@ -80,7 +87,7 @@ class KunlunLayer(nn.Module):
             s = pffn(s.value, n_len.value, k, v, age.value if tb else None, q_index=ri)
             n_len, age = rows.to_ads(n_len, ri), rows.to_ads(age, ri)
           else:
-            s = pffn(s, n_len, k, v, age if tb else None)
+            s = pffn(s, n_len, k, v, age if tb else None, tokens=passed.get(t.name))
         if p.attention:
           s = rows.apply(make_attention(cfg, t, dt, f"{t.name}_attention", remat=rm), ri, s,
                          n_len, age)

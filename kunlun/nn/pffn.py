@@ -34,6 +34,15 @@ from pallas_kernels.activations import per_head
 from sharding import shard, with_axes
 
 
+def query_in_kernels(backend: str, d: int, x_dtype, dtype, time_buckets=None,
+                     norm_affine: bool = False) -> bool:
+  """Whether a packed PFFN of width ``d`` normalises its query inside the GDPA kernels and its
+  tail's (``q_norm``, ``u_norm``): the fused tail, no bucket embedding on the query, tokens in
+  the compute dtype. Only then does it read a pool's pass-through (``PFFN(tokens=...)``)."""
+  return (not norm_affine and packed.fuse_tail(backend, d) and time_buckets is None
+          and jnp.dtype(x_dtype) == jnp.dtype(dtype))
+
+
 def take_rows(x, index):
   """``x[index]`` along the leading (batch) axis; ``x`` itself when ``index`` is None."""
   return x if index is None else jnp.take(x, index, axis=0)
@@ -42,7 +51,10 @@ def take_rows(x, index):
 class PFFN(nn.Module):
   """``(s [B,T,d], lengths i32[B], k, v [B, n_kv, heads, d//heads], age f32[B, T] | None,
   q_index i32[B] | None) -> [B, T, d]``; with ``q_index``, ``s, lengths, age`` have request rows
-  (any count) and ``k, v`` and the output one row per ``q_index`` entry."""
+  (any count) and ``k, v`` and the output one row per ``q_index`` entry. ``tokens``: a packed
+  tower's ``(x_ln, x_id)`` from the HSP before it (``HSP(pass_tokens=True)``, where
+  ``query_in_kernels``), read in place of ``s``'s tokens by the query's norm (its statistics
+  held, ``ln_split``) and by the tail."""
   heads: int
   activation: Any = "fast_gelu"
   backend: str = "xla"
@@ -52,12 +64,14 @@ class PFFN(nn.Module):
   time_buckets: BucketSpec | None = None   # per-head query bucket embeddings (b.5-2); None: off
 
   @nn.compact
-  def __call__(self, s, lengths, k, v, age=None, q_index=None):
+  def __call__(self, s, lengths, k, v, age=None, q_index=None, tokens=None):
     if packed.is_packed(s):
       if q_index is not None:
         raise ValueError("PFFN: with q_index the request rows must be padded [R, T, d] "
                          "(kunlun.nn.rows.padded lays packed request tokens out so)")
-      return self._packed(s, k, v, age)
+      return self._packed(s, k, v, age, tokens)
+    if tokens is not None:
+      raise ValueError("PFFN: tokens passed through come with a packed tower only")
     _, T, d = s.shape
     B = s.shape[0] if q_index is None else q_index.shape[0]
     dh = self._check(d, k, v, B)
@@ -75,7 +89,7 @@ class PFFN(nn.Module):
       u, s, lengths = (take_rows(a, q_index) for a in (u, s, lengths))
       return shard(self._tail(g.reshape(B, T, d), u, s, lengths), ("batch", "seq", "embed"))
 
-  def _packed(self, s, k, v, age):
+  def _packed(self, s, k, v, age, tokens=None):
     """A packed tower (``kunlun.nn.packed``): ``s.value [N, d]``, ``age f32[N]``."""
     x, jag = s.value, s.jag
     N, d = x.shape
@@ -84,12 +98,19 @@ class PFFN(nn.Module):
       tail = not self.norm_affine and packed.fuse_tail(self.backend, d)
       k, v = k.astype(self.dtype), v.astype(self.dtype)
       kw = dict(activation=self.activation, score_clip=self.score_clip)
-      if tail and self.time_buckets is None and x.dtype == jnp.dtype(self.dtype):
-        # u = LN(x) inside GDPA's kernels and the tail's, both ways: never written nor read
-        g = packed.gdpa_cross(x.reshape(N, self.heads, dh), k, v, jag, backend=self.backend,
-                              out_scale=1.0, q_norm=EPS, **kw)
-        return packed.Packed(packed.fused_norm_residual(g.reshape(N, d), None, x, jag, eps=EPS,
+      if query_in_kernels(self.backend, d, x.dtype, self.dtype, self.time_buckets,
+                          self.norm_affine):
+        # u = LN(x) inside GDPA's kernels and the tail's, both ways: never written nor read.
+        # With the pool's pass-throughs the query's norm holds its statistics (GDPA's kernels
+        # write r du) and the pool's backward kernel takes the rest, the residual's with it
+        xq, xr = (x, x) if tokens is None else tokens
+        g = packed.gdpa_cross(xq.reshape(N, self.heads, dh), k, v, jag, backend=self.backend,
+                              out_scale=1.0, q_norm=EPS, ln_split=tokens is not None, **kw)
+        return packed.Packed(packed.fused_norm_residual(g.reshape(N, d), None, xr, jag, eps=EPS,
                                                         u_norm=EPS), jag)
+      if tokens is not None:
+        raise ValueError("PFFN: tokens passed through need the query normalised in the kernels "
+                         "(query_in_kernels)")
       # the fused tail reads the query itself as its residual u (no bucket embedding on it):
       # GDPA passes q through, and its backward kernels add the tail's cotangent of u to dq
       q_shape = jax.ShapeDtypeStruct((N, self.heads, dh), self.dtype)

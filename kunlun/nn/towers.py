@@ -58,14 +58,18 @@ def make_attention(cfg: ModelConfig, tower: TowerConfig, dtype, name: str, kind:
 
 
 def make_pooling(cfg: ModelConfig, tower: TowerConfig, dtype, name: str,
-                 pooling: str | None = None, remat: str = "none"):
+                 pooling: str | None = None, remat: str = "none", pass_tokens: bool = False):
   """HSP (default) or PMA summarising ``[B, T, d_e]`` into ``[B, n_sum, d_e]`` (``remat``: a
-  ``kunlun.nn.remat`` policy wrapping it)."""
+  ``kunlun.nn.remat`` policy wrapping it; ``pass_tokens``: HSP's, the summary and the packed
+  tokens passed through for the PFFN)."""
   tb = cfg.time_buckets.spec(tower)
   if (pooling or cfg.pooling) == "pma":
+    if pass_tokens:
+      raise ValueError("make_pooling: PMA passes no tokens through (HSP's fused pool does)")
     return wrap(PMA, remat)(n_sum=tower.n_sum, heads=tower.heads, dtype=dtype, time_buckets=tb,
                             name=name)
   Pooling = wrap(HSP, remat)
   return Pooling(n_seed=tower.n_seed, n_sum=tower.n_sum, heads=tower.heads, rank=cfg.hsp_rank,
                  activation=cfg.hsp_activation, backend=cfg.backend, t_max=tower.kept_len,
-                 dtype=dtype, score_clip=cfg.score_clip or None, time_buckets=tb, name=name)
+                 dtype=dtype, score_clip=cfg.score_clip or None, time_buckets=tb,
+                 pass_tokens=pass_tokens, name=name)
