@@ -542,7 +542,7 @@ def jagged_calls(kind: str, q, k, v, jag, kw) -> tuple[str, dict]:
   return "attention", {**io, "window": window, "flops": flops}
 
 
-def pool_proj_kernel(q, x, w, o, recompute: bool = False) -> dict:
+def pool_proj_kernel(q, x, w, o, recompute: bool = False, through: bool = False) -> dict:
   """Bytes and launches of HSP's pool projecting its own keys and values
   (``jagged_pallas.jagged_gdpa_pool_proj_pallas``), forward + backward: the forward reads q, x
   and the two weights ``w``, writes o, k and v; the pool's backward reads q, k, v and do, writes
@@ -550,7 +550,9 @@ def pool_proj_kernel(q, x, w, o, recompute: bool = False) -> dict:
   RMS factors r f32[N]; the weight gradients' kernel (``pallas_kernels.wgrad``) reads x, r, dk,
   dv and writes the weights' gradients (its float32 partials not counted). ``recompute``
   (``jagged_pallas.pool_proj_recomputes``): the forward writes no k, v and the pool's backward
-  reads x and the weights in their place."""
+  reads x and the weights in their place. ``through`` (x passed through to the PFFN,
+  ``jagged_gdpa_pool_proj_pallas(through=eps)``): the projections' backward also reads the two
+  pass-throughs' cotangents ``[N, d]`` (in x's dtype)."""
   nb = lambda a: _nbytes(a.shape, a.dtype)
   qb, xb, ob, wb = nb(q), nb(x), nb(o), sum(nb(a) for a in w)
   rb = _nbytes(x.shape[:1], "float32")
@@ -561,7 +563,7 @@ def pool_proj_kernel(q, x, w, o, recompute: bool = False) -> dict:
   else:
     fwd = (qb + xb + wb) + (ob + kv)
     pool_bwd = (qb + kv + ob) + (qb + kv)
-  proj_bwd = (xb + kv + wb) + (xb + rb)
+  proj_bwd = (xb + kv + wb + 2 * xb * through) + (xb + rb)
   gemm = (xb + rb + kv) + wb
   return {"bytes": fwd + pool_bwd + proj_bwd + gemm, "launches": 4}
 
@@ -757,7 +759,8 @@ def record_kernels(fence: bool = True):
         if kw.get("q_norm") is not None:
           # the query's LayerNorm inside the kernels (the PFFN's): its backward is XLA's, which
           # fuses into the pass that adds x's other cotangents, as the norm's did outside the
-          # op; a fence on q's cotangent would keep it a pass of its own
+          # op; a fence on q's cotangent would keep it a pass of its own (with ln_split there is
+          # no such pass: q's cotangent goes as the kernels write it to HSP's pool's backward)
           k, v = _fence((k, v))
           return _fence(fn(q, k, v, jag, **kw))
         return _fence(fn(*_fence((q, k, v)), jag, **kw))
@@ -768,7 +771,7 @@ def record_kernels(fence: bool = True):
     H, D = q.shape[-2:]
     o = jax.ShapeDtypeStruct((jag.batch, S, H, D), q.dtype)
     again = jagged_pallas.pool_proj_recomputes(q, x, w, **kw)
-    keep("gdpa", {**pool_proj_kernel(q, x, w, o, again),
+    keep("gdpa", {**pool_proj_kernel(q, x, w, o, again, kw.get("through") is not None),
                   "flops": attention_flops(1, S, N, H, D)})
     # the projections: forward (in the pool's kernel), back-projected (norm_proj's backward) and,
     # where the pool's backward projects k, v again, those

@@ -248,7 +248,8 @@ def test_pool_projecting_its_keys_is_recorded_with_its_bytes_and_flops():
   and ``record_kernels`` keeps one "gdpa" call with those bytes and the pool's FLOPs, and one
   "projection" with the projections' (forward, projected again, back-projected and the weight
   gradients, ``pallas_kernels.wgrad``'s: 2 N d H D each, 8 for the two); the output map's
-  weight gradient (``wgrad`` through ``packed.dense_kernel``) one more."""
+  weight gradient (``wgrad`` through ``packed.dense_kernel``) one more; passing x through
+  (``pass_tokens``) adds the two cotangents the backward reads."""
   import jax
   import jax.numpy as jnp
   import numpy as np
@@ -294,6 +295,20 @@ def test_pool_projecting_its_keys_is_recorded_with_its_bytes_and_flops():
   # the output map's weight gradient (packed.dense_kernel): 2 (examples x seeds) (H D) d
   (out,) = [c for c in calls if c["scope"].endswith("HSP._tail")]
   assert out["kind"] == "projection" and out["flops"] == 2 * Bx * seeds * H * D * d, calls
+  # x passed through to the PFFN (HSP(pass_tokens=True)): the projections' backward kernel also
+  # reads the two pass-throughs' cotangents
+  through = want + 2 * xb
+  assert roofline.pool_proj_kernel(q, x, w, o, True, True) == {"bytes": through, "launches": 4}
+  hsp = hsp.clone(pass_tokens=True)
+
+  def passed(p, x):
+    y, (xl, xi) = hsp.apply(p, packed.Packed(x, jag), None)
+    return jnp.sum(y) + jnp.sum(xl * xi)
+
+  with roofline.record_kernels() as calls:
+    jax.make_jaxpr(jax.grad(passed, argnums=(0, 1)))(p, s.value)
+  gd = [c for c in calls if c["kind"] == "gdpa"]
+  assert len(gd) == 1 and gd[0]["bytes"] == through, calls
 
 
 def test_fused_qkv_attention_is_recorded_with_its_flops():
