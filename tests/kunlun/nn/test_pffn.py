@@ -173,3 +173,77 @@ def test_packed_fused_tail_matches_the_xla_path(lens, cap, dtype):
     real = np.arange(T)[None, :] < lengths[:, None]
     ref = np_pffn(s, lengths, k, v, fast_gelu)
     np.testing.assert_allclose(np.asarray(got)[:n], ref[real], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("lens,dtype", [((37, 0, 21, 1), jnp.float32), ((0, 64, 0), jnp.float32),
+                                        ((37, 0, 21, 1), jnp.bfloat16)])
+def test_hsp_passing_its_tokens_to_the_pffn_matches_the_xla_path(lens, dtype):
+  """A layer's HSP then PFFN on one packed tower (width 64, two heads): on the Pallas backend
+  HSP's fused pool passes the tokens through (``HSP(pass_tokens=True)``) and the PFFN reads them
+  (``tokens=``), so the query norm's backward and the sum of the tokens' three cotangents run in
+  the pool's backward kernel; the summaries, the PFFN's output and the gradients of HSP's
+  parameters, the tokens, keys and values equal the XLA backend's chain, which passes nothing
+  (float32 1e-5, bfloat16 2e-2 of the largest element), with ragged lengths, an empty history
+  and one example filling the capacity 64."""
+  from data.jagged import pack_events
+  from kunlun.nn import packed
+  from kunlun.nn.hsp import HSP
+  from pallas_kernels.jagged import Jagged
+  from tests.kunlun.nn.backends import _rel
+  B, T, d, H = len(lens), max(lens), 64, 2
+  rng = np.random.default_rng(sum(lens) + 3)
+  s = rng.normal(size=(B, T, d)).astype(np.float32) * 2 + 0.5
+  toks, offsets, seg, pos, _ = pack_events({"s": s}, np.array(lens, np.int32), 64)
+  jag = Jagged(*(jnp.asarray(a) for a in (offsets, seg, pos)))
+  x = jnp.asarray(toks["s"], dtype)
+  k, v = (jnp.asarray(rng.normal(size=(B, 4, H, d // H)), dtype) for _ in range(2))
+  hsp = {b: HSP(n_seed=16, n_sum=4, heads=H, rank=2, backend=b, t_max=T, dtype=dtype,
+                pass_tokens=True) for b in ("xla", "pallas")}
+  pffn = {b: PFFN(H, backend=b, dtype=dtype) for b in ("xla", "pallas")}
+  params = jax.jit(hsp["xla"].init)(jax.random.key(0), packed.Packed(x, jag), None)
+
+  def run(b):
+    def chain(p, x, k, v):
+      y, passed = hsp[b].apply(p, packed.Packed(x, jag), None)
+      assert (passed is None) == (b == "xla")
+      out = pffn[b].apply({}, packed.Packed(x, jag), None, k, v, tokens=passed).value
+      return y.astype(jnp.float32), out.astype(jnp.float32)
+    outs, vjp = jax.vjp(chain, params, x, k, v)
+    return outs, vjp(jax.tree.map(jnp.cos, outs))
+
+  tol = 1e-5 if dtype == jnp.float32 else 2e-2
+  want, got = jax.jit(lambda: run("xla"))(), jax.jit(lambda: run("pallas"))()
+  for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want),
+                          strict=True):
+    assert _rel(a, b) <= tol, jax.tree_util.keystr(path)
+
+
+def test_tokens_passed_through_only_where_the_kernels_normalise_the_query():
+  """``PFFN(tokens=...)`` outside the packed path whose kernels normalise the query, and a PMA
+  asked to pass tokens, are one-line errors."""
+  from data.fake import tiny_schema
+  from data.jagged import pack_events
+  from kunlun.configs import tiny
+  from kunlun.configs.types import validate
+  from kunlun.nn import packed
+  from kunlun.nn.pffn import query_in_kernels
+  from kunlun.nn.towers import make_pooling
+  from pallas_kernels.jagged import Jagged
+  s, lengths, k, v = _inputs()
+  toks, offsets, seg, pos, _ = pack_events({"s": np.asarray(s)}, np.asarray(lengths), 32)
+  jag = Jagged(*(jnp.asarray(a) for a in (offsets, seg, pos)))
+  x = jnp.asarray(toks["s"])
+  assert not query_in_kernels("xla", 16, jnp.float32, jnp.float32)
+  assert not query_in_kernels("pallas", 16, jnp.bfloat16, jnp.float32)
+  cases = [(lambda: PFFN(4).apply({}, s, lengths, k, v, tokens=(s, s)), "packed tower only"),
+           (lambda: PFFN(4).apply({}, packed.Packed(x, jag), None, k, v, tokens=(x, x)),
+            "query_in_kernels")]
+  c = tiny.get_config()
+  c.model.pooling = "pma"
+  cfg = validate(c, tiny_schema())
+  cases.append((lambda: make_pooling(cfg, cfg.seq_towers[0], jnp.float32, "p", pass_tokens=True),
+                "PMA passes no tokens"))
+  for fn, msg in cases:
+    with pytest.raises(ValueError, match=msg) as e:
+      fn()
+    assert "\n" not in str(e.value)
