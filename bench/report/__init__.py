@@ -255,7 +255,9 @@ def speed_h200(R: Results) -> dict:
              "The same combination from the code before the latest round "
              "(`bench/results/fused_layers_round_before/`, what it was compiled from: "
              "`bench/results/fused_layers_h200.md`) and now, per batch: GB, the floor, their "
-             "ratio, launches, and the ratio of the group's Pallas kernels and GEMMs alone.", ""]
+             "ratio, launches, and the ratio of the group's Pallas kernels and GEMMs alone. A "
+             "floor is the program's own (what the group receives and hands on), so work that "
+             "moves between groups moves their floors too.", ""]
     x = lambda v: num(v, "{:.2f}x")
     for f in last:
       b, a = R.load(f), now.get(os.path.basename(f))
@@ -265,12 +267,13 @@ def speed_h200(R: Results) -> dict:
       rows = []
       for g, v in sorted(a["groups"].items(), key=lambda kv: -kv[1]["bytes"]):
         w = b["groups"].get(g, {})
-        rows.append([g, num(w.get("bytes", 0) / 1e9, "{:.2f}"), num(v["bytes"] / 1e9, "{:.2f}"),
-                     num(v["floor_bytes"] / 1e9, "{:.2f}"), x(w.get("floor_ratio")),
-                     x(v.get("floor_ratio")), num(w.get("launches"), "{:.0f}"),
-                     num(v["launches"], "{:.0f}"), x(v.get("kernel_gemm_ratio"))])
-      body += table(["group", "GB before", "now", "floor GB", "ratio before", "now",
-                     "launches before", "now", "kernels+GEMMs now"], rows)
+        gb = lambda d, k: num(d[k] / 1e9, "{:.2f}") if k in d else "-"
+        rows.append([g, gb(w, "bytes"), gb(v, "bytes"), gb(w, "floor_bytes"),
+                     gb(v, "floor_bytes"), x(w.get("floor_ratio")), x(v.get("floor_ratio")),
+                     num(w.get("launches"), "{:.0f}"), num(v["launches"], "{:.0f}"),
+                     x(v.get("kernel_gemm_ratio"))])
+      body += table(["group", "GB before", "now", "floor GB before", "now", "ratio before",
+                     "now", "launches before", "now", "kernels+GEMMs now"], rows)
   casts = R.files("cast_fusion_h200.json")
   for f in casts:
     r = R.load(f)
