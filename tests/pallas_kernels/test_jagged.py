@@ -446,11 +446,16 @@ def _ln_vjp(fn, jag, ops, **kw):
   return out, vjp(jnp.cos(out.astype(jnp.float32)).astype(out.dtype))
 
 
-def test_pallas_cross_normalises_its_queries_inside():
+@pytest.mark.parametrize("ln_split", [False, True])
+def test_pallas_cross_normalises_its_queries_inside(ln_split):
   """``jagged_gdpa_cross_pallas(q_norm=eps)`` (PFFN's LayerNorm inside the kernels: the query
   never written): values and the gradients of x (through the norm), k and v equal the twin's,
-  every lengths case, poisoned outputs; and ``through`` with it is refused in one line."""
-  kw = dict(activation="silu", kv_lengths=KV_LENGTHS, score_clip=1.5, out_scale=0.75)
+  every lengths case, poisoned outputs; and ``through`` with it is refused in one line. With
+  ``ln_split`` the norm's statistics are held in both (``reference.layer_norm_held``: x's
+  cotangent is ``r du``, from the kernels), and ``ln_split`` without ``q_norm`` is refused in one
+  line by both."""
+  kw = dict(activation="silu", kv_lengths=KV_LENGTHS, score_clip=1.5, out_scale=0.75,
+            ln_split=ln_split)
   twin = jax.jit(lambda jag, *ops: _ln_vjp(jagged.jagged_gdpa_cross, jag, ops, **kw))
   with _poison.poison_outputs():
     run = jax.jit(lambda jag, *ops: _ln_vjp(jagged_pallas.jagged_gdpa_cross_pallas, jag, ops,
@@ -463,10 +468,15 @@ def test_pallas_cross_normalises_its_queries_inside():
       for what, g, r in zip(["x", "k", "v"], grads, want_grads, strict=True):
         np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5, err_msg=f"{case} d{what}")
   (q, _, _), jag, _ = _packed("ragged")
-  with pytest.raises(ValueError, match="do not combine") as e:
-    jagged_pallas.jagged_gdpa_cross_pallas(q, *_example_kv()[:2], jag, interpret=True,
-                                           through=True, q_norm=1e-6)
-  assert "\n" not in str(e.value)
+  refused = ([(jagged.jagged_gdpa_cross, "ln_split needs q_norm", dict(ln_split=True)),
+              (jagged_pallas.jagged_gdpa_cross_pallas, "ln_split needs q_norm",
+               dict(ln_split=True))] if ln_split else
+             [(jagged_pallas.jagged_gdpa_cross_pallas, "do not combine",
+               dict(interpret=True, through=True, q_norm=1e-6))])
+  for fn, msg, bad in refused:
+    with pytest.raises(ValueError, match=msg) as e:
+      fn(q, *_example_kv()[:2], jag, **bad)
+    assert "\n" not in str(e.value)
 
 
 # prod's head size (d_h 128) with more keys and seeds than one kernel can hold in shared memory
@@ -744,27 +754,3 @@ def test_pool_passing_tokens_to_the_pffn_equals_the_plain_chain(dtype):
         assert np.all(np.isfinite(g)), f"{case} {what}"
         np.testing.assert_allclose(g, r, atol=tol * max(np.abs(r).max(), 1e-6),
                                    err_msg=f"{case} {what}")
-
-
-def test_cross_with_held_statistics_against_its_twin():
-  """``jagged_gdpa_cross_pallas(q_norm=eps, ln_split=True)`` against its twin
-  (``jagged_gdpa_cross(..., ln_split=True)``, ``reference.layer_norm_held``): x's cotangent is
-  ``r du`` from the kernels, on both backward plans' lengths cases; ``ln_split`` without
-  ``q_norm`` is refused in one line by both."""
-  kw = dict(activation="silu", kv_lengths=KV_LENGTHS, score_clip=1.5, ln_split=True)
-  twin = jax.jit(lambda jag, *ops: _ln_vjp(jagged.jagged_gdpa_cross, jag, ops, **kw))
-  with _poison.poison_outputs():
-    run = jax.jit(lambda jag, *ops: _ln_vjp(jagged_pallas.jagged_gdpa_cross_pallas, jag, ops,
-                                            interpret=True, block_q=TILE, **kw))
-    for case in ("ragged", "full", "empty"):
-      (q, _, _), jag, _ = _packed(case)
-      ops = (q * 2.0 - 0.5, *_example_kv()[:2])
-      (out, grads), (want, want_grads) = run(jag, *ops), twin(jag, *ops)
-      np.testing.assert_allclose(out, want, atol=2e-6, rtol=1e-5, err_msg=case)
-      for what, g, r in zip(["x", "k", "v"], grads, want_grads, strict=True):
-        np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5, err_msg=f"{case} d{what}")
-  (q, _, _), jag, _ = _packed("ragged")
-  for fn in (jagged.jagged_gdpa_cross, jagged_pallas.jagged_gdpa_cross_pallas):
-    with pytest.raises(ValueError, match="ln_split needs q_norm") as e:
-      fn(q, *_example_kv()[:2], jag, ln_split=True)
-    assert "\n" not in str(e.value)
