@@ -33,6 +33,7 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels import _poison, tuning, wgrad
 from pallas_kernels._common import is_tile, load_vec, precision, round_to, store_vec
 from pallas_kernels.partials import Piece, sum_split_pallas
+from pallas_kernels.reference import layer_norm_project, layer_norm_stats
 
 F32 = jnp.float32
 EPS = 1e-6
@@ -265,11 +266,8 @@ def _add_through(dx, x_ref, gl_ref, gi_ref, r0, cfg: _Cfg):
   """``dx`` plus the cotangents of x's two pass-throughs (``norm_proj_grads``' ``ln``): the first
   through the LayerNorm's statistics (``reference.ln_through``: ``g - mean(g) - y mean(g y)``,
   ``y`` the rows' LayerNorm, epsilon ``cfg.ln_eps``), the second as it is."""
-  xf = _tile(x_ref, r0, cfg.rows).astype(F32)
-  xc = xf - jnp.mean(xf, axis=1, keepdims=True)
-  y = xc * lax.rsqrt(jnp.mean(xc * xc, axis=1, keepdims=True) + cfg.ln_eps)
-  g = _tile(gl_ref, r0, cfg.rows).astype(F32)
-  dx = dx + g - jnp.mean(g, axis=1, keepdims=True) - y * jnp.mean(g * y, axis=1, keepdims=True)
+  xf, mu, r = layer_norm_stats(_tile(x_ref, r0, cfg.rows), cfg.ln_eps)
+  dx = dx + layer_norm_project((xf - mu) * r, _tile(gl_ref, r0, cfg.rows).astype(F32))
   return dx + _tile(gi_ref, r0, cfg.rows).astype(F32)
 
 

@@ -30,7 +30,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import _poison
 from pallas_kernels._common import is_tile, load_rows, load_vec, store_rows
-from pallas_kernels.reference import layer_norm, layer_norm_stats
+from pallas_kernels.reference import layer_norm, layer_norm_project, layer_norm_stats
 
 F32 = jnp.float32
 WARPS = 4
@@ -89,8 +89,7 @@ def _bwd_ln_kernel(g_ref, s_ref, v_ref, dy_ref, dt_ref, ds_ref, *, cfg: _Cfg):
   dt = r * (d - z * jnp.mean(d * z, axis=1, keepdims=True))
   store_rows(dt_ref, r0, dt)
   du = dt.astype(s_ref.dtype).astype(F32)
-  dx = rl * (du - jnp.mean(du, axis=1, keepdims=True)
-             - y * jnp.mean(du * y, axis=1, keepdims=True))
+  dx = rl * layer_norm_project(y, du)
   store_rows(ds_ref, r0, d + dx)
 
 

@@ -59,14 +59,20 @@ def ln_through(x, eps: float):
   return (lax.stop_gradient(xf) + (t - lax.stop_gradient(t))).astype(x.dtype)
 
 
+def layer_norm_project(y, g):
+  """``g - mean(g) - y mean(g y)`` over the last axis, ``y`` a LayerNorm's output and ``g``
+  float32: the norm's backward without its factor ``r`` (``layer_norm_dx`` is ``r`` times it,
+  ``ln_through``'s VJP is it; the Pallas kernels that take a norm's backward call it on their
+  rows)."""
+  return (g - jnp.mean(g, axis=-1, keepdims=True)
+          - y * jnp.mean(g * y, axis=-1, keepdims=True))
+
+
 def layer_norm_dx(x, dy, eps: float):
   """``layer_norm``'s backward over the last axis: ``dx = r (dy - mean(dy) - y mean(dy y))``
   with ``y = (x - mu) r`` and ``dy`` float32, returned in x's dtype."""
-  _, mu, r = layer_norm_stats(x, eps)
-  y = (x.astype(_F32) - mu) * r
-  m1 = jnp.mean(dy, axis=-1, keepdims=True)
-  m2 = jnp.mean(dy * y, axis=-1, keepdims=True)
-  return (r * (dy - m1 - y * m2)).astype(x.dtype)
+  xf, mu, r = layer_norm_stats(x, eps)
+  return (r * layer_norm_project((xf - mu) * r, dy)).astype(x.dtype)
 
 
 def _lengths_mask(lengths, batch, size):
