@@ -266,9 +266,9 @@ def _add_through(dx, x_ref, gl_ref, gi_ref, r0, cfg: _Cfg):
   """``dx`` plus the cotangents of x's two pass-throughs (``norm_proj_grads``' ``ln``): the first
   through the LayerNorm's statistics (``reference.ln_through``: ``g - mean(g) - y mean(g y)``,
   ``y`` the rows' LayerNorm, epsilon ``cfg.ln_eps``), the second as it is."""
+  dx = dx + _tile(gi_ref, r0, cfg.rows).astype(F32)
   xf, mu, r = layer_norm_stats(_tile(x_ref, r0, cfg.rows), cfg.ln_eps)
-  dx = dx + layer_norm_project((xf - mu) * r, _tile(gl_ref, r0, cfg.rows).astype(F32))
-  return dx + _tile(gi_ref, r0, cfg.rows).astype(F32)
+  return dx + layer_norm_project((xf - mu) * r, _tile(gl_ref, r0, cfg.rows).astype(F32))
 
 
 def _rows(table, d):
