@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import _poison, jagged, jagged_pallas, reference
+from pallas_kernels import _poison, jagged, jagged_pallas, norm_qkv, reference
 from tests.pallas_kernels.np_ref import NP_ACTS, block_loop, softmax_loop
 
 B, T, H, D, N, NKV, S = 4, 64, 2, 8, 64, 5, 3
@@ -630,6 +630,23 @@ PROJ_CASES = [(64, 2, S, jnp.float32), (64, 2, S, jnp.bfloat16), (256, 2, 20, jn
               (256, 2, 100, jnp.float32)]
 
 
+def _token_rows(x, case, dtype):
+  """``(tokens [N, d] in dtype, Jagged)``: the padded rows ``x [B, T, d]`` packed at a lengths
+  case."""
+  xs, jag, _ = jax.jit(jagged.pack, static_argnums=2)(
+      jnp.asarray(x, jnp.float32)[:, :, None], np.array(LENGTHS[case]), N)
+  return xs[:, 0].astype(dtype), jag
+
+
+def _assert_leaves_close(names, got, want, tol, case):
+  """Each leaf of ``got`` finite and within ``tol`` of the largest element of ``want``'s."""
+  for what, g, r in zip(names, jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+    g, r = np.asarray(g, np.float32), np.asarray(r, np.float32)
+    assert np.all(np.isfinite(g)), f"{case} {what}"
+    np.testing.assert_allclose(g, r, atol=tol * max(np.abs(r).max(), 1e-6),
+                               err_msg=f"{case} {what}")
+
+
 @pytest.mark.parametrize("d,heads,seeds,dtype", PROJ_CASES)
 def test_pallas_pool_projecting_its_keys_against_the_unfused_twin(d, heads, seeds, dtype):
   """``jagged_gdpa_pool_proj_pallas(q, x, (w_k, w_v))`` against the twin of the unfused chain,
@@ -637,7 +654,6 @@ def test_pallas_pool_projecting_its_keys_against_the_unfused_twin(d, heads, seed
   (float32 1e-5, bfloat16 2e-2 of the largest element), with ragged lengths, an empty history
   and one example filling the capacity (``LENGTHS``), poisoned outputs; ``x`` wider than
   ``PROJ_COLS`` runs its column chunks."""
-  from pallas_kernels import norm_qkv
   D = d // heads
   rng = np.random.default_rng(d + seeds)
   w = tuple(jnp.asarray(rng.normal(size=(d, heads, D)) / np.sqrt(d), dtype) for _ in range(2))
@@ -660,18 +676,10 @@ def test_pallas_pool_projecting_its_keys_against_the_unfused_twin(d, heads, seed
   with _poison.poison_outputs():
     run = vjp_of(fused)
     for case in ("ragged", "empty", "full"):
-      x = jnp.asarray(rng.normal(size=(B, T, d)), jnp.float32)
-      xs, jag, _ = jax.jit(jagged.pack, static_argnums=2)(x[:, :, None],
-                                                          np.array(LENGTHS[case]), N)
-      xs = xs[:, 0].astype(dtype)
+      xs, jag = _token_rows(rng.normal(size=(B, T, d)), case, dtype)
       (out, grads), (want, wgrads) = run(jag, q, xs, w), vjp_of(twin)(jag, q, xs, w)
-      for what, g, r in [("out", out, want)] + list(zip(["q", "x", "w_k", "w_v"],
-                                                        jax.tree.leaves(grads),
-                                                        jax.tree.leaves(wgrads), strict=True)):
-        g, r = np.asarray(g, np.float32), np.asarray(r, np.float32)
-        assert np.all(np.isfinite(g)), f"{case} {what}"
-        np.testing.assert_allclose(g, r, atol=tol * max(np.abs(r).max(), 1e-6),
-                                   err_msg=f"{case} {what}")
+      _assert_leaves_close(["out", "q", "x", "w_k", "w_v"], (out, grads), (want, wgrads), tol,
+                           case)
 
 
 def test_ln_through_and_held_statistics_compose_to_the_layer_norm():
@@ -708,7 +716,6 @@ def _tower_readers(x, q, w, kk, vv, jag, pallas, dtype):
     g = jagged_pallas.jagged_gdpa_cross_pallas(xl.reshape(shape), kk, vv, jag, interpret=True,
                                                block_q=TILE, q_norm=1e-6, ln_split=True, **cross)
   else:
-    from pallas_kernels import norm_qkv
     o = jagged.jagged_gdpa_pool(q, *norm_qkv.norm_proj_xla(x, w, dtype=dtype), jag, **kw)
     g = jagged.jagged_gdpa_cross(x.reshape(shape), kk, vv, jag, q_norm=1e-6, **cross)
     xi = x
@@ -742,15 +749,8 @@ def test_pool_passing_tokens_to_the_pffn_equals_the_plain_chain(dtype):
   with _poison.poison_outputs():
     run = vjp_of(True)
     for case in ("ragged", "empty", "full"):
-      x = jnp.asarray(rng.normal(size=(B, T, d)) * 2 + 0.5, jnp.float32)
-      xs, jag, _ = jax.jit(jagged.pack, static_argnums=2)(x[:, :, None],
-                                                          np.array(LENGTHS[case]), N)
-      ops = (xs[:, 0].astype(dtype), q, w, kk, vv)
+      xs, jag = _token_rows(rng.normal(size=(B, T, d)) * 2 + 0.5, case, dtype)
+      ops = (xs, q, w, kk, vv)
       (out, grads), (want, wgrads) = run(jag, *ops), vjp_of(False)(jag, *ops)
-      names = ["pool", "gdpa", "third", "x", "q", "w_k", "w_v", "k", "v"]
-      got = list(out) + jax.tree.leaves(grads)
-      for what, g, r in zip(names, got, list(want) + jax.tree.leaves(wgrads), strict=True):
-        g, r = np.asarray(g, np.float32), np.asarray(r, np.float32)
-        assert np.all(np.isfinite(g)), f"{case} {what}"
-        np.testing.assert_allclose(g, r, atol=tol * max(np.abs(r).max(), 1e-6),
-                                   err_msg=f"{case} {what}")
+      _assert_leaves_close(["pool", "gdpa", "third", "x", "q", "w_k", "w_v", "k", "v"],
+                           (out, grads), (want, wgrads), tol, case)
